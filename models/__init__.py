@@ -1,0 +1,1 @@
+"""Model zoo: PyTorch definitions and presets (issue 3)."""

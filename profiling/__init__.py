@@ -1,0 +1,1 @@
+"""Profiling: PyTorch model -> layer graph (issue 3)."""

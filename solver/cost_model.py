@@ -1,0 +1,265 @@
+"""The analytic cost model: the ONLY place memory and time are computed.
+
+Every backend (chain algorithm, CP-SAT, MILP), the baselines, validation and the reports use the
+per-layer coefficients from :func:`layer_costs` and the stage aggregation of :func:`stage_costs`.
+
+Notation: config (p, t, d), micro-batch b, global batch B, m = B / (d b) micro-batches per step,
+bytes per parameter (w, g, o) (default 2, 2, 12: bf16 weights and grads, fp32 Adam master + 2
+moments; ZeRO paper), ZeRO stage z, stages s = 0..p-1.
+
+Memory of stage s (bytes per GPU):
+  P'_l = (params - tp_params) + tp_params / t                        parameters held per GPU
+  A'_l = (activation_bytes - tp_activation_bytes) + tp_act / t        saved bytes per sample per GPU
+  states_s  = sum_l P'_l (w / d[z>=3] + g / d[z>=2] + o / d[z>=1])     each term rounded up per layer
+  k_s       = min(m, p - s) under 1F1B, m under GPipe                  micro-batches in flight
+  stored_l  = b A'_l, or b output_bytes_l with full recomputation     per micro-batch, rounded up
+  relay     = b bytes of every edge u->v with stage(u) < s < stage(v)  (passed along by stage s)
+  acts_s    = k_s (sum_l stored_l + sum relay)
+  buffers_s = b (bytes of edges entering s + bytes of edges leaving s)  (a relayed edge does both)
+  trans_s   = b max_l transient_bytes_l;  with full recomputation b max_l (transient_l + A'_l):
+              the layer being recomputed re-materialises its saved tensors while it runs
+  peak_s    = states_s + acts_s + buffers_s + trans_s
+
+Time (integer nanoseconds, rounded up per layer so that every backend sums the same integers):
+  per-sample compute of a layer: fwd_ms + bwd_ms when measured, else
+      (fwd_flops + bwd_flops) / (gpu_flops * flops_efficiency), bwd_flops defaulting to 2 fwd_flops
+  per micro-batch: b * compute / t  +  b * tp_comm_bytes * 2 (t-1)/t / intra-node bandwidth (ring)
+      + b * forward compute / t with full recomputation (the forward runs twice)
+  T_s  = sum of its layers' micro-batch times
+  AR_s = non-overlapped data-parallel gradient sync of stage s: ring all-reduce of its gradients,
+         2 (d-1)/d * sum_l P'_l g bytes (z <= 2: all-reduce, or reduce-scatter + all-gather of the
+         updated shards), 3 (d-1)/d with z = 3 (parameters are all-gathered again for backward);
+         over the intra-node bandwidth when t d <= gpus_per_node, else inter-node
+  iteration = (m + p - 1) max_s T_s + max_s AR_s;  throughput = B / iteration (samples/s)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import numpy as np
+
+from solver.graph import Layer, LayerGraph
+from solver.specs import Cluster, ParallelConfig, TrainingConfig
+
+NS_PER_MS = 1_000_000
+
+
+def parameters_per_gpu(layer: Layer, tp: int) -> Fraction:
+    """P'_l: parameters of the layer held by one GPU under tensor parallelism t."""
+    return (layer.params - layer.tp_params) + Fraction(layer.tp_params, tp)
+
+
+def saved_bytes_per_gpu(layer: Layer, tp: int) -> Fraction:
+    """A'_l: bytes saved for backward per sample on one GPU under tensor parallelism t."""
+    return (layer.activation_bytes - layer.tp_activation_bytes) + Fraction(
+        layer.tp_activation_bytes, tp
+    )
+
+
+def in_flight_microbatches(schedule: str, num_microbatches: int, num_stages: int, stage: int) -> int:
+    """k_s: micro-batches whose activations stage s holds at its peak (s is 0-based).
+
+    1F1B: stage s runs p - s warm-up forwards before its first backward (Narayanan et al. 2021).
+    GPipe: all m forwards run before any backward.
+    """
+    if schedule == "gpipe":
+        return num_microbatches
+    return min(num_microbatches, num_stages - stage)
+
+
+def layer_compute_ms(layer: Layer, cluster: Cluster) -> tuple[float, float]:
+    """(forward, forward + backward) compute per sample at t = 1, milliseconds."""
+    if layer.fwd_ms is not None and layer.bwd_ms is not None:
+        return layer.fwd_ms, layer.fwd_ms + layer.bwd_ms
+    rate = cluster.gpu_flops * cluster.flops_efficiency / 1e3  # FLOPs per ms
+    bwd_flops = 2 * layer.fwd_flops if layer.bwd_flops is None else layer.bwd_flops
+    return layer.fwd_flops / rate, (layer.fwd_flops + bwd_flops) / rate
+
+
+@dataclass(kw_only=True)
+class LayerCosts:
+    """Per-layer integer coefficients of one config (arrays indexed by topological position)."""
+
+    config: ParallelConfig
+    weight_bytes: np.ndarray
+    """Weights per GPU, bytes."""
+    grad_bytes: np.ndarray
+    """Gradients per GPU, bytes."""
+    optimizer_bytes: np.ndarray
+    """Optimizer state per GPU, bytes."""
+    stored_bytes: np.ndarray
+    """Activations kept per in-flight micro-batch per GPU, bytes."""
+    transient_bytes: np.ndarray
+    """Extra peak while the layer runs, per micro-batch per GPU, bytes."""
+    time_ns: np.ndarray
+    """Forward + backward (+ recompute) time per micro-batch, ns."""
+    dp_sync_ns: np.ndarray
+    """Data-parallel gradient synchronisation time per step, ns."""
+    edge_src: np.ndarray
+    """Edge source positions."""
+    edge_dst: np.ndarray
+    """Edge destination positions."""
+    edge_bytes: np.ndarray
+    """Bytes an edge carries per micro-batch."""
+    in_flight: list[int] = field(default_factory=list)
+    """k_s for each stage."""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.weight_bytes)
+
+    @property
+    def num_stages(self) -> int:
+        return self.config.pp
+
+    @property
+    def state_bytes(self) -> np.ndarray:
+        """Weights + gradients + optimizer per GPU, bytes."""
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def pipeline_factor(self) -> int:
+        """m + p - 1: slots of the slowest stage in one step (fill, steady state, drain)."""
+        return self.config.num_microbatches + self.config.pp - 1
+
+    def is_chain(self) -> bool:
+        n = self.num_layers
+        return len(self.edge_src) == n - 1 and bool(
+            np.all(self.edge_src == np.arange(n - 1)) and np.all(self.edge_dst == np.arange(1, n))
+        )
+
+
+def layer_costs(
+    graph: LayerGraph, config: ParallelConfig, cluster: Cluster, training: TrainingConfig
+) -> LayerCosts:
+    """Coefficients of every layer for ``config`` (see the module docstring for the formulas)."""
+    t, d, b, z = config.tp, config.dp, config.micro_batch, config.zero
+    recompute = config.recompute == "full"
+    w, g, o = (training.weight_bytes_per_param, training.grad_bytes_per_param,
+               training.optimizer_bytes_per_param)
+    sync_volume = Fraction(3 if z >= 3 else 2) * Fraction(d - 1, d)
+    intra_bytes_per_ns = cluster.intra_node_gb_per_s  # GB/s == bytes/ns
+    dp_bytes_per_ns = (cluster.intra_node_gb_per_s if t * d <= cluster.gpus_per_node
+                       else cluster.inter_node_gb_per_s)
+    columns: dict[str, list[int]] = {key: [] for key in (
+        "weight", "grad", "optimizer", "stored", "transient", "time", "sync")}
+    for layer in graph.layers:
+        params = parameters_per_gpu(layer, t)
+        saved = saved_bytes_per_gpu(layer, t)
+        columns["weight"].append(math.ceil(params * w / (d if z >= 3 else 1)))
+        columns["grad"].append(math.ceil(params * g / (d if z >= 2 else 1)))
+        columns["optimizer"].append(math.ceil(params * o / (d if z >= 1 else 1)))
+        if recompute:
+            columns["stored"].append(b * layer.output_bytes)
+            columns["transient"].append(math.ceil(b * (layer.transient_bytes + saved)))
+        else:
+            columns["stored"].append(math.ceil(b * saved))
+            columns["transient"].append(b * layer.transient_bytes)
+        fwd_ms, total_ms = layer_compute_ms(layer, cluster)
+        compute_ms = b * (total_ms + (fwd_ms if recompute else 0.0)) / t
+        tp_comm_ns = b * layer.tp_comm_bytes * 2 * (t - 1) / t / intra_bytes_per_ns
+        columns["time"].append(math.ceil(compute_ms * NS_PER_MS + tp_comm_ns))
+        columns["sync"].append(math.ceil(sync_volume * params * g / Fraction(dp_bytes_per_ns)))
+    position = graph.index()
+    as_array = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
+    return LayerCosts(
+        config=config,
+        weight_bytes=as_array(columns["weight"]),
+        grad_bytes=as_array(columns["grad"]),
+        optimizer_bytes=as_array(columns["optimizer"]),
+        stored_bytes=as_array(columns["stored"]),
+        transient_bytes=as_array(columns["transient"]),
+        time_ns=as_array(columns["time"]),
+        dp_sync_ns=as_array(columns["sync"]),
+        edge_src=as_array([position[e.src] for e in graph.edges]),
+        edge_dst=as_array([position[e.dst] for e in graph.edges]),
+        edge_bytes=as_array([b * e.bytes for e in graph.edges]),
+        in_flight=[
+            in_flight_microbatches(config.schedule, config.num_microbatches, config.pp, s)
+            for s in range(config.pp)
+        ],
+    )
+
+
+@dataclass(kw_only=True)
+class StageCost:
+    """Exact per-GPU cost of one stage. Bytes per GPU; times in ns."""
+
+    index: int
+    layers: list[int]
+    weight_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    """k_s x (stored activations + relayed edges)."""
+    buffer_bytes: int
+    """Boundary send/receive buffers of one micro-batch."""
+    transient_bytes: int
+    in_flight: int
+    time_ns: int
+    """Per micro-batch, forward + backward (+ recompute)."""
+    dp_sync_ns: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return (self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+                + self.activation_bytes + self.buffer_bytes + self.transient_bytes)
+
+    def breakdown(self) -> dict[str, int]:
+        return {
+            "weights": self.weight_bytes,
+            "grads": self.grad_bytes,
+            "optimizer": self.optimizer_bytes,
+            "activations": self.activation_bytes,
+            "buffers": self.buffer_bytes,
+            "transient": self.transient_bytes,
+        }
+
+
+def stage_costs(costs: LayerCosts, stage_of_layer: list[int] | np.ndarray) -> list[StageCost]:
+    """Exact per-stage costs of an assignment (layer position -> stage index)."""
+    stage_of = np.asarray(stage_of_layer, dtype=np.int64)
+    num_stages = costs.num_stages
+    relayed = np.zeros(num_stages, dtype=np.int64)
+    buffers = np.zeros(num_stages, dtype=np.int64)
+    for src, dst, nbytes in zip(costs.edge_src, costs.edge_dst, costs.edge_bytes):
+        first, last = int(stage_of[src]), int(stage_of[dst])
+        if first == last:
+            continue
+        buffers[first] += nbytes  # leaves its producer's stage
+        buffers[last] += nbytes  # enters its consumer's stage
+        for relay in range(first + 1, last):
+            buffers[relay] += 2 * nbytes  # received and sent on
+            relayed[relay] += nbytes
+    stages = []
+    for s in range(num_stages):
+        members = np.flatnonzero(stage_of == s)
+        k = costs.in_flight[s]
+        stages.append(StageCost(
+            index=s,
+            layers=[int(i) for i in members],
+            weight_bytes=int(costs.weight_bytes[members].sum()),
+            grad_bytes=int(costs.grad_bytes[members].sum()),
+            optimizer_bytes=int(costs.optimizer_bytes[members].sum()),
+            activation_bytes=int(k * (costs.stored_bytes[members].sum() + relayed[s])),
+            buffer_bytes=int(buffers[s]),
+            transient_bytes=int(costs.transient_bytes[members].max(initial=0)),
+            in_flight=k,
+            time_ns=int(costs.time_ns[members].sum()),
+            dp_sync_ns=int(costs.dp_sync_ns[members].sum()),
+        ))
+    return stages
+
+
+def iteration_time_ns(costs: LayerCosts, stages: list[StageCost]) -> int:
+    """(m + p - 1) * slowest stage micro-batch time + slowest data-parallel sync."""
+    return (costs.pipeline_factor * max(s.time_ns for s in stages)
+            + max(s.dp_sync_ns for s in stages))
+
+
+def throughput(global_batch: int, iteration_ns: int) -> float:
+    """Samples per second."""
+    return global_batch * 1e9 / iteration_ns if iteration_ns > 0 else math.inf

@@ -1,0 +1,284 @@
+"""Layer-graph format v1: JSON <-> :class:`LayerGraph` (a networkx DiGraph), with strict validation.
+
+The JSON Schema in ``layer_graph.schema.json`` (also linked from ``docs/``) checks types and required
+fields; this module adds what a schema cannot say: unique names, known edge endpoints, acyclicity,
+topological list order, and ``tp_* <= total``. Every error names the file, the field and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import networkx as nx
+
+from solver.errors import InputError
+
+FORMAT_NAME = "layer-graph"
+FORMAT_VERSION = 1
+
+
+@dataclass(kw_only=True, frozen=True)
+class Layer:
+    """One layer. Bytes and FLOPs are per sample; ``params`` is the layer's total count."""
+
+    name: str
+    params: int
+    """Parameter count."""
+    activation_bytes: int
+    """Bytes saved for backward, per sample."""
+    output_bytes: int
+    """Bytes of the layer's output, per sample."""
+    tp_params: int = 0
+    """Parameters split across tensor-parallel ranks."""
+    tp_activation_bytes: int = 0
+    """Saved bytes split across tensor-parallel ranks, per sample."""
+    fwd_flops: float = 0.0
+    """Forward FLOPs per sample."""
+    bwd_flops: float | None = None
+    """Backward FLOPs per sample; None means 2 x fwd_flops."""
+    fwd_ms: float | None = None
+    """Measured forward time per sample (ms); overrides FLOPs when set with bwd_ms."""
+    bwd_ms: float | None = None
+    """Measured backward time per sample (ms)."""
+    tp_comm_bytes: int = 0
+    """Bytes all-reduced across TP ranks per sample, forward + backward."""
+    transient_bytes: int = 0
+    """Extra peak per sample while the layer runs, beyond what it saves."""
+    kind: str | None = None
+    """embedding | block | head | other; None means inferred from the name."""
+
+    @property
+    def role(self) -> str:
+        """The layer's kind, inferred from its name when not given (for the Megatron export)."""
+        if self.kind:
+            return self.kind
+        lowered = self.name.lower()
+        if any(key in lowered for key in ("embed", "wte", "wpe", "tok_")):
+            return "embedding"
+        if any(key in lowered for key in ("head", "loss", "lm_", "output", "final", "norm_f")):
+            return "head"
+        return "block"
+
+
+@dataclass(kw_only=True, frozen=True)
+class Edge:
+    """Data flowing from ``src`` to ``dst``: ``bytes`` per sample."""
+
+    src: str
+    dst: str
+    bytes: int
+
+
+@dataclass(kw_only=True)
+class LayerGraph:
+    """A validated layer graph. ``layers`` are in topological order; ``edges`` are explicit
+    (a chain graph gets its implied edges filled in)."""
+
+    model: str
+    layers: list[Layer]
+    edges: list[Edge]
+    meta: dict[str, Any] = field(default_factory=dict)
+    edges_given: bool = False
+    """Whether the file listed edges (kept so that saving round-trips)."""
+    source: str = "<memory>"
+    """Where the graph came from, for error messages."""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+    def index(self) -> dict[str, int]:
+        """Layer name -> position in topological order."""
+        return {layer.name: i for i, layer in enumerate(self.layers)}
+
+    @property
+    def is_chain(self) -> bool:
+        """True when the edges are exactly layer i -> layer i+1 in list order."""
+        position = self.index()
+        pairs = sorted((position[e.src], position[e.dst]) for e in self.edges)
+        return pairs == [(i, i + 1) for i in range(self.num_layers - 1)]
+
+    def to_networkx(self) -> nx.DiGraph:
+        """Nodes carry the layer fields as attributes; edges carry ``bytes``."""
+        graph = nx.DiGraph(model=self.model, meta=self.meta)
+        for layer in self.layers:
+            graph.add_node(layer.name, **asdict(layer))
+        for edge in self.edges:
+            graph.add_edge(edge.src, edge.dst, bytes=edge.bytes)
+        return graph
+
+    def to_dict(self) -> dict[str, Any]:
+        """The v1 JSON document (defaults omitted)."""
+        defaults = {f: getattr(Layer(name="", params=0, activation_bytes=0, output_bytes=0), f)
+                    for f in Layer.__dataclass_fields__}
+        layers = [
+            {k: v for k, v in asdict(layer).items() if k == "name" or v != defaults[k]}
+            | {k: getattr(layer, k) for k in ("params", "activation_bytes", "output_bytes")}
+            for layer in self.layers
+        ]
+        document: dict[str, Any] = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "model": self.model,
+        }
+        if self.meta:
+            document["meta"] = self.meta
+        document["layers"] = layers
+        if self.edges_given:
+            document["edges"] = [asdict(edge) for edge in self.edges]
+        return document
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+@cache
+def schema() -> dict[str, Any]:
+    """The v1 JSON Schema (``solver/layer_graph.schema.json``)."""
+    text = resources.files("solver").joinpath("layer_graph.schema.json").read_text()
+    return json.loads(text)
+
+
+def load_graph(source: str | Path | dict[str, Any]) -> LayerGraph:
+    """Load and validate a layer graph from a JSON file path or an already-parsed dict.
+
+    Raises :class:`InputError` with one line naming the file, the field and the fix.
+    """
+    if isinstance(source, dict):
+        return graph_from_dict(source, origin="<dict>")
+    path = Path(source)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise InputError(f"{path}: file not found; pass the path of a layer-graph JSON file")
+    except OSError as error:
+        raise InputError(f"{path}: cannot read ({error.strerror})")
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise InputError(
+            f"{path}: not valid JSON (line {error.lineno}, column {error.colno}: {error.msg}); "
+            "fix the syntax"
+        )
+    return graph_from_dict(document, origin=str(path))
+
+
+def graph_from_dict(document: Any, *, origin: str = "<dict>") -> LayerGraph:
+    """Validate a parsed v1 document and build the :class:`LayerGraph`."""
+    _check_schema(document, origin)
+    layers = [_layer_from_dict(item) for item in document["layers"]]
+    _check_layers(layers, origin)
+    position = {layer.name: i for i, layer in enumerate(layers)}
+    edges_given = "edges" in document
+    if edges_given:
+        edges = [Edge(src=e["src"], dst=e["dst"], bytes=int(e["bytes"])) for e in document["edges"]]
+        _check_edges(edges, position, origin)
+    else:
+        edges = [
+            Edge(src=a.name, dst=b.name, bytes=a.output_bytes) for a, b in zip(layers, layers[1:])
+        ]
+    return LayerGraph(
+        model=document["model"],
+        layers=layers,
+        edges=edges,
+        meta=dict(document.get("meta", {})),
+        edges_given=edges_given,
+        source=origin,
+    )
+
+
+def _check_schema(document: Any, origin: str) -> None:
+    validator = jsonschema.Draft202012Validator(schema())
+    errors = sorted(validator.iter_errors(document), key=lambda e: list(e.absolute_path))
+    if not errors:
+        return
+    error = jsonschema.exceptions.best_match(errors)
+    where = error.json_path
+    if error.validator == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        hint = f"remove it; allowed keys: {', '.join(allowed)}"
+    elif error.validator == "required":
+        hint = "add the missing field (see docs/layer-graph.md)"
+    elif error.validator == "const":
+        hint = f"set it to {json.dumps(error.validator_value)}"
+    elif error.validator in ("minimum", "type", "minLength", "minItems", "enum"):
+        hint = "see docs/layer-graph.md for the field's type and range"
+    else:
+        hint = "see docs/layer-graph.md"
+    raise InputError(f"{origin}: {where}: {error.message}; {hint}")
+
+
+def _layer_from_dict(item: dict[str, Any]) -> Layer:
+    integers = ("params", "tp_params", "activation_bytes", "tp_activation_bytes", "output_bytes",
+                "tp_comm_bytes", "transient_bytes")
+    values = {key: (int(value) if key in integers else value) for key, value in item.items()}
+    for key in ("fwd_flops", "bwd_flops", "fwd_ms", "bwd_ms"):
+        if values.get(key) is not None:
+            values[key] = float(values[key])
+    return Layer(**values)
+
+
+def _check_layers(layers: list[Layer], origin: str) -> None:
+    seen: dict[str, int] = {}
+    for i, layer in enumerate(layers):
+        if layer.name in seen:
+            raise InputError(
+                f"{origin}: $.layers[{i}].name: duplicate layer name {layer.name!r} "
+                f"(also $.layers[{seen[layer.name]}]); give every layer a unique name"
+            )
+        seen[layer.name] = i
+        for part, total in (("tp_params", "params"), ("tp_activation_bytes", "activation_bytes")):
+            if getattr(layer, part) > getattr(layer, total):
+                raise InputError(
+                    f"{origin}: $.layers[{i}].{part}: {getattr(layer, part)} exceeds "
+                    f"{total} ({getattr(layer, total)}) of layer {layer.name!r}; "
+                    f"{part} counts the part of {total} split across TP ranks"
+                )
+        if (layer.fwd_ms is None) != (layer.bwd_ms is None):
+            raise InputError(
+                f"{origin}: $.layers[{i}]: layer {layer.name!r} has only one of fwd_ms/bwd_ms; "
+                "give both measured times or neither"
+            )
+
+
+def _check_edges(edges: list[Edge], position: dict[str, int], origin: str) -> None:
+    seen_pairs: set[tuple[str, str]] = set()
+    for i, edge in enumerate(edges):
+        for end in ("src", "dst"):
+            name = getattr(edge, end)
+            if name not in position:
+                raise InputError(
+                    f"{origin}: $.edges[{i}].{end}: unknown layer {name!r}; "
+                    "edge endpoints must be names listed in $.layers"
+                )
+        if edge.src == edge.dst:
+            raise InputError(
+                f"{origin}: $.edges[{i}]: self-loop on {edge.src!r}; remove the edge"
+            )
+        if (edge.src, edge.dst) in seen_pairs:
+            raise InputError(
+                f"{origin}: $.edges[{i}]: duplicate edge {edge.src!r} -> {edge.dst!r}; "
+                "merge them into one edge with the summed bytes"
+            )
+        seen_pairs.add((edge.src, edge.dst))
+    graph = nx.DiGraph((e.src, e.dst) for e in edges)
+    if not nx.is_directed_acyclic_graph(graph):
+        cycle = " -> ".join(u for u, _ in nx.find_cycle(graph))
+        raise InputError(f"{origin}: $.edges: the graph has a cycle ({cycle}); remove an edge")
+    for i, edge in enumerate(edges):
+        if position[edge.src] > position[edge.dst]:
+            raise InputError(
+                f"{origin}: $.layers: not in topological order: edge $.edges[{i}] goes from "
+                f"{edge.src!r} (layer {position[edge.src]}) back to {edge.dst!r} "
+                f"(layer {position[edge.dst]}); list every layer after the layers it reads from"
+            )

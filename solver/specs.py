@@ -1,0 +1,170 @@
+"""The planner's inputs and its configuration record: cluster, training options, parallel config.
+
+Three inputs, as in Calculon: the graph (what is trained, ``solver.graph``), the :class:`Cluster`
+(what it runs on) and the :class:`TrainingConfig` (batch, precision, search space, constraints).
+A :class:`ParallelConfig` is one point of the search space; a plan is a config plus a split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from solver.errors import InputError
+
+SCHEDULES = ("1f1b", "gpipe")
+RECOMPUTE_CHOICES = ("none", "full", "auto")
+OBJECTIVES = ("memory", "throughput")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Cluster:
+    """Homogeneous GPUs. Defaults describe an H100-SXM node with 8 GPUs and 400 Gb/s InfiniBand."""
+
+    num_gpus: int
+    """GPUs in the job."""
+    gpu_memory_bytes: int = 80 * 2**30
+    """Memory per GPU usable for training, bytes (stage peaks must stay at or below it)."""
+    gpus_per_node: int = 8
+    """GPUs per node; tensor parallelism stays inside a node."""
+    gpu_flops: float = 989e12
+    """Peak dense FLOP/s per GPU at the training precision (H100 SXM bf16)."""
+    flops_efficiency: float = 0.5
+    """Fraction of gpu_flops reached by layer kernels (model FLOPs utilisation)."""
+    intra_node_gb_per_s: float = 450.0
+    """Per-GPU, per-direction bandwidth inside a node, GB/s (NVLink 4: 900 GB/s bidirectional)."""
+    inter_node_gb_per_s: float = 50.0
+    """Per-GPU, per-direction bandwidth across nodes, GB/s (400 Gb/s InfiniBand)."""
+
+    def __post_init__(self) -> None:
+        _require(self.num_gpus >= 1, f"num_gpus must be >= 1, got {self.num_gpus}")
+        _require(self.gpu_memory_bytes > 0, "gpu_memory_bytes must be positive")
+        _require(self.gpus_per_node >= 1, f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        _require(self.gpu_flops > 0 and 0 < self.flops_efficiency <= 1,
+                 "gpu_flops must be positive and flops_efficiency in (0, 1]")
+        _require(self.intra_node_gb_per_s > 0 and self.inter_node_gb_per_s > 0,
+                 "bandwidths must be positive")
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainingConfig:
+    """What is trained and how the search may vary it."""
+
+    global_batch: int
+    """Samples per optimizer step (B)."""
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
+    """Candidate micro-batch sizes b (samples); m = B / (dp * b) must be a whole number."""
+    zero_stages: tuple[int, ...] = (0,)
+    """Candidate ZeRO stages; (0, 1, 2, 3) is what --zero auto searches."""
+    recompute: str = "none"
+    """none | full (every stage recomputes) | auto (search both, per config)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: 1f1b or gpipe."""
+    weight_bytes_per_param: int = 2
+    """Bytes per parameter for weights (bf16)."""
+    grad_bytes_per_param: int = 2
+    """Bytes per parameter for gradients (bf16)."""
+    optimizer_bytes_per_param: int = 12
+    """Bytes per parameter for optimizer state (fp32 master + Adam moments)."""
+    pp: int | None = None
+    """Pin the pipeline degree (None: search)."""
+    tp: int | None = None
+    """Pin the tensor-parallel degree (None: search)."""
+    dp: int | None = None
+    """Pin the data-parallel degree (None: search)."""
+    min_throughput: float | None = None
+    """Samples/s the plan must reach; overrides max_slowdown when set."""
+    max_slowdown: float | None = 1.25
+    """Plan may be at most this many times slower than the fastest plan that fits (None: off)."""
+    objective: str = "memory"
+    """memory: minimise the largest per-GPU peak; throughput: fastest plan that fits."""
+
+    def __post_init__(self) -> None:
+        _require(self.global_batch >= 1, f"global_batch must be >= 1, got {self.global_batch}")
+        _require(bool(self.micro_batch_sizes) and all(b >= 1 for b in self.micro_batch_sizes),
+                 f"micro_batch_sizes must be positive integers, got {self.micro_batch_sizes}")
+        _require(bool(self.zero_stages) and all(z in (0, 1, 2, 3) for z in self.zero_stages),
+                 f"zero_stages must be within 0..3, got {self.zero_stages}")
+        _require(self.recompute in RECOMPUTE_CHOICES,
+                 f"recompute must be one of {RECOMPUTE_CHOICES}, got {self.recompute!r}")
+        _require(self.schedule in SCHEDULES,
+                 f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        _require(self.objective in OBJECTIVES,
+                 f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        for name in ("weight_bytes_per_param", "grad_bytes_per_param",
+                     "optimizer_bytes_per_param"):
+            _require(getattr(self, name) >= 0, f"{name} must be >= 0")
+        for name in ("pp", "tp", "dp"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, f"{name} must be >= 1, got {value}")
+        _require(self.min_throughput is None or self.min_throughput > 0,
+                 f"min_throughput must be positive, got {self.min_throughput}")
+        _require(self.max_slowdown is None or self.max_slowdown >= 1,
+                 f"max_slowdown must be >= 1 (1 = only the fastest plans), got {self.max_slowdown}")
+
+
+@dataclass(kw_only=True, frozen=True, order=True)
+class ParallelConfig:
+    """One point of the search space: how the job is laid out on the GPUs."""
+
+    pp: int
+    """Pipeline stages p."""
+    tp: int
+    """Tensor-parallel degree t."""
+    dp: int
+    """Data-parallel degree d."""
+    micro_batch: int
+    """Micro-batch size b, samples."""
+    num_microbatches: int
+    """Micro-batches per step per data-parallel replica, m = B / (d * b)."""
+    zero: int = 0
+    """ZeRO stage 0..3 over the data-parallel group."""
+    recompute: str = "none"
+    """none | full: full activation recomputation on every stage."""
+    schedule: str = "1f1b"
+    """1f1b | gpipe."""
+
+    @property
+    def num_gpus(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.micro_batch * self.num_microbatches
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def label(self) -> str:
+        """Short text such as 'pp4 tp2 dp2 b1 m16 zero0 1f1b'."""
+        text = (f"pp{self.pp} tp{self.tp} dp{self.dp} b{self.micro_batch} "
+                f"m{self.num_microbatches} zero{self.zero} {self.schedule}")
+        return text + (" recompute" if self.recompute == "full" else "")
+
+
+@dataclass(kw_only=True)
+class SolverReport:
+    """How a plan was found: backend, status, objective and proven bound, wall time."""
+
+    backend: str
+    status: str
+    """OPTIMAL (proven), FEASIBLE (time limit hit; see gap), INFEASIBLE, UNKNOWN."""
+    objective: float
+    bound: float
+    wall_s: float
+    configs_total: int = 0
+    configs_solved: int = 0
+    configs_pruned: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def gap(self) -> float:
+        """Relative gap (objective - bound) / objective; 0 when proven optimal."""
+        if self.objective <= 0:
+            return 0.0
+        return max(0.0, (self.objective - self.bound) / self.objective)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise InputError(message)
