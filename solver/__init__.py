@@ -1,1 +1,35 @@
-"""Memory-centric planner: partition and parallelise a layer graph to minimise per-GPU peak memory."""
+"""Memory-centric planner: partition and parallelise a layer graph to minimise per-GPU peak memory.
+
+    from solver import load_graph, Cluster, TrainingConfig, plan
+    graph = load_graph("examples/gpt-1.3b.json")
+    result = plan(graph, Cluster(num_gpus=16, gpu_memory_bytes=80 * 2**30),
+                  TrainingConfig(global_batch=64))
+    print(result.config, result.peak_bytes, result.throughput)
+
+The solver never imports torch.
+"""
+
+from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
+from solver.evaluation import Evaluation, evaluate
+from solver.graph import Edge, Layer, LayerGraph, graph_from_dict, load_graph
+from solver.planner import Plan, plan
+from solver.specs import Cluster, ParallelConfig, TrainingConfig
+
+__all__ = [
+    "Cluster",
+    "Edge",
+    "Evaluation",
+    "InfeasibleError",
+    "InputError",
+    "Layer",
+    "LayerGraph",
+    "NoSolutionError",
+    "ParallelConfig",
+    "Plan",
+    "PlannerError",
+    "TrainingConfig",
+    "evaluate",
+    "graph_from_dict",
+    "load_graph",
+    "plan",
+]

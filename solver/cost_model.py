@@ -135,53 +135,90 @@ class LayerCosts:
 def layer_costs(
     graph: LayerGraph, config: ParallelConfig, cluster: Cluster, training: TrainingConfig
 ) -> LayerCosts:
-    """Coefficients of every layer for ``config`` (see the module docstring for the formulas)."""
+    """Coefficients of every layer for ``config`` (see the module docstring for the formulas).
+
+    Vectorised over layers; integer terms use exact integer arithmetic (ceil of a ratio of ints).
+    """
     t, d, b, z = config.tp, config.dp, config.micro_batch, config.zero
     recompute = config.recompute == "full"
     w, g, o = (training.weight_bytes_per_param, training.grad_bytes_per_param,
                training.optimizer_bytes_per_param)
-    sync_volume = Fraction(3 if z >= 3 else 2) * Fraction(d - 1, d)
-    intra_bytes_per_ns = cluster.intra_node_gb_per_s  # GB/s == bytes/ns
-    dp_bytes_per_ns = (cluster.intra_node_gb_per_s if t * d <= cluster.gpus_per_node
-                       else cluster.inter_node_gb_per_s)
-    columns: dict[str, list[int]] = {key: [] for key in (
-        "weight", "grad", "optimizer", "stored", "transient", "time", "sync")}
-    for layer in graph.layers:
-        params = parameters_per_gpu(layer, t)
-        saved = saved_bytes_per_gpu(layer, t)
-        columns["weight"].append(math.ceil(params * w / (d if z >= 3 else 1)))
-        columns["grad"].append(math.ceil(params * g / (d if z >= 2 else 1)))
-        columns["optimizer"].append(math.ceil(params * o / (d if z >= 1 else 1)))
-        if recompute:
-            columns["stored"].append(b * layer.output_bytes)
-            columns["transient"].append(math.ceil(b * (layer.transient_bytes + saved)))
-        else:
-            columns["stored"].append(math.ceil(b * saved))
-            columns["transient"].append(b * layer.transient_bytes)
-        fwd_ms, total_ms = layer_compute_ms(layer, cluster)
-        compute_ms = b * (total_ms + (fwd_ms if recompute else 0.0)) / t
-        tp_comm_ns = b * layer.tp_comm_bytes * 2 * (t - 1) / t / intra_bytes_per_ns
-        columns["time"].append(math.ceil(compute_ms * NS_PER_MS + tp_comm_ns))
-        columns["sync"].append(math.ceil(sync_volume * params * g / Fraction(dp_bytes_per_ns)))
-    position = graph.index()
-    as_array = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
+    cols = _graph_columns(graph)
+    # t * P'_l and t * A'_l are integers: ceil(t P' x / (t n)) is then exact.
+    params_times_t = (cols["params"] - cols["tp_params"]) * t + cols["tp_params"]
+    saved_times_t = (cols["activation_bytes"] - cols["tp_activation_bytes"]) * t + cols[
+        "tp_activation_bytes"]
+    weight = _ceil_div(params_times_t * w, t * (d if z >= 3 else 1))
+    grad = _ceil_div(params_times_t * g, t * (d if z >= 2 else 1))
+    optimizer = _ceil_div(params_times_t * o, t * (d if z >= 1 else 1))
+    if recompute:
+        stored = b * cols["output_bytes"]
+        transient = _ceil_div(b * (cols["transient_bytes"] * t + saved_times_t), t)
+    else:
+        stored = _ceil_div(b * saved_times_t, t)
+        transient = b * cols["transient_bytes"]
+    rate_per_ms = cluster.gpu_flops * cluster.flops_efficiency / 1e3
+    fwd_ms = np.where(cols["measured"], cols["fwd_ms"], cols["fwd_flops"] / rate_per_ms)
+    total_ms = np.where(cols["measured"], cols["fwd_ms"] + cols["bwd_ms"],
+                        (cols["fwd_flops"] + cols["bwd_flops"]) / rate_per_ms)
+    compute_ms = b * (total_ms + (fwd_ms if recompute else 0.0)) / t
+    # GB/s == bytes/ns; ring all-reduce moves 2 (t-1)/t of the buffer per GPU.
+    tp_comm_ns = b * cols["tp_comm_bytes"] * 2 * (t - 1) / t / cluster.intra_node_gb_per_s
+    time_ns = np.ceil(compute_ms * NS_PER_MS + tp_comm_ns)
+    sync_bytes_per_ns = (cluster.intra_node_gb_per_s if t * d <= cluster.gpus_per_node
+                         else cluster.inter_node_gb_per_s)
+    sync_rounds = 3 if z >= 3 else 2
+    dp_sync_ns = np.ceil(sync_rounds * (d - 1) * params_times_t * g
+                         / (d * t * sync_bytes_per_ns))
+    as_int = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
     return LayerCosts(
         config=config,
-        weight_bytes=as_array(columns["weight"]),
-        grad_bytes=as_array(columns["grad"]),
-        optimizer_bytes=as_array(columns["optimizer"]),
-        stored_bytes=as_array(columns["stored"]),
-        transient_bytes=as_array(columns["transient"]),
-        time_ns=as_array(columns["time"]),
-        dp_sync_ns=as_array(columns["sync"]),
-        edge_src=as_array([position[e.src] for e in graph.edges]),
-        edge_dst=as_array([position[e.dst] for e in graph.edges]),
-        edge_bytes=as_array([b * e.bytes for e in graph.edges]),
+        weight_bytes=as_int(weight),
+        grad_bytes=as_int(grad),
+        optimizer_bytes=as_int(optimizer),
+        stored_bytes=as_int(stored),
+        transient_bytes=as_int(transient),
+        time_ns=as_int(time_ns),
+        dp_sync_ns=as_int(dp_sync_ns),
+        edge_src=cols["edge_src"],
+        edge_dst=cols["edge_dst"],
+        edge_bytes=b * cols["edge_bytes"],
         in_flight=[
             in_flight_microbatches(config.schedule, config.num_microbatches, config.pp, s)
             for s in range(config.pp)
         ],
     )
+
+
+def _ceil_div(numerator: np.ndarray, denominator: int) -> np.ndarray:
+    return -(-numerator // denominator)
+
+
+def _graph_columns(graph: LayerGraph) -> dict[str, np.ndarray]:
+    """The graph's per-layer fields as numpy arrays (cached on the graph object)."""
+    cached = getattr(graph, "_columns", None)
+    if cached is not None:
+        return cached
+    layers = graph.layers
+    ints = lambda key: np.array([getattr(x, key) for x in layers], dtype=np.int64)  # noqa: E731
+    measured = np.array([x.fwd_ms is not None and x.bwd_ms is not None for x in layers])
+    position = graph.index()
+    cols = {key: ints(key) for key in ("params", "tp_params", "activation_bytes",
+                                       "tp_activation_bytes", "output_bytes", "tp_comm_bytes",
+                                       "transient_bytes")}
+    cols.update(
+        measured=measured,
+        fwd_ms=np.array([x.fwd_ms or 0.0 for x in layers]),
+        bwd_ms=np.array([x.bwd_ms or 0.0 for x in layers]),
+        fwd_flops=np.array([x.fwd_flops for x in layers], dtype=float),
+        bwd_flops=np.array([2 * x.fwd_flops if x.bwd_flops is None else x.bwd_flops
+                            for x in layers], dtype=float),
+        edge_src=np.array([position[e.src] for e in graph.edges], dtype=np.int64),
+        edge_dst=np.array([position[e.dst] for e in graph.edges], dtype=np.int64),
+        edge_bytes=np.array([e.bytes for e in graph.edges], dtype=np.int64),
+    )
+    graph._columns = cols
+    return cols
 
 
 @dataclass(kw_only=True)

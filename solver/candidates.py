@@ -1,0 +1,102 @@
+"""Valid parallel configurations (pp, tp, dp, micro-batch, ZeRO, recompute) and their lower bounds.
+
+Rules: pp * tp * dp = number of GPUs; tp divides gpus_per_node (tensor parallelism stays inside a
+node); pp <= number of layers (every stage holds a layer); dp * micro_batch divides the global batch
+(m = B / (dp b) micro-batches per step). ZeRO stages only differ when dp > 1, so with dp = 1 only
+the smallest requested stage is kept.
+"""
+
+from __future__ import annotations
+
+import math
+
+from solver.cost_model import LayerCosts
+from solver.errors import InputError
+from solver.specs import Cluster, ParallelConfig, TrainingConfig
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def check_pinned_degrees(cluster: Cluster, training: TrainingConfig) -> None:
+    """Explain, with the numbers, why pinned pp/tp/dp cannot work on this cluster."""
+    pins = {name: getattr(training, name) for name in ("pp", "tp", "dp")}
+    given = {name: value for name, value in pins.items() if value is not None}
+    product = math.prod(given.values())
+    text = " * ".join(f"{name}({value})" for name, value in given.items())
+    if len(given) == 3 and product != cluster.num_gpus:
+        raise InputError(f"pinned config {text} = {product} != gpus({cluster.num_gpus}); "
+                         "pin degrees whose product is the GPU count, or pin fewer of them")
+    if given and cluster.num_gpus % product:
+        raise InputError(f"pinned {text} = {product} does not divide gpus({cluster.num_gpus})")
+    tp = given.get("tp")
+    if tp is not None and cluster.gpus_per_node % tp:
+        raise InputError(f"pinned tp({tp}) does not divide gpus_per_node"
+                         f"({cluster.gpus_per_node}); tensor parallelism stays inside a node")
+
+
+def candidate_configs(
+    num_layers: int, cluster: Cluster, training: TrainingConfig
+) -> list[ParallelConfig]:
+    """Every valid config, in a fixed order (deterministic search)."""
+    check_pinned_degrees(cluster, training)
+    recompute_modes = ("none", "full") if training.recompute == "auto" else (training.recompute,)
+    configs = []
+    for pp in divisors(cluster.num_gpus):
+        if pp > num_layers or training.pp not in (None, pp):
+            continue
+        for tp in divisors(cluster.num_gpus // pp):
+            if cluster.gpus_per_node % tp or training.tp not in (None, tp):
+                continue
+            dp = cluster.num_gpus // (pp * tp)
+            if training.dp not in (None, dp):
+                continue
+            zero_stages = sorted(set(training.zero_stages)) if dp > 1 else [
+                min(training.zero_stages)]
+            for micro_batch in sorted(set(training.micro_batch_sizes)):
+                if training.global_batch % (dp * micro_batch):
+                    continue
+                m = training.global_batch // (dp * micro_batch)
+                for zero in zero_stages:
+                    for recompute in recompute_modes:
+                        configs.append(ParallelConfig(
+                            pp=pp, tp=tp, dp=dp, micro_batch=micro_batch, num_microbatches=m,
+                            zero=zero, recompute=recompute, schedule=training.schedule))
+    if not configs:
+        raise InputError(_why_no_config(num_layers, cluster, training))
+    return configs
+
+
+def _why_no_config(num_layers: int, cluster: Cluster, training: TrainingConfig) -> str:
+    batch = training.global_batch
+    return (
+        f"no valid parallel config for {cluster.num_gpus} GPUs ({cluster.gpus_per_node} per node), "
+        f"{num_layers} layers, global batch {batch}, micro-batch sizes "
+        f"{list(training.micro_batch_sizes)}: need pp <= layers, tp | gpus_per_node and "
+        f"dp * micro_batch | global batch; try a global batch that is a multiple of the GPU "
+        "count, micro-batch 1, or fewer pinned degrees"
+    )
+
+
+def memory_lower_bound(costs: LayerCosts) -> int:
+    """A peak no split of this config can beat (bytes per GPU).
+
+    Every layer sits in some stage, whose peak is at least the layer's states, k_min stored
+    micro-batches and its transient; and the p stage peaks together hold every layer's states and
+    at least k_min stored micro-batches of each, so the largest is >= their sum / p.
+    """
+    k_min = min(costs.in_flight)
+    per_layer = costs.state_bytes + k_min * costs.stored_bytes
+    single = int((per_layer + costs.transient_bytes).max())
+    spread = -(-int(per_layer.sum()) // costs.num_stages)
+    return max(single, spread)
+
+
+def time_lower_bound(costs: LayerCosts) -> int:
+    """An iteration time (ns) no split of this config can beat: (m + p - 1) max(T) + max(AR),
+    each maximum at least the largest layer and the even share of the total."""
+    p = costs.num_stages
+    slowest = max(int(costs.time_ns.max()), -(-int(costs.time_ns.sum()) // p))
+    sync = max(int(costs.dp_sync_ns.max()), -(-int(costs.dp_sync_ns.sum()) // p))
+    return costs.pipeline_factor * slowest + sync

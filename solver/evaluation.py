@@ -1,0 +1,132 @@
+"""Evaluate any given split of a graph under one config: the exact per-stage costs a plan reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from solver.baselines import BASELINES, counts_to_assignment
+from solver.cost_model import (
+    LayerCosts,
+    StageCost,
+    iteration_time_ns,
+    layer_costs,
+    stage_costs,
+    throughput,
+)
+from solver.errors import InputError
+from solver.graph import LayerGraph
+from solver.specs import Cluster, ParallelConfig, TrainingConfig
+
+
+@dataclass(kw_only=True)
+class Evaluation:
+    """Costs of one split under one config. Bytes per GPU, times in ns."""
+
+    graph: LayerGraph
+    config: ParallelConfig
+    cluster: Cluster
+    training: TrainingConfig
+    stage_of_layer: list[int]
+    stages: list[StageCost]
+    iteration_ns: int
+
+    @property
+    def peak_bytes(self) -> int:
+        """Largest per-GPU peak over the stages."""
+        return max(stage.peak_bytes for stage in self.stages)
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second."""
+        return throughput(self.config.global_batch, self.iteration_ns)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.cluster.gpu_memory_bytes
+
+    def stage_layer_names(self) -> list[list[str]]:
+        names = self.graph.names
+        return [[names[i] for i in stage.layers] for stage in self.stages]
+
+
+def default_training(config: ParallelConfig) -> TrainingConfig:
+    """Training options matching a config (its global batch, schedule and recompute)."""
+    return TrainingConfig(global_batch=config.global_batch, micro_batch_sizes=(config.micro_batch,),
+                          zero_stages=(config.zero,), recompute=config.recompute,
+                          schedule=config.schedule)
+
+
+def evaluate(
+    graph: LayerGraph,
+    config: ParallelConfig,
+    split: str | list[int],
+    *,
+    cluster: Cluster | None = None,
+    training: TrainingConfig | None = None,
+) -> Evaluation:
+    """Per-stage peaks and times of ``split`` under ``config``.
+
+    ``split``: "even" (Megatron default), "parameters" (DeepSpeed parameter-balanced), layer counts
+    per stage (chains, list order), or a stage index per layer (any DAG).
+    """
+    cluster = cluster or Cluster(num_gpus=config.num_gpus)
+    training = training or default_training(config)
+    stage_of_layer = resolve_split(graph, config.pp, split)
+    costs = layer_costs(graph, config, cluster, training)
+    return evaluate_assignment(graph, costs, stage_of_layer, cluster=cluster, training=training)
+
+
+def evaluate_assignment(
+    graph: LayerGraph,
+    costs: LayerCosts,
+    stage_of_layer: list[int],
+    *,
+    cluster: Cluster,
+    training: TrainingConfig,
+) -> Evaluation:
+    """Evaluation from precomputed coefficients (the planner's path)."""
+    stages = stage_costs(costs, stage_of_layer)
+    return Evaluation(graph=graph, config=costs.config, cluster=cluster, training=training,
+                      stage_of_layer=list(stage_of_layer), stages=stages,
+                      iteration_ns=iteration_time_ns(costs, stages))
+
+
+def resolve_split(graph: LayerGraph, num_stages: int, split: str | list[int]) -> list[int]:
+    """Turn a split description into a valid stage index per layer, or raise InputError."""
+    num_layers = graph.num_layers
+    if num_stages > num_layers:
+        raise InputError(f"pp({num_stages}) > number of layers ({num_layers}); every stage "
+                         "needs a layer")
+    if isinstance(split, str):
+        if split not in BASELINES:
+            raise InputError(f"--split {split!r}: use 'even', 'parameters', layer counts per "
+                             "stage (e.g. 5,7,7,5) or a stage index per layer")
+        assignment = BASELINES[split](graph, num_stages)
+    else:
+        values = [int(v) for v in split]
+        if len(values) == num_stages and sum(values) == num_layers and min(values) >= 1:
+            assignment = counts_to_assignment(values)
+        elif len(values) == num_layers:
+            assignment = values
+        else:
+            raise InputError(
+                f"--split has {len(values)} numbers summing to {sum(values)}: give {num_stages} "
+                f"positive layer counts summing to {num_layers}, or {num_layers} stage indices")
+    _check_assignment(graph, num_stages, assignment)
+    return assignment
+
+
+def _check_assignment(graph: LayerGraph, num_stages: int, assignment: list[int]) -> None:
+    bad = [s for s in assignment if not 0 <= s < num_stages]
+    if bad:
+        raise InputError(f"--split: stage index {bad[0]} outside 0..{num_stages - 1}")
+    empty = sorted(set(range(num_stages)) - set(assignment))
+    if empty:
+        raise InputError(f"--split: stage {empty[0]} has no layer; every stage needs one")
+    position = graph.index()
+    for edge in graph.edges:
+        if assignment[position[edge.src]] > assignment[position[edge.dst]]:
+            raise InputError(
+                f"--split: edge {edge.src} -> {edge.dst} would go from stage "
+                f"{assignment[position[edge.src]]} back to stage "
+                f"{assignment[position[edge.dst]]}; stages must follow the data flow")

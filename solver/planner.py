@@ -1,0 +1,221 @@
+"""The planning API: graph + cluster + training options -> the proven memory-optimal :class:`Plan`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from solver.baselines import BASELINES
+from solver.errors import InfeasibleError, InputError
+from solver.evaluation import Evaluation, evaluate_assignment
+from solver.export import build_exports
+from solver.graph import LayerGraph
+from solver.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL
+from solver.search import ConfigEntry, Deadline, SearchResult, build_entries, refine, search
+from solver.specs import Cluster, SolverReport, TrainingConfig
+from solver.units import format_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class Plan:
+    """A chosen config and split, its exact costs, how it was found, and its exports."""
+
+    evaluation: Evaluation
+    solver: SolverReport
+    exports: dict[str, Any]
+    baselines: dict[str, Evaluation] = field(default_factory=dict)
+    """The same config split the usual ways (even, parameters), for comparison."""
+    required_throughput: float | None = None
+    """The throughput constraint that was applied (samples/s), if any."""
+    fastest_throughput: float | None = None
+    """Throughput of the fastest plan that fits in memory, when it was computed."""
+
+    @property
+    def config(self):
+        return self.evaluation.config
+
+    @property
+    def stages(self):
+        return self.evaluation.stages
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.evaluation.peak_bytes
+
+    @property
+    def throughput(self) -> float:
+        return self.evaluation.throughput
+
+    @property
+    def stage_of_layer(self) -> list[int]:
+        return self.evaluation.stage_of_layer
+
+
+def plan(
+    graph: LayerGraph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    *,
+    backend: str = "auto",
+    time_limit_s: float | None = 60.0,
+    num_workers: int = 1,
+) -> Plan:
+    """Minimise the largest per-GPU peak (or, with objective "throughput", the iteration time).
+
+    Raises InputError for bad options, InfeasibleError when nothing fits (with the smallest peak
+    found and, when found quickly, a GPU count that fits).
+    """
+    started = time.perf_counter()
+    deadline = Deadline.after(time_limit_s)
+    entries = build_entries(graph, cluster, training)
+    capacity = cluster.gpu_memory_bytes
+    budget_ns = None
+    required = None
+    fastest = None
+    if training.min_throughput is not None:
+        budget_ns = math.floor(training.global_batch * 1e9 / training.min_throughput)
+        required = training.min_throughput
+    if training.objective == "throughput" or (
+        training.min_throughput is None and training.max_slowdown is not None
+    ):
+        fastest = search(entries, objective=OBJECTIVE_TIME, capacity_bytes=capacity,
+                         iteration_budget_ns=budget_ns, backend=backend, deadline=deadline,
+                         num_workers=num_workers)
+        if fastest.entry is None:
+            raise explain_infeasible(graph, cluster, training, entries, backend, budget_ns)
+        if training.objective == "memory" and training.min_throughput is None:
+            budget_ns = math.floor(training.max_slowdown * fastest.value)
+            required = training.global_batch * 1e9 / budget_ns
+    if training.objective == "memory":
+        result = search(entries, objective=OBJECTIVE_MEMORY, capacity_bytes=capacity,
+                        iteration_budget_ns=budget_ns, backend=backend, deadline=deadline,
+                        num_workers=num_workers)
+        if result.entry is None:
+            raise explain_infeasible(graph, cluster, training, entries, backend, budget_ns)
+        entry, split = _break_ties(result, secondary=OBJECTIVE_TIME, capacity=result.value,
+                                   budget=budget_ns, deadline=deadline, num_workers=num_workers)
+    else:
+        result = fastest
+        entry, split = _break_ties(result, secondary=OBJECTIVE_MEMORY, capacity=capacity,
+                                   budget=result.value, deadline=deadline,
+                                   num_workers=num_workers)
+    evaluation = evaluate_assignment(graph, entry.costs, split, cluster=cluster, training=training)
+    report = SolverReport(
+        backend=result.backend,
+        status=OPTIMAL if result.proven else "FEASIBLE",
+        objective=result.value,
+        bound=result.bound,
+        wall_s=time.perf_counter() - started,
+        configs_total=len(entries),
+        configs_solved=result.solved,
+        configs_pruned=result.pruned,
+    )
+    if not result.proven:
+        report.notes.append("time limit reached: best plan found, not proven optimal")
+    return Plan(
+        evaluation=evaluation,
+        solver=report,
+        exports=build_exports(graph, entry.costs.config, evaluation.stage_layer_names()),
+        baselines={name: evaluate_assignment(graph, entry.costs, split_of(graph, entry.costs.pp),
+                                             cluster=cluster, training=training)
+                   for name, split_of in BASELINES.items()},
+        required_throughput=required,
+        fastest_throughput=(None if fastest is None or fastest.value is None
+                            else training.global_batch * 1e9 / fastest.value),
+    )
+
+
+def _break_ties(result: SearchResult, *, secondary: str, capacity: int | None,
+                budget: int | None, deadline: Deadline,
+                num_workers: int) -> tuple[ConfigEntry, list[int]]:
+    """Among configs tied on the primary objective, the best on the secondary one (then the
+    earliest in candidate order). Each tie is re-solved for its best secondary value while
+    keeping the primary optimum as a hard limit."""
+    best: tuple[tuple[int, int], ConfigEntry, list[int]] | None = None
+    for entry, solution in result.ties:
+        refined = refine(entry, objective=secondary, capacity_bytes=capacity,
+                         iteration_budget_ns=budget, backend=result.backend, deadline=deadline,
+                         hint=solution.stage_of_layer, num_workers=num_workers)
+        split = refined.stage_of_layer if refined is not None else solution.stage_of_layer
+        value = refined.objective if refined is not None else math.inf
+        key = (value, entry.order)
+        if best is None or key < best[0]:
+            best = (key, entry, split)
+    return best[1], best[2]
+
+
+def explain_infeasible(
+    graph: LayerGraph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    entries: list[ConfigEntry],
+    backend: str,
+    budget_ns: int | None,
+) -> InfeasibleError:
+    """Which constraint fails, by how much, and the smallest GPU count that would fit."""
+    capacity = cluster.gpu_memory_bytes
+    unconstrained = search(entries, objective=OBJECTIVE_MEMORY, capacity_bytes=None,
+                           iteration_budget_ns=None, backend=backend,
+                           deadline=Deadline.after(10.0))
+    best_peak = (unconstrained.value if unconstrained.value is not None
+                 else min(e.memory_bound for e in entries))
+    if best_peak <= capacity and budget_ns is not None:
+        fastest = search(entries, objective=OBJECTIVE_TIME, capacity_bytes=capacity,
+                         iteration_budget_ns=None, backend=backend,
+                         deadline=Deadline.after(10.0))
+        reached = ("no plan was found in time" if fastest.value is None else
+                   f"the fastest plan that fits reaches "
+                   f"{training.global_batch * 1e9 / fastest.value:.4g} samples/s "
+                   f"({fastest.entry.costs.config.label()})")
+        required = training.global_batch * 1e9 / budget_ns
+        return InfeasibleError(
+            f"throughput constraint cannot be met: {required:.4g} samples/s required, {reached};"
+            " lower --min-throughput, raise --max-slowdown, or add GPUs",
+            best_peak_bytes=best_peak, capacity_bytes=capacity)
+    over = best_peak - capacity
+    config_text = ("" if unconstrained.entry is None
+                   else f" ({unconstrained.entry.costs.config.label()})")
+    suggestion = smallest_fitting_gpus(graph, cluster, training, backend)
+    if suggestion is None:
+        tail = (f"no cluster of {2 * cluster.num_gpus}..{64 * cluster.num_gpus} GPUs "
+                "(doubling) fits either; use larger GPUs, ZeRO (--zero auto), recompute "
+                "(--recompute full) or a smaller micro-batch")
+    else:
+        tail = (f"smallest GPU count that fits (trying 2x, 4x, ...): {suggestion[0]} "
+                f"({suggestion[1]}); or try --zero auto / --recompute auto")
+    return InfeasibleError(
+        f"nothing fits in {format_bytes(capacity)} per GPU (--gpu-memory): the best of "
+        f"{len(entries)} configs needs {format_bytes(best_peak)}{config_text}, "
+        f"{format_bytes(over)} ({100 * over / capacity:.1f}%) over; {tail}",
+        best_peak_bytes=best_peak, capacity_bytes=capacity,
+        suggested_gpus=None if suggestion is None else suggestion[0])
+
+
+def smallest_fitting_gpus(graph: LayerGraph, cluster: Cluster, training: TrainingConfig,
+                          backend: str, *, seconds: float = 10.0) -> tuple[int, str] | None:
+    """Smallest of 2N, 4N, ..., 64N GPUs on which some plan fits in memory (throughput ignored)."""
+    deadline = Deadline.after(seconds)
+    relaxed = dataclasses.replace(training, min_throughput=None, max_slowdown=None,
+                                  pp=None, tp=None, dp=None)
+    num_gpus = cluster.num_gpus
+    while num_gpus < 64 * cluster.num_gpus and not deadline.expired():
+        num_gpus *= 2
+        try:
+            entries = build_entries(graph, dataclasses.replace(cluster, num_gpus=num_gpus),
+                                    relaxed)
+        except InputError:
+            continue
+        if min(e.memory_bound for e in entries) > cluster.gpu_memory_bytes:
+            continue
+        found = search(entries, objective=OBJECTIVE_MEMORY,
+                       capacity_bytes=cluster.gpu_memory_bytes, iteration_budget_ns=None,
+                       backend=backend, deadline=deadline)
+        if found.entry is not None:
+            return num_gpus, found.entry.costs.config.label()
+    return None

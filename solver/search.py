@@ -1,0 +1,173 @@
+"""Config search: enumerate configs, bound them, solve the promising ones exactly, pick the best.
+
+For the memory objective the answer is the minimum over configs of the exact per-config optimum
+(minimal largest stage peak), subject to GPU capacity and the throughput constraint; ties go to
+the higher throughput (each tied config is re-solved for the fastest split at that peak), then to
+the earlier config in candidate order. Configs are visited in order of their lower bound and
+skipped once the bound exceeds the incumbent, so the result is still proven optimal.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from solver.backends import resolve_backend, solve
+from solver.candidates import candidate_configs, memory_lower_bound, time_lower_bound
+from solver.cost_model import LayerCosts, layer_costs
+from solver.graph import LayerGraph
+from solver.problem import (
+    FEASIBLE,
+    INFEASIBLE,
+    OBJECTIVE_MEMORY,
+    OBJECTIVE_TIME,
+    OPTIMAL,
+    StageProblem,
+    StageSolution,
+)
+from solver.specs import Cluster, TrainingConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class ConfigEntry:
+    """A candidate config with its coefficients and lower bounds."""
+
+    order: int
+    """Position in candidate order (final tie-break)."""
+    costs: LayerCosts
+    memory_bound: int
+    """No split of this config has a smaller largest peak (bytes)."""
+    time_bound: int
+    """No split of this config has a shorter iteration (ns)."""
+
+
+@dataclass(kw_only=True)
+class SearchResult:
+    """Best (entry, solution) of one search over configs, with proof status."""
+
+    entry: ConfigEntry | None
+    solution: StageSolution | None
+    ties: list[tuple[ConfigEntry, StageSolution]]
+    """Every solved config whose optimum equals the best one (best first)."""
+    bound: int
+    """Proven lower bound on the objective over all configs."""
+    proven: bool
+    """True when every config was solved to optimality, proven infeasible, or pruned."""
+    solved: int
+    pruned: int
+    backend: str
+
+    @property
+    def value(self) -> int | None:
+        return None if self.solution is None else self.solution.objective
+
+
+@dataclass(kw_only=True)
+class Deadline:
+    """Wall-clock budget shared by all solves of one planning call."""
+
+    end: float
+
+    @classmethod
+    def after(cls, seconds: float | None) -> Deadline:
+        return cls(end=math.inf if seconds is None else time.perf_counter() + seconds)
+
+    def remaining(self) -> float:
+        return max(0.0, self.end - time.perf_counter())
+
+    def expired(self) -> bool:
+        return self.remaining() <= 0.0
+
+
+def build_entries(graph: LayerGraph, cluster: Cluster, training: TrainingConfig) -> list[ConfigEntry]:
+    """Every candidate config with its coefficients and bounds."""
+    entries = []
+    for order, config in enumerate(candidate_configs(graph.num_layers, cluster, training)):
+        costs = layer_costs(graph, config, cluster, training)
+        entries.append(ConfigEntry(order=order, costs=costs,
+                                   memory_bound=memory_lower_bound(costs),
+                                   time_bound=time_lower_bound(costs)))
+    return entries
+
+
+def search(
+    entries: list[ConfigEntry],
+    *,
+    objective: str,
+    capacity_bytes: int | None,
+    iteration_budget_ns: int | None,
+    backend: str,
+    deadline: Deadline,
+    num_workers: int = 1,
+) -> SearchResult:
+    """Exact best config for ``objective`` (memory or time) under the two limits."""
+    chain = bool(entries) and entries[0].costs.is_chain()
+    backend = resolve_backend(backend, chain)
+    bound_of = (lambda e: e.memory_bound) if objective == OBJECTIVE_MEMORY else (
+        lambda e: e.time_bound)
+    viable = [e for e in entries
+              if (capacity_bytes is None or e.memory_bound <= capacity_bytes)
+              and (iteration_budget_ns is None or e.time_bound <= iteration_budget_ns)]
+    pruned = len(entries) - len(viable)
+    viable.sort(key=lambda e: (bound_of(e), e.order))
+    best: tuple[ConfigEntry, StageSolution] | None = None
+    ties: list[tuple[ConfigEntry, StageSolution]] = []
+    open_bounds: list[int] = []  # lower bounds of configs not proven
+    solved = 0
+    for index, entry in enumerate(viable):
+        if best is not None and bound_of(entry) > best[1].objective:
+            pruned += len(viable) - index
+            break
+        if deadline.expired():
+            open_bounds.extend(bound_of(e) for e in viable[index:])
+            break
+        problem = StageProblem(costs=entry.costs, objective=objective,
+                               capacity_bytes=capacity_bytes,
+                               iteration_budget_ns=iteration_budget_ns)
+        solution = solve(problem, backend, time_limit_s=deadline.remaining(),
+                         num_workers=num_workers)
+        solved += 1
+        if solution.status not in (OPTIMAL, INFEASIBLE):
+            open_bounds.append(max(solution.bound, bound_of(entry)))
+        if not solution.has_solution:
+            continue
+        if best is None or solution.objective < best[1].objective:
+            best = (entry, solution)
+            ties = [best]
+        elif solution.objective == best[1].objective:
+            ties.append((entry, solution))
+    if best is None:
+        return SearchResult(entry=None, solution=None, ties=[], bound=min(open_bounds, default=0),
+                            proven=not open_bounds, solved=solved, pruned=pruned, backend=backend)
+    bound = min([best[1].objective, *open_bounds])
+    return SearchResult(entry=best[0], solution=best[1], ties=ties, bound=bound,
+                        proven=not open_bounds, solved=solved, pruned=pruned, backend=backend)
+
+
+def refine(
+    entry: ConfigEntry,
+    *,
+    objective: str,
+    capacity_bytes: int | None,
+    iteration_budget_ns: int | None,
+    backend: str,
+    deadline: Deadline,
+    hint: list[int] | None,
+    num_workers: int = 1,
+) -> StageSolution | None:
+    """Secondary objective on one config: e.g. the fastest split whose peak <= the optimum."""
+    problem = StageProblem(costs=entry.costs, objective=objective,
+                           capacity_bytes=capacity_bytes, iteration_budget_ns=iteration_budget_ns)
+    solution = solve(problem, backend, time_limit_s=max(deadline.remaining(), 1.0), hint=hint,
+                     num_workers=num_workers)
+    return solution if solution.has_solution else None
+
+
+__all__ = [
+    "ConfigEntry", "Deadline", "FEASIBLE", "OBJECTIVE_MEMORY", "OBJECTIVE_TIME", "SearchResult",
+    "build_entries", "refine", "search",
+]
