@@ -1,0 +1,338 @@
+"""Turn a plan (config + the layers of each stage) into settings for three training runtimes.
+
+:func:`build_exports` returns a JSON-serialisable dict with one section per runtime:
+
+- ``torch_pipelining``: ``split_spec`` for ``torch.distributed.pipelining.pipeline``, the schedule.
+- ``megatron``: Megatron-LM command-line arguments, including the uneven split as
+  ``--decoder-first/last-pipeline-num-layers`` or ``--pipeline-model-parallel-layout``.
+- ``deepspeed``: ``PipelineModule`` layer counts and ``parts`` boundaries, and the config keys.
+
+Pure functions: no I/O, no torch. Facts about the runtimes, and where they come from, are in the
+comments next to the code that relies on them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from solver.errors import InputError
+from solver.graph import LayerGraph
+from solver.specs import ParallelConfig
+
+# Megatron layout letters (megatron/core/transformer/pipeline_parallel_layer_layout.py,
+# PipelineParallelLayerLayout.parse_str_to_list): E = embedding, t = transformer (decoder) layer,
+# L = loss (final norm + output layer + loss), m = MTP layer; "|" separates stages.
+MEGATRON_LETTER = {"embedding": "E", "block": "t", "head": "L"}
+
+
+def build_exports(
+    graph: LayerGraph, config: ParallelConfig, stage_layers: list[list[str]]
+) -> dict[str, Any]:
+    """Settings for torch pipelining, Megatron-LM and DeepSpeed that reproduce the plan.
+
+    ``stage_layers[s]`` holds the names of the layers of stage ``s``. Raises :class:`InputError`
+    when the stages do not partition the graph's layers into ``config.pp`` non-empty stages with
+    every edge going to the same or a later stage.
+    """
+    stages = _stages_in_list_order(graph, config, stage_layers)
+    contiguous = [name for stage in stages for name in stage] == graph.names
+    return {
+        "torch_pipelining": torch_pipelining_export(config, stages, contiguous=contiguous),
+        "megatron": megatron_export(graph, config, stages),
+        "deepspeed": deepspeed_export(config, stages, contiguous=contiguous),
+    }
+
+
+def torch_pipelining_export(
+    config: ParallelConfig, stages: list[list[str]], *, contiguous: bool
+) -> dict[str, Any]:
+    """``split_spec`` (first layer of every stage but the first -> "BEGINNING") and schedule."""
+    split_spec = {stage[0]: "BEGINNING" for stage in stages[1:]}
+    schedule = "ScheduleGPipe" if config.schedule == "gpipe" else "Schedule1F1B"
+    m = config.num_microbatches
+    note = (
+        "from torch.distributed.pipelining import SplitPoint, pipeline, "
+        f"{schedule}; pipe = pipeline(module, mb_args=(example_microbatch,), "
+        "split_spec={name: SplitPoint.BEGINNING for name in split_spec}); "
+        "stage = pipe.build_stage(pp_rank, device); "
+        f"schedule = {schedule}(stage, n_microbatches={m}, loss_fn=loss_fn). "
+        "The keys are module names (FQNs): they match when the layer names are module paths "
+        f"such as 'layers.3'. example_microbatch holds {config.micro_batch} sample(s). "
+        "Pipelining covers only the pipeline axis: apply tensor parallelism "
+        f"(tp={config.tp}) and data parallelism (dp={config.dp}, ZeRO {config.zero}) to each "
+        "stage separately (DeviceMesh, parallelize_module, fully_shard)."
+    )
+    if config.recompute == "full":
+        note += (" Full recomputation is not a pipelining option: wrap every layer in "
+                 "torch.utils.checkpoint (e.g. checkpoint_wrapper).")
+    result: dict[str, Any] = {
+        "split_spec": split_spec,
+        "schedule": schedule,
+        "n_microbatches": m,
+        "contiguous": contiguous,
+        "stages": stages,
+        "note": note,
+        # Measured (../shared/reference/runtime-memory-facts.md): torch.distributed.pipelining
+        # keeps M activation receive buffers on every non-first stage and M gradient receive
+        # buffers on every non-last stage for the whole run; the cost model counts one per edge.
+        "memory_note": (
+            f"torch.distributed.pipelining keeps {m} activation receive buffers on every "
+            f"non-first stage and {m} gradient receive buffers on every non-last stage; the "
+            "planner's boundary-buffer term counts one micro-batch per edge, so expect up to "
+            f"{m} x the boundary bytes more on middle stages."
+        ),
+    }
+    if not contiguous:
+        result["note"] += (
+            " NOT CONTIGUOUS: some stage is not a consecutive run of the graph's layer order, "
+            "and pipeline() splits the traced program in execution order, so these split "
+            "points give the planned stages only if the forward runs the layers in the order "
+            "of 'stages' (stage 0's layers, then stage 1's, ...; that order is topological). "
+            "Otherwise build each PipelineStage by hand from the module lists in 'stages'."
+        )
+    return result
+
+
+def megatron_export(
+    graph: LayerGraph, config: ParallelConfig, stages: list[list[str]]
+) -> dict[str, Any]:
+    """Megatron-LM arguments for the plan.
+
+    Layer roles become layout letters: embedding -> E, block -> t, head -> L. A layer of kind
+    ``other`` gets no letter: Megatron builds only E, t, L (and m) modules, so such a layer (a
+    separate final norm, a position embedding, a pooler) is taken to be part of the module Megatron
+    builds next to it; counting it as a ``t`` would change ``--num-layers``.
+    """
+    roles = {layer.name: layer.role for layer in graph.layers}
+    stage_letters = ["".join(MEGATRON_LETTER.get(roles[n], "") for n in s) for s in stages]
+    layout = "|".join(stage_letters)
+    blocks = [letters.count("t") for letters in stage_letters]
+    num_layers = sum(blocks)
+    warnings = _megatron_warnings(graph, config, roles, stage_letters)
+    layout_valid = not any(w.startswith("layout:") for w in warnings)
+    first, last = _first_last_counts(blocks, stage_letters) if layout_valid else (None, None)
+    p = config.pp
+    ends_in_place = "E" in stage_letters[0] and "L" in stage_letters[-1]
+    if p == 1 or (len(set(blocks)) == 1 and layout_valid and ends_in_place):
+        # Megatron's default: an even split of the blocks, E on the first stage, L on the last.
+        method = "even"
+    elif first is not None or last is not None:
+        method = "first_last"
+    else:
+        method = "layout"
+
+    args = [
+        "--pipeline-model-parallel-size", str(p),
+        "--tensor-model-parallel-size", str(config.tp),
+        "--num-layers", str(num_layers),
+        "--micro-batch-size", str(config.micro_batch),
+        "--global-batch-size", str(config.global_batch),
+    ]
+    # --decoder-first/last-pipeline-num-layers (megatron/training/arguments.py): "The number of
+    # transformer layers on the first (last) pipeline stage of the decoder. Default None is even
+    # split". TransformerConfig.__post_init__ requires each to be > 0 and the layers left to divide
+    # evenly over the middle stages; pipeline_model_parallel_layout, when set, takes precedence.
+    if method == "first_last":
+        if first is not None:
+            args += ["--decoder-first-pipeline-num-layers", str(first)]
+        if last is not None:
+            args += ["--decoder-last-pipeline-num-layers", str(last)]
+    elif method == "layout":
+        args += ["--pipeline-model-parallel-layout", layout]
+    if config.recompute == "full":
+        args += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1"]
+    if config.zero >= 1:
+        args.append("--use-distributed-optimizer")
+    return {
+        "args": args,
+        "layout": layout,
+        "layout_compact": _compact_layout(stage_letters),
+        "decoder_first_pipeline_num_layers": first,
+        "decoder_last_pipeline_num_layers": last,
+        "split_method": method,
+        "num_layers": num_layers,
+        "blocks_per_stage": blocks,
+        "warnings": warnings,
+        "note": (
+            f"Run on pp*tp*dp = {config.num_gpus} GPUs (Megatron derives the data-parallel size "
+            f"{config.dp} from the world size). split_method 'even' needs no split flag; "
+            "'first_last' uses --decoder-first/last-pipeline-num-layers; 'layout' uses "
+            "--pipeline-model-parallel-layout (experimental in Megatron-Core), which states "
+            "every stage: E embedding, t transformer layer, L final norm + output layer + loss."
+        ),
+    }
+
+
+def deepspeed_export(
+    config: ParallelConfig, stages: list[list[str]], *, contiguous: bool
+) -> dict[str, Any]:
+    """``PipelineModule`` layer counts, its ``parts`` boundaries and the DeepSpeed config keys."""
+    counts = [len(stage) for stage in stages]
+    parts = [0]
+    for count in counts:
+        parts.append(parts[-1] + count)
+    warnings = []
+    # deepspeed/runtime/pipe/engine.py, PipelineEngine.__init__: assert zero_optimization_stage()
+    # < ZeroStageEnum.gradients, "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism".
+    if config.zero >= 2 and config.pp > 1:
+        warnings.append(
+            f"ZeRO stage {config.zero} with {config.pp} pipeline stages: DeepSpeed's "
+            "PipelineEngine rejects ZeRO-2 and ZeRO-3 ('ZeRO-2 and ZeRO-3 are incompatible "
+            "with pipeline parallelism'); use stage 1 (the plan's memory then rises) or another "
+            "runtime."
+        )
+    if not contiguous:
+        warnings.append(
+            "Not contiguous: PipelineModule gives stage s the slice parts[s]:parts[s+1] of its "
+            "layer list; build that list in the order of 'stages' (a valid topological order) "
+            "so that the slices hold the planned layers."
+        )
+    if config.tp > 1:
+        warnings.append(
+            f"tp={config.tp}: PipelineModule does not split layers itself; use tensor-parallel "
+            "layers (e.g. Megatron-DeepSpeed) and pass topology=PipeModelDataParallelTopology("
+            f"num_pp={config.pp}, num_mp={config.tp}, num_dp={config.dp})."
+        )
+    return {
+        "layer_counts": counts,
+        "parts": parts,
+        "stages": stages,
+        "num_stages": config.pp,
+        "partition_method_note": (
+            "PipelineModule(partition_method=...) accepts only 'uniform', 'parameters' and "
+            "'type:REGEX' (deepspeed/runtime/pipe/module.py, _partition_layers); none takes "
+            "explicit counts. Apply these counts by subclassing PipelineModule and overriding "
+            "_partition_layers(self, method) to set self.parts = PARTS and call "
+            "self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1]) with "
+            "stage_id = self._topo.get_coord(self.global_rank).pipe. The layer list must have one "
+            "entry (LayerSpec) per graph layer, in graph order."
+        ),
+        "zero_optimization": {"stage": config.zero},
+        "train_micro_batch_size_per_gpu": config.micro_batch,
+        "gradient_accumulation_steps": config.num_microbatches,
+        # PipelineEngine asserts train_batch_size == micro batch * micro-batches * dp.
+        "train_batch_size": config.global_batch,
+        "activation_checkpoint_interval": 1 if config.recompute == "full" else 0,
+        "warnings": warnings,
+    }
+
+
+def _stages_in_list_order(
+    graph: LayerGraph, config: ParallelConfig, stage_layers: list[list[str]]
+) -> list[list[str]]:
+    """Check that the stages partition the layers; each stage's names in graph list order."""
+    if len(stage_layers) != config.pp:
+        raise InputError(
+            f"export: {len(stage_layers)} stages given but the config has pp={config.pp}; "
+            "give one list of layer names per pipeline stage"
+        )
+    position = graph.index()
+    stage_of: dict[str, int] = {}
+    for s, names in enumerate(stage_layers):
+        if not names:
+            raise InputError(f"export: stage {s} is empty; every stage needs at least one layer")
+        for name in names:
+            if name not in position:
+                raise InputError(f"export: stage {s} names unknown layer {name!r}")
+            if name in stage_of:
+                raise InputError(
+                    f"export: layer {name!r} is in stage {stage_of[name]} and in stage {s}; "
+                    "give every layer exactly one stage"
+                )
+            stage_of[name] = s
+    missing = [name for name in graph.names if name not in stage_of]
+    if missing:
+        raise InputError(
+            f"export: {len(missing)} layer(s) in no stage (first: {missing[0]!r}); "
+            "every layer needs a stage"
+        )
+    for edge in graph.edges:
+        if stage_of[edge.src] > stage_of[edge.dst]:
+            raise InputError(
+                f"export: edge {edge.src!r} (stage {stage_of[edge.src]}) -> {edge.dst!r} "
+                f"(stage {stage_of[edge.dst]}) goes backwards; a pipeline only sends forward"
+            )
+    return [sorted(names, key=position.__getitem__) for names in stage_layers]
+
+
+def _megatron_warnings(
+    graph: LayerGraph, config: ParallelConfig, roles: dict[str, str], stage_letters: list[str]
+) -> list[str]:
+    """What keeps the plan from running in Megatron as is; layout errors start with 'layout:'."""
+    warnings = []
+    flat = "".join(stage_letters)
+    # PipelineParallelLayerLayout.validate_layer_layout: the first layer must be the embedding,
+    # the last the loss, each exactly once.
+    if flat.count("E") != 1 or flat.count("L") != 1 or not flat.startswith("E") or \
+            not flat.endswith("L"):
+        warnings.append(
+            f"layout: Megatron needs exactly one E (first) and one L (last); this plan has "
+            f"{flat.count('E')} E and {flat.count('L')} L (set Layer.kind to fix roles). "
+            "Megatron's layout also does not support encoder-decoder models."
+        )
+    others = [name for name, role in roles.items() if role == "other"]
+    if others:
+        warnings.append(
+            f"{len(others)} layer(s) of kind 'other' have no Megatron letter and are taken to "
+            f"belong to the neighbouring Megatron module: {', '.join(others[:5])}"
+            + (" ..." if len(others) > 5 else "")
+        )
+    if config.zero >= 2:
+        warnings.append(
+            f"ZeRO {config.zero}: --use-distributed-optimizer shards only the optimizer state "
+            "(ZeRO-1 memory); sharded gradients/parameters need Megatron-FSDP "
+            "(--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads or "
+            "optim_grads_params), not checked here with pipeline parallelism."
+        )
+    if not graph.is_chain:
+        warnings.append(
+            "The graph is not a chain: Megatron's GPT model passes one hidden state between "
+            "stages, so skip connections across stages need model changes."
+        )
+    return warnings
+
+
+def _first_last_counts(
+    blocks: list[int], stage_letters: list[str]
+) -> tuple[int | None, int | None]:
+    """(first, last) block counts when only the first and/or last stage differ from the middle.
+
+    Megatron accepts them only when each is > 0, the middle stages hold equal counts, E is on the
+    first stage and L on the last. (None, None) when the split is even or not of that shape.
+    """
+    p = len(blocks)
+    if p == 1 or len(set(blocks)) == 1:
+        return None, None
+    if "E" not in stage_letters[0] or "L" not in stage_letters[-1]:
+        return None, None
+    if p == 2:
+        # No middle stage: the first count fixes the split (the last stage takes the rest).
+        if blocks[0] > 0 and blocks[1] > 0:
+            return blocks[0], None
+        return None, None
+    middle = set(blocks[1:-1])
+    if len(middle) != 1 or middle == {0}:
+        return None, None
+    even = middle.pop()
+    first = blocks[0] if blocks[0] != even else None
+    last = blocks[-1] if blocks[-1] != even else None
+    if first == 0 or last == 0:
+        return None, None
+    return first, last
+
+
+def _compact_layout(stage_letters: list[str]) -> str:
+    """The layout with runs of t written t*N (Megatron unrolls ``(.)\\*(\\d+)``; same meaning)."""
+    compact = []
+    for letters in stage_letters:
+        out, i = [], 0
+        while i < len(letters):
+            j = i
+            while j < len(letters) and letters[j] == letters[i]:
+                j += 1
+            run = j - i
+            out.append(f"{letters[i]}*{run}" if letters[i] == "t" and run > 2 else letters[i] * run)
+            i = j
+        compact.append("".join(out))
+    return "|".join(compact)
