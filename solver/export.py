@@ -159,7 +159,9 @@ def megatron_export(
             f"{config.dp} from the world size). split_method 'even' needs no split flag; "
             "'first_last' uses --decoder-first/last-pipeline-num-layers; 'layout' uses "
             "--pipeline-model-parallel-layout (experimental in Megatron-Core), which states "
-            "every stage: E embedding, t transformer layer, L final norm + output layer + loss."
+            "every stage: E embedding, t transformer layer, L final norm + output layer + loss. "
+            "With bf16 Megatron keeps fp32 gradients (18 bytes per parameter, 6 + 12/d with the "
+            "distributed optimizer): plan with grad_bytes_per_param=4 to match its memory."
         ),
     }
 
@@ -278,12 +280,15 @@ def _megatron_warnings(
             f"belong to the neighbouring Megatron module: {', '.join(others[:5])}"
             + (" ..." if len(others) > 5 else "")
         )
+    # Megatron docs (distrib_optimizer.md): bytes per parameter with the distributed optimizer
+    # are 6 + 12/d for bf16 params with fp32 grads: the gradient buffer is not sharded.
     if config.zero >= 2:
         warnings.append(
             f"ZeRO {config.zero}: --use-distributed-optimizer shards only the optimizer state "
-            "(ZeRO-1 memory); sharded gradients/parameters need Megatron-FSDP "
-            "(--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads or "
-            "optim_grads_params), not checked here with pipeline parallelism."
+            "(6 + 12/d bytes per parameter with bf16 weights and fp32 gradients: ZeRO-1 memory); "
+            "sharded gradients/parameters need Megatron-FSDP (--use-megatron-fsdp "
+            "--data-parallel-sharding-strategy optim_grads or optim_grads_params), not checked "
+            "here with pipeline parallelism."
         )
     if not graph.is_chain:
         warnings.append(
