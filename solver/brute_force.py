@@ -12,7 +12,12 @@ def solve_brute_force(problem: StageProblem) -> StageSolution:
     """Try all p**L assignments (keep L <= ~10); ties go to the lexicographically first one."""
     start = time.perf_counter()
     best: tuple[int, tuple[int, ...]] | None = None
-    for stage_of in itertools.product(range(problem.num_stages), repeat=problem.num_layers):
+    edges = list(zip(problem.costs.edge_src.tolist(), problem.costs.edge_dst.tolist()))
+    num_stages = problem.num_stages
+    for stage_of in itertools.product(range(num_stages), repeat=problem.num_layers):
+        # cheap structural filters first (order, non-empty), then the full check
+        if any(stage_of[u] > stage_of[v] for u, v in edges) or len(set(stage_of)) < num_stages:
+            continue
         if problem.violation(stage_of) is not None:
             continue
         value = problem.objective_value(stage_of)

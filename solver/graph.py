@@ -61,7 +61,7 @@ class Layer:
         lowered = self.name.lower()
         if any(key in lowered for key in ("embed", "wte", "wpe", "tok_")):
             return "embedding"
-        if any(key in lowered for key in ("head", "loss", "lm_", "output", "final", "norm_f")):
+        if any(key in lowered for key in ("head", "loss", "lm_", "output", "ln_f", "norm_f")):
             return "head"
         return "block"
 

@@ -1,0 +1,46 @@
+"""Backend-agnostic plan checker: recompute every reported number from the graph and the config.
+
+It rebuilds the cost coefficients from scratch (``evaluate``), so a backend or search bug that
+reports a peak, a time or a split inconsistent with the cost model is caught.
+"""
+
+from __future__ import annotations
+
+from solver.evaluation import evaluate
+from solver.planner import Plan
+
+
+def check_plan(plan: Plan) -> list[str]:
+    """Problems found (empty when the plan is consistent and satisfies its constraints)."""
+    problems = []
+    ev = plan.evaluation
+    config = ev.config
+    if config.num_gpus != ev.cluster.num_gpus:
+        problems.append(f"pp*tp*dp = {config.num_gpus} != {ev.cluster.num_gpus} GPUs")
+    if config.global_batch != ev.training.global_batch:
+        problems.append(f"dp*b*m = {config.global_batch} != global batch "
+                        f"{ev.training.global_batch}")
+    fresh = evaluate(ev.graph, config, list(plan.stage_of_layer), cluster=ev.cluster,
+                     training=ev.training)
+    for reported, recomputed in zip(ev.stages, fresh.stages):
+        if reported.breakdown() != recomputed.breakdown():
+            problems.append(f"stage {reported.index}: reported {reported.breakdown()} != "
+                            f"recomputed {recomputed.breakdown()}")
+        if reported.time_ns != recomputed.time_ns:
+            problems.append(f"stage {reported.index}: time {reported.time_ns} != "
+                            f"{recomputed.time_ns} ns")
+    if fresh.iteration_ns != ev.iteration_ns:
+        problems.append(f"iteration {ev.iteration_ns} != recomputed {fresh.iteration_ns} ns")
+    if not fresh.fits:
+        problems.append(f"peak {fresh.peak_bytes} B exceeds capacity "
+                        f"{ev.cluster.gpu_memory_bytes} B")
+    if plan.required_throughput is not None and fresh.throughput < plan.required_throughput * (
+            1 - 1e-9):
+        problems.append(f"throughput {fresh.throughput:.6g} < required "
+                        f"{plan.required_throughput:.6g} samples/s")
+    if plan.solver.objective is not None and ev.training.objective == "memory" and (
+            plan.solver.objective != fresh.peak_bytes):
+        problems.append(f"solver objective {plan.solver.objective} != peak {fresh.peak_bytes}")
+    if plan.solver.bound > fresh.peak_bytes and ev.training.objective == "memory":
+        problems.append(f"bound {plan.solver.bound} above the plan's own peak")
+    return problems
