@@ -1,0 +1,154 @@
+"""CLI smoke tests: plans print and write JSON; every bad input is one line with its exit code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from solver.cli import evaluate_main, plan_main
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = str(ROOT / "examples" / "gpt-1.3b.json")
+T5 = str(ROOT / "examples" / "t5-dag.json")
+
+
+def run_plan(capsys, *args: str) -> tuple[int, str, str]:
+    try:
+        code = plan_main(list(args))
+    except SystemExit as exit_:  # argparse rejects a value before main's body runs
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_plan_prints_table_and_writes_json(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    code, text, err = run_plan(capsys, GPT, "--gpus", "16", "--gpu-memory", "40GiB",
+                               "--global-batch", "64", "--json", str(out))
+    assert code == 0, err
+    assert "Plan for gpt-1.3b" in text and "OPTIMAL" in text and "peak:" in text
+    document = json.loads(out.read_text())
+    config = document["config"]
+    assert config["pp"] * config["tp"] * config["dp"] == 16
+    assert set(config) >= {"pp", "tp", "dp", "micro_batch", "num_microbatches", "zero",
+                           "recompute", "schedule"}
+    assert document["peak_bytes"] == max(s["peak_bytes"] for s in document["stages"])
+    for stage in document["stages"]:
+        assert stage["peak_bytes"] == sum(stage["breakdown"].values())
+        assert {"index", "layers", "time_ms"} <= set(stage)
+    assert document["solver"]["status"] == "OPTIMAL" and document["solver"]["gap"] == 0
+    assert {"backend", "objective", "bound", "wall_s"} <= set(document["solver"])
+    assert document["throughput"] > 0 and document["peak_bytes"] <= 40 * 2**30
+    assert set(document["exports"]) >= {"torch_pipelining", "megatron", "deepspeed"}
+    assert sum(document["exports"]["deepspeed"]["layer_counts"]) == 26
+
+
+def test_evaluate_even_split_matches_plan_baseline(capsys, tmp_path):
+    plan_json = tmp_path / "plan.json"
+    assert plan_main([GPT, "--gpus", "8", "--global-batch", "32", "--pp", "4", "--tp", "2",
+                      "--micro-batch", "1", "--json", str(plan_json), "--quiet"]) == 0
+    plan = json.loads(plan_json.read_text())
+    evaluated = tmp_path / "even.json"
+    code = evaluate_main([GPT, "--pp", "4", "--tp", "2", "--dp", "1", "--global-batch", "32",
+                          "--split", "even", "--json", str(evaluated)])
+    assert code == 0
+    even = json.loads(evaluated.read_text())
+    assert even["peak_bytes"] == plan["baselines"]["even"]["peak_bytes"]
+    assert [len(s["layers"]) for s in even["stages"]] == plan["baselines"]["even"]["layer_counts"]
+    assert plan["peak_bytes"] <= even["peak_bytes"]
+    counts = ",".join(str(len(s["layers"])) for s in plan["stages"])
+    assert evaluate_main([GPT, "--pp", "4", "--tp", "2", "--global-batch", "32",
+                          "--split", counts, "--quiet", "--json", str(evaluated)]) == 0
+    assert json.loads(evaluated.read_text())["peak_bytes"] == plan["peak_bytes"]
+
+
+def test_dag_plans_with_cpsat_and_milp_agree(capsys):
+    peaks = {}
+    for backend in ("cpsat", "milp"):
+        code = plan_main([T5, "--gpus", "8", "--global-batch", "16", "--pp", "4",
+                          "--micro-batch", "1", "--backend", backend, "--quiet", "--time-limit",
+                          "60", "--json", f"/tmp/t5-{backend}.json"])
+        assert code == 0, capsys.readouterr().err
+        peaks[backend] = json.loads(Path(f"/tmp/t5-{backend}.json").read_text())["peak_bytes"]
+    assert peaks["cpsat"] == peaks["milp"]
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        (["--gpus", "0", "--global-batch", "8"], "argument --gpus: must be >= 1, got 0"),
+        (["--gpus", "8", "--gpu-memory", "abc", "--global-batch", "8"],
+         "cannot read 'abc' as a size"),
+        (["--gpus", "8", "--global-batch", "8", "--pp", "4", "--tp", "2", "--dp", "2"],
+         r"pp(4) * tp(2) * dp(2) = 16 != gpus(8)"),
+        (["--gpus", "8", "--global-batch", "8", "--micro-batch", "x"],
+         "expected comma-separated integers"),
+        (["--gpus", "8", "--global-batch", "8", "--max-slowdown", "0.5"], "must be >= 1"),
+        (["--gpus", "8", "--global-batch", "7", "--micro-batch", "2"],
+         "no valid parallel config"),
+    ],
+)
+def test_bad_cli_values_exit_2_with_one_line(capsys, args, pattern):
+    code, out, err = run_plan(capsys, GPT, *args)
+    assert code == 2
+    assert pattern in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bad_graph_exit_2(capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    code, _, err = run_plan(capsys, str(bad), "--gpus", "8", "--global-batch", "8")
+    assert code == 2 and f"{bad}: not valid JSON" in err and err.count("\n") == 1
+
+
+def test_json_never_overwrites_the_graph_or_writes_into_missing_folder(capsys, tmp_path):
+    graph = tmp_path / "g.json"
+    graph.write_text(Path(GPT).read_text())
+    before = graph.read_text()
+    code, _, err = run_plan(capsys, str(graph), "--gpus", "8", "--global-batch", "8",
+                            "--json", str(graph))
+    assert code == 2 and "is the input file" in err and graph.read_text() == before
+    code, _, err = run_plan(capsys, str(graph), "--gpus", "8", "--global-batch", "8",
+                            "--json", str(tmp_path / "missing" / "p.json"))
+    assert code == 2 and "does not exist" in err
+
+
+def test_infeasible_exits_3_with_explanation(capsys):
+    code, _, err = run_plan(capsys, GPT, "--gpus", "2", "--gpu-memory", "8GiB",
+                            "--global-batch", "8")
+    assert code == 3
+    assert "nothing fits in 8.00 GiB per GPU" in err and "over;" in err
+    assert "smallest GPU count that fits" in err
+    assert err.count("\n") == 1
+
+
+def test_module_entry_points_run_as_subprocesses(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "solver.plan", GPT, "--gpus", "8", "--global-batch", "16",
+         "--time-limit", "30"], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "torch.distributed.pipelining split points" in result.stdout
+    result = subprocess.run(
+        [sys.executable, "-m", "solver.evaluate", GPT, "--pp", "2", "--global-batch", "8",
+         "--split", "13,14"], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2 and "summing to 27" in result.stderr
+
+
+def test_solver_runs_without_torch(tmp_path):
+    """The solver package must import and plan with torch unavailable."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import solver, solver.chain, solver.cpsat, solver.milp, solver.cli\n"
+        f"from solver import load_graph, Cluster, TrainingConfig, plan\n"
+        f"p = plan(load_graph({GPT!r}), Cluster(num_gpus=8), TrainingConfig(global_batch=16))\n"
+        "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+        "print(p.config.label())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("pp")
