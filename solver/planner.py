@@ -122,7 +122,7 @@ def plan(
         evaluation=evaluation,
         solver=report,
         exports=build_exports(graph, entry.costs.config, evaluation.stage_layer_names()),
-        baselines={name: evaluate_assignment(graph, entry.costs, split_of(graph, entry.costs.pp),
+        baselines={name: evaluate_assignment(graph, entry.costs, split_of(graph, entry.costs.num_stages),
                                              cluster=cluster, training=training)
                    for name, split_of in BASELINES.items()},
         required_throughput=required,
