@@ -37,8 +37,14 @@ GPU_COUNTS = (8, 64, 512, 1024, 4096)
 
 def chain_graph(num_layers: int):
     hidden, heads = SHAPES[num_layers]
-    return gpt(f"gpt-{num_layers}L-h{hidden}", layers=num_layers - 2, s=2048, h=hidden, a=heads,
-               vocab=50257)
+    return gpt(
+        f"gpt-{num_layers}L-h{hidden}",
+        layers=num_layers - 2,
+        s=2048,
+        h=hidden,
+        a=heads,
+        vocab=50257,
+    )
 
 
 def time_search(graph, num_gpus: int, repeats: int) -> dict:
@@ -52,17 +58,26 @@ def time_search(graph, num_gpus: int, repeats: int) -> dict:
         except InfeasibleError as infeasible:
             error = infeasible
         walls.append(time.perf_counter() - start)
-    row = {"layers": graph.num_layers, "gpus": num_gpus, "global_batch": training.global_batch,
-           "wall_s_median": statistics.median(walls), "repeats": repeats}
+    row = {
+        "layers": graph.num_layers,
+        "gpus": num_gpus,
+        "global_batch": training.global_batch,
+        "wall_s_median": statistics.median(walls),
+        "repeats": repeats,
+    }
     if result is None:
-        return row | {"status": "INFEASIBLE", "config": "-", "peak_gib": error.best_peak_bytes / GIB,
-                      "note": str(error)[:120]}
+        return row | {
+            "status": "INFEASIBLE",
+            "config": "-",
+            "peak_gib": error.best_peak_bytes / GIB,
+            "note": str(error)[:120],
+        }
     even, params = result.baselines["even"], result.baselines["parameters"]
     return row | {
         "status": result.solver.status,
         "config": result.config.label(),
         "configs": f"{result.solver.configs_total}/{result.solver.configs_solved}/"
-                   f"{result.solver.configs_pruned}",
+        f"{result.solver.configs_pruned}",
         "peak_gib": result.peak_bytes / GIB,
         "throughput": result.throughput,
         "even_peak_gib": even.peak_bytes / GIB,
@@ -74,8 +89,12 @@ def time_search(graph, num_gpus: int, repeats: int) -> dict:
 
 def time_chain_solves(graph, stages: int, repeats: int, with_budget: bool) -> dict:
     config = ParallelConfig(pp=stages, tp=1, dp=2, micro_batch=1, num_microbatches=4 * stages)
-    costs = layer_costs(graph, config, Cluster(num_gpus=2 * stages),
-                        TrainingConfig(global_batch=config.global_batch))
+    costs = layer_costs(
+        graph,
+        config,
+        Cluster(num_gpus=2 * stages),
+        TrainingConfig(global_batch=config.global_batch),
+    )
     budget = None
     if with_budget:  # 10% above the fastest split's iteration time: a binding constraint
         fastest = solve_chain(StageProblem(costs=costs, objective="time"))
@@ -87,14 +106,21 @@ def time_chain_solves(graph, stages: int, repeats: int, with_budget: bool) -> di
         solution = solve_chain(problem)
         walls.append(time.perf_counter() - start)
     peak = None if solution.objective is None else solution.objective / GIB
-    return {"layers": graph.num_layers, "stages": stages, "budget": "1.1x fastest" if with_budget
-            else "none", "status": solution.status, "peak_gib": peak,
-            "wall_s_median": statistics.median(walls), "repeats": repeats}
+    return {
+        "layers": graph.num_layers,
+        "stages": stages,
+        "budget": "1.1x fastest" if with_budget else "none",
+        "status": solution.status,
+        "peak_gib": peak,
+        "wall_s_median": statistics.median(walls),
+        "repeats": repeats,
+    }
 
 
 def markdown(rows: list[dict], columns: list[str]) -> list[str]:
     def cell(value):
         return f"{value:.3f}" if isinstance(value, float) else str(value)
+
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
     return lines
@@ -114,40 +140,68 @@ def main() -> int:
             repeats = args.repeats if num_layers <= 400 else 1
             row = time_search(graph, num_gpus, repeats)
             search_rows.append(row)
-            print(f"{num_layers:5d} layers {num_gpus:5d} GPUs: {row['wall_s_median']:.2f} s "
-                  f"{row['status']} {row['config']} peak {row['peak_gib']:.2f} GiB "
-                  f"vs even {row.get('vs_even_pct', float('nan')):+.1f}%", flush=True)
+            print(
+                f"{num_layers:5d} layers {num_gpus:5d} GPUs: {row['wall_s_median']:.2f} s "
+                f"{row['status']} {row['config']} peak {row['peak_gib']:.2f} GiB "
+                f"vs even {row.get('vs_even_pct', float('nan')):+.1f}%",
+                flush=True,
+            )
     chain_rows = []
     big = chain_graph(2000 if not args.quick else 96)
     for stages in (s for s in (8, 32, 128) if s <= big.num_layers):
         for with_budget in (False, True):
             row = time_chain_solves(big, stages, 5, with_budget)
             chain_rows.append(row)
-            print(f"chain {row['layers']} x {stages} budget {row['budget']}: "
-                  f"{row['wall_s_median'] * 1e3:.1f} ms", flush=True)
+            print(
+                f"chain {row['layers']} x {stages} budget {row['budget']}: "
+                f"{row['wall_s_median'] * 1e3:.1f} ms",
+                flush=True,
+            )
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python scripts/bench_solver.py" + (" --quick" if args.quick else "")
-    search_cols = ["layers", "gpus", "global_batch", "wall_s_median", "status", "config",
-                   "configs", "peak_gib", "throughput", "even_peak_gib", "params_peak_gib",
-                   "vs_even_pct", "vs_params_pct"]
+    search_cols = [
+        "layers",
+        "gpus",
+        "global_batch",
+        "wall_s_median",
+        "status",
+        "config",
+        "configs",
+        "peak_gib",
+        "throughput",
+        "even_peak_gib",
+        "params_peak_gib",
+        "vs_even_pct",
+        "vs_params_pct",
+    ]
     chain_cols = ["layers", "stages", "budget", "status", "peak_gib", "wall_s_median"]
     with open(args.out / "bench_solver.csv", "w", newline="") as stream:
-        writer = csv.DictWriter(stream, fieldnames=["table", *search_cols, "repeats", "stages",
-                                                    "budget", "note"], extrasaction="ignore")
+        writer = csv.DictWriter(
+            stream,
+            fieldnames=["table", *search_cols, "repeats", "stages", "budget", "note"],
+            extrasaction="ignore",
+        )
         writer.writeheader()
         writer.writerows({"table": "search", **row} for row in search_rows)
         writer.writerows({"table": "chain", **row} for row in chain_rows)
     lines = [
-        "# Solver benchmark", "",
+        "# Solver benchmark",
+        "",
         f"Command: `{command}`  ",
         f"Machine: {platform.processor() or platform.machine()}, Python "
-        f"{platform.python_version()}, run {time.strftime('%Y-%m-%d')}", "",
+        f"{platform.python_version()}, run {time.strftime('%Y-%m-%d')}",
+        "",
         "## Full config search (80 GiB GPUs, 8 per node, max slowdown 1.25, ZeRO 0, micro-batch "
-        "1/2/4)", "",
-        "configs = total/solved/pruned; vs_* = plan peak vs that split of the same config.", "",
-        *markdown(search_rows, search_cols), "",
-        "## Per-config exact chain solves (memory objective)", "",
-        *markdown(chain_rows, chain_cols), "",
+        "1/2/4)",
+        "",
+        "configs = total/solved/pruned; vs_* = plan peak vs that split of the same config.",
+        "",
+        *markdown(search_rows, search_cols),
+        "",
+        "## Per-config exact chain solves (memory objective)",
+        "",
+        *markdown(chain_rows, chain_cols),
+        "",
     ]
     (args.out / "bench_solver.md").write_text("\n".join(lines))
     print(f"wrote {args.out / 'bench_solver.md'}")

@@ -103,8 +103,14 @@ def gpt(model: str, *, layers: int, s: int, h: int, a: int, vocab: int) -> Layer
     items = [embedding("embed", s=s, h=h, vocab=vocab, positions=True)]
     items += [gpt_block(f"layers.{i}", s=s, h=h, a=a) for i in range(layers)]
     items.append(lm_head("head", s=s, h=h, vocab=vocab))
-    meta = {"seq_len": s, "hidden": h, "heads": a, "vocab": vocab, "dtype": "bf16",
-            "profiled_by": PROFILED_BY}
+    meta = {
+        "seq_len": s,
+        "hidden": h,
+        "heads": a,
+        "vocab": vocab,
+        "dtype": "bf16",
+        "profiled_by": PROFILED_BY,
+    }
     return _graph(model, items, meta=meta)
 
 
@@ -141,8 +147,16 @@ def t5_dag(*, blocks: int, s: int, h: int, a: int, vocab: int) -> LayerGraph:
     items = [embedding("enc_embed", s=s, h=h, vocab=vocab, positions=False)]
     items += [gpt_block(f"encoder.{i}", s=s, h=h, a=a) for i in range(blocks)]
     # Final encoder LayerNorm: 2h params, saves its 2sh input; ~8 FLOPs per element.
-    items.append({"name": "enc_final_norm", "kind": "other", "params": 2 * h,
-                  "activation_bytes": out, "output_bytes": out, "fwd_flops": 8 * s * h})
+    items.append(
+        {
+            "name": "enc_final_norm",
+            "kind": "other",
+            "params": 2 * h,
+            "activation_bytes": out,
+            "output_bytes": out,
+            "fwd_flops": 8 * s * h,
+        }
+    )
     items.append(embedding("dec_embed", s=s, h=h, vocab=vocab, positions=False))
     items += [t5_decoder_block(f"decoder.{i}", s=s, h=h, a=a) for i in range(blocks)]
     items.append(lm_head("head", s=s, h=h, vocab=vocab))
@@ -151,8 +165,16 @@ def t5_dag(*, blocks: int, s: int, h: int, a: int, vocab: int) -> LayerGraph:
     decoder = ["dec_embed", *[f"decoder.{i}" for i in range(blocks)], "head"]
     edges = [(u, v) for path in (chain, decoder) for u, v in pairwise(path)]
     edges += [("enc_final_norm", f"decoder.{i}") for i in range(blocks)]
-    meta = {"seq_len": s, "hidden": h, "heads": a, "vocab": vocab, "dtype": "bf16",
-            "profiled_by": PROFILED_BY, "encoder_layers": blocks, "decoder_layers": blocks}
+    meta = {
+        "seq_len": s,
+        "hidden": h,
+        "heads": a,
+        "vocab": vocab,
+        "dtype": "bf16",
+        "profiled_by": PROFILED_BY,
+        "encoder_layers": blocks,
+        "decoder_layers": blocks,
+    }
     return _graph("t5-style-6+6 (closed form)", items, edges=edges, meta=meta)
 
 
@@ -166,8 +188,9 @@ def conv_units(units: list[tuple[int, int, int, int, int, bool]]) -> dict[str, i
     total = {"params": 0, "activation_bytes": 0, "fwd_flops": 0}
     for r_in, r_out, c_in, c_out, k, relu in units:
         total["params"] += k * k * c_in * c_out + 2 * c_out
-        total["activation_bytes"] += BF16 * (r_in * r_in * c_in + r_out * r_out * c_out
-                                             * (2 if relu else 1))
+        total["activation_bytes"] += BF16 * (
+            r_in * r_in * c_in + r_out * r_out * c_out * (2 if relu else 1)
+        )
         total["fwd_flops"] += 2 * k * k * c_in * c_out * r_out * r_out
     return total
 
@@ -207,46 +230,86 @@ def resnet_skip_dag(*, image: int = 224, classes: int = 21843) -> LayerGraph:
         for b in range(num_blocks):
             c_in, r_block = (channels, r_in) if b == 0 else (out_channels, r)
             s_ = stride if b == 0 else 1
-            main = conv_units([(r_block, r_block, c_in, mid, 1, True),
-                               (r_block, r_block // s_, mid, mid, 3, True),
-                               (r, r, mid, out_channels, 1, False)])
+            main = conv_units(
+                [
+                    (r_block, r_block, c_in, mid, 1, True),
+                    (r_block, r_block // s_, mid, mid, 3, True),
+                    (r, r, mid, out_channels, 1, False),
+                ]
+            )
             name = f"conv{stage + 1}.{b}"
             if b == 0:
-                main_name = add({"name": f"{name}.main", "kind": "block", **main,
-                                 "output_bytes": out_bytes}, previous)
+                main_name = add(
+                    {"name": f"{name}.main", "kind": "block", **main, "output_bytes": out_bytes},
+                    previous,
+                )
                 proj = conv_units([(r_block, r, c_in, out_channels, 1, False)])
-                proj_name = add({"name": f"{name}.proj", "kind": "other", **proj,
-                                 "output_bytes": out_bytes}, previous)
+                proj_name = add(
+                    {"name": f"{name}.proj", "kind": "other", **proj, "output_bytes": out_bytes},
+                    previous,
+                )
                 # Residual add + ReLU: saves the ReLU output; 2 FLOPs per element.
-                previous = add({"name": f"{name}.add", "kind": "other", "params": 0,
-                                "activation_bytes": out_bytes, "output_bytes": out_bytes,
-                                "fwd_flops": 2 * r * r * out_channels}, main_name, proj_name)
+                previous = add(
+                    {
+                        "name": f"{name}.add",
+                        "kind": "other",
+                        "params": 0,
+                        "activation_bytes": out_bytes,
+                        "output_bytes": out_bytes,
+                        "fwd_flops": 2 * r * r * out_channels,
+                    },
+                    main_name,
+                    proj_name,
+                )
             else:
                 # Identity shortcut inside the layer: add + ReLU saves one more map.
                 main["activation_bytes"] += out_bytes
                 main["fwd_flops"] += 2 * r * r * out_channels
-                previous = add({"name": name, "kind": "block", **main,
-                                "output_bytes": out_bytes}, previous)
+                previous = add(
+                    {"name": name, "kind": "block", **main, "output_bytes": out_bytes}, previous
+                )
         channels = out_channels
         if stage == 2:
             long_skip = previous
     # Head: average-pool conv5 (7x7x2048) and conv3 (28x28x512) to 2560 features, FC to the
     # classes, softmax cross-entropy. Saves the pooled features and the fp32 logits.
     features = channels + 512
-    add({"name": "head", "kind": "head", "params": features * classes + classes,
-         "activation_bytes": BF16 * features + 4 * classes, "output_bytes": 4,
-         "fwd_flops": r * r * channels + 28 * 28 * 512 + 2 * features * classes},
-        previous, long_skip)
-    meta = {"image_size": image, "num_classes": classes, "dtype": "bf16",
-            "profiled_by": PROFILED_BY}
+    add(
+        {
+            "name": "head",
+            "kind": "head",
+            "params": features * classes + classes,
+            "activation_bytes": BF16 * features + 4 * classes,
+            "output_bytes": 4,
+            "fwd_flops": r * r * channels + 28 * 28 * 512 + 2 * features * classes,
+        },
+        previous,
+        long_skip,
+    )
+    meta = {
+        "image_size": image,
+        "num_classes": classes,
+        "dtype": "bf16",
+        "profiled_by": PROFILED_BY,
+    }
     return _graph("resnet50-skip (closed form)", items, edges=edges, meta=meta)
 
 
-def _graph(model: str, layers: list[dict[str, Any]], *, meta: dict[str, Any],
-           edges: list[tuple[str, str]] | None = None) -> LayerGraph:
+def _graph(
+    model: str,
+    layers: list[dict[str, Any]],
+    *,
+    meta: dict[str, Any],
+    edges: list[tuple[str, str]] | None = None,
+) -> LayerGraph:
     """Validate through the loader; an edge carries its source layer's output_bytes."""
-    document: dict[str, Any] = {"format": "layer-graph", "version": 1, "model": model,
-                                "meta": meta, "layers": layers}
+    document: dict[str, Any] = {
+        "format": "layer-graph",
+        "version": 1,
+        "model": model,
+        "meta": meta,
+        "layers": layers,
+    }
     if edges is not None:
         output = {layer["name"]: layer["output_bytes"] for layer in layers}
         document["edges"] = [{"src": u, "dst": v, "bytes": output[u]} for u, v in edges]
@@ -257,10 +320,12 @@ def build_examples() -> dict[str, LayerGraph]:
     """File name -> graph."""
     return {
         # GPT-3 XL shape (Brown et al. 2020, table 2.1), untied head: the quick-start default.
-        "gpt-1.3b.json": gpt("gpt-1.3b (GPT-3 XL shape, closed form)",
-                             layers=24, s=2048, h=2048, a=16, vocab=50257),
-        "gpt3-175b.json": gpt("gpt3-175b (closed form)",
-                              layers=96, s=2048, h=12288, a=96, vocab=50257),
+        "gpt-1.3b.json": gpt(
+            "gpt-1.3b (GPT-3 XL shape, closed form)", layers=24, s=2048, h=2048, a=16, vocab=50257
+        ),
+        "gpt3-175b.json": gpt(
+            "gpt3-175b (closed form)", layers=96, s=2048, h=12288, a=96, vocab=50257
+        ),
         "t5-dag.json": t5_dag(blocks=6, s=512, h=768, a=12, vocab=32128),
         "resnet-skip-dag.json": resnet_skip_dag(),
     }
@@ -274,8 +339,10 @@ def main() -> int:
     for filename, graph in build_examples().items():
         graph.save(args.out / filename)
         params = sum(layer.params for layer in graph.layers)
-        print(f"{args.out / filename}: {graph.num_layers} layers, {len(graph.edges)} edges, "
-              f"{params:,} parameters")
+        print(
+            f"{args.out / filename}: {graph.num_layers} layers, {len(graph.edges)} edges, "
+            f"{params:,} parameters"
+        )
     return 0
 
 

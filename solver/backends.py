@@ -15,8 +15,10 @@ def resolve_backend(backend: str, graph_is_chain: bool) -> str:
     if backend == "auto":
         return "chain" if graph_is_chain else "cpsat"
     if backend == "chain" and not graph_is_chain:
-        raise InputError("--backend chain needs a chain graph (each layer feeds only the next); "
-                         "this graph is a DAG: use --backend cpsat or milp")
+        raise InputError(
+            "--backend chain needs a chain graph (each layer feeds only the next); "
+            "this graph is a DAG: use --backend cpsat or milp"
+        )
     return backend
 
 
@@ -36,8 +38,7 @@ def solve(
     if backend == "cpsat":
         from solver.cpsat import solve_cpsat
 
-        return solve_cpsat(problem, time_limit_s=time_limit_s, hint=hint,
-                           num_workers=num_workers)
+        return solve_cpsat(problem, time_limit_s=time_limit_s, hint=hint, num_workers=num_workers)
     if backend == "milp":
         from solver.milp import solve_milp
 

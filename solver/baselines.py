@@ -72,9 +72,12 @@ def _fill(weights: np.ndarray, limit: int, num_stages: int) -> list[int]:
     for i, weight in enumerate(weights):
         layers_left = num_layers - i
         stages_left = num_stages - stage - 1
-        if assignment and stage < num_stages - 1 and (
-            load + weight > limit or layers_left <= stages_left
-        ) and load > 0:
+        if (
+            assignment
+            and stage < num_stages - 1
+            and (load + weight > limit or layers_left <= stages_left)
+            and load > 0
+        ):
             stage, load = stage + 1, 0
         assignment.append(stage)
         load += weight

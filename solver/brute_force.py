@@ -12,7 +12,7 @@ def solve_brute_force(problem: StageProblem) -> StageSolution:
     """Try all p**L assignments (keep L <= ~10); ties go to the lexicographically first one."""
     start = time.perf_counter()
     best: tuple[int, tuple[int, ...]] | None = None
-    edges = list(zip(problem.costs.edge_src.tolist(), problem.costs.edge_dst.tolist()))
+    edges = list(zip(problem.costs.edge_src.tolist(), problem.costs.edge_dst.tolist(), strict=True))
     num_stages = problem.num_stages
     for stage_of in itertools.product(range(num_stages), repeat=problem.num_layers):
         # cheap structural filters first (order, non-empty), then the full check
@@ -25,7 +25,19 @@ def solve_brute_force(problem: StageProblem) -> StageSolution:
             best = (value, stage_of)
     wall = time.perf_counter() - start
     if best is None:
-        return StageSolution(status=INFEASIBLE, stage_of_layer=None, objective=None, bound=0,
-                             wall_s=wall, backend="brute-force")
-    return StageSolution(status=OPTIMAL, stage_of_layer=list(best[1]), objective=best[0],
-                         bound=best[0], wall_s=wall, backend="brute-force")
+        return StageSolution(
+            status=INFEASIBLE,
+            stage_of_layer=None,
+            objective=None,
+            bound=0,
+            wall_s=wall,
+            backend="brute-force",
+        )
+    return StageSolution(
+        status=OPTIMAL,
+        stage_of_layer=list(best[1]),
+        objective=best[0],
+        bound=best[0],
+        wall_s=wall,
+        backend="brute-force",
+    )

@@ -26,14 +26,18 @@ def check_pinned_degrees(cluster: Cluster, training: TrainingConfig) -> None:
     product = math.prod(given.values())
     text = " * ".join(f"{name}({value})" for name, value in given.items())
     if len(given) == 3 and product != cluster.num_gpus:
-        raise InputError(f"pinned config {text} = {product} != gpus({cluster.num_gpus}); "
-                         "pin degrees whose product is the GPU count, or pin fewer of them")
+        raise InputError(
+            f"pinned config {text} = {product} != gpus({cluster.num_gpus}); "
+            "pin degrees whose product is the GPU count, or pin fewer of them"
+        )
     if given and cluster.num_gpus % product:
         raise InputError(f"pinned {text} = {product} does not divide gpus({cluster.num_gpus})")
     tp = given.get("tp")
     if tp is not None and cluster.gpus_per_node % tp:
-        raise InputError(f"pinned tp({tp}) does not divide gpus_per_node"
-                         f"({cluster.gpus_per_node}); tensor parallelism stays inside a node")
+        raise InputError(
+            f"pinned tp({tp}) does not divide gpus_per_node"
+            f"({cluster.gpus_per_node}); tensor parallelism stays inside a node"
+        )
 
 
 def candidate_configs(
@@ -52,17 +56,27 @@ def candidate_configs(
             dp = cluster.num_gpus // (pp * tp)
             if training.dp not in (None, dp):
                 continue
-            zero_stages = sorted(set(training.zero_stages)) if dp > 1 else [
-                min(training.zero_stages)]
+            zero_stages = (
+                sorted(set(training.zero_stages)) if dp > 1 else [min(training.zero_stages)]
+            )
             for micro_batch in sorted(set(training.micro_batch_sizes)):
                 if training.global_batch % (dp * micro_batch):
                     continue
                 m = training.global_batch // (dp * micro_batch)
                 for zero in zero_stages:
                     for recompute in recompute_modes:
-                        configs.append(ParallelConfig(
-                            pp=pp, tp=tp, dp=dp, micro_batch=micro_batch, num_microbatches=m,
-                            zero=zero, recompute=recompute, schedule=training.schedule))
+                        configs.append(
+                            ParallelConfig(
+                                pp=pp,
+                                tp=tp,
+                                dp=dp,
+                                micro_batch=micro_batch,
+                                num_microbatches=m,
+                                zero=zero,
+                                recompute=recompute,
+                                schedule=training.schedule,
+                            )
+                        )
     if not configs:
         raise InputError(_why_no_config(num_layers, cluster, training))
     return configs

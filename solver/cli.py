@@ -33,7 +33,9 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
     if not values:
         raise argparse.ArgumentTypeError("expected at least one integer")
     return values
@@ -43,7 +45,7 @@ def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -53,7 +55,7 @@ def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
@@ -72,48 +74,78 @@ def _size(text: str) -> int:
     try:
         return parse_bytes(text, what="--gpu-memory")
     except InputError as error:
-        raise argparse.ArgumentTypeError(str(error))
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _add_graph_and_cluster(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("graph", help="layer-graph JSON file (docs/layer-graph.md)")
     cluster = parser.add_argument_group("cluster")
-    cluster.add_argument("--gpu-memory", type=_size, default=80 * 2**30,
-                         help="memory per GPU, e.g. 80GiB, 40GB (default 80GiB)")
+    cluster.add_argument(
+        "--gpu-memory",
+        type=_size,
+        default=80 * 2**30,
+        help="memory per GPU, e.g. 80GiB, 40GB (default 80GiB)",
+    )
     cluster.add_argument("--gpus-per-node", type=_positive_int, default=8)
-    cluster.add_argument("--gpu-tflops", type=_positive_float, default=989.0,
-                         help="peak dense TFLOP/s per GPU (default 989, H100 bf16)")
-    cluster.add_argument("--flops-efficiency", type=_positive_float, default=0.5,
-                         help="fraction of peak FLOP/s reached (default 0.5)")
-    cluster.add_argument("--intra-node-gbps", type=_positive_float, default=450.0,
-                         help="per-GPU intra-node bandwidth, GB/s (default 450)")
-    cluster.add_argument("--inter-node-gbps", type=_positive_float, default=50.0,
-                         help="per-GPU inter-node bandwidth, GB/s (default 50)")
+    cluster.add_argument(
+        "--gpu-tflops",
+        type=_positive_float,
+        default=989.0,
+        help="peak dense TFLOP/s per GPU (default 989, H100 bf16)",
+    )
+    cluster.add_argument(
+        "--flops-efficiency",
+        type=_positive_float,
+        default=0.5,
+        help="fraction of peak FLOP/s reached (default 0.5)",
+    )
+    cluster.add_argument(
+        "--intra-node-gbps",
+        type=_positive_float,
+        default=450.0,
+        help="per-GPU intra-node bandwidth, GB/s (default 450)",
+    )
+    cluster.add_argument(
+        "--inter-node-gbps",
+        type=_positive_float,
+        default=50.0,
+        help="per-GPU inter-node bandwidth, GB/s (default 50)",
+    )
     training = parser.add_argument_group("training")
-    training.add_argument("--global-batch", type=_positive_int, required=True,
-                          help="samples per optimizer step")
+    training.add_argument(
+        "--global-batch", type=_positive_int, required=True, help="samples per optimizer step"
+    )
     training.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
-    training.add_argument("--bytes-per-param", type=_int_list, default=[2, 2, 12],
-                          help="weights,grads,optimizer bytes per parameter (default 2,2,12)")
+    training.add_argument(
+        "--bytes-per-param",
+        type=_int_list,
+        default=[2, 2, 12],
+        help="weights,grads,optimizer bytes per parameter (default 2,2,12)",
+    )
     parser.add_argument("--json", metavar="OUT", help="also write the result as JSON to OUT")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
 
 
 def _cluster(args: argparse.Namespace, num_gpus: int) -> Cluster:
-    return Cluster(num_gpus=num_gpus, gpu_memory_bytes=args.gpu_memory,
-                   gpus_per_node=args.gpus_per_node, gpu_flops=args.gpu_tflops * 1e12,
-                   flops_efficiency=min(args.flops_efficiency, 1.0),
-                   intra_node_gb_per_s=args.intra_node_gbps,
-                   inter_node_gb_per_s=args.inter_node_gbps)
+    return Cluster(
+        num_gpus=num_gpus,
+        gpu_memory_bytes=args.gpu_memory,
+        gpus_per_node=args.gpus_per_node,
+        gpu_flops=args.gpu_tflops * 1e12,
+        flops_efficiency=min(args.flops_efficiency, 1.0),
+        intra_node_gb_per_s=args.intra_node_gbps,
+        inter_node_gb_per_s=args.inter_node_gbps,
+    )
 
 
 def _bytes_per_param(args: argparse.Namespace) -> dict[str, int]:
     if len(args.bytes_per_param) != 3:
-        raise InputError(f"--bytes-per-param: give 3 numbers (weights,grads,optimizer), got "
-                         f"{args.bytes_per_param}")
+        raise InputError(
+            f"--bytes-per-param: give 3 numbers (weights,grads,optimizer), got "
+            f"{args.bytes_per_param}"
+        )
     w, g, o = args.bytes_per_param
-    return {"weight_bytes_per_param": w, "grad_bytes_per_param": g,
-            "optimizer_bytes_per_param": o}
+    return {"weight_bytes_per_param": w, "grad_bytes_per_param": g, "optimizer_bytes_per_param": o}
 
 
 def _zero_stages(text: str) -> tuple[int, ...]:
@@ -138,35 +170,68 @@ def write_json(path: str, document: dict[str, Any], *, protect: list[str]) -> No
 
 
 def plan_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m solver.plan",
-                     description="Find the PP x TP x DP config and layer split that minimise the "
-                                 "largest per-GPU peak memory, with a proof of optimality.")
+    parser = _Parser(
+        prog="python -m solver.plan",
+        description="Find the PP x TP x DP config and layer split that minimise the "
+        "largest per-GPU peak memory, with a proof of optimality.",
+    )
     parser.add_argument("--gpus", type=_positive_int, required=True, help="number of GPUs")
     _add_graph_and_cluster(parser)
     search = parser.add_argument_group("search space")
-    search.add_argument("--micro-batch", type=_int_list, default=[1, 2, 4],
-                        help="candidate micro-batch sizes (default 1,2,4)")
-    search.add_argument("--zero", choices=["0", "1", "2", "3", "auto"], default="0",
-                        help="ZeRO stage, or auto to search 0..3 (default 0)")
-    search.add_argument("--recompute", choices=["none", "full", "auto"], default="none",
-                        help="full activation recomputation: none, full, or auto (search both)")
+    search.add_argument(
+        "--micro-batch",
+        type=_int_list,
+        default=[1, 2, 4],
+        help="candidate micro-batch sizes (default 1,2,4)",
+    )
+    search.add_argument(
+        "--zero",
+        choices=["0", "1", "2", "3", "auto"],
+        default="0",
+        help="ZeRO stage, or auto to search 0..3 (default 0)",
+    )
+    search.add_argument(
+        "--recompute",
+        choices=["none", "full", "auto"],
+        default="none",
+        help="full activation recomputation: none, full, or auto (search both)",
+    )
     search.add_argument("--pp", type=_positive_int, help="pin the pipeline degree")
     search.add_argument("--tp", type=_positive_int, help="pin the tensor-parallel degree")
     search.add_argument("--dp", type=_positive_int, help="pin the data-parallel degree")
     goal = parser.add_argument_group("objective and constraints")
     goal.add_argument("--objective", choices=["memory", "throughput"], default="memory")
-    goal.add_argument("--min-throughput", type=_positive_float, metavar="SAMPLES_PER_S",
-                      help="plans must reach this many samples/s (overrides --max-slowdown)")
-    goal.add_argument("--max-slowdown", type=_slowdown, default=1.25, metavar="F",
-                      help="at most F times slower than the fastest plan that fits (default "
-                           "1.25; 'none' disables)")
+    goal.add_argument(
+        "--min-throughput",
+        type=_positive_float,
+        metavar="SAMPLES_PER_S",
+        help="plans must reach this many samples/s (overrides --max-slowdown)",
+    )
+    goal.add_argument(
+        "--max-slowdown",
+        type=_slowdown,
+        default=1.25,
+        metavar="F",
+        help="at most F times slower than the fastest plan that fits (default "
+        "1.25; 'none' disables)",
+    )
     solver = parser.add_argument_group("solver")
-    solver.add_argument("--backend", choices=["auto", "cpsat", "milp", "chain"], default="auto",
-                        help="auto: exact chain algorithm on chains, CP-SAT on DAGs")
-    solver.add_argument("--time-limit", type=_positive_float, default=60.0, metavar="S",
-                        help="wall-clock limit for the whole search, seconds (default 60)")
-    solver.add_argument("--workers", type=_positive_int, default=1,
-                        help="CP-SAT worker threads (1 = deterministic)")
+    solver.add_argument(
+        "--backend",
+        choices=["auto", "cpsat", "milp", "chain"],
+        default="auto",
+        help="auto: exact chain algorithm on chains, CP-SAT on DAGs",
+    )
+    solver.add_argument(
+        "--time-limit",
+        type=_positive_float,
+        default=60.0,
+        metavar="S",
+        help="wall-clock limit for the whole search, seconds (default 60)",
+    )
+    solver.add_argument(
+        "--workers", type=_positive_int, default=1, help="CP-SAT worker threads (1 = deterministic)"
+    )
     return parser
 
 
@@ -179,13 +244,27 @@ def plan_main(argv: list[str] | None = None) -> int:
 
         graph = load_graph(args.graph)
         training = TrainingConfig(
-            global_batch=args.global_batch, micro_batch_sizes=tuple(args.micro_batch),
-            zero_stages=_zero_stages(args.zero), recompute=args.recompute,
-            schedule=args.schedule, pp=args.pp, tp=args.tp, dp=args.dp,
-            min_throughput=args.min_throughput, max_slowdown=args.max_slowdown,
-            objective=args.objective, **_bytes_per_param(args))
-        result = plan(graph, _cluster(args, args.gpus), training, backend=args.backend,
-                      time_limit_s=args.time_limit, num_workers=args.workers)
+            global_batch=args.global_batch,
+            micro_batch_sizes=tuple(args.micro_batch),
+            zero_stages=_zero_stages(args.zero),
+            recompute=args.recompute,
+            schedule=args.schedule,
+            pp=args.pp,
+            tp=args.tp,
+            dp=args.dp,
+            min_throughput=args.min_throughput,
+            max_slowdown=args.max_slowdown,
+            objective=args.objective,
+            **_bytes_per_param(args),
+        )
+        result = plan(
+            graph,
+            _cluster(args, args.gpus),
+            training,
+            backend=args.backend,
+            time_limit_s=args.time_limit,
+            num_workers=args.workers,
+        )
         if args.json:
             write_json(args.json, plan_to_dict(result), protect=[args.graph])
         if not args.quiet:
@@ -197,17 +276,21 @@ def plan_main(argv: list[str] | None = None) -> int:
 
 
 def evaluate_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m solver.evaluate",
-                     description="Per-stage peak memory and time of a given split and config.")
+    parser = _Parser(
+        prog="python -m solver.evaluate",
+        description="Per-stage peak memory and time of a given split and config.",
+    )
     parser.add_argument("--pp", type=_positive_int, required=True)
     parser.add_argument("--tp", type=_positive_int, default=1)
     parser.add_argument("--dp", type=_positive_int, default=1)
     parser.add_argument("--micro-batch", type=_positive_int, default=1)
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     parser.add_argument("--recompute", choices=["none", "full"], default="none")
-    parser.add_argument("--split", required=True,
-                        help="even | parameters | layer counts per stage (5,7,7,5) | a stage "
-                             "index per layer")
+    parser.add_argument(
+        "--split",
+        required=True,
+        help="even | parameters | layer counts per stage (5,7,7,5) | a stage index per layer",
+    )
     _add_graph_and_cluster(parser)
     return parser
 
@@ -220,12 +303,20 @@ def evaluate_main(argv: list[str] | None = None) -> int:
 
         graph = load_graph(args.graph)
         if args.global_batch % (args.dp * args.micro_batch):
-            raise InputError(f"--global-batch {args.global_batch} is not a multiple of dp("
-                             f"{args.dp}) * micro-batch({args.micro_batch})")
+            raise InputError(
+                f"--global-batch {args.global_batch} is not a multiple of dp("
+                f"{args.dp}) * micro-batch({args.micro_batch})"
+            )
         config = ParallelConfig(
-            pp=args.pp, tp=args.tp, dp=args.dp, micro_batch=args.micro_batch,
-            num_microbatches=args.global_batch // (args.dp * args.micro_batch), zero=args.zero,
-            recompute=args.recompute, schedule=args.schedule)
+            pp=args.pp,
+            tp=args.tp,
+            dp=args.dp,
+            micro_batch=args.micro_batch,
+            num_microbatches=args.global_batch // (args.dp * args.micro_batch),
+            zero=args.zero,
+            recompute=args.recompute,
+            schedule=args.schedule,
+        )
         if args.tp > args.gpus_per_node or args.gpus_per_node % args.tp:
             raise InputError(f"--tp {args.tp} must divide --gpus-per-node {args.gpus_per_node}")
         split: str | list[int] = args.split
@@ -233,19 +324,28 @@ def evaluate_main(argv: list[str] | None = None) -> int:
             try:
                 split = [int(part) for part in args.split.split(",")]
             except ValueError:
-                raise InputError(f"--split {args.split!r}: use even, parameters, or "
-                                 "comma-separated integers")
-        training = TrainingConfig(global_batch=args.global_batch,
-                                  micro_batch_sizes=(args.micro_batch,),
-                                  zero_stages=(args.zero,), recompute=args.recompute,
-                                  schedule=args.schedule, **_bytes_per_param(args))
-        result = evaluate(graph, config, split, cluster=_cluster(args, config.num_gpus),
-                          training=training)
+                raise InputError(
+                    f"--split {args.split!r}: use even, parameters, or comma-separated integers"
+                ) from None
+        training = TrainingConfig(
+            global_batch=args.global_batch,
+            micro_batch_sizes=(args.micro_batch,),
+            zero_stages=(args.zero,),
+            recompute=args.recompute,
+            schedule=args.schedule,
+            **_bytes_per_param(args),
+        )
+        result = evaluate(
+            graph, config, split, cluster=_cluster(args, config.num_gpus), training=training
+        )
         if args.json:
             write_json(args.json, evaluation_to_dict(result), protect=[args.graph])
         if not args.quiet:
-            print(format_evaluation(result, f"Split {args.split} of {graph.model} on "
-                                            f"{config.num_gpus} GPUs"))
+            print(
+                format_evaluation(
+                    result, f"Split {args.split} of {graph.model} on {config.num_gpus} GPUs"
+                )
+            )
     except PlannerError as error:
         sys.stderr.write(f"error: {error}\n")
         return error.exit_code

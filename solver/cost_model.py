@@ -10,7 +10,7 @@ moments; ZeRO paper), ZeRO stage z, stages s = 0..p-1.
 Memory of stage s (bytes per GPU):
   P'_l = (params - tp_params) + tp_params / t                        parameters held per GPU
   A'_l = (activation_bytes - tp_activation_bytes) + tp_act / t        saved bytes per sample per GPU
-  states_s  = sum_l P'_l (w / d[z>=3] + g / d[z>=2] + o / d[z>=1])     each term rounded up per layer
+  states_s  = sum_l P'_l (w / d[z>=3] + g / d[z>=2] + o / d[z>=1])  each term rounded up per layer
   k_s       = min(m, p - s) under 1F1B, m under GPipe                  micro-batches in flight
   stored_l  = b A'_l, or b output_bytes_l with full recomputation     per micro-batch, rounded up
   relay     = b bytes of every edge u->v with stage(u) < s < stage(v)  (passed along by stage s)
@@ -59,7 +59,9 @@ def saved_bytes_per_gpu(layer: Layer, tp: int) -> Fraction:
     )
 
 
-def in_flight_microbatches(schedule: str, num_microbatches: int, num_stages: int, stage: int) -> int:
+def in_flight_microbatches(
+    schedule: str, num_microbatches: int, num_stages: int, stage: int
+) -> int:
     """k_s: micro-batches whose activations stage s holds at its peak (s is 0-based).
 
     1F1B: stage s runs p - s warm-up forwards before its first backward (Narayanan et al. 2021).
@@ -141,13 +143,17 @@ def layer_costs(
     """
     t, d, b, z = config.tp, config.dp, config.micro_batch, config.zero
     recompute = config.recompute == "full"
-    w, g, o = (training.weight_bytes_per_param, training.grad_bytes_per_param,
-               training.optimizer_bytes_per_param)
+    w, g, o = (
+        training.weight_bytes_per_param,
+        training.grad_bytes_per_param,
+        training.optimizer_bytes_per_param,
+    )
     cols = _graph_columns(graph)
     # t * P'_l and t * A'_l are integers: ceil(t P' x / (t n)) is then exact.
     params_times_t = (cols["params"] - cols["tp_params"]) * t + cols["tp_params"]
     saved_times_t = (cols["activation_bytes"] - cols["tp_activation_bytes"]) * t + cols[
-        "tp_activation_bytes"]
+        "tp_activation_bytes"
+    ]
     weight = _ceil_div(params_times_t * w, t * (d if z >= 3 else 1))
     grad = _ceil_div(params_times_t * g, t * (d if z >= 2 else 1))
     optimizer = _ceil_div(params_times_t * o, t * (d if z >= 1 else 1))
@@ -159,17 +165,22 @@ def layer_costs(
         transient = b * cols["transient_bytes"]
     rate_per_ms = cluster.gpu_flops * cluster.flops_efficiency / 1e3
     fwd_ms = np.where(cols["measured"], cols["fwd_ms"], cols["fwd_flops"] / rate_per_ms)
-    total_ms = np.where(cols["measured"], cols["fwd_ms"] + cols["bwd_ms"],
-                        (cols["fwd_flops"] + cols["bwd_flops"]) / rate_per_ms)
+    total_ms = np.where(
+        cols["measured"],
+        cols["fwd_ms"] + cols["bwd_ms"],
+        (cols["fwd_flops"] + cols["bwd_flops"]) / rate_per_ms,
+    )
     compute_ms = b * (total_ms + (fwd_ms if recompute else 0.0)) / t
     # GB/s == bytes/ns; ring all-reduce moves 2 (t-1)/t of the buffer per GPU.
     tp_comm_ns = b * cols["tp_comm_bytes"] * 2 * (t - 1) / t / cluster.intra_node_gb_per_s
     time_ns = np.ceil(compute_ms * NS_PER_MS + tp_comm_ns)
-    sync_bytes_per_ns = (cluster.intra_node_gb_per_s if t * d <= cluster.gpus_per_node
-                         else cluster.inter_node_gb_per_s)
+    sync_bytes_per_ns = (
+        cluster.intra_node_gb_per_s
+        if t * d <= cluster.gpus_per_node
+        else cluster.inter_node_gb_per_s
+    )
     sync_rounds = 3 if z >= 3 else 2
-    dp_sync_ns = np.ceil(sync_rounds * (d - 1) * params_times_t * g
-                         / (d * t * sync_bytes_per_ns))
+    dp_sync_ns = np.ceil(sync_rounds * (d - 1) * params_times_t * g / (d * t * sync_bytes_per_ns))
     as_int = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
     return LayerCosts(
         config=config,
@@ -203,16 +214,26 @@ def _graph_columns(graph: LayerGraph) -> dict[str, np.ndarray]:
     ints = lambda key: np.array([getattr(x, key) for x in layers], dtype=np.int64)  # noqa: E731
     measured = np.array([x.fwd_ms is not None and x.bwd_ms is not None for x in layers])
     position = graph.index()
-    cols = {key: ints(key) for key in ("params", "tp_params", "activation_bytes",
-                                       "tp_activation_bytes", "output_bytes", "tp_comm_bytes",
-                                       "transient_bytes")}
+    cols = {
+        key: ints(key)
+        for key in (
+            "params",
+            "tp_params",
+            "activation_bytes",
+            "tp_activation_bytes",
+            "output_bytes",
+            "tp_comm_bytes",
+            "transient_bytes",
+        )
+    }
     cols.update(
         measured=measured,
         fwd_ms=np.array([x.fwd_ms or 0.0 for x in layers]),
         bwd_ms=np.array([x.bwd_ms or 0.0 for x in layers]),
         fwd_flops=np.array([x.fwd_flops for x in layers], dtype=float),
-        bwd_flops=np.array([2 * x.fwd_flops if x.bwd_flops is None else x.bwd_flops
-                            for x in layers], dtype=float),
+        bwd_flops=np.array(
+            [2 * x.fwd_flops if x.bwd_flops is None else x.bwd_flops for x in layers], dtype=float
+        ),
         edge_src=np.array([position[e.src] for e in graph.edges], dtype=np.int64),
         edge_dst=np.array([position[e.dst] for e in graph.edges], dtype=np.int64),
         edge_bytes=np.array([e.bytes for e in graph.edges], dtype=np.int64),
@@ -242,8 +263,14 @@ class StageCost:
 
     @property
     def peak_bytes(self) -> int:
-        return (self.weight_bytes + self.grad_bytes + self.optimizer_bytes
-                + self.activation_bytes + self.buffer_bytes + self.transient_bytes)
+        return (
+            self.weight_bytes
+            + self.grad_bytes
+            + self.optimizer_bytes
+            + self.activation_bytes
+            + self.buffer_bytes
+            + self.transient_bytes
+        )
 
     def breakdown(self) -> dict[str, int]:
         return {
@@ -262,7 +289,7 @@ def stage_costs(costs: LayerCosts, stage_of_layer: list[int] | np.ndarray) -> li
     num_stages = costs.num_stages
     relayed = np.zeros(num_stages, dtype=np.int64)
     buffers = np.zeros(num_stages, dtype=np.int64)
-    for src, dst, nbytes in zip(costs.edge_src, costs.edge_dst, costs.edge_bytes):
+    for src, dst, nbytes in zip(costs.edge_src, costs.edge_dst, costs.edge_bytes, strict=True):
         first, last = int(stage_of[src]), int(stage_of[dst])
         if first == last:
             continue
@@ -275,26 +302,29 @@ def stage_costs(costs: LayerCosts, stage_of_layer: list[int] | np.ndarray) -> li
     for s in range(num_stages):
         members = np.flatnonzero(stage_of == s)
         k = costs.in_flight[s]
-        stages.append(StageCost(
-            index=s,
-            layers=[int(i) for i in members],
-            weight_bytes=int(costs.weight_bytes[members].sum()),
-            grad_bytes=int(costs.grad_bytes[members].sum()),
-            optimizer_bytes=int(costs.optimizer_bytes[members].sum()),
-            activation_bytes=int(k * (costs.stored_bytes[members].sum() + relayed[s])),
-            buffer_bytes=int(buffers[s]),
-            transient_bytes=int(costs.transient_bytes[members].max(initial=0)),
-            in_flight=k,
-            time_ns=int(costs.time_ns[members].sum()),
-            dp_sync_ns=int(costs.dp_sync_ns[members].sum()),
-        ))
+        stages.append(
+            StageCost(
+                index=s,
+                layers=[int(i) for i in members],
+                weight_bytes=int(costs.weight_bytes[members].sum()),
+                grad_bytes=int(costs.grad_bytes[members].sum()),
+                optimizer_bytes=int(costs.optimizer_bytes[members].sum()),
+                activation_bytes=int(k * (costs.stored_bytes[members].sum() + relayed[s])),
+                buffer_bytes=int(buffers[s]),
+                transient_bytes=int(costs.transient_bytes[members].max(initial=0)),
+                in_flight=k,
+                time_ns=int(costs.time_ns[members].sum()),
+                dp_sync_ns=int(costs.dp_sync_ns[members].sum()),
+            )
+        )
     return stages
 
 
 def iteration_time_ns(costs: LayerCosts, stages: list[StageCost]) -> int:
     """(m + p - 1) * slowest stage micro-batch time + slowest data-parallel sync."""
-    return (costs.pipeline_factor * max(s.time_ns for s in stages)
-            + max(s.dp_sync_ns for s in stages))
+    return costs.pipeline_factor * max(s.time_ns for s in stages) + max(
+        s.dp_sync_ns for s in stages
+    )
 
 
 def throughput(global_batch: int, iteration_ns: int) -> float:

@@ -1,4 +1,4 @@
-"""Evaluate any given split of a graph under one config: the exact per-stage costs a plan reports."""
+"""Evaluate any given split under one config: the exact per-stage costs a plan reports."""
 
 from __future__ import annotations
 
@@ -51,9 +51,13 @@ class Evaluation:
 
 def default_training(config: ParallelConfig) -> TrainingConfig:
     """Training options matching a config (its global batch, schedule and recompute)."""
-    return TrainingConfig(global_batch=config.global_batch, micro_batch_sizes=(config.micro_batch,),
-                          zero_stages=(config.zero,), recompute=config.recompute,
-                          schedule=config.schedule)
+    return TrainingConfig(
+        global_batch=config.global_batch,
+        micro_batch_sizes=(config.micro_batch,),
+        zero_stages=(config.zero,),
+        recompute=config.recompute,
+        schedule=config.schedule,
+    )
 
 
 def evaluate(
@@ -86,21 +90,30 @@ def evaluate_assignment(
 ) -> Evaluation:
     """Evaluation from precomputed coefficients (the planner's path)."""
     stages = stage_costs(costs, stage_of_layer)
-    return Evaluation(graph=graph, config=costs.config, cluster=cluster, training=training,
-                      stage_of_layer=list(stage_of_layer), stages=stages,
-                      iteration_ns=iteration_time_ns(costs, stages))
+    return Evaluation(
+        graph=graph,
+        config=costs.config,
+        cluster=cluster,
+        training=training,
+        stage_of_layer=list(stage_of_layer),
+        stages=stages,
+        iteration_ns=iteration_time_ns(costs, stages),
+    )
 
 
 def resolve_split(graph: LayerGraph, num_stages: int, split: str | list[int]) -> list[int]:
     """Turn a split description into a valid stage index per layer, or raise InputError."""
     num_layers = graph.num_layers
     if num_stages > num_layers:
-        raise InputError(f"pp({num_stages}) > number of layers ({num_layers}); every stage "
-                         "needs a layer")
+        raise InputError(
+            f"pp({num_stages}) > number of layers ({num_layers}); every stage needs a layer"
+        )
     if isinstance(split, str):
         if split not in BASELINES:
-            raise InputError(f"--split {split!r}: use 'even', 'parameters', layer counts per "
-                             "stage (e.g. 5,7,7,5) or a stage index per layer")
+            raise InputError(
+                f"--split {split!r}: use 'even', 'parameters', layer counts per "
+                "stage (e.g. 5,7,7,5) or a stage index per layer"
+            )
         assignment = BASELINES[split](graph, num_stages)
     else:
         values = [int(v) for v in split]
@@ -111,7 +124,8 @@ def resolve_split(graph: LayerGraph, num_stages: int, split: str | list[int]) ->
         else:
             raise InputError(
                 f"--split has {len(values)} numbers summing to {sum(values)}: give {num_stages} "
-                f"positive layer counts summing to {num_layers}, or {num_layers} stage indices")
+                f"positive layer counts summing to {num_layers}, or {num_layers} stage indices"
+            )
     _check_assignment(graph, num_stages, assignment)
     return assignment
 
@@ -129,4 +143,5 @@ def _check_assignment(graph: LayerGraph, num_stages: int, assignment: list[int])
             raise InputError(
                 f"--split: edge {edge.src} -> {edge.dst} would go from stage "
                 f"{assignment[position[edge.src]]} back to stage "
-                f"{assignment[position[edge.dst]]}; stages must follow the data flow")
+                f"{assignment[position[edge.dst]]}; stages must follow the data flow"
+            )

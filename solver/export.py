@@ -63,8 +63,10 @@ def torch_pipelining_export(
         "stage separately (DeviceMesh, parallelize_module, fully_shard)."
     )
     if config.recompute == "full":
-        note += (" Full recomputation is not a pipelining option: wrap every layer in "
-                 "torch.utils.checkpoint (e.g. checkpoint_wrapper).")
+        note += (
+            " Full recomputation is not a pipelining option: wrap every layer in "
+            "torch.utils.checkpoint (e.g. checkpoint_wrapper)."
+        )
     result: dict[str, Any] = {
         "split_spec": split_spec,
         "schedule": schedule,
@@ -122,11 +124,16 @@ def megatron_export(
         method = "layout"
 
     args = [
-        "--pipeline-model-parallel-size", str(p),
-        "--tensor-model-parallel-size", str(config.tp),
-        "--num-layers", str(num_layers),
-        "--micro-batch-size", str(config.micro_batch),
-        "--global-batch-size", str(config.global_batch),
+        "--pipeline-model-parallel-size",
+        str(p),
+        "--tensor-model-parallel-size",
+        str(config.tp),
+        "--num-layers",
+        str(num_layers),
+        "--micro-batch-size",
+        str(config.micro_batch),
+        "--global-batch-size",
+        str(config.global_batch),
     ]
     # --decoder-first/last-pipeline-num-layers (megatron/training/arguments.py): "The number of
     # transformer layers on the first (last) pipeline stage of the decoder. Default None is even
@@ -140,8 +147,14 @@ def megatron_export(
     elif method == "layout":
         args += ["--pipeline-model-parallel-layout", layout]
     if config.recompute == "full":
-        args += ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                 "--recompute-num-layers", "1"]
+        args += [
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ]
     if config.zero >= 1:
         args.append("--use-distributed-optimizer")
     return {
@@ -266,8 +279,12 @@ def _megatron_warnings(
     flat = "".join(stage_letters)
     # PipelineParallelLayerLayout.validate_layer_layout: the first layer must be the embedding,
     # the last the loss, each exactly once.
-    if flat.count("E") != 1 or flat.count("L") != 1 or not flat.startswith("E") or \
-            not flat.endswith("L"):
+    if (
+        flat.count("E") != 1
+        or flat.count("L") != 1
+        or not flat.startswith("E")
+        or not flat.endswith("L")
+    ):
         warnings.append(
             f"layout: Megatron needs exactly one E (first) and one L (last); this plan has "
             f"{flat.count('E')} E and {flat.count('L')} L (set Layer.kind to fix roles). "

@@ -1,8 +1,9 @@
-"""Layer-graph format v1: JSON <-> :class:`LayerGraph` (a networkx DiGraph), with strict validation.
+"""Layer-graph format v1: JSON <-> :class:`LayerGraph` (a networkx DiGraph), strictly validated.
 
-The JSON Schema in ``layer_graph.schema.json`` (also linked from ``docs/``) checks types and required
-fields; this module adds what a schema cannot say: unique names, known edge endpoints, acyclicity,
-topological list order, and ``tp_* <= total``. Every error names the file, the field and the fix.
+The JSON Schema in ``layer_graph.schema.json`` (also linked from ``docs/``) checks types and
+required fields; this module adds what a schema cannot say: unique names, known edge endpoints,
+acyclicity, topological list order, and ``tp_* <= total``. Every error names the file, the field
+and the fix.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from importlib import resources
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -119,8 +121,10 @@ class LayerGraph:
 
     def to_dict(self) -> dict[str, Any]:
         """The v1 JSON document (defaults omitted)."""
-        defaults = {f: getattr(Layer(name="", params=0, activation_bytes=0, output_bytes=0), f)
-                    for f in Layer.__dataclass_fields__}
+        defaults = {
+            f: getattr(Layer(name="", params=0, activation_bytes=0, output_bytes=0), f)
+            for f in Layer.__dataclass_fields__
+        }
         layers = [
             {k: v for k, v in asdict(layer).items() if k == "name" or v != defaults[k]}
             | {k: getattr(layer, k) for k in ("params", "activation_bytes", "output_bytes")}
@@ -160,16 +164,18 @@ def load_graph(source: str | Path | dict[str, Any]) -> LayerGraph:
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise InputError(f"{path}: file not found; pass the path of a layer-graph JSON file")
+        raise InputError(
+            f"{path}: file not found; pass the path of a layer-graph JSON file"
+        ) from None
     except OSError as error:
-        raise InputError(f"{path}: cannot read ({error.strerror})")
+        raise InputError(f"{path}: cannot read ({error.strerror})") from None
     try:
         document = json.loads(text)
     except json.JSONDecodeError as error:
         raise InputError(
             f"{path}: not valid JSON (line {error.lineno}, column {error.colno}: {error.msg}); "
             "fix the syntax"
-        )
+        ) from None
     return graph_from_dict(document, origin=str(path))
 
 
@@ -184,9 +190,7 @@ def graph_from_dict(document: Any, *, origin: str = "<dict>") -> LayerGraph:
         edges = [Edge(src=e["src"], dst=e["dst"], bytes=int(e["bytes"])) for e in document["edges"]]
         _check_edges(edges, position, origin)
     else:
-        edges = [
-            Edge(src=a.name, dst=b.name, bytes=a.output_bytes) for a, b in zip(layers, layers[1:])
-        ]
+        edges = [Edge(src=a.name, dst=b.name, bytes=a.output_bytes) for a, b in pairwise(layers)]
     return LayerGraph(
         model=document["model"],
         layers=layers,
@@ -219,8 +223,15 @@ def _check_schema(document: Any, origin: str) -> None:
 
 
 def _layer_from_dict(item: dict[str, Any]) -> Layer:
-    integers = ("params", "tp_params", "activation_bytes", "tp_activation_bytes", "output_bytes",
-                "tp_comm_bytes", "transient_bytes")
+    integers = (
+        "params",
+        "tp_params",
+        "activation_bytes",
+        "tp_activation_bytes",
+        "output_bytes",
+        "tp_comm_bytes",
+        "transient_bytes",
+    )
     values = {key: (int(value) if key in integers else value) for key, value in item.items()}
     for key in ("fwd_flops", "bwd_flops", "fwd_ms", "bwd_ms"):
         if values.get(key) is not None:
@@ -262,9 +273,7 @@ def _check_edges(edges: list[Edge], position: dict[str, int], origin: str) -> No
                     "edge endpoints must be names listed in $.layers"
                 )
         if edge.src == edge.dst:
-            raise InputError(
-                f"{origin}: $.edges[{i}]: self-loop on {edge.src!r}; remove the edge"
-            )
+            raise InputError(f"{origin}: $.edges[{i}]: self-loop on {edge.src!r}; remove the edge")
         if (edge.src, edge.dst) in seen_pairs:
             raise InputError(
                 f"{origin}: $.edges[{i}]: duplicate edge {edge.src!r} -> {edge.dst!r}; "

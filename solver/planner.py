@@ -1,4 +1,4 @@
-"""The planning API: graph + cluster + training options -> the proven memory-optimal :class:`Plan`."""
+"""The planning API: graph + cluster + training options -> the memory-optimal :class:`Plan`."""
 
 from __future__ import annotations
 
@@ -84,27 +84,50 @@ def plan(
     if training.objective == "throughput" or (
         training.min_throughput is None and training.max_slowdown is not None
     ):
-        fastest = search(entries, objective=OBJECTIVE_TIME, capacity_bytes=capacity,
-                         iteration_budget_ns=budget_ns, backend=backend, deadline=deadline,
-                         num_workers=num_workers)
+        fastest = search(
+            entries,
+            objective=OBJECTIVE_TIME,
+            capacity_bytes=capacity,
+            iteration_budget_ns=budget_ns,
+            backend=backend,
+            deadline=deadline,
+            num_workers=num_workers,
+        )
         if fastest.entry is None:
             raise explain_infeasible(graph, cluster, training, entries, backend, budget_ns)
         if training.objective == "memory" and training.min_throughput is None:
             budget_ns = math.floor(training.max_slowdown * fastest.value)
             required = training.global_batch * 1e9 / budget_ns
     if training.objective == "memory":
-        result = search(entries, objective=OBJECTIVE_MEMORY, capacity_bytes=capacity,
-                        iteration_budget_ns=budget_ns, backend=backend, deadline=deadline,
-                        num_workers=num_workers)
+        result = search(
+            entries,
+            objective=OBJECTIVE_MEMORY,
+            capacity_bytes=capacity,
+            iteration_budget_ns=budget_ns,
+            backend=backend,
+            deadline=deadline,
+            num_workers=num_workers,
+        )
         if result.entry is None:
             raise explain_infeasible(graph, cluster, training, entries, backend, budget_ns)
-        entry, split = _break_ties(result, secondary=OBJECTIVE_TIME, capacity=result.value,
-                                   budget=budget_ns, deadline=deadline, num_workers=num_workers)
+        entry, split = _break_ties(
+            result,
+            secondary=OBJECTIVE_TIME,
+            capacity=result.value,
+            budget=budget_ns,
+            deadline=deadline,
+            num_workers=num_workers,
+        )
     else:
         result = fastest
-        entry, split = _break_ties(result, secondary=OBJECTIVE_MEMORY, capacity=capacity,
-                                   budget=result.value, deadline=deadline,
-                                   num_workers=num_workers)
+        entry, split = _break_ties(
+            result,
+            secondary=OBJECTIVE_MEMORY,
+            capacity=capacity,
+            budget=result.value,
+            deadline=deadline,
+            num_workers=num_workers,
+        )
     evaluation = evaluate_assignment(graph, entry.costs, split, cluster=cluster, training=training)
     report = SolverReport(
         backend=result.backend,
@@ -122,26 +145,49 @@ def plan(
         evaluation=evaluation,
         solver=report,
         exports=build_exports(graph, entry.costs.config, evaluation.stage_layer_names()),
-        baselines={name: evaluate_assignment(graph, entry.costs, split_of(graph, entry.costs.num_stages),
-                                             cluster=cluster, training=training)
-                   for name, split_of in BASELINES.items()},
+        baselines={
+            name: evaluate_assignment(
+                graph,
+                entry.costs,
+                split_of(graph, entry.costs.num_stages),
+                cluster=cluster,
+                training=training,
+            )
+            for name, split_of in BASELINES.items()
+        },
         required_throughput=required,
-        fastest_throughput=(None if fastest is None or fastest.value is None
-                            else training.global_batch * 1e9 / fastest.value),
+        fastest_throughput=(
+            None
+            if fastest is None or fastest.value is None
+            else training.global_batch * 1e9 / fastest.value
+        ),
     )
 
 
-def _break_ties(result: SearchResult, *, secondary: str, capacity: int | None,
-                budget: int | None, deadline: Deadline,
-                num_workers: int) -> tuple[ConfigEntry, list[int]]:
+def _break_ties(
+    result: SearchResult,
+    *,
+    secondary: str,
+    capacity: int | None,
+    budget: int | None,
+    deadline: Deadline,
+    num_workers: int,
+) -> tuple[ConfigEntry, list[int]]:
     """Among configs tied on the primary objective, the best on the secondary one (then the
     earliest in candidate order). Each tie is re-solved for its best secondary value while
     keeping the primary optimum as a hard limit."""
     best: tuple[tuple[int, int], ConfigEntry, list[int]] | None = None
     for entry, solution in result.ties:
-        refined = refine(entry, objective=secondary, capacity_bytes=capacity,
-                         iteration_budget_ns=budget, backend=result.backend, deadline=deadline,
-                         hint=solution.stage_of_layer, num_workers=num_workers)
+        refined = refine(
+            entry,
+            objective=secondary,
+            capacity_bytes=capacity,
+            iteration_budget_ns=budget,
+            backend=result.backend,
+            deadline=deadline,
+            hint=solution.stage_of_layer,
+            num_workers=num_workers,
+        )
         split = refined.stage_of_layer if refined is not None else solution.stage_of_layer
         value = refined.objective if refined is not None else math.inf
         key = (value, entry.order)
@@ -160,62 +206,98 @@ def explain_infeasible(
 ) -> InfeasibleError:
     """Which constraint fails, by how much, and the smallest GPU count that would fit."""
     capacity = cluster.gpu_memory_bytes
-    unconstrained = search(entries, objective=OBJECTIVE_MEMORY, capacity_bytes=None,
-                           iteration_budget_ns=None, backend=backend,
-                           deadline=Deadline.after(10.0))
-    best_peak = (unconstrained.value if unconstrained.value is not None
-                 else min(e.memory_bound for e in entries))
+    unconstrained = search(
+        entries,
+        objective=OBJECTIVE_MEMORY,
+        capacity_bytes=None,
+        iteration_budget_ns=None,
+        backend=backend,
+        deadline=Deadline.after(10.0),
+    )
+    best_peak = (
+        unconstrained.value
+        if unconstrained.value is not None
+        else min(e.memory_bound for e in entries)
+    )
     if best_peak <= capacity and budget_ns is not None:
-        fastest = search(entries, objective=OBJECTIVE_TIME, capacity_bytes=capacity,
-                         iteration_budget_ns=None, backend=backend,
-                         deadline=Deadline.after(10.0))
-        reached = ("no plan was found in time" if fastest.value is None else
-                   f"the fastest plan that fits reaches "
-                   f"{training.global_batch * 1e9 / fastest.value:.4g} samples/s "
-                   f"({fastest.entry.costs.config.label()})")
+        fastest = search(
+            entries,
+            objective=OBJECTIVE_TIME,
+            capacity_bytes=capacity,
+            iteration_budget_ns=None,
+            backend=backend,
+            deadline=Deadline.after(10.0),
+        )
+        reached = (
+            "no plan was found in time"
+            if fastest.value is None
+            else f"the fastest plan that fits reaches "
+            f"{training.global_batch * 1e9 / fastest.value:.4g} samples/s "
+            f"({fastest.entry.costs.config.label()})"
+        )
         required = training.global_batch * 1e9 / budget_ns
         return InfeasibleError(
             f"throughput constraint cannot be met: {required:.4g} samples/s required, {reached};"
             " lower --min-throughput, raise --max-slowdown, or add GPUs",
-            best_peak_bytes=best_peak, capacity_bytes=capacity)
+            best_peak_bytes=best_peak,
+            capacity_bytes=capacity,
+        )
     over = best_peak - capacity
-    config_text = ("" if unconstrained.entry is None
-                   else f" ({unconstrained.entry.costs.config.label()})")
+    config_text = (
+        "" if unconstrained.entry is None else f" ({unconstrained.entry.costs.config.label()})"
+    )
     suggestion = smallest_fitting_gpus(graph, cluster, training, backend)
     if suggestion is None:
-        tail = (f"no cluster of {2 * cluster.num_gpus}..{64 * cluster.num_gpus} GPUs "
-                "(doubling) fits either; use larger GPUs, ZeRO (--zero auto), recompute "
-                "(--recompute full) or a smaller micro-batch")
+        tail = (
+            f"no cluster of {2 * cluster.num_gpus}..{64 * cluster.num_gpus} GPUs "
+            "(doubling) fits either; use larger GPUs, ZeRO (--zero auto), recompute "
+            "(--recompute full) or a smaller micro-batch"
+        )
     else:
-        tail = (f"smallest GPU count that fits (trying 2x, 4x, ...): {suggestion[0]} "
-                f"({suggestion[1]}); or try --zero auto / --recompute auto")
+        tail = (
+            f"smallest GPU count that fits (trying 2x, 4x, ...): {suggestion[0]} "
+            f"({suggestion[1]}); or try --zero auto / --recompute auto"
+        )
     return InfeasibleError(
         f"nothing fits in {format_bytes(capacity)} per GPU (--gpu-memory): the best of "
         f"{len(entries)} configs needs {format_bytes(best_peak)}{config_text}, "
         f"{format_bytes(over)} ({100 * over / capacity:.1f}%) over; {tail}",
-        best_peak_bytes=best_peak, capacity_bytes=capacity,
-        suggested_gpus=None if suggestion is None else suggestion[0])
+        best_peak_bytes=best_peak,
+        capacity_bytes=capacity,
+        suggested_gpus=None if suggestion is None else suggestion[0],
+    )
 
 
-def smallest_fitting_gpus(graph: LayerGraph, cluster: Cluster, training: TrainingConfig,
-                          backend: str, *, seconds: float = 10.0) -> tuple[int, str] | None:
+def smallest_fitting_gpus(
+    graph: LayerGraph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    backend: str,
+    *,
+    seconds: float = 10.0,
+) -> tuple[int, str] | None:
     """Smallest of 2N, 4N, ..., 64N GPUs on which some plan fits in memory (throughput ignored)."""
     deadline = Deadline.after(seconds)
-    relaxed = dataclasses.replace(training, min_throughput=None, max_slowdown=None,
-                                  pp=None, tp=None, dp=None)
+    relaxed = dataclasses.replace(
+        training, min_throughput=None, max_slowdown=None, pp=None, tp=None, dp=None
+    )
     num_gpus = cluster.num_gpus
     while num_gpus < 64 * cluster.num_gpus and not deadline.expired():
         num_gpus *= 2
         try:
-            entries = build_entries(graph, dataclasses.replace(cluster, num_gpus=num_gpus),
-                                    relaxed)
+            entries = build_entries(graph, dataclasses.replace(cluster, num_gpus=num_gpus), relaxed)
         except InputError:
             continue
         if min(e.memory_bound for e in entries) > cluster.gpu_memory_bytes:
             continue
-        found = search(entries, objective=OBJECTIVE_MEMORY,
-                       capacity_bytes=cluster.gpu_memory_bytes, iteration_budget_ns=None,
-                       backend=backend, deadline=deadline)
+        found = search(
+            entries,
+            objective=OBJECTIVE_MEMORY,
+            capacity_bytes=cluster.gpu_memory_bytes,
+            iteration_budget_ns=None,
+            backend=backend,
+            deadline=deadline,
+        )
         if found.entry is not None:
             return num_gpus, found.entry.costs.config.label()
     return None

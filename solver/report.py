@@ -19,8 +19,11 @@ def evaluation_to_dict(evaluation: Evaluation) -> dict[str, Any]:
     cluster = evaluation.cluster
     return {
         "model": evaluation.graph.model,
-        "cluster": {"num_gpus": cluster.num_gpus, "gpu_memory_bytes": cluster.gpu_memory_bytes,
-                    "gpus_per_node": cluster.gpus_per_node},
+        "cluster": {
+            "num_gpus": cluster.num_gpus,
+            "gpu_memory_bytes": cluster.gpu_memory_bytes,
+            "gpus_per_node": cluster.gpus_per_node,
+        },
         "config": evaluation.config.to_dict(),
         "stages": [
             {
@@ -63,8 +66,12 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     document["required_throughput"] = plan.required_throughput
     document["fastest_throughput"] = plan.fastest_throughput
     document["baselines"] = {
-        name: {"peak_bytes": ev.peak_bytes, "throughput": finite_or_none(ev.throughput), "fits": ev.fits,
-               "layer_counts": [len(stage.layers) for stage in ev.stages]}
+        name: {
+            "peak_bytes": ev.peak_bytes,
+            "throughput": finite_or_none(ev.throughput),
+            "fits": ev.fits,
+            "layer_counts": [len(stage.layers) for stage in ev.stages],
+        }
         for name, ev in plan.baselines.items()
     }
     document["exports"] = plan.exports
@@ -81,54 +88,89 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
         f"(iteration {evaluation.iteration_ns / 1e6:.4g} ms, global batch "
         f"{config.global_batch})",
     ]
-    header = ["stage", "layers", "weights", "grads", "optimizer", "activations", "buffers",
-              "transient", "peak", "time/mb"]
+    header = [
+        "stage",
+        "layers",
+        "weights",
+        "grads",
+        "optimizer",
+        "activations",
+        "buffers",
+        "transient",
+        "peak",
+        "time/mb",
+    ]
     rows = []
     for stage in evaluation.stages:
         breakdown = stage.breakdown()
-        rows.append([
-            str(stage.index),
-            _layer_span(names[stage.index]),
-            *(format_bytes(breakdown[key]) for key in
-              ("weights", "grads", "optimizer", "activations", "buffers", "transient")),
-            format_bytes(stage.peak_bytes),
-            f"{stage.time_ns / 1e6:.3g} ms",
-        ])
+        rows.append(
+            [
+                str(stage.index),
+                _layer_span(names[stage.index]),
+                *(
+                    format_bytes(breakdown[key])
+                    for key in (
+                        "weights",
+                        "grads",
+                        "optimizer",
+                        "activations",
+                        "buffers",
+                        "transient",
+                    )
+                ),
+                format_bytes(stage.peak_bytes),
+                f"{stage.time_ns / 1e6:.3g} ms",
+            ]
+        )
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
-        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        lines.append(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
     share = 100 * evaluation.peak_bytes / cluster.gpu_memory_bytes
     verdict = "fits" if evaluation.fits else "DOES NOT FIT"
-    lines.append(f"peak: {format_bytes(evaluation.peak_bytes)} per GPU ({share:.1f}% of "
-                 f"{format_bytes(cluster.gpu_memory_bytes)}, {verdict})")
+    lines.append(
+        f"peak: {format_bytes(evaluation.peak_bytes)} per GPU ({share:.1f}% of "
+        f"{format_bytes(cluster.gpu_memory_bytes)}, {verdict})"
+    )
     return "\n".join(lines)
 
 
 def format_plan(plan: Plan) -> str:
     """The CLI's printout: the plan table, comparison with the usual splits, solver status."""
     cluster = plan.evaluation.cluster
-    title = (f"Plan for {plan.evaluation.graph.model} on {cluster.num_gpus} GPUs x "
-             f"{format_bytes(cluster.gpu_memory_bytes)}")
+    title = (
+        f"Plan for {plan.evaluation.graph.model} on {cluster.num_gpus} GPUs x "
+        f"{format_bytes(cluster.gpu_memory_bytes)}"
+    )
     lines = [format_evaluation(plan.evaluation, title)]
     if plan.required_throughput is not None:
-        fastest = ("" if plan.fastest_throughput is None
-                   else f" (fastest plan that fits: {plan.fastest_throughput:.4g} samples/s)")
-        lines.append(f"throughput constraint: >= {plan.required_throughput:.4g} samples/s"
-                     f"{fastest}")
+        fastest = (
+            ""
+            if plan.fastest_throughput is None
+            else f" (fastest plan that fits: {plan.fastest_throughput:.4g} samples/s)"
+        )
+        lines.append(f"throughput constraint: >= {plan.required_throughput:.4g} samples/s{fastest}")
     for name, baseline in plan.baselines.items():
         change = 100 * (plan.peak_bytes - baseline.peak_bytes) / baseline.peak_bytes
         counts = ",".join(str(len(stage.layers)) for stage in baseline.stages)
-        lines.append(f"{name} split ({counts}) on the same config: "
-                     f"{format_bytes(baseline.peak_bytes)} peak, "
-                     f"{baseline.throughput:.4g} samples/s; this plan: {change:+.1f}% peak")
+        lines.append(
+            f"{name} split ({counts}) on the same config: "
+            f"{format_bytes(baseline.peak_bytes)} peak, "
+            f"{baseline.throughput:.4g} samples/s; this plan: {change:+.1f}% peak"
+        )
     report = plan.solver
     unit = "B" if plan.evaluation.training.objective == "memory" else "ns"
-    proof = ("proven optimal" if report.status == "OPTIMAL"
-             else f"NOT proven optimal, gap {100 * report.gap:.2f}%")
+    proof = (
+        "proven optimal"
+        if report.status == "OPTIMAL"
+        else f"NOT proven optimal, gap {100 * report.gap:.2f}%"
+    )
     lines.append(
         f"solver: {report.backend} {report.status} ({proof}), objective {report.objective} {unit}"
         f", bound {report.bound} {unit}, {report.wall_s:.2f} s; configs: {report.configs_total} "
-        f"total, {report.configs_solved} solved, {report.configs_pruned} pruned by bounds")
+        f"total, {report.configs_solved} solved, {report.configs_pruned} pruned by bounds"
+    )
     lines.extend(f"note: {note}" for note in report.notes)
     split_spec = plan.exports.get("torch_pipelining", {}).get("split_spec")
     if split_spec:

@@ -83,14 +83,21 @@ class Deadline:
         return self.remaining() <= 0.0
 
 
-def build_entries(graph: LayerGraph, cluster: Cluster, training: TrainingConfig) -> list[ConfigEntry]:
+def build_entries(
+    graph: LayerGraph, cluster: Cluster, training: TrainingConfig
+) -> list[ConfigEntry]:
     """Every candidate config with its coefficients and bounds."""
     entries = []
     for order, config in enumerate(candidate_configs(graph.num_layers, cluster, training)):
         costs = layer_costs(graph, config, cluster, training)
-        entries.append(ConfigEntry(order=order, costs=costs,
-                                   memory_bound=memory_lower_bound(costs),
-                                   time_bound=time_lower_bound(costs)))
+        entries.append(
+            ConfigEntry(
+                order=order,
+                costs=costs,
+                memory_bound=memory_lower_bound(costs),
+                time_bound=time_lower_bound(costs),
+            )
+        )
     return entries
 
 
@@ -107,11 +114,15 @@ def search(
     """Exact best config for ``objective`` (memory or time) under the two limits."""
     chain = bool(entries) and entries[0].costs.is_chain()
     backend = resolve_backend(backend, chain)
-    bound_of = (lambda e: e.memory_bound) if objective == OBJECTIVE_MEMORY else (
-        lambda e: e.time_bound)
-    viable = [e for e in entries
-              if (capacity_bytes is None or e.memory_bound <= capacity_bytes)
-              and (iteration_budget_ns is None or e.time_bound <= iteration_budget_ns)]
+    bound_of = (
+        (lambda e: e.memory_bound) if objective == OBJECTIVE_MEMORY else (lambda e: e.time_bound)
+    )
+    viable = [
+        e
+        for e in entries
+        if (capacity_bytes is None or e.memory_bound <= capacity_bytes)
+        and (iteration_budget_ns is None or e.time_bound <= iteration_budget_ns)
+    ]
     pruned = len(entries) - len(viable)
     viable.sort(key=lambda e: (bound_of(e), e.order))
     best: tuple[ConfigEntry, StageSolution] | None = None
@@ -125,11 +136,15 @@ def search(
         if deadline.expired():
             open_bounds.extend(bound_of(e) for e in viable[index:])
             break
-        problem = StageProblem(costs=entry.costs, objective=objective,
-                               capacity_bytes=capacity_bytes,
-                               iteration_budget_ns=iteration_budget_ns)
-        solution = solve(problem, backend, time_limit_s=deadline.remaining(),
-                         num_workers=num_workers)
+        problem = StageProblem(
+            costs=entry.costs,
+            objective=objective,
+            capacity_bytes=capacity_bytes,
+            iteration_budget_ns=iteration_budget_ns,
+        )
+        solution = solve(
+            problem, backend, time_limit_s=deadline.remaining(), num_workers=num_workers
+        )
         solved += 1
         if solution.status not in (OPTIMAL, INFEASIBLE):
             open_bounds.append(max(solution.bound, bound_of(entry)))
@@ -141,11 +156,27 @@ def search(
         elif solution.objective == best[1].objective:
             ties.append((entry, solution))
     if best is None:
-        return SearchResult(entry=None, solution=None, ties=[], bound=min(open_bounds, default=0),
-                            proven=not open_bounds, solved=solved, pruned=pruned, backend=backend)
+        return SearchResult(
+            entry=None,
+            solution=None,
+            ties=[],
+            bound=min(open_bounds, default=0),
+            proven=not open_bounds,
+            solved=solved,
+            pruned=pruned,
+            backend=backend,
+        )
     bound = min([best[1].objective, *open_bounds])
-    return SearchResult(entry=best[0], solution=best[1], ties=ties, bound=bound,
-                        proven=not open_bounds, solved=solved, pruned=pruned, backend=backend)
+    return SearchResult(
+        entry=best[0],
+        solution=best[1],
+        ties=ties,
+        bound=bound,
+        proven=not open_bounds,
+        solved=solved,
+        pruned=pruned,
+        backend=backend,
+    )
 
 
 def refine(
@@ -160,14 +191,30 @@ def refine(
     num_workers: int = 1,
 ) -> StageSolution | None:
     """Secondary objective on one config: e.g. the fastest split whose peak <= the optimum."""
-    problem = StageProblem(costs=entry.costs, objective=objective,
-                           capacity_bytes=capacity_bytes, iteration_budget_ns=iteration_budget_ns)
-    solution = solve(problem, backend, time_limit_s=max(deadline.remaining(), 1.0), hint=hint,
-                     num_workers=num_workers)
+    problem = StageProblem(
+        costs=entry.costs,
+        objective=objective,
+        capacity_bytes=capacity_bytes,
+        iteration_budget_ns=iteration_budget_ns,
+    )
+    solution = solve(
+        problem,
+        backend,
+        time_limit_s=max(deadline.remaining(), 1.0),
+        hint=hint,
+        num_workers=num_workers,
+    )
     return solution if solution.has_solution else None
 
 
 __all__ = [
-    "ConfigEntry", "Deadline", "FEASIBLE", "OBJECTIVE_MEMORY", "OBJECTIVE_TIME", "SearchResult",
-    "build_entries", "refine", "search",
+    "ConfigEntry",
+    "Deadline",
+    "FEASIBLE",
+    "OBJECTIVE_MEMORY",
+    "OBJECTIVE_TIME",
+    "SearchResult",
+    "build_entries",
+    "refine",
+    "search",
 ]

@@ -40,10 +40,14 @@ class Cluster:
         _require(self.num_gpus >= 1, f"num_gpus must be >= 1, got {self.num_gpus}")
         _require(self.gpu_memory_bytes > 0, "gpu_memory_bytes must be positive")
         _require(self.gpus_per_node >= 1, f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
-        _require(self.gpu_flops > 0 and 0 < self.flops_efficiency <= 1,
-                 "gpu_flops must be positive and flops_efficiency in (0, 1]")
-        _require(self.intra_node_gb_per_s > 0 and self.inter_node_gb_per_s > 0,
-                 "bandwidths must be positive")
+        _require(
+            self.gpu_flops > 0 and 0 < self.flops_efficiency <= 1,
+            "gpu_flops must be positive and flops_efficiency in (0, 1]",
+        )
+        _require(
+            self.intra_node_gb_per_s > 0 and self.inter_node_gb_per_s > 0,
+            "bandwidths must be positive",
+        )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -81,26 +85,39 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         _require(self.global_batch >= 1, f"global_batch must be >= 1, got {self.global_batch}")
-        _require(bool(self.micro_batch_sizes) and all(b >= 1 for b in self.micro_batch_sizes),
-                 f"micro_batch_sizes must be positive integers, got {self.micro_batch_sizes}")
-        _require(bool(self.zero_stages) and all(z in (0, 1, 2, 3) for z in self.zero_stages),
-                 f"zero_stages must be within 0..3, got {self.zero_stages}")
-        _require(self.recompute in RECOMPUTE_CHOICES,
-                 f"recompute must be one of {RECOMPUTE_CHOICES}, got {self.recompute!r}")
-        _require(self.schedule in SCHEDULES,
-                 f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        _require(self.objective in OBJECTIVES,
-                 f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
-        for name in ("weight_bytes_per_param", "grad_bytes_per_param",
-                     "optimizer_bytes_per_param"):
+        _require(
+            bool(self.micro_batch_sizes) and all(b >= 1 for b in self.micro_batch_sizes),
+            f"micro_batch_sizes must be positive integers, got {self.micro_batch_sizes}",
+        )
+        _require(
+            bool(self.zero_stages) and all(z in (0, 1, 2, 3) for z in self.zero_stages),
+            f"zero_stages must be within 0..3, got {self.zero_stages}",
+        )
+        _require(
+            self.recompute in RECOMPUTE_CHOICES,
+            f"recompute must be one of {RECOMPUTE_CHOICES}, got {self.recompute!r}",
+        )
+        _require(
+            self.schedule in SCHEDULES,
+            f"schedule must be one of {SCHEDULES}, got {self.schedule!r}",
+        )
+        _require(
+            self.objective in OBJECTIVES,
+            f"objective must be one of {OBJECTIVES}, got {self.objective!r}",
+        )
+        for name in ("weight_bytes_per_param", "grad_bytes_per_param", "optimizer_bytes_per_param"):
             _require(getattr(self, name) >= 0, f"{name} must be >= 0")
         for name in ("pp", "tp", "dp"):
             value = getattr(self, name)
             _require(value is None or value >= 1, f"{name} must be >= 1, got {value}")
-        _require(self.min_throughput is None or self.min_throughput > 0,
-                 f"min_throughput must be positive, got {self.min_throughput}")
-        _require(self.max_slowdown is None or self.max_slowdown >= 1,
-                 f"max_slowdown must be >= 1 (1 = only the fastest plans), got {self.max_slowdown}")
+        _require(
+            self.min_throughput is None or self.min_throughput > 0,
+            f"min_throughput must be positive, got {self.min_throughput}",
+        )
+        _require(
+            self.max_slowdown is None or self.max_slowdown >= 1,
+            f"max_slowdown must be >= 1 (1 = only the fastest plans), got {self.max_slowdown}",
+        )
 
 
 @dataclass(kw_only=True, frozen=True, order=True)
@@ -137,8 +154,10 @@ class ParallelConfig:
 
     def label(self) -> str:
         """Short text such as 'pp4 tp2 dp2 b1 m16 zero0 1f1b'."""
-        text = (f"pp{self.pp} tp{self.tp} dp{self.dp} b{self.micro_batch} "
-                f"m{self.num_microbatches} zero{self.zero} {self.schedule}")
+        text = (
+            f"pp{self.pp} tp{self.tp} dp{self.dp} b{self.micro_batch} "
+            f"m{self.num_microbatches} zero{self.zero} {self.schedule}"
+        )
         return text + (" recompute" if self.recompute == "full" else "")
 
 

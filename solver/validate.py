@@ -18,28 +18,39 @@ def check_plan(plan: Plan) -> list[str]:
     if config.num_gpus != ev.cluster.num_gpus:
         problems.append(f"pp*tp*dp = {config.num_gpus} != {ev.cluster.num_gpus} GPUs")
     if config.global_batch != ev.training.global_batch:
-        problems.append(f"dp*b*m = {config.global_batch} != global batch "
-                        f"{ev.training.global_batch}")
-    fresh = evaluate(ev.graph, config, list(plan.stage_of_layer), cluster=ev.cluster,
-                     training=ev.training)
-    for reported, recomputed in zip(ev.stages, fresh.stages):
+        problems.append(
+            f"dp*b*m = {config.global_batch} != global batch {ev.training.global_batch}"
+        )
+    fresh = evaluate(
+        ev.graph, config, list(plan.stage_of_layer), cluster=ev.cluster, training=ev.training
+    )
+    for reported, recomputed in zip(ev.stages, fresh.stages, strict=True):
         if reported.breakdown() != recomputed.breakdown():
-            problems.append(f"stage {reported.index}: reported {reported.breakdown()} != "
-                            f"recomputed {recomputed.breakdown()}")
+            problems.append(
+                f"stage {reported.index}: reported {reported.breakdown()} != "
+                f"recomputed {recomputed.breakdown()}"
+            )
         if reported.time_ns != recomputed.time_ns:
-            problems.append(f"stage {reported.index}: time {reported.time_ns} != "
-                            f"{recomputed.time_ns} ns")
+            problems.append(
+                f"stage {reported.index}: time {reported.time_ns} != {recomputed.time_ns} ns"
+            )
     if fresh.iteration_ns != ev.iteration_ns:
         problems.append(f"iteration {ev.iteration_ns} != recomputed {fresh.iteration_ns} ns")
     if not fresh.fits:
-        problems.append(f"peak {fresh.peak_bytes} B exceeds capacity "
-                        f"{ev.cluster.gpu_memory_bytes} B")
+        problems.append(
+            f"peak {fresh.peak_bytes} B exceeds capacity {ev.cluster.gpu_memory_bytes} B"
+        )
     if plan.required_throughput is not None and fresh.throughput < plan.required_throughput * (
-            1 - 1e-9):
-        problems.append(f"throughput {fresh.throughput:.6g} < required "
-                        f"{plan.required_throughput:.6g} samples/s")
-    if plan.solver.objective is not None and ev.training.objective == "memory" and (
-            plan.solver.objective != fresh.peak_bytes):
+        1 - 1e-9
+    ):
+        problems.append(
+            f"throughput {fresh.throughput:.6g} < required {plan.required_throughput:.6g} samples/s"
+        )
+    if (
+        plan.solver.objective is not None
+        and ev.training.objective == "memory"
+        and (plan.solver.objective != fresh.peak_bytes)
+    ):
         problems.append(f"solver objective {plan.solver.objective} != peak {fresh.peak_bytes}")
     if plan.solver.bound > fresh.peak_bytes and ev.training.objective == "memory":
         problems.append(f"bound {plan.solver.bound} above the plan's own peak")

@@ -29,8 +29,9 @@ def random_layer(rng: random.Random, name: str) -> dict:
 
 def random_chain(rng: random.Random, num_layers: int) -> LayerGraph:
     layers = [random_layer(rng, f"l{i}") for i in range(num_layers)]
-    return graph_from_dict({"format": "layer-graph", "version": 1, "model": "random-chain",
-                            "layers": layers})
+    return graph_from_dict(
+        {"format": "layer-graph", "version": 1, "model": "random-chain", "layers": layers}
+    )
 
 
 def random_dag(rng: random.Random, num_layers: int) -> LayerGraph:
@@ -47,11 +48,18 @@ def random_dag(rng: random.Random, num_layers: int) -> LayerGraph:
     if num_layers >= 5 and rng.random() < 0.5:
         edges.discard((2, 3))  # layer 2 becomes a side branch 1 -> 2 -> 4
         edges.add((2, 4))
-    return graph_from_dict({
-        "format": "layer-graph", "version": 1, "model": "random-dag", "layers": layers,
-        "edges": [{"src": f"l{u}", "dst": f"l{v}", "bytes": rng.randint(1, 30) * 10}
-                  for u, v in sorted(edges)],
-    })
+    return graph_from_dict(
+        {
+            "format": "layer-graph",
+            "version": 1,
+            "model": "random-dag",
+            "layers": layers,
+            "edges": [
+                {"src": f"l{u}", "dst": f"l{v}", "bytes": rng.randint(1, 30) * 10}
+                for u, v in sorted(edges)
+            ],
+        }
+    )
 
 
 def random_config(rng: random.Random, num_layers: int) -> ParallelConfig:

@@ -27,15 +27,33 @@ def run_plan(capsys, *args: str) -> tuple[int, str, str]:
 
 def test_plan_prints_table_and_writes_json(capsys, tmp_path):
     out = tmp_path / "plan.json"
-    code, text, err = run_plan(capsys, GPT, "--gpus", "16", "--gpu-memory", "40GiB",
-                               "--global-batch", "64", "--json", str(out))
+    code, text, err = run_plan(
+        capsys,
+        GPT,
+        "--gpus",
+        "16",
+        "--gpu-memory",
+        "40GiB",
+        "--global-batch",
+        "64",
+        "--json",
+        str(out),
+    )
     assert code == 0, err
     assert "Plan for gpt-1.3b" in text and "OPTIMAL" in text and "peak:" in text
     document = json.loads(out.read_text())
     config = document["config"]
     assert config["pp"] * config["tp"] * config["dp"] == 16
-    assert set(config) >= {"pp", "tp", "dp", "micro_batch", "num_microbatches", "zero",
-                           "recompute", "schedule"}
+    assert set(config) >= {
+        "pp",
+        "tp",
+        "dp",
+        "micro_batch",
+        "num_microbatches",
+        "zero",
+        "recompute",
+        "schedule",
+    }
     assert document["peak_bytes"] == max(s["peak_bytes"] for s in document["stages"])
     for stage in document["stages"]:
         assert stage["peak_bytes"] == sum(stage["breakdown"].values())
@@ -49,29 +67,97 @@ def test_plan_prints_table_and_writes_json(capsys, tmp_path):
 
 def test_evaluate_even_split_matches_plan_baseline(capsys, tmp_path):
     plan_json = tmp_path / "plan.json"
-    assert plan_main([GPT, "--gpus", "8", "--global-batch", "32", "--pp", "4", "--tp", "2",
-                      "--micro-batch", "1", "--json", str(plan_json), "--quiet"]) == 0
+    assert (
+        plan_main(
+            [
+                GPT,
+                "--gpus",
+                "8",
+                "--global-batch",
+                "32",
+                "--pp",
+                "4",
+                "--tp",
+                "2",
+                "--micro-batch",
+                "1",
+                "--json",
+                str(plan_json),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     plan = json.loads(plan_json.read_text())
     evaluated = tmp_path / "even.json"
-    code = evaluate_main([GPT, "--pp", "4", "--tp", "2", "--dp", "1", "--global-batch", "32",
-                          "--split", "even", "--json", str(evaluated)])
+    code = evaluate_main(
+        [
+            GPT,
+            "--pp",
+            "4",
+            "--tp",
+            "2",
+            "--dp",
+            "1",
+            "--global-batch",
+            "32",
+            "--split",
+            "even",
+            "--json",
+            str(evaluated),
+        ]
+    )
     assert code == 0
     even = json.loads(evaluated.read_text())
     assert even["peak_bytes"] == plan["baselines"]["even"]["peak_bytes"]
     assert [len(s["layers"]) for s in even["stages"]] == plan["baselines"]["even"]["layer_counts"]
     assert plan["peak_bytes"] <= even["peak_bytes"]
     counts = ",".join(str(len(s["layers"])) for s in plan["stages"])
-    assert evaluate_main([GPT, "--pp", "4", "--tp", "2", "--global-batch", "32",
-                          "--split", counts, "--quiet", "--json", str(evaluated)]) == 0
+    assert (
+        evaluate_main(
+            [
+                GPT,
+                "--pp",
+                "4",
+                "--tp",
+                "2",
+                "--global-batch",
+                "32",
+                "--split",
+                counts,
+                "--quiet",
+                "--json",
+                str(evaluated),
+            ]
+        )
+        == 0
+    )
     assert json.loads(evaluated.read_text())["peak_bytes"] == plan["peak_bytes"]
 
 
 def test_dag_plans_with_cpsat_and_milp_agree(capsys):
     peaks = {}
     for backend in ("cpsat", "milp"):
-        code = plan_main([T5, "--gpus", "8", "--global-batch", "16", "--pp", "4",
-                          "--micro-batch", "1", "--backend", backend, "--quiet", "--time-limit",
-                          "60", "--json", f"/tmp/t5-{backend}.json"])
+        code = plan_main(
+            [
+                T5,
+                "--gpus",
+                "8",
+                "--global-batch",
+                "16",
+                "--pp",
+                "4",
+                "--micro-batch",
+                "1",
+                "--backend",
+                backend,
+                "--quiet",
+                "--time-limit",
+                "60",
+                "--json",
+                f"/tmp/t5-{backend}.json",
+            ]
+        )
         assert code == 0, capsys.readouterr().err
         peaks[backend] = json.loads(Path(f"/tmp/t5-{backend}.json").read_text())["peak_bytes"]
     assert peaks["cpsat"] == peaks["milp"]
@@ -81,15 +167,20 @@ def test_dag_plans_with_cpsat_and_milp_agree(capsys):
     ("args", "pattern"),
     [
         (["--gpus", "0", "--global-batch", "8"], "argument --gpus: must be >= 1, got 0"),
-        (["--gpus", "8", "--gpu-memory", "abc", "--global-batch", "8"],
-         "cannot read 'abc' as a size"),
-        (["--gpus", "8", "--global-batch", "8", "--pp", "4", "--tp", "2", "--dp", "2"],
-         r"pp(4) * tp(2) * dp(2) = 16 != gpus(8)"),
-        (["--gpus", "8", "--global-batch", "8", "--micro-batch", "x"],
-         "expected comma-separated integers"),
+        (
+            ["--gpus", "8", "--gpu-memory", "abc", "--global-batch", "8"],
+            "cannot read 'abc' as a size",
+        ),
+        (
+            ["--gpus", "8", "--global-batch", "8", "--pp", "4", "--tp", "2", "--dp", "2"],
+            r"pp(4) * tp(2) * dp(2) = 16 != gpus(8)",
+        ),
+        (
+            ["--gpus", "8", "--global-batch", "8", "--micro-batch", "x"],
+            "expected comma-separated integers",
+        ),
         (["--gpus", "8", "--global-batch", "8", "--max-slowdown", "0.5"], "must be >= 1"),
-        (["--gpus", "8", "--global-batch", "7", "--micro-batch", "2"],
-         "no valid parallel config"),
+        (["--gpus", "8", "--global-batch", "7", "--micro-batch", "2"], "no valid parallel config"),
     ],
 )
 def test_bad_cli_values_exit_2_with_one_line(capsys, args, pattern):
@@ -110,17 +201,27 @@ def test_json_never_overwrites_the_graph_or_writes_into_missing_folder(capsys, t
     graph = tmp_path / "g.json"
     graph.write_text(Path(GPT).read_text())
     before = graph.read_text()
-    code, _, err = run_plan(capsys, str(graph), "--gpus", "8", "--global-batch", "8",
-                            "--json", str(graph))
+    code, _, err = run_plan(
+        capsys, str(graph), "--gpus", "8", "--global-batch", "8", "--json", str(graph)
+    )
     assert code == 2 and "is the input file" in err and graph.read_text() == before
-    code, _, err = run_plan(capsys, str(graph), "--gpus", "8", "--global-batch", "8",
-                            "--json", str(tmp_path / "missing" / "p.json"))
+    code, _, err = run_plan(
+        capsys,
+        str(graph),
+        "--gpus",
+        "8",
+        "--global-batch",
+        "8",
+        "--json",
+        str(tmp_path / "missing" / "p.json"),
+    )
     assert code == 2 and "does not exist" in err
 
 
 def test_infeasible_exits_3_with_explanation(capsys):
-    code, _, err = run_plan(capsys, GPT, "--gpus", "2", "--gpu-memory", "8GiB",
-                            "--global-batch", "8")
+    code, _, err = run_plan(
+        capsys, GPT, "--gpus", "2", "--gpu-memory", "8GiB", "--global-batch", "8"
+    )
     assert code == 3
     assert "nothing fits in 8.00 GiB per GPU" in err and "over;" in err
     assert "smallest GPU count that fits" in err
@@ -129,13 +230,41 @@ def test_infeasible_exits_3_with_explanation(capsys):
 
 def test_module_entry_points_run_as_subprocesses(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "solver.plan", GPT, "--gpus", "8", "--global-batch", "16",
-         "--time-limit", "30"], capture_output=True, text=True, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "solver.plan",
+            GPT,
+            "--gpus",
+            "8",
+            "--global-batch",
+            "16",
+            "--time-limit",
+            "30",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     assert "torch.distributed.pipelining split points" in result.stdout
     result = subprocess.run(
-        [sys.executable, "-m", "solver.evaluate", GPT, "--pp", "2", "--global-batch", "8",
-         "--split", "13,14"], capture_output=True, text=True, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "solver.evaluate",
+            GPT,
+            "--pp",
+            "2",
+            "--global-batch",
+            "8",
+            "--split",
+            "13,14",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert result.returncode == 2 and "summing to 27" in result.stderr
 
 

@@ -15,20 +15,48 @@ from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
 # a -> b -> c -> d plus a skip edge a -> d (relayed through the middle stage below)
-GRAPH = graph_from_dict({
-    "format": "layer-graph", "version": 1, "model": "hand",
-    "layers": [
-        {"name": "a", "params": 1000, "tp_params": 600, "activation_bytes": 30,
-         "output_bytes": 10, "fwd_ms": 1.0, "bwd_ms": 2.0, "tp_comm_bytes": 1000},
-        {"name": "b", "params": 200, "activation_bytes": 100, "tp_activation_bytes": 40,
-         "output_bytes": 20, "fwd_flops": 1e9},
-        {"name": "c", "params": 300, "tp_params": 300, "activation_bytes": 50,
-         "output_bytes": 30, "transient_bytes": 7},
-        {"name": "d", "params": 50, "activation_bytes": 8, "output_bytes": 1},
-    ],
-    "edges": [{"src": "a", "dst": "b", "bytes": 10}, {"src": "b", "dst": "c", "bytes": 20},
-              {"src": "a", "dst": "d", "bytes": 5}, {"src": "c", "dst": "d", "bytes": 30}],
-})
+GRAPH = graph_from_dict(
+    {
+        "format": "layer-graph",
+        "version": 1,
+        "model": "hand",
+        "layers": [
+            {
+                "name": "a",
+                "params": 1000,
+                "tp_params": 600,
+                "activation_bytes": 30,
+                "output_bytes": 10,
+                "fwd_ms": 1.0,
+                "bwd_ms": 2.0,
+                "tp_comm_bytes": 1000,
+            },
+            {
+                "name": "b",
+                "params": 200,
+                "activation_bytes": 100,
+                "tp_activation_bytes": 40,
+                "output_bytes": 20,
+                "fwd_flops": 1e9,
+            },
+            {
+                "name": "c",
+                "params": 300,
+                "tp_params": 300,
+                "activation_bytes": 50,
+                "output_bytes": 30,
+                "transient_bytes": 7,
+            },
+            {"name": "d", "params": 50, "activation_bytes": 8, "output_bytes": 1},
+        ],
+        "edges": [
+            {"src": "a", "dst": "b", "bytes": 10},
+            {"src": "b", "dst": "c", "bytes": 20},
+            {"src": "a", "dst": "d", "bytes": 5},
+            {"src": "c", "dst": "d", "bytes": 30},
+        ],
+    }
+)
 CLUSTER = Cluster(num_gpus=12, gpu_memory_bytes=10**6)
 CONFIG = ParallelConfig(pp=3, tp=2, dp=2, micro_batch=2, num_microbatches=4, zero=2)
 SPLIT = [0, 1, 1, 2]
@@ -48,25 +76,47 @@ def test_stage_peaks_by_hand():
     stages = stage_costs(costs_for(CONFIG), SPLIT)
     first, middle, last = stages
     # a: P' = 400 + 600/2 = 700; ZeRO-2 shards grads and optimizer over dp = 2
-    assert first.breakdown() == {"weights": 1400, "grads": 700, "optimizer": 4200,
-                                 "activations": 3 * 2 * 30, "buffers": 2 * (10 + 5),
-                                 "transient": 0}
+    assert first.breakdown() == {
+        "weights": 1400,
+        "grads": 700,
+        "optimizer": 4200,
+        "activations": 3 * 2 * 30,
+        "buffers": 2 * (10 + 5),
+        "transient": 0,
+    }
     assert first.peak_bytes == 6510
     # b: P' = 200, A' = 60 + 40/2 = 80; c: P' = 150, A' = 50; skip edge a->d relayed (5 B/sample)
-    assert middle.breakdown() == {"weights": 400 + 300, "grads": 200 + 150,
-                                  "optimizer": 1200 + 900,
-                                  "activations": 2 * (2 * 80 + 2 * 50 + 2 * 5),
-                                  "buffers": 2 * 10 + 2 * (2 * 5) + 2 * 30,
-                                  "transient": 2 * 7}
+    assert middle.breakdown() == {
+        "weights": 400 + 300,
+        "grads": 200 + 150,
+        "optimizer": 1200 + 900,
+        "activations": 2 * (2 * 80 + 2 * 50 + 2 * 5),
+        "buffers": 2 * 10 + 2 * (2 * 5) + 2 * 30,
+        "transient": 2 * 7,
+    }
     assert middle.peak_bytes == 3804
-    assert last.breakdown() == {"weights": 100, "grads": 50, "optimizer": 300,
-                                "activations": 16, "buffers": 2 * 5 + 2 * 30, "transient": 0}
+    assert last.breakdown() == {
+        "weights": 100,
+        "grads": 50,
+        "optimizer": 300,
+        "activations": 16,
+        "buffers": 2 * 5 + 2 * 30,
+        "transient": 0,
+    }
     assert [s.in_flight for s in stages] == [3, 2, 1]
 
 
 def test_recompute_and_zero3_and_gpipe():
-    config = ParallelConfig(pp=3, tp=2, dp=2, micro_batch=2, num_microbatches=4, zero=3,
-                            recompute="full", schedule="gpipe")
+    config = ParallelConfig(
+        pp=3,
+        tp=2,
+        dp=2,
+        micro_batch=2,
+        num_microbatches=4,
+        zero=3,
+        recompute="full",
+        schedule="gpipe",
+    )
     middle = stage_costs(costs_for(config), SPLIT)[1]
     assert middle.weight_bytes == (400 + 300) // 2  # ZeRO-3 shards weights too
     # recompute keeps each layer's output per micro-batch; GPipe keeps all m = 4 micro-batches
@@ -87,7 +137,8 @@ def test_times_by_hand():
     stages = stage_costs(costs, SPLIT)
     slowest = max(s.time_ns for s in stages)
     assert iteration_time_ns(costs, stages) == (4 + 3 - 1) * slowest + max(
-        s.dp_sync_ns for s in stages)
+        s.dp_sync_ns for s in stages
+    )
     assert throughput(16, 2_000_000_000) == 8.0
 
 

@@ -18,16 +18,31 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 
 def gpt_chain(num_blocks: int, *, extra: dict[int, str] | None = None) -> LayerGraph:
     """embed, b0..b{n-1}, head; ``extra`` inserts a layer of kind other before block i."""
-    layers = [{"name": "embed", "kind": "embedding", "params": 10, "activation_bytes": 1,
-               "output_bytes": 1}]
+    layers = [
+        {
+            "name": "embed",
+            "kind": "embedding",
+            "params": 10,
+            "activation_bytes": 1,
+            "output_bytes": 1,
+        }
+    ]
     for i in range(num_blocks):
         if extra and i in extra:
-            layers.append({"name": extra[i], "kind": "other", "params": 1,
-                           "activation_bytes": 1, "output_bytes": 1})
+            layers.append(
+                {
+                    "name": extra[i],
+                    "kind": "other",
+                    "params": 1,
+                    "activation_bytes": 1,
+                    "output_bytes": 1,
+                }
+            )
         layers.append({"name": f"b{i}", "params": 10, "activation_bytes": 1, "output_bytes": 1})
     layers.append({"name": "head", "params": 10, "activation_bytes": 1, "output_bytes": 1})
-    return graph_from_dict({"format": "layer-graph", "version": 1, "model": "toy",
-                            "layers": layers})
+    return graph_from_dict(
+        {"format": "layer-graph", "version": 1, "model": "toy", "layers": layers}
+    )
 
 
 def config(pp: int, **overrides) -> ParallelConfig:
@@ -38,7 +53,7 @@ def config(pp: int, **overrides) -> ParallelConfig:
 def split(graph: LayerGraph, counts: list[int]) -> list[list[str]]:
     names, stages, start = graph.names, [], 0
     for count in counts:
-        stages.append(names[start:start + count])
+        stages.append(names[start : start + count])
         start += count
     assert start == len(names)
     return stages
@@ -57,6 +72,7 @@ def flag(args: list[str], name: str) -> str | None:
 
 # --- torch.distributed.pipelining --------------------------------------------------------------
 
+
 def test_split_points_are_the_first_layer_of_every_later_stage():
     graph = gpt_chain(8)  # embed b0..b7 head: 10 layers
     out = build_exports(graph, config(3), split(graph, [4, 3, 3]))["torch_pipelining"]
@@ -69,8 +85,9 @@ def test_split_points_are_the_first_layer_of_every_later_stage():
 
 def test_gpipe_schedule_and_single_stage():
     graph = gpt_chain(4)
-    out = build_exports(graph, config(1, schedule="gpipe", num_microbatches=3),
-                        [graph.names])["torch_pipelining"]
+    out = build_exports(graph, config(1, schedule="gpipe", num_microbatches=3), [graph.names])[
+        "torch_pipelining"
+    ]
     assert out["split_spec"] == {}
     assert out["schedule"] == "ScheduleGPipe"
     assert out["n_microbatches"] == 3
@@ -80,8 +97,15 @@ def diamond() -> LayerGraph:
     """a -> b, a -> c, b -> d, c -> d, listed a, b, c, d."""
     layers = [{"name": n, "params": 1, "activation_bytes": 1, "output_bytes": 1} for n in "abcd"]
     edges = [{"src": u, "dst": v, "bytes": 1} for u, v in ("ab", "ac", "bd", "cd")]
-    return graph_from_dict({"format": "layer-graph", "version": 1, "model": "diamond",
-                            "layers": layers, "edges": edges})
+    return graph_from_dict(
+        {
+            "format": "layer-graph",
+            "version": 1,
+            "model": "diamond",
+            "layers": layers,
+            "edges": edges,
+        }
+    )
 
 
 def test_dag_stage_that_is_not_a_run_of_the_list_order_is_flagged():
@@ -106,6 +130,7 @@ def test_contiguous_dag_split_is_not_flagged():
 
 # --- Megatron-LM -------------------------------------------------------------------------------
 
+
 def test_layout_letters_follow_layer_roles():
     graph = gpt_chain(8)
     out = build_exports(graph, config(3), split(graph, [4, 3, 3]))["megatron"]
@@ -123,8 +148,10 @@ def test_layout_letters_follow_layer_roles():
 def test_only_last_stage_differs():
     graph = gpt_chain(8)
     out = build_exports(graph, config(3), split(graph, [4, 3, 3]))["megatron"]
-    assert (out["decoder_first_pipeline_num_layers"], out["decoder_last_pipeline_num_layers"]) \
-        == (None, 2)
+    assert (out["decoder_first_pipeline_num_layers"], out["decoder_last_pipeline_num_layers"]) == (
+        None,
+        2,
+    )
     assert out["split_method"] == "first_last"
     assert flag(out["args"], "--decoder-last-pipeline-num-layers") == "2"
     assert "--decoder-first-pipeline-num-layers" not in out["args"]
@@ -188,8 +215,9 @@ def test_other_layers_get_no_letter():
 @pytest.mark.parametrize(("recompute", "zero"), [("none", 0), ("full", 1)])
 def test_recompute_and_distributed_optimizer_flags(recompute, zero):
     graph = gpt_chain(4)
-    args = build_exports(graph, config(2, recompute=recompute, zero=zero),
-                         split(graph, [3, 3]))["megatron"]["args"]
+    args = build_exports(graph, config(2, recompute=recompute, zero=zero), split(graph, [3, 3]))[
+        "megatron"
+    ]["args"]
     assert ("--recompute-granularity" in args) == (recompute == "full")
     if recompute == "full":
         assert flag(args, "--recompute-granularity") == "full"
@@ -199,6 +227,7 @@ def test_recompute_and_distributed_optimizer_flags(recompute, zero):
 
 
 # --- DeepSpeed ---------------------------------------------------------------------------------
+
 
 def test_deepspeed_counts_and_parts():
     graph = gpt_chain(8)
@@ -213,26 +242,32 @@ def test_deepspeed_counts_and_parts():
     assert "_partition_layers" in out["partition_method_note"]
 
 
-@pytest.mark.parametrize(("pp", "zero", "warned"), [(2, 2, True), (2, 3, True), (2, 1, False),
-                                                    (1, 3, False)])
+@pytest.mark.parametrize(
+    ("pp", "zero", "warned"), [(2, 2, True), (2, 3, True), (2, 1, False), (1, 3, False)]
+)
 def test_deepspeed_warns_about_zero2_with_pipeline(pp, zero, warned):
     graph = gpt_chain(4)
-    out = build_exports(graph, config(pp, zero=zero, tp=1),
-                        split(graph, [3, 3] if pp == 2 else [6]))["deepspeed"]
+    out = build_exports(
+        graph, config(pp, zero=zero, tp=1), split(graph, [3, 3] if pp == 2 else [6])
+    )["deepspeed"]
     assert out["zero_optimization"] == {"stage": zero}
     assert any("ZeRO-2 and ZeRO-3" in w for w in out["warnings"]) == warned
 
 
 # --- input checks and examples -----------------------------------------------------------------
 
-@pytest.mark.parametrize(("stages", "message"), [
-    ([["a", "b"], ["c"]], "no stage"),
-    ([["a", "b"], ["b", "c", "d"]], "exactly one stage"),
-    ([["a", "b", "c", "d"], []], "empty"),
-    ([["a", "b", "c", "x"], ["d"]], "unknown layer"),
-    ([["a", "b", "c", "d"]], "pp=2"),
-    ([["a", "b", "d"], ["c"]], "backwards"),
-])
+
+@pytest.mark.parametrize(
+    ("stages", "message"),
+    [
+        ([["a", "b"], ["c"]], "no stage"),
+        ([["a", "b"], ["b", "c", "d"]], "exactly one stage"),
+        ([["a", "b", "c", "d"], []], "empty"),
+        ([["a", "b", "c", "x"], ["d"]], "unknown layer"),
+        ([["a", "b", "c", "d"]], "pp=2"),
+        ([["a", "b", "d"], ["c"]], "backwards"),
+    ],
+)
 def test_bad_stages_are_rejected(stages, message):
     with pytest.raises(InputError, match=message):
         build_exports(diamond(), config(2), stages)
@@ -250,8 +285,12 @@ def test_examples_load_and_have_the_documented_shape():
         graph = load_graph(path)
         sizes[path.name] = graph.num_layers
         assert graph.meta["profiled_by"].startswith("scripts/make_examples.py")
-    assert sizes == {"gpt-1.3b.json": 26, "gpt3-175b.json": 98, "t5-dag.json": 16,
-                     "resnet-skip-dag.json": 26}
+    assert sizes == {
+        "gpt-1.3b.json": 26,
+        "gpt3-175b.json": 98,
+        "t5-dag.json": 16,
+        "resnet-skip-dag.json": 26,
+    }
     gpt = load_graph(EXAMPLES / "gpt-1.3b.json")
     assert gpt.is_chain and not gpt.edges_given
     t5 = load_graph(EXAMPLES / "t5-dag.json")

@@ -25,23 +25,40 @@ def oracle(graph, cluster, training):
     costs = [layer_costs(graph, c, cluster, training) for c in configs]
     budget = None
     if training.max_slowdown is not None:
-        fastest = [solve_brute_force(StageProblem(costs=c, objective=OBJECTIVE_TIME,
-                                                  capacity_bytes=capacity)) for c in costs]
+        fastest = [
+            solve_brute_force(
+                StageProblem(costs=c, objective=OBJECTIVE_TIME, capacity_bytes=capacity)
+            )
+            for c in costs
+        ]
         times = [s.objective for s in fastest if s.objective is not None]
         if not times:
             return None, None
         budget = math.floor(training.max_slowdown * min(times))
-    best = [solve_brute_force(StageProblem(costs=c, objective=OBJECTIVE_MEMORY,
-                                           capacity_bytes=capacity, iteration_budget_ns=budget))
-            for c in costs]
+    best = [
+        solve_brute_force(
+            StageProblem(
+                costs=c,
+                objective=OBJECTIVE_MEMORY,
+                capacity_bytes=capacity,
+                iteration_budget_ns=budget,
+            )
+        )
+        for c in costs
+    ]
     peaks = [s.objective for s in best if s.objective is not None]
     if not peaks:
         return None, None
     peak = min(peaks)
     fastest_at_peak = min(
-        solve_brute_force(StageProblem(costs=c, objective=OBJECTIVE_TIME, capacity_bytes=peak,
-                                       iteration_budget_ns=budget)).objective or math.inf
-        for c in costs)
+        solve_brute_force(
+            StageProblem(
+                costs=c, objective=OBJECTIVE_TIME, capacity_bytes=peak, iteration_budget_ns=budget
+            )
+        ).objective
+        or math.inf
+        for c in costs
+    )
     return peak, training.global_batch * 1e9 / fastest_at_peak
 
 
@@ -51,10 +68,13 @@ def test_plan_equals_brute_force_over_all_configs(seed, shape):
     rng = random.Random(seed)
     graph = (random_chain if shape == "chain" else random_dag)(rng, rng.randint(4, 6))
     cluster = Cluster(num_gpus=4, gpus_per_node=2, gpu_memory_bytes=10**9)
-    training = TrainingConfig(global_batch=8, micro_batch_sizes=(1, 2),
-                              zero_stages=(0, 3) if seed % 2 else (0,),
-                              recompute="auto" if seed % 3 == 0 else "none",
-                              schedule="gpipe" if seed % 4 == 1 else "1f1b")
+    training = TrainingConfig(
+        global_batch=8,
+        micro_batch_sizes=(1, 2),
+        zero_stages=(0, 3) if seed % 2 else (0,),
+        recompute="auto" if seed % 3 == 0 else "none",
+        schedule="gpipe" if seed % 4 == 1 else "1f1b",
+    )
     expected_peak, expected_throughput = oracle(graph, cluster, training)
     result = plan(graph, cluster, training, time_limit_s=60)
     assert result.peak_bytes == expected_peak
@@ -88,12 +108,14 @@ def test_min_throughput_infeasible_names_the_constraint():
     graph = random_chain(rng, 5)
     cluster = Cluster(num_gpus=2, gpus_per_node=2, gpu_memory_bytes=10**9)
     fastest = plan(graph, cluster, TrainingConfig(global_batch=4, objective="throughput"))
-    ok = plan(graph, cluster, TrainingConfig(global_batch=4,
-                                             min_throughput=fastest.throughput * 0.999))
+    ok = plan(
+        graph, cluster, TrainingConfig(global_batch=4, min_throughput=fastest.throughput * 0.999)
+    )
     assert ok.throughput >= fastest.throughput * 0.999
     with pytest.raises(InfeasibleError, match="throughput constraint cannot be met"):
-        plan(graph, cluster, TrainingConfig(global_batch=4,
-                                            min_throughput=fastest.throughput * 1.01))
+        plan(
+            graph, cluster, TrainingConfig(global_batch=4, min_throughput=fastest.throughput * 1.01)
+        )
 
 
 def test_throughput_objective_is_fastest_and_memory_plan_within_slowdown():

@@ -1,0 +1,59 @@
+"""CP-SAT, MILP and the exact chain algorithm agree on the optimum (and with brute force where
+enumeration is tractable); every reported peak recomputes from the cost model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from solver.brute_force import solve_brute_force
+from solver.chain import solve_chain
+from solver.cpsat import solve_cpsat
+from solver.milp import solve_milp
+from solver.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, StageProblem
+from tests.random_graphs import random_chain, random_problem
+
+BACKENDS = {"chain": solve_chain, "cpsat": solve_cpsat, "milp": solve_milp}
+
+
+def solve_all(problem):
+    solutions = {
+        name: solve(problem, time_limit_s=30) if name != "chain" else solve(problem)
+        for name, solve in BACKENDS.items()
+    }
+    for name, solution in solutions.items():
+        assert solution.status == OPTIMAL, (name, solution)
+        assert problem.violation(solution.stage_of_layer) is None, name
+        assert solution.objective == problem.objective_value(solution.stage_of_layer), name
+        assert solution.bound == solution.objective, name
+    return {name: solution.objective for name, solution in solutions.items()}
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_three_backends_and_brute_force_agree_on_small_chains(seed):
+    rng = random.Random(1000 + seed)
+    graph = random_chain(rng, rng.randint(3, 7))
+    objective = OBJECTIVE_TIME if seed % 5 == 4 else OBJECTIVE_MEMORY
+    problem = random_problem(rng, graph, objective=objective)
+    if seed % 3 == 0:  # a binding throughput budget: halfway between fastest and slowest split
+        fastest = solve_brute_force(random_problem_like(problem, OBJECTIVE_TIME)).objective
+        problem.iteration_budget_ns = fastest + (fastest // 10)
+    values = solve_all(problem)
+    oracle = solve_brute_force(problem)
+    assert set(values.values()) == {oracle.objective}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_three_backends_agree_on_larger_chains(seed):
+    rng = random.Random(2000 + seed)
+    graph = random_chain(rng, rng.randint(16, 30))
+    problem = random_problem(rng, graph)
+    values = solve_all(problem)
+    assert len(set(values.values())) == 1, values
+
+
+def random_problem_like(problem, objective):
+    return StageProblem(
+        costs=problem.costs, objective=objective, capacity_bytes=problem.capacity_bytes
+    )
