@@ -43,14 +43,14 @@ import numpy as np
 import pulp
 
 from solver.cost_model import LayerCosts, stage_costs
-from solver.cpsat import (
+from solver.errors import InputError
+from solver.presolve import (
     Presolve,
     check_hint,
     keep_hint_if_better,
     make_solution,
     split_from_prefix,
 )
-from solver.errors import InputError
 from solver.problem import (
     FEASIBLE,
     INFEASIBLE,

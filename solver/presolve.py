@@ -1,0 +1,197 @@
+"""Shared by the CP-SAT and MILP formulations: presolve cuts, bounds and solution handling.
+
+Stages are not interchangeable (k_s differs and precedence orders them), so there is no symmetry
+to break. Instead, :class:`Presolve` adds cuts that follow from "every stage is non-empty":
+
+  stage ranges   stage(l) <= #layers that are not descendants of l (stages before l need them)
+                 stage(l) >= p - 1 - #layers that are not ancestors of l (likewise after l)
+  edge span      stage(v) - stage(u) <= 1 + |W_e|, W_e = layers neither ancestors of u nor
+                 descendants of v (only they can fill the stages an edge jumps over); on a chain
+                 W_e is empty, so no relay variable exists and stage(l+1) <= stage(l) + 1
+
+and valid lower bounds on the objective (:meth:`Presolve.objective_lower_bound`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from solver.cost_model import LayerCosts
+from solver.errors import InputError
+from solver.problem import (
+    FEASIBLE,
+    INFEASIBLE,
+    OBJECTIVE_MEMORY,
+    OPTIMAL,
+    StageProblem,
+    StageSolution,
+)
+
+
+@dataclass(kw_only=True)
+class Presolve:
+    """What both formulations derive from the problem before building a model (all proven valid)."""
+
+    first_stage: list[int]
+    """Smallest stage each layer can take."""
+    last_stage: list[int]
+    """Largest stage each layer can take."""
+    max_span: list[int]
+    """Largest stage(v) - stage(u) each edge can have."""
+    peak_lb_bytes: int
+    """Lower bound on the largest stage peak."""
+    peak_ub_bytes: int
+    """Upper bound on any stage peak (every layer, edge and relay counted at the largest k)."""
+    stage_time_lb_ns: int
+    """Lower bound on max_s T_s."""
+    sync_lb_ns: int
+    """Lower bound on max_s AR_s."""
+
+    @classmethod
+    def of(cls, problem: StageProblem) -> Presolve:
+        costs, num_stages, num_layers = problem.costs, problem.num_stages, problem.num_layers
+        ancestors, descendants = _reachability(costs)
+        first = [max(0, num_stages - 1 - (num_layers - 1 - a.bit_count())) for a in ancestors]
+        last = [min(num_stages - 1, num_layers - 1 - d.bit_count()) for d in descendants]
+        spans = []
+        for u, v in zip(costs.edge_src.tolist(), costs.edge_dst.tolist(), strict=True):
+            blocked = ancestors[u] | descendants[v] | (1 << u) | (1 << v)
+            spans.append(min(num_stages - 1, 1 + num_layers - blocked.bit_count()))
+        state, stored = costs.state_bytes, costs.stored_bytes
+        k = costs.in_flight
+        least_k = [min(k[lo : hi + 1], default=max(k)) for lo, hi in zip(first, last, strict=True)]
+        min_acts = np.asarray(least_k, dtype=np.int64) * stored
+        transient = costs.transient_bytes
+        edge_total = int(costs.edge_bytes.sum())
+        return cls(
+            first_stage=first,
+            last_stage=last,
+            max_span=spans,
+            # one layer's own stage; the stage total averaged over p stages
+            peak_lb_bytes=max(
+                int((state + min_acts + transient).max(initial=0)),
+                _ceil_div(int(state.sum() + min_acts.sum() + transient.max(initial=0)), num_stages),
+            ),
+            peak_ub_bytes=int(
+                state.sum()
+                + max(k) * stored.sum()
+                + transient.max(initial=0)
+                + (2 + max(k)) * edge_total
+            ),
+            stage_time_lb_ns=max(
+                int(costs.time_ns.max(initial=0)), _ceil_div(int(costs.time_ns.sum()), num_stages)
+            ),
+            sync_lb_ns=max(
+                int(costs.dp_sync_ns.max(initial=0)),
+                _ceil_div(int(costs.dp_sync_ns.sum()), num_stages),
+            ),
+        )
+
+    def objective_lower_bound(self, problem: StageProblem) -> int:
+        """A lower bound on the optimum, valid without solving anything."""
+        if problem.objective == OBJECTIVE_MEMORY:
+            return self.peak_lb_bytes
+        return problem.costs.pipeline_factor * self.stage_time_lb_ns + self.sync_lb_ns
+
+    def can_hold(self, layer: int, stage: int) -> bool:
+        return self.first_stage[layer] <= stage <= self.last_stage[layer]
+
+
+def make_solution(
+    status: str,
+    backend: str,
+    *,
+    bound: int,
+    split: list[int] | None = None,
+    objective: int | None = None,
+) -> StageSolution:
+    """A StageSolution; the caller sets wall_s."""
+    return StageSolution(
+        status=status,
+        stage_of_layer=split,
+        objective=objective,
+        bound=bound,
+        wall_s=0.0,
+        backend=backend,
+    )
+
+
+def check_hint(problem: StageProblem, hint: list[int] | None) -> None:
+    """A hint must name a stage 0..p-1 for every layer (it need not be feasible)."""
+    if hint is None:
+        return
+    if len(hint) != problem.num_layers:
+        raise InputError(f"hint has {len(hint)} stages for {problem.num_layers} layers")
+    if any(not 0 <= int(s) < problem.num_stages for s in hint):
+        raise InputError(f"hint stages must be within 0..{problem.num_stages - 1}, got {hint}")
+
+
+def keep_hint_if_better(
+    problem: StageProblem, solution: StageSolution, hint: list[int] | None
+) -> StageSolution:
+    """A valid hint is a solution too: return it when the solver stopped with nothing better
+    (a time limit shorter than presolve, say). The bound stays the solver's."""
+    if hint is None or solution.status in (OPTIMAL, INFEASIBLE):
+        return solution
+    if problem.violation(hint) is not None:
+        return solution
+    value = problem.objective_value(hint)
+    if solution.objective is not None and solution.objective <= value:
+        return solution
+    return StageSolution(
+        status=FEASIBLE,
+        stage_of_layer=[int(s) for s in hint],
+        objective=value,
+        bound=min(solution.bound, value),
+        wall_s=solution.wall_s,
+        backend=solution.backend,
+    )
+
+
+def split_from_prefix(prefix_values: list[list[float]], num_stages: int) -> list[int]:
+    """stage(l) = #{s : y[l][s] < 1/2}, which is (p - 1) - sum_s y[l][s] for monotone y."""
+    if num_stages == 1:
+        return [0] * len(prefix_values)
+    return [sum(1 for value in row if value < 0.5) for row in prefix_values]
+
+
+def _reachability(costs: LayerCosts) -> tuple[list[int], list[int]]:
+    """Strict ancestors and descendants of every layer, as bit sets (bit i = layer i)."""
+    n = costs.num_layers
+    parents: list[list[int]] = [[] for _ in range(n)]
+    children: list[list[int]] = [[] for _ in range(n)]
+    for u, v in zip(costs.edge_src.tolist(), costs.edge_dst.tolist(), strict=True):
+        parents[v].append(u)
+        children[u].append(v)
+    order = _topological_order(parents, children)
+    ancestors, descendants = [0] * n, [0] * n
+    for v in order:
+        for u in parents[v]:
+            ancestors[v] |= ancestors[u] | (1 << u)
+    for u in reversed(order):
+        for v in children[u]:
+            descendants[u] |= descendants[v] | (1 << v)
+    return ancestors, descendants
+
+
+def _topological_order(parents: list[list[int]], children: list[list[int]]) -> list[int]:
+    """Positions are topological for a validated graph; this does not rely on it."""
+    missing = [len(p) for p in parents]
+    ready = [layer for layer, count in enumerate(missing) if count == 0]
+    order = []
+    while ready:
+        u = ready.pop()
+        order.append(u)
+        for v in children[u]:
+            missing[v] -= 1
+            if missing[v] == 0:
+                ready.append(v)
+    if len(order) != len(parents):
+        raise InputError("the layer graph has a cycle")
+    return order
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
