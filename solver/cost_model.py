@@ -36,7 +36,7 @@ Time (integer nanoseconds, rounded up per layer so that every backend sums the s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
@@ -106,7 +106,7 @@ class LayerCosts:
     """Edge destination positions."""
     edge_bytes: np.ndarray
     """Bytes an edge carries per micro-batch."""
-    in_flight: list[int] = field(default_factory=list)
+    in_flight: list[int]
     """k_s for each stage."""
 
     @property
