@@ -28,6 +28,7 @@ from solver import Cluster, InfeasibleError, ParallelConfig, TrainingConfig, pla
 from solver.chain import solve_chain  # noqa: E402
 from solver.cost_model import layer_costs  # noqa: E402
 from solver.problem import StageProblem  # noqa: E402
+from solver.report import meets_throughput  # noqa: E402
 
 GIB = 2**30
 # total layers (blocks + embedding + head) -> hidden size, heads: realistic shapes per depth
@@ -73,6 +74,15 @@ def time_search(graph, num_gpus: int, repeats: int) -> dict:
             "note": str(error)[:120],
         }
     even, params = result.baselines["even"], result.baselines["parameters"]
+
+    def ok(baseline) -> str:
+        """Whether a baseline split fits memory and meets the throughput constraint."""
+        return (
+            "yes"
+            if baseline.fits and meets_throughput(result, baseline)
+            else ("no (memory)" if not baseline.fits else "no (throughput)")
+        )
+
     return row | {
         "status": result.solver.status,
         "config": result.config.label(),
@@ -84,6 +94,8 @@ def time_search(graph, num_gpus: int, repeats: int) -> dict:
         "params_peak_gib": params.peak_bytes / GIB,
         "vs_even_pct": 100 * (result.peak_bytes - even.peak_bytes) / even.peak_bytes,
         "vs_params_pct": 100 * (result.peak_bytes - params.peak_bytes) / params.peak_bytes,
+        "even_ok": ok(even),
+        "params_ok": ok(params),
     }
 
 
@@ -173,6 +185,8 @@ def main() -> int:
         "params_peak_gib",
         "vs_even_pct",
         "vs_params_pct",
+        "even_ok",
+        "params_ok",
     ]
     chain_cols = ["layers", "stages", "budget", "status", "peak_gib", "wall_s_median"]
     with open(args.out / "bench_solver.csv", "w", newline="") as stream:

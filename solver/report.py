@@ -70,6 +70,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             "peak_bytes": ev.peak_bytes,
             "throughput": finite_or_none(ev.throughput),
             "fits": ev.fits,
+            "meets_throughput": meets_throughput(plan, ev),
             "layer_counts": [len(stage.layers) for stage in ev.stages],
         }
         for name, ev in plan.baselines.items()
@@ -154,10 +155,14 @@ def format_plan(plan: Plan) -> str:
     for name, baseline in plan.baselines.items():
         change = 100 * (plan.peak_bytes - baseline.peak_bytes) / baseline.peak_bytes
         counts = ",".join(str(len(stage.layers)) for stage in baseline.stages)
+        caveats = [] if baseline.fits else ["does not fit"]
+        if not meets_throughput(plan, baseline):
+            caveats.append("below the throughput constraint")
+        caveat = f" ({', '.join(caveats)})" if caveats else ""
         lines.append(
             f"{name} split ({counts}) on the same config: "
             f"{format_bytes(baseline.peak_bytes)} peak, "
-            f"{baseline.throughput:.4g} samples/s; this plan: {change:+.1f}% peak"
+            f"{baseline.throughput:.4g} samples/s{caveat}; this plan: {change:+.1f}% peak"
         )
     report = plan.solver
     unit = "B" if plan.evaluation.training.objective == "memory" else "ns"
@@ -176,6 +181,12 @@ def format_plan(plan: Plan) -> str:
     if split_spec:
         lines.append(f"torch.distributed.pipelining split points: {', '.join(split_spec)}")
     return "\n".join(lines)
+
+
+def meets_throughput(plan: Plan, evaluation: Evaluation) -> bool:
+    """Whether a split satisfies the plan's throughput constraint (True when there is none)."""
+    required = plan.required_throughput
+    return required is None or evaluation.throughput >= required * (1 - 1e-12)
 
 
 def _layer_span(names: list[str]) -> str:
