@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from solver.baselines import BASELINES
-from solver.errors import InfeasibleError, InputError
+from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate_assignment
 from solver.export import build_exports
 from solver.graph import LayerGraph
@@ -94,7 +94,9 @@ def plan(
             num_workers=num_workers,
         )
         if fastest.entry is None:
-            raise explain_infeasible(graph, cluster, training, entries, backend, budget_ns)
+            raise _no_plan(
+                fastest, graph, cluster, training, entries, backend, budget_ns, time_limit_s
+            )
         if training.objective == "memory" and training.min_throughput is None:
             budget_ns = math.floor(training.max_slowdown * fastest.value)
             required = training.global_batch * 1e9 / budget_ns
@@ -109,7 +111,9 @@ def plan(
             num_workers=num_workers,
         )
         if result.entry is None:
-            raise explain_infeasible(graph, cluster, training, entries, backend, budget_ns)
+            raise _no_plan(
+                result, graph, cluster, training, entries, backend, budget_ns, time_limit_s
+            )
         entry, split = _break_ties(
             result,
             secondary=OBJECTIVE_TIME,
@@ -194,6 +198,25 @@ def _break_ties(
         if best is None or key < best[0]:
             best = (key, entry, split)
     return best[1], best[2]
+
+
+def _no_plan(
+    result: SearchResult,
+    graph: LayerGraph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    entries: list[ConfigEntry],
+    backend: str,
+    budget_ns: int | None,
+    time_limit_s: float | None,
+) -> PlannerError:
+    """NoSolutionError when the time ran out first, else the infeasibility explanation."""
+    if not result.proven:
+        return NoSolutionError(
+            f"time limit ({time_limit_s} s) reached before any plan was found "
+            f"({result.solved} of {len(entries)} configs solved); raise --time-limit"
+        )
+    return explain_infeasible(graph, cluster, training, entries, backend, budget_ns)
 
 
 def explain_infeasible(

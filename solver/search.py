@@ -143,7 +143,7 @@ def search(
             iteration_budget_ns=iteration_budget_ns,
         )
         solution = solve(
-            problem, backend, time_limit_s=deadline.remaining(), num_workers=num_workers
+            problem, backend, time_limit_s=max(deadline.remaining(), 0.01), num_workers=num_workers
         )
         solved += 1
         if solution.status not in (OPTIMAL, INFEASIBLE):

@@ -1,0 +1,108 @@
+"""Config search: lower bounds are valid (pruning never skips the optimum), time limits are
+reported honestly, candidate configs follow the rules."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from solver import Cluster, TrainingConfig
+from solver.brute_force import solve_brute_force
+from solver.candidates import candidate_configs, memory_lower_bound, time_lower_bound
+from solver.errors import InputError, NoSolutionError
+from solver.planner import plan
+from solver.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, StageProblem
+from solver.search import Deadline, build_entries, search
+from tests.random_graphs import random_chain, random_dag, random_problem
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_lower_bounds_never_exceed_the_optimum(seed):
+    rng = random.Random(300 + seed)
+    graph = (random_chain if seed % 2 else random_dag)(rng, rng.randint(3, 6))
+    problem = random_problem(rng, graph)
+    best_peak = solve_brute_force(problem).objective
+    fastest = solve_brute_force(StageProblem(costs=problem.costs, objective=OBJECTIVE_TIME))
+    assert memory_lower_bound(problem.costs) <= best_peak
+    assert time_lower_bound(problem.costs) <= fastest.objective
+
+
+def test_candidate_configs_follow_the_rules():
+    cluster = Cluster(num_gpus=16, gpus_per_node=4)
+    training = TrainingConfig(global_batch=32, micro_batch_sizes=(1, 4), zero_stages=(0, 3))
+    configs = candidate_configs(6, cluster, training)
+    assert configs, "some config must exist"
+    for config in configs:
+        assert config.pp * config.tp * config.dp == 16
+        assert 4 % config.tp == 0 and config.pp <= 6
+        assert config.dp * config.micro_batch * config.num_microbatches == 32
+        assert config.dp > 1 or config.zero == 0
+    assert {c.pp for c in configs} == {1, 2, 4}
+    assert {c.tp for c in configs} == {1, 2, 4}
+    assert len(configs) == len(set(configs))
+    pinned = candidate_configs(6, cluster, TrainingConfig(global_batch=32, pp=2, tp=4))
+    assert {(c.pp, c.tp, c.dp) for c in pinned} == {(2, 4, 2)}
+    with pytest.raises(InputError, match=r"tp\(3\) does not divide"):
+        candidate_configs(6, Cluster(num_gpus=12), TrainingConfig(global_batch=12, tp=3))
+
+
+class OneSolveDeadline(Deadline):
+    """Expires after the first solve: the search must report an unproven result."""
+
+    def remaining(self) -> float:
+        self.calls = getattr(self, "calls", 0) + 1
+        return 10.0 if self.calls <= 2 else 0.0
+
+
+def test_time_limit_leaves_configs_open_and_reports_a_gap():
+    graph = random_chain(random.Random(1), 8)
+    cluster = Cluster(num_gpus=8, gpus_per_node=2)
+    entries = build_entries(graph, cluster, TrainingConfig(global_batch=16))
+    full = search(
+        entries,
+        objective=OBJECTIVE_MEMORY,
+        capacity_bytes=None,
+        iteration_budget_ns=None,
+        backend="auto",
+        deadline=Deadline.after(60),
+    )
+    cut = search(
+        entries,
+        objective=OBJECTIVE_MEMORY,
+        capacity_bytes=None,
+        iteration_budget_ns=None,
+        backend="auto",
+        deadline=OneSolveDeadline(end=0),
+    )
+    assert full.proven and full.bound == full.value
+    assert not cut.proven and cut.solved == 1
+    assert cut.bound <= full.value <= cut.value  # the bound is still valid
+
+
+def test_no_plan_before_the_time_limit_is_exit_code_4():
+    graph = random_chain(random.Random(2), 6)
+    with pytest.raises(NoSolutionError, match="time limit") as caught:
+        plan(
+            graph,
+            Cluster(num_gpus=4, gpus_per_node=2),
+            TrainingConfig(global_batch=8),
+            time_limit_s=1e-9,
+        )
+    assert caught.value.exit_code == 4
+
+
+def test_plan_cut_by_the_time_limit_is_marked_not_proven(monkeypatch):
+    from solver.report import format_plan, plan_to_dict
+
+    graph = random_chain(random.Random(1), 8)
+    monkeypatch.setattr("solver.planner.Deadline.after", lambda seconds: OneSolveDeadline(end=0))
+    result = plan(
+        graph,
+        Cluster(num_gpus=8, gpus_per_node=2),
+        TrainingConfig(global_batch=16, max_slowdown=None),
+    )
+    assert result.solver.status == "FEASIBLE"
+    assert result.solver.bound <= result.peak_bytes
+    assert "NOT proven optimal" in format_plan(result)
+    assert plan_to_dict(result)["solver"]["status"] == "FEASIBLE"
