@@ -1,0 +1,635 @@
+"""Exact fast path for chain graphs: every stage holds a contiguous run of layers.
+
+For stage s = layers i..j (0-based, inclusive) ``cost_model.stage_costs`` reduces on a chain to
+  peak_s(i, j) = sum state[i..j] + k_s sum stored[i..j] + e[i-1] [s > 0] + e[j] [s < p-1]
+                 + max transient[i..j]                  (a chain relays no edge)
+  T(i, j) = sum time_ns[i..j],  AR(i, j) = sum dp_sync_ns[i..j],
+  iteration = F max_s T_s + max_s AR_s  with F = m + p - 1.
+
+Algorithm (exact; numpy vectorised over layers, Python loops over stages only):
+1. Min-max stage problem: minimise max_s c_s, with c = peak, T or AR, under per-stage limits
+   (peak <= cap, T <= tau, AR <= alpha). The sums are monotone in the interval; edges and the
+   transient term are not. Bounding those below (smallest edge, smallest transient) and letting
+   stages be empty gives a relaxation that greedy solves; a k-ary search on its bound gives a
+   lower bound and, after cutting stages to fill the empty ones, an incumbent split. Without a
+   capacity, T and AR do not depend on s and the relaxation is exact.
+2. From there a banded min-max DP f_s(j) = min_i max(f_{s-1}(i-1), c_s(i, j)) over the (i, j)
+   pairs that the relaxation allows under a trial bound U (greedy forward and backward reach
+   bound the stage ends, prefix-sum searches the starts). The DP is exact inside the band, so a
+   value <= U is the optimum; otherwise U rises (relative slack 1/64, 1/16, 1/4, 1, then the
+   incumbent). The band holds about L x (layers per stage) x (1 + slack x p) pairs.
+3. Coupled iteration budget / time objective: best-first branch and bound over alpha =
+   max_s AR_s, whose candidates are the interval sums of dp_sync_ns (ranges are snapped to them
+   and bisected). Memory: a range [a, b] is bounded by the stage problem with AR <= b and
+   T <= (budget - a) // F; its split settles the range when it meets the budget. Time: [a, b] is
+   bounded by F G(b) + a, G(b) = min T_max under AR <= b; the least AR_max A among splits with
+   T_max = G(b) settles [A, b], and alphas below A need T_max > G(b).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from solver.cost_model import LayerCosts
+from solver.problem import (
+    FEASIBLE,
+    INFEASIBLE,
+    OBJECTIVE_MEMORY,
+    OPTIMAL,
+    UNKNOWN,
+    StageProblem,
+    StageSolution,
+)
+
+BACKEND = "chain"
+INF = 2**62
+"""'No value' for int64 arrays; far above any byte count or nanosecond total, and INF + a sum of
+layer costs stays inside int64."""
+PROBES_PER_ROUND = 64
+"""Bounds tested at once in one round of the k-ary search on the relaxation."""
+BAND_STEPS = (6, 4, 2, 0, None)
+"""Trial bounds of the DP: lower + lower >> step (a relative slack), then the incumbent value;
+the band, hence the DP's work, grows with the slack above the optimum."""
+
+PEAK, TIME, SYNC = "peak", "time", "sync"
+
+
+def is_chain_problem(problem: StageProblem) -> bool:
+    """True when the layers form one chain 0 -> 1 -> ... -> L-1 (this backend applies)."""
+    return problem.costs.is_chain()
+
+
+def solve_chain(problem: StageProblem, *, time_limit_s: float | None = None) -> StageSolution:
+    """Exact optimum of a chain problem (same objective value as ``solve_brute_force``).
+
+    Deterministic. Raises ValueError when the graph is not a chain. With ``time_limit_s`` the
+    search stops when the time is up and returns its best split (FEASIBLE) or none (UNKNOWN).
+    """
+    if not is_chain_problem(problem):
+        raise ValueError("solve_chain needs a chain graph (edges exactly i -> i+1)")
+    start = time.perf_counter()
+    deadline = None if time_limit_s is None else start + time_limit_s
+    search = _Search(problem, _Chain(problem.costs, deadline))
+    timed_out = False
+    try:
+        search.run()
+    except _TimeUp:
+        timed_out = True
+    return search.solution(timed_out, time.perf_counter() - start)
+
+
+@dataclass(frozen=True)
+class _Limits:
+    """A min-max stage problem: minimise max_s (kind of stage s) under per-stage limits."""
+
+    kind: str
+    """peak (bytes), time (T_s, ns) or sync (AR_s, ns)."""
+    cap_bytes: int | None = None
+    """peak_s <= cap (kind time; for kind peak the caller folds it into the ceiling)."""
+    tau_ns: int | None = None
+    """T_s <= tau."""
+    alpha_ns: int | None = None
+    """AR_s <= alpha."""
+
+
+class _TimeUp(Exception):
+    """The time limit ran out."""
+
+
+class _Chain:
+    """Prefix sums and tables of one chain, and the min-max stage solver on top of them."""
+
+    def __init__(self, costs: LayerCosts, deadline: float | None) -> None:
+        self.num_layers = costs.num_layers
+        self.num_stages = costs.num_stages
+        self.pipeline_factor = costs.pipeline_factor
+        self.in_flight = np.asarray(costs.in_flight, dtype=np.int64)
+        self.deadline = deadline
+        prefix = lambda values: np.concatenate(([0], np.cumsum(values, dtype=np.int64)))  # noqa: E731
+        self.state_prefix = prefix(costs.state_bytes)
+        self.stored_prefix = prefix(costs.stored_bytes)
+        self.time_prefix = prefix(costs.time_ns)
+        self.sync_prefix = prefix(costs.dp_sync_ns)
+        for name in (
+            "state_bytes",
+            "stored_bytes",
+            "transient_bytes",
+            "time_ns",
+            "dp_sync_ns",
+            "edge_bytes",
+        ):
+            if np.any(getattr(costs, name) < 0):  # the prefix-sum searches need monotone sums
+                raise ValueError(f"chain backend needs non-negative {name}")
+        edges = np.asarray(costs.edge_bytes, dtype=np.int64)
+        self.edge_in = np.concatenate(([0], edges))  # bytes entering layer i from i-1
+        self.edge_out = np.concatenate((edges, [0]))  # bytes leaving layer j to j+1
+        self.edge_min = int(edges.min()) if len(edges) else 0
+        transient = np.asarray(costs.transient_bytes, dtype=np.int64)
+        self.transient_min = int(transient.min())
+        self.transient_max = int(transient.max())
+        self._transient_table = _sparse_max_table(transient)
+        self._log2 = np.floor(np.log2(np.arange(1, self.num_layers + 1))).astype(np.int64)
+        self._memory_prefix: dict[int, np.ndarray] = {}
+        self._rules: tuple[_Limits, list] | None = None
+
+    # -- stage quantities ------------------------------------------------------------------
+
+    def check_time(self) -> None:
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise _TimeUp
+
+    def memory_prefix(self, stage: int) -> np.ndarray:
+        """Prefix sums of state + k_s stored, bytes (length L + 1)."""
+        k = int(self.in_flight[stage])
+        if k not in self._memory_prefix:
+            self._memory_prefix[k] = self.state_prefix + k * self.stored_prefix
+        return self._memory_prefix[k]
+
+    def boundary_floor(self, stage: int) -> int:
+        """Smallest possible buffers + transient of a stage, bytes (the relaxation's constant)."""
+        sides = (stage > 0) + (stage < self.num_stages - 1)
+        return sides * self.edge_min + self.transient_min
+
+    def transient(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """max transient[i..j] for each pair, bytes (sparse-table range maximum)."""
+        if self.transient_min == self.transient_max:
+            return np.full(len(starts), self.transient_max, dtype=np.int64)
+        level = self._log2[ends - starts]
+        return np.maximum(
+            self._transient_table[level, starts],
+            self._transient_table[level, ends - (1 << level) + 1],
+        )
+
+    def peaks(self, stage: int | np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """peak_s(i, j) in bytes; ``stage`` is one index or one per pair."""
+        stage = np.asarray(stage)
+        k = self.in_flight[stage]
+        value = (
+            self.state_prefix[ends + 1]
+            - self.state_prefix[starts]
+            + k * (self.stored_prefix[ends + 1] - self.stored_prefix[starts])
+        )
+        value = value + np.where(stage > 0, self.edge_in[starts], 0)
+        value = value + np.where(stage < self.num_stages - 1, self.edge_out[ends], 0)
+        return value + self.transient(starts, ends)
+
+    def measure(self, starts: np.ndarray) -> tuple[int, int, int]:
+        """(max peak bytes, max T_s ns, max AR_s ns) of a split given by its stage starts."""
+        ends = np.append(starts[1:] - 1, self.num_layers - 1)
+        peak = self.peaks(np.arange(self.num_stages), starts, ends)
+        busy = self.time_prefix[ends + 1] - self.time_prefix[starts]
+        sync = self.sync_prefix[ends + 1] - self.sync_prefix[starts]
+        return int(peak.max()), int(busy.max()), int(sync.max())
+
+    def interval_sum_at_most(self, value: int) -> int:
+        """Largest sum of dp_sync_ns over a non-empty interval that is <= value (or -1)."""
+        starts = np.arange(self.num_layers)
+        stop = np.searchsorted(self.sync_prefix, self.sync_prefix[starts] + value, "right") - 1
+        ok = stop > starts
+        sums = self.sync_prefix[stop[ok]] - self.sync_prefix[starts[ok]]
+        return int(sums.max()) if len(sums) else -1
+
+    def interval_sum_at_least(self, value: int) -> int:
+        """Smallest sum of dp_sync_ns over a non-empty interval that is >= value (or INF)."""
+        starts = np.arange(self.num_layers)
+        stop = np.searchsorted(self.sync_prefix, self.sync_prefix[starts] + value, "left")
+        stop = np.maximum(stop, starts + 1)
+        ok = stop <= self.num_layers
+        sums = self.sync_prefix[stop[ok]] - self.sync_prefix[starts[ok]]
+        return int(sums.min()) if len(sums) else INF
+
+    # -- monotone relaxation ---------------------------------------------------------------
+
+    def stage_rules(self, limits: _Limits) -> list[list[tuple[np.ndarray, int, bool]]]:
+        """Per stage, (prefix sums, offset, scaled) rules of the monotone relaxation: stage i..j
+        passes at a bound iff prefix[j+1] - prefix[i] <= (bound + offset if scaled else offset)
+        for each rule. It relaxes 'stage quantity <= bound and the per-stage limits'."""
+        if self._rules is not None and self._rules[0] == limits:
+            return self._rules[1]
+        rules = []
+        for s in range(self.num_stages):
+            floor = self.boundary_floor(s)
+            memory = self.memory_prefix(s)
+            quantity = {PEAK: memory, TIME: self.time_prefix, SYNC: self.sync_prefix}
+            stage = [(quantity[limits.kind], -floor if limits.kind == PEAK else 0, True)]
+            if limits.cap_bytes is not None and limits.kind != PEAK:
+                stage.append((memory, limits.cap_bytes - floor, False))
+            if limits.tau_ns is not None:
+                stage.append((self.time_prefix, limits.tau_ns, False))
+            if limits.alpha_ns is not None:
+                stage.append((self.sync_prefix, limits.alpha_ns, False))
+            rules.append(stage)
+        self._rules = (limits, rules)
+        return rules
+
+    def reach_forward(self, limits: _Limits, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Farthest stage ends under the relaxation, for each bound at once.
+
+        The relaxation lets stages be empty; then, by induction on s, the greedy end of stage s is
+        the largest end of stage s over all relaxed-valid splits, even though k_s differs between
+        stages (the argument only needs 'a sub-interval of a valid stage is valid'). Stage s ends
+        at most at L - p + s, as in every split. Returns (ok per bound, ends[s, bound]).
+        """
+        num_layers, num_stages = self.num_layers, self.num_stages
+        position = np.zeros(len(bounds), dtype=np.int64)  # first layer after stage s
+        ends = np.empty((num_stages, len(bounds)), dtype=np.int64)
+        for s, rules in enumerate(self.stage_rules(limits)):
+            stop = num_layers - (num_stages - 1 - s)
+            for prefix, offset, scaled in rules:
+                target = prefix[position] + (bounds + offset if scaled else offset)
+                stop = np.minimum(stop, prefix.searchsorted(target, "right") - 1)
+            position = np.maximum(position, stop)
+            ends[s] = position - 1
+        return position == num_layers, ends
+
+    def reach_backward(self, limits: _Limits, bound: int) -> np.ndarray | None:
+        """Smallest stage starts under the relaxation (mirror of reach_forward), or None."""
+        starts = np.empty(self.num_stages, dtype=np.int64)
+        stop = self.num_layers  # first layer after stage s
+        for s in reversed(range(self.num_stages)):
+            first = s
+            for prefix, offset, scaled in self.stage_rules(limits)[s]:
+                target = prefix[stop] - (bound + offset if scaled else offset)
+                first = max(first, int(prefix.searchsorted(target, "left")))
+            starts[s] = stop = min(first, stop)
+        return starts if starts[0] == 0 else None
+
+    def relaxed_minimum(self, limits: _Limits, floor: int, ceiling: int) -> int | None:
+        """Smallest bound in [floor, ceiling] at which the relaxation has a split (k-ary search)."""
+        if floor > ceiling:
+            return None
+        low, high = floor, min(ceiling, max(floor, self.relaxed_top(limits)))
+        if not self.reach_forward(limits, np.array([high]))[0][0]:
+            return None  # the relaxation is the same at every bound >= relaxed_top
+        while low < high:
+            self.check_time()
+            probes = sorted(
+                {low + (high - low) * t // PROBES_PER_ROUND for t in range(PROBES_PER_ROUND)}
+            )
+            ok, _ = self.reach_forward(limits, np.array(probes, dtype=np.int64))
+            passing = np.flatnonzero(ok)
+            if len(passing) == 0:
+                low = probes[-1] + 1
+            else:
+                first = int(passing[0])
+                high = probes[first]
+                low = probes[first - 1] + 1 if first > 0 else low
+        return low
+
+    def relaxed_top(self, limits: _Limits) -> int:
+        """A bound above every stage's relaxed quantity: the bound itself never binds there."""
+        if limits.kind == TIME:
+            return int(self.time_prefix[-1])
+        if limits.kind == SYNC:
+            return int(self.sync_prefix[-1])
+        return max(
+            int(self.memory_prefix(s)[-1]) + self.boundary_floor(s) for s in range(self.num_stages)
+        )
+
+    def exact_top(self, limits: _Limits) -> int:
+        """A value no stage quantity exceeds (INF for peaks)."""
+        return INF if limits.kind == PEAK else self.relaxed_top(limits)
+
+    def greedy_split(self, limits: _Limits, bound: int) -> np.ndarray:
+        """Stage starts of a split made from the relaxation's greedy split at ``bound``.
+
+        Empty stages are filled by cutting the non-empty ones; the pieces pass the relaxation
+        when stage costs do not depend on s (T and AR), not always otherwise.
+        """
+        _, ends = self.reach_forward(limits, np.array([bound]))
+        cuts = ends[:-1, 0] + 1  # first layer after each stage but the last
+        is_start = np.zeros(self.num_layers, dtype=bool)
+        is_start[0] = True
+        is_start[cuts[cuts < self.num_layers]] = True
+        missing = self.num_stages - int(is_start.sum())
+        is_start[np.flatnonzero(~is_start)[:missing]] = True
+        return np.flatnonzero(is_start)
+
+    # -- exact stage problem ---------------------------------------------------------------
+
+    def stage_value(self, limits: _Limits, starts: np.ndarray) -> int | None:
+        """max_s of the minimised quantity for a split, or None when it breaks the cap."""
+        peak, busy, sync = self.measure(starts)
+        if limits.kind == PEAK:
+            return peak
+        if limits.cap_bytes is not None and peak > limits.cap_bytes:
+            return None
+        return busy if limits.kind == TIME else sync
+
+    def minimise(
+        self,
+        limits: _Limits,
+        *,
+        floor: int = 0,
+        ceiling: int = INF,
+        offer: Callable[[np.ndarray], None] | None = None,
+        on_lower: Callable[[int], None] | None = None,
+    ) -> tuple[int, np.ndarray] | None:
+        """Exact min over splits of max_s quantity, among values in [floor, ceiling].
+
+        ``floor`` must be a proven lower bound. Returns (value, stage starts) or None when no
+        split has a value <= ceiling. ``offer`` sees valid splits found on the way and
+        ``on_lower`` the lower bounds proven on the way (both for a time-limited caller).
+        """
+        lower = self.relaxed_minimum(limits, floor, ceiling)
+        if lower is None:
+            return None
+        greedy = self.greedy_split(limits, lower)
+        if limits.kind != PEAK and limits.cap_bytes is None:
+            return lower, greedy  # every constraint is a monotone sum: greedy is optimal
+        value = self.stage_value(limits, greedy)
+        best = (value, greedy) if value is not None and value <= ceiling else None
+        # T_s <= total time always; a peak can exceed the relaxation's top, so use the ceiling
+        upper = best[0] if best else min(ceiling, self.exact_top(limits))
+        for step in BAND_STEPS:
+            if best is not None and offer is not None:
+                offer(best[1])
+            if on_lower is not None:
+                on_lower(lower)
+            if best is not None and best[0] <= lower:
+                return best
+            bound = upper if step is None else min(upper, lower + max(1, lower >> step))
+            found = self.banded_dp(limits, bound)
+            if found is not None and found[0] <= bound:
+                return found  # the DP is exact up to ``bound``
+            if bound >= upper:
+                break  # nothing <= upper, so no split within the ceiling (``best`` is None)
+            if found is not None and found[0] < upper:  # a split of the band, above ``bound``
+                best, upper = found, found[0]
+            lower = bound + 1
+        return None
+
+    def banded_dp(self, limits: _Limits, bound: int) -> tuple[int, np.ndarray] | None:
+        """Min-max DP over the splits whose every stage passes the relaxation at ``bound``.
+
+        Exact within that band: returns (optimum, stage starts) when the optimum is <= bound;
+        else the best split of the band (value > bound) or None when the band has none.
+        f_s(j) = min over starts i of max(f_{s-1}(i-1), c_s(i, j)).
+        """
+        num_layers, num_stages = self.num_layers, self.num_stages
+        ok, forward = self.reach_forward(limits, np.array([bound]))
+        first_start = self.reach_backward(limits, bound) if ok[0] else None
+        if first_start is None:
+            return None
+        end_high = forward[:, 0]
+        end_low = np.maximum(np.append(first_start[1:] - 1, num_layers - 1), np.arange(num_stages))
+        if np.any(end_low > end_high):
+            return None
+        previous = np.zeros(1, dtype=np.int64)  # f_{-1}: only "stage -1 ends at layer -1"
+        previous_low = previous_high = -1
+        choices = []
+        for s in range(num_stages):
+            self.check_time()
+            ends = np.arange(end_low[s], end_high[s] + 1)
+            lowest = max(previous_low + 1, int(first_start[s]))
+            starts_low = np.maximum(self.first_starts(s, limits, bound, ends), lowest)
+            starts_high = np.minimum(ends, previous_high + 1)
+            best, choice = self._stage_step(
+                s, limits, ends, starts_low, starts_high, previous, previous_low
+            )
+            if best.min() >= INF:
+                return None
+            choices.append(choice)
+            previous, previous_low, previous_high = best, end_low[s], end_high[s]
+        if previous[-1] >= INF:
+            return None
+        starts = np.empty(num_stages, dtype=np.int64)
+        end = num_layers - 1
+        for s in reversed(range(num_stages)):
+            starts[s] = choices[s][end - end_low[s]]
+            end = starts[s] - 1
+        return int(previous[-1]), starts
+
+    def first_starts(self, stage: int, limits: _Limits, bound: int, ends: np.ndarray) -> np.ndarray:
+        """Smallest start of stage ``stage`` ending at each of ``ends`` under the relaxation."""
+        first = np.zeros(len(ends), dtype=np.int64)
+        for prefix, offset, scaled in self.stage_rules(limits)[stage]:
+            limit = bound + offset if scaled else offset
+            first = np.maximum(first, prefix.searchsorted(prefix[ends + 1] - limit, "left"))
+        return first
+
+    def _stage_step(
+        self,
+        stage: int,
+        limits: _Limits,
+        ends: np.ndarray,
+        starts_low: np.ndarray,
+        starts_high: np.ndarray,
+        previous: np.ndarray,
+        previous_low: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One DP stage on the ragged band: (f_s per end, argmin start per end)."""
+        counts = np.maximum(starts_high - starts_low + 1, 0)
+        total = int(counts.sum())
+        if total == 0:
+            return np.full(len(ends), INF, dtype=np.int64), np.full(len(ends), -1)
+        offsets = np.cumsum(counts) - counts
+        segment = np.repeat(np.arange(len(ends)), counts)
+        starts = starts_low[segment] + np.arange(total) - offsets[segment]
+        pair_ends = ends[segment]
+        value = np.maximum(
+            previous[starts - 1 - previous_low],
+            self._interval_cost(stage, limits, starts, pair_ends),
+        )
+        filled = offsets[counts > 0]
+        best = np.full(len(ends), INF, dtype=np.int64)
+        best[counts > 0] = np.minimum.reduceat(value, filled)
+        first_hit = np.where(value == best[segment], np.arange(total), total)
+        choice = np.full(len(ends), -1, dtype=np.int64)
+        choice[counts > 0] = starts[np.minimum.reduceat(first_hit, filled)]
+        return best, choice
+
+    def _interval_cost(
+        self, stage: int, limits: _Limits, starts: np.ndarray, ends: np.ndarray
+    ) -> np.ndarray:
+        """c_s(i, j): peak bytes, or T or AR ns (INF where the peak breaks the cap)."""
+        if limits.kind == PEAK:
+            return self.peaks(stage, starts, ends)
+        prefix = self.time_prefix if limits.kind == TIME else self.sync_prefix
+        value = prefix[ends + 1] - prefix[starts]
+        if limits.cap_bytes is None:
+            return value
+        return np.where(self.peaks(stage, starts, ends) > limits.cap_bytes, INF, value)
+
+
+class _Search:
+    """The outer search for one problem: incumbent, proven lower bound, branch and bound."""
+
+    def __init__(self, problem: StageProblem, chain: _Chain) -> None:
+        self.problem = problem
+        self.chain = chain
+        self.best_value: int | None = None
+        self.best_starts: np.ndarray | None = None
+        self.lower = 0
+
+    def run(self) -> None:
+        if self.problem.num_stages > self.problem.num_layers:
+            return  # some stage would be empty
+        if self.problem.objective == OBJECTIVE_MEMORY:
+            if self.problem.iteration_budget_ns is None:
+                self._memory_without_budget()
+            else:
+                self._memory_with_budget()
+        else:
+            self._time()
+
+    def offer(self, starts: np.ndarray) -> None:
+        """Keep ``starts`` when it satisfies every constraint and beats the incumbent."""
+        problem, chain = self.problem, self.chain
+        peak, busy, sync = chain.measure(starts)
+        iteration = chain.pipeline_factor * busy + sync
+        if problem.capacity_bytes is not None and peak > problem.capacity_bytes:
+            return
+        if problem.iteration_budget_ns is not None and iteration > problem.iteration_budget_ns:
+            return
+        value = peak if problem.objective == OBJECTIVE_MEMORY else iteration
+        if self.best_value is None or value < self.best_value:
+            self.best_value, self.best_starts = value, starts
+
+    def raise_lower(self, value: int) -> None:
+        self.lower = max(self.lower, value)
+
+    def _memory_without_budget(self) -> None:
+        ceiling = INF if self.problem.capacity_bytes is None else self.problem.capacity_bytes
+        found = self.chain.minimise(
+            _Limits(kind=PEAK), ceiling=ceiling, offer=self.offer, on_lower=self.raise_lower
+        )
+        if found is not None:
+            self.offer(found[1])
+            self.lower = found[0]
+
+    def _alpha_range(self, low: int, high: int) -> tuple[int, int] | None:
+        """[low, high] shrunk to the interval sums of dp_sync_ns it contains (None if none)."""
+        low = self.chain.interval_sum_at_least(low)
+        high = self.chain.interval_sum_at_most(high)
+        return (low, high) if low <= high else None
+
+    def _alpha_bounds(self) -> tuple[int, int]:
+        """(min possible max_s AR_s, min possible max_s T_s) over all splits, ns."""
+        chain = self.chain
+        alpha = chain.relaxed_minimum(_Limits(kind=SYNC), 0, INF)
+        busy = chain.relaxed_minimum(_Limits(kind=TIME), 0, INF)
+        assert alpha is not None and busy is not None  # p <= L: some split exists
+        return alpha, busy
+
+    def _memory_with_budget(self) -> None:
+        """Branch and bound over alpha: node [a, b] relaxes to AR <= b, T <= (budget - a) // F."""
+        problem, chain = self.problem, self.chain
+        budget, factor = problem.iteration_budget_ns, chain.pipeline_factor
+        cap = INF if problem.capacity_bytes is None else problem.capacity_bytes
+        alpha_min, busy_min = self._alpha_bounds()
+        root = self._alpha_range(alpha_min, budget - factor * busy_min)
+        heap = [] if root is None else [(0, *root)]
+        for bound, low, high in _best_first(heap, self):
+            ceiling = cap if self.best_value is None else min(cap, self.best_value - 1)
+            limits = _Limits(kind=PEAK, tau_ns=(budget - low) // factor, alpha_ns=high)
+            found = chain.minimise(limits, floor=bound, ceiling=ceiling, offer=self.offer)
+            if found is None:
+                continue
+            value, starts = found
+            self.offer(starts)
+            _, busy, sync = chain.measure(starts)
+            if factor * busy + sync > budget:  # low < high: at one alpha the relaxation is exact
+                self._bisect(heap, low, high, base=value)
+
+    def _time(self) -> None:
+        """Branch and bound over alpha: node [a, b] is bounded by F G(b) + a.
+
+        G(b) = min T_max under AR_s <= b; then the least AR_max with T_max = G(b), A, settles
+        every alpha in [A, b], and alphas below A need T_max > G(b).
+        """
+        problem, chain = self.problem, self.chain
+        factor, cap = chain.pipeline_factor, problem.capacity_bytes
+        budget = INF if problem.iteration_budget_ns is None else problem.iteration_budget_ns
+        alpha_min, busy_min = self._alpha_bounds()
+        root = self._alpha_range(alpha_min, int(chain.sync_prefix[-1]))
+        heap = [] if root is None else [(factor * busy_min + root[0], *root)]
+        for bound, low, high in _best_first(heap, self):
+            allowed = budget if self.best_value is None else min(budget, self.best_value - 1)
+            if bound > allowed:
+                break
+            limits = _Limits(kind=TIME, cap_bytes=cap, alpha_ns=high)
+            found = chain.minimise(
+                limits,
+                floor=(bound - low) // factor,
+                ceiling=(allowed - low) // factor,
+                offer=self.offer,
+            )
+            if found is None:
+                continue
+            busy = found[0]
+            limits = _Limits(kind=SYNC, cap_bytes=cap, tau_ns=busy)
+            refined = chain.minimise(limits, ceiling=high, offer=self.offer)
+            assert refined is not None  # the split behind G(b) has AR <= b
+            sync, starts = refined
+            self.offer(starts)
+            rest = self._alpha_range(low, sync - 1)
+            if rest is not None:
+                self._bisect(heap, *rest, base=factor * (busy + 1), alpha_weight=1)
+
+    def _bisect(self, heap: list, low: int, high: int, *, base: int, alpha_weight: int = 0) -> None:
+        """Push both halves of [low, high], bounded by base + alpha_weight x smallest alpha."""
+        middle = (low + high) // 2
+        for half in (self._alpha_range(low, middle), self._alpha_range(middle + 1, high)):
+            if half is not None:
+                heapq.heappush(heap, (base + alpha_weight * half[0], *half))
+
+    def solution(self, timed_out: bool, wall_s: float) -> StageSolution:
+        problem = self.problem
+        if self.best_starts is None:
+            status = UNKNOWN if timed_out else INFEASIBLE
+            return StageSolution(
+                status=status,
+                stage_of_layer=None,
+                objective=None,
+                bound=self.lower,
+                wall_s=wall_s,
+                backend=BACKEND,
+            )
+        lengths = np.diff(np.append(self.best_starts, problem.num_layers))
+        stage_of_layer = np.repeat(np.arange(problem.num_stages), lengths).tolist()
+        objective = problem.objective_value(stage_of_layer)
+        assert objective == self.best_value, (objective, self.best_value)
+        status = FEASIBLE if timed_out else OPTIMAL
+        bound = min(self.lower, objective) if timed_out else objective
+        return StageSolution(
+            status=status,
+            stage_of_layer=stage_of_layer,
+            objective=objective,
+            bound=bound,
+            wall_s=wall_s,
+            backend=BACKEND,
+        )
+
+
+def _best_first(heap: list, search: _Search) -> Iterator[tuple[int, int, int]]:
+    """Pop alpha ranges by bound until none can beat the incumbent; keeps search.lower."""
+    while heap:
+        search.chain.check_time()
+        bound, low, high = heapq.heappop(heap)
+        search.lower = bound
+        if search.best_value is not None and bound >= search.best_value:
+            break
+        yield bound, low, high
+    if search.best_value is not None:
+        search.lower = search.best_value
+
+
+def _sparse_max_table(values: np.ndarray) -> np.ndarray:
+    """table[k, x] = max values[x .. x + 2^k - 1] (zero-padded where the window runs out)."""
+    rows = [values]
+    width = 1
+    while 2 * width <= len(values):
+        previous = rows[-1]
+        row = np.zeros_like(values)
+        row[: len(values) - 2 * width + 1] = np.maximum(
+            previous[: len(values) - 2 * width + 1], previous[width : len(values) - width + 1]
+        )
+        rows.append(row)
+        width *= 2
+    return np.stack(rows)
