@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import cached_property
 
 import numpy as np
 
@@ -117,7 +118,7 @@ class LayerCosts:
     def num_stages(self) -> int:
         return self.config.pp
 
-    @property
+    @cached_property
     def state_bytes(self) -> np.ndarray:
         """Weights + gradients + optimizer per GPU, bytes."""
         return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
@@ -287,34 +288,56 @@ def stage_costs(costs: LayerCosts, stage_of_layer: list[int] | np.ndarray) -> li
     """Exact per-stage costs of an assignment (layer position -> stage index)."""
     stage_of = np.asarray(stage_of_layer, dtype=np.int64)
     num_stages = costs.num_stages
-    relayed = np.zeros(num_stages, dtype=np.int64)
+    first, last = stage_of[costs.edge_src], stage_of[costs.edge_dst]
+    crossing = first != last
+    nbytes = costs.edge_bytes[crossing]
+    # an edge leaves its producer's stage and enters its consumer's stage ...
     buffers = np.zeros(num_stages, dtype=np.int64)
-    for src, dst, nbytes in zip(costs.edge_src, costs.edge_dst, costs.edge_bytes, strict=True):
-        first, last = int(stage_of[src]), int(stage_of[dst])
-        if first == last:
-            continue
-        buffers[first] += nbytes  # leaves its producer's stage
-        buffers[last] += nbytes  # enters its consumer's stage
-        for relay in range(first + 1, last):
-            buffers[relay] += 2 * nbytes  # received and sent on
-            relayed[relay] += nbytes
+    np.add.at(buffers, first[crossing], nbytes)
+    np.add.at(buffers, last[crossing], nbytes)
+    # ... and every stage in between receives it, sends it on and keeps it in flight (relay)
+    relayed = np.zeros(num_stages, dtype=np.int64)
+    for src, dst, size in zip(first[crossing], last[crossing], nbytes, strict=True):
+        if dst - src > 1:
+            relayed[src + 1 : dst] += size
+    buffers += 2 * relayed
+
+    def per_stage_sum(values: np.ndarray) -> np.ndarray:
+        """Exact int64 sums (np.bincount would go through float64)."""
+        total = np.zeros(num_stages, dtype=np.int64)
+        np.add.at(total, stage_of, values)
+        return total
+
+    weight, grad, optimizer = (
+        per_stage_sum(costs.weight_bytes),
+        per_stage_sum(costs.grad_bytes),
+        per_stage_sum(costs.optimizer_bytes),
+    )
+    stored, time_ns, sync_ns = (
+        per_stage_sum(costs.stored_bytes),
+        per_stage_sum(costs.time_ns),
+        per_stage_sum(costs.dp_sync_ns),
+    )
+    transient = np.zeros(num_stages, dtype=np.int64)
+    np.maximum.at(transient, stage_of, costs.transient_bytes)
+    members = np.argsort(stage_of, kind="stable")
+    bounds = np.searchsorted(stage_of[members], np.arange(num_stages + 1))
     stages = []
     for s in range(num_stages):
-        members = np.flatnonzero(stage_of == s)
         k = costs.in_flight[s]
         stages.append(
             StageCost(
                 index=s,
-                layers=[int(i) for i in members],
-                weight_bytes=int(costs.weight_bytes[members].sum()),
-                grad_bytes=int(costs.grad_bytes[members].sum()),
-                optimizer_bytes=int(costs.optimizer_bytes[members].sum()),
-                activation_bytes=int(k * (costs.stored_bytes[members].sum() + relayed[s])),
+                layers=members[bounds[s] : bounds[s + 1]].tolist(),
+                weight_bytes=int(weight[s]),
+                grad_bytes=int(grad[s]),
+                optimizer_bytes=int(optimizer[s]),
+                activation_bytes=int(k * (stored[s] + relayed[s])),
                 buffer_bytes=int(buffers[s]),
-                transient_bytes=int(costs.transient_bytes[members].max(initial=0)),
+                transient_bytes=int(transient[s]),
                 in_flight=k,
-                time_ns=int(costs.time_ns[members].sum()),
-                dp_sync_ns=int(costs.dp_sync_ns[members].sum()),
+                time_ns=int(time_ns[s]),
+                dp_sync_ns=int(sync_ns[s]),
             )
         )
     return stages
