@@ -169,6 +169,14 @@ def write_json(path: str, document: dict[str, Any], *, protect: list[str]) -> No
     os.replace(temporary, target)
 
 
+def _print(text: str) -> None:
+    """Print, tolerating a closed pipe (``... | head``)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def plan_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m solver.plan",
@@ -268,7 +276,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         if args.json:
             write_json(args.json, plan_to_dict(result), protect=[args.graph])
         if not args.quiet:
-            print(format_plan(result))
+            _print(format_plan(result))
     except PlannerError as error:
         sys.stderr.write(f"error: {error}\n")
         return error.exit_code
@@ -341,7 +349,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
         if args.json:
             write_json(args.json, evaluation_to_dict(result), protect=[args.graph])
         if not args.quiet:
-            print(
+            _print(
                 format_evaluation(
                     result, f"Split {args.split} of {graph.model} on {config.num_gpus} GPUs"
                 )
