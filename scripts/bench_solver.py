@@ -208,7 +208,10 @@ def main() -> int:
         "## Full config search (80 GiB GPUs, 8 per node, max slowdown 1.25, ZeRO 0, micro-batch "
         "1/2/4)",
         "",
-        "configs = total/solved/pruned; vs_* = plan peak vs that split of the same config.",
+        "configs = total/solved/pruned; vs_* = plan peak vs that split of the same config "
+        "(negative = our plan needs less); *_ok = whether that split fits in memory and meets "
+        "the throughput constraint (a split that misses the constraint can have a lower peak "
+        "than the constrained optimum).",
         "",
         *markdown(search_rows, search_cols),
         "",
