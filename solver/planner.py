@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -81,61 +82,44 @@ def plan(
     if training.min_throughput is not None:
         budget_ns = math.floor(training.global_batch * 1e9 / training.min_throughput)
         required = training.min_throughput
-    if training.objective == "throughput" or (
-        training.min_throughput is None and training.max_slowdown is not None
-    ):
-        fastest = search(
-            entries,
-            objective=OBJECTIVE_TIME,
-            capacity_bytes=capacity,
-            iteration_budget_ns=budget_ns,
-            backend=backend,
-            deadline=deadline,
-            num_workers=num_workers,
-        )
-        if fastest.entry is None:
-            raise _no_plan(
-                fastest, graph, cluster, training, entries, backend, budget_ns, time_limit_s
-            )
-        if training.objective == "memory" and training.min_throughput is None:
-            budget_ns = math.floor(training.max_slowdown * fastest.value)
-            required = training.global_batch * 1e9 / budget_ns
-    if training.objective == "memory":
-        result = search(
-            entries,
-            objective=OBJECTIVE_MEMORY,
-            capacity_bytes=capacity,
-            iteration_budget_ns=budget_ns,
-            backend=backend,
-            deadline=deadline,
-            num_workers=num_workers,
-        )
+    run = functools.partial(
+        search,
+        entries,
+        capacity_bytes=capacity,
+        backend=backend,
+        deadline=deadline,
+        num_workers=num_workers,
+    )
+
+    def found(result: SearchResult) -> SearchResult:
         if result.entry is None:
             raise _no_plan(
                 result, graph, cluster, training, entries, backend, budget_ns, time_limit_s
             )
-        entry, split = _break_ties(
-            result,
-            secondary=OBJECTIVE_TIME,
-            capacity=result.value,
-            budget=budget_ns,
-            deadline=deadline,
-            num_workers=num_workers,
-        )
+        return result
+
+    if training.objective == "throughput" or (
+        training.min_throughput is None and training.max_slowdown is not None
+    ):
+        fastest = found(run(objective=OBJECTIVE_TIME, iteration_budget_ns=budget_ns))
+        if training.objective == "memory" and training.min_throughput is None:
+            budget_ns = math.floor(training.max_slowdown * fastest.value)
+            required = training.global_batch * 1e9 / budget_ns
+    if training.objective == "memory":
+        result = found(run(objective=OBJECTIVE_MEMORY, iteration_budget_ns=budget_ns))
+        secondary, limits = OBJECTIVE_TIME, {"capacity": result.value, "budget": budget_ns}
     else:
         result = fastest
-        entry, split = _break_ties(
-            result,
-            secondary=OBJECTIVE_MEMORY,
-            capacity=capacity,
-            budget=result.value,
-            deadline=deadline,
-            num_workers=num_workers,
-        )
+        secondary, limits = OBJECTIVE_MEMORY, {"capacity": capacity, "budget": result.value}
+    entry, split = _break_ties(
+        result, secondary=secondary, **limits, deadline=deadline, num_workers=num_workers
+    )
+    # a throughput budget taken from an unproven fastest plan is not proven either
+    proven = result.proven and (fastest is None or fastest.proven)
     evaluation = evaluate_assignment(graph, entry.costs, split, cluster=cluster, training=training)
     report = SolverReport(
         backend=result.backend,
-        status=OPTIMAL if result.proven else "FEASIBLE",
+        status=OPTIMAL if proven else "FEASIBLE",
         objective=result.value,
         bound=result.bound,
         wall_s=time.perf_counter() - started,
@@ -143,7 +127,7 @@ def plan(
         configs_solved=result.solved,
         configs_pruned=result.pruned,
     )
-    if not result.proven:
+    if not proven:
         report.notes.append("time limit reached: best plan found, not proven optimal")
     return Plan(
         evaluation=evaluation,

@@ -19,10 +19,8 @@ from solver.candidates import candidate_configs, memory_lower_bound, time_lower_
 from solver.cost_model import LayerCosts, layer_costs
 from solver.graph import LayerGraph
 from solver.problem import (
-    FEASIBLE,
     INFEASIBLE,
     OBJECTIVE_MEMORY,
-    OBJECTIVE_TIME,
     OPTIMAL,
     StageProblem,
     StageSolution,
@@ -207,14 +205,4 @@ def refine(
     return solution if solution.has_solution else None
 
 
-__all__ = [
-    "ConfigEntry",
-    "Deadline",
-    "FEASIBLE",
-    "OBJECTIVE_MEMORY",
-    "OBJECTIVE_TIME",
-    "SearchResult",
-    "build_entries",
-    "refine",
-    "search",
-]
+__all__ = ["ConfigEntry", "Deadline", "SearchResult", "build_entries", "refine", "search"]
