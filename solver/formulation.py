@@ -1,0 +1,360 @@
+"""The prefix-variable formulation of the per-config assignment problem, shared by the backends.
+
+Layers are in topological order l = 0..L-1, stages s = 0..p-1, edges e = (u, v) with eb_e bytes.
+The formulation (``cpsat.py`` and ``milp.py`` build it through :class:`PrefixFormulation`):
+
+  y[l][s] in {0, 1}, s = 0..p-2      y[l][s] = 1 iff stage(l) <= s (prefix variables);
+                                     y[l][-1] = 0 and y[l][p-1] = 1 are constants
+  x[l][s] = y[l][s] - y[l][s-1]      layer l sits on stage s (linear, no variable)
+  c[e][s] = y[u][s] - y[v][s]        edge e crosses the boundary s | s+1 (in {0, 1} by precedence)
+  r[e][s] >= y[u][s-1] - y[v][s]     edge e is relayed by stage s: stage(u) < s < stage(v)
+  tr[s] >= transient_l x[l][s]       largest transient of stage s
+
+  monotone     y[l][s] <= y[l][s+1]
+  precedence   y[v][s] <= y[u][s]                          stage(u) <= stage(v)
+  non-empty    sum_l x[l][s] >= 1
+  memory       peak >= sum_l (state_l + k_s stored_l) x[l][s] + sum_e eb_e (c[e][s-1] + c[e][s])
+                       + k_s sum_e eb_e r[e][s] + tr[s]
+  time         T >= sum_l time_l x[l][s],  AR >= sum_l sync_l x[l][s]
+  limits       peak <= capacity;  F T + AR <= budget      (F = m + p - 1)
+  objective    min peak ("memory") or min F T + AR ("time")
+
+The buffer term is exact: an edge leaving s crosses s | s+1 only, one entering s crosses s-1 | s
+only, and a relayed one crosses both (2 eb_e). Prefix variables make all of this linear with no
+big-M; r is the only product, and ``y[u][s-1] - y[v][s]`` is the tightest linear lower bound of it
+(at least as strong as ``c[e][s-1] + c[e][s] - 1``). Every auxiliary variable is only bounded from
+below, so a solution's model objective can exceed the true one; it is always recomputed with the
+cost model, and at the optimum the two agree.
+
+Every rule is written once, against OR-Tools and PuLP expressions alike (both overload
+``+ - * <= >= ==``). A backend supplies the model and its variables (``_new_bool``, ``_new_var``:
+integer for CP-SAT, continuous for the MILP), the units of coefficients (``_bytes``, ``_ns``: exact
+for CP-SAT, scaled by powers of two for the MILP), ``_sum``, ``_add``, ``_minimize``, ``_hint``,
+``dump`` and ``solve``; :meth:`PrefixFormulation.solve_problem` runs a whole solve.
+
+Cuts and static bounds: :class:`solver.presolve.Presolve`.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from solver.cost_model import LayerCosts, stage_costs
+from solver.presolve import Presolve, check_hint, keep_hint_if_better
+from solver.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, StageProblem, StageSolution
+
+
+@dataclass
+class PrefixVariables:
+    """prefix[l][s] = y[l][s] for s = 0..p-2; relay[(e, s)] = r[e][s] (only where an edge can be
+    relayed); transient[s] = tr[s]; None where the objective and limits do not need the term.
+    Values are in the backend's units (``_bytes``, ``_ns``)."""
+
+    prefix: list[list[Any]] = field(default_factory=list)
+    relay: dict[tuple[int, int], Any] = field(default_factory=dict)
+    transient: list[Any] = field(default_factory=list)
+    peak: Any = None
+    slowest_stage_ns: Any = None
+    slowest_sync_ns: Any = None
+
+
+class PrefixFormulation(abc.ABC):
+    """The model of the module docstring; a subclass creates ``self.model`` and calls
+    :meth:`_build`."""
+
+    def __init__(self, problem: StageProblem, presolve: Presolve | None = None):
+        self.problem = problem
+        self.costs: LayerCosts = problem.costs
+        self.presolve = presolve or Presolve.of(problem)
+        self.edges = list(
+            zip(self.costs.edge_src.tolist(), self.costs.edge_dst.tolist(), strict=True)
+        )
+        """(u, v) of every edge, in the order of costs.edge_*."""
+        self.needs_memory = (
+            problem.objective == OBJECTIVE_MEMORY or problem.capacity_bytes is not None
+        )
+        self.needs_time = (
+            problem.objective == OBJECTIVE_TIME or problem.iteration_budget_ns is not None
+        )
+        self.vars = PrefixVariables()
+
+    @classmethod
+    def solve_problem(
+        cls, problem: StageProblem, *, hint: list[int] | None, dump_path: str | None, **options
+    ) -> StageSolution:
+        """Builds the model, with the hint (a split) as a start, writes it to ``dump_path`` and
+        calls ``solve(**options)``; a valid hint is returned when the solver found nothing
+        better."""
+        start = time.perf_counter()
+        check_hint(problem, hint)
+        formulation = cls(problem)
+        if hint is not None:
+            formulation.set_hint(hint)
+        if dump_path is not None:
+            formulation.dump(dump_path)
+        solution = formulation.solve(**options)
+        solution = keep_hint_if_better(problem, solution, hint)
+        solution.wall_s = time.perf_counter() - start
+        return solution
+
+    def _build(self) -> None:
+        self._build_variables()
+        self._add_constraints()
+        self._set_objective()
+
+    # -- backend ---------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _new_bool(self, name: str) -> Any:
+        """A binary variable."""
+
+    @abc.abstractmethod
+    def _new_var(self, lo: int | float, hi: int | float, name: str) -> Any:
+        """An auxiliary variable in [lo, hi] (only its lower bound matters)."""
+
+    @abc.abstractmethod
+    def _bytes(self, value: int) -> int | float:
+        """A byte count in model units."""
+
+    @abc.abstractmethod
+    def _ns(self, value: int) -> int | float:
+        """A time in model units."""
+
+    @abc.abstractmethod
+    def _sum(self, terms) -> Any:
+        """The sum of linear terms."""
+
+    @abc.abstractmethod
+    def _add(self, constraint, name: str) -> None:
+        """Adds a linear constraint, or a Python bool where every variable folded away."""
+
+    @abc.abstractmethod
+    def _minimize(self, expression) -> None:
+        """Sets the objective."""
+
+    @abc.abstractmethod
+    def _hint(self, variable, value: int | float) -> None:
+        """A start value for one variable."""
+
+    # -- expressions -----------------------------------------------------------------------------
+
+    def _y(self, layer: int, stage: int):
+        """y[l][s] with the constants y[l][-1] = 0 and y[l][p-1] = 1."""
+        if stage < 0:
+            return 0
+        if stage >= self.problem.num_stages - 1:
+            return 1
+        return self.vars.prefix[layer][stage]
+
+    def _member(self, layer: int, stage: int):
+        """x[l][s] = y[l][s] - y[l][s-1]."""
+        return self._y(layer, stage) - self._y(layer, stage - 1)
+
+    def _crossing(self, edge: int, boundary: int):
+        """c[e][s] = y[u][s] - y[v][s]: edge e crosses s | s+1 (0 outside s = 0..p-2)."""
+        if not 0 <= boundary < self.problem.num_stages - 1:
+            return 0
+        u, v = self.edges[edge]
+        return self._y(u, boundary) - self._y(v, boundary)
+
+    def _layers_of(self, stage: int) -> list[int]:
+        return [
+            layer
+            for layer in range(self.problem.num_layers)
+            if self.presolve.can_hold(layer, stage)
+        ]
+
+    def _stage_bytes(self, stage: int):
+        """Peak of stage s as a linear expression (module docstring, 'memory')."""
+        costs, k = self.costs, self.costs.in_flight[stage]
+        per_layer = costs.state_bytes + k * costs.stored_bytes
+        terms = [
+            self._bytes(per_layer[layer]) * self._member(layer, stage)
+            for layer in self._layers_of(stage)
+        ]
+        terms += [
+            self._bytes(nbytes) * (self._crossing(e, stage - 1) + self._crossing(e, stage))
+            for e, nbytes in enumerate(costs.edge_bytes.tolist())
+            if nbytes
+        ]
+        terms += [
+            self._bytes(k * costs.edge_bytes[e]) * relay
+            for (e, s), relay in self.vars.relay.items()
+            if s == stage
+        ]
+        if self.vars.transient:
+            terms.append(self.vars.transient[stage])
+        return self._sum(terms)
+
+    def _stage_sum(self, per_layer: np.ndarray, stage: int):
+        """sum_l per_layer[l] x[l][s] (times in model units)."""
+        return self._sum(
+            self._ns(per_layer[layer]) * self._member(layer, stage)
+            for layer in self._layers_of(stage)
+        )
+
+    def _iteration(self):
+        return self.costs.pipeline_factor * self.vars.slowest_stage_ns + self.vars.slowest_sync_ns
+
+    # -- model -----------------------------------------------------------------------------------
+
+    def _build_variables(self) -> None:
+        """y[l][s], r[e][s] where stage(u) < s < stage(v) is possible, tr[s], peak, T, AR."""
+        problem, pre, costs = self.problem, self.presolve, self.costs
+        p = problem.num_stages
+        self.vars.prefix = [
+            [self._new_bool(f"y_l{layer}_s{s}") for s in range(p - 1)]
+            for layer in range(problem.num_layers)
+        ]
+        if self.needs_memory:
+            for e, (u, v) in enumerate(self.edges):
+                if pre.max_span[e] < 2 or not costs.edge_bytes[e]:
+                    continue
+                for s in range(max(1, pre.first_stage[u] + 1), min(p - 1, pre.last_stage[v])):
+                    self.vars.relay[(e, s)] = self._new_var(0, 1, f"r_e{e}_s{s}")
+            top = int(costs.transient_bytes.max(initial=0))
+            if top:
+                self.vars.transient = [
+                    self._new_var(0, self._bytes(top), f"tr_s{s}") for s in range(p)
+                ]
+            self.vars.peak = self._new_var(
+                self._bytes(pre.peak_lb_bytes), self._bytes(pre.peak_ub_bytes), "peak"
+            )
+        if self.needs_time:
+            self.vars.slowest_stage_ns = self._new_var(
+                self._ns(pre.stage_time_lb_ns),
+                self._ns(max(pre.stage_time_lb_ns, int(costs.time_ns.sum()))),
+                "T",
+            )
+            self.vars.slowest_sync_ns = self._new_var(
+                self._ns(pre.sync_lb_ns),
+                self._ns(max(pre.sync_lb_ns, int(costs.dp_sync_ns.sum()))),
+                "AR",
+            )
+
+    def _add_constraints(self) -> None:
+        """Every constraint family; memory rows only with a memory objective or a capacity, time
+        rows only with a time objective or a budget."""
+        self._add_stage_ranges()
+        self._add_monotone_prefix()
+        self._add_precedence()
+        self._add_nonempty_stages()
+        self._add_edge_span()
+        if self.needs_memory:
+            self._add_relay()
+            self._add_transient()
+            self._add_stage_memory()
+            self._add_capacity()
+        if self.needs_time:
+            self._add_stage_time()
+            self._add_iteration_budget()
+
+    def _add_stage_ranges(self) -> None:
+        """y[l][s] = 0 for s < first_l;  y[l][s] = 1 for s >= last_l."""
+        pre = self.presolve
+        for layer, row in enumerate(self.vars.prefix):
+            for s, y in enumerate(row):
+                if s < pre.first_stage[layer]:
+                    self._add(y == 0, f"range_lo_l{layer}_s{s}")
+                if s >= pre.last_stage[layer]:
+                    self._add(y == 1, f"range_hi_l{layer}_s{s}")
+
+    def _add_monotone_prefix(self) -> None:
+        """y[l][s] <= y[l][s+1]."""
+        for layer, row in enumerate(self.vars.prefix):
+            for s, (low, high) in enumerate(itertools.pairwise(row)):
+                self._add(low <= high, f"monotone_l{layer}_s{s}")
+
+    def _add_precedence(self) -> None:
+        """y[v][s] <= y[u][s] for every edge u -> v."""
+        for e, (u, v) in enumerate(self.edges):
+            for s in range(self.problem.num_stages - 1):
+                self._add(self._y(v, s) <= self._y(u, s), f"precedence_e{e}_s{s}")
+
+    def _add_nonempty_stages(self) -> None:
+        """sum_l x[l][s] >= 1."""
+        for s in range(self.problem.num_stages):
+            members = self._sum(self._member(layer, s) for layer in range(self.problem.num_layers))
+            self._add(members >= 1, f"nonempty_s{s}")
+
+    def _add_edge_span(self) -> None:
+        """y[v][s] >= y[u][s - span_e]: stage(v) <= stage(u) + span_e."""
+        p = self.problem.num_stages
+        for e, (u, v) in enumerate(self.edges):
+            span = self.presolve.max_span[e]
+            for s in range(span, p - 1):
+                self._add(self._y(v, s) >= self._y(u, s - span), f"span_e{e}_s{s}")
+
+    def _add_relay(self) -> None:
+        """r[e][s] >= y[u][s-1] - y[v][s]."""
+        for (e, s), relay in self.vars.relay.items():
+            u, v = self.edges[e]
+            self._add(relay >= self._y(u, s - 1) - self._y(v, s), f"relay_e{e}_s{s}")
+
+    def _add_transient(self) -> None:
+        """tr[s] >= transient_l x[l][s]."""
+        for s, largest in enumerate(self.vars.transient):
+            for layer in self._layers_of(s):
+                if self.costs.transient_bytes[layer]:
+                    self._add(
+                        largest
+                        >= self._bytes(self.costs.transient_bytes[layer]) * self._member(layer, s),
+                        f"transient_l{layer}_s{s}",
+                    )
+
+    def _add_stage_memory(self) -> None:
+        """peak >= states_s + k_s stored_s + buffers_s + k_s relay_s + tr[s]."""
+        for s in range(self.problem.num_stages):
+            self._add(self.vars.peak >= self._stage_bytes(s), f"memory_s{s}")
+
+    def _add_capacity(self) -> None:
+        """peak <= capacity_bytes."""
+        if self.problem.capacity_bytes is not None:
+            self._add(self.vars.peak <= self._bytes(self.problem.capacity_bytes), "capacity")
+
+    def _add_stage_time(self) -> None:
+        """T >= sum_l time_l x[l][s];  AR >= sum_l sync_l x[l][s]."""
+        for s in range(self.problem.num_stages):
+            self._add(
+                self.vars.slowest_stage_ns >= self._stage_sum(self.costs.time_ns, s), f"time_s{s}"
+            )
+            self._add(
+                self.vars.slowest_sync_ns >= self._stage_sum(self.costs.dp_sync_ns, s), f"sync_s{s}"
+            )
+
+    def _add_iteration_budget(self) -> None:
+        """F T + AR <= iteration_budget_ns."""
+        if self.problem.iteration_budget_ns is not None:
+            self._add(self._iteration() <= self._ns(self.problem.iteration_budget_ns), "budget")
+
+    def _set_objective(self) -> None:
+        """min peak ("memory") or min F T + AR ("time")."""
+        if self.problem.objective == OBJECTIVE_MEMORY:
+            self._minimize(self.vars.peak)
+        else:
+            self._minimize(self._iteration())
+
+    # -- hints -----------------------------------------------------------------------------------
+
+    def set_hint(self, stage_of_layer: list[int]) -> None:
+        """A complete start: y from the split, every auxiliary variable at its exact value."""
+        for layer, row in enumerate(self.vars.prefix):
+            for s, y in enumerate(row):
+                self._hint(y, int(stage_of_layer[layer] <= s))
+        for (e, s), relay in self.vars.relay.items():
+            u, v = self.edges[e]
+            self._hint(relay, int(stage_of_layer[u] < s < stage_of_layer[v]))
+        stages = stage_costs(self.costs, stage_of_layer)
+        for s, largest in enumerate(self.vars.transient):
+            self._hint(largest, self._bytes(stages[s].transient_bytes))
+        if self.vars.peak is not None:
+            self._hint(self.vars.peak, self._bytes(max(st.peak_bytes for st in stages)))
+        if self.vars.slowest_stage_ns is not None:
+            self._hint(self.vars.slowest_stage_ns, self._ns(max(st.time_ns for st in stages)))
+            self._hint(self.vars.slowest_sync_ns, self._ns(max(st.dp_sync_ns for st in stages)))
