@@ -42,7 +42,7 @@ from functools import cached_property
 
 import numpy as np
 
-from solver.graph import Layer, LayerGraph
+from solver.graph import INTEGER_FIELDS, Layer, LayerGraph
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
 NS_PER_MS = 1_000_000
@@ -215,18 +215,7 @@ def _graph_columns(graph: LayerGraph) -> dict[str, np.ndarray]:
     ints = lambda key: np.array([getattr(x, key) for x in layers], dtype=np.int64)  # noqa: E731
     measured = np.array([x.fwd_ms is not None and x.bwd_ms is not None for x in layers])
     position = graph.index()
-    cols = {
-        key: ints(key)
-        for key in (
-            "params",
-            "tp_params",
-            "activation_bytes",
-            "tp_activation_bytes",
-            "output_bytes",
-            "tp_comm_bytes",
-            "transient_bytes",
-        )
-    }
+    cols = {key: ints(key) for key in INTEGER_FIELDS}
     cols.update(
         measured=measured,
         fwd_ms=np.array([x.fwd_ms or 0.0 for x in layers]),

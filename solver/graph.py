@@ -21,6 +21,17 @@ import networkx as nx
 
 from solver.errors import InputError
 
+INTEGER_FIELDS = (
+    "params",
+    "tp_params",
+    "activation_bytes",
+    "tp_activation_bytes",
+    "output_bytes",
+    "tp_comm_bytes",
+    "transient_bytes",
+)
+"""Layer fields that are whole numbers (parameter counts and bytes)."""
+
 FORMAT_NAME = "layer-graph"
 FORMAT_VERSION = 1
 
@@ -223,16 +234,7 @@ def _check_schema(document: Any, origin: str) -> None:
 
 
 def _layer_from_dict(item: dict[str, Any]) -> Layer:
-    integers = (
-        "params",
-        "tp_params",
-        "activation_bytes",
-        "tp_activation_bytes",
-        "output_bytes",
-        "tp_comm_bytes",
-        "transient_bytes",
-    )
-    values = {key: (int(value) if key in integers else value) for key, value in item.items()}
+    values = {key: (int(value) if key in INTEGER_FIELDS else value) for key, value in item.items()}
     for key in ("fwd_flops", "bwd_flops", "fwd_ms", "bwd_ms"):
         if values.get(key) is not None:
             values[key] = float(values[key])

@@ -213,28 +213,17 @@ def explain_infeasible(
 ) -> InfeasibleError:
     """Which constraint fails, by how much, and the smallest GPU count that would fit."""
     capacity = cluster.gpu_memory_bytes
-    unconstrained = search(
-        entries,
-        objective=OBJECTIVE_MEMORY,
-        capacity_bytes=None,
-        iteration_budget_ns=None,
-        backend=backend,
-        deadline=Deadline.after(10.0),
+    quick = functools.partial(
+        search, entries, iteration_budget_ns=None, backend=backend, deadline=Deadline.after(10.0)
     )
+    unconstrained = quick(objective=OBJECTIVE_MEMORY, capacity_bytes=None)
     best_peak = (
         unconstrained.value
         if unconstrained.value is not None
         else min(e.memory_bound for e in entries)
     )
     if best_peak <= capacity and budget_ns is not None:
-        fastest = search(
-            entries,
-            objective=OBJECTIVE_TIME,
-            capacity_bytes=capacity,
-            iteration_budget_ns=None,
-            backend=backend,
-            deadline=Deadline.after(10.0),
-        )
+        fastest = quick(objective=OBJECTIVE_TIME, capacity_bytes=capacity)
         reached = (
             "no plan was found in time"
             if fastest.value is None
