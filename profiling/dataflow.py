@@ -1,0 +1,439 @@
+"""Dataflow tracing for the profiler: one forward + backward seen op by op.
+
+:class:`Tracer` is a ``TorchDispatchMode`` that sits above ``FakeTensorMode`` (or runs on real
+tensors) and keeps one :class:`StorageRecord` per tensor storage. Records are keyed by the
+storage's identity (``Tensor.untyped_storage()``, whose Python object PyTorch preserves for as
+long as the storage lives), so views and in-place updates of one buffer share a record. A record
+holds:
+
+- ``provenance``: the selected layers whose forward produced the data. A storage created while
+  layer L's forward runs gets ``{L}``; one created by glue code outside every layer gets the union
+  of its inputs' provenance; everything a layer returns is re-tagged ``{L}``. When a layer's
+  forward starts, each input tensor's provenance gives the edges ``src -> L``.
+- ``taint``: the column-parallel Linear calls the data derives from (see ``tensor_parallel.py``).
+- allocation and release events, from which :meth:`Tracer.transients` computes each layer's
+  transient peak.
+
+Owners. Every op, saved tensor and allocation is charged to an *owner* (a layer index): during
+the forward, the layer whose forward is running; for glue code outside every layer, the layer that
+finished last (the stage a ``torch.distributed.pipelining`` split at the *beginning* of each layer
+would run it in), or, before any layer has run, the first layer (``PENDING``, resolved at the
+end). During the backward, the owner is that of the autograd node being executed
+(``torch._C._current_autograd_node()``); nodes get their owner in the forward, by walking the
+autograd graph from a layer's outputs when it returns (new nodes -> that layer) and from its inputs
+when it starts (new nodes -> the glue owner).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+PENDING = -1
+"""Owner of glue code that runs before the first layer; resolved to the first layer."""
+
+_aten = torch.ops.aten
+_IGNORED_OPS = {torch.ops.prim.device.default}
+
+
+def _cpu_flash_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_flash_backward_flops(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
+    **flop_registry,
+    # FlopCounterMode has no formula for the CPU flash-attention kernels that SDPA picks on CPU;
+    # they do the same work as the CUDA ones.
+    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops,
+}
+"""FLOP formulas by op, those of ``torch.utils.flop_counter`` (matmuls, convolutions,
+attention); other ops (elementwise, norms, softmax) count zero, as in ``FlopCounterMode``."""
+
+
+def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """The tensor's storage, or None for tensors without one (sparse, nested, wrappers)."""
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+
+
+@dataclass(kw_only=True)
+class StorageRecord:
+    """What the tracer knows about one storage."""
+
+    uid: int
+    nbytes: int
+    kind: str
+    """``activation`` (made by the run), ``param``, ``buffer`` or ``input``."""
+    tracked: bool
+    """Allocated by an op during the run: counts as live memory until released."""
+    provenance: frozenset[int] = frozenset()
+    taint: frozenset[int] = frozenset()
+    name: str | None = None
+    """Parameter name (for parameters)."""
+    first_user: int | None = None
+    """For parameters: the owner of the first op that read it."""
+    ref: Any = None
+
+
+@dataclass(kw_only=True)
+class LayerRecord:
+    """Batch totals for one owner (bytes and FLOPs of the whole profiled batch)."""
+
+    calls: int = 0
+    first_call: int | None = None
+    saved: list[tuple[int, frozenset[int]]] = field(default_factory=list)
+    """(storage bytes, taint at save time) per storage first saved by this layer."""
+    glue_saved_bytes: int = 0
+    output_bytes: int = 0
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    in_edges: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    """Source layer -> bytes of its data read at this layer's forward calls."""
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(nbytes for nbytes, _ in self.saved)
+
+    def absorb(self, other: LayerRecord) -> None:
+        """Add ``other`` (the glue that ran before the first layer) to this record."""
+        self.saved += other.saved
+        self.glue_saved_bytes += other.glue_saved_bytes
+        self.fwd_flops += other.fwd_flops
+        self.bwd_flops += other.bwd_flops
+
+
+def assign_nodes(
+    roots: Iterable[torch.Tensor],
+    owner: int,
+    node_owner: dict[Any, int],
+    on_new: Callable[[Any, int], None] | None = None,
+) -> None:
+    """Give ``owner`` to every autograd node reachable from ``roots`` that has none yet."""
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in node_owner:
+            continue
+        node_owner[node] = owner
+        if on_new is not None:
+            on_new(node, owner)
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+
+
+class CudaLikeDropout(TorchFunctionMode):
+    """Route ``F.dropout`` through ``torch.native_dropout``, the fused kernel CUDA uses.
+
+    On CPU, ``F.dropout`` is a composite that multiplies by a noise tensor of the input's dtype and
+    saves it (2 bytes per element in bf16); on CUDA the fused kernel saves a one-byte bool mask.
+    The planner sizes GPU runs, so the profile follows CUDA. Values are distributed alike.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.dropout:
+            bound = dict(zip(("input", "p", "training", "inplace"), args, strict=False)) | kwargs
+            x, p = bound["input"], float(bound.get("p", 0.5))
+            if bound.get("training", True) and 0.0 < p < 1.0 and x.numel() > 0:
+                out = torch.native_dropout(x, p, True)[0]
+                return x.copy_(out) if bound.get("inplace", False) else out
+        return func(*args, **kwargs)
+
+
+class Tracer(TorchDispatchMode):
+    """Records saved tensors, outputs, dataflow edges, FLOPs and live memory per layer."""
+
+    def __init__(
+        self,
+        names: list[str],
+        *,
+        where: Callable[[], list[Any]] = list,
+        progress: Callable[[str], None] | None = None,
+    ):
+        super().__init__()
+        self.names = names
+        self.where = where
+        """Returns the modules whose forward is running (outermost first), for failures."""
+        self.progress = progress
+        self.records: dict[int, StorageRecord] = {}
+        self.layers: dict[int, LayerRecord] = defaultdict(LayerRecord)
+        self.phase = "idle"
+        self.active: int | None = None
+        self.last_finished: int | None = None
+        self.num_started = 0
+        self.first_layer: int | None = None
+        self.node_owner: dict[Any, int] = {}
+        self.bwd_owner: int = PENDING
+        self._bwd_seen: set[int] = set()
+        self._last_node: Any = None
+        self.saved_owner: dict[int, int] = {}
+        self.events: list[tuple[int, int, int]] = []
+        """(window, storage uid, +bytes on allocation / -bytes on release)."""
+        self.windows: list[tuple[str, int]] = []
+        """(phase, owner) of each maximal run of events with the same owner."""
+        self._next_uid = 0
+        self.failure: tuple[str, list[Any]] | None = None
+        """(failing op, running modules) of the first op that raised."""
+        self.transient_peaks: dict[int, int] = {}
+
+    # -- owners ---------------------------------------------------------------------------
+
+    def owner(self) -> int:
+        if self.phase == "bwd":
+            return self.bwd_owner
+        if self.active is not None:
+            return self.active
+        return self.last_finished if self.last_finished is not None else PENDING
+
+    def resolve(self, owner: int) -> int:
+        return self.first_layer if owner == PENDING and self.first_layer is not None else owner
+
+    # -- storage records ------------------------------------------------------------------
+
+    def register(self, tensor: torch.Tensor, kind: str, name: str | None = None) -> None:
+        """Record a tensor that exists before the run (parameter, buffer, model input)."""
+        record = self.record_of(tensor, create=True, kind=kind)
+        if record is not None and record.kind == "activation":
+            record.kind, record.name = kind, name
+        elif record is not None and record.name is None:
+            record.name = name
+
+    def record_of(
+        self, tensor: torch.Tensor, *, create: bool = False, kind: str = "activation"
+    ) -> StorageRecord | None:
+        storage = storage_of(tensor)
+        if storage is None:
+            return None
+        record = self.records.get(id(storage))
+        if record is None and create:
+            record = self._new_record(storage, kind=kind, tracked=False)
+        return record
+
+    def _new_record(self, storage: torch.UntypedStorage, *, kind: str, tracked: bool):
+        key = id(storage)
+        record = StorageRecord(
+            uid=self._next_uid, nbytes=storage.nbytes(), kind=kind, tracked=tracked
+        )
+        self._next_uid += 1
+        # The callback runs when the storage dies, before its id can be reused.
+        record.ref = weakref.ref(storage, lambda _, key=key: self._release(key))
+        self.records[key] = record
+        if tracked:
+            self._event(record.uid, record.nbytes)
+        return record
+
+    def _release(self, key: int) -> None:
+        record = self.records.pop(key, None)
+        if record is not None and record.tracked and self.phase in ("fwd", "bwd"):
+            self._event(record.uid, -record.nbytes)
+
+    def _event(self, uid: int, delta: int) -> None:
+        context = (self.phase, self.owner())
+        if not self.windows or self.windows[-1] != context:
+            self.windows.append(context)
+        self.events.append((len(self.windows) - 1, uid, delta))
+
+    # -- layer boundaries (called from module hooks) -----------------------------------------
+
+    def layer_enter(self, index: int, args: tuple, kwargs: dict) -> None:
+        inputs = tensors_in((args, kwargs))
+        assign_nodes(inputs, self.owner(), self.node_owner)
+        record = self.layers[index]
+        # Edges: each distinct input storage counts once per call, with its largest view.
+        reads: dict[int, tuple[frozenset[int], int]] = {}
+        for tensor in inputs:
+            storage = self.record_of(tensor)
+            if storage is None or storage.kind != "activation" or not storage.provenance:
+                continue
+            previous = reads.get(storage.uid, (storage.provenance, 0))[1]
+            reads[storage.uid] = (storage.provenance, max(previous, tensor_bytes(tensor)))
+        for provenance, nbytes in reads.values():
+            for src in provenance:
+                if src != index:
+                    record.in_edges[src] += nbytes
+        record.calls += 1
+        if record.first_call is None:
+            record.first_call = self.num_started
+            self.num_started += 1
+            if self.first_layer is None:
+                self.first_layer = index
+            if self.progress is not None:
+                self.progress(f"forward {self.names[index]}")
+        self.active = index
+
+    def layer_exit(self, index: int, output: Any) -> list[torch.Tensor]:
+        outputs = tensors_in(output)
+        unique = {id(t): t for t in outputs}
+        self.layers[index].output_bytes += sum(tensor_bytes(t) for t in unique.values())
+        for tensor in outputs:
+            record = self.record_of(tensor)
+            if record is not None and record.kind == "activation":
+                record.provenance = frozenset({index})
+        assign_nodes(outputs, index, self.node_owner)
+        self.active = None
+        self.last_finished = index
+        return outputs
+
+    # -- phases -----------------------------------------------------------------------------
+
+    def start_forward(self) -> None:
+        self.phase = "fwd"
+
+    def start_backward(self, loss: torch.Tensor) -> None:
+        assign_nodes([loss], self.owner(), self.node_owner)
+        self.bwd_owner = self.resolve(self.owner())
+        self.phase = "bwd"
+        if self.progress is not None:
+            self.progress("backward")
+
+    def finish(self) -> None:
+        self.phase = "done"
+
+    # -- saved tensors ----------------------------------------------------------------------
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``saved_tensors_hooks`` pack hook: charge the storage to the owner, once."""
+        if self.phase != "fwd":
+            return tensor
+        record = self.record_of(tensor, create=True)
+        if record is None or record.kind in ("param", "buffer") or record.uid in self.saved_owner:
+            return tensor
+        owner = self.owner()
+        self.saved_owner[record.uid] = owner
+        layer = self.layers[owner]
+        nbytes = storage_of(tensor).nbytes()
+        layer.saved.append((nbytes, record.taint))
+        if self.active is None:
+            layer.glue_saved_bytes += nbytes
+        return tensor
+
+    # -- ops ----------------------------------------------------------------------------------
+
+    def _enter_node(self, node: Any) -> None:
+        if node is None or node is self._last_node:
+            return
+        self._last_node = node
+        owner = self.node_owner.get(node)
+        if owner is None:
+            return
+        owner = self.resolve(owner)
+        self.bwd_owner = owner
+        if owner not in self._bwd_seen:
+            self._bwd_seen.add(owner)
+            if self.progress is not None and 0 <= owner < len(self.names):
+                self.progress(f"backward {self.names[owner]}")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.phase == "bwd":
+            self._enter_node(torch._C._current_autograd_node())
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            if self.failure is None:
+                self.failure = (str(func), self.where())
+            raise
+        if func in _IGNORED_OPS or self.phase not in ("fwd", "bwd"):
+            return out
+        owner = self.owner()
+        formula = FLOP_FORMULAS.get(func._overloadpacket)
+        if formula is not None:
+            try:
+                flops = int(formula(*args, **kwargs, out_val=out))
+            except Exception:  # a formula that does not cover this call (nested tensors, ...)
+                flops = 0
+            if self.phase == "fwd":
+                self.layers[owner].fwd_flops += flops
+            else:
+                self.layers[owner].bwd_flops += flops
+        outputs = tensors_in(out)
+        if not outputs:
+            return out
+        if self.phase == "bwd":
+            for tensor in outputs:
+                storage = storage_of(tensor)
+                if storage is not None and id(storage) not in self.records:
+                    self._new_record(storage, kind="activation", tracked=True)
+            return out
+        provenance: frozenset[int] = frozenset()
+        taint: frozenset[int] = frozenset()
+        for tensor in tensors_in((args, kwargs)):
+            record = self.record_of(tensor)
+            if record is None:
+                continue
+            if record.kind == "param" and record.first_user is None:
+                record.first_user = owner
+            if record.kind == "activation":
+                provenance |= record.provenance
+                taint |= record.taint
+        for tensor in outputs:
+            storage = storage_of(tensor)
+            if storage is None:
+                continue
+            record = self.records.get(id(storage))
+            if record is None:
+                record = self._new_record(storage, kind="activation", tracked=True)
+                inside = self.active is not None
+                record.provenance = frozenset({self.active}) if inside else provenance
+                record.taint = taint
+            elif record.kind == "activation":
+                # A view or an in-place update: the buffer now also carries the inputs' data.
+                if self.active is None:
+                    record.provenance |= provenance
+                record.taint |= taint
+        return out
+
+    # -- results ------------------------------------------------------------------------------
+
+    def transients(self, excluded: set[int]) -> dict[int, int]:
+        """Peak extra live bytes per owner while it runs (batch totals).
+
+        For each window (a maximal run of events with one owner), the live bytes of storages
+        made by the run, minus their value at the window's start, minus (in the backward) the
+        owner's saved storages released so far in the window. ``excluded`` (saved storages,
+        parameter gradients) never count: the cost model holds them elsewhere.
+        """
+        peaks: dict[int, int] = defaultdict(int)
+        live = base = credit = 0
+        current = -1
+        for window, uid, delta in self.events:
+            phase, owner = self.windows[window]
+            owner = self.resolve(owner)
+            if window != current:
+                current, base, credit = window, live, 0
+            if uid in excluded:
+                saver = self.saved_owner.get(uid)
+                if (
+                    delta < 0
+                    and phase == "bwd"
+                    and saver is not None
+                    and self.resolve(saver) == owner
+                ):
+                    credit -= delta
+                continue
+            live += delta
+            peaks[owner] = max(peaks[owner], live - base - credit)
+        return dict(peaks)

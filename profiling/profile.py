@@ -1,0 +1,759 @@
+"""Profile a PyTorch module into a layer graph: one forward + backward, per-layer costs per sample.
+
+    from profiling.profile import profile_module
+    graph = profile_module(model, (ids,), model_name="gpt", mode="fake")   # -> LayerGraph
+
+**Layers.** One layer per module path in ``layers``. By default: the module's top-level children
+in registration order, where containers (``ModuleList``, ``ModuleDict``, ``Sequential``) and every
+module on the way to a stack of repeated blocks (a ``ModuleList``/``Sequential`` of at least two
+composite modules of one class, e.g. ``transformer.h``) are replaced by their children,
+recursively, and the members of a stack are layers: a GPT gives
+``tok, pos, blocks.0 .. blocks.N-1, ln_f, head``; a HuggingFace GPT-2 gives
+``transformer.wte, ..., transformer.h.0 .., transformer.ln_f, lm_head``. The graph lists the
+layers in the order their forward first runs (a topological order); a selected module that never
+runs (a position table read through ``.weight``) keeps its place after the layer listed before it
+and is named in ``meta["uncalled_layers"]``.
+
+**Modes.** ``mode="fake"`` runs under ``FakeTensorMode``: parameters, buffers and inputs are
+replaced by fake tensors (``torch.func.functional_call``), so the module may live on the meta
+device and nothing is allocated; the fake device is the module's device, or the CPU for a meta
+module. ``mode="real"`` runs real tensors on the module's device (parameters are used through
+detached aliases and buffers through copies, so the module, its ``.grad`` and the global RNG are
+left untouched) and also times each layer (below).
+
+**Per layer** (bytes and FLOPs per sample: batch totals divided by the batch size, the leading
+dimension of the first tensor in ``example_inputs``; byte counts are rounded up, which is exact for
+tensors proportional to the batch and adds under one byte per sample for batch-independent ones
+such as a causal mask; profile with batch 1 to count those in full):
+
+- ``params``: parameters of the module subtree. A parameter shared by several layers (tied
+  embeddings) is counted once, in the first layer (in graph order) that owns it, and listed in
+  ``meta["shared_params"]``. A parameter outside every selected layer (``cls_token`` on the root)
+  goes to the layer charged with the first op that reads it (see owners), or to
+  ``meta["unused_params"]``.
+- ``activation_bytes``: bytes saved for backward (``saved_tensors_hooks``), by storage: a storage
+  saved twice or through several views counts once (its full ``nbytes``), in the first layer that
+  saves it; a parameter, a buffer, or a view of one is not an activation; the model's own inputs
+  (token ids saved by an embedding) are.
+- ``output_bytes``: bytes of the tensors the layer's forward returns.
+- ``fwd_flops``, ``bwd_flops``: ``torch.utils.flop_counter`` formulas (matmuls, convolutions,
+  attention; elementwise ops count zero), charged per op to the owner. ``FlopCounterMode`` itself
+  gives per-module totals but mixes forward with backward and leaves glue code to the root, so the
+  formulas are applied here with the owners below; totals agree with it (tests).
+- ``transient_bytes``: the peak of live memory while the layer runs (forward or backward), above
+  the live memory at its start, not counting storages saved for backward or parameter gradients
+  (the cost model holds those elsewhere), less the layer's saved storages already released in its
+  backward. Live memory is tracked exactly: every storage made by an op, until it is freed. It
+  catches the fp32 logits and their gradient of a loss.
+- ``tp_params``, ``tp_activation_bytes``, ``tp_comm_bytes``: the Megatron-style split of
+  ``tensor_parallel.py``.
+- ``fwd_ms``, ``bwd_ms`` (``mode="real"`` only): the median over three timed runs after one
+  warm-up, per sample; CUDA events on a GPU, ``perf_counter`` on the CPU. The forward is split at
+  the layers' forward hooks; the backward at autograd-node pre-hooks.
+
+**Owners** (see ``dataflow.py``): glue code outside every selected layer (an embedding sum and its
+dropout in the root's forward, a loss computed after the head) is charged to the layer that
+finished last, which is the pipeline stage a split at each layer's beginning would run it in; glue
+before the first layer goes to the first layer. The bytes saved this way are also reported per
+layer in ``meta["glue_activation_bytes"]``.
+
+**Edges** come from the dataflow (``dataflow.py``): every storage carries the layers whose forward
+produced it (propagated through glue ops, a layer's outputs re-tagged to it), and each input
+tensor of a layer's forward gives edges ``src -> layer`` of its per-sample bytes, summed per pair;
+a tensor read by several layers gives several edges, and a residual inside a layer stays inside.
+Tensors built only from the model inputs (masks, position ids) give no edge. The ``edges`` key is
+omitted when the edges are exactly the chain i -> i+1 with the source's ``output_bytes`` (the
+format's implied chain), and written otherwise.
+
+**The loss.** The run is ``out = module(*example_inputs)``; the loss is ``out`` when it is a scalar
+(the first scalar among the outputs, e.g. HuggingFace's ``loss``), else ``out.float().sum()``
+(the sum over every floating output that needs a gradient).
+
+**CUDA-like dropout** (``cuda_like=True``, the default): ``F.dropout`` is run as
+``torch.native_dropout``, the fused kernel CUDA uses (a one-byte mask), instead of CPU's composite
+(a mask of the input's dtype), in both modes, so that CPU and fake-CPU profiles match GPU training.
+``F.scaled_dot_product_attention`` still follows the profiling device's kernel choice. Checked on
+an H200 (torch 2.11, bf16 GPT, h 1024, s 1024, dropout 0.1): a fake profile on the CUDA device
+equals the real CUDA run in every field; a fake CPU profile differs only by the LayerNorm
+statistics, which CPU kernels keep in bf16 and CUDA in fp32 (4s bytes per LayerNorm per sample,
+0.007% of a block); and the sum of activations plus the largest transient, times the batch, was
+within 0.02% of ``max_memory_allocated`` above the weights for one forward + backward.
+
+Limitations: modules called through ``module.forward(...)`` skip hooks and belong to the enclosing
+layer; activation checkpointing inside the model hides its saved tensors; a layer called again
+after a later layer that feeds it is an error (no DAG).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
+
+from profiling.dataflow import (
+    PENDING,
+    CudaLikeDropout,
+    Tracer,
+    assign_nodes,
+    tensors_in,
+)
+from profiling.tensor_parallel import TensorParallelSplit, TensorParallelTracker
+from solver.errors import InputError
+from solver.graph import LayerGraph, graph_from_dict
+
+MODES = ("fake", "real")
+TIMED_RUNS = 3
+"""Timed forward + backward runs in real mode (after one warm-up); the median is kept."""
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+_FAKE_ONLY_ERRORS = (
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
+    "UnsupportedOperatorException",
+    "UnsupportedFakeTensorException",
+    "GuardOnDataDependentSymNode",
+    "MetadataMismatchError",
+)
+
+
+def profile_module(
+    module: nn.Module,
+    example_inputs: tuple,
+    layers: list[str] | None = None,
+    *,
+    model_name: str = "model",
+    mode: str = "fake",
+    meta: dict | None = None,
+    progress: Callable[[str], None] | None = None,
+    cuda_like: bool = True,
+) -> LayerGraph:
+    """Run one forward + backward of ``module(*example_inputs)`` and return its layer graph.
+
+    See the module docstring for the layers, the per-sample fields and the modes. ``meta`` is
+    merged into the graph's ``meta`` (its keys win). ``progress`` is called with a short message
+    per layer and phase. Raises :class:`InputError` for an unknown layer path, inputs without a
+    batch dimension, or a forward that fails (under fake tensors: suggests ``mode="real"``).
+    """
+    if mode not in MODES:
+        raise InputError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    paths = default_layers(module) if layers is None else list(layers)
+    selection = select_layers(module, paths, model_name=model_name)
+    batch = batch_size(example_inputs, model_name=model_name)
+    device = _device(module, example_inputs, mode=mode, model_name=model_name)
+    say = progress or (lambda _message: None)
+
+    say(f"{mode} run of {model_name}: {len(selection)} layers, batch {batch}, {device}")
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if mode == "fake" else None
+    state, inputs = _prepare(module, example_inputs, device, fake_mode)
+    with torch.random.fork_rng(devices=_rng_devices(device)):
+        tracer, split = _trace(
+            module, state, inputs, selection, fake_mode, say, cuda_like, model_name
+        )
+        timings = None
+        if mode == "real":
+            timings = _time_layers(module, state, inputs, selection, device, say, cuda_like)
+    graph = _build_graph(
+        selection,
+        tracer,
+        split,
+        state,
+        batch=batch,
+        timings=timings,
+        model_name=model_name,
+        meta={
+            "profiled_by": f"profiling.profile_module ({mode} mode, torch {torch.__version__})",
+            "profile_mode": mode,
+            "profile_device": str(device),
+            "profile_batch": batch,
+            "dropout": "cuda-like native_dropout" if cuda_like else "device default",
+        }
+        | dict(meta or {}),
+    )
+    say("done")
+    return graph
+
+
+# -- layer selection ----------------------------------------------------------------------------
+
+
+def default_layers(module: nn.Module) -> list[str]:
+    """Top-level children, with containers and the ancestors of block stacks expanded."""
+    stacks = _block_stacks(module)
+
+    def expand(prefix: str, parent: nn.Module) -> list[str]:
+        paths = []
+        for name, child in parent.named_children():
+            path = prefix + name
+            if path in stacks:  # its members are the blocks
+                paths += [f"{path}.{member}" for member, _ in child.named_children()]
+            elif isinstance(child, _CONTAINERS) or any(s.startswith(path + ".") for s in stacks):
+                paths += expand(path + ".", child)
+            else:
+                paths.append(path)
+        return paths
+
+    return expand("", module)
+
+
+def _block_stacks(module: nn.Module) -> list[str]:
+    """Paths of the outermost ModuleList/Sequential holding >= 2 composite modules of one class."""
+    stacks: list[str] = []
+    for path, child in module.named_modules():
+        if not path or any(path.startswith(s + ".") for s in stacks):
+            continue
+        members = list(child.children())
+        if (
+            isinstance(child, (nn.ModuleList, nn.Sequential))
+            and len(members) >= 2
+            and len({type(m) for m in members}) == 1
+            and all(any(True for _ in m.children()) for m in members)
+        ):
+            stacks.append(path)
+    return stacks
+
+
+def select_layers(
+    module: nn.Module, paths: list[str], *, model_name: str = "model"
+) -> list[tuple[str, nn.Module]]:
+    """Check the layer paths and return ``(path, module)`` pairs."""
+    if not paths:
+        raise InputError(f"{model_name}: no layers selected; pass module paths such as 'blocks.0'")
+    known = dict(module.named_modules(remove_duplicate=False))
+    selection = []
+    for path in paths:
+        if path not in known or not path:
+            close = difflib.get_close_matches(path, [p for p in known if p], n=3, cutoff=0.5)
+            hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            hint = hint or f"top-level modules: {', '.join(n for n, _ in module.named_children())}"
+            raise InputError(f"{model_name}: unknown layer path {path!r}; {hint}")
+        if isinstance(known[path], (nn.ModuleList, nn.ModuleDict)):
+            children = [f"{path}.{n}" for n, _ in known[path].named_children()][:3]
+            raise InputError(
+                f"{model_name}: layer {path!r} is a {type(known[path]).__name__}, which is never "
+                f"called; select its elements ({', '.join(children)}, ...)"
+            )
+        selection.append((path, known[path]))
+    seen: dict[int, str] = {}
+    for path, child in selection:
+        if id(child) in seen:
+            raise InputError(
+                f"{model_name}: layers {seen[id(child)]!r} and {path!r} are the same module; "
+                "list it once"
+            )
+        seen[id(child)] = path
+    for a, _ in selection:
+        for b, _ in selection:
+            if b.startswith(a + "."):
+                raise InputError(
+                    f"{model_name}: layer {b!r} is inside layer {a!r}; select modules that do "
+                    "not contain each other"
+                )
+    return selection
+
+
+def batch_size(example_inputs: tuple, *, model_name: str = "model") -> int:
+    """The leading dimension of the first tensor input."""
+    leaves = tensors_in(example_inputs)
+    if not leaves or leaves[0].dim() == 0 or leaves[0].shape[0] == 0:
+        raise InputError(
+            f"{model_name}: the first example input must be a tensor with a batch dimension "
+            "first (for example token ids of shape (batch, seq))"
+        )
+    return int(leaves[0].shape[0])
+
+
+def _device(module: nn.Module, example_inputs: tuple, *, mode: str, model_name: str):
+    tensors = [*module.parameters(), *module.buffers()]
+    if mode == "real" and any(t.is_meta for t in tensors):
+        raise InputError(
+            f"{model_name}: the module has parameters on the meta device; mode='real' needs "
+            "real weights (build it on a device, or use mode='fake')"
+        )
+    for tensor in [*tensors, *tensors_in(example_inputs)]:
+        if not tensor.is_meta:
+            return tensor.device
+    return torch.device("cpu")
+
+
+def _rng_devices(device: torch.device) -> list[int]:
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
+# -- the traced run -------------------------------------------------------------------------------
+
+
+class _State:
+    """Parameters and buffers to run with, by name, and the originals they stand for."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.params: list[tuple[str, nn.Parameter, torch.Tensor]] = []
+        """(first name, original parameter, the tensor the run uses) per distinct parameter."""
+        self.buffers: list[tuple[str, torch.Tensor]] = []
+
+
+def _prepare(module, example_inputs, device, fake_mode):
+    """Run tensors: fake (``empty_strided`` under the fake mode) or aliases of the real ones."""
+    state = _State()
+    context = fake_mode if fake_mode is not None else contextlib.nullcontext()
+
+    def fake_like(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(
+            t.shape, t.stride(), dtype=t.dtype, device=device, requires_grad=t.requires_grad
+        )
+
+    made: dict[int, torch.Tensor] = {}
+    with context:
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if id(param) not in made:
+                if fake_mode is not None:
+                    made[id(param)] = fake_like(param)
+                else:
+                    made[id(param)] = param.detach().requires_grad_(param.requires_grad)
+                state.params.append((name, param, made[id(param)]))
+            state.tensors[name] = made[id(param)]
+        for name, buffer in module.named_buffers(remove_duplicate=False):
+            if id(buffer) not in made:
+                made[id(buffer)] = (
+                    fake_like(buffer) if fake_mode is not None else buffer.detach().clone()
+                )
+                state.buffers.append((name, made[id(buffer)]))
+            state.tensors[name] = made[id(buffer)]
+        if fake_mode is not None:
+            inputs = tree_map(
+                lambda x: fake_like(x) if isinstance(x, torch.Tensor) else x, example_inputs
+            )
+        else:
+            inputs = example_inputs
+    return state, inputs
+
+
+def _loss(out: Any, model_name: str) -> torch.Tensor:
+    """The scalar to differentiate: the first scalar output, else the sum of all outputs."""
+    leaves = [
+        t for t in tensors_in(out) if t.requires_grad and (t.is_floating_point() or t.is_complex())
+    ]
+    if not leaves:
+        raise InputError(
+            f"{model_name}: the forward returned no tensor that needs a gradient; check that the "
+            "parameters require grad and that the forward is not under torch.no_grad()"
+        )
+    scalar = next((t for t in leaves if t.numel() == 1), None)
+    if scalar is not None:
+        return scalar.sum() if scalar.dim() else scalar
+    total = leaves[0].float().sum()
+    for t in leaves[1:]:
+        total = total + t.float().sum()
+    return total
+
+
+def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_name):
+    names = [path for path, _ in selection]
+    index_of = {id(m): i for i, (_, m) in enumerate(selection)}
+    paths = {m: path for path, m in module.named_modules()}
+    stack: list[nn.Module] = []
+    tracer = Tracer(names, where=lambda: list(stack), progress=say)
+    tp = TensorParallelTracker(module, tracer)
+    for name, _, tensor in state.params:
+        tracer.register(tensor, "param", name)
+    for name, tensor in state.buffers:
+        tracer.register(tensor, "buffer", name)
+    for tensor in tensors_in(inputs):
+        tracer.register(tensor, "input")
+
+    def pre(mod, args, kwargs):
+        stack.append(mod)
+        if tracer.phase != "fwd":
+            return
+        index = index_of.get(id(mod))
+        if index is not None:
+            if tracer.active is not None:
+                raise InputError(
+                    f"{model_name}: layer {names[index]!r} runs inside layer "
+                    f"{names[tracer.active]!r}; select modules that do not call each other"
+                )
+            tracer.layer_enter(index, args, kwargs)
+        if isinstance(mod, nn.Linear):
+            tp.linear_enter(mod, args, kwargs)
+
+    def post(mod, args, kwargs, output):
+        while stack and stack.pop() is not mod:  # re-synchronise after a caught exception
+            pass
+        if tracer.phase != "fwd":
+            return
+        if isinstance(mod, nn.Linear):
+            tp.linear_exit(mod, output)
+        elif isinstance(mod, nn.Embedding):
+            tp.embedding_exit(mod, output)
+        index = index_of.get(id(mod))
+        if index is not None and tracer.active == index:
+            tp.layer_outputs(tracer.layer_exit(index, output))
+
+    handles = []
+    for mod in paths:
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post, with_kwargs=True))
+    fake = fake_mode if fake_mode is not None else contextlib.nullcontext()
+    dropout = CudaLikeDropout() if cuda_like else contextlib.nullcontext()
+    step = "forward"
+    try:
+        with fake, tracer, torch.autograd.graph.saved_tensors_hooks(tracer.pack, _unpack), dropout:
+            tracer.start_forward()
+            out = torch.func.functional_call(module, state.tensors, inputs)
+            loss = _loss(out, model_name)
+            del out
+            step = "backward"
+            stack.clear()
+            tracer.start_backward(loss)
+            loss.backward()
+            tracer.finish()
+            excluded = set(tracer.saved_owner)
+            for _, _, tensor in state.params:
+                grad = tensor.grad
+                record = tracer.record_of(grad) if grad is not None else None
+                if record is not None:
+                    excluded.add(record.uid)
+            del loss
+    except InputError:
+        raise
+    except Exception as error:
+        raise _run_error(
+            error, tracer, stack, paths, step, fake_mode is not None, model_name
+        ) from error
+    finally:
+        tracer.finish()
+        for handle in handles:
+            handle.remove()
+    if tracer.num_started == 0:
+        raise InputError(
+            f"{model_name}: none of the selected layers ran ({', '.join(names[:4])}, ...); "
+            "select modules the forward calls"
+        )
+    tracer.transient_peaks = tracer.transients(excluded)
+    return tracer, tp.resolve()
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _run_error(error, tracer, stack, paths, step, fake, model_name) -> InputError:
+    """One line naming the module and op that failed, and what to try."""
+    op, running = tracer.failure if tracer.failure is not None else (None, list(stack))
+    inner = [m for m in running if paths.get(m)]
+    if step == "backward":
+        place = "the backward pass"
+    elif inner:
+        place = f"module {paths[inner[-1]]!r} ({type(inner[-1]).__name__})"
+    elif running:
+        place = f"the forward of {model_name} ({type(running[0]).__name__}, outside its layers)"
+    else:
+        place = f"the forward of {model_name}"
+    detail = " ".join(str(error).split())[:240]
+    what = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+    at = f" at {op}" if op else ""
+    if not fake:
+        return InputError(f"{model_name}: {step} failed in {place}{at}: {what}; check the inputs")
+    if type(error).__name__ in _FAKE_ONLY_ERRORS:
+        hint = (
+            "the model needs real values here (data-dependent code); profile with real "
+            "tensors instead (mode='real', --device cpu)"
+        )
+    else:
+        hint = (
+            "check the example inputs (shapes, dtypes), or profile with real tensors "
+            "(mode='real', --device cpu) if it only fails under fake tensors"
+        )
+    return InputError(
+        f"{model_name}: {step} failed under fake tensors in {place}{at}: {what}; {hint}"
+    )
+
+
+# -- timing (real mode) ---------------------------------------------------------------------------
+
+
+class _LayerTimer:
+    """Splits each run's wall time between layers at forward hooks and autograd-node pre-hooks."""
+
+    def __init__(self, num_layers: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.num_layers = num_layers
+        self.marks: list[tuple[Any, str | None, int]] = []
+        self.active: int | None = None
+        self.last_finished: int | None = None
+        self.first_layer: int | None = None
+        self.node_owner: dict[Any, int] = {}
+        self.bwd_owner: int | None = None
+
+    def _stamp(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def mark(self, phase: str | None, owner: int) -> None:
+        self.marks.append((self._stamp(), phase, owner))
+
+    def glue_owner(self) -> int:
+        return self.last_finished if self.last_finished is not None else PENDING
+
+    def _hook_node(self, node, owner):
+        try:
+            node.register_prehook(lambda _grads, owner=owner: self._enter_node(owner))
+        except RuntimeError:  # a node that takes no pre-hook
+            pass
+
+    def _enter_node(self, owner: int) -> None:
+        owner = self.first_layer if owner == PENDING else owner
+        if owner != self.bwd_owner:
+            self.bwd_owner = owner
+            self.mark("bwd", owner)
+
+    def enter(self, index: int, args, kwargs) -> None:
+        self.mark(None, index)  # hook overhead is left out on the CPU
+        assign_nodes(
+            tensors_in((args, kwargs)), self.glue_owner(), self.node_owner, self._hook_node
+        )
+        if self.first_layer is None:
+            self.first_layer = index
+        self.active = index
+        self.mark("fwd", index)
+
+    def exit(self, index: int, output) -> None:
+        self.mark(None, index)
+        assign_nodes(tensors_in(output), index, self.node_owner, self._hook_node)
+        self.active, self.last_finished = None, index
+        self.mark("fwd", index)
+
+    def start_backward(self, loss: torch.Tensor) -> None:
+        self.mark(None, 0)
+        assign_nodes([loss], self.glue_owner(), self.node_owner, self._hook_node)
+        self.bwd_owner = None
+        self._enter_node(self.glue_owner())
+
+    def totals(self) -> tuple[list[float], list[float]]:
+        """(forward ms, backward ms) per layer for the marks of one run."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        fwd, bwd = [0.0] * self.num_layers, [0.0] * self.num_layers
+        for (start, phase, owner), (end, _, _) in zip(self.marks, self.marks[1:], strict=False):
+            if phase is None:
+                continue
+            owner = self.first_layer if owner == PENDING else owner
+            elapsed = start.elapsed_time(end) if self.cuda else (end - start) * 1000.0
+            (fwd if phase == "fwd" else bwd)[owner] += elapsed
+        return fwd, bwd
+
+
+def _time_layers(module, state, inputs, selection, device, say, cuda_like):
+    """Median per-layer forward and backward time (ms per batch) over TIMED_RUNS runs."""
+    index_of = {id(m): i for i, (_, m) in enumerate(selection)}
+    timer: _LayerTimer | None = None
+
+    def pre(mod, args, kwargs):
+        if timer is not None and timer.active is None:
+            timer.enter(index_of[id(mod)], args, kwargs)
+
+    def post(mod, args, kwargs, output):
+        if timer is not None and timer.active == index_of[id(mod)]:
+            timer.exit(index_of[id(mod)], output)
+
+    handles = []
+    for _, mod in selection:
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post, with_kwargs=True))
+    runs: list[tuple[list[float], list[float]]] = []
+    dropout = CudaLikeDropout() if cuda_like else contextlib.nullcontext()
+    try:
+        for run in range(1 + TIMED_RUNS):
+            say(f"timing run {run + 1}/{1 + TIMED_RUNS}" + (" (warm-up)" if run == 0 else ""))
+            timer = _LayerTimer(len(selection), device)
+            if timer.cuda:
+                torch.cuda.synchronize()
+            timer.mark("fwd", PENDING)
+            with dropout:
+                out = torch.func.functional_call(module, state.tensors, inputs)
+                loss = _loss(out, "model")
+                del out
+                timer.start_backward(loss)
+                loss.backward()
+            timer.mark(None, 0)
+            if run > 0:
+                runs.append(timer.totals())
+            timer = None
+            for _, _, tensor in state.params:
+                tensor.grad = None
+    finally:
+        for handle in handles:
+            handle.remove()
+    fwd = [statistics.median(r[0][i] for r in runs) for i in range(len(selection))]
+    bwd = [statistics.median(r[1][i] for r in runs) for i in range(len(selection))]
+    return fwd, bwd
+
+
+# -- the graph ------------------------------------------------------------------------------------
+
+
+def _ceil_div(total: int, batch: int) -> int:
+    return -(-int(total) // batch)
+
+
+def _graph_order(selection, tracer: Tracer) -> list[int]:
+    """Execution order; a layer that never ran follows the layer listed before it."""
+    called = sorted(
+        (i for i in range(len(selection)) if tracer.layers[i].first_call is not None),
+        key=lambda i: tracer.layers[i].first_call,
+    )
+    order = list(called)
+    for i in range(len(selection)):
+        if tracer.layers[i].first_call is None:
+            before = [j for j in range(i) if j in order]
+            order.insert(order.index(before[-1]) + 1 if before else 0, i)
+    return order
+
+
+def _build_graph(
+    selection: list[tuple[str, nn.Module]],
+    tracer: Tracer,
+    split: TensorParallelSplit,
+    state: _State,
+    *,
+    batch: int,
+    timings,
+    model_name: str,
+    meta: dict,
+) -> LayerGraph:
+    names = [path for path, _ in selection]
+    if PENDING in tracer.layers and tracer.first_layer is not None:
+        tracer.layers[tracer.first_layer].absorb(tracer.layers.pop(PENDING))
+    order = _graph_order(selection, tracer)
+    position = {i: k for k, i in enumerate(order)}
+
+    # Parameters: each counted once, in the first layer (graph order) that owns it.
+    owners: dict[int, list[int]] = defaultdict(list)
+    for i in order:
+        for param in selection[i][1].parameters():
+            owners[id(param)].append(i)
+    params, tp_params = defaultdict(int), defaultdict(int)
+    shared, unused = [], []
+    used_by = {
+        id(original): tracer.resolve(record.first_user)
+        for _, original, tensor in state.params
+        if (record := tracer.record_of(tensor)) is not None and record.first_user is not None
+    }
+    for name, original, _ in state.params:
+        layers = owners.get(id(original)) or (
+            [used_by[id(original)]] if id(original) in used_by else []
+        )
+        if not layers:
+            unused.append(name)
+            continue
+        params[layers[0]] += original.numel()
+        if id(original) in split.split_params:
+            tp_params[layers[0]] += original.numel()
+        if len(layers) > 1:
+            shared.append(
+                {
+                    "param": name,
+                    "numel": original.numel(),
+                    "counted_in": names[layers[0]],
+                    "shared_with": [names[j] for j in layers[1:]],
+                }
+            )
+
+    transients = tracer.transient_peaks
+    items = []
+    for i in order:
+        record = tracer.layers[i]
+        saved_total = record.saved_bytes
+        split_total = sum(n for n, taint in record.saved if split.is_split(taint))
+        item: dict[str, Any] = {
+            "name": names[i],
+            "params": params[i],
+            "activation_bytes": _ceil_div(saved_total, batch),
+            "output_bytes": _ceil_div(record.output_bytes, batch),
+            "tp_params": tp_params[i],
+            "tp_activation_bytes": _ceil_div(split_total, batch),
+            "fwd_flops": record.fwd_flops / batch,
+            "bwd_flops": record.bwd_flops / batch,
+            "tp_comm_bytes": _ceil_div(split.comm_bytes.get(i, 0), batch),
+            "transient_bytes": _ceil_div(transients.get(i, 0), batch),
+        }
+        kind = _kind(selection[i][1], split)
+        if kind:
+            item["kind"] = kind
+        if timings is not None:
+            item["fwd_ms"] = timings[0][i] / batch
+            item["bwd_ms"] = timings[1][i] / batch
+        items.append(item)
+
+    edges = []
+    for dst in order:
+        for src, nbytes in sorted(
+            tracer.layers[dst].in_edges.items(), key=lambda e: position[e[0]]
+        ):
+            if position[src] > position[dst]:
+                raise InputError(
+                    f"{model_name}: layer {names[dst]!r} reads the output of {names[src]!r}, "
+                    "which first runs after it (a layer called more than once); select modules "
+                    "that each run once"
+                )
+            edges.append({"src": names[src], "dst": names[dst], "bytes": _ceil_div(nbytes, batch)})
+    chain = [
+        {"src": a["name"], "dst": b["name"], "bytes": a["output_bytes"]}
+        for a, b in zip(items, items[1:], strict=False)
+    ]
+    extra: dict[str, Any] = {}
+    glue = {names[i]: _ceil_div(r.glue_saved_bytes, batch) for i, r in tracer.layers.items()}
+    if any(glue.values()):
+        extra["glue_activation_bytes"] = {k: v for k, v in glue.items() if v}
+    if shared:
+        extra["shared_params"] = shared
+    if unused:
+        extra["unused_params"] = unused
+    uncalled = [names[i] for i in order if tracer.layers[i].first_call is None]
+    if uncalled:
+        extra["uncalled_layers"] = uncalled
+    if split.roles:
+        extra["tp_roles"] = dict(sorted(split.roles.items()))
+    document: dict[str, Any] = {
+        "format": "layer-graph",
+        "version": 1,
+        "model": model_name,
+        "meta": extra | meta,
+        "layers": items,
+    }
+    if sorted(edges, key=_edge_key) != sorted(chain, key=_edge_key):
+        document["edges"] = edges
+    return graph_from_dict(document, origin=f"profile of {model_name}")
+
+
+def _edge_key(edge: dict) -> tuple:
+    return (edge["src"], edge["dst"], edge["bytes"])
+
+
+def _kind(layer: nn.Module, split: TensorParallelSplit) -> str | None:
+    """``embedding`` for embedding-only layers, ``head`` for the vocab-parallel head's layer;
+    None leaves it to the name rule of the format."""
+    modules = list(layer.modules())
+    if any(id(m) in split.heads for m in modules):
+        return "head"
+    if any(isinstance(m, nn.Embedding) for m in modules) and not any(
+        isinstance(m, nn.Linear) for m in modules
+    ):
+        return "embedding"
+    return None
