@@ -38,9 +38,9 @@ class ModelSpec:
     """``example_inputs(batch, seq=None)`` -> forward arguments on the current default device:
     int64 token ids / float images, plus targets. ``seq=None`` takes ``seq_len``; image models
     take no sequence length (ValueError)."""
-    layers: list[str]
+    layers: list[str] | None
     """Default layer granularity: module paths in execution order (embedding, blocks, head; for
-    T5 the DAG's parts in a valid topological order)."""
+    T5 the DAG's parts in a valid topological order). None: ``profiling.layers`` picks them."""
     seq_len: int | None
     """Default sequence length (None for image models)."""
 

@@ -3,13 +3,9 @@
     from profiling.profile import profile_module
     graph = profile_module(model, (ids,), model_name="gpt", mode="fake")   # -> LayerGraph
 
-**Layers.** One layer per module path in ``layers``. By default: the module's top-level children
-in registration order, where containers (``ModuleList``, ``ModuleDict``, ``Sequential``) and every
-module on the way to a stack of repeated blocks (a ``ModuleList``/``Sequential`` of at least two
-composite modules of one class, e.g. ``transformer.h``) are replaced by their children,
-recursively, and the members of a stack are layers: a GPT gives
-``tok, pos, blocks.0 .. blocks.N-1, ln_f, head``; a HuggingFace GPT-2 gives
-``transformer.wte, ..., transformer.h.0 .., transformer.ln_f, lm_head``. The graph lists the
+**Layers.** One layer per module path in ``layers``; by default
+``profiling.layers.default_layer_paths`` (the repeated blocks plus the parameterised parts around
+them). The graph lists the
 layers in the order their forward first runs (a topological order); a selected module that never
 runs (a position table read through ``.weight``) keeps its place after the layer listed before it
 and is named in ``meta["uncalled_layers"]``.
@@ -106,6 +102,7 @@ from profiling.dataflow import (
     assign_nodes,
     tensors_in,
 )
+from profiling.layers import default_layer_paths
 from profiling.tensor_parallel import TensorParallelSplit, TensorParallelTracker
 from solver.errors import InputError
 from solver.graph import LayerGraph, graph_from_dict
@@ -114,7 +111,6 @@ MODES = ("fake", "real")
 TIMED_RUNS = 3
 """Timed forward + backward runs in real mode (after one warm-up); the median is kept."""
 
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 _FAKE_ONLY_ERRORS = (
     "DataDependentOutputException",
     "DynamicOutputShapeException",
@@ -147,7 +143,7 @@ def profile_module(
         raise InputError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    paths = default_layers(module) if layers is None else list(layers)
+    paths = default_layer_paths(module) if layers is None else list(layers)
     selection = select_layers(module, paths, model_name=model_name)
     batch = batch_size(example_inputs, model_name=model_name)
     device = _device(module, example_inputs, mode=mode, model_name=model_name)
@@ -185,42 +181,6 @@ def profile_module(
 
 
 # -- layer selection ----------------------------------------------------------------------------
-
-
-def default_layers(module: nn.Module) -> list[str]:
-    """Top-level children, with containers and the ancestors of block stacks expanded."""
-    stacks = _block_stacks(module)
-
-    def expand(prefix: str, parent: nn.Module) -> list[str]:
-        paths = []
-        for name, child in parent.named_children():
-            path = prefix + name
-            if path in stacks:  # its members are the blocks
-                paths += [f"{path}.{member}" for member, _ in child.named_children()]
-            elif isinstance(child, _CONTAINERS) or any(s.startswith(path + ".") for s in stacks):
-                paths += expand(path + ".", child)
-            else:
-                paths.append(path)
-        return paths
-
-    return expand("", module)
-
-
-def _block_stacks(module: nn.Module) -> list[str]:
-    """Paths of the outermost ModuleList/Sequential holding >= 2 composite modules of one class."""
-    stacks: list[str] = []
-    for path, child in module.named_modules():
-        if not path or any(path.startswith(s + ".") for s in stacks):
-            continue
-        members = list(child.children())
-        if (
-            isinstance(child, (nn.ModuleList, nn.Sequential))
-            and len(members) >= 2
-            and len({type(m) for m in members}) == 1
-            and all(any(True for _ in m.children()) for m in members)
-        ):
-            stacks.append(path)
-    return stacks
 
 
 def select_layers(

@@ -18,7 +18,7 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from profiling.profile import default_layers, profile_module  # noqa: E402
+from profiling.profile import profile_module  # noqa: E402
 from profiling.tensor_parallel import VOCAB_PARALLEL_MIN_ROWS  # noqa: E402
 from solver.errors import InputError  # noqa: E402
 from solver.graph import load_graph  # noqa: E402
@@ -405,28 +405,6 @@ def test_square_projections_are_split_and_a_lone_linear_is_not():
     assert attention.tp_comm_bytes == 2 * 4 * 4 * 16
     no_grad = profile_module(model, (torch.randn(2, 4, 16),)).layers[0]
     assert no_grad.tp_comm_bytes == 4 * 4 * 16  # the input needs no gradient: no all-reduce
-
-
-def test_default_layers_expand_stacks_and_containers():
-    class Inner(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte, self.h = (
-                nn.Embedding(10, 4),
-                nn.ModuleList(Block(4, 2, 0.0) for _ in range(2)),
-            )
-            self.ln_f = nn.LayerNorm(4)
-
-    class HFLike(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.transformer, self.lm_head = Inner(), nn.Linear(4, 10)
-
-    assert default_layers(HFLike()) == ["transformer.wte", "transformer.h.0", "transformer.h.1"] + [
-        "transformer.ln_f",
-        "lm_head",
-    ]
-    assert default_layers(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == ["0", "1"]
 
 
 def test_progress_messages():

@@ -1,0 +1,272 @@
+"""``python -m profiling.export MODEL --batch 1 --seq 2048 --dtype bf16 --out graph.json``.
+
+MODEL is a zoo preset (``models.presets()``), ``hf:NAME`` (a transformers architecture from a
+bundled config, offline) or ``package.module:factory`` (a function returning a
+``models.ModelSpec``). The default ``--device meta`` profiles with fake tensors: no memory, no
+GPU, any size. ``--device cpu|cuda`` runs real tensors and also measures per-layer times.
+Errors: one line on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from solver.cli import _Parser, _positive_int, write_json
+from solver.errors import InputError, PlannerError
+from solver.graph import LayerGraph
+from solver.units import format_bytes
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def resolve_spec(name: str, overrides: dict[str, Any]):
+    """The ModelSpec named on the command line."""
+    if name.startswith("hf:"):
+        from profiling.hf import hf_spec
+
+        return hf_spec(name[3:], overrides)
+    if ":" in name:
+        module_name, _, factory_name = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), factory_name)
+        except (ImportError, AttributeError) as error:
+            raise InputError(
+                f"{name}: cannot import {factory_name} from {module_name} ({error});"
+                " give package.module:factory returning a models.ModelSpec"
+            ) from None
+        return factory(**overrides)
+    import models
+
+    try:
+        return models.get(name, **overrides)
+    except ValueError as error:
+        raise InputError(f"{name}: {error}") from None
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """--set layers=4 --set norm=rmsnorm -> {"layers": 4, "norm": "rmsnorm"}."""
+    overrides = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise InputError(f"--set {item!r}: write FIELD=VALUE, e.g. --set layers=4")
+        try:
+            overrides[key] = json.loads(text)
+        except json.JSONDecodeError:
+            overrides[key] = text
+    return overrides
+
+
+def export_graph(
+    name: str,
+    *,
+    batch: int = 1,
+    seq: int | None = None,
+    dtype: str = "bf16",
+    device: str = "meta",
+    layers: list[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    progress=None,
+) -> LayerGraph:
+    """Profile a preset / hf: model / factory into a layer graph (the CLI's work, as an API)."""
+    import torch
+
+    from profiling.layers import default_layer_paths
+    from profiling.profile import profile_module
+
+    spec = resolve_spec(name, overrides or {})
+    torch_dtype = getattr(torch, DTYPES[dtype])
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InputError(
+            "--device cuda: no CUDA device here; use --device meta (fake tensors) or cpu"
+        )
+    build_device = "meta" if device == "meta" else device
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)
+    try:
+        with torch.device(build_device):
+            module = spec.build()
+        with torch.device("cpu" if device == "meta" else device):
+            try:
+                inputs = spec.example_inputs(batch, seq)
+            except ValueError as error:
+                raise InputError(f"{name}: {error}") from None
+        chosen = layers or spec.layers or default_layer_paths(module)
+        started = time.perf_counter()
+        graph = profile_module(
+            module,
+            inputs,
+            chosen,
+            model_name=spec.name,
+            mode="fake" if device == "meta" else "real",
+            progress=progress,
+            meta={
+                "batch": batch,
+                "seq_len": seq or spec.seq_len,
+                "dtype": dtype,
+                "device": device,
+                "preset": spec.name,
+                "overrides": overrides or {},
+                "torch": torch.__version__,
+            },
+        )
+        graph.meta["profile_s"] = round(time.perf_counter() - started, 3)
+        return graph
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def format_summary(graph: LayerGraph) -> str:
+    """Per-layer table (per sample) with totals."""
+    header = [
+        "layer",
+        "params",
+        "tp_params",
+        "activations",
+        "tp_acts",
+        "output",
+        "transient",
+        "fwd GFLOP",
+        "in edges",
+    ]
+    incoming: dict[str, int] = {}
+    for edge in graph.edges:
+        incoming[edge.dst] = incoming.get(edge.dst, 0) + 1
+    rows = [
+        [
+            layer.name,
+            f"{layer.params:,}",
+            f"{layer.tp_params:,}",
+            format_bytes(layer.activation_bytes),
+            format_bytes(layer.tp_activation_bytes),
+            format_bytes(layer.output_bytes),
+            format_bytes(layer.transient_bytes),
+            f"{layer.fwd_flops / 1e9:.3g}",
+            str(incoming.get(layer.name, 0)),
+        ]
+        for layer in graph.layers
+    ]
+    total = lambda key: sum(getattr(layer, key) for layer in graph.layers)  # noqa: E731
+    rows.append(
+        [
+            "TOTAL",
+            f"{total('params'):,}",
+            f"{total('tp_params'):,}",
+            format_bytes(total("activation_bytes")),
+            format_bytes(total("tp_activation_bytes")),
+            "",
+            "",
+            f"{total('fwd_flops') / 1e9:.4g}",
+            str(len(graph.edges)),
+        ]
+    )
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = [
+        f"{graph.model}: {graph.num_layers} layers, {len(graph.edges)} edges "
+        f"({'chain' if graph.is_chain else 'DAG'}); bytes and FLOPs per sample"
+    ]
+    for row in [header, *rows]:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool):
+    """A tqdm bar fed by the profiler's progress messages (stderr; nothing when disabled)."""
+    if not enabled:
+        yield None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(desc="profiling", unit="step", file=sys.stderr, leave=False)
+
+    def update(message: str) -> None:
+        bar.set_postfix_str(message[:40])
+        bar.update(1)
+
+    try:
+        yield update
+    finally:
+        bar.close()
+
+
+def parser() -> argparse.ArgumentParser:
+    result = _Parser(
+        prog="python -m profiling.export",
+        description="Profile a PyTorch model into a layer graph (docs/layer-graph.md).",
+    )
+    result.add_argument("model", help="zoo preset, hf:NAME, or package.module:factory")
+    result.add_argument("--batch", type=_positive_int, default=1, help="micro-batch to profile")
+    result.add_argument("--seq", type=_positive_int, help="sequence length (default: preset's)")
+    result.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    result.add_argument(
+        "--device",
+        choices=["meta", "cpu", "cuda"],
+        default="meta",
+        help="meta: fake tensors, any size, no timing (default); cpu/cuda: real "
+        "run with per-layer times",
+    )
+    result.add_argument(
+        "--layers",
+        help="comma-separated module paths (default: the repeated "
+        "blocks plus the parts around them)",
+    )
+    result.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a config field, e.g. --set layers=4 (repeatable)",
+    )
+    result.add_argument(
+        "--config-only",
+        action="store_true",
+        help="hf: models: build from the bundled config (always offline here)",
+    )
+    result.add_argument("--out", help="write the graph JSON here")
+    result.add_argument("--summary", action="store_true", help="print the per-layer table")
+    result.add_argument("--no-progress", action="store_true")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.out and not Path(args.out).parent.exists():
+            raise InputError(f"--out {args.out}: folder {Path(args.out).parent} does not exist")
+        with progress_bar(not args.no_progress and sys.stderr.isatty()) as progress:
+            graph = export_graph(
+                args.model,
+                batch=args.batch,
+                seq=args.seq,
+                dtype=args.dtype,
+                device=args.device,
+                layers=args.layers.split(",") if args.layers else None,
+                overrides=parse_overrides(args.set),
+                progress=progress,
+            )
+        if args.out:
+            write_json(args.out, graph.to_dict(), protect=[])
+        if args.summary or not args.out:
+            print(format_summary(graph))
+        if args.out:
+            print(
+                f"wrote {args.out}: {graph.num_layers} layers, {len(graph.edges)} edges, "
+                f"{sum(layer.params for layer in graph.layers):,} parameters "
+                f"({graph.meta.get('profile_s')} s)"
+            )
+    except PlannerError as error:
+        sys.stderr.write(f"error: {error}\n")
+        return error.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
