@@ -103,7 +103,7 @@ from profiling.dataflow import (
     tensors_in,
 )
 from profiling.layers import default_layer_paths
-from profiling.tensor_parallel import TensorParallelSplit, TensorParallelTracker
+from profiling.tensor_parallel import TensorParallelSplit, TensorParallelTracker, is_linear
 from solver.errors import InputError
 from solver.graph import LayerGraph, graph_from_dict
 
@@ -346,7 +346,7 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
                     f"{names[tracer.active]!r}; select modules that do not call each other"
                 )
             tracer.layer_enter(index, args, kwargs)
-        if isinstance(mod, nn.Linear):
+        if is_linear(mod):
             tp.linear_enter(mod, args, kwargs)
 
     def post(mod, args, kwargs, output):
@@ -354,7 +354,7 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
             pass
         if tracer.phase != "fwd":
             return
-        if isinstance(mod, nn.Linear):
+        if is_linear(mod):
             tp.linear_exit(mod, output)
         elif isinstance(mod, nn.Embedding):
             tp.embedding_exit(mod, output)
@@ -712,8 +712,6 @@ def _kind(layer: nn.Module, split: TensorParallelSplit) -> str | None:
     modules = list(layer.modules())
     if any(id(m) in split.heads for m in modules):
         return "head"
-    if any(isinstance(m, nn.Embedding) for m in modules) and not any(
-        isinstance(m, nn.Linear) for m in modules
-    ):
+    if any(isinstance(m, nn.Embedding) for m in modules) and not any(is_linear(m) for m in modules):
         return "embedding"
     return None

@@ -63,6 +63,17 @@ CROSS_ENTROPY_BYTES_PER_TOKEN = 12
 """Vocab-parallel cross-entropy: three fp32 all-reduces per token (max, sum-exp, target logit)."""
 
 
+def is_linear(module: nn.Module) -> bool:
+    """nn.Linear, or transformers' Conv1D (GPT-2's Linear with a transposed [in, out] weight)."""
+    return isinstance(module, nn.Linear) or (
+        type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+    )
+
+
+def out_features(module: nn.Module) -> int:
+    return module.out_features if isinstance(module, nn.Linear) else module.nf
+
+
 @dataclass(kw_only=True)
 class _LinearCall:
     module: nn.Linear
@@ -123,7 +134,7 @@ class TensorParallelTracker:
         if taint:
             call = _LinearCall(module=module, layer=layer, role="row", input_taint=taint)
         else:
-            role = "head" if module.out_features in self.vocab_sizes else "column"
+            role = "head" if out_features(module) in self.vocab_sizes else "column"
             call = _LinearCall(
                 module=module,
                 layer=layer,
@@ -146,7 +157,7 @@ class TensorParallelTracker:
             return
         y = outputs[0]
         call.output_bytes = tensor_bytes(y)
-        call.tokens = y.numel() // max(module.out_features, 1)
+        call.tokens = y.numel() // max(out_features(module), 1)
         record: StorageRecord | None = self.tracer.record_of(y)
         if record is not None and record.kind == "activation":
             record.taint = frozenset() if call.role == "row" else frozenset({index})

@@ -92,6 +92,8 @@ def test_hf_model_from_bundled_config(tmp_path):
         "transformer.h.0",
     ]
     assert graph.layers[-1].name == "lm_head" and graph.layers[-1].transient_bytes > 0
+    block, h = graph.layers[2], 768
+    assert block.tp_params == 12 * h * h + 7 * h  # GPT-2's Conv1D is split like nn.Linear
 
 
 @pytest.mark.parametrize(
