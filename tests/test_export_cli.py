@@ -66,6 +66,29 @@ def test_dag_models_come_out_as_dags():
     encoder_out = [e for e in t5.edges if e.src == "encoder.final_norm"]
     assert {e.dst for e in encoder_out} >= {"decoder.layers.0", "decoder.layers.1"}
     assert export_graph("gpt-tiny").is_chain
+    # a residual block split into its convolutions: the shortcut is a branch around them
+    block = "stages.0.0"
+    fine = export_graph(
+        "resnet-tiny",
+        layers=[
+            "stem",
+            f"{block}.conv1",
+            f"{block}.bn1",
+            f"{block}.conv2",
+            f"{block}.bn2",
+            f"{block}.conv3",
+            f"{block}.bn3",
+            f"{block}.shortcut",
+            "stages.1.0",
+            "stages.2.0",
+            "stages.3.0",
+            "head",
+        ],
+    )
+    assert not fine.is_chain
+    pairs = {(e.src, e.dst) for e in fine.edges}
+    assert ("stem", f"{block}.shortcut") in pairs and ("stem", f"{block}.conv1") in pairs
+    assert {(f"{block}.shortcut", "stages.1.0"), (f"{block}.bn3", "stages.1.0")} <= pairs
 
 
 def test_gpt_parameters_match_the_closed_form():
