@@ -1,0 +1,144 @@
+"""Profiled layer graphs against a real CUDA run (run on a GPU machine; needs torch + the repo).
+
+    python scripts/cuda_profile_check.py --out cuda_profile.json [--device cuda] [--presets ...]
+
+For each case (zoo presets, bf16):
+1. profile the model in real mode on the device (saved bytes, transients and per-layer times
+   measured on the device's own kernels) and in fake mode (meta model, CPU kernels, what a user
+   without a GPU gets), and compare their per-layer saved bytes;
+2. run three training steps (two micro-batches each, torch Adam: bytes per parameter 2, 2, 4) and
+   record ``torch.cuda.max_memory_allocated`` of the third;
+3. predict that peak with the planner's cost model (pp = tp = dp = 1) from each graph, and the
+   step time from the real graph's per-layer times.
+``--device cpu`` is a dry run of the script (memory is then not measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+CASES = {
+    "gpt2-small": ({}, 4),
+    "gpt3-xl": ({"layers": 8}, 2),
+    "llama2-7b": ({"layers": 4, "seq_len": 2048}, 1),
+    "t5-base": ({}, 8),
+}
+
+
+def measure_step(model, inputs, num_microbatches: int, device) -> tuple[int | None, float]:
+    """(peak bytes of step 3, its wall ms) of Adam training with gradient accumulation."""
+    import torch
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-5)
+    peak, wall = None, 0.0
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        for _ in range(num_microbatches):
+            (model(*inputs) / num_microbatches).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+        wall = (time.perf_counter() - start) * 1e3
+    return peak, wall
+
+
+def check(name: str, overrides: dict, batch: int, device) -> dict:
+    import torch
+
+    import models
+    from profiling.profile import profile_module
+    from solver import Cluster, ParallelConfig, TrainingConfig, evaluate
+
+    spec = models.get(name, **overrides)
+    torch.set_default_dtype(torch.bfloat16)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = spec.build()
+        inputs = spec.example_inputs(batch, None)
+    real = profile_module(model, inputs, spec.layers, model_name=name, mode="real")
+    with torch.device("meta"):
+        shapes_only = spec.build()
+    with torch.device("cpu"):
+        cpu_inputs = spec.example_inputs(batch, None)
+    fake = profile_module(shapes_only, cpu_inputs, spec.layers, model_name=name, mode="fake")
+    peak, step_ms = measure_step(model, inputs, 2, torch.device(device))
+    config = ParallelConfig(pp=1, tp=1, dp=1, micro_batch=batch, num_microbatches=2)
+    training = TrainingConfig(
+        global_batch=2 * batch,
+        weight_bytes_per_param=2,
+        grad_bytes_per_param=2,
+        optimizer_bytes_per_param=4,
+    )
+    cluster = Cluster(num_gpus=1, gpu_memory_bytes=2**40)
+
+    def predicted(graph) -> dict:
+        result = evaluate(graph, config, [0] * graph.num_layers, cluster=cluster, training=training)
+        return {"peak_bytes": result.peak_bytes, "breakdown": result.stages[0].breakdown()}
+
+    per_layer = [
+        {
+            "layer": a.name,
+            "fake_activation_bytes": a.activation_bytes,
+            "real_activation_bytes": b.activation_bytes,
+            "fake_transient": a.transient_bytes,
+            "real_transient": b.transient_bytes,
+            "fwd_ms": b.fwd_ms,
+            "bwd_ms": b.bwd_ms,
+        }
+        for a, b in zip(fake.layers, real.layers, strict=True)
+    ]
+    torch.set_default_dtype(torch.float32)
+    return {
+        "case": name,
+        "overrides": overrides,
+        "batch": batch,
+        "device": str(device),
+        "params": sum(layer.params for layer in real.layers),
+        "measured_peak_bytes": peak,
+        "measured_step_ms": step_ms,
+        "profiled_step_ms": 2 * batch * sum(x.fwd_ms + x.bwd_ms for x in real.layers),
+        "predicted_from_real_graph": predicted(real),
+        "predicted_from_fake_graph": predicted(fake),
+        "layers": per_layer,
+    }
+
+
+def main() -> int:
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("cuda_profile.json"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--presets", nargs="*", default=list(CASES))
+    args = parser.parse_args()
+    results = {"torch": torch.__version__, "device": args.device, "cases": []}
+    if args.device == "cuda":
+        results["gpu"] = torch.cuda.get_device_name()
+    for name in args.presets:
+        overrides, batch = CASES.get(name, ({}, 2))
+        row = check(name, overrides, batch, torch.device(args.device))
+        results["cases"].append(row)
+        args.out.write_text(json.dumps(results, indent=1))
+        peak = row["measured_peak_bytes"]
+        for source in ("real", "fake"):
+            guess = row[f"predicted_from_{source}_graph"]["peak_bytes"]
+            error = "" if peak is None else f" ({100 * (guess - peak) / peak:+.1f}%)"
+            print(f"{name}: predicted from {source} graph {guess / 2**30:.3f} GiB{error}")
+        print(
+            f"{name}: measured {'-' if peak is None else f'{peak / 2**30:.3f} GiB'}, step "
+            f"{row['measured_step_ms']:.1f} ms vs profiled {row['profiled_step_ms']:.1f} ms",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
