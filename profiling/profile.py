@@ -3,6 +3,9 @@
     from profiling.profile import profile_module
     graph = profile_module(model, (ids,), model_name="gpt", mode="fake")   # -> LayerGraph
 
+This module selects the layers and runs the traced forward + backward; ``graph_builder.py`` turns
+the records into the graph and ``timing.py`` times the layers in real mode.
+
 **Layers.** One layer per module path in ``layers``; by default
 ``profiling.layers.default_layer_paths`` (the repeated blocks plus the parameterised parts around
 them). The graph lists the
@@ -43,9 +46,9 @@ such as a causal mask; profile with batch 1 to count those in full):
   catches the fp32 logits and their gradient of a loss.
 - ``tp_params``, ``tp_activation_bytes``, ``tp_comm_bytes``: the Megatron-style split of
   ``tensor_parallel.py``.
-- ``fwd_ms``, ``bwd_ms`` (``mode="real"`` only): the median over three timed runs after one
-  warm-up, per sample; CUDA events on a GPU, ``perf_counter`` on the CPU. The forward is split at
-  the layers' forward hooks; the backward at autograd-node pre-hooks.
+- ``fwd_ms``, ``bwd_ms`` (``mode="real"`` only, ``timing.py``): the median over three timed runs
+  after one warm-up, per sample; CUDA events on a GPU, ``perf_counter`` on the CPU. The forward is
+  split at the layers' forward hooks; the backward at autograd-node pre-hooks.
 
 **Owners** (see ``dataflow.py``): glue code outside every selected layer (an embedding sum and its
 dropout in the root's forward, a loss computed after the head) is charged to the layer that
@@ -84,9 +87,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import statistics
-import time
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -95,21 +95,15 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
-from profiling.dataflow import (
-    PENDING,
-    CudaLikeDropout,
-    Tracer,
-    assign_nodes,
-    tensors_in,
-)
+from profiling.dataflow import CudaLikeDropout, Tracer, tensors_in
+from profiling.graph_builder import build_graph
 from profiling.layers import default_layer_paths
-from profiling.tensor_parallel import TensorParallelSplit, TensorParallelTracker, is_linear
+from profiling.tensor_parallel import TensorParallelTracker, is_linear
+from profiling.timing import time_layers
 from solver.errors import InputError
-from solver.graph import LayerGraph, graph_from_dict
+from solver.graph import LayerGraph
 
 MODES = ("fake", "real")
-TIMED_RUNS = 3
-"""Timed forward + backward runs in real mode (after one warm-up); the median is kept."""
 
 _FAKE_ONLY_ERRORS = (
     "DataDependentOutputException",
@@ -158,12 +152,19 @@ def profile_module(
         )
         timings = None
         if mode == "real":
-            timings = _time_layers(module, state, inputs, selection, device, say, cuda_like)
-    graph = _build_graph(
+            timings = time_layers(
+                selection,
+                lambda: _loss(torch.func.functional_call(module, state.tensors, inputs), "model"),
+                [tensor for _, _, tensor in state.params],
+                device=device,
+                progress=say,
+                cuda_like=cuda_like,
+            )
+    graph = build_graph(
         selection,
         tracer,
         split,
-        state,
+        state.params,
         batch=batch,
         timings=timings,
         model_name=model_name,
@@ -440,278 +441,3 @@ def _run_error(error, tracer, stack, paths, step, fake, model_name) -> InputErro
     return InputError(
         f"{model_name}: {step} failed under fake tensors in {place}{at}: {what}; {hint}"
     )
-
-
-# -- timing (real mode) ---------------------------------------------------------------------------
-
-
-class _LayerTimer:
-    """Splits each run's wall time between layers at forward hooks and autograd-node pre-hooks."""
-
-    def __init__(self, num_layers: int, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.num_layers = num_layers
-        self.marks: list[tuple[Any, str | None, int]] = []
-        self.active: int | None = None
-        self.last_finished: int | None = None
-        self.first_layer: int | None = None
-        self.node_owner: dict[Any, int] = {}
-        self.bwd_owner: int | None = None
-
-    def _stamp(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def mark(self, phase: str | None, owner: int) -> None:
-        self.marks.append((self._stamp(), phase, owner))
-
-    def glue_owner(self) -> int:
-        return self.last_finished if self.last_finished is not None else PENDING
-
-    def _hook_node(self, node, owner):
-        try:
-            node.register_prehook(lambda _grads, owner=owner: self._enter_node(owner))
-        except RuntimeError:  # a node that takes no pre-hook
-            pass
-
-    def _enter_node(self, owner: int) -> None:
-        owner = self.first_layer if owner == PENDING else owner
-        if owner != self.bwd_owner:
-            self.bwd_owner = owner
-            self.mark("bwd", owner)
-
-    def enter(self, index: int, args, kwargs) -> None:
-        self.mark(None, index)  # hook overhead is left out on the CPU
-        assign_nodes(
-            tensors_in((args, kwargs)), self.glue_owner(), self.node_owner, self._hook_node
-        )
-        if self.first_layer is None:
-            self.first_layer = index
-        self.active = index
-        self.mark("fwd", index)
-
-    def exit(self, index: int, output) -> None:
-        self.mark(None, index)
-        assign_nodes(tensors_in(output), index, self.node_owner, self._hook_node)
-        self.active, self.last_finished = None, index
-        self.mark("fwd", index)
-
-    def start_backward(self, loss: torch.Tensor) -> None:
-        self.mark(None, 0)
-        assign_nodes([loss], self.glue_owner(), self.node_owner, self._hook_node)
-        self.bwd_owner = None
-        self._enter_node(self.glue_owner())
-
-    def totals(self) -> tuple[list[float], list[float]]:
-        """(forward ms, backward ms) per layer for the marks of one run."""
-        if self.cuda:
-            torch.cuda.synchronize()
-        fwd, bwd = [0.0] * self.num_layers, [0.0] * self.num_layers
-        for (start, phase, owner), (end, _, _) in zip(self.marks, self.marks[1:], strict=False):
-            if phase is None:
-                continue
-            owner = self.first_layer if owner == PENDING else owner
-            elapsed = start.elapsed_time(end) if self.cuda else (end - start) * 1000.0
-            (fwd if phase == "fwd" else bwd)[owner] += elapsed
-        return fwd, bwd
-
-
-def _time_layers(module, state, inputs, selection, device, say, cuda_like):
-    """Median per-layer forward and backward time (ms per batch) over TIMED_RUNS runs."""
-    index_of = {id(m): i for i, (_, m) in enumerate(selection)}
-    timer: _LayerTimer | None = None
-
-    def pre(mod, args, kwargs):
-        if timer is not None and timer.active is None:
-            timer.enter(index_of[id(mod)], args, kwargs)
-
-    def post(mod, args, kwargs, output):
-        if timer is not None and timer.active == index_of[id(mod)]:
-            timer.exit(index_of[id(mod)], output)
-
-    handles = []
-    for _, mod in selection:
-        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(mod.register_forward_hook(post, with_kwargs=True))
-    runs: list[tuple[list[float], list[float]]] = []
-    dropout = CudaLikeDropout() if cuda_like else contextlib.nullcontext()
-    try:
-        for run in range(1 + TIMED_RUNS):
-            say(f"timing run {run + 1}/{1 + TIMED_RUNS}" + (" (warm-up)" if run == 0 else ""))
-            timer = _LayerTimer(len(selection), device)
-            if timer.cuda:
-                torch.cuda.synchronize()
-            timer.mark("fwd", PENDING)
-            with dropout:
-                out = torch.func.functional_call(module, state.tensors, inputs)
-                loss = _loss(out, "model")
-                del out
-                timer.start_backward(loss)
-                loss.backward()
-            timer.mark(None, 0)
-            if run > 0:
-                runs.append(timer.totals())
-            timer = None
-            for _, _, tensor in state.params:
-                tensor.grad = None
-    finally:
-        for handle in handles:
-            handle.remove()
-    fwd = [statistics.median(r[0][i] for r in runs) for i in range(len(selection))]
-    bwd = [statistics.median(r[1][i] for r in runs) for i in range(len(selection))]
-    return fwd, bwd
-
-
-# -- the graph ------------------------------------------------------------------------------------
-
-
-def _ceil_div(total: int, batch: int) -> int:
-    return -(-int(total) // batch)
-
-
-def _graph_order(selection, tracer: Tracer) -> list[int]:
-    """Execution order; a layer that never ran follows the layer listed before it."""
-    called = sorted(
-        (i for i in range(len(selection)) if tracer.layers[i].first_call is not None),
-        key=lambda i: tracer.layers[i].first_call,
-    )
-    order = list(called)
-    for i in range(len(selection)):
-        if tracer.layers[i].first_call is None:
-            before = [j for j in range(i) if j in order]
-            order.insert(order.index(before[-1]) + 1 if before else 0, i)
-    return order
-
-
-def _build_graph(
-    selection: list[tuple[str, nn.Module]],
-    tracer: Tracer,
-    split: TensorParallelSplit,
-    state: _State,
-    *,
-    batch: int,
-    timings,
-    model_name: str,
-    meta: dict,
-) -> LayerGraph:
-    names = [path for path, _ in selection]
-    if PENDING in tracer.layers and tracer.first_layer is not None:
-        tracer.layers[tracer.first_layer].absorb(tracer.layers.pop(PENDING))
-    order = _graph_order(selection, tracer)
-    position = {i: k for k, i in enumerate(order)}
-
-    # Parameters: each counted once, in the first layer (graph order) that owns it.
-    owners: dict[int, list[int]] = defaultdict(list)
-    for i in order:
-        for param in selection[i][1].parameters():
-            owners[id(param)].append(i)
-    params, tp_params = defaultdict(int), defaultdict(int)
-    shared, unused = [], []
-    used_by = {
-        id(original): tracer.resolve(record.first_user)
-        for _, original, tensor in state.params
-        if (record := tracer.record_of(tensor)) is not None and record.first_user is not None
-    }
-    for name, original, _ in state.params:
-        layers = owners.get(id(original)) or (
-            [used_by[id(original)]] if id(original) in used_by else []
-        )
-        if not layers:
-            unused.append(name)
-            continue
-        params[layers[0]] += original.numel()
-        if id(original) in split.split_params:
-            tp_params[layers[0]] += original.numel()
-        if len(layers) > 1:
-            shared.append(
-                {
-                    "param": name,
-                    "numel": original.numel(),
-                    "counted_in": names[layers[0]],
-                    "shared_with": [names[j] for j in layers[1:]],
-                }
-            )
-
-    transients = tracer.transient_peaks
-    items = []
-    for i in order:
-        record = tracer.layers[i]
-        saved_total = record.saved_bytes
-        split_total = sum(n for n, taint in record.saved if split.is_split(taint))
-        item: dict[str, Any] = {
-            "name": names[i],
-            "params": params[i],
-            "activation_bytes": _ceil_div(saved_total, batch),
-            "output_bytes": _ceil_div(record.output_bytes, batch),
-            "tp_params": tp_params[i],
-            "tp_activation_bytes": _ceil_div(split_total, batch),
-            "fwd_flops": record.fwd_flops / batch,
-            "bwd_flops": record.bwd_flops / batch,
-            "tp_comm_bytes": _ceil_div(split.comm_bytes.get(i, 0), batch),
-            "transient_bytes": _ceil_div(transients.get(i, 0), batch),
-        }
-        kind = _kind(selection[i][1], split)
-        if kind:
-            item["kind"] = kind
-        if timings is not None:
-            item["fwd_ms"] = timings[0][i] / batch
-            item["bwd_ms"] = timings[1][i] / batch
-        items.append(item)
-
-    edges = []
-    for dst in order:
-        for src, nbytes in sorted(
-            tracer.layers[dst].in_edges.items(), key=lambda e: position[e[0]]
-        ):
-            if position[src] > position[dst]:
-                raise InputError(
-                    f"{model_name}: layer {names[dst]!r} reads the output of {names[src]!r}, "
-                    "which first runs after it (a layer called more than once); select modules "
-                    "that each run once"
-                )
-            edges.append({"src": names[src], "dst": names[dst], "bytes": _ceil_div(nbytes, batch)})
-    chain = [
-        {"src": a["name"], "dst": b["name"], "bytes": a["output_bytes"]}
-        for a, b in zip(items, items[1:], strict=False)
-    ]
-    extra: dict[str, Any] = {}
-    glue = {names[i]: _ceil_div(r.glue_saved_bytes, batch) for i, r in tracer.layers.items()}
-    if any(glue.values()):
-        extra["glue_activation_bytes"] = {k: v for k, v in glue.items() if v}
-    if shared:
-        extra["shared_params"] = shared
-    if unused:
-        extra["unused_params"] = unused
-    uncalled = [names[i] for i in order if tracer.layers[i].first_call is None]
-    if uncalled:
-        extra["uncalled_layers"] = uncalled
-    if split.roles:
-        extra["tp_roles"] = dict(sorted(split.roles.items()))
-    document: dict[str, Any] = {
-        "format": "layer-graph",
-        "version": 1,
-        "model": model_name,
-        "meta": extra | meta,
-        "layers": items,
-    }
-    if sorted(edges, key=_edge_key) != sorted(chain, key=_edge_key):
-        document["edges"] = edges
-    return graph_from_dict(document, origin=f"profile of {model_name}")
-
-
-def _edge_key(edge: dict) -> tuple:
-    return (edge["src"], edge["dst"], edge["bytes"])
-
-
-def _kind(layer: nn.Module, split: TensorParallelSplit) -> str | None:
-    """``embedding`` for embedding-only layers, ``head`` for the vocab-parallel head's layer;
-    None leaves it to the name rule of the format."""
-    modules = list(layer.modules())
-    if any(id(m) in split.heads for m in modules):
-        return "head"
-    if any(isinstance(m, nn.Embedding) for m in modules) and not any(is_linear(m) for m in modules):
-        return "embedding"
-    return None

@@ -1,0 +1,173 @@
+"""Assemble the layer graph from a traced run: per-sample fields, parameter owners, edges, meta.
+
+    graph = build_graph(selection, tracer, split, run_params, batch=8, timings=None, ...)
+
+The inputs are what ``profile.py`` collected: the ``Tracer`` records per layer (``dataflow.py``),
+the tensor-parallel split (``tensor_parallel.py``) and, in real mode, the per-layer times
+(``timing.py``). Batch totals become per-sample values here (bytes rounded up); the fields and
+rules are described in ``profile.py``'s docstring.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from profiling.dataflow import PENDING, Tracer
+from profiling.tensor_parallel import TensorParallelSplit, is_linear
+from solver.errors import InputError
+from solver.graph import LayerGraph, graph_from_dict
+
+
+def _ceil_div(total: int, batch: int) -> int:
+    return -(-int(total) // batch)
+
+
+def _graph_order(selection, tracer: Tracer) -> list[int]:
+    """Execution order; a layer that never ran follows the layer listed before it."""
+    called = sorted(
+        (i for i in range(len(selection)) if tracer.layers[i].first_call is not None),
+        key=lambda i: tracer.layers[i].first_call,
+    )
+    order = list(called)
+    for i in range(len(selection)):
+        if tracer.layers[i].first_call is None:
+            before = [j for j in range(i) if j in order]
+            order.insert(order.index(before[-1]) + 1 if before else 0, i)
+    return order
+
+
+def build_graph(
+    selection: list[tuple[str, nn.Module]],
+    tracer: Tracer,
+    split: TensorParallelSplit,
+    run_params: list[tuple[str, nn.Parameter, torch.Tensor]],
+    *,
+    batch: int,
+    timings: tuple[list[float], list[float]] | None,
+    model_name: str,
+    meta: dict,
+) -> LayerGraph:
+    """The validated graph. ``run_params`` holds (first name, original parameter, the tensor the run
+    used) per distinct parameter; ``timings`` is (forward ms, backward ms) per layer per batch."""
+    names = [path for path, _ in selection]
+    if PENDING in tracer.layers and tracer.first_layer is not None:
+        tracer.layers[tracer.first_layer].absorb(tracer.layers.pop(PENDING))
+    order = _graph_order(selection, tracer)
+    position = {i: k for k, i in enumerate(order)}
+
+    # Parameters: each counted once, in the first layer (graph order) that owns it.
+    owners: dict[int, list[int]] = defaultdict(list)
+    for i in order:
+        for param in selection[i][1].parameters():
+            owners[id(param)].append(i)
+    params, tp_params = defaultdict(int), defaultdict(int)
+    shared, unused = [], []
+    used_by = {
+        id(original): tracer.resolve(record.first_user)
+        for _, original, tensor in run_params
+        if (record := tracer.record_of(tensor)) is not None and record.first_user is not None
+    }
+    for name, original, _ in run_params:
+        layers = owners.get(id(original)) or (
+            [used_by[id(original)]] if id(original) in used_by else []
+        )
+        if not layers:
+            unused.append(name)
+            continue
+        params[layers[0]] += original.numel()
+        if id(original) in split.split_params:
+            tp_params[layers[0]] += original.numel()
+        if len(layers) > 1:
+            shared.append(
+                {
+                    "param": name,
+                    "numel": original.numel(),
+                    "counted_in": names[layers[0]],
+                    "shared_with": [names[j] for j in layers[1:]],
+                }
+            )
+
+    transients = tracer.transient_peaks
+    items = []
+    for i in order:
+        record = tracer.layers[i]
+        saved_total = record.saved_bytes
+        split_total = sum(n for n, taint in record.saved if split.is_split(taint))
+        item: dict[str, Any] = {
+            "name": names[i],
+            "params": params[i],
+            "activation_bytes": _ceil_div(saved_total, batch),
+            "output_bytes": _ceil_div(record.output_bytes, batch),
+            "tp_params": tp_params[i],
+            "tp_activation_bytes": _ceil_div(split_total, batch),
+            "fwd_flops": record.fwd_flops / batch,
+            "bwd_flops": record.bwd_flops / batch,
+            "tp_comm_bytes": _ceil_div(split.comm_bytes.get(i, 0), batch),
+            "transient_bytes": _ceil_div(transients.get(i, 0), batch),
+        }
+        kind = _kind(selection[i][1], split)
+        if kind:
+            item["kind"] = kind
+        if timings is not None:
+            item["fwd_ms"] = timings[0][i] / batch
+            item["bwd_ms"] = timings[1][i] / batch
+        items.append(item)
+
+    edges = []
+    for dst in order:
+        for src, nbytes in sorted(
+            tracer.layers[dst].in_edges.items(), key=lambda e: position[e[0]]
+        ):
+            if position[src] > position[dst]:
+                raise InputError(
+                    f"{model_name}: layer {names[dst]!r} reads the output of {names[src]!r}, "
+                    "which first runs after it (a layer called more than once); select modules "
+                    "that each run once"
+                )
+            edges.append({"src": names[src], "dst": names[dst], "bytes": _ceil_div(nbytes, batch)})
+    chain = [
+        {"src": a["name"], "dst": b["name"], "bytes": a["output_bytes"]}
+        for a, b in zip(items, items[1:], strict=False)
+    ]
+    extra: dict[str, Any] = {}
+    glue = {names[i]: _ceil_div(r.glue_saved_bytes, batch) for i, r in tracer.layers.items()}
+    if any(glue.values()):
+        extra["glue_activation_bytes"] = {k: v for k, v in glue.items() if v}
+    if shared:
+        extra["shared_params"] = shared
+    if unused:
+        extra["unused_params"] = unused
+    uncalled = [names[i] for i in order if tracer.layers[i].first_call is None]
+    if uncalled:
+        extra["uncalled_layers"] = uncalled
+    if split.roles:
+        extra["tp_roles"] = dict(sorted(split.roles.items()))
+    document: dict[str, Any] = {
+        "format": "layer-graph",
+        "version": 1,
+        "model": model_name,
+        "meta": extra | meta,
+        "layers": items,
+    }
+    if sorted(edges, key=_edge_key) != sorted(chain, key=_edge_key):
+        document["edges"] = edges
+    return graph_from_dict(document, origin=f"profile of {model_name}")
+
+
+def _edge_key(edge: dict) -> tuple:
+    return (edge["src"], edge["dst"], edge["bytes"])
+
+
+def _kind(layer: nn.Module, split: TensorParallelSplit) -> str | None:
+    """``embedding`` for embedding-only layers, ``head`` for the vocab-parallel head's layer;
+    None leaves it to the name rule of the format."""
+    modules = list(layer.modules())
+    if any(id(m) in split.heads for m in modules):
+        return "head"
+    if any(isinstance(m, nn.Embedding) for m in modules) and not any(is_linear(m) for m in modules):
+        return "embedding"
+    return None
