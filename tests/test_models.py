@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -49,10 +48,8 @@ def test_tiny_forward_backward_and_layer_order(name):
     for path in spec.layers:  # get_submodule raises for a path that is not a real module
         module = model.get_submodule(path)
         module.register_forward_pre_hook(lambda _m, _a, path=path: order.append(path))
-    start = time.perf_counter()
     loss = model(*spec.example_inputs(2, None))
     loss.backward()
-    assert time.perf_counter() - start < 1.0
     assert loss.dim() == 0 and loss.dtype == torch.float32 and math.isfinite(loss.item())
     assert order == spec.layers
     assert all(p.grad is not None for p in model.parameters()), "every parameter is used"
@@ -91,9 +88,7 @@ def test_example_inputs_dtypes_and_seq():
     [("gpt3-175b", {}), ("gpt3-xl", {}), ("gpt2-small", {"tied_embeddings": False})],
 )
 def test_gpt_params_equal_closed_form(name, overrides):
-    start = time.perf_counter()
     spec, model = meta_model(name, **overrides)
-    assert time.perf_counter() - start < 10.0
     c = spec.config
     s, h, vocab = c.seq_len, c.hidden, c.vocab_size
     expected = {"embed": vocab * h + s * h, "head": h * vocab + 2 * h}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import resource
-import time
 
 import pytest
 
@@ -216,17 +215,15 @@ def test_korthikanti_block_fp16_dropout():
     assert cpu.activation_bytes == block.activation_bytes + 2 * s * h + a * s * s
 
 
-def test_gpt3_175b_shape_on_meta_profiles_fast():
+def test_gpt3_175b_shape_on_meta_allocates_nothing():
     """Two 175B-shaped blocks (h 12288, 96 heads, s 2048, V 50257) on the meta device."""
     s, h, a, V = 2048, 12288, 96, 50257
     with torch.device("meta"):
         model = GPT(layers=2, h=h, a=a, s=s, vocab=V, dropout=0.1).to(torch.bfloat16)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.perf_counter()
     graph = profile_module(model, (torch.zeros(1, s, dtype=torch.long),), model_name="gpt3-175b")
-    elapsed = time.perf_counter() - start
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024
-    assert elapsed < 15 and grown_mib < 512  # real weights alone would be 9.6 GB
+    assert grown_mib < 512  # nothing real is allocated: the weights alone would be 9.6 GB
     block = by_name(graph)["blocks.1"]
     assert block.params == 12 * h * h + 13 * h
     assert block.activation_bytes == 34 * s * h + 5 * a * s * s + 8 * s + s * s
