@@ -1,4 +1,4 @@
-"""Model zoo: plain PyTorch definitions buildable at any size, and named presets (issue 3).
+"""Model zoo: plain PyTorch definitions buildable at any size, and named presets.
 
     import models, torch
     spec = models.get("llama2-70b")            # or models.get("gpt3-175b", layers=4)
