@@ -135,7 +135,7 @@ def test_evaluate_even_split_matches_plan_baseline(capsys, tmp_path):
     assert json.loads(evaluated.read_text())["peak_bytes"] == plan["peak_bytes"]
 
 
-def test_dag_plans_with_cpsat_and_milp_agree(capsys):
+def test_dag_plans_with_cpsat_and_milp_agree(capsys, tmp_path):
     peaks = {}
     for backend in ("cpsat", "milp"):
         code = plan_main(
@@ -155,11 +155,11 @@ def test_dag_plans_with_cpsat_and_milp_agree(capsys):
                 "--time-limit",
                 "60",
                 "--json",
-                f"/tmp/t5-{backend}.json",
+                str(tmp_path / f"t5-{backend}.json"),
             ]
         )
         assert code == 0, capsys.readouterr().err
-        peaks[backend] = json.loads(Path(f"/tmp/t5-{backend}.json").read_text())["peak_bytes"]
+        peaks[backend] = json.loads((tmp_path / f"t5-{backend}.json").read_text())["peak_bytes"]
     assert peaks["cpsat"] == peaks["milp"]
 
 
