@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from solver.cli import _Parser, _positive_int, write_json
+from solver.cli import OneLineErrorParser, positive_int, write_json
 from solver.errors import InputError, PlannerError
 from solver.graph import LayerGraph
 from solver.units import format_bytes
@@ -198,13 +198,13 @@ def progress_bar(enabled: bool):
 
 
 def parser() -> argparse.ArgumentParser:
-    result = _Parser(
+    result = OneLineErrorParser(
         prog="python -m profiling.export",
         description="Profile a PyTorch model into a layer graph (docs/layer-graph.md).",
     )
     result.add_argument("model", help="zoo preset, hf:NAME, or package.module:factory")
-    result.add_argument("--batch", type=_positive_int, default=1, help="micro-batch to profile")
-    result.add_argument("--seq", type=_positive_int, help="sequence length (default: preset's)")
+    result.add_argument("--batch", type=positive_int, default=1, help="micro-batch to profile")
+    result.add_argument("--seq", type=positive_int, help="sequence length (default: preset's)")
     result.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     result.add_argument(
         "--device",

@@ -21,7 +21,7 @@ from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from solver.units import parse_bytes
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineErrorParser(argparse.ArgumentParser):
     """argparse that reports a bad argument in one line with exit code 2 (no usage dump)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
@@ -41,7 +41,7 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -86,7 +86,7 @@ def _add_graph_and_cluster(parser: argparse.ArgumentParser) -> None:
         default=80 * 2**30,
         help="memory per GPU, e.g. 80GiB, 40GB (default 80GiB)",
     )
-    cluster.add_argument("--gpus-per-node", type=_positive_int, default=8)
+    cluster.add_argument("--gpus-per-node", type=positive_int, default=8)
     cluster.add_argument(
         "--gpu-tflops",
         type=_positive_float,
@@ -113,7 +113,7 @@ def _add_graph_and_cluster(parser: argparse.ArgumentParser) -> None:
     )
     training = parser.add_argument_group("training")
     training.add_argument(
-        "--global-batch", type=_positive_int, required=True, help="samples per optimizer step"
+        "--global-batch", type=positive_int, required=True, help="samples per optimizer step"
     )
     training.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     training.add_argument(
@@ -178,12 +178,12 @@ def _print(text: str) -> None:
 
 
 def plan_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineErrorParser(
         prog="python -m solver.plan",
         description="Find the PP x TP x DP config and layer split that minimise the "
         "largest per-GPU peak memory, with a proof of optimality.",
     )
-    parser.add_argument("--gpus", type=_positive_int, required=True, help="number of GPUs")
+    parser.add_argument("--gpus", type=positive_int, required=True, help="number of GPUs")
     _add_graph_and_cluster(parser)
     search = parser.add_argument_group("search space")
     search.add_argument(
@@ -204,9 +204,9 @@ def plan_parser() -> argparse.ArgumentParser:
         default="none",
         help="full activation recomputation: none, full, or auto (search both)",
     )
-    search.add_argument("--pp", type=_positive_int, help="pin the pipeline degree")
-    search.add_argument("--tp", type=_positive_int, help="pin the tensor-parallel degree")
-    search.add_argument("--dp", type=_positive_int, help="pin the data-parallel degree")
+    search.add_argument("--pp", type=positive_int, help="pin the pipeline degree")
+    search.add_argument("--tp", type=positive_int, help="pin the tensor-parallel degree")
+    search.add_argument("--dp", type=positive_int, help="pin the data-parallel degree")
     goal = parser.add_argument_group("objective and constraints")
     goal.add_argument("--objective", choices=["memory", "throughput"], default="memory")
     goal.add_argument(
@@ -238,7 +238,7 @@ def plan_parser() -> argparse.ArgumentParser:
         help="wall-clock limit for the whole search, seconds (default 60)",
     )
     solver.add_argument(
-        "--workers", type=_positive_int, default=1, help="CP-SAT worker threads (1 = deterministic)"
+        "--workers", type=positive_int, default=1, help="CP-SAT worker threads (1 = deterministic)"
     )
     return parser
 
@@ -284,14 +284,14 @@ def plan_main(argv: list[str] | None = None) -> int:
 
 
 def evaluate_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineErrorParser(
         prog="python -m solver.evaluate",
         description="Per-stage peak memory and time of a given split and config.",
     )
-    parser.add_argument("--pp", type=_positive_int, required=True)
-    parser.add_argument("--tp", type=_positive_int, default=1)
-    parser.add_argument("--dp", type=_positive_int, default=1)
-    parser.add_argument("--micro-batch", type=_positive_int, default=1)
+    parser.add_argument("--pp", type=positive_int, required=True)
+    parser.add_argument("--tp", type=positive_int, default=1)
+    parser.add_argument("--dp", type=positive_int, default=1)
+    parser.add_argument("--micro-batch", type=positive_int, default=1)
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     parser.add_argument("--recompute", choices=["none", "full"], default="none")
     parser.add_argument(
