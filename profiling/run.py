@@ -1,0 +1,500 @@
+"""Run a plan for real on torch.distributed and measure each rank's peak memory (issue 4).
+
+    from profiling.run import run_plan
+    reports = run_plan("gpt-tiny", json.load(open("plan.json")), iterations=2,
+                       overrides={"layers": 4, "dropout": 0.0})
+    for r in reports:
+        print(r.rank, r.stage, r.measured_peak_bytes, r.predicted_peak_bytes, r.error_pct)
+
+``run_plan`` spawns ``pp * dp`` processes (gloo, localhost), builds on each the full model from
+the same seed (so every weight equals the single-process model's), keeps the layers of its plan
+stage, and trains ``iterations`` steps with ``torch.distributed.pipelining`` (``PipelineStage``
+and ``Schedule1F1B`` / ``ScheduleGPipe`` with the plan's micro-batch count), DDP over the
+data-parallel group and Adam. Ranks are laid out stage-major: ``rank = stage * dp + dp_rank``.
+
+Stage module: runs its layers in plan order; the model's last layer (the head, whose forward takes
+``(hidden, targets)`` and returns the loss) is applied by the schedule's ``loss_fn`` on the last
+stage, so the loss is exactly the model's. Gradients are scaled by the micro-batch count (the
+schedule) and averaged over data-parallel ranks (DDP): they equal the single-process gradients of
+the mean loss over the global batch ``dp * micro_batch * num_microbatches``.
+
+Memory: ``profiling.memory.LiveTensorTracker`` (exact live storage bytes) is active from before
+DDP, the stage and the optimizer are built; its peak is reset at the start of every iteration and
+the last iteration's peak is reported, with the plan's ``stages[i].peak_bytes`` next to it.
+
+Not yet: tensor parallelism (tp > 1), ZeRO >= 1 (FSDP2), recompute, DAG models (the layers must
+form a chain), tied weights split across stages; each raises ``InputError``. Use dropout 0 for
+runs compared with a single process or with predictions (the CPU dropout kernels differ from GPU
+ones, and dropout masks draw random numbers in a different order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import multiprocessing.connection
+import os
+import shutil
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import models
+from solver.errors import InputError, PlannerError
+
+SCHEDULES = ("1f1b", "gpipe")
+LEARNING_RATE = 1e-3
+"""Adam's learning rate (the other Adam settings are torch's defaults)."""
+
+
+class RunError(PlannerError):
+    """A rank failed or the run timed out; every process of the run has been stopped."""
+
+    exit_code = 5
+
+    def __init__(self, message: str, *, pids: list[int]):
+        super().__init__(message)
+        self.pids = pids
+        """Process ids of the ranks (all ended when this is raised)."""
+
+
+@dataclass(kw_only=True)
+class RankReport:
+    """What one rank measured on the last iteration."""
+
+    rank: int
+    """Global rank (``stage * dp + dp_rank``)."""
+    stage: int
+    """Pipeline stage index (the plan's ``stages[i].index``)."""
+    dp_rank: int
+    """Data-parallel rank within the stage's replicas."""
+    layers: list[str]
+    """Layer names the stage holds."""
+    measured_peak_bytes: int
+    """Live tensor bytes at the peak of the last iteration (exact storage accounting)."""
+    measured_breakdown: dict[str, int]
+    """The live bytes at that peak by category (``profiling.memory.CATEGORIES``)."""
+    predicted_peak_bytes: int | None
+    """The plan's ``stages[stage].peak_bytes``; None when the plan does not give it."""
+    predicted_breakdown: dict[str, int] | None
+    """The plan's ``stages[stage].breakdown``."""
+    error_pct: float | None
+    """100 * (predicted - measured) / measured: negative when the plan under-predicts."""
+    iteration_ms: list[float]
+    """Wall time of each iteration on this rank (schedule step + optimizer step)."""
+    losses: list[float] = field(default_factory=list)
+    """Last stage only: each iteration's loss (mean over micro-batches) on this rank's data."""
+    grads: dict[str, torch.Tensor] | None = None
+    """With ``capture_grads``: the last iteration's gradients (after the pipeline's scaling and the
+    data-parallel average, before the optimizer step), keyed by the full model's parameter name."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class _Job:
+    preset: str
+    overrides: dict[str, Any]
+    plan: dict[str, Any]
+    iterations: int
+    seed: int
+    seq: int | None
+    timeout_s: float
+    master_port: int
+    capture_grads: bool
+    fault: tuple[int, str] | None
+
+
+# -- plan checks (parent) ----------------------------------------------------------------------
+
+
+def _check_plan(spec: models.ModelSpec, plan: dict[str, Any], max_processes: int) -> None:
+    """InputError naming the field, unless the plan is one this executor can run on ``spec``."""
+    config = plan.get("config")
+    if not isinstance(config, dict):
+        raise InputError("plan: missing 'config' (write it with solver.plan --json)")
+    needed = ("pp", "tp", "dp", "micro_batch", "num_microbatches", "zero", "recompute", "schedule")
+    missing = [key for key in needed if key not in config]
+    if missing:
+        raise InputError(f"plan config: missing {', '.join(missing)}")
+    pp, tp, dp = config["pp"], config["tp"], config["dp"]
+    for key in ("pp", "tp", "dp", "micro_batch", "num_microbatches"):
+        if not isinstance(config[key], int) or config[key] < 1:
+            raise InputError(f"plan config: {key} must be a positive integer, got {config[key]!r}")
+    if tp != 1:
+        raise InputError(f"plan config: tp={tp}: tensor parallelism is not supported yet (tp=1)")
+    if config["zero"] != 0:
+        raise InputError(
+            f"plan config: zero={config['zero']}: ZeRO/FSDP sharding is not supported yet "
+            "(zero=0, DDP)"
+        )
+    if config["recompute"] != "none":
+        raise InputError(
+            f"plan config: recompute={config['recompute']!r} is not supported yet (none)"
+        )
+    if config["schedule"] not in SCHEDULES:
+        raise InputError(
+            f"plan config: schedule {config['schedule']!r}; valid: {', '.join(SCHEDULES)}"
+        )
+    if pp * dp > max_processes:
+        raise InputError(
+            f"plan needs pp({pp}) * dp({dp}) = {pp * dp} processes, more than this machine "
+            f"allows ({max_processes}, {os.cpu_count()} CPUs); plan for fewer GPUs"
+        )
+    stages = plan.get("stages")
+    if not isinstance(stages, list) or len(stages) != pp:
+        count = len(stages) if isinstance(stages, list) else 0
+        raise InputError(f"plan: {count} stages for pp={pp}")
+    if [stage.get("index") for stage in stages] != list(range(pp)):
+        raise InputError("plan: stages[i].index must be 0..pp-1 in order")
+    layers = [name for stage in stages for name in stage.get("layers", [])]
+    if any(not stage.get("layers") for stage in stages):
+        raise InputError("plan: every stage needs at least one layer")
+    if layers != spec.layers:
+        unknown = [name for name in layers if name not in spec.layers]
+        absent = [name for name in spec.layers if name not in layers]
+        detail = (
+            f"unknown layers {unknown}" if unknown else f"missing layers {absent}" if absent else ""
+        )
+        raise InputError(
+            f"plan does not match model {spec.name}: the stages' layers must be the model's "
+            f"{len(spec.layers)} layers {spec.layers[0]}..{spec.layers[-1]} in order, got "
+            f"{len(layers)} layers{'; ' + detail if detail else ' (out of order)'}"
+        )
+
+
+def _spec(preset: str, overrides: dict[str, Any]) -> models.ModelSpec:
+    try:
+        spec = models.get(preset, **overrides)
+    except ValueError as error:
+        raise InputError(str(error)) from error
+    if not spec.layers:
+        raise InputError(f"model {preset}: no default layer list")
+    return spec
+
+
+# -- one rank (child) --------------------------------------------------------------------------
+
+
+def batch_for_iteration(
+    spec: models.ModelSpec, *, batch: int, seq: int | None, seed: int, iteration: int
+) -> tuple:
+    """The global batch of ``iteration``: the same on every rank and in a single process."""
+    torch.manual_seed(seed + 1 + iteration)
+    return spec.example_inputs(batch, seq)
+
+
+def build_model(spec: models.ModelSpec, seed: int) -> nn.Module:
+    """The full model with weights from ``seed`` (what every rank and the reference build)."""
+    torch.manual_seed(seed)
+    return spec.build()
+
+
+class _StageModule(nn.Module):
+    """Runs ``run_paths`` of ``root`` in order; ``root`` keeps only this stage's layers."""
+
+    def __init__(self, root: nn.Module, run_paths: list[str]):
+        super().__init__()
+        self.root = root
+        self.run_paths = run_paths
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for path in self.run_paths:
+            x = self.root.get_submodule(path)(x)
+        return x
+
+
+def _head_loss(head: nn.Module | None, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    assert head is not None, "loss_fn called on a stage without the head"
+    return head(output, target)
+
+
+def _keep_layers(model: nn.Module, all_layers: list[str], keep: list[str]) -> None:
+    """Drop every layer not in ``keep`` (the module slot becomes None); check nothing is shared."""
+    owner: dict[int, str] = {}
+    for path in all_layers:
+        for param in model.get_submodule(path).parameters():
+            if id(param) in owner and owner[id(param)] != path:
+                if (owner[id(param)] in keep) != (path in keep):
+                    raise InputError(
+                        f"layers {owner[id(param)]} and {path} share a parameter (tied weights) "
+                        "but are on different stages; not supported yet"
+                    )
+            owner[id(param)] = path
+    loose = [name for name, param in model.named_parameters() if id(param) not in owner]
+    if loose:
+        raise InputError(f"parameters outside every layer: {', '.join(loose[:5])}")
+    for path in all_layers:
+        if path not in keep:
+            parent, _, name = path.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, name, None)
+
+
+def _rank_main(rank: int, job: _Job) -> RankReport:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.nn.parallel import DistributedDataParallel
+
+    from profiling.memory import LiveTensorTracker
+
+    config, stages = job.plan["config"], job.plan["stages"]
+    pp, dp = config["pp"], config["dp"]
+    micro_batch, num_microbatches = config["micro_batch"], config["num_microbatches"]
+    stage_index, dp_rank = divmod(rank, dp)
+    first, last = stage_index == 0, stage_index == pp - 1
+    world = pp * dp
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = str(job.master_port)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=job.timeout_s)
+    )
+    # Every rank creates every group, in the same order (a torch.distributed rule).
+    pp_groups = [dist.new_group([s * dp + d for s in range(pp)]) for d in range(dp)]
+    dp_groups = [dist.new_group([s * dp + d for d in range(dp)]) for s in range(pp)]
+
+    spec = _spec(job.preset, job.overrides)
+    layers = stages[stage_index]["layers"]
+    model = build_model(spec, job.seed)
+    _keep_layers(model, spec.layers, layers)
+    head_path = spec.layers[-1]
+    run_paths = [path for path in layers if path != head_path]
+
+    tracker = LiveTensorTracker()
+    tracker.track_module(model)
+    tracker.track_grads(model)
+    losses: list[float] = []
+    iteration_ms: list[float] = []
+    grads = None
+    with tracker:
+        stage_module = _StageModule(model, run_paths)
+        submod: nn.Module = stage_module
+        if dp > 1:
+            submod = DistributedDataParallel(stage_module, process_group=dp_groups[stage_index])
+            # Fix the bucket order now. Left to DDP, it records the gradient order during the
+            # first step, and with the pipeline's no_sync micro-batches (2 micro-batches, torch
+            # 2.13) it records every parameter twice and fails the next forward
+            # ("rebuilt parameter indices size is not same as original model parameters size").
+            submod.reducer._push_all_rebuilt_params()
+            submod.reducer._rebuild_buckets()
+        stage = PipelineStage(
+            submod, stage_index, pp, torch.device("cpu"), group=pp_groups[dp_rank]
+        )
+        head = model.get_submodule(head_path) if last else None
+        schedule_class = Schedule1F1B if config["schedule"] == "1f1b" else ScheduleGPipe
+        # loss_fn on every rank: without it the first stage skips backward (and deadlocks).
+        schedule = schedule_class(
+            stage, n_microbatches=num_microbatches, loss_fn=functools.partial(_head_loss, head)
+        )
+        optimizer = torch.optim.Adam(stage_module.parameters(), lr=LEARNING_RATE)
+        tracker.track_optimizer(optimizer)
+
+        rows = micro_batch * num_microbatches
+        for iteration in range(job.iterations):
+            ids, targets = batch_for_iteration(
+                spec, batch=rows * dp, seq=job.seq, seed=job.seed, iteration=iteration
+            )
+            local = slice(dp_rank * rows, (dp_rank + 1) * rows)
+            args = (ids[local].clone(),) if first else ()
+            kwargs: dict[str, Any] = {}
+            step_losses: list[torch.Tensor] = []
+            if last:
+                kwargs = {"target": targets[local].clone(), "losses": step_losses}
+            del ids, targets
+            optimizer.zero_grad(set_to_none=True)
+            tracker.reset_peak()
+            started = time.perf_counter()
+            if job.fault and job.fault[0] == rank:
+                if job.fault[1] == "hang":
+                    time.sleep(3600)
+                raise RuntimeError(f"rank {rank}: injected failure (test hook)")
+            with tracker.saved_tensors():
+                schedule.step(*args, **kwargs)
+            optimizer.step()
+            iteration_ms.append((time.perf_counter() - started) * 1e3)
+            if last:
+                losses.append(float(torch.stack(step_losses).detach().mean()))
+            del args, kwargs, step_losses
+        peak_bytes, breakdown = tracker.peak_bytes, dict(tracker.peak_breakdown)
+        if job.capture_grads:
+            grads = {
+                name: param.grad.detach().clone()
+                for name, param in model.named_parameters()
+                if param.grad is not None
+            }
+
+    predicted = stages[stage_index].get("peak_bytes")
+    return RankReport(
+        rank=rank,
+        stage=stage_index,
+        dp_rank=dp_rank,
+        layers=list(layers),
+        measured_peak_bytes=peak_bytes,
+        measured_breakdown=breakdown,
+        predicted_peak_bytes=predicted,
+        predicted_breakdown=stages[stage_index].get("breakdown"),
+        error_pct=100.0 * (predicted - peak_bytes) / peak_bytes if predicted else None,
+        iteration_ms=iteration_ms,
+        losses=losses,
+        grads=grads,
+    )
+
+
+def _worker(rank: int, job: _Job, result_dir: str) -> None:
+    """Child entry point: write ``rank{r}.pt`` (the report) or ``rank{r}.err`` and exit non-zero."""
+    directory = Path(result_dir)
+    try:
+        report = _rank_main(rank, job)
+        torch.save(report, directory / f"rank{rank}.tmp")
+        os.replace(directory / f"rank{rank}.tmp", directory / f"rank{rank}.pt")
+        import torch.distributed as dist
+
+        dist.barrier()  # nobody tears down gloo while a peer still talks to it
+        dist.destroy_process_group()
+    except BaseException:
+        (directory / f"rank{rank}.err").write_text(f"{time.time()}\n{traceback.format_exc()}")
+        os._exit(1)  # skip atexit and gloo teardown: peers may be gone or stuck
+
+
+# -- the launcher (parent) ---------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def _stop(processes: list) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    for process in processes:
+        process.join(10)
+
+
+def _first_error(directory: Path) -> str:
+    """The traceback of the rank that failed first (others often fail only because it did)."""
+    errors = []
+    for path in directory.glob("rank*.err"):
+        stamp, _, text = path.read_text().partition("\n")
+        errors.append((float(stamp), path.stem, text.strip()))
+    if not errors:
+        return ""
+    _, name, text = min(errors)
+    return f"{name} failed first:\n{text}"
+
+
+def run_plan(
+    preset: str,
+    plan: dict[str, Any],
+    *,
+    iterations: int = 2,
+    seed: int = 0,
+    timeout_s: float = 120,
+    overrides: dict[str, Any] | None = None,
+    seq: int | None = None,
+    capture_grads: bool = False,
+    max_processes: int | None = None,
+    _fault: tuple[int, str] | None = None,
+) -> list[RankReport]:
+    """Train ``iterations`` steps of ``preset`` with ``plan`` on ``pp * dp`` local gloo processes.
+
+    Returns one ``RankReport`` per rank, in rank order. ``seq`` defaults to the model's
+    ``seq_len``; ``max_processes`` to ``max(4, 2 * cpu_count)``. Raises ``InputError`` for a
+    plan this executor cannot run on the model and ``RunError`` when a rank fails or the run
+    takes longer than ``timeout_s`` (every process is stopped first). ``_fault`` is a test hook:
+    ``(rank, "raise")`` makes that rank raise at the start of its first iteration, ``(rank,
+    "hang")`` makes it sleep there (its peers then wait in the pipeline's receives).
+    """
+    overrides = dict(overrides or {})
+    if iterations < 1:
+        raise InputError(f"iterations must be >= 1, got {iterations}")
+    spec = _spec(preset, overrides)
+    limit = max_processes or max(4, 2 * (os.cpu_count() or 1))
+    _check_plan(spec, plan, limit)
+    world = plan["config"]["pp"] * plan["config"]["dp"]
+    job = _Job(
+        preset=preset,
+        overrides=overrides,
+        plan=plan,
+        iterations=iterations,
+        seed=seed,
+        seq=seq,
+        timeout_s=timeout_s,
+        master_port=_free_port(),
+        capture_grads=capture_grads,
+        fault=_fault,
+    )
+    context = torch.multiprocessing.get_context("spawn")
+    directory = Path(tempfile.mkdtemp(prefix="memplan-run-"))
+    processes = []
+    try:
+        for rank in range(world):
+            process = context.Process(
+                target=_worker, args=(rank, job, str(directory)), name=f"memplan-rank{rank}"
+            )
+            process.daemon = True  # never outlive the parent
+            process.start()
+            processes.append(process)
+        pids = [process.pid for process in processes]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            codes = [process.exitcode for process in processes]
+            failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                time.sleep(0.2)  # let the first failure's traceback land
+                _stop(processes)
+                detail = _first_error(directory) or f"exit codes {codes}"
+                raise RunError(f"rank(s) {failed} failed; all ranks stopped. {detail}", pids=pids)
+            if all(code == 0 for code in codes):
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                _stop(processes)
+                running = [rank for rank, code in enumerate(codes) if code is None]
+                raise RunError(
+                    f"timed out after {timeout_s:g} s with ranks {running} still running; "
+                    "all ranks stopped",
+                    pids=pids,
+                )
+            multiprocessing.connection.wait(
+                [process.sentinel for process in processes if process.exitcode is None],
+                timeout=min(remaining, 0.5),
+            )
+        return [
+            torch.load(directory / f"rank{rank}.pt", weights_only=False) for rank in range(world)
+        ]
+    finally:
+        _stop(processes)
+        with contextlib.suppress(OSError):
+            shutil.rmtree(directory)
+
+
+def format_reports(reports: list[RankReport]) -> str:
+    """Text table: rank, stage, measured, predicted, error % and the measured breakdown (MiB)."""
+    mib = 2**20
+    lines = [
+        "rank stage dp  measured_MiB predicted_MiB  error_%   "
+        "params   grads  optimizer activations  other  iter_ms"
+    ]
+    for r in reports:
+        b = r.measured_breakdown
+        predicted = "-" if r.predicted_peak_bytes is None else f"{r.predicted_peak_bytes / mib:.3f}"
+        error = "-" if r.error_pct is None else f"{r.error_pct:+.1f}"
+        iteration = r.iteration_ms[-1] if r.iteration_ms else math.nan
+        lines.append(
+            f"{r.rank:4d} {r.stage:5d} {r.dp_rank:2d} {r.measured_peak_bytes / mib:13.3f} "
+            f"{predicted:>13} {error:>8} {b['params'] / mib:8.3f} {b['grads'] / mib:7.3f} "
+            f"{b['optimizer'] / mib:10.3f} {b['activations'] / mib:11.3f} "
+            f"{b['other'] / mib:6.3f} {iteration:8.1f}"
+        )
+    return "\n".join(lines)
