@@ -6,7 +6,8 @@ its Python storage object is finalized, and keeps the running total and its peak
 carries a category, so the peak comes with a breakdown:
 
     params       registered with ``track_module`` (weights and buffers that existed before)
-    grads        a parameter's ``.grad`` once accumulated (``track_grads`` hooks)
+    grads        a parameter's ``.grad`` once accumulated (``track_grads`` hooks; FSDP2's unsharded
+                 gradients stay ``other`` until reduce-scattered and tagged by the caller)
     optimizer    optimizer state after a step (``track_optimizer``)
     activations  tensors saved for backward (``saved_tensors``), unless already params/grads
     other        everything else: stage inputs/outputs, receive buffers, DDP buckets, temporaries
@@ -27,6 +28,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -34,14 +36,15 @@ CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 """Breakdown keys, in report order."""
 
 _RETAGGABLE = {
-    "params": (),
+    "params": ("other",),
     "grads": ("other", "activations"),
     "optimizer": ("other", "activations", "grads"),
     "activations": ("other",),
     "other": (),
 }
 """Which categories a storage may move from when tagged again (a weight saved for backward stays a
-weight; a fresh gradient or optimizer state leaves the catch-all)."""
+weight; a fresh gradient or optimizer state leaves the catch-all; a weight re-created by sharding
+is registered again as one)."""
 
 
 class LiveTensorTracker(TorchDispatchMode):
@@ -65,6 +68,8 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def track(self, tensor: torch.Tensor, category: str = "other") -> None:
         """Count ``tensor``'s storage once; retag it to ``category`` if ``_RETAGGABLE`` allows."""
+        if isinstance(tensor, DTensor):
+            tensor = tensor._local_tensor  # a shard: count the local storage
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
             return
         storage = tensor.untyped_storage()
@@ -135,7 +140,33 @@ class LiveTensorTracker(TorchDispatchMode):
 
     # -- the mode ---------------------------------------------------------------------------
 
+    def __enter__(self) -> LiveTensorTracker:
+        # FSDP2 frees and re-allocates unsharded parameters with ``UntypedStorage.resize_``,
+        # which no dispatch mode sees (MemTracker patches it the same way).
+        original = torch.UntypedStorage.resize_
+        self._original_resize = original
+
+        @functools.wraps(original)
+        def resize_(storage: torch.UntypedStorage, size: int):
+            result = original(storage, size)
+            entry = self._live.get(storage._cdata)
+            if entry is not None and entry[0] != storage.nbytes():
+                self.current[entry[1]] += storage.nbytes() - entry[0]
+                self.current_bytes += storage.nbytes() - entry[0]
+                entry[0] = storage.nbytes()
+                self._update_peak()
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *args) -> None:
+        torch.UntypedStorage.resize_ = self._original_resize
+        super().__exit__(*args)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(kind, DTensor) for kind in types):
+            return NotImplemented  # let DTensor run its local ops, which come back through here
         result = func(*args, **(kwargs or {}))
         for value in tree_flatten(result)[0]:
             if isinstance(value, torch.Tensor):

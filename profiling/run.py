@@ -22,7 +22,11 @@ Memory: ``profiling.memory.LiveTensorTracker`` (exact live storage bytes) is act
 DDP, the stage and the optimizer are built; its peak is reset at the start of every iteration and
 the last iteration's peak is reported, with the plan's ``stages[i].peak_bytes`` next to it.
 
-Not yet: tensor parallelism (tp > 1), ZeRO >= 1 (FSDP2), recompute, DAG models (the layers must
+ZeRO: ``zero=3`` runs FSDP2 ``fully_shard`` over the data-parallel group (one unit per layer);
+the pipeline keeps the gathered weights from the first forward to the end of the step (torch's
+``PipelineStage`` defers resharding), which is part of what the measurement shows.
+
+Not yet: tensor parallelism (tp > 1), ZeRO 1 and 2, recompute, DAG models (the layers must
 form a chain), tied weights split across stages; each raises ``InputError``. Use dropout 0 for
 runs compared with a single process or with predictions (the CPU dropout kernels differ from GPU
 ones, and dropout masks draw random numbers in a different order).
@@ -130,10 +134,10 @@ def _check_plan(spec: models.ModelSpec, plan: dict[str, Any], max_processes: int
             raise InputError(f"plan config: {key} must be a positive integer, got {config[key]!r}")
     if tp != 1:
         raise InputError(f"plan config: tp={tp}: tensor parallelism is not supported yet (tp=1)")
-    if config["zero"] != 0:
+    if config["zero"] not in (0, 3):
         raise InputError(
-            f"plan config: zero={config['zero']}: ZeRO/FSDP sharding is not supported yet "
-            "(zero=0, DDP)"
+            f"plan config: zero={config['zero']}: only zero=0 (DDP) and zero=3 (FSDP2 "
+            "fully_shard) run yet"
         )
     if config["recompute"] != "none":
         raise InputError(
@@ -216,6 +220,11 @@ def _head_loss(head: nn.Module | None, output: torch.Tensor, target: torch.Tenso
     return head(output, target)
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective over its mesh), a plain tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def _keep_layers(model: nn.Module, all_layers: list[str], keep: list[str]) -> None:
     """Drop every layer not in ``keep`` (the module slot becomes None); check nothing is shared."""
     owner: dict[int, str] = {}
@@ -277,7 +286,18 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
     with tracker:
         stage_module = _StageModule(model, run_paths)
         submod: nn.Module = stage_module
-        if dp > 1:
+        if dp > 1 and config["zero"] == 3:
+            # ZeRO-3: weights, gradients and Adam state sharded over the data-parallel group;
+            # one FSDP2 unit per layer (the head's is gathered when the loss calls it).
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = DeviceMesh.from_group(dp_groups[stage_index], "cpu")
+            for path in layers:
+                fully_shard(model.get_submodule(path), mesh=mesh)
+            fully_shard(stage_module, mesh=mesh)
+            tracker.track_module(stage_module)  # the shards are the weights now
+        elif dp > 1:
             submod = DistributedDataParallel(stage_module, process_group=dp_groups[stage_index])
             # Fix the bucket order now. Left to DDP, it records the gradient order during the
             # first step, and with the pipeline's no_sync micro-batches (2 micro-batches, torch
@@ -318,6 +338,9 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
                 raise RuntimeError(f"rank {rank}: injected failure (test hook)")
             with tracker.saved_tensors():
                 schedule.step(*args, **kwargs)
+            for param in stage_module.parameters():  # FSDP2 sets sharded grads without hooks
+                if param.grad is not None:
+                    tracker.track(param.grad, "grads")
             optimizer.step()
             iteration_ms.append((time.perf_counter() - started) * 1e3)
             if last:
@@ -326,7 +349,7 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
         peak_bytes, breakdown = tracker.peak_bytes, dict(tracker.peak_breakdown)
         if job.capture_grads:
             grads = {
-                name: param.grad.detach().clone()
+                name: _full(param.grad).detach().clone()
                 for name, param in model.named_parameters()
                 if param.grad is not None
             }
