@@ -26,8 +26,10 @@ ZeRO: ``zero=3`` runs FSDP2 ``fully_shard`` over the data-parallel group (one un
 the pipeline keeps the gathered weights from the first forward to the end of the step (torch's
 ``PipelineStage`` defers resharding), which is part of what the measurement shows.
 
-Not yet: tensor parallelism (tp > 1), ZeRO 1 and 2, recompute, DAG models (the layers must
-form a chain), tied weights split across stages; each raises ``InputError``. Use dropout 0 for
+Not yet: tensor parallelism (tp > 1), ZeRO 1 and 2, recompute, tied weights split across
+stages; each raises ``InputError``. The model's layers must form a chain (each takes the previous
+one's output, the last takes ``(hidden, targets)``: the GPT/Llama presets); a DAG model such as T5
+fails inside the ranks, which ``run_plan`` reports as ``RunError``. Use dropout 0 for
 runs compared with a single process or with predictions (the CPU dropout kernels differ from GPU
 ones, and dropout masks draw random numbers in a different order).
 """
