@@ -55,22 +55,11 @@ import torch
 from torch import nn
 
 import models
-from solver.errors import InputError, PlannerError
+from solver.errors import InputError, RunError
 
 SCHEDULES = ("1f1b", "gpipe")
 LEARNING_RATE = 1e-3
 """Adam's learning rate (the other Adam settings are torch's defaults)."""
-
-
-class RunError(PlannerError):
-    """A rank failed or the run timed out; every process of the run has been stopped."""
-
-    exit_code = 5
-
-    def __init__(self, message: str, *, pids: list[int]):
-        super().__init__(message)
-        self.pids = pids
-        """Process ids of the ranks (all ended when this is raised)."""
 
 
 @dataclass(kw_only=True)

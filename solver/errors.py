@@ -46,3 +46,15 @@ class NoSolutionError(PlannerError):
     """The time limit ran out before any feasible plan was found. Exit code 4."""
 
     exit_code = 4
+
+
+class RunError(PlannerError):
+    """A rank of a real run failed or the run timed out; every process of the run has been
+    stopped. Exit code 5."""
+
+    exit_code = 5
+
+    def __init__(self, message: str, *, pids: list[int]):
+        super().__init__(message)
+        self.pids = pids
+        """Process ids of the ranks (all ended when this is raised)."""
