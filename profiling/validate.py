@@ -1,0 +1,107 @@
+"""``python -m profiling.validate PLAN.json --model PRESET``: run a plan for real, compare peaks.
+
+Runs the plan on this machine with ``profiling.run.run_plan`` (pp * dp gloo processes; the plan
+must be small enough to fit), prints predicted, measured and error % rank by rank, and exits
+non-zero when any rank's absolute error exceeds ``--tolerance`` percent.
+Exit codes: 0 within tolerance, 2 bad input, 5 a rank failed or timed out, 6 error above tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from profiling.export import parse_overrides
+from solver.cli import OneLineErrorParser, positive_int, write_json
+from solver.errors import InputError, PlannerError
+
+TOLERANCE_EXCEEDED = 6
+
+
+def parser() -> argparse.ArgumentParser:
+    result = OneLineErrorParser(
+        prog="python -m profiling.validate",
+        description="Run a plan for real and compare per-rank peaks.",
+    )
+    result.add_argument("plan", help="plan JSON written by python -m solver.plan --json")
+    result.add_argument("--model", required=True, help="zoo preset the plan was made for")
+    result.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="model config override, as given to profiling.export",
+    )
+    result.add_argument(
+        "--iterations",
+        type=positive_int,
+        default=2,
+        help="training iterations; the last one is measured (default 2: the "
+        "optimizer state exists from the first step on)",
+    )
+    result.add_argument(
+        "--tolerance",
+        type=float,
+        default=10.0,
+        help="largest allowed |error| in percent (default 10)",
+    )
+    result.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run")
+    result.add_argument("--json", metavar="OUT", help="also write the per-rank reports as JSON")
+    return result
+
+
+def load_plan(path: str) -> dict:
+    try:
+        plan = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise InputError(f"{path}: file not found; pass a plan from solver.plan --json") from None
+    except json.JSONDecodeError as error:
+        raise InputError(f"{path}: not valid JSON (line {error.lineno}: {error.msg})") from None
+    if not isinstance(plan, dict) or plan.get("format") != "plan":
+        raise InputError(
+            f'{path}: not a plan (expected "format": "plan" as written by '
+            "python -m solver.plan --json)"
+        )
+    return plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        from profiling.run import format_reports, run_plan
+
+        plan = load_plan(args.plan)
+        reports = run_plan(
+            args.model,
+            plan,
+            iterations=args.iterations,
+            overrides=parse_overrides(args.set),
+            timeout_s=args.timeout,
+        )
+        print(format_reports(reports))
+        if args.json:
+            rows = [{k: v for k, v in asdict(r).items() if k != "grads"} for r in reports]
+            write_json(
+                args.json,
+                {"plan": args.plan, "model": args.model, "ranks": rows},
+                protect=[args.plan],
+            )
+        worst = max((abs(r.error_pct) for r in reports if r.error_pct is not None), default=0.0)
+        if worst > args.tolerance:
+            sys.stderr.write(
+                f"error: largest per-rank error {worst:.1f}% exceeds --tolerance "
+                f"{args.tolerance:g}%\n"
+            )
+            return TOLERANCE_EXCEEDED
+        print(f"all ranks within {args.tolerance:g}% (largest |error| {worst:.1f}%)")
+    except PlannerError as error:
+        sys.stderr.write(f"error: {error}\n")
+        return error.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,59 @@
+"""python -m profiling.validate: runs a planner plan for real and gates on the per-rank error."""
+
+from __future__ import annotations
+
+import json
+
+from profiling.export import export_graph
+from profiling.validate import TOLERANCE_EXCEEDED, main
+from solver import Cluster, TrainingConfig, plan
+from solver.report import plan_to_dict
+
+
+def write_plan(tmp_path):
+    graph = export_graph("gpt-tiny", dtype="fp32")
+    result = plan(
+        graph,
+        Cluster(num_gpus=2),
+        TrainingConfig(
+            global_batch=8,
+            pp=2,
+            weight_bytes_per_param=4,
+            grad_bytes_per_param=4,
+            optimizer_bytes_per_param=8,
+        ),
+    )
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan_to_dict(result)))
+    return path
+
+
+def test_validate_reports_ranks_and_gates_on_tolerance(tmp_path, capsys):
+    plan_path = write_plan(tmp_path)
+    out = tmp_path / "reports.json"
+    assert (
+        main([str(plan_path), "--model", "gpt-tiny", "--tolerance", "100", "--json", str(out)]) == 0
+    )
+    ranks = json.loads(out.read_text())["ranks"]
+    assert [r["stage"] for r in ranks] == [0, 1]
+    for rank in ranks:
+        assert rank["measured_peak_bytes"] > 0 and rank["predicted_peak_bytes"] > 0
+        expected = (
+            100
+            * (rank["predicted_peak_bytes"] - rank["measured_peak_bytes"])
+            / rank["measured_peak_bytes"]
+        )
+        assert abs(rank["error_pct"] - expected) < 1e-9
+    assert "within 100%" in capsys.readouterr().out
+    assert main([str(plan_path), "--model", "gpt-tiny", "--tolerance", "0.001"]) == (
+        TOLERANCE_EXCEEDED
+    )
+    assert "exceeds --tolerance" in capsys.readouterr().err
+
+
+def test_validate_rejects_a_file_that_is_not_a_plan(tmp_path, capsys):
+    graph = tmp_path / "graph.json"
+    graph.write_text(json.dumps({"format": "layer-graph"}))
+    assert main([str(graph), "--model", "gpt-tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "not a plan" in err and err.count("\n") == 1
