@@ -23,6 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tables import markdown_table  # noqa: E402  (scripts/ is on sys.path when run as a script)
+
 from profiling.export import export_graph  # noqa: E402
 from profiling.run import run_plan  # noqa: E402
 from solver import Cluster, TrainingConfig, plan  # noqa: E402
@@ -103,9 +105,7 @@ def main() -> int:
         f"{len(rows)} ranks of {len(LAYOUTS)} plans (targets: 3% and 8%). Negative error = the "
         "plan under-predicts.",
         "",
-        "| " + " | ".join(columns) + " |",
-        "|" + "---|" * len(columns),
-        *("| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows),
+        *markdown_table(rows, columns),
         "",
     ]
     (args.out / "bench_accuracy.md").write_text("\n".join(lines))

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tables import markdown_table  # scripts/ is sys.path[0] when run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ("gpt3-175b", "llama2-70b")
 """The presets with the issue's targets (under 60 s and 4 GiB each)."""
@@ -140,9 +142,7 @@ def main() -> int:
         "Peak RSS is the export process's own (os.wait4 ru_maxrss). Plans: default options, "
         "80 GiB GPUs; plan_wall_s includes the solver's start-up.",
         "",
-        "| " + " | ".join(columns) + " |",
-        "|" + "---|" * len(columns),
-        *("| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows),
+        *markdown_table(rows, columns),
         "",
     ]
     (args.out / "bench_profile.md").write_text("\n".join(lines))

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from make_examples import gpt  # noqa: E402
+from tables import markdown_table  # noqa: E402
 
 from solver import Cluster, InfeasibleError, ParallelConfig, TrainingConfig, plan  # noqa: E402
 from solver.chain import solve_chain  # noqa: E402
@@ -129,15 +130,6 @@ def time_chain_solves(graph, stages: int, repeats: int, with_budget: bool) -> di
     }
 
 
-def markdown(rows: list[dict], columns: list[str]) -> list[str]:
-    def cell(value):
-        return f"{value:.3f}" if isinstance(value, float) else str(value)
-
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
-    return lines
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks")
@@ -213,11 +205,11 @@ def main() -> int:
         "the throughput constraint (a split that misses the constraint can have a lower peak "
         "than the constrained optimum).",
         "",
-        *markdown(search_rows, search_cols),
+        *markdown_table(search_rows, search_cols, ".3f"),
         "",
         "## Per-config exact chain solves (memory objective)",
         "",
-        *markdown(chain_rows, chain_cols),
+        *markdown_table(chain_rows, chain_cols, ".3f"),
         "",
     ]
     (args.out / "bench_solver.md").write_text("\n".join(lines))

@@ -1,0 +1,16 @@
+"""Markdown tables for the benchmark scripts' result files."""
+
+from __future__ import annotations
+
+
+def markdown_table(rows: list[dict], columns: list[str], float_format: str = "") -> list[str]:
+    """Lines of a Markdown table; floats use ``float_format`` (e.g. ".3f") when given."""
+
+    def cell(value) -> str:
+        if isinstance(value, float) and float_format:
+            return format(value, float_format)
+        return str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return lines
