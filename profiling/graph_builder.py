@@ -65,6 +65,7 @@ def build_graph(
         for param in selection[i][1].parameters():
             owners[id(param)].append(i)
     params, tp_params = defaultdict(int), defaultdict(int)
+    largest, largest_tp = defaultdict(int), defaultdict(int)  # one tensor's elements, per layer
     shared, unused = [], []
     used_by = {
         id(original): tracer.resolve(record.first_user)
@@ -81,6 +82,9 @@ def build_graph(
         params[layers[0]] += original.numel()
         if id(original) in split.split_params:
             tp_params[layers[0]] += original.numel()
+            largest_tp[layers[0]] = max(largest_tp[layers[0]], original.numel())
+        else:
+            largest[layers[0]] = max(largest[layers[0]], original.numel())
         if len(layers) > 1:
             shared.append(
                 {
@@ -108,6 +112,8 @@ def build_graph(
             "bwd_flops": record.bwd_flops / batch,
             "tp_comm_bytes": _ceil_div(split.comm_bytes.get(i, 0), batch),
             "transient_bytes": _ceil_div(transients.get(i, 0), batch),
+            "largest_param": largest[i],
+            "largest_tp_param": largest_tp[i],
         }
         kind = _kind(selection[i][1], split)
         if kind:

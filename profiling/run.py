@@ -216,6 +216,29 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+def boundary_metas(
+    model: nn.Module, spec: models.ModelSpec, micro_batch_input: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Meta tensors (shape, dtype) of every layer's output for one micro-batch, by layer path.
+
+    Run under ``FakeTensorMode`` (no memory, no compute), so that the pipeline stages get static
+    metadata: left to infer it, ``PipelineStage`` runs a real forward and backward of the first
+    micro-batch on the first step, and on the first stage part of that graph stays alive for the
+    whole run (torch 2.13), which would add about one micro-batch of activations to every peak.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    metas = {}
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        x = fake.from_tensor(micro_batch_input)
+        for path in spec.layers[:-1]:
+            x = model.get_submodule(path)(x)
+            metas[path] = torch.empty(
+                x.shape, dtype=x.dtype, device="meta", requires_grad=x.dtype.is_floating_point
+            )
+    return metas
+
+
 def _keep_layers(model: nn.Module, all_layers: list[str], keep: list[str]) -> None:
     """Drop every layer not in ``keep`` (the module slot becomes None); check nothing is shared."""
     owner: dict[int, str] = {}
@@ -264,9 +287,20 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
     spec = _spec(job.preset, job.overrides)
     layers = stages[stage_index]["layers"]
     model = build_model(spec, job.seed)
-    _keep_layers(model, spec.layers, layers)
     head_path = spec.layers[-1]
     run_paths = [path for path in layers if path != head_path]
+    # static stage metadata: one micro-batch's input and output shapes
+    example_ids, _ = batch_for_iteration(
+        spec, batch=micro_batch, seq=job.seq, seed=job.seed, iteration=0
+    )
+    metas = boundary_metas(model, spec, example_ids)
+    stage_input = (
+        torch.empty(example_ids.shape, dtype=example_ids.dtype, device="meta")
+        if first
+        else metas[stages[stage_index - 1]["layers"][-1]]
+    )
+    stage_output = metas[run_paths[-1]] if run_paths else stage_input
+    _keep_layers(model, spec.layers, layers)
 
     tracker = LiveTensorTracker()
     tracker.track_module(model)
@@ -279,7 +313,12 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
         submod: nn.Module = stage_module
         if dp > 1 and config["zero"] == 3:
             # ZeRO-3: weights, gradients and Adam state sharded over the data-parallel group;
-            # one FSDP2 unit per layer (the head's is gathered when the loss calls it).
+            # one FSDP2 unit per layer (the head's is gathered when the loss calls it) and the
+            # stage as their root. The stage goes to PipelineStage inside a plain Sequential:
+            # given an FSDP module, PipelineStage turns gradient sync and resharding off until
+            # the last micro-batch (unsharded weights and gradients for the whole step); this
+            # way every layer reduce-scatters its gradients and reshards after each backward,
+            # as ZeRO-3 (and the cost model) assumes.
             from torch.distributed.device_mesh import DeviceMesh
             from torch.distributed.fsdp import fully_shard
 
@@ -287,9 +326,12 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
             for path in layers:
                 fully_shard(model.get_submodule(path), mesh=mesh)
             fully_shard(stage_module, mesh=mesh)
+            submod = nn.Sequential(stage_module)
             tracker.track_module(stage_module)  # the shards are the weights now
         elif dp > 1:
-            submod = DistributedDataParallel(stage_module, process_group=dp_groups[stage_index])
+            submod = DistributedDataParallel(
+                stage_module, process_group=dp_groups[stage_index], gradient_as_bucket_view=True
+            )
             # Fix the bucket order now. Left to DDP, it records the gradient order during the
             # first step, and with the pipeline's no_sync micro-batches (2 micro-batches, torch
             # 2.13) it records every parameter twice and fails the next forward
@@ -297,7 +339,15 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
             submod.reducer._push_all_rebuilt_params()
             submod.reducer._rebuild_buckets()
         stage = PipelineStage(
-            submod, stage_index, pp, torch.device("cpu"), group=pp_groups[dp_rank]
+            submod,
+            stage_index,
+            pp,
+            torch.device("cpu"),
+            input_args=stage_input,
+            output_args=stage_output,
+            output_grads=None if last else stage_output,
+            input_grads=None if first else stage_input,
+            group=pp_groups[dp_rank],
         )
         head = model.get_submodule(head_path) if last else None
         schedule_class = Schedule1F1B if config["schedule"] == "1f1b" else ScheduleGPipe
@@ -320,7 +370,7 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
             if last:
                 kwargs = {"target": targets[local].clone(), "losses": step_losses}
             del ids, targets
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=False)  # persistent gradient buffers, as costed
             tracker.reset_peak()
             started = time.perf_counter()
             if job.fault and job.fault[0] == rank:
@@ -328,7 +378,7 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
                     time.sleep(3600)
                 raise RuntimeError(f"rank {rank}: injected failure (test hook)")
             with tracker.saved_tensors():
-                schedule.step(*args, **kwargs)
+                schedule.step(*args, **kwargs, return_outputs=False)
             for param in stage_module.parameters():  # FSDP2 sets sharded grads without hooks
                 if param.grad is not None:
                     tracker.track(param.grad, "grads")

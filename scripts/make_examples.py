@@ -9,7 +9,7 @@ Transformer block (GPT: LayerNorm, biased linears, 4h MLP, dropout), following K
 2022, "Reducing Activation Recomputation in Large Transformer Models", section 4:
 
   params        12h^2 + 13h: QKV 3h^2+3h, attention output h^2+h, MLP 4h^2+4h and 4h^2+h,
-                two LayerNorms 2 x 2h
+                two LayerNorms 2 x 2h; largest tensors: fc1 / fc2 4h^2 (split), h (replicated)
   tp_params     12h^2 + 7h: the four weight matrices and the column-parallel biases (QKV 3h, fc1 4h)
                 are split over TP ranks; row-parallel biases (2h) and LayerNorms (4h) are replicated
   activation    34sh + 5as^2 bytes: attention 11sh + 5as^2 (QKV input 2sh, Q and K 4sh, softmax
@@ -65,6 +65,8 @@ def gpt_block(name: str, *, s: int, h: int, a: int) -> dict[str, Any]:
         "output_bytes": BF16 * s * h,
         "fwd_flops": 24 * s * h * h + 4 * s * s * h,
         "tp_comm_bytes": 8 * s * h,
+        "largest_param": h,  # a LayerNorm weight or a row-parallel bias
+        "largest_tp_param": 4 * h * h,  # fc1 / fc2
     }
 
 
@@ -79,6 +81,8 @@ def embedding(name: str, *, s: int, h: int, vocab: int, positions: bool) -> dict
         "output_bytes": BF16 * s * h,
         "fwd_flops": s * h if positions else 0,
         "tp_comm_bytes": BF16 * s * h,
+        "largest_param": s * h if positions else 0,
+        "largest_tp_param": vocab * h,
     }
 
 
@@ -95,6 +99,8 @@ def lm_head(name: str, *, s: int, h: int, vocab: int) -> dict[str, Any]:
         "fwd_flops": 2 * s * h * vocab,
         "tp_comm_bytes": BF16 * s * h + 12 * s,
         "transient_bytes": 8 * s * vocab,
+        "largest_param": h,
+        "largest_tp_param": h * vocab,
     }
 
 
@@ -155,6 +161,7 @@ def t5_dag(*, blocks: int, s: int, h: int, a: int, vocab: int) -> LayerGraph:
             "activation_bytes": out,
             "output_bytes": out,
             "fwd_flops": 8 * s * h,
+            "largest_param": h,
         }
     )
     items.append(embedding("dec_embed", s=s, h=h, vocab=vocab, positions=False))
@@ -185,9 +192,10 @@ def conv_units(units: list[tuple[int, int, int, int, int, bool]]) -> dict[str, i
     2 r_in^2 c_in (conv input) + 2 r_out^2 c_out (BN input) + 2 r_out^2 c_out if ReLU (its
     output); forward FLOPs 2 k^2 c_in c_out r_out^2. r is the side of the square feature map.
     """
-    total = {"params": 0, "activation_bytes": 0, "fwd_flops": 0}
+    total = {"params": 0, "activation_bytes": 0, "fwd_flops": 0, "largest_param": 0}
     for r_in, r_out, c_in, c_out, k, relu in units:
         total["params"] += k * k * c_in * c_out + 2 * c_out
+        total["largest_param"] = max(total["largest_param"], k * k * c_in * c_out)
         total["activation_bytes"] += BF16 * (
             r_in * r_in * c_in + r_out * r_out * c_out * (2 if relu else 1)
         )
@@ -279,6 +287,7 @@ def resnet_skip_dag(*, image: int = 224, classes: int = 21843) -> LayerGraph:
             "name": "head",
             "kind": "head",
             "params": features * classes + classes,
+            "largest_param": features * classes,
             "activation_bytes": BF16 * features + 4 * classes,
             "output_bytes": 4,
             "fwd_flops": r * r * channels + 28 * 28 * 512 + 2 * features * classes,

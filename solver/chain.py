@@ -1,8 +1,9 @@
 """Exact fast path for chain graphs: every stage holds a contiguous run of layers.
 
 For stage s = layers i..j (0-based, inclusive) ``cost_model.stage_costs`` reduces on a chain to
-  peak_s(i, j) = sum state[i..j] + k_s sum stored[i..j] + e[i-1] [s > 0] + e[j] [s < p-1]
+  peak_s(i, j) = sum state[i..j] + k_s sum stored[i..j] + R_s e[i-1] + S_s e[j]
                  + max transient[i..j]                  (a chain relays no edge)
+  (R_s, S_s: the cost model's boundary copies, 0 on the first / last stage)
   T(i, j) = sum time_ns[i..j],  AR(i, j) = sum dp_sync_ns[i..j],
   iteration = F max_s T_s + max_s AR_s  with F = m + p - 1.
 
@@ -129,6 +130,8 @@ class _Chain:
         self.edge_in = np.concatenate(([0], edges))  # bytes entering layer i from i-1
         self.edge_out = np.concatenate((edges, [0]))  # bytes leaving layer j to j+1
         self.edge_min = int(edges.min()) if len(edges) else 0
+        self.receive_copies = np.asarray(costs.receive_copies, dtype=np.int64)  # R_s (cost model)
+        self.send_copies = np.asarray(costs.send_copies, dtype=np.int64)  # S_s
         transient = np.asarray(costs.transient_bytes, dtype=np.int64)
         self.transient_min = int(transient.min())
         self.transient_max = int(transient.max())
@@ -152,8 +155,8 @@ class _Chain:
 
     def boundary_floor(self, stage: int) -> int:
         """Smallest possible buffers + transient of a stage, bytes (the relaxation's constant)."""
-        sides = (stage > 0) + (stage < self.num_stages - 1)
-        return sides * self.edge_min + self.transient_min
+        copies = self.receive_copies[stage] + self.send_copies[stage]
+        return int(copies) * self.edge_min + self.transient_min
 
     def transient(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """max transient[i..j] for each pair, bytes (sparse-table range maximum)."""
@@ -174,8 +177,8 @@ class _Chain:
             - self.state_prefix[starts]
             + k * (self.stored_prefix[ends + 1] - self.stored_prefix[starts])
         )
-        value = value + np.where(stage > 0, self.edge_in[starts], 0)
-        value = value + np.where(stage < self.num_stages - 1, self.edge_out[ends], 0)
+        value = value + self.receive_copies[stage] * self.edge_in[starts]
+        value = value + self.send_copies[stage] * self.edge_out[ends]
         return value + self.transient(starts, ends)
 
     def measure(self, starts: np.ndarray) -> tuple[int, int, int]:

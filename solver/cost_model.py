@@ -15,9 +15,23 @@ Memory of stage s (bytes per GPU):
   stored_l  = b A'_l, or b output_bytes_l with full recomputation     per micro-batch, rounded up
   relay     = b bytes of every edge u->v with stage(u) < s < stage(v)  (passed along by stage s)
   acts_s    = k_s (sum_l stored_l + sum relay)
-  buffers_s = b (bytes of edges entering s + bytes of edges leaving s)  (a relayed edge does both)
-  trans_s   = b max_l transient_bytes_l;  with full recomputation b max_l (transient_l + A'_l):
-              the layer being recomputed re-materialises its saved tensors while it runs
+  buffers_s = R_s b (bytes of edges entering s) + S_s b (bytes of edges leaving s)
+              (a relayed edge does both), with the copies the pipeline runtime keeps:
+              megatron  R_s = 1 (s > 0), S_s = 1 (s < p - 1): the next input's and the next
+                        gradient's receive buffers; sent outputs are freed at once and the
+                        in-flight inputs are the stage's saved input, already in acts_s
+              torch     R_s = m - k_s (s > 0): torch.distributed.pipelining allocates a receive
+                        buffer per micro-batch and keeps them for the run (the k_s in flight are
+                        the saved inputs); S_s = m + k_s (s < p - 1): m gradient receive buffers
+                        and the outputs of the k_s in-flight micro-batches, held until their
+                        backward
+  gtemp_l   = g max(largest_param_l, largest_tp_param_l / t): a weight gradient is computed into a
+              temporary and added to the persistent .grad while backward accumulates
+  gather_l  = 2 w P'_l with ZeRO-3, else 0: the running layer's weights are gathered and the next
+              layer's prefetched (FSDP), each freed again after use
+  trans_s   = max_l (b transient_bytes_l + gtemp_l + gather_l);  with full recomputation
+              max_l (b (transient_l + A'_l) + gtemp_l + gather_l): the layer being recomputed
+              re-materialises its saved tensors while it runs
   peak_s    = states_s + acts_s + buffers_s + trans_s
 
 Time (integer nanoseconds, rounded up per layer so that every backend sums the same integers):
@@ -36,7 +50,7 @@ Time (integer nanoseconds, rounded up per layer so that every backend sums the s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import cached_property
 
@@ -71,6 +85,35 @@ def in_flight_microbatches(
     if schedule == "gpipe":
         return num_microbatches
     return min(num_microbatches, num_stages - stage)
+
+
+def boundary_copies(
+    runtime: str, schedule: str, num_microbatches: int, num_stages: int, stage: int
+) -> tuple[int, int]:
+    """(R_s, S_s): copies of each received and each sent boundary tensor stage s holds at its peak.
+
+    megatron: one buffer for the next input (s > 0) and one for the next gradient (s < p - 1);
+    Megatron-LM frees a sent output's data at once (``deallocate_pipeline_outputs``).
+    torch: torch.distributed.pipelining allocates a receive buffer per micro-batch (activations on
+    every non-first stage, gradients on every non-last one) and keeps them for the run, and a stage
+    keeps the outputs of its in-flight micro-batches until their backward (measured,
+    ``benchmarks/bench_accuracy.md``). In both, the in-flight inputs are what the stage's first
+    layer saves, so they are part of the stage's activations.
+    """
+    first, last = stage == 0, stage == num_stages - 1
+    if runtime == "megatron":
+        return int(not first), int(not last)
+    k = in_flight_microbatches(schedule, num_microbatches, num_stages, stage)
+    return (0 if first else num_microbatches - k), (0 if last else num_microbatches + k)
+
+
+def stage_boundary_copies(runtime: str, config: ParallelConfig) -> tuple[list[int], list[int]]:
+    """([R_s], [S_s]) of every stage of ``config`` under ``runtime``."""
+    copies = [
+        boundary_copies(runtime, config.schedule, config.num_microbatches, config.pp, s)
+        for s in range(config.pp)
+    ]
+    return [receive for receive, _ in copies], [send for _, send in copies]
 
 
 def layer_compute_ms(layer: Layer, cluster: Cluster) -> tuple[float, float]:
@@ -109,6 +152,15 @@ class LayerCosts:
     """Bytes an edge carries per micro-batch."""
     in_flight: list[int]
     """k_s for each stage."""
+    receive_copies: list[int] = field(default_factory=list)
+    """R_s for each stage: copies of a received edge's bytes (``boundary_copies``; the megatron
+    runtime's when not given)."""
+    send_copies: list[int] = field(default_factory=list)
+    """S_s for each stage: copies of a sent edge's bytes."""
+
+    def __post_init__(self) -> None:
+        if not self.receive_copies and not self.send_copies:
+            self.receive_copies, self.send_copies = stage_boundary_copies("megatron", self.config)
 
     @property
     def num_layers(self) -> int:
@@ -158,12 +210,16 @@ def layer_costs(
     weight = _ceil_div(params_times_t * w, t * (d if z >= 3 else 1))
     grad = _ceil_div(params_times_t * g, t * (d if z >= 2 else 1))
     optimizer = _ceil_div(params_times_t * o, t * (d if z >= 1 else 1))
+    grad_temporary = g * np.maximum(cols["largest_param"], _ceil_div(cols["largest_tp_param"], t))
     if recompute:
         stored = b * cols["output_bytes"]
         transient = _ceil_div(b * (cols["transient_bytes"] * t + saved_times_t), t)
     else:
         stored = _ceil_div(b * saved_times_t, t)
         transient = b * cols["transient_bytes"]
+    transient = transient + grad_temporary
+    if z >= 3:  # the layer's gathered weights and the next layer's, prefetched
+        transient = transient + 2 * _ceil_div(params_times_t * w, t)
     rate_per_ms = cluster.gpu_flops * cluster.flops_efficiency / 1e3
     fwd_ms = np.where(cols["measured"], cols["fwd_ms"], cols["fwd_flops"] / rate_per_ms)
     total_ms = np.where(
@@ -183,6 +239,7 @@ def layer_costs(
     sync_rounds = 3 if z >= 3 else 2
     dp_sync_ns = np.ceil(sync_rounds * (d - 1) * params_times_t * g / (d * t * sync_bytes_per_ns))
     as_int = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
+    receive_copies, send_copies = stage_boundary_copies(training.runtime, config)
     return LayerCosts(
         config=config,
         weight_bytes=as_int(weight),
@@ -199,6 +256,8 @@ def layer_costs(
             in_flight_microbatches(config.schedule, config.num_microbatches, config.pp, s)
             for s in range(config.pp)
         ],
+        receive_copies=receive_copies,
+        send_copies=send_copies,
     )
 
 
@@ -244,7 +303,7 @@ class StageCost:
     activation_bytes: int
     """k_s x (stored activations + relayed edges)."""
     buffer_bytes: int
-    """Boundary send/receive buffers of one micro-batch."""
+    """Boundary tensors: receive buffers and held outputs (``boundary_copies``)."""
     transient_bytes: int
     in_flight: int
     time_ns: int
@@ -281,15 +340,18 @@ def stage_costs(costs: LayerCosts, stage_of_layer: list[int] | np.ndarray) -> li
     crossing = first != last
     nbytes = costs.edge_bytes[crossing]
     # an edge leaves its producer's stage and enters its consumer's stage ...
-    buffers = np.zeros(num_stages, dtype=np.int64)
-    np.add.at(buffers, first[crossing], nbytes)
-    np.add.at(buffers, last[crossing], nbytes)
+    sent = np.zeros(num_stages, dtype=np.int64)
+    received = np.zeros(num_stages, dtype=np.int64)
+    np.add.at(sent, first[crossing], nbytes)
+    np.add.at(received, last[crossing], nbytes)
     # ... and every stage in between receives it, sends it on and keeps it in flight (relay)
     relayed = np.zeros(num_stages, dtype=np.int64)
     for src, dst, size in zip(first[crossing], last[crossing], nbytes, strict=True):
         if dst - src > 1:
             relayed[src + 1 : dst] += size
-    buffers += 2 * relayed
+    receive_copies = np.asarray(costs.receive_copies, dtype=np.int64)
+    send_copies = np.asarray(costs.send_copies, dtype=np.int64)
+    buffers = receive_copies * (received + relayed) + send_copies * (sent + relayed)
 
     def per_stage_sum(values: np.ndarray) -> np.ndarray:
         """Exact int64 sums (np.bincount would go through float64)."""

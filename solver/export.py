@@ -74,14 +74,13 @@ def torch_pipelining_export(
         "contiguous": contiguous,
         "stages": stages,
         "note": note,
-        # Measured (../shared/reference/runtime-memory-facts.md): torch.distributed.pipelining
-        # keeps M activation receive buffers on every non-first stage and M gradient receive
-        # buffers on every non-last stage for the whole run; the cost model counts one per edge.
+        # Measured (../shared/reference/runtime-memory-facts.md, benchmarks/bench_accuracy.md).
         "memory_note": (
             f"torch.distributed.pipelining keeps {m} activation receive buffers on every "
-            f"non-first stage and {m} gradient receive buffers on every non-last stage; the "
-            "planner's boundary-buffer term counts one micro-batch per edge, so expect up to "
-            f"{m} x the boundary bytes more on middle stages."
+            f"non-first stage and {m} gradient receive buffers on every non-last stage (the "
+            "planner's buffers term counts them); pass static input_args/output_args to "
+            "PipelineStage and return_outputs=False to schedule.step, or the first stage keeps "
+            "part of a shape-inference graph and the last stage every micro-batch's output."
         ),
     }
     if not contiguous:

@@ -13,18 +13,19 @@ The formulation (``cpsat.py`` and ``milp.py`` build it through :class:`PrefixFor
   monotone     y[l][s] <= y[l][s+1]
   precedence   y[v][s] <= y[u][s]                          stage(u) <= stage(v)
   non-empty    sum_l x[l][s] >= 1
-  memory       peak >= sum_l (state_l + k_s stored_l) x[l][s] + sum_e eb_e (c[e][s-1] + c[e][s])
-                       + k_s sum_e eb_e r[e][s] + tr[s]
+  memory       peak >= sum_l (state_l + k_s stored_l) x[l][s]
+                       + sum_e eb_e (R_s c[e][s-1] + S_s c[e][s]) + k_s sum_e eb_e r[e][s] + tr[s]
+               (R_s, S_s: boundary copies of the cost model; a relayed edge is received and sent)
   time         T >= sum_l time_l x[l][s],  AR >= sum_l sync_l x[l][s]
   limits       peak <= capacity;  F T + AR <= budget      (F = m + p - 1)
   objective    min peak ("memory") or min F T + AR ("time")
 
 The buffer term is exact: an edge leaving s crosses s | s+1 only, one entering s crosses s-1 | s
-only, and a relayed one crosses both (2 eb_e). Prefix variables make all of this linear with no
-big-M; r is the only product, and ``y[u][s-1] - y[v][s]`` is the tightest linear lower bound of it
-(at least as strong as ``c[e][s-1] + c[e][s] - 1``). Every auxiliary variable is only bounded from
-below, so a solution's model objective can exceed the true one; it is always recomputed with the
-cost model, and at the optimum the two agree.
+only, and a relayed one crosses both ((R_s + S_s) eb_e). Prefix variables make all of this linear
+with no big-M; r is the only product, and ``y[u][s-1] - y[v][s]`` is the tightest linear lower
+bound of it (at least as strong as ``c[e][s-1] + c[e][s] - 1``). Every auxiliary variable is only
+bounded from below, so a solution's model objective can exceed the true one; it is always
+recomputed with the cost model, and at the optimum the two agree.
 
 Every rule is written once, against OR-Tools and PuLP expressions alike (both overload
 ``+ - * <= >= ==``). A backend supplies the model and its variables (``_new_bool``, ``_new_var``:
@@ -178,8 +179,10 @@ class PrefixFormulation(abc.ABC):
             self._bytes(per_layer[layer]) * self._member(layer, stage)
             for layer in self._layers_of(stage)
         ]
+        receive, send = costs.receive_copies[stage], costs.send_copies[stage]
         terms += [
-            self._bytes(nbytes) * (self._crossing(e, stage - 1) + self._crossing(e, stage))
+            self._bytes(receive * nbytes) * self._crossing(e, stage - 1)
+            + self._bytes(send * nbytes) * self._crossing(e, stage)
             for e, nbytes in enumerate(costs.edge_bytes.tolist())
             if nbytes
         ]

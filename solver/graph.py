@@ -29,6 +29,8 @@ INTEGER_FIELDS = (
     "output_bytes",
     "tp_comm_bytes",
     "transient_bytes",
+    "largest_param",
+    "largest_tp_param",
 )
 """Layer fields that are whole numbers (parameter counts and bytes)."""
 
@@ -63,6 +65,10 @@ class Layer:
     """Bytes all-reduced across TP ranks per sample, forward + backward."""
     transient_bytes: int = 0
     """Extra peak per sample while the layer runs, beyond what it saves."""
+    largest_param: int = 0
+    """Elements of the layer's largest parameter tensor that is not split across TP ranks."""
+    largest_tp_param: int = 0
+    """Elements of its largest TP-split parameter tensor (before the split)."""
     kind: str | None = None
     """embedding | block | head | other; None means inferred from the name."""
 
@@ -256,6 +262,16 @@ def _check_layers(layers: list[Layer], origin: str) -> None:
                     f"{origin}: $.layers[{i}].{part}: {getattr(layer, part)} exceeds "
                     f"{total} ({getattr(layer, total)}) of layer {layer.name!r}; "
                     f"{part} counts the part of {total} split across TP ranks"
+                )
+        for part, total in (
+            ("largest_param", layer.params - layer.tp_params),
+            ("largest_tp_param", layer.tp_params),
+        ):
+            if getattr(layer, part) > total:
+                raise InputError(
+                    f"{origin}: $.layers[{i}].{part}: {getattr(layer, part)} exceeds the "
+                    f"{'split' if 'tp' in part else 'unsplit'} parameters ({total}) of layer "
+                    f"{layer.name!r}; it is the size of one parameter tensor of the layer"
                 )
         if (layer.fwd_ms is None) != (layer.bwd_ms is None):
             raise InputError(

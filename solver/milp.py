@@ -93,7 +93,7 @@ class MilpFormulation(PrefixFormulation):
             [
                 costs.state_bytes + k * costs.stored_bytes,
                 costs.transient_bytes,
-                k * costs.edge_bytes,
+                max(k, *costs.receive_copies, *costs.send_copies) * costs.edge_bytes,
                 [1],
             ]
         )

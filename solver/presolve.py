@@ -78,7 +78,7 @@ class Presolve:
                 state.sum()
                 + max(k) * stored.sum()
                 + transient.max(initial=0)
-                + (2 + max(k)) * edge_total
+                + (max(costs.receive_copies) + max(costs.send_copies) + max(k)) * edge_total
             ),
             stage_time_lb_ns=max(
                 int(costs.time_ns.max(initial=0)), _ceil_div(int(costs.time_ns.sum()), num_stages)

@@ -15,6 +15,8 @@ from solver.errors import InputError
 SCHEDULES = ("1f1b", "gpipe")
 RECOMPUTE_CHOICES = ("none", "full", "auto")
 OBJECTIVES = ("memory", "throughput")
+RUNTIMES = ("megatron", "torch")
+"""Pipeline runtimes whose boundary buffers the cost model knows (``boundary_copies``)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -82,6 +84,9 @@ class TrainingConfig:
     """Plan may be at most this many times slower than the fastest plan that fits (None: off)."""
     objective: str = "memory"
     """memory: minimise the largest per-GPU peak; throughput: fastest plan that fits."""
+    runtime: str = "megatron"
+    """Pipeline runtime the plan is for: megatron (Megatron-LM / DeepSpeed: one receive buffer per
+    direction) or torch (torch.distributed.pipelining: one per micro-batch, kept for the run)."""
 
     def __post_init__(self) -> None:
         _require(self.global_batch >= 1, f"global_batch must be >= 1, got {self.global_batch}")
@@ -100,6 +105,10 @@ class TrainingConfig:
         _require(
             self.schedule in SCHEDULES,
             f"schedule must be one of {SCHEDULES}, got {self.schedule!r}",
+        )
+        _require(
+            self.runtime in RUNTIMES,
+            f"runtime must be one of {RUNTIMES}, got {self.runtime!r}",
         )
         _require(
             self.objective in OBJECTIVES,

@@ -210,6 +210,8 @@ def hand_made_costs(state_bytes: list[int], edge_bytes: list[int], num_stages: i
         edge_dst=np.arange(1, num_layers),
         edge_bytes=np.array(edge_bytes, dtype=np.int64),
         in_flight=[1] * num_stages,
+        receive_copies=[0] + [1] * (num_stages - 1),  # one buffer per boundary side
+        send_copies=[1] * (num_stages - 1) + [0],
     )
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 
 from solver.cost_model import (
+    boundary_copies,
     in_flight_microbatches,
     iteration_time_ns,
     layer_costs,
     stage_costs,
     throughput,
 )
+from solver.errors import InputError
 from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
@@ -62,8 +64,31 @@ CONFIG = ParallelConfig(pp=3, tp=2, dp=2, micro_batch=2, num_microbatches=4, zer
 SPLIT = [0, 1, 1, 2]
 
 
-def costs_for(config: ParallelConfig):
-    return layer_costs(GRAPH, config, CLUSTER, TrainingConfig(global_batch=config.global_batch))
+def costs_for(config: ParallelConfig, runtime: str = "torch"):
+    training = TrainingConfig(global_batch=config.global_batch, runtime=runtime)
+    return layer_costs(GRAPH, config, CLUSTER, training)
+
+
+def test_boundary_copies_of_each_runtime():
+    # torch, 1F1B, m = 4, p = 3: idle receive buffers m - k_s; gradient buffers m + outputs k_s
+    torch = [boundary_copies("torch", "1f1b", 4, 3, s) for s in range(3)]
+    assert torch == [(0, 7), (2, 6), (3, 0)]
+    # GPipe keeps every micro-batch in flight: every receive buffer is a saved stage input
+    assert [boundary_copies("torch", "gpipe", 4, 2, s) for s in range(2)] == [(0, 8), (0, 0)]
+    assert boundary_copies("torch", "1f1b", 1, 1, 0) == (0, 0)
+    # megatron: the next input's and the next gradient's buffer
+    assert [boundary_copies("megatron", "1f1b", 4, 3, s) for s in range(3)] == [
+        (0, 1),
+        (1, 1),
+        (1, 0),
+    ]
+
+
+def test_megatron_runtime_counts_one_buffer_per_side():
+    first, middle, last = stage_costs(costs_for(CONFIG, "megatron"), SPLIT)
+    assert first.buffer_bytes == 2 * (10 + 5)
+    assert middle.buffer_bytes == 2 * 10 + 2 * (2 * 5) + 2 * 30  # the relayed a->d both ways
+    assert last.buffer_bytes == 2 * 5 + 2 * 30
 
 
 def test_in_flight_counts():
@@ -81,26 +106,28 @@ def test_stage_peaks_by_hand():
         "grads": 700,
         "optimizer": 4200,
         "activations": 3 * 2 * 30,
-        "buffers": 2 * (10 + 5),
+        # S_0 = m + k_0 = 4 + 3 copies of what it sends (a->b, a->d), b = 2
+        "buffers": 7 * 2 * (10 + 5),
         "transient": 0,
     }
-    assert first.peak_bytes == 6510
+    assert first.peak_bytes == 6690
     # b: P' = 200, A' = 60 + 40/2 = 80; c: P' = 150, A' = 50; skip edge a->d relayed (5 B/sample)
     assert middle.breakdown() == {
         "weights": 400 + 300,
         "grads": 200 + 150,
         "optimizer": 1200 + 900,
         "activations": 2 * (2 * 80 + 2 * 50 + 2 * 5),
-        "buffers": 2 * 10 + 2 * (2 * 5) + 2 * 30,
+        # R_1 = m - k_1 = 2 copies of a->b and the relayed a->d; S_1 = 6 of c->d and a->d
+        "buffers": 2 * 2 * (10 + 5) + 6 * 2 * (30 + 5),
         "transient": 2 * 7,
     }
-    assert middle.peak_bytes == 3804
+    assert middle.peak_bytes == 4184
     assert last.breakdown() == {
         "weights": 100,
         "grads": 50,
         "optimizer": 300,
         "activations": 16,
-        "buffers": 2 * 5 + 2 * 30,
+        "buffers": 3 * 2 * (5 + 30),  # R_2 = 4 - 1
         "transient": 0,
     }
     assert [s.in_flight for s in stages] == [3, 2, 1]
@@ -122,7 +149,24 @@ def test_recompute_and_zero3_and_gpipe():
     # recompute keeps each layer's output per micro-batch; GPipe keeps all m = 4 micro-batches
     assert middle.activation_bytes == 4 * (2 * 20 + 2 * 30 + 2 * 5)
     # the layer being recomputed re-materialises its saved bytes next to its transient
-    assert middle.transient_bytes == max(2 * 80, 2 * (7 + 50))
+    # ... and ZeRO-3 gathers the running layer's weights and prefetches the next: 2 w P'_l
+    assert middle.transient_bytes == max(2 * 80 + 2 * 2 * 200, 2 * (7 + 50) + 2 * 2 * 150)
+
+
+def test_weight_gradient_temporary_is_transient():
+    """A layer's largest weight gradient is a temporary next to its own transient (g bytes per
+    element; a TP-split tensor divided by t)."""
+    document = GRAPH.to_dict()
+    document["layers"][1].update(largest_param=150)  # b: 200 unsplit parameters
+    document["layers"][2].update(largest_tp_param=300)  # c: 300 split ones
+    graph = graph_from_dict(document)
+    training = TrainingConfig(global_batch=CONFIG.global_batch, grad_bytes_per_param=4)
+    costs = layer_costs(graph, CONFIG, CLUSTER, training)
+    assert costs.transient_bytes.tolist() == [0, 4 * 150, 2 * 7 + 4 * 300 // 2, 0]
+    bad = GRAPH.to_dict()
+    bad["layers"][2].update(largest_param=1)  # c has no unsplit parameter
+    with pytest.raises(InputError, match=r"layers\[2\]\.largest_param: 1 exceeds"):
+        graph_from_dict(bad, origin="g.json")
 
 
 def test_times_by_hand():

@@ -208,6 +208,8 @@ def _branch_and_skip_dag() -> StageProblem:
         edge_dst=np.array([v for _, v, _ in edges]),
         edge_bytes=np.array([b for _, _, b in edges]),
         in_flight=[in_flight_microbatches("1f1b", 4, 3, s) for s in range(3)],
+        receive_copies=[0, 1, 1],  # one buffer per boundary side, as worked out above
+        send_copies=[1, 1, 0],
     )
     assert costs.in_flight == [3, 2, 1]
     return StageProblem(costs=costs)

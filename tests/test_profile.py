@@ -147,6 +147,14 @@ def test_gpt_closed_forms_fp32():
     assert embed.params == V * h + s * h and embed.tp_params == V * h
     assert block.params == 12 * h * h + 13 * h and block.tp_params == 12 * h * h + 7 * h
     assert ln_f.params == 2 * h and head.params == V * h and head.tp_params == V * h
+    # largest single tensors: the fc1/fc2 weights (4h x h, split), the vocab tables (split), a
+    # position table or LayerNorm weight (unsplit)
+    assert (block.largest_tp_param, embed.largest_tp_param, head.largest_tp_param) == (
+        4 * h * h,
+        V * h,
+        V * h,
+    )
+    assert (embed.largest_param, ln_f.largest_param, head.largest_param) == (s * h, h, 0)
     # outputs: the hidden state, fp32
     assert embed.output_bytes == block.output_bytes == ln_f.output_bytes == 4 * s * h
     assert head.output_bytes == 4 * s * V
