@@ -19,6 +19,7 @@ from solver.calibration import (
     load_calibration,
     write_calibration,
 )
+from solver.cli import evaluate_main, plan_main
 from solver.errors import InputError
 
 TRUE_STATES, TRUE_ACTIVATIONS, TRUE_BUFFERS, TRUE_CONSTANT = 1.07, 0.83, 1.9, 123_457
@@ -216,3 +217,71 @@ def _write(tmp_path, document) -> str:
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps(document))
     return str(path)
+
+
+# -- solver CLIs -------------------------------------------------------------------------------
+
+PLAN_ARGS = ["examples/gpt-1.3b.json", "--gpus", "8", "--global-batch", "16", "--time-limit", "20"]
+EVALUATE_ARGS = ["examples/gpt-1.3b.json", "--pp", "2", "--global-batch", "16", "--split", "even"]
+
+
+@pytest.mark.parametrize("main, args", [(plan_main, PLAN_ARGS), (evaluate_main, EVALUATE_ARGS)])
+def test_cli_reports_the_calibration(tmp_path, capsys, main, args):
+    calibration_path = _write(tmp_path, valid_document())
+    out = tmp_path / "result.json"
+    assert main([*args, "--calibration", calibration_path, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "calibration: weights x1.2, grads x1, " in text and "constant +100 B per GPU" in text
+    document = json.loads(out.read_text())
+    assert document["calibration"] == {
+        "scales": {name: 1.2 if name == "weights" else 1.0 for name in COMPONENTS},
+        "constant_bytes": 100,
+    }
+    assert main([*args, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["calibration"] is None
+    assert "calibration:" not in capsys.readouterr().out
+    # --json may not overwrite the calibration it read
+    assert main([*args, "--calibration", calibration_path, "--json", calibration_path]) == 2
+
+
+@pytest.mark.parametrize("main, args", [(plan_main, PLAN_ARGS), (evaluate_main, EVALUATE_ARGS)])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "calibration file not found"),
+        ("[1, 2", "not valid JSON"),
+        (
+            '{"format": "memplan-calibration", "version": 1, "scales": {"weights": -1}, '
+            '"constant_bytes": 0}',
+            "scales.weights: -1 must be a finite number >= 0",
+        ),
+    ],
+)
+def test_cli_rejects_a_bad_calibration_file_in_one_line(
+    tmp_path, capsys, main, args, content, message
+):
+    path = tmp_path / "calibration.json"
+    if content is not None:
+        path.write_text(content)
+    assert main([*args, "--calibration", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and str(path) in captured.err
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert captured.out == ""
+
+
+def test_cli_bad_calibration_from_a_subprocess_has_no_traceback(tmp_path):
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "solver.plan",
+            *PLAN_ARGS,
+            "--calibration",
+            str(tmp_path / "absent.json"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert "calibration file not found" in done.stderr
