@@ -9,7 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from solver import TrainingConfig
+from profiling import calibrate as calibrate_cli
+from profiling.export import export_graph
+from solver import Cluster, TrainingConfig, plan
 from solver.calibration import (
     COMPONENTS,
     Calibration,
@@ -21,8 +23,10 @@ from solver.calibration import (
 )
 from solver.cli import evaluate_main, plan_main
 from solver.errors import InputError
+from solver.report import plan_to_dict
 
 TRUE_STATES, TRUE_ACTIVATIONS, TRUE_BUFFERS, TRUE_CONSTANT = 1.07, 0.83, 1.9, 123_457
+TINY = {"layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab_size": 128, "dropout": 0.0}
 
 
 def synthetic(num_groups: int = 4, ranks: int = 3, seed: int = 0) -> list[Sample]:
@@ -256,6 +260,7 @@ def test_cli_reports_the_calibration(tmp_path, capsys, main, args):
             "scales.weights: -1 must be a finite number >= 0",
         ),
     ],
+    ids=["missing", "not-json", "negative-scale"],
 )
 def test_cli_rejects_a_bad_calibration_file_in_one_line(
     tmp_path, capsys, main, args, content, message
@@ -285,3 +290,119 @@ def test_cli_bad_calibration_from_a_subprocess_has_no_traceback(tmp_path):
     )
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert "calibration file not found" in done.stderr
+
+
+# -- python -m profiling.calibrate -------------------------------------------------------------
+
+
+def tiny_args(out) -> list[str]:
+    return ["--model", "gpt-tiny", *(f"--set={k}={v}" for k, v in TINY.items()), "--out", str(out)]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--configs", "9"], "--configs 9: at most 4"),
+        (["--configs", "0"], "must be >= 1"),
+        (["--timeout", "0"], "--timeout 0: must be > 0"),
+        (["--set", "layers"], "write FIELD=VALUE"),
+        (["--iterations", "x"], "expected a positive integer"),
+    ],
+)
+def test_calibrate_cli_bad_flags_exit_2_in_one_line(tmp_path, capsys, extra, message):
+    assert exit_code(calibrate_cli.main, [*tiny_args(tmp_path / "c.json"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "c.json").exists()
+
+
+def exit_code(main, argv: list[str]) -> int:
+    """main's return value, or the code of the SystemExit argparse raises for a bad flag."""
+    try:
+        return main(argv)
+    except SystemExit as stop:
+        return stop.code
+
+
+def test_calibrate_cli_unknown_model_and_missing_folder(tmp_path, capsys):
+    assert calibrate_cli.main(["--model", "no-such-model", "--out", str(tmp_path / "c.json")]) == 2
+    assert "no-such-model" in capsys.readouterr().err
+    assert calibrate_cli.main(tiny_args(tmp_path / "absent" / "c.json")) == 2
+    assert "does not exist; create it first" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("configs", "message"),
+    [
+        ([], "no configurations given"),
+        ([("pp2", 2)], "give (label, num_gpus, pins, global_batch"),
+        ([("tp2", 2, {"tp": 2}, 8, 2, "1f1b")], "may only pin pp and dp"),
+        ([calibrate_cli.LAYOUTS[0], calibrate_cli.LAYOUTS[0]], "labels must be unique"),
+    ],
+)
+def test_calibrate_api_rejects_bad_configurations_before_running(configs, message):
+    with pytest.raises(InputError) as caught:
+        calibrate_cli.calibrate("gpt-tiny", TINY, configs)
+    assert message in str(caught.value)
+
+
+def test_calibrate_end_to_end_on_two_configurations(tmp_path, capsys):
+    out = tmp_path / "calibration.json"
+    assert calibrate_cli.main([*tiny_args(out), "--configs", "2"]) == 0
+    printed = capsys.readouterr().out
+    calibration = load_calibration(out)
+    meta = calibration.meta
+    assert [c["label"] for c in meta["configs"]] == ["pp2 1f1b m4", "pp2 gpipe m4"]
+    rows = meta["samples"]
+    assert [(r["config"], r["rank"], r["stage"]) for r in rows] == [
+        ("pp2 1f1b m4", 0, 0),
+        ("pp2 1f1b m4", 1, 1),
+        ("pp2 gpipe m4", 0, 0),
+        ("pp2 gpipe m4", 1, 1),
+    ]
+    # the analytic side: the same plans, made again, predict the same breakdowns
+    graph = export_graph("gpt-tiny", dtype="fp32", overrides=TINY)
+    for layout in calibrate_cli.LAYOUTS[:2]:
+        again = plan_to_dict(
+            plan(
+                graph,
+                Cluster(num_gpus=layout.num_gpus, gpus_per_node=layout.num_gpus),
+                TrainingConfig(
+                    global_batch=layout.global_batch,
+                    micro_batch_sizes=(layout.micro_batch,),
+                    schedule=layout.schedule,
+                    max_slowdown=None,
+                    tp=1,
+                    **layout.pins,
+                    **calibrate_cli.FP32_ADAM,
+                ),
+            )
+        )
+        mine = [r for r in rows if r["config"] == layout.label]
+        assert [r["predicted_breakdown"] for r in mine] == [s["breakdown"] for s in again["stages"]]
+    # the fit, the calibrated and leave-one-out predictions are recomputable from the samples
+    samples = [Sample(r["predicted_breakdown"], r["measured_bytes"], r["config"]) for r in rows]
+    assert fit_calibration(samples) == calibration
+    held_out = leave_one_out(samples)
+    for row in rows:
+        assert row["measured_bytes"] > 0
+        assert row["analytic_bytes"] == sum(row["predicted_breakdown"].values())
+        assert row["calibrated_bytes"] == calibration.apply(row["predicted_breakdown"])
+        assert row["loo_bytes"] == held_out[row["config"]].calibration.apply(
+            row["predicted_breakdown"]
+        )
+        line = next(
+            x
+            for x in printed.splitlines()
+            if x.startswith(row["config"])
+            and x.split()[4:6] == [str(row["rank"]), str(row["stage"])]
+        )
+        for value in ("analytic_bytes", "calibrated_bytes", "measured_bytes"):
+            assert f"{row[value] / 1024:.1f}" in line.split()
+    loo = [abs(e) for held in held_out.values() for e in held.errors_pct]
+    assert f"leave-one-out |error|: median {np.median(loo):.1f}%, max {max(loo):.1f}%" in printed
+    # it does not overwrite the file without --force, and says so before running anything
+    before = out.read_text()
+    assert calibrate_cli.main([*tiny_args(out), "--configs", "2"]) == 2
+    assert "already exists; pass --force" in capsys.readouterr().err
+    assert out.read_text() == before
