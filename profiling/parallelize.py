@@ -5,7 +5,10 @@ Tensor parallelism (``torch.distributed.tensor.parallel``): Megatron's column/ro
 self-attention's fused ``qkv`` and ``proj`` and the MLP's ``fc1`` and ``fc2``. A fused column
 projection has its output rows regrouped before it is split (``shard_order``) so that each TP rank
 holds whole heads of q, k and v (or matching gate and up columns); the attention's head counts
-become the local ones. Norms, embedding and LM head stay replicated.
+become the local ones. Vocabularies of at least ``VOCAB_PARALLEL_MIN_ROWS`` rows are split by
+rows (embedding and LM head, with a vocabulary-parallel cross-entropy); norms, position tables
+and smaller vocabularies stay replicated: the split ``profiling.tensor_parallel`` assumes for the
+cost model.
 
 Data parallelism by ZeRO stage (``apply_data_parallel``, ``build_optimizer``): 0 DDP, 1 DDP +
 ``ZeroRedundancyOptimizer``, 2 and 3 FSDP2 ``fully_shard``; with TP, zero 0 uses FSDP2's
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from profiling.tensor_parallel import VOCAB_PARALLEL_MIN_ROWS
 from solver.errors import InputError
 
 if TYPE_CHECKING:
@@ -88,17 +92,59 @@ def tensor_parallel_pairs(model: nn.Module, layers: list[str], tp: int) -> list[
     return pairs
 
 
+def vocabulary_sizes(model: nn.Module) -> set[int]:
+    """Row counts of the model's vocabulary tables: its ``nn.Embedding`` modules with at least
+    ``VOCAB_PARALLEL_MIN_ROWS`` rows (the cost model's rule; call it on the full model)."""
+    return {
+        module.num_embeddings
+        for module in model.modules()
+        if isinstance(module, nn.Embedding) and module.num_embeddings >= VOCAB_PARALLEL_MIN_ROWS
+    }
+
+
+def vocabulary_parallel_paths(
+    model: nn.Module, layers: list[str], vocab_sizes: set[int]
+) -> list[str]:
+    """Paths of the vocabulary tables in ``layers`` that TP splits by rows: embeddings with a
+    vocabulary's row count and the ``lm_head`` of an ``LMHead`` producing that many logits.
+
+    Raises ``InputError`` for a head tied to its embedding (one Parameter split two ways).
+    """
+    from models.common import LMHead
+
+    paths = []
+    for path in layers:
+        for name, module in model.get_submodule(path).named_modules():
+            prefix = f"{path}.{name}" if name else path
+            if isinstance(module, nn.Embedding) and module.num_embeddings in vocab_sizes:
+                paths.append(prefix)
+            elif isinstance(module, LMHead) and module.lm_head.out_features in vocab_sizes:
+                paths.append(f"{prefix}.lm_head")
+    tables = [model.get_submodule(path).weight for path in paths]
+    if len({id(table) for table in tables}) < len(tables):
+        raise InputError(
+            "tied embeddings with a vocabulary-parallel table (>= "
+            f"{VOCAB_PARALLEL_MIN_ROWS} rows) under tp > 1: not supported; untie them"
+        )
+    return paths
+
+
 def apply_tensor_parallel(
-    model: nn.Module, layers: list[str], tp_mesh: DeviceMesh
+    model: nn.Module, layers: list[str], tp_mesh: DeviceMesh, vocab_sizes: set[int]
 ) -> dict[str, torch.Tensor]:
     """Megatron split of every self-attention and MLP in ``layers`` over ``tp_mesh``.
 
     Attention: ``qkv`` column-parallel (rows regrouped per head first, see ``shard_order``),
     ``proj`` row-parallel, and the module's head counts set to the local ones (torchtitan does the
     same). MLP: ``fc1`` column-parallel (gate and up regrouped for SwiGLU), ``fc2`` row-parallel.
-    Everything else (norms, embedding, LM head) stays replicated. Returns the row order of each
+    Vocabulary tables (``vocabulary_parallel_paths``): the embedding row-parallel (its output
+    all-reduced), the LM head column-parallel with its logits left sharded for the
+    vocabulary-parallel cross-entropy, which must run under
+    ``torch.distributed.tensor.parallel.loss_parallel`` (forward and backward). Everything else
+    (norms, position tables, small vocabularies) stays replicated. Returns the row order of each
     regrouped parameter, keyed by the full model's parameter name.
     """
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -121,6 +167,13 @@ def apply_tensor_parallel(
         if pair.column == "qkv":
             module.heads //= tp
             module.kv_heads //= tp
+    for path in vocabulary_parallel_paths(model, layers, vocab_sizes):
+        style = (
+            RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            if path.rpartition(".")[2] != "lm_head"
+            else ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        )
+        parallelize_module(model.get_submodule(path), tp_mesh, style)
     return orders
 
 

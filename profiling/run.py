@@ -22,11 +22,13 @@ mean loss over the global batch ``dp * micro_batch * num_microbatches``.
 Tensor parallelism (``tp > 1``, ``torch.distributed.tensor.parallel``): Megatron's split of every
 self-attention (fused ``qkv`` column-parallel with its rows regrouped so that each TP rank holds
 whole heads of q, k and v, ``proj`` row-parallel, the module's head counts set to the local ones)
-and MLP (``fc1`` column-parallel, gate and up regrouped for SwiGLU; ``fc2`` row-parallel). Norms,
-embedding and LM head stay replicated, which is the cost model's split (``tp_params``) of the zoo
-models with vocabularies below ``profiling.tensor_parallel.VOCAB_PARALLEL_MIN_ROWS``; above it the
-cost model splits embedding and head by vocabulary and the executor does not (its measured
-weights then exceed the prediction by the replicated tables).
+and MLP (``fc1`` column-parallel, gate and up regrouped for SwiGLU; ``fc2`` row-parallel).
+Vocabularies of at least ``profiling.tensor_parallel.VOCAB_PARALLEL_MIN_ROWS`` rows are split by
+rows: the token embedding row-parallel, the LM head column-parallel with its logits left sharded
+and the cross-entropy run under ``loss_parallel``. Norms, position tables and smaller
+vocabularies stay replicated. This is the split the cost model assumes (``tp_params``): on
+gpt-tiny the measured weights equal the prediction to the byte (tests). See
+``profiling.parallelize``.
 
 Data parallelism over ``dp > 1`` by ZeRO stage: 0 DDP; 1 DDP + ``ZeroRedundancyOptimizer`` (Adam
 state sharded); 2 FSDP2 ``fully_shard(reshard_after_forward=False)`` (gradients and Adam state
@@ -47,12 +49,12 @@ every iteration and the last iteration's peak is reported, with the plan's
 ``grads`` only after the backward, so at a peak inside it they count as ``other``. On CUDA,
 ``torch.cuda.max_memory_allocated`` over the last iteration is reported as well.
 
-Not yet: vocabulary-parallel embedding and head, tied weights split across stages (an
-``InputError``), ZeRO-1 with tp > 1. The model's layers must form a chain (each takes the previous
-one's output, the last takes ``(hidden, targets)``: the GPT/Llama presets); a DAG model such as T5
-fails inside the ranks, which ``run_plan`` reports as ``RunError``. Use dropout 0 for runs compared
-with a single process or with predictions (the CPU dropout kernels differ from GPU ones, and
-dropout masks draw random numbers in a different order).
+Not supported (``InputError``): tied weights split across stages, a tied embedding and head with
+a vocabulary-parallel table, ZeRO-1 with tp > 1 and dp > 1. The model's layers must form a chain
+(each takes the previous one's output, the last takes ``(hidden, targets)``: the GPT/Llama
+presets); a DAG model such as T5 fails inside the ranks, which ``run_plan`` reports as
+``RunError``. Use dropout 0 for runs compared with a single process or with predictions (the CPU
+dropout kernels differ from GPU ones, and dropout masks draw random numbers in a different order).
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ from profiling.parallelize import (
     apply_tensor_parallel,
     build_optimizer,
     tensor_parallel_pairs,
+    vocabulary_parallel_paths,
+    vocabulary_sizes,
 )
 from solver.errors import InputError, RunError
 
@@ -176,7 +180,9 @@ def _check_plan(spec: models.ModelSpec, plan: dict[str, Any], max_processes: int
         )
     if tp > 1:
         with torch.device("meta"):  # shapes only
-            tensor_parallel_pairs(spec.build(), spec.layers, tp)
+            model = spec.build()
+        tensor_parallel_pairs(model, spec.layers, tp)
+        vocabulary_parallel_paths(model, spec.layers, vocabulary_sizes(model))
     if pp * dp * tp > max_processes:
         raise InputError(
             f"plan needs pp({pp}) * dp({dp}) * tp({tp}) = {pp * dp * tp} processes, more than "
@@ -305,6 +311,7 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.tensor.parallel import loss_parallel
 
     from profiling.memory import LiveTensorTracker
 
@@ -335,6 +342,7 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
     spec = _spec(job.preset, job.overrides)
     layers = stages[stage_index]["layers"]
     model = build_model(spec, job.seed)
+    vocab_sizes = vocabulary_sizes(model)  # of the full model: a stage may hold only the head
     _keep_layers(model, spec.layers, layers)
     model.to(device)
     head_path = spec.layers[-1]
@@ -348,7 +356,13 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
     cuda_peak: int | None = None
     grads = None
     with tracker:
-        orders = apply_tensor_parallel(model, layers, mesh["tp"]) if tp > 1 else {}
+        orders = apply_tensor_parallel(model, layers, mesh["tp"], vocab_sizes) if tp > 1 else {}
+        # A vocabulary-parallel head leaves its logits sharded: its cross-entropy (forward and
+        # backward) needs loss_parallel.
+        sharded_logits = tp > 1 and any(
+            path.endswith(".lm_head")
+            for path in vocabulary_parallel_paths(model, layers, vocab_sizes)
+        )
         stage_module = _StageModule(model, run_paths, recompute=recompute)
         layer_modules = [model.get_submodule(path) for path in layers]
         submod = apply_data_parallel(stage_module, layer_modules, mesh, zero, device)
@@ -388,7 +402,10 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
                 if job.fault[1] == "hang":
                     time.sleep(3600)
                 raise RuntimeError(f"rank {rank}: injected failure (test hook)")
-            with tracker.saved_tensors():
+            with (
+                tracker.saved_tensors(),
+                loss_parallel() if sharded_logits else contextlib.nullcontext(),
+            ):
                 schedule.step(*args, **kwargs)
             for param in stage_module.parameters():  # FSDP2 sets sharded grads without hooks
                 if param.grad is not None:
@@ -399,7 +416,7 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
                 cuda_peak = torch.cuda.max_memory_allocated(device)
             iteration_ms.append((time.perf_counter() - started) * 1e3)
             if last:
-                losses.append(float(torch.stack(step_losses).detach().mean()))
+                losses.append(float(torch.stack([_full(x) for x in step_losses]).detach().mean()))
             del args, kwargs, step_losses
         peak_bytes, breakdown = tracker.peak_bytes, dict(tracker.peak_breakdown)
         if job.capture_grads:
