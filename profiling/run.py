@@ -6,32 +6,55 @@
     for r in reports:
         print(r.rank, r.stage, r.measured_peak_bytes, r.predicted_peak_bytes, r.error_pct)
 
-``run_plan`` spawns ``pp * dp`` processes (gloo, localhost), builds on each the full model from
-the same seed (so every weight equals the single-process model's), keeps the layers of its plan
-stage, and trains ``iterations`` steps with ``torch.distributed.pipelining`` (``PipelineStage``
-and ``Schedule1F1B`` / ``ScheduleGPipe`` with the plan's micro-batch count), DDP over the
-data-parallel group and Adam. Ranks are laid out stage-major: ``rank = stage * dp + dp_rank``.
+``run_plan`` spawns ``pp * dp * tp`` processes (gloo on CPU, or NCCL with one GPU per rank for
+``device="cuda"``), builds on each the full model from the same seed (so every weight equals the
+single-process model's), keeps the layers of its plan stage, and trains ``iterations`` steps with
+``torch.distributed.pipelining`` (``PipelineStage`` and ``Schedule1F1B`` / ``ScheduleGPipe`` with
+the plan's micro-batch count) and Adam. The ranks form a ``(pp, dp, tp)`` device mesh, row-major:
+``rank = (stage * dp + dp_rank) * tp + tp_rank``, so a stage's TP group is adjacent ranks.
 
 Stage module: runs its layers in plan order; the model's last layer (the head, whose forward takes
 ``(hidden, targets)`` and returns the loss) is applied by the schedule's ``loss_fn`` on the last
 stage, so the loss is exactly the model's. Gradients are scaled by the micro-batch count (the
-schedule) and averaged over data-parallel ranks (DDP): they equal the single-process gradients of
-the mean loss over the global batch ``dp * micro_batch * num_microbatches``.
+schedule) and averaged over data-parallel ranks: they equal the single-process gradients of the
+mean loss over the global batch ``dp * micro_batch * num_microbatches``.
+
+Tensor parallelism (``tp > 1``, ``torch.distributed.tensor.parallel``): Megatron's split of every
+self-attention (fused ``qkv`` column-parallel with its rows regrouped so that each TP rank holds
+whole heads of q, k and v, ``proj`` row-parallel, the module's head counts set to the local ones)
+and MLP (``fc1`` column-parallel, gate and up regrouped for SwiGLU; ``fc2`` row-parallel).
+Vocabularies of at least ``profiling.tensor_parallel.VOCAB_PARALLEL_MIN_ROWS`` rows are split by
+rows: the token embedding row-parallel, the LM head column-parallel with its logits left sharded
+and the cross-entropy run under ``loss_parallel``. Norms, position tables and smaller
+vocabularies stay replicated. This is the split the cost model assumes (``tp_params``): on
+gpt-tiny the measured weights equal the prediction to the byte (tests). See
+``profiling.parallelize``.
+
+Data parallelism over ``dp > 1`` by ZeRO stage: 0 DDP; 1 DDP + ``ZeroRedundancyOptimizer`` (Adam
+state sharded); 2 FSDP2 ``fully_shard(reshard_after_forward=False)`` (gradients and Adam state
+sharded; weights gathered for the step); 3 FSDP2 ``fully_shard`` (one unit per layer plus the
+stage). torch's ``PipelineStage`` defers resharding to the end of the step, so with pp the
+gathered weights stay from the first forward on under ZeRO-3 as well. With tp > 1, zero 0 uses
+FSDP2's ``replicate`` (DDP does not take DTensor parameters) and zero 1 is an ``InputError``
+(``ZeroRedundancyOptimizer`` cannot shard DTensor parameters).
+
+Recompute ``"full"``: every layer of the stage, the head included, runs under non-reentrant
+``torch.utils.checkpoint``: only layer inputs (the cost model's stored output bytes) stay between
+forward and backward, and one layer's saved tensors are re-materialised at a time.
 
 Memory: ``profiling.memory.LiveTensorTracker`` (exact live storage bytes) is active from before
-DDP, the stage and the optimizer are built; its peak is reset at the start of every iteration and
-the last iteration's peak is reported, with the plan's ``stages[i].peak_bytes`` next to it.
+the parallel wrappers, the stage and the optimizer are built; its peak is reset at the start of
+every iteration and the last iteration's peak is reported, with the plan's
+``stages[i].peak_bytes`` next to it. Gradients that FSDP2 (or ``replicate``) writes are tagged
+``grads`` only after the backward, so at a peak inside it they count as ``other``. On CUDA,
+``torch.cuda.max_memory_allocated`` over the last iteration is reported as well.
 
-ZeRO: ``zero=3`` runs FSDP2 ``fully_shard`` over the data-parallel group (one unit per layer);
-the pipeline keeps the gathered weights from the first forward to the end of the step (torch's
-``PipelineStage`` defers resharding), which is part of what the measurement shows.
-
-Not yet: tensor parallelism (tp > 1), ZeRO 1 and 2, recompute, tied weights split across
-stages; each raises ``InputError``. The model's layers must form a chain (each takes the previous
-one's output, the last takes ``(hidden, targets)``: the GPT/Llama presets); a DAG model such as T5
-fails inside the ranks, which ``run_plan`` reports as ``RunError``. Use dropout 0 for
-runs compared with a single process or with predictions (the CPU dropout kernels differ from GPU
-ones, and dropout masks draw random numbers in a different order).
+Not supported (``InputError``): tied weights split across stages, a tied embedding and head with
+a vocabulary-parallel table, ZeRO-1 with tp > 1 and dp > 1. The model's layers must form a chain
+(each takes the previous one's output, the last takes ``(hidden, targets)``: the GPT/Llama
+presets); a DAG model such as T5 fails inside the ranks, which ``run_plan`` reports as
+``RunError``. Use dropout 0 for runs compared with a single process or with predictions (the CPU
+dropout kernels differ from GPU ones, and dropout masks draw random numbers in a different order).
 """
 
 from __future__ import annotations
@@ -53,11 +76,23 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import models
+from profiling.parallelize import (
+    apply_data_parallel,
+    apply_tensor_parallel,
+    build_optimizer,
+    tensor_parallel_pairs,
+    vocabulary_parallel_paths,
+    vocabulary_sizes,
+)
 from solver.errors import InputError, RunError
 
 SCHEDULES = ("1f1b", "gpipe")
+ZERO_STAGES = (0, 1, 2, 3)
+RECOMPUTE = ("none", "full")
+DEVICES = ("cpu", "cuda")
 LEARNING_RATE = 1e-3
 """Adam's learning rate (the other Adam settings are torch's defaults)."""
 
@@ -67,11 +102,13 @@ class RankReport:
     """What one rank measured on the last iteration."""
 
     rank: int
-    """Global rank (``stage * dp + dp_rank``)."""
+    """Global rank, ``(stage * dp + dp_rank) * tp + tp_rank``."""
     stage: int
     """Pipeline stage index (the plan's ``stages[i].index``)."""
     dp_rank: int
     """Data-parallel rank within the stage's replicas."""
+    tp_rank: int
+    """Tensor-parallel rank within the replica's TP group."""
     layers: list[str]
     """Layer names the stage holds."""
     measured_peak_bytes: int
@@ -86,6 +123,9 @@ class RankReport:
     """100 * (predicted - measured) / measured: negative when the plan under-predicts."""
     iteration_ms: list[float]
     """Wall time of each iteration on this rank (schedule step + optimizer step)."""
+    cuda_max_allocated_bytes: int | None = None
+    """``device="cuda"``: ``torch.cuda.max_memory_allocated`` over the last iteration (reset at
+    its start), next to the tracker's count; None on CPU."""
     losses: list[float] = field(default_factory=list)
     """Last stage only: each iteration's loss (mean over micro-batches) on this rank's data."""
     grads: dict[str, torch.Tensor] | None = None
@@ -104,6 +144,7 @@ class _Job:
     timeout_s: float
     master_port: int
     capture_grads: bool
+    device: str
     fault: tuple[int, str] | None
 
 
@@ -123,25 +164,29 @@ def _check_plan(spec: models.ModelSpec, plan: dict[str, Any], max_processes: int
     for key in ("pp", "tp", "dp", "micro_batch", "num_microbatches"):
         if not isinstance(config[key], int) or config[key] < 1:
             raise InputError(f"plan config: {key} must be a positive integer, got {config[key]!r}")
-    if tp != 1:
-        raise InputError(f"plan config: tp={tp}: tensor parallelism is not supported yet (tp=1)")
-    if config["zero"] not in (0, 3):
+    zero, recompute = config["zero"], config["recompute"]
+    if zero not in ZERO_STAGES:
+        raise InputError(f"plan config: zero={zero!r}; valid: 0, 1, 2, 3")
+    if tp > 1 and dp > 1 and zero == 1:
         raise InputError(
-            f"plan config: zero={config['zero']}: only zero=0 (DDP) and zero=3 (FSDP2 "
-            "fully_shard) run yet"
+            f"plan config: zero=1 with tp({tp}) and dp({dp}): ZeroRedundancyOptimizer cannot "
+            "shard DTensor (tensor-parallel) parameters; use zero=2 or 3"
         )
-    if config["recompute"] != "none":
-        raise InputError(
-            f"plan config: recompute={config['recompute']!r} is not supported yet (none)"
-        )
+    if recompute not in RECOMPUTE:
+        raise InputError(f"plan config: recompute={recompute!r}; valid: {', '.join(RECOMPUTE)}")
     if config["schedule"] not in SCHEDULES:
         raise InputError(
             f"plan config: schedule {config['schedule']!r}; valid: {', '.join(SCHEDULES)}"
         )
-    if pp * dp > max_processes:
+    if tp > 1:
+        with torch.device("meta"):  # shapes only
+            model = spec.build()
+        tensor_parallel_pairs(model, spec.layers, tp)
+        vocabulary_parallel_paths(model, spec.layers, vocabulary_sizes(model))
+    if pp * dp * tp > max_processes:
         raise InputError(
-            f"plan needs pp({pp}) * dp({dp}) = {pp * dp} processes, more than this machine "
-            f"allows ({max_processes}, {os.cpu_count()} CPUs); plan for fewer GPUs"
+            f"plan needs pp({pp}) * dp({dp}) * tp({tp}) = {pp * dp * tp} processes, more than "
+            f"this machine allows ({max_processes}); plan for fewer GPUs"
         )
     stages = plan.get("stages")
     if not isinstance(stages, list) or len(stages) != pp:
@@ -163,6 +208,20 @@ def _check_plan(spec: models.ModelSpec, plan: dict[str, Any], max_processes: int
             f"{len(spec.layers)} layers {spec.layers[0]}..{spec.layers[-1]} in order, got "
             f"{len(layers)} layers{'; ' + detail if detail else ' (out of order)'}"
         )
+
+
+def _check_device(device: str, world: int) -> None:
+    """InputError unless ``device`` can host ``world`` ranks (NCCL: one GPU per rank)."""
+    if device not in DEVICES:
+        raise InputError(f"device {device!r}; valid: {', '.join(DEVICES)}")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError("device cuda: torch.cuda.is_available() is False on this machine")
+        if world > torch.cuda.device_count():
+            raise InputError(
+                f"device cuda: the plan needs {world} ranks, one GPU each (NCCL), and this "
+                f"machine has {torch.cuda.device_count()}"
+            )
 
 
 def _spec(preset: str, overrides: dict[str, Any]) -> models.ModelSpec:
@@ -193,21 +252,32 @@ def build_model(spec: models.ModelSpec, seed: int) -> nn.Module:
 
 
 class _StageModule(nn.Module):
-    """Runs ``run_paths`` of ``root`` in order; ``root`` keeps only this stage's layers."""
+    """Runs ``run_paths`` of ``root`` in order; ``root`` keeps only this stage's layers.
 
-    def __init__(self, root: nn.Module, run_paths: list[str]):
+    With ``recompute`` each layer runs under ``torch.utils.checkpoint`` (non-reentrant): only the
+    layer's input is kept and its saved tensors are re-materialised in the backward, one layer at
+    a time (the cost model's full recomputation).
+    """
+
+    def __init__(self, root: nn.Module, run_paths: list[str], *, recompute: bool = False):
         super().__init__()
         self.root = root
         self.run_paths = run_paths
+        self.recompute = recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for path in self.run_paths:
-            x = self.root.get_submodule(path)(x)
+            layer = self.root.get_submodule(path)
+            x = checkpoint(layer, x, use_reentrant=False) if self.recompute else layer(x)
         return x
 
 
-def _head_loss(head: nn.Module | None, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def _head_loss(
+    head: nn.Module | None, recompute: bool, output: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
     assert head is not None, "loss_fn called on a stage without the head"
+    if recompute:  # the head is a layer too: the cost model stores only its (scalar) output
+        return checkpoint(head, output, target, use_reentrant=False)
     return head(output, target)
 
 
@@ -262,31 +332,40 @@ def _keep_layers(model: nn.Module, all_layers: list[str], keep: list[str]) -> No
 
 def _rank_main(rank: int, job: _Job) -> RankReport:
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.distributed.tensor.parallel import loss_parallel
 
     from profiling.memory import LiveTensorTracker
 
     config, stages = job.plan["config"], job.plan["stages"]
-    pp, dp = config["pp"], config["dp"]
+    pp, dp, tp, zero = config["pp"], config["dp"], config["tp"], config["zero"]
     micro_batch, num_microbatches = config["micro_batch"], config["num_microbatches"]
-    stage_index, dp_rank = divmod(rank, dp)
+    replica, tp_rank = divmod(rank, tp)
+    stage_index, dp_rank = divmod(replica, dp)
     first, last = stage_index == 0, stage_index == pp - 1
-    world = pp * dp
+    world = pp * dp * tp
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    cuda = job.device == "cuda"
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
 
     os.environ["MASTER_ADDR"] = "localhost"
     os.environ["MASTER_PORT"] = str(job.master_port)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=job.timeout_s)
+        "nccl" if cuda else "gloo",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=job.timeout_s),
     )
-    # Every rank creates every group, in the same order (a torch.distributed rule).
-    pp_groups = [dist.new_group([s * dp + d for s in range(pp)]) for d in range(dp)]
-    dp_groups = [dist.new_group([s * dp + d for d in range(dp)]) for s in range(pp)]
+    # Row-major over (pp, dp, tp): rank = (stage * dp + dp_rank) * tp + tp_rank.
+    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
 
     spec = _spec(job.preset, job.overrides)
     layers = stages[stage_index]["layers"]
     model = build_model(spec, job.seed)
+    vocab_sizes = vocabulary_sizes(model)  # of the full model: a stage may hold only the head
     head_path = spec.layers[-1]
     run_paths = [path for path in layers if path != head_path]
     # static stage metadata: one micro-batch's input and output shapes
@@ -301,62 +380,49 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
     )
     stage_output = metas[run_paths[-1]] if run_paths else stage_input
     _keep_layers(model, spec.layers, layers)
+    model.to(device)
+    recompute = config["recompute"] == "full"
 
     tracker = LiveTensorTracker()
     tracker.track_module(model)
-    tracker.track_grads(model)
     losses: list[float] = []
     iteration_ms: list[float] = []
+    cuda_peak: int | None = None
     grads = None
     with tracker:
-        stage_module = _StageModule(model, run_paths)
-        submod: nn.Module = stage_module
-        if dp > 1 and config["zero"] == 3:
-            # ZeRO-3: weights, gradients and Adam state sharded over the data-parallel group;
-            # one FSDP2 unit per layer (the head's is gathered when the loss calls it) and the
-            # stage as their root. The stage goes to PipelineStage inside a plain Sequential:
-            # given an FSDP module, PipelineStage turns gradient sync and resharding off until
-            # the last micro-batch (unsharded weights and gradients for the whole step); this
-            # way every layer reduce-scatters its gradients and reshards after each backward,
-            # as ZeRO-3 (and the cost model) assumes.
-            from torch.distributed.device_mesh import DeviceMesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = DeviceMesh.from_group(dp_groups[stage_index], "cpu")
-            for path in layers:
-                fully_shard(model.get_submodule(path), mesh=mesh)
-            fully_shard(stage_module, mesh=mesh)
-            submod = nn.Sequential(stage_module)
-            tracker.track_module(stage_module)  # the shards are the weights now
-        elif dp > 1:
-            submod = DistributedDataParallel(
-                stage_module, process_group=dp_groups[stage_index], gradient_as_bucket_view=True
-            )
-            # Fix the bucket order now. Left to DDP, it records the gradient order during the
-            # first step, and with the pipeline's no_sync micro-batches (2 micro-batches, torch
-            # 2.13) it records every parameter twice and fails the next forward
-            # ("rebuilt parameter indices size is not same as original model parameters size").
-            submod.reducer._push_all_rebuilt_params()
-            submod.reducer._rebuild_buckets()
+        orders = apply_tensor_parallel(model, layers, mesh["tp"], vocab_sizes) if tp > 1 else {}
+        # A vocabulary-parallel head leaves its logits sharded: its cross-entropy (forward and
+        # backward) needs loss_parallel.
+        sharded_logits = tp > 1 and any(
+            path.endswith(".lm_head")
+            for path in vocabulary_parallel_paths(model, layers, vocab_sizes)
+        )
+        stage_module = _StageModule(model, run_paths, recompute=recompute)
+        layer_modules = [model.get_submodule(path) for path in layers]
+        submod = apply_data_parallel(stage_module, layer_modules, mesh, zero, device)
+        tracker.track_module(stage_module)  # the shards are the weights now (TP, FSDP2)
+        tracker.track_grads(stage_module)
         stage = PipelineStage(
             submod,
             stage_index,
             pp,
-            torch.device("cpu"),
+            device,
             input_args=stage_input,
             output_args=stage_output,
             output_grads=None if last else stage_output,
             input_grads=None if first else stage_input,
-            group=pp_groups[dp_rank],
+            group=mesh["pp"].get_group(),
         )
         head = model.get_submodule(head_path) if last else None
         schedule_class = Schedule1F1B if config["schedule"] == "1f1b" else ScheduleGPipe
         # loss_fn on every rank: without it the first stage skips backward (and deadlocks).
         schedule = schedule_class(
-            stage, n_microbatches=num_microbatches, loss_fn=functools.partial(_head_loss, head)
+            stage,
+            n_microbatches=num_microbatches,
+            loss_fn=functools.partial(_head_loss, head, recompute),
         )
-        optimizer = torch.optim.Adam(stage_module.parameters(), lr=LEARNING_RATE)
-        tracker.track_optimizer(optimizer)
+        optimizer = build_optimizer(list(stage_module.parameters()), mesh, zero, lr=LEARNING_RATE)
+        tracker.track_optimizer(getattr(optimizer, "optim", optimizer))  # ZeRO-1: the local Adam
 
         rows = micro_batch * num_microbatches
         for iteration in range(job.iterations):
@@ -364,42 +430,54 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
                 spec, batch=rows * dp, seq=job.seq, seed=job.seed, iteration=iteration
             )
             local = slice(dp_rank * rows, (dp_rank + 1) * rows)
-            args = (ids[local].clone(),) if first else ()
+            args = (ids[local].to(device, copy=True),) if first else ()
             kwargs: dict[str, Any] = {}
             step_losses: list[torch.Tensor] = []
             if last:
-                kwargs = {"target": targets[local].clone(), "losses": step_losses}
+                kwargs = {"target": targets[local].to(device, copy=True), "losses": step_losses}
             del ids, targets
             optimizer.zero_grad(set_to_none=False)  # persistent gradient buffers, as costed
             tracker.reset_peak()
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
             started = time.perf_counter()
             if job.fault and job.fault[0] == rank:
                 if job.fault[1] == "hang":
                     time.sleep(3600)
                 raise RuntimeError(f"rank {rank}: injected failure (test hook)")
-            with tracker.saved_tensors():
+            with (
+                tracker.saved_tensors(),
+                loss_parallel() if sharded_logits else contextlib.nullcontext(),
+            ):
                 schedule.step(*args, **kwargs, return_outputs=False)
             for param in stage_module.parameters():  # FSDP2 sets sharded grads without hooks
                 if param.grad is not None:
                     tracker.track(param.grad, "grads")
             optimizer.step()
+            if cuda:
+                torch.cuda.synchronize(device)
+                cuda_peak = torch.cuda.max_memory_allocated(device)
             iteration_ms.append((time.perf_counter() - started) * 1e3)
             if last:
-                losses.append(float(torch.stack(step_losses).detach().mean()))
+                losses.append(float(torch.stack([_full(x) for x in step_losses]).detach().mean()))
             del args, kwargs, step_losses
         peak_bytes, breakdown = tracker.peak_bytes, dict(tracker.peak_breakdown)
         if job.capture_grads:
-            grads = {
-                name: _full(param.grad).detach().clone()
-                for name, param in model.named_parameters()
-                if param.grad is not None
-            }
+            grads = {}
+            for name, param in model.named_parameters():
+                if param.grad is not None:
+                    grad = _full(param.grad).detach().cpu()
+                    if name in orders:  # undo the per-head regrouping
+                        grad = grad[torch.argsort(orders[name])]
+                    grads[name] = grad.clone()
 
     predicted = stages[stage_index].get("peak_bytes")
     return RankReport(
         rank=rank,
         stage=stage_index,
         dp_rank=dp_rank,
+        tp_rank=tp_rank,
         layers=list(layers),
         measured_peak_bytes=peak_bytes,
         measured_breakdown=breakdown,
@@ -407,6 +485,7 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
         predicted_breakdown=stages[stage_index].get("breakdown"),
         error_pct=100.0 * (predicted - peak_bytes) / peak_bytes if predicted else None,
         iteration_ms=iteration_ms,
+        cuda_max_allocated_bytes=cuda_peak,
         losses=losses,
         grads=grads,
     )
@@ -468,13 +547,16 @@ def run_plan(
     seq: int | None = None,
     capture_grads: bool = False,
     max_processes: int | None = None,
+    device: str = "cpu",
     _fault: tuple[int, str] | None = None,
 ) -> list[RankReport]:
-    """Train ``iterations`` steps of ``preset`` with ``plan`` on ``pp * dp`` local gloo processes.
+    """Train ``iterations`` steps of ``preset`` with ``plan`` on ``pp * dp * tp`` local processes.
 
     Returns one ``RankReport`` per rank, in rank order. ``seq`` defaults to the model's
-    ``seq_len``; ``max_processes`` to ``max(4, 2 * cpu_count)``. Raises ``InputError`` for a
-    plan this executor cannot run on the model and ``RunError`` when a rank fails or the run
+    ``seq_len``; ``max_processes`` to ``max(4, 2 * cpu_count)``. ``device``: ``"cpu"`` (gloo) or
+    ``"cuda"`` (NCCL, rank r on ``cuda:{r % device_count}``, one GPU per rank). Raises
+    ``InputError`` for a plan this executor cannot run on the model or device, and ``RunError``
+    when a rank fails or the run
     takes longer than ``timeout_s`` (every process is stopped first). ``_fault`` is a test hook:
     ``(rank, "raise")`` makes that rank raise at the start of its first iteration, ``(rank,
     "hang")`` makes it sleep there (its peers then wait in the pipeline's receives).
@@ -485,7 +567,9 @@ def run_plan(
     spec = _spec(preset, overrides)
     limit = max_processes or max(4, 2 * (os.cpu_count() or 1))
     _check_plan(spec, plan, limit)
-    world = plan["config"]["pp"] * plan["config"]["dp"]
+    config = plan["config"]
+    world = config["pp"] * config["dp"] * config["tp"]
+    _check_device(device, world)
     job = _Job(
         preset=preset,
         overrides=overrides,
@@ -496,6 +580,7 @@ def run_plan(
         timeout_s=timeout_s,
         master_port=_free_port(),
         capture_grads=capture_grads,
+        device=device,
         fault=_fault,
     )
     context = torch.multiprocessing.get_context("spawn")
@@ -544,21 +629,28 @@ def run_plan(
 
 
 def format_reports(reports: list[RankReport]) -> str:
-    """Text table: rank, stage, measured, predicted, error % and the measured breakdown (MiB)."""
+    """Text table: rank, stage, dp and tp rank, measured, predicted, error % and the measured
+    breakdown (MiB); on CUDA also ``torch.cuda.max_memory_allocated`` (``cuda_MiB``)."""
     mib = 2**20
+    cuda = any(r.cuda_max_allocated_bytes is not None for r in reports)
     lines = [
-        "rank stage dp  measured_MiB predicted_MiB  error_%   "
-        "params   grads  optimizer activations  other  iter_ms"
+        "rank stage dp tp  measured_MiB predicted_MiB  error_%   "
+        "params   grads  optimizer activations  other  iter_ms" + ("  cuda_MiB" if cuda else "")
     ]
     for r in reports:
         b = r.measured_breakdown
         predicted = "-" if r.predicted_peak_bytes is None else f"{r.predicted_peak_bytes / mib:.3f}"
         error = "-" if r.error_pct is None else f"{r.error_pct:+.1f}"
         iteration = r.iteration_ms[-1] if r.iteration_ms else math.nan
-        lines.append(
-            f"{r.rank:4d} {r.stage:5d} {r.dp_rank:2d} {r.measured_peak_bytes / mib:13.3f} "
+        line = (
+            f"{r.rank:4d} {r.stage:5d} {r.dp_rank:2d} {r.tp_rank:2d} "
+            f"{r.measured_peak_bytes / mib:13.3f} "
             f"{predicted:>13} {error:>8} {b['params'] / mib:8.3f} {b['grads'] / mib:7.3f} "
             f"{b['optimizer'] / mib:10.3f} {b['activations'] / mib:11.3f} "
             f"{b['other'] / mib:6.3f} {iteration:8.1f}"
         )
+        if cuda:
+            allocated = r.cuda_max_allocated_bytes
+            line += f" {allocated / mib:9.3f}" if allocated is not None else f" {'-':>9}"
+        lines.append(line)
     return "\n".join(lines)

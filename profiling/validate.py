@@ -1,8 +1,9 @@
 """``python -m profiling.validate PLAN.json --model PRESET``: run a plan for real, compare peaks.
 
-Runs the plan on this machine with ``profiling.run.run_plan`` (pp * dp gloo processes; the plan
-must be small enough to fit), prints predicted, measured and error % rank by rank, and exits
-non-zero when any rank's absolute error exceeds ``--tolerance`` percent.
+Runs the plan on this machine with ``profiling.run.run_plan`` (pp * dp * tp processes: gloo on
+CPU, or NCCL with one GPU per rank with ``--device cuda``; the plan must be small enough to fit),
+prints predicted, measured and error % rank by rank, and exits non-zero when any rank's absolute
+error exceeds ``--tolerance`` percent.
 Exit codes: 0 within tolerance, 2 bad input, 5 a rank failed or timed out, 6 error above tolerance.
 """
 
@@ -48,6 +49,13 @@ def parser() -> argparse.ArgumentParser:
         default=10.0,
         help="largest allowed |error| in percent (default 10)",
     )
+    result.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu (gloo, default) or cuda (NCCL, one GPU per rank; also reports "
+        "torch.cuda.max_memory_allocated)",
+    )
     result.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run")
     result.add_argument("--json", metavar="OUT", help="also write the per-rank reports as JSON")
     return result
@@ -80,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             iterations=args.iterations,
             overrides=parse_overrides(args.set),
             timeout_s=args.timeout,
+            device=args.device,
         )
         print(format_reports(reports))
         if args.json:

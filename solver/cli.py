@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from solver.calibration import Calibration, load_calibration
 from solver.errors import InputError, PlannerError
 from solver.graph import load_graph
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
@@ -122,6 +123,12 @@ def _add_graph_and_cluster(parser: argparse.ArgumentParser) -> None:
         default=[2, 2, 12],
         help="weights,grads,optimizer bytes per parameter (default 2,2,12)",
     )
+    training.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="calibration JSON from python -m profiling.calibrate (scales per memory component "
+        "and a constant per GPU); default: the analytic model alone",
+    )
     parser.add_argument("--json", metavar="OUT", help="also write the result as JSON to OUT")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
 
@@ -146,6 +153,15 @@ def _bytes_per_param(args: argparse.Namespace) -> dict[str, int]:
         )
     w, g, o = args.bytes_per_param
     return {"weight_bytes_per_param": w, "grad_bytes_per_param": g, "optimizer_bytes_per_param": o}
+
+
+def _inputs(args: argparse.Namespace) -> list[str]:
+    """Files the CLI read (--json must not overwrite them)."""
+    return [args.graph] + ([args.calibration] if args.calibration else [])
+
+
+def _calibration(args: argparse.Namespace) -> Calibration | None:
+    return None if args.calibration is None else load_calibration(args.calibration)
 
 
 def _zero_stages(text: str) -> tuple[int, ...]:
@@ -263,6 +279,7 @@ def plan_main(argv: list[str] | None = None) -> int:
             min_throughput=args.min_throughput,
             max_slowdown=args.max_slowdown,
             objective=args.objective,
+            calibration=_calibration(args),
             **_bytes_per_param(args),
         )
         result = plan(
@@ -274,7 +291,7 @@ def plan_main(argv: list[str] | None = None) -> int:
             num_workers=args.workers,
         )
         if args.json:
-            write_json(args.json, plan_to_dict(result), protect=[args.graph])
+            write_json(args.json, plan_to_dict(result), protect=_inputs(args))
         if not args.quiet:
             _print(format_plan(result))
     except PlannerError as error:
@@ -341,13 +358,14 @@ def evaluate_main(argv: list[str] | None = None) -> int:
             zero_stages=(args.zero,),
             recompute=args.recompute,
             schedule=args.schedule,
+            calibration=_calibration(args),
             **_bytes_per_param(args),
         )
         result = evaluate(
             graph, config, split, cluster=_cluster(args, config.num_gpus), training=training
         )
         if args.json:
-            write_json(args.json, evaluation_to_dict(result), protect=[args.graph])
+            write_json(args.json, evaluation_to_dict(result), protect=_inputs(args))
         if not args.quiet:
             _print(
                 format_evaluation(

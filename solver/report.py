@@ -42,7 +42,16 @@ def evaluation_to_dict(evaluation: Evaluation) -> dict[str, Any]:
         "fits": evaluation.fits,
         "iteration_ms": evaluation.iteration_ns / 1e6,
         "throughput": finite_or_none(evaluation.throughput),
+        "calibration": calibration_to_dict(evaluation),
     }
+
+
+def calibration_to_dict(evaluation: Evaluation) -> dict[str, Any] | None:
+    """The calibration the training options carry (scales per component, constant per GPU)."""
+    calibration = evaluation.training.calibration
+    if calibration is None:
+        return None
+    return {"scales": dict(calibration.scales), "constant_bytes": calibration.constant_bytes}
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
@@ -128,6 +137,8 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
         lines.append(
             "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
         )
+    if evaluation.training.calibration is not None:
+        lines.append(f"calibration: {evaluation.training.calibration.summary()}")
     share = 100 * evaluation.peak_bytes / cluster.gpu_memory_bytes
     verdict = "fits" if evaluation.fits else "DOES NOT FIT"
     lines.append(

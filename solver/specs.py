@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from solver.calibration import Calibration
 from solver.errors import InputError
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -87,6 +88,10 @@ class TrainingConfig:
     runtime: str = "megatron"
     """Pipeline runtime the plan is for: megatron (Megatron-LM / DeepSpeed: one receive buffer per
     direction) or torch (torch.distributed.pipelining: one per micro-batch, kept for the run)."""
+    calibration: Calibration | None = None
+    """Scales per memory component and a constant per GPU fitted to real runs
+    (``solver.calibration``, ``python -m profiling.calibrate``); None: the analytic model alone.
+    Hashable and compared on its scales and constant only, so this config stays hashable."""
 
     def __post_init__(self) -> None:
         _require(self.global_batch >= 1, f"global_batch must be >= 1, got {self.global_batch}")
@@ -126,6 +131,11 @@ class TrainingConfig:
         _require(
             self.max_slowdown is None or self.max_slowdown >= 1,
             f"max_slowdown must be >= 1 (1 = only the fastest plans), got {self.max_slowdown}",
+        )
+        _require(
+            self.calibration is None or isinstance(self.calibration, Calibration),
+            f"calibration must be a solver.calibration.Calibration or None, got "
+            f"{type(self.calibration).__name__}",
         )
 
 

@@ -57,3 +57,13 @@ def test_validate_rejects_a_file_that_is_not_a_plan(tmp_path, capsys):
     assert main([str(graph), "--model", "gpt-tiny"]) == 2
     err = capsys.readouterr().err
     assert "not a plan" in err and err.count("\n") == 1
+
+
+def test_validate_cuda_without_a_gpu_is_a_one_line_input_error(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    plan_path = write_plan(tmp_path)
+    assert main([str(plan_path), "--model", "gpt-tiny", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "device cuda: torch.cuda.is_available() is False" in err and err.count("\n") == 1
