@@ -154,6 +154,7 @@ def calibrate(
             micro_batch_sizes=(layout.micro_batch,),
             zero_stages=(layout.zero,),
             schedule=layout.schedule,
+            runtime="torch",  # what run_plan executes
             max_slowdown=None,
             tp=1,
             **layout.pins,

@@ -98,13 +98,14 @@ def memory_lower_bound(costs: LayerCosts) -> int:
 
     Every layer sits in some stage, whose peak is at least the layer's states, k_min stored
     micro-batches and its transient; and the p stage peaks together hold every layer's states and
-    at least k_min stored micro-batches of each, so the largest is >= their sum / p.
+    at least k_min stored micro-batches of each, so the largest is >= their sum / p. Plus a
+    calibration's constant, which every stage carries.
     """
     k_min = min(costs.in_flight)
     per_layer = costs.state_bytes + k_min * costs.stored_bytes
     single = int((per_layer + costs.transient_bytes).max())
     spread = -(-int(per_layer.sum()) // costs.num_stages)
-    return max(single, spread)
+    return costs.constant_bytes + max(single, spread)
 
 
 def time_lower_bound(costs: LayerCosts) -> int:

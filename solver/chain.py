@@ -132,6 +132,7 @@ class _Chain:
         self.edge_min = int(edges.min()) if len(edges) else 0
         self.receive_copies = np.asarray(costs.receive_copies, dtype=np.int64)  # R_s (cost model)
         self.send_copies = np.asarray(costs.send_copies, dtype=np.int64)  # S_s
+        self.constant_bytes = costs.constant_bytes  # a calibration's, on every stage
         transient = np.asarray(costs.transient_bytes, dtype=np.int64)
         self.transient_min = int(transient.min())
         self.transient_max = int(transient.max())
@@ -156,7 +157,7 @@ class _Chain:
     def boundary_floor(self, stage: int) -> int:
         """Smallest possible buffers + transient of a stage, bytes (the relaxation's constant)."""
         copies = self.receive_copies[stage] + self.send_copies[stage]
-        return int(copies) * self.edge_min + self.transient_min
+        return int(copies) * self.edge_min + self.transient_min + self.constant_bytes
 
     def transient(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """max transient[i..j] for each pair, bytes (sparse-table range maximum)."""
@@ -179,7 +180,7 @@ class _Chain:
         )
         value = value + self.receive_copies[stage] * self.edge_in[starts]
         value = value + self.send_copies[stage] * self.edge_out[ends]
-        return value + self.transient(starts, ends)
+        return value + self.transient(starts, ends) + self.constant_bytes
 
     def measure(self, starts: np.ndarray) -> tuple[int, int, int]:
         """(max peak bytes, max T_s ns, max AR_s ns) of a split given by its stage starts."""

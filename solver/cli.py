@@ -18,7 +18,7 @@ from typing import Any
 from solver.calibration import Calibration, load_calibration
 from solver.errors import InputError, PlannerError
 from solver.graph import load_graph
-from solver.specs import Cluster, ParallelConfig, TrainingConfig
+from solver.specs import RUNTIMES, Cluster, ParallelConfig, TrainingConfig
 from solver.units import parse_bytes
 
 
@@ -117,6 +117,14 @@ def _add_graph_and_cluster(parser: argparse.ArgumentParser) -> None:
         "--global-batch", type=positive_int, required=True, help="samples per optimizer step"
     )
     training.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    training.add_argument(
+        "--runtime",
+        choices=RUNTIMES,
+        default="megatron",
+        help="pipeline runtime whose boundary buffers to count: megatron (Megatron-LM, DeepSpeed: "
+        "one receive buffer per direction) or torch (torch.distributed.pipelining: one per "
+        "micro-batch, kept for the run; what profiling.run executes). Default megatron",
+    )
     training.add_argument(
         "--bytes-per-param",
         type=_int_list,
@@ -273,6 +281,7 @@ def plan_main(argv: list[str] | None = None) -> int:
             zero_stages=_zero_stages(args.zero),
             recompute=args.recompute,
             schedule=args.schedule,
+            runtime=args.runtime,
             pp=args.pp,
             tp=args.tp,
             dp=args.dp,
@@ -358,6 +367,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
             zero_stages=(args.zero,),
             recompute=args.recompute,
             schedule=args.schedule,
+            runtime=args.runtime,
             calibration=_calibration(args),
             **_bytes_per_param(args),
         )

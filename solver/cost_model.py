@@ -34,6 +34,12 @@ Memory of stage s (bytes per GPU):
               re-materialises its saved tensors while it runs
   peak_s    = states_s + acts_s + buffers_s + trans_s
 
+Calibrated (``TrainingConfig.calibration``, fitted by ``python -m profiling.calibrate``): each
+per-layer coefficient is multiplied by its component's scale and rounded up (weights, grads,
+optimizer, stored activations, transient; the edge bytes take the buffers scale, relays included),
+and the calibration's constant is added to every stage's peak. Without one, the formulas above hold
+exactly.
+
 Time (integer nanoseconds, rounded up per layer so that every backend sums the same integers):
   per-sample compute of a layer: fwd_ms + bwd_ms when measured, else
       (fwd_flops + bwd_flops) / (gpu_flops * flops_efficiency), bwd_flops defaulting to 2 fwd_flops
@@ -157,6 +163,8 @@ class LayerCosts:
     runtime's when not given)."""
     send_copies: list[int] = field(default_factory=list)
     """S_s for each stage: copies of a sent edge's bytes."""
+    constant_bytes: int = 0
+    """Added to every stage's peak (a calibration's constant per GPU), bytes."""
 
     def __post_init__(self) -> None:
         if not self.receive_copies and not self.send_copies:
@@ -240,18 +248,27 @@ def layer_costs(
     dp_sync_ns = np.ceil(sync_rounds * (d - 1) * params_times_t * g / (d * t * sync_bytes_per_ns))
     as_int = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
     receive_copies, send_copies = stage_boundary_copies(training.runtime, config)
+    calibration = training.calibration
+    scaled = (  # a calibration's scale per component, each coefficient rounded up
+        (lambda values, component: as_int(values))
+        if calibration is None
+        else lambda values, component: as_int(
+            np.ceil(np.asarray(values, dtype=float) * calibration.scale(component))
+        )
+    )
     return LayerCosts(
         config=config,
-        weight_bytes=as_int(weight),
-        grad_bytes=as_int(grad),
-        optimizer_bytes=as_int(optimizer),
-        stored_bytes=as_int(stored),
-        transient_bytes=as_int(transient),
+        weight_bytes=scaled(weight, "weights"),
+        grad_bytes=scaled(grad, "grads"),
+        optimizer_bytes=scaled(optimizer, "optimizer"),
+        stored_bytes=scaled(stored, "activations"),
+        transient_bytes=scaled(transient, "transient"),
         time_ns=as_int(time_ns),
         dp_sync_ns=as_int(dp_sync_ns),
         edge_src=cols["edge_src"],
         edge_dst=cols["edge_dst"],
-        edge_bytes=b * cols["edge_bytes"],
+        edge_bytes=scaled(b * cols["edge_bytes"], "buffers"),
+        constant_bytes=0 if calibration is None else calibration.constant_bytes,
         in_flight=[
             in_flight_microbatches(config.schedule, config.num_microbatches, config.pp, s)
             for s in range(config.pp)
@@ -309,11 +326,14 @@ class StageCost:
     time_ns: int
     """Per micro-batch, forward + backward (+ recompute)."""
     dp_sync_ns: int
+    constant_bytes: int = 0
+    """A calibration's constant per GPU (0 for the analytic model)."""
 
     @property
     def peak_bytes(self) -> int:
         return (
-            self.weight_bytes
+            self.constant_bytes
+            + self.weight_bytes
             + self.grad_bytes
             + self.optimizer_bytes
             + self.activation_bytes
@@ -329,7 +349,7 @@ class StageCost:
             "activations": self.activation_bytes,
             "buffers": self.buffer_bytes,
             "transient": self.transient_bytes,
-        }
+        } | ({"constant": self.constant_bytes} if self.constant_bytes else {})
 
 
 def stage_costs(costs: LayerCosts, stage_of_layer: list[int] | np.ndarray) -> list[StageCost]:
@@ -389,6 +409,7 @@ def stage_costs(costs: LayerCosts, stage_of_layer: list[int] | np.ndarray) -> li
                 in_flight=k,
                 time_ns=int(time_ns[s]),
                 dp_sync_ns=int(sync_ns[s]),
+                constant_bytes=costs.constant_bytes,
             )
         )
     return stages

@@ -193,6 +193,8 @@ class PrefixFormulation(abc.ABC):
         ]
         if self.vars.transient:
             terms.append(self.vars.transient[stage])
+        if costs.constant_bytes:
+            terms.append(self._bytes(costs.constant_bytes))
         return self._sum(terms)
 
     def _stage_sum(self, per_layer: np.ndarray, stage: int):

@@ -94,6 +94,7 @@ class MilpFormulation(PrefixFormulation):
                 costs.state_bytes + k * costs.stored_bytes,
                 costs.transient_bytes,
                 max(k, *costs.receive_copies, *costs.send_copies) * costs.edge_bytes,
+                [costs.constant_bytes],
                 [1],
             ]
         )

@@ -70,12 +70,14 @@ class Presolve:
             last_stage=last,
             max_span=spans,
             # one layer's own stage; the stage total averaged over p stages
-            peak_lb_bytes=max(
+            peak_lb_bytes=costs.constant_bytes
+            + max(
                 int((state + min_acts + transient).max(initial=0)),
                 _ceil_div(int(state.sum() + min_acts.sum() + transient.max(initial=0)), num_stages),
             ),
             peak_ub_bytes=int(
-                state.sum()
+                costs.constant_bytes
+                + state.sum()
                 + max(k) * stored.sum()
                 + transient.max(initial=0)
                 + (max(costs.receive_copies) + max(costs.send_copies) + max(k)) * edge_total

@@ -25,6 +25,7 @@ def evaluation_to_dict(evaluation: Evaluation) -> dict[str, Any]:
             "gpus_per_node": cluster.gpus_per_node,
         },
         "config": evaluation.config.to_dict(),
+        "runtime": evaluation.training.runtime,
         "stages": [
             {
                 "index": stage.index,
@@ -137,6 +138,8 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
         lines.append(
             "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
         )
+    if evaluation.training.runtime != "megatron":
+        lines.append(f"runtime: {evaluation.training.runtime} (its pipeline buffers are counted)")
     if evaluation.training.calibration is not None:
         lines.append(f"calibration: {evaluation.training.calibration.summary()}")
     share = 100 * evaluation.peak_bytes / cluster.gpu_memory_bytes

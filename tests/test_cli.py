@@ -281,3 +281,26 @@ def test_solver_runs_without_torch(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("pp")
+
+
+def test_runtime_torch_counts_a_receive_buffer_per_micro_batch(capsys, tmp_path):
+    """--runtime torch: R_s = m - k_s received and S_s = m + k_s sent copies of each boundary."""
+    peaks = {}
+    for runtime in ("megatron", "torch"):
+        out = tmp_path / f"{runtime}.json"
+        args = ("--gpus", "8", "--global-batch", "32", "--pp", "4", "--tp", "2")
+        code, text, _ = run_plan(capsys, GPT, *args, "--runtime", runtime, "--json", str(out))
+        assert code == 0
+        document = json.loads(out.read_text())
+        assert document["runtime"] == runtime
+        assert ("runtime: torch" in text) == (runtime == "torch")
+        peaks[runtime] = document
+    m = peaks["torch"]["config"]["num_microbatches"]
+    b = peaks["torch"]["config"]["micro_batch"]
+    boundary = json.loads(Path(GPT).read_text())["layers"][0]["output_bytes"] * b
+    for document, copies in (
+        (peaks["megatron"], lambda s: (s > 0) + (s < 3)),
+        (peaks["torch"], lambda s: (m - min(m, 4 - s)) * (s > 0) + (m + min(m, 4 - s)) * (s < 3)),
+    ):
+        for stage in document["stages"]:
+            assert stage["breakdown"]["buffers"] == copies(stage["index"]) * boundary

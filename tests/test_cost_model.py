@@ -12,6 +12,7 @@ from solver.cost_model import (
     stage_costs,
     throughput,
 )
+from solver.calibration import Calibration
 from solver.errors import InputError
 from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
@@ -191,3 +192,54 @@ def test_inter_node_bandwidth_for_wide_data_parallel_groups():
     costs = layer_costs(GRAPH, config, Cluster(num_gpus=16), TrainingConfig(global_batch=8))
     # t d = 16 > 8 GPUs per node: 2 * 7/8 * 700 * 2 B at 50 GB/s
     assert costs.dp_sync_ns[0] == 49  # ceil(2450 / 50)
+
+
+def test_calibration_scales_each_coefficient_and_adds_the_constant():
+    scales = {"weights": 1.5, "grads": 1.0, "optimizer": 1.0}
+    scales |= {"activations": 0.5, "buffers": 2.0, "transient": 3.0}
+    calibration = Calibration(scales=scales, constant_bytes=1000)
+    training = TrainingConfig(
+        global_batch=CONFIG.global_batch, runtime="torch", calibration=calibration
+    )
+    analytic = stage_costs(costs_for(CONFIG), SPLIT)
+    calibrated = stage_costs(layer_costs(GRAPH, CONFIG, CLUSTER, training), SPLIT)
+    for plain, scaled in zip(analytic, calibrated, strict=True):
+        before, after = plain.breakdown(), scaled.breakdown()
+        assert after.pop("constant") == 1000 and "constant" not in before
+        # the layers' terms scale one by one (rounded up; here every product is whole) ...
+        expected = {name: int(value * scales[name]) for name, value in before.items()}
+        if plain.index == 1:  # ... and the relayed skip edge (k_1 x 2 x 5) takes the edge scale
+            expected["activations"] = int(0.5 * (540 - 20) + 2.0 * 20)
+        assert after == expected
+        assert scaled.peak_bytes == sum(after.values()) + 1000
+
+
+@pytest.mark.parametrize("backend", ["chain", "cpsat", "milp"])
+def test_backends_plan_with_the_calibration(backend):
+    """Every backend optimises the calibrated peaks: the same optimum as brute force."""
+    from solver.backends import solve
+    from solver.brute_force import solve_brute_force
+    from solver.problem import StageProblem
+
+    chain = graph_from_dict(
+        {
+            "format": "layer-graph",
+            "version": 1,
+            "model": "chain",
+            "layers": [
+                {"name": f"l{i}", "params": p, "activation_bytes": a, "output_bytes": o}
+                for i, (p, a, o) in enumerate([(900, 10, 40), (100, 90, 5), (300, 60, 30)] * 2)
+            ],
+        }
+    )
+    config = ParallelConfig(pp=3, tp=1, dp=1, micro_batch=1, num_microbatches=4)
+    calibration = Calibration(
+        scales={"weights": 0.2, "activations": 4.0, "buffers": 3.0}, constant_bytes=-50
+    )
+    training = TrainingConfig(global_batch=4, runtime="torch", calibration=calibration)
+    problem = StageProblem(costs=layer_costs(chain, config, CLUSTER, training))
+    solution = solve(problem, backend, time_limit_s=60)
+    best = solve_brute_force(problem)
+    assert solution.objective == best.objective
+    peaks = [s.peak_bytes for s in stage_costs(problem.costs, solution.stage_of_layer)]
+    assert max(peaks) == best.objective
