@@ -371,6 +371,7 @@ def test_calibrate_end_to_end_on_two_configurations(tmp_path, capsys):
                     global_batch=layout.global_batch,
                     micro_batch_sizes=(layout.micro_batch,),
                     schedule=layout.schedule,
+                    runtime="torch",
                     max_slowdown=None,
                     tp=1,
                     **layout.pins,

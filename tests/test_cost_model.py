@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from solver.calibration import Calibration
 from solver.cost_model import (
     boundary_copies,
     in_flight_microbatches,
@@ -12,7 +13,6 @@ from solver.cost_model import (
     stage_costs,
     throughput,
 )
-from solver.calibration import Calibration
 from solver.errors import InputError
 from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
