@@ -55,11 +55,12 @@ class Layout(NamedTuple):
     label: str
     num_gpus: int
     pins: dict[str, int]
-    """Pinned degrees, e.g. {"pp": 2, "dp": 2}; tp is always 1 (run_plan's CPU runs)."""
+    """Pinned degrees, e.g. {"pp": 2, "dp": 2} or {"pp": 2, "tp": 2}; tp defaults to 1."""
     global_batch: int
     micro_batch: int
     schedule: str
     zero: int = 0
+    recompute: str = "none"
 
 
 LAYOUTS = (
@@ -153,11 +154,11 @@ def calibrate(
             global_batch=layout.global_batch,
             micro_batch_sizes=(layout.micro_batch,),
             zero_stages=(layout.zero,),
+            recompute=layout.recompute,
             schedule=layout.schedule,
             runtime="torch",  # what run_plan executes
             max_slowdown=None,
-            tp=1,
-            **layout.pins,
+            **{"tp": 1, **layout.pins},
             **FP32_ADAM,
         )
         chosen = plan(
@@ -237,12 +238,12 @@ def _layout(item: Layout | tuple) -> Layout:
     except TypeError:
         raise InputError(
             f"calibrate: configuration {item!r}: give (label, num_gpus, pins, global_batch, "
-            "micro_batch, schedule[, zero])"
+            "micro_batch, schedule[, zero[, recompute]])"
         ) from None
-    if not isinstance(layout.pins, dict) or set(layout.pins) - {"pp", "dp"}:
+    if not isinstance(layout.pins, dict) or set(layout.pins) - {"pp", "dp", "tp"}:
         raise InputError(
-            f"calibrate: configuration {layout.label!r}: pins {layout.pins!r} may only pin pp "
-            "and dp (runs use tp=1)"
+            f"calibrate: configuration {layout.label!r}: pins {layout.pins!r} may only pin pp, "
+            "dp and tp"
         )
     return layout
 

@@ -11,6 +11,8 @@ Memory of stage s (bytes per GPU):
   P'_l = (params - tp_params) + tp_params / t                        parameters held per GPU
   A'_l = (activation_bytes - tp_activation_bytes) + tp_act / t        saved bytes per sample per GPU
   states_s  = sum_l P'_l (w / d[z>=3] + g / d[z>=2] + o / d[z>=1])  each term rounded up per layer
+              (+ w P'_l / d with ZeRO-2 on the torch runtime: FSDP2 keeps the sharded parameters
+              next to the gathered ones)
   k_s       = min(m, p - s) under 1F1B, m under GPipe                  micro-batches in flight
   stored_l  = b A'_l, or b output_bytes_l with full recomputation     per micro-batch, rounded up
   relay     = b bytes of every edge u->v with stage(u) < s < stage(v)  (passed along by stage s)
@@ -216,6 +218,9 @@ def layer_costs(
         "tp_activation_bytes"
     ]
     weight = _ceil_div(params_times_t * w, t * (d if z >= 3 else 1))
+    if z == 2 and d > 1 and training.runtime == "torch":
+        # FSDP2 keeps the sharded parameters next to the gathered ones
+        weight = weight + _ceil_div(params_times_t * w, t * d)
     grad = _ceil_div(params_times_t * g, t * (d if z >= 2 else 1))
     optimizer = _ceil_div(params_times_t * o, t * (d if z >= 1 else 1))
     grad_temporary = g * np.maximum(cols["largest_param"], _ceil_div(cols["largest_tp_param"], t))

@@ -336,7 +336,7 @@ def test_calibrate_cli_unknown_model_and_missing_folder(tmp_path, capsys):
     [
         ([], "no configurations given"),
         ([("pp2", 2)], "give (label, num_gpus, pins, global_batch"),
-        ([("tp2", 2, {"tp": 2}, 8, 2, "1f1b")], "may only pin pp and dp"),
+        ([("sp2", 2, {"sp": 2}, 8, 2, "1f1b")], "may only pin pp, dp and tp"),
         ([calibrate_cli.LAYOUTS[0], calibrate_cli.LAYOUTS[0]], "labels must be unique"),
     ],
 )
