@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import multiprocessing.connection
 import os
@@ -402,16 +403,14 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
         submod = apply_data_parallel(stage_module, layer_modules, mesh, zero, device)
         tracker.track_module(stage_module)  # the shards are the weights now (TP, FSDP2)
         tracker.track_grads(stage_module)
+        shapes = {"input_args": stage_input, "output_args": stage_output}
+        if "output_grads" in inspect.signature(PipelineStage).parameters:  # torch >= 2.12
+            shapes |= {
+                "output_grads": None if last else stage_output,
+                "input_grads": None if first else stage_input,
+            }
         stage = PipelineStage(
-            submod,
-            stage_index,
-            pp,
-            device,
-            input_args=stage_input,
-            output_args=stage_output,
-            output_grads=None if last else stage_output,
-            input_grads=None if first else stage_input,
-            group=mesh["pp"].get_group(),
+            submod, stage_index, pp, device, group=mesh["pp"].get_group(), **shapes
         )
         head = model.get_submodule(head_path) if last else None
         schedule_class = Schedule1F1B if config["schedule"] == "1f1b" else ScheduleGPipe
