@@ -35,6 +35,7 @@ from solver.calibration import (
 )
 from solver.cli import OneLineErrorParser, positive_int
 from solver.errors import InputError, PlannerError
+from solver.specs import TrainingConfig
 
 SMALL_GPT = {
     "layers": 6,
@@ -61,6 +62,20 @@ class Layout(NamedTuple):
     schedule: str
     zero: int = 0
     recompute: str = "none"
+
+    def training(self) -> TrainingConfig:
+        """The planner's options for this layout: pinned degrees, fp32 + Adam, torch runtime."""
+        return TrainingConfig(
+            global_batch=self.global_batch,
+            micro_batch_sizes=(self.micro_batch,),
+            zero_stages=(self.zero,),
+            recompute=self.recompute,
+            schedule=self.schedule,
+            runtime="torch",  # what run_plan executes
+            max_slowdown=None,
+            **{"tp": 1, **self.pins},
+            **FP32_ADAM,
+        )
 
 
 LAYOUTS = (
@@ -135,7 +150,7 @@ def calibrate(
 
     from profiling.export import export_graph
     from profiling.run import run_plan
-    from solver import Cluster, TrainingConfig, plan
+    from solver import Cluster, plan
     from solver.report import plan_to_dict
 
     layouts = [_layout(item) for item in configs]
@@ -150,20 +165,8 @@ def calibrate(
     runs: list[tuple[Layout, str, Any]] = []
     described = []
     for layout in layouts:
-        training = TrainingConfig(
-            global_batch=layout.global_batch,
-            micro_batch_sizes=(layout.micro_batch,),
-            zero_stages=(layout.zero,),
-            recompute=layout.recompute,
-            schedule=layout.schedule,
-            runtime="torch",  # what run_plan executes
-            max_slowdown=None,
-            **{"tp": 1, **layout.pins},
-            **FP32_ADAM,
-        )
-        chosen = plan(
-            graph, Cluster(num_gpus=layout.num_gpus, gpus_per_node=layout.num_gpus), training
-        )
+        cluster = Cluster(num_gpus=layout.num_gpus, gpus_per_node=layout.num_gpus)
+        chosen = plan(graph, cluster, layout.training())
         split = "/".join(str(len(stage.layers)) for stage in chosen.stages)
         if progress:
             progress(f"running {layout.label} ({chosen.config.num_gpus} ranks, split {split})")

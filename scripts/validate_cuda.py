@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from tables import markdown_table  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
-from profiling.calibrate import FP32_ADAM, SMALL_GPT, Layout  # noqa: E402
+from profiling.calibrate import SMALL_GPT, Layout  # noqa: E402
 
 SEQ = 512
 """Sequence length of the CUDA runs (the preset's own would make gpt2-small's logits dominate)."""
@@ -60,7 +60,7 @@ def main() -> int:
 
     from profiling.export import export_graph
     from profiling.run import run_plan
-    from solver import Cluster, TrainingConfig, plan
+    from solver import Cluster, plan
     from solver.report import plan_to_dict
 
     cuda = args.device == "cuda"
@@ -78,18 +78,7 @@ def main() -> int:
         if needs > gpus:
             print(f"skip {layout.label}: needs {needs} GPUs, {gpus} here", flush=True)
             continue
-        training = TrainingConfig(
-            global_batch=layout.global_batch,
-            micro_batch_sizes=(layout.micro_batch,),
-            zero_stages=(layout.zero,),
-            recompute=layout.recompute,
-            schedule=layout.schedule,
-            runtime="torch",
-            max_slowdown=None,
-            **{"tp": 1, "dp": 1, **layout.pins},
-            **FP32_ADAM,
-        )
-        chosen = plan(graph, Cluster(num_gpus=needs, gpus_per_node=max(needs, 1)), training)
+        chosen = plan(graph, Cluster(num_gpus=needs, gpus_per_node=needs), layout.training())
         split = "/".join(str(len(stage.layers)) for stage in chosen.stages)
         print(f"running {layout.label} (split {split})", flush=True)
         reports = run_plan(

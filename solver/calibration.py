@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from solver.errors import InputError
+from solver.jsonfile import read_json
 
 COMPONENTS = ("weights", "grads", "optimizer", "activations", "buffers", "transient")
 """The keys of ``StageCost.breakdown()``; a calibration scales each one."""
@@ -165,18 +166,7 @@ def write_calibration(path: str | Path, calibration: Calibration, *, force: bool
 def load_calibration(path: str | Path) -> Calibration:
     """Read a calibration file; every problem is a one-line ``InputError`` naming the field."""
     fix = "write one with python -m profiling.calibrate"
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise InputError(f"{path}: calibration file not found; {fix}") from None
-    except OSError as error:
-        raise InputError(f"{path}: cannot read the calibration file ({error.strerror})") from None
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise InputError(
-            f"{path}: not valid JSON (line {error.lineno}: {error.msg}); {fix}"
-        ) from None
+    document = read_json(path, kind="calibration", fix=fix)
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise InputError(f'{path}: not a calibration file (expected "format": "{FORMAT}"); {fix}')
     if document.get("version") != VERSION:

@@ -20,6 +20,7 @@ import jsonschema
 import networkx as nx
 
 from solver.errors import InputError
+from solver.jsonfile import read_json
 
 INTEGER_FIELDS = (
     "params",
@@ -177,23 +178,9 @@ def load_graph(source: str | Path | dict[str, Any]) -> LayerGraph:
     """
     if isinstance(source, dict):
         return graph_from_dict(source, origin="<dict>")
-    path = Path(source)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise InputError(
-            f"{path}: file not found; pass the path of a layer-graph JSON file"
-        ) from None
-    except OSError as error:
-        raise InputError(f"{path}: cannot read ({error.strerror})") from None
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise InputError(
-            f"{path}: not valid JSON (line {error.lineno}, column {error.colno}: {error.msg}); "
-            "fix the syntax"
-        ) from None
-    return graph_from_dict(document, origin=str(path))
+    fix = "pass the path of a layer-graph JSON file"
+    document = read_json(source, kind="layer-graph", fix=fix)
+    return graph_from_dict(document, origin=str(source))
 
 
 def graph_from_dict(document: Any, *, origin: str = "<dict>") -> LayerGraph:
