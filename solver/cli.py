@@ -78,14 +78,34 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def size_list(text: str) -> list[int]:
+    """'40GiB,80GiB' -> sizes in bytes; empty items and bad sizes are errors."""
+    parts = [part.strip() for part in text.split(",")]
+    if not text.strip() or any(not part for part in parts):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated sizes like 40GiB,80GiB, got {text!r}"
+        )
+    return [_size(part) for part in parts]
+
+
 def _add_graph_and_cluster(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("graph", help="layer-graph JSON file (docs/layer-graph.md)")
+    add_cluster_options(parser)
+    add_training_options(parser)
+    parser.add_argument("--json", metavar="OUT", help="also write the result as JSON to OUT")
+    parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
+
+
+def add_cluster_options(parser: argparse.ArgumentParser, *, memory_list: bool = False) -> None:
+    """--gpu-memory and the other Cluster fields but the GPU count; ``memory_list``: --gpu-memory
+    takes comma-separated sizes (``args.gpu_memory`` is then a list)."""
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument(
         "--gpu-memory",
-        type=_size,
-        default=80 * 2**30,
-        help="memory per GPU, e.g. 80GiB, 40GB (default 80GiB)",
+        type=size_list if memory_list else _size,
+        default=[80 * 2**30] if memory_list else 80 * 2**30,
+        help="memory per GPU, e.g. 80GiB, 40GB (default 80GiB)"
+        + ("; several: 40GiB,80GiB" if memory_list else ""),
     )
     cluster.add_argument("--gpus-per-node", type=positive_int, default=8)
     cluster.add_argument(
@@ -112,6 +132,10 @@ def _add_graph_and_cluster(parser: argparse.ArgumentParser) -> None:
         default=50.0,
         help="per-GPU inter-node bandwidth, GB/s (default 50)",
     )
+
+
+def add_training_options(parser: argparse.ArgumentParser) -> None:
+    """--global-batch, --schedule, --runtime, --bytes-per-param, --calibration."""
     training = parser.add_argument_group("training")
     training.add_argument(
         "--global-batch", type=positive_int, required=True, help="samples per optimizer step"
@@ -137,14 +161,14 @@ def _add_graph_and_cluster(parser: argparse.ArgumentParser) -> None:
         help="calibration JSON from python -m profiling.calibrate (scales per memory component "
         "and a constant per GPU); default: the analytic model alone",
     )
-    parser.add_argument("--json", metavar="OUT", help="also write the result as JSON to OUT")
-    parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
 
 
-def _cluster(args: argparse.Namespace, num_gpus: int) -> Cluster:
+def _cluster(
+    args: argparse.Namespace, num_gpus: int, gpu_memory_bytes: int | None = None
+) -> Cluster:
     return Cluster(
         num_gpus=num_gpus,
-        gpu_memory_bytes=args.gpu_memory,
+        gpu_memory_bytes=args.gpu_memory if gpu_memory_bytes is None else gpu_memory_bytes,
         gpus_per_node=args.gpus_per_node,
         gpu_flops=args.gpu_tflops * 1e12,
         flops_efficiency=min(args.flops_efficiency, 1.0),
@@ -209,6 +233,14 @@ def plan_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--gpus", type=positive_int, required=True, help="number of GPUs")
     _add_graph_and_cluster(parser)
+    add_plan_options(parser)
+    return parser
+
+
+def add_plan_options(parser: argparse.ArgumentParser, *, cpsat_workers: bool = True) -> None:
+    """Search space (--micro-batch, --zero, --recompute, --pp/--tp/--dp), objective and
+    constraints, and solver options (--backend, --time-limit, and --workers unless
+    ``cpsat_workers`` is False)."""
     search = parser.add_argument_group("search space")
     search.add_argument(
         "--micro-batch",
@@ -261,10 +293,33 @@ def plan_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="wall-clock limit for the whole search, seconds (default 60)",
     )
-    solver.add_argument(
-        "--workers", type=positive_int, default=1, help="CP-SAT worker threads (1 = deterministic)"
+    if cpsat_workers:
+        solver.add_argument(
+            "--workers",
+            type=positive_int,
+            default=1,
+            help="CP-SAT worker threads (1 = deterministic)",
+        )
+
+
+def training_from_args(args: argparse.Namespace) -> TrainingConfig:
+    """The TrainingConfig of add_training_options + add_plan_options flags (loads --calibration)."""
+    return TrainingConfig(
+        global_batch=args.global_batch,
+        micro_batch_sizes=tuple(args.micro_batch),
+        zero_stages=_zero_stages(args.zero),
+        recompute=args.recompute,
+        schedule=args.schedule,
+        runtime=args.runtime,
+        pp=args.pp,
+        tp=args.tp,
+        dp=args.dp,
+        min_throughput=args.min_throughput,
+        max_slowdown=args.max_slowdown,
+        objective=args.objective,
+        calibration=_calibration(args),
+        **_bytes_per_param(args),
     )
-    return parser
 
 
 def plan_main(argv: list[str] | None = None) -> int:
@@ -275,22 +330,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         from solver.report import format_plan, plan_to_dict
 
         graph = load_graph(args.graph)
-        training = TrainingConfig(
-            global_batch=args.global_batch,
-            micro_batch_sizes=tuple(args.micro_batch),
-            zero_stages=_zero_stages(args.zero),
-            recompute=args.recompute,
-            schedule=args.schedule,
-            runtime=args.runtime,
-            pp=args.pp,
-            tp=args.tp,
-            dp=args.dp,
-            min_throughput=args.min_throughput,
-            max_slowdown=args.max_slowdown,
-            objective=args.objective,
-            calibration=_calibration(args),
-            **_bytes_per_param(args),
-        )
+        training = training_from_args(args)
         result = plan(
             graph,
             _cluster(args, args.gpus),
