@@ -10,14 +10,13 @@ Exit codes: 0 within tolerance, 2 bad input, 5 a rank failed or timed out, 6 err
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
 from profiling.export import parse_overrides
 from solver.cli import OneLineErrorParser, positive_int, write_json
 from solver.errors import InputError, PlannerError
+from solver.jsonfile import read_json
 
 TOLERANCE_EXCEEDED = 6
 
@@ -62,12 +61,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def load_plan(path: str) -> dict:
-    try:
-        plan = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise InputError(f"{path}: file not found; pass a plan from solver.plan --json") from None
-    except json.JSONDecodeError as error:
-        raise InputError(f"{path}: not valid JSON (line {error.lineno}: {error.msg})") from None
+    plan = read_json(path, kind="plan", fix="pass a plan from solver.plan --json")
     if not isinstance(plan, dict) or plan.get("format") != "plan":
         raise InputError(
             f'{path}: not a plan (expected "format": "plan" as written by '
@@ -82,6 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         from profiling.run import format_reports, run_plan
 
         plan = load_plan(args.plan)
+        if plan.get("runtime", "megatron") != "torch":
+            print(
+                f"note: {args.plan} was planned for the {plan.get('runtime', 'megatron')} runtime; "
+                "this run uses torch.distributed.pipelining, which keeps more boundary buffers "
+                "(plan with --runtime torch to compare like for like)",
+                file=sys.stderr,
+            )
         reports = run_plan(
             args.model,
             plan,
