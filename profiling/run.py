@@ -32,15 +32,24 @@ gpt-tiny the measured weights equal the prediction to the byte (tests). See
 
 Data parallelism over ``dp > 1`` by ZeRO stage: 0 DDP; 1 DDP + ``ZeroRedundancyOptimizer`` (Adam
 state sharded); 2 FSDP2 ``fully_shard(reshard_after_forward=False)`` (gradients and Adam state
-sharded; weights gathered for the step); 3 FSDP2 ``fully_shard`` (one unit per layer plus the
-stage). torch's ``PipelineStage`` defers resharding to the end of the step, so with pp the
-gathered weights stay from the first forward on under ZeRO-3 as well. With tp > 1, zero 0 uses
+sharded; each layer's weights gathered from its forward to its backward); 3 FSDP2
+``fully_shard`` (one unit per layer plus the stage). For 2 and 3 the stage reaches
+``PipelineStage`` inside a plain ``nn.Sequential``: given an FSDP module it would turn gradient
+sync and resharding off until the last micro-batch, so every layer reduce-scatters its gradients
+and reshards after each backward, as ZeRO and the cost model assume. With tp > 1, zero 0 uses
 FSDP2's ``replicate`` (DDP does not take DTensor parameters) and zero 1 is an ``InputError``
 (``ZeroRedundancyOptimizer`` cannot shard DTensor parameters).
 
 Recompute ``"full"``: every layer of the stage, the head included, runs under non-reentrant
 ``torch.utils.checkpoint``: only layer inputs (the cost model's stored output bytes) stay between
 forward and backward, and one layer's saved tensors are re-materialised at a time.
+
+Runtime choices the cost model's ``--runtime torch`` describes (``docs/cost-model.md``): each stage
+gets static input/output shapes (left to infer them, ``PipelineStage`` runs a real forward and
+backward of the first micro-batch whose graph partly stays alive on torch 2.13), the schedule runs
+with ``return_outputs=False`` (else the last stage keeps every micro-batch's output), gradients
+persist between steps (``zero_grad(set_to_none=False)``, as Megatron's and DeepSpeed's buffers do)
+and DDP keeps them in its buckets (``gradient_as_bucket_view``: no second copy).
 
 Memory: ``profiling.memory.LiveTensorTracker`` (exact live storage bytes) is active from before
 the parallel wrappers, the stage and the optimizer are built; its peak is reset at the start of
