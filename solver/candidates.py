@@ -56,6 +56,8 @@ def candidate_configs(
             dp = cluster.num_gpus // (pp * tp)
             if training.dp not in (None, dp):
                 continue
+            if training.memory_model == "empirical" and tp * dp > 1:
+                continue  # the statistics describe one pipeline (CAPSlog): tp = dp = 1
             zero_stages = (
                 sorted(set(training.zero_stages)) if dp > 1 else [min(training.zero_stages)]
             )

@@ -70,6 +70,11 @@ class Layer:
     """Elements of the layer's largest parameter tensor that is not split across TP ranks."""
     largest_tp_param: int = 0
     """Elements of its largest TP-split parameter tensor (before the split)."""
+    mem_isolated: int | None = None
+    """Empirical (mCAP/CAPSlog): peak bytes of a GPU holding only this layer, measured at the
+    target GPU count; used with ``memory_model="empirical"``."""
+    mem_added: int | None = None
+    """Empirical: extra peak bytes when this layer joins a stage after its first layer."""
     kind: str | None = None
     """embedding | block | head | other; None means inferred from the name."""
 
@@ -228,6 +233,9 @@ def _check_schema(document: Any, origin: str) -> None:
 
 def _layer_from_dict(item: dict[str, Any]) -> Layer:
     values = {key: (int(value) if key in INTEGER_FIELDS else value) for key, value in item.items()}
+    for key in ("mem_isolated", "mem_added"):
+        if values.get(key) is not None:
+            values[key] = int(values[key])
     for key in ("fwd_flops", "bwd_flops", "fwd_ms", "bwd_ms"):
         if values.get(key) is not None:
             values[key] = float(values[key])
@@ -260,6 +268,17 @@ def _check_layers(layers: list[Layer], origin: str) -> None:
                     f"{'split' if 'tp' in part else 'unsplit'} parameters ({total}) of layer "
                     f"{layer.name!r}; it is the size of one parameter tensor of the layer"
                 )
+        if (layer.mem_isolated is None) != (layer.mem_added is None):
+            raise InputError(
+                f"{origin}: $.layers[{i}]: layer {layer.name!r} has only one of "
+                "mem_isolated/mem_added; give both empirical statistics or neither"
+            )
+        if layer.mem_isolated is not None and layer.mem_isolated < layer.mem_added:
+            raise InputError(
+                f"{origin}: $.layers[{i}].mem_isolated: {layer.mem_isolated} is below mem_added "
+                f"({layer.mem_added}) of layer {layer.name!r}; a stage's first layer holds at "
+                "least what the layer adds to a stage"
+            )
         if (layer.fwd_ms is None) != (layer.bwd_ms is None):
             raise InputError(
                 f"{origin}: $.layers[{i}]: layer {layer.name!r} has only one of fwd_ms/bwd_ms; "

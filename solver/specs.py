@@ -17,6 +17,7 @@ SCHEDULES = ("1f1b", "gpipe")
 RECOMPUTE_CHOICES = ("none", "full", "auto")
 OBJECTIVES = ("memory", "throughput")
 RUNTIMES = ("megatron", "torch")
+MEMORY_MODELS = ("analytic", "empirical")
 """Pipeline runtimes whose boundary buffers the cost model knows (``boundary_copies``)."""
 
 
@@ -85,6 +86,10 @@ class TrainingConfig:
     """Plan may be at most this many times slower than the fastest plan that fits (None: off)."""
     objective: str = "memory"
     """memory: minimise the largest per-GPU peak; throughput: fastest plan that fits."""
+    memory_model: str = "analytic"
+    """analytic: the cost model's terms; empirical: the graph's per-layer mem_isolated/mem_added
+    statistics (mCAP/CAPSlog): a stage holds mem_isolated of its first layer + mem_added of the
+    others. Pipeline-only configurations (tp = dp = 1) of chain graphs."""
     runtime: str = "megatron"
     """Pipeline runtime the plan is for: megatron (Megatron-LM / DeepSpeed: one receive buffer per
     direction) or torch (torch.distributed.pipelining: one per micro-batch, kept for the run)."""
@@ -110,6 +115,10 @@ class TrainingConfig:
         _require(
             self.schedule in SCHEDULES,
             f"schedule must be one of {SCHEDULES}, got {self.schedule!r}",
+        )
+        _require(
+            self.memory_model in MEMORY_MODELS,
+            f"memory_model must be one of {MEMORY_MODELS}, got {self.memory_model!r}",
         )
         _require(
             self.runtime in RUNTIMES,
