@@ -192,6 +192,26 @@ def _inputs(args: argparse.Namespace) -> list[str]:
     return [args.graph] + ([args.calibration] if args.calibration else [])
 
 
+def _add_plot(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also draw per-stage memory next to the even split of the same config "
+        "(.png, .pdf or .svg; solver/plots.py)",
+    )
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Fail on a bad --plot path (or --plot = --json) before any work."""
+    if args.plot is None:
+        return
+    from solver.plots import check_plot_path
+
+    check_plot_path(args.plot, protect=_inputs(args))
+    if args.json and Path(args.json).resolve() == Path(args.plot).resolve():
+        raise InputError(f"--plot {args.plot}: same file as --json; choose another path")
+
+
 def _calibration(args: argparse.Namespace) -> Calibration | None:
     return None if args.calibration is None else load_calibration(args.calibration)
 
@@ -232,6 +252,7 @@ def plan_parser() -> argparse.ArgumentParser:
         "largest per-GPU peak memory, with a proof of optimality.",
     )
     parser.add_argument("--gpus", type=positive_int, required=True, help="number of GPUs")
+    _add_plot(parser)
     _add_graph_and_cluster(parser)
     add_plan_options(parser)
     return parser
@@ -329,6 +350,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         from solver.planner import plan
         from solver.report import format_plan, plan_to_dict
 
+        _check_outputs(args)
         graph = load_graph(args.graph)
         training = training_from_args(args)
         result = plan(
@@ -341,6 +363,10 @@ def plan_main(argv: list[str] | None = None) -> int:
         )
         if args.json:
             write_json(args.json, plan_to_dict(result), protect=_inputs(args))
+        if args.plot:
+            from solver.plots import plot_plan
+
+            plot_plan(result.evaluation, args.plot, baseline=result.baselines.get("even"))
         if not args.quiet:
             _print(format_plan(result))
     except PlannerError as error:
@@ -365,6 +391,7 @@ def evaluate_parser() -> argparse.ArgumentParser:
         required=True,
         help="even | parameters | layer counts per stage (5,7,7,5) | a stage index per layer",
     )
+    _add_plot(parser)
     _add_graph_and_cluster(parser)
     return parser
 
@@ -375,6 +402,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
         from solver.evaluation import evaluate
         from solver.report import evaluation_to_dict, format_evaluation
 
+        _check_outputs(args)
         graph = load_graph(args.graph)
         if args.global_batch % (args.dp * args.micro_batch):
             raise InputError(
@@ -416,6 +444,8 @@ def evaluate_main(argv: list[str] | None = None) -> int:
         )
         if args.json:
             write_json(args.json, evaluation_to_dict(result), protect=_inputs(args))
+        if args.plot:
+            _plot_evaluation(result, args.plot)
         if not args.quiet:
             _print(
                 format_evaluation(
@@ -426,3 +456,15 @@ def evaluate_main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: {error}\n")
         return error.exit_code
     return 0
+
+
+def _plot_evaluation(result: Any, path: str) -> None:
+    """The evaluated split next to the even split of the same config (alone when it is even)."""
+    from solver.evaluation import evaluate
+    from solver.plots import plot_plan
+
+    even = evaluate(
+        result.graph, result.config, "even", cluster=result.cluster, training=result.training
+    )
+    baseline = None if even.stage_of_layer == result.stage_of_layer else even
+    plot_plan(result, path, baseline=baseline)

@@ -1,0 +1,347 @@
+"""Pictures of plans, sweeps and Pareto fronts (matplotlib, Agg, written to a file; display only).
+
+matplotlib is imported inside the functions, so ``import solver`` stays light. Figures are built
+with ``matplotlib.figure.Figure`` on an Agg canvas (no pyplot global state, no display) and written
+atomically: a temporary file in the target folder, then a rename. Every size axis is in GiB.
+
+Call :func:`check_plot_path` before any work, so a bad path fails in one line at once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from solver.errors import InputError
+from solver.units import format_bytes
+
+GIB = 2**30
+PLOT_FORMATS = ("png", "pdf", "svg")
+DPI = 100
+
+COMPONENTS = (
+    ("weights", "weights", "#4c72b0"),
+    ("grads", "gradients", "#55a868"),
+    ("optimizer", "optimizer states", "#8172b2"),
+    ("activations", "activations", "#dd8452"),
+    ("buffers", "boundary buffers", "#937860"),
+    ("transient", "transient", "#da8bc3"),
+    ("constant", "calibration constant", "#8c8c8c"),
+)
+"""(breakdown key, legend label, colour) of each stacked segment, bottom to top."""
+CAPACITY_COLOUR = "#c44e52"
+
+
+def check_plot_path(path: str | os.PathLike, *, protect: Iterable[str] = ()) -> Path:
+    """The plot path, or InputError (one line) for a missing folder, an unsupported extension,
+    a folder in its place, or one of the input files ``protect``."""
+    target = Path(path)
+    extension = target.suffix.lower().lstrip(".")
+    if extension not in PLOT_FORMATS:
+        raise InputError(
+            f"--plot {path}: unsupported extension {target.suffix or '(none)'!r}; "
+            f"use {', '.join('.' + name for name in PLOT_FORMATS)}"
+        )
+    if not target.parent.exists():
+        raise InputError(f"--plot {path}: folder {target.parent} does not exist; create it first")
+    if target.is_dir():
+        raise InputError(f"--plot {path}: is a folder; give a file name")
+    for given in protect:
+        if target.exists() and Path(given).exists() and target.resolve() == Path(given).resolve():
+            raise InputError(f"--plot {path}: is an input file; choose another output path")
+    return target
+
+
+def plot_plan(
+    evaluation: Any,
+    path: str | os.PathLike,
+    *,
+    baseline: Any | None = None,
+    title: str | None = None,
+) -> Path:
+    """Per-stage stacked peak memory of ``evaluation`` (a ``solver.Evaluation``) with the GPU
+    capacity line; with ``baseline`` (the even split of the same config) a second panel on the
+    same y scale. Returns the path written."""
+    target = check_plot_path(path)
+    panels = [("plan", evaluation)] + ([] if baseline is None else [("even split", baseline)])
+    figure, axes = _figure(1, len(panels), width=1.0 + 5.5 * len(panels), height=4.8, sharey=True)
+    capacity = evaluation.cluster.gpu_memory_bytes
+    top = max(capacity, *(ev.peak_bytes for _, ev in panels))
+    for ax, (name, ev) in zip(axes, panels, strict=True):
+        _stage_bars(ax, ev)
+        ax.axhline(capacity / GIB, color=CAPACITY_COLOUR, linestyle="--", linewidth=1.5)
+        verdict = "fits" if ev.fits else "does not fit"
+        ax.set_title(f"{name}: peak {format_bytes(ev.peak_bytes)} ({verdict})", fontsize=10)
+        ax.set_xlabel("pipeline stage")
+        ax.set_ylim(0, 1.1 * top / GIB)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("peak memory per GPU (GiB)")
+    handles, labels = _component_legend(axes[0], capacity)
+    columns = len(labels) if len(panels) > 1 else math.ceil(len(labels) / 2)
+    figure.legend(handles, labels, loc="outside lower center", ncols=columns, fontsize=8)
+    config, graph = evaluation.config, evaluation.graph
+    heading = f"{graph.model}: {config.label()} on {config.num_gpus} GPUs"
+    summary = f"peak {format_bytes(evaluation.peak_bytes)}"
+    if baseline is not None and baseline.peak_bytes > 0:
+        saving = 100 * (baseline.peak_bytes - evaluation.peak_bytes) / baseline.peak_bytes
+        summary += f", {saving:.1f}% less than the even split ({format_bytes(baseline.peak_bytes)})"
+    figure.suptitle(title or f"{heading}\n{summary}", fontsize=11)
+    return _save(figure, target)
+
+
+def plot_sweep(
+    rows: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, title: str | None = None
+) -> Path:
+    """Peak memory and throughput vs GPU count (log2 axis), one series per GPU memory size.
+
+    ``rows``: dicts with ``gpus, gpu_memory_bytes, status, config, peak_bytes, throughput, fits,
+    even_peak_bytes, even_throughput, parameters_peak_bytes, parameters_throughput`` (None where
+    absent), as ``solver.sweep`` writes them. Points where no plan fits are drawn as crosses (at
+    their best peak when known, else at the capacity line); failed points as hollow diamonds."""
+    target = check_plot_path(path)
+    if not rows:
+        raise InputError("plot_sweep: no rows to plot")
+    figure, (memory_ax, speed_ax) = _figure(1, 2, width=12.0, height=4.8, sharey=False)
+    colours = _palette()
+    sizes = sorted({int(row["gpu_memory_bytes"]) for row in rows})
+    marked = {"infeasible": False, "error": False}
+    for index, size in enumerate(sizes):
+        colour = colours[index % len(colours)]
+        series = sorted((r for r in rows if int(r["gpu_memory_bytes"]) == size), key=_gpus)
+        tag = format_bytes(size).replace(".00 ", " ")
+        memory_ax.axhline(size / GIB, color=colour, linestyle="--", linewidth=1, alpha=0.7)
+        memory_ax.annotate(
+            f"capacity {tag}",
+            (0.01, size / GIB),
+            xycoords=("axes fraction", "data"),
+            textcoords="offset points",
+            xytext=(0, 2),
+            color=colour,
+            fontsize=8,
+        )
+        solved = [r for r in series if _solved(r)]
+        for key, style in (
+            ("peak_bytes", "-"),
+            ("even_peak_bytes", "--"),
+            ("parameters_peak_bytes", ":"),
+        ):
+            points = [(_gpus(r), r[key] / GIB) for r in solved if r.get(key) is not None]
+            if points:
+                memory_ax.plot(
+                    *zip(*points, strict=True),
+                    linestyle=style,
+                    marker="o" if key == "peak_bytes" else None,
+                    markersize=4,
+                    color=colour,
+                )
+        for key, style in (
+            ("throughput", "-"),
+            ("even_throughput", "--"),
+            ("parameters_throughput", ":"),
+        ):
+            points = [(_gpus(r), r[key]) for r in solved if r.get(key) is not None]
+            if points:
+                speed_ax.plot(
+                    *zip(*points, strict=True),
+                    linestyle=style,
+                    marker="o" if key == "throughput" else None,
+                    markersize=4,
+                    color=colour,
+                )
+        for row in series:
+            if _solved(row):
+                continue
+            failed = str(row.get("status", "")).upper() == "ERROR"
+            kind = "error" if failed else "infeasible"
+            peak = row.get("peak_bytes")
+            y = (peak if peak is not None and not failed else size) / GIB
+            style = (
+                {"marker": "D", "facecolors": "none", "edgecolors": colour}
+                if failed
+                else {"marker": "x", "color": colour}
+            )
+            label = None
+            if not marked[kind]:
+                label = "error (see the table)" if failed else "no plan fits"
+                marked[kind] = True
+            memory_ax.scatter([_gpus(row)], [y], s=60, zorder=5, label=label, **style)
+            speed_ax.scatter(
+                [_gpus(row)],
+                [0.03],
+                s=60,
+                zorder=5,
+                transform=speed_ax.get_xaxis_transform(),
+                **style,
+            )
+    gpus = sorted({_gpus(r) for r in rows})
+    for ax, ylabel in (
+        (memory_ax, "peak memory per GPU (GiB)"),
+        (speed_ax, "throughput (samples/s)"),
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(gpus, [str(g) for g in gpus], minor=False)
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
+    memory_ax.set_title("largest per-GPU peak memory", fontsize=10)
+    speed_ax.set_title("throughput (crosses: no plan fits)", fontsize=10)
+    figure.legend(
+        *_sweep_legend(memory_ax, sizes, colours),
+        loc="outside lower center",
+        ncols=8,
+        fontsize=8,
+    )
+    if title:
+        figure.suptitle(title, fontsize=11)
+    return _save(figure, target)
+
+
+def plot_pareto(
+    points: Sequence[Any],
+    path: str | os.PathLike,
+    *,
+    capacity_bytes: int | None = None,
+    title: str | None = None,
+) -> Path:
+    """Throughput against peak memory of non-dominated plans, each labelled with its config.
+
+    ``points``: Evaluations (or objects / dicts with ``peak_bytes``, ``throughput`` and ``config``,
+    a ParallelConfig or its label)."""
+    target = check_plot_path(path)
+    if not points:
+        raise InputError("plot_pareto: no points to plot")
+    data = sorted((_field(p, "peak_bytes"), _field(p, "throughput"), _label(p)) for p in points)
+    figure, (ax,) = _figure(1, 1, width=7.5, height=4.8, sharey=False)
+    peaks = [peak / GIB for peak, _, _ in data]
+    speeds = [speed for _, speed, _ in data]
+    ax.step(peaks, speeds, where="post", color="#4c72b0", alpha=0.4, linewidth=1)
+    ax.plot(peaks, speeds, "o", color="#4c72b0", label="non-dominated plans")
+    previous = None
+    for x, y, (_, _, text) in zip(peaks, speeds, data, strict=True):
+        if text != previous:  # label where the config changes
+            ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
+        previous = text
+    if capacity_bytes is not None:
+        ax.axvline(
+            capacity_bytes / GIB,
+            color=CAPACITY_COLOUR,
+            linestyle="--",
+            label=f"GPU capacity ({format_bytes(capacity_bytes)})",
+        )
+    ax.set_xlabel("largest per-GPU peak memory (GiB)")
+    ax.set_ylabel("throughput (samples/s)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(title or f"Pareto front: {len(data)} plans (memory vs throughput)", fontsize=11)
+    return _save(figure, target)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _figure(rows: int, columns: int, *, width: float, height: float, sharey: bool):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(rows, columns, sharey=sharey, squeeze=False)
+    return figure, list(axes.flat)
+
+
+def _save(figure, target: Path) -> Path:
+    """Write atomically in the target's folder (a failed save leaves no partial file)."""
+    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            figure.savefig(stream, format=target.suffix.lower().lstrip("."), dpi=DPI)
+        os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes 0600; a plot is an ordinary file
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _stage_bars(ax, evaluation) -> None:
+    stages = evaluation.stages
+    positions = list(range(len(stages)))
+    bottoms = [0.0] * len(stages)
+    for key, label, colour in COMPONENTS:
+        heights = [stage.breakdown().get(key, 0) / GIB for stage in stages]
+        if key == "constant" and not any(heights):
+            continue
+        ax.bar(positions, heights, bottom=bottoms, color=colour, label=label, width=0.8)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    step = max(1, math.ceil(len(stages) / 16))
+    ticks = positions[::step]
+    ax.set_xticks(ticks, [f"{i}\n{len(stages[i].layers)}L" for i in ticks], fontsize=8)
+    ax.set_xlim(-0.6, len(stages) - 0.4)
+
+
+def _component_legend(ax, capacity: int):
+    from matplotlib.lines import Line2D
+
+    handles, labels = ax.get_legend_handles_labels()
+    handles, labels = handles[::-1], labels[::-1]  # top segment first, as stacked
+    handles.append(Line2D([], [], color=CAPACITY_COLOUR, linestyle="--"))
+    labels.append(f"GPU capacity ({format_bytes(capacity)})")
+    return handles, labels
+
+
+def _sweep_legend(ax, sizes: list[int], colours: list[str]):
+    """One entry per GPU memory size (colour), per partitioner (line style), and the markers."""
+    from matplotlib.lines import Line2D
+
+    handles, labels = [], []
+    for index, size in enumerate(sizes):
+        handles.append(Line2D([], [], color=colours[index % len(colours)], linewidth=4))
+        labels.append(f"{format_bytes(size).replace('.00 ', ' ')} GPUs")
+    for style, name in (("-", "plan"), ("--", "even split"), (":", "parameter-balanced")):
+        handles.append(Line2D([], [], color="black", linestyle=style))
+        labels.append(name)
+    markers, marker_labels = ax.get_legend_handles_labels()  # the crosses and diamonds
+    return handles + markers, labels + marker_labels
+
+
+def _palette() -> list[str]:
+    return ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b2", "#937860"]
+
+
+def _gpus(row: Mapping[str, Any]) -> int:
+    return int(row["gpus"])
+
+
+def _solved(row: Mapping[str, Any]) -> bool:
+    status = str(row.get("status", "")).upper()
+    return status not in ("INFEASIBLE", "ERROR", "UNKNOWN") and row.get("peak_bytes") is not None
+
+
+def _field(point: Any, name: str) -> Any:
+    return point[name] if isinstance(point, Mapping) else getattr(point, name)
+
+
+def _label(point: Any) -> str:
+    """Short config text: 'pp8 tp8 b1', with ' z1' / ' rc' for ZeRO and recompute."""
+    config = _field(point, "config")
+    if not isinstance(config, Mapping):
+        if not hasattr(config, "to_dict"):
+            return str(config)
+        config = config.to_dict()
+    text = f"pp{config['pp']} tp{config['tp']} dp{config['dp']} b{config['micro_batch']}"
+    text += f" z{config['zero']}" if config.get("zero") else ""
+    return text + (" rc" if config.get("recompute") == "full" else "")
+
+
+__all__ = ["check_plot_path", "plot_pareto", "plot_plan", "plot_sweep"]
