@@ -1,0 +1,313 @@
+"""``python -m solver.sweep``: sweeps, ``--find min-gpus`` and ``--find max-scale`` from the shell.
+
+    python -m solver.sweep GRAPH.json --gpus 64,128,256 --gpu-memory 40GiB,80GiB \\
+        --global-batch 1536 --out sweep.csv [--plot sweep.png] [--workers N]
+    python -m solver.sweep GRAPH.json --find min-gpus --gpus auto --gpu-memory 80GiB ...
+    python -m solver.sweep --find max-scale --model gpt3-175b --scale layers --gpus 64 ...
+
+Every training, search and cluster flag of ``python -m solver.plan`` applies (the same helpers
+in solver/cli.py build them). Only parses, calls solver.sweep, prints and writes; errors are one
+line with exit code 2 (bad input); a sweep whose every point is an ERROR row also returns 2;
+Ctrl-C returns 130 and keeps the CSV rows already written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from solver import cli
+from solver.errors import InputError, PlannerError
+from solver.graph import load_graph
+from solver.sweep import (
+    SCALES,
+    CsvRows,
+    check_output_path,
+    max_scale,
+    min_gpus,
+    preset_graph_of,
+    preset_scale,
+    sweep,
+)
+from solver.units import format_bytes
+
+INTERRUPTED = 130
+
+
+def gpu_list(text: str) -> list[int] | str:
+    """'8,16,32' -> [8, 16, 32]; 'auto' stays 'auto'; empty items and non-integers are errors."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    parts = [part.strip() for part in text.split(",")]
+    if any(not part for part in parts):
+        raise argparse.ArgumentTypeError(
+            f"empty item in {text!r}; write comma-separated GPU counts like 8,16,32"
+        )
+    return [cli.positive_int(part) for part in parts]
+
+
+def size_range(text: str) -> tuple[int, int]:
+    """'LO:HI' -> (LO, HI) with 1 <= LO <= HI."""
+    low, sep, high = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected LO:HI, e.g. 24:192, got {text!r}")
+    low_value, high_value = cli.positive_int(low), cli.positive_int(high)
+    if low_value > high_value:
+        raise argparse.ArgumentTypeError(f"LO must be <= HI, got {text!r}")
+    return low_value, high_value
+
+
+def sweep_parser() -> argparse.ArgumentParser:
+    parser = cli.OneLineErrorParser(
+        prog="python -m solver.sweep",
+        description="What-if studies: the memory-optimal plan at every (GPU count, GPU memory) "
+        "point, the smallest GPU count that fits, or the largest model of a preset that fits.",
+    )
+    parser.add_argument(
+        "graph", nargs="?", help="layer-graph JSON file (not with --find max-scale)"
+    )
+    parser.add_argument(
+        "--gpus",
+        type=gpu_list,
+        required=True,
+        help="GPU counts, e.g. 8,16,32; with --find min-gpus also 'auto' (every count some "
+        "config can use); with --find max-scale one count",
+    )
+    study = parser.add_argument_group("study")
+    study.add_argument("--find", choices=["min-gpus", "max-scale"], help="instead of a sweep")
+    study.add_argument("--max-gpus", type=cli.positive_int, help="--gpus auto: largest count")
+    study.add_argument("--model", metavar="PRESET", help="--find max-scale: zoo preset")
+    study.add_argument("--scale", choices=list(SCALES), help="--find max-scale: what grows")
+    study.add_argument(
+        "--range",
+        type=size_range,
+        metavar="LO:HI",
+        help="--find max-scale: sizes to search (default: 1 step .. 16x the preset's)",
+    )
+    study.add_argument(
+        "--workers", type=cli.positive_int, help="processes (default: every core; 1: in-process)"
+    )
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", metavar="CSV", help="sweep: write one row per point")
+    output.add_argument("--plot", metavar="FILE", help="sweep: draw peak and throughput vs GPUs")
+    output.add_argument("--json", metavar="OUT", help="--find: write the plan that proves it")
+    output.add_argument("--quiet", action="store_true", help="no table, no progress bar")
+    cli.add_cluster_options(parser, memory_list=True)
+    cli.add_training_options(parser)
+    cli.add_plan_options(parser, cpsat_workers=False)
+    return parser
+
+
+def sweep_main(argv: list[str] | None = None) -> int:
+    args = sweep_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    writer = None
+    try:
+        _check_args(args)
+        if args.find == "max-scale":
+            return _max_scale(args)
+        if args.find == "min-gpus":
+            return _min_gpus(args)
+        graph = load_graph(args.graph)
+        training = cli.training_from_args(args)
+        if args.plot:
+            _check_plot(args)
+        if args.out:
+            writer = CsvRows(args.out, protect=_inputs(args))
+        rows = sweep(
+            graph,
+            args.gpus,
+            args.gpu_memory,
+            training,
+            cli._cluster(args, 1, args.gpu_memory[0]),
+            workers=args.workers,
+            progress=not args.quiet,
+            on_row=None if writer is None else writer.append,
+            backend=args.backend,
+            time_limit_s=args.time_limit,
+        )
+        if writer is not None:
+            writer.finish(rows)
+        if args.plot:
+            from solver.plots import plot_sweep
+
+            plot_sweep(rows, args.plot, title=_title(graph.model, training))
+        if not args.quiet:
+            cli._print(format_rows(rows))
+        if all(row["status"] == "ERROR" for row in rows):
+            raise InputError(f"no point can be solved; first: {rows[0]['detail']}")
+    except PlannerError as error:
+        sys.stderr.write(f"error: {error}\n")
+        return error.exit_code
+    except KeyboardInterrupt:
+        kept = "" if writer is None else f"; {writer.count} rows kept in {writer.path}"
+        sys.stderr.write(f"interrupted{kept}\n")
+        return INTERRUPTED
+    finally:
+        if writer is not None:
+            writer.close()
+    return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Every combination error, before any work."""
+    if args.find == "max-scale":
+        if args.graph is not None:
+            raise InputError("--find max-scale builds the graph from --model; do not give GRAPH")
+        if args.model is None or args.scale is None:
+            raise InputError("--find max-scale needs --model PRESET and --scale layers|hidden")
+    elif args.graph is None:
+        raise InputError("give the layer-graph JSON file (GRAPH)")
+    elif args.model or args.scale or args.range:
+        raise InputError("--model, --scale and --range go with --find max-scale")
+    if args.gpus == "auto" and args.find != "min-gpus":
+        raise InputError("--gpus auto goes with --find min-gpus; give GPU counts, e.g. 8,16,32")
+    if args.find is not None:
+        if len(args.gpu_memory) != 1:
+            raise InputError(f"--find {args.find}: give one --gpu-memory size")
+        if args.out or args.plot:
+            raise InputError(f"--find {args.find}: --out and --plot are for sweeps; use --json")
+    elif args.json:
+        raise InputError("--json goes with --find; a sweep writes --out CSV")
+    if args.find == "max-scale" and len(args.gpus) != 1:
+        raise InputError("--find max-scale: give one GPU count (--gpus N)")
+    if args.json:
+        check_output_path(args.json, flag="--json", protect=_inputs(args))
+    if args.out and args.plot and args.out == args.plot:
+        raise InputError(f"--plot {args.plot}: same file as --out; choose another path")
+
+
+def _check_plot(args: argparse.Namespace) -> None:
+    try:
+        from solver.plots import check_plot_path
+    except ImportError:
+        check_output_path(args.plot, flag="--plot", protect=_inputs(args))
+        return
+    check_plot_path(args.plot, protect=_inputs(args))
+
+
+def _inputs(args: argparse.Namespace) -> list[str]:
+    return [p for p in (args.graph, args.calibration) if p]
+
+
+def _title(model: str, training: Any) -> str:
+    return f"{model}, global batch {training.global_batch}"
+
+
+def _min_gpus(args: argparse.Namespace) -> int:
+    from solver.report import format_plan, plan_to_dict
+
+    graph = load_graph(args.graph)
+    training = cli.training_from_args(args)
+    memory = args.gpu_memory[0]
+    result = min_gpus(
+        graph,
+        memory,
+        training,
+        cli._cluster(args, 1, memory),
+        candidates=None if args.gpus == "auto" else args.gpus,
+        max_gpus=args.max_gpus,
+        workers=args.workers,
+        progress=not args.quiet,
+        backend=args.backend,
+        time_limit_s=args.time_limit,
+    )
+    searched = (
+        "every GPU count some config can use"
+        + ("" if args.max_gpus is None else f" up to {args.max_gpus}")
+        if args.gpus == "auto"
+        else f"candidates {','.join(map(str, sorted(set(args.gpus))))}"
+    )
+    solved = f"{len(result.rows)} counts solved, {result.skipped} ruled out by bounds"
+    if result.gpus is None:
+        detail = next((r["detail"] for r in reversed(result.rows) if r["detail"]), "")
+        raise _infeasible(f"no GPU count fits ({searched}; {solved}): {detail}")
+    if args.json:
+        cli.write_json(args.json, plan_to_dict(result.plan), protect=_inputs(args))
+    if not args.quiet:
+        cli._print(
+            f"smallest GPU count that fits {format_bytes(memory)} per GPU: {result.gpus} "
+            f"({searched}; {solved})\n" + format_plan(result.plan)
+        )
+    return 0
+
+
+def _max_scale(args: argparse.Namespace) -> int:
+    from solver.report import format_plan, plan_to_dict
+
+    current, step = preset_scale(args.model, args.scale)
+    low, high = args.range if args.range else (step, 16 * current)
+    sizes = [size for size in range(low, high + 1) if size % step == 0]
+    if not sizes:
+        raise InputError(f"--range {low}:{high}: no {args.scale} size that is a multiple of {step}")
+    start = min(range(len(sizes)), key=lambda i: abs(sizes[i] - current)) if not args.range else 0
+    training = cli.training_from_args(args)
+    result = max_scale(
+        preset_graph_of(args.model, args.scale),
+        sizes,
+        cli._cluster(args, args.gpus[0], args.gpu_memory[0]),
+        training,
+        start=start,
+        scale=args.scale,
+        backend=args.backend,
+        time_limit_s=args.time_limit,
+    )
+    where = f"{args.gpus[0]} GPUs x {format_bytes(args.gpu_memory[0])}"
+    if result.size is None:
+        raise _infeasible(
+            f"{args.model} with {args.scale}={result.too_big} (the smallest searched) does "
+            f"not fit on {where}: {result.too_big_detail}"
+        )
+    if args.json:
+        cli.write_json(args.json, plan_to_dict(result.plan), protect=_inputs(args))
+    if not args.quiet:
+        above = (
+            f"the top of the range ({sizes[-1]}) fits"
+            if result.too_big is None
+            else f"{args.scale}={result.too_big} does not fit: {result.too_big_detail}"
+        )
+        cli._print(
+            f"largest {args.model} that fits on {where}: {args.scale}={result.size} (preset: "
+            f"{current}; {len(result.rows)} sizes profiled and planned); {above}\n"
+            + format_plan(result.plan)
+        )
+    return 0
+
+
+def _infeasible(message: str) -> PlannerError:
+    from solver.errors import InfeasibleError
+
+    return InfeasibleError(message)
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The sweep as a text table (display only)."""
+    header = ["gpus", "memory", "status", "config", "peak", "samples/s", "even", "params", "wall"]
+
+    def size(value: int | None) -> str:
+        return "-" if value is None else format_bytes(value)
+
+    def number(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    table = [
+        [
+            str(row["gpus"]),
+            size(row["gpu_memory_bytes"]),
+            row["status"] + ("" if not row["gap"] else f" gap {100 * row['gap']:.2f}%"),
+            row["config"] or row["detail"][:60],
+            size(row["peak_bytes"]),
+            number(row["throughput"], ".4g"),
+            size(row["even_peak_bytes"]),
+            size(row["parameters_peak_bytes"]),
+            number(row["wall_s"], ".2f") + " s",
+        ]
+        for row in rows
+    ]
+    widths = [max(len(line[i]) for line in [header, *table]) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in [header, *table]
+    )
