@@ -196,9 +196,28 @@ def _add_plot(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot",
         metavar="FILE",
-        help="also draw per-stage memory next to the even split of the same config "
-        "(.png, .pdf or .svg; solver/plots.py)",
+        help="also draw per-stage memory next to the even split of the same config, or with "
+        "--pareto the front (.png, .pdf or .svg; solver/plots.py)",
     )
+
+
+def _add_pareto(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Pareto front")
+    group.add_argument(
+        "--pareto",
+        action="store_true",
+        help="list the non-dominated (peak memory, throughput) plans instead of one plan "
+        "(--min-throughput is a floor; --max-slowdown and --objective do not apply)",
+    )
+    group.add_argument(
+        "--pareto-points",
+        type=positive_int,
+        metavar="N",
+        help=f"at most N points, spread over the front when it is longer (default {PARETO_POINTS})",
+    )
+
+
+PARETO_POINTS = 10
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -253,6 +272,7 @@ def plan_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--gpus", type=positive_int, required=True, help="number of GPUs")
     _add_plot(parser)
+    _add_pareto(parser)
     _add_graph_and_cluster(parser)
     add_plan_options(parser)
     return parser
@@ -351,8 +371,13 @@ def plan_main(argv: list[str] | None = None) -> int:
         from solver.report import format_plan, plan_to_dict
 
         _check_outputs(args)
+        if args.pareto_points is not None and not args.pareto:
+            raise InputError("--pareto-points needs --pareto")
         graph = load_graph(args.graph)
         training = training_from_args(args)
+        if args.pareto:
+            _pareto(args, graph, training)
+            return 0
         result = plan(
             graph,
             _cluster(args, args.gpus),
@@ -468,3 +493,31 @@ def _plot_evaluation(result: Any, path: str) -> None:
     )
     baseline = None if even.stage_of_layer == result.stage_of_layer else even
     plot_plan(result, path, baseline=baseline)
+
+
+def _pareto(args: argparse.Namespace, graph: Any, training: TrainingConfig) -> None:
+    """solver.plan --pareto: the front as a table, --json document and --plot picture."""
+    from solver.pareto import format_pareto, pareto_front, pareto_to_dict
+
+    front = pareto_front(
+        graph,
+        _cluster(args, args.gpus),
+        training,
+        max_points=PARETO_POINTS if args.pareto_points is None else args.pareto_points,
+        backend=args.backend,
+        time_limit_s=args.time_limit,
+        num_workers=args.workers,
+    )
+    if args.json:
+        write_json(args.json, pareto_to_dict(front), protect=_inputs(args))
+    if args.plot:
+        from solver.plots import plot_pareto
+
+        plot_pareto(
+            front.points,
+            args.plot,
+            capacity_bytes=args.gpu_memory,
+            title=f"{graph.model} on {args.gpus} GPUs: {len(front.points)} non-dominated plans",
+        )
+    if not args.quiet:
+        _print(format_pareto(front))

@@ -1,0 +1,229 @@
+"""The Pareto front of peak memory and throughput on one cluster (``solver.plan --pareto``).
+
+A plan is non-dominated when no other plan (any config, any split) that fits the GPU memory has a
+smaller or equal largest peak and a shorter or equal iteration, one of the two strictly. The
+global batch is fixed, so higher throughput is the same as a shorter iteration (integer ns).
+
+Method (epsilon constraint, exact with the existing backends): ``lexicographic(level)`` is the
+fastest plan whose peak is <= level, and among those the one with the smallest peak; it is
+non-dominated by construction. The front runs from F = lexicographic(capacity) (fastest) to
+S (smallest peak, then fastest). Walking F, then lexicographic(previous peak - 1), ... visits every
+non-dominated (peak, iteration) pair in order and ends at S: the complete front. When it has
+more than ``max_points`` points the walk stops and the front is sampled instead at
+``max_points`` peak levels evenly spaced from F's peak to S's peak (each point still exact and
+non-dominated; ``complete`` is then False). Each lexicographic step is two config searches
+(``solver.search``), which prune configs by their lower bounds.
+
+``TrainingConfig.min_throughput`` applies as a floor; ``max_slowdown`` and ``objective`` do not
+(the front shows the whole trade-off they pick a point on).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from solver.errors import InputError, NoSolutionError
+from solver.evaluation import Evaluation, evaluate_assignment
+from solver.graph import LayerGraph
+from solver.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME
+from solver.report import evaluation_to_dict
+from solver.search import Deadline, build_entries, search
+from solver.specs import Cluster, TrainingConfig
+from solver.units import format_bytes
+
+PARETO_FORMAT = "pareto"
+PARETO_VERSION = 1
+
+
+@dataclass(kw_only=True)
+class ParetoFront:
+    """Non-dominated plans, smallest peak (slowest) first."""
+
+    points: list[Evaluation]
+    complete: bool
+    """True: every non-dominated (peak, throughput) pair is listed (one plan each); False: a
+    sample of ``max_points`` of them spread over the peak range, or the time limit was hit."""
+    proven: bool
+    """Every config search finished within the time limit (each point is exact)."""
+    searches: int
+    """Config searches run (two per point)."""
+    wall_s: float
+
+
+@dataclass(frozen=True)
+class _Point:
+    peak_bytes: int
+    iteration_ns: int
+    evaluation: Evaluation
+
+
+def pareto_front(
+    graph: LayerGraph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    *,
+    max_points: int | None = 10,
+    backend: str = "auto",
+    time_limit_s: float | None = 60.0,
+    num_workers: int = 1,
+) -> ParetoFront:
+    """Non-dominated (peak memory, throughput) plans that fit ``cluster.gpu_memory_bytes``.
+
+    ``max_points``: at most this many points (>= 2; None: the complete front, however long).
+    Raises InfeasibleError when no plan fits, NoSolutionError when the time runs out first.
+    """
+    if max_points is not None and max_points < 2:
+        raise InputError(f"--pareto-points {max_points}: need at least 2 (both ends of the front)")
+    started = time.perf_counter()
+    deadline = Deadline.after(time_limit_s)
+    entries = build_entries(graph, cluster, training)
+    budget_ns = (
+        None
+        if training.min_throughput is None
+        else math.floor(training.global_batch * 1e9 / training.min_throughput)
+    )
+    run = functools.partial(
+        search, entries, backend=backend, deadline=deadline, num_workers=num_workers
+    )
+    counter = {"searches": 0, "proven": True}
+
+    def solve(objective: str, capacity: int, budget: int | None):
+        counter["searches"] += 1
+        result = run(objective=objective, capacity_bytes=capacity, iteration_budget_ns=budget)
+        counter["proven"] &= result.proven
+        return result
+
+    def point(result) -> _Point:
+        evaluation = evaluate_assignment(
+            graph,
+            result.entry.costs,
+            result.solution.stage_of_layer,
+            cluster=cluster,
+            training=training,
+        )
+        return _Point(evaluation.peak_bytes, evaluation.iteration_ns, evaluation)
+
+    def fastest_within(level: int) -> _Point | None:
+        """Fastest plan with peak <= level; among those, the smallest peak."""
+        fastest = solve(OBJECTIVE_TIME, level, budget_ns)
+        if fastest.entry is None:
+            return None
+        smallest = solve(OBJECTIVE_MEMORY, level, fastest.value)
+        return point(smallest if smallest.entry is not None else fastest)
+
+    capacity = cluster.gpu_memory_bytes
+    first = fastest_within(capacity)
+    if first is None:
+        if not counter["proven"]:
+            raise NoSolutionError(
+                f"time limit ({time_limit_s} s) reached before any plan was found; "
+                "raise --time-limit"
+            )
+        from solver.planner import explain_infeasible
+
+        raise explain_infeasible(graph, cluster, training, entries, backend, budget_ns)
+    smallest = solve(OBJECTIVE_MEMORY, capacity, budget_ns)
+    last = (
+        first
+        if smallest.entry is None or smallest.value >= first.peak_bytes
+        else fastest_within(smallest.value)
+    )
+    walk, complete = [first], True
+    while last is not None and walk[-1].peak_bytes > last.peak_bytes:
+        if max_points is not None and len(walk) == max_points:
+            complete = False
+            break
+        following = fastest_within(walk[-1].peak_bytes - 1)
+        if following is None:  # time limit
+            complete = False
+            break
+        walk.append(following)
+    points = walk
+    if not complete and last is not None and max_points is not None:
+        levels = [
+            first.peak_bytes - (first.peak_bytes - last.peak_bytes) * i // (max_points - 1)
+            for i in range(1, max_points - 1)
+        ]
+        points = [first, *(p for p in map(fastest_within, levels) if p is not None), last]
+    front = _non_dominated(points)
+    return ParetoFront(
+        points=[p.evaluation for p in front],
+        complete=complete and counter["proven"],
+        proven=counter["proven"],
+        searches=counter["searches"],
+        wall_s=time.perf_counter() - started,
+    )
+
+
+def _non_dominated(points: list[_Point]) -> list[_Point]:
+    """Distinct non-dominated points, smallest peak first (the first plan of a tied pair)."""
+    front: list[_Point] = []
+    for candidate in sorted(points, key=lambda p: (p.peak_bytes, p.iteration_ns)):
+        if not front or candidate.iteration_ns < front[-1].iteration_ns:
+            front.append(candidate)
+    return front
+
+
+def dominated(a: tuple[int, float], b: tuple[int, float]) -> bool:
+    """Whether (peak, throughput) ``a`` is dominated by ``b``."""
+    return b[0] <= a[0] and b[1] >= a[1] and b != a
+
+
+def pareto_to_dict(front: ParetoFront) -> dict[str, Any]:
+    """The --json document: every point as the plan JSON's evaluation fields."""
+    cluster = front.points[0].cluster
+    return {
+        "format": PARETO_FORMAT,
+        "version": PARETO_VERSION,
+        "model": front.points[0].graph.model,
+        "cluster": {
+            "num_gpus": cluster.num_gpus,
+            "gpu_memory_bytes": cluster.gpu_memory_bytes,
+            "gpus_per_node": cluster.gpus_per_node,
+        },
+        "complete": front.complete,
+        "proven": front.proven,
+        "searches": front.searches,
+        "wall_s": front.wall_s,
+        "points": [
+            evaluation_to_dict(point)
+            | {"layer_counts": [len(stage.layers) for stage in point.stages]}
+            for point in front.points
+        ],
+    }
+
+
+def format_pareto(front: ParetoFront) -> str:
+    """Text table: one row per point, smallest peak first."""
+    first = front.points[0]
+    cluster = first.cluster
+    lines = [
+        f"Pareto front of {first.graph.model} on {cluster.num_gpus} GPUs x "
+        f"{format_bytes(cluster.gpu_memory_bytes)}: {len(front.points)} non-dominated plans"
+        + ("" if front.complete else " (a sample of the front)")
+    ]
+    header = ["peak", "throughput", "config", "split (layers per stage)"]
+    rows = [
+        [
+            format_bytes(point.peak_bytes),
+            f"{point.throughput:.4g} samples/s",
+            point.config.label(),
+            ",".join(str(len(stage.layers)) for stage in point.stages),
+        ]
+        for point in front.points
+    ]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        lines.append(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
+    status = "exact" if front.proven else "NOT proven: time limit reached"
+    lines.append(f"solver: {front.searches} config searches, {front.wall_s:.2f} s ({status})")
+    return "\n".join(lines)
+
+
+__all__ = ["ParetoFront", "dominated", "format_pareto", "pareto_front", "pareto_to_dict"]
