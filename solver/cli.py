@@ -18,7 +18,7 @@ from typing import Any
 from solver.calibration import Calibration, load_calibration
 from solver.errors import InputError, PlannerError
 from solver.graph import load_graph
-from solver.specs import RUNTIMES, Cluster, ParallelConfig, TrainingConfig
+from solver.specs import MEMORY_MODELS, RUNTIMES, Cluster, ParallelConfig, TrainingConfig
 from solver.units import parse_bytes
 
 
@@ -135,7 +135,7 @@ def add_cluster_options(parser: argparse.ArgumentParser, *, memory_list: bool = 
 
 
 def add_training_options(parser: argparse.ArgumentParser) -> None:
-    """--global-batch, --schedule, --runtime, --bytes-per-param, --calibration."""
+    """--global-batch, --schedule, --runtime, --bytes-per-param, --calibration, --memory-model."""
     training = parser.add_argument_group("training")
     training.add_argument(
         "--global-batch", type=positive_int, required=True, help="samples per optimizer step"
@@ -160,6 +160,13 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="calibration JSON from python -m profiling.calibrate (scales per memory component "
         "and a constant per GPU); default: the analytic model alone",
+    )
+    training.add_argument(
+        "--memory-model",
+        choices=MEMORY_MODELS,
+        default="analytic",
+        help="analytic (default: the cost model's terms) or empirical: the graph's per-layer "
+        "mem_isolated/mem_added statistics (mCAP/CAPSlog), pipeline-only configs of a chain",
     )
 
 
@@ -352,6 +359,7 @@ def training_from_args(args: argparse.Namespace) -> TrainingConfig:
         recompute=args.recompute,
         schedule=args.schedule,
         runtime=args.runtime,
+        memory_model=args.memory_model,
         pp=args.pp,
         tp=args.tp,
         dp=args.dp,
@@ -461,6 +469,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
             recompute=args.recompute,
             schedule=args.schedule,
             runtime=args.runtime,
+            memory_model=args.memory_model,
             calibration=_calibration(args),
             **_bytes_per_param(args),
         )

