@@ -280,7 +280,10 @@ def main() -> int:
             "median_memory_only_pct": medians[f"{name}/mem"],
             "min_memory_only_pct": min(s[f"{name}/mem"] for s in summaries),
             "target_pct": TARGETS.get(name, ""),
-            "met": "" if name not in TARGETS else _met(medians[name], TARGETS[name]),
+            "met_memory_only": ""
+            if name not in TARGETS
+            else _met(medians[f"{name}/mem"], TARGETS[name]),
+            "met_default_plan": "" if name not in TARGETS else _met(medians[name], TARGETS[name]),
         }
         for name in PARTITIONERS
     ]
@@ -302,8 +305,9 @@ def main() -> int:
         "(`ours-memory`: the exact minimum without the throughput constraint, which the baselines "
         "are not held to either; `*/mem`, `*_memory_only_pct`). A baseline may beat our "
         "plan's peak when it is slower than the plan's throughput constraint allows "
-        "(`meets_constraint` = no); it never beats the memory-only optimum. `met` compares the "
-        "plan's median with the issue's target.",
+        "(`meets_constraint` = no); it never beats the memory-only optimum. "
+        "`met_memory_only` compares the memory-only optimum's median with the issue's target "
+        "(partitioner against partitioner), `met_default_plan` the default plan's.",
         "",
         "## Median reduction of the peak per GPU across the suite",
         "",
