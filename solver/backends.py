@@ -8,12 +8,19 @@ from solver.problem import StageProblem, StageSolution
 BACKENDS = ("auto", "cpsat", "milp", "chain")
 
 
-def resolve_backend(backend: str, graph_is_chain: bool) -> str:
-    """'auto' is the exact chain algorithm on chain graphs and CP-SAT on DAGs."""
+def resolve_backend(backend: str, graph_is_chain: bool, *, heterogeneous: bool = False) -> str:
+    """'auto' is the exact chain algorithm on chain graphs and CP-SAT on DAGs; on a heterogeneous
+    cluster (stages also choose a node group, ``solver.formulation``) it is CP-SAT, since the chain
+    algorithm has a single capacity and one time per layer."""
     if backend not in BACKENDS:
         raise InputError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "chain" if graph_is_chain else "cpsat"
+        return "chain" if graph_is_chain and not heterogeneous else "cpsat"
+    if backend == "chain" and heterogeneous:
+        raise InputError(
+            "--backend chain does not place stages on node groups; on a heterogeneous cluster "
+            "use --backend auto, cpsat or milp"
+        )
     if backend == "chain" and not graph_is_chain:
         raise InputError(
             "--backend chain needs a chain graph (each layer feeds only the next); "

@@ -9,20 +9,23 @@ from solver.problem import INFEASIBLE, OPTIMAL, StageProblem, StageSolution
 
 
 def solve_brute_force(problem: StageProblem) -> StageSolution:
-    """Try all p**L assignments (keep L <= ~10); ties go to the lexicographically first one."""
+    """Try all p**L assignments (keep L <= ~10); ties go to the lexicographically first one.
+    With a placement, every assignment of groups to stages too (K**p more)."""
     start = time.perf_counter()
-    best: tuple[int, tuple[int, ...]] | None = None
+    best: tuple[int, tuple[int, ...], list[int] | None] | None = None
     edges = list(zip(problem.costs.edge_src.tolist(), problem.costs.edge_dst.tolist(), strict=True))
     num_stages = problem.num_stages
+    group_assignments = _group_assignments(problem)
     for stage_of in itertools.product(range(num_stages), repeat=problem.num_layers):
         # cheap structural filters first (order, non-empty), then the full check
         if any(stage_of[u] > stage_of[v] for u, v in edges) or len(set(stage_of)) < num_stages:
             continue
-        if problem.violation(stage_of) is not None:
-            continue
-        value = problem.objective_value(stage_of)
-        if best is None or value < best[0]:
-            best = (value, stage_of)
+        for groups in group_assignments:
+            if problem.violation(stage_of, groups) is not None:
+                continue
+            value = problem.objective_value(stage_of, groups)
+            if best is None or value < best[0]:
+                best = (value, stage_of, groups)
     wall = time.perf_counter() - start
     if best is None:
         return StageSolution(
@@ -40,4 +43,17 @@ def solve_brute_force(problem: StageProblem) -> StageSolution:
         bound=best[0],
         wall_s=wall,
         backend="brute-force",
+        group_of_stage=best[2],
     )
+
+
+def _group_assignments(problem: StageProblem) -> list[list[int] | None]:
+    """[None] without a placement, else every group of each stage with the right counts."""
+    placement = problem.placement
+    if placement is None:
+        return [None]
+    return [
+        list(groups)
+        for groups in itertools.product(range(placement.num_groups), repeat=problem.num_stages)
+        if all(groups.count(k) == n for k, n in enumerate(placement.stages_per_group))
+    ]

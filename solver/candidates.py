@@ -4,6 +4,11 @@ Rules: pp * tp * dp = number of GPUs; tp divides gpus_per_node (tensor paralleli
 node); pp <= number of layers (every stage holds a layer); dp * micro_batch divides the global batch
 (m = B / (dp b) micro-batches per step). ZeRO stages only differ when dp > 1, so with dp = 1 only
 the smallest requested stage is kept.
+
+Heterogeneous clusters (``Cluster.groups``): every stage runs on tp * dp GPUs of one node group,
+and every GPU is used, so tp divides every group's GPUs per node (``Cluster.gpus_per_node`` is
+their gcd) and tp * dp divides every group's GPU count; group k then hosts exactly
+gpus_k / (tp dp) stages (``stages_per_group``), which sum to pp.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ def candidate_configs(
             dp = cluster.num_gpus // (pp * tp)
             if training.dp not in (None, dp):
                 continue
+            if cluster.is_heterogeneous and any(g.num_gpus % (tp * dp) for g in cluster.groups):
+                continue  # a stage's tp * dp GPUs come from one group, and all GPUs are used
             if training.memory_model == "empirical" and tp * dp > 1:
                 continue  # the statistics describe one pipeline (CAPSlog): tp = dp = 1
             zero_stages = (
@@ -84,8 +91,22 @@ def candidate_configs(
     return configs
 
 
+def stages_per_group(cluster: Cluster, config: ParallelConfig) -> list[int]:
+    """Stages each group of a heterogeneous cluster hosts: gpus_k / (tp dp)."""
+    return [group.num_gpus // (config.tp * config.dp) for group in cluster.groups]
+
+
 def _why_no_config(num_layers: int, cluster: Cluster, training: TrainingConfig) -> str:
     batch = training.global_batch
+    if cluster.is_heterogeneous:
+        sizes = ", ".join(f"{g.name}: {g.num_gpus}" for g in cluster.groups)
+        return (
+            f"no valid parallel config for the cluster's groups ({sizes} GPUs), {num_layers} "
+            f"layers, global batch {batch}, micro-batch sizes {list(training.micro_batch_sizes)}: "
+            f"need tp | gpus per node ({cluster.gpus_per_node}), tp * dp | every group's GPUs, "
+            "pp <= layers and dp * micro_batch | global batch; try other group sizes or a global "
+            "batch that is a multiple of the GPU count"
+        )
     return (
         f"no valid parallel config for {cluster.num_gpus} GPUs ({cluster.gpus_per_node} per node), "
         f"{num_layers} layers, global batch {batch}, micro-batch sizes "

@@ -18,7 +18,14 @@ from typing import Any
 from solver.calibration import Calibration, load_calibration
 from solver.errors import InputError, PlannerError
 from solver.graph import load_graph
-from solver.specs import MEMORY_MODELS, RUNTIMES, Cluster, ParallelConfig, TrainingConfig
+from solver.specs import (
+    MEMORY_MODELS,
+    MEMORY_OBJECTIVES,
+    RUNTIMES,
+    Cluster,
+    ParallelConfig,
+    TrainingConfig,
+)
 from solver.units import parse_bytes
 
 
@@ -90,10 +97,59 @@ def size_list(text: str) -> list[int]:
 
 def _add_graph_and_cluster(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("graph", help="layer-graph JSON file (docs/layer-graph.md)")
+    add_cluster_file_option(parser)
     add_cluster_options(parser)
     add_training_options(parser)
     parser.add_argument("--json", metavar="OUT", help="also write the result as JSON to OUT")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
+
+
+CLUSTER_FLAGS = (
+    "gpu_memory",
+    "gpus_per_node",
+    "gpu_tflops",
+    "flops_efficiency",
+    "intra_node_gbps",
+    "inter_node_gbps",
+)
+"""Destinations of the flags a cluster file replaces."""
+
+
+def add_cluster_file_option(parser: argparse.ArgumentParser) -> None:
+    """--cluster FILE: node groups (docs/cluster.md); replaces --gpus and the cluster flags."""
+    parser.add_argument(
+        "--cluster",
+        metavar="FILE",
+        help="cluster JSON file (docs/cluster.md): node groups with GPU count, memory, TFLOP/s "
+        "and bandwidths; two or more groups make a heterogeneous cluster. Replaces --gpus and "
+        "the cluster flags (giving both is an error)",
+    )
+
+
+def cluster_from_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, num_gpus: int | None
+) -> Cluster:
+    """The cluster of --cluster FILE, or of the flags with ``num_gpus`` GPUs (None: --gpus
+    missing). A cluster file excludes --gpus and any cluster flag set to a non-default value."""
+    if args.cluster is None:
+        if num_gpus is None:
+            raise InputError("give --gpus N or --cluster FILE")
+        return _cluster(args, num_gpus)
+    from solver.cluster_file import load_cluster
+
+    given = [
+        "--" + name.replace("_", "-")
+        for name in CLUSTER_FLAGS
+        if getattr(args, name) != parser.get_default(name)
+    ]
+    if getattr(args, "gpus", None) is not None:
+        given.insert(0, "--gpus")
+    if given:
+        raise InputError(
+            f"--cluster {args.cluster} describes the GPUs: drop {', '.join(given)} (or drop "
+            "--cluster)"
+        )
+    return load_cluster(args.cluster)
 
 
 def add_cluster_options(parser: argparse.ArgumentParser, *, memory_list: bool = False) -> None:
@@ -196,7 +252,8 @@ def _bytes_per_param(args: argparse.Namespace) -> dict[str, int]:
 
 def _inputs(args: argparse.Namespace) -> list[str]:
     """Files the CLI read (--json must not overwrite them)."""
-    return [args.graph] + ([args.calibration] if args.calibration else [])
+    files = [args.graph] + ([args.calibration] if args.calibration else [])
+    return files + ([args.cluster] if getattr(args, "cluster", None) else [])
 
 
 def _add_plot(parser: argparse.ArgumentParser) -> None:
@@ -277,7 +334,7 @@ def plan_parser() -> argparse.ArgumentParser:
         description="Find the PP x TP x DP config and layer split that minimise the "
         "largest per-GPU peak memory, with a proof of optimality.",
     )
-    parser.add_argument("--gpus", type=positive_int, required=True, help="number of GPUs")
+    parser.add_argument("--gpus", type=positive_int, help="number of GPUs (or --cluster FILE)")
     _add_plot(parser)
     _add_pareto(parser)
     _add_graph_and_cluster(parser)
@@ -313,6 +370,13 @@ def add_plan_options(parser: argparse.ArgumentParser, *, cpsat_workers: bool = T
     search.add_argument("--dp", type=positive_int, help="pin the data-parallel degree")
     goal = parser.add_argument_group("objective and constraints")
     goal.add_argument("--objective", choices=["memory", "throughput"], default="memory")
+    goal.add_argument(
+        "--memory-objective",
+        choices=MEMORY_OBJECTIVES,
+        default="utilization",
+        help="heterogeneous clusters (--cluster with 2+ groups): minimise the largest stage "
+        "peak / its GPU's memory (utilization, default) or the largest peak in bytes (absolute)",
+    )
     goal.add_argument(
         "--min-throughput",
         type=_positive_float,
@@ -366,13 +430,15 @@ def training_from_args(args: argparse.Namespace) -> TrainingConfig:
         min_throughput=args.min_throughput,
         max_slowdown=args.max_slowdown,
         objective=args.objective,
+        memory_objective=getattr(args, "memory_objective", "utilization"),
         calibration=_calibration(args),
         **_bytes_per_param(args),
     )
 
 
 def plan_main(argv: list[str] | None = None) -> int:
-    args = plan_parser().parse_args(argv)
+    parser = plan_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         from solver.planner import plan
@@ -381,14 +447,20 @@ def plan_main(argv: list[str] | None = None) -> int:
         _check_outputs(args)
         if args.pareto_points is not None and not args.pareto:
             raise InputError("--pareto-points needs --pareto")
+        cluster = cluster_from_args(parser, args, args.gpus)
         graph = load_graph(args.graph)
         training = training_from_args(args)
         if args.pareto:
-            _pareto(args, graph, training)
+            if cluster.is_heterogeneous:
+                raise InputError(
+                    "--pareto does not place stages on node groups yet; drop --pareto or use a "
+                    "one-group --cluster"
+                )
+            _pareto(args, graph, training, cluster)
             return 0
         result = plan(
             graph,
-            _cluster(args, args.gpus),
+            cluster,
             training,
             backend=args.backend,
             time_limit_s=args.time_limit,
@@ -424,13 +496,20 @@ def evaluate_parser() -> argparse.ArgumentParser:
         required=True,
         help="even | parameters | layer counts per stage (5,7,7,5) | a stage index per layer",
     )
+    parser.add_argument(
+        "--stage-groups",
+        metavar="NAMES",
+        help="with a heterogeneous --cluster: the node group of each stage, comma-separated "
+        "group names (e.g. a100-80g,a100-40g)",
+    )
     _add_plot(parser)
     _add_graph_and_cluster(parser)
     return parser
 
 
 def evaluate_main(argv: list[str] | None = None) -> int:
-    args = evaluate_parser().parse_args(argv)
+    parser = evaluate_parser()
+    args = parser.parse_args(argv)
     try:
         from solver.evaluation import evaluate
         from solver.report import evaluation_to_dict, format_evaluation
@@ -452,8 +531,19 @@ def evaluate_main(argv: list[str] | None = None) -> int:
             recompute=args.recompute,
             schedule=args.schedule,
         )
-        if args.tp > args.gpus_per_node or args.gpus_per_node % args.tp:
-            raise InputError(f"--tp {args.tp} must divide --gpus-per-node {args.gpus_per_node}")
+        cluster = cluster_from_args(parser, args, config.num_gpus)
+        if args.tp > cluster.gpus_per_node or cluster.gpus_per_node % args.tp:
+            if not cluster.is_heterogeneous:
+                raise InputError(
+                    f"--tp {args.tp} must divide --gpus-per-node {cluster.gpus_per_node}"
+                )
+        if args.cluster is not None and not cluster.is_heterogeneous:
+            if config.num_gpus != cluster.num_gpus:
+                raise InputError(
+                    f"pp({args.pp}) * tp({args.tp}) * dp({args.dp}) = {config.num_gpus} != "
+                    f"gpus({cluster.num_gpus}) of --cluster {args.cluster}"
+                )
+        groups = _stage_groups(args, cluster)
         split: str | list[int] = args.split
         if args.split not in ("even", "parameters"):
             try:
@@ -474,7 +564,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
             **_bytes_per_param(args),
         )
         result = evaluate(
-            graph, config, split, cluster=_cluster(args, config.num_gpus), training=training
+            graph, config, split, cluster=cluster, training=training, group_of_stage=groups
         )
         if args.json:
             write_json(args.json, evaluation_to_dict(result), protect=_inputs(args))
@@ -492,25 +582,51 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _stage_groups(args: argparse.Namespace, cluster: Cluster) -> list[int] | None:
+    """--stage-groups names -> group indices (heterogeneous clusters only)."""
+    if not cluster.is_heterogeneous:
+        if args.stage_groups is not None:
+            raise InputError("--stage-groups needs a --cluster file with two or more groups")
+        return None
+    names = [g.name for g in cluster.groups]
+    if args.stage_groups is None:
+        raise InputError(
+            f"--cluster {args.cluster} has {len(names)} node groups: say where each stage runs "
+            f"with --stage-groups (names: {', '.join(names)})"
+        )
+    given = [part.strip() for part in args.stage_groups.split(",")]
+    unknown = [name for name in given if name not in names]
+    if unknown:
+        raise InputError(f"--stage-groups: unknown group {unknown[0]!r}; names: {', '.join(names)}")
+    return [names.index(name) for name in given]
+
+
 def _plot_evaluation(result: Any, path: str) -> None:
     """The evaluated split next to the even split of the same config (alone when it is even)."""
     from solver.evaluation import evaluate
     from solver.plots import plot_plan
 
     even = evaluate(
-        result.graph, result.config, "even", cluster=result.cluster, training=result.training
+        result.graph,
+        result.config,
+        "even",
+        cluster=result.cluster,
+        training=result.training,
+        group_of_stage=result.group_of_stage,
     )
     baseline = None if even.stage_of_layer == result.stage_of_layer else even
     plot_plan(result, path, baseline=baseline)
 
 
-def _pareto(args: argparse.Namespace, graph: Any, training: TrainingConfig) -> None:
+def _pareto(
+    args: argparse.Namespace, graph: Any, training: TrainingConfig, cluster: Cluster
+) -> None:
     """solver.plan --pareto: the front as a table, --json document and --plot picture."""
     from solver.pareto import format_pareto, pareto_front, pareto_to_dict
 
     front = pareto_front(
         graph,
-        _cluster(args, args.gpus),
+        cluster,
         training,
         max_points=PARETO_POINTS if args.pareto_points is None else args.pareto_points,
         backend=args.backend,
@@ -525,8 +641,9 @@ def _pareto(args: argparse.Namespace, graph: Any, training: TrainingConfig) -> N
         plot_pareto(
             front.points,
             args.plot,
-            capacity_bytes=args.gpu_memory,
-            title=f"{graph.model} on {args.gpus} GPUs: {len(front.points)} non-dominated plans",
+            capacity_bytes=cluster.gpu_memory_bytes,
+            title=f"{graph.model} on {cluster.num_gpus} GPUs: {len(front.points)} non-dominated "
+            "plans",
         )
     if not args.quiet:
         _print(format_pareto(front))

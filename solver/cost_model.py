@@ -57,6 +57,12 @@ Time (integer nanoseconds, rounded up per layer so that every backend sums the s
          updated shards), 3 (d-1)/d with z = 3 (parameters are all-gathered again for backward);
          over the intra-node bandwidth when t d <= gpus_per_node, else inter-node
   iteration = (m + p - 1) max_s T_s + max_s AR_s;  throughput = B / iteration (samples/s)
+
+Heterogeneous clusters (``Cluster.groups``): stage s runs on the tp d GPUs of one node group k(s).
+Memory does not depend on the GPU type (the terms above use no cluster field); T_s and AR_s use
+group k(s)'s FLOP/s, efficiency and bandwidths (``placed_stage_costs``), and the utilization of
+stage s is peak_s / capacity_k(s), counted in parts per million, rounded up
+(``utilization_ppm``), so that every backend compares the same integers.
 """
 
 from __future__ import annotations
@@ -482,6 +488,26 @@ def stage_costs(costs: LayerCosts, stage_of_layer: list[int] | np.ndarray) -> li
             )
         )
     return stages
+
+
+PPM = 1_000_000
+"""Utilization unit: parts per million of a GPU's capacity."""
+
+
+def utilization_ppm(peak_bytes: int, capacity_bytes: int) -> int:
+    """ceil(10^6 peak / capacity): a stage's share of its GPU memory, in parts per million."""
+    return -(-PPM * int(peak_bytes) // int(capacity_bytes))
+
+
+def placed_stage_costs(
+    group_costs: list[LayerCosts],
+    stage_of_layer: list[int] | np.ndarray,
+    group_of_stage: list[int],
+) -> list[StageCost]:
+    """Exact per-stage costs when stage s runs on group ``group_of_stage[s]``: ``group_costs[k]``
+    are the coefficients with group k's cluster (equal memory, group-specific times)."""
+    per_group = {k: stage_costs(group_costs[k], stage_of_layer) for k in set(group_of_stage)}
+    return [per_group[k][s] for s, k in enumerate(group_of_stage)]
 
 
 def iteration_time_ns(costs: LayerCosts, stages: list[StageCost]) -> int:

@@ -17,6 +17,7 @@ import time
 
 from ortools.sat.python import cp_model
 
+from solver.cost_model import PPM
 from solver.errors import InputError
 from solver.formulation import PrefixFormulation
 from solver.presolve import (
@@ -71,6 +72,9 @@ class CpSatFormulation(PrefixFormulation):
     def _new_var(self, lo: int, hi: int, name: str) -> cp_model.IntVar:
         return self.model.new_int_var(lo, hi, name)
 
+    _new_int = _new_var
+    utilization_row_scale = PPM
+
     def _bytes(self, value: int) -> int:
         return int(value)
 
@@ -121,10 +125,11 @@ class CpSatFormulation(PrefixFormulation):
             return make_solution(UNKNOWN, self.backend, bound=bound)
         prefix_values = [[solver.value(y) for y in row] for row in self.vars.prefix]
         split = split_from_prefix(prefix_values, self.problem.num_stages)
-        reason = self.problem.violation(split)
+        groups = self.groups_from(solver.value)
+        reason = self.problem.violation(split, groups)
         if reason is not None:
-            raise AssertionError(f"CP-SAT returned an invalid split {split}: {reason}")
-        objective = self.problem.objective_value(split)
+            raise AssertionError(f"CP-SAT returned an invalid split {split} {groups}: {reason}")
+        objective = self.problem.objective_value(split, groups)
         model_objective = round(solver.objective_value)
         if objective > model_objective:  # auxiliaries are lower-bounded: they may only overcount
             raise AssertionError(f"the model under-counts: {model_objective} < {objective}")
@@ -132,10 +137,20 @@ class CpSatFormulation(PrefixFormulation):
             if objective != model_objective:
                 raise AssertionError(f"optimal model value {model_objective} != {objective}")
             return make_solution(
-                OPTIMAL, self.backend, bound=objective, split=split, objective=objective
+                OPTIMAL,
+                self.backend,
+                bound=objective,
+                split=split,
+                objective=objective,
+                groups=groups,
             )
         return make_solution(
-            FEASIBLE, self.backend, bound=min(bound, objective), split=split, objective=objective
+            FEASIBLE,
+            self.backend,
+            bound=min(bound, objective),
+            split=split,
+            objective=objective,
+            groups=groups,
         )
 
 

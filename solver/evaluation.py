@@ -10,8 +10,10 @@ from solver.cost_model import (
     StageCost,
     iteration_time_ns,
     layer_costs,
+    placed_stage_costs,
     stage_costs,
     throughput,
+    utilization_ppm,
 )
 from solver.errors import InputError
 from solver.graph import LayerGraph
@@ -29,11 +31,34 @@ class Evaluation:
     stage_of_layer: list[int]
     stages: list[StageCost]
     iteration_ns: int
+    group_of_stage: list[int] | None = None
+    """Node group of each stage on a heterogeneous cluster (index into ``cluster.groups``)."""
 
     @property
     def peak_bytes(self) -> int:
         """Largest per-GPU peak over the stages."""
         return max(stage.peak_bytes for stage in self.stages)
+
+    @property
+    def capacity_bytes(self) -> list[int]:
+        """GPU memory of each stage's GPUs."""
+        if self.group_of_stage is None:
+            return [self.cluster.gpu_memory_bytes] * len(self.stages)
+        return [self.cluster.groups[k].gpu_memory_bytes for k in self.group_of_stage]
+
+    @property
+    def utilization_ppm(self) -> list[int]:
+        """Each stage's peak / its capacity, parts per million (rounded up)."""
+        return [
+            utilization_ppm(stage.peak_bytes, capacity)
+            for stage, capacity in zip(self.stages, self.capacity_bytes, strict=True)
+        ]
+
+    @property
+    def group_names(self) -> list[str] | None:
+        if self.group_of_stage is None:
+            return None
+        return [self.cluster.groups[k].name for k in self.group_of_stage]
 
     @property
     def throughput(self) -> float:
@@ -42,7 +67,12 @@ class Evaluation:
 
     @property
     def fits(self) -> bool:
-        return self.peak_bytes <= self.cluster.gpu_memory_bytes
+        if self.group_of_stage is None:
+            return self.peak_bytes <= self.cluster.gpu_memory_bytes
+        return all(
+            stage.peak_bytes <= capacity
+            for stage, capacity in zip(self.stages, self.capacity_bytes, strict=True)
+        )
 
     def stage_layer_names(self) -> list[list[str]]:
         names = self.graph.names
@@ -67,17 +97,56 @@ def evaluate(
     *,
     cluster: Cluster | None = None,
     training: TrainingConfig | None = None,
+    group_of_stage: list[int] | None = None,
 ) -> Evaluation:
     """Per-stage peaks and times of ``split`` under ``config``.
 
     ``split``: "even" (Megatron default), "parameters" (DeepSpeed parameter-balanced), layer counts
-    per stage (chains, list order), or a stage index per layer (any DAG).
+    per stage (chains, list order), or a stage index per layer (any DAG). On a heterogeneous
+    cluster ``group_of_stage`` says which node group runs each stage (tp * dp GPUs of it).
     """
     cluster = cluster or Cluster(num_gpus=config.num_gpus)
     training = training or default_training(config)
     stage_of_layer = resolve_split(graph, config.pp, split)
-    costs = layer_costs(graph, config, cluster, training)
-    return evaluate_assignment(graph, costs, stage_of_layer, cluster=cluster, training=training)
+    if not cluster.is_heterogeneous:
+        costs = layer_costs(graph, config, cluster, training)
+        return evaluate_assignment(graph, costs, stage_of_layer, cluster=cluster, training=training)
+    check_placement(cluster, config, group_of_stage)
+    group_costs = [
+        layer_costs(graph, config, cluster.group_cluster(k), training)
+        for k in range(len(cluster.groups))
+    ]
+    return evaluate_assignment(
+        graph,
+        group_costs[0],
+        stage_of_layer,
+        cluster=cluster,
+        training=training,
+        group_costs=group_costs,
+        group_of_stage=group_of_stage,
+    )
+
+
+def check_placement(cluster: Cluster, config: ParallelConfig, group_of_stage: list[int] | None):
+    """A group for each stage, tp | the group's GPUs per node, and no group over its GPUs."""
+    names = [g.name for g in cluster.groups]
+    if group_of_stage is None or len(group_of_stage) != config.pp:
+        raise InputError(
+            f"a heterogeneous cluster needs a node group for each of the {config.pp} stages "
+            f"(--stage-groups, names: {', '.join(names)})"
+        )
+    for k, group in enumerate(cluster.groups):
+        used = config.tp * config.dp * sum(1 for g in group_of_stage if g == k)
+        if used > group.num_gpus:
+            raise InputError(
+                f"group {group.name}: its stages need tp({config.tp}) * dp({config.dp}) * "
+                f"{used // (config.tp * config.dp)} = {used} GPUs > its {group.num_gpus}"
+            )
+        if used and group.gpus_per_node % config.tp:
+            raise InputError(
+                f"group {group.name}: tp({config.tp}) does not divide its gpus_per_node "
+                f"({group.gpus_per_node}); tensor parallelism stays inside a node"
+            )
 
 
 def evaluate_assignment(
@@ -87,9 +156,15 @@ def evaluate_assignment(
     *,
     cluster: Cluster,
     training: TrainingConfig,
+    group_costs: list[LayerCosts] | None = None,
+    group_of_stage: list[int] | None = None,
 ) -> Evaluation:
-    """Evaluation from precomputed coefficients (the planner's path)."""
-    stages = stage_costs(costs, stage_of_layer)
+    """Evaluation from precomputed coefficients (the planner's path); on a heterogeneous
+    cluster, stage s uses ``group_costs[group_of_stage[s]]`` (its group's times)."""
+    if group_of_stage is None:
+        stages = stage_costs(costs, stage_of_layer)
+    else:
+        stages = placed_stage_costs(group_costs, stage_of_layer, group_of_stage)
     return Evaluation(
         graph=graph,
         config=costs.config,
@@ -98,6 +173,7 @@ def evaluate_assignment(
         stage_of_layer=list(stage_of_layer),
         stages=stages,
         iteration_ns=iteration_time_ns(costs, stages),
+        group_of_stage=None if group_of_stage is None else list(group_of_stage),
     )
 
 

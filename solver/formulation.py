@@ -20,6 +20,27 @@ The formulation (``cpsat.py`` and ``milp.py`` build it through :class:`PrefixFor
   limits       peak <= capacity;  F T + AR <= budget      (F = m + p - 1)
   objective    min peak ("memory") or min F T + AR ("time")
 
+Heterogeneous clusters (``problem.placement``: node groups k with capacity C_k, n_k stages each and
+their own per-layer times time_l^k, sync_l^k) add, and use instead of the memory and time rows:
+
+  g[s][k] in {0, 1}                  stage s runs on group k
+  P[s][k] >= 0                       peak of stage s if it runs on group k, else 0
+  one group    sum_k g[s][k] = 1
+  group sizes  sum_s g[s][k] = n_k                         every GPU is used (solver.candidates)
+  memory       sum_k P[s][k] >= (stage peak expression above)
+  capacity     P[s][k] <= C_k g[s][k]
+  objective    utilization (integer ppm U):  10^6 P[s][k] <= C_k U
+               absolute:                     peak >= P[s][k]
+  time         T >= sum_l time_l^k x[l][s] - M^k (1 - g[s][k]),  M^k = sum_l time_l^k
+               (AR likewise with sync_l^k)
+
+P is the disaggregated (convex-hull) form of "P_s <= C_k(s)": no big-M in the memory rows, so the
+LP relaxation stays tight and the coefficients small (HiGHS's presolve declared a feasible big-M
+version infeasible). The time rows are exact: with g[s][k] = 0 their right-hand side is at most 0.
+U is an integer, so its optimum is max_s ceil(10^6 peak_s / C_k(s)),
+``cost_model.utilization_ppm`` exactly. Without a placement none of this exists and the model is
+the one above, unchanged.
+
 The buffer term is exact: an edge leaving s crosses s | s+1 only, one entering s crosses s-1 | s
 only, and a relayed one crosses both ((R_s + S_s) eb_e). Prefix variables make all of this linear
 with no big-M; r is the only product, and ``y[u][s-1] - y[v][s]`` is the tightest linear lower
@@ -39,6 +60,7 @@ Cuts and static bounds: :class:`solver.presolve.Presolve`.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -46,9 +68,15 @@ from typing import Any
 
 import numpy as np
 
-from solver.cost_model import LayerCosts, stage_costs
+from solver.cost_model import PPM, LayerCosts, stage_costs
 from solver.presolve import Presolve, check_hint, keep_hint_if_better
-from solver.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, StageProblem, StageSolution
+from solver.problem import (
+    OBJECTIVE_MEMORY,
+    OBJECTIVE_TIME,
+    UTILIZATION,
+    StageProblem,
+    StageSolution,
+)
 
 
 @dataclass
@@ -63,6 +91,12 @@ class PrefixVariables:
     peak: Any = None
     slowest_stage_ns: Any = None
     slowest_sync_ns: Any = None
+    group: list[list[Any]] = field(default_factory=list)
+    """group[s][k] = g[s][k] (placement only)."""
+    stage_peak: list[list[Any]] = field(default_factory=list)
+    """stage_peak[s][k] = P[s][k] (placement only)."""
+    utilization: Any = None
+    """U, ppm (placement with the utilization objective only)."""
 
 
 class PrefixFormulation(abc.ABC):
@@ -77,8 +111,11 @@ class PrefixFormulation(abc.ABC):
             zip(self.costs.edge_src.tolist(), self.costs.edge_dst.tolist(), strict=True)
         )
         """(u, v) of every edge, in the order of costs.edge_*."""
+        self.placement = problem.placement
         self.needs_memory = (
-            problem.objective == OBJECTIVE_MEMORY or problem.capacity_bytes is not None
+            problem.objective == OBJECTIVE_MEMORY
+            or problem.capacity_bytes is not None
+            or self.placement is not None  # every group has a capacity
         )
         self.needs_time = (
             problem.objective == OBJECTIVE_TIME or problem.iteration_budget_ns is not None
@@ -93,6 +130,8 @@ class PrefixFormulation(abc.ABC):
         calls ``solve(**options)``; a valid hint is returned when the solver found nothing
         better."""
         start = time.perf_counter()
+        if problem.placement is not None:
+            hint = None  # a split alone does not say where its stages run
         check_hint(problem, hint)
         formulation = cls(problem)
         if hint is not None:
@@ -118,6 +157,13 @@ class PrefixFormulation(abc.ABC):
     @abc.abstractmethod
     def _new_var(self, lo: int | float, hi: int | float, name: str) -> Any:
         """An auxiliary variable in [lo, hi] (only its lower bound matters)."""
+
+    @abc.abstractmethod
+    def _new_int(self, lo: int, hi: int, name: str) -> Any:
+        """An integer variable in [lo, hi]."""
+
+    utilization_row_scale: int = 1
+    """Factor on both sides of the utilization rows (CP-SAT: 10^6, for integer coefficients)."""
 
     @abc.abstractmethod
     def _bytes(self, value: int) -> int | float:
@@ -231,17 +277,39 @@ class PrefixFormulation(abc.ABC):
             self.vars.peak = self._new_var(
                 self._bytes(pre.peak_lb_bytes), self._bytes(pre.peak_ub_bytes), "peak"
             )
+        if self.placement is not None:
+            self._build_placement_variables()
         if self.needs_time:
+            group_costs = [costs] if self.placement is None else self.placement.group_costs
+            slowest = max(int(c.time_ns.sum()) for c in group_costs)
+            sync = max(int(c.dp_sync_ns.sum()) for c in group_costs)
             self.vars.slowest_stage_ns = self._new_var(
                 self._ns(pre.stage_time_lb_ns),
-                self._ns(max(pre.stage_time_lb_ns, int(costs.time_ns.sum()))),
+                self._ns(max(pre.stage_time_lb_ns, slowest)),
                 "T",
             )
             self.vars.slowest_sync_ns = self._new_var(
-                self._ns(pre.sync_lb_ns),
-                self._ns(max(pre.sync_lb_ns, int(costs.dp_sync_ns.sum()))),
-                "AR",
+                self._ns(pre.sync_lb_ns), self._ns(max(pre.sync_lb_ns, sync)), "AR"
             )
+
+    def _build_placement_variables(self) -> None:
+        """g[s][k], P[s][k] and U (utilization objective) or peak (absolute, already built)."""
+        placement, p = self.placement, self.problem.num_stages
+        self.vars.group = [
+            [self._new_bool(f"g_s{s}_k{k}") for k in range(placement.num_groups)] for s in range(p)
+        ]
+        self.vars.stage_peak = [
+            [
+                self._new_var(0, self._bytes(capacity), f"P_s{s}_k{k}")
+                for k, capacity in enumerate(placement.capacity_bytes)
+            ]
+            for s in range(p)
+        ]
+        if placement.memory_objective == UTILIZATION:
+            lower = self.presolve.objective_lower_bound(
+                dataclasses.replace(self.problem, objective=OBJECTIVE_MEMORY)
+            )
+            self.vars.utilization = self._new_int(min(lower, PPM), PPM, "U")
 
     def _add_constraints(self) -> None:
         """Every constraint family; memory rows only with a memory objective or a capacity, time
@@ -251,6 +319,9 @@ class PrefixFormulation(abc.ABC):
         self._add_precedence()
         self._add_nonempty_stages()
         self._add_edge_span()
+        if self.placement is not None:
+            self._add_one_group_per_stage()
+            self._add_group_sizes()
         if self.needs_memory:
             self._add_relay()
             self._add_transient()
@@ -313,18 +384,72 @@ class PrefixFormulation(abc.ABC):
                         f"transient_l{layer}_s{s}",
                     )
 
+    def _add_one_group_per_stage(self) -> None:
+        """sum_k g[s][k] = 1."""
+        for s, row in enumerate(self.vars.group):
+            self._add(self._sum(row) == 1, f"one_group_s{s}")
+
+    def _add_group_sizes(self) -> None:
+        """sum_s g[s][k] = n_k."""
+        for k, wanted in enumerate(self.placement.stages_per_group):
+            self._add(self._sum(row[k] for row in self.vars.group) == wanted, f"group_size_k{k}")
+
     def _add_stage_memory(self) -> None:
-        """peak >= states_s + k_s stored_s + buffers_s + k_s relay_s + tr[s]."""
-        for s in range(self.problem.num_stages):
-            self._add(self.vars.peak >= self._stage_bytes(s), f"memory_s{s}")
+        """peak >= states_s + k_s stored_s + buffers_s + k_s relay_s + tr[s]; with a placement
+        sum_k P[s][k] >= that, and peak >= P[s][k] (absolute) or the utilization rows."""
+        if self.placement is None:
+            for s in range(self.problem.num_stages):
+                self._add(self.vars.peak >= self._stage_bytes(s), f"memory_s{s}")
+            return
+        for s, row in enumerate(self.vars.stage_peak):
+            self._add(self._sum(row) >= self._stage_bytes(s), f"memory_s{s}")
+        if self.vars.utilization is None:
+            for s, row in enumerate(self.vars.stage_peak):
+                for k, stage_peak in enumerate(row):
+                    self._add(self.vars.peak >= stage_peak, f"peak_s{s}_k{k}")
+            return
+        self._add_utilization()
+
+    def _add_utilization(self) -> None:
+        """10^6 P[s][k] <= C_k U (both sides times the backend's scale)."""
+        scale, capacities = self.utilization_row_scale, self.placement.capacity_bytes
+        for s, row in enumerate(self.vars.stage_peak):
+            for k, (capacity, stage_peak) in enumerate(zip(capacities, row, strict=True)):
+                coefficient = scale * self._bytes(capacity) / PPM
+                if float(coefficient).is_integer():
+                    coefficient = int(coefficient)  # CP-SAT: integer coefficients
+                self._add(
+                    scale * stage_peak <= coefficient * self.vars.utilization,
+                    f"utilization_s{s}_k{k}",
+                )
 
     def _add_capacity(self) -> None:
-        """peak <= capacity_bytes."""
-        if self.problem.capacity_bytes is not None:
-            self._add(self.vars.peak <= self._bytes(self.problem.capacity_bytes), "capacity")
+        """peak <= capacity_bytes; with a placement P[s][k] <= C_k g[s][k] (and the limits)."""
+        problem = self.problem
+        if self.placement is None:
+            if problem.capacity_bytes is not None:
+                self._add(self.vars.peak <= self._bytes(problem.capacity_bytes), "capacity")
+            return
+        capacities = self.placement.capacity_bytes
+        for s, row in enumerate(self.vars.stage_peak):
+            for k, (capacity, stage_peak) in enumerate(zip(capacities, row, strict=True)):
+                self._add(
+                    stage_peak <= self._bytes(capacity) * self.vars.group[s][k],
+                    f"group_capacity_s{s}_k{k}",
+                )
+                if problem.capacity_bytes is not None:
+                    self._add(
+                        stage_peak <= self._bytes(problem.capacity_bytes), f"capacity_s{s}_k{k}"
+                    )
+        if problem.utilization_limit_ppm is not None and self.vars.utilization is not None:
+            self._add(self.vars.utilization <= problem.utilization_limit_ppm, "utilization_limit")
 
     def _add_stage_time(self) -> None:
-        """T >= sum_l time_l x[l][s];  AR >= sum_l sync_l x[l][s]."""
+        """T >= sum_l time_l x[l][s];  AR >= sum_l sync_l x[l][s]; with a placement, per group:
+        T >= sum_l time_l^k x[l][s] - M^k (1 - g[s][k]) (AR likewise)."""
+        if self.placement is not None:
+            self._add_placed_stage_time()
+            return
         for s in range(self.problem.num_stages):
             self._add(
                 self.vars.slowest_stage_ns >= self._stage_sum(self.costs.time_ns, s), f"time_s{s}"
@@ -332,6 +457,23 @@ class PrefixFormulation(abc.ABC):
             self._add(
                 self.vars.slowest_sync_ns >= self._stage_sum(self.costs.dp_sync_ns, s), f"sync_s{s}"
             )
+
+    def _add_placed_stage_time(self) -> None:
+        """T >= sum_l time_l^k x[l][s] - M^k (1 - g[s][k]);  AR likewise (M^k: all of group k)."""
+        for k, costs in enumerate(self.placement.group_costs):
+            slowest, sync = int(costs.time_ns.sum()), int(costs.dp_sync_ns.sum())
+            for s, groups in enumerate(self.vars.group):
+                off = 1 - groups[k]
+                self._add(
+                    self.vars.slowest_stage_ns
+                    >= self._stage_sum(costs.time_ns, s) - self._ns(slowest) * off,
+                    f"time_s{s}_k{k}",
+                )
+                self._add(
+                    self.vars.slowest_sync_ns
+                    >= self._stage_sum(costs.dp_sync_ns, s) - self._ns(sync) * off,
+                    f"sync_s{s}_k{k}",
+                )
 
     def _add_iteration_budget(self) -> None:
         """F T + AR <= iteration_budget_ns."""
@@ -341,9 +483,17 @@ class PrefixFormulation(abc.ABC):
     def _set_objective(self) -> None:
         """min peak ("memory") or min F T + AR ("time")."""
         if self.problem.objective == OBJECTIVE_MEMORY:
-            self._minimize(self.vars.peak)
+            utilization = self.vars.utilization
+            self._minimize(self.vars.peak if utilization is None else utilization)
         else:
             self._minimize(self._iteration())
+
+    def groups_from(self, value) -> list[int] | None:
+        """Group of each stage from solver values (``value(variable)``), None without a
+        placement."""
+        if self.placement is None:
+            return None
+        return [max(range(len(row)), key=lambda k: value(row[k])) for row in self.vars.group]
 
     # -- hints -----------------------------------------------------------------------------------
 

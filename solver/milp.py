@@ -99,6 +99,16 @@ class MilpFormulation(PrefixFormulation):
             ]
         )
         time_coefficients = np.concatenate([costs.time_ns, costs.dp_sync_ns, [1]])
+        if self.problem.placement is not None:
+            placement = self.problem.placement
+            byte_coefficients = np.concatenate([byte_coefficients, placement.capacity_bytes])
+            time_coefficients = np.concatenate(
+                [time_coefficients]
+                + [
+                    [c.time_ns.sum(), c.dp_sync_ns.sum(), *c.time_ns, *c.dp_sync_ns]
+                    for c in placement.group_costs
+                ]
+            )
         return power_of_two_scale(byte_coefficients), power_of_two_scale(time_coefficients)
 
     # -- backend ---------------------------------------------------------------------------------
@@ -109,6 +119,9 @@ class MilpFormulation(PrefixFormulation):
     def _new_var(self, lo: float, hi: float, name: str) -> pulp.LpVariable:
         """Continuous: at integer y the smallest feasible value is the exact one."""
         return self.model.add_variable(name, lo, hi)
+
+    def _new_int(self, lo: int, hi: int, name: str) -> pulp.LpVariable:
+        return self.model.add_variable(name, lo, hi, cat=pulp.LpInteger)
 
     def _bytes(self, value: int) -> float:
         return int(value) / self.bytes_scale
@@ -136,7 +149,9 @@ class MilpFormulation(PrefixFormulation):
     # -- solve -----------------------------------------------------------------------------------
 
     def objective_scale(self) -> int:
-        return self.bytes_scale if self.problem.objective == OBJECTIVE_MEMORY else self.ns_scale
+        if self.problem.objective != OBJECTIVE_MEMORY:
+            return self.ns_scale
+        return 1 if self.vars.utilization is not None else self.bytes_scale
 
     def dump(self, path: str) -> None:
         """Writes the model in LP format."""
@@ -210,16 +225,17 @@ class MilpFormulation(PrefixFormulation):
             return make_solution(UNKNOWN, backend, bound=bound), False
         values = [[y.varValue or 0.0 for y in row] for row in self.vars.prefix]
         split = split_from_prefix(values, self.problem.num_stages)
-        reason = self.problem.violation(split)
+        groups = self.groups_from(lambda var: var.varValue or 0.0)
+        reason = self.problem.violation(split, groups)
         if reason is not None:
             logger.info("%s: the rounded split %s is not valid: %s", backend, split, reason)
             return make_solution(UNKNOWN, backend, bound=bound), True
-        objective = self.problem.objective_value(split)
+        objective = self.problem.objective_value(split, groups)
         model_objective = pulp.value(self.model.objective) * scale
         margin = RELATIVE_MARGIN * max(1.0, abs(model_objective))
         if outcome == OPTIMAL and objective <= model_objective + margin:
             return make_solution(
-                OPTIMAL, backend, bound=objective, split=split, objective=objective
+                OPTIMAL, backend, bound=objective, split=split, objective=objective, groups=groups
             ), False
         if outcome == OPTIMAL:
             logger.warning(
@@ -229,7 +245,12 @@ class MilpFormulation(PrefixFormulation):
                 objective,
             )
         return make_solution(
-            FEASIBLE, backend, bound=min(bound, objective), split=split, objective=objective
+            FEASIBLE,
+            backend,
+            bound=min(bound, objective),
+            split=split,
+            objective=objective,
+            groups=groups,
         ), False
 
 

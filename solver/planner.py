@@ -15,7 +15,7 @@ from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerE
 from solver.evaluation import Evaluation, evaluate_assignment
 from solver.export import build_exports
 from solver.graph import LayerGraph
-from solver.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL
+from solver.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, UTILIZATION
 from solver.search import ConfigEntry, Deadline, SearchResult, build_entries, refine, search
 from solver.specs import Cluster, SolverReport, TrainingConfig
 from solver.units import format_bytes
@@ -75,7 +75,9 @@ def plan(
     started = time.perf_counter()
     deadline = Deadline.after(time_limit_s)
     entries = build_entries(graph, cluster, training)
-    capacity = cluster.gpu_memory_bytes
+    heterogeneous = cluster.is_heterogeneous
+    # a heterogeneous cluster's capacities are per group, in each entry's placement
+    capacity = None if heterogeneous else cluster.gpu_memory_bytes
     budget_ns = None
     required = None
     fastest = None
@@ -108,15 +110,24 @@ def plan(
     if training.objective == "memory":
         result = found(run(objective=OBJECTIVE_MEMORY, iteration_budget_ns=budget_ns))
         secondary, limits = OBJECTIVE_TIME, {"capacity": result.value, "budget": budget_ns}
+        if heterogeneous and training.memory_objective == UTILIZATION:
+            limits = {"capacity": None, "budget": budget_ns, "utilization": result.value}
     else:
         result = fastest
         secondary, limits = OBJECTIVE_MEMORY, {"capacity": capacity, "budget": result.value}
-    entry, split = _break_ties(
+    entry, split, groups = _break_ties(
         result, secondary=secondary, **limits, deadline=deadline, num_workers=num_workers
     )
     # a throughput budget taken from an unproven fastest plan is not proven either
     proven = result.proven and (fastest is None or fastest.proven)
-    evaluation = evaluate_assignment(graph, entry.costs, split, cluster=cluster, training=training)
+    placed = (
+        {}
+        if entry.placement is None
+        else {"group_costs": entry.placement.group_costs, "group_of_stage": groups}
+    )
+    evaluation = evaluate_assignment(
+        graph, entry.costs, split, cluster=cluster, training=training, **placed
+    )
     report = SolverReport(
         backend=result.backend,
         status=OPTIMAL if proven else "FEASIBLE",
@@ -140,6 +151,7 @@ def plan(
                 split_of(graph, entry.costs.num_stages),
                 cluster=cluster,
                 training=training,
+                **placed,
             )
             for name, split_of in BASELINES.items()
         },
@@ -160,11 +172,12 @@ def _break_ties(
     budget: int | None,
     deadline: Deadline,
     num_workers: int,
-) -> tuple[ConfigEntry, list[int]]:
+    utilization: int | None = None,
+) -> tuple[ConfigEntry, list[int], list[int] | None]:
     """Among configs tied on the primary objective, the best on the secondary one (then the
     earliest in candidate order). Each tie is re-solved for its best secondary value while
-    keeping the primary optimum as a hard limit."""
-    best: tuple[tuple[int, int], ConfigEntry, list[int]] | None = None
+    keeping the primary optimum as a hard limit. Returns (entry, split, group of each stage)."""
+    best: tuple[tuple[int, int], ConfigEntry, list[int], list[int] | None] | None = None
     for entry, solution in result.ties:
         refined = refine(
             entry,
@@ -175,13 +188,14 @@ def _break_ties(
             deadline=deadline,
             hint=solution.stage_of_layer,
             num_workers=num_workers,
+            utilization_limit_ppm=utilization,
         )
-        split = refined.stage_of_layer if refined is not None else solution.stage_of_layer
+        chosen = refined if refined is not None else solution
         value = refined.objective if refined is not None else math.inf
         key = (value, entry.order)
         if best is None or key < best[0]:
-            best = (key, entry, split)
-    return best[1], best[2]
+            best = (key, entry, chosen.stage_of_layer, chosen.group_of_stage)
+    return best[1], best[2], best[3]
 
 
 def _no_plan(
@@ -212,6 +226,8 @@ def explain_infeasible(
     budget_ns: int | None,
 ) -> InfeasibleError:
     """Which constraint fails, by how much, and the smallest GPU count that would fit."""
+    if cluster.is_heterogeneous:
+        return _explain_heterogeneous(cluster, entries, budget_ns)
     capacity = cluster.gpu_memory_bytes
     quick = functools.partial(
         search, entries, iteration_budget_ns=None, backend=backend, deadline=Deadline.after(10.0)
@@ -261,6 +277,23 @@ def explain_infeasible(
         best_peak_bytes=best_peak,
         capacity_bytes=capacity,
         suggested_gpus=None if suggestion is None else suggestion[0],
+    )
+
+
+def _explain_heterogeneous(
+    cluster: Cluster, entries: list[ConfigEntry], budget_ns: int | None
+) -> InfeasibleError:
+    """No placement of any config fits the groups (or meets the throughput constraint)."""
+    groups = ", ".join(f"{g.name} {format_bytes(g.gpu_memory_bytes)}" for g in cluster.groups)
+    best = min(e.peak_lower_bound for e in entries)
+    constraint = "" if budget_ns is None else " and the throughput constraint"
+    return InfeasibleError(
+        f"no config and placement of stages on the groups ({groups}) satisfies the group "
+        f"capacities{constraint}: {len(entries)} configs solved or bounded (the best lower bound "
+        f"on a stage peak is {format_bytes(best)}); try --zero auto, --recompute auto, a smaller "
+        "micro-batch, --max-slowdown none, or more nodes",
+        best_peak_bytes=best,
+        capacity_bytes=max(g.gpu_memory_bytes for g in cluster.groups),
     )
 
 

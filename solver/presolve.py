@@ -18,13 +18,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.cost_model import LayerCosts
+from solver.cost_model import LayerCosts, utilization_ppm
 from solver.errors import InputError
 from solver.problem import (
     FEASIBLE,
     INFEASIBLE,
     OBJECTIVE_MEMORY,
     OPTIMAL,
+    UTILIZATION,
     StageProblem,
     StageSolution,
 )
@@ -65,6 +66,10 @@ class Presolve:
         min_acts = np.asarray(least_k, dtype=np.int64) * stored
         transient = costs.transient_bytes
         edge_total = int(costs.edge_bytes.sum())
+        time_ns, sync_ns = costs.time_ns, costs.dp_sync_ns
+        if problem.placement is not None:  # a layer's time on its fastest group
+            time_ns = np.min([c.time_ns for c in problem.placement.group_costs], axis=0)
+            sync_ns = np.min([c.dp_sync_ns for c in problem.placement.group_costs], axis=0)
         return cls(
             first_stage=first,
             last_stage=last,
@@ -83,17 +88,20 @@ class Presolve:
                 + (max(costs.receive_copies) + max(costs.send_copies) + max(k)) * edge_total
             ),
             stage_time_lb_ns=max(
-                int(costs.time_ns.max(initial=0)), _ceil_div(int(costs.time_ns.sum()), num_stages)
+                int(time_ns.max(initial=0)), _ceil_div(int(time_ns.sum()), num_stages)
             ),
             sync_lb_ns=max(
-                int(costs.dp_sync_ns.max(initial=0)),
-                _ceil_div(int(costs.dp_sync_ns.sum()), num_stages),
+                int(sync_ns.max(initial=0)),
+                _ceil_div(int(sync_ns.sum()), num_stages),
             ),
         )
 
     def objective_lower_bound(self, problem: StageProblem) -> int:
         """A lower bound on the optimum, valid without solving anything."""
+        placement = problem.placement
         if problem.objective == OBJECTIVE_MEMORY:
+            if placement is not None and placement.memory_objective == UTILIZATION:
+                return utilization_ppm(self.peak_lb_bytes, max(placement.capacity_bytes))
             return self.peak_lb_bytes
         return problem.costs.pipeline_factor * self.stage_time_lb_ns + self.sync_lb_ns
 
@@ -108,6 +116,7 @@ def make_solution(
     bound: int,
     split: list[int] | None = None,
     objective: int | None = None,
+    groups: list[int] | None = None,
 ) -> StageSolution:
     """A StageSolution; the caller sets wall_s."""
     return StageSolution(
@@ -117,6 +126,7 @@ def make_solution(
         bound=bound,
         wall_s=0.0,
         backend=backend,
+        group_of_stage=groups,
     )
 
 

@@ -7,6 +7,12 @@ The problem: assign each layer a stage 0..p-1 so that for every edge u->v stage(
 every stage is non-empty, every stage peak <= ``capacity_bytes`` (when set) and the iteration time
 <= ``iteration_budget_ns`` (when set); minimise the largest stage peak (objective "memory") or
 the iteration time (objective "time").
+
+Heterogeneous clusters add a :class:`Placement`: each stage also chooses a node group k(s), group k
+hosts exactly ``stages_per_group[k]`` stages (every GPU is used; see ``solver.candidates``), every
+stage peak <= the capacity of its group, times come from the group's coefficients, and "memory"
+means the largest utilization (ppm, ``cost_model.utilization_ppm``) or the largest peak (bytes).
+A solution then carries ``group_of_stage`` too.
 """
 
 from __future__ import annotations
@@ -15,7 +21,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.cost_model import LayerCosts, iteration_time_ns, stage_costs
+from solver.cost_model import (
+    LayerCosts,
+    StageCost,
+    iteration_time_ns,
+    placed_stage_costs,
+    stage_costs,
+    utilization_ppm,
+)
 
 OPTIMAL = "OPTIMAL"
 FEASIBLE = "FEASIBLE"  # a solution, optimality not proven (time limit)
@@ -24,6 +37,30 @@ UNKNOWN = "UNKNOWN"  # time limit hit before any solution and before a proof
 
 OBJECTIVE_MEMORY = "memory"
 OBJECTIVE_TIME = "time"
+
+
+UTILIZATION = "utilization"
+ABSOLUTE = "absolute"
+
+
+@dataclass(kw_only=True)
+class Placement:
+    """Node groups a heterogeneous problem places its stages on (index k = group)."""
+
+    group_costs: list[LayerCosts]
+    """Coefficients of the config on each group's cluster (same memory, the group's times)."""
+    capacity_bytes: list[int]
+    """GPU memory of each group."""
+    stages_per_group: list[int]
+    """Stages each group hosts: its GPUs / (tp d)."""
+    names: list[str]
+    """Group names (display)."""
+    memory_objective: str = UTILIZATION
+    """utilization: "memory" is max_s utilization_ppm(peak_s, capacity_k(s)); absolute: bytes."""
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.capacity_bytes)
 
 
 @dataclass(kw_only=True)
@@ -37,6 +74,10 @@ class StageProblem:
     """Every stage peak must be <= this (bytes per GPU)."""
     iteration_budget_ns: int | None = None
     """(m + p - 1) max_s T_s + max_s AR_s must be <= this (ns)."""
+    placement: Placement | None = None
+    """Node groups of a heterogeneous cluster (None: homogeneous)."""
+    utilization_limit_ppm: int | None = None
+    """With a placement: every stage's utilization must be <= this (ppm)."""
 
     @property
     def num_stages(self) -> int:
@@ -46,16 +87,41 @@ class StageProblem:
     def num_layers(self) -> int:
         return self.costs.num_layers
 
-    def measure(self, stage_of_layer: list[int] | np.ndarray) -> tuple[int, int]:
-        """(max stage peak bytes, iteration ns) of an assignment, from the cost model."""
-        stages = stage_costs(self.costs, stage_of_layer)
-        return max(s.peak_bytes for s in stages), iteration_time_ns(self.costs, stages)
+    def stages(
+        self, stage_of_layer: list[int] | np.ndarray, group_of_stage: list[int] | None = None
+    ) -> list[StageCost]:
+        """Per-stage costs from the cost model (on each stage's group with a placement)."""
+        if self.placement is None:
+            return stage_costs(self.costs, stage_of_layer)
+        return placed_stage_costs(self.placement.group_costs, stage_of_layer, group_of_stage)
 
-    def objective_value(self, stage_of_layer: list[int] | np.ndarray) -> int:
-        peak, iteration = self.measure(stage_of_layer)
-        return peak if self.objective == OBJECTIVE_MEMORY else iteration
+    def memory_value(self, stages: list[StageCost], group_of_stage: list[int] | None) -> int:
+        """The memory objective: largest peak (bytes), or largest utilization (ppm)."""
+        placement = self.placement
+        if placement is None or placement.memory_objective == ABSOLUTE:
+            return max(s.peak_bytes for s in stages)
+        return max(
+            utilization_ppm(stage.peak_bytes, placement.capacity_bytes[k])
+            for stage, k in zip(stages, group_of_stage, strict=True)
+        )
 
-    def violation(self, stage_of_layer: list[int] | np.ndarray) -> str | None:
+    def measure(
+        self, stage_of_layer: list[int] | np.ndarray, group_of_stage: list[int] | None = None
+    ) -> tuple[int, int]:
+        """(memory objective, iteration ns) of an assignment, from the cost model: the memory
+        objective is the max stage peak in bytes unless a placement asks for utilization."""
+        stages = self.stages(stage_of_layer, group_of_stage)
+        return self.memory_value(stages, group_of_stage), iteration_time_ns(self.costs, stages)
+
+    def objective_value(
+        self, stage_of_layer: list[int] | np.ndarray, group_of_stage: list[int] | None = None
+    ) -> int:
+        memory, iteration = self.measure(stage_of_layer, group_of_stage)
+        return memory if self.objective == OBJECTIVE_MEMORY else iteration
+
+    def violation(
+        self, stage_of_layer: list[int] | np.ndarray, group_of_stage: list[int] | None = None
+    ) -> str | None:
         """Why an assignment is not allowed, or None when it is."""
         stage_of = np.asarray(stage_of_layer)
         if len(stage_of) != self.num_layers:
@@ -70,12 +136,46 @@ class StageProblem:
         if backwards.any():
             e = int(np.flatnonzero(backwards)[0])
             return f"edge {costs.edge_src[e]}->{costs.edge_dst[e]} goes to an earlier stage"
-        peak, iteration = self.measure(stage_of)
+        placement = self.placement
+        if placement is not None:
+            reason = _placement_violation(placement, self.num_stages, group_of_stage)
+            if reason is not None:
+                return reason
+        stages = self.stages(stage_of, group_of_stage)
+        peak = max(s.peak_bytes for s in stages)
+        iteration = iteration_time_ns(costs, stages)
         if self.capacity_bytes is not None and peak > self.capacity_bytes:
             return f"peak {peak} B > capacity {self.capacity_bytes} B"
+        if placement is not None:
+            for stage, k in zip(stages, group_of_stage, strict=True):
+                if stage.peak_bytes > placement.capacity_bytes[k]:
+                    return (
+                        f"stage {stage.index} peak {stage.peak_bytes} B > capacity "
+                        f"{placement.capacity_bytes[k]} B of group {placement.names[k]}"
+                    )
+            utilization = self.memory_value(stages, group_of_stage)
+            limit = self.utilization_limit_ppm
+            if limit is not None and placement.memory_objective == UTILIZATION:
+                if utilization > limit:
+                    return f"utilization {utilization} ppm > limit {limit} ppm"
         if self.iteration_budget_ns is not None and iteration > self.iteration_budget_ns:
             return f"iteration {iteration} ns > budget {self.iteration_budget_ns} ns"
         return None
+
+
+def _placement_violation(
+    placement: Placement, num_stages: int, group_of_stage: list[int] | None
+) -> str | None:
+    """Every stage on a known group; group k hosts exactly stages_per_group[k] stages."""
+    if group_of_stage is None or len(group_of_stage) != num_stages:
+        return f"a heterogeneous problem needs a group for each of the {num_stages} stages"
+    if any(not 0 <= k < placement.num_groups for k in group_of_stage):
+        return f"group index outside 0..{placement.num_groups - 1}"
+    for k, wanted in enumerate(placement.stages_per_group):
+        placed = sum(1 for g in group_of_stage if g == k)
+        if placed != wanted:
+            return f"group {placement.names[k]} hosts {placed} stages, not {wanted}"
+    return None
 
 
 @dataclass(kw_only=True)
@@ -89,6 +189,8 @@ class StageSolution:
     bound: int
     wall_s: float
     backend: str
+    group_of_stage: list[int] | None = None
+    """Node group of each stage (heterogeneous problems only)."""
 
     @property
     def has_solution(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from solver.cost_model import PPM
 from solver.evaluation import Evaluation
 from solver.planner import Plan
 from solver.units import format_bytes
@@ -17,7 +18,7 @@ def evaluation_to_dict(evaluation: Evaluation) -> dict[str, Any]:
     """Config, per-stage costs (bytes per GPU, ms), peak and throughput of one split."""
     names = evaluation.stage_layer_names()
     cluster = evaluation.cluster
-    return {
+    document = {
         "model": evaluation.graph.model,
         "cluster": {
             "num_gpus": cluster.num_gpus,
@@ -46,6 +47,38 @@ def evaluation_to_dict(evaluation: Evaluation) -> dict[str, Any]:
         "throughput": finite_or_none(evaluation.throughput),
         "calibration": calibration_to_dict(evaluation),
     }
+    if evaluation.group_of_stage is not None:
+        _add_groups(document, evaluation)
+    return document
+
+
+def _add_groups(document: dict[str, Any], evaluation: Evaluation) -> None:
+    """Heterogeneous clusters: the groups, and each stage's group, capacity and utilization."""
+    document["cluster"]["groups"] = [
+        {
+            "name": g.name,
+            "num_nodes": g.num_nodes,
+            "gpus_per_node": g.gpus_per_node,
+            "gpu_memory_bytes": g.gpu_memory_bytes,
+            "gpu_flops": g.gpu_flops,
+            "flops_efficiency": g.flops_efficiency,
+            "intra_node_gb_per_s": g.intra_node_gb_per_s,
+            "inter_node_gb_per_s": g.inter_node_gb_per_s,
+        }
+        for g in evaluation.cluster.groups
+    ]
+    document["memory_objective"] = evaluation.training.memory_objective
+    for stage, group, capacity, ppm in zip(
+        document["stages"],
+        evaluation.group_names,
+        evaluation.capacity_bytes,
+        evaluation.utilization_ppm,
+        strict=True,
+    ):
+        stage["group"] = group
+        stage["capacity_bytes"] = capacity
+        stage["utilization"] = ppm / PPM
+    document["max_utilization"] = max(evaluation.utilization_ppm) / PPM
 
 
 def calibration_to_dict(evaluation: Evaluation) -> dict[str, Any] | None:
@@ -65,7 +98,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "backend": report.backend,
         "status": report.status,
         "objective": report.objective,
-        "objective_unit": "bytes" if plan.evaluation.training.objective == "memory" else "ns",
+        "objective_unit": objective_unit(plan.evaluation),
         "bound": report.bound,
         "gap": report.gap,
         "wall_s": report.wall_s,
@@ -90,6 +123,18 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     return document
 
 
+def objective_unit(evaluation: Evaluation) -> str:
+    """bytes or ns, or ppm for the utilization objective of a heterogeneous cluster."""
+    if evaluation.training.objective != "memory":
+        return "ns"
+    heterogeneous = evaluation.group_of_stage is not None
+    return (
+        "ppm"
+        if heterogeneous and evaluation.training.memory_objective == "utilization"
+        else "bytes"
+    )
+
+
 def format_evaluation(evaluation: Evaluation, title: str) -> str:
     """Text table: config line, one row per stage, peak line."""
     config, cluster = evaluation.config, evaluation.cluster
@@ -112,6 +157,10 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
         "peak",
         "time/mb",
     ]
+    placed = evaluation.group_of_stage is not None
+    if placed:
+        header[1:1] = ["group"]
+        header += ["capacity", "util"]
     rows = []
     for stage in evaluation.stages:
         breakdown = stage.breakdown()
@@ -134,6 +183,12 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
                 f"{stage.time_ns / 1e6:.3g} ms",
             ]
         )
+        if placed:
+            rows[-1][1:1] = [evaluation.group_names[stage.index]]
+            rows[-1] += [
+                format_bytes(evaluation.capacity_bytes[stage.index]),
+                f"{evaluation.utilization_ppm[stage.index] / 1e4:.1f}%",
+            ]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         lines.append(
@@ -148,8 +203,14 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
         lines.append(f"runtime: {evaluation.training.runtime} (its pipeline buffers are counted)")
     if evaluation.training.calibration is not None:
         lines.append(f"calibration: {evaluation.training.calibration.summary()}")
-    share = 100 * evaluation.peak_bytes / cluster.gpu_memory_bytes
     verdict = "fits" if evaluation.fits else "DOES NOT FIT"
+    if placed:
+        lines.append(
+            f"peak: {format_bytes(evaluation.peak_bytes)} per GPU; largest utilization "
+            f"{max(evaluation.utilization_ppm) / 1e4:.1f}% of its group's memory ({verdict})"
+        )
+        return "\n".join(lines)
+    share = 100 * evaluation.peak_bytes / cluster.gpu_memory_bytes
     lines.append(
         f"peak: {format_bytes(evaluation.peak_bytes)} per GPU ({share:.1f}% of "
         f"{format_bytes(cluster.gpu_memory_bytes)}, {verdict})"
@@ -164,6 +225,14 @@ def format_plan(plan: Plan) -> str:
         f"Plan for {plan.evaluation.graph.model} on {cluster.num_gpus} GPUs x "
         f"{format_bytes(cluster.gpu_memory_bytes)}"
     )
+    if cluster.is_heterogeneous:
+        groups = " + ".join(
+            f"{g.num_gpus} x {format_bytes(g.gpu_memory_bytes)} ({g.name})" for g in cluster.groups
+        )
+        title = (
+            f"Plan for {plan.evaluation.graph.model} on {groups}; memory objective: "
+            f"{plan.evaluation.training.memory_objective}"
+        )
     lines = [format_evaluation(plan.evaluation, title)]
     if plan.required_throughput is not None:
         fastest = (
@@ -172,8 +241,12 @@ def format_plan(plan: Plan) -> str:
             else f" (fastest plan that fits: {plan.fastest_throughput:.4g} samples/s)"
         )
         lines.append(f"throughput constraint: >= {plan.required_throughput:.4g} samples/s{fastest}")
+    by_utilization = objective_unit(plan.evaluation) == "ppm"
     for name, baseline in plan.baselines.items():
         change = 100 * (plan.peak_bytes - baseline.peak_bytes) / baseline.peak_bytes
+        if by_utilization:
+            ours, theirs = max(plan.evaluation.utilization_ppm), max(baseline.utilization_ppm)
+            change = 100 * (ours - theirs) / theirs
         counts = ",".join(str(len(stage.layers)) for stage in baseline.stages)
         caveats = [] if baseline.fits else ["does not fit"]
         if not meets_throughput(plan, baseline):
@@ -182,10 +255,11 @@ def format_plan(plan: Plan) -> str:
         lines.append(
             f"{name} split ({counts}) on the same config: "
             f"{format_bytes(baseline.peak_bytes)} peak, "
-            f"{baseline.throughput:.4g} samples/s{caveat}; this plan: {change:+.1f}% peak"
+            f"{baseline.throughput:.4g} samples/s{caveat}; this plan: {change:+.1f}% "
+            + ("largest utilization" if by_utilization else "peak")
         )
     report = plan.solver
-    unit = "B" if plan.evaluation.training.objective == "memory" else "ns"
+    unit = {"bytes": "B", "ns": "ns", "ppm": "ppm"}[objective_unit(plan.evaluation)]
     proof = (
         "proven optimal"
         if report.status == "OPTIMAL"

@@ -5,23 +5,37 @@ For the memory objective the answer is the minimum over configs of the exact per
 the higher throughput (each tied config is re-solved for the fastest split at that peak), then to
 the earlier config in candidate order. Configs are visited in order of their lower bound and
 skipped once the bound exceeds the incumbent, so the result is still proven optimal.
+
+On a heterogeneous cluster each entry carries a :class:`solver.problem.Placement` (its coefficients
+on every node group); "memory" is then the largest utilization (ppm) or the largest peak (bytes),
+as ``TrainingConfig.memory_objective`` says, and the bounds are in that unit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from solver.backends import resolve_backend, solve
-from solver.candidates import candidate_configs, memory_lower_bound, time_lower_bound
-from solver.cost_model import LayerCosts, layer_costs
+from solver.candidates import (
+    candidate_configs,
+    memory_lower_bound,
+    stages_per_group,
+    time_lower_bound,
+)
+from solver.cost_model import LayerCosts, layer_costs, utilization_ppm
 from solver.graph import LayerGraph
 from solver.problem import (
     INFEASIBLE,
     OBJECTIVE_MEMORY,
     OPTIMAL,
+    UTILIZATION,
+    Placement,
     StageProblem,
     StageSolution,
 )
@@ -38,9 +52,17 @@ class ConfigEntry:
     """Position in candidate order (final tie-break)."""
     costs: LayerCosts
     memory_bound: int
-    """No split of this config has a smaller largest peak (bytes)."""
+    """No split of this config has a smaller memory objective (bytes, or ppm for utilization)."""
     time_bound: int
     """No split of this config has a shorter iteration (ns)."""
+    placement: Placement | None = None
+    """Node groups (heterogeneous clusters only)."""
+    peak_bound_bytes: int | None = None
+    """No split has a smaller largest peak (bytes); None: memory_bound is that bound."""
+
+    @property
+    def peak_lower_bound(self) -> int:
+        return self.memory_bound if self.peak_bound_bytes is None else self.peak_bound_bytes
 
 
 @dataclass(kw_only=True)
@@ -87,6 +109,9 @@ def build_entries(
     """Every candidate config with its coefficients and bounds."""
     entries = []
     for order, config in enumerate(candidate_configs(graph.num_layers, cluster, training)):
+        if cluster.is_heterogeneous:
+            entries.append(_placed_entry(order, graph, config, cluster, training))
+            continue
         costs = layer_costs(graph, config, cluster, training)
         entries.append(
             ConfigEntry(
@@ -99,6 +124,40 @@ def build_entries(
     return entries
 
 
+def _placed_entry(order, graph, config, cluster, training) -> ConfigEntry:
+    """An entry of a heterogeneous cluster: coefficients on every group, bounds over groups (a
+    layer's time on its fastest group; utilization at the largest capacity)."""
+    group_costs = [
+        layer_costs(graph, config, cluster.group_cluster(k), training)
+        for k in range(len(cluster.groups))
+    ]
+    placement = Placement(
+        group_costs=group_costs,
+        capacity_bytes=[g.gpu_memory_bytes for g in cluster.groups],
+        stages_per_group=stages_per_group(cluster, config),
+        names=[g.name for g in cluster.groups],
+        memory_objective=training.memory_objective,
+    )
+    fastest = dataclasses.replace(
+        group_costs[0],
+        time_ns=np.min([c.time_ns for c in group_costs], axis=0),
+        dp_sync_ns=np.min([c.dp_sync_ns for c in group_costs], axis=0),
+    )
+    peak = memory_lower_bound(group_costs[0])
+    return ConfigEntry(
+        order=order,
+        costs=group_costs[0],
+        memory_bound=(
+            utilization_ppm(peak, max(placement.capacity_bytes))
+            if placement.memory_objective == UTILIZATION
+            else peak
+        ),
+        time_bound=time_lower_bound(fastest),
+        placement=placement,
+        peak_bound_bytes=peak,
+    )
+
+
 def search(
     entries: list[ConfigEntry],
     *,
@@ -108,18 +167,22 @@ def search(
     backend: str,
     deadline: Deadline,
     num_workers: int = 1,
+    utilization_limit_ppm: int | None = None,
 ) -> SearchResult:
-    """Exact best config for ``objective`` (memory or time) under the two limits."""
+    """Exact best config for ``objective`` (memory or time) under the limits (the utilization
+    limit applies to heterogeneous entries only)."""
     chain = bool(entries) and entries[0].costs.is_chain()
-    backend = resolve_backend(backend, chain)
+    placed = bool(entries) and entries[0].placement is not None
+    backend = resolve_backend(backend, chain, heterogeneous=placed)
     bound_of = (
         (lambda e: e.memory_bound) if objective == OBJECTIVE_MEMORY else (lambda e: e.time_bound)
     )
     viable = [
         e
         for e in entries
-        if (capacity_bytes is None or e.memory_bound <= capacity_bytes)
+        if (capacity_bytes is None or e.peak_lower_bound <= capacity_bytes)
         and (iteration_budget_ns is None or e.time_bound <= iteration_budget_ns)
+        and (e.placement is None or e.peak_lower_bound <= max(e.placement.capacity_bytes))
     ]
     pruned = len(entries) - len(viable)
     viable.sort(key=lambda e: (bound_of(e), e.order))
@@ -139,6 +202,8 @@ def search(
             objective=objective,
             capacity_bytes=capacity_bytes,
             iteration_budget_ns=iteration_budget_ns,
+            placement=entry.placement,
+            utilization_limit_ppm=utilization_limit_ppm,
         )
         solution = solve(
             problem, backend, time_limit_s=max(deadline.remaining(), 0.01), num_workers=num_workers
@@ -187,6 +252,7 @@ def refine(
     deadline: Deadline,
     hint: list[int] | None,
     num_workers: int = 1,
+    utilization_limit_ppm: int | None = None,
 ) -> StageSolution | None:
     """Secondary objective on one config: e.g. the fastest split whose peak <= the optimum."""
     problem = StageProblem(
@@ -194,6 +260,8 @@ def refine(
         objective=objective,
         capacity_bytes=capacity_bytes,
         iteration_budget_ns=iteration_budget_ns,
+        placement=entry.placement,
+        utilization_limit_ppm=utilization_limit_ppm,
     )
     solution = solve(
         problem,

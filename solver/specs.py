@@ -18,12 +18,45 @@ RECOMPUTE_CHOICES = ("none", "full", "auto")
 OBJECTIVES = ("memory", "throughput")
 RUNTIMES = ("megatron", "torch")
 MEMORY_MODELS = ("analytic", "empirical")
+MEMORY_OBJECTIVES = ("utilization", "absolute")
+"""What "memory" minimises on a heterogeneous cluster: the largest stage peak / capacity of its
+group (utilization) or the largest stage peak in bytes (absolute)."""
 """Pipeline runtimes whose boundary buffers the cost model knows (``boundary_copies``)."""
 
 
 @dataclass(kw_only=True, frozen=True)
+class NodeGroup:
+    """Identical nodes of a heterogeneous cluster (``solver.cluster_file``, docs/cluster.md)."""
+
+    name: str
+    """Shown in plans (e.g. "a100-40g")."""
+    num_nodes: int
+    """Nodes in the group."""
+    gpus_per_node: int
+    """GPUs per node; tensor parallelism stays inside a node."""
+    gpu_memory_bytes: int
+    """Memory per GPU usable for training, bytes."""
+    gpu_flops: float
+    """Peak dense FLOP/s per GPU at the training precision."""
+    flops_efficiency: float = 0.5
+    """Fraction of gpu_flops reached by layer kernels."""
+    intra_node_gb_per_s: float = 450.0
+    """Per-GPU, per-direction bandwidth inside a node, GB/s."""
+    inter_node_gb_per_s: float = 50.0
+    """Per-GPU, per-direction bandwidth across nodes, GB/s."""
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+
+@dataclass(kw_only=True, frozen=True)
 class Cluster:
-    """Homogeneous GPUs. Defaults describe an H100-SXM node with 8 GPUs and 400 Gb/s InfiniBand."""
+    """Homogeneous GPUs. Defaults describe an H100-SXM node with 8 GPUs and 400 Gb/s InfiniBand.
+
+    A heterogeneous cluster lists its node ``groups`` (two or more); the scalar fields then
+    describe the whole cluster only loosely (num_gpus is the total, gpu_memory_bytes the largest
+    capacity) and every cost uses the group a stage is placed on (:meth:`group_cluster`)."""
 
     num_gpus: int
     """GPUs in the job."""
@@ -39,8 +72,33 @@ class Cluster:
     """Per-GPU, per-direction bandwidth inside a node, GB/s (NVLink 4: 900 GB/s bidirectional)."""
     inter_node_gb_per_s: float = 50.0
     """Per-GPU, per-direction bandwidth across nodes, GB/s (400 Gb/s InfiniBand)."""
+    groups: tuple[NodeGroup, ...] = ()
+    """Node groups of a heterogeneous cluster (empty: homogeneous)."""
+
+    @property
+    def is_heterogeneous(self) -> bool:
+        return len(self.groups) > 1
+
+    def group_cluster(self, group: int) -> Cluster:
+        """Group ``group`` as a homogeneous cluster (its own GPU count, memory, FLOP/s, links)."""
+        spec = self.groups[group]
+        return Cluster(
+            num_gpus=spec.num_gpus,
+            gpu_memory_bytes=spec.gpu_memory_bytes,
+            gpus_per_node=spec.gpus_per_node,
+            gpu_flops=spec.gpu_flops,
+            flops_efficiency=spec.flops_efficiency,
+            intra_node_gb_per_s=spec.intra_node_gb_per_s,
+            inter_node_gb_per_s=spec.inter_node_gb_per_s,
+        )
 
     def __post_init__(self) -> None:
+        if self.groups:
+            _require(
+                self.num_gpus == sum(g.num_gpus for g in self.groups),
+                f"num_gpus({self.num_gpus}) != GPUs of the groups "
+                f"({sum(g.num_gpus for g in self.groups)})",
+            )
         _require(self.num_gpus >= 1, f"num_gpus must be >= 1, got {self.num_gpus}")
         _require(self.gpu_memory_bytes > 0, "gpu_memory_bytes must be positive")
         _require(self.gpus_per_node >= 1, f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
@@ -93,6 +151,10 @@ class TrainingConfig:
     runtime: str = "megatron"
     """Pipeline runtime the plan is for: megatron (Megatron-LM / DeepSpeed: one receive buffer per
     direction) or torch (torch.distributed.pipelining: one per micro-batch, kept for the run)."""
+    memory_objective: str = "utilization"
+    """Heterogeneous clusters only: utilization (minimise max stage peak / its group's capacity,
+    in parts per million, rounded up) or absolute (max stage peak, bytes). A homogeneous cluster
+    always minimises bytes (the same plans: the capacity is one constant)."""
     calibration: Calibration | None = None
     """Scales per memory component and a constant per GPU fitted to real runs
     (``solver.calibration``, ``python -m profiling.calibrate``); None: the analytic model alone.
@@ -127,6 +189,10 @@ class TrainingConfig:
         _require(
             self.objective in OBJECTIVES,
             f"objective must be one of {OBJECTIVES}, got {self.objective!r}",
+        )
+        _require(
+            self.memory_objective in MEMORY_OBJECTIVES,
+            f"memory_objective must be one of {MEMORY_OBJECTIVES}, got {self.memory_objective!r}",
         )
         for name in ("weight_bytes_per_param", "grad_bytes_per_param", "optimizer_bytes_per_param"):
             _require(getattr(self, name) >= 0, f"{name} must be >= 0")

@@ -22,7 +22,12 @@ def check_plan(plan: Plan) -> list[str]:
             f"dp*b*m = {config.global_batch} != global batch {ev.training.global_batch}"
         )
     fresh = evaluate(
-        ev.graph, config, list(plan.stage_of_layer), cluster=ev.cluster, training=ev.training
+        ev.graph,
+        config,
+        list(plan.stage_of_layer),
+        cluster=ev.cluster,
+        training=ev.training,
+        group_of_stage=ev.group_of_stage,
     )
     for reported, recomputed in zip(ev.stages, fresh.stages, strict=True):
         if reported.breakdown() != recomputed.breakdown():
@@ -36,22 +41,26 @@ def check_plan(plan: Plan) -> list[str]:
             )
     if fresh.iteration_ns != ev.iteration_ns:
         problems.append(f"iteration {ev.iteration_ns} != recomputed {fresh.iteration_ns} ns")
-    if not fresh.fits:
-        problems.append(
-            f"peak {fresh.peak_bytes} B exceeds capacity {ev.cluster.gpu_memory_bytes} B"
-        )
+    for stage, capacity in zip(fresh.stages, fresh.capacity_bytes, strict=True):
+        if stage.peak_bytes > capacity:
+            problems.append(
+                f"stage {stage.index}: peak {stage.peak_bytes} B exceeds capacity {capacity} B"
+            )
     if plan.required_throughput is not None and fresh.throughput < plan.required_throughput * (
         1 - 1e-9
     ):
         problems.append(
             f"throughput {fresh.throughput:.6g} < required {plan.required_throughput:.6g} samples/s"
         )
+    memory = fresh.peak_bytes
+    if ev.cluster.is_heterogeneous and ev.training.memory_objective == "utilization":
+        memory = max(fresh.utilization_ppm)  # the objective is in ppm
     if (
         plan.solver.objective is not None
         and ev.training.objective == "memory"
-        and (plan.solver.objective != fresh.peak_bytes)
+        and (plan.solver.objective != memory)
     ):
-        problems.append(f"solver objective {plan.solver.objective} != peak {fresh.peak_bytes}")
-    if plan.solver.bound > fresh.peak_bytes and ev.training.objective == "memory":
-        problems.append(f"bound {plan.solver.bound} above the plan's own peak")
+        problems.append(f"solver objective {plan.solver.objective} != memory objective {memory}")
+    if plan.solver.bound > memory and ev.training.objective == "memory":
+        problems.append(f"bound {plan.solver.bound} above the plan's own memory objective")
     return problems

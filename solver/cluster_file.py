@@ -1,0 +1,124 @@
+"""Cluster files (``--cluster cluster.json``, docs/cluster.md): node groups -> :class:`Cluster`.
+
+One group is a homogeneous cluster, exactly what the equivalent flags build (same plans); two or
+more make a heterogeneous one (``Cluster.groups``). Every problem is a one-line ``InputError``
+naming the file, the field and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from solver.errors import InputError
+from solver.jsonfile import read_json
+from solver.specs import Cluster, NodeGroup
+from solver.units import parse_bytes
+
+FORMAT_NAME = "cluster"
+FORMAT_VERSION = 1
+
+_POSITIVE = {"type": "number", "exclusiveMinimum": 0}
+GROUP_SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "num_nodes", "gpus_per_node", "gpu_memory", "gpu_tflops"],
+    "properties": {
+        "name": {"type": "string", "minLength": 1},
+        "num_nodes": {"type": "integer", "minimum": 1},
+        "gpus_per_node": {"type": "integer", "minimum": 1},
+        "gpu_memory": {"type": ["string", "integer"]},
+        "gpu_tflops": _POSITIVE,
+        "flops_efficiency": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "intra_node_gb_per_s": _POSITIVE,
+        "inter_node_gb_per_s": _POSITIVE,
+    },
+}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["format", "version", "groups"],
+    "properties": {
+        "format": {"const": FORMAT_NAME},
+        "version": {"const": FORMAT_VERSION},
+        "description": {"type": "string"},
+        "groups": {"type": "array", "minItems": 1, "items": GROUP_SCHEMA},
+    },
+}
+
+
+def load_cluster(source: str | Path | dict[str, Any]) -> Cluster:
+    """The :class:`Cluster` of a cluster file (a path, or an already-parsed dict)."""
+    if isinstance(source, dict):
+        return cluster_from_dict(source, origin="<dict>")
+    document = read_json(source, kind="cluster", fix="pass the path of a cluster JSON file")
+    return cluster_from_dict(document, origin=str(source))
+
+
+def cluster_from_dict(document: Any, *, origin: str = "<dict>") -> Cluster:
+    """Validate a parsed cluster document and build the cluster."""
+    _check_schema(document, origin)
+    groups = []
+    for i, item in enumerate(document["groups"]):
+        memory = parse_bytes(item["gpu_memory"], what=f"{origin}: $.groups[{i}].gpu_memory")
+        groups.append(
+            NodeGroup(
+                name=item["name"],
+                num_nodes=item["num_nodes"],
+                gpus_per_node=item["gpus_per_node"],
+                gpu_memory_bytes=memory,
+                gpu_flops=float(item["gpu_tflops"]) * 1e12,
+                flops_efficiency=float(item.get("flops_efficiency", 0.5)),
+                intra_node_gb_per_s=float(item.get("intra_node_gb_per_s", 450.0)),
+                inter_node_gb_per_s=float(item.get("inter_node_gb_per_s", 50.0)),
+            )
+        )
+    names = [group.name for group in groups]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise InputError(
+            f"{origin}: $.groups: name {duplicates[0]!r} is used twice; give each group its own "
+            "name"
+        )
+    if len(groups) == 1:
+        group = groups[0]
+        return Cluster(
+            num_gpus=group.num_gpus,
+            gpu_memory_bytes=group.gpu_memory_bytes,
+            gpus_per_node=group.gpus_per_node,
+            gpu_flops=group.gpu_flops,
+            flops_efficiency=group.flops_efficiency,
+            intra_node_gb_per_s=group.intra_node_gb_per_s,
+            inter_node_gb_per_s=group.inter_node_gb_per_s,
+        )
+    return Cluster(
+        num_gpus=sum(group.num_gpus for group in groups),
+        gpu_memory_bytes=max(group.gpu_memory_bytes for group in groups),
+        gpus_per_node=math.gcd(*(group.gpus_per_node for group in groups)),
+        gpu_flops=min(group.gpu_flops for group in groups),
+        flops_efficiency=min(group.flops_efficiency for group in groups),
+        intra_node_gb_per_s=min(group.intra_node_gb_per_s for group in groups),
+        inter_node_gb_per_s=min(group.inter_node_gb_per_s for group in groups),
+        groups=tuple(groups),
+    )
+
+
+def _check_schema(document: Any, origin: str) -> None:
+    validator = jsonschema.Draft202012Validator(SCHEMA)
+    errors = sorted(validator.iter_errors(document), key=lambda e: list(e.absolute_path))
+    if not errors:
+        return
+    error = jsonschema.exceptions.best_match(errors)
+    if error.validator == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        hint = f"remove it; allowed keys: {', '.join(allowed)}"
+    elif error.validator == "required":
+        hint = "add the missing field (see docs/cluster.md)"
+    elif error.validator == "const":
+        hint = f"set it to {error.validator_value!r}".replace("'", '"')
+    else:
+        hint = "see docs/cluster.md for the field's type and range"
+    raise InputError(f"{origin}: {error.json_path}: {error.message}; {hint}")
