@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 from functools import partial
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +39,8 @@ from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from solver.validate import check_plan
 from tests.random_graphs import random_chain, random_config, random_dag
 
+ROOT = Path(__file__).resolve().parents[1]
+GPT = str(ROOT / "examples" / "gpt-1.3b.json")
 BACKENDS = {"cpsat": solve_cpsat, "milp": solve_milp, "cbc": partial(solve_milp, solver="cbc")}
 
 
@@ -370,9 +373,7 @@ GOOD_GROUP = _group("a", "40GiB")
 )
 def test_bad_cluster_files_are_one_line_input_errors(tmp_path, run_cli, document, message):
     path = _write(tmp_path, "cluster.json", document)
-    code, out, err = run_cli(
-        "solver.plan", ["examples/gpt-1.3b.json", "--cluster", path, "--global-batch", "8"]
-    )
+    code, out, err = run_cli("solver.plan", [GPT, "--cluster", path, "--global-batch", "8"])
     assert code == 2
     assert out == ""
     assert err.count("\n") == 1 and path in err and message in err
@@ -381,17 +382,17 @@ def test_bad_cluster_files_are_one_line_input_errors(tmp_path, run_cli, document
 def test_missing_cluster_file_and_conflicting_flags(tmp_path, run_cli):
     code, _, err = run_cli(
         "solver.plan",
-        ["examples/gpt-1.3b.json", "--cluster", str(tmp_path / "no.json"), "--global-batch", "8"],
+        [GPT, "--cluster", str(tmp_path / "no.json"), "--global-batch", "8"],
     )
     assert code == 2 and "cluster file not found" in err and err.count("\n") == 1
     path = _write(tmp_path, "c.json", {"format": "cluster", "version": 1, "groups": [GOOD_GROUP]})
     for extra in (["--gpus", "2"], ["--gpu-memory", "40GiB"]):
         code, _, err = run_cli(
             "solver.plan",
-            ["examples/gpt-1.3b.json", "--cluster", path, "--global-batch", "8", *extra],
+            [GPT, "--cluster", path, "--global-batch", "8", *extra],
         )
         assert code == 2 and extra[0] in err and err.count("\n") == 1
-    code, _, err = run_cli("solver.plan", ["examples/gpt-1.3b.json", "--global-batch", "8"])
+    code, _, err = run_cli("solver.plan", [GPT, "--global-batch", "8"])
     assert code == 2 and "--gpus N or --cluster FILE" in err
 
 
@@ -402,7 +403,7 @@ def test_evaluate_with_stage_groups(tmp_path, run_cli):
         {"format": "cluster", "version": 1, "groups": [_group("s", "40GiB"), _group("l", "80GiB")]},
     )
     common = [
-        "examples/gpt-1.3b.json",
+        GPT,
         "--cluster",
         path,
         "--pp",
@@ -430,7 +431,7 @@ def test_evaluate_with_stage_groups(tmp_path, run_cli):
 
 
 def test_example_cluster_file_loads():
-    cluster = load_cluster("examples/cluster-a100-40g-80g.json")
+    cluster = load_cluster(str(ROOT / "examples" / "clusters" / "a100-40g-80g.json"))
     assert cluster.is_heterogeneous
     assert [g.gpu_memory_bytes for g in cluster.groups] == [40 * 2**30, 80 * 2**30]
     assert cluster.num_gpus == 32
