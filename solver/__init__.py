@@ -9,6 +9,7 @@
 The solver never imports torch.
 """
 
+from solver.cluster_file import load_cluster
 from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate
 from solver.graph import Edge, Layer, LayerGraph, graph_from_dict, load_graph
@@ -30,6 +31,7 @@ __all__ = [
     "TrainingConfig",
     "evaluate",
     "graph_from_dict",
+    "load_cluster",
     "load_graph",
     "plan",
 ]
