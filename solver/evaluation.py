@@ -29,6 +29,9 @@ class Evaluation:
     stage_of_layer: list[int]
     stages: list[StageCost]
     iteration_ns: int
+    recomputed: list[bool] | None = None
+    """Under recompute "selective": a flag per layer (each stage lists its own in
+    ``StageCost.recomputed``)."""
 
     @property
     def peak_bytes(self) -> int:
@@ -47,6 +50,11 @@ class Evaluation:
     def stage_layer_names(self) -> list[list[str]]:
         names = self.graph.names
         return [[names[i] for i in stage.layers] for stage in self.stages]
+
+    def stage_recomputed_names(self) -> list[list[str]]:
+        """Names of the recomputed layers of every stage."""
+        names = self.graph.names
+        return [[names[i] for i in stage.recomputed] for stage in self.stages]
 
 
 def default_training(config: ParallelConfig) -> TrainingConfig:
@@ -67,17 +75,25 @@ def evaluate(
     *,
     cluster: Cluster | None = None,
     training: TrainingConfig | None = None,
+    recomputed: list[bool] | None = None,
 ) -> Evaluation:
     """Per-stage peaks and times of ``split`` under ``config``.
 
     ``split``: "even" (Megatron default), "parameters" (DeepSpeed parameter-balanced), layer counts
-    per stage (chains, list order), or a stage index per layer (any DAG).
+    per stage (chains, list order), or a stage index per layer (any DAG). ``recomputed``: a flag
+    per layer, under ``config.recompute == "selective"`` (default: no layer).
     """
     cluster = cluster or Cluster(num_gpus=config.num_gpus)
     training = training or default_training(config)
     stage_of_layer = resolve_split(graph, config.pp, split)
     costs = layer_costs(graph, config, cluster, training)
-    return evaluate_assignment(graph, costs, stage_of_layer, cluster=cluster, training=training)
+    if recomputed is not None and config.recompute != "selective" and any(recomputed):
+        raise InputError(f"recomputed layers given with recompute={config.recompute!r}")
+    if recomputed is not None and len(recomputed) != graph.num_layers:
+        raise InputError(f"{len(recomputed)} recompute flags for {graph.num_layers} layers")
+    return evaluate_assignment(
+        graph, costs, stage_of_layer, cluster=cluster, training=training, recomputed=recomputed
+    )
 
 
 def evaluate_assignment(
@@ -87,9 +103,14 @@ def evaluate_assignment(
     *,
     cluster: Cluster,
     training: TrainingConfig,
+    recomputed: list[bool] | None = None,
 ) -> Evaluation:
     """Evaluation from precomputed coefficients (the planner's path)."""
-    stages = stage_costs(costs, stage_of_layer)
+    if not costs.selective:
+        recomputed = None
+    elif recomputed is None:
+        recomputed = [False] * costs.num_layers
+    stages = stage_costs(costs, stage_of_layer, recomputed)
     return Evaluation(
         graph=graph,
         config=costs.config,
@@ -98,6 +119,7 @@ def evaluate_assignment(
         stage_of_layer=list(stage_of_layer),
         stages=stages,
         iteration_ns=iteration_time_ns(costs, stages),
+        recomputed=None if recomputed is None else [bool(flag) for flag in recomputed],
     )
 
 

@@ -111,12 +111,14 @@ def plan(
     else:
         result = fastest
         secondary, limits = OBJECTIVE_MEMORY, {"capacity": capacity, "budget": result.value}
-    entry, split = _break_ties(
+    entry, split, recomputed = _break_ties(
         result, secondary=secondary, **limits, deadline=deadline, num_workers=num_workers
     )
     # a throughput budget taken from an unproven fastest plan is not proven either
     proven = result.proven and (fastest is None or fastest.proven)
-    evaluation = evaluate_assignment(graph, entry.costs, split, cluster=cluster, training=training)
+    evaluation = evaluate_assignment(
+        graph, entry.costs, split, cluster=cluster, training=training, recomputed=recomputed
+    )
     report = SolverReport(
         backend=result.backend,
         status=OPTIMAL if proven else "FEASIBLE",
@@ -132,7 +134,12 @@ def plan(
     return Plan(
         evaluation=evaluation,
         solver=report,
-        exports=build_exports(graph, entry.costs.config, evaluation.stage_layer_names()),
+        exports=build_exports(
+            graph,
+            entry.costs.config,
+            evaluation.stage_layer_names(),
+            recomputed=evaluation.stage_recomputed_names(),
+        ),
         baselines={
             name: evaluate_assignment(
                 graph,
@@ -160,11 +167,12 @@ def _break_ties(
     budget: int | None,
     deadline: Deadline,
     num_workers: int,
-) -> tuple[ConfigEntry, list[int]]:
+) -> tuple[ConfigEntry, list[int], list[bool] | None]:
     """Among configs tied on the primary objective, the best on the secondary one (then the
     earliest in candidate order). Each tie is re-solved for its best secondary value while
-    keeping the primary optimum as a hard limit."""
-    best: tuple[tuple[int, int], ConfigEntry, list[int]] | None = None
+    keeping the primary optimum as a hard limit (with selective recomputation this also drops
+    recomputed layers the peak does not need). Returns (entry, split, recompute flags)."""
+    best: tuple[tuple[int, int], ConfigEntry, list[int], list[bool] | None] | None = None
     for entry, solution in result.ties:
         refined = refine(
             entry,
@@ -174,14 +182,15 @@ def _break_ties(
             backend=result.backend,
             deadline=deadline,
             hint=solution.stage_of_layer,
+            hint_recomputed=solution.recomputed,
             num_workers=num_workers,
         )
-        split = refined.stage_of_layer if refined is not None else solution.stage_of_layer
+        chosen = refined if refined is not None else solution
         value = refined.objective if refined is not None else math.inf
         key = (value, entry.order)
         if best is None or key < best[0]:
-            best = (key, entry, split)
-    return best[1], best[2]
+            best = (key, entry, chosen.stage_of_layer, chosen.recomputed)
+    return best[1], best[2], best[3]
 
 
 def _no_plan(

@@ -16,6 +16,7 @@ PLAN_VERSION = 1
 def evaluation_to_dict(evaluation: Evaluation) -> dict[str, Any]:
     """Config, per-stage costs (bytes per GPU, ms), peak and throughput of one split."""
     names = evaluation.stage_layer_names()
+    recomputed = evaluation.stage_recomputed_names()
     cluster = evaluation.cluster
     return {
         "model": evaluation.graph.model,
@@ -31,6 +32,7 @@ def evaluation_to_dict(evaluation: Evaluation) -> dict[str, Any]:
             {
                 "index": stage.index,
                 "layers": names[stage.index],
+                "recomputed": recomputed[stage.index],
                 "peak_bytes": stage.peak_bytes,
                 "breakdown": stage.breakdown(),
                 "in_flight_microbatches": stage.in_flight,
@@ -112,6 +114,10 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
         "peak",
         "time/mb",
     ]
+    selective = config.recompute == "selective"
+    if selective:
+        header.append("recomputed")
+        recomputed = evaluation.stage_recomputed_names()
     rows = []
     for stage in evaluation.stages:
         breakdown = stage.breakdown()
@@ -133,6 +139,7 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
                 format_bytes(stage.peak_bytes),
                 f"{stage.time_ns / 1e6:.3g} ms",
             ]
+            + ([_recomputed_text(recomputed[stage.index])] if selective else [])
         )
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
@@ -207,6 +214,13 @@ def meets_throughput(plan: Plan, evaluation: Evaluation) -> bool:
     """Whether a split satisfies the plan's throughput constraint (True when there is none)."""
     required = plan.required_throughput
     return required is None or evaluation.throughput >= required * (1 - 1e-12)
+
+
+def _recomputed_text(names: list[str]) -> str:
+    """'-', the names (up to 3), or the count with the first and last (the JSON lists all)."""
+    if len(names) <= 3:
+        return ",".join(names) or "-"
+    return f"{len(names)}: {names[0]} ... {names[-1]}"
 
 
 def _layer_span(names: list[str]) -> str:

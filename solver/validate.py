@@ -22,13 +22,23 @@ def check_plan(plan: Plan) -> list[str]:
             f"dp*b*m = {config.global_batch} != global batch {ev.training.global_batch}"
         )
     fresh = evaluate(
-        ev.graph, config, list(plan.stage_of_layer), cluster=ev.cluster, training=ev.training
+        ev.graph,
+        config,
+        list(plan.stage_of_layer),
+        cluster=ev.cluster,
+        training=ev.training,
+        recomputed=ev.recomputed,
     )
     for reported, recomputed in zip(ev.stages, fresh.stages, strict=True):
         if reported.breakdown() != recomputed.breakdown():
             problems.append(
                 f"stage {reported.index}: reported {reported.breakdown()} != "
                 f"recomputed {recomputed.breakdown()}"
+            )
+        if reported.recomputed != recomputed.recomputed:
+            problems.append(
+                f"stage {reported.index}: recomputed layers {reported.recomputed} != "
+                f"{recomputed.recomputed}"
             )
         if reported.time_ns != recomputed.time_ns:
             problems.append(
