@@ -8,18 +8,27 @@ from solver.problem import StageProblem, StageSolution
 BACKENDS = ("auto", "cpsat", "milp", "chain")
 
 
-def resolve_backend(backend: str, graph_is_chain: bool, *, heterogeneous: bool = False) -> str:
-    """'auto' is the exact chain algorithm on chain graphs and CP-SAT on DAGs; on a heterogeneous
-    cluster (stages also choose a node group, ``solver.formulation``) it is CP-SAT, since the chain
-    algorithm has a single capacity and one time per layer."""
+def resolve_backend(
+    backend: str, graph_is_chain: bool, *, heterogeneous: bool = False, selective: bool = False
+) -> str:
+    """'auto' is the exact chain algorithm on chain graphs and CP-SAT on DAGs. It is CP-SAT on a
+    heterogeneous cluster too (stages also choose a node group, ``solver.formulation``: the chain
+    algorithm has a single capacity and one time per layer), and whenever the recomputed layers
+    are a decision (``selective``): the chain algorithm fixes every layer's costs, and choosing
+    the recompute subset of each stage under a time limit is a knapsack it does not solve."""
     if backend not in BACKENDS:
         raise InputError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "chain" if graph_is_chain and not heterogeneous else "cpsat"
+        return "chain" if graph_is_chain and not heterogeneous and not selective else "cpsat"
     if backend == "chain" and heterogeneous:
         raise InputError(
             "--backend chain does not place stages on node groups; on a heterogeneous cluster "
             "use --backend auto, cpsat or milp"
+        )
+    if backend == "chain" and selective:
+        raise InputError(
+            "--backend chain does not choose recomputed layers (recompute selective/auto): "
+            "use --backend cpsat or milp"
         )
     if backend == "chain" and not graph_is_chain:
         raise InputError(
@@ -35,9 +44,11 @@ def solve(
     *,
     time_limit_s: float,
     hint: list[int] | None = None,
+    hint_recomputed: list[bool] | None = None,
     num_workers: int = 1,
 ) -> StageSolution:
-    """Solve one config's problem exactly with a resolved backend name."""
+    """Solve one config's problem exactly with a resolved backend name (the hint: a split, and
+    its recompute flags under selective recomputation)."""
     if backend == "chain":
         from solver.chain import solve_chain
 
@@ -45,9 +56,17 @@ def solve(
     if backend == "cpsat":
         from solver.cpsat import solve_cpsat
 
-        return solve_cpsat(problem, time_limit_s=time_limit_s, hint=hint, num_workers=num_workers)
+        return solve_cpsat(
+            problem,
+            time_limit_s=time_limit_s,
+            hint=hint,
+            hint_recomputed=hint_recomputed,
+            num_workers=num_workers,
+        )
     if backend == "milp":
         from solver.milp import solve_milp
 
-        return solve_milp(problem, time_limit_s=time_limit_s, hint=hint)
+        return solve_milp(
+            problem, time_limit_s=time_limit_s, hint=hint, hint_recomputed=hint_recomputed
+        )
     raise ValueError(f"unresolved backend {backend!r}")

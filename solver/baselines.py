@@ -147,7 +147,7 @@ def fastest_fitting_split(
 ) -> list[int]:
     """Throughput-first: the fastest split whose stages all fit in ``capacity_bytes`` (the
     fastest split of all when none fits), solved exactly by our backend for the graph."""
-    backend = resolve_backend("auto", costs.is_chain())
+    backend = resolve_backend("auto", costs.is_chain(), selective=costs.selective)
     for capacity in (capacity_bytes, None) if capacity_bytes is not None else (None,):
         problem = StageProblem(costs=costs, objective=OBJECTIVE_TIME, capacity_bytes=capacity)
         solution = solve(problem, backend, time_limit_s=time_limit_s)

@@ -10,22 +10,26 @@ from solver.problem import INFEASIBLE, OPTIMAL, StageProblem, StageSolution
 
 def solve_brute_force(problem: StageProblem) -> StageSolution:
     """Try all p**L assignments (keep L <= ~10); ties go to the lexicographically first one.
-    With a placement, every assignment of groups to stages too (K**p more)."""
+    Under selective recomputation, every one of the 2**L recompute sets with each (keep L <= ~6);
+    with a placement, every assignment of groups to stages too (K**p more)."""
     start = time.perf_counter()
-    best: tuple[int, tuple[int, ...], list[int] | None] | None = None
+    best: tuple[int, tuple[int, ...], tuple[bool, ...] | None, list[int] | None] | None = None
     edges = list(zip(problem.costs.edge_src.tolist(), problem.costs.edge_dst.tolist(), strict=True))
-    num_stages = problem.num_stages
+    num_stages, num_layers = problem.num_stages, problem.num_layers
+    recompute_sets = (
+        list(itertools.product((False, True), repeat=num_layers)) if problem.selective else [None]
+    )
     group_assignments = _group_assignments(problem)
-    for stage_of in itertools.product(range(num_stages), repeat=problem.num_layers):
+    for stage_of in itertools.product(range(num_stages), repeat=num_layers):
         # cheap structural filters first (order, non-empty), then the full check
         if any(stage_of[u] > stage_of[v] for u, v in edges) or len(set(stage_of)) < num_stages:
             continue
-        for groups in group_assignments:
-            if problem.violation(stage_of, groups) is not None:
+        for recomputed, groups in itertools.product(recompute_sets, group_assignments):
+            if problem.violation(stage_of, recomputed, groups) is not None:
                 continue
-            value = problem.objective_value(stage_of, groups)
+            value = problem.objective_value(stage_of, recomputed, groups)
             if best is None or value < best[0]:
-                best = (value, stage_of, groups)
+                best = (value, stage_of, recomputed, groups)
     wall = time.perf_counter() - start
     if best is None:
         return StageSolution(
@@ -43,7 +47,8 @@ def solve_brute_force(problem: StageProblem) -> StageSolution:
         bound=best[0],
         wall_s=wall,
         backend="brute-force",
-        group_of_stage=best[2],
+        recomputed=None if best[2] is None else list(best[2]),
+        group_of_stage=best[3],
     )
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from solver.cost_model import LayerCosts
 from solver.errors import InputError
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
@@ -50,7 +52,14 @@ def candidate_configs(
 ) -> list[ParallelConfig]:
     """Every valid config, in a fixed order (deterministic search)."""
     check_pinned_degrees(cluster, training)
-    recompute_modes = ("none", "full") if training.recompute == "auto" else (training.recompute,)
+    # auto = selective: with a free choice per layer, "none" (no layer) and "full" (every layer)
+    # are feasible choices of the same config, so its optimum is never worse than either; the
+    # empirical model measures one setting per run, and a heterogeneous placement does not take
+    # a recompute decision yet, so there auto searches none and full
+    recompute_modes = (training.recompute,)
+    if training.recompute == "auto":
+        uniform_only = training.memory_model == "empirical" or cluster.is_heterogeneous
+        recompute_modes = ("none", "full") if uniform_only else ("selective",)
     configs = []
     for pp in divisors(cluster.num_gpus):
         if pp > num_layers or training.pp not in (None, pp):
@@ -125,8 +134,9 @@ def memory_lower_bound(costs: LayerCosts) -> int:
     calibration's constant, which every stage carries.
     """
     k_min = min(costs.in_flight)
-    per_layer = costs.state_bytes + k_min * costs.stored_bytes
-    single = int((per_layer + costs.transient_bytes).max())
+    stored, transient, _ = costs.bounding_coefficients(np.minimum)
+    per_layer = costs.state_bytes + k_min * stored
+    single = int((per_layer + transient).max())
     spread = -(-int(per_layer.sum()) // costs.num_stages)
     return costs.constant_bytes + max(single, spread)
 
@@ -135,6 +145,7 @@ def time_lower_bound(costs: LayerCosts) -> int:
     """An iteration time (ns) no split of this config can beat: (m + p - 1) max(T) + max(AR),
     each maximum at least the largest layer and the even share of the total."""
     p = costs.num_stages
-    slowest = max(int(costs.time_ns.max()), -(-int(costs.time_ns.sum()) // p))
+    _, _, time_ns = costs.bounding_coefficients(np.minimum)
+    slowest = max(int(time_ns.max()), -(-int(time_ns.sum()) // p))
     sync = max(int(costs.dp_sync_ns.max()), -(-int(costs.dp_sync_ns.sum()) // p))
     return costs.pipeline_factor * slowest + sync

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from solver.cost_model import LayerCosts
+from solver.errors import InputError
 from solver.problem import (
     FEASIBLE,
     INFEASIBLE,
@@ -73,6 +74,13 @@ def solve_chain(problem: StageProblem, *, time_limit_s: float | None = None) -> 
     """
     if not is_chain_problem(problem):
         raise ValueError("solve_chain needs a chain graph (edges exactly i -> i+1)")
+    if problem.selective:
+        # the best recompute subset of a fixed interval under a time limit is a knapsack per
+        # stage; CP-SAT solves the joint problem exactly (``backends.resolve_backend``)
+        raise InputError(
+            "--backend chain does not choose recomputed layers (recompute selective/auto): "
+            "use --backend cpsat or milp"
+        )
     start = time.perf_counter()
     deadline = None if time_limit_s is None else start + time_limit_s
     search = _Search(problem, _Chain(problem.costs, deadline))

@@ -361,9 +361,11 @@ def add_plan_options(parser: argparse.ArgumentParser, *, cpsat_workers: bool = T
     )
     search.add_argument(
         "--recompute",
-        choices=["none", "full", "auto"],
+        choices=["none", "full", "selective", "auto"],
         default="none",
-        help="full activation recomputation: none, full, or auto (search both)",
+        help="activation recomputation: none, full (every layer), selective (the solver picks "
+        "the layers, jointly with the split; CP-SAT/MILP), or auto (= selective, which contains "
+        "none and full)",
     )
     search.add_argument("--pp", type=positive_int, help="pin the pipeline degree")
     search.add_argument("--tp", type=positive_int, help="pin the tensor-parallel degree")

@@ -14,7 +14,7 @@ Memory of stage s (bytes per GPU):
               (+ w P'_l / d with ZeRO-2 on the torch runtime: FSDP2 keeps the sharded parameters
               next to the gathered ones)
   k_s       = min(m, p - s) under 1F1B, m under GPipe                  micro-batches in flight
-  stored_l  = b A'_l, or b output_bytes_l with full recomputation     per micro-batch, rounded up
+  stored_l  = b A'_l, or b output_bytes_l when l is recomputed         per micro-batch, rounded up
   relay     = b bytes of every edge u->v with stage(u) < s < stage(v)  (passed along by stage s)
   acts_s    = k_s (sum_l stored_l + sum relay)
   buffers_s = R_s b (bytes of edges entering s) + S_s b (bytes of edges leaving s)
@@ -31,10 +31,15 @@ Memory of stage s (bytes per GPU):
               temporary and added to the persistent .grad while backward accumulates
   gather_l  = 2 w P'_l with ZeRO-3, else 0: the running layer's weights are gathered and the next
               layer's prefetched (FSDP), each freed again after use
-  trans_s   = max_l (b transient_bytes_l + gtemp_l + gather_l);  with full recomputation
-              max_l (b (transient_l + A'_l) + gtemp_l + gather_l): the layer being recomputed
+  trans_s   = max_l (b transient_bytes_l + gtemp_l + gather_l);  for a recomputed layer
+              b (transient_l + A'_l) + gtemp_l + gather_l: the layer being recomputed
               re-materialises its saved tensors while it runs
   peak_s    = states_s + acts_s + buffers_s + trans_s
+
+Recomputation (``ParallelConfig.recompute``): "none" recomputes no layer, "full" every layer,
+"selective" the layers a solver chooses; :class:`LayerCosts` carries both states of every layer
+(``stored_bytes`` / ``recompute_stored_bytes``, and likewise transient and time) and
+:func:`stage_costs` takes the chosen set.
 
 Empirical (``TrainingConfig.memory_model = "empirical"``, mCAP/CAPSlog statistics in the graph):
 a stage holding layers a..b peaks at mem_isolated(a) + sum_{l=a+1..b} mem_added(l), nothing else
@@ -50,7 +55,7 @@ Time (integer nanoseconds, rounded up per layer so that every backend sums the s
   per-sample compute of a layer: fwd_ms + bwd_ms when measured, else
       (fwd_flops + bwd_flops) / (gpu_flops * flops_efficiency), bwd_flops defaulting to 2 fwd_flops
   per micro-batch: b * compute / t  +  b * tp_comm_bytes * 2 (t-1)/t / intra-node bandwidth (ring)
-      + b * forward compute / t with full recomputation (the forward runs twice)
+      + b * forward compute / t for a recomputed layer (the forward runs twice)
   T_s  = sum of its layers' micro-batch times
   AR_s = non-overlapped data-parallel gradient sync of stage s: ring all-reduce of its gradients,
          2 (d-1)/d * sum_l P'_l g bytes (z <= 2: all-reduce, or reduce-scatter + all-gather of the
@@ -178,10 +183,64 @@ class LayerCosts:
     """S_s for each stage: copies of a sent edge's bytes."""
     constant_bytes: int = 0
     """Added to every stage's peak (a calibration's constant per GPU), bytes."""
+    recompute_stored_bytes: np.ndarray | None = None
+    """stored_bytes of a recomputed layer (b output_bytes); None: the same as stored_bytes."""
+    recompute_transient_bytes: np.ndarray | None = None
+    """transient_bytes of a recomputed layer (its saved tensors re-materialised too)."""
+    recompute_time_ns: np.ndarray | None = None
+    """time_ns of a recomputed layer (the forward runs twice)."""
 
     def __post_init__(self) -> None:
         if not self.receive_copies and not self.send_copies:
             self.receive_copies, self.send_copies = stage_boundary_copies("megatron", self.config)
+        if self.recompute_stored_bytes is None:
+            self.recompute_stored_bytes = self.stored_bytes
+        if self.recompute_transient_bytes is None:
+            self.recompute_transient_bytes = self.transient_bytes
+        if self.recompute_time_ns is None:
+            self.recompute_time_ns = self.time_ns
+
+    @property
+    def selective(self) -> bool:
+        """Recomputation is a per-layer decision (config.recompute == "selective"): the plain
+        coefficients are a layer's without recomputation, the ``recompute_*`` ones with it."""
+        return self.config.recompute == "selective"
+
+    def recompute_mask(self, recomputed: list[bool] | np.ndarray | None) -> np.ndarray:
+        """Which layers are recomputed: every one under "full", none under "none", the given
+        ones (default none) under "selective"."""
+        n = self.num_layers
+        if self.config.recompute == "full":
+            return np.ones(n, dtype=bool)
+        if recomputed is None or not self.selective:
+            assert recomputed is None or not np.any(recomputed), "recompute set without selective"
+            return np.zeros(n, dtype=bool)
+        mask = np.asarray(recomputed, dtype=bool)
+        assert mask.shape == (n,), f"{mask.shape} recompute flags for {n} layers"
+        return mask
+
+    def bounding_coefficients(self, pick=np.minimum) -> tuple[np.ndarray, ...]:
+        """(stored_bytes, transient_bytes, time_ns) per layer, the smaller (``np.minimum``) or
+        larger (``np.maximum``) of the two states under "selective": bounds over every
+        recompute set."""
+        if not self.selective:
+            return self.stored_bytes, self.transient_bytes, self.time_ns
+        return (
+            pick(self.stored_bytes, self.recompute_stored_bytes),
+            pick(self.transient_bytes, self.recompute_transient_bytes),
+            pick(self.time_ns, self.recompute_time_ns),
+        )
+
+    def coefficients(self, recomputed: list[bool] | np.ndarray | None) -> tuple[np.ndarray, ...]:
+        """(stored_bytes, transient_bytes, time_ns) per layer with the given layers recomputed."""
+        if not self.selective:
+            return self.stored_bytes, self.transient_bytes, self.time_ns
+        mask = self.recompute_mask(recomputed)
+        return (
+            np.where(mask, self.recompute_stored_bytes, self.stored_bytes),
+            np.where(mask, self.recompute_transient_bytes, self.transient_bytes),
+            np.where(mask, self.recompute_time_ns, self.time_ns),
+        )
 
     @property
     def num_layers(self) -> int:
@@ -216,7 +275,6 @@ def layer_costs(
     Vectorised over layers; integer terms use exact integer arithmetic (ceil of a ratio of ints).
     """
     t, d, b, z = config.tp, config.dp, config.micro_batch, config.zero
-    recompute = config.recompute == "full"
     w, g, o = (
         training.weight_bytes_per_param,
         training.grad_bytes_per_param,
@@ -235,15 +293,15 @@ def layer_costs(
     grad = _ceil_div(params_times_t * g, t * (d if z >= 2 else 1))
     optimizer = _ceil_div(params_times_t * o, t * (d if z >= 1 else 1))
     grad_temporary = g * np.maximum(cols["largest_param"], _ceil_div(cols["largest_tp_param"], t))
-    if recompute:
-        stored = b * cols["output_bytes"]
-        transient = _ceil_div(b * (cols["transient_bytes"] * t + saved_times_t), t)
-    else:
-        stored = _ceil_div(b * saved_times_t, t)
-        transient = b * cols["transient_bytes"]
-    transient = transient + grad_temporary
-    if z >= 3:  # the layer's gathered weights and the next layer's, prefetched
-        transient = transient + 2 * _ceil_div(params_times_t * w, t)
+    # both states of every layer: kept (index 0) and recomputed (index 1)
+    stored = (_ceil_div(b * saved_times_t, t), b * cols["output_bytes"])
+    transient = (
+        b * cols["transient_bytes"],
+        _ceil_div(b * (cols["transient_bytes"] * t + saved_times_t), t),
+    )
+    gather = 2 * _ceil_div(params_times_t * w, t) if z >= 3 else 0
+    # the layer's gathered weights and the next layer's (prefetched) with ZeRO-3
+    transient = tuple(value + grad_temporary + gather for value in transient)
     rate_per_ms = cluster.gpu_flops * cluster.flops_efficiency / 1e3
     fwd_ms = np.where(cols["measured"], cols["fwd_ms"], cols["fwd_flops"] / rate_per_ms)
     total_ms = np.where(
@@ -251,10 +309,13 @@ def layer_costs(
         cols["fwd_ms"] + cols["bwd_ms"],
         (cols["fwd_flops"] + cols["bwd_flops"]) / rate_per_ms,
     )
-    compute_ms = b * (total_ms + (fwd_ms if recompute else 0.0)) / t
     # GB/s == bytes/ns; ring all-reduce moves 2 (t-1)/t of the buffer per GPU.
     tp_comm_ns = b * cols["tp_comm_bytes"] * 2 * (t - 1) / t / cluster.intra_node_gb_per_s
-    time_ns = np.ceil(compute_ms * NS_PER_MS + tp_comm_ns)
+    time_ns = tuple(
+        np.ceil(b * (total_ms + extra) / t * NS_PER_MS + tp_comm_ns) for extra in (0.0, fwd_ms)
+    )
+    # "none" and "selective" take the kept state as the plain coefficients, "full" the other
+    state = int(config.recompute == "full")
     sync_bytes_per_ns = (
         cluster.intra_node_gb_per_s
         if t * d <= cluster.gpus_per_node
@@ -277,9 +338,12 @@ def layer_costs(
         weight_bytes=scaled(weight, "weights"),
         grad_bytes=scaled(grad, "grads"),
         optimizer_bytes=scaled(optimizer, "optimizer"),
-        stored_bytes=scaled(stored, "activations"),
-        transient_bytes=scaled(transient, "transient"),
-        time_ns=as_int(time_ns),
+        stored_bytes=scaled(stored[state], "activations"),
+        transient_bytes=scaled(transient[state], "transient"),
+        time_ns=as_int(time_ns[state]),
+        recompute_stored_bytes=scaled(stored[1], "activations"),
+        recompute_transient_bytes=scaled(transient[1], "transient"),
+        recompute_time_ns=as_int(time_ns[1]),
         dp_sync_ns=as_int(dp_sync_ns),
         edge_src=cols["edge_src"],
         edge_dst=cols["edge_dst"],
@@ -293,6 +357,11 @@ def layer_costs(
         send_copies=send_copies,
     )
     if training.memory_model == "empirical":
+        if config.recompute == "selective":
+            raise InputError(
+                "memory model empirical: the statistics are measured for one recompute setting; "
+                "selective recomputation needs the analytic model"
+            )
         if calibration is not None:
             raise InputError(
                 "memory model empirical: a calibration scales the analytic model; give one or "
@@ -403,6 +472,8 @@ class StageCost:
     dp_sync_ns: int
     constant_bytes: int = 0
     """A calibration's constant per GPU (0 for the analytic model)."""
+    recomputed: list[int] = field(default_factory=list)
+    """Layers of the stage that are recomputed (positions, a subset of ``layers``)."""
 
     @property
     def peak_bytes(self) -> int:
@@ -427,9 +498,16 @@ class StageCost:
         } | ({"constant": self.constant_bytes} if self.constant_bytes else {})
 
 
-def stage_costs(costs: LayerCosts, stage_of_layer: list[int] | np.ndarray) -> list[StageCost]:
-    """Exact per-stage costs of an assignment (layer position -> stage index)."""
+def stage_costs(
+    costs: LayerCosts,
+    stage_of_layer: list[int] | np.ndarray,
+    recomputed: list[bool] | np.ndarray | None = None,
+) -> list[StageCost]:
+    """Exact per-stage costs of an assignment (layer position -> stage index); ``recomputed``
+    (a flag per layer) says which layers recompute under the "selective" mode."""
     stage_of = np.asarray(stage_of_layer, dtype=np.int64)
+    mask = costs.recompute_mask(recomputed)
+    stored_per_layer, transient_per_layer, time_per_layer = costs.coefficients(mask)
     num_stages = costs.num_stages
     first, last = stage_of[costs.edge_src], stage_of[costs.edge_dst]
     crossing = first != last
@@ -460,21 +538,23 @@ def stage_costs(costs: LayerCosts, stage_of_layer: list[int] | np.ndarray) -> li
         per_stage_sum(costs.optimizer_bytes),
     )
     stored, time_ns, sync_ns = (
-        per_stage_sum(costs.stored_bytes),
-        per_stage_sum(costs.time_ns),
+        per_stage_sum(stored_per_layer),
+        per_stage_sum(time_per_layer),
         per_stage_sum(costs.dp_sync_ns),
     )
     transient = np.zeros(num_stages, dtype=np.int64)
-    np.maximum.at(transient, stage_of, costs.transient_bytes)
+    np.maximum.at(transient, stage_of, transient_per_layer)
     members = np.argsort(stage_of, kind="stable")
     bounds = np.searchsorted(stage_of[members], np.arange(num_stages + 1))
     stages = []
     for s in range(num_stages):
         k = costs.in_flight[s]
+        layers = members[bounds[s] : bounds[s + 1]].tolist()
         stages.append(
             StageCost(
                 index=s,
-                layers=members[bounds[s] : bounds[s + 1]].tolist(),
+                layers=layers,
+                recomputed=[layer for layer in layers if mask[layer]],
                 weight_bytes=int(weight[s]),
                 grad_bytes=int(grad[s]),
                 optimizer_bytes=int(optimizer[s]),

@@ -15,6 +15,7 @@ import logging
 import math
 import time
 
+import numpy as np
 from ortools.sat.python import cp_model
 
 from solver.cost_model import PPM
@@ -54,7 +55,8 @@ class CpSatFormulation(PrefixFormulation):
     def _check_ranges(self) -> None:
         """Every expression must stay inside int64 for CP-SAT (exact integers, no scaling)."""
         problem, pre = self.problem, self.presolve
-        iteration_ub = self.costs.pipeline_factor * int(self.costs.time_ns.sum()) + int(
+        _, _, time_ub = self.costs.bounding_coefficients(np.maximum)
+        iteration_ub = self.costs.pipeline_factor * int(time_ub.sum()) + int(
             self.costs.dp_sync_ns.sum()
         )
         for name, value in (("stage peak", pre.peak_ub_bytes), ("iteration", iteration_ub)):
@@ -126,10 +128,11 @@ class CpSatFormulation(PrefixFormulation):
         prefix_values = [[solver.value(y) for y in row] for row in self.vars.prefix]
         split = split_from_prefix(prefix_values, self.problem.num_stages)
         groups = self.groups_from(solver.value)
-        reason = self.problem.violation(split, groups)
+        recomputed = self._recomputed(solver.value)
+        reason = self.problem.violation(split, recomputed, groups)
         if reason is not None:
             raise AssertionError(f"CP-SAT returned an invalid split {split} {groups}: {reason}")
-        objective = self.problem.objective_value(split, groups)
+        objective = self.problem.objective_value(split, recomputed, groups)
         model_objective = round(solver.objective_value)
         if objective > model_objective:  # auxiliaries are lower-bounded: they may only overcount
             raise AssertionError(f"the model under-counts: {model_objective} < {objective}")
@@ -143,6 +146,7 @@ class CpSatFormulation(PrefixFormulation):
                 split=split,
                 objective=objective,
                 groups=groups,
+                recomputed=recomputed,
             )
         return make_solution(
             FEASIBLE,
@@ -151,6 +155,7 @@ class CpSatFormulation(PrefixFormulation):
             split=split,
             objective=objective,
             groups=groups,
+            recomputed=recomputed,
         )
 
 
@@ -159,14 +164,17 @@ def solve_cpsat(
     *,
     time_limit_s: float = 10.0,
     hint: list[int] | None = None,
+    hint_recomputed: list[bool] | None = None,
     num_workers: int = 1,
     seed: int = 0,
     dump_path: str | None = None,
 ) -> StageSolution:
-    """Exact assignment by CP-SAT; ``hint`` is a split (layer -> stage) to start from."""
+    """Exact assignment by CP-SAT; ``hint`` is a split (layer -> stage) to start from, with
+    ``hint_recomputed`` flags under selective recomputation."""
     return CpSatFormulation.solve_problem(
         problem,
         hint=hint,
+        hint_recomputed=hint_recomputed,
         dump_path=dump_path,
         time_limit_s=time_limit_s,
         num_workers=num_workers,

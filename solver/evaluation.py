@@ -33,6 +33,9 @@ class Evaluation:
     iteration_ns: int
     group_of_stage: list[int] | None = None
     """Node group of each stage on a heterogeneous cluster (index into ``cluster.groups``)."""
+    recomputed: list[bool] | None = None
+    """Under recompute "selective": a flag per layer (each stage lists its own in
+    ``StageCost.recomputed``)."""
 
     @property
     def peak_bytes(self) -> int:
@@ -78,6 +81,11 @@ class Evaluation:
         names = self.graph.names
         return [[names[i] for i in stage.layers] for stage in self.stages]
 
+    def stage_recomputed_names(self) -> list[list[str]]:
+        """Names of the recomputed layers of every stage."""
+        names = self.graph.names
+        return [[names[i] for i in stage.recomputed] for stage in self.stages]
+
 
 def default_training(config: ParallelConfig) -> TrainingConfig:
     """Training options matching a config (its global batch, schedule and recompute)."""
@@ -98,19 +106,31 @@ def evaluate(
     cluster: Cluster | None = None,
     training: TrainingConfig | None = None,
     group_of_stage: list[int] | None = None,
+    recomputed: list[bool] | None = None,
 ) -> Evaluation:
     """Per-stage peaks and times of ``split`` under ``config``.
 
     ``split``: "even" (Megatron default), "parameters" (DeepSpeed parameter-balanced), layer counts
-    per stage (chains, list order), or a stage index per layer (any DAG). On a heterogeneous
+    per stage (chains, list order), or a stage index per layer (any DAG). ``recomputed``: a flag
+    per layer, under ``config.recompute == "selective"`` (default: no layer). On a heterogeneous
     cluster ``group_of_stage`` says which node group runs each stage (tp * dp GPUs of it).
     """
     cluster = cluster or Cluster(num_gpus=config.num_gpus)
     training = training or default_training(config)
     stage_of_layer = resolve_split(graph, config.pp, split)
+    if recomputed is not None and config.recompute != "selective" and any(recomputed):
+        raise InputError(f"recomputed layers given with recompute={config.recompute!r}")
+    if recomputed is not None and len(recomputed) != graph.num_layers:
+        raise InputError(f"{len(recomputed)} recompute flags for {graph.num_layers} layers")
     if not cluster.is_heterogeneous:
         costs = layer_costs(graph, config, cluster, training)
-        return evaluate_assignment(graph, costs, stage_of_layer, cluster=cluster, training=training)
+        return evaluate_assignment(
+            graph, costs, stage_of_layer, cluster=cluster, training=training, recomputed=recomputed
+        )
+    if config.recompute == "selective":
+        raise InputError(
+            "recompute selective on a heterogeneous cluster is not supported yet; use none or full"
+        )
     check_placement(cluster, config, group_of_stage)
     group_costs = [
         layer_costs(graph, config, cluster.group_cluster(k), training)
@@ -156,13 +176,18 @@ def evaluate_assignment(
     *,
     cluster: Cluster,
     training: TrainingConfig,
+    recomputed: list[bool] | None = None,
     group_costs: list[LayerCosts] | None = None,
     group_of_stage: list[int] | None = None,
 ) -> Evaluation:
     """Evaluation from precomputed coefficients (the planner's path); on a heterogeneous
     cluster, stage s uses ``group_costs[group_of_stage[s]]`` (its group's times)."""
+    if not costs.selective:
+        recomputed = None
+    elif recomputed is None:
+        recomputed = [False] * costs.num_layers
     if group_of_stage is None:
-        stages = stage_costs(costs, stage_of_layer)
+        stages = stage_costs(costs, stage_of_layer, recomputed)
     else:
         stages = placed_stage_costs(group_costs, stage_of_layer, group_of_stage)
     return Evaluation(
@@ -174,6 +199,7 @@ def evaluate_assignment(
         stages=stages,
         iteration_ns=iteration_time_ns(costs, stages),
         group_of_stage=None if group_of_stage is None else list(group_of_stage),
+        recomputed=None if recomputed is None else [bool(flag) for flag in recomputed],
     )
 
 

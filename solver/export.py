@@ -26,25 +26,55 @@ MEGATRON_LETTER = {"embedding": "E", "block": "t", "head": "L"}
 
 
 def build_exports(
-    graph: LayerGraph, config: ParallelConfig, stage_layers: list[list[str]]
+    graph: LayerGraph,
+    config: ParallelConfig,
+    stage_layers: list[list[str]],
+    *,
+    recomputed: list[list[str]] | None = None,
 ) -> dict[str, Any]:
     """Settings for torch pipelining, Megatron-LM and DeepSpeed that reproduce the plan.
 
-    ``stage_layers[s]`` holds the names of the layers of stage ``s``. Raises :class:`InputError`
-    when the stages do not partition the graph's layers into ``config.pp`` non-empty stages with
-    every edge going to the same or a later stage.
+    ``stage_layers[s]`` holds the names of the layers of stage ``s``; ``recomputed[s]`` those of
+    them that are recomputed (selective recomputation). Raises :class:`InputError` when the stages
+    do not partition the graph's layers into ``config.pp`` non-empty stages with every edge going
+    to the same or a later stage.
     """
     stages = _stages_in_list_order(graph, config, stage_layers)
     contiguous = [name for stage in stages for name in stage] == graph.names
+    selected = _recomputed_in_list_order(config, stages, recomputed)
     return {
-        "torch_pipelining": torch_pipelining_export(config, stages, contiguous=contiguous),
-        "megatron": megatron_export(graph, config, stages),
-        "deepspeed": deepspeed_export(config, stages, contiguous=contiguous),
+        "torch_pipelining": torch_pipelining_export(
+            config, stages, contiguous=contiguous, recomputed=selected
+        ),
+        "megatron": megatron_export(graph, config, stages, recomputed=selected),
+        "deepspeed": deepspeed_export(config, stages, contiguous=contiguous, recomputed=selected),
     }
 
 
+def _recomputed_in_list_order(
+    config: ParallelConfig, stages: list[list[str]], recomputed: list[list[str]] | None
+) -> list[list[str]] | None:
+    """Each stage's recomputed layers in graph list order; None unless recompute is selective."""
+    if config.recompute != "selective":
+        return None
+    recomputed = recomputed or [[] for _ in stages]
+    if len(recomputed) != len(stages):
+        raise InputError(f"export: {len(recomputed)} recompute lists for {len(stages)} stages")
+    result = []
+    for s, (stage, names) in enumerate(zip(stages, recomputed, strict=True)):
+        unknown = sorted(set(names) - set(stage))
+        if unknown:
+            raise InputError(f"export: recomputed layer {unknown[0]} is not on stage {s}")
+        result.append([name for name in stage if name in set(names)])
+    return result
+
+
 def torch_pipelining_export(
-    config: ParallelConfig, stages: list[list[str]], *, contiguous: bool
+    config: ParallelConfig,
+    stages: list[list[str]],
+    *,
+    contiguous: bool,
+    recomputed: list[list[str]] | None = None,
 ) -> dict[str, Any]:
     """``split_spec`` (first layer of every stage but the first -> "BEGINNING") and schedule."""
     split_spec = {stage[0]: "BEGINNING" for stage in stages[1:]}
@@ -67,12 +97,23 @@ def torch_pipelining_export(
             " Full recomputation is not a pipelining option: wrap every layer in "
             "torch.utils.checkpoint (e.g. checkpoint_wrapper)."
         )
+    if recomputed is not None:
+        note += (
+            " Selective recomputation: wrap the modules of 'checkpoint_modules' (and only them) "
+            "with torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper "
+            "(apply_activation_checkpointing(module, check_fn=lambda m: m in those modules))."
+        )
     result: dict[str, Any] = {
         "split_spec": split_spec,
         "schedule": schedule,
         "n_microbatches": m,
         "contiguous": contiguous,
         "stages": stages,
+        **(
+            {}
+            if recomputed is None
+            else {"checkpoint_modules": [name for names in recomputed for name in names]}
+        ),
         "note": note,
         # Measured (../shared/reference/runtime-memory-facts.md, benchmarks/bench_accuracy.md).
         "memory_note": (
@@ -95,7 +136,11 @@ def torch_pipelining_export(
 
 
 def megatron_export(
-    graph: LayerGraph, config: ParallelConfig, stages: list[list[str]]
+    graph: LayerGraph,
+    config: ParallelConfig,
+    stages: list[list[str]],
+    *,
+    recomputed: list[list[str]] | None = None,
 ) -> dict[str, Any]:
     """Megatron-LM arguments for the plan.
 
@@ -154,6 +199,28 @@ def megatron_export(
             "--recompute-num-layers",
             "1",
         ]
+    if recomputed is not None:
+        blocks_recomputed = _megatron_block_recompute(roles, stages, recomputed)
+        if blocks_recomputed is None:
+            warnings.append(
+                "recompute: the recomputed layers are not the first N transformer layers of "
+                "every stage, which is all --recompute-method block expresses; recompute these "
+                "by hand (e.g. checkpoint_wrapper): "
+                + "; ".join(
+                    f"stage {s}: {', '.join(names)}" for s, names in enumerate(recomputed) if names
+                )
+            )
+        elif blocks_recomputed:
+            # megatron/training/arguments.py: with --recompute-method block, "the first N
+            # transformer layers of each pipeline stage are recomputed"
+            args += [
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "block",
+                "--recompute-num-layers",
+                str(blocks_recomputed),
+            ]
     if config.zero >= 1:
         args.append("--use-distributed-optimizer")
     return {
@@ -179,7 +246,11 @@ def megatron_export(
 
 
 def deepspeed_export(
-    config: ParallelConfig, stages: list[list[str]], *, contiguous: bool
+    config: ParallelConfig,
+    stages: list[list[str]],
+    *,
+    contiguous: bool,
+    recomputed: list[list[str]] | None = None,
 ) -> dict[str, Any]:
     """``PipelineModule`` layer counts, its ``parts`` boundaries and the DeepSpeed config keys."""
     counts = [len(stage) for stage in stages]
@@ -201,6 +272,12 @@ def deepspeed_export(
             "Not contiguous: PipelineModule gives stage s the slice parts[s]:parts[s+1] of its "
             "layer list; build that list in the order of 'stages' (a valid topological order) "
             "so that the slices hold the planned layers."
+        )
+    if recomputed is not None and any(recomputed):
+        warnings.append(
+            "Selective recomputation: activation_checkpoint_interval checkpoints every k-th "
+            "layer only; wrap the recomputed layers with deepspeed.checkpointing.checkpoint in "
+            "their forward instead: " + ", ".join(name for names in recomputed for name in names)
         )
     if config.tp > 1:
         warnings.append(
@@ -230,6 +307,21 @@ def deepspeed_export(
         "activation_checkpoint_interval": 1 if config.recompute == "full" else 0,
         "warnings": warnings,
     }
+
+
+def _megatron_block_recompute(
+    roles: dict[str, str], stages: list[list[str]], recomputed: list[list[str]]
+) -> int | None:
+    """N when every stage recomputes exactly its first N transformer layers (N may be 0), else
+    None (Megatron's block method cannot express the set)."""
+    counts = set()
+    for stage, names in zip(stages, recomputed, strict=True):
+        blocks = [name for name in stage if roles[name] == "block"]
+        count = len(names)
+        if blocks[:count] != names:
+            return None
+        counts.add(count)
+    return counts.pop() if len(counts) == 1 else None
 
 
 def _stages_in_list_order(

@@ -41,6 +41,15 @@ U is an integer, so its optimum is max_s ceil(10^6 peak_s / C_k(s)),
 ``cost_model.utilization_ppm`` exactly. Without a placement none of this exists and the model is
 the one above, unchanged.
 
+Selective recomputation (``costs.selective``): rc[l] in {0, 1} marks layer l recomputed, and
+z[l][s] = x[l][s] rc[l] (z <= x, z <= rc, z >= x + rc - 1: exact at integer x, rc, no big-M).
+With d_l the recomputed state's coefficient minus the kept one's (stored, transient, time):
+  memory       ... + k_s sum_l d_stored_l z[l][s]
+  transient    tr[s] >= transient_l x[l][s] + d_transient_l z[l][s]
+  time         T >= sum_l time_l x[l][s] + d_time_l z[l][s]
+so "none" (rc = 0) and "full" (rc = 1) are both feasible choices of the same model. Selective
+recomputation and a placement are never combined (``solver.search``).
+
 The buffer term is exact: an edge leaving s crosses s | s+1 only, one entering s crosses s-1 | s
 only, and a relayed one crosses both ((R_s + S_s) eb_e). Prefix variables make all of this linear
 with no big-M; r is the only product, and ``y[u][s-1] - y[v][s]`` is the tightest linear lower
@@ -97,6 +106,10 @@ class PrefixVariables:
     """stage_peak[s][k] = P[s][k] (placement only)."""
     utilization: Any = None
     """U, ppm (placement with the utilization objective only)."""
+    recompute: list[Any] = field(default_factory=list)
+    """rc[l] under selective recomputation (else empty)."""
+    recompute_member: dict[tuple[int, int], Any] = field(default_factory=dict)
+    """z[(l, s)] = x[l][s] rc[l], where layer l can sit on stage s."""
 
 
 class PrefixFormulation(abc.ABC):
@@ -124,22 +137,28 @@ class PrefixFormulation(abc.ABC):
 
     @classmethod
     def solve_problem(
-        cls, problem: StageProblem, *, hint: list[int] | None, dump_path: str | None, **options
+        cls,
+        problem: StageProblem,
+        *,
+        hint: list[int] | None,
+        dump_path: str | None,
+        hint_recomputed: list[bool] | None = None,
+        **options,
     ) -> StageSolution:
-        """Builds the model, with the hint (a split) as a start, writes it to ``dump_path`` and
-        calls ``solve(**options)``; a valid hint is returned when the solver found nothing
-        better."""
+        """Builds the model, with the hint (a split, and the recompute flags under selective)
+        as a start, writes it to ``dump_path`` and calls ``solve(**options)``; a valid hint is
+        returned when the solver found nothing better."""
         start = time.perf_counter()
         if problem.placement is not None:
             hint = None  # a split alone does not say where its stages run
         check_hint(problem, hint)
         formulation = cls(problem)
         if hint is not None:
-            formulation.set_hint(hint)
+            formulation.set_hint(hint, hint_recomputed)
         if dump_path is not None:
             formulation.dump(dump_path)
         solution = formulation.solve(**options)
-        solution = keep_hint_if_better(problem, solution, hint)
+        solution = keep_hint_if_better(problem, solution, hint, hint_recomputed)
         solution.wall_s = time.perf_counter() - start
         return solution
 
@@ -217,6 +236,15 @@ class PrefixFormulation(abc.ABC):
             if self.presolve.can_hold(layer, stage)
         ]
 
+    def _recompute_terms(self, extra: np.ndarray, stage: int, unit) -> list:
+        """sum_l extra_l z[l][s]: what recomputing changes on stage s (empty without
+        selective recomputation)."""
+        return [
+            unit(extra[layer]) * z
+            for (layer, s), z in self.vars.recompute_member.items()
+            if s == stage and extra[layer]
+        ]
+
     def _stage_bytes(self, stage: int):
         """Peak of stage s as a linear expression (module docstring, 'memory')."""
         costs, k = self.costs, self.costs.in_flight[stage]
@@ -225,6 +253,9 @@ class PrefixFormulation(abc.ABC):
             self._bytes(per_layer[layer]) * self._member(layer, stage)
             for layer in self._layers_of(stage)
         ]
+        terms += self._recompute_terms(
+            k * (costs.recompute_stored_bytes - costs.stored_bytes), stage, self._bytes
+        )
         receive, send = costs.receive_copies[stage], costs.send_copies[stage]
         terms += [
             self._bytes(receive * nbytes) * self._crossing(e, stage - 1)
@@ -243,12 +274,16 @@ class PrefixFormulation(abc.ABC):
             terms.append(self._bytes(costs.constant_bytes))
         return self._sum(terms)
 
-    def _stage_sum(self, per_layer: np.ndarray, stage: int):
-        """sum_l per_layer[l] x[l][s] (times in model units)."""
-        return self._sum(
+    def _stage_sum(self, per_layer: np.ndarray, stage: int, recomputed: np.ndarray | None = None):
+        """sum_l per_layer[l] x[l][s] (+ (recomputed[l] - per_layer[l]) z[l][s]; times in model
+        units)."""
+        terms = [
             self._ns(per_layer[layer]) * self._member(layer, stage)
             for layer in self._layers_of(stage)
-        )
+        ]
+        if recomputed is not None:
+            terms += self._recompute_terms(recomputed - per_layer, stage, self._ns)
+        return self._sum(terms)
 
     def _iteration(self):
         return self.costs.pipeline_factor * self.vars.slowest_stage_ns + self.vars.slowest_sync_ns
@@ -263,13 +298,21 @@ class PrefixFormulation(abc.ABC):
             [self._new_bool(f"y_l{layer}_s{s}") for s in range(p - 1)]
             for layer in range(problem.num_layers)
         ]
+        if problem.selective:
+            self.vars.recompute = [
+                self._new_bool(f"rc_l{layer}") for layer in range(problem.num_layers)
+            ]
+            for s in range(p):
+                for layer in self._layers_of(s):
+                    self.vars.recompute_member[(layer, s)] = self._new_var(0, 1, f"z_l{layer}_s{s}")
+        stored_ub, transient_ub, time_ub = costs.bounding_coefficients(np.maximum)
         if self.needs_memory:
             for e, (u, v) in enumerate(self.edges):
                 if pre.max_span[e] < 2 or not costs.edge_bytes[e]:
                     continue
                 for s in range(max(1, pre.first_stage[u] + 1), min(p - 1, pre.last_stage[v])):
                     self.vars.relay[(e, s)] = self._new_var(0, 1, f"r_e{e}_s{s}")
-            top = int(costs.transient_bytes.max(initial=0))
+            top = int(transient_ub.max(initial=0))
             if top:
                 self.vars.transient = [
                     self._new_var(0, self._bytes(top), f"tr_s{s}") for s in range(p)
@@ -285,7 +328,7 @@ class PrefixFormulation(abc.ABC):
             sync = max(int(c.dp_sync_ns.sum()) for c in group_costs)
             self.vars.slowest_stage_ns = self._new_var(
                 self._ns(pre.stage_time_lb_ns),
-                self._ns(max(pre.stage_time_lb_ns, slowest)),
+                self._ns(max(pre.stage_time_lb_ns, slowest, int(time_ub.sum()))),
                 "T",
             )
             self.vars.slowest_sync_ns = self._new_var(
@@ -322,6 +365,7 @@ class PrefixFormulation(abc.ABC):
         if self.placement is not None:
             self._add_one_group_per_stage()
             self._add_group_sizes()
+        self._add_recompute_member()
         if self.needs_memory:
             self._add_relay()
             self._add_transient()
@@ -367,6 +411,14 @@ class PrefixFormulation(abc.ABC):
             for s in range(span, p - 1):
                 self._add(self._y(v, s) >= self._y(u, s - span), f"span_e{e}_s{s}")
 
+    def _add_recompute_member(self) -> None:
+        """z[l][s] <= x[l][s],  z[l][s] <= rc[l],  z[l][s] >= x[l][s] + rc[l] - 1."""
+        for (layer, s), z in self.vars.recompute_member.items():
+            member, recompute = self._member(layer, s), self.vars.recompute[layer]
+            self._add(z <= member, f"rcx_l{layer}_s{s}")
+            self._add(z <= recompute, f"rcr_l{layer}_s{s}")
+            self._add(z >= member + recompute - 1, f"rcxr_l{layer}_s{s}")
+
     def _add_relay(self) -> None:
         """r[e][s] >= y[u][s-1] - y[v][s]."""
         for (e, s), relay in self.vars.relay.items():
@@ -374,15 +426,24 @@ class PrefixFormulation(abc.ABC):
             self._add(relay >= self._y(u, s - 1) - self._y(v, s), f"relay_e{e}_s{s}")
 
     def _add_transient(self) -> None:
-        """tr[s] >= transient_l x[l][s]."""
+        """tr[s] >= transient_l x[l][s]  (+ d_transient_l z[l][s] under selective)."""
+        costs = self.costs
         for s, largest in enumerate(self.vars.transient):
             for layer in self._layers_of(s):
-                if self.costs.transient_bytes[layer]:
-                    self._add(
-                        largest
-                        >= self._bytes(self.costs.transient_bytes[layer]) * self._member(layer, s),
-                        f"transient_l{layer}_s{s}",
-                    )
+                kept = costs.transient_bytes[layer]
+                extra = costs.recompute_transient_bytes[layer] - kept
+                z = self.vars.recompute_member.get((layer, s))
+                if z is None or not extra:
+                    if kept:
+                        self._add(
+                            largest >= self._bytes(kept) * self._member(layer, s),
+                            f"transient_l{layer}_s{s}",
+                        )
+                    continue
+                self._add(
+                    largest >= self._bytes(kept) * self._member(layer, s) + self._bytes(extra) * z,
+                    f"transient_l{layer}_s{s}",
+                )
 
     def _add_one_group_per_stage(self) -> None:
         """sum_k g[s][k] = 1."""
@@ -451,8 +512,10 @@ class PrefixFormulation(abc.ABC):
             self._add_placed_stage_time()
             return
         for s in range(self.problem.num_stages):
+            recomputed = self.costs.recompute_time_ns if self.problem.selective else None
             self._add(
-                self.vars.slowest_stage_ns >= self._stage_sum(self.costs.time_ns, s), f"time_s{s}"
+                self.vars.slowest_stage_ns >= self._stage_sum(self.costs.time_ns, s, recomputed),
+                f"time_s{s}",
             )
             self._add(
                 self.vars.slowest_sync_ns >= self._stage_sum(self.costs.dp_sync_ns, s), f"sync_s{s}"
@@ -495,17 +558,31 @@ class PrefixFormulation(abc.ABC):
             return None
         return [max(range(len(row)), key=lambda k: value(row[k])) for row in self.vars.group]
 
+    def _recomputed(self, value_of) -> list[bool] | None:
+        """The recompute flags of a solution (``value_of``: variable -> number), or None."""
+        if not self.problem.selective:
+            return None
+        return [value_of(rc) > 0.5 for rc in self.vars.recompute]
+
     # -- hints -----------------------------------------------------------------------------------
 
-    def set_hint(self, stage_of_layer: list[int]) -> None:
-        """A complete start: y from the split, every auxiliary variable at its exact value."""
+    def set_hint(self, stage_of_layer: list[int], recomputed: list[bool] | None = None) -> None:
+        """A complete start: y (and rc) from the split (and the recompute flags, none by
+        default), every auxiliary variable at its exact value."""
         for layer, row in enumerate(self.vars.prefix):
             for s, y in enumerate(row):
                 self._hint(y, int(stage_of_layer[layer] <= s))
+        if not self.problem.selective:
+            recomputed = None
+        flags = [bool(f) for f in recomputed] if recomputed else [False] * self.problem.num_layers
+        for layer, rc in enumerate(self.vars.recompute):
+            self._hint(rc, int(flags[layer]))
+        for (layer, s), z in self.vars.recompute_member.items():
+            self._hint(z, int(flags[layer] and stage_of_layer[layer] == s))
         for (e, s), relay in self.vars.relay.items():
             u, v = self.edges[e]
             self._hint(relay, int(stage_of_layer[u] < s < stage_of_layer[v]))
-        stages = stage_costs(self.costs, stage_of_layer)
+        stages = stage_costs(self.costs, stage_of_layer, recomputed)
         for s, largest in enumerate(self.vars.transient):
             self._hint(largest, self._bytes(stages[s].transient_bytes))
         if self.vars.peak is not None:

@@ -92,13 +92,17 @@ class MilpFormulation(PrefixFormulation):
         byte_coefficients = np.concatenate(
             [
                 costs.state_bytes + k * costs.stored_bytes,
+                k * np.abs(costs.recompute_stored_bytes - costs.stored_bytes),
                 costs.transient_bytes,
+                np.abs(costs.recompute_transient_bytes - costs.transient_bytes),
                 max(k, *costs.receive_copies, *costs.send_copies) * costs.edge_bytes,
                 [costs.constant_bytes],
                 [1],
             ]
         )
-        time_coefficients = np.concatenate([costs.time_ns, costs.dp_sync_ns, [1]])
+        time_coefficients = np.concatenate(
+            [costs.time_ns, costs.recompute_time_ns - costs.time_ns, costs.dp_sync_ns, [1]]
+        )
         if self.problem.placement is not None:
             placement = self.problem.placement
             byte_coefficients = np.concatenate([byte_coefficients, placement.capacity_bytes])
@@ -226,16 +230,23 @@ class MilpFormulation(PrefixFormulation):
         values = [[y.varValue or 0.0 for y in row] for row in self.vars.prefix]
         split = split_from_prefix(values, self.problem.num_stages)
         groups = self.groups_from(lambda var: var.varValue or 0.0)
-        reason = self.problem.violation(split, groups)
+        recomputed = self._recomputed(lambda rc: rc.varValue or 0.0)
+        reason = self.problem.violation(split, recomputed, groups)
         if reason is not None:
             logger.info("%s: the rounded split %s is not valid: %s", backend, split, reason)
             return make_solution(UNKNOWN, backend, bound=bound), True
-        objective = self.problem.objective_value(split, groups)
+        objective = self.problem.objective_value(split, recomputed, groups)
         model_objective = pulp.value(self.model.objective) * scale
         margin = RELATIVE_MARGIN * max(1.0, abs(model_objective))
         if outcome == OPTIMAL and objective <= model_objective + margin:
             return make_solution(
-                OPTIMAL, backend, bound=objective, split=split, objective=objective, groups=groups
+                OPTIMAL,
+                backend,
+                bound=objective,
+                split=split,
+                objective=objective,
+                recomputed=recomputed,
+                groups=groups,
             ), False
         if outcome == OPTIMAL:
             logger.warning(
@@ -251,6 +262,7 @@ class MilpFormulation(PrefixFormulation):
             split=split,
             objective=objective,
             groups=groups,
+            recomputed=recomputed,
         ), False
 
 
@@ -345,6 +357,7 @@ def solve_milp(
     *,
     time_limit_s: float = 10.0,
     hint: list[int] | None = None,
+    hint_recomputed: list[bool] | None = None,
     solver: str = "highs",
     dump_path: str | None = None,
 ) -> StageSolution:
@@ -352,5 +365,10 @@ def solve_milp(
     if solver not in SOLVERS:
         raise InputError(f"MILP solver must be one of {SOLVERS}, got {solver!r}")
     return MilpFormulation.solve_problem(
-        problem, hint=hint, dump_path=dump_path, time_limit_s=time_limit_s, solver=solver
+        problem,
+        hint=hint,
+        hint_recomputed=hint_recomputed,
+        dump_path=dump_path,
+        time_limit_s=time_limit_s,
+        solver=solver,
     )

@@ -104,6 +104,7 @@ def pareto_front(
             result.solution.stage_of_layer,
             cluster=cluster,
             training=training,
+            recomputed=result.solution.recomputed,
         )
         return _Point(evaluation.peak_bytes, evaluation.iteration_ns, evaluation)
 

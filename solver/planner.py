@@ -115,7 +115,7 @@ def plan(
     else:
         result = fastest
         secondary, limits = OBJECTIVE_MEMORY, {"capacity": capacity, "budget": result.value}
-    entry, split, groups = _break_ties(
+    entry, split, recomputed, groups = _break_ties(
         result, secondary=secondary, **limits, deadline=deadline, num_workers=num_workers
     )
     # a throughput budget taken from an unproven fastest plan is not proven either
@@ -126,7 +126,13 @@ def plan(
         else {"group_costs": entry.placement.group_costs, "group_of_stage": groups}
     )
     evaluation = evaluate_assignment(
-        graph, entry.costs, split, cluster=cluster, training=training, **placed
+        graph,
+        entry.costs,
+        split,
+        cluster=cluster,
+        training=training,
+        recomputed=recomputed,
+        **placed,
     )
     report = SolverReport(
         backend=result.backend,
@@ -143,7 +149,12 @@ def plan(
     return Plan(
         evaluation=evaluation,
         solver=report,
-        exports=build_exports(graph, entry.costs.config, evaluation.stage_layer_names()),
+        exports=build_exports(
+            graph,
+            entry.costs.config,
+            evaluation.stage_layer_names(),
+            recomputed=evaluation.stage_recomputed_names(),
+        ),
         baselines={
             name: evaluate_assignment(
                 graph,
@@ -173,11 +184,14 @@ def _break_ties(
     deadline: Deadline,
     num_workers: int,
     utilization: int | None = None,
-) -> tuple[ConfigEntry, list[int], list[int] | None]:
+) -> tuple[ConfigEntry, list[int], list[bool] | None, list[int] | None]:
     """Among configs tied on the primary objective, the best on the secondary one (then the
     earliest in candidate order). Each tie is re-solved for its best secondary value while
-    keeping the primary optimum as a hard limit. Returns (entry, split, group of each stage)."""
-    best: tuple[tuple[int, int], ConfigEntry, list[int], list[int] | None] | None = None
+    keeping the primary optimum as a hard limit (with selective recomputation this also drops
+    recomputed layers the peak does not need). Returns (entry, split, recompute flags, group
+    of each stage)."""
+    best: tuple[tuple[int, int], ConfigEntry, list[int], list[bool] | None, list[int] | None]
+    best = None
     for entry, solution in result.ties:
         refined = refine(
             entry,
@@ -187,6 +201,7 @@ def _break_ties(
             backend=result.backend,
             deadline=deadline,
             hint=solution.stage_of_layer,
+            hint_recomputed=solution.recomputed,
             num_workers=num_workers,
             utilization_limit_ppm=utilization,
         )
@@ -194,8 +209,8 @@ def _break_ties(
         value = refined.objective if refined is not None else math.inf
         key = (value, entry.order)
         if best is None or key < best[0]:
-            best = (key, entry, chosen.stage_of_layer, chosen.group_of_stage)
-    return best[1], best[2], best[3]
+            best = (key, entry, chosen.stage_of_layer, chosen.recomputed, chosen.group_of_stage)
+    return best[1], best[2], best[3], best[4]
 
 
 def _no_plan(

@@ -333,7 +333,7 @@ def _field(point: Any, name: str) -> Any:
 
 
 def _label(point: Any) -> str:
-    """Short config text: 'pp8 tp8 b1', with ' z1' / ' rc' for ZeRO and recompute."""
+    """Short config text: 'pp8 tp8 b1', with ' z1' / ' rc' / ' src' for ZeRO and recompute."""
     config = _field(point, "config")
     if not isinstance(config, Mapping):
         if not hasattr(config, "to_dict"):
@@ -341,7 +341,7 @@ def _label(point: Any) -> str:
         config = config.to_dict()
     text = f"pp{config['pp']} tp{config['tp']} dp{config['dp']} b{config['micro_batch']}"
     text += f" z{config['zero']}" if config.get("zero") else ""
-    return text + (" rc" if config.get("recompute") == "full" else "")
+    return text + {"full": " rc", "selective": " src"}.get(config.get("recompute"), "")
 
 
 __all__ = ["check_plot_path", "plot_pareto", "plot_plan", "plot_sweep"]

@@ -60,11 +60,14 @@ class Presolve:
         for u, v in zip(costs.edge_src.tolist(), costs.edge_dst.tolist(), strict=True):
             blocked = ancestors[u] | descendants[v] | (1 << u) | (1 << v)
             spans.append(min(num_stages - 1, 1 + num_layers - blocked.bit_count()))
-        state, stored = costs.state_bytes, costs.stored_bytes
+        # under selective recomputation: each layer's cheaper state for lower bounds, its dearer
+        # one for upper bounds
+        state = costs.state_bytes
+        stored, transient, time_ns = costs.bounding_coefficients(np.minimum)
+        stored_ub, transient_ub, _ = costs.bounding_coefficients(np.maximum)
         k = costs.in_flight
         least_k = [min(k[lo : hi + 1], default=max(k)) for lo, hi in zip(first, last, strict=True)]
         min_acts = np.asarray(least_k, dtype=np.int64) * stored
-        transient = costs.transient_bytes
         edge_total = int(costs.edge_bytes.sum())
         time_ns, sync_ns = costs.time_ns, costs.dp_sync_ns
         if problem.placement is not None:  # a layer's time on its fastest group
@@ -83,8 +86,8 @@ class Presolve:
             peak_ub_bytes=int(
                 costs.constant_bytes
                 + state.sum()
-                + max(k) * stored.sum()
-                + transient.max(initial=0)
+                + max(k) * stored_ub.sum()
+                + transient_ub.max(initial=0)
                 + (max(costs.receive_copies) + max(costs.send_copies) + max(k)) * edge_total
             ),
             stage_time_lb_ns=max(
@@ -117,6 +120,7 @@ def make_solution(
     split: list[int] | None = None,
     objective: int | None = None,
     groups: list[int] | None = None,
+    recomputed: list[bool] | None = None,
 ) -> StageSolution:
     """A StageSolution; the caller sets wall_s."""
     return StageSolution(
@@ -127,6 +131,7 @@ def make_solution(
         wall_s=0.0,
         backend=backend,
         group_of_stage=groups,
+        recomputed=recomputed,
     )
 
 
@@ -141,15 +146,20 @@ def check_hint(problem: StageProblem, hint: list[int] | None) -> None:
 
 
 def keep_hint_if_better(
-    problem: StageProblem, solution: StageSolution, hint: list[int] | None
+    problem: StageProblem,
+    solution: StageSolution,
+    hint: list[int] | None,
+    hint_recomputed: list[bool] | None = None,
 ) -> StageSolution:
     """A valid hint is a solution too: return it when the solver stopped with nothing better
     (a time limit shorter than presolve, say). The bound stays the solver's."""
     if hint is None or solution.status in (OPTIMAL, INFEASIBLE):
         return solution
-    if problem.violation(hint) is not None:
+    if not problem.selective:
+        hint_recomputed = None
+    if problem.violation(hint, hint_recomputed) is not None:
         return solution
-    value = problem.objective_value(hint)
+    value = problem.objective_value(hint, hint_recomputed)
     if solution.objective is not None and solution.objective <= value:
         return solution
     return StageSolution(
@@ -159,6 +169,11 @@ def keep_hint_if_better(
         bound=min(solution.bound, value),
         wall_s=solution.wall_s,
         backend=solution.backend,
+        recomputed=(
+            None
+            if not problem.selective
+            else [bool(flag) for flag in (hint_recomputed or [False] * problem.num_layers)]
+        ),
     )
 
 

@@ -6,13 +6,15 @@ Data flows one way: graph -> candidate config -> :class:`StageProblem` (cost coe
 The problem: assign each layer a stage 0..p-1 so that for every edge u->v stage(u) <= stage(v),
 every stage is non-empty, every stage peak <= ``capacity_bytes`` (when set) and the iteration time
 <= ``iteration_budget_ns`` (when set); minimise the largest stage peak (objective "memory") or
-the iteration time (objective "time").
+the iteration time (objective "time"). Under ``recompute="selective"`` a solution also says
+which layers are recomputed (``StageSolution.recomputed``), chosen jointly with the split.
 
 Heterogeneous clusters add a :class:`Placement`: each stage also chooses a node group k(s), group k
 hosts exactly ``stages_per_group[k]`` stages (every GPU is used; see ``solver.candidates``), every
 stage peak <= the capacity of its group, times come from the group's coefficients, and "memory"
 means the largest utilization (ppm, ``cost_model.utilization_ppm``) or the largest peak (bytes).
-A solution then carries ``group_of_stage`` too.
+A solution then carries ``group_of_stage`` too. Selective recomputation and a placement are not
+combined (``solver.search`` refuses it).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ OPTIMAL = "OPTIMAL"
 FEASIBLE = "FEASIBLE"  # a solution, optimality not proven (time limit)
 INFEASIBLE = "INFEASIBLE"  # proven: no assignment satisfies the constraints
 UNKNOWN = "UNKNOWN"  # time limit hit before any solution and before a proof
+
+Recomputed = list[bool] | np.ndarray | None
+"""A recompute flag per layer (only under ``recompute="selective"``); None: no layer."""
 
 OBJECTIVE_MEMORY = "memory"
 OBJECTIVE_TIME = "time"
@@ -87,12 +92,20 @@ class StageProblem:
     def num_layers(self) -> int:
         return self.costs.num_layers
 
+    @property
+    def selective(self) -> bool:
+        """The recomputed layers are part of the decision (``LayerCosts.selective``)."""
+        return self.costs.selective
+
     def stages(
-        self, stage_of_layer: list[int] | np.ndarray, group_of_stage: list[int] | None = None
+        self,
+        stage_of_layer: list[int] | np.ndarray,
+        recomputed: Recomputed = None,
+        group_of_stage: list[int] | None = None,
     ) -> list[StageCost]:
         """Per-stage costs from the cost model (on each stage's group with a placement)."""
         if self.placement is None:
-            return stage_costs(self.costs, stage_of_layer)
+            return stage_costs(self.costs, stage_of_layer, recomputed)
         return placed_stage_costs(self.placement.group_costs, stage_of_layer, group_of_stage)
 
     def memory_value(self, stages: list[StageCost], group_of_stage: list[int] | None) -> int:
@@ -106,26 +119,41 @@ class StageProblem:
         )
 
     def measure(
-        self, stage_of_layer: list[int] | np.ndarray, group_of_stage: list[int] | None = None
+        self,
+        stage_of_layer: list[int] | np.ndarray,
+        recomputed: Recomputed = None,
+        group_of_stage: list[int] | None = None,
     ) -> tuple[int, int]:
-        """(memory objective, iteration ns) of an assignment, from the cost model: the memory
-        objective is the max stage peak in bytes unless a placement asks for utilization."""
-        stages = self.stages(stage_of_layer, group_of_stage)
+        """(memory objective, iteration ns) of an assignment (with the layers ``recomputed``
+        flags under "selective", each stage's group with a placement), from the cost model: the
+        memory objective is the max stage peak in bytes unless a placement asks for utilization."""
+        stages = self.stages(stage_of_layer, recomputed, group_of_stage)
         return self.memory_value(stages, group_of_stage), iteration_time_ns(self.costs, stages)
 
     def objective_value(
-        self, stage_of_layer: list[int] | np.ndarray, group_of_stage: list[int] | None = None
+        self,
+        stage_of_layer: list[int] | np.ndarray,
+        recomputed: Recomputed = None,
+        group_of_stage: list[int] | None = None,
     ) -> int:
-        memory, iteration = self.measure(stage_of_layer, group_of_stage)
+        memory, iteration = self.measure(stage_of_layer, recomputed, group_of_stage)
         return memory if self.objective == OBJECTIVE_MEMORY else iteration
 
     def violation(
-        self, stage_of_layer: list[int] | np.ndarray, group_of_stage: list[int] | None = None
+        self,
+        stage_of_layer: list[int] | np.ndarray,
+        recomputed: Recomputed = None,
+        group_of_stage: list[int] | None = None,
     ) -> str | None:
         """Why an assignment is not allowed, or None when it is."""
         stage_of = np.asarray(stage_of_layer)
         if len(stage_of) != self.num_layers:
             return f"{len(stage_of)} stage indices for {self.num_layers} layers"
+        if recomputed is not None and np.any(recomputed):
+            if not self.selective:
+                return f"layers recomputed under recompute={self.costs.config.recompute!r}"
+            if len(recomputed) != self.num_layers:
+                return f"{len(recomputed)} recompute flags for {self.num_layers} layers"
         if stage_of.min() < 0 or stage_of.max() >= self.num_stages:
             return f"stage index outside 0..{self.num_stages - 1}"
         empty = sorted(set(range(self.num_stages)) - set(stage_of.tolist()))
@@ -141,7 +169,7 @@ class StageProblem:
             reason = _placement_violation(placement, self.num_stages, group_of_stage)
             if reason is not None:
                 return reason
-        stages = self.stages(stage_of, group_of_stage)
+        stages = self.stages(stage_of, recomputed, group_of_stage)
         peak = max(s.peak_bytes for s in stages)
         iteration = iteration_time_ns(costs, stages)
         if self.capacity_bytes is not None and peak > self.capacity_bytes:
@@ -191,6 +219,8 @@ class StageSolution:
     backend: str
     group_of_stage: list[int] | None = None
     """Node group of each stage (heterogeneous problems only)."""
+    recomputed: list[bool] | None = None
+    """Under "selective": which layers recompute (a flag per layer); None otherwise."""
 
     @property
     def has_solution(self) -> bool:

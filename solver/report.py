@@ -17,6 +17,7 @@ PLAN_VERSION = 1
 def evaluation_to_dict(evaluation: Evaluation) -> dict[str, Any]:
     """Config, per-stage costs (bytes per GPU, ms), peak and throughput of one split."""
     names = evaluation.stage_layer_names()
+    recomputed = evaluation.stage_recomputed_names()
     cluster = evaluation.cluster
     document = {
         "model": evaluation.graph.model,
@@ -32,6 +33,7 @@ def evaluation_to_dict(evaluation: Evaluation) -> dict[str, Any]:
             {
                 "index": stage.index,
                 "layers": names[stage.index],
+                "recomputed": recomputed[stage.index],
                 "peak_bytes": stage.peak_bytes,
                 "breakdown": stage.breakdown(),
                 "in_flight_microbatches": stage.in_flight,
@@ -161,6 +163,10 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
     if placed:
         header[1:1] = ["group"]
         header += ["capacity", "util"]
+    selective = config.recompute == "selective"
+    if selective:
+        header.append("recomputed")
+        recomputed = evaluation.stage_recomputed_names()
     rows = []
     for stage in evaluation.stages:
         breakdown = stage.breakdown()
@@ -182,6 +188,7 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
                 format_bytes(stage.peak_bytes),
                 f"{stage.time_ns / 1e6:.3g} ms",
             ]
+            + ([_recomputed_text(recomputed[stage.index])] if selective else [])
         )
         if placed:
             rows[-1][1:1] = [evaluation.group_names[stage.index]]
@@ -281,6 +288,13 @@ def meets_throughput(plan: Plan, evaluation: Evaluation) -> bool:
     """Whether a split satisfies the plan's throughput constraint (True when there is none)."""
     required = plan.required_throughput
     return required is None or evaluation.throughput >= required * (1 - 1e-12)
+
+
+def _recomputed_text(names: list[str]) -> str:
+    """'-', the names (up to 3), or the count with the first and last (the JSON lists all)."""
+    if len(names) <= 3:
+        return ",".join(names) or "-"
+    return f"{len(names)}: {names[0]} ... {names[-1]}"
 
 
 def _layer_span(names: list[str]) -> str:

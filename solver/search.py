@@ -29,6 +29,7 @@ from solver.candidates import (
     time_lower_bound,
 )
 from solver.cost_model import LayerCosts, layer_costs, utilization_ppm
+from solver.errors import InputError
 from solver.graph import LayerGraph
 from solver.problem import (
     INFEASIBLE,
@@ -173,7 +174,13 @@ def search(
     limit applies to heterogeneous entries only)."""
     chain = bool(entries) and entries[0].costs.is_chain()
     placed = bool(entries) and entries[0].placement is not None
-    backend = resolve_backend(backend, chain, heterogeneous=placed)
+    selective = any(e.costs.selective for e in entries)
+    if placed and selective:
+        raise InputError(
+            "recompute selective on a heterogeneous cluster is not supported yet; use "
+            "--recompute none, full or auto (which searches none and full there)"
+        )
+    backend = resolve_backend(backend, chain, heterogeneous=placed, selective=selective)
     bound_of = (
         (lambda e: e.memory_bound) if objective == OBJECTIVE_MEMORY else (lambda e: e.time_bound)
     )
@@ -205,8 +212,20 @@ def search(
             placement=entry.placement,
             utilization_limit_ppm=utilization_limit_ppm,
         )
+        time_limit_s, hint, hint_recomputed = deadline.remaining(), None, None
+        if problem.selective:
+            # a large selective model may not close in the time left: share it among the
+            # configs still to solve, and start from the best all-off / all-on split
+            time_limit_s /= len(viable) - index
+            if chain:
+                hint, hint_recomputed = uniform_recompute_hint(problem, deadline)
         solution = solve(
-            problem, backend, time_limit_s=max(deadline.remaining(), 0.01), num_workers=num_workers
+            problem,
+            backend,
+            time_limit_s=max(time_limit_s, 0.01),
+            hint=hint,
+            hint_recomputed=hint_recomputed,
+            num_workers=num_workers,
         )
         solved += 1
         if solution.status not in (OPTIMAL, INFEASIBLE):
@@ -242,6 +261,37 @@ def search(
     )
 
 
+def uniform_recompute_hint(
+    problem: StageProblem, deadline: Deadline
+) -> tuple[list[int] | None, list[bool] | None]:
+    """The better of the exact chain optima with no layer and with every layer recomputed (both
+    are choices of the selective problem, with the same costs), as a start for CP-SAT; so a
+    selective solve stopped by its time limit is still no worse than either. (None, None) when
+    neither is feasible."""
+    from solver.chain import solve_chain
+
+    costs, best = problem.costs, None
+    for recompute in (False, True):
+        stored, transient, time_ns = costs.coefficients([recompute] * costs.num_layers)
+        uniform = dataclasses.replace(
+            costs,
+            config=dataclasses.replace(costs.config, recompute="full" if recompute else "none"),
+            stored_bytes=stored,
+            transient_bytes=transient,
+            time_ns=time_ns,
+            recompute_stored_bytes=None,
+            recompute_transient_bytes=None,
+            recompute_time_ns=None,
+        )
+        solution = solve_chain(
+            dataclasses.replace(problem, costs=uniform),
+            time_limit_s=max(deadline.remaining(), 0.01),
+        )
+        if solution.has_solution and (best is None or solution.objective < best[0]):
+            best = (solution.objective, solution.stage_of_layer, [recompute] * costs.num_layers)
+    return (None, None) if best is None else (best[1], best[2])
+
+
 def refine(
     entry: ConfigEntry,
     *,
@@ -251,6 +301,7 @@ def refine(
     backend: str,
     deadline: Deadline,
     hint: list[int] | None,
+    hint_recomputed: list[bool] | None = None,
     num_workers: int = 1,
     utilization_limit_ppm: int | None = None,
 ) -> StageSolution | None:
@@ -268,9 +319,18 @@ def refine(
         backend,
         time_limit_s=max(deadline.remaining(), 1.0),
         hint=hint,
+        hint_recomputed=hint_recomputed,
         num_workers=num_workers,
     )
     return solution if solution.has_solution else None
 
 
-__all__ = ["ConfigEntry", "Deadline", "SearchResult", "build_entries", "refine", "search"]
+__all__ = [
+    "ConfigEntry",
+    "Deadline",
+    "SearchResult",
+    "build_entries",
+    "refine",
+    "search",
+    "uniform_recompute_hint",
+]

@@ -14,7 +14,7 @@ from solver.calibration import Calibration
 from solver.errors import InputError
 
 SCHEDULES = ("1f1b", "gpipe")
-RECOMPUTE_CHOICES = ("none", "full", "auto")
+RECOMPUTE_CHOICES = ("none", "full", "selective", "auto")
 OBJECTIVES = ("memory", "throughput")
 RUNTIMES = ("megatron", "torch")
 MEMORY_MODELS = ("analytic", "empirical")
@@ -123,7 +123,9 @@ class TrainingConfig:
     zero_stages: tuple[int, ...] = (0,)
     """Candidate ZeRO stages; (0, 1, 2, 3) is what --zero auto searches."""
     recompute: str = "none"
-    """none | full (every stage recomputes) | auto (search both, per config)."""
+    """none | full (every layer recomputes) | selective (the solver chooses the recomputed layers
+    jointly with the split) | auto (= selective: none and full are special cases of it, so its
+    optimum is never worse than either; none and full with the empirical memory model)."""
     schedule: str = "1f1b"
     """Pipeline schedule: 1f1b or gpipe."""
     weight_bytes_per_param: int = 2
@@ -231,7 +233,7 @@ class ParallelConfig:
     zero: int = 0
     """ZeRO stage 0..3 over the data-parallel group."""
     recompute: str = "none"
-    """none | full: full activation recomputation on every stage."""
+    """none | full: every layer recomputes | selective: each layer may (the plan says which)."""
     schedule: str = "1f1b"
     """1f1b | gpipe."""
 
@@ -252,7 +254,8 @@ class ParallelConfig:
             f"pp{self.pp} tp{self.tp} dp{self.dp} b{self.micro_batch} "
             f"m{self.num_microbatches} zero{self.zero} {self.schedule}"
         )
-        return text + (" recompute" if self.recompute == "full" else "")
+        suffix = {"full": " recompute", "selective": " selective-recompute"}
+        return text + suffix.get(self.recompute, "")
 
 
 @dataclass(kw_only=True)

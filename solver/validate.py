@@ -28,12 +28,18 @@ def check_plan(plan: Plan) -> list[str]:
         cluster=ev.cluster,
         training=ev.training,
         group_of_stage=ev.group_of_stage,
+        recomputed=ev.recomputed,
     )
     for reported, recomputed in zip(ev.stages, fresh.stages, strict=True):
         if reported.breakdown() != recomputed.breakdown():
             problems.append(
                 f"stage {reported.index}: reported {reported.breakdown()} != "
                 f"recomputed {recomputed.breakdown()}"
+            )
+        if reported.recomputed != recomputed.recomputed:
+            problems.append(
+                f"stage {reported.index}: recomputed layers {reported.recomputed} != "
+                f"{recomputed.recomputed}"
             )
         if reported.time_ns != recomputed.time_ns:
             problems.append(

@@ -1,0 +1,280 @@
+"""Selective recomputation: the recomputed layers are a decision taken jointly with the split.
+
+Oracle: brute force over every split and every recompute set (small random chains and DAGs);
+"none" and "full" are the all-off and all-on sets of the same model, so the selective optimum is
+never worse than either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import numpy as np
+import pytest
+
+from solver.backends import resolve_backend
+from solver.brute_force import solve_brute_force
+from solver.chain import solve_chain
+from solver.cli import plan_main
+from solver.cost_model import layer_costs, stage_costs
+from solver.cpsat import solve_cpsat
+from solver.errors import InfeasibleError, InputError
+from solver.evaluation import evaluate
+from solver.export import build_exports
+from solver.graph import LayerGraph, graph_from_dict
+from solver.milp import solve_milp
+from solver.planner import plan
+from solver.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, StageProblem
+from solver.search import Deadline, uniform_recompute_hint
+from solver.specs import Cluster, ParallelConfig, TrainingConfig
+from solver.validate import check_plan
+from tests.random_graphs import random_chain, random_config, random_dag
+from tests.test_export import gpt_chain
+
+BACKENDS = {"cpsat": solve_cpsat, "milp": solve_milp}
+MAX_CASES = 4096
+"""Brute force tries p**L splits x 2**L recompute sets; keep that small."""
+
+
+def _costs(graph: LayerGraph, config: ParallelConfig):
+    return layer_costs(graph, config, Cluster(num_gpus=config.num_gpus), _training(config))
+
+
+def _training(config: ParallelConfig) -> TrainingConfig:
+    return TrainingConfig(global_batch=config.global_batch)
+
+
+def _random_selective(seed: int) -> tuple[LayerGraph, ParallelConfig]:
+    """Odd seeds chains, even seeds DAGs, p >= 2, small enough for brute force."""
+    rng = random.Random(seed)
+    while True:
+        num_layers = rng.randint(3, 5)
+        graph = (random_chain if seed % 2 else random_dag)(rng, num_layers)
+        config = dataclasses.replace(random_config(rng, num_layers), recompute="selective")
+        if config.pp >= 2 and config.pp**num_layers * 2**num_layers <= MAX_CASES:
+            return graph, config
+
+
+def _uniform_chain(num_layers: int) -> LayerGraph:
+    """Identical layers whose saved activations dwarf their output (recomputing pays)."""
+    layers = [
+        {
+            "name": f"layers.{i}",
+            "params": 1000,
+            "activation_bytes": 20000,
+            "output_bytes": 500,
+            "fwd_flops": 1e9,
+        }
+        for i in range(num_layers)
+    ]
+    return graph_from_dict({"format": "layer-graph", "version": 1, "model": "u", "layers": layers})
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_selective_costs_hold_both_states(seed):
+    """The all-off set costs exactly what "none" costs, the all-on set what "full" costs."""
+    graph, config = _random_selective(seed)
+    costs = _costs(graph, config)
+    none = _costs(graph, dataclasses.replace(config, recompute="none"))
+    full = _costs(graph, dataclasses.replace(config, recompute="full"))
+    assert np.array_equal(costs.stored_bytes, none.stored_bytes)
+    assert np.array_equal(costs.recompute_stored_bytes, full.stored_bytes)
+    assert np.array_equal(costs.recompute_transient_bytes, full.transient_bytes)
+    assert np.array_equal(costs.recompute_time_ns, full.time_ns)
+    split = sorted(random.Random(seed).choices(range(config.pp), k=graph.num_layers))
+    split[: config.pp] = range(config.pp)  # no empty stage
+    split.sort()
+    n = graph.num_layers
+    assert stage_costs(costs, split, [False] * n) == stage_costs(none, split)
+    on = stage_costs(costs, split, [True] * n)
+    for selective, everything in zip(on, stage_costs(full, split), strict=True):
+        assert selective == everything
+        assert selective.recomputed == selective.layers
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("seed", range(8))
+def test_selective_optimum_equals_brute_force(backend, seed):
+    """Memory objective free, then under a throughput budget between the fastest split and the
+    fastest with everything recomputed; the solution's own costs recompute from stage_costs."""
+    graph, config = _random_selective(seed)
+    costs = _costs(graph, config)
+    fastest = solve_brute_force(StageProblem(costs=costs, objective=OBJECTIVE_TIME)).objective
+    slowest = int(fastest * (costs.recompute_time_ns.sum() / costs.time_ns.sum()))
+    budget = random.Random(seed).randint(fastest, max(fastest, slowest))
+    for problem in (
+        StageProblem(costs=costs),
+        StageProblem(costs=costs, iteration_budget_ns=budget),
+        StageProblem(costs=costs, objective=OBJECTIVE_TIME, capacity_bytes=None),
+    ):
+        expected = solve_brute_force(problem)
+        solution = BACKENDS[backend](problem, time_limit_s=30)
+        assert solution.status == expected.status == OPTIMAL
+        assert solution.objective == expected.objective
+        assert len(solution.recomputed) == graph.num_layers
+        assert problem.violation(solution.stage_of_layer, solution.recomputed) is None
+        stages = stage_costs(costs, solution.stage_of_layer, solution.recomputed)
+        peak = max(stage.peak_bytes for stage in stages)
+        if problem.objective == OBJECTIVE_MEMORY:
+            assert peak == solution.objective
+        flagged = [layer for layer, flag in enumerate(solution.recomputed) if flag]
+        assert sorted(layer for stage in stages for layer in stage.recomputed) == flagged
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_auto_never_worse_than_none_and_full(seed):
+    """Planner level, same cluster and absolute throughput floor: recompute auto (= selective)
+    reaches a peak no larger than the best plan with no recomputation or with all of it."""
+    rng = random.Random(100 + seed)
+    graph = (random_chain if seed % 2 else random_dag)(rng, rng.randint(4, 6))
+    cluster = Cluster(num_gpus=4, gpus_per_node=2, gpu_memory_bytes=10**9)
+    base = TrainingConfig(global_batch=8, micro_batch_sizes=(1, 2), max_slowdown=None)
+    fastest = plan(graph, cluster, dataclasses.replace(base, objective="throughput")).throughput
+    for floor in (None, fastest / 1.15):
+        training = dataclasses.replace(base, min_throughput=floor)
+        peaks = {}
+        for mode in ("none", "full", "auto"):
+            try:
+                result = plan(graph, cluster, dataclasses.replace(training, recompute=mode))
+            except InfeasibleError:  # full recomputation may miss the floor
+                continue
+            assert result.solver.status == OPTIMAL
+            assert check_plan(result) == []
+            peaks[mode] = result.peak_bytes
+        assert "none" in peaks and "auto" in peaks  # the fastest plan recomputes nothing
+        assert peaks["auto"] <= min(peaks["none"], peaks.get("full", np.inf))
+
+
+def test_tight_budget_recomputes_only_early_layers():
+    """Uniform 8-layer chain, 4 stages, 1F1B: stage s holds p - s micro-batches, so under a
+    budget that pays for only some recomputation the fastest split at the optimal peak
+    recomputes some layers, more on earlier stages, and none on the last one."""
+    costs = _costs(
+        _uniform_chain(8),
+        ParallelConfig(pp=4, tp=1, dp=1, micro_batch=1, num_microbatches=8, recompute="selective"),
+    )
+    fastest = solve_cpsat(StageProblem(costs=costs, objective=OBJECTIVE_TIME)).objective
+    results = {}
+    for factor in (1.0, 1.2, 1.5):
+        budget = int(fastest * factor)
+        lean = solve_cpsat(StageProblem(costs=costs, iteration_budget_ns=budget))
+        # the secondary objective of the planner: fastest split at that peak (no needless
+        # recomputation)
+        best = solve_cpsat(
+            StageProblem(
+                costs=costs,
+                objective=OBJECTIVE_TIME,
+                capacity_bytes=lean.objective,
+                iteration_budget_ns=budget,
+            )
+        )
+        stages = stage_costs(costs, best.stage_of_layer, best.recomputed)
+        assert max(stage.peak_bytes for stage in stages) == lean.objective
+        results[factor] = (lean.objective, [len(stage.recomputed) for stage in stages])
+    (none_peak, none_counts), (some_peak, some_counts), (all_peak, all_counts) = results.values()
+    assert none_counts == [0, 0, 0, 0] and all_counts == [2, 2, 2, 2]
+    assert all_peak < some_peak < none_peak
+    assert 0 < sum(some_counts) < 8 and some_counts[-1] == 0
+    assert some_counts == sorted(some_counts, reverse=True)
+
+
+def test_chain_backend_routes_selective_to_cpsat():
+    graph, config = _random_selective(1)
+    assert graph.is_chain
+    assert resolve_backend("auto", True, selective=True) == "cpsat"
+    assert resolve_backend("auto", True) == "chain"
+    with pytest.raises(InputError, match="does not choose recomputed layers"):
+        resolve_backend("chain", True, selective=True)
+    with pytest.raises(InputError, match="does not choose recomputed layers"):
+        solve_chain(StageProblem(costs=_costs(graph, config)))
+
+
+def test_recompute_flags_need_selective():
+    graph = _uniform_chain(4)
+    config = ParallelConfig(pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=2)
+    with pytest.raises(InputError, match="recompute='none'"):
+        evaluate(graph, config, [2, 2], recomputed=[True, False, False, False])
+    problem = StageProblem(costs=_costs(graph, config))
+    assert "recompute='none'" in problem.violation([0, 0, 1, 1], [True, False, False, False])
+    selective = dataclasses.replace(config, recompute="selective")
+    evaluation = evaluate(graph, selective, [2, 2], recomputed=[True, False, False, True])
+    assert [stage.recomputed for stage in evaluation.stages] == [[0], [3]]
+
+
+def test_megatron_block_recompute_or_explicit_list():
+    graph = gpt_chain(4)  # embed, b0..b3, head
+    config = ParallelConfig(
+        pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=4, recompute="selective"
+    )
+    stages = [["embed", "b0", "b1"], ["b2", "b3", "head"]]
+    uniform = build_exports(graph, config, stages, recomputed=[["b0"], ["b2"]])
+    args = uniform["megatron"]["args"]
+    assert args[args.index("--recompute-method") + 1] == "block"
+    assert args[args.index("--recompute-num-layers") + 1] == "1"
+    assert uniform["torch_pipelining"]["checkpoint_modules"] == ["b0", "b2"]
+    uneven = build_exports(graph, config, stages, recomputed=[["b1"], ["b2"]])
+    assert "--recompute-method" not in uneven["megatron"]["args"]
+    (warning,) = [w for w in uneven["megatron"]["warnings"] if w.startswith("recompute:")]
+    assert "stage 0: b1" in warning and "stage 1: b2" in warning
+    nothing = build_exports(graph, config, stages, recomputed=[[], []])
+    assert "--recompute-method" not in nothing["megatron"]["args"]
+    assert nothing["torch_pipelining"]["checkpoint_modules"] == []
+    with pytest.raises(InputError, match="not on stage 0"):
+        build_exports(graph, config, stages, recomputed=[["b2"], []])
+
+
+def test_plan_cli_lists_recomputed_layers(capsys, tmp_path):
+    """A memory-tight uniform chain under a throughput floor: the plan recomputes some layers,
+    the table has a 'recomputed' column, the JSON lists them per stage, the exports carry them,
+    and solver.evaluate with the same flags reproduces the peak."""
+    graph_path = tmp_path / "uniform.json"
+    _uniform_chain(8).save(graph_path)
+    costs = _costs(
+        _uniform_chain(8),
+        ParallelConfig(pp=4, tp=1, dp=1, micro_batch=1, num_microbatches=8, recompute="selective"),
+    )
+    fastest = solve_cpsat(StageProblem(costs=costs, objective=OBJECTIVE_TIME)).objective
+    floor = 8 * 1e9 / (1.2 * fastest)
+    out = tmp_path / "plan.json"
+    argv = [str(graph_path), "--gpus", "4", "--global-batch", "8", "--micro-batch", "1"]
+    argv += ["--pp", "4", "--recompute", "auto", "--min-throughput", f"{floor:.9g}"]
+    code = plan_main([*argv, "--json", str(out)])
+    text, err = capsys.readouterr()
+    assert code == 0, err
+    assert "recomputed" in text.splitlines()[2] and "selective-recompute" in text
+    document = json.loads(out.read_text())
+    recomputed = [stage["recomputed"] for stage in document["stages"]]
+    assert 0 < sum(map(len, recomputed)) < 8
+    for stage in document["stages"]:
+        assert set(stage["recomputed"]) <= set(stage["layers"])
+    flat = [name for names in recomputed for name in names]
+    assert document["exports"]["torch_pipelining"]["checkpoint_modules"] == flat
+    names = [f"layers.{i}" for i in range(8)]
+    config = ParallelConfig(**document["config"])
+    evaluation = evaluate(
+        _uniform_chain(8),
+        config,
+        document["stage_of_layer"],
+        recomputed=[name in flat for name in names],
+    )
+    assert evaluation.peak_bytes == document["peak_bytes"]
+
+
+@pytest.mark.parametrize("seed", [1, 3, 5, 7])
+def test_uniform_hint_is_the_better_of_none_and_full(seed):
+    """The start the search gives a selective chain solve: the exact chain optimum of all-off or
+    all-on, whichever is lower, with the matching flags; the selective optimum is no worse."""
+    graph, config = _random_selective(seed)
+    costs = _costs(graph, config)
+    problem = StageProblem(costs=costs)
+    split, flags = uniform_recompute_hint(problem, Deadline.after(None))
+    variants = [
+        solve_chain(StageProblem(costs=_costs(graph, dataclasses.replace(config, recompute=mode))))
+        for mode in ("none", "full")
+    ]
+    best = min(solution.objective for solution in variants)
+    assert problem.objective_value(split, flags) == best
+    assert len(set(flags)) == 1
+    assert solve_cpsat(problem).objective <= best
