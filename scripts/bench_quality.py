@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import os
 import platform
 import statistics
@@ -217,6 +218,95 @@ def largest_models(graphs: GraphCache) -> list[dict]:
     return rows
 
 
+RECOMPUTE_CASES = (Case("gpt3-175b", 64, 80, 256), Case("llama2-70b", 32, 80, 128))
+"""Cases for selective recomputation (issue 7) against Megatron's full recomputation."""
+MIXED_GPUS = 128
+"""GPT-3 175B on half 40 GiB and half 80 GiB GPUs (8 per node) vs all 40 GiB."""
+
+
+def recompute_rows(graphs: GraphCache) -> list[dict]:
+    """Our plan with --recompute auto (selective) vs full (Megatron --recompute-granularity full
+    --recompute-method uniform: every layer), default options otherwise, same cluster."""
+    rows = []
+    for case in RECOMPUTE_CASES:
+        graph = graphs.get(case.preset)
+        cluster = Cluster(num_gpus=case.gpus, gpu_memory_bytes=case.gpu_gib * GIB)
+        full_throughput = None
+        for mode, label in (
+            ("full", "full"),
+            ("auto", "auto"),
+            ("auto", "auto at full's throughput"),
+        ):
+            floor = {"min_throughput": full_throughput} if label != mode else {}
+            training = TrainingConfig(global_batch=case.global_batch, recompute=mode, **floor)
+            started = time.perf_counter()
+            result = plan(graph, cluster, training, time_limit_s=60)
+            recomputed = sum(len(stage.recomputed) for stage in result.stages)
+            if mode == "full":
+                recomputed, full_throughput = graph.num_layers, result.throughput
+            rows.append(
+                {
+                    "case": f"{case.preset} {case.gpus}x{case.gpu_gib}G B{case.global_batch}",
+                    "recompute": label,
+                    "config": result.config.label(),
+                    "recomputed_layers": f"{recomputed}/{graph.num_layers}",
+                    "peak_gib": result.peak_bytes / GIB,
+                    "throughput": result.throughput,
+                    "status": result.solver.status,
+                    "gap_pct": 100 * result.solver.gap,
+                    "wall_s": time.perf_counter() - started,
+                }
+            )
+    return rows
+
+
+def mixed_cluster_rows(graphs: GraphCache) -> list[dict]:
+    """GPT-3 175B on a 40/80 GiB mix (absolute peak and max utilization) vs all 40 GiB."""
+    from solver.cluster_file import cluster_from_dict
+
+    graph = graphs.get("gpt3-175b")
+    training = TrainingConfig(global_batch=256)
+
+    def group(name: str, gib: int) -> dict:
+        nodes = MIXED_GPUS // 2 // 8
+        return {
+            "name": name,
+            "num_nodes": nodes,
+            "gpus_per_node": 8,
+            "gpu_memory": f"{gib}GiB",
+            "gpu_tflops": 312,  # A100, as the Cluster defaults
+        }
+
+    mixed = cluster_from_dict(
+        {"format": "cluster", "version": 1, "groups": [group("40g", 40), group("80g", 80)]}
+    )
+    rows = []
+    for label, cluster, options in (
+        ("all 40 GiB", Cluster(num_gpus=MIXED_GPUS, gpu_memory_bytes=40 * GIB), {}),
+        ("40/80 GiB mix, utilization", mixed, {"memory_objective": "utilization"}),
+        ("40/80 GiB mix, absolute", mixed, {"memory_objective": "absolute"}),
+    ):
+        started = time.perf_counter()
+        try:
+            result = plan(graph, cluster, dataclasses.replace(training, **options))
+        except InfeasibleError as error:
+            rows.append({"cluster": label, "config": "-", "fits": "no: " + str(error)[:60]})
+            continue
+        utilization = max(result.evaluation.utilization_ppm) / 1e4
+        rows.append(
+            {
+                "cluster": label,
+                "config": result.config.label(),
+                "fits": "yes",
+                "peak_gib": result.peak_bytes / GIB,
+                "max_utilization_pct": utilization,
+                "throughput": result.throughput,
+                "wall_s": time.perf_counter() - started,
+            }
+        )
+    return rows
+
+
 def _met(value: float, target: float) -> str:
     return "yes" if value >= target else "no"
 
@@ -244,6 +334,12 @@ def main() -> int:
         largest = largest_models(graphs)
         for row in largest:
             print(f"largest GPT-3-shaped model, {row['partitioner']}: {row['blocks']} blocks")
+        recompute = recompute_rows(graphs)
+        for row in recompute:
+            print(row, flush=True)
+        mixed = mixed_cluster_rows(graphs)
+        for row in mixed:
+            print(row, flush=True)
     keys = [key for name in PARTITIONERS for key in (name, f"{name}/mem")]
     medians = {key: statistics.median(s[key] for s in summaries) for key in keys}
     total_s = time.perf_counter() - started
@@ -324,6 +420,24 @@ def main() -> int:
         "(throughput ignored for those).",
         "",
         *markdown_table(largest, list(largest[0]), ".3f"),
+        "",
+        "## Selective recomputation vs Megatron's full recomputation (issue 7)",
+        "",
+        "Our plan with `--recompute auto` (the recomputed layers chosen jointly with the split) "
+        "vs `--recompute full` (every layer, Megatron's `--recompute-granularity full`), default "
+        "options otherwise (max slowdown 1.25: each mode's throughput floor is relative to the "
+        "fastest plan that fits in that mode, so plain auto must be faster than full), 60 s "
+        "time limit; `auto at full's throughput` holds auto to the full plan's throughput "
+        "instead (the same floor for both).",
+        "",
+        *markdown_table(recompute, list(recompute[0]), ".3f"),
+        "",
+        f"## GPT-3 175B on {MIXED_GPUS} GPUs: a 40/80 GiB mix vs all 40 GiB (issue 7)",
+        "",
+        "The mix has half its GPUs at 40 GiB and half at 80 GiB (`--cluster`, stages placed on "
+        "groups by the solver); global batch 256, default options.",
+        "",
+        *markdown_table(mixed, list(mixed[-1]), ".3f"),
         "",
         "## All rows",
         "",
