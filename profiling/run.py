@@ -188,6 +188,12 @@ def _check_plan(spec: models.ModelSpec, plan: dict[str, Any], max_processes: int
         raise InputError(
             f"plan config: schedule {config['schedule']!r}; valid: {', '.join(SCHEDULES)}"
         )
+    if config.get("virtual_stages", 1) != 1:
+        raise InputError(
+            f"plan config: virtual_stages={config['virtual_stages']!r}: this executor runs one "
+            "stage per rank; interleaved plans are not executed yet (plan with "
+            "--virtual-stages 1 to validate)"
+        )
     if tp > 1:
         with torch.device("meta"):  # shapes only
             model = spec.build()

@@ -9,17 +9,25 @@ BACKENDS = ("auto", "cpsat", "milp", "chain")
 
 
 def resolve_backend(
-    backend: str, graph_is_chain: bool, *, heterogeneous: bool = False, selective: bool = False
+    backend: str,
+    graph_is_chain: bool,
+    *,
+    heterogeneous: bool = False,
+    selective: bool = False,
+    interleaved: bool = False,
 ) -> str:
     """'auto' is the exact chain algorithm on chain graphs and CP-SAT on DAGs. It is CP-SAT on a
     heterogeneous cluster too (stages also choose a node group, ``solver.formulation``: the chain
     algorithm has a single capacity and one time per layer), and whenever the recomputed layers
     are a decision (``selective``): the chain algorithm fixes every layer's costs, and choosing
-    the recompute subset of each stage under a time limit is a knapsack it does not solve."""
+    the recompute subset of each stage under a time limit is a knapsack it does not solve. And
+    with interleaved stages (v > 1): a rank's memory sums non-contiguous chunks, which the chain
+    algorithm's contiguous-stage recursion does not describe."""
     if backend not in BACKENDS:
         raise InputError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "chain" if graph_is_chain and not heterogeneous and not selective else "cpsat"
+        chain = graph_is_chain and not (heterogeneous or selective or interleaved)
+        return "chain" if chain else "cpsat"
     if backend == "chain" and heterogeneous:
         raise InputError(
             "--backend chain does not place stages on node groups; on a heterogeneous cluster "
@@ -29,6 +37,11 @@ def resolve_backend(
         raise InputError(
             "--backend chain does not choose recomputed layers (recompute selective/auto): "
             "use --backend cpsat or milp"
+        )
+    if backend == "chain" and interleaved:
+        raise InputError(
+            "--backend chain does not plan interleaved stages (--virtual-stages > 1): use "
+            "--backend auto, cpsat or milp"
         )
     if backend == "chain" and not graph_is_chain:
         raise InputError(

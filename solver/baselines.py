@@ -50,6 +50,7 @@ import numpy as np
 
 from solver.backends import resolve_backend, solve
 from solver.cost_model import LayerCosts
+from solver.errors import InputError
 from solver.graph import LayerGraph
 from solver.problem import OBJECTIVE_TIME, StageProblem
 from solver.specs import Cluster, TrainingConfig
@@ -147,7 +148,12 @@ def fastest_fitting_split(
 ) -> list[int]:
     """Throughput-first: the fastest split whose stages all fit in ``capacity_bytes`` (the
     fastest split of all when none fits), solved exactly by our backend for the graph."""
-    backend = resolve_backend("auto", costs.is_chain(), selective=costs.selective)
+    backend = resolve_backend(
+        "auto",
+        costs.is_chain(),
+        selective=costs.selective,
+        interleaved=costs.config.virtual_stages > 1,
+    )
     for capacity in (capacity_bytes, None) if capacity_bytes is not None else (None,):
         problem = StageProblem(costs=costs, objective=OBJECTIVE_TIME, capacity_bytes=capacity)
         solution = solve(problem, backend, time_limit_s=time_limit_s)
@@ -159,10 +165,17 @@ def fastest_fitting_split(
 def capslog_statistics(costs: LayerCosts) -> tuple[np.ndarray, np.ndarray]:
     """(mem_isolated[s, l], mem_added[s, l]) derived from the cost model, bytes.
 
+    CAPSlog's statistics describe contiguous stages, one per GPU: not interleaved configs.
+
     isolated[s, l]: peak of stage s holding only layer l; added[s, l]: peak of stage s holding
     l - 1 and l, minus isolated[s, l - 1] (added[s, 0] = 0: layer 0 always starts a stage).
     Valid for chains (the layer list order); a DAG's extra edges are ignored by the prediction.
     """
+    if costs.config.virtual_stages > 1:
+        raise InputError(
+            "CAPSlog's statistics describe one contiguous stage per GPU; no capslog split for "
+            f"interleaved config {costs.config.label()}"
+        )
     num_layers = costs.num_layers
     edge_in = np.zeros(num_layers, dtype=np.int64)
     edge_out = np.zeros(num_layers, dtype=np.int64)

@@ -60,6 +60,9 @@ def candidate_configs(
     if training.recompute == "auto":
         uniform_only = training.memory_model == "empirical" or cluster.is_heterogeneous
         recompute_modes = ("none", "full") if uniform_only else ("selective",)
+    virtual_stages = sorted(set(training.virtual_stages))
+    if virtual_stages != [1]:
+        check_interleaving(cluster, training)
     configs = []
     for pp in divisors(cluster.num_gpus):
         if pp > num_layers or training.pp not in (None, pp):
@@ -83,21 +86,54 @@ def candidate_configs(
                 m = training.global_batch // (dp * micro_batch)
                 for zero in zero_stages:
                     for recompute in recompute_modes:
-                        configs.append(
-                            ParallelConfig(
-                                pp=pp,
-                                tp=tp,
-                                dp=dp,
-                                micro_batch=micro_batch,
-                                num_microbatches=m,
-                                zero=zero,
-                                recompute=recompute,
-                                schedule=training.schedule,
+                        for virtual in virtual_stages:
+                            if virtual > 1 and not interleaving_fits(num_layers, pp, m, virtual):
+                                continue
+                            configs.append(
+                                ParallelConfig(
+                                    pp=pp,
+                                    tp=tp,
+                                    dp=dp,
+                                    micro_batch=micro_batch,
+                                    num_microbatches=m,
+                                    zero=zero,
+                                    recompute=recompute,
+                                    schedule=training.schedule,
+                                    virtual_stages=virtual,
+                                )
                             )
-                        )
     if not configs:
         raise InputError(_why_no_config(num_layers, cluster, training))
     return configs
+
+
+def interleaving_fits(num_layers: int, pp: int, num_microbatches: int, virtual: int) -> bool:
+    """Interleaved 1F1B with v chunks per rank: at least two ranks, a layer per virtual stage
+    (p v <= layers) and m a multiple of p (Megatron-core's default micro-batch group of p
+    must divide m: ``forward_backward_pipelining_with_interleaving``)."""
+    return pp >= 2 and pp * virtual <= num_layers and num_microbatches % pp == 0
+
+
+def check_interleaving(cluster: Cluster, training: TrainingConfig) -> None:
+    """Interleaved stages are modelled for the megatron runtime, the analytic memory model and
+    homogeneous clusters; anything else is a one-line error."""
+    asked = ",".join(str(v) for v in training.virtual_stages)
+    if training.runtime != "megatron":
+        raise InputError(
+            f"--virtual-stages {asked}: interleaved stages are modelled for --runtime megatron "
+            "only (torch.distributed.pipelining's per-micro-batch buffers of interleaved stages "
+            "are not); use --runtime megatron or --virtual-stages 1"
+        )
+    if training.memory_model != "analytic":
+        raise InputError(
+            f"--virtual-stages {asked}: the empirical statistics describe contiguous stages; "
+            "use --memory-model analytic or --virtual-stages 1"
+        )
+    if cluster.is_heterogeneous:
+        raise InputError(
+            f"--virtual-stages {asked}: interleaved stages on a heterogeneous cluster are not "
+            "supported; use --virtual-stages 1 with --cluster"
+        )
 
 
 def stages_per_group(cluster: Cluster, config: ParallelConfig) -> list[int]:
@@ -116,12 +152,17 @@ def _why_no_config(num_layers: int, cluster: Cluster, training: TrainingConfig) 
             "pp <= layers and dp * micro_batch | global batch; try other group sizes or a global "
             "batch that is a multiple of the GPU count"
         )
+    interleaved = (
+        ", and with --virtual-stages v > 1: pp >= 2, pp * v <= layers and pp | micro-batches"
+        if min(training.virtual_stages) > 1
+        else ""
+    )
     return (
         f"no valid parallel config for {cluster.num_gpus} GPUs ({cluster.gpus_per_node} per node), "
         f"{num_layers} layers, global batch {batch}, micro-batch sizes "
         f"{list(training.micro_batch_sizes)}: need pp <= layers, tp | gpus_per_node and "
-        f"dp * micro_batch | global batch; try a global batch that is a multiple of the GPU "
-        "count, micro-batch 1, or fewer pinned degrees"
+        f"dp * micro_batch | global batch{interleaved}; try a global batch that is a multiple of "
+        "the GPU count, micro-batch 1, or fewer pinned degrees"
     )
 
 
@@ -137,15 +178,20 @@ def memory_lower_bound(costs: LayerCosts) -> int:
     stored, transient, _ = costs.bounding_coefficients(np.minimum)
     per_layer = costs.state_bytes + k_min * stored
     single = int((per_layer + transient).max())
-    spread = -(-int(per_layer.sum()) // costs.num_stages)
+    # with interleaving the p ranks together hold least_held micro-batches of every chunk
+    spread_layer = costs.state_bytes + costs.least_held * stored
+    spread = -(-int(spread_layer.sum()) // costs.num_ranks)
     return costs.constant_bytes + max(single, spread)
 
 
 def time_lower_bound(costs: LayerCosts) -> int:
     """An iteration time (ns) no split of this config can beat: (m + p - 1) max(T) + max(AR),
-    each maximum at least the largest layer and the even share of the total."""
-    p = costs.num_stages
+    each maximum at least the largest layer and the even share of the total (per rank, and per
+    virtual stage for the fill and drain term with interleaving)."""
+    p = costs.num_ranks
     _, _, time_ns = costs.bounding_coefficients(np.minimum)
-    slowest = max(int(time_ns.max()), -(-int(time_ns.sum()) // p))
+    largest = int(time_ns.max())
+    slowest = max(largest, -(-int(time_ns.sum()) // p))
+    chunk = max(largest, -(-int(time_ns.sum()) // costs.num_stages))
     sync = max(int(costs.dp_sync_ns.max()), -(-int(costs.dp_sync_ns.sum()) // p))
-    return costs.pipeline_factor * slowest + sync
+    return costs.iteration_ns(slowest, chunk, sync)

@@ -198,6 +198,15 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     )
     training.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     training.add_argument(
+        "--virtual-stages",
+        type=_int_list,
+        default=[1],
+        metavar="V",
+        help="model chunks per pipeline rank (interleaved 1F1B when > 1, Megatron's virtual "
+        "pipeline stages; megatron runtime); solver.plan searches a list such as 1,2,4 "
+        "(default 1)",
+    )
+    training.add_argument(
         "--runtime",
         choices=RUNTIMES,
         default="megatron",
@@ -424,6 +433,7 @@ def training_from_args(args: argparse.Namespace) -> TrainingConfig:
         zero_stages=_zero_stages(args.zero),
         recompute=args.recompute,
         schedule=args.schedule,
+        virtual_stages=tuple(args.virtual_stages),
         runtime=args.runtime,
         memory_model=args.memory_model,
         pp=args.pp,
@@ -496,7 +506,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--split",
         required=True,
-        help="even | parameters | layer counts per stage (5,7,7,5) | a stage index per layer",
+        help="even | parameters | layer counts per stage (5,7,7,5) | a stage index per layer "
+        "(with --virtual-stages v: per virtual stage, p v of them, in pipeline order)",
     )
     parser.add_argument(
         "--stage-groups",
@@ -523,6 +534,11 @@ def evaluate_main(argv: list[str] | None = None) -> int:
                 f"--global-batch {args.global_batch} is not a multiple of dp("
                 f"{args.dp}) * micro-batch({args.micro_batch})"
             )
+        if len(args.virtual_stages) != 1:
+            raise InputError(
+                f"--virtual-stages {','.join(map(str, args.virtual_stages))}: evaluate takes "
+                "one value (the chunks per pipeline rank of the split)"
+            )
         config = ParallelConfig(
             pp=args.pp,
             tp=args.tp,
@@ -532,6 +548,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
             zero=args.zero,
             recompute=args.recompute,
             schedule=args.schedule,
+            virtual_stages=args.virtual_stages[0],
         )
         cluster = cluster_from_args(parser, args, config.num_gpus)
         if args.tp > cluster.gpus_per_node or cluster.gpus_per_node % args.tp:
@@ -560,6 +577,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
             zero_stages=(args.zero,),
             recompute=args.recompute,
             schedule=args.schedule,
+            virtual_stages=(config.virtual_stages,),
             runtime=args.runtime,
             memory_model=args.memory_model,
             calibration=_calibration(args),

@@ -111,6 +111,63 @@ def in_flight_microbatches(
     return min(num_microbatches, num_stages - stage)
 
 
+def interleaved_schedule_groups(runtime: str, num_microbatches: int, num_ranks: int) -> int:
+    """Micro-batches a rank forwards through one chunk before moving to its next chunk.
+
+    megatron: ``microbatch_group_size_per_vp_stage``, default p (it must divide m then);
+    torch: ``ScheduleInterleaved1F1B.microbatches_per_round`` = m // max(1, m // p)."""
+    if runtime == "torch":
+        return num_microbatches // max(1, num_microbatches // num_ranks)
+    return num_ranks
+
+
+def in_flight_vectors(
+    num_microbatches: int, num_ranks: int, num_chunks: int, rank: int, group: int | None = None
+) -> list[tuple[int, ...]]:
+    """Micro-batches of each of rank r's v chunks whose activations are held, at every moment
+    that can be the rank's activation peak, as the maximal such vectors (n_0 .. n_{v-1}).
+
+    Interleaved 1F1B (Narayanan et al. 2021; Megatron-core ``get_schedule_table`` and
+    ``get_pp_rank_microbatches``, torch ``ScheduleInterleaved1F1B``): forwards visit the chunks
+    in rounds of ``group`` micro-batches (chunk 0 for micro-batches 0..g-1, chunk 1 for the same,
+    ..., then chunk 0 for g..2g-1), backwards in the same order with the chunks reversed. Rank r
+    runs W_r = min(m v, (v - 1) g + 2 (p - 1 - r)) warm-up forwards, then one forward and one
+    backward per step, then the remaining backwards. Activations grow only with a forward, so the
+    peaks are just after each forward; dominated vectors are dropped (activations are >= 0).
+
+    With equal chunks the largest total is W_r + 1 units of one chunk: rank 0 holds
+    (v - 1) g + 2 p - 1 chunk-micro-batches, i.e. p (1 + (p - 1) / (p v)) micro-batches of a
+    stage with g = p (Korthikanti et al. 2022, section 4.2.3), against p without interleaving.
+    """
+    m, p, v = num_microbatches, num_ranks, num_chunks
+    g = p if group is None else group
+    order = [
+        chunk for start in range(0, m, g) for chunk in range(v) for _ in range(min(g, m - start))
+    ]
+    total = m * v
+    # without interleaving (v = 1) rank r runs p - 1 - r warm-up forwards (plain 1F1B)
+    ahead = (v - 1) * g + 2 * (p - 1 - rank) if v > 1 else p - 1 - rank
+    warmup = min(total, ahead)
+    held = [0] * v
+    peaks: set[tuple[int, ...]] = set()
+    for step in range(warmup):
+        held[order[step]] += 1
+    if warmup == total:
+        peaks.add(tuple(held))
+    for k in range(total - warmup):
+        held[order[warmup + k]] += 1
+        peaks.add(tuple(held))
+        held[v - 1 - order[k]] -= 1
+
+    def dominated(vector: tuple[int, ...]) -> bool:
+        return any(
+            other != vector and all(a >= b for a, b in zip(other, vector, strict=True))
+            for other in peaks
+        )
+
+    return [vector for vector in sorted(peaks, reverse=True) if not dominated(vector)]
+
+
 def boundary_copies(
     runtime: str, schedule: str, num_microbatches: int, num_stages: int, stage: int
 ) -> tuple[int, int]:
@@ -132,10 +189,12 @@ def boundary_copies(
 
 
 def stage_boundary_copies(runtime: str, config: ParallelConfig) -> tuple[list[int], list[int]]:
-    """([R_s], [S_s]) of every stage of ``config`` under ``runtime``."""
+    """([R_j], [S_j]) of every (virtual) stage of ``config`` under ``runtime``; with v chunks per
+    rank (megatron only) each of the p v virtual stages keeps its own pair of buffers."""
+    num_stages = config.pp * config.virtual_stages
     copies = [
-        boundary_copies(runtime, config.schedule, config.num_microbatches, config.pp, s)
-        for s in range(config.pp)
+        boundary_copies(runtime, config.schedule, config.num_microbatches, num_stages, j)
+        for j in range(num_stages)
     ]
     return [receive for receive, _ in copies], [send for _, send in copies]
 
@@ -175,7 +234,12 @@ class LayerCosts:
     edge_bytes: np.ndarray
     """Bytes an edge carries per micro-batch."""
     in_flight: list[int]
-    """k_s for each stage."""
+    """k_j for each (virtual) stage j: the most micro-batches whose activations it holds at once
+    (``in_flight_vectors``; k_s of the module docstring without interleaving)."""
+    in_flight_vectors: list[list[tuple[int, ...]]] = field(default_factory=list)
+    """For each rank r, the vectors (n_0 .. n_{v-1}) of micro-batches held per chunk at the
+    moments that can be its peak (``in_flight_vectors``); [(k_r,)] without interleaving (the
+    default, from ``in_flight``)."""
     receive_copies: list[int] = field(default_factory=list)
     """R_s for each stage: copies of a received edge's bytes (``boundary_copies``; the megatron
     runtime's when not given)."""
@@ -191,6 +255,8 @@ class LayerCosts:
     """time_ns of a recomputed layer (the forward runs twice)."""
 
     def __post_init__(self) -> None:
+        if not self.in_flight_vectors:
+            self.in_flight_vectors = [[(k,)] for k in self.in_flight]
         if not self.receive_copies and not self.send_copies:
             self.receive_copies, self.send_copies = stage_boundary_copies("megatron", self.config)
         if self.recompute_stored_bytes is None:
@@ -248,7 +314,23 @@ class LayerCosts:
 
     @property
     def num_stages(self) -> int:
+        """Stages a layer can be assigned to: p v virtual stages (p without interleaving)."""
+        return self.config.pp * self.config.virtual_stages
+
+    @property
+    def num_ranks(self) -> int:
+        """Pipeline ranks p (GPUs along the pipeline); virtual stage j runs on rank j mod p."""
         return self.config.pp
+
+    def stages_of_rank(self, rank: int) -> list[int]:
+        """Virtual stages of rank r, chunk order: r, r + p, ..., r + (v - 1) p."""
+        return list(range(rank, self.num_stages, self.num_ranks))
+
+    @property
+    def least_held(self) -> int:
+        """A count every rank holds of each of its chunks at one of its peaks: max over its
+        vectors of the smallest entry, minimised over ranks (k_min without interleaving)."""
+        return min(max(min(vector) for vector in vectors) for vectors in self.in_flight_vectors)
 
     @cached_property
     def state_bytes(self) -> np.ndarray:
@@ -257,8 +339,21 @@ class LayerCosts:
 
     @property
     def pipeline_factor(self) -> int:
-        """m + p - 1: slots of the slowest stage in one step (fill, steady state, drain)."""
+        """m + p - 1: slots of the slowest stage in one step (fill, steady state, drain); with
+        interleaving an upper bound on the factors of ``iteration_ns``."""
         return self.config.num_microbatches + self.config.pp - 1
+
+    def iteration_ns(self, slowest_rank_ns: int, slowest_chunk_ns: int, slowest_sync_ns: int):
+        """m max_r T_r + (p - 1) max_j T_j + max_r AR_r: every rank runs m micro-batches of all
+        its chunks; the fill and drain take p - 1 slots of the slowest chunk (one stage's time
+        without interleaving, so (m + p - 1) max_s T_s). Works on numbers and model
+        expressions alike."""
+        config = self.config
+        return (
+            config.num_microbatches * slowest_rank_ns
+            + (config.pp - 1) * slowest_chunk_ns
+            + slowest_sync_ns
+        )
 
     def is_chain(self) -> bool:
         n = self.num_layers
@@ -325,6 +420,7 @@ def layer_costs(
     dp_sync_ns = np.ceil(sync_rounds * (d - 1) * params_times_t * g / (d * t * sync_bytes_per_ns))
     as_int = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
     receive_copies, send_copies = stage_boundary_copies(training.runtime, config)
+    in_flight, vectors = _in_flight(config, training)
     calibration = training.calibration
     scaled = (  # a calibration's scale per component, each coefficient rounded up
         (lambda values, component: as_int(values))
@@ -349,10 +445,8 @@ def layer_costs(
         edge_dst=cols["edge_dst"],
         edge_bytes=scaled(b * cols["edge_bytes"], "buffers"),
         constant_bytes=0 if calibration is None else calibration.constant_bytes,
-        in_flight=[
-            in_flight_microbatches(config.schedule, config.num_microbatches, config.pp, s)
-            for s in range(config.pp)
-        ],
+        in_flight=in_flight,
+        in_flight_vectors=vectors,
         receive_copies=receive_copies,
         send_copies=send_copies,
     )
@@ -369,6 +463,30 @@ def layer_costs(
             )
         return empirical_layer_costs(graph, config, costs)
     return costs
+
+
+def _in_flight(
+    config: ParallelConfig, training: TrainingConfig
+) -> tuple[list[int], list[list[tuple[int, ...]]]]:
+    """(k_j per virtual stage, in-flight vectors per rank) of ``config``."""
+    p, v, m = config.pp, config.virtual_stages, config.num_microbatches
+    if v == 1:
+        in_flight = [in_flight_microbatches(config.schedule, m, p, s) for s in range(p)]
+        return in_flight, [[(k,)] for k in in_flight]
+    if training.runtime != "megatron":
+        raise InputError(
+            f"config {config.label()}: interleaved stages are modelled for the megatron runtime "
+            "only (torch.distributed.pipelining's per-micro-batch buffers of interleaved stages "
+            "are not); plan with --runtime megatron or --virtual-stages 1"
+        )
+    if training.memory_model != "analytic":
+        raise InputError(
+            "memory model empirical: the statistics describe contiguous stages; interleaved "
+            "stages (--virtual-stages > 1) need the analytic model"
+        )
+    vectors = [in_flight_vectors(m, p, v, r) for r in range(p)]
+    in_flight = [max(vector[j // p] for vector in vectors[j % p]) for j in range(p * v)]
+    return in_flight, vectors
 
 
 def empirical_layer_costs(
@@ -467,13 +585,19 @@ class StageCost:
     """Boundary tensors: receive buffers and held outputs (``boundary_copies``)."""
     transient_bytes: int
     in_flight: int
+    """Micro-batches held at the peak (chunk-micro-batches with interleaving)."""
     time_ns: int
-    """Per micro-batch, forward + backward (+ recompute)."""
+    """Per micro-batch, forward + backward (+ recompute), all chunks of the rank."""
     dp_sync_ns: int
     constant_bytes: int = 0
     """A calibration's constant per GPU (0 for the analytic model)."""
     recomputed: list[int] = field(default_factory=list)
     """Layers of the stage that are recomputed (positions, a subset of ``layers``)."""
+    chunks: list[list[int]] = field(default_factory=list)
+    """With interleaving: the layers of each of the rank's v chunks (virtual stages index,
+    index + p, ...); [layers] without."""
+    chunk_time_ns: list[int] = field(default_factory=list)
+    """Per micro-batch time of each chunk, ns ([time_ns] without interleaving)."""
 
     @property
     def peak_bytes(self) -> int:
@@ -546,25 +670,34 @@ def stage_costs(
     np.maximum.at(transient, stage_of, transient_per_layer)
     members = np.argsort(stage_of, kind="stable")
     bounds = np.searchsorted(stage_of[members], np.arange(num_stages + 1))
+    held = stored + relayed  # per micro-batch held by each virtual stage
     stages = []
-    for s in range(num_stages):
-        k = costs.in_flight[s]
-        layers = members[bounds[s] : bounds[s + 1]].tolist()
+    for rank, vectors in enumerate(costs.in_flight_vectors):
+        own = costs.stages_of_rank(rank)
+        # the rank's activation peak: the largest of its in-flight vectors (first on ties)
+        activations, vector = max(
+            (int(sum(n * held[j] for n, j in zip(vector, own, strict=True))), vector)
+            for vector in vectors
+        )
+        chunks = [members[bounds[j] : bounds[j + 1]].tolist() for j in own]
+        layers = [layer for chunk in chunks for layer in chunk]
         stages.append(
             StageCost(
-                index=s,
+                index=rank,
                 layers=layers,
                 recomputed=[layer for layer in layers if mask[layer]],
-                weight_bytes=int(weight[s]),
-                grad_bytes=int(grad[s]),
-                optimizer_bytes=int(optimizer[s]),
-                activation_bytes=int(k * (stored[s] + relayed[s])),
-                buffer_bytes=int(buffers[s]),
-                transient_bytes=int(transient[s]),
-                in_flight=k,
-                time_ns=int(time_ns[s]),
-                dp_sync_ns=int(sync_ns[s]),
+                weight_bytes=int(weight[own].sum()),
+                grad_bytes=int(grad[own].sum()),
+                optimizer_bytes=int(optimizer[own].sum()),
+                activation_bytes=activations,
+                buffer_bytes=int(buffers[own].sum()),
+                transient_bytes=int(transient[own].max()),
+                in_flight=sum(vector),
+                time_ns=int(time_ns[own].sum()),
+                dp_sync_ns=int(sync_ns[own].sum()),
                 constant_bytes=costs.constant_bytes,
+                chunks=chunks,
+                chunk_time_ns=[int(time_ns[j]) for j in own],
             )
         )
     return stages
@@ -591,9 +724,13 @@ def placed_stage_costs(
 
 
 def iteration_time_ns(costs: LayerCosts, stages: list[StageCost]) -> int:
-    """(m + p - 1) * slowest stage micro-batch time + slowest data-parallel sync."""
-    return costs.pipeline_factor * max(s.time_ns for s in stages) + max(
-        s.dp_sync_ns for s in stages
+    """(m + p - 1) * slowest stage micro-batch time + slowest data-parallel sync; with
+    interleaving m * slowest rank + (p - 1) * slowest chunk + slowest sync
+    (``LayerCosts.iteration_ns``)."""
+    return costs.iteration_ns(
+        max(s.time_ns for s in stages),
+        max(max(s.chunk_time_ns) for s in stages),
+        max(s.dp_sync_ns for s in stages),
     )
 
 

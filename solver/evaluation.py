@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from solver.baselines import BASELINES, counts_to_assignment
+from solver.candidates import check_interleaving, interleaving_fits
 from solver.cost_model import (
     LayerCosts,
     StageCost,
@@ -86,6 +87,38 @@ class Evaluation:
         names = self.graph.names
         return [[names[i] for i in stage.recomputed] for stage in self.stages]
 
+    @property
+    def num_virtual_stages(self) -> int:
+        """p v: the stages the layers are split into (p without interleaving)."""
+        return self.config.pp * self.config.virtual_stages
+
+    @property
+    def layer_counts(self) -> list[int]:
+        """Layers of every (virtual) stage, in pipeline order (--split accepts them back)."""
+        counts = [0] * self.num_virtual_stages
+        for stage in self.stage_of_layer:
+            counts[stage] += 1
+        return counts
+
+    def virtual_stage_layer_names(self) -> list[list[str]]:
+        """Layer names of every (virtual) stage in pipeline order: stage_layer_names without
+        interleaving; with it, virtual stage j runs on rank j mod p."""
+        grouped: list[list[str]] = [[] for _ in range(self.num_virtual_stages)]
+        for name, stage in zip(self.graph.names, self.stage_of_layer, strict=True):
+            grouped[stage].append(name)
+        return grouped
+
+    def virtual_stage_recomputed_names(self) -> list[list[str]]:
+        """Names of the recomputed layers of every (virtual) stage."""
+        flags = self.recomputed or [False] * len(self.stage_of_layer)
+        if self.config.recompute == "full":
+            flags = [True] * len(self.stage_of_layer)
+        grouped: list[list[str]] = [[] for _ in range(self.num_virtual_stages)]
+        for name, stage, flag in zip(self.graph.names, self.stage_of_layer, flags, strict=True):
+            if flag:
+                grouped[stage].append(name)
+        return grouped
+
 
 def default_training(config: ParallelConfig) -> TrainingConfig:
     """Training options matching a config (its global batch, schedule and recompute)."""
@@ -95,6 +128,7 @@ def default_training(config: ParallelConfig) -> TrainingConfig:
         zero_stages=(config.zero,),
         recompute=config.recompute,
         schedule=config.schedule,
+        virtual_stages=(config.virtual_stages,),
     )
 
 
@@ -117,7 +151,16 @@ def evaluate(
     """
     cluster = cluster or Cluster(num_gpus=config.num_gpus)
     training = training or default_training(config)
-    stage_of_layer = resolve_split(graph, config.pp, split)
+    if config.virtual_stages > 1:
+        check_interleaving(cluster, training)
+        m, p, v = config.num_microbatches, config.pp, config.virtual_stages
+        if not interleaving_fits(graph.num_layers, p, m, v):
+            raise InputError(
+                f"interleaved 1F1B with pp({p}) and {v} virtual stages per rank needs pp >= 2, "
+                f"pp * v <= layers ({graph.num_layers}) and pp | micro-batches ({m}, Megatron's "
+                "default micro-batch group); change --virtual-stages or the global batch"
+            )
+    stage_of_layer = resolve_split(graph, config.pp * config.virtual_stages, split)
     if recomputed is not None and config.recompute != "selective" and any(recomputed):
         raise InputError(f"recomputed layers given with recompute={config.recompute!r}")
     if recomputed is not None and len(recomputed) != graph.num_layers:

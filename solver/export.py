@@ -35,9 +35,10 @@ def build_exports(
     """Settings for torch pipelining, Megatron-LM and DeepSpeed that reproduce the plan.
 
     ``stage_layers[s]`` holds the names of the layers of stage ``s``; ``recomputed[s]`` those of
-    them that are recomputed (selective recomputation). Raises :class:`InputError` when the stages
-    do not partition the graph's layers into ``config.pp`` non-empty stages with every edge going
-    to the same or a later stage.
+    them that are recomputed (selective recomputation). With interleaving (``virtual_stages`` v >
+    1) the stages are the p v virtual stages in pipeline order, virtual stage j on rank j mod p.
+    Raises :class:`InputError` when the stages do not partition the graph's layers into p v
+    non-empty stages with every edge going to the same or a later stage.
     """
     stages = _stages_in_list_order(graph, config, stage_layers)
     contiguous = [name for stage in stages for name in stage] == graph.names
@@ -79,12 +80,18 @@ def torch_pipelining_export(
     """``split_spec`` (first layer of every stage but the first -> "BEGINNING") and schedule."""
     split_spec = {stage[0]: "BEGINNING" for stage in stages[1:]}
     schedule = "ScheduleGPipe" if config.schedule == "gpipe" else "Schedule1F1B"
-    m = config.num_microbatches
+    m, p, v = config.num_microbatches, config.pp, config.virtual_stages
+    build = "stage = pipe.build_stage(pp_rank, device); "
+    if v > 1:
+        # ScheduleInterleaved1F1B takes the rank's stages; PipelineStage indices are global and
+        # the "loop" placement puts stage j on rank j mod p (pipelining's stage_index_to_group_rank)
+        schedule = "ScheduleInterleaved1F1B"
+        build = f"stage = [pipe.build_stage(j, device) for j in range(pp_rank, {p * v}, {p})]; "
     note = (
         "from torch.distributed.pipelining import SplitPoint, pipeline, "
         f"{schedule}; pipe = pipeline(module, mb_args=(example_microbatch,), "
         "split_spec={name: SplitPoint.BEGINNING for name in split_spec}); "
-        "stage = pipe.build_stage(pp_rank, device); "
+        f"{build}"
         f"schedule = {schedule}(stage, n_microbatches={m}, loss_fn=loss_fn). "
         "The keys are module names (FQNs): they match when the layer names are module paths "
         f"such as 'layers.3'. example_microbatch holds {config.micro_batch} sample(s). "
@@ -107,6 +114,7 @@ def torch_pipelining_export(
         "split_spec": split_spec,
         "schedule": schedule,
         "n_microbatches": m,
+        "stage_ranks": [j % p for j in range(len(stages))],
         "contiguous": contiguous,
         "stages": stages,
         **(
@@ -124,6 +132,12 @@ def torch_pipelining_export(
             "part of a shape-inference graph and the last stage every micro-batch's output."
         ),
     }
+    if v > 1:
+        result["memory_note"] += (
+            f" This plan interleaves {v} stages per rank and was sized for the megatron runtime "
+            "(one buffer per direction per stage); torch keeps per-micro-batch buffers for each "
+            "of them, which the planner does not model for interleaving."
+        )
     if not contiguous:
         result["note"] += (
             " NOT CONTIGUOUS: some stage is not a consecutive run of the graph's layer order, "
@@ -156,15 +170,21 @@ def megatron_export(
     num_layers = sum(blocks)
     warnings = _megatron_warnings(graph, config, roles, stage_letters)
     layout_valid = not any(w.startswith("layout:") for w in warnings)
-    first, last = _first_last_counts(blocks, stage_letters) if layout_valid else (None, None)
+    interleaved = config.virtual_stages > 1
+    first, last = (None, None)
+    if layout_valid and not interleaved:
+        first, last = _first_last_counts(blocks, stage_letters)
     p = config.pp
     ends_in_place = "E" in stage_letters[0] and "L" in stage_letters[-1]
     if p == 1 or (len(set(blocks)) == 1 and layout_valid and ends_in_place):
-        # Megatron's default: an even split of the blocks, E on the first stage, L on the last.
+        # Megatron's default: an even split of the blocks, E on the first stage, L on the last
+        # (of every virtual stage with interleaving).
         method = "even"
     elif first is not None or last is not None:
         method = "first_last"
     else:
+        # with interleaving the layout lists the p v virtual stages in order and Megatron takes
+        # the virtual pipeline size from it: len(layout) // p (PipelineParallelLayerLayout)
         method = "layout"
 
     args = [
@@ -190,6 +210,10 @@ def megatron_export(
             args += ["--decoder-last-pipeline-num-layers", str(last)]
     elif method == "layout":
         args += ["--pipeline-model-parallel-layout", layout]
+    if interleaved and method == "even":
+        # megatron/training/arguments.py: "Number of virtual pipeline stages per pipeline
+        # parallelism rank"
+        args += ["--num-virtual-stages-per-pipeline-rank", str(config.virtual_stages)]
     if config.recompute == "full":
         args += [
             "--recompute-granularity",
@@ -279,6 +303,12 @@ def deepspeed_export(
             "layer only; wrap the recomputed layers with deepspeed.checkpointing.checkpoint in "
             "their forward instead: " + ", ".join(name for names in recomputed for name in names)
         )
+    if config.virtual_stages > 1:
+        warnings.append(
+            f"Interleaving ({config.virtual_stages} stages per rank): DeepSpeed's PipelineEngine "
+            "runs one contiguous stage per rank (TrainSchedule, 1F1B) and cannot run this plan; "
+            "the counts below are per virtual stage. Use Megatron-LM or torch pipelining."
+        )
     if config.tp > 1:
         warnings.append(
             f"tp={config.tp}: PipelineModule does not split layers itself; use tensor-parallel "
@@ -328,10 +358,12 @@ def _stages_in_list_order(
     graph: LayerGraph, config: ParallelConfig, stage_layers: list[list[str]]
 ) -> list[list[str]]:
     """Check that the stages partition the layers; each stage's names in graph list order."""
-    if len(stage_layers) != config.pp:
+    num_stages = config.pp * config.virtual_stages
+    if len(stage_layers) != num_stages:
+        per = "" if config.virtual_stages == 1 else f" x {config.virtual_stages} virtual stages"
         raise InputError(
-            f"export: {len(stage_layers)} stages given but the config has pp={config.pp}; "
-            "give one list of layer names per pipeline stage"
+            f"export: {len(stage_layers)} stages given but the config has pp={config.pp}{per}; "
+            "give one list of layer names per (virtual) pipeline stage"
         )
     position = graph.index()
     stage_of: dict[str, int] = {}

@@ -41,6 +41,22 @@ U is an integer, so its optimum is max_s ceil(10^6 peak_s / C_k(s)),
 ``cost_model.utilization_ppm`` exactly. Without a placement none of this exists and the model is
 the one above, unchanged.
 
+Interleaving (``config.virtual_stages`` v > 1): the stages s above are the p v virtual stages, and
+virtual stage s runs on rank s mod p as its chunk s div p. Memory, transient and time rows are per
+rank r instead of per stage, one memory row per in-flight vector n of the rank
+(``LayerCosts.in_flight_vectors``):
+
+  memory       peak >= sum_c [ sum_l (state_l + n_c stored_l) x[l][s_c] + buffers and n_c relays
+                               of s_c ] + tr[r],       s_c = r + c p, for every n in N_r
+  transient    tr[r] >= transient_l x[l][s_c]           for every chunk c of r
+  time         T >= sum_c sum_l time_l x[l][s_c],  Tc >= sum_l time_l x[l][s]   (every s)
+               AR >= sum_c sum_l sync_l x[l][s_c]
+  iteration    m T + (p - 1) Tc + AR                    (``LayerCosts.iteration_ns``)
+
+Without interleaving each rank is one stage with one vector (k_s), Tc = T, and the rows are the
+ones above. The chain algorithm does not solve interleaved problems (a rank's chunks are not
+contiguous); CP-SAT and MILP do, and agree with brute force (tests/test_interleaved.py).
+
 Selective recomputation (``costs.selective``): rc[l] in {0, 1} marks layer l recomputed, and
 z[l][s] = x[l][s] rc[l] (z <= x, z <= rc, z >= x + rc - 1: exact at integer x, rc, no big-M).
 With d_l the recomputed state's coefficient minus the kept one's (stored, transient, time):
@@ -97,8 +113,12 @@ class PrefixVariables:
     prefix: list[list[Any]] = field(default_factory=list)
     relay: dict[tuple[int, int], Any] = field(default_factory=dict)
     transient: list[Any] = field(default_factory=list)
+    """tr[r] per rank (per stage without interleaving)."""
     peak: Any = None
     slowest_stage_ns: Any = None
+    """T: the slowest rank's time per micro-batch (all its chunks)."""
+    slowest_chunk_ns: Any = None
+    """Tc: the slowest virtual stage's time per micro-batch (interleaving only)."""
     slowest_sync_ns: Any = None
     group: list[list[Any]] = field(default_factory=list)
     """group[s][k] = g[s][k] (placement only)."""
@@ -246,30 +266,38 @@ class PrefixFormulation(abc.ABC):
         ]
 
     def _stage_bytes(self, stage: int):
-        """Peak of stage s as a linear expression (module docstring, 'memory')."""
-        costs, k = self.costs, self.costs.in_flight[stage]
-        per_layer = costs.state_bytes + k * costs.stored_bytes
-        terms = [
-            self._bytes(per_layer[layer]) * self._member(layer, stage)
-            for layer in self._layers_of(stage)
-        ]
-        terms += self._recompute_terms(
-            k * (costs.recompute_stored_bytes - costs.stored_bytes), stage, self._bytes
-        )
-        receive, send = costs.receive_copies[stage], costs.send_copies[stage]
-        terms += [
-            self._bytes(receive * nbytes) * self._crossing(e, stage - 1)
-            + self._bytes(send * nbytes) * self._crossing(e, stage)
-            for e, nbytes in enumerate(costs.edge_bytes.tolist())
-            if nbytes
-        ]
-        terms += [
-            self._bytes(k * costs.edge_bytes[e]) * relay
-            for (e, s), relay in self.vars.relay.items()
-            if s == stage
-        ]
+        """Peak of stage s as a linear expression (module docstring, 'memory'); without
+        interleaving, where rank s holds stage s alone with one in-flight count."""
+        return self._rank_bytes(stage, self.costs.in_flight_vectors[stage][0])
+
+    def _rank_bytes(self, rank: int, vector: tuple[int, ...]):
+        """Peak of rank r when it holds vector[c] micro-batches of its chunk c (module
+        docstring, 'interleaving'; one chunk and k_s without interleaving)."""
+        costs = self.costs
+        terms = []
+        for k, stage in zip(vector, costs.stages_of_rank(rank), strict=True):
+            per_layer = costs.state_bytes + k * costs.stored_bytes
+            terms += [
+                self._bytes(per_layer[layer]) * self._member(layer, stage)
+                for layer in self._layers_of(stage)
+            ]
+            terms += self._recompute_terms(
+                k * (costs.recompute_stored_bytes - costs.stored_bytes), stage, self._bytes
+            )
+            receive, send = costs.receive_copies[stage], costs.send_copies[stage]
+            terms += [
+                self._bytes(receive * nbytes) * self._crossing(e, stage - 1)
+                + self._bytes(send * nbytes) * self._crossing(e, stage)
+                for e, nbytes in enumerate(costs.edge_bytes.tolist())
+                if nbytes
+            ]
+            terms += [
+                self._bytes(k * costs.edge_bytes[e]) * relay
+                for (e, s), relay in self.vars.relay.items()
+                if s == stage
+            ]
         if self.vars.transient:
-            terms.append(self.vars.transient[stage])
+            terms.append(self.vars.transient[rank])
         if costs.constant_bytes:
             terms.append(self._bytes(costs.constant_bytes))
         return self._sum(terms)
@@ -286,7 +314,13 @@ class PrefixFormulation(abc.ABC):
         return self._sum(terms)
 
     def _iteration(self):
-        return self.costs.pipeline_factor * self.vars.slowest_stage_ns + self.vars.slowest_sync_ns
+        """m T + (p - 1) Tc + AR (``LayerCosts.iteration_ns``; Tc = T without interleaving)."""
+        chunk = self.vars.slowest_chunk_ns
+        return self.costs.iteration_ns(
+            self.vars.slowest_stage_ns,
+            self.vars.slowest_stage_ns if chunk is None else chunk,
+            self.vars.slowest_sync_ns,
+        )
 
     # -- model -----------------------------------------------------------------------------------
 
@@ -315,7 +349,7 @@ class PrefixFormulation(abc.ABC):
             top = int(transient_ub.max(initial=0))
             if top:
                 self.vars.transient = [
-                    self._new_var(0, self._bytes(top), f"tr_s{s}") for s in range(p)
+                    self._new_var(0, self._bytes(top), f"tr_s{r}") for r in range(costs.num_ranks)
                 ]
             self.vars.peak = self._new_var(
                 self._bytes(pre.peak_lb_bytes), self._bytes(pre.peak_ub_bytes), "peak"
@@ -334,6 +368,12 @@ class PrefixFormulation(abc.ABC):
             self.vars.slowest_sync_ns = self._new_var(
                 self._ns(pre.sync_lb_ns), self._ns(max(pre.sync_lb_ns, sync)), "AR"
             )
+            if costs.config.virtual_stages > 1:
+                self.vars.slowest_chunk_ns = self._new_var(
+                    self._ns(pre.chunk_time_lb_ns),
+                    self._ns(max(pre.chunk_time_lb_ns, int(time_ub.sum()))),
+                    "Tc",
+                )
 
     def _build_placement_variables(self) -> None:
         """g[s][k], P[s][k] and U (utilization objective) or peak (absolute, already built)."""
@@ -426,9 +466,13 @@ class PrefixFormulation(abc.ABC):
             self._add(relay >= self._y(u, s - 1) - self._y(v, s), f"relay_e{e}_s{s}")
 
     def _add_transient(self) -> None:
-        """tr[s] >= transient_l x[l][s]  (+ d_transient_l z[l][s] under selective)."""
+        """tr[r] >= transient_l x[l][s] for each stage s of rank r (+ d_transient_l z[l][s]
+        under selective)."""
         costs = self.costs
-        for s, largest in enumerate(self.vars.transient):
+        if not self.vars.transient:
+            return
+        for rank, s in self._rank_stages():
+            largest = self.vars.transient[rank]
             for layer in self._layers_of(s):
                 kept = costs.transient_bytes[layer]
                 extra = costs.recompute_transient_bytes[layer] - kept
@@ -455,12 +499,23 @@ class PrefixFormulation(abc.ABC):
         for k, wanted in enumerate(self.placement.stages_per_group):
             self._add(self._sum(row[k] for row in self.vars.group) == wanted, f"group_size_k{k}")
 
+    def _rank_stages(self) -> list[tuple[int, int]]:
+        """(rank, virtual stage) pairs; (s, s) without interleaving."""
+        costs = self.costs
+        return [(r, s) for r in range(costs.num_ranks) for s in costs.stages_of_rank(r)]
+
     def _add_stage_memory(self) -> None:
-        """peak >= states_s + k_s stored_s + buffers_s + k_s relay_s + tr[s]; with a placement
+        """peak >= states_s + k_s stored_s + buffers_s + k_s relay_s + tr[s] (with interleaving,
+        per rank and in-flight vector: the sum over its chunks); with a placement
         sum_k P[s][k] >= that, and peak >= P[s][k] (absolute) or the utilization rows."""
         if self.placement is None:
-            for s in range(self.problem.num_stages):
-                self._add(self.vars.peak >= self._stage_bytes(s), f"memory_s{s}")
+            for rank, vectors in enumerate(self.costs.in_flight_vectors):
+                for i, vector in enumerate(vectors):
+                    suffix = f"_n{i}" if len(vectors) > 1 else ""
+                    self._add(
+                        self.vars.peak >= self._rank_bytes(rank, vector),
+                        f"memory_s{rank}{suffix}",
+                    )
             return
         for s, row in enumerate(self.vars.stage_peak):
             self._add(self._sum(row) >= self._stage_bytes(s), f"memory_s{s}")
@@ -511,15 +566,17 @@ class PrefixFormulation(abc.ABC):
         if self.placement is not None:
             self._add_placed_stage_time()
             return
-        for s in range(self.problem.num_stages):
-            recomputed = self.costs.recompute_time_ns if self.problem.selective else None
-            self._add(
-                self.vars.slowest_stage_ns >= self._stage_sum(self.costs.time_ns, s, recomputed),
-                f"time_s{s}",
-            )
-            self._add(
-                self.vars.slowest_sync_ns >= self._stage_sum(self.costs.dp_sync_ns, s), f"sync_s{s}"
-            )
+        costs = self.costs
+        recomputed = costs.recompute_time_ns if self.problem.selective else None
+        for r in range(costs.num_ranks):
+            own = costs.stages_of_rank(r)
+            times = [self._stage_sum(costs.time_ns, s, recomputed) for s in own]
+            self._add(self.vars.slowest_stage_ns >= self._sum(times), f"time_s{r}")
+            syncs = [self._stage_sum(costs.dp_sync_ns, s) for s in own]
+            self._add(self.vars.slowest_sync_ns >= self._sum(syncs), f"sync_s{r}")
+            if self.vars.slowest_chunk_ns is not None:
+                for s, chunk_time in zip(own, times, strict=True):
+                    self._add(self.vars.slowest_chunk_ns >= chunk_time, f"chunk_time_v{s}")
 
     def _add_placed_stage_time(self) -> None:
         """T >= sum_l time_l^k x[l][s] - M^k (1 - g[s][k]);  AR likewise (M^k: all of group k)."""
@@ -589,4 +646,7 @@ class PrefixFormulation(abc.ABC):
             self._hint(self.vars.peak, self._bytes(max(st.peak_bytes for st in stages)))
         if self.vars.slowest_stage_ns is not None:
             self._hint(self.vars.slowest_stage_ns, self._ns(max(st.time_ns for st in stages)))
+            if self.vars.slowest_chunk_ns is not None:
+                slowest_chunk = max(max(st.chunk_time_ns) for st in stages)
+                self._hint(self.vars.slowest_chunk_ns, self._ns(slowest_chunk))
             self._hint(self.vars.slowest_sync_ns, self._ns(max(st.dp_sync_ns for st in stages)))

@@ -106,7 +106,8 @@ def plan(
         fastest = found(run(objective=OBJECTIVE_TIME, iteration_budget_ns=budget_ns))
         if training.objective == "memory" and training.min_throughput is None:
             budget_ns = math.floor(training.max_slowdown * fastest.value)
-            required = training.global_batch * 1e9 / budget_ns
+            # a graph without FLOPs or times runs in 0 ns: no throughput to require
+            required = training.global_batch * 1e9 / budget_ns if budget_ns else None
     if training.objective == "memory":
         result = found(run(objective=OBJECTIVE_MEMORY, iteration_budget_ns=budget_ns))
         secondary, limits = OBJECTIVE_TIME, {"capacity": result.value, "budget": budget_ns}
@@ -152,8 +153,8 @@ def plan(
         exports=build_exports(
             graph,
             entry.costs.config,
-            evaluation.stage_layer_names(),
-            recomputed=evaluation.stage_recomputed_names(),
+            evaluation.virtual_stage_layer_names(),
+            recomputed=evaluation.virtual_stage_recomputed_names(),
         ),
         baselines={
             name: evaluate_assignment(

@@ -46,7 +46,9 @@ class Presolve:
     peak_ub_bytes: int
     """Upper bound on any stage peak (every layer, edge and relay counted at the largest k)."""
     stage_time_lb_ns: int
-    """Lower bound on max_s T_s."""
+    """Lower bound on max_r T_r (the slowest rank, all its chunks)."""
+    chunk_time_lb_ns: int
+    """Lower bound on max_j T_j over (virtual) stages; stage_time_lb_ns without interleaving."""
     sync_lb_ns: int
     """Lower bound on max_s AR_s."""
 
@@ -68,6 +70,10 @@ class Presolve:
         k = costs.in_flight
         least_k = [min(k[lo : hi + 1], default=max(k)) for lo, hi in zip(first, last, strict=True)]
         min_acts = np.asarray(least_k, dtype=np.int64) * stored
+        # summed over ranks: without interleaving each layer's own k, with it the count every
+        # rank holds of all its chunks at one of its peaks (LayerCosts.least_held)
+        ranks = costs.num_ranks
+        spread_acts = min_acts if ranks == num_stages else costs.least_held * stored
         edge_total = int(costs.edge_bytes.sum())
         time_ns, sync_ns = costs.time_ns, costs.dp_sync_ns
         if problem.placement is not None:  # a layer's time on its fastest group
@@ -81,7 +87,7 @@ class Presolve:
             peak_lb_bytes=costs.constant_bytes
             + max(
                 int((state + min_acts + transient).max(initial=0)),
-                _ceil_div(int(state.sum() + min_acts.sum() + transient.max(initial=0)), num_stages),
+                _ceil_div(int(state.sum() + spread_acts.sum() + transient.max(initial=0)), ranks),
             ),
             peak_ub_bytes=int(
                 costs.constant_bytes
@@ -90,12 +96,13 @@ class Presolve:
                 + transient_ub.max(initial=0)
                 + (max(costs.receive_copies) + max(costs.send_copies) + max(k)) * edge_total
             ),
-            stage_time_lb_ns=max(
+            stage_time_lb_ns=max(int(time_ns.max(initial=0)), _ceil_div(int(time_ns.sum()), ranks)),
+            chunk_time_lb_ns=max(
                 int(time_ns.max(initial=0)), _ceil_div(int(time_ns.sum()), num_stages)
             ),
             sync_lb_ns=max(
                 int(sync_ns.max(initial=0)),
-                _ceil_div(int(sync_ns.sum()), num_stages),
+                _ceil_div(int(sync_ns.sum()), ranks),
             ),
         )
 
@@ -106,7 +113,9 @@ class Presolve:
             if placement is not None and placement.memory_objective == UTILIZATION:
                 return utilization_ppm(self.peak_lb_bytes, max(placement.capacity_bytes))
             return self.peak_lb_bytes
-        return problem.costs.pipeline_factor * self.stage_time_lb_ns + self.sync_lb_ns
+        return problem.costs.iteration_ns(
+            self.stage_time_lb_ns, self.chunk_time_lb_ns, self.sync_lb_ns
+        )
 
     def can_hold(self, layer: int, stage: int) -> bool:
         return self.first_stage[layer] <= stage <= self.last_stage[layer]

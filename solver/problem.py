@@ -15,6 +15,10 @@ stage peak <= the capacity of its group, times come from the group's coefficient
 means the largest utilization (ppm, ``cost_model.utilization_ppm``) or the largest peak (bytes).
 A solution then carries ``group_of_stage`` too. Selective recomputation and a placement are not
 combined (``solver.search`` refuses it).
+
+Interleaving (``config.virtual_stages`` v > 1): the stages are the p v virtual stages (every one
+non-empty, edges never going back), virtual stage j runs on rank j mod p, and peaks and times are
+per rank (``cost_model.stage_costs`` returns one :class:`StageCost` per rank, with its chunks).
 """
 
 from __future__ import annotations

@@ -37,6 +37,14 @@ def evaluation_to_dict(evaluation: Evaluation) -> dict[str, Any]:
                 "peak_bytes": stage.peak_bytes,
                 "breakdown": stage.breakdown(),
                 "in_flight_microbatches": stage.in_flight,
+                **(
+                    {}
+                    if evaluation.config.virtual_stages == 1
+                    else {
+                        "chunks": [[evaluation.graph.names[i] for i in c] for c in stage.chunks],
+                        "chunk_time_ms": [t / 1e6 for t in stage.chunk_time_ns],
+                    }
+                ),
                 "time_ms": stage.time_ns / 1e6,
                 "dp_sync_ms": stage.dp_sync_ns / 1e6,
             }
@@ -117,7 +125,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             "throughput": finite_or_none(ev.throughput),
             "fits": ev.fits,
             "meets_throughput": meets_throughput(plan, ev),
-            "layer_counts": [len(stage.layers) for stage in ev.stages],
+            "layer_counts": ev.layer_counts,
         }
         for name, ev in plan.baselines.items()
     }
@@ -140,7 +148,6 @@ def objective_unit(evaluation: Evaluation) -> str:
 def format_evaluation(evaluation: Evaluation, title: str) -> str:
     """Text table: config line, one row per stage, peak line."""
     config, cluster = evaluation.config, evaluation.cluster
-    names = evaluation.stage_layer_names()
     lines = [
         title,
         f"config: {config.label()}   throughput {evaluation.throughput:.4g} samples/s "
@@ -173,7 +180,7 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
         rows.append(
             [
                 str(stage.index),
-                _layer_span(names[stage.index]),
+                _rank_layers(evaluation, stage),
                 *(
                     format_bytes(breakdown[key])
                     for key in (
@@ -254,7 +261,7 @@ def format_plan(plan: Plan) -> str:
         if by_utilization:
             ours, theirs = max(plan.evaluation.utilization_ppm), max(baseline.utilization_ppm)
             change = 100 * (ours - theirs) / theirs
-        counts = ",".join(str(len(stage.layers)) for stage in baseline.stages)
+        counts = ",".join(str(count) for count in baseline.layer_counts)
         caveats = [] if baseline.fits else ["does not fit"]
         if not meets_throughput(plan, baseline):
             caveats.append("below the throughput constraint")
@@ -295,6 +302,14 @@ def _recomputed_text(names: list[str]) -> str:
     if len(names) <= 3:
         return ",".join(names) or "-"
     return f"{len(names)}: {names[0]} ... {names[-1]}"
+
+
+def _rank_layers(evaluation: Evaluation, stage) -> str:
+    """The layers of a stage; with interleaving, each chunk's span, separated by ' | '."""
+    if evaluation.config.virtual_stages == 1:
+        return _layer_span(evaluation.stage_layer_names()[stage.index])
+    names = evaluation.graph.names
+    return " | ".join(_layer_span([names[i] for i in chunk]) for chunk in stage.chunks)
 
 
 def _layer_span(names: list[str]) -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from solver.backends import resolve_backend, solve
+from solver.baselines import even_split
 from solver.candidates import (
     candidate_configs,
     memory_lower_bound,
@@ -60,6 +61,9 @@ class ConfigEntry:
     """Node groups (heterogeneous clusters only)."""
     peak_bound_bytes: int | None = None
     """No split has a smaller largest peak (bytes); None: memory_bound is that bound."""
+    start: list[int] | None = None
+    """A split the solver starts from (interleaved configs: Megatron's even split of the
+    virtual stages), or None."""
 
     @property
     def peak_lower_bound(self) -> int:
@@ -120,6 +124,7 @@ def build_entries(
                 costs=costs,
                 memory_bound=memory_lower_bound(costs),
                 time_bound=time_lower_bound(costs),
+                start=(even_split(graph, costs.num_stages) if config.virtual_stages > 1 else None),
             )
         )
     return entries
@@ -180,7 +185,25 @@ def search(
             "recompute selective on a heterogeneous cluster is not supported yet; use "
             "--recompute none, full or auto (which searches none and full there)"
         )
-    backend = resolve_backend(backend, chain, heterogeneous=placed, selective=selective)
+    interleaved = any(e.costs.config.virtual_stages > 1 for e in entries)
+    requested, backend = (
+        backend,
+        resolve_backend(
+            backend, chain, heterogeneous=placed, selective=selective, interleaved=interleaved
+        ),
+    )
+
+    def backend_of(entry: ConfigEntry) -> str:
+        """'auto' per config: the chain algorithm stays with the plain configs of a chain even
+        when interleaved ones are searched too."""
+        return resolve_backend(
+            requested,
+            chain,
+            heterogeneous=placed,
+            selective=entry.costs.selective,
+            interleaved=entry.costs.config.virtual_stages > 1,
+        )
+
     bound_of = (
         (lambda e: e.memory_bound) if objective == OBJECTIVE_MEMORY else (lambda e: e.time_bound)
     )
@@ -213,15 +236,21 @@ def search(
             utilization_limit_ppm=utilization_limit_ppm,
         )
         time_limit_s, hint, hint_recomputed = deadline.remaining(), None, None
-        if problem.selective:
-            # a large selective model may not close in the time left: share it among the
-            # configs still to solve, and start from the best all-off / all-on split
+        if entry.costs.config.virtual_stages > 1:
+            # Megatron's own layout (equal layers per virtual stage) as a start, so a solve
+            # stopped by its time limit is never worse than it
+            hint = entry.start
+        if problem.selective or entry.costs.config.virtual_stages > 1:
+            # a large selective or interleaved model may not close in the time left: share it
+            # among the configs still to solve (and start from a known split)
             time_limit_s /= len(viable) - index
-            if chain:
+        if problem.selective:
+            # start from the best all-off / all-on split
+            if chain and entry.costs.config.virtual_stages == 1:
                 hint, hint_recomputed = uniform_recompute_hint(problem, deadline)
         solution = solve(
             problem,
-            backend,
+            backend_of(entry),
             time_limit_s=max(time_limit_s, 0.01),
             hint=hint,
             hint_recomputed=hint_recomputed,

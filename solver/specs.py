@@ -128,6 +128,9 @@ class TrainingConfig:
     optimum is never worse than either; none and full with the empirical memory model)."""
     schedule: str = "1f1b"
     """Pipeline schedule: 1f1b or gpipe."""
+    virtual_stages: tuple[int, ...] = (1,)
+    """Candidate model chunks per pipeline rank v (interleaved 1F1B when v > 1; Megatron-LM's
+    ``--num-virtual-stages-per-pipeline-rank``); (1, 2, 4) lets the search choose."""
     weight_bytes_per_param: int = 2
     """Bytes per parameter for weights (bf16)."""
     grad_bytes_per_param: int = 2
@@ -175,6 +178,15 @@ class TrainingConfig:
         _require(
             self.recompute in RECOMPUTE_CHOICES,
             f"recompute must be one of {RECOMPUTE_CHOICES}, got {self.recompute!r}",
+        )
+        _require(
+            bool(self.virtual_stages) and all(v >= 1 for v in self.virtual_stages),
+            f"virtual_stages must be positive integers, got {self.virtual_stages}",
+        )
+        _require(
+            self.schedule == "1f1b" or self.virtual_stages == (1,),
+            f"virtual stages {self.virtual_stages} need the 1f1b schedule (interleaved 1F1B), "
+            f"got {self.schedule!r}",
         )
         _require(
             self.schedule in SCHEDULES,
@@ -236,6 +248,9 @@ class ParallelConfig:
     """none | full: every layer recomputes | selective: each layer may (the plan says which)."""
     schedule: str = "1f1b"
     """1f1b | gpipe."""
+    virtual_stages: int = 1
+    """v: model chunks per pipeline rank (interleaved 1F1B, Megatron's virtual pipeline size);
+    the layers are split into p v virtual stages and virtual stage j runs on rank j mod p."""
 
     @property
     def num_gpus(self) -> int:
@@ -250,9 +265,11 @@ class ParallelConfig:
 
     def label(self) -> str:
         """Short text such as 'pp4 tp2 dp2 b1 m16 zero0 1f1b'."""
+        v = self.virtual_stages
+        schedule = self.schedule if v == 1 else f"interleaved-1f1b v{v}"
         text = (
             f"pp{self.pp} tp{self.tp} dp{self.dp} b{self.micro_batch} "
-            f"m{self.num_microbatches} zero{self.zero} {self.schedule}"
+            f"m{self.num_microbatches} zero{self.zero} {schedule}"
         )
         suffix = {"full": " recompute", "selective": " selective-recompute"}
         return text + suffix.get(self.recompute, "")

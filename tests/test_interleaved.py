@@ -1,0 +1,377 @@
+"""Interleaved 1F1B (v model chunks per pipeline rank): in-flight counts, costs and exact solves.
+
+Oracles: torch's own ScheduleInterleaved1F1B action lists (replayed to count the micro-batches each
+chunk holds), the closed forms of Megatron / Korthikanti et al., per-rank costs recomputed here
+from the layer fields with plain loops, and brute force over every split into p v virtual stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import numpy as np
+import pytest
+
+from solver.brute_force import solve_brute_force
+from solver.candidates import memory_lower_bound, time_lower_bound
+from solver.cli import evaluate_main, plan_main
+from solver.cost_model import (
+    in_flight_microbatches,
+    in_flight_vectors,
+    interleaved_schedule_groups,
+    layer_costs,
+    stage_costs,
+)
+from solver.cpsat import solve_cpsat
+from solver.errors import InputError
+from solver.evaluation import evaluate
+from solver.milp import solve_milp
+from solver.planner import plan
+from solver.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, StageProblem
+from solver.specs import Cluster, ParallelConfig, TrainingConfig
+from tests.random_graphs import random_chain, random_dag
+from tests.test_export import gpt_chain
+
+BACKENDS = {"cpsat": solve_cpsat, "milp": solve_milp}
+
+
+def _maximal(vectors: list[tuple[int, ...]]) -> set[tuple[int, ...]]:
+    return {
+        a
+        for a in vectors
+        if not any(b != a and all(x >= y for x, y in zip(b, a, strict=True)) for b in vectors)
+    }
+
+
+def _torch_in_flight(m: int, p: int, v: int, rank: int) -> set[tuple[int, ...]]:
+    """Replay torch's ScheduleInterleaved1F1B actions for one rank: micro-batches of each chunk
+    held after every forward (a full backward frees one)."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    rounds = max(1, m // p)
+    schedule = type(
+        "Rank",
+        (),
+        {"n_local_stages": v, "microbatches_per_round": m // rounds, "pp_group_size": p},
+    )()
+    schedule._n_microbatches = m
+    actions = schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(schedule, rank)
+    held, seen = [0] * v, []
+    for action in actions:
+        if action is None:
+            continue
+        assert action.stage_index % p == rank
+        chunk = action.stage_index // p
+        if action.computation_type == schedules._ComputationType.FORWARD:
+            held[chunk] += 1
+            seen.append(tuple(held))
+        else:
+            assert action.computation_type == schedules._ComputationType.FULL_BACKWARD
+            held[chunk] -= 1
+    assert held == [0] * v
+    return _maximal(seen)
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(2, 2, 4), (4, 2, 8), (4, 2, 16), (3, 3, 6), (4, 2, 10)])
+def test_in_flight_vectors_match_torch_interleaved_schedule(p, v, m):
+    group = interleaved_schedule_groups("torch", m, p)
+    for rank in range(p):
+        assert set(in_flight_vectors(m, p, v, rank, group)) == _torch_in_flight(m, p, v, rank)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+@pytest.mark.parametrize("v", [2, 3, 4])
+@pytest.mark.parametrize("groups", [1, 2, 3])
+def test_largest_in_flight_total_is_megatrons_warmup_plus_one(p, v, groups):
+    """Megatron-core get_pp_rank_microbatches: W_r = (p - r - 1) 2 + (v - 1) p warm-up forwards,
+    capped at m v; the peak holds W_r + 1 chunk-micro-batches (all m v when all are warm-up)."""
+    m = groups * p
+    for rank in range(p):
+        warmup = 2 * (p - rank - 1) + (v - 1) * p
+        total = max(sum(vector) for vector in in_flight_vectors(m, p, v, rank))
+        assert total == min(m * v, warmup + 1)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_one_chunk_is_the_plain_schedule(schedule):
+    for p, m in [(4, 8), (4, 2), (1, 3), (3, 3)]:
+        for rank in range(p):
+            k = in_flight_microbatches(schedule, m, p, rank)
+            if schedule == "1f1b":
+                assert in_flight_vectors(m, p, 1, rank) == [(k,)]
+
+
+def _uniform_chain(num_layers: int, activation: int = 1000) -> dict:
+    return {
+        "format": "layer-graph",
+        "version": 1,
+        "model": "uniform",
+        "layers": [
+            {
+                "name": f"l{i}",
+                "params": 0,
+                "activation_bytes": activation,
+                "output_bytes": 10,
+                "fwd_flops": 1e9,
+            }
+            for i in range(num_layers)
+        ],
+    }
+
+
+@pytest.mark.parametrize(("p", "v"), [(2, 2), (4, 2), (4, 4), (3, 2)])
+def test_first_rank_activations_grow_by_korthikanti_factor(p, v):
+    """Equal chunks: rank 0 holds p (1 + (p - 1) / (p v)) stage-micro-batches instead of p
+    (Korthikanti et al. 2022, section 4.2.3; Megatron's interleaved schedule)."""
+    from solver.graph import graph_from_dict
+
+    num_layers, m = 2 * p * v, 4 * p
+    graph = graph_from_dict(_uniform_chain(num_layers))
+    plain = ParallelConfig(pp=p, tp=1, dp=1, micro_batch=1, num_microbatches=m)
+    interleaved = dataclasses.replace(plain, virtual_stages=v)
+    training = TrainingConfig(global_batch=m, virtual_stages=(v,))
+    cluster = Cluster(num_gpus=p)
+    even = [layer * p * v // num_layers for layer in range(num_layers)]
+    plain_costs = layer_costs(graph, plain, cluster, training)
+    ours = stage_costs(layer_costs(graph, interleaved, cluster, training), even)
+    base = stage_costs(plain_costs, [layer * p // num_layers for layer in range(num_layers)])
+    ratio = ours[0].activation_bytes / base[0].activation_bytes
+    assert ratio == pytest.approx(1 + (p - 1) / (p * v))
+    # fill and drain take p - 1 chunk slots: (m + (p - 1) / v) stage times (Narayanan et al.)
+    iteration = layer_costs(graph, interleaved, cluster, training).iteration_ns(
+        ours[0].time_ns, ours[0].chunk_time_ns[0], 0
+    )
+    assert iteration == m * ours[0].time_ns + (p - 1) * ours[0].time_ns // v
+
+
+def _random_interleaved(seed: int, selective: bool = False):
+    rng = random.Random(seed)
+    p, v = rng.choice([(2, 2), (2, 3), (3, 2)])
+    num_layers = p * v + rng.randint(0, 1 if selective else 2)
+    graph = (random_chain if seed % 2 else random_dag)(rng, num_layers)
+    m = p * rng.choice([1, 2, 3])
+    config = ParallelConfig(
+        pp=p,
+        tp=rng.choice([1, 2]),
+        dp=rng.choice([1, 2]),
+        micro_batch=rng.choice([1, 2]),
+        num_microbatches=m,
+        zero=rng.choice([0, 1, 3]),
+        recompute="selective" if selective else rng.choice(["none", "full"]),
+        virtual_stages=v,
+    )
+    training = TrainingConfig(global_batch=config.global_batch, virtual_stages=(v,))
+    return graph, config, layer_costs(graph, config, Cluster(num_gpus=config.num_gpus), training)
+
+
+def _rank_peaks_by_hand(graph, costs, split) -> list[int]:
+    """Per-rank peak straight from the definition, with loops (chains and DAGs, no relays
+    counted twice): states and buffers of every chunk, the largest in-flight vector of
+    activations + relayed edges, the largest transient."""
+    p, num_stages = costs.num_ranks, costs.num_stages
+    stored, transient, _ = costs.coefficients(None)
+    relayed = [0] * num_stages
+    received = [0] * num_stages
+    sent = [0] * num_stages
+    for u, v, nbytes in zip(costs.edge_src, costs.edge_dst, costs.edge_bytes, strict=True):
+        a, b = split[u], split[v]
+        if a == b:
+            continue
+        sent[a] += int(nbytes)
+        received[b] += int(nbytes)
+        for j in range(a + 1, b):
+            relayed[j] += int(nbytes)
+    peaks = []
+    for rank in range(p):
+        own = list(range(rank, num_stages, p))
+        layers = [layer for layer in range(len(split)) if split[layer] in own]
+        states = sum(int(costs.state_bytes[layer]) for layer in layers)
+        buffers = sum(
+            costs.receive_copies[j] * (received[j] + relayed[j])
+            + costs.send_copies[j] * (sent[j] + relayed[j])
+            for j in own
+        )
+        held = [
+            sum(int(stored[layer]) for layer in layers if split[layer] == j) + relayed[j]
+            for j in own
+        ]
+        activations = max(
+            sum(n * h for n, h in zip(vector, held, strict=True))
+            for vector in costs.in_flight_vectors[rank]
+        )
+        peaks.append(
+            states + buffers + activations + max(int(transient[layer]) for layer in layers)
+        )
+    return peaks
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_rank_costs_recompute_by_hand(seed):
+    graph, config, costs = _random_interleaved(seed)
+    rng = np.random.default_rng(seed)
+    for _ in range(5):
+        cuts = np.sort(rng.choice(np.arange(1, graph.num_layers), costs.num_stages - 1, False))
+        split = np.searchsorted(cuts, np.arange(graph.num_layers), side="right").tolist()
+        stages = stage_costs(costs, split)
+        assert [s.peak_bytes for s in stages] == _rank_peaks_by_hand(graph, costs, split)
+        assert [len(s.chunks) for s in stages] == [config.virtual_stages] * config.pp
+        assert sum(len(s.layers) for s in stages) == graph.num_layers
+
+
+@pytest.mark.parametrize("seed", range(16))
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_solvers_equal_brute_force(seed, backend):
+    graph, config, costs = _random_interleaved(seed)
+    oracle = solve_brute_force(StageProblem(costs=costs, objective=OBJECTIVE_MEMORY))
+    problem = StageProblem(costs=costs, objective=OBJECTIVE_MEMORY)
+    solution = BACKENDS[backend](problem, time_limit_s=30)
+    assert solution.status == OPTIMAL
+    assert solution.objective == oracle.objective
+    assert problem.objective_value(solution.stage_of_layer) == oracle.objective
+    # the config's static bounds never exceed the optimum (they prune configs in the search)
+    assert memory_lower_bound(costs) <= oracle.objective
+    fastest = solve_brute_force(StageProblem(costs=costs, objective=OBJECTIVE_TIME))
+    assert time_lower_bound(costs) <= fastest.objective
+    # under a throughput budget between the fastest and the memory optimum's iteration
+    _, slow = problem.measure(oracle.stage_of_layer)
+    budget = (fastest.objective + slow) // 2
+    limited = StageProblem(costs=costs, objective=OBJECTIVE_MEMORY, iteration_budget_ns=budget)
+    expected = solve_brute_force(limited)
+    got = BACKENDS[backend](limited, time_limit_s=30)
+    assert got.status == expected.status
+    assert got.objective == expected.objective
+    timed = BACKENDS[backend](StageProblem(costs=costs, objective=OBJECTIVE_TIME), time_limit_s=30)
+    assert timed.objective == fastest.objective
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_selective_recompute_with_interleaving_equals_brute_force(seed):
+    graph, config, costs = _random_interleaved(seed, selective=True)
+    problem = StageProblem(costs=costs, objective=OBJECTIVE_MEMORY)
+    oracle = solve_brute_force(problem)
+    for solve in BACKENDS.values():
+        solution = solve(problem, time_limit_s=30)
+        assert solution.objective == oracle.objective
+        recomputed = solution.recomputed
+        assert problem.objective_value(solution.stage_of_layer, recomputed) == oracle.objective
+
+
+def _gpt_graph_file(tmp_path, blocks: int = 12) -> str:
+    path = tmp_path / "gpt.json"
+    graph = gpt_chain(blocks)
+    document = {
+        "format": "layer-graph",
+        "version": 1,
+        "model": graph.model,
+        "layers": [
+            {key: value for key, value in dataclasses.asdict(layer).items() if value is not None}
+            | {"fwd_flops": 1e12, "activation_bytes": 2**30}
+            for layer in graph.layers
+        ],
+    }
+    path.write_text(json.dumps(document))
+    return str(path)
+
+
+def test_plan_and_evaluate_round_trip(tmp_path, capsys):
+    graph_file = _gpt_graph_file(tmp_path)
+    out = tmp_path / "plan.json"
+    flags = ["--gpus", "4", "--gpu-memory", "80GiB", "--global-batch", "16", "--pp", "4"]
+    code = plan_main(
+        [graph_file, *flags, "--virtual-stages", "2", "--micro-batch", "1", "--json", str(out)]
+    )
+    assert code == 0
+    document = json.loads(out.read_text())
+    assert document["config"]["virtual_stages"] == 2
+    assert "interleaved-1f1b v2" in capsys.readouterr().out
+    counts = document["baselines"]["even"]["layer_counts"]
+    assert len(counts) == 8
+    layout = document["exports"]["megatron"]["layout"]
+    assert len(layout.split("|")) == 8
+    assert document["exports"]["torch_pipelining"]["schedule"] == "ScheduleInterleaved1F1B"
+    assert document["exports"]["torch_pipelining"]["stage_ranks"] == [0, 1, 2, 3] * 2
+    planned = [0] * 8
+    for stage in document["stage_of_layer"]:
+        planned[stage] += 1
+    evaluated = tmp_path / "eval.json"
+    code = evaluate_main(
+        [
+            graph_file,
+            "--gpus",
+            "4",
+            "--global-batch",
+            "16",
+            "--pp",
+            "4",
+            "--virtual-stages",
+            "2",
+            "--split",
+            ",".join(map(str, planned)),
+            "--json",
+            str(evaluated),
+        ]
+    )
+    assert code == 0
+    assert json.loads(evaluated.read_text())["peak_bytes"] == document["peak_bytes"]
+
+
+def test_search_over_chunk_counts_keeps_the_best(tmp_path):
+    """Searching v in {1, 2} gives the smaller optimum of the two pinned searches."""
+    graph = gpt_chain(12)
+    cluster = Cluster(num_gpus=4, gpu_memory_bytes=80 * 2**30)
+    base = TrainingConfig(global_batch=16, pp=4, micro_batch_sizes=(1,), max_slowdown=None)
+    peaks = {
+        v: plan(graph, cluster, dataclasses.replace(base, virtual_stages=(v,))).peak_bytes
+        for v in (1, 2)
+    }
+    both = plan(graph, cluster, dataclasses.replace(base, virtual_stages=(1, 2)))
+    assert both.peak_bytes == min(peaks.values())
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--runtime", "torch"], "--runtime megatron only"),
+        (["--backend", "chain"], "--backend chain does not plan interleaved"),
+        (["--memory-model", "empirical"], "analytic"),
+    ],
+)
+def test_plan_errors(tmp_path, capsys, extra, message):
+    graph_file = _gpt_graph_file(tmp_path)
+    args = [graph_file, "--gpus", "4", "--global-batch", "16", "--virtual-stages", "2", *extra]
+    assert plan_main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_evaluate_needs_micro_batches_a_multiple_of_pp():
+    graph = gpt_chain(12)
+    config = ParallelConfig(pp=4, tp=1, dp=1, micro_batch=1, num_microbatches=6, virtual_stages=2)
+    with pytest.raises(InputError, match="pp | micro-batches"):
+        evaluate(graph, config, "even")
+
+
+def test_gpipe_cannot_interleave():
+    with pytest.raises(InputError, match="1f1b"):
+        TrainingConfig(global_batch=8, schedule="gpipe", virtual_stages=(2,))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_optimum_is_never_worse_than_the_baseline_partitioners(seed):
+    from solver.baselines import evaluate_partitioners
+
+    graph, config, costs = _random_interleaved(2 * seed + 1)  # chains
+    cluster = Cluster(num_gpus=config.num_gpus)
+    training = TrainingConfig(
+        global_batch=config.global_batch, virtual_stages=(config.virtual_stages,)
+    )
+    names = ("even", "uniform", "parameters", "size", "throughput")
+    baselines = evaluate_partitioners(graph, costs, cluster=cluster, training=training, names=names)
+    optimum = solve_cpsat(StageProblem(costs=costs, objective=OBJECTIVE_MEMORY), time_limit_s=30)
+    for name, evaluation in baselines.items():
+        assert sorted(set(evaluation.stage_of_layer)) == list(range(costs.num_stages)), name
+        assert optimum.objective <= evaluation.peak_bytes, name
+    with pytest.raises(InputError, match="CAPSlog"):
+        evaluate_partitioners(graph, costs, cluster=cluster, training=training, names=("capslog",))
