@@ -492,7 +492,19 @@ def evaluate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dp", type=positive_int, default=1)
     parser.add_argument("--micro-batch", type=positive_int, default=1)
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
-    parser.add_argument("--recompute", choices=["none", "full"], default="none")
+    parser.add_argument(
+        "--recompute",
+        choices=["none", "full", "selective"],
+        default="none",
+        help="none, full (every layer), or selective: the layers of --recompute-layers",
+    )
+    parser.add_argument(
+        "--recompute-layers",
+        metavar="SPEC",
+        help="with --recompute selective: the recomputed layers, comma-separated layer names, "
+        "positions in topological order (0-based) and ranges, e.g. 0-3,7,block5 ('' = none; "
+        "a plan JSON lists them as stages[i].recomputed)",
+    )
     parser.add_argument(
         "--split",
         required=True,
@@ -546,6 +558,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
                     f"gpus({cluster.num_gpus}) of --cluster {args.cluster}"
                 )
         groups = _stage_groups(args, cluster)
+        recomputed = _recompute_layers(args, graph)
         split: str | list[int] = args.split
         if args.split not in ("even", "parameters"):
             try:
@@ -566,7 +579,13 @@ def evaluate_main(argv: list[str] | None = None) -> int:
             **_bytes_per_param(args),
         )
         result = evaluate(
-            graph, config, split, cluster=cluster, training=training, group_of_stage=groups
+            graph,
+            config,
+            split,
+            cluster=cluster,
+            training=training,
+            group_of_stage=groups,
+            recomputed=recomputed,
         )
         if args.json:
             write_json(args.json, evaluation_to_dict(result), protect=_inputs(args))
@@ -603,6 +622,25 @@ def _stage_groups(args: argparse.Namespace, cluster: Cluster) -> list[int] | Non
     return [names.index(name) for name in given]
 
 
+def _recompute_layers(args: argparse.Namespace, graph: Any) -> list[bool] | None:
+    """--recompute-layers SPEC -> a flag per layer (needs --recompute selective, and vice versa)."""
+    from solver.evaluation import recompute_flags
+
+    if args.recompute != "selective":
+        if args.recompute_layers is not None:
+            raise InputError(
+                f"--recompute-layers needs --recompute selective (got --recompute "
+                f"{args.recompute}); add --recompute selective or drop --recompute-layers"
+            )
+        return None
+    if args.recompute_layers is None:
+        raise InputError(
+            "--recompute selective needs --recompute-layers SPEC: layer names, positions and "
+            "ranges such as 0-3,7,block5 ('' for none)"
+        )
+    return recompute_flags(graph, args.recompute_layers)
+
+
 def _plot_evaluation(result: Any, path: str) -> None:
     """The evaluated split next to the even split of the same config (alone when it is even)."""
     from solver.evaluation import evaluate
@@ -615,6 +653,7 @@ def _plot_evaluation(result: Any, path: str) -> None:
         cluster=result.cluster,
         training=result.training,
         group_of_stage=result.group_of_stage,
+        recomputed=result.recomputed,
     )
     baseline = None if even.stage_of_layer == result.stage_of_layer else even
     plot_plan(result, path, baseline=baseline)
