@@ -271,7 +271,9 @@ def _add_pareto(parser: argparse.ArgumentParser) -> None:
         "--pareto",
         action="store_true",
         help="list the non-dominated (peak memory, throughput) plans instead of one plan "
-        "(--min-throughput is a floor; --max-slowdown and --objective do not apply)",
+        "(--min-throughput is a floor; --max-slowdown and --objective do not apply); on a "
+        "heterogeneous --cluster, memory is what --memory-objective says (largest utilization "
+        "or largest peak) and each plan places its stages on the groups",
     )
     group.add_argument(
         "--pareto-points",
@@ -453,11 +455,6 @@ def plan_main(argv: list[str] | None = None) -> int:
         graph = load_graph(args.graph)
         training = training_from_args(args)
         if args.pareto:
-            if cluster.is_heterogeneous:
-                raise InputError(
-                    "--pareto does not place stages on node groups yet; drop --pareto or use a "
-                    "one-group --cluster"
-                )
             _pareto(args, graph, training, cluster)
             return 0
         result = plan(
@@ -679,10 +676,13 @@ def _pareto(
     if args.plot:
         from solver.plots import plot_pareto
 
+        groups = [(g.name, g.gpu_memory_bytes) for g in cluster.groups]
         plot_pareto(
             front.points,
             args.plot,
-            capacity_bytes=cluster.gpu_memory_bytes,
+            capacity_bytes=None if cluster.is_heterogeneous else cluster.gpu_memory_bytes,
+            group_capacities=groups if cluster.is_heterogeneous else (),
+            utilization=front.memory_unit == "ppm",
             title=f"{graph.model} on {cluster.num_gpus} GPUs: {len(front.points)} non-dominated "
             "plans",
         )
