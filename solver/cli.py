@@ -280,7 +280,9 @@ def _add_pareto(parser: argparse.ArgumentParser) -> None:
         "--pareto",
         action="store_true",
         help="list the non-dominated (peak memory, throughput) plans instead of one plan "
-        "(--min-throughput is a floor; --max-slowdown and --objective do not apply)",
+        "(--min-throughput is a floor; --max-slowdown and --objective do not apply); on a "
+        "heterogeneous --cluster, memory is what --memory-objective says (largest utilization "
+        "or largest peak) and each plan places its stages on the groups",
     )
     group.add_argument(
         "--pareto-points",
@@ -463,11 +465,6 @@ def plan_main(argv: list[str] | None = None) -> int:
         graph = load_graph(args.graph)
         training = training_from_args(args)
         if args.pareto:
-            if cluster.is_heterogeneous:
-                raise InputError(
-                    "--pareto does not place stages on node groups yet; drop --pareto or use a "
-                    "one-group --cluster"
-                )
             _pareto(args, graph, training, cluster)
             return 0
         result = plan(
@@ -502,7 +499,19 @@ def evaluate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dp", type=positive_int, default=1)
     parser.add_argument("--micro-batch", type=positive_int, default=1)
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
-    parser.add_argument("--recompute", choices=["none", "full"], default="none")
+    parser.add_argument(
+        "--recompute",
+        choices=["none", "full", "selective"],
+        default="none",
+        help="none, full (every layer), or selective: the layers of --recompute-layers",
+    )
+    parser.add_argument(
+        "--recompute-layers",
+        metavar="SPEC",
+        help="with --recompute selective: the recomputed layers, comma-separated layer names, "
+        "positions in topological order (0-based) and ranges, e.g. 0-3,7,block5 ('' = none; "
+        "a plan JSON lists them as stages[i].recomputed)",
+    )
     parser.add_argument(
         "--split",
         required=True,
@@ -563,6 +572,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
                     f"gpus({cluster.num_gpus}) of --cluster {args.cluster}"
                 )
         groups = _stage_groups(args, cluster)
+        recomputed = _recompute_layers(args, graph)
         split: str | list[int] = args.split
         if args.split not in ("even", "parameters"):
             try:
@@ -584,7 +594,13 @@ def evaluate_main(argv: list[str] | None = None) -> int:
             **_bytes_per_param(args),
         )
         result = evaluate(
-            graph, config, split, cluster=cluster, training=training, group_of_stage=groups
+            graph,
+            config,
+            split,
+            cluster=cluster,
+            training=training,
+            group_of_stage=groups,
+            recomputed=recomputed,
         )
         if args.json:
             write_json(args.json, evaluation_to_dict(result), protect=_inputs(args))
@@ -621,6 +637,25 @@ def _stage_groups(args: argparse.Namespace, cluster: Cluster) -> list[int] | Non
     return [names.index(name) for name in given]
 
 
+def _recompute_layers(args: argparse.Namespace, graph: Any) -> list[bool] | None:
+    """--recompute-layers SPEC -> a flag per layer (needs --recompute selective, and vice versa)."""
+    from solver.evaluation import recompute_flags
+
+    if args.recompute != "selective":
+        if args.recompute_layers is not None:
+            raise InputError(
+                f"--recompute-layers needs --recompute selective (got --recompute "
+                f"{args.recompute}); add --recompute selective or drop --recompute-layers"
+            )
+        return None
+    if args.recompute_layers is None:
+        raise InputError(
+            "--recompute selective needs --recompute-layers SPEC: layer names, positions and "
+            "ranges such as 0-3,7,block5 ('' for none)"
+        )
+    return recompute_flags(graph, args.recompute_layers)
+
+
 def _plot_evaluation(result: Any, path: str) -> None:
     """The evaluated split next to the even split of the same config (alone when it is even)."""
     from solver.evaluation import evaluate
@@ -633,6 +668,7 @@ def _plot_evaluation(result: Any, path: str) -> None:
         cluster=result.cluster,
         training=result.training,
         group_of_stage=result.group_of_stage,
+        recomputed=result.recomputed,
     )
     baseline = None if even.stage_of_layer == result.stage_of_layer else even
     plot_plan(result, path, baseline=baseline)
@@ -658,10 +694,13 @@ def _pareto(
     if args.plot:
         from solver.plots import plot_pareto
 
+        groups = [(g.name, g.gpu_memory_bytes) for g in cluster.groups]
         plot_pareto(
             front.points,
             args.plot,
-            capacity_bytes=cluster.gpu_memory_bytes,
+            capacity_bytes=None if cluster.is_heterogeneous else cluster.gpu_memory_bytes,
+            group_capacities=groups if cluster.is_heterogeneous else (),
+            utilization=front.memory_unit == "ppm",
             title=f"{graph.model} on {cluster.num_gpus} GPUs: {len(front.points)} non-dominated "
             "plans",
         )

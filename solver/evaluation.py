@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from solver.baselines import BASELINES, counts_to_assignment
@@ -188,6 +189,46 @@ def evaluate(
         group_costs=group_costs,
         group_of_stage=group_of_stage,
     )
+
+
+def recompute_flags(
+    graph: LayerGraph, spec: str, *, flag: str = "--recompute-layers"
+) -> list[bool]:
+    """A recompute flag per layer from ``spec``: comma-separated layer names, topological
+    positions (0-based) and inclusive position ranges, e.g. ``0-3,7,block5``; an empty spec is
+    no layer. A token that is a layer name means that layer, even if it also reads as a number.
+    Raises InputError naming ``flag`` for unknown names, positions outside the graph, reversed
+    ranges and empty items."""
+    num_layers = graph.num_layers
+    flags = [False] * num_layers
+    if not spec.strip():
+        return flags
+    position = graph.index()
+    for token in (part.strip() for part in spec.split(",")):
+        if not token:
+            raise InputError(
+                f"{flag} {spec!r}: empty item; separate names and positions by one comma"
+            )
+        if token in position:
+            flags[position[token]] = True
+            continue
+        match = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", token)
+        if match is None:
+            raise InputError(
+                f"{flag}: {token!r} is not a layer name, a position 0..{num_layers - 1} or a "
+                f"range like 0-3 (names: {', '.join(graph.names[:3])}, ...)"
+            )
+        first = int(match[1])
+        last = first if match[2] is None else int(match[2])
+        if first > last:
+            raise InputError(f"{flag}: range {token} runs backwards; write {last}-{first}")
+        if last >= num_layers:
+            raise InputError(
+                f"{flag}: position {last} outside 0..{num_layers - 1} (the graph has "
+                f"{num_layers} layers); use a position in range or a layer name"
+            )
+        flags[first : last + 1] = [True] * (last + 1 - first)
+    return flags
 
 
 def check_placement(cluster: Cluster, config: ParallelConfig, group_of_stage: list[int] | None):

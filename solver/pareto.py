@@ -16,6 +16,13 @@ non-dominated; ``complete`` is then False). Each lexicographic step is two confi
 
 ``TrainingConfig.min_throughput`` applies as a floor; ``max_slowdown`` and ``objective`` do not
 (the front shows the whole trade-off they pick a point on).
+
+On a heterogeneous cluster (two or more node groups) every plan also places each stage on a
+group, and the memory axis is what ``TrainingConfig.memory_objective`` says: the largest
+utilization (stage peak / its group's GPU memory, ppm, default) or the largest peak (bytes). The
+walk runs in that unit (a utilization limit in ppm, or a peak limit in bytes, on top of each
+group's capacity), so the front is the non-dominated (memory, iteration) pairs over every config,
+split and assignment of stages to groups; each point carries its ``group_of_stage``.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from typing import Any
 from solver.errors import InputError, NoSolutionError
 from solver.evaluation import Evaluation, evaluate_assignment
 from solver.graph import LayerGraph
-from solver.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME
+from solver.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, UTILIZATION
 from solver.report import evaluation_to_dict
 from solver.search import Deadline, build_entries, search
 from solver.specs import Cluster, TrainingConfig
@@ -52,13 +59,27 @@ class ParetoFront:
     searches: int
     """Config searches run (two per point)."""
     wall_s: float
+    memory_unit: str = "bytes"
+    """The memory axis: "bytes" (largest peak) or "ppm" (largest utilization, heterogeneous
+    clusters under the utilization objective)."""
+
+    @property
+    def memory(self) -> list[int]:
+        """Each point's memory-axis value (peak bytes, or largest utilization in ppm)."""
+        return [memory_value(point, self.memory_unit) for point in self.points]
 
 
 @dataclass(frozen=True)
 class _Point:
-    peak_bytes: int
+    memory: int
+    """Peak bytes, or largest utilization (ppm)."""
     iteration_ns: int
     evaluation: Evaluation
+
+
+def memory_value(evaluation: Evaluation, unit: str) -> int:
+    """The memory axis of a point: its largest peak (bytes) or largest utilization (ppm)."""
+    return max(evaluation.utilization_ppm) if unit == "ppm" else evaluation.peak_bytes
 
 
 def pareto_front(
@@ -71,7 +92,9 @@ def pareto_front(
     time_limit_s: float | None = 60.0,
     num_workers: int = 1,
 ) -> ParetoFront:
-    """Non-dominated (peak memory, throughput) plans that fit ``cluster.gpu_memory_bytes``.
+    """Non-dominated (peak memory, throughput) plans that fit ``cluster.gpu_memory_bytes`` (on
+    a heterogeneous cluster: each stage its group's memory; memory is then the largest
+    utilization or the largest peak, as ``training.memory_objective`` says).
 
     ``max_points``: at most this many points (>= 2; None: the complete front, however long).
     Raises InfeasibleError when no plan fits, NoSolutionError when the time runs out first.
@@ -90,33 +113,50 @@ def pareto_front(
         search, entries, backend=backend, deadline=deadline, num_workers=num_workers
     )
     counter = {"searches": 0, "proven": True}
+    heterogeneous = cluster.is_heterogeneous
+    unit = "ppm" if heterogeneous and training.memory_objective == UTILIZATION else "bytes"
 
-    def solve(objective: str, capacity: int, budget: int | None):
+    def solve(objective: str, level: int | None, budget: int | None):
+        """One config search with memory <= level (None: only the GPU capacities) in the
+        front's unit: a peak limit in bytes, or a utilization limit in ppm."""
         counter["searches"] += 1
-        result = run(objective=objective, capacity_bytes=capacity, iteration_budget_ns=budget)
+        result = run(
+            objective=objective,
+            capacity_bytes=None if unit == "ppm" else level,
+            utilization_limit_ppm=level if unit == "ppm" else None,
+            iteration_budget_ns=budget,
+        )
         counter["proven"] &= result.proven
         return result
 
     def point(result) -> _Point:
+        solution, placement = result.solution, result.entry.placement
+        placed = (
+            {}
+            if placement is None
+            else {"group_costs": placement.group_costs, "group_of_stage": solution.group_of_stage}
+        )
         evaluation = evaluate_assignment(
             graph,
             result.entry.costs,
-            result.solution.stage_of_layer,
+            solution.stage_of_layer,
             cluster=cluster,
             training=training,
-            recomputed=result.solution.recomputed,
+            recomputed=solution.recomputed,
+            **placed,
         )
-        return _Point(evaluation.peak_bytes, evaluation.iteration_ns, evaluation)
+        return _Point(memory_value(evaluation, unit), evaluation.iteration_ns, evaluation)
 
-    def fastest_within(level: int) -> _Point | None:
-        """Fastest plan with peak <= level; among those, the smallest peak."""
+    def fastest_within(level: int | None) -> _Point | None:
+        """Fastest plan with memory <= level; among those, the smallest memory."""
         fastest = solve(OBJECTIVE_TIME, level, budget_ns)
         if fastest.entry is None:
             return None
         smallest = solve(OBJECTIVE_MEMORY, level, fastest.value)
         return point(smallest if smallest.entry is not None else fastest)
 
-    capacity = cluster.gpu_memory_bytes
+    # each group's capacity is in its entries' placement; the cluster's is the only limit else
+    capacity = None if heterogeneous else cluster.gpu_memory_bytes
     first = fastest_within(capacity)
     if first is None:
         if not counter["proven"]:
@@ -130,15 +170,15 @@ def pareto_front(
     smallest = solve(OBJECTIVE_MEMORY, capacity, budget_ns)
     last = (
         first
-        if smallest.entry is None or smallest.value >= first.peak_bytes
+        if smallest.entry is None or smallest.value >= first.memory
         else fastest_within(smallest.value)
     )
     walk, complete = [first], True
-    while last is not None and walk[-1].peak_bytes > last.peak_bytes:
+    while last is not None and walk[-1].memory > last.memory:
         if max_points is not None and len(walk) == max_points:
             complete = False
             break
-        following = fastest_within(walk[-1].peak_bytes - 1)
+        following = fastest_within(walk[-1].memory - 1)
         if following is None:  # time limit
             complete = False
             break
@@ -146,7 +186,7 @@ def pareto_front(
     points = walk
     if not complete and last is not None and max_points is not None:
         levels = [
-            first.peak_bytes - (first.peak_bytes - last.peak_bytes) * i // (max_points - 1)
+            first.memory - (first.memory - last.memory) * i // (max_points - 1)
             for i in range(1, max_points - 1)
         ]
         points = [first, *(p for p in map(fastest_within, levels) if p is not None), last]
@@ -157,13 +197,14 @@ def pareto_front(
         proven=counter["proven"],
         searches=counter["searches"],
         wall_s=time.perf_counter() - started,
+        memory_unit=unit,
     )
 
 
 def _non_dominated(points: list[_Point]) -> list[_Point]:
-    """Distinct non-dominated points, smallest peak first (the first plan of a tied pair)."""
+    """Distinct non-dominated points, smallest memory first (the first plan of a tied pair)."""
     front: list[_Point] = []
-    for candidate in sorted(points, key=lambda p: (p.peak_bytes, p.iteration_ns)):
+    for candidate in sorted(points, key=lambda p: (p.memory, p.iteration_ns)):
         if not front or candidate.iteration_ns < front[-1].iteration_ns:
             front.append(candidate)
     return front
@@ -175,48 +216,70 @@ def dominated(a: tuple[int, float], b: tuple[int, float]) -> bool:
 
 
 def pareto_to_dict(front: ParetoFront) -> dict[str, Any]:
-    """The --json document: every point as the plan JSON's evaluation fields."""
-    cluster = front.points[0].cluster
-    return {
+    """The --json document: every point as the plan JSON's evaluation fields (on a
+    heterogeneous cluster with each stage's group, capacity and utilization), plus its value on
+    the memory axis (``memory``, in ``memory_unit``)."""
+    first = front.points[0]
+    cluster = first.cluster
+    points = [
+        evaluation_to_dict(point)
+        | {"layer_counts": [len(stage.layers) for stage in point.stages], "memory": memory}
+        for point, memory in zip(front.points, front.memory, strict=True)
+    ]
+    document = {
         "format": PARETO_FORMAT,
         "version": PARETO_VERSION,
-        "model": front.points[0].graph.model,
+        "model": first.graph.model,
         "cluster": {
             "num_gpus": cluster.num_gpus,
             "gpu_memory_bytes": cluster.gpu_memory_bytes,
             "gpus_per_node": cluster.gpus_per_node,
         },
+        "memory_unit": front.memory_unit,
         "complete": front.complete,
         "proven": front.proven,
         "searches": front.searches,
         "wall_s": front.wall_s,
-        "points": [
-            evaluation_to_dict(point)
-            | {"layer_counts": [len(stage.layers) for stage in point.stages]}
-            for point in front.points
-        ],
+        "points": points,
     }
+    if cluster.is_heterogeneous:
+        document["cluster"]["groups"] = points[0]["cluster"]["groups"]
+        document["memory_objective"] = first.training.memory_objective
+    return document
 
 
 def format_pareto(front: ParetoFront) -> str:
-    """Text table: one row per point, smallest peak first."""
+    """Text table: one row per point, smallest memory first (on a heterogeneous cluster with
+    the largest utilization and each stage's group)."""
     first = front.points[0]
     cluster = first.cluster
+    where = f"{cluster.num_gpus} GPUs x {format_bytes(cluster.gpu_memory_bytes)}"
+    placed = cluster.is_heterogeneous
+    if placed:
+        where = " + ".join(
+            f"{g.num_gpus} x {format_bytes(g.gpu_memory_bytes)} ({g.name})" for g in cluster.groups
+        )
+        where += f"; memory objective: {first.training.memory_objective}"
     lines = [
-        f"Pareto front of {first.graph.model} on {cluster.num_gpus} GPUs x "
-        f"{format_bytes(cluster.gpu_memory_bytes)}: {len(front.points)} non-dominated plans"
+        f"Pareto front of {first.graph.model} on {where}: {len(front.points)} non-dominated plans"
         + ("" if front.complete else " (a sample of the front)")
     ]
     header = ["peak", "throughput", "config", "split (layers per stage)"]
-    rows = [
-        [
+    if placed:
+        header[1:1] = ["max util"]
+        header.append("groups (per stage)")
+    rows = []
+    for point in front.points:
+        row = [
             format_bytes(point.peak_bytes),
             f"{point.throughput:.4g} samples/s",
             point.config.label(),
             ",".join(str(len(stage.layers)) for stage in point.stages),
         ]
-        for point in front.points
-    ]
+        if placed:
+            row[1:1] = [f"{max(point.utilization_ppm) / 1e4:.1f}%"]
+            row.append(",".join(point.group_names))
+        rows.append(row)
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         lines.append(
@@ -227,4 +290,11 @@ def format_pareto(front: ParetoFront) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ParetoFront", "dominated", "format_pareto", "pareto_front", "pareto_to_dict"]
+__all__ = [
+    "ParetoFront",
+    "dominated",
+    "format_pareto",
+    "memory_value",
+    "pareto_front",
+    "pareto_to_dict",
+]

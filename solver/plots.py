@@ -207,17 +207,21 @@ def plot_pareto(
     *,
     capacity_bytes: int | None = None,
     title: str | None = None,
+    group_capacities: Sequence[tuple[str, int]] = (),
+    utilization: bool = False,
 ) -> Path:
     """Throughput against peak memory of non-dominated plans, each labelled with its config.
 
     ``points``: Evaluations (or objects / dicts with ``peak_bytes``, ``throughput`` and ``config``,
-    a ParallelConfig or its label)."""
+    a ParallelConfig or its label). A heterogeneous cluster's front: ``group_capacities`` (name,
+    bytes) draws a capacity line per group; ``utilization`` puts the largest utilization (% of
+    the stage's GPU memory; Evaluations, or dicts with ``max_utilization``) on the x axis."""
     target = check_plot_path(path)
     if not points:
         raise InputError("plot_pareto: no points to plot")
-    data = sorted((_field(p, "peak_bytes"), _field(p, "throughput"), _label(p)) for p in points)
+    data = sorted((_memory(p, utilization), _field(p, "throughput"), _label(p)) for p in points)
     figure, (ax,) = _figure(1, 1, width=7.5, height=4.8, sharey=False)
-    peaks = [peak / GIB for peak, _, _ in data]
+    peaks = [memory for memory, _, _ in data]
     speeds = [speed for _, speed, _ in data]
     ax.step(peaks, speeds, where="post", color="#4c72b0", alpha=0.4, linewidth=1)
     ax.plot(peaks, speeds, "o", color="#4c72b0", label="non-dominated plans")
@@ -226,19 +230,38 @@ def plot_pareto(
         if text != previous:  # label where the config changes
             ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
         previous = text
-    if capacity_bytes is not None:
-        ax.axvline(
-            capacity_bytes / GIB,
-            color=CAPACITY_COLOUR,
-            linestyle="--",
-            label=f"GPU capacity ({format_bytes(capacity_bytes)})",
-        )
-    ax.set_xlabel("largest per-GPU peak memory (GiB)")
+    lines = [] if capacity_bytes is None else [("GPU capacity", capacity_bytes)]
+    lines += [(f"{name} capacity", capacity) for name, capacity in group_capacities]
+    if utilization:
+        ax.axvline(100, color=CAPACITY_COLOUR, linestyle="--", label="each GPU's capacity")
+    else:
+        for i, (label, capacity) in enumerate(lines):
+            style = ("--", ":", "-.")[i % 3]
+            ax.axvline(
+                capacity / GIB,
+                color=CAPACITY_COLOUR,
+                linestyle=style,
+                label=f"{label} ({format_bytes(capacity)})",
+            )
+    ax.set_xlabel(
+        "largest utilization (% of the stage's GPU memory)"
+        if utilization
+        else "largest per-GPU peak memory (GiB)"
+    )
     ax.set_ylabel("throughput (samples/s)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title(title or f"Pareto front: {len(data)} plans (memory vs throughput)", fontsize=11)
     return _save(figure, target)
+
+
+def _memory(point: Any, utilization: bool) -> float:
+    """x of a Pareto point: peak in GiB, or largest utilization in %."""
+    if not utilization:
+        return _field(point, "peak_bytes") / GIB
+    if isinstance(point, Mapping):
+        return 100 * point["max_utilization"]
+    return max(point.utilization_ppm) / 1e4
 
 
 # -- helpers -----------------------------------------------------------------------------------

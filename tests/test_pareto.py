@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import random
 from pathlib import Path
 
@@ -129,3 +130,171 @@ def test_plan_cli_pareto_points_below_two_is_exit_2(capsys):
     assert plan_main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--pareto-points" in err
+
+
+# -- heterogeneous clusters: the memory axis is the memory objective's --------------------------
+
+
+def _two_groups(small_bytes: int, large_bytes: int) -> Cluster:
+    """2 GPUs of `small_bytes` at 989 TFLOP/s and 2 of `large_bytes` at 312 (one node each)."""
+    from solver.cluster_file import cluster_from_dict
+
+    def group(name, memory, tflops):
+        return {
+            "name": name,
+            "num_nodes": 1,
+            "gpus_per_node": 2,
+            "gpu_memory": memory,
+            "gpu_tflops": tflops,
+        }
+
+    groups = [group("small", small_bytes, 989), group("large", large_bytes, 312)]
+    return cluster_from_dict({"format": "cluster", "version": 1, "groups": groups})
+
+
+def placed_brute_force_front(graph, cluster, training) -> set[tuple[int, int]]:
+    """Non-dominated (memory objective, iteration ns) over every config, split and assignment
+    of stages to groups that fits every group's capacity (and the throughput floor)."""
+    budget = (
+        None
+        if training.min_throughput is None
+        else math.floor(training.global_batch * 1e9 / training.min_throughput)
+    )
+    values = set()
+    for entry in build_entries(graph, cluster, training):
+        problem = StageProblem(
+            costs=entry.costs, placement=entry.placement, iteration_budget_ns=budget
+        )
+        p, counts = problem.num_stages, entry.placement.stages_per_group
+        groupings = [
+            list(groups)
+            for groups in itertools.product(range(len(counts)), repeat=p)
+            if [groups.count(k) for k in range(len(counts))] == counts
+        ]
+        edges = list(zip(entry.costs.edge_src, entry.costs.edge_dst, strict=True))
+        for stage_of in itertools.product(range(p), repeat=graph.num_layers):
+            if len(set(stage_of)) < p or any(stage_of[u] > stage_of[v] for u, v in edges):
+                continue  # an empty stage or an edge backwards: no grouping makes it valid
+            for groups in groupings:
+                if problem.violation(stage_of, None, groups) is None:
+                    values.add(problem.measure(stage_of, None, groups))
+    return {v for v in values if not any(w != v and w[0] <= v[0] and w[1] <= v[1] for w in values)}
+
+
+def hetero_case(seed: int, make_graph, num_layers: int, memory_objective: str):
+    """A random graph on 2 small fast + 2 large slow GPUs: the small capacity is the median peak
+    of the front with no memory limit, the large one twice it (placement decides what fits)."""
+    graph = make_graph(random.Random(seed), num_layers)
+    absolute = dataclasses.replace(TRAINING, memory_objective="absolute")
+    peaks = sorted(placed_brute_force_front(graph, _two_groups(2**40, 2**40), absolute))
+    small = peaks[len(peaks) // 2][0]
+    training = dataclasses.replace(TRAINING, memory_objective=memory_objective)
+    return graph, _two_groups(small, 2 * small), training
+
+
+def check_placed_points(front, graph, cluster, training) -> None:
+    """Each point places its stages on the groups (all GPUs used), fits each group's memory,
+    is recomputed exactly by solver.evaluate with its group_of_stage, and no point dominates
+    another on (memory axis, iteration)."""
+    unit = "ppm" if training.memory_objective == "utilization" else "bytes"
+    assert front.memory_unit == unit
+    pairs = [(m, p.iteration_ns) for m, p in zip(front.memory, front.points, strict=True)]
+    assert pairs == sorted(pairs) and all(a[1] > b[1] for a, b in itertools.pairwise(pairs))
+    for memory, point in zip(front.memory, front.points, strict=True):
+        assert point.group_of_stage is not None and len(point.group_of_stage) == point.config.pp
+        for k, group in enumerate(cluster.groups):
+            hosted = point.group_of_stage.count(k)
+            assert hosted * point.config.tp * point.config.dp == group.num_gpus
+        assert point.fits
+        again = evaluate(
+            graph,
+            point.config,
+            point.stage_of_layer,
+            cluster=cluster,
+            training=training,
+            group_of_stage=point.group_of_stage,
+        )
+        assert (again.peak_bytes, again.iteration_ns) == (point.peak_bytes, point.iteration_ns)
+        expected = max(again.utilization_ppm) if unit == "ppm" else again.peak_bytes
+        assert memory == expected
+
+
+@pytest.mark.parametrize("memory_objective", ["utilization", "absolute"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_heterogeneous_front_equals_brute_force_on_tiny_chains(seed, memory_objective):
+    graph, cluster, training = hetero_case(seed, random_chain, 5, memory_objective)
+    expected = placed_brute_force_front(graph, cluster, training)
+    assert len(expected) >= 2, "the case must have a trade-off"
+    front = pareto_front(graph, cluster, training, max_points=None)
+    assert front.complete and front.proven
+    check_placed_points(front, graph, cluster, training)
+    found = {(m, p.iteration_ns) for m, p in zip(front.memory, front.points, strict=True)}
+    assert found == expected
+
+
+@pytest.mark.parametrize("memory_objective", ["utilization", "absolute"])
+def test_heterogeneous_front_equals_brute_force_on_a_tiny_dag(memory_objective):
+    graph, cluster, training = hetero_case(3, random_dag, 5, memory_objective)
+    assert not build_entries(graph, cluster, training)[0].costs.is_chain()
+    front = pareto_front(graph, cluster, training, max_points=None)
+    check_placed_points(front, graph, cluster, training)
+    found = {(m, p.iteration_ns) for m, p in zip(front.memory, front.points, strict=True)}
+    assert found == placed_brute_force_front(graph, cluster, training)
+
+
+def test_heterogeneous_front_with_a_floor_and_a_bound():
+    """--min-throughput cuts the slow end of the front; max_points samples it, keeping both
+    ends and only front points."""
+    graph, cluster, training = hetero_case(1, random_chain, 6, "utilization")
+    full = pareto_front(graph, cluster, training, max_points=None)
+    pairs = [(m, p.iteration_ns) for m, p in zip(full.memory, full.points, strict=True)]
+    assert len(pairs) > 3, "the case must have a front longer than the bound"
+    sampled = pareto_front(graph, cluster, training, max_points=3)
+    found = [(m, p.iteration_ns) for m, p in zip(sampled.memory, sampled.points, strict=True)]
+    assert not sampled.complete and 2 <= len(found) <= 3
+    assert set(found) <= set(pairs) and found[0] == pairs[0] and found[-1] == pairs[-1]
+    floor = full.points[len(pairs) // 2].throughput
+    floored = dataclasses.replace(training, min_throughput=floor)
+    front = pareto_front(graph, cluster, floored, max_points=None)
+    kept = [(m, p.iteration_ns) for m, p in zip(front.memory, front.points, strict=True)]
+    assert kept == [
+        pair for pair, p in zip(pairs, full.points, strict=True) if p.throughput >= floor
+    ]
+    assert set(kept) == placed_brute_force_front(graph, cluster, floored)
+
+
+def test_heterogeneous_nothing_fits_is_infeasible():
+    graph = random_chain(random.Random(0), 4)
+    with pytest.raises(InfeasibleError, match="group"):
+        pareto_front(graph, _two_groups(1, 2), TRAINING)
+
+
+@pytest.mark.parametrize("memory_objective, unit", [("utilization", "ppm"), ("absolute", "bytes")])
+def test_plan_cli_pareto_on_a_heterogeneous_cluster(capsys, tmp_path, memory_objective, unit):
+    cluster = ROOT / "examples" / "clusters" / "a100-40g-80g.json"
+    out, picture = tmp_path / "front.json", tmp_path / "front.png"
+    args = [GPT, "--cluster", str(cluster), "--global-batch", "32", "--pareto", "--pp", "2"]
+    args += ["--memory-objective", memory_objective, "--pareto-points", "3"]
+    code = plan_main([*args, "--json", str(out), "--plot", str(picture)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "a100-40g" in captured.out and "max util" in captured.out
+    document = json.loads(out.read_text())
+    assert document["memory_unit"] == unit and document["memory_objective"] == memory_objective
+    assert [g["name"] for g in document["cluster"]["groups"]] == ["a100-40g", "a100-80g"]
+    points = document["points"]
+    assert 2 <= len(points) <= 3
+    for point in points:
+        groups = [stage["group"] for stage in point["stages"]]
+        assert sorted(groups) == ["a100-40g", "a100-80g"]  # pp2: one stage on each group
+        assert all(s["peak_bytes"] <= s["capacity_bytes"] for s in point["stages"])
+        memory = (
+            max(math.ceil(s["peak_bytes"] * 10**6 / s["capacity_bytes"]) for s in point["stages"])
+            if unit == "ppm"
+            else point["peak_bytes"]
+        )
+        assert point["memory"] == memory
+    pairs = [(p["memory"], -p["throughput"]) for p in points]
+    assert pairs == sorted(pairs) and len({m for m, _ in pairs}) == len(pairs)
+    assert all(a[1] > b[1] for a, b in itertools.pairwise(pairs)), "faster as memory grows"
+    assert picture.read_bytes()[:4] == b"\x89PNG"

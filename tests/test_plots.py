@@ -114,6 +114,18 @@ def test_plot_pareto_writes_png(small_plan, tmp_path):
     assert_png(plot_pareto(points, tmp_path / "front.png", capacity_bytes=40 * GIB))
 
 
+def test_plot_pareto_of_a_heterogeneous_front(small_plan, tmp_path):
+    """Utilization on the x axis (from the JSON's max_utilization), or a capacity per group."""
+    config = small_plan.config.to_dict()
+    points = [
+        {"peak_bytes": 30 * GIB, "max_utilization": 0.75, "throughput": 5.0, "config": config},
+        {"peak_bytes": 35 * GIB, "max_utilization": 0.5, "throughput": 4.0, "config": config},
+    ]
+    groups = [("a100-40g", 40 * GIB), ("a100-80g", 80 * GIB)]
+    assert_png(plot_pareto(points, tmp_path / "u.png", group_capacities=groups, utilization=True))
+    assert_png(plot_pareto(points, tmp_path / "b.png", group_capacities=groups))
+
+
 @pytest.mark.parametrize(
     ("name", "message"),
     [

@@ -1,0 +1,182 @@
+"""solver.evaluate with a given set of recomputed layers (--recompute selective
+--recompute-layers SPEC): the costs equal the cost model's, bad specs are one-line exit-2 errors,
+and a plan's own split and recomputed layers evaluate back to the plan's peak."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from solver.cli import evaluate_main, plan_main
+from solver.cost_model import layer_costs, stage_costs
+from solver.evaluation import recompute_flags
+from solver.specs import Cluster, ParallelConfig, TrainingConfig
+from tests.random_graphs import random_chain
+from tests.test_recompute import _uniform_chain
+
+
+def _run(main, argv, capsys) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as error:  # argparse errors
+        code = error.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def chain_file(tmp_path):
+    """A random 10-layer chain (names l0..l9) saved as JSON."""
+    graph = random_chain(random.Random(11), 10)
+    path = tmp_path / "chain.json"
+    graph.save(path)
+    return graph, str(path)
+
+
+def test_spec_reads_names_positions_and_ranges(chain_file):
+    graph, _ = chain_file
+    flags = recompute_flags(graph, " 0-2 ,l5,7, 7-7,l9")
+    assert [i for i, flag in enumerate(flags) if flag] == [0, 1, 2, 5, 7, 9]
+    assert recompute_flags(graph, "") == [False] * 10
+    assert recompute_flags(graph, "0-9") == [True] * 10
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_evaluate_with_recompute_set_equals_stage_costs(chain_file, tmp_path, capsys, seed):
+    """The CLI's per-stage peaks, breakdowns, times and recomputed names equal stage_costs on
+    the selective coefficients with the same flags, computed here independently."""
+    graph, path = chain_file
+    rng = random.Random(seed)
+    recomputed_positions = sorted(rng.sample(range(10), 4))
+    spec = ",".join(graph.names[i] if rng.random() < 0.5 else str(i) for i in recomputed_positions)
+    counts = [3, 2, 5]
+    config = ParallelConfig(
+        pp=3, tp=2, dp=2, micro_batch=1, num_microbatches=4, recompute="selective"
+    )
+    out = tmp_path / "e.json"
+    argv = [path, "--pp", "3", "--tp", "2", "--dp", "2", "--global-batch", "8"]
+    argv += ["--gpus-per-node", "4", "--split", "3,2,5", "--recompute", "selective"]
+    code, text, err = _run(
+        evaluate_main, [*argv, "--recompute-layers", spec, "--json", str(out)], capsys
+    )
+    assert code == 0, err
+    cluster = Cluster(num_gpus=12, gpus_per_node=4)
+    costs = layer_costs(graph, config, cluster, TrainingConfig(global_batch=8))
+    split = [s for s, n in enumerate(counts) for _ in range(n)]
+    flags = [i in recomputed_positions for i in range(10)]
+    expected = stage_costs(costs, split, flags)
+    document = json.loads(out.read_text())
+    assert document["config"]["recompute"] == "selective"
+    assert document["peak_bytes"] == max(stage.peak_bytes for stage in expected)
+    for stage, want in zip(document["stages"], expected, strict=True):
+        assert stage["peak_bytes"] == want.peak_bytes
+        assert stage["breakdown"] == want.breakdown()
+        assert stage["time_ms"] == want.time_ns / 1e6
+        assert stage["recomputed"] == [graph.names[i] for i in want.recomputed]
+        assert set(stage["recomputed"]) <= set(stage["layers"])
+    assert sum(len(stage["recomputed"]) for stage in document["stages"]) == 4
+    # recomputing strictly less activation memory than none, same as the flags say
+    none = stage_costs(costs, split, [False] * 10)
+    assert [s.peak_bytes for s in none] != [s.peak_bytes for s in expected]
+    header = text.splitlines()[2]
+    assert header.rstrip().endswith("recomputed") and "selective-recompute" in text
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--recompute", "selective", "--recompute-layers", "0-3,l42"], "'l42' is not a layer"),
+        (["--recompute", "selective", "--recompute-layers", "10"], "position 10 outside 0..9"),
+        (["--recompute", "selective", "--recompute-layers", "2-12"], "position 12 outside 0..9"),
+        (["--recompute", "selective", "--recompute-layers", "5-2"], "write 2-5"),
+        (["--recompute", "selective", "--recompute-layers", "1,,2"], "empty item"),
+        (["--recompute", "selective", "--recompute-layers", "-1"], "'-1' is not a layer"),
+        (["--recompute-layers", "0-3"], "needs --recompute selective"),
+        (["--recompute", "full", "--recompute-layers", "0-3"], "needs --recompute selective"),
+        (["--recompute", "selective"], "--recompute selective needs --recompute-layers"),
+    ],
+)
+def test_bad_recompute_layers_are_one_line_exit_2(chain_file, capsys, extra, message):
+    _, path = chain_file
+    argv = [path, "--pp", "2", "--global-batch", "4", "--split", "even", *extra]
+    code, out, err = _run(evaluate_main, argv, capsys)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and "--recompute-layers" in err and message in err
+    assert "Traceback" not in err
+
+
+def test_plan_recompute_auto_round_trips_through_evaluate(tmp_path, capsys):
+    """A memory-tight uniform chain under a throughput floor: the plan recomputes some but not
+    all layers; solver.evaluate with its config, its stage_of_layer and its recomputed names
+    (as the plan JSON lists them) gives the same peak, iteration and per-stage lists."""
+    graph_path = tmp_path / "uniform.json"
+    _uniform_chain(8).save(graph_path)
+    plan_json = tmp_path / "plan.json"
+    argv = [str(graph_path), "--gpus", "4", "--global-batch", "8", "--micro-batch", "1"]
+    argv += ["--pp", "4", "--recompute", "auto", "--max-slowdown", "1.2"]
+    code, _, err = _run(plan_main, [*argv, "--json", str(plan_json), "--quiet"], capsys)
+    assert code == 0, err
+    plan = json.loads(plan_json.read_text())
+    names = [name for stage in plan["stages"] for name in stage["recomputed"]]
+    assert 0 < len(names) < 8, "the case must recompute some layers, not all"
+    config = plan["config"]
+    assert config["recompute"] == "selective"
+    evaluated = tmp_path / "evaluated.json"
+    code, text, err = _run(
+        evaluate_main,
+        [
+            str(graph_path),
+            "--pp",
+            str(config["pp"]),
+            "--tp",
+            str(config["tp"]),
+            "--dp",
+            str(config["dp"]),
+            "--micro-batch",
+            str(config["micro_batch"]),
+            "--zero",
+            str(config["zero"]),
+            "--global-batch",
+            "8",
+            "--split",
+            ",".join(map(str, plan["stage_of_layer"])),
+            "--recompute",
+            "selective",
+            "--recompute-layers",
+            ",".join(names),
+            "--json",
+            str(evaluated),
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    document = json.loads(evaluated.read_text())
+    assert document["peak_bytes"] == plan["peak_bytes"]
+    assert document["iteration_ms"] == plan["iteration_ms"]
+    assert [s["recomputed"] for s in document["stages"]] == [
+        s["recomputed"] for s in plan["stages"]
+    ]
+    assert [s["peak_bytes"] for s in document["stages"]] == [
+        s["peak_bytes"] for s in plan["stages"]
+    ]
+    # without the recomputed layers the same split needs more memory
+    code, _, err = _run(
+        evaluate_main,
+        [
+            str(graph_path),
+            "--pp",
+            "4",
+            "--global-batch",
+            "8",
+            "--split",
+            ",".join(map(str, plan["stage_of_layer"])),
+            "--json",
+            str(evaluated),
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    assert json.loads(evaluated.read_text())["peak_bytes"] > plan["peak_bytes"]
