@@ -223,7 +223,7 @@ def pareto_to_dict(front: ParetoFront) -> dict[str, Any]:
     cluster = first.cluster
     points = [
         evaluation_to_dict(point)
-        | {"layer_counts": [len(stage.layers) for stage in point.stages], "memory": memory}
+        | {"layer_counts": point.layer_counts, "memory": memory}
         for point, memory in zip(front.points, front.memory, strict=True)
     ]
     document = {
@@ -274,7 +274,7 @@ def format_pareto(front: ParetoFront) -> str:
             format_bytes(point.peak_bytes),
             f"{point.throughput:.4g} samples/s",
             point.config.label(),
-            ",".join(str(len(stage.layers)) for stage in point.stages),
+            ",".join(str(count) for count in point.layer_counts),
         ]
         if placed:
             row[1:1] = [f"{max(point.utilization_ppm) / 1e4:.1f}%"]
