@@ -222,8 +222,7 @@ def pareto_to_dict(front: ParetoFront) -> dict[str, Any]:
     first = front.points[0]
     cluster = first.cluster
     points = [
-        evaluation_to_dict(point)
-        | {"layer_counts": point.layer_counts, "memory": memory}
+        evaluation_to_dict(point) | {"layer_counts": point.layer_counts, "memory": memory}
         for point, memory in zip(front.points, front.memory, strict=True)
     ]
     document = {
