@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tables import markdown_table  # noqa: E402  (scripts/ is sys.path[0] when run as a script)
+from tables import markdown_table, write_report  # noqa: E402  (scripts/ is sys.path[0] when run as a script)
 
 from solver import (  # noqa: E402
     Cluster,
@@ -128,8 +128,8 @@ def main() -> int:
         "chunks per rank (1 = plain 1F1B). *even*: equal layers per virtual stage (Megatron's "
         "default). *same speed as even*: the smallest peak of any split whose throughput is at "
         "least the even split's. *memory-optimal*: the smallest peak of any split. Interleaving "
-        "shrinks the pipeline bubble by v and raises the first rank's activations by "
-        "(1 + (p - 1)/(p v)) / 1 for equal chunks (docs/cost-model.md); the planner makes the "
+        "shrinks the pipeline bubble by v and multiplies the first rank's activations by "
+        "1 + (p - 1)/(p v) for equal chunks (docs/cost-model.md); the planner makes the "
         "first chunks small, because they are held for the most micro-batches. FEASIBLE: the "
         "time limit stopped CP-SAT with the gap shown; none fits: no split of the config meets "
         "that row's throughput within the GPU memory.",
@@ -137,10 +137,7 @@ def main() -> int:
         *markdown_table(rows, list(rows[0])),
         "",
     ]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_interleaved.md").write_text("\n".join(text))
-    print(f"wrote {out / 'bench_interleaved.md'}")
+    write_report(args.out, "bench_interleaved.md", text)
     return 0
 
 
