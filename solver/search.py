@@ -8,7 +8,8 @@ skipped once the bound exceeds the incumbent, so the result is still proven opti
 
 On a heterogeneous cluster each entry carries a :class:`solver.problem.Placement` (its coefficients
 on every node group); "memory" is then the largest utilization (ppm) or the largest peak (bytes),
-as ``TrainingConfig.memory_objective`` says, and the bounds are in that unit.
+as ``TrainingConfig.memory_objective`` says, and the bounds are in that unit. Such a problem
+builds its own complete start (``solver.placement_start``), selective recomputation included.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from solver.candidates import (
     time_lower_bound,
 )
 from solver.cost_model import LayerCosts, layer_costs, utilization_ppm
-from solver.errors import InputError
 from solver.graph import LayerGraph
 from solver.problem import (
     INFEASIBLE,
@@ -175,11 +175,6 @@ def search(
     chain = bool(entries) and entries[0].costs.is_chain()
     placed = bool(entries) and entries[0].placement is not None
     selective = any(e.costs.selective for e in entries)
-    if placed and selective:
-        raise InputError(
-            "recompute selective on a heterogeneous cluster is not supported yet; use "
-            "--recompute none, full or auto (which searches none and full there)"
-        )
     backend = resolve_backend(backend, chain, heterogeneous=placed, selective=selective)
     bound_of = (
         (lambda e: e.memory_bound) if objective == OBJECTIVE_MEMORY else (lambda e: e.time_bound)
@@ -215,9 +210,10 @@ def search(
         time_limit_s, hint, hint_recomputed = deadline.remaining(), None, None
         if problem.selective:
             # a large selective model may not close in the time left: share it among the
-            # configs still to solve, and start from the best all-off / all-on split
+            # configs still to solve, and start from the best all-off / all-on split (a placed
+            # problem builds its own start, solver.placement_start)
             time_limit_s /= len(viable) - index
-            if chain:
+            if chain and not placed:
                 hint, hint_recomputed = uniform_recompute_hint(problem, deadline)
         solution = solve(
             problem,
@@ -302,6 +298,7 @@ def refine(
     deadline: Deadline,
     hint: list[int] | None,
     hint_recomputed: list[bool] | None = None,
+    hint_groups: list[int] | None = None,
     num_workers: int = 1,
     utilization_limit_ppm: int | None = None,
 ) -> StageSolution | None:
@@ -320,6 +317,7 @@ def refine(
         time_limit_s=max(deadline.remaining(), 1.0),
         hint=hint,
         hint_recomputed=hint_recomputed,
+        hint_groups=hint_groups,
         num_workers=num_workers,
     )
     return solution if solution.has_solution else None
