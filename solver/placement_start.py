@@ -2,8 +2,10 @@
 recompute flags under selective recomputation.
 
 A split alone does not say where its stages run, and CP-SAT or HiGHS may search a long time for a
-first assignment of a 64-stage, two-group problem (no plan in 120 s for GPT-3 175B on 512 GPUs
-before this start existed). The start is built in a fraction of a second:
+first assignment of a 64-stage, two-group problem (GPT-3 175B on 256 + 256 mixed A100s, B 2048:
+the first plan of the memory search came after 102 s and the 120 s limit left a 77% gap without
+this start; with it the plan is proven optimal in about 60 s, benchmarks/bench_heterogeneous.md).
+The start is built in a fraction of a second:
 
 1. Splits. On a chain, the exact chain algorithm (``solver.chain``) on one homogeneous problem
    with each layer's time and sync on its slowest group (so a split that meets the iteration
