@@ -58,10 +58,12 @@ def solve(
     time_limit_s: float,
     hint: list[int] | None = None,
     hint_recomputed: list[bool] | None = None,
+    hint_groups: list[int] | None = None,
     num_workers: int = 1,
 ) -> StageSolution:
     """Solve one config's problem exactly with a resolved backend name (the hint: a split, and
-    its recompute flags under selective recomputation)."""
+    its recompute flags under selective recomputation, the group of each stage with a
+    placement)."""
     if backend == "chain":
         from solver.chain import solve_chain
 
@@ -74,12 +76,17 @@ def solve(
             time_limit_s=time_limit_s,
             hint=hint,
             hint_recomputed=hint_recomputed,
+            hint_groups=hint_groups,
             num_workers=num_workers,
         )
     if backend == "milp":
         from solver.milp import solve_milp
 
         return solve_milp(
-            problem, time_limit_s=time_limit_s, hint=hint, hint_recomputed=hint_recomputed
+            problem,
+            time_limit_s=time_limit_s,
+            hint=hint,
+            hint_recomputed=hint_recomputed,
+            hint_groups=hint_groups,
         )
     raise ValueError(f"unresolved backend {backend!r}")

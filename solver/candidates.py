@@ -8,7 +8,8 @@ the smallest requested stage is kept.
 Heterogeneous clusters (``Cluster.groups``): every stage runs on tp * dp GPUs of one node group,
 and every GPU is used, so tp divides every group's GPUs per node (``Cluster.gpus_per_node`` is
 their gcd) and tp * dp divides every group's GPU count; group k then hosts exactly
-gpus_k / (tp dp) stages (``stages_per_group``), which sum to pp.
+gpus_k / (tp dp) stages (``stages_per_group``), which sum to pp. ``--recompute auto`` is
+selective there too (the placed formulation takes the recompute decision).
 """
 
 from __future__ import annotations
@@ -53,12 +54,12 @@ def candidate_configs(
     """Every valid config, in a fixed order (deterministic search)."""
     check_pinned_degrees(cluster, training)
     # auto = selective: with a free choice per layer, "none" (no layer) and "full" (every layer)
-    # are feasible choices of the same config, so its optimum is never worse than either; the
-    # empirical model measures one setting per run, and a heterogeneous placement does not take
-    # a recompute decision yet, so there auto searches none and full
+    # are feasible choices of the same config, so its optimum is never worse than either (on a
+    # heterogeneous cluster too); the empirical model measures one setting per run, so there
+    # auto searches none and full
     recompute_modes = (training.recompute,)
     if training.recompute == "auto":
-        uniform_only = training.memory_model == "empirical" or cluster.is_heterogeneous
+        uniform_only = training.memory_model == "empirical"
         recompute_modes = ("none", "full") if uniform_only else ("selective",)
     virtual_stages = sorted(set(training.virtual_stages))
     if virtual_stages != [1]:

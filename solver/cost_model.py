@@ -748,10 +748,14 @@ def placed_stage_costs(
     group_costs: list[LayerCosts],
     stage_of_layer: list[int] | np.ndarray,
     group_of_stage: list[int],
+    recomputed: list[bool] | np.ndarray | None = None,
 ) -> list[StageCost]:
     """Exact per-stage costs when stage s runs on group ``group_of_stage[s]``: ``group_costs[k]``
-    are the coefficients with group k's cluster (equal memory, group-specific times)."""
-    per_group = {k: stage_costs(group_costs[k], stage_of_layer) for k in set(group_of_stage)}
+    are the coefficients with group k's cluster (equal memory, group-specific times, recomputed
+    layers' times included)."""
+    per_group = {
+        k: stage_costs(group_costs[k], stage_of_layer, recomputed) for k in set(group_of_stage)
+    }
     return [per_group[k][s] for s, k in enumerate(group_of_stage)]
 
 

@@ -165,16 +165,19 @@ def solve_cpsat(
     time_limit_s: float = 10.0,
     hint: list[int] | None = None,
     hint_recomputed: list[bool] | None = None,
+    hint_groups: list[int] | None = None,
     num_workers: int = 1,
     seed: int = 0,
     dump_path: str | None = None,
 ) -> StageSolution:
     """Exact assignment by CP-SAT; ``hint`` is a split (layer -> stage) to start from, with
-    ``hint_recomputed`` flags under selective recomputation."""
+    ``hint_recomputed`` flags under selective recomputation and ``hint_groups`` (group of each
+    stage) with a placement (a placed problem gets a complete start without them too)."""
     return CpSatFormulation.solve_problem(
         problem,
         hint=hint,
         hint_recomputed=hint_recomputed,
+        hint_groups=hint_groups,
         dump_path=dump_path,
         time_limit_s=time_limit_s,
         num_workers=num_workers,

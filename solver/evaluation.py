@@ -171,10 +171,6 @@ def evaluate(
         return evaluate_assignment(
             graph, costs, stage_of_layer, cluster=cluster, training=training, recomputed=recomputed
         )
-    if config.recompute == "selective":
-        raise InputError(
-            "recompute selective on a heterogeneous cluster is not supported yet; use none or full"
-        )
     check_placement(cluster, config, group_of_stage)
     group_costs = [
         layer_costs(graph, config, cluster.group_cluster(k), training)
@@ -188,6 +184,7 @@ def evaluate(
         training=training,
         group_costs=group_costs,
         group_of_stage=group_of_stage,
+        recomputed=recomputed,
     )
 
 
@@ -273,7 +270,7 @@ def evaluate_assignment(
     if group_of_stage is None:
         stages = stage_costs(costs, stage_of_layer, recomputed)
     else:
-        stages = placed_stage_costs(group_costs, stage_of_layer, group_of_stage)
+        stages = placed_stage_costs(group_costs, stage_of_layer, group_of_stage, recomputed)
     return Evaluation(
         graph=graph,
         config=costs.config,

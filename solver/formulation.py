@@ -63,8 +63,10 @@ With d_l the recomputed state's coefficient minus the kept one's (stored, transi
   memory       ... + k_s sum_l d_stored_l z[l][s]
   transient    tr[s] >= transient_l x[l][s] + d_transient_l z[l][s]
   time         T >= sum_l time_l x[l][s] + d_time_l z[l][s]
-so "none" (rc = 0) and "full" (rc = 1) are both feasible choices of the same model. Selective
-recomputation and a placement are never combined (``solver.search``).
+so "none" (rc = 0) and "full" (rc = 1) are both feasible choices of the same model. With a
+placement the same z terms enter the placed memory rows (``_stage_bytes`` is shared) and every
+group's time rows: T >= sum_l time_l^k x[l][s] + d_time_l^k z[l][s] - M^k (1 - g[s][k]), with
+M^k = sum_l max(time_l^k, recompute_time_l^k).
 
 The buffer term is exact: an edge leaving s crosses s | s+1 only, one entering s crosses s-1 | s
 only, and a relayed one crosses both ((R_s + S_s) eb_e). Prefix variables make all of this linear
@@ -163,22 +165,31 @@ class PrefixFormulation(abc.ABC):
         hint: list[int] | None,
         dump_path: str | None,
         hint_recomputed: list[bool] | None = None,
+        hint_groups: list[int] | None = None,
         **options,
     ) -> StageSolution:
-        """Builds the model, with the hint (a split, and the recompute flags under selective)
-        as a start, writes it to ``dump_path`` and calls ``solve(**options)``; a valid hint is
-        returned when the solver found nothing better."""
+        """Builds the model, with the hint (a split, the recompute flags under selective, the
+        group of each stage with a placement) as a start, writes it to ``dump_path`` and calls
+        ``solve(**options)``; a valid hint is returned when the solver found nothing better.
+        A placed problem always gets a complete start (``solver.placement_start``): the hint's
+        split with the best group assignment, or, without a hint, a start built in at most a
+        tenth of the time limit."""
         start = time.perf_counter()
-        if problem.placement is not None:
-            hint = None  # a split alone does not say where its stages run
-        check_hint(problem, hint)
+        check_hint(problem, hint, hint_groups)
+        if problem.placement is not None and hint_groups is None:
+            hint, hint_recomputed, hint_groups = _placement_hint(
+                problem, hint, hint_recomputed, options
+            )
         formulation = cls(problem)
         if hint is not None:
-            formulation.set_hint(hint, hint_recomputed)
+            formulation.set_hint(hint, hint_recomputed, hint_groups)
         if dump_path is not None:
             formulation.dump(dump_path)
+        if "time_limit_s" in options:  # the start's time comes out of the limit
+            spent = time.perf_counter() - start
+            options["time_limit_s"] = max(0.01, options["time_limit_s"] - spent)
         solution = formulation.solve(**options)
-        solution = keep_hint_if_better(problem, solution, hint, hint_recomputed)
+        solution = keep_hint_if_better(problem, solution, hint, hint_recomputed, hint_groups)
         solution.wall_s = time.perf_counter() - start
         return solution
 
@@ -358,7 +369,7 @@ class PrefixFormulation(abc.ABC):
             self._build_placement_variables()
         if self.needs_time:
             group_costs = [costs] if self.placement is None else self.placement.group_costs
-            slowest = max(int(c.time_ns.sum()) for c in group_costs)
+            slowest = max(int(c.bounding_coefficients(np.maximum)[2].sum()) for c in group_costs)
             sync = max(int(c.dp_sync_ns.sum()) for c in group_costs)
             self.vars.slowest_stage_ns = self._new_var(
                 self._ns(pre.stage_time_lb_ns),
@@ -579,14 +590,17 @@ class PrefixFormulation(abc.ABC):
                     self._add(self.vars.slowest_chunk_ns >= chunk_time, f"chunk_time_v{s}")
 
     def _add_placed_stage_time(self) -> None:
-        """T >= sum_l time_l^k x[l][s] - M^k (1 - g[s][k]);  AR likewise (M^k: all of group k)."""
+        """T >= sum_l time_l^k x[l][s] (+ d_time_l^k z[l][s]) - M^k (1 - g[s][k]);  AR likewise
+        (M^k: all of group k, each layer at its slower state)."""
         for k, costs in enumerate(self.placement.group_costs):
-            slowest, sync = int(costs.time_ns.sum()), int(costs.dp_sync_ns.sum())
+            recomputed = costs.recompute_time_ns if self.problem.selective else None
+            _, _, time_ub = costs.bounding_coefficients(np.maximum)
+            slowest, sync = int(time_ub.sum()), int(costs.dp_sync_ns.sum())
             for s, groups in enumerate(self.vars.group):
                 off = 1 - groups[k]
                 self._add(
                     self.vars.slowest_stage_ns
-                    >= self._stage_sum(costs.time_ns, s) - self._ns(slowest) * off,
+                    >= self._stage_sum(costs.time_ns, s, recomputed) - self._ns(slowest) * off,
                     f"time_s{s}_k{k}",
                 )
                 self._add(
@@ -623,9 +637,15 @@ class PrefixFormulation(abc.ABC):
 
     # -- hints -----------------------------------------------------------------------------------
 
-    def set_hint(self, stage_of_layer: list[int], recomputed: list[bool] | None = None) -> None:
-        """A complete start: y (and rc) from the split (and the recompute flags, none by
-        default), every auxiliary variable at its exact value."""
+    def set_hint(
+        self,
+        stage_of_layer: list[int],
+        recomputed: list[bool] | None = None,
+        group_of_stage: list[int] | None = None,
+    ) -> None:
+        """A complete start: y (rc, g) from the split (the recompute flags, none by default; the
+        group of each stage, required with a placement), every auxiliary variable at its exact
+        value."""
         for layer, row in enumerate(self.vars.prefix):
             for s, y in enumerate(row):
                 self._hint(y, int(stage_of_layer[layer] <= s))
@@ -639,7 +659,11 @@ class PrefixFormulation(abc.ABC):
         for (e, s), relay in self.vars.relay.items():
             u, v = self.edges[e]
             self._hint(relay, int(stage_of_layer[u] < s < stage_of_layer[v]))
-        stages = stage_costs(self.costs, stage_of_layer, recomputed)
+        if self.placement is None:
+            stages = stage_costs(self.costs, stage_of_layer, recomputed)
+        else:
+            stages = self.problem.stages(stage_of_layer, recomputed, group_of_stage)
+            self._hint_placement(stages, group_of_stage)
         for s, largest in enumerate(self.vars.transient):
             self._hint(largest, self._bytes(stages[s].transient_bytes))
         if self.vars.peak is not None:
@@ -650,3 +674,37 @@ class PrefixFormulation(abc.ABC):
                 slowest_chunk = max(max(st.chunk_time_ns) for st in stages)
                 self._hint(self.vars.slowest_chunk_ns, self._ns(slowest_chunk))
             self._hint(self.vars.slowest_sync_ns, self._ns(max(st.dp_sync_ns for st in stages)))
+
+    def _hint_placement(self, stages: list, group_of_stage: list[int]) -> None:
+        """g[s][k] = [k = k(s)], P[s][k] = peak_s there (0 elsewhere), U = the utilization;
+        an infeasible start is clipped to the variables' bounds (P <= C_k, U <= 10^6)."""
+        capacities = self.placement.capacity_bytes
+        for s, (row, peaks) in enumerate(zip(self.vars.group, self.vars.stage_peak, strict=True)):
+            for k, (g, stage_peak) in enumerate(zip(row, peaks, strict=True)):
+                here = int(group_of_stage[s] == k)
+                self._hint(g, here)
+                peak = min(stages[s].peak_bytes, capacities[k])
+                self._hint(stage_peak, self._bytes(peak) * here)
+        if self.vars.utilization is not None:
+            utilization = self.problem.memory_value(stages, group_of_stage)
+            self._hint(self.vars.utilization, min(utilization, PPM))
+
+
+def _placement_hint(
+    problem: StageProblem,
+    hint: list[int] | None,
+    hint_recomputed: list[bool] | None,
+    options: dict,
+) -> tuple[list[int] | None, list[bool] | None, list[int] | None]:
+    """A complete start for a placed problem whose hint has no groups (module
+    ``solver.placement_start``): the hint's split placed, or a start of its own."""
+    from solver.placement_start import complete_start, placement_start
+
+    if hint is not None:
+        return hint, hint_recomputed, complete_start(problem, hint, hint_recomputed)
+    limit = 0.1 * options.get("time_limit_s", 10.0)
+    start = placement_start(problem, time_limit_s=limit)
+    if start is None:
+        return None, None, None
+    split, groups, recomputed = start
+    return split, recomputed, groups

@@ -109,7 +109,13 @@ class MilpFormulation(PrefixFormulation):
             time_coefficients = np.concatenate(
                 [time_coefficients]
                 + [
-                    [c.time_ns.sum(), c.dp_sync_ns.sum(), *c.time_ns, *c.dp_sync_ns]
+                    [
+                        c.bounding_coefficients(np.maximum)[2].sum(),  # M^k
+                        c.dp_sync_ns.sum(),
+                        *c.time_ns,
+                        *(c.recompute_time_ns - c.time_ns),
+                        *c.dp_sync_ns,
+                    ]
                     for c in placement.group_costs
                 ]
             )
@@ -358,6 +364,7 @@ def solve_milp(
     time_limit_s: float = 10.0,
     hint: list[int] | None = None,
     hint_recomputed: list[bool] | None = None,
+    hint_groups: list[int] | None = None,
     solver: str = "highs",
     dump_path: str | None = None,
 ) -> StageSolution:
@@ -368,6 +375,7 @@ def solve_milp(
         problem,
         hint=hint,
         hint_recomputed=hint_recomputed,
+        hint_groups=hint_groups,
         dump_path=dump_path,
         time_limit_s=time_limit_s,
         solver=solver,

@@ -203,6 +203,7 @@ def _break_ties(
             deadline=deadline,
             hint=solution.stage_of_layer,
             hint_recomputed=solution.recomputed,
+            hint_groups=solution.group_of_stage,
             num_workers=num_workers,
             utilization_limit_ppm=utilization,
         )

@@ -144,8 +144,22 @@ def make_solution(
     )
 
 
-def check_hint(problem: StageProblem, hint: list[int] | None) -> None:
-    """A hint must name a stage 0..p-1 for every layer (it need not be feasible)."""
+def check_hint(
+    problem: StageProblem, hint: list[int] | None, hint_groups: list[int] | None = None
+) -> None:
+    """A hint must name a stage 0..p-1 for every layer (it need not be feasible), and its groups
+    (placed problems only) a group 0..K-1 for every stage."""
+    if hint_groups is not None:
+        if problem.placement is None or hint is None:
+            raise InputError("hint groups need a split hint and a heterogeneous problem")
+        num_groups = problem.placement.num_groups
+        if len(hint_groups) != problem.num_stages or any(
+            not 0 <= int(k) < num_groups for k in hint_groups
+        ):
+            raise InputError(
+                f"hint groups must name a group 0..{num_groups - 1} for each of the "
+                f"{problem.num_stages} stages, got {hint_groups}"
+            )
     if hint is None:
         return
     if len(hint) != problem.num_layers:
@@ -159,6 +173,7 @@ def keep_hint_if_better(
     solution: StageSolution,
     hint: list[int] | None,
     hint_recomputed: list[bool] | None = None,
+    hint_groups: list[int] | None = None,
 ) -> StageSolution:
     """A valid hint is a solution too: return it when the solver stopped with nothing better
     (a time limit shorter than presolve, say). The bound stays the solver's."""
@@ -166,9 +181,9 @@ def keep_hint_if_better(
         return solution
     if not problem.selective:
         hint_recomputed = None
-    if problem.violation(hint, hint_recomputed) is not None:
+    if problem.violation(hint, hint_recomputed, hint_groups) is not None:
         return solution
-    value = problem.objective_value(hint, hint_recomputed)
+    value = problem.objective_value(hint, hint_recomputed, hint_groups)
     if solution.objective is not None and solution.objective <= value:
         return solution
     return StageSolution(
@@ -183,6 +198,7 @@ def keep_hint_if_better(
             if not problem.selective
             else [bool(flag) for flag in (hint_recomputed or [False] * problem.num_layers)]
         ),
+        group_of_stage=None if hint_groups is None else [int(k) for k in hint_groups],
     )
 
 

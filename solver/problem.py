@@ -13,8 +13,8 @@ Heterogeneous clusters add a :class:`Placement`: each stage also chooses a node 
 hosts exactly ``stages_per_group[k]`` stages (every GPU is used; see ``solver.candidates``), every
 stage peak <= the capacity of its group, times come from the group's coefficients, and "memory"
 means the largest utilization (ppm, ``cost_model.utilization_ppm``) or the largest peak (bytes).
-A solution then carries ``group_of_stage`` too. Selective recomputation and a placement are not
-combined (``solver.search`` refuses it).
+A solution then carries ``group_of_stage`` too, and under selective recomputation its recompute
+flags (a recomputed layer's time on each group from that group's coefficients).
 
 Interleaving (``config.virtual_stages`` v > 1): the stages are the p v virtual stages (every one
 non-empty, edges never going back), virtual stage j runs on rank j mod p, and peaks and times are
@@ -110,7 +110,9 @@ class StageProblem:
         """Per-stage costs from the cost model (on each stage's group with a placement)."""
         if self.placement is None:
             return stage_costs(self.costs, stage_of_layer, recomputed)
-        return placed_stage_costs(self.placement.group_costs, stage_of_layer, group_of_stage)
+        return placed_stage_costs(
+            self.placement.group_costs, stage_of_layer, group_of_stage, recomputed
+        )
 
     def memory_value(self, stages: list[StageCost], group_of_stage: list[int] | None) -> int:
         """The memory objective: largest peak (bytes), or largest utilization (ppm)."""

@@ -8,7 +8,8 @@ skipped once the bound exceeds the incumbent, so the result is still proven opti
 
 On a heterogeneous cluster each entry carries a :class:`solver.problem.Placement` (its coefficients
 on every node group); "memory" is then the largest utilization (ppm) or the largest peak (bytes),
-as ``TrainingConfig.memory_objective`` says, and the bounds are in that unit.
+as ``TrainingConfig.memory_objective`` says, and the bounds are in that unit. Such a problem
+builds its own complete start (``solver.placement_start``), selective recomputation included.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from solver.candidates import (
     time_lower_bound,
 )
 from solver.cost_model import LayerCosts, layer_costs, utilization_ppm
-from solver.errors import InputError
 from solver.graph import LayerGraph
 from solver.problem import (
     INFEASIBLE,
@@ -180,11 +180,6 @@ def search(
     chain = bool(entries) and entries[0].costs.is_chain()
     placed = bool(entries) and entries[0].placement is not None
     selective = any(e.costs.selective for e in entries)
-    if placed and selective:
-        raise InputError(
-            "recompute selective on a heterogeneous cluster is not supported yet; use "
-            "--recompute none, full or auto (which searches none and full there)"
-        )
     interleaved = any(e.costs.config.virtual_stages > 1 for e in entries)
     requested, backend = (
         backend,
@@ -245,8 +240,9 @@ def search(
             # among the configs still to solve (and start from a known split)
             time_limit_s /= len(viable) - index
         if problem.selective:
-            # start from the best all-off / all-on split
-            if chain and entry.costs.config.virtual_stages == 1:
+            # start from the best all-off / all-on split (a placed problem builds its own
+            # start, solver.placement_start)
+            if chain and not placed and entry.costs.config.virtual_stages == 1:
                 hint, hint_recomputed = uniform_recompute_hint(problem, deadline)
         solution = solve(
             problem,
@@ -331,6 +327,7 @@ def refine(
     deadline: Deadline,
     hint: list[int] | None,
     hint_recomputed: list[bool] | None = None,
+    hint_groups: list[int] | None = None,
     num_workers: int = 1,
     utilization_limit_ppm: int | None = None,
 ) -> StageSolution | None:
@@ -349,6 +346,7 @@ def refine(
         time_limit_s=max(deadline.remaining(), 1.0),
         hint=hint,
         hint_recomputed=hint_recomputed,
+        hint_groups=hint_groups,
         num_workers=num_workers,
     )
     return solution if solution.has_solution else None

@@ -445,13 +445,15 @@ def test_example_cluster_file_loads():
 
 
 def test_recompute_on_a_heterogeneous_cluster(tmp_path, run_cli):
-    """auto searches none and full there; selective is refused in one line (not combined yet)."""
+    """auto is selective there, like on a homogeneous cluster, and selective is accepted
+    (tests/test_placement_selective.py checks the plans)."""
     groups = [_group("s", "40GiB"), _group("l", "80GiB")]
     path = _write(tmp_path, "c.json", {"format": "cluster", "version": 1, "groups": groups})
-    common = [GPT, "--cluster", path, "--global-batch", "16"]
-    out = tmp_path / "plan.json"
-    code, _, _ = run_cli("solver.plan", [*common, "--recompute", "auto", "--json", str(out)])
-    assert code == 0
-    assert json.loads(out.read_text())["config"]["recompute"] in ("none", "full")
-    code, _, err = run_cli("solver.plan", [*common, "--recompute", "selective"])
-    assert code == 2 and "not supported yet" in err and err.count("\n") == 1
+    common = [GPT, "--cluster", path, "--global-batch", "16", "--time-limit", "30"]
+    for mode in ("auto", "selective"):
+        out = tmp_path / f"{mode}.json"
+        code, _, err = run_cli("solver.plan", [*common, "--recompute", mode, "--json", str(out)])
+        assert code == 0, err
+        document = json.loads(out.read_text())
+        assert document["config"]["recompute"] == "selective"
+        assert all("group" in stage for stage in document["stages"])
