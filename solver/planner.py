@@ -287,9 +287,12 @@ def explain_infeasible(
             f"smallest GPU count that fits (trying 2x, 4x, ...): {suggestion[0]} "
             f"({suggestion[1]}); or try --zero auto / --recompute auto"
         )
+    needs = f"needs {format_bytes(best_peak)}{config_text}, "
+    if not unconstrained.proven:  # the 10 s search stopped early: an upper bound only
+        needs = f"is proven over it; the best split found in 10 s needs {needs}"
     return InfeasibleError(
         f"nothing fits in {format_bytes(capacity)} per GPU (--gpu-memory): the best of "
-        f"{len(entries)} configs needs {format_bytes(best_peak)}{config_text}, "
+        f"{len(entries)} configs {needs}"
         f"{format_bytes(over)} ({100 * over / capacity:.1f}%) over; {tail}",
         best_peak_bytes=best_peak,
         capacity_bytes=capacity,
