@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tables import markdown_table  # noqa: E402  (scripts/ is sys.path[0] when run as a script)
+from tables import markdown_table, write_report  # noqa: E402  (scripts/ is sys.path[0] when run as a script)
 
 from solver import InfeasibleError, TrainingConfig, load_graph, plan  # noqa: E402
 from solver.cluster_file import cluster_from_dict  # noqa: E402
@@ -186,10 +186,7 @@ def main() -> int:
         "of a shared 2-core machine.",
         "",
     ]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_heterogeneous.md").write_text("\n".join(text))
-    print(f"wrote {out / 'bench_heterogeneous.md'}")
+    write_report(args.out, "bench_heterogeneous.md", text)
     return 0
 
 
