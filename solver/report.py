@@ -195,7 +195,6 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
                 format_bytes(stage.peak_bytes),
                 f"{stage.time_ns / 1e6:.3g} ms",
             ]
-            + ([_recomputed_text(recomputed[stage.index])] if selective else [])
         )
         if placed:
             rows[-1][1:1] = [evaluation.group_names[stage.index]]
@@ -203,6 +202,8 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
                 format_bytes(evaluation.capacity_bytes[stage.index]),
                 f"{evaluation.utilization_ppm[stage.index] / 1e4:.1f}%",
             ]
+        if selective:  # last, as in the header
+            rows[-1].append(_recomputed_text(recomputed[stage.index]))
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         lines.append(

@@ -180,3 +180,52 @@ def test_plan_recompute_auto_round_trips_through_evaluate(tmp_path, capsys):
     )
     assert code == 0, err
     assert json.loads(evaluated.read_text())["peak_bytes"] > plan["peak_bytes"]
+
+
+def test_selective_on_a_heterogeneous_cluster(capsys):
+    """--cluster with --stage-groups and a recompute set: the peak is the cost model's, on each
+    stage's group, and the recomputed column comes last, as in the header."""
+    from solver.cluster_file import load_cluster
+    from solver.evaluation import evaluate
+    from solver.graph import load_graph
+
+    argv = [
+        "examples/gpt-1.3b.json",
+        "--cluster",
+        "examples/clusters/a100-40g-80g.json",
+        "--pp",
+        "4",
+        "--tp",
+        "8",
+        "--global-batch",
+        "64",
+        "--split",
+        "even",
+        "--stage-groups",
+        "a100-40g,a100-40g,a100-80g,a100-80g",
+        "--recompute",
+        "selective",
+        "--recompute-layers",
+        "1-5",
+    ]
+    code, out, _ = _run(evaluate_main, argv, capsys)
+    assert code == 0
+    graph = load_graph("examples/gpt-1.3b.json")
+    config = ParallelConfig(
+        pp=4, tp=8, dp=1, micro_batch=1, num_microbatches=64, recompute="selective"
+    )
+    expected = evaluate(
+        graph,
+        config,
+        "even",
+        cluster=load_cluster("examples/clusters/a100-40g-80g.json"),
+        group_of_stage=[0, 0, 1, 1],
+        recomputed=[1 <= i <= 5 for i in range(graph.num_layers)],
+    )
+    lines = out.splitlines()
+    header = lines[2].split()
+    first = lines[3].split("  ")
+    assert header[-1] == "recomputed" and header[-3:-1] == ["capacity", "util"]
+    assert first[-1].strip().startswith("5: ")
+    assert expected.stages[0].recomputed == list(range(1, 6))
+    assert f"{expected.peak_bytes / 2**30:.2f} GiB" in out
