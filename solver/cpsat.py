@@ -55,10 +55,15 @@ class CpSatFormulation(PrefixFormulation):
     def _check_ranges(self) -> None:
         """Every expression must stay inside int64 for CP-SAT (exact integers, no scaling)."""
         problem, pre = self.problem, self.presolve
-        _, _, time_ub = self.costs.bounding_coefficients(np.maximum)
-        iteration_ub = self.costs.pipeline_factor * int(time_ub.sum()) + int(
-            self.costs.dp_sync_ns.sum()
-        )
+        placement = problem.placement
+        group_costs = [self.costs] if placement is None else placement.group_costs
+        iteration_ub = 0  # on the slowest group: every group's time rows are in the model
+        for costs in group_costs:
+            _, _, time_ub = costs.bounding_coefficients(np.maximum)
+            iteration_ub = max(
+                iteration_ub,
+                costs.pipeline_factor * int(time_ub.sum()) + int(costs.dp_sync_ns.sum()),
+            )
         for name, value in (("stage peak", pre.peak_ub_bytes), ("iteration", iteration_ub)):
             if value >= MAX_CP_SAT_VALUE:
                 raise InputError(
