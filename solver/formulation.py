@@ -156,6 +156,8 @@ class PrefixFormulation(abc.ABC):
             problem.objective == OBJECTIVE_TIME or problem.iteration_budget_ns is not None
         )
         self.vars = PrefixVariables()
+        self._parts: dict[int, tuple[Any, Any, Any, Any]] = {}
+        """Per virtual stage (states, kept, in, out) variables (``_stage_parts``)."""
 
     @classmethod
     def solve_problem(
@@ -285,6 +287,8 @@ class PrefixFormulation(abc.ABC):
         """Peak of rank r when it holds vector[c] micro-batches of its chunk c (module
         docstring, 'interleaving'; one chunk and k_s without interleaving)."""
         costs = self.costs
+        if costs.config.virtual_stages > 1:
+            return self._rank_bytes_from_parts(rank, vector)
         terms = []
         for k, stage in zip(vector, costs.stages_of_rank(rank), strict=True):
             per_layer = costs.state_bytes + k * costs.stored_bytes
@@ -312,6 +316,67 @@ class PrefixFormulation(abc.ABC):
         if costs.constant_bytes:
             terms.append(self._bytes(costs.constant_bytes))
         return self._sum(terms)
+
+    def _rank_bytes_from_parts(self, rank: int, vector: tuple[int, ...]):
+        """With interleaving a rank has a row per in-flight vector: each row sums four
+        variables per chunk (``_stage_parts``) instead of every layer and edge again."""
+        terms = []
+        for k, stage in zip(vector, self.costs.stages_of_rank(rank), strict=True):
+            states, kept, received, sent = self._stage_parts(stage)
+            receive, send = self.costs.copies_at(stage, k)
+            terms += [states, k * kept, receive * received, send * sent]
+        if self.vars.transient:
+            terms.append(self.vars.transient[rank])
+        if self.costs.constant_bytes:
+            terms.append(self._bytes(self.costs.constant_bytes))
+        return self._sum(terms)
+
+    def _stage_parts(self, stage: int) -> tuple[Any, Any, Any, Any]:
+        """(states, kept per micro-batch, received, sent) bytes of virtual stage s as variables
+        bounded below by their sums (they only appear with coefficients >= 0 in rows bounding
+        the peak from below, so at the optimum they equal the sums):
+
+          states_s >= sum_l state_l x[l][s]
+          kept_s   >= sum_l stored_l x[l][s] + d_stored_l z[l][s] + sum_e eb_e r[e][s]
+          in_s     >= sum_e eb_e c[e][s-1],   out_s >= sum_e eb_e c[e][s]
+        """
+        cached = self._parts.get(stage)
+        if cached is not None:
+            return cached
+        costs, layers = self.costs, self._layers_of(stage)
+        stored_ub, _, _ = costs.bounding_coefficients(np.maximum)
+        edges = [(e, int(nbytes)) for e, nbytes in enumerate(costs.edge_bytes.tolist()) if nbytes]
+        edge_total = sum(nbytes for _, nbytes in edges)
+        states = self._new_var(0, self._bytes(int(costs.state_bytes.sum())), f"S_v{stage}")
+        kept = self._new_var(0, self._bytes(int(stored_ub.sum()) + edge_total), f"A_v{stage}")
+        received = self._new_var(0, self._bytes(edge_total), f"In_v{stage}")
+        sent = self._new_var(0, self._bytes(edge_total), f"Out_v{stage}")
+        member = self._member
+        self._add(
+            states
+            >= self._sum(self._bytes(costs.state_bytes[i]) * member(i, stage) for i in layers),
+            f"states_v{stage}",
+        )
+        kept_terms = [self._bytes(costs.stored_bytes[i]) * member(i, stage) for i in layers]
+        kept_terms += self._recompute_terms(
+            costs.recompute_stored_bytes - costs.stored_bytes, stage, self._bytes
+        )
+        kept_terms += [
+            self._bytes(costs.edge_bytes[e]) * relay
+            for (e, s), relay in self.vars.relay.items()
+            if s == stage
+        ]
+        self._add(kept >= self._sum(kept_terms), f"kept_v{stage}")
+        self._add(
+            received >= self._sum(self._bytes(n) * self._crossing(e, stage - 1) for e, n in edges),
+            f"in_v{stage}",
+        )
+        self._add(
+            sent >= self._sum(self._bytes(n) * self._crossing(e, stage) for e, n in edges),
+            f"out_v{stage}",
+        )
+        self._parts[stage] = (states, kept, received, sent)
+        return self._parts[stage]
 
     def _stage_sum(self, per_layer: np.ndarray, stage: int, recomputed: np.ndarray | None = None):
         """sum_l per_layer[l] x[l][s] (+ (recomputed[l] - per_layer[l]) z[l][s]; times in model
@@ -668,12 +733,33 @@ class PrefixFormulation(abc.ABC):
             self._hint(largest, self._bytes(stages[s].transient_bytes))
         if self.vars.peak is not None:
             self._hint(self.vars.peak, self._bytes(max(st.peak_bytes for st in stages)))
+        self._hint_parts(stage_of_layer, recomputed)
         if self.vars.slowest_stage_ns is not None:
             self._hint(self.vars.slowest_stage_ns, self._ns(max(st.time_ns for st in stages)))
             if self.vars.slowest_chunk_ns is not None:
                 slowest_chunk = max(max(st.chunk_time_ns) for st in stages)
                 self._hint(self.vars.slowest_chunk_ns, self._ns(slowest_chunk))
             self._hint(self.vars.slowest_sync_ns, self._ns(max(st.dp_sync_ns for st in stages)))
+
+    def _hint_parts(self, stage_of_layer: list[int], recomputed: list[bool] | None) -> None:
+        """The exact sums of ``_stage_parts`` for a split (interleaving only)."""
+        if not self._parts:
+            return
+        costs = self.costs
+        stage_of = np.asarray(stage_of_layer)
+        stored, _, _ = costs.coefficients(recomputed if self.problem.selective else None)
+        src, dst = stage_of[costs.edge_src], stage_of[costs.edge_dst]
+        for stage, (states, kept, received, sent) in self._parts.items():
+            here = stage_of == stage
+            relayed = int(costs.edge_bytes[(src < stage) & (stage < dst)].sum())
+            self._hint(states, self._bytes(int(costs.state_bytes[here].sum())))
+            self._hint(kept, self._bytes(int(stored[here].sum()) + relayed))
+            self._hint(
+                received, self._bytes(int(costs.edge_bytes[(src < stage) & (dst >= stage)].sum()))
+            )
+            self._hint(
+                sent, self._bytes(int(costs.edge_bytes[(src <= stage) & (dst > stage)].sum()))
+            )
 
     def _hint_placement(self, stages: list, group_of_stage: list[int]) -> None:
         """g[s][k] = [k = k(s)], P[s][k] = peak_s there (0 elsewhere), U = the utilization;
