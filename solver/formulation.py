@@ -46,8 +46,10 @@ virtual stage s runs on rank s mod p as its chunk s div p. Memory, transient and
 rank r instead of per stage, one memory row per in-flight vector n of the rank
 (``LayerCosts.in_flight_vectors``):
 
-  memory       peak >= sum_c [ sum_l (state_l + n_c stored_l) x[l][s_c] + buffers and n_c relays
-                               of s_c ] + tr[r],       s_c = r + c p, for every n in N_r
+  parts        S_s >= sum_l state_l x[l][s],  A_s >= sum_l stored_l x[l][s] + relays of s,
+               In_s >= sum_e eb_e c[e][s-1],  Out_s >= sum_e eb_e c[e][s]     (every s)
+  memory       peak >= sum_c [ S_c + n_c A_c + R(n_c) In_c + S(n_c) Out_c ] + tr[r]
+               (c for s_c = r + c p; R, S: ``LayerCosts.copies_at``), for every n in N_r
   transient    tr[r] >= transient_l x[l][s_c]           for every chunk c of r
   time         T >= sum_c sum_l time_l x[l][s_c],  Tc >= sum_l time_l x[l][s]   (every s)
                AR >= sum_c sum_l sync_l x[l][s_c]
