@@ -211,16 +211,33 @@ def search(
     ]
     pruned = len(entries) - len(viable)
     viable.sort(key=lambda e: (bound_of(e), e.order))
-    best: tuple[ConfigEntry, StageSolution] | None = None
-    ties: list[tuple[ConfigEntry, StageSolution]] = []
-    open_bounds: list[int] = []  # lower bounds of configs not proven
+    results: dict[int, tuple[ConfigEntry, StageSolution]] = {}  # by entry order
+    open_bounds: dict[int, int] = {}  # entry order -> lower bound of a config not proven
+    shared: list[tuple[ConfigEntry, StageProblem]] = []  # solves given a share of the time
     solved = 0
+
+    def incumbent() -> int | None:
+        return min((solution.objective for _, solution in results.values()), default=None)
+
+    def record(entry: ConfigEntry, solution: StageSolution, *, retry: bool = False) -> None:
+        nonlocal solved
+        solved += not retry
+        earlier = open_bounds.pop(entry.order, bound_of(entry))
+        if solution.status not in (OPTIMAL, INFEASIBLE):
+            open_bounds[entry.order] = max(solution.bound, earlier)
+        previous = results.get(entry.order)
+        if solution.has_solution and (
+            previous is None or solution.objective < previous[1].objective
+        ):
+            results[entry.order] = (entry, solution)
+
     for index, entry in enumerate(viable):
-        if best is not None and bound_of(entry) > best[1].objective:
+        best_value = incumbent()
+        if best_value is not None and bound_of(entry) > best_value:
             pruned += len(viable) - index
             break
         if deadline.expired():
-            open_bounds.extend(bound_of(e) for e in viable[index:])
+            open_bounds.update((e.order, bound_of(e)) for e in viable[index:])
             break
         problem = StageProblem(
             costs=entry.costs,
@@ -235,9 +252,11 @@ def search(
             # Megatron's own layout (equal layers per virtual stage) as a start, so a solve
             # stopped by its time limit is never worse than it
             hint = entry.start
-        if problem.selective or entry.costs.config.virtual_stages > 1:
+        share = problem.selective or entry.costs.config.virtual_stages > 1
+        if share:
             # a large selective or interleaved model may not close in the time left: share it
-            # among the configs still to solve (and start from a known split)
+            # among the configs still to solve (and start from a known split); what is left at
+            # the end goes to those that did not close (below)
             time_limit_s /= len(viable) - index
         if problem.selective:
             # start from the best all-off / all-on split (a placed problem builds its own
@@ -252,38 +271,92 @@ def search(
             hint_recomputed=hint_recomputed,
             num_workers=num_workers,
         )
-        solved += 1
-        if solution.status not in (OPTIMAL, INFEASIBLE):
-            open_bounds.append(max(solution.bound, bound_of(entry)))
-        if not solution.has_solution:
-            continue
-        if best is None or solution.objective < best[1].objective:
-            best = (entry, solution)
-            ties = [best]
-        elif solution.objective == best[1].objective:
-            ties.append((entry, solution))
-    if best is None:
+        record(entry, solution)
+        if share and entry.order in open_bounds:
+            shared.append((entry, problem))
+    _retry_open(
+        shared,
+        open_bounds=open_bounds,
+        results=results,
+        incumbent=incumbent,
+        record=record,
+        backend_of=backend_of,
+        deadline=deadline,
+        num_workers=num_workers,
+    )
+    best_value = incumbent()
+    # a config whose bound is at least the incumbent cannot beat it: the optimum is proven
+    still_open = [b for b in open_bounds.values() if best_value is None or b < best_value]
+    if best_value is None:
         return SearchResult(
             entry=None,
             solution=None,
             ties=[],
-            bound=min(open_bounds, default=0),
-            proven=not open_bounds,
+            bound=min(open_bounds.values(), default=0),
+            proven=not still_open,
             solved=solved,
             pruned=pruned,
             backend=backend,
         )
-    bound = min([best[1].objective, *open_bounds])
+    visit_order = [e.order for e in viable]
+    ties = [
+        results[order]
+        for order in visit_order
+        if order in results and results[order][1].objective == best_value
+    ]
     return SearchResult(
-        entry=best[0],
-        solution=best[1],
+        entry=ties[0][0],
+        solution=ties[0][1],
         ties=ties,
-        bound=bound,
-        proven=not open_bounds,
+        bound=min([best_value, *open_bounds.values()]),
+        proven=not still_open,
         solved=solved,
         pruned=pruned,
         backend=backend,
     )
+
+
+def _retry_open(
+    shared, *, open_bounds, results, incumbent, record, backend_of, deadline, num_workers
+) -> None:
+    """The time left after every config was visited goes to the configs that had a share of it
+    and did not close, lowest bound first, each restarted from its best split: a search that
+    ends early is then as close to proven as the time limit allows."""
+    retry = [(entry, problem) for entry, problem in shared if entry.order in open_bounds]
+    while retry and not deadline.expired():
+        best_value = incumbent()
+        retry = [
+            (entry, problem)
+            for entry, problem in retry
+            if best_value is None or open_bounds[entry.order] < best_value
+        ]
+        if not retry:
+            return
+        retry.sort(key=lambda item: (open_bounds[item[0].order], item[0].order))
+        entry, problem = retry.pop(0)
+        previous = results.get(entry.order)
+        split, recomputed = (
+            (None, None)
+            if previous is None
+            else (
+                previous[1].stage_of_layer,
+                previous[1].recomputed,
+            )
+        )
+        groups = None if previous is None else previous[1].group_of_stage
+        record(
+            entry,
+            solve(
+                problem,
+                backend_of(entry),
+                time_limit_s=max(deadline.remaining() / (len(retry) + 1), 0.01),
+                hint=split if split is not None else entry.start,
+                hint_recomputed=recomputed,
+                hint_groups=groups if split is not None else None,
+                num_workers=num_workers,
+            ),
+            retry=True,
+        )
 
 
 def uniform_recompute_hint(
