@@ -115,15 +115,9 @@ def interleaving_fits(num_layers: int, pp: int, num_microbatches: int, virtual: 
 
 
 def check_interleaving(cluster: Cluster, training: TrainingConfig) -> None:
-    """Interleaved stages are modelled for the megatron runtime, the analytic memory model and
-    homogeneous clusters; anything else is a one-line error."""
+    """Interleaved stages are modelled for the analytic memory model on homogeneous clusters;
+    anything else is a one-line error."""
     asked = ",".join(str(v) for v in training.virtual_stages)
-    if training.runtime != "megatron":
-        raise InputError(
-            f"--virtual-stages {asked}: interleaved stages are modelled for --runtime megatron "
-            "only (torch.distributed.pipelining's per-micro-batch buffers of interleaved stages "
-            "are not); use --runtime megatron or --virtual-stages 1"
-        )
     if training.memory_model != "analytic":
         raise InputError(
             f"--virtual-stages {asked}: the empirical statistics describe contiguous stages; "

@@ -188,10 +188,21 @@ def boundary_copies(
     return (0 if first else num_microbatches - k), (0 if last else num_microbatches + k)
 
 
-def stage_boundary_copies(runtime: str, config: ParallelConfig) -> tuple[list[int], list[int]]:
+def stage_boundary_copies(
+    runtime: str, config: ParallelConfig, in_flight: list[int] | None = None
+) -> tuple[list[int], list[int]]:
     """([R_j], [S_j]) of every (virtual) stage of ``config`` under ``runtime``; with v chunks per
-    rank (megatron only) each of the p v virtual stages keeps its own pair of buffers."""
+    rank each of the p v virtual stages keeps its own buffers. On the torch runtime with
+    interleaving the copies follow the in-flight counts (``LayerCosts.copies_at``); these are
+    their largest values, with ``in_flight`` (k_j, the most micro-batches j holds)."""
     num_stages = config.pp * config.virtual_stages
+    if runtime == "torch" and config.virtual_stages > 1:
+        m = config.num_microbatches
+        assert in_flight is not None and len(in_flight) == num_stages
+        return (
+            [0] + [m] * (num_stages - 1),
+            [m + k for k in in_flight[:-1]] + [0],
+        )
     copies = [
         boundary_copies(runtime, config.schedule, config.num_microbatches, num_stages, j)
         for j in range(num_stages)
@@ -242,9 +253,12 @@ class LayerCosts:
     default, from ``in_flight``)."""
     receive_copies: list[int] = field(default_factory=list)
     """R_s for each stage: copies of a received edge's bytes (``boundary_copies``; the megatron
-    runtime's when not given)."""
+    runtime's when not given). With interleaving on the torch runtime they depend on the
+    in-flight vector (``copies_at``) and these are their largest values (for bounds)."""
     send_copies: list[int] = field(default_factory=list)
     """S_s for each stage: copies of a sent edge's bytes."""
+    runtime: str = "megatron"
+    """The pipeline runtime whose buffers ``copies_at`` describes."""
     constant_bytes: int = 0
     """Added to every stage's peak (a calibration's constant per GPU), bytes."""
     recompute_stored_bytes: np.ndarray | None = None
@@ -265,6 +279,19 @@ class LayerCosts:
             self.recompute_transient_bytes = self.transient_bytes
         if self.recompute_time_ns is None:
             self.recompute_time_ns = self.time_ns
+
+    def copies_at(self, stage: int, held: int) -> tuple[int, int]:
+        """(R_j, S_j) of (virtual) stage j while it holds ``held`` micro-batches in flight.
+
+        megatron: constant. torch: each PipelineStage allocates a receive buffer per micro-batch
+        for the run (m on a non-first stage, of which the ``held`` in-flight ones are its saved
+        inputs, already in the activations) and m gradient receive buffers plus the outputs of
+        its ``held`` in-flight micro-batches (on a non-last stage): (m - held, m + held), which
+        is ``boundary_copies`` without interleaving (held = k_s)."""
+        if self.runtime != "torch" or self.config.virtual_stages == 1:
+            return self.receive_copies[stage], self.send_copies[stage]
+        m, last = self.config.num_microbatches, self.num_stages - 1
+        return (0 if stage == 0 else m - held), (0 if stage == last else m + held)
 
     @property
     def selective(self) -> bool:
@@ -419,8 +446,8 @@ def layer_costs(
     sync_rounds = 3 if z >= 3 else 2
     dp_sync_ns = np.ceil(sync_rounds * (d - 1) * params_times_t * g / (d * t * sync_bytes_per_ns))
     as_int = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
-    receive_copies, send_copies = stage_boundary_copies(training.runtime, config)
     in_flight, vectors = _in_flight(config, training)
+    receive_copies, send_copies = stage_boundary_copies(training.runtime, config, in_flight)
     calibration = training.calibration
     scaled = (  # a calibration's scale per component, each coefficient rounded up
         (lambda values, component: as_int(values))
@@ -449,6 +476,7 @@ def layer_costs(
         in_flight_vectors=vectors,
         receive_copies=receive_copies,
         send_copies=send_copies,
+        runtime=training.runtime,
     )
     if training.memory_model == "empirical":
         if config.recompute == "selective":
@@ -473,18 +501,13 @@ def _in_flight(
     if v == 1:
         in_flight = [in_flight_microbatches(config.schedule, m, p, s) for s in range(p)]
         return in_flight, [[(k,)] for k in in_flight]
-    if training.runtime != "megatron":
-        raise InputError(
-            f"config {config.label()}: interleaved stages are modelled for the megatron runtime "
-            "only (torch.distributed.pipelining's per-micro-batch buffers of interleaved stages "
-            "are not); plan with --runtime megatron or --virtual-stages 1"
-        )
     if training.memory_model != "analytic":
         raise InputError(
             "memory model empirical: the statistics describe contiguous stages; interleaved "
             "stages (--virtual-stages > 1) need the analytic model"
         )
-    vectors = [in_flight_vectors(m, p, v, r) for r in range(p)]
+    group = interleaved_schedule_groups(training.runtime, m, p)
+    vectors = [in_flight_vectors(m, p, v, r, group) for r in range(p)]
     in_flight = [max(vector[j // p] for vector in vectors[j % p]) for j in range(p * v)]
     return in_flight, vectors
 
@@ -646,9 +669,11 @@ def stage_costs(
     for src, dst, size in zip(first[crossing], last[crossing], nbytes, strict=True):
         if dst - src > 1:
             relayed[src + 1 : dst] += size
-    receive_copies = np.asarray(costs.receive_copies, dtype=np.int64)
-    send_copies = np.asarray(costs.send_copies, dtype=np.int64)
-    buffers = receive_copies * (received + relayed) + send_copies * (sent + relayed)
+    into, out_of = received + relayed, sent + relayed  # bytes a stage receives / sends
+
+    def buffer_bytes(stage: int, held: int) -> int:
+        receive, send = costs.copies_at(stage, held)
+        return int(receive * into[stage] + send * out_of[stage])
 
     def per_stage_sum(values: np.ndarray) -> np.ndarray:
         """Exact int64 sums (np.bincount would go through float64)."""
@@ -670,14 +695,21 @@ def stage_costs(
     np.maximum.at(transient, stage_of, transient_per_layer)
     members = np.argsort(stage_of, kind="stable")
     bounds = np.searchsorted(stage_of[members], np.arange(num_stages + 1))
-    held = stored + relayed  # per micro-batch held by each virtual stage
+    kept = stored + relayed  # per micro-batch kept by each virtual stage
     stages = []
     for rank, vectors in enumerate(costs.in_flight_vectors):
         own = costs.stages_of_rank(rank)
-        # the rank's activation peak: the largest of its in-flight vectors (first on ties)
-        activations, vector = max(
-            (int(sum(n * held[j] for n, j in zip(vector, own, strict=True))), vector)
+        # the rank's peak is at the in-flight vector with the most activations + buffers
+        # (buffers depend on it only on the torch runtime with interleaving; ties: larger vector)
+        _, activations, buffers, vector = max(
+            (acts + bufs, acts, bufs, vector)
             for vector in vectors
+            for acts, bufs in [
+                (
+                    int(sum(n * kept[j] for n, j in zip(vector, own, strict=True))),
+                    sum(buffer_bytes(j, n) for n, j in zip(vector, own, strict=True)),
+                )
+            ]
         )
         chunks = [members[bounds[j] : bounds[j + 1]].tolist() for j in own]
         layers = [layer for chunk in chunks for layer in chunk]
@@ -690,7 +722,7 @@ def stage_costs(
                 grad_bytes=int(grad[own].sum()),
                 optimizer_bytes=int(optimizer[own].sum()),
                 activation_bytes=activations,
-                buffer_bytes=int(buffers[own].sum()),
+                buffer_bytes=buffers,
                 transient_bytes=int(transient[own].max()),
                 in_flight=sum(vector),
                 time_ns=int(time_ns[own].sum()),

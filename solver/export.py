@@ -134,9 +134,8 @@ def torch_pipelining_export(
     }
     if v > 1:
         result["memory_note"] += (
-            f" This plan interleaves {v} stages per rank and was sized for the megatron runtime "
-            "(one buffer per direction per stage); torch keeps per-micro-batch buffers for each "
-            "of them, which the planner does not model for interleaving."
+            f" With {v} stages per rank, each of them keeps its own receive buffers (plan with "
+            "--runtime torch to count them)."
         )
     if not contiguous:
         result["note"] += (

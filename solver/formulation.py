@@ -284,7 +284,7 @@ class PrefixFormulation(abc.ABC):
             terms += self._recompute_terms(
                 k * (costs.recompute_stored_bytes - costs.stored_bytes), stage, self._bytes
             )
-            receive, send = costs.receive_copies[stage], costs.send_copies[stage]
+            receive, send = costs.copies_at(stage, k)
             terms += [
                 self._bytes(receive * nbytes) * self._crossing(e, stage - 1)
                 + self._bytes(send * nbytes) * self._crossing(e, stage)

@@ -161,14 +161,19 @@ def _random_interleaved(seed: int, selective: bool = False):
         recompute="selective" if selective else rng.choice(["none", "full"]),
         virtual_stages=v,
     )
-    training = TrainingConfig(global_batch=config.global_batch, virtual_stages=(v,))
+    training = TrainingConfig(
+        global_batch=config.global_batch,
+        virtual_stages=(v,),
+        runtime=rng.choice(["megatron", "torch"]),
+    )
     return graph, config, layer_costs(graph, config, Cluster(num_gpus=config.num_gpus), training)
 
 
 def _rank_peaks_by_hand(graph, costs, split) -> list[int]:
-    """Per-rank peak straight from the definition, with loops (chains and DAGs, no relays
-    counted twice): states and buffers of every chunk, the largest in-flight vector of
-    activations + relayed edges, the largest transient."""
+    """Per-rank peak straight from the definition, with loops (chains and DAGs): states of every
+    chunk, the in-flight vector with the most activations (+ relayed edges) + boundary buffers,
+    the largest transient. Buffers: megatron one per direction per virtual stage; torch m
+    receive buffers (less the held inputs) and m gradient buffers + the held outputs."""
     p, num_stages = costs.num_ranks, costs.num_stages
     stored, transient, _ = costs.coefficients(None)
     relayed = [0] * num_stages
@@ -182,27 +187,32 @@ def _rank_peaks_by_hand(graph, costs, split) -> list[int]:
         received[b] += int(nbytes)
         for j in range(a + 1, b):
             relayed[j] += int(nbytes)
+    m, last = costs.config.num_microbatches, num_stages - 1
+
+    def copies(j: int, n: int) -> tuple[int, int]:
+        if costs.runtime == "torch":
+            return (0 if j == 0 else m - n), (0 if j == last else m + n)
+        return int(j > 0), int(j < last)
+
     peaks = []
     for rank in range(p):
         own = list(range(rank, num_stages, p))
         layers = [layer for layer in range(len(split)) if split[layer] in own]
         states = sum(int(costs.state_bytes[layer]) for layer in layers)
-        buffers = sum(
-            costs.receive_copies[j] * (received[j] + relayed[j])
-            + costs.send_copies[j] * (sent[j] + relayed[j])
-            for j in own
-        )
         held = [
             sum(int(stored[layer]) for layer in layers if split[layer] == j) + relayed[j]
             for j in own
         ]
-        activations = max(
-            sum(n * h for n, h in zip(vector, held, strict=True))
+        at_peak = max(
+            sum(
+                n * h
+                + copies(j, n)[0] * (received[j] + relayed[j])
+                + copies(j, n)[1] * (sent[j] + relayed[j])
+                for n, h, j in zip(vector, held, own, strict=True)
+            )
             for vector in costs.in_flight_vectors[rank]
         )
-        peaks.append(
-            states + buffers + activations + max(int(transient[layer]) for layer in layers)
-        )
+        peaks.append(states + at_peak + max(int(transient[layer]) for layer in layers))
     return peaks
 
 
@@ -332,14 +342,15 @@ def test_search_over_chunk_counts_keeps_the_best(tmp_path):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--runtime", "torch"], "--runtime megatron only"),
+        (["--cluster", "examples/clusters/a100-40g-80g.json"], "heterogeneous cluster"),
         (["--backend", "chain"], "--backend chain does not plan interleaved"),
         (["--memory-model", "empirical"], "analytic"),
     ],
 )
 def test_plan_errors(tmp_path, capsys, extra, message):
     graph_file = _gpt_graph_file(tmp_path)
-    args = [graph_file, "--gpus", "4", "--global-batch", "16", "--virtual-stages", "2", *extra]
+    gpus = [] if "--cluster" in extra else ["--gpus", "4"]
+    args = [graph_file, *gpus, "--global-batch", "16", "--virtual-stages", "2", *extra]
     assert plan_main(args) == 2
     err = capsys.readouterr().err
     assert message in err
