@@ -62,6 +62,8 @@ class Layout(NamedTuple):
     schedule: str
     zero: int = 0
     recompute: str = "none"
+    virtual_stages: int = 1
+    """Chunks per pipeline rank (interleaved 1F1B when > 1)."""
 
     def training(self) -> TrainingConfig:
         """The planner's options for this layout: pinned degrees, fp32 + Adam, torch runtime."""
@@ -71,6 +73,7 @@ class Layout(NamedTuple):
             zero_stages=(self.zero,),
             recompute=self.recompute,
             schedule=self.schedule,
+            virtual_stages=(self.virtual_stages,),
             runtime="torch",  # what run_plan executes
             max_slowdown=None,
             **{"tp": 1, **self.pins},
@@ -167,7 +170,7 @@ def calibrate(
     for layout in layouts:
         cluster = Cluster(num_gpus=layout.num_gpus, gpus_per_node=layout.num_gpus)
         chosen = plan(graph, cluster, layout.training())
-        split = "/".join(str(len(stage.layers)) for stage in chosen.stages)
+        split = _split_text(chosen)
         if progress:
             progress(f"running {layout.label} ({chosen.config.num_gpus} ranks, split {split})")
         reports = run_plan(
@@ -241,7 +244,7 @@ def _layout(item: Layout | tuple) -> Layout:
     except TypeError:
         raise InputError(
             f"calibrate: configuration {item!r}: give (label, num_gpus, pins, global_batch, "
-            "micro_batch, schedule[, zero[, recompute]])"
+            "micro_batch, schedule[, zero[, recompute[, virtual_stages]]])"
         ) from None
     if not isinstance(layout.pins, dict) or set(layout.pins) - {"pp", "dp", "tp"}:
         raise InputError(
@@ -249,6 +252,13 @@ def _layout(item: Layout | tuple) -> Layout:
             "dp and tp"
         )
     return layout
+
+
+def _split_text(chosen) -> str:
+    """Layers per stage, e.g. "3/5"; with interleaving per chunk within a rank, e.g. "1+3/2+2"."""
+    if chosen.config.virtual_stages == 1:
+        return "/".join(str(len(stage.layers)) for stage in chosen.stages)
+    return "/".join("+".join(str(len(chunk)) for chunk in stage.chunks) for stage in chosen.stages)
 
 
 def _spread(errors: list[float | None]) -> dict[str, float]:

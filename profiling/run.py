@@ -19,6 +19,15 @@ stage, so the loss is exactly the model's. Gradients are scaled by the micro-bat
 schedule) and averaged over data-parallel ranks: they equal the single-process gradients of the
 mean loss over the global batch ``dp * micro_batch * num_microbatches``.
 
+Interleaved plans (``config.virtual_stages`` v > 1, ``solver.plan --virtual-stages v``): virtual
+stage j = c * pp + r is chunk c of pipeline rank r (``stages[r].chunks``). Each rank builds one
+model per chunk from the seed, keeping only that chunk's layers, and one ``PipelineStage`` per
+chunk (global index j of ``pp * v``, static shapes as below), and runs them with
+``ScheduleInterleaved1F1B``: the input ids go to rank 0 (virtual stage 0), the head runs in
+``loss_fn`` on rank pp - 1 (the last virtual stage). With dp > 1 each chunk gets its own DDP.
+Supported: tp 1, ZeRO 0 when dp > 1, recompute none or full, a micro-batch count that is a
+multiple of torch's rounds ``max(1, m // pp)``; anything else is an ``InputError``.
+
 Tensor parallelism (``tp > 1``, ``torch.distributed.tensor.parallel``): Megatron's split of every
 self-attention (fused ``qkv`` column-parallel with its rows regrouped so that each TP rank holds
 whole heads of q, k and v, ``proj`` row-parallel, the module's head counts set to the local ones)
@@ -58,9 +67,9 @@ every iteration and the last iteration's peak is reported, with the plan's
 ``grads`` only after the backward, so at a peak inside it they count as ``other``. On CUDA,
 ``torch.cuda.max_memory_allocated`` over the last iteration is reported as well.
 
-Not supported (``InputError``): tied weights split across stages, a tied embedding and head with
-a vocabulary-parallel table, ZeRO-1 with tp > 1 and dp > 1. The model's layers must form a chain
-(each takes the previous one's output, the last takes ``(hidden, targets)``: the GPT/Llama
+Not supported (``InputError``): tied weights split across (virtual) stages, a tied embedding and
+head with a vocabulary-parallel table, ZeRO-1 with tp > 1 and dp > 1. The model's layers must form
+a chain (each takes the previous one's output, the last takes ``(hidden, targets)``: the GPT/Llama
 presets); a DAG model such as T5 fails inside the ranks, which ``run_plan`` reports as
 ``RunError``. Use dropout 0 for runs compared with a single process or with predictions (the CPU
 dropout kernels differ from GPU ones, and dropout masks draw random numbers in a different order).
@@ -188,12 +197,7 @@ def _check_plan(spec: models.ModelSpec, plan: dict[str, Any], max_processes: int
         raise InputError(
             f"plan config: schedule {config['schedule']!r}; valid: {', '.join(SCHEDULES)}"
         )
-    if config.get("virtual_stages", 1) != 1:
-        raise InputError(
-            f"plan config: virtual_stages={config['virtual_stages']!r}: this executor runs one "
-            "stage per rank; interleaved plans are not executed yet (plan with "
-            "--virtual-stages 1 to validate)"
-        )
+    _check_interleaving(config)
     if tp > 1:
         with torch.device("meta"):  # shapes only
             model = spec.build()
@@ -210,9 +214,22 @@ def _check_plan(spec: models.ModelSpec, plan: dict[str, Any], max_processes: int
         raise InputError(f"plan: {count} stages for pp={pp}")
     if [stage.get("index") for stage in stages] != list(range(pp)):
         raise InputError("plan: stages[i].index must be 0..pp-1 in order")
-    layers = [name for stage in stages for name in stage.get("layers", [])]
     if any(not stage.get("layers") for stage in stages):
         raise InputError("plan: every stage needs at least one layer")
+    virtual_stages = config.get("virtual_stages", 1)
+    for stage in stages if virtual_stages > 1 else ():
+        chunks = stage.get("chunks")
+        if not isinstance(chunks, list) or len(chunks) != virtual_stages:
+            count = len(chunks) if isinstance(chunks, list) else 0
+            raise InputError(
+                f"plan: stages[{stage['index']}].chunks has {count} chunks for "
+                f"virtual_stages={virtual_stages} (write the plan with solver.plan --json)"
+            )
+        if any(not chunk for chunk in chunks):
+            raise InputError(f"plan: stages[{stage['index']}]: every chunk needs a layer")
+        if [name for chunk in chunks for name in chunk] != stage["layers"]:
+            raise InputError(f"plan: stages[{stage['index']}].chunks must list its layers in order")
+    layers = [name for chunk in virtual_stage_layers(plan) for name in chunk]
     if layers != spec.layers:
         unknown = [name for name in layers if name not in spec.layers]
         absent = [name for name in spec.layers if name not in layers]
@@ -224,6 +241,55 @@ def _check_plan(spec: models.ModelSpec, plan: dict[str, Any], max_processes: int
             f"{len(spec.layers)} layers {spec.layers[0]}..{spec.layers[-1]} in order, got "
             f"{len(layers)} layers{'; ' + detail if detail else ' (out of order)'}"
         )
+
+
+def _check_interleaving(config: dict[str, Any]) -> None:
+    """InputError unless ``config.virtual_stages`` is one this executor runs: 1, or v > 1 with
+    1F1B (``ScheduleInterleaved1F1B``), tp 1 and, over dp > 1, ZeRO 0 (one DDP per chunk)."""
+    v, pp, tp, dp = config.get("virtual_stages", 1), config["pp"], config["tp"], config["dp"]
+    if not isinstance(v, int) or v < 1:
+        raise InputError(f"plan config: virtual_stages must be a positive integer, got {v!r}")
+    if v == 1:
+        return
+    m, zero = config["num_microbatches"], config["zero"]
+    rounds = max(1, m // pp)
+    problems = (
+        (
+            config["schedule"] != "1f1b",
+            f"schedule {config['schedule']!r}: interleaving runs ScheduleInterleaved1F1B; plan "
+            "with --schedule 1f1b",
+        ),
+        (pp < 2, f"pp={pp}: interleaving needs pp >= 2; plan with --virtual-stages 1"),
+        (
+            tp > 1,
+            f"tp={tp}: interleaved plans run with tp=1 only; plan with --tp 1 or "
+            "--virtual-stages 1",
+        ),
+        (
+            dp > 1 and zero != 0,
+            f"dp={dp} and zero={zero}: interleaved plans run data parallelism with DDP (zero=0) "
+            "only; plan with --zero 0 or --virtual-stages 1",
+        ),
+        (
+            m % rounds != 0,
+            f"num_microbatches={m}: ScheduleInterleaved1F1B needs a multiple of its rounds "
+            f"max(1, m // pp) = {rounds}; plan with a multiple of pp ({pp})",
+        ),
+    )
+    for failed, problem in problems:
+        if failed:
+            raise InputError(f"plan config: virtual_stages={v} with {problem}")
+
+
+def virtual_stage_layers(plan: dict[str, Any]) -> list[list[str]]:
+    """The layer names of each (virtual) stage in pipeline order: with v chunks per rank,
+    virtual stage j is chunk j // pp of rank j % pp (``stages[r].chunks``); else
+    ``stages[r].layers``."""
+    config, stages = plan["config"], plan["stages"]
+    pp, v = config["pp"], config.get("virtual_stages", 1)
+    if v == 1:
+        return [list(stage.get("layers", [])) for stage in stages]
+    return [list(stages[j % pp]["chunks"][j // pp]) for j in range(pp * v)]
 
 
 def _check_device(device: str, world: int) -> None:
@@ -349,7 +415,12 @@ def _keep_layers(model: nn.Module, all_layers: list[str], keep: list[str]) -> No
 def _rank_main(rank: int, job: _Job) -> RankReport:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
     from torch.distributed.tensor.parallel import loss_parallel
 
     from profiling.memory import LiveTensorTracker
@@ -357,8 +428,10 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
     config, stages = job.plan["config"], job.plan["stages"]
     pp, dp, tp, zero = config["pp"], config["dp"], config["tp"], config["zero"]
     micro_batch, num_microbatches = config["micro_batch"], config["num_microbatches"]
+    num_chunks = config.get("virtual_stages", 1)
     replica, tp_rank = divmod(rank, tp)
     stage_index, dp_rank = divmod(replica, dp)
+    # the ranks holding the first and the last (virtual) stage: input ids and targets
     first, last = stage_index == 0, stage_index == pp - 1
     world = pp * dp * tp
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -379,63 +452,85 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
 
     spec = _spec(job.preset, job.overrides)
+    virtual = virtual_stage_layers(job.plan)
+    num_virtual = len(virtual)  # pp * v
     layers = stages[stage_index]["layers"]
-    model = build_model(spec, job.seed)
-    vocab_sizes = vocabulary_sizes(model)  # of the full model: a stage may hold only the head
     head_path = spec.layers[-1]
-    run_paths = [path for path in layers if path != head_path]
     # static stage metadata: one micro-batch's input and output shapes
     example_ids, _ = batch_for_iteration(
         spec, batch=micro_batch, seq=job.seq, seed=job.seed, iteration=0
     )
-    metas = boundary_metas(model, spec, example_ids)
-    stage_input = (
-        torch.empty(example_ids.shape, dtype=example_ids.dtype, device="meta")
-        if first
-        else metas[stages[stage_index - 1]["layers"][-1]]
-    )
-    stage_output = metas[run_paths[-1]] if run_paths else stage_input
-    _keep_layers(model, spec.layers, layers)
-    model.to(device)
+    ids_meta = torch.empty(example_ids.shape, dtype=example_ids.dtype, device="meta")
+    # One model per chunk (virtual stage chunk * pp + stage_index), each from the same seed and
+    # keeping only the chunk's layers, so that a chunk's module (and its DDP) owns exactly its
+    # parameters. Without interleaving: one chunk, the rank's stage.
+    chunks = []
+    for chunk in range(num_chunks):
+        index = chunk * pp + stage_index
+        model = build_model(spec, job.seed)
+        if not chunks:
+            # of the full model: a stage may hold only the head
+            vocab_sizes = vocabulary_sizes(model)
+            metas = boundary_metas(model, spec, example_ids)
+        run_paths = [path for path in virtual[index] if path != head_path]
+        stage_input = ids_meta if index == 0 else metas[virtual[index - 1][-1]]
+        stage_output = metas[run_paths[-1]] if run_paths else stage_input
+        _keep_layers(model, spec.layers, virtual[index])
+        model.to(device)
+        chunks.append((index, model, run_paths, stage_input, stage_output))
     recompute = config["recompute"] == "full"
 
     tracker = LiveTensorTracker()
-    tracker.track_module(model)
+    for _, model, *_ in chunks:
+        tracker.track_module(model)
     losses: list[float] = []
     iteration_ms: list[float] = []
     cuda_peak: int | None = None
     grads = None
+    orders: dict[str, torch.Tensor] = {}
     with tracker:
-        orders = apply_tensor_parallel(model, layers, mesh["tp"], vocab_sizes) if tp > 1 else {}
+        pipeline_stages, stage_modules = [], []
+        for index, model, run_paths, stage_input, stage_output in chunks:
+            if tp > 1:
+                orders |= apply_tensor_parallel(model, virtual[index], mesh["tp"], vocab_sizes)
+            stage_module = _StageModule(model, run_paths, recompute=recompute)
+            layer_modules = [model.get_submodule(path) for path in virtual[index]]
+            submod = apply_data_parallel(stage_module, layer_modules, mesh, zero, device)
+            tracker.track_module(stage_module)  # the shards are the weights now (TP, FSDP2)
+            tracker.track_grads(stage_module)
+            shapes = {"input_args": stage_input, "output_args": stage_output}
+            if "output_grads" in inspect.signature(PipelineStage).parameters:  # torch >= 2.12
+                shapes |= {
+                    "output_grads": None if index == num_virtual - 1 else stage_output,
+                    "input_grads": None if index == 0 else stage_input,
+                }
+            pipeline_stages.append(
+                PipelineStage(
+                    submod, index, num_virtual, device, group=mesh["pp"].get_group(), **shapes
+                )
+            )
+            stage_modules.append(stage_module)
         # A vocabulary-parallel head leaves its logits sharded: its cross-entropy (forward and
         # backward) needs loss_parallel.
         sharded_logits = tp > 1 and any(
             path.endswith(".lm_head")
-            for path in vocabulary_parallel_paths(model, layers, vocab_sizes)
+            for index, model, *_ in chunks
+            for path in vocabulary_parallel_paths(model, virtual[index], vocab_sizes)
         )
-        stage_module = _StageModule(model, run_paths, recompute=recompute)
-        layer_modules = [model.get_submodule(path) for path in layers]
-        submod = apply_data_parallel(stage_module, layer_modules, mesh, zero, device)
-        tracker.track_module(stage_module)  # the shards are the weights now (TP, FSDP2)
-        tracker.track_grads(stage_module)
-        shapes = {"input_args": stage_input, "output_args": stage_output}
-        if "output_grads" in inspect.signature(PipelineStage).parameters:  # torch >= 2.12
-            shapes |= {
-                "output_grads": None if last else stage_output,
-                "input_grads": None if first else stage_input,
-            }
-        stage = PipelineStage(
-            submod, stage_index, pp, device, group=mesh["pp"].get_group(), **shapes
-        )
-        head = model.get_submodule(head_path) if last else None
-        schedule_class = Schedule1F1B if config["schedule"] == "1f1b" else ScheduleGPipe
+        head = chunks[-1][1].get_submodule(head_path) if last else None
         # loss_fn on every rank: without it the first stage skips backward (and deadlocks).
-        schedule = schedule_class(
-            stage,
-            n_microbatches=num_microbatches,
-            loss_fn=functools.partial(_head_loss, head, recompute),
-        )
-        optimizer = build_optimizer(list(stage_module.parameters()), mesh, zero, lr=LEARNING_RATE)
+        loss_fn = functools.partial(_head_loss, head, recompute)
+        if num_chunks > 1:
+            schedule = ScheduleInterleaved1F1B(
+                pipeline_stages, n_microbatches=num_microbatches, loss_fn=loss_fn
+            )
+        else:
+            schedule_class = Schedule1F1B if config["schedule"] == "1f1b" else ScheduleGPipe
+            schedule = schedule_class(
+                pipeline_stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn
+            )
+        params = [param for module in stage_modules for param in module.parameters()]
+        optimizer = build_optimizer(params, mesh, zero, lr=LEARNING_RATE)
         tracker.track_optimizer(getattr(optimizer, "optim", optimizer))  # ZeRO-1: the local Adam
 
         rows = micro_batch * num_microbatches
@@ -465,7 +560,7 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
                 loss_parallel() if sharded_logits else contextlib.nullcontext(),
             ):
                 schedule.step(*args, **kwargs, return_outputs=False)
-            for param in stage_module.parameters():  # FSDP2 sets sharded grads without hooks
+            for param in params:  # FSDP2 sets sharded grads without hooks
                 if param.grad is not None:
                     tracker.track(param.grad, "grads")
             optimizer.step()
@@ -479,12 +574,13 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
         peak_bytes, breakdown = tracker.peak_bytes, dict(tracker.peak_breakdown)
         if job.capture_grads:
             grads = {}
-            for name, param in model.named_parameters():
-                if param.grad is not None:
-                    grad = _full(param.grad).detach().cpu()
-                    if name in orders:  # undo the per-head regrouping
-                        grad = grad[torch.argsort(orders[name])]
-                    grads[name] = grad.clone()
+            for _, model, *_ in chunks:
+                for name, param in model.named_parameters():
+                    if param.grad is not None:
+                        grad = _full(param.grad).detach().cpu()
+                        if name in orders:  # undo the per-head regrouping
+                            grad = grad[torch.argsort(orders[name])]
+                        grads[name] = grad.clone()
 
     predicted = stages[stage_index].get("peak_bytes")
     return RankReport(

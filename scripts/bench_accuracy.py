@@ -3,10 +3,11 @@
     python scripts/bench_accuracy.py [--out benchmarks]
 
 Profiles a small GPT (fp32, dropout 0) with ``profiling.export``, plans it for the torch runtime
-(``--runtime torch``: what the executor runs) for 12 layouts of 2-4 ranks (pipeline splits, 1F1B
+(``--runtime torch``: what the executor runs) for 18 layouts of 2-4 ranks (pipeline splits, 1F1B
 and GPipe, micro-batch counts, data parallelism with ZeRO 0-3, tensor parallelism, full
-recomputation) and runs each plan with ``profiling.run.run_plan`` on gloo (exact live-tensor
-accounting, 2 iterations, the last measured). All of it through ``profiling.calibrate.calibrate``,
+recomputation, interleaved 1F1B with two chunks per rank) and runs each plan with
+``profiling.run.run_plan`` on gloo (exact live-tensor accounting, 2 iterations, the last
+measured). All of it through ``profiling.calibrate.calibrate``,
 which also fits the calibration to every rank and predicts each layout from a fit on the others.
 Writes benchmarks/bench_accuracy.md and .csv with the analytic, calibrated and leave-one-out
 predictions, the measured peak and the errors per rank, and their median / max absolute values
@@ -44,6 +45,13 @@ LAYOUTS = [
     Layout("dp2 pp2 zero2 m4", 4, {"pp": 2, "dp": 2}, 16, 2, "1f1b", 2),
     Layout("dp2 pp2 zero3 m4", 4, {"pp": 2, "dp": 2}, 16, 2, "1f1b", 3),
     Layout("tp2 dp2 zero3 m2", 4, {"pp": 1, "tp": 2, "dp": 2}, 8, 2, "1f1b", 3),
+    # interleaved 1F1B (ScheduleInterleaved1F1B), two chunks per rank
+    Layout("pp2 v2 m4", 2, {"pp": 2}, 8, 2, "1f1b", virtual_stages=2),
+    Layout("pp2 v2 m8", 2, {"pp": 2}, 16, 2, "1f1b", virtual_stages=2),
+    Layout("pp3 v2 m6", 3, {"pp": 3}, 12, 2, "1f1b", virtual_stages=2),
+    Layout("pp4 v2 m8", 4, {"pp": 4}, 16, 2, "1f1b", virtual_stages=2),
+    Layout("pp2 v2 recompute m4", 2, {"pp": 2}, 8, 2, "1f1b", 0, "full", 2),
+    Layout("dp2 pp2 v2 m4", 4, {"pp": 2, "dp": 2}, 16, 2, "1f1b", virtual_stages=2),
 ]
 
 

@@ -407,3 +407,16 @@ def test_calibrate_end_to_end_on_two_configurations(tmp_path, capsys):
     assert calibrate_cli.main([*tiny_args(out), "--configs", "2"]) == 2
     assert "already exists; pass --force" in capsys.readouterr().err
     assert out.read_text() == before
+
+
+def test_interleaved_layout_plans_for_the_torch_runtime_with_chunks_in_the_split():
+    layout = calibrate_cli.Layout("pp2 v2 m4", 2, {"pp": 2}, 8, 2, "1f1b", virtual_stages=2)
+    training = layout.training()
+    assert (training.virtual_stages, training.runtime) == ((2,), "torch")
+    graph = export_graph("gpt-tiny", dtype="fp32", overrides=TINY)
+    chosen = plan(graph, Cluster(num_gpus=2, gpus_per_node=2), training)
+    split = calibrate_cli._split_text(chosen)  # layers per chunk, "+" within a rank
+    assert [[int(n) for n in rank.split("+")] for rank in split.split("/")] == [
+        [len(chunk) for chunk in stage.chunks] for stage in chosen.stages
+    ]
+    assert sum(int(n) for n in split.replace("+", "/").split("/")) == len(graph.names)

@@ -3,8 +3,9 @@
 Each run spawns pp * dp * tp processes (a few seconds each on two cores, 10-25 s with four), so
 the suite keeps to one run per layout: 2-stage 1F1B (planner split), 4-stage GPipe (uneven hand
 split, the last stage holds only the head), DP=2 x PP=2 (DDP), ZeRO-1/2/3, TP=2 x PP=2,
-TP=2 x DP=2 (FSDP2), TP=2 with a vocabulary-parallel embedding and head, full recompute, and a
-rank that fails or hangs.
+TP=2 x DP=2 (FSDP2), TP=2 with a vocabulary-parallel embedding and head, full recompute,
+interleaved 1F1B (two chunks per rank: pp 2 and 3, full recompute, DP=2), and a rank that fails or
+hangs.
 """
 
 from __future__ import annotations
@@ -180,7 +181,9 @@ def evaluated(graph, split, **config) -> dict:
         global_batch=parallel.dp * parallel.micro_batch * parallel.num_microbatches,
         micro_batch_sizes=(parallel.micro_batch,),
         zero_stages=(parallel.zero,),
+        recompute=parallel.recompute,
         schedule=parallel.schedule,
+        virtual_stages=(parallel.virtual_stages,),
         max_slowdown=None,
         **FP32,
     )
@@ -269,6 +272,55 @@ def test_full_recompute_pp2_matches_single_process(graph):
         assert report.measured_breakdown["activations"] < full_set / 4
 
 
+@pytest.mark.parametrize(
+    ("pp", "split", "num_microbatches", "recompute", "chunks"),
+    [
+        # rank 0: embed..layers.0 | layers.2; rank 1: layers.1 | layers.3 + head
+        (2, [2, 1, 1, 2], 4, "none", [[2, 1], [1, 2]]),
+        # the last virtual stage holds only the loss head; every layer under checkpoint
+        (2, [2, 1, 2, 1], 4, "full", [[2, 2], [1, 1]]),
+        # six virtual stages of one layer each over three ranks, m = p
+        (3, [1] * 6, 3, "none", [[1, 1], [1, 1], [1, 1]]),
+    ],
+)
+def test_interleaved_matches_single_process(graph, pp, split, num_microbatches, recompute, chunks):
+    """ScheduleInterleaved1F1B with two chunks per rank (virtual stage j on rank j mod pp)."""
+    plan_dict = evaluated(
+        graph,
+        split,
+        pp=pp,
+        tp=1,
+        dp=1,
+        micro_batch=1,
+        num_microbatches=num_microbatches,
+        virtual_stages=2,
+        recompute=recompute,
+    )
+    assert [[len(chunk) for chunk in stage["chunks"]] for stage in plan_dict["stages"]] == chunks
+    reports = run_plan("gpt-tiny", plan_dict, iterations=1, overrides=OVERRIDES, capture_grads=True)
+    assert [r.layers for r in reports] == [stage["layers"] for stage in plan_dict["stages"]]
+    assert_matches_reference(reports, global_batch=num_microbatches)
+    assert_peaks_reported(reports, plan_dict)
+
+
+def test_interleaved_dp2_ddp_per_chunk_matches_single_process(graph):
+    plan_dict = evaluated(
+        graph, [1, 2, 2, 1], pp=2, tp=1, dp=2, micro_batch=1, num_microbatches=2, virtual_stages=2
+    )
+    reports = run_plan("gpt-tiny", plan_dict, iterations=2, overrides=OVERRIDES, capture_grads=True)
+    assert [(r.rank, r.stage, r.dp_rank) for r in reports] == [
+        (0, 0, 0),
+        (1, 0, 1),
+        (2, 1, 0),
+        (3, 1, 1),
+    ]
+    assert_matches_reference(reports, global_batch=4, iterations=2)
+    assert_peaks_reported(reports, plan_dict)
+    for a, b in ((reports[0], reports[1]), (reports[2], reports[3])):  # DDP averaged each chunk
+        for name in a.grads:
+            torch.testing.assert_close(a.grads[name], b.grads[name], rtol=0, atol=0)
+
+
 def test_shard_order_gives_each_tp_rank_whole_heads():
     # q of 8 rows, k and v of 4 rows each, over tp=2: rank 0 gets q[0:4], k[0:2], v[0:2].
     order = shard_order([8, 4, 4], 2)
@@ -338,6 +390,29 @@ def test_hung_rank_times_out_and_stops_every_process(graph):
 def test_bad_plans_are_input_errors_before_spawning(graph, change, message):
     plan_dict = copy.deepcopy(
         planned(graph, pp=2, dp=1, micro_batch=2, global_batch=8, schedule="1f1b")
+    )
+    change(plan_dict)
+    with pytest.raises(InputError, match=message):
+        run_plan("gpt-tiny", plan_dict, overrides=OVERRIDES, max_processes=8)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda p: p["config"].update(tp=2), r"virtual_stages=2 with tp=2: .* --tp 1"),
+        (
+            lambda p: p["config"].update(dp=2, zero=1),
+            r"virtual_stages=2 with dp=2 and zero=1: .* --zero 0",
+        ),
+        (lambda p: p["config"].update(schedule="gpipe"), "schedule 'gpipe': .* --schedule 1f1b"),
+        (lambda p: p["config"].update(num_microbatches=5), r"rounds max\(1, m // pp\) = 2"),
+        (lambda p: p["stages"][0].pop("chunks"), r"stages\[0\].chunks has 0 chunks"),
+        (lambda p: p["stages"][1]["chunks"].reverse(), r"stages\[1\].chunks must list"),
+    ],
+)
+def test_unsupported_interleaved_plans_are_input_errors(graph, change, message):
+    plan_dict = evaluated(
+        graph, [2, 1, 1, 2], pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=4, virtual_stages=2
     )
     change(plan_dict)
     with pytest.raises(InputError, match=message):
