@@ -41,6 +41,7 @@ CASES = (
     # graph file, GPUs, GPU memory (GiB), global batch, pp, tp
     ("gpt-1.3b.json", 8, 40, 64, 4, 2),
     ("gpt3-175b.json", 64, 80, 256, 8, 8),
+    ("gpt3-175b.json", 128, 80, 256, 16, 8),
 )
 CHUNKS = (1, 2, 4)
 
