@@ -139,6 +139,25 @@ def in_flight_vectors(
     (v - 1) g + 2 p - 1 chunk-micro-batches, i.e. p (1 + (p - 1) / (p v)) micro-batches of a
     stage with g = p (Korthikanti et al. 2022, section 4.2.3), against p without interleaving.
     """
+    moments = schedule_moments(num_microbatches, num_ranks, num_chunks, rank, group)
+    held = [n for n, _ in moments]
+
+    def dominated(vector: tuple[int, ...]) -> bool:
+        return any(
+            other != vector and all(a >= b for a, b in zip(other, vector, strict=True))
+            for other in held
+        )
+
+    return [vector for vector in held if not dominated(vector)]
+
+
+def schedule_moments(
+    num_microbatches: int, num_ranks: int, num_chunks: int, rank: int, group: int | None = None
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Every moment of rank r's schedule just after a forward or a backward, as (n, B): the
+    micro-batches each chunk holds and the backwards each chunk has done (the order of
+    ``in_flight_vectors``). B only grows, so for each distinct n only the latest moment is kept;
+    largest n first."""
     m, p, v = num_microbatches, num_ranks, num_chunks
     g = p if group is None else group
     order = [
@@ -148,24 +167,27 @@ def in_flight_vectors(
     # without interleaving (v = 1) rank r runs p - 1 - r warm-up forwards (plain 1F1B)
     ahead = (v - 1) * g + 2 * (p - 1 - rank) if v > 1 else p - 1 - rank
     warmup = min(total, ahead)
-    held = [0] * v
-    peaks: set[tuple[int, ...]] = set()
-    for step in range(warmup):
+    held, done = [0] * v, [0] * v
+    latest: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+    def forward(step: int) -> None:
         held[order[step]] += 1
-    if warmup == total:
-        peaks.add(tuple(held))
+        latest[tuple(held)] = tuple(done)
+
+    def backward(step: int) -> None:
+        chunk = v - 1 - order[step]
+        held[chunk] -= 1
+        done[chunk] += 1
+        latest[tuple(held)] = tuple(done)
+
+    for step in range(warmup):
+        forward(step)
     for k in range(total - warmup):
-        held[order[warmup + k]] += 1
-        peaks.add(tuple(held))
-        held[v - 1 - order[k]] -= 1
-
-    def dominated(vector: tuple[int, ...]) -> bool:
-        return any(
-            other != vector and all(a >= b for a, b in zip(other, vector, strict=True))
-            for other in peaks
-        )
-
-    return [vector for vector in sorted(peaks, reverse=True) if not dominated(vector)]
+        forward(warmup + k)
+        backward(k)
+    for k in range(total - warmup, total):
+        backward(k)
+    return sorted(latest.items(), reverse=True)
 
 
 def boundary_copies(
@@ -199,10 +221,8 @@ def stage_boundary_copies(
     if runtime == "torch" and config.virtual_stages > 1:
         m = config.num_microbatches
         assert in_flight is not None and len(in_flight) == num_stages
-        return (
-            [0] + [m] * (num_stages - 1),
-            [m + k for k in in_flight[:-1]] + [0],
-        )
+        # largest values: held + done <= m, so R <= 2 m and S <= 2 m
+        return [0] + [2 * m] * (num_stages - 1), [2 * m] * (num_stages - 1) + [0]
     copies = [
         boundary_copies(runtime, config.schedule, config.num_microbatches, num_stages, j)
         for j in range(num_stages)
@@ -251,6 +271,9 @@ class LayerCosts:
     """For each rank r, the vectors (n_0 .. n_{v-1}) of micro-batches held per chunk at the
     moments that can be its peak (``in_flight_vectors``); [(k_r,)] without interleaving (the
     default, from ``in_flight``)."""
+    backwards_done: list[list[tuple[int, ...]]] = field(default_factory=list)
+    """Parallel to ``in_flight_vectors``: backwards each chunk has done at that moment (only
+    the torch runtime's interleaved buffers depend on it; zeros by default)."""
     receive_copies: list[int] = field(default_factory=list)
     """R_s for each stage: copies of a received edge's bytes (``boundary_copies``; the megatron
     runtime's when not given). With interleaving on the torch runtime they depend on the
@@ -271,6 +294,10 @@ class LayerCosts:
     def __post_init__(self) -> None:
         if not self.in_flight_vectors:
             self.in_flight_vectors = [[(k,)] for k in self.in_flight]
+        if not self.backwards_done:
+            self.backwards_done = [
+                [(0,) * len(vector) for vector in vectors] for vectors in self.in_flight_vectors
+            ]
         if not self.receive_copies and not self.send_copies:
             self.receive_copies, self.send_copies = stage_boundary_copies("megatron", self.config)
         if self.recompute_stored_bytes is None:
@@ -280,18 +307,25 @@ class LayerCosts:
         if self.recompute_time_ns is None:
             self.recompute_time_ns = self.time_ns
 
-    def copies_at(self, stage: int, held: int) -> tuple[int, int]:
-        """(R_j, S_j) of (virtual) stage j while it holds ``held`` micro-batches in flight.
+    def copies_at(self, stage: int, held: int, done: int = 0) -> tuple[int, int]:
+        """(R_j, S_j) of (virtual) stage j while it holds ``held`` micro-batches in flight and
+        has done ``done`` backwards.
 
         megatron: constant. torch: each PipelineStage allocates a receive buffer per micro-batch
         for the run (m on a non-first stage, of which the ``held`` in-flight ones are its saved
         inputs, already in the activations) and m gradient receive buffers plus the outputs of
         its ``held`` in-flight micro-batches (on a non-last stage): (m - held, m + held), which
-        is ``boundary_copies`` without interleaving (held = k_s)."""
+        is ``boundary_copies`` without interleaving (held = k_s). With interleaving torch's
+        runtime schedule (``_PipelineScheduleRuntime``) waits on its sends only at the end of
+        the step, so every output sent and every input gradient sent back stays alive until
+        then: (m - held + done, m + held + done) (measured, ``benchmarks/bench_accuracy.md``)."""
         if self.runtime != "torch" or self.config.virtual_stages == 1:
             return self.receive_copies[stage], self.send_copies[stage]
         m, last = self.config.num_microbatches, self.num_stages - 1
-        return (0 if stage == 0 else m - held), (0 if stage == last else m + held)
+        return (
+            (0 if stage == 0 else m - held + done),
+            (0 if stage == last else m + held + done),
+        )
 
     @property
     def selective(self) -> bool:
@@ -446,7 +480,7 @@ def layer_costs(
     sync_rounds = 3 if z >= 3 else 2
     dp_sync_ns = np.ceil(sync_rounds * (d - 1) * params_times_t * g / (d * t * sync_bytes_per_ns))
     as_int = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
-    in_flight, vectors = _in_flight(config, training)
+    in_flight, vectors, dones = _in_flight(config, training)
     receive_copies, send_copies = stage_boundary_copies(training.runtime, config, in_flight)
     calibration = training.calibration
     scaled = (  # a calibration's scale per component, each coefficient rounded up
@@ -474,6 +508,7 @@ def layer_costs(
         constant_bytes=0 if calibration is None else calibration.constant_bytes,
         in_flight=in_flight,
         in_flight_vectors=vectors,
+        backwards_done=dones,
         receive_copies=receive_copies,
         send_copies=send_copies,
         runtime=training.runtime,
@@ -493,23 +528,58 @@ def layer_costs(
     return costs
 
 
-def _in_flight(
-    config: ParallelConfig, training: TrainingConfig
-) -> tuple[list[int], list[list[tuple[int, ...]]]]:
-    """(k_j per virtual stage, in-flight vectors per rank) of ``config``."""
+def _in_flight(config: ParallelConfig, training: TrainingConfig):
+    """(k_j per virtual stage, in-flight vectors per rank, backwards done at each) of
+    ``config``: on the torch runtime with interleaving every moment of the schedule (its
+    buffers grow with the backwards done, and shrink with the held inputs), else the maximal
+    vectors."""
     p, v, m = config.pp, config.virtual_stages, config.num_microbatches
     if v == 1:
         in_flight = [in_flight_microbatches(config.schedule, m, p, s) for s in range(p)]
-        return in_flight, [[(k,)] for k in in_flight]
+        return in_flight, [[(k,)] for k in in_flight], [[(0,)] for _ in in_flight]
     if training.memory_model != "analytic":
         raise InputError(
             "memory model empirical: the statistics describe contiguous stages; interleaved "
             "stages (--virtual-stages > 1) need the analytic model"
         )
     group = interleaved_schedule_groups(training.runtime, m, p)
-    vectors = [in_flight_vectors(m, p, v, r, group) for r in range(p)]
+    if training.runtime == "torch":
+        moments = [_undominated_moments(schedule_moments(m, p, v, r, group)) for r in range(p)]
+        vectors = [[n for n, _ in rank] for rank in moments]
+        dones = [[done for _, done in rank] for rank in moments]
+    else:
+        vectors = [in_flight_vectors(m, p, v, r, group) for r in range(p)]
+        dones = [[(0,) * v for _ in rank] for rank in vectors]
     in_flight = [max(vector[j // p] for vector in vectors[j % p]) for j in range(p * v)]
-    return in_flight, vectors
+    return in_flight, vectors, dones
+
+
+def _undominated_moments(moments):
+    """Drop a moment (n, B) when another has, for every chunk, n' >= n, B' - n' >= B - n and
+    B' + n' >= B + n: the coefficients of a chunk's kept, received and sent bytes on the torch
+    runtime with interleaving (n, m - n + B, m + n + B, ``LayerCosts.copies_at``) are then all
+    at least as large, so its memory is too, whatever the split."""
+    keys = [
+        (
+            n,
+            tuple(b - k for k, b in zip(n, done, strict=True)),
+            tuple(b + k for k, b in zip(n, done, strict=True)),
+        )
+        for n, done in moments
+    ]
+
+    def dominated(i: int) -> bool:
+        return any(
+            j != i
+            and keys[j] != keys[i]
+            and all(
+                all(a >= b for a, b in zip(x, y, strict=True))
+                for x, y in zip(keys[j], keys[i], strict=True)
+            )
+            for j in range(len(keys))
+        )
+
+    return [moment for i, moment in enumerate(moments) if not dominated(i)]
 
 
 def empirical_layer_costs(
@@ -671,8 +741,8 @@ def stage_costs(
             relayed[src + 1 : dst] += size
     into, out_of = received + relayed, sent + relayed  # bytes a stage receives / sends
 
-    def buffer_bytes(stage: int, held: int) -> int:
-        receive, send = costs.copies_at(stage, held)
+    def buffer_bytes(stage: int, held: int, done: int = 0) -> int:
+        receive, send = costs.copies_at(stage, held, done)
         return int(receive * into[stage] + send * out_of[stage])
 
     def per_stage_sum(values: np.ndarray) -> np.ndarray:
@@ -703,11 +773,14 @@ def stage_costs(
         # (buffers depend on it only on the torch runtime with interleaving; ties: larger vector)
         _, activations, buffers, vector = max(
             (acts + bufs, acts, bufs, vector)
-            for vector in vectors
+            for vector, dones in zip(vectors, costs.backwards_done[rank], strict=True)
             for acts, bufs in [
                 (
                     int(sum(n * kept[j] for n, j in zip(vector, own, strict=True))),
-                    sum(buffer_bytes(j, n) for n, j in zip(vector, own, strict=True)),
+                    sum(
+                        buffer_bytes(j, n, done)
+                        for n, done, j in zip(vector, dones, own, strict=True)
+                    ),
                 )
             ]
         )

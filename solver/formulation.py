@@ -285,12 +285,13 @@ class PrefixFormulation(abc.ABC):
         interleaving, where rank s holds stage s alone with one in-flight count."""
         return self._rank_bytes(stage, self.costs.in_flight_vectors[stage][0])
 
-    def _rank_bytes(self, rank: int, vector: tuple[int, ...]):
-        """Peak of rank r when it holds vector[c] micro-batches of its chunk c (module
-        docstring, 'interleaving'; one chunk and k_s without interleaving)."""
+    def _rank_bytes(self, rank: int, vector: tuple[int, ...], done: tuple[int, ...] = ()):
+        """Peak of rank r when it holds vector[c] micro-batches of its chunk c, after done[c]
+        backwards of it (module docstring, 'interleaving'; one chunk and k_s without
+        interleaving)."""
         costs = self.costs
         if costs.config.virtual_stages > 1:
-            return self._rank_bytes_from_parts(rank, vector)
+            return self._rank_bytes_from_parts(rank, vector, done or (0,) * len(vector))
         terms = []
         for k, stage in zip(vector, costs.stages_of_rank(rank), strict=True):
             per_layer = costs.state_bytes + k * costs.stored_bytes
@@ -319,13 +320,14 @@ class PrefixFormulation(abc.ABC):
             terms.append(self._bytes(costs.constant_bytes))
         return self._sum(terms)
 
-    def _rank_bytes_from_parts(self, rank: int, vector: tuple[int, ...]):
+    def _rank_bytes_from_parts(self, rank: int, vector: tuple[int, ...], done: tuple[int, ...]):
         """With interleaving a rank has a row per in-flight vector: each row sums four
         variables per chunk (``_stage_parts``) instead of every layer and edge again."""
         terms = []
-        for k, stage in zip(vector, self.costs.stages_of_rank(rank), strict=True):
+        stages = self.costs.stages_of_rank(rank)
+        for k, finished, stage in zip(vector, done, stages, strict=True):
             states, kept, received, sent = self._stage_parts(stage)
-            receive, send = self.costs.copies_at(stage, k)
+            receive, send = self.costs.copies_at(stage, k, finished)
             terms += [states, k * kept, receive * received, send * sent]
         if self.vars.transient:
             terms.append(self.vars.transient[rank])
@@ -587,11 +589,13 @@ class PrefixFormulation(abc.ABC):
         per rank and in-flight vector: the sum over its chunks); with a placement
         sum_k P[s][k] >= that, and peak >= P[s][k] (absolute) or the utilization rows."""
         if self.placement is None:
-            for rank, vectors in enumerate(self.costs.in_flight_vectors):
-                for i, vector in enumerate(vectors):
+            costs = self.costs
+            for rank, vectors in enumerate(costs.in_flight_vectors):
+                dones = costs.backwards_done[rank]
+                for i, (vector, done) in enumerate(zip(vectors, dones, strict=True)):
                     suffix = f"_n{i}" if len(vectors) > 1 else ""
                     self._add(
-                        self.vars.peak >= self._rank_bytes(rank, vector),
+                        self.vars.peak >= self._rank_bytes(rank, vector, done),
                         f"memory_s{rank}{suffix}",
                     )
             return

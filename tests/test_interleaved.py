@@ -45,9 +45,9 @@ def _maximal(vectors: list[tuple[int, ...]]) -> set[tuple[int, ...]]:
     }
 
 
-def _torch_in_flight(m: int, p: int, v: int, rank: int) -> set[tuple[int, ...]]:
-    """Replay torch's ScheduleInterleaved1F1B actions for one rank: micro-batches of each chunk
-    held after every forward (a full backward frees one)."""
+def _torch_moments(m: int, p: int, v: int, rank: int) -> list[tuple[tuple, tuple]]:
+    """Replay torch's ScheduleInterleaved1F1B actions for one rank: (micro-batches held, backwards
+    done) per chunk after every forward and every full backward."""
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
     rounds = max(1, m // p)
     schedule = type(
@@ -57,7 +57,7 @@ def _torch_in_flight(m: int, p: int, v: int, rank: int) -> set[tuple[int, ...]]:
     )()
     schedule._n_microbatches = m
     actions = schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(schedule, rank)
-    held, seen = [0] * v, []
+    held, done, seen = [0] * v, [0] * v, []
     for action in actions:
         if action is None:
             continue
@@ -65,12 +65,17 @@ def _torch_in_flight(m: int, p: int, v: int, rank: int) -> set[tuple[int, ...]]:
         chunk = action.stage_index // p
         if action.computation_type == schedules._ComputationType.FORWARD:
             held[chunk] += 1
-            seen.append(tuple(held))
         else:
             assert action.computation_type == schedules._ComputationType.FULL_BACKWARD
             held[chunk] -= 1
+            done[chunk] += 1
+        seen.append((tuple(held), tuple(done)))
     assert held == [0] * v
-    return _maximal(seen)
+    return seen
+
+
+def _torch_in_flight(m: int, p: int, v: int, rank: int) -> set[tuple[int, ...]]:
+    return _maximal([n for n, _ in _torch_moments(m, p, v, rank)])
 
 
 @pytest.mark.parametrize(("p", "v", "m"), [(2, 2, 4), (4, 2, 8), (4, 2, 16), (3, 3, 6), (4, 2, 10)])
@@ -171,9 +176,11 @@ def _random_interleaved(seed: int, selective: bool = False):
 
 def _rank_peaks_by_hand(graph, costs, split) -> list[int]:
     """Per-rank peak straight from the definition, with loops (chains and DAGs): states of every
-    chunk, the in-flight vector with the most activations (+ relayed edges) + boundary buffers,
-    the largest transient. Buffers: megatron one per direction per virtual stage; torch m
-    receive buffers (less the held inputs) and m gradient buffers + the held outputs."""
+    chunk, the moment with the most activations (+ relayed edges) + boundary buffers, the
+    largest transient. Buffers: megatron one per direction per virtual stage at its maximal
+    in-flight vectors; torch at every moment of its own schedule (replayed): m receive buffers
+    less the held inputs plus the input gradients sent back (kept until the step ends), m
+    gradient buffers plus the held outputs plus the outputs already sent back from."""
     p, num_stages = costs.num_ranks, costs.num_stages
     stored, transient, _ = costs.coefficients(None)
     relayed = [0] * num_stages
@@ -189,9 +196,9 @@ def _rank_peaks_by_hand(graph, costs, split) -> list[int]:
             relayed[j] += int(nbytes)
     m, last = costs.config.num_microbatches, num_stages - 1
 
-    def copies(j: int, n: int) -> tuple[int, int]:
+    def copies(j: int, n: int, done: int) -> tuple[int, int]:
         if costs.runtime == "torch":
-            return (0 if j == 0 else m - n), (0 if j == last else m + n)
+            return (0 if j == 0 else m - n + done), (0 if j == last else m + n + done)
         return int(j > 0), int(j < last)
 
     peaks = []
@@ -203,14 +210,19 @@ def _rank_peaks_by_hand(graph, costs, split) -> list[int]:
             sum(int(stored[layer]) for layer in layers if split[layer] == j) + relayed[j]
             for j in own
         ]
+        moments = (
+            _torch_moments(m, p, len(own), rank)
+            if costs.runtime == "torch"
+            else [(n, (0,) * len(own)) for n in costs.in_flight_vectors[rank]]
+        )
         at_peak = max(
             sum(
                 n * h
-                + copies(j, n)[0] * (received[j] + relayed[j])
-                + copies(j, n)[1] * (sent[j] + relayed[j])
-                for n, h, j in zip(vector, held, own, strict=True)
+                + copies(j, n, done)[0] * (received[j] + relayed[j])
+                + copies(j, n, done)[1] * (sent[j] + relayed[j])
+                for n, done, h, j in zip(vector, dones, held, own, strict=True)
             )
-            for vector in costs.in_flight_vectors[rank]
+            for vector, dones in moments
         )
         peaks.append(states + at_peak + max(int(transient[layer]) for layer in layers))
     return peaks
