@@ -72,6 +72,7 @@ stage s is peak_s / capacity_k(s), counted in parts per million, rounded up
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -332,6 +333,23 @@ class LayerCosts:
         """Recomputation is a per-layer decision (config.recompute == "selective"): the plain
         coefficients are a layer's without recomputation, the ``recompute_*`` ones with it."""
         return self.config.recompute == "selective"
+
+    def uniform(self, recompute: bool) -> LayerCosts:
+        """These coefficients with no layer (False) or every layer (True) recomputed, as a plain
+        "none" / "full" config (what the chain algorithm takes); themselves unless selective."""
+        if not self.selective:
+            return self
+        stored, transient, time_ns = self.coefficients([recompute] * self.num_layers)
+        return dataclasses.replace(
+            self,
+            config=dataclasses.replace(self.config, recompute="full" if recompute else "none"),
+            stored_bytes=stored,
+            transient_bytes=transient,
+            time_ns=time_ns,
+            recompute_stored_bytes=None,
+            recompute_transient_bytes=None,
+            recompute_time_ns=None,
+        )
 
     def recompute_mask(self, recomputed: list[bool] | np.ndarray | None) -> np.ndarray:
         """Which layers are recomputed: every one under "full", none under "none", the given

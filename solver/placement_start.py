@@ -41,24 +41,6 @@ Start = tuple[list[int], list[int], list[bool] | None]
 """(stage of each layer, group of each stage, recompute flags or None)."""
 
 
-def uniform_costs(costs: LayerCosts, recompute: bool) -> LayerCosts:
-    """The coefficients of ``costs`` with no layer (False) or every layer (True) recomputed, as
-    a plain "none" / "full" config (what the chain algorithm takes)."""
-    if not costs.selective:
-        return costs
-    stored, transient, time_ns = costs.coefficients([recompute] * costs.num_layers)
-    return dataclasses.replace(
-        costs,
-        config=dataclasses.replace(costs.config, recompute="full" if recompute else "none"),
-        stored_bytes=stored,
-        transient_bytes=transient,
-        time_ns=time_ns,
-        recompute_stored_bytes=None,
-        recompute_transient_bytes=None,
-        recompute_time_ns=None,
-    )
-
-
 def groups_by_peak(problem: StageProblem, peaks: list[int]) -> list[int]:
     """Heaviest stages on the largest GPUs, group k taking exactly stages_per_group[k] stages
     (ties: the earlier stage, the earlier group)."""
@@ -138,7 +120,7 @@ def _candidate_splits(problem: StageProblem, deadline: float):
     states = (False, True) if problem.selective else (False,)
     for recompute in states:
         flags = [recompute] * problem.num_layers if problem.selective else None
-        uniform = uniform_costs(slowest, recompute)
+        uniform = slowest.uniform(recompute)
         if not uniform.is_chain():
             yield _balanced_split(uniform), flags
             continue

@@ -370,17 +370,7 @@ def uniform_recompute_hint(
 
     costs, best = problem.costs, None
     for recompute in (False, True):
-        stored, transient, time_ns = costs.coefficients([recompute] * costs.num_layers)
-        uniform = dataclasses.replace(
-            costs,
-            config=dataclasses.replace(costs.config, recompute="full" if recompute else "none"),
-            stored_bytes=stored,
-            transient_bytes=transient,
-            time_ns=time_ns,
-            recompute_stored_bytes=None,
-            recompute_transient_bytes=None,
-            recompute_time_ns=None,
-        )
+        uniform = costs.uniform(recompute)
         solution = solve_chain(
             dataclasses.replace(problem, costs=uniform),
             time_limit_s=max(deadline.remaining(), 0.01),
