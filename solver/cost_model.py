@@ -211,18 +211,15 @@ def boundary_copies(
     return (0 if first else num_microbatches - k), (0 if last else num_microbatches + k)
 
 
-def stage_boundary_copies(
-    runtime: str, config: ParallelConfig, in_flight: list[int] | None = None
-) -> tuple[list[int], list[int]]:
+def stage_boundary_copies(runtime: str, config: ParallelConfig) -> tuple[list[int], list[int]]:
     """([R_j], [S_j]) of every (virtual) stage of ``config`` under ``runtime``; with v chunks per
     rank each of the p v virtual stages keeps its own buffers. On the torch runtime with
-    interleaving the copies follow the in-flight counts (``LayerCosts.copies_at``); these are
-    their largest values, with ``in_flight`` (k_j, the most micro-batches j holds)."""
+    interleaving the copies follow the schedule (``LayerCosts.copies_at``); these are their
+    largest values (for bounds)."""
     num_stages = config.pp * config.virtual_stages
     if runtime == "torch" and config.virtual_stages > 1:
         m = config.num_microbatches
-        assert in_flight is not None and len(in_flight) == num_stages
-        # largest values: held + done <= m, so R <= 2 m and S <= 2 m
+        # held + done <= m, so R <= 2 m and S <= 2 m
         return [0] + [2 * m] * (num_stages - 1), [2 * m] * (num_stages - 1) + [0]
     copies = [
         boundary_copies(runtime, config.schedule, config.num_microbatches, num_stages, j)
@@ -499,7 +496,7 @@ def layer_costs(
     dp_sync_ns = np.ceil(sync_rounds * (d - 1) * params_times_t * g / (d * t * sync_bytes_per_ns))
     as_int = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
     in_flight, vectors, dones = _in_flight(config, training)
-    receive_copies, send_copies = stage_boundary_copies(training.runtime, config, in_flight)
+    receive_copies, send_copies = stage_boundary_copies(training.runtime, config)
     calibration = training.calibration
     scaled = (  # a calibration's scale per component, each coefficient rounded up
         (lambda values, component: as_int(values))
@@ -577,27 +574,13 @@ def _undominated_moments(moments):
     B' + n' >= B + n: the coefficients of a chunk's kept, received and sent bytes on the torch
     runtime with interleaving (n, m - n + B, m + n + B, ``LayerCosts.copies_at``) are then all
     at least as large, so its memory is too, whatever the split."""
-    keys = [
-        (
-            n,
-            tuple(b - k for k, b in zip(n, done, strict=True)),
-            tuple(b + k for k, b in zip(n, done, strict=True)),
-        )
-        for n, done in moments
-    ]
-
-    def dominated(i: int) -> bool:
-        return any(
-            j != i
-            and keys[j] != keys[i]
-            and all(
-                all(a >= b for a, b in zip(x, y, strict=True))
-                for x, y in zip(keys[j], keys[i], strict=True)
-            )
-            for j in range(len(keys))
-        )
-
-    return [moment for i, moment in enumerate(moments) if not dominated(i)]
+    held = np.array([n for n, _ in moments], dtype=np.int64)
+    done = np.array([b for _, b in moments], dtype=np.int64)
+    keys = np.concatenate([held, done - held, done + held], axis=1)
+    at_least = np.all(keys[:, None, :] >= keys[None, :, :], axis=2)  # [j, i]: j >= i everywhere
+    differs = np.any(keys[:, None, :] != keys[None, :, :], axis=2)
+    dominated = np.any(at_least & differs, axis=0)
+    return [moment for moment, drop in zip(moments, dominated.tolist(), strict=True) if not drop]
 
 
 def empirical_layer_costs(
