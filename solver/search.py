@@ -335,24 +335,16 @@ def _retry_open(
         retry.sort(key=lambda item: (open_bounds[item[0].order], item[0].order))
         entry, problem = retry.pop(0)
         previous = results.get(entry.order)
-        split, recomputed = (
-            (None, None)
-            if previous is None
-            else (
-                previous[1].stage_of_layer,
-                previous[1].recomputed,
-            )
-        )
-        groups = None if previous is None else previous[1].group_of_stage
+        found = None if previous is None else previous[1]  # restart from its best split
         record(
             entry,
             solve(
                 problem,
                 backend_of(entry),
                 time_limit_s=max(deadline.remaining() / (len(retry) + 1), 0.01),
-                hint=split if split is not None else entry.start,
-                hint_recomputed=recomputed,
-                hint_groups=groups if split is not None else None,
+                hint=entry.start if found is None else found.stage_of_layer,
+                hint_recomputed=None if found is None else found.recomputed,
+                hint_groups=None if found is None else found.group_of_stage,
                 num_workers=num_workers,
             ),
             retry=True,
