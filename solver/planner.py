@@ -103,13 +103,19 @@ def plan(
     if training.objective == "throughput" or (
         training.min_throughput is None and training.max_slowdown is not None
     ):
-        fastest = found(run(objective=OBJECTIVE_TIME, iteration_budget_ns=budget_ns))
+        # only the last search spends the time left on configs that did not close
+        last = training.objective == "throughput"
+        fastest = found(
+            run(objective=OBJECTIVE_TIME, iteration_budget_ns=budget_ns, retry_open=last)
+        )
         if training.objective == "memory" and training.min_throughput is None:
             budget_ns = math.floor(training.max_slowdown * fastest.value)
             # a graph without FLOPs or times runs in 0 ns: no throughput to require
             required = training.global_batch * 1e9 / budget_ns if budget_ns else None
     if training.objective == "memory":
-        result = found(run(objective=OBJECTIVE_MEMORY, iteration_budget_ns=budget_ns))
+        result = found(
+            run(objective=OBJECTIVE_MEMORY, iteration_budget_ns=budget_ns, retry_open=True)
+        )
         secondary, limits = OBJECTIVE_TIME, {"capacity": result.value, "budget": budget_ns}
         if heterogeneous and training.memory_objective == UTILIZATION:
             limits = {"capacity": None, "budget": budget_ns, "utilization": result.value}

@@ -174,9 +174,12 @@ def search(
     deadline: Deadline,
     num_workers: int = 1,
     utilization_limit_ppm: int | None = None,
+    retry_open: bool = False,
 ) -> SearchResult:
     """Exact best config for ``objective`` (memory or time) under the limits (the utilization
-    limit applies to heterogeneous entries only)."""
+    limit applies to heterogeneous entries only). With ``retry_open`` the time left once every
+    config was visited goes to the time-shared configs that did not close (``_retry_open``):
+    for the last search of a planning call, which may use the whole deadline."""
     chain = bool(entries) and entries[0].costs.is_chain()
     placed = bool(entries) and entries[0].placement is not None
     selective = any(e.costs.selective for e in entries)
@@ -275,7 +278,7 @@ def search(
         if share and entry.order in open_bounds:
             shared.append((entry, problem))
     _retry_open(
-        shared,
+        shared if retry_open else [],
         open_bounds=open_bounds,
         results=results,
         incumbent=incumbent,
