@@ -96,28 +96,25 @@ class Evaluation:
     @property
     def layer_counts(self) -> list[int]:
         """Layers of every (virtual) stage, in pipeline order (--split accepts them back)."""
-        counts = [0] * self.num_virtual_stages
-        for stage in self.stage_of_layer:
-            counts[stage] += 1
-        return counts
+        return [len(names) for names in self.virtual_stage_layer_names()]
 
     def virtual_stage_layer_names(self) -> list[list[str]]:
         """Layer names of every (virtual) stage in pipeline order: stage_layer_names without
         interleaving; with it, virtual stage j runs on rank j mod p."""
-        grouped: list[list[str]] = [[] for _ in range(self.num_virtual_stages)]
-        for name, stage in zip(self.graph.names, self.stage_of_layer, strict=True):
-            grouped[stage].append(name)
-        return grouped
+        return self._by_virtual_stage(range(len(self.stage_of_layer)))
 
     def virtual_stage_recomputed_names(self) -> list[list[str]]:
         """Names of the recomputed layers of every (virtual) stage."""
-        flags = self.recomputed or [False] * len(self.stage_of_layer)
-        if self.config.recompute == "full":
-            flags = [True] * len(self.stage_of_layer)
+        return self._by_virtual_stage(
+            sorted(layer for stage in self.stages for layer in stage.recomputed)
+        )
+
+    def _by_virtual_stage(self, layers) -> list[list[str]]:
+        """The names of ``layers`` (positions, in order) grouped by their (virtual) stage."""
+        names = self.graph.names
         grouped: list[list[str]] = [[] for _ in range(self.num_virtual_stages)]
-        for name, stage, flag in zip(self.graph.names, self.stage_of_layer, flags, strict=True):
-            if flag:
-                grouped[stage].append(name)
+        for layer in layers:
+            grouped[self.stage_of_layer[layer]].append(names[layer])
         return grouped
 
 

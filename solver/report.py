@@ -148,6 +148,7 @@ def objective_unit(evaluation: Evaluation) -> str:
 def format_evaluation(evaluation: Evaluation, title: str) -> str:
     """Text table: config line, one row per stage, peak line."""
     config, cluster = evaluation.config, evaluation.cluster
+    names = evaluation.graph.names
     lines = [
         title,
         f"config: {config.label()}   throughput {evaluation.throughput:.4g} samples/s "
@@ -180,7 +181,7 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
         rows.append(
             [
                 str(stage.index),
-                _rank_layers(evaluation, stage),
+                _rank_layers(evaluation, stage, names),
                 *(
                     format_bytes(breakdown[key])
                     for key in (
@@ -305,11 +306,11 @@ def _recomputed_text(names: list[str]) -> str:
     return f"{len(names)}: {names[0]} ... {names[-1]}"
 
 
-def _rank_layers(evaluation: Evaluation, stage) -> str:
-    """The layers of a stage; with interleaving, each chunk's span, separated by ' | '."""
+def _rank_layers(evaluation: Evaluation, stage, names: list[str]) -> str:
+    """The layers of a stage (``names``: the graph's); with interleaving, each chunk's span,
+    separated by ' | '."""
     if evaluation.config.virtual_stages == 1:
-        return _layer_span(evaluation.stage_layer_names()[stage.index])
-    names = evaluation.graph.names
+        return _layer_span([names[i] for i in stage.layers])
     return " | ".join(_layer_span([names[i] for i in chunk]) for chunk in stage.chunks)
 
 
