@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tables import markdown_table  # scripts/ is sys.path[0] when run as a script
+from tables import markdown_table, write_report  # scripts/ is sys.path[0] when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ("gpt3-175b", "llama2-70b")
@@ -145,8 +145,7 @@ def main() -> int:
         *markdown_table(rows, columns),
         "",
     ]
-    (args.out / "bench_profile.md").write_text("\n".join(lines))
-    print(f"wrote {args.out / 'bench_profile.md'}")
+    write_report(args.out, "bench_profile.md", lines)
     return 0
 
 

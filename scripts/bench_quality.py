@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tables import markdown_table  # noqa: E402  (scripts/ is sys.path[0] when run as a script)
+from tables import markdown_table, write_report  # noqa: E402  (scripts/ is sys.path[0] when run as a script)
 
 from solver import Cluster, InfeasibleError, TrainingConfig, graph_from_dict, load_graph, plan  # noqa: E402
 from solver.backends import resolve_backend, solve  # noqa: E402
@@ -444,8 +444,7 @@ def main() -> int:
         *markdown_table(rows, columns, ".3f"),
         "",
     ]
-    (args.out / "bench_quality.md").write_text("\n".join(lines))
-    print(f"wrote {args.out / 'bench_quality.md'} in {total_s:.0f} s")
+    write_report(args.out, "bench_quality.md", lines, note=f" in {total_s:.0f} s")
     return 0
 
 

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from make_examples import gpt  # noqa: E402  (scripts/ is on sys.path when run as a script)
-from tables import markdown_table  # noqa: E402
+from tables import markdown_table, write_report  # noqa: E402
 
 from solver import Cluster, InfeasibleError, ParallelConfig, TrainingConfig, plan  # noqa: E402
 from solver.baselines import capslog_split  # noqa: E402
@@ -318,8 +318,7 @@ def main() -> int:
         *markdown_table(search_rows, search_cols, ".3f"),
         "",
     ]
-    (args.out / "bench_search.md").write_text("\n".join(lines))
-    print(f"wrote {args.out / 'bench_search.md'} in {total_s:.0f} s")
+    write_report(args.out, "bench_search.md", lines, note=f" in {total_s:.0f} s")
     return 0
 
 

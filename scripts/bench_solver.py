@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from make_examples import gpt  # noqa: E402
-from tables import markdown_table  # noqa: E402
+from tables import markdown_table, write_report  # noqa: E402
 
 from solver import Cluster, InfeasibleError, ParallelConfig, TrainingConfig, plan  # noqa: E402
 from solver.chain import solve_chain  # noqa: E402
@@ -212,8 +212,7 @@ def main() -> int:
         *markdown_table(chain_rows, chain_cols, ".3f"),
         "",
     ]
-    (args.out / "bench_solver.md").write_text("\n".join(lines))
-    print(f"wrote {args.out / 'bench_solver.md'}")
+    write_report(args.out, "bench_solver.md", lines)
     return 0
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from tables import markdown_table  # noqa: E402
+from tables import markdown_table, write_report  # noqa: E402
 
 from solver import Cluster, TrainingConfig, load_graph  # noqa: E402
 from solver.sweep import CsvRows, sweep  # noqa: E402
@@ -140,8 +140,7 @@ def main() -> int:
         *markdown_table([display(row) for row in rows], columns, ".3f"),
         "",
     ]
-    (args.out / "bench_sweep.md").write_text("\n".join(lines))
-    print(f"wrote {args.out / 'bench_sweep.md'} and bench_sweep.csv")
+    write_report(args.out, "bench_sweep.md", lines, note=" and bench_sweep.csv")
     return 0
 
 

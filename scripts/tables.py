@@ -18,11 +18,12 @@ def markdown_table(rows: list[dict], columns: list[str], float_format: str = "")
     return lines
 
 
-def write_report(out_dir: str | Path, name: str, lines: list[str]) -> Path:
-    """Write ``lines`` as ``out_dir/name`` (creating the folder), say where, return the path."""
+def write_report(out_dir: str | Path, name: str, lines: list[str], *, note: str = "") -> Path:
+    """Write ``lines`` as ``out_dir/name`` (creating the folder), say where (and ``note``),
+    return the path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / name
     path.write_text("\n".join(lines))
-    print(f"wrote {path}")
+    print(f"wrote {path}{note}")
     return path
