@@ -33,7 +33,7 @@ from solver.calibration import (
     leave_one_out,
     write_calibration,
 )
-from solver.cli import OneLineErrorParser, positive_int
+from solver.cli.common import OneLineErrorParser, positive_int
 from solver.errors import InputError, PlannerError
 from solver.specs import TrainingConfig
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from solver.cli import OneLineErrorParser, positive_int, write_json
+from solver.cli.common import OneLineErrorParser, positive_int, write_json
 from solver.errors import InputError, PlannerError
 from solver.graph import LayerGraph
 from solver.units import format_bytes

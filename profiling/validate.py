@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict
 
 from profiling.export import parse_overrides
-from solver.cli import OneLineErrorParser, positive_int, write_json
+from solver.cli.common import OneLineErrorParser, positive_int, write_json
 from solver.errors import InputError, PlannerError
 from solver.jsonfile import read_json
 

@@ -33,11 +33,11 @@ sys.path.insert(0, str(ROOT))
 from tables import markdown_table  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 from solver import Cluster, TrainingConfig  # noqa: E402
+from solver.backends.chain import solve_chain  # noqa: E402
+from solver.backends.problem import StageProblem  # noqa: E402
 from solver.baselines import capslog_split  # noqa: E402
-from solver.chain import solve_chain  # noqa: E402
 from solver.cost_model import layer_costs, stage_costs  # noqa: E402
 from solver.graph import LayerGraph, graph_from_dict, load_graph  # noqa: E402
-from solver.problem import StageProblem  # noqa: E402
 from solver.specs import ParallelConfig  # noqa: E402
 
 CLUSTER = Cluster(num_gpus=1, gpu_memory_bytes=2**50)

@@ -178,7 +178,7 @@ def main() -> int:
         "",
         *markdown_table(rows, list(rows[0])),
         "",
-        "Before placed problems got a complete start (`solver/placement_start.py`; commit "
+        "Before placed problems got a complete start (`solver/backends/placement_start.py`; commit "
         "a70d967, the same plan() calls on the same machine): the 512-GPU utilization row "
         "stopped at the time limit, FEASIBLE at 70.7% max utilization (pp64) with a 77.5% "
         "gap, its memory search's first plan after 102 s; 128 and 256 GPUs were OPTIMAL in "

@@ -33,17 +33,16 @@ from tables import markdown_table, write_report  # noqa: E402  (scripts/ is sys.
 
 from solver import Cluster, InfeasibleError, TrainingConfig, graph_from_dict, load_graph, plan  # noqa: E402
 from solver.backends import resolve_backend, solve  # noqa: E402
+from solver.backends.problem import StageProblem  # noqa: E402
 from solver.baselines import (  # noqa: E402
     PARTITIONER_SOURCES,
     PARTITIONERS,
-    evaluate_partitioners,
     even_split,
     parameter_balanced_split,
     uniform_split,
 )
 from solver.cost_model import layer_costs, stage_costs  # noqa: E402
-from solver.evaluation import evaluate_assignment  # noqa: E402
-from solver.problem import StageProblem  # noqa: E402
+from solver.evaluation import evaluate_assignment, evaluate_partitioners  # noqa: E402
 from solver.report import meets_throughput  # noqa: E402
 from solver.search import build_entries  # noqa: E402
 

@@ -26,9 +26,9 @@ from make_examples import gpt  # noqa: E402
 from tables import markdown_table, write_report  # noqa: E402
 
 from solver import Cluster, InfeasibleError, ParallelConfig, TrainingConfig, plan  # noqa: E402
-from solver.chain import solve_chain  # noqa: E402
+from solver.backends.chain import solve_chain  # noqa: E402
+from solver.backends.problem import StageProblem  # noqa: E402
 from solver.cost_model import layer_costs  # noqa: E402
-from solver.problem import StageProblem  # noqa: E402
 from solver.report import meets_throughput  # noqa: E402
 
 GIB = 2**30

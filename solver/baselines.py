@@ -4,7 +4,7 @@ Every baseline returns a stage index per layer and treats the layer list as a ch
 order), as those runtimes do, so its stages are contiguous runs of the list; the throughput-first
 planner is the exception: it is our own solver with the time objective, so it respects the data
 flow of a DAG like our plans do (contiguous on chains). The resulting split is evaluated exactly
-with ``cost_model.stage_costs`` like any plan (:func:`evaluate_partitioners`).
+with ``cost_model.stage_costs`` like any plan (``evaluation.evaluate_partitioners``).
 
 - even: Megatron-LM's default. Transformer blocks are divided evenly over the stages; the embedding
   joins the first stage and the head the last (Megatron builds them on the first/last pipeline
@@ -49,11 +49,10 @@ from collections.abc import Callable
 import numpy as np
 
 from solver.backends import resolve_backend, solve
+from solver.backends.problem import OBJECTIVE_TIME, StageProblem
 from solver.cost_model import LayerCosts
 from solver.errors import InputError
 from solver.graph import LayerGraph
-from solver.problem import OBJECTIVE_TIME, StageProblem
-from solver.specs import Cluster, TrainingConfig
 
 
 def counts_to_assignment(counts: list[int]) -> list[int]:
@@ -271,28 +270,3 @@ PARTITIONER_SOURCES = {
 
 BASELINES = {"even": even_split, "parameters": parameter_balanced_split}
 """The splits every plan reports (``Plan.baselines``) and ``--split`` accepts by name."""
-
-
-def evaluate_partitioners(
-    graph: LayerGraph,
-    costs: LayerCosts,
-    *,
-    cluster: Cluster,
-    training: TrainingConfig,
-    names: tuple[str, ...] | None = None,
-):
-    """name -> Evaluation of each partitioner's split of the config of ``costs`` (exact costs
-    from ``cost_model.stage_costs``, as for a plan); the throughput-first split fits in
-    ``cluster.gpu_memory_bytes`` when any split does."""
-    from solver.evaluation import evaluate_assignment  # evaluation imports this module
-
-    return {
-        name: evaluate_assignment(
-            graph,
-            costs,
-            PARTITIONERS[name](graph, costs, cluster.gpu_memory_bytes),
-            cluster=cluster,
-            training=training,
-        )
-        for name in (names or tuple(PARTITIONERS))
-    }

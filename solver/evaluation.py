@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from solver.baselines import BASELINES, counts_to_assignment
+from solver.baselines import BASELINES, PARTITIONERS, counts_to_assignment
 from solver.candidates import check_interleaving, interleaving_fits
 from solver.cost_model import (
     LayerCosts,
@@ -325,3 +325,26 @@ def _check_assignment(graph: LayerGraph, num_stages: int, assignment: list[int])
                 f"{assignment[position[edge.src]]} back to stage "
                 f"{assignment[position[edge.dst]]}; stages must follow the data flow"
             )
+
+
+def evaluate_partitioners(
+    graph: LayerGraph,
+    costs: LayerCosts,
+    *,
+    cluster: Cluster,
+    training: TrainingConfig,
+    names: tuple[str, ...] | None = None,
+):
+    """name -> Evaluation of each partitioner's split of the config of ``costs`` (exact costs
+    from ``cost_model.stage_costs``, as for a plan); the throughput-first split fits in
+    ``cluster.gpu_memory_bytes`` when any split does."""
+    return {
+        name: evaluate_assignment(
+            graph,
+            costs,
+            PARTITIONERS[name](graph, costs, cluster.gpu_memory_bytes),
+            cluster=cluster,
+            training=training,
+        )
+        for name in (names or tuple(PARTITIONERS))
+    }

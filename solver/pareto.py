@@ -33,10 +33,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, UTILIZATION
 from solver.errors import InputError, NoSolutionError
 from solver.evaluation import Evaluation, evaluate_assignment
 from solver.graph import LayerGraph
-from solver.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, UTILIZATION
 from solver.report import evaluation_to_dict
 from solver.search import Deadline, build_entries, search
 from solver.specs import Cluster, TrainingConfig

@@ -1,8 +1,15 @@
-"""``python -m solver.plan GRAPH.json --gpus N --global-batch B ...``: see solver/cli.py."""
+"""``python -m solver.plan GRAPH.json --gpus N --global-batch B ...``: see solver/cli/plan.py.
+
+Imported, this module calls :func:`solver.planner.plan` (``solver.plan`` is also the API
+function; see solver/cli/entry.py)."""
 
 import sys
 
-from solver.cli import plan_main
+from solver.cli.entry import make_callable
+from solver.cli.plan import plan_main
+from solver.planner import plan
+
+make_callable(__name__, plan)
 
 if __name__ == "__main__":
     sys.exit(plan_main())

@@ -10,12 +10,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, UTILIZATION
 from solver.baselines import BASELINES
+from solver.engine_exports import build_exports
 from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate_assignment
-from solver.export import build_exports
 from solver.graph import LayerGraph
-from solver.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, UTILIZATION
 from solver.search import ConfigEntry, Deadline, SearchResult, build_entries, refine, search
 from solver.specs import Cluster, SolverReport, TrainingConfig
 from solver.units import format_bytes

@@ -6,10 +6,12 @@ the higher throughput (each tied config is re-solved for the fastest split at th
 the earlier config in candidate order. Configs are visited in order of their lower bound and
 skipped once the bound exceeds the incumbent, so the result is still proven optimal.
 
-On a heterogeneous cluster each entry carries a :class:`solver.problem.Placement` (its coefficients
+On a heterogeneous cluster each entry carries a
+:class:`solver.backends.problem.Placement` (its coefficients
 on every node group); "memory" is then the largest utilization (ppm) or the largest peak (bytes),
 as ``TrainingConfig.memory_objective`` says, and the bounds are in that unit. Such a problem
-builds its own complete start (``solver.placement_start``), selective recomputation included.
+builds its own complete start
+(``solver.backends.placement_start``), selective recomputation included.
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from solver.backends import resolve_backend, solve
+from solver.backends.problem import (
+    INFEASIBLE,
+    OBJECTIVE_MEMORY,
+    OPTIMAL,
+    UTILIZATION,
+    Placement,
+    StageProblem,
+    StageSolution,
+)
 from solver.baselines import even_split
 from solver.candidates import (
     candidate_configs,
@@ -32,15 +43,6 @@ from solver.candidates import (
 )
 from solver.cost_model import LayerCosts, layer_costs, utilization_ppm
 from solver.graph import LayerGraph
-from solver.problem import (
-    INFEASIBLE,
-    OBJECTIVE_MEMORY,
-    OPTIMAL,
-    UTILIZATION,
-    Placement,
-    StageProblem,
-    StageSolution,
-)
 from solver.specs import Cluster, TrainingConfig
 
 log = logging.getLogger(__name__)
@@ -263,7 +265,7 @@ def search(
             time_limit_s /= len(viable) - index
         if problem.selective:
             # start from the best all-off / all-on split (a placed problem builds its own
-            # start, solver.placement_start)
+            # start, solver.backends.placement_start)
             if chain and not placed and entry.costs.config.virtual_stages == 1:
                 hint, hint_recomputed = uniform_recompute_hint(problem, deadline)
         solution = solve(
@@ -361,7 +363,7 @@ def uniform_recompute_hint(
     are choices of the selective problem, with the same costs), as a start for CP-SAT; so a
     selective solve stopped by its time limit is still no worse than either. (None, None) when
     neither is feasible."""
-    from solver.chain import solve_chain
+    from solver.backends.chain import solve_chain
 
     costs, best = problem.costs, None
     for recompute in (False, True):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
+from solver.backends.problem import OBJECTIVE_MEMORY, StageProblem
 from solver.cost_model import layer_costs
 from solver.graph import LayerGraph, graph_from_dict
-from solver.problem import OBJECTIVE_MEMORY, StageProblem
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
 

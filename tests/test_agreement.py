@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from solver.brute_force import solve_brute_force
-from solver.chain import solve_chain
-from solver.cpsat import solve_cpsat
-from solver.milp import solve_milp
-from solver.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, StageProblem
+from solver.backends.brute_force import solve_brute_force
+from solver.backends.chain import solve_chain
+from solver.backends.cpsat import solve_cpsat
+from solver.backends.milp import solve_milp
+from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, StageProblem
 from tests.random_graphs import random_chain, random_problem
 
 BACKENDS = {"chain": solve_chain, "cpsat": solve_cpsat, "milp": solve_milp}

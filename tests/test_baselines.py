@@ -12,21 +12,20 @@ import pytest
 
 from solver import Cluster, ParallelConfig, TrainingConfig, evaluate, graph_from_dict
 from solver.backends import resolve_backend, solve
+from solver.backends.brute_force import solve_brute_force
+from solver.backends.problem import OBJECTIVE_TIME, StageProblem
 from solver.baselines import (
     PARTITIONERS,
     capslog_split,
     capslog_statistics,
-    evaluate_partitioners,
     even_split,
     fastest_fitting_split,
     min_max_blocks,
     uniform_split,
 )
-from solver.brute_force import solve_brute_force
 from solver.cost_model import iteration_time_ns, layer_costs, stage_costs
-from solver.evaluation import resolve_split
+from solver.evaluation import evaluate_partitioners, resolve_split
 from solver.planner import plan
-from solver.problem import OBJECTIVE_TIME, StageProblem
 from solver.specs import RUNTIMES
 from tests.random_graphs import random_chain, random_config, random_dag, random_problem
 

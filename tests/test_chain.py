@@ -9,10 +9,9 @@ import random
 import numpy as np
 import pytest
 
-from solver.brute_force import solve_brute_force
-from solver.chain import is_chain_problem, solve_chain
-from solver.cost_model import LayerCosts, in_flight_microbatches, layer_costs
-from solver.problem import (
+from solver.backends.brute_force import solve_brute_force
+from solver.backends.chain import is_chain_problem, solve_chain
+from solver.backends.problem import (
     FEASIBLE,
     INFEASIBLE,
     OBJECTIVE_MEMORY,
@@ -21,6 +20,7 @@ from solver.problem import (
     UNKNOWN,
     StageProblem,
 )
+from solver.cost_model import LayerCosts, in_flight_microbatches, layer_costs
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from tests.random_graphs import random_chain, random_dag, random_problem
 

@@ -272,7 +272,8 @@ def test_solver_runs_without_torch(tmp_path):
     """The solver package must import and plan with torch unavailable."""
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import solver, solver.chain, solver.cpsat, solver.milp, solver.cli\n"
+        "import solver, solver.backends.chain, solver.backends.cpsat, solver.backends.milp\n"
+        "import solver.cli\n"
         f"from solver import load_graph, Cluster, TrainingConfig, plan\n"
         f"p = plan(load_graph({GPT!r}), Cluster(num_gpus=8), TrainingConfig(global_batch=16))\n"
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"

@@ -219,8 +219,8 @@ def test_calibration_scales_each_coefficient_and_adds_the_constant():
 def test_backends_plan_with_the_calibration(backend):
     """Every backend optimises the calibrated peaks: the same optimum as brute force."""
     from solver.backends import solve
-    from solver.brute_force import solve_brute_force
-    from solver.problem import StageProblem
+    from solver.backends.brute_force import solve_brute_force
+    from solver.backends.problem import StageProblem
 
     chain = graph_from_dict(
         {

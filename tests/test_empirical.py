@@ -11,11 +11,11 @@ import pytest
 
 from solver import Cluster, TrainingConfig, evaluate, plan
 from solver.backends import solve
-from solver.brute_force import solve_brute_force
+from solver.backends.brute_force import solve_brute_force
+from solver.backends.problem import StageProblem
 from solver.cost_model import layer_costs, stage_costs
 from solver.errors import InputError
 from solver.graph import graph_from_dict
-from solver.problem import StageProblem
 from solver.specs import ParallelConfig
 
 CLUSTER = Cluster(num_gpus=4, gpu_memory_bytes=10**9)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from solver.engine_exports import build_exports
 from solver.errors import InputError
-from solver.export import build_exports
 from solver.graph import LayerGraph, graph_from_dict, load_graph
 from solver.specs import ParallelConfig
 

@@ -13,12 +13,10 @@ from functools import cache, partial
 import numpy as np
 import pytest
 
-from solver.brute_force import solve_brute_force
-from solver.cost_model import LayerCosts, in_flight_microbatches, layer_costs, stage_costs
-from solver.cpsat import CpSatFormulation, Presolve, solve_cpsat
-from solver.errors import InputError
-from solver.milp import MilpFormulation, solve_milp
-from solver.problem import (
+from solver.backends.brute_force import solve_brute_force
+from solver.backends.cpsat import CpSatFormulation, Presolve, solve_cpsat
+from solver.backends.milp import MilpFormulation, solve_milp
+from solver.backends.problem import (
     FEASIBLE,
     INFEASIBLE,
     OBJECTIVE_MEMORY,
@@ -28,6 +26,8 @@ from solver.problem import (
     StageProblem,
     StageSolution,
 )
+from solver.cost_model import LayerCosts, in_flight_microbatches, layer_costs, stage_costs
+from solver.errors import InputError
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from tests.random_graphs import random_chain, random_dag, random_problem
 
@@ -353,9 +353,10 @@ def test_cpsat_one_worker_is_deterministic():
 
 
 def test_same_rules_in_both_formulations():
-    """Both backends build the one formulation of solver/formulation.py: every constraint family
+    """Both backends build the one formulation of solver/backends/formulation.py: every constraint
+    family
     is written once there, with a one-line formula docstring, and neither backend overrides it."""
-    from solver.formulation import PrefixFormulation
+    from solver.backends.formulation import PrefixFormulation
 
     rules = {
         name

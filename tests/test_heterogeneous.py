@@ -14,16 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from solver.brute_force import solve_brute_force
-from solver.cli import evaluate_main, plan_main
-from solver.cluster_file import cluster_from_dict, load_cluster
-from solver.cost_model import layer_costs, stage_costs, utilization_ppm
-from solver.cpsat import solve_cpsat
-from solver.errors import InfeasibleError, InputError
-from solver.graph import graph_from_dict
-from solver.milp import solve_milp
-from solver.planner import plan
-from solver.problem import (
+from solver.backends.brute_force import solve_brute_force
+from solver.backends.cpsat import solve_cpsat
+from solver.backends.milp import solve_milp
+from solver.backends.problem import (
     ABSOLUTE,
     INFEASIBLE,
     OBJECTIVE_MEMORY,
@@ -33,10 +27,16 @@ from solver.problem import (
     Placement,
     StageProblem,
 )
+from solver.cli import evaluate_main, plan_main
+from solver.cluster_file import cluster_from_dict, load_cluster
+from solver.cost_model import layer_costs, stage_costs, utilization_ppm
+from solver.errors import InfeasibleError, InputError
+from solver.graph import graph_from_dict
+from solver.plan_check import check_plan
+from solver.planner import plan
 from solver.report import plan_to_dict
 from solver.search import build_entries
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
-from solver.validate import check_plan
 from tests.random_graphs import random_chain, random_config, random_dag
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,10 @@ import random
 import numpy as np
 import pytest
 
-from solver.brute_force import solve_brute_force
+from solver.backends.brute_force import solve_brute_force
+from solver.backends.cpsat import solve_cpsat
+from solver.backends.milp import solve_milp
+from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, StageProblem
 from solver.candidates import memory_lower_bound, time_lower_bound
 from solver.cli import evaluate_main, plan_main
 from solver.cost_model import (
@@ -24,12 +27,9 @@ from solver.cost_model import (
     layer_costs,
     stage_costs,
 )
-from solver.cpsat import solve_cpsat
 from solver.errors import InputError
 from solver.evaluation import evaluate
-from solver.milp import solve_milp
 from solver.planner import plan
-from solver.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, StageProblem
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from tests.random_graphs import random_chain, random_dag
 from tests.test_export import gpt_chain
@@ -383,7 +383,7 @@ def test_gpipe_cannot_interleave():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_optimum_is_never_worse_than_the_baseline_partitioners(seed):
-    from solver.baselines import evaluate_partitioners
+    from solver.evaluation import evaluate_partitioners
 
     graph, config, costs = _random_interleaved(2 * seed + 1)  # chains
     cluster = Cluster(num_gpus=config.num_gpus)

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from solver import Cluster, TrainingConfig, evaluate, load_graph
+from solver.backends.problem import StageProblem
 from solver.cli import plan_main
 from solver.errors import InfeasibleError, InputError
 from solver.pareto import dominated, pareto_front
-from solver.problem import StageProblem
 from solver.search import build_entries
 from tests.random_graphs import random_chain, random_dag
 

@@ -3,7 +3,8 @@
 Oracle: brute force over splits x group assignments x recompute sets on small random chains and
 DAGs, for CP-SAT and MILP; "none" and "full" are choices of the selective model on every
 placement, so its optimum is never worse than either; plans respect every group's capacity.
-The start (``solver.placement_start``) is checked for validity and for the optimality of its
+The start
+(``solver.backends.placement_start``) is checked for validity and for the optimality of its
 group assignment on a fixed split.
 """
 
@@ -16,17 +17,12 @@ import random
 
 import pytest
 
-from solver.brute_force import solve_brute_force
-from solver.cluster_file import cluster_from_dict
-from solver.cost_model import layer_costs
-from solver.cpsat import solve_cpsat
-from solver.errors import InputError
-from solver.evaluation import evaluate
-from solver.milp import solve_milp
-from solver.placement_start import complete_start, groups_by_peak, placement_start
-from solver.planner import plan
-from solver.presolve import check_hint
-from solver.problem import (
+from solver.backends.brute_force import solve_brute_force
+from solver.backends.cpsat import solve_cpsat
+from solver.backends.milp import solve_milp
+from solver.backends.placement_start import complete_start, groups_by_peak, placement_start
+from solver.backends.presolve import check_hint
+from solver.backends.problem import (
     ABSOLUTE,
     FEASIBLE,
     INFEASIBLE,
@@ -37,8 +33,13 @@ from solver.problem import (
     Placement,
     StageProblem,
 )
+from solver.cluster_file import cluster_from_dict
+from solver.cost_model import layer_costs
+from solver.errors import InputError
+from solver.evaluation import evaluate
+from solver.plan_check import check_plan
+from solver.planner import plan
 from solver.specs import Cluster, TrainingConfig
-from solver.validate import check_plan
 from tests.random_graphs import random_chain, random_config, random_dag
 
 BACKENDS = {"cpsat": solve_cpsat, "milp": solve_milp}

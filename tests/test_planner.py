@@ -9,12 +9,12 @@ import random
 import pytest
 
 from solver import Cluster, TrainingConfig, plan
-from solver.brute_force import solve_brute_force
+from solver.backends.brute_force import solve_brute_force
+from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, StageProblem
 from solver.candidates import candidate_configs
 from solver.cost_model import layer_costs
 from solver.errors import InfeasibleError, InputError
-from solver.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, StageProblem
-from solver.validate import check_plan
+from solver.plan_check import check_plan
 from tests.random_graphs import random_chain, random_dag
 
 

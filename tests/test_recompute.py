@@ -15,21 +15,21 @@ import numpy as np
 import pytest
 
 from solver.backends import resolve_backend
-from solver.brute_force import solve_brute_force
-from solver.chain import solve_chain
+from solver.backends.brute_force import solve_brute_force
+from solver.backends.chain import solve_chain
+from solver.backends.cpsat import solve_cpsat
+from solver.backends.milp import solve_milp
+from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, StageProblem
 from solver.cli import plan_main
 from solver.cost_model import layer_costs, stage_costs
-from solver.cpsat import solve_cpsat
+from solver.engine_exports import build_exports
 from solver.errors import InfeasibleError, InputError
 from solver.evaluation import evaluate
-from solver.export import build_exports
 from solver.graph import LayerGraph, graph_from_dict
-from solver.milp import solve_milp
+from solver.plan_check import check_plan
 from solver.planner import plan
-from solver.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, StageProblem
 from solver.search import Deadline, uniform_recompute_hint
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
-from solver.validate import check_plan
 from tests.random_graphs import random_chain, random_config, random_dag
 from tests.test_export import gpt_chain
 

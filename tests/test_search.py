@@ -8,11 +8,11 @@ import random
 import pytest
 
 from solver import Cluster, TrainingConfig
-from solver.brute_force import solve_brute_force
+from solver.backends.brute_force import solve_brute_force
+from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, StageProblem
 from solver.candidates import candidate_configs, memory_lower_bound, time_lower_bound
 from solver.errors import InputError, NoSolutionError
 from solver.planner import plan
-from solver.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, StageProblem
 from solver.search import Deadline, build_entries, search
 from tests.random_graphs import random_chain, random_dag, random_problem
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from solver import Cluster, PlannerError, TrainingConfig, load_graph, plan
+from solver.cli.sweep import sweep_main
 from solver.errors import InputError
 from solver.sweep import (
     ROW_KEYS,
@@ -21,7 +22,6 @@ from solver.sweep import (
     sweep_points,
     valid_gpu_counts,
 )
-from solver.sweep_cli import sweep_main
 from tests.random_graphs import random_chain
 
 ROOT = Path(__file__).resolve().parents[1]

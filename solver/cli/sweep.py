@@ -6,7 +6,8 @@
     python -m solver.sweep --find max-scale --model gpt3-175b --scale layers --gpus 64 ...
 
 Every training, search and cluster flag of ``python -m solver.plan`` applies (the same helpers
-in solver/cli.py build them). Only parses, calls solver.sweep, prints and writes; errors are one
+in solver/cli/common.py build them).
+Only parses, calls solver.sweep, prints and writes; errors are one
 line with exit code 2 (bad input); a sweep whose every point is an ERROR row also returns 2;
 Ctrl-C returns 130 and keeps the CSV rows already written.
 """
@@ -18,7 +19,7 @@ import logging
 import sys
 from typing import Any
 
-from solver import cli
+from solver.cli import common
 from solver.errors import InputError, PlannerError
 from solver.graph import load_graph
 from solver.sweep import (
@@ -27,8 +28,6 @@ from solver.sweep import (
     check_output_path,
     max_scale,
     min_gpus,
-    preset_graph_of,
-    preset_scale,
     sweep,
 )
 from solver.units import format_bytes
@@ -45,7 +44,7 @@ def gpu_list(text: str) -> list[int] | str:
         raise argparse.ArgumentTypeError(
             f"empty item in {text!r}; write comma-separated GPU counts like 8,16,32"
         )
-    return [cli.positive_int(part) for part in parts]
+    return [common.positive_int(part) for part in parts]
 
 
 def size_range(text: str) -> tuple[int, int]:
@@ -53,14 +52,14 @@ def size_range(text: str) -> tuple[int, int]:
     low, sep, high = text.partition(":")
     if not sep:
         raise argparse.ArgumentTypeError(f"expected LO:HI, e.g. 24:192, got {text!r}")
-    low_value, high_value = cli.positive_int(low), cli.positive_int(high)
+    low_value, high_value = common.positive_int(low), common.positive_int(high)
     if low_value > high_value:
         raise argparse.ArgumentTypeError(f"LO must be <= HI, got {text!r}")
     return low_value, high_value
 
 
 def sweep_parser() -> argparse.ArgumentParser:
-    parser = cli.OneLineErrorParser(
+    parser = common.OneLineErrorParser(
         prog="python -m solver.sweep",
         description="What-if studies: the memory-optimal plan at every (GPU count, GPU memory) "
         "point, the smallest GPU count that fits, or the largest model of a preset that fits.",
@@ -77,7 +76,7 @@ def sweep_parser() -> argparse.ArgumentParser:
     )
     study = parser.add_argument_group("study")
     study.add_argument("--find", choices=["min-gpus", "max-scale"], help="instead of a sweep")
-    study.add_argument("--max-gpus", type=cli.positive_int, help="--gpus auto: largest count")
+    study.add_argument("--max-gpus", type=common.positive_int, help="--gpus auto: largest count")
     study.add_argument("--model", metavar="PRESET", help="--find max-scale: zoo preset")
     study.add_argument("--scale", choices=list(SCALES), help="--find max-scale: what grows")
     study.add_argument(
@@ -87,16 +86,16 @@ def sweep_parser() -> argparse.ArgumentParser:
         help="--find max-scale: sizes to search (default: 1 step .. 16x the preset's)",
     )
     study.add_argument(
-        "--workers", type=cli.positive_int, help="processes (default: every core; 1: in-process)"
+        "--workers", type=common.positive_int, help="processes (default: every core; 1: in-process)"
     )
     output = parser.add_argument_group("output")
     output.add_argument("--out", metavar="CSV", help="sweep: write one row per point")
     output.add_argument("--plot", metavar="FILE", help="sweep: draw peak and throughput vs GPUs")
     output.add_argument("--json", metavar="OUT", help="--find: write the plan that proves it")
     output.add_argument("--quiet", action="store_true", help="no table, no progress bar")
-    cli.add_cluster_options(parser, memory_list=True)
-    cli.add_training_options(parser)
-    cli.add_plan_options(parser, cpsat_workers=False)
+    common.add_cluster_options(parser, memory_list=True)
+    common.add_training_options(parser)
+    common.add_plan_options(parser, cpsat_workers=False)
     return parser
 
 
@@ -111,7 +110,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
         if args.find == "min-gpus":
             return _min_gpus(args)
         graph = load_graph(args.graph)
-        training = cli.training_from_args(args)
+        training = common.training_from_args(args)
         if args.plot:
             _check_plot(args)
         if args.out:
@@ -121,7 +120,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
             args.gpus,
             args.gpu_memory,
             training,
-            cli._cluster(args, 1, args.gpu_memory[0]),
+            common.cluster_from_flags(args, 1, args.gpu_memory[0]),
             workers=args.workers,
             progress=not args.quiet,
             on_row=None if writer is None else writer.append,
@@ -135,7 +134,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
 
             plot_sweep(rows, args.plot, title=_title(graph.model, training))
         if not args.quiet:
-            cli._print(format_rows(rows))
+            common.print_output(format_rows(rows))
         if all(row["status"] == "ERROR" for row in rows):
             raise InputError(f"no point can be solved; first: {rows[0]['detail']}")
     except PlannerError as error:
@@ -200,13 +199,13 @@ def _min_gpus(args: argparse.Namespace) -> int:
     from solver.report import format_plan, plan_to_dict
 
     graph = load_graph(args.graph)
-    training = cli.training_from_args(args)
+    training = common.training_from_args(args)
     memory = args.gpu_memory[0]
     result = min_gpus(
         graph,
         memory,
         training,
-        cli._cluster(args, 1, memory),
+        common.cluster_from_flags(args, 1, memory),
         candidates=None if args.gpus == "auto" else args.gpus,
         max_gpus=args.max_gpus,
         workers=args.workers,
@@ -225,9 +224,9 @@ def _min_gpus(args: argparse.Namespace) -> int:
         detail = next((r["detail"] for r in reversed(result.rows) if r["detail"]), "")
         raise _infeasible(f"no GPU count fits ({searched}; {solved}): {detail}")
     if args.json:
-        cli.write_json(args.json, plan_to_dict(result.plan), protect=_inputs(args))
+        common.write_json(args.json, plan_to_dict(result.plan), protect=_inputs(args))
     if not args.quiet:
-        cli._print(
+        common.print_output(
             f"smallest GPU count that fits {format_bytes(memory)} per GPU: {result.gpus} "
             f"({searched}; {solved})\n" + format_plan(result.plan)
         )
@@ -235,6 +234,7 @@ def _min_gpus(args: argparse.Namespace) -> int:
 
 
 def _max_scale(args: argparse.Namespace) -> int:
+    from profiling.presets import preset_graph_of, preset_scale  # profiles: needs torch
     from solver.report import format_plan, plan_to_dict
 
     current, step = preset_scale(args.model, args.scale)
@@ -243,11 +243,11 @@ def _max_scale(args: argparse.Namespace) -> int:
     if not sizes:
         raise InputError(f"--range {low}:{high}: no {args.scale} size that is a multiple of {step}")
     start = min(range(len(sizes)), key=lambda i: abs(sizes[i] - current)) if not args.range else 0
-    training = cli.training_from_args(args)
+    training = common.training_from_args(args)
     result = max_scale(
         preset_graph_of(args.model, args.scale),
         sizes,
-        cli._cluster(args, args.gpus[0], args.gpu_memory[0]),
+        common.cluster_from_flags(args, args.gpus[0], args.gpu_memory[0]),
         training,
         start=start,
         scale=args.scale,
@@ -261,14 +261,14 @@ def _max_scale(args: argparse.Namespace) -> int:
             f"not fit on {where}: {result.too_big_detail}"
         )
     if args.json:
-        cli.write_json(args.json, plan_to_dict(result.plan), protect=_inputs(args))
+        common.write_json(args.json, plan_to_dict(result.plan), protect=_inputs(args))
     if not args.quiet:
         above = (
             f"the top of the range ({sizes[-1]}) fits"
             if result.too_big is None
             else f"{args.scale}={result.too_big} does not fit: {result.too_big_detail}"
         )
-        cli._print(
+        common.print_output(
             f"largest {args.model} that fits on {where}: {args.scale}={result.size} (preset: "
             f"{current}; {len(result.rows)} sizes profiled and planned); {above}\n"
             + format_plan(result.plan)

@@ -18,9 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.cost_model import LayerCosts, utilization_ppm
-from solver.errors import InputError
-from solver.problem import (
+from solver.backends.problem import (
     FEASIBLE,
     INFEASIBLE,
     OBJECTIVE_MEMORY,
@@ -29,6 +27,8 @@ from solver.problem import (
     StageProblem,
     StageSolution,
 )
+from solver.cost_model import LayerCosts, utilization_ppm
+from solver.errors import InputError
 
 
 @dataclass(kw_only=True)

@@ -36,9 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.cost_model import LayerCosts
-from solver.errors import InputError
-from solver.problem import (
+from solver.backends.problem import (
     FEASIBLE,
     INFEASIBLE,
     OBJECTIVE_MEMORY,
@@ -47,6 +45,8 @@ from solver.problem import (
     StageProblem,
     StageSolution,
 )
+from solver.cost_model import LayerCosts
+from solver.errors import InputError
 
 BACKEND = "chain"
 INF = 2**62

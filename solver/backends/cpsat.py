@@ -1,4 +1,4 @@
-"""CP-SAT backend of the prefix formulation (``solver/formulation.py``): exact integers.
+"""CP-SAT backend of the prefix formulation (``solver/backends/formulation.py``): exact integers.
 
 Every coefficient and bound is the cost model's own integer (bytes, ns), so the model objective is
 exact; relay and transient variables are integers too. CP-SAT needs every linear expression's range
@@ -6,7 +6,7 @@ inside int64, which ``_check_ranges`` verifies before building (an :class:`Input
 A solution is checked as it comes back: the split is rebuilt from y and validated, and its
 objective, recomputed with the cost model, must not exceed the model's (auxiliaries only
 overcount) and must equal it at the optimum. The bound is CP-SAT's best objective bound or the
-static one of :class:`solver.presolve.Presolve`, whichever is larger.
+static one of :class:`solver.backends.presolve.Presolve`, whichever is larger.
 """
 
 from __future__ import annotations
@@ -18,15 +18,13 @@ import time
 import numpy as np
 from ortools.sat.python import cp_model
 
-from solver.cost_model import PPM
-from solver.errors import InputError
-from solver.formulation import PrefixFormulation
-from solver.presolve import (
+from solver.backends.formulation import PrefixFormulation
+from solver.backends.presolve import (
     Presolve,
     make_solution,
     split_from_prefix,
 )
-from solver.problem import (
+from solver.backends.problem import (
     FEASIBLE,
     INFEASIBLE,
     OPTIMAL,
@@ -34,6 +32,8 @@ from solver.problem import (
     StageProblem,
     StageSolution,
 )
+from solver.cost_model import PPM
+from solver.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ MAX_CP_SAT_VALUE = 2**62
 
 
 class CpSatFormulation(PrefixFormulation):
-    """The model of ``solver/formulation.py``, in exact integer bytes and nanoseconds."""
+    """The model of ``solver/backends/formulation.py``, in exact integer bytes and nanoseconds."""
 
     backend = "cp-sat"
 

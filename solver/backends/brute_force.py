@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 
-from solver.problem import INFEASIBLE, OPTIMAL, StageProblem, StageSolution
+from solver.backends.problem import INFEASIBLE, OPTIMAL, StageProblem, StageSolution
 
 
 def solve_brute_force(problem: StageProblem) -> StageSolution:

@@ -1,6 +1,7 @@
 """MILP backend of the prefix formulation (PuLP; HiGHS through highspy, or CBC).
 
-The model is the one of ``solver/formulation.py`` (prefix variables y[l][s] = [stage(l) <= s],
+The model is the one of ``solver/backends/formulation.py``
+(prefix variables y[l][s] = [stage(l) <= s],
 linear stage membership, edge crossings and buffers, relay indicators, transient maxima), with two
 differences that a floating-point solver needs:
 
@@ -22,7 +23,8 @@ itself. OPTIMAL means HiGHS closed the gap to half a unit (byte or ns) and the r
 reproduces its objective, so the optimum, an integer, is the objective: bound = objective (up to
 the solver's tolerances, which is what a floating-point MILP can prove). Otherwise the bound is
 HiGHS's dual bound, unscaled, lowered by a relative safety margin of 1e-6 and rounded up (the
-optimum is an integer), or the static bound of :class:`solver.presolve.Presolve`, whichever is
+optimum is an integer), or the static bound of
+:class:`solver.backends.presolve.Presolve`, whichever is
 larger. CBC (the fallback) gives no dual bound through PuLP: it reports the static bound unless it
 proves optimality.
 """
@@ -40,14 +42,13 @@ import highspy
 import numpy as np
 import pulp
 
-from solver.errors import InputError
-from solver.formulation import PrefixFormulation
-from solver.presolve import (
+from solver.backends.formulation import PrefixFormulation
+from solver.backends.presolve import (
     Presolve,
     make_solution,
     split_from_prefix,
 )
-from solver.problem import (
+from solver.backends.problem import (
     FEASIBLE,
     INFEASIBLE,
     OBJECTIVE_MEMORY,
@@ -56,6 +57,7 @@ from solver.problem import (
     StageProblem,
     StageSolution,
 )
+from solver.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ def power_of_two_scale(values: np.ndarray | list[int]) -> int:
 
 
 class MilpFormulation(PrefixFormulation):
-    """The model of ``solver/formulation.py`` in scaled units, for PuLP."""
+    """The model of ``solver/backends/formulation.py`` in scaled units, for PuLP."""
 
     def __init__(self, problem: StageProblem, presolve: Presolve | None = None):
         super().__init__(problem, presolve)

@@ -83,7 +83,7 @@ integer for CP-SAT, continuous for the MILP), the units of coefficients (``_byte
 for CP-SAT, scaled by powers of two for the MILP), ``_sum``, ``_add``, ``_minimize``, ``_hint``,
 ``dump`` and ``solve``; :meth:`PrefixFormulation.solve_problem` runs a whole solve.
 
-Cuts and static bounds: :class:`solver.presolve.Presolve`.
+Cuts and static bounds: :class:`solver.backends.presolve.Presolve`.
 """
 
 from __future__ import annotations
@@ -97,15 +97,15 @@ from typing import Any
 
 import numpy as np
 
-from solver.cost_model import PPM, LayerCosts, stage_costs
-from solver.presolve import Presolve, check_hint, keep_hint_if_better
-from solver.problem import (
+from solver.backends.presolve import Presolve, check_hint, keep_hint_if_better
+from solver.backends.problem import (
     OBJECTIVE_MEMORY,
     OBJECTIVE_TIME,
     UTILIZATION,
     StageProblem,
     StageSolution,
 )
+from solver.cost_model import PPM, LayerCosts, stage_costs
 
 
 @dataclass
@@ -175,7 +175,8 @@ class PrefixFormulation(abc.ABC):
         """Builds the model, with the hint (a split, the recompute flags under selective, the
         group of each stage with a placement) as a start, writes it to ``dump_path`` and calls
         ``solve(**options)``; a valid hint is returned when the solver found nothing better.
-        A placed problem always gets a complete start (``solver.placement_start``): the hint's
+        A placed problem always gets a complete start
+        (``solver.backends.placement_start``): the hint's
         split with the best group assignment, or, without a hint, a start built in at most a
         tenth of the time limit."""
         start = time.perf_counter()
@@ -789,8 +790,8 @@ def _placement_hint(
     options: dict,
 ) -> tuple[list[int] | None, list[bool] | None, list[int] | None]:
     """A complete start for a placed problem whose hint has no groups (module
-    ``solver.placement_start``): the hint's split placed, or a start of its own."""
-    from solver.placement_start import complete_start, placement_start
+    ``solver.backends.placement_start``): the hint's split placed, or a start of its own."""
+    from solver.backends.placement_start import complete_start, placement_start
 
     if hint is not None:
         return hint, hint_recomputed, complete_start(problem, hint, hint_recomputed)

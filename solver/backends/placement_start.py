@@ -7,7 +7,8 @@ the first plan of the memory search came after 102 s and the 120 s limit left a 
 this start; with it the plan is proven optimal in about 60 s, benchmarks/bench_heterogeneous.md).
 The start is built in a fraction of a second:
 
-1. Splits. On a chain, the exact chain algorithm (``solver.chain``) on one homogeneous problem
+1. Splits. On a chain, the exact chain algorithm (``solver.backends.chain``) on one homogeneous
+   problem
    with each layer's time and sync on its slowest group (so a split that meets the iteration
    budget there meets it on any placement): the smallest largest peak under the budget, and the
    fastest split under the smallest and under the largest group capacity. Under selective
@@ -34,8 +35,8 @@ import time
 
 import numpy as np
 
+from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, StageProblem
 from solver.cost_model import LayerCosts, stage_costs
-from solver.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, StageProblem
 
 Start = tuple[list[int], list[int], list[bool] | None]
 """(stage of each layer, group of each stage, recompute flags or None)."""
@@ -108,7 +109,7 @@ def _rank(
 
 def _candidate_splits(problem: StageProblem, deadline: float):
     """(split, recompute flags) candidates of the module docstring, item 1."""
-    from solver.chain import solve_chain
+    from solver.backends.chain import solve_chain
 
     placement, costs = problem.placement, problem.costs
     slowest = dataclasses.replace(

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from solver.backends.problem import StageProblem, StageSolution
 from solver.errors import InputError
-from solver.problem import StageProblem, StageSolution
 
 BACKENDS = ("auto", "cpsat", "milp", "chain")
 
@@ -17,7 +17,8 @@ def resolve_backend(
     interleaved: bool = False,
 ) -> str:
     """'auto' is the exact chain algorithm on chain graphs and CP-SAT on DAGs. It is CP-SAT on a
-    heterogeneous cluster too (stages also choose a node group, ``solver.formulation``: the chain
+    heterogeneous cluster too (stages also choose a node group,
+    ``solver.backends.formulation``: the chain
     algorithm has a single capacity and one time per layer), and whenever the recomputed layers
     are a decision (``selective``): the chain algorithm fixes every layer's costs, and choosing
     the recompute subset of each stage under a time limit is a knapsack it does not solve. And
@@ -65,11 +66,11 @@ def solve(
     its recompute flags under selective recomputation, the group of each stage with a
     placement)."""
     if backend == "chain":
-        from solver.chain import solve_chain
+        from solver.backends.chain import solve_chain
 
         return solve_chain(problem, time_limit_s=time_limit_s)
     if backend == "cpsat":
-        from solver.cpsat import solve_cpsat
+        from solver.backends.cpsat import solve_cpsat
 
         return solve_cpsat(
             problem,
@@ -80,7 +81,7 @@ def solve(
             num_workers=num_workers,
         )
     if backend == "milp":
-        from solver.milp import solve_milp
+        from solver.backends.milp import solve_milp
 
         return solve_milp(
             problem,

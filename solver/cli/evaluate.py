@@ -1,0 +1,210 @@
+"""``python -m solver.evaluate``: parse, call :func:`solver.evaluation.evaluate` on a given
+config and split, print the per-stage table, write its JSON and plot."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from solver.cli.common import (
+    OneLineErrorParser,
+    add_graph_and_cluster,
+    add_plot_option,
+    bytes_per_param,
+    calibration_from_args,
+    check_outputs,
+    cluster_from_args,
+    input_files,
+    positive_int,
+    print_output,
+    write_json,
+)
+from solver.errors import InputError, PlannerError
+from solver.graph import load_graph
+from solver.specs import Cluster, ParallelConfig, TrainingConfig
+
+
+def evaluate_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(
+        prog="python -m solver.evaluate",
+        description="Per-stage peak memory and time of a given split and config.",
+    )
+    parser.add_argument("--pp", type=positive_int, required=True)
+    parser.add_argument("--tp", type=positive_int, default=1)
+    parser.add_argument("--dp", type=positive_int, default=1)
+    parser.add_argument("--micro-batch", type=positive_int, default=1)
+    parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
+    parser.add_argument(
+        "--recompute",
+        choices=["none", "full", "selective"],
+        default="none",
+        help="none, full (every layer), or selective: the layers of --recompute-layers",
+    )
+    parser.add_argument(
+        "--recompute-layers",
+        metavar="SPEC",
+        help="with --recompute selective: the recomputed layers, comma-separated layer names, "
+        "positions in topological order (0-based) and ranges, e.g. 0-3,7,block5 ('' = none; "
+        "a plan JSON lists them as stages[i].recomputed)",
+    )
+    parser.add_argument(
+        "--split",
+        required=True,
+        help="even | parameters | layer counts per stage (5,7,7,5) | a stage index per layer "
+        "(with --virtual-stages v: per virtual stage, p v of them, in pipeline order)",
+    )
+    parser.add_argument(
+        "--stage-groups",
+        metavar="NAMES",
+        help="with a heterogeneous --cluster: the node group of each stage, comma-separated "
+        "group names (e.g. a100-80g,a100-40g)",
+    )
+    add_plot_option(parser)
+    add_graph_and_cluster(parser)
+    return parser
+
+
+def evaluate_main(argv: list[str] | None = None) -> int:
+    parser = evaluate_parser()
+    args = parser.parse_args(argv)
+    try:
+        from solver.evaluation import evaluate
+        from solver.report import evaluation_to_dict, format_evaluation
+
+        check_outputs(args)
+        graph = load_graph(args.graph)
+        if args.global_batch % (args.dp * args.micro_batch):
+            raise InputError(
+                f"--global-batch {args.global_batch} is not a multiple of dp("
+                f"{args.dp}) * micro-batch({args.micro_batch})"
+            )
+        if len(args.virtual_stages) != 1:
+            raise InputError(
+                f"--virtual-stages {','.join(map(str, args.virtual_stages))}: evaluate takes "
+                "one value (the chunks per pipeline rank of the split)"
+            )
+        config = ParallelConfig(
+            pp=args.pp,
+            tp=args.tp,
+            dp=args.dp,
+            micro_batch=args.micro_batch,
+            num_microbatches=args.global_batch // (args.dp * args.micro_batch),
+            zero=args.zero,
+            recompute=args.recompute,
+            schedule=args.schedule,
+            virtual_stages=args.virtual_stages[0],
+        )
+        cluster = cluster_from_args(parser, args, config.num_gpus)
+        if args.tp > cluster.gpus_per_node or cluster.gpus_per_node % args.tp:
+            if not cluster.is_heterogeneous:
+                raise InputError(
+                    f"--tp {args.tp} must divide --gpus-per-node {cluster.gpus_per_node}"
+                )
+        if args.cluster is not None and not cluster.is_heterogeneous:
+            if config.num_gpus != cluster.num_gpus:
+                raise InputError(
+                    f"pp({args.pp}) * tp({args.tp}) * dp({args.dp}) = {config.num_gpus} != "
+                    f"gpus({cluster.num_gpus}) of --cluster {args.cluster}"
+                )
+        groups = _stage_groups(args, cluster)
+        recomputed = _recompute_layers(args, graph)
+        split: str | list[int] = args.split
+        if args.split not in ("even", "parameters"):
+            try:
+                split = [int(part) for part in args.split.split(",")]
+            except ValueError:
+                raise InputError(
+                    f"--split {args.split!r}: use even, parameters, or comma-separated integers"
+                ) from None
+        training = TrainingConfig(
+            global_batch=args.global_batch,
+            micro_batch_sizes=(args.micro_batch,),
+            zero_stages=(args.zero,),
+            recompute=args.recompute,
+            schedule=args.schedule,
+            virtual_stages=(config.virtual_stages,),
+            runtime=args.runtime,
+            memory_model=args.memory_model,
+            calibration=calibration_from_args(args),
+            **bytes_per_param(args),
+        )
+        result = evaluate(
+            graph,
+            config,
+            split,
+            cluster=cluster,
+            training=training,
+            group_of_stage=groups,
+            recomputed=recomputed,
+        )
+        if args.json:
+            write_json(args.json, evaluation_to_dict(result), protect=input_files(args))
+        if args.plot:
+            _plot_evaluation(result, args.plot)
+        if not args.quiet:
+            print_output(
+                format_evaluation(
+                    result, f"Split {args.split} of {graph.model} on {config.num_gpus} GPUs"
+                )
+            )
+    except PlannerError as error:
+        sys.stderr.write(f"error: {error}\n")
+        return error.exit_code
+    return 0
+
+
+def _stage_groups(args: argparse.Namespace, cluster: Cluster) -> list[int] | None:
+    """--stage-groups names -> group indices (heterogeneous clusters only)."""
+    if not cluster.is_heterogeneous:
+        if args.stage_groups is not None:
+            raise InputError("--stage-groups needs a --cluster file with two or more groups")
+        return None
+    names = [g.name for g in cluster.groups]
+    if args.stage_groups is None:
+        raise InputError(
+            f"--cluster {args.cluster} has {len(names)} node groups: say where each stage runs "
+            f"with --stage-groups (names: {', '.join(names)})"
+        )
+    given = [part.strip() for part in args.stage_groups.split(",")]
+    unknown = [name for name in given if name not in names]
+    if unknown:
+        raise InputError(f"--stage-groups: unknown group {unknown[0]!r}; names: {', '.join(names)}")
+    return [names.index(name) for name in given]
+
+
+def _recompute_layers(args: argparse.Namespace, graph: Any) -> list[bool] | None:
+    """--recompute-layers SPEC -> a flag per layer (needs --recompute selective, and vice versa)."""
+    from solver.evaluation import recompute_flags
+
+    if args.recompute != "selective":
+        if args.recompute_layers is not None:
+            raise InputError(
+                f"--recompute-layers needs --recompute selective (got --recompute "
+                f"{args.recompute}); add --recompute selective or drop --recompute-layers"
+            )
+        return None
+    if args.recompute_layers is None:
+        raise InputError(
+            "--recompute selective needs --recompute-layers SPEC: layer names, positions and "
+            "ranges such as 0-3,7,block5 ('' for none)"
+        )
+    return recompute_flags(graph, args.recompute_layers)
+
+
+def _plot_evaluation(result: Any, path: str) -> None:
+    """The evaluated split next to the even split of the same config (alone when it is even)."""
+    from solver.evaluation import evaluate
+    from solver.plots import plot_plan
+
+    even = evaluate(
+        result.graph,
+        result.config,
+        "even",
+        cluster=result.cluster,
+        training=result.training,
+        group_of_stage=result.group_of_stage,
+        recomputed=result.recomputed,
+    )
+    baseline = None if even.stage_of_layer == result.stage_of_layer else even
+    plot_plan(result, path, baseline=baseline)

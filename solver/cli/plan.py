@@ -1,0 +1,134 @@
+"""``python -m solver.plan``: parse, call :func:`solver.planner.plan` (or the Pareto front),
+print the plan, write its JSON and plot."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from solver.cli.common import (
+    OneLineErrorParser,
+    add_graph_and_cluster,
+    add_plan_options,
+    add_plot_option,
+    check_outputs,
+    cluster_from_args,
+    input_files,
+    positive_int,
+    print_output,
+    training_from_args,
+    write_json,
+)
+from solver.errors import InputError, PlannerError
+from solver.graph import load_graph
+from solver.specs import Cluster, TrainingConfig
+
+
+def _add_pareto(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Pareto front")
+    group.add_argument(
+        "--pareto",
+        action="store_true",
+        help="list the non-dominated (peak memory, throughput) plans instead of one plan "
+        "(--min-throughput is a floor; --max-slowdown and --objective do not apply); on a "
+        "heterogeneous --cluster, memory is what --memory-objective says (largest utilization "
+        "or largest peak) and each plan places its stages on the groups",
+    )
+    group.add_argument(
+        "--pareto-points",
+        type=positive_int,
+        metavar="N",
+        help=f"at most N points, spread over the front when it is longer (default {PARETO_POINTS})",
+    )
+
+
+PARETO_POINTS = 10
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(
+        prog="python -m solver.plan",
+        description="Find the PP x TP x DP config and layer split that minimise the "
+        "largest per-GPU peak memory, with a proof of optimality.",
+    )
+    parser.add_argument("--gpus", type=positive_int, help="number of GPUs (or --cluster FILE)")
+    add_plot_option(parser)
+    _add_pareto(parser)
+    add_graph_and_cluster(parser)
+    add_plan_options(parser)
+    return parser
+
+
+def plan_main(argv: list[str] | None = None) -> int:
+    parser = plan_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        from solver.planner import plan
+        from solver.report import format_plan, plan_to_dict
+
+        check_outputs(args)
+        if args.pareto_points is not None and not args.pareto:
+            raise InputError("--pareto-points needs --pareto")
+        cluster = cluster_from_args(parser, args, args.gpus)
+        graph = load_graph(args.graph)
+        training = training_from_args(args)
+        if args.pareto:
+            _pareto(args, graph, training, cluster)
+            return 0
+        result = plan(
+            graph,
+            cluster,
+            training,
+            backend=args.backend,
+            time_limit_s=args.time_limit,
+            num_workers=args.workers,
+        )
+        if args.json:
+            write_json(args.json, plan_to_dict(result), protect=input_files(args))
+        if args.plot:
+            from solver.plots import plot_plan
+
+            plot_plan(result.evaluation, args.plot, baseline=result.baselines.get("even"))
+        if not args.quiet:
+            print_output(format_plan(result))
+    except PlannerError as error:
+        sys.stderr.write(f"error: {error}\n")
+        return error.exit_code
+    return 0
+
+
+def _pareto(
+    args: argparse.Namespace, graph: Any, training: TrainingConfig, cluster: Cluster
+) -> None:
+    """solver.plan --pareto: the front as a table, --json document and --plot picture."""
+    from solver.pareto import format_pareto, pareto_front, pareto_to_dict
+
+    front = pareto_front(
+        graph,
+        cluster,
+        training,
+        max_points=PARETO_POINTS if args.pareto_points is None else args.pareto_points,
+        backend=args.backend,
+        time_limit_s=args.time_limit,
+        num_workers=args.workers,
+    )
+    if args.json:
+        write_json(args.json, pareto_to_dict(front), protect=input_files(args))
+    if args.plot:
+        from solver.plots import plot_pareto
+
+        groups = [(g.name, g.gpu_memory_bytes) for g in cluster.groups]
+        plot_pareto(
+            front.points,
+            args.plot,
+            capacity_bytes=None if cluster.is_heterogeneous else cluster.gpu_memory_bytes,
+            group_capacities=groups if cluster.is_heterogeneous else (),
+            utilization=front.memory_unit == "ppm",
+            title=f"{graph.model} on {cluster.num_gpus} GPUs: {len(front.points)} non-dominated "
+            "plans",
+        )
+    if not args.quiet:
+        print_output(format_pareto(front))

@@ -1,0 +1,208 @@
+"""Solve a grid of (gpus, gpu_memory) points, one :func:`solver.plan` call each, on worker
+processes: :func:`sweep`, and :func:`solve_point` for one point's row."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+from solver.candidates import candidate_configs
+from solver.errors import InfeasibleError, InputError, NoSolutionError
+from solver.graph import LayerGraph
+from solver.planner import Plan, plan
+from solver.report import finite_or_none
+from solver.specs import Cluster, TrainingConfig
+from solver.sweep.rows import ROW_KEYS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, frozen=True)
+class PointOptions:
+    """What every point of a study shares (sent once to each worker)."""
+
+    graph: LayerGraph
+    training: TrainingConfig
+    cluster: Cluster
+    """Template: every field but num_gpus and gpu_memory_bytes applies to every point."""
+    backend: str = "auto"
+    time_limit_s: float | None = 60.0
+
+
+def solve_point(
+    options: PointOptions, gpus: int, gpu_memory_bytes: int
+) -> tuple[dict, Plan | None]:
+    """The row of one point, and its plan when one was found."""
+    started = time.perf_counter()
+    row: dict[str, Any] = dict.fromkeys(ROW_KEYS)
+    row |= {"gpus": gpus, "gpu_memory_bytes": gpu_memory_bytes, "config": "", "detail": ""}
+    result = None
+    try:
+        cluster = dataclasses.replace(
+            options.cluster, num_gpus=gpus, gpu_memory_bytes=gpu_memory_bytes
+        )
+        result = plan(
+            options.graph,
+            cluster,
+            options.training,
+            backend=options.backend,
+            time_limit_s=options.time_limit_s,
+        )
+    except InfeasibleError as error:
+        row |= {"status": "INFEASIBLE", "fits": False, "peak_bytes": error.best_peak_bytes}
+        row["detail"] = _one_line(error)
+    except NoSolutionError as error:
+        row |= {"status": "NO_SOLUTION", "detail": _one_line(error)}
+    except InputError as error:
+        row |= {"status": "ERROR", "detail": _one_line(error)}
+    else:
+        config = result.config
+        row |= {
+            "status": result.solver.status,
+            "config": config.label(),
+            **{k: getattr(config, k) for k in ("pp", "tp", "dp", "micro_batch")},
+            "num_microbatches": config.num_microbatches,
+            "zero": config.zero,
+            "recompute": config.recompute,
+            "peak_bytes": result.peak_bytes,
+            "throughput": finite_or_none(result.throughput),
+            "gap": result.solver.gap,
+            "fits": result.evaluation.fits,
+        }
+        for name, baseline in result.baselines.items():
+            row[f"{name}_peak_bytes"] = baseline.peak_bytes
+            row[f"{name}_throughput"] = finite_or_none(baseline.throughput)
+    row["wall_s"] = time.perf_counter() - started
+    return row, result
+
+
+def sweep(
+    graph: LayerGraph,
+    gpus: Sequence[int],
+    gpu_memory: Sequence[int],
+    training: TrainingConfig,
+    cluster_template: Cluster,
+    *,
+    workers: int | None = None,
+    progress: bool = False,
+    on_row: Callable[[dict], None] | None = None,
+    backend: str = "auto",
+    time_limit_s: float | None = 60.0,
+) -> list[dict]:
+    """One row per (gpus, gpu_memory) point, in point order (GPU counts outer, memory inner).
+
+    ``gpu_memory`` in bytes; ``cluster_template`` gives the other cluster fields (its num_gpus
+    and gpu_memory_bytes are ignored). Points run on ``workers`` processes (default: every
+    core; 1 runs them here, one by one); ``on_row(row)`` is called in this process as each row
+    completes (completion order), so a caller can write rows as they come and keep them when
+    interrupted. Duplicate points are solved once.
+    """
+    points = sweep_points(gpus, gpu_memory)
+    options = PointOptions(
+        graph=graph,
+        training=training,
+        cluster=cluster_template,
+        backend=backend,
+        time_limit_s=time_limit_s,
+    )
+    rows: dict[tuple[int, int], dict] = {}
+    bar = progress_bar(len(points)) if progress else None
+
+    def done(row: dict) -> None:
+        rows[row["gpus"], row["gpu_memory_bytes"]] = row
+        if bar is not None:
+            bar.update(1)
+        if on_row is not None:
+            on_row(row)
+
+    try:
+        _run(points, options, workers, done)
+    finally:
+        if bar is not None:
+            bar.close()
+    return [rows[point] for point in points]
+
+
+def sweep_points(gpus: Sequence[int], gpu_memory: Sequence[int]) -> list[tuple[int, int]]:
+    """(gpus, gpu_memory_bytes) pairs in order, duplicates dropped; InputError for empty lists
+    or values that are not positive integers."""
+    for name, values in (("gpus", gpus), ("gpu_memory", gpu_memory)):
+        if len(values) == 0:
+            raise InputError(f"{name}: empty list; give at least one value")
+        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        if bad:
+            raise InputError(f"{name}: expected positive integers, got {bad}")
+    return list(dict.fromkeys((g, m) for g in gpus for m in gpu_memory))
+
+
+def _run(
+    points: list[tuple[int, int]],
+    options: PointOptions,
+    workers: int | None,
+    done: Callable[[dict], None],
+) -> None:
+    workers = min(workers or os.cpu_count() or 1, len(points))
+    if workers <= 1:
+        for point in points:
+            done(solve_point(options, *point)[0])
+        return
+    pool = ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(options,))
+    try:
+        pending = {
+            pool.submit(_solve_in_worker, *point) for point in _longest_first(points, options)
+        }
+        while pending:
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in finished:
+                done(future.result())
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+
+
+def _longest_first(points: list[tuple[int, int]], options: PointOptions) -> list[tuple[int, int]]:
+    """Points by decreasing number of candidate configs (a point's work grows with it)."""
+
+    def size(point: tuple[int, int]) -> int:
+        cluster = dataclasses.replace(options.cluster, num_gpus=point[0])
+        try:
+            return len(candidate_configs(options.graph.num_layers, cluster, options.training))
+        except InputError:
+            return 0
+
+    return sorted(points, key=lambda point: (-size(point), point))
+
+
+_WORKER: PointOptions | None = None
+
+
+def _init_worker(options: PointOptions) -> None:
+    """Keep the study's options (graph included) for every point this worker solves; leave
+    Ctrl-C to the parent, which cancels what is left."""
+    global _WORKER
+    _WORKER = options
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _solve_in_worker(gpus: int, gpu_memory_bytes: int) -> dict:
+    assert _WORKER is not None, "worker not initialised"
+    return solve_point(_WORKER, gpus, gpu_memory_bytes)[0]
+
+
+def progress_bar(total: int | None, *, desc: str = "sweep", unit: str = "point"):
+    """points (or counts) done / total and the elapsed time, on stderr."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit=unit, desc=desc, dynamic_ncols=True)
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
