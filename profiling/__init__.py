@@ -6,5 +6,6 @@
 Modules: ``profile`` (one traced forward + backward), ``dataflow`` (storage provenance, live
 memory), ``tensor_parallel`` (Megatron split rule), ``timing`` (real-mode per-layer times),
 ``graph_builder`` (trace -> LayerGraph), ``layers`` (default layer granularity), ``hf``
-(transformers models from bundled configs), ``export`` (the CLI).
+(transformers models from bundled configs), ``export`` (the CLI), ``_torch_compat`` (every private
+torch API used, with its canary in tests/test_torch_compat.py).
 """

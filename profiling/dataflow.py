@@ -34,14 +34,21 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from profiling._torch_compat import (
+    TorchDispatchMode,
+    cpu_flash_attention,
+    cpu_flash_attention_backward,
+    current_autograd_node,
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+    tree_leaves,
+)
 
 PENDING = -1
 """Owner of glue code that runs before the first layer; resolved to the first layer."""
 
-_aten = torch.ops.aten
 _IGNORED_OPS = {torch.ops.prim.device.default}
 
 
@@ -57,8 +64,8 @@ FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
     **flop_registry,
     # FlopCounterMode has no formula for the CPU flash-attention kernels that SDPA picks on CPU;
     # they do the same work as the CUDA ones.
-    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops,
+    cpu_flash_attention: _cpu_flash_flops,
+    cpu_flash_attention_backward: _cpu_flash_backward_flops,
 }
 """FLOP formulas by op, those of ``torch.utils.flop_counter`` (matmuls, convolutions,
 attention); other ops (elementwise, norms, softmax) count zero, as in ``FlopCounterMode``."""
@@ -349,7 +356,7 @@ class Tracer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.phase == "bwd":
-            self._enter_node(torch._C._current_autograd_node())
+            self._enter_node(current_autograd_node())
         try:
             out = func(*args, **kwargs)
         except Exception:
@@ -359,7 +366,7 @@ class Tracer(TorchDispatchMode):
         if func in _IGNORED_OPS or self.phase not in ("fwd", "bwd"):
             return out
         owner = self.owner()
-        formula = FLOP_FORMULAS.get(func._overloadpacket)
+        formula = FLOP_FORMULAS.get(func.overloadpacket)
         if formula is not None:
             try:
                 flops = int(formula(*args, **kwargs, out_val=out))

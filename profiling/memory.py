@@ -29,8 +29,14 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from profiling._torch_compat import (
+    TorchDispatchMode,
+    local_shard,
+    patch_storage_resize,
+    storage_key,
+    tree_flatten,
+)
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 """Breakdown keys, in report order."""
@@ -69,11 +75,11 @@ class LiveTensorTracker(TorchDispatchMode):
     def track(self, tensor: torch.Tensor, category: str = "other") -> None:
         """Count ``tensor``'s storage once; retag it to ``category`` if ``_RETAGGABLE`` allows."""
         if isinstance(tensor, DTensor):
-            tensor = tensor._local_tensor  # a shard: count the local storage
+            tensor = local_shard(tensor)  # a shard: count the local storage
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
             return
         storage = tensor.untyped_storage()
-        key = storage._cdata
+        key = storage_key(storage)
         nbytes = storage.nbytes()
         entry = self._live.get(key)
         if entry is None:
@@ -143,26 +149,20 @@ class LiveTensorTracker(TorchDispatchMode):
     def __enter__(self) -> LiveTensorTracker:
         # FSDP2 frees and re-allocates unsharded parameters with ``UntypedStorage.resize_``,
         # which no dispatch mode sees (MemTracker patches it the same way).
-        original = torch.UntypedStorage.resize_
-        self._original_resize = original
-
-        @functools.wraps(original)
-        def resize_(storage: torch.UntypedStorage, size: int):
-            result = original(storage, size)
-            entry = self._live.get(storage._cdata)
-            if entry is not None and entry[0] != storage.nbytes():
-                self.current[entry[1]] += storage.nbytes() - entry[0]
-                self.current_bytes += storage.nbytes() - entry[0]
-                entry[0] = storage.nbytes()
-                self._update_peak()
-            return result
-
-        torch.UntypedStorage.resize_ = resize_
+        self._unpatch_resize = patch_storage_resize(self._resized)
         return super().__enter__()
 
     def __exit__(self, *args) -> None:
-        torch.UntypedStorage.resize_ = self._original_resize
+        self._unpatch_resize()
         super().__exit__(*args)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        entry = self._live.get(storage_key(storage))
+        if entry is not None and entry[0] != storage.nbytes():
+            self.current[entry[1]] += storage.nbytes() - entry[0]
+            self.current_bytes += storage.nbytes() - entry[0]
+            entry[0] = storage.nbytes()
+            self._update_peak()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(kind, DTensor) for kind in types):

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from profiling._torch_compat import rebuild_ddp_buckets, replicate_with_fsdp
 from profiling.tensor_parallel import VOCAB_PARALLEL_MIN_ROWS
 from solver.errors import InputError
 
@@ -208,9 +209,7 @@ def apply_data_parallel(
         # cost model assume.
         return nn.Sequential(stage_module)
     if mesh["tp"].size() > 1:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
-        replicate(stage_module, mesh=dp_mesh)
+        replicate_with_fsdp(stage_module, mesh=dp_mesh)
         return stage_module
     wrapped = DistributedDataParallel(
         stage_module,
@@ -222,8 +221,7 @@ def apply_data_parallel(
     # step, and with the pipeline's no_sync micro-batches (2 micro-batches, torch 2.13) it records
     # every parameter twice and fails the next forward ("rebuilt parameter indices size is not
     # same as original model parameters size").
-    wrapped.reducer._push_all_rebuilt_params()
-    wrapped.reducer._rebuild_buckets()
+    rebuild_ddp_buckets(wrapped)
     return wrapped
 
 

@@ -92,9 +92,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map
 
+from profiling._torch_compat import FakeTensorMode, tree_map
 from profiling.dataflow import CudaLikeDropout, Tracer, tensors_in
 from profiling.graph_builder import build_graph
 from profiling.layers import default_layer_paths

@@ -378,7 +378,7 @@ def boundary_metas(
     micro-batch on the first step, and on the first stage part of that graph stays alive for the
     whole run (torch 2.13), which would add about one micro-batch of activations to every peak.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from profiling._torch_compat import FakeTensorMode
 
     metas = {}
     with FakeTensorMode(allow_non_fake_inputs=True) as fake:

@@ -48,25 +48,17 @@ def _maximal(vectors: list[tuple[int, ...]]) -> set[tuple[int, ...]]:
 def _torch_moments(m: int, p: int, v: int, rank: int) -> list[tuple[tuple, tuple]]:
     """Replay torch's ScheduleInterleaved1F1B actions for one rank: (micro-batches held, backwards
     done) per chunk after every forward and every full backward."""
-    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-    rounds = max(1, m // p)
-    schedule = type(
-        "Rank",
-        (),
-        {"n_local_stages": v, "microbatches_per_round": m // rounds, "pp_group_size": p},
-    )()
-    schedule._n_microbatches = m
-    actions = schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(schedule, rank)
+    pytest.importorskip("torch.distributed.pipelining.schedules")
+    from profiling._torch_compat import interleaved_1f1b_actions
+
     held, done, seen = [0] * v, [0] * v, []
-    for action in actions:
-        if action is None:
-            continue
-        assert action.stage_index % p == rank
-        chunk = action.stage_index // p
-        if action.computation_type == schedules._ComputationType.FORWARD:
+    for stage_index, kind in interleaved_1f1b_actions(m, p, v, rank):
+        assert stage_index % p == rank
+        chunk = stage_index // p
+        if kind == "FORWARD":
             held[chunk] += 1
         else:
-            assert action.computation_type == schedules._ComputationType.FULL_BACKWARD
+            assert kind == "FULL_BACKWARD"
             held[chunk] -= 1
             done[chunk] += 1
         seen.append((tuple(held), tuple(done)))

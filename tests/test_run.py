@@ -479,7 +479,7 @@ def test_tracker_counts_states_activations_and_frees():
 
 def test_tracker_peak_equals_memtracker_on_a_training_step():
     """Cross-check with torch's own MemTracker: the same peak, to the byte, over three steps."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from profiling._torch_compat import mem_tracker
 
     spec = models.get("gpt-tiny", **OVERRIDES)
 
@@ -509,7 +509,7 @@ def test_tracker_peak_equals_memtracker_on_a_training_step():
 
     ours = LiveTensorTracker()
     peaks = train(ours, ours.reset_peak)
-    theirs = MemTracker()
+    theirs = mem_tracker()
     train(theirs, theirs.reset_mod_stats)
     (snapshot,) = theirs.get_tracker_snapshot("peak").values()
     assert max(peaks) == snapshot["Total"]
