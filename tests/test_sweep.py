@@ -331,7 +331,6 @@ def test_cli_max_scale_regenerates_a_preset(capsys, tmp_path):
     assert "the top of the range (6) fits" in text
 
 
-@pytest.mark.skipif(importlib.util.find_spec("solver.plots") is None, reason="solver.plots")
 def test_cli_plot_draws_the_sweep(capsys, tmp_path):
     picture = tmp_path / "sweep.png"
     code, _, err = run(
