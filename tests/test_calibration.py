@@ -24,6 +24,7 @@ from solver.calibration import (
 from solver.cli import evaluate_main, plan_main
 from solver.errors import InputError
 from solver.report import plan_to_dict
+from tests.conftest import GPT_1_3B
 
 TRUE_STATES, TRUE_ACTIVATIONS, TRUE_BUFFERS, TRUE_CONSTANT = 1.07, 0.83, 1.9, 123_457
 TINY = {"layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab_size": 128, "dropout": 0.0}
@@ -207,31 +208,27 @@ def test_load_errors_name_the_file_and_the_field(tmp_path, edit, message):
     assert message in text and str(path) in text and "\n" not in text
 
 
-def test_load_errors_for_a_missing_file_and_bad_json(tmp_path):
+def test_load_errors_for_a_missing_file_and_bad_json(write_json, tmp_path):
     with pytest.raises(InputError, match="calibration file not found; write one with"):
         load_calibration(tmp_path / "absent.json")
     path = tmp_path / "broken.json"
     path.write_text("{ not json")
     with pytest.raises(InputError, match=r"broken.json: not valid JSON \(line 1"):
         load_calibration(path)
-    assert load_calibration(_write(tmp_path, {**valid_document(), "constant_bytes": 1e6}))
-
-
-def _write(tmp_path, document) -> str:
-    path = tmp_path / "calibration.json"
-    path.write_text(json.dumps(document))
-    return str(path)
+    assert load_calibration(
+        write_json("calibration.json", {**valid_document(), "constant_bytes": 1e6})
+    )
 
 
 # -- solver CLIs -------------------------------------------------------------------------------
 
-PLAN_ARGS = ["examples/gpt-1.3b.json", "--gpus", "8", "--global-batch", "16", "--time-limit", "20"]
-EVALUATE_ARGS = ["examples/gpt-1.3b.json", "--pp", "2", "--global-batch", "16", "--split", "even"]
+PLAN_ARGS = [GPT_1_3B, "--gpus", "8", "--global-batch", "16", "--time-limit", "20"]
+EVALUATE_ARGS = [GPT_1_3B, "--pp", "2", "--global-batch", "16", "--split", "even"]
 
 
 @pytest.mark.parametrize("main, args", [(plan_main, PLAN_ARGS), (evaluate_main, EVALUATE_ARGS)])
-def test_cli_reports_the_calibration(tmp_path, capsys, main, args):
-    calibration_path = _write(tmp_path, valid_document())
+def test_cli_reports_the_calibration(write_json, tmp_path, capsys, main, args):
+    calibration_path = write_json("calibration.json", valid_document())
     out = tmp_path / "result.json"
     assert main([*args, "--calibration", calibration_path, "--json", str(out)]) == 0
     text = capsys.readouterr().out
@@ -309,19 +306,11 @@ def tiny_args(out) -> list[str]:
         (["--iterations", "x"], "expected a positive integer"),
     ],
 )
-def test_calibrate_cli_bad_flags_exit_2_in_one_line(tmp_path, capsys, extra, message):
-    assert exit_code(calibrate_cli.main, [*tiny_args(tmp_path / "c.json"), *extra]) == 2
-    err = capsys.readouterr().err
+def test_calibrate_cli_bad_flags_exit_2_in_one_line(tmp_path, run_cli, extra, message):
+    code, _, err = run_cli(calibrate_cli.main, *tiny_args(tmp_path / "c.json"), *extra)
+    assert code == 2
     assert message in err and err.count("\n") == 1
     assert not (tmp_path / "c.json").exists()
-
-
-def exit_code(main, argv: list[str]) -> int:
-    """main's return value, or the code of the SystemExit argparse raises for a bad flag."""
-    try:
-        return main(argv)
-    except SystemExit as stop:
-        return stop.code
 
 
 def test_calibrate_cli_unknown_model_and_missing_folder(tmp_path, capsys):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +15,8 @@ from profiling.export import export_graph, main
 from profiling.profile import profile_module
 from solver import Cluster, TrainingConfig, load_graph, plan
 from solver.cli import plan_main
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = [name for name in models.presets() if name.endswith("-tiny")]
 
 
@@ -134,12 +133,8 @@ def test_hf_model_from_bundled_config(tmp_path):
         (["gpt-tiny", "--batch", "0"], "must be >= 1"),
     ],
 )
-def test_bad_input_is_one_line_exit_2(argv, pattern, capsys):
-    try:
-        code = main([*argv, "--no-progress"])
-    except SystemExit as exit_:
-        code = exit_.code
-    err = capsys.readouterr().err
+def test_bad_input_is_one_line_exit_2(argv, pattern, run_cli):
+    code, _, err = run_cli(main, *argv, "--no-progress")
     assert code == 2
     assert pattern in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
