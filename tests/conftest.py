@@ -1,4 +1,4 @@
-"""Shared test fixtures, paths and builders.
+"""Shared test fixtures, paths and builders (tiers and markers: docs/testing.md).
 
 Fixtures here reach every test file by name. The path constants and the graph and cluster
 builders are also needed at import time (``parametrize`` lists, module-level constants), so test
@@ -8,7 +8,7 @@ files import them: ``from tests.conftest import GPT_1_3B, gpt_chain``.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +92,13 @@ def cluster_group(
 def cluster_of(*groups: dict) -> Cluster:
     """The cluster of a cluster file with these groups."""
     return cluster_from_dict({"format": "cluster", "version": 1, "groups": list(groups)})
+
+
+def slow_params(values: Iterable[Any], *slow: Any) -> list[Any]:
+    """``values`` for ``parametrize``, those in ``slow`` marked slow (the rest stay fast)."""
+    return [
+        pytest.param(value, marks=pytest.mark.slow) if value in slow else value for value in values
+    ]
 
 
 # -- fixtures --------------------------------------------------------------------------------

@@ -71,6 +71,7 @@ def test_training_config_with_a_calibration_stays_hashable_and_compares_on_the_n
         TrainingConfig(global_batch=4, calibration={"weights": 1.0})
 
 
+@pytest.mark.slow
 def test_calibration_module_imports_without_torch():
     code = (
         "import sys, solver.calibration, solver.cli; "
@@ -272,6 +273,7 @@ def test_cli_rejects_a_bad_calibration_file_in_one_line(
     assert captured.out == ""
 
 
+@pytest.mark.slow
 def test_cli_bad_calibration_from_a_subprocess_has_no_traceback(tmp_path):
     done = subprocess.run(
         [
@@ -335,6 +337,8 @@ def test_calibrate_api_rejects_bad_configurations_before_running(configs, messag
     assert message in str(caught.value)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_calibrate_end_to_end_on_two_configurations(tmp_path, capsys):
     out = tmp_path / "calibration.json"
     assert calibrate_cli.main([*tiny_args(out), "--configs", "2"]) == 0

@@ -216,6 +216,7 @@ def test_infeasible_exits_3_with_explanation(run_cli):
     assert err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_module_entry_points_run_as_subprocesses(tmp_path):
     result = subprocess.run(
         [
@@ -256,6 +257,7 @@ def test_module_entry_points_run_as_subprocesses(tmp_path):
     assert result.returncode == 2 and "summing to 27" in result.stderr
 
 
+@pytest.mark.slow
 def test_solver_runs_without_torch(tmp_path):
     """The solver package must import and plan with torch unavailable."""
     code = (

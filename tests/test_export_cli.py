@@ -15,7 +15,7 @@ from profiling.export import export_graph, main
 from profiling.profile import profile_module
 from solver import Cluster, TrainingConfig, load_graph, plan
 from solver.cli import plan_main
-from tests.conftest import ROOT
+from tests.conftest import ROOT, slow_params
 
 TINY = [name for name in models.presets() if name.endswith("-tiny")]
 
@@ -39,7 +39,7 @@ def test_tiny_preset_exports_and_plans(preset, tmp_path, capsys):
     assert plan_main([str(out), "--gpus", "2", "--global-batch", "4", "--quiet"]) == 0
 
 
-@pytest.mark.parametrize("preset", TINY)
+@pytest.mark.parametrize("preset", slow_params(TINY, "resnet-tiny", "t5-tiny"))
 def test_fake_mode_equals_a_real_cpu_run(preset):
     spec = models.get(preset)
     torch.manual_seed(0)
@@ -101,6 +101,7 @@ def test_gpt_parameters_match_the_closed_form():
     assert graph.layers[-1].params == h * vocab + 2 * h
 
 
+@pytest.mark.slow
 def test_hf_model_from_bundled_config(tmp_path):
     out = tmp_path / "gpt2.json"
     assert (
@@ -162,6 +163,7 @@ def test_factory_that_fails_under_fake_tensors_runs_with_real_ones(tmp_path):
     assert all(layer.fwd_ms is not None for layer in graph.layers)
 
 
+@pytest.mark.slow
 def test_cli_module_entry_point(tmp_path):
     out = tmp_path / "g.json"
     result = subprocess.run(

@@ -229,6 +229,7 @@ def test_heterogeneous_front_equals_brute_force_on_a_tiny_dag(memory_objective):
     assert found == placed_brute_force_front(graph, cluster, training)
 
 
+@pytest.mark.slow
 def test_heterogeneous_front_with_a_floor_and_a_bound():
     """--min-throughput cuts the slow end of the front; max_points samples it, keeping both
     ends and only front points."""

@@ -214,6 +214,7 @@ def test_cli_never_overwrites_the_graph(run_cli, tmp_path):
     assert graph.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_importing_solver_does_not_import_matplotlib():
     code = "import sys, solver, solver.cli, solver.plots; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

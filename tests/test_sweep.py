@@ -60,6 +60,7 @@ def test_rows_have_every_column_and_keep_infeasible_and_error_points(gpt_graph):
     assert infeasible["detail"].startswith("nothing fits") and "\n" not in infeasible["detail"]
 
 
+@pytest.mark.slow
 def test_parallel_and_in_process_sweeps_agree(gpt_graph):
     training = TrainingConfig(global_batch=64, zero_stages=(0, 1))
     points = ([1, 2, 4, 8, 16], [12 * GIB, 40 * GIB])
@@ -226,6 +227,7 @@ def test_cli_interrupted_keeps_rows_and_returns_130(run_cli, tmp_path, monkeypat
     assert len(read_rows(out)) == 2
 
 
+@pytest.mark.slow
 def test_cli_writes_csv_in_point_order_and_prints_a_table(run_cli, tmp_path):
     out = tmp_path / "sweep.csv"
     code, text, err = run_cli(
