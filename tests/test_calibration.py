@@ -24,6 +24,7 @@ from solver.calibration import (
 from solver.cli import evaluate_main, plan_main
 from solver.errors import InputError
 from solver.report import plan_to_dict
+from tests.conftest import GPT_1_3B
 
 TRUE_STATES, TRUE_ACTIVATIONS, TRUE_BUFFERS, TRUE_CONSTANT = 1.07, 0.83, 1.9, 123_457
 TINY = {"layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab_size": 128, "dropout": 0.0}
@@ -70,6 +71,7 @@ def test_training_config_with_a_calibration_stays_hashable_and_compares_on_the_n
         TrainingConfig(global_batch=4, calibration={"weights": 1.0})
 
 
+@pytest.mark.slow
 def test_calibration_module_imports_without_torch():
     code = (
         "import sys, solver.calibration, solver.cli; "
@@ -207,31 +209,27 @@ def test_load_errors_name_the_file_and_the_field(tmp_path, edit, message):
     assert message in text and str(path) in text and "\n" not in text
 
 
-def test_load_errors_for_a_missing_file_and_bad_json(tmp_path):
+def test_load_errors_for_a_missing_file_and_bad_json(write_json, tmp_path):
     with pytest.raises(InputError, match="calibration file not found; write one with"):
         load_calibration(tmp_path / "absent.json")
     path = tmp_path / "broken.json"
     path.write_text("{ not json")
     with pytest.raises(InputError, match=r"broken.json: not valid JSON \(line 1"):
         load_calibration(path)
-    assert load_calibration(_write(tmp_path, {**valid_document(), "constant_bytes": 1e6}))
-
-
-def _write(tmp_path, document) -> str:
-    path = tmp_path / "calibration.json"
-    path.write_text(json.dumps(document))
-    return str(path)
+    assert load_calibration(
+        write_json("calibration.json", {**valid_document(), "constant_bytes": 1e6})
+    )
 
 
 # -- solver CLIs -------------------------------------------------------------------------------
 
-PLAN_ARGS = ["examples/gpt-1.3b.json", "--gpus", "8", "--global-batch", "16", "--time-limit", "20"]
-EVALUATE_ARGS = ["examples/gpt-1.3b.json", "--pp", "2", "--global-batch", "16", "--split", "even"]
+PLAN_ARGS = [GPT_1_3B, "--gpus", "8", "--global-batch", "16", "--time-limit", "20"]
+EVALUATE_ARGS = [GPT_1_3B, "--pp", "2", "--global-batch", "16", "--split", "even"]
 
 
 @pytest.mark.parametrize("main, args", [(plan_main, PLAN_ARGS), (evaluate_main, EVALUATE_ARGS)])
-def test_cli_reports_the_calibration(tmp_path, capsys, main, args):
-    calibration_path = _write(tmp_path, valid_document())
+def test_cli_reports_the_calibration(write_json, tmp_path, capsys, main, args):
+    calibration_path = write_json("calibration.json", valid_document())
     out = tmp_path / "result.json"
     assert main([*args, "--calibration", calibration_path, "--json", str(out)]) == 0
     text = capsys.readouterr().out
@@ -275,6 +273,7 @@ def test_cli_rejects_a_bad_calibration_file_in_one_line(
     assert captured.out == ""
 
 
+@pytest.mark.slow
 def test_cli_bad_calibration_from_a_subprocess_has_no_traceback(tmp_path):
     done = subprocess.run(
         [
@@ -309,19 +308,11 @@ def tiny_args(out) -> list[str]:
         (["--iterations", "x"], "expected a positive integer"),
     ],
 )
-def test_calibrate_cli_bad_flags_exit_2_in_one_line(tmp_path, capsys, extra, message):
-    assert exit_code(calibrate_cli.main, [*tiny_args(tmp_path / "c.json"), *extra]) == 2
-    err = capsys.readouterr().err
+def test_calibrate_cli_bad_flags_exit_2_in_one_line(tmp_path, run_cli, extra, message):
+    code, _, err = run_cli(calibrate_cli.main, *tiny_args(tmp_path / "c.json"), *extra)
+    assert code == 2
     assert message in err and err.count("\n") == 1
     assert not (tmp_path / "c.json").exists()
-
-
-def exit_code(main, argv: list[str]) -> int:
-    """main's return value, or the code of the SystemExit argparse raises for a bad flag."""
-    try:
-        return main(argv)
-    except SystemExit as stop:
-        return stop.code
 
 
 def test_calibrate_cli_unknown_model_and_missing_folder(tmp_path, capsys):
@@ -346,6 +337,8 @@ def test_calibrate_api_rejects_bad_configurations_before_running(configs, messag
     assert message in str(caught.value)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_calibrate_end_to_end_on_two_configurations(tmp_path, capsys):
     out = tmp_path / "calibration.json"
     assert calibrate_cli.main([*tiny_args(out), "--configs", "2"]) == 0

@@ -10,26 +10,14 @@ from pathlib import Path
 import pytest
 
 from solver.cli import evaluate_main, plan_main
-
-ROOT = Path(__file__).resolve().parents[1]
-GPT = str(ROOT / "examples" / "gpt-1.3b.json")
-T5 = str(ROOT / "examples" / "t5-dag.json")
+from tests.conftest import GPT_1_3B, ROOT, T5_DAG
 
 
-def run_plan(capsys, *args: str) -> tuple[int, str, str]:
-    try:
-        code = plan_main(list(args))
-    except SystemExit as exit_:  # argparse rejects a value before main's body runs
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def test_plan_prints_table_and_writes_json(capsys, tmp_path):
+def test_plan_prints_table_and_writes_json(run_cli, tmp_path):
     out = tmp_path / "plan.json"
-    code, text, err = run_plan(
-        capsys,
-        GPT,
+    code, text, err = run_cli(
+        plan_main,
+        GPT_1_3B,
         "--gpus",
         "16",
         "--gpu-memory",
@@ -70,7 +58,7 @@ def test_evaluate_even_split_matches_plan_baseline(capsys, tmp_path):
     assert (
         plan_main(
             [
-                GPT,
+                GPT_1_3B,
                 "--gpus",
                 "8",
                 "--global-batch",
@@ -92,7 +80,7 @@ def test_evaluate_even_split_matches_plan_baseline(capsys, tmp_path):
     evaluated = tmp_path / "even.json"
     code = evaluate_main(
         [
-            GPT,
+            GPT_1_3B,
             "--pp",
             "4",
             "--tp",
@@ -116,7 +104,7 @@ def test_evaluate_even_split_matches_plan_baseline(capsys, tmp_path):
     assert (
         evaluate_main(
             [
-                GPT,
+                GPT_1_3B,
                 "--pp",
                 "4",
                 "--tp",
@@ -140,7 +128,7 @@ def test_dag_plans_with_cpsat_and_milp_agree(capsys, tmp_path):
     for backend in ("cpsat", "milp"):
         code = plan_main(
             [
-                T5,
+                T5_DAG,
                 "--gpus",
                 "8",
                 "--global-batch",
@@ -183,30 +171,30 @@ def test_dag_plans_with_cpsat_and_milp_agree(capsys, tmp_path):
         (["--gpus", "8", "--global-batch", "7", "--micro-batch", "2"], "no valid parallel config"),
     ],
 )
-def test_bad_cli_values_exit_2_with_one_line(capsys, args, pattern):
-    code, out, err = run_plan(capsys, GPT, *args)
+def test_bad_cli_values_exit_2_with_one_line(run_cli, args, pattern):
+    code, out, err = run_cli(plan_main, GPT_1_3B, *args)
     assert code == 2
     assert pattern in err
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
-def test_bad_graph_exit_2(capsys, tmp_path):
+def test_bad_graph_exit_2(run_cli, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    code, _, err = run_plan(capsys, str(bad), "--gpus", "8", "--global-batch", "8")
+    code, _, err = run_cli(plan_main, str(bad), "--gpus", "8", "--global-batch", "8")
     assert code == 2 and f"{bad}: not valid JSON" in err and err.count("\n") == 1
 
 
-def test_json_never_overwrites_the_graph_or_writes_into_missing_folder(capsys, tmp_path):
+def test_json_never_overwrites_the_graph_or_writes_into_missing_folder(run_cli, tmp_path):
     graph = tmp_path / "g.json"
-    graph.write_text(Path(GPT).read_text())
+    graph.write_text(Path(GPT_1_3B).read_text())
     before = graph.read_text()
-    code, _, err = run_plan(
-        capsys, str(graph), "--gpus", "8", "--global-batch", "8", "--json", str(graph)
+    code, _, err = run_cli(
+        plan_main, str(graph), "--gpus", "8", "--global-batch", "8", "--json", str(graph)
     )
     assert code == 2 and "is the input file" in err and graph.read_text() == before
-    code, _, err = run_plan(
-        capsys,
+    code, _, err = run_cli(
+        plan_main,
         str(graph),
         "--gpus",
         "8",
@@ -218,9 +206,9 @@ def test_json_never_overwrites_the_graph_or_writes_into_missing_folder(capsys, t
     assert code == 2 and "does not exist" in err
 
 
-def test_infeasible_exits_3_with_explanation(capsys):
-    code, _, err = run_plan(
-        capsys, GPT, "--gpus", "2", "--gpu-memory", "8GiB", "--global-batch", "8"
+def test_infeasible_exits_3_with_explanation(run_cli):
+    code, _, err = run_cli(
+        plan_main, GPT_1_3B, "--gpus", "2", "--gpu-memory", "8GiB", "--global-batch", "8"
     )
     assert code == 3
     assert "nothing fits in 8.00 GiB per GPU" in err and "over;" in err
@@ -228,13 +216,14 @@ def test_infeasible_exits_3_with_explanation(capsys):
     assert err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_module_entry_points_run_as_subprocesses(tmp_path):
     result = subprocess.run(
         [
             sys.executable,
             "-m",
             "solver.plan",
-            GPT,
+            GPT_1_3B,
             "--gpus",
             "8",
             "--global-batch",
@@ -253,7 +242,7 @@ def test_module_entry_points_run_as_subprocesses(tmp_path):
             sys.executable,
             "-m",
             "solver.evaluate",
-            GPT,
+            GPT_1_3B,
             "--pp",
             "2",
             "--global-batch",
@@ -268,6 +257,7 @@ def test_module_entry_points_run_as_subprocesses(tmp_path):
     assert result.returncode == 2 and "summing to 27" in result.stderr
 
 
+@pytest.mark.slow
 def test_solver_runs_without_torch(tmp_path):
     """The solver package must import and plan with torch unavailable."""
     code = (
@@ -275,7 +265,8 @@ def test_solver_runs_without_torch(tmp_path):
         "import solver, solver.backends.chain, solver.backends.cpsat, solver.backends.milp\n"
         "import solver.cli\n"
         f"from solver import load_graph, Cluster, TrainingConfig, plan\n"
-        f"p = plan(load_graph({GPT!r}), Cluster(num_gpus=8), TrainingConfig(global_batch=16))\n"
+        f"graph = load_graph({GPT_1_3B!r})\n"
+        "p = plan(graph, Cluster(num_gpus=8), TrainingConfig(global_batch=16))\n"
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
         "print(p.config.label())\n"
     )
@@ -284,13 +275,15 @@ def test_solver_runs_without_torch(tmp_path):
     assert result.stdout.startswith("pp")
 
 
-def test_runtime_torch_counts_a_receive_buffer_per_micro_batch(capsys, tmp_path):
+def test_runtime_torch_counts_a_receive_buffer_per_micro_batch(run_cli, tmp_path):
     """--runtime torch: R_s = m - k_s received and S_s = m + k_s sent copies of each boundary."""
     peaks = {}
     for runtime in ("megatron", "torch"):
         out = tmp_path / f"{runtime}.json"
         args = ("--gpus", "8", "--global-batch", "32", "--pp", "4", "--tp", "2")
-        code, text, _ = run_plan(capsys, GPT, *args, "--runtime", runtime, "--json", str(out))
+        code, text, _ = run_cli(
+            plan_main, GPT_1_3B, *args, "--runtime", runtime, "--json", str(out)
+        )
         assert code == 0
         document = json.loads(out.read_text())
         assert document["runtime"] == runtime
@@ -298,7 +291,7 @@ def test_runtime_torch_counts_a_receive_buffer_per_micro_batch(capsys, tmp_path)
         peaks[runtime] = document
     m = peaks["torch"]["config"]["num_microbatches"]
     b = peaks["torch"]["config"]["micro_batch"]
-    boundary = json.loads(Path(GPT).read_text())["layers"][0]["output_bytes"] * b
+    boundary = json.loads(Path(GPT_1_3B).read_text())["layers"][0]["output_bytes"] * b
     for document, copies in (
         (peaks["megatron"], lambda s: (s > 0) + (s < 3)),
         (peaks["torch"], lambda s: (m - min(m, 4 - s)) * (s > 0) + (m + min(m, 4 - s)) * (s < 3)),

@@ -13,17 +13,8 @@ from solver.cli import evaluate_main, plan_main
 from solver.cost_model import layer_costs, stage_costs
 from solver.evaluation import recompute_flags
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
+from tests.conftest import GPT_1_3B, MIXED_CLUSTER, activation_heavy_chain
 from tests.random_graphs import random_chain
-from tests.test_recompute import _uniform_chain
-
-
-def _run(main, argv, capsys) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as error:  # argparse errors
-        code = error.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @pytest.fixture
@@ -44,7 +35,7 @@ def test_spec_reads_names_positions_and_ranges(chain_file):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_evaluate_with_recompute_set_equals_stage_costs(chain_file, tmp_path, capsys, seed):
+def test_evaluate_with_recompute_set_equals_stage_costs(chain_file, tmp_path, run_cli, seed):
     """The CLI's per-stage peaks, breakdowns, times and recomputed names equal stage_costs on
     the selective coefficients with the same flags, computed here independently."""
     graph, path = chain_file
@@ -58,9 +49,7 @@ def test_evaluate_with_recompute_set_equals_stage_costs(chain_file, tmp_path, ca
     out = tmp_path / "e.json"
     argv = [path, "--pp", "3", "--tp", "2", "--dp", "2", "--global-batch", "8"]
     argv += ["--gpus-per-node", "4", "--split", "3,2,5", "--recompute", "selective"]
-    code, text, err = _run(
-        evaluate_main, [*argv, "--recompute-layers", spec, "--json", str(out)], capsys
-    )
+    code, text, err = run_cli(evaluate_main, *argv, "--recompute-layers", spec, "--json", str(out))
     assert code == 0, err
     cluster = Cluster(num_gpus=12, gpus_per_node=4)
     costs = layer_costs(graph, config, cluster, TrainingConfig(global_batch=8))
@@ -98,26 +87,26 @@ def test_evaluate_with_recompute_set_equals_stage_costs(chain_file, tmp_path, ca
         (["--recompute", "selective"], "--recompute selective needs --recompute-layers"),
     ],
 )
-def test_bad_recompute_layers_are_one_line_exit_2(chain_file, capsys, extra, message):
+def test_bad_recompute_layers_are_one_line_exit_2(chain_file, run_cli, extra, message):
     _, path = chain_file
     argv = [path, "--pp", "2", "--global-batch", "4", "--split", "even", *extra]
-    code, out, err = _run(evaluate_main, argv, capsys)
+    code, out, err = run_cli(evaluate_main, *argv)
     assert code == 2
     assert out == ""
     assert err.count("\n") == 1 and "--recompute-layers" in err and message in err
     assert "Traceback" not in err
 
 
-def test_plan_recompute_auto_round_trips_through_evaluate(tmp_path, capsys):
+def test_plan_recompute_auto_round_trips_through_evaluate(tmp_path, run_cli):
     """A memory-tight uniform chain under a throughput floor: the plan recomputes some but not
     all layers; solver.evaluate with its config, its stage_of_layer and its recomputed names
     (as the plan JSON lists them) gives the same peak, iteration and per-stage lists."""
     graph_path = tmp_path / "uniform.json"
-    _uniform_chain(8).save(graph_path)
+    activation_heavy_chain(8).save(graph_path)
     plan_json = tmp_path / "plan.json"
     argv = [str(graph_path), "--gpus", "4", "--global-batch", "8", "--micro-batch", "1"]
     argv += ["--pp", "4", "--recompute", "auto", "--max-slowdown", "1.2"]
-    code, _, err = _run(plan_main, [*argv, "--json", str(plan_json), "--quiet"], capsys)
+    code, _, err = run_cli(plan_main, *argv, "--json", str(plan_json), "--quiet")
     assert code == 0, err
     plan = json.loads(plan_json.read_text())
     names = [name for stage in plan["stages"] for name in stage["recomputed"]]
@@ -125,32 +114,29 @@ def test_plan_recompute_auto_round_trips_through_evaluate(tmp_path, capsys):
     config = plan["config"]
     assert config["recompute"] == "selective"
     evaluated = tmp_path / "evaluated.json"
-    code, text, err = _run(
+    code, text, err = run_cli(
         evaluate_main,
-        [
-            str(graph_path),
-            "--pp",
-            str(config["pp"]),
-            "--tp",
-            str(config["tp"]),
-            "--dp",
-            str(config["dp"]),
-            "--micro-batch",
-            str(config["micro_batch"]),
-            "--zero",
-            str(config["zero"]),
-            "--global-batch",
-            "8",
-            "--split",
-            ",".join(map(str, plan["stage_of_layer"])),
-            "--recompute",
-            "selective",
-            "--recompute-layers",
-            ",".join(names),
-            "--json",
-            str(evaluated),
-        ],
-        capsys,
+        str(graph_path),
+        "--pp",
+        str(config["pp"]),
+        "--tp",
+        str(config["tp"]),
+        "--dp",
+        str(config["dp"]),
+        "--micro-batch",
+        str(config["micro_batch"]),
+        "--zero",
+        str(config["zero"]),
+        "--global-batch",
+        "8",
+        "--split",
+        ",".join(map(str, plan["stage_of_layer"])),
+        "--recompute",
+        "selective",
+        "--recompute-layers",
+        ",".join(names),
+        "--json",
+        str(evaluated),
     )
     assert code == 0, err
     document = json.loads(evaluated.read_text())
@@ -163,26 +149,23 @@ def test_plan_recompute_auto_round_trips_through_evaluate(tmp_path, capsys):
         s["peak_bytes"] for s in plan["stages"]
     ]
     # without the recomputed layers the same split needs more memory
-    code, _, err = _run(
+    code, _, err = run_cli(
         evaluate_main,
-        [
-            str(graph_path),
-            "--pp",
-            "4",
-            "--global-batch",
-            "8",
-            "--split",
-            ",".join(map(str, plan["stage_of_layer"])),
-            "--json",
-            str(evaluated),
-        ],
-        capsys,
+        str(graph_path),
+        "--pp",
+        "4",
+        "--global-batch",
+        "8",
+        "--split",
+        ",".join(map(str, plan["stage_of_layer"])),
+        "--json",
+        str(evaluated),
     )
     assert code == 0, err
     assert json.loads(evaluated.read_text())["peak_bytes"] > plan["peak_bytes"]
 
 
-def test_selective_on_a_heterogeneous_cluster(capsys):
+def test_selective_on_a_heterogeneous_cluster(run_cli):
     """--cluster with --stage-groups and a recompute set: the peak is the cost model's, on each
     stage's group, and the recomputed column comes last, as in the header."""
     from solver.cluster_file import load_cluster
@@ -190,9 +173,9 @@ def test_selective_on_a_heterogeneous_cluster(capsys):
     from solver.graph import load_graph
 
     argv = [
-        "examples/gpt-1.3b.json",
+        GPT_1_3B,
         "--cluster",
-        "examples/clusters/a100-40g-80g.json",
+        MIXED_CLUSTER,
         "--pp",
         "4",
         "--tp",
@@ -208,9 +191,9 @@ def test_selective_on_a_heterogeneous_cluster(capsys):
         "--recompute-layers",
         "1-5",
     ]
-    code, out, _ = _run(evaluate_main, argv, capsys)
+    code, out, _ = run_cli(evaluate_main, *argv)
     assert code == 0
-    graph = load_graph("examples/gpt-1.3b.json")
+    graph = load_graph(GPT_1_3B)
     config = ParallelConfig(
         pp=4, tp=8, dp=1, micro_batch=1, num_microbatches=64, recompute="selective"
     )
@@ -218,7 +201,7 @@ def test_selective_on_a_heterogeneous_cluster(capsys):
         graph,
         config,
         "even",
-        cluster=load_cluster("examples/clusters/a100-40g-80g.json"),
+        cluster=load_cluster(MIXED_CLUSTER),
         group_of_stage=[0, 0, 1, 1],
         recomputed=[1 <= i <= 5 for i in range(graph.num_layers)],
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
@@ -12,37 +11,7 @@ from solver.engine_exports import build_exports
 from solver.errors import InputError
 from solver.graph import LayerGraph, graph_from_dict, load_graph
 from solver.specs import ParallelConfig
-
-EXAMPLES = Path(__file__).parent.parent / "examples"
-
-
-def gpt_chain(num_blocks: int, *, extra: dict[int, str] | None = None) -> LayerGraph:
-    """embed, b0..b{n-1}, head; ``extra`` inserts a layer of kind other before block i."""
-    layers = [
-        {
-            "name": "embed",
-            "kind": "embedding",
-            "params": 10,
-            "activation_bytes": 1,
-            "output_bytes": 1,
-        }
-    ]
-    for i in range(num_blocks):
-        if extra and i in extra:
-            layers.append(
-                {
-                    "name": extra[i],
-                    "kind": "other",
-                    "params": 1,
-                    "activation_bytes": 1,
-                    "output_bytes": 1,
-                }
-            )
-        layers.append({"name": f"b{i}", "params": 10, "activation_bytes": 1, "output_bytes": 1})
-    layers.append({"name": "head", "params": 10, "activation_bytes": 1, "output_bytes": 1})
-    return graph_from_dict(
-        {"format": "layer-graph", "version": 1, "model": "toy", "layers": layers}
-    )
+from tests.conftest import EXAMPLES, GPT_1_3B, T5_DAG, gpt_chain
 
 
 def config(pp: int, **overrides) -> ParallelConfig:
@@ -291,9 +260,9 @@ def test_examples_load_and_have_the_documented_shape():
         "t5-dag.json": 16,
         "resnet-skip-dag.json": 26,
     }
-    gpt = load_graph(EXAMPLES / "gpt-1.3b.json")
+    gpt = load_graph(GPT_1_3B)
     assert gpt.is_chain and not gpt.edges_given
-    t5 = load_graph(EXAMPLES / "t5-dag.json")
+    t5 = load_graph(T5_DAG)
     readers = {e.dst for e in t5.edges if e.src == "enc_final_norm"}
     assert readers == {f"decoder.{i}" for i in range(6)}
     resnet = load_graph(EXAMPLES / "resnet-skip-dag.json")
@@ -302,7 +271,7 @@ def test_examples_load_and_have_the_documented_shape():
 
 
 def test_gpt_example_exports_match_megatron_rules():
-    graph = load_graph(EXAMPLES / "gpt-1.3b.json")
+    graph = load_graph(GPT_1_3B)
     exports = build_exports(graph, config(4), split(graph, [7, 6, 6, 7]))
     megatron = exports["megatron"]
     assert megatron["blocks_per_stage"] == [6, 6, 6, 6]
@@ -311,7 +280,7 @@ def test_gpt_example_exports_match_megatron_rules():
 
 
 def test_t5_example_is_flagged_for_megatron():
-    graph = load_graph(EXAMPLES / "t5-dag.json")
+    graph = load_graph(T5_DAG)
     stages = split(graph, [8, 8])
     megatron = build_exports(graph, config(2), stages)["megatron"]
     assert megatron["layout"].count("E") == 2

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +15,8 @@ from profiling.export import export_graph, main
 from profiling.profile import profile_module
 from solver import Cluster, TrainingConfig, load_graph, plan
 from solver.cli import plan_main
+from tests.conftest import ROOT, slow_params
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = [name for name in models.presets() if name.endswith("-tiny")]
 
 
@@ -40,7 +39,7 @@ def test_tiny_preset_exports_and_plans(preset, tmp_path, capsys):
     assert plan_main([str(out), "--gpus", "2", "--global-batch", "4", "--quiet"]) == 0
 
 
-@pytest.mark.parametrize("preset", TINY)
+@pytest.mark.parametrize("preset", slow_params(TINY, "resnet-tiny", "t5-tiny"))
 def test_fake_mode_equals_a_real_cpu_run(preset):
     spec = models.get(preset)
     torch.manual_seed(0)
@@ -102,6 +101,7 @@ def test_gpt_parameters_match_the_closed_form():
     assert graph.layers[-1].params == h * vocab + 2 * h
 
 
+@pytest.mark.slow
 def test_hf_model_from_bundled_config(tmp_path):
     out = tmp_path / "gpt2.json"
     assert (
@@ -134,12 +134,8 @@ def test_hf_model_from_bundled_config(tmp_path):
         (["gpt-tiny", "--batch", "0"], "must be >= 1"),
     ],
 )
-def test_bad_input_is_one_line_exit_2(argv, pattern, capsys):
-    try:
-        code = main([*argv, "--no-progress"])
-    except SystemExit as exit_:
-        code = exit_.code
-    err = capsys.readouterr().err
+def test_bad_input_is_one_line_exit_2(argv, pattern, run_cli):
+    code, _, err = run_cli(main, *argv, "--no-progress")
     assert code == 2
     assert pattern in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
@@ -167,6 +163,7 @@ def test_factory_that_fails_under_fake_tensors_runs_with_real_ones(tmp_path):
     assert all(layer.fwd_ms is not None for layer in graph.layers)
 
 
+@pytest.mark.slow
 def test_cli_module_entry_point(tmp_path):
     out = tmp_path / "g.json"
     result = subprocess.run(

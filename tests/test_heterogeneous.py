@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import random
 from functools import partial
-from pathlib import Path
 
 import pytest
 
@@ -28,7 +27,7 @@ from solver.backends.problem import (
     StageProblem,
 )
 from solver.cli import evaluate_main, plan_main
-from solver.cluster_file import cluster_from_dict, load_cluster
+from solver.cluster_file import load_cluster
 from solver.cost_model import layer_costs, stage_costs, utilization_ppm
 from solver.errors import InfeasibleError, InputError
 from solver.graph import graph_from_dict
@@ -37,25 +36,10 @@ from solver.planner import plan
 from solver.report import plan_to_dict
 from solver.search import build_entries
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
+from tests.conftest import GPT_1_3B, MIXED_CLUSTER, cluster_group, cluster_of
 from tests.random_graphs import random_chain, random_config, random_dag
 
-ROOT = Path(__file__).resolve().parents[1]
-GPT = str(ROOT / "examples" / "gpt-1.3b.json")
 BACKENDS = {"cpsat": solve_cpsat, "milp": solve_milp, "cbc": partial(solve_milp, solver="cbc")}
-
-
-def _group(name: str, memory: int | str, *, nodes: int = 1, gpus: int = 2, tflops: float = 989):
-    return {
-        "name": name,
-        "num_nodes": nodes,
-        "gpus_per_node": gpus,
-        "gpu_memory": memory,
-        "gpu_tflops": tflops,
-    }
-
-
-def _cluster(*groups) -> Cluster:
-    return cluster_from_dict({"format": "cluster", "version": 1, "groups": list(groups)})
 
 
 # -- formulation against brute force ---------------------------------------------------------
@@ -188,8 +172,8 @@ def test_plan_respects_group_capacities_and_gpu_counts(memory_objective):
     graph = _graph()
     training = TrainingConfig(global_batch=8, max_slowdown=None, memory_objective=memory_objective)
     peak = _peak_of_homogeneous(graph, 8, 2, training)
-    cluster = _cluster(
-        _group("small", int(peak * 0.9), nodes=2), _group("large", 2 * peak, nodes=2)
+    cluster = cluster_of(
+        cluster_group("small", int(peak * 0.9), nodes=2), cluster_group("large", 2 * peak, nodes=2)
     )
     result = plan(graph, cluster, training)
     evaluation = result.evaluation
@@ -222,7 +206,9 @@ def test_plan_equals_brute_force_over_every_config(memory_objective):
         memory_objective=memory_objective,
     )
     peak = _peak_of_homogeneous(graph, 4, 2, training)
-    cluster = _cluster(_group("small", int(peak * 0.8)), _group("large", int(peak * 1.6)))
+    cluster = cluster_of(
+        cluster_group("small", int(peak * 0.8)), cluster_group("large", int(peak * 1.6))
+    )
     result = plan(graph, cluster, training)
     best = None
     for entry in build_entries(graph, cluster, training):
@@ -248,7 +234,9 @@ def test_mixed_cluster_never_worse_than_all_small(seed, memory_objective):
     for share in (0.9, 1.05):
         small = int(peak * share)
         all_small = Cluster(num_gpus=8, gpus_per_node=4, gpu_memory_bytes=small)
-        mixed = _cluster(_group("small", small, gpus=4), _group("large", 2 * small, gpus=4))
+        mixed = cluster_of(
+            cluster_group("small", small, gpus=4), cluster_group("large", 2 * small, gpus=4)
+        )
         result = plan(graph, mixed, training)
         assert check_plan(result) == []
         try:
@@ -262,13 +250,15 @@ def test_mixed_cluster_never_worse_than_all_small(seed, memory_objective):
 
 
 def test_chain_backend_refuses_a_heterogeneous_cluster():
-    cluster = _cluster(_group("a", "40GiB"), _group("b", "80GiB"))
+    cluster = cluster_of(cluster_group("a", "40GiB"), cluster_group("b", "80GiB"))
     with pytest.raises(InputError, match="node groups"):
         plan(_graph(), cluster, TrainingConfig(global_batch=4), backend="chain")
 
 
 def test_configs_use_every_gpu_and_fit_every_group():
-    cluster = _cluster(_group("a", "40GiB", nodes=1, gpus=4), _group("b", "80GiB", gpus=4, nodes=2))
+    cluster = cluster_of(
+        cluster_group("a", "40GiB", nodes=1, gpus=4), cluster_group("b", "80GiB", gpus=4, nodes=2)
+    )
     training = TrainingConfig(global_batch=24, micro_batch_sizes=(1,))
     for entry in build_entries(_graph(num_layers=12), cluster, training):
         config = entry.costs.config
@@ -280,29 +270,7 @@ def test_configs_use_every_gpu_and_fit_every_group():
 # -- cluster files and CLIs ------------------------------------------------------------------
 
 
-@pytest.fixture
-def run_cli(capsys):
-    """run_cli("solver.plan" | "solver.evaluate", argv) -> (exit code, stdout, stderr)."""
-    mains = {"solver.plan": plan_main, "solver.evaluate": evaluate_main}
-
-    def run(name: str, argv: list[str]) -> tuple[int, str, str]:
-        try:
-            code = mains[name](argv)
-        except SystemExit as error:
-            code = error.code
-        captured = capsys.readouterr()
-        return code, captured.out, captured.err
-
-    return run
-
-
-def _write(tmp_path, name: str, document) -> str:
-    path = tmp_path / name
-    path.write_text(document if isinstance(document, str) else json.dumps(document))
-    return str(path)
-
-
-def test_homogeneous_cluster_file_gives_the_flags_plan(tmp_path, run_cli):
+def test_homogeneous_cluster_file_gives_the_flags_plan(write_json, tmp_path, run_cli):
     graph = _graph(num_layers=8)
     graph_path = tmp_path / "graph.json"
     graph.save(graph_path)
@@ -322,7 +290,7 @@ def test_homogeneous_cluster_file_gives_the_flags_plan(tmp_path, run_cli):
             }
         ],
     }
-    assert not load_cluster(_write(tmp_path, "c.json", cluster)).is_heterogeneous
+    assert not load_cluster(write_json("c.json", cluster)).is_heterogeneous
     common = [str(graph_path), "--global-batch", "8", "--quiet"]
     flags = [
         "--gpus",
@@ -345,7 +313,7 @@ def test_homogeneous_cluster_file_gives_the_flags_plan(tmp_path, run_cli):
         (flags, "flags.json"),
         (["--cluster", str(tmp_path / "c.json")], "f.json"),
     ):
-        code, _, err = run_cli("solver.plan", [*common, *options, "--json", str(tmp_path / out)])
+        code, _, err = run_cli(plan_main, *common, *options, "--json", str(tmp_path / out))
         assert code == 0, err
         document = json.loads((tmp_path / out).read_text())
         document["solver"].pop("wall_s")
@@ -353,7 +321,7 @@ def test_homogeneous_cluster_file_gives_the_flags_plan(tmp_path, run_cli):
     assert documents[0] == documents[1]
 
 
-GOOD_GROUP = _group("a", "40GiB")
+GOOD_GROUP = cluster_group("a", "40GiB")
 
 
 @pytest.mark.parametrize(
@@ -378,39 +346,40 @@ GOOD_GROUP = _group("a", "40GiB")
         ({"format": "cluster", "version": 1, "groups": [GOOD_GROUP, GOOD_GROUP]}, "used twice"),
     ],
 )
-def test_bad_cluster_files_are_one_line_input_errors(tmp_path, run_cli, document, message):
-    path = _write(tmp_path, "cluster.json", document)
-    code, out, err = run_cli("solver.plan", [GPT, "--cluster", path, "--global-batch", "8"])
+def test_bad_cluster_files_are_one_line_input_errors(write_json, run_cli, document, message):
+    path = write_json("cluster.json", document)
+    code, out, err = run_cli(plan_main, GPT_1_3B, "--cluster", path, "--global-batch", "8")
     assert code == 2
     assert out == ""
     assert err.count("\n") == 1 and path in err and message in err
 
 
-def test_missing_cluster_file_and_conflicting_flags(tmp_path, run_cli):
+def test_missing_cluster_file_and_conflicting_flags(write_json, tmp_path, run_cli):
     code, _, err = run_cli(
-        "solver.plan",
-        [GPT, "--cluster", str(tmp_path / "no.json"), "--global-batch", "8"],
+        plan_main, GPT_1_3B, "--cluster", str(tmp_path / "no.json"), "--global-batch", "8"
     )
     assert code == 2 and "cluster file not found" in err and err.count("\n") == 1
-    path = _write(tmp_path, "c.json", {"format": "cluster", "version": 1, "groups": [GOOD_GROUP]})
+    path = write_json("c.json", {"format": "cluster", "version": 1, "groups": [GOOD_GROUP]})
     for extra in (["--gpus", "2"], ["--gpu-memory", "40GiB"]):
         code, _, err = run_cli(
-            "solver.plan",
-            [GPT, "--cluster", path, "--global-batch", "8", *extra],
+            plan_main, GPT_1_3B, "--cluster", path, "--global-batch", "8", *extra
         )
         assert code == 2 and extra[0] in err and err.count("\n") == 1
-    code, _, err = run_cli("solver.plan", [GPT, "--global-batch", "8"])
+    code, _, err = run_cli(plan_main, GPT_1_3B, "--global-batch", "8")
     assert code == 2 and "--gpus N or --cluster FILE" in err
 
 
-def test_evaluate_with_stage_groups(tmp_path, run_cli):
-    path = _write(
-        tmp_path,
+def test_evaluate_with_stage_groups(write_json, tmp_path, run_cli):
+    path = write_json(
         "c.json",
-        {"format": "cluster", "version": 1, "groups": [_group("s", "40GiB"), _group("l", "80GiB")]},
+        {
+            "format": "cluster",
+            "version": 1,
+            "groups": [cluster_group("s", "40GiB"), cluster_group("l", "80GiB")],
+        },
     )
     common = [
-        GPT,
+        GPT_1_3B,
         "--cluster",
         path,
         "--pp",
@@ -424,35 +393,35 @@ def test_evaluate_with_stage_groups(tmp_path, run_cli):
     ]
     out_path = tmp_path / "e.json"
     code, out, err = run_cli(
-        "solver.evaluate", [*common, "--stage-groups", "l,s", "--json", str(out_path)]
+        evaluate_main, *common, "--stage-groups", "l,s", "--json", str(out_path)
     )
     assert code == 0, err
     document = json.loads(out_path.read_text())
     assert [s["group"] for s in document["stages"]] == ["l", "s"]
     assert [s["capacity_bytes"] for s in document["stages"]] == [80 * 2**30, 40 * 2**30]
     assert "util" in out
-    code, _, err = run_cli("solver.evaluate", [*common, "--stage-groups", "s,s"])
+    code, _, err = run_cli(evaluate_main, *common, "--stage-groups", "s,s")
     assert code == 2 and "group s" in err and err.count("\n") == 1
-    code, _, err = run_cli("solver.evaluate", common)
+    code, _, err = run_cli(evaluate_main, *common)
     assert code == 2 and "--stage-groups" in err
 
 
 def test_example_cluster_file_loads():
-    cluster = load_cluster(str(ROOT / "examples" / "clusters" / "a100-40g-80g.json"))
+    cluster = load_cluster(MIXED_CLUSTER)
     assert cluster.is_heterogeneous
     assert [g.gpu_memory_bytes for g in cluster.groups] == [40 * 2**30, 80 * 2**30]
     assert cluster.num_gpus == 32
 
 
-def test_recompute_on_a_heterogeneous_cluster(tmp_path, run_cli):
+def test_recompute_on_a_heterogeneous_cluster(write_json, tmp_path, run_cli):
     """auto is selective there, like on a homogeneous cluster, and selective is accepted
     (tests/test_placement_selective.py checks the plans)."""
-    groups = [_group("s", "40GiB"), _group("l", "80GiB")]
-    path = _write(tmp_path, "c.json", {"format": "cluster", "version": 1, "groups": groups})
-    common = [GPT, "--cluster", path, "--global-batch", "16", "--time-limit", "30"]
+    groups = [cluster_group("s", "40GiB"), cluster_group("l", "80GiB")]
+    path = write_json("c.json", {"format": "cluster", "version": 1, "groups": groups})
+    common = [GPT_1_3B, "--cluster", path, "--global-batch", "16", "--time-limit", "30"]
     for mode in ("auto", "selective"):
         out = tmp_path / f"{mode}.json"
-        code, _, err = run_cli("solver.plan", [*common, "--recompute", mode, "--json", str(out)])
+        code, _, err = run_cli(plan_main, *common, "--recompute", mode, "--json", str(out))
         assert code == 0, err
         document = json.loads(out.read_text())
         assert document["config"]["recompute"] == "selective"

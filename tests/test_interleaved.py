@@ -31,8 +31,8 @@ from solver.errors import InputError
 from solver.evaluation import evaluate
 from solver.planner import plan
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
+from tests.conftest import MIXED_CLUSTER, gpt_chain, slow_params
 from tests.random_graphs import random_chain, random_dag
-from tests.test_export import gpt_chain
 
 BACKENDS = {"cpsat": solve_cpsat, "milp": solve_milp}
 
@@ -233,7 +233,7 @@ def test_rank_costs_recompute_by_hand(seed):
         assert sum(len(s.layers) for s in stages) == graph.num_layers
 
 
-@pytest.mark.parametrize("seed", range(16))
+@pytest.mark.parametrize("seed", slow_params(range(16), 9, 11))
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_solvers_equal_brute_force(seed, backend):
     graph, config, costs = _random_interleaved(seed)
@@ -346,7 +346,7 @@ def test_search_over_chunk_counts_keeps_the_best(tmp_path):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--cluster", "examples/clusters/a100-40g-80g.json"], "heterogeneous cluster"),
+        (["--cluster", MIXED_CLUSTER], "heterogeneous cluster"),
         (["--backend", "chain"], "--backend chain does not plan interleaved"),
         (["--memory-model", "empirical"], "analytic"),
     ],

@@ -8,20 +8,18 @@ import itertools
 import json
 import math
 import random
-from pathlib import Path
 
 import pytest
 
-from solver import Cluster, TrainingConfig, evaluate, load_graph
+from solver import Cluster, TrainingConfig, evaluate
 from solver.backends.problem import StageProblem
 from solver.cli import plan_main
 from solver.errors import InfeasibleError, InputError
 from solver.pareto import dominated, pareto_front
 from solver.search import build_entries
+from tests.conftest import GPT_1_3B, MIXED_CLUSTER, cluster_group, cluster_of
 from tests.random_graphs import random_chain, random_dag
 
-ROOT = Path(__file__).resolve().parents[1]
-GPT = str(ROOT / "examples" / "gpt-1.3b.json")
 TRAINING = TrainingConfig(global_batch=4, micro_batch_sizes=(1, 2), zero_stages=(0, 3))
 
 
@@ -109,9 +107,9 @@ def test_nothing_fits_and_bad_bound_are_typed_errors():
         pareto_front(graph, Cluster(num_gpus=2), TRAINING, max_points=1)
 
 
-def test_plan_cli_pareto_prints_writes_json_and_plots(capsys, tmp_path):
+def test_plan_cli_pareto_prints_writes_json_and_plots(capsys, tmp_path, gpt_graph):
     out, picture = tmp_path / "front.json", tmp_path / "front.png"
-    args = [GPT, "--gpus", "8", "--gpu-memory", "40GiB", "--global-batch", "32", "--pareto"]
+    args = [GPT_1_3B, "--gpus", "8", "--gpu-memory", "40GiB", "--global-batch", "32", "--pareto"]
     code = plan_main([*args, "--pareto-points", "4", "--json", str(out), "--plot", str(picture)])
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -121,12 +119,11 @@ def test_plan_cli_pareto_prints_writes_json_and_plots(capsys, tmp_path):
     pairs = [(p["peak_bytes"], p["throughput"]) for p in document["points"]]
     assert all(not dominated(a, b) for a in pairs for b in pairs)
     assert picture.read_bytes()[:4] == b"\x89PNG"
-    graph = load_graph(GPT)
-    assert all(len(p["stage_of_layer"]) == graph.num_layers for p in document["points"])
+    assert all(len(p["stage_of_layer"]) == gpt_graph.num_layers for p in document["points"])
 
 
 def test_plan_cli_pareto_points_below_two_is_exit_2(capsys):
-    args = [GPT, "--gpus", "8", "--global-batch", "32", "--pareto", "--pareto-points", "1"]
+    args = [GPT_1_3B, "--gpus", "8", "--global-batch", "32", "--pareto", "--pareto-points", "1"]
     assert plan_main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--pareto-points" in err
@@ -137,19 +134,9 @@ def test_plan_cli_pareto_points_below_two_is_exit_2(capsys):
 
 def _two_groups(small_bytes: int, large_bytes: int) -> Cluster:
     """2 GPUs of `small_bytes` at 989 TFLOP/s and 2 of `large_bytes` at 312 (one node each)."""
-    from solver.cluster_file import cluster_from_dict
-
-    def group(name, memory, tflops):
-        return {
-            "name": name,
-            "num_nodes": 1,
-            "gpus_per_node": 2,
-            "gpu_memory": memory,
-            "gpu_tflops": tflops,
-        }
-
-    groups = [group("small", small_bytes, 989), group("large", large_bytes, 312)]
-    return cluster_from_dict({"format": "cluster", "version": 1, "groups": groups})
+    return cluster_of(
+        cluster_group("small", small_bytes), cluster_group("large", large_bytes, tflops=312)
+    )
 
 
 def placed_brute_force_front(graph, cluster, training) -> set[tuple[int, int]]:
@@ -242,6 +229,7 @@ def test_heterogeneous_front_equals_brute_force_on_a_tiny_dag(memory_objective):
     assert found == placed_brute_force_front(graph, cluster, training)
 
 
+@pytest.mark.slow
 def test_heterogeneous_front_with_a_floor_and_a_bound():
     """--min-throughput cuts the slow end of the front; max_points samples it, keeping both
     ends and only front points."""
@@ -271,9 +259,8 @@ def test_heterogeneous_nothing_fits_is_infeasible():
 
 @pytest.mark.parametrize("memory_objective, unit", [("utilization", "ppm"), ("absolute", "bytes")])
 def test_plan_cli_pareto_on_a_heterogeneous_cluster(capsys, tmp_path, memory_objective, unit):
-    cluster = ROOT / "examples" / "clusters" / "a100-40g-80g.json"
     out, picture = tmp_path / "front.json", tmp_path / "front.png"
-    args = [GPT, "--cluster", str(cluster), "--global-batch", "32", "--pareto", "--pp", "2"]
+    args = [GPT_1_3B, "--cluster", MIXED_CLUSTER, "--global-batch", "32", "--pareto", "--pp", "2"]
     args += ["--memory-objective", memory_objective, "--pareto-points", "3"]
     code = plan_main([*args, "--json", str(out), "--plot", str(picture)])
     captured = capsys.readouterr()

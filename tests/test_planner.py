@@ -15,6 +15,7 @@ from solver.candidates import candidate_configs
 from solver.cost_model import layer_costs
 from solver.errors import InfeasibleError, InputError
 from solver.plan_check import check_plan
+from tests.conftest import slow_params
 from tests.random_graphs import random_chain, random_dag
 
 
@@ -62,7 +63,7 @@ def oracle(graph, cluster, training):
     return peak, training.global_batch * 1e9 / fastest_at_peak
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", slow_params(range(8), 6))
 @pytest.mark.parametrize("shape", ["chain", "dag"])
 def test_plan_equals_brute_force_over_all_configs(seed, shape):
     rng = random.Random(seed)

@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 
 import solver.plots
-from solver import Cluster, TrainingConfig, load_graph, plan
+from solver import Cluster, TrainingConfig, plan
 from solver.cli import evaluate_main, plan_main
 from solver.errors import InputError
 from solver.plots import check_plot_path, plot_pareto, plot_plan, plot_sweep
+from tests.conftest import GPT_1_3B, ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-GPT = str(ROOT / "examples" / "gpt-1.3b.json")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 GIB = 2**30
 
@@ -28,10 +27,9 @@ def assert_png(path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def small_plan():
-    graph = load_graph(GPT)
+def small_plan(gpt_graph):
     return plan(
-        graph,
+        gpt_graph,
         Cluster(num_gpus=8, gpu_memory_bytes=40 * GIB),
         TrainingConfig(global_batch=32, pp=4, tp=2),
     )
@@ -150,28 +148,18 @@ def test_check_plot_path_protects_inputs_and_folders(tmp_path):
     assert check_plot_path(tmp_path / "ok.svg") == tmp_path / "ok.svg"
 
 
-def run_cli(main, capsys, *args: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(args))
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 PLAN_ARGS = ("--gpus", "8", "--global-batch", "32", "--pp", "4", "--tp", "2", "--quiet")
 EVALUATE_ARGS = ("--pp", "4", "--tp", "2", "--global-batch", "32", "--quiet")
 
 
-def test_plan_and_evaluate_cli_write_plots(capsys, tmp_path):
+def test_plan_and_evaluate_cli_write_plots(run_cli, tmp_path):
     plan_png, evaluate_png = tmp_path / "plan.png", tmp_path / "evaluate.png"
-    code, _, err = run_cli(plan_main, capsys, GPT, *PLAN_ARGS, "--plot", str(plan_png))
+    code, _, err = run_cli(plan_main, GPT_1_3B, *PLAN_ARGS, "--plot", str(plan_png))
     assert code == 0, err
     assert_png(plan_png)
     code, _, err = run_cli(
         evaluate_main,
-        capsys,
-        GPT,
+        GPT_1_3B,
         *EVALUATE_ARGS,
         "--split",
         "5,7,7,7",
@@ -182,11 +170,11 @@ def test_plan_and_evaluate_cli_write_plots(capsys, tmp_path):
     assert_png(evaluate_png)
 
 
-def test_evaluate_plot_compares_with_even_split_unless_it_is_even(monkeypatch, capsys):
+def test_evaluate_plot_compares_with_even_split_unless_it_is_even(monkeypatch, run_cli):
     figures = captured_figure(monkeypatch)
     for split in ("5,7,7,7", "even"):
         code, _, err = run_cli(
-            evaluate_main, capsys, GPT, *EVALUATE_ARGS, "--split", split, "--plot", "x.png"
+            evaluate_main, GPT_1_3B, *EVALUATE_ARGS, "--split", split, "--plot", "x.png"
         )
         assert code == 0, err
     assert [len(figure.axes) for figure in figures] == [2, 1]
@@ -195,7 +183,7 @@ def test_evaluate_plot_compares_with_even_split_unless_it_is_even(monkeypatch, c
 @pytest.mark.parametrize("main", [plan_main, evaluate_main])
 @pytest.mark.parametrize("name", ["missing/plan.png", "plan.txt"])
 def test_cli_bad_plot_path_is_one_line_exit_2_before_solving(
-    main, name, capsys, tmp_path, monkeypatch
+    main, name, run_cli, tmp_path, monkeypatch
 ):
     def fail(*args, **kwargs):
         raise AssertionError("solved before checking --plot")
@@ -203,29 +191,30 @@ def test_cli_bad_plot_path_is_one_line_exit_2_before_solving(
     monkeypatch.setattr("solver.planner.plan", fail)
     monkeypatch.setattr("solver.evaluation.evaluate", fail)
     args = PLAN_ARGS if main is plan_main else (*EVALUATE_ARGS, "--split", "even")
-    code, out, err = run_cli(main, capsys, GPT, *args, "--plot", str(tmp_path / name))
+    code, out, err = run_cli(main, GPT_1_3B, *args, "--plot", str(tmp_path / name))
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "--plot" in err and "Traceback" not in err
 
 
-def test_cli_never_overwrites_the_graph(capsys, tmp_path):
+def test_cli_never_overwrites_the_graph(run_cli, tmp_path):
     graph = tmp_path / "graph.png"  # a graph file whose name looks like a plot
-    graph.write_text(Path(GPT).read_text())
+    graph.write_text(Path(GPT_1_3B).read_text())
     before = graph.read_bytes()
     for main, args in (
         (plan_main, PLAN_ARGS),
         (evaluate_main, (*EVALUATE_ARGS, "--split", "even")),
     ):
-        code, _, err = run_cli(main, capsys, str(graph), *args, "--plot", str(graph))
+        code, _, err = run_cli(main, str(graph), *args, "--plot", str(graph))
         assert code == 2 and "input file" in err and err.count("\n") == 1
     code, _, err = run_cli(
-        plan_main, capsys, str(graph), *PLAN_ARGS, "--plot", str(tmp_path / "p.png"),
+        plan_main, str(graph), *PLAN_ARGS, "--plot", str(tmp_path / "p.png"),
         "--json", str(tmp_path / "p.png"),
     )  # fmt: skip
     assert code == 2 and "same file as --json" in err
     assert graph.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_importing_solver_does_not_import_matplotlib():
     code = "import sys, solver, solver.cli, solver.plots; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

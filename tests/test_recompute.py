@@ -25,13 +25,13 @@ from solver.cost_model import layer_costs, stage_costs
 from solver.engine_exports import build_exports
 from solver.errors import InfeasibleError, InputError
 from solver.evaluation import evaluate
-from solver.graph import LayerGraph, graph_from_dict
+from solver.graph import LayerGraph
 from solver.plan_check import check_plan
 from solver.planner import plan
 from solver.search import Deadline, uniform_recompute_hint
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
+from tests.conftest import activation_heavy_chain, gpt_chain
 from tests.random_graphs import random_chain, random_config, random_dag
-from tests.test_export import gpt_chain
 
 BACKENDS = {"cpsat": solve_cpsat, "milp": solve_milp}
 MAX_CASES = 4096
@@ -55,21 +55,6 @@ def _random_selective(seed: int) -> tuple[LayerGraph, ParallelConfig]:
         config = dataclasses.replace(random_config(rng, num_layers), recompute="selective")
         if config.pp >= 2 and config.pp**num_layers * 2**num_layers <= MAX_CASES:
             return graph, config
-
-
-def _uniform_chain(num_layers: int) -> LayerGraph:
-    """Identical layers whose saved activations dwarf their output (recomputing pays)."""
-    layers = [
-        {
-            "name": f"layers.{i}",
-            "params": 1000,
-            "activation_bytes": 20000,
-            "output_bytes": 500,
-            "fwd_flops": 1e9,
-        }
-        for i in range(num_layers)
-    ]
-    return graph_from_dict({"format": "layer-graph", "version": 1, "model": "u", "layers": layers})
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -152,7 +137,7 @@ def test_tight_budget_recomputes_only_early_layers():
     budget that pays for only some recomputation the fastest split at the optimal peak
     recomputes some layers, more on earlier stages, and none on the last one."""
     costs = _costs(
-        _uniform_chain(8),
+        activation_heavy_chain(8),
         ParallelConfig(pp=4, tp=1, dp=1, micro_batch=1, num_microbatches=8, recompute="selective"),
     )
     fastest = solve_cpsat(StageProblem(costs=costs, objective=OBJECTIVE_TIME)).objective
@@ -192,7 +177,7 @@ def test_chain_backend_routes_selective_to_cpsat():
 
 
 def test_recompute_flags_need_selective():
-    graph = _uniform_chain(4)
+    graph = activation_heavy_chain(4)
     config = ParallelConfig(pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=2)
     with pytest.raises(InputError, match="recompute='none'"):
         evaluate(graph, config, [2, 2], recomputed=[True, False, False, False])
@@ -230,9 +215,9 @@ def test_plan_cli_lists_recomputed_layers(capsys, tmp_path):
     the table has a 'recomputed' column, the JSON lists them per stage, the exports carry them,
     and solver.evaluate with the same flags reproduces the peak."""
     graph_path = tmp_path / "uniform.json"
-    _uniform_chain(8).save(graph_path)
+    activation_heavy_chain(8).save(graph_path)
     costs = _costs(
-        _uniform_chain(8),
+        activation_heavy_chain(8),
         ParallelConfig(pp=4, tp=1, dp=1, micro_batch=1, num_microbatches=8, recompute="selective"),
     )
     fastest = solve_cpsat(StageProblem(costs=costs, objective=OBJECTIVE_TIME)).objective
@@ -254,7 +239,7 @@ def test_plan_cli_lists_recomputed_layers(capsys, tmp_path):
     names = [f"layers.{i}" for i in range(8)]
     config = ParallelConfig(**document["config"])
     evaluation = evaluate(
-        _uniform_chain(8),
+        activation_heavy_chain(8),
         config,
         document["stage_of_layer"],
         recomputed=[name in flat for name in names],

@@ -114,6 +114,8 @@ def assert_peaks_reported(reports, plan_dict) -> None:
     print(format_reports(reports))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_stage_1f1b_matches_single_process(graph):
     plan_dict = planned(graph, pp=2, dp=1, micro_batch=2, global_batch=8, schedule="1f1b")
     assert plan_dict["config"]["num_microbatches"] == 4
@@ -123,6 +125,8 @@ def test_two_stage_1f1b_matches_single_process(graph):
     assert_peaks_reported(reports, plan_dict)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_four_stage_gpipe_uneven_split_matches_single_process(graph):
     config = ParallelConfig(pp=4, tp=1, dp=1, micro_batch=1, num_microbatches=4, schedule="gpipe")
     training = TrainingConfig(
@@ -136,6 +140,8 @@ def test_four_stage_gpipe_uneven_split_matches_single_process(graph):
     assert_peaks_reported(reports, plan_dict)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_dp2_pp2_runs_and_reports_per_rank_peaks(graph):
     plan_dict = planned(graph, pp=2, dp=2, micro_batch=1, global_batch=4, schedule="1f1b")
     reports = run_plan("gpt-tiny", plan_dict, iterations=2, overrides=OVERRIDES, capture_grads=True)
@@ -157,6 +163,8 @@ def test_dp2_pp2_runs_and_reports_per_rank_peaks(graph):
         assert a.measured_breakdown["optimizer"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_zero3_fsdp2_dp2_pp2_matches_single_process(graph):
     config = ParallelConfig(pp=2, tp=1, dp=2, micro_batch=1, num_microbatches=2, zero=3)
     training = TrainingConfig(
@@ -190,6 +198,8 @@ def evaluated(graph, split, **config) -> dict:
     return evaluation_to_dict(evaluate(graph, parallel, split, training=training))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_tp2_pp2_matches_single_process(graph):
     plan_dict = evaluated(graph, [3, 3], pp=2, tp=2, dp=1, micro_batch=1, num_microbatches=2)
     reports = run_plan("gpt-tiny", plan_dict, iterations=2, overrides=OVERRIDES, capture_grads=True)
@@ -209,6 +219,8 @@ def test_tp2_pp2_matches_single_process(graph):
         assert report.cuda_max_allocated_bytes is None
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_tp2_vocabulary_parallel_embedding_and_head_match_single_process():
     """A 16384-token vocabulary is split by rows under TP (the cost model's rule): the embedding
     row-parallel, the LM head column-parallel with a vocabulary-parallel cross-entropy."""
@@ -225,6 +237,8 @@ def test_tp2_vocabulary_parallel_embedding_and_head_match_single_process():
         assert report.measured_breakdown["params"] == report.predicted_breakdown["weights"]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_tp2_dp2_fsdp2_matches_single_process(graph):
     plan_dict = evaluated(graph, [6], pp=1, tp=2, dp=2, micro_batch=1, num_microbatches=2, zero=3)
     reports = run_plan("gpt-tiny", plan_dict, iterations=2, overrides=OVERRIDES, capture_grads=True)
@@ -237,6 +251,8 @@ def test_tp2_dp2_fsdp2_matches_single_process(graph):
         assert measured["optimizer"] == pytest.approx(predicted["optimizer"], rel=0.02)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("zero", [1, 2])
 def test_zero1_zero2_dp2_match_single_process(graph, zero):
     plan_dict = evaluated(
@@ -257,6 +273,8 @@ def test_zero1_zero2_dp2_match_single_process(graph, zero):
         assert measured["params"] == pytest.approx(full_bytes / zero, rel=0.02)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_full_recompute_pp2_matches_single_process(graph):
     plan_dict = evaluated(
         graph, [3, 3], pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=4, recompute="full"
@@ -272,6 +290,8 @@ def test_full_recompute_pp2_matches_single_process(graph):
         assert report.measured_breakdown["activations"] < full_set / 4
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     ("pp", "split", "num_microbatches", "recompute", "chunks"),
     [
@@ -303,6 +323,8 @@ def test_interleaved_matches_single_process(graph, pp, split, num_microbatches, 
     assert_peaks_reported(reports, plan_dict)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_interleaved_dp2_ddp_per_chunk_matches_single_process(graph):
     plan_dict = evaluated(
         graph, [1, 2, 2, 1], pp=2, tp=1, dp=2, micro_batch=1, num_microbatches=2, virtual_stages=2
@@ -350,6 +372,8 @@ def assert_all_stopped(error: RunError, world: int) -> None:
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("memplan-rank")]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_failed_rank_stops_every_process(graph):
     plan_dict = planned(graph, pp=2, dp=1, micro_batch=2, global_batch=8, schedule="1f1b")
     with pytest.raises(RunError, match="(?s)rank1 failed first.*injected failure") as raised:
@@ -357,6 +381,8 @@ def test_failed_rank_stops_every_process(graph):
     assert_all_stopped(raised.value, world=2)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_hung_rank_times_out_and_stops_every_process(graph):
     plan_dict = planned(graph, pp=2, dp=1, micro_batch=2, global_batch=8, schedule="1f1b")
     with pytest.raises(
@@ -477,6 +503,7 @@ def test_tracker_counts_states_activations_and_frees():
     assert tracker.peak_bytes > tracker.current_bytes
 
 
+@pytest.mark.slow
 def test_tracker_peak_equals_memtracker_on_a_training_step():
     """Cross-check with torch's own MemTracker: the same peak, to the byte, over three steps."""
     from profiling._torch_compat import mem_tracker

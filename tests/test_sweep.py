@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from solver import Cluster, PlannerError, TrainingConfig, load_graph, plan
+from solver import Cluster, PlannerError, TrainingConfig, plan
 from solver.cli.sweep import sweep_main
 from solver.errors import InputError
 from solver.sweep import (
@@ -22,31 +22,16 @@ from solver.sweep import (
     sweep_points,
     valid_gpu_counts,
 )
+from tests.conftest import GPT_1_3B
 from tests.random_graphs import random_chain
 
-ROOT = Path(__file__).resolve().parents[1]
-GPT = str(ROOT / "examples" / "gpt-1.3b.json")
 GIB = 2**30
 TEMPLATE = Cluster(num_gpus=1)
 
 
-@pytest.fixture(scope="module")
-def gpt():
-    return load_graph(GPT)
-
-
-def run(capsys, *args: str) -> tuple[int, str, str]:
-    try:
-        code = sweep_main(list(args))
-    except SystemExit as exit_:  # argparse rejects a value before main's body runs
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def test_rows_have_every_column_and_keep_infeasible_and_error_points(gpt):
+def test_rows_have_every_column_and_keep_infeasible_and_error_points(gpt_graph):
     training = TrainingConfig(global_batch=64, pp=2)
-    rows = sweep(gpt, [3, 1, 8], [16 * GIB, 40 * GIB], training, TEMPLATE, workers=1)
+    rows = sweep(gpt_graph, [3, 1, 8], [16 * GIB, 40 * GIB], training, TEMPLATE, workers=1)
     assert [(r["gpus"], r["gpu_memory_bytes"] // GIB) for r in rows] == [
         (3, 16),
         (3, 40),
@@ -69,18 +54,19 @@ def test_rows_have_every_column_and_keep_infeasible_and_error_points(gpt):
         assert row["even_peak_bytes"] >= row["peak_bytes"] or row["even_throughput"] is not None
         assert row["parameters_peak_bytes"] and row["parameters_throughput"] > 0
     plain = TrainingConfig(global_batch=64)
-    (infeasible,) = sweep(gpt, [1], [16 * GIB], plain, TEMPLATE, workers=1)
+    (infeasible,) = sweep(gpt_graph, [1], [16 * GIB], plain, TEMPLATE, workers=1)
     assert infeasible["status"] == "INFEASIBLE" and infeasible["fits"] is False
     assert infeasible["peak_bytes"] > 16 * GIB  # the best peak found, over the capacity
     assert infeasible["detail"].startswith("nothing fits") and "\n" not in infeasible["detail"]
 
 
-def test_parallel_and_in_process_sweeps_agree(gpt):
+@pytest.mark.slow
+def test_parallel_and_in_process_sweeps_agree(gpt_graph):
     training = TrainingConfig(global_batch=64, zero_stages=(0, 1))
     points = ([1, 2, 4, 8, 16], [12 * GIB, 40 * GIB])
-    here = sweep(gpt, *points, training, TEMPLATE, workers=1)
+    here = sweep(gpt_graph, *points, training, TEMPLATE, workers=1)
     done = []
-    pool = sweep(gpt, *points, training, TEMPLATE, workers=2, on_row=done.append)
+    pool = sweep(gpt_graph, *points, training, TEMPLATE, workers=2, on_row=done.append)
     assert len(done) == len(pool) == 10
     strip = [{k: v for k, v in row.items() if k != "wall_s"} for row in here]
     assert strip == [{k: v for k, v in row.items() if k != "wall_s"} for row in pool]
@@ -196,10 +182,10 @@ def _layer_dict(layer) -> dict:
     return {key: getattr(layer, key) for key in keys}
 
 
-def test_csv_round_trips_every_kind_of_row(gpt, tmp_path):
+def test_csv_round_trips_every_kind_of_row(gpt_graph, tmp_path):
     training = TrainingConfig(global_batch=64, pp=2)
-    rows = sweep(gpt, [3, 1, 8], [16 * GIB, 40 * GIB], training, TEMPLATE, workers=1)
-    rows += sweep(gpt, [1], [16 * GIB], TrainingConfig(global_batch=64), TEMPLATE, workers=1)
+    rows = sweep(gpt_graph, [3, 1, 8], [16 * GIB, 40 * GIB], training, TEMPLATE, workers=1)
+    rows += sweep(gpt_graph, [1], [16 * GIB], TrainingConfig(global_batch=64), TEMPLATE, workers=1)
     assert {row["status"] for row in rows} == {"ERROR", "INFEASIBLE", "OPTIMAL"}
     writer = CsvRows(tmp_path / "sweep.csv")
     for row in reversed(rows):  # completion order
@@ -208,7 +194,7 @@ def test_csv_round_trips_every_kind_of_row(gpt, tmp_path):
     assert read_rows(tmp_path / "sweep.csv") == rows
 
 
-def test_an_interrupted_sweep_keeps_the_rows_written(gpt, tmp_path):
+def test_an_interrupted_sweep_keeps_the_rows_written(gpt_graph, tmp_path):
     writer = CsvRows(tmp_path / "sweep.csv")
 
     def on_row(row):
@@ -217,13 +203,13 @@ def test_an_interrupted_sweep_keeps_the_rows_written(gpt, tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        sweep(gpt, [1, 2, 4, 8], [40 * GIB], TrainingConfig(global_batch=64), TEMPLATE,
+        sweep(gpt_graph, [1, 2, 4, 8], [40 * GIB], TrainingConfig(global_batch=64), TEMPLATE,
               workers=1, on_row=on_row)  # fmt: skip
     writer.close()
     assert [row["gpus"] for row in read_rows(tmp_path / "sweep.csv")] == [1, 2]
 
 
-def test_cli_interrupted_keeps_rows_and_returns_130(capsys, tmp_path, monkeypatch):
+def test_cli_interrupted_keeps_rows_and_returns_130(run_cli, tmp_path, monkeypatch):
     append = CsvRows.append
 
     def interrupted(self, row):
@@ -233,19 +219,20 @@ def test_cli_interrupted_keeps_rows_and_returns_130(capsys, tmp_path, monkeypatc
 
     monkeypatch.setattr(CsvRows, "append", interrupted)
     out = tmp_path / "sweep.csv"
-    code, _, err = run(
-        capsys, GPT, "--gpus", "1,2,4,8", "--global-batch", "64", "--out", str(out), "--workers",
-        "1", "--quiet",
+    code, _, err = run_cli(
+        sweep_main, GPT_1_3B, "--gpus", "1,2,4,8", "--global-batch", "64", "--out", str(out),
+        "--workers", "1", "--quiet",
     )  # fmt: skip
     assert code == 130 and "2 rows kept" in err
     assert len(read_rows(out)) == 2
 
 
-def test_cli_writes_csv_in_point_order_and_prints_a_table(capsys, tmp_path):
+@pytest.mark.slow
+def test_cli_writes_csv_in_point_order_and_prints_a_table(run_cli, tmp_path):
     out = tmp_path / "sweep.csv"
-    code, text, err = run(
-        capsys, GPT, "--gpus", "8,2,4", "--gpu-memory", "16GiB,40GiB", "--global-batch", "64",
-        "--out", str(out), "--workers", "2", "--zero", "auto",
+    code, text, err = run_cli(
+        sweep_main, GPT_1_3B, "--gpus", "8,2,4", "--gpu-memory", "16GiB,40GiB", "--global-batch",
+        "64", "--out", str(out), "--workers", "2", "--zero", "auto",
     )  # fmt: skip
     assert code == 0, err
     rows = read_rows(out)
@@ -267,7 +254,7 @@ def test_cli_writes_csv_in_point_order_and_prints_a_table(capsys, tmp_path):
         (["--gpus", "8", "--gpu-memory", "lots"], "cannot read"),
         (["--gpus", "8", "--out", "/no/such/folder/s.csv"], "does not exist"),
         (["--gpus", "8", "--plot", "/no/such/folder/s.png"], "does not exist"),
-        (["--gpus", "8", "--out", GPT], "input file"),
+        (["--gpus", "8", "--out", GPT_1_3B], "input file"),
         (["--gpus", "auto"], "--find min-gpus"),
         (["--gpus", "8", "--model", "gpt-tiny"], "--find max-scale"),
         (["--gpus", "8", "--json", "x.json"], "--json goes with --find"),
@@ -275,18 +262,18 @@ def test_cli_writes_csv_in_point_order_and_prints_a_table(capsys, tmp_path):
         (["--gpus", "3", "--pp", "2"], "no point can be solved"),
     ],
 )
-def test_cli_bad_input_is_one_line_with_exit_2(capsys, args, message):
-    before = Path(GPT).read_bytes()
-    code, text, err = run(capsys, GPT, "--global-batch", "64", "--quiet", *args)
+def test_cli_bad_input_is_one_line_with_exit_2(run_cli, args, message):
+    before = Path(GPT_1_3B).read_bytes()
+    code, text, err = run_cli(sweep_main, GPT_1_3B, "--global-batch", "64", "--quiet", *args)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
-    assert text == "" and Path(GPT).read_bytes() == before
+    assert text == "" and Path(GPT_1_3B).read_bytes() == before
 
 
-def test_cli_some_error_points_still_exit_0(capsys, tmp_path):
+def test_cli_some_error_points_still_exit_0(run_cli, tmp_path):
     out = tmp_path / "s.csv"
-    code, _, err = run(
-        capsys, GPT, "--gpus", "3,8", "--pp", "2", "--global-batch", "64", "--quiet", "--out",
-        str(out), "--workers", "1",
+    code, _, err = run_cli(
+        sweep_main, GPT_1_3B, "--gpus", "3,8", "--pp", "2", "--global-batch", "64", "--quiet",
+        "--out", str(out), "--workers", "1",
     )  # fmt: skip
     assert code == 0, err
     assert [row["status"] for row in read_rows(out)] == ["ERROR", "OPTIMAL"]
@@ -302,10 +289,10 @@ def test_sweep_points_reject_empty_and_non_integer_lists():
     assert sweep_points([8, 8, 4], [2, 1, 2]) == [(8, 2), (8, 1), (4, 2), (4, 1)]
 
 
-def test_cli_min_gpus_prints_and_writes_the_plan(capsys, tmp_path):
+def test_cli_min_gpus_prints_and_writes_the_plan(run_cli, tmp_path):
     out = tmp_path / "plan.json"
-    code, text, err = run(
-        capsys, GPT, "--find", "min-gpus", "--gpus", "auto", "--gpu-memory", "12GiB",
+    code, text, err = run_cli(
+        sweep_main, GPT_1_3B, "--find", "min-gpus", "--gpus", "auto", "--gpu-memory", "12GiB",
         "--global-batch", "64", "--json", str(out), "--workers", "1",
     )  # fmt: skip
     assert code == 0, err
@@ -313,17 +300,17 @@ def test_cli_min_gpus_prints_and_writes_the_plan(capsys, tmp_path):
     assert "Plan for gpt-1.3b" in text
     document = json.loads(out.read_text())
     assert document["cluster"]["num_gpus"] == 4 and document["peak_bytes"] <= 12 * GIB
-    code, text, err = run(
-        capsys, GPT, "--find", "min-gpus", "--gpus", "1,2", "--gpu-memory", "12GiB",
+    code, text, err = run_cli(
+        sweep_main, GPT_1_3B, "--find", "min-gpus", "--gpus", "1,2", "--gpu-memory", "12GiB",
         "--global-batch", "64", "--workers", "1",
     )  # fmt: skip
     assert code == 3 and "no GPU count fits" in err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch (profiling)")
-def test_cli_max_scale_regenerates_a_preset(capsys, tmp_path):
-    code, text, err = run(
-        capsys, "--find", "max-scale", "--model", "gpt-tiny", "--scale", "layers", "--range",
+def test_cli_max_scale_regenerates_a_preset(run_cli, tmp_path):
+    code, text, err = run_cli(
+        sweep_main, "--find", "max-scale", "--model", "gpt-tiny", "--scale", "layers", "--range",
         "1:6", "--gpus", "2", "--gpu-memory", "1MiB", "--global-batch", "4",
     )  # fmt: skip
     assert code == 0, err
@@ -331,12 +318,11 @@ def test_cli_max_scale_regenerates_a_preset(capsys, tmp_path):
     assert "the top of the range (6) fits" in text
 
 
-@pytest.mark.skipif(importlib.util.find_spec("solver.plots") is None, reason="solver.plots")
-def test_cli_plot_draws_the_sweep(capsys, tmp_path):
+def test_cli_plot_draws_the_sweep(run_cli, tmp_path):
     picture = tmp_path / "sweep.png"
-    code, _, err = run(
-        capsys, GPT, "--gpus", "1,4,16", "--gpu-memory", "16GiB,40GiB", "--global-batch", "64",
-        "--plot", str(picture), "--workers", "1", "--quiet",
+    code, _, err = run_cli(
+        sweep_main, GPT_1_3B, "--gpus", "1,4,16", "--gpu-memory", "16GiB,40GiB", "--global-batch",
+        "64", "--plot", str(picture), "--workers", "1", "--quiet",
     )  # fmt: skip
     assert code == 0, err
     assert picture.read_bytes()[:4] == b"\x89PNG"

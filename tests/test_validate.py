@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from profiling.export import export_graph
 from profiling.validate import TOLERANCE_EXCEEDED, main
 from solver import Cluster, TrainingConfig, plan
@@ -29,6 +31,8 @@ def write_plan(tmp_path, runtime="torch"):
     return path
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_validate_reports_ranks_and_gates_on_tolerance(tmp_path, capsys):
     plan_path = write_plan(tmp_path)
     out = tmp_path / "reports.json"
@@ -72,6 +76,8 @@ def test_validate_cuda_without_a_gpu_is_a_one_line_input_error(tmp_path, capsys,
     assert "device cuda: torch.cuda.is_available() is False" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_validate_notes_a_plan_for_another_runtime(tmp_path, capsys):
     plan_path = write_plan(tmp_path, runtime="megatron")
     assert main([str(plan_path), "--model", "gpt-tiny", "--tolerance", "100"]) == 0

@@ -1,0 +1,142 @@
+"""Shared test fixtures, paths and builders (tiers and markers: docs/testing.md).
+
+Fixtures here reach every test file by name. The path constants and the graph and cluster
+builders are also needed at import time (``parametrize`` lists, module-level constants), so test
+files import them: ``from tests.conftest import GPT_1_3B, gpt_chain``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from solver.cluster_file import cluster_from_dict
+from solver.graph import LayerGraph, graph_from_dict, load_graph
+from solver.specs import Cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root (subprocess tests run the CLIs from it)."""
+EXAMPLES = ROOT / "examples"
+GPT_1_3B = str(EXAMPLES / "gpt-1.3b.json")
+"""The bundled GPT 1.3B chain (26 layers): the usual input of the CLI tests."""
+T5_DAG = str(EXAMPLES / "t5-dag.json")
+MIXED_CLUSTER = str(EXAMPLES / "clusters" / "a100-40g-80g.json")
+"""The bundled two-group cluster file (A100 40 GiB and 80 GiB nodes)."""
+
+# -- small graphs and clusters -------------------------------------------------------------
+
+
+def gpt_chain(num_blocks: int, *, extra: dict[int, str] | None = None) -> LayerGraph:
+    """A toy GPT-shaped chain: embed, b0..b{n-1}, head (layer roles for the engine exports);
+    ``extra`` inserts a layer of kind other before block i."""
+    layers = [
+        {
+            "name": "embed",
+            "kind": "embedding",
+            "params": 10,
+            "activation_bytes": 1,
+            "output_bytes": 1,
+        }
+    ]
+    for i in range(num_blocks):
+        if extra and i in extra:
+            layers.append(
+                {
+                    "name": extra[i],
+                    "kind": "other",
+                    "params": 1,
+                    "activation_bytes": 1,
+                    "output_bytes": 1,
+                }
+            )
+        layers.append({"name": f"b{i}", "params": 10, "activation_bytes": 1, "output_bytes": 1})
+    layers.append({"name": "head", "params": 10, "activation_bytes": 1, "output_bytes": 1})
+    return graph_from_dict(
+        {"format": "layer-graph", "version": 1, "model": "toy", "layers": layers}
+    )
+
+
+def activation_heavy_chain(num_layers: int) -> LayerGraph:
+    """Identical layers whose saved activations dwarf their output (recomputing pays)."""
+    layers = [
+        {
+            "name": f"layers.{i}",
+            "params": 1000,
+            "activation_bytes": 20000,
+            "output_bytes": 500,
+            "fwd_flops": 1e9,
+        }
+        for i in range(num_layers)
+    ]
+    return graph_from_dict({"format": "layer-graph", "version": 1, "model": "u", "layers": layers})
+
+
+def cluster_group(
+    name: str, memory: int | str, *, nodes: int = 1, gpus: int = 2, tflops: float = 989
+) -> dict:
+    """One node group of a cluster file (docs/cluster.md): ``nodes`` x ``gpus`` GPUs of
+    ``memory`` bytes (or text such as "40GiB") at ``tflops`` (989: H100 bf16 dense)."""
+    return {
+        "name": name,
+        "num_nodes": nodes,
+        "gpus_per_node": gpus,
+        "gpu_memory": memory,
+        "gpu_tflops": tflops,
+    }
+
+
+def cluster_of(*groups: dict) -> Cluster:
+    """The cluster of a cluster file with these groups."""
+    return cluster_from_dict({"format": "cluster", "version": 1, "groups": list(groups)})
+
+
+def slow_params(values: Iterable[Any], *slow: Any) -> list[Any]:
+    """``values`` for ``parametrize``, those in ``slow`` marked slow (the rest stay fast)."""
+    return [
+        pytest.param(value, marks=pytest.mark.slow) if value in slow else value for value in values
+    ]
+
+
+# -- fixtures --------------------------------------------------------------------------------
+
+CliRunner = Callable[..., tuple[int, str, str]]
+
+
+@pytest.fixture
+def run_cli(capsys) -> CliRunner:
+    """``run_cli(main, *args) -> (exit code, stdout, stderr)``: a CLI's ``main(argv)`` called in
+    this process; argparse rejects a bad value with SystemExit before main's body runs, and its
+    code is returned the same way."""
+
+    def run(main: Callable[[list[str]], int], *args: str) -> tuple[int, str, str]:
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:
+            code = exit_.code
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return run
+
+
+@pytest.fixture
+def write_json(tmp_path) -> Callable[[str, Any], str]:
+    """``write_json(name, document) -> path``: ``tmp_path / name`` holding ``document`` as JSON
+    (a ``str`` document is written as it is, to test files that are not valid JSON)."""
+
+    def write(name: str, document: Any) -> str:
+        path = tmp_path / name
+        path.write_text(document if isinstance(document, str) else json.dumps(document))
+        return str(path)
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def gpt_graph() -> LayerGraph:
+    """examples/gpt-1.3b.json, loaded once per run: do not modify it in a test."""
+    return load_graph(GPT_1_3B)
