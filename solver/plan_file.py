@@ -191,6 +191,8 @@ def check_schema(document: dict[str, Any], *, origin: str = "plan") -> None:
     kind = document["format"]
     validator = _validator(kind)
     errors = sorted(validator.iter_errors(document), key=lambda e: list(e.absolute_path))
+    # a failing shared part (allOf) leaves its fields unevaluated: report the failure itself
+    errors = [e for e in errors if e.validator != "unevaluatedProperties"] or errors
     if errors:
         error = jsonschema.exceptions.best_match(errors)
         where = error.json_path.removeprefix("$.").removeprefix("$") or "(top level)"
