@@ -23,6 +23,7 @@ from solver.specs import (
     RECOMPUTE_CHOICES,
     RUNTIMES,
     SCHEDULES,
+    ZERO_STAGES,
     Cluster,
     TrainingConfig,
 )
@@ -301,7 +302,7 @@ def calibration_from_args(args: argparse.Namespace) -> Calibration | None:
 
 def zero_stages(text: str) -> tuple[int, ...]:
     if text == "auto":
-        return (0, 1, 2, 3)
+        return ZERO_STAGES
     return (int(text),)
 
 
@@ -341,7 +342,7 @@ def add_plan_options(parser: argparse.ArgumentParser, *, cpsat_workers: bool = T
     )
     search.add_argument(
         "--zero",
-        choices=["0", "1", "2", "3", "auto"],
+        choices=[*map(str, ZERO_STAGES), "auto"],
         default="0",
         help="ZeRO stage, or auto to search 0..3 (default 0)",
     )

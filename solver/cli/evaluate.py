@@ -23,7 +23,7 @@ from solver.cli.common import (
 )
 from solver.errors import InputError, PlannerError, StalePlanError
 from solver.graph import load_graph
-from solver.specs import RECOMPUTE_MODES, Cluster, ParallelConfig, TrainingConfig
+from solver.specs import RECOMPUTE_MODES, ZERO_STAGES, Cluster, ParallelConfig, TrainingConfig
 
 REQUIRED = ("graph", "pp", "split", "global_batch")
 """Required unless --plan gives them."""
@@ -48,7 +48,7 @@ def evaluate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=positive_int, default=1)
     parser.add_argument("--dp", type=positive_int, default=1)
     parser.add_argument("--micro-batch", type=positive_int, default=1)
-    parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
+    parser.add_argument("--zero", type=int, choices=ZERO_STAGES, default=0)
     parser.add_argument(
         "--recompute",
         choices=RECOMPUTE_MODES,
