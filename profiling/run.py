@@ -1,10 +1,14 @@
 """Run a plan for real on torch.distributed and measure each rank's peak memory (issue 4).
 
     from profiling.run import run_plan
-    reports = run_plan("gpt-tiny", json.load(open("plan.json")), iterations=2,
+    reports = run_plan("gpt-tiny", "plan.json", iterations=2,
                        overrides={"layers": 4, "dropout": 0.0})
     for r in reports:
         print(r.rank, r.stage, r.measured_peak_bytes, r.predicted_peak_bytes, r.error_pct)
+
+The plan (a path, a parsed dict or a ``PlanFile``) is read and checked by
+``solver.plan_file.load_plan`` (docs/plan.md); ``run_plan`` then refuses what this executor
+cannot run (``_check_runnable``) before spawning anything.
 
 ``run_plan`` spawns ``pp * dp * tp`` processes (gloo on CPU, or NCCL with one GPU per rank for
 ``device="cuda"``), builds on each the full model from the same seed (so every weight equals the

@@ -225,6 +225,11 @@ def _format_of(document: Any, origin: str) -> str:
     return kind
 
 
+_TYPE_WORDS = {"integer": "an integer", "array": "an array", "object": "an object"}
+_QUOTED = r"'([^']*)'"
+"""A name in a jsonschema message."""
+
+
 def _describe(error: jsonschema.ValidationError) -> str:
     """The problem of a schema error in words ("expected an integer, got 1.5")."""
     value = json.dumps(error.instance)
@@ -233,22 +238,16 @@ def _describe(error: jsonschema.ValidationError) -> str:
         case "type":
             types = error.validator_value
             types = [types] if isinstance(types, str) else types
-            words = [
-                {"integer": "an integer", "array": "an array", "object": "an object"}.get(
-                    t, f"a {t}"
-                )
-                for t in types
-            ]
+            words = [_TYPE_WORDS.get(name, f"a {name}") for name in types]
             return f"expected {' or '.join(words)}, got {got}"
         case "enum":
             return f"expected one of {', '.join(map(json.dumps, error.validator_value))}, got {got}"
         case "const":
             return f"expected {json.dumps(error.validator_value)}, got {got}"
-        case "required":
-            return f"missing field {error.message.split(chr(39))[1]}"
-        case "additionalProperties" | "unevaluatedProperties":
-            names = re.findall(r"'([^']*)'", error.message)
-            return f"unknown field {', '.join(names)}; remove it"
+        case "required":  # "'name' is a required property"
+            return f"missing field {', '.join(re.findall(_QUOTED, error.message))}"
+        case "additionalProperties" | "unevaluatedProperties":  # "... ('name' was unexpected)"
+            return f"unknown field {', '.join(re.findall(_QUOTED, error.message))}; remove it"
         case "minimum" | "exclusiveMinimum" | "maximum":
             sign = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<="}[error.validator]
             return f"expected {sign} {error.validator_value}, got {got}"
