@@ -1,10 +1,14 @@
 """Run a plan for real on torch.distributed and measure each rank's peak memory (issue 4).
 
     from profiling.run import run_plan
-    reports = run_plan("gpt-tiny", json.load(open("plan.json")), iterations=2,
+    reports = run_plan("gpt-tiny", "plan.json", iterations=2,
                        overrides={"layers": 4, "dropout": 0.0})
     for r in reports:
         print(r.rank, r.stage, r.measured_peak_bytes, r.predicted_peak_bytes, r.error_pct)
+
+The plan (a path, a parsed dict or a ``PlanFile``) is read and checked by
+``solver.plan_file.load_plan`` (docs/plan.md); ``run_plan`` then refuses what this executor
+cannot run (``_check_runnable``) before spawning anything.
 
 ``run_plan`` spawns ``pp * dp * tp`` processes (gloo on CPU, or NCCL with one GPU per rank for
 ``device="cuda"``), builds on each the full model from the same seed (so every weight equals the
@@ -107,10 +111,13 @@ from profiling.parallelize import (
     vocabulary_sizes,
 )
 from solver.errors import InputError, RunError
+from solver.plan_file import PlanFile, load_plan
+from solver.specs import SCHEDULES as SCHEDULES  # re-exported: the names profiling.run had
+from solver.specs import ZERO_STAGES as ZERO_STAGES
+from solver.specs import ParallelConfig
 
-SCHEDULES = ("1f1b", "gpipe")
-ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTE = ("none", "full")
+"""The recompute modes (of ``solver.specs.RECOMPUTE_MODES``) this executor runs."""
 DEVICES = ("cpu", "cuda")
 LEARNING_RATE = 1e-3
 """Adam's learning rate (the other Adam settings are torch's defaults)."""
@@ -156,7 +163,7 @@ class RankReport:
 class _Job:
     preset: str
     overrides: dict[str, Any]
-    plan: dict[str, Any]
+    plan: PlanFile
     iterations: int
     seed: int
     seq: int | None
@@ -167,35 +174,23 @@ class _Job:
     fault: tuple[int, str] | None
 
 
-# -- plan checks (parent) ----------------------------------------------------------------------
+# -- what this executor runs (parent) ----------------------------------------------------------
 
 
-def _check_plan(spec: models.ModelSpec, plan: dict[str, Any], max_processes: int) -> None:
-    """InputError naming the field, unless the plan is one this executor can run on ``spec``."""
-    config = plan.get("config")
-    if not isinstance(config, dict):
-        raise InputError("plan: missing 'config' (write it with solver.plan --json)")
-    needed = ("pp", "tp", "dp", "micro_batch", "num_microbatches", "zero", "recompute", "schedule")
-    missing = [key for key in needed if key not in config]
-    if missing:
-        raise InputError(f"plan config: missing {', '.join(missing)}")
-    pp, tp, dp = config["pp"], config["tp"], config["dp"]
-    for key in ("pp", "tp", "dp", "micro_batch", "num_microbatches"):
-        if not isinstance(config[key], int) or config[key] < 1:
-            raise InputError(f"plan config: {key} must be a positive integer, got {config[key]!r}")
-    zero, recompute = config["zero"], config["recompute"]
-    if zero not in ZERO_STAGES:
-        raise InputError(f"plan config: zero={zero!r}; valid: 0, 1, 2, 3")
+def _check_runnable(spec: models.ModelSpec, plan: PlanFile, max_processes: int) -> None:
+    """InputError naming the field, unless this executor can run the (checked) plan on ``spec``:
+    recompute none or full, no ZeRO-1 over tensor-parallel parameters, a supported interleaving,
+    a tensor-parallel split of the model's heads, few enough processes, and the model's layers."""
+    config = plan.config
+    pp, tp, dp, zero = config.pp, config.tp, config.dp, config.zero
     if tp > 1 and dp > 1 and zero == 1:
         raise InputError(
             f"plan config: zero=1 with tp({tp}) and dp({dp}): ZeroRedundancyOptimizer cannot "
             "shard DTensor (tensor-parallel) parameters; use zero=2 or 3"
         )
-    if recompute not in RECOMPUTE:
-        raise InputError(f"plan config: recompute={recompute!r}; valid: {', '.join(RECOMPUTE)}")
-    if config["schedule"] not in SCHEDULES:
+    if config.recompute not in RECOMPUTE:
         raise InputError(
-            f"plan config: schedule {config['schedule']!r}; valid: {', '.join(SCHEDULES)}"
+            f"plan config: recompute={config.recompute!r}; valid: {', '.join(RECOMPUTE)}"
         )
     _check_interleaving(config)
     if tp > 1:
@@ -208,28 +203,7 @@ def _check_plan(spec: models.ModelSpec, plan: dict[str, Any], max_processes: int
             f"plan needs pp({pp}) * dp({dp}) * tp({tp}) = {pp * dp * tp} processes, more than "
             f"this machine allows ({max_processes}); plan for fewer GPUs"
         )
-    stages = plan.get("stages")
-    if not isinstance(stages, list) or len(stages) != pp:
-        count = len(stages) if isinstance(stages, list) else 0
-        raise InputError(f"plan: {count} stages for pp={pp}")
-    if [stage.get("index") for stage in stages] != list(range(pp)):
-        raise InputError("plan: stages[i].index must be 0..pp-1 in order")
-    if any(not stage.get("layers") for stage in stages):
-        raise InputError("plan: every stage needs at least one layer")
-    virtual_stages = config.get("virtual_stages", 1)
-    for stage in stages if virtual_stages > 1 else ():
-        chunks = stage.get("chunks")
-        if not isinstance(chunks, list) or len(chunks) != virtual_stages:
-            count = len(chunks) if isinstance(chunks, list) else 0
-            raise InputError(
-                f"plan: stages[{stage['index']}].chunks has {count} chunks for "
-                f"virtual_stages={virtual_stages} (write the plan with solver.plan --json)"
-            )
-        if any(not chunk for chunk in chunks):
-            raise InputError(f"plan: stages[{stage['index']}]: every chunk needs a layer")
-        if [name for chunk in chunks for name in chunk] != stage["layers"]:
-            raise InputError(f"plan: stages[{stage['index']}].chunks must list its layers in order")
-    layers = [name for chunk in virtual_stage_layers(plan) for name in chunk]
+    layers = [name for chunk in plan.virtual_stage_layers for name in chunk]
     if layers != spec.layers:
         unknown = [name for name in layers if name not in spec.layers]
         absent = [name for name in spec.layers if name not in layers]
@@ -243,22 +217,16 @@ def _check_plan(spec: models.ModelSpec, plan: dict[str, Any], max_processes: int
         )
 
 
-def _check_interleaving(config: dict[str, Any]) -> None:
+def _check_interleaving(config: ParallelConfig) -> None:
     """InputError unless ``config.virtual_stages`` is one this executor runs: 1, or v > 1 with
-    1F1B (``ScheduleInterleaved1F1B``), tp 1 and, over dp > 1, ZeRO 0 (one DDP per chunk)."""
-    v, pp, tp, dp = config.get("virtual_stages", 1), config["pp"], config["tp"], config["dp"]
-    if not isinstance(v, int) or v < 1:
-        raise InputError(f"plan config: virtual_stages must be a positive integer, got {v!r}")
+    1F1B (``ScheduleInterleaved1F1B``, which ParallelConfig requires), tp 1 and, over dp > 1,
+    ZeRO 0 (one DDP per chunk)."""
+    v, pp, tp, dp = config.virtual_stages, config.pp, config.tp, config.dp
     if v == 1:
         return
-    m, zero = config["num_microbatches"], config["zero"]
+    m, zero = config.num_microbatches, config.zero
     rounds = max(1, m // pp)
     problems = (
-        (
-            config["schedule"] != "1f1b",
-            f"schedule {config['schedule']!r}: interleaving runs ScheduleInterleaved1F1B; plan "
-            "with --schedule 1f1b",
-        ),
         (pp < 2, f"pp={pp}: interleaving needs pp >= 2; plan with --virtual-stages 1"),
         (
             tp > 1,
@@ -281,15 +249,11 @@ def _check_interleaving(config: dict[str, Any]) -> None:
             raise InputError(f"plan config: virtual_stages={v} with {problem}")
 
 
-def virtual_stage_layers(plan: dict[str, Any]) -> list[list[str]]:
+def virtual_stage_layers(plan: dict[str, Any] | PlanFile) -> list[list[str]]:
     """The layer names of each (virtual) stage in pipeline order: with v chunks per rank,
     virtual stage j is chunk j // pp of rank j % pp (``stages[r].chunks``); else
-    ``stages[r].layers``."""
-    config, stages = plan["config"], plan["stages"]
-    pp, v = config["pp"], config.get("virtual_stages", 1)
-    if v == 1:
-        return [list(stage.get("layers", [])) for stage in stages]
-    return [list(stages[j % pp]["chunks"][j // pp]) for j in range(pp * v)]
+    ``stages[r].layers`` (:attr:`solver.plan_file.PlanFile.virtual_stage_layers`)."""
+    return load_plan(plan).virtual_stage_layers
 
 
 def _check_device(device: str, world: int) -> None:
@@ -412,61 +376,106 @@ def _keep_layers(model: nn.Module, all_layers: list[str], keep: list[str]) -> No
             setattr(model.get_submodule(parent) if parent else model, name, None)
 
 
-def _rank_main(rank: int, job: _Job) -> RankReport:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import (
-        PipelineStage,
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-    )
-    from torch.distributed.tensor.parallel import loss_parallel
+@dataclass(kw_only=True, frozen=True)
+class _Place:
+    """Where a rank sits: ``rank = (stage * dp + dp_rank) * tp + tp_rank``, and its device."""
 
-    from profiling.memory import LiveTensorTracker
+    rank: int
+    stage: int
+    dp_rank: int
+    tp_rank: int
+    first: bool
+    """Holds the first (virtual) stage: feeds the input ids."""
+    last: bool
+    """Holds the last (virtual) stage: its loss_fn gets the targets."""
+    device: torch.device
 
-    config, stages = job.plan["config"], job.plan["stages"]
-    pp, dp, tp, zero = config["pp"], config["dp"], config["tp"], config["zero"]
-    micro_batch, num_microbatches = config["micro_batch"], config["num_microbatches"]
-    num_chunks = config.get("virtual_stages", 1)
-    replica, tp_rank = divmod(rank, tp)
-    stage_index, dp_rank = divmod(replica, dp)
-    # the ranks holding the first and the last (virtual) stage: input ids and targets
-    first, last = stage_index == 0, stage_index == pp - 1
-    world = pp * dp * tp
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+
+@dataclass(kw_only=True)
+class _Chunk:
+    """One model chunk of a rank: virtual stage ``index`` (chunk * pp + stage), a full model from
+    the seed that keeps only the chunk's layers, and its static boundary shapes."""
+
+    index: int
+    model: nn.Module
+    run_paths: list[str]
+    """The chunk's layers the stage module runs (all but the loss head)."""
+    stage_input: torch.Tensor
+    stage_output: torch.Tensor
+
+
+@dataclass(kw_only=True)
+class _Measured:
+    """What the iterations measured on one rank."""
+
+    peak_bytes: int
+    breakdown: dict[str, int]
+    iteration_ms: list[float]
+    losses: list[float]
+    cuda_peak: int | None
+    grads: dict[str, torch.Tensor] | None
+
+
+def _place(rank: int, job: _Job) -> _Place:
+    """The rank's mesh coordinates and device; sets its CPU threads (and CUDA device)."""
+    config = job.plan.config
+    replica, tp_rank = divmod(rank, config.tp)
+    stage, dp_rank = divmod(replica, config.dp)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.num_gpus))
     cuda = job.device == "cuda"
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    return _Place(
+        rank=rank,
+        stage=stage,
+        dp_rank=dp_rank,
+        tp_rank=tp_rank,
+        first=stage == 0,
+        last=stage == config.pp - 1,
+        device=device,
+    )
 
+
+def _init_mesh(place: _Place, job: _Job):
+    """Join the process group (gloo, or NCCL on CUDA) and build the (pp, dp, tp) device mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    config = job.plan.config
     os.environ["MASTER_ADDR"] = "localhost"
     os.environ["MASTER_PORT"] = str(job.master_port)
     dist.init_process_group(
-        "nccl" if cuda else "gloo",
-        rank=rank,
-        world_size=world,
+        "nccl" if place.device.type == "cuda" else "gloo",
+        rank=place.rank,
+        world_size=config.num_gpus,
         timeout=timedelta(seconds=job.timeout_s),
     )
     # Row-major over (pp, dp, tp): rank = (stage * dp + dp_rank) * tp + tp_rank.
-    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    return init_device_mesh(
+        place.device.type, (config.pp, config.dp, config.tp), mesh_dim_names=("pp", "dp", "tp")
+    )
 
-    spec = _spec(job.preset, job.overrides)
-    virtual = virtual_stage_layers(job.plan)
-    num_virtual = len(virtual)  # pp * v
-    layers = stages[stage_index]["layers"]
+
+def _build_chunks(
+    spec: models.ModelSpec, job: _Job, place: _Place
+) -> tuple[list[_Chunk], dict[str, int]]:
+    """The rank's chunks on its device, and the full model's vocabulary sizes.
+
+    One model per chunk (virtual stage chunk * pp + stage), each from the same seed and keeping
+    only the chunk's layers, so that a chunk's module (and its DDP) owns exactly its parameters.
+    Without interleaving: one chunk, the rank's stage."""
+    config = job.plan.config
+    virtual = job.plan.virtual_stage_layers
     head_path = spec.layers[-1]
     # static stage metadata: one micro-batch's input and output shapes
     example_ids, _ = batch_for_iteration(
-        spec, batch=micro_batch, seq=job.seq, seed=job.seed, iteration=0
+        spec, batch=config.micro_batch, seq=job.seq, seed=job.seed, iteration=0
     )
     ids_meta = torch.empty(example_ids.shape, dtype=example_ids.dtype, device="meta")
-    # One model per chunk (virtual stage chunk * pp + stage_index), each from the same seed and
-    # keeping only the chunk's layers, so that a chunk's module (and its DDP) owns exactly its
-    # parameters. Without interleaving: one chunk, the rank's stage.
-    chunks = []
-    for chunk in range(num_chunks):
-        index = chunk * pp + stage_index
+    chunks: list[_Chunk] = []
+    for chunk in range(config.virtual_stages):
+        index = chunk * config.pp + place.stage
         model = build_model(spec, job.seed)
         if not chunks:
             # of the full model: a stage may hold only the head
@@ -476,128 +485,225 @@ def _rank_main(rank: int, job: _Job) -> RankReport:
         stage_input = ids_meta if index == 0 else metas[virtual[index - 1][-1]]
         stage_output = metas[run_paths[-1]] if run_paths else stage_input
         _keep_layers(model, spec.layers, virtual[index])
-        model.to(device)
-        chunks.append((index, model, run_paths, stage_input, stage_output))
-    recompute = config["recompute"] == "full"
+        model.to(place.device)
+        chunks.append(
+            _Chunk(
+                index=index,
+                model=model,
+                run_paths=run_paths,
+                stage_input=stage_input,
+                stage_output=stage_output,
+            )
+        )
+    return chunks, vocab_sizes
 
-    tracker = LiveTensorTracker()
-    for _, model, *_ in chunks:
-        tracker.track_module(model)
+
+def _parallelize(
+    chunk: _Chunk, job: _Job, place: _Place, mesh, vocab_sizes: dict[str, int], tracker
+) -> tuple[_StageModule, nn.Module, dict[str, torch.Tensor]]:
+    """Tensor parallelism, the stage module (with recompute), then data parallelism (DDP, ZeRO,
+    FSDP2) on one chunk. Returns the stage module, what the PipelineStage runs and the TP
+    regrouping orders of its parameters."""
+    config = job.plan.config
+    layer_paths = job.plan.virtual_stage_layers[chunk.index]
+    orders: dict[str, torch.Tensor] = {}
+    if config.tp > 1:
+        orders = apply_tensor_parallel(chunk.model, layer_paths, mesh["tp"], vocab_sizes)
+    stage_module = _StageModule(chunk.model, chunk.run_paths, recompute=config.recompute == "full")
+    layer_modules = [chunk.model.get_submodule(path) for path in layer_paths]
+    submod = apply_data_parallel(stage_module, layer_modules, mesh, config.zero, place.device)
+    tracker.track_module(stage_module)  # the shards are the weights now (TP, FSDP2)
+    tracker.track_grads(stage_module)
+    return stage_module, submod, orders
+
+
+def _pipeline_stage(chunk: _Chunk, submod: nn.Module, job: _Job, mesh, device: torch.device):
+    """The chunk's PipelineStage (global index of pp * v) with static input/output shapes."""
+    from torch.distributed.pipelining import PipelineStage
+
+    num_virtual = job.plan.config.pp * job.plan.config.virtual_stages
+    shapes = {"input_args": chunk.stage_input, "output_args": chunk.stage_output}
+    if "output_grads" in inspect.signature(PipelineStage).parameters:  # torch >= 2.12
+        shapes |= {
+            "output_grads": None if chunk.index == num_virtual - 1 else chunk.stage_output,
+            "input_grads": None if chunk.index == 0 else chunk.stage_input,
+        }
+    return PipelineStage(
+        submod, chunk.index, num_virtual, device, group=mesh["pp"].get_group(), **shapes
+    )
+
+
+def _schedule(
+    chunks: list[_Chunk], pipeline_stages: list, spec: models.ModelSpec, job: _Job, place: _Place
+):
+    """The plan's schedule over the rank's stages; the head runs in loss_fn on the last rank."""
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    config = job.plan.config
+    head = chunks[-1].model.get_submodule(spec.layers[-1]) if place.last else None
+    # loss_fn on every rank: without it the first stage skips backward (and deadlocks).
+    loss_fn = functools.partial(_head_loss, head, config.recompute == "full")
+    if len(chunks) > 1:
+        return ScheduleInterleaved1F1B(
+            pipeline_stages, n_microbatches=config.num_microbatches, loss_fn=loss_fn
+        )
+    schedule_class = Schedule1F1B if config.schedule == "1f1b" else ScheduleGPipe
+    return schedule_class(
+        pipeline_stages[0], n_microbatches=config.num_microbatches, loss_fn=loss_fn
+    )
+
+
+def _iterate(
+    schedule,
+    optimizer,
+    params: list,
+    spec: models.ModelSpec,
+    job: _Job,
+    place: _Place,
+    tracker,
+    *,
+    sharded_logits: bool,
+) -> tuple[list[float], list[float], int | None]:
+    """Run ``job.iterations`` steps (schedule, then optimizer), resetting the peaks at the start
+    of each. Returns the iteration times (ms), the losses (last rank) and the last CUDA peak."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    config, device, cuda = job.plan.config, place.device, place.device.type == "cuda"
     losses: list[float] = []
     iteration_ms: list[float] = []
     cuda_peak: int | None = None
-    grads = None
+    rows = config.micro_batch * config.num_microbatches
+    for iteration in range(job.iterations):
+        ids, targets = batch_for_iteration(
+            spec, batch=rows * config.dp, seq=job.seq, seed=job.seed, iteration=iteration
+        )
+        local = slice(place.dp_rank * rows, (place.dp_rank + 1) * rows)
+        args = (ids[local].to(device, copy=True),) if place.first else ()
+        kwargs: dict[str, Any] = {}
+        step_losses: list[torch.Tensor] = []
+        if place.last:
+            kwargs = {"target": targets[local].to(device, copy=True), "losses": step_losses}
+        del ids, targets
+        optimizer.zero_grad(set_to_none=False)  # persistent gradient buffers, as costed
+        tracker.reset_peak()
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        started = time.perf_counter()
+        if job.fault and job.fault[0] == place.rank:
+            if job.fault[1] == "hang":
+                time.sleep(3600)
+            raise RuntimeError(f"rank {place.rank}: injected failure (test hook)")
+        with (
+            tracker.saved_tensors(),
+            loss_parallel() if sharded_logits else contextlib.nullcontext(),
+        ):
+            schedule.step(*args, **kwargs, return_outputs=False)
+        for param in params:  # FSDP2 sets sharded grads without hooks
+            if param.grad is not None:
+                tracker.track(param.grad, "grads")
+        optimizer.step()
+        if cuda:
+            torch.cuda.synchronize(device)
+            cuda_peak = torch.cuda.max_memory_allocated(device)
+        iteration_ms.append((time.perf_counter() - started) * 1e3)
+        if place.last:
+            losses.append(float(torch.stack([_full(x) for x in step_losses]).detach().mean()))
+        del args, kwargs, step_losses
+    return iteration_ms, losses, cuda_peak
+
+
+def _gradients(chunks: list[_Chunk], orders: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full gradients of the rank's parameters on CPU, in the single-process layout."""
+    grads = {}
+    for chunk in chunks:
+        for name, param in chunk.model.named_parameters():
+            if param.grad is not None:
+                grad = _full(param.grad).detach().cpu()
+                if name in orders:  # undo the per-head regrouping
+                    grad = grad[torch.argsort(orders[name])]
+                grads[name] = grad.clone()
+    return grads
+
+
+def _train_and_measure(
+    chunks: list[_Chunk], spec: models.ModelSpec, job: _Job, place: _Place, mesh, vocab_sizes
+) -> _Measured:
+    """Parallelize the chunks, build the schedule and the optimizer, train, and measure the live
+    tensors from before the wrappers on (the peak of the last iteration)."""
+    from profiling.memory import LiveTensorTracker
+
+    config = job.plan.config
+    tracker = LiveTensorTracker()
+    for chunk in chunks:
+        tracker.track_module(chunk.model)
     orders: dict[str, torch.Tensor] = {}
     with tracker:
         pipeline_stages, stage_modules = [], []
-        for index, model, run_paths, stage_input, stage_output in chunks:
-            if tp > 1:
-                orders |= apply_tensor_parallel(model, virtual[index], mesh["tp"], vocab_sizes)
-            stage_module = _StageModule(model, run_paths, recompute=recompute)
-            layer_modules = [model.get_submodule(path) for path in virtual[index]]
-            submod = apply_data_parallel(stage_module, layer_modules, mesh, zero, device)
-            tracker.track_module(stage_module)  # the shards are the weights now (TP, FSDP2)
-            tracker.track_grads(stage_module)
-            shapes = {"input_args": stage_input, "output_args": stage_output}
-            if "output_grads" in inspect.signature(PipelineStage).parameters:  # torch >= 2.12
-                shapes |= {
-                    "output_grads": None if index == num_virtual - 1 else stage_output,
-                    "input_grads": None if index == 0 else stage_input,
-                }
-            pipeline_stages.append(
-                PipelineStage(
-                    submod, index, num_virtual, device, group=mesh["pp"].get_group(), **shapes
-                )
+        for chunk in chunks:
+            stage_module, submod, chunk_orders = _parallelize(
+                chunk, job, place, mesh, vocab_sizes, tracker
             )
+            orders |= chunk_orders
+            pipeline_stages.append(_pipeline_stage(chunk, submod, job, mesh, place.device))
             stage_modules.append(stage_module)
         # A vocabulary-parallel head leaves its logits sharded: its cross-entropy (forward and
         # backward) needs loss_parallel.
-        sharded_logits = tp > 1 and any(
+        virtual = job.plan.virtual_stage_layers
+        sharded_logits = config.tp > 1 and any(
             path.endswith(".lm_head")
-            for index, model, *_ in chunks
-            for path in vocabulary_parallel_paths(model, virtual[index], vocab_sizes)
+            for chunk in chunks
+            for path in vocabulary_parallel_paths(chunk.model, virtual[chunk.index], vocab_sizes)
         )
-        head = chunks[-1][1].get_submodule(head_path) if last else None
-        # loss_fn on every rank: without it the first stage skips backward (and deadlocks).
-        loss_fn = functools.partial(_head_loss, head, recompute)
-        if num_chunks > 1:
-            schedule = ScheduleInterleaved1F1B(
-                pipeline_stages, n_microbatches=num_microbatches, loss_fn=loss_fn
-            )
-        else:
-            schedule_class = Schedule1F1B if config["schedule"] == "1f1b" else ScheduleGPipe
-            schedule = schedule_class(
-                pipeline_stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn
-            )
+        schedule = _schedule(chunks, pipeline_stages, spec, job, place)
         params = [param for module in stage_modules for param in module.parameters()]
-        optimizer = build_optimizer(params, mesh, zero, lr=LEARNING_RATE)
+        optimizer = build_optimizer(params, mesh, config.zero, lr=LEARNING_RATE)
         tracker.track_optimizer(getattr(optimizer, "optim", optimizer))  # ZeRO-1: the local Adam
-
-        rows = micro_batch * num_microbatches
-        for iteration in range(job.iterations):
-            ids, targets = batch_for_iteration(
-                spec, batch=rows * dp, seq=job.seq, seed=job.seed, iteration=iteration
-            )
-            local = slice(dp_rank * rows, (dp_rank + 1) * rows)
-            args = (ids[local].to(device, copy=True),) if first else ()
-            kwargs: dict[str, Any] = {}
-            step_losses: list[torch.Tensor] = []
-            if last:
-                kwargs = {"target": targets[local].to(device, copy=True), "losses": step_losses}
-            del ids, targets
-            optimizer.zero_grad(set_to_none=False)  # persistent gradient buffers, as costed
-            tracker.reset_peak()
-            if cuda:
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-            started = time.perf_counter()
-            if job.fault and job.fault[0] == rank:
-                if job.fault[1] == "hang":
-                    time.sleep(3600)
-                raise RuntimeError(f"rank {rank}: injected failure (test hook)")
-            with (
-                tracker.saved_tensors(),
-                loss_parallel() if sharded_logits else contextlib.nullcontext(),
-            ):
-                schedule.step(*args, **kwargs, return_outputs=False)
-            for param in params:  # FSDP2 sets sharded grads without hooks
-                if param.grad is not None:
-                    tracker.track(param.grad, "grads")
-            optimizer.step()
-            if cuda:
-                torch.cuda.synchronize(device)
-                cuda_peak = torch.cuda.max_memory_allocated(device)
-            iteration_ms.append((time.perf_counter() - started) * 1e3)
-            if last:
-                losses.append(float(torch.stack([_full(x) for x in step_losses]).detach().mean()))
-            del args, kwargs, step_losses
+        iteration_ms, losses, cuda_peak = _iterate(
+            schedule, optimizer, params, spec, job, place, tracker, sharded_logits=sharded_logits
+        )
         peak_bytes, breakdown = tracker.peak_bytes, dict(tracker.peak_breakdown)
-        if job.capture_grads:
-            grads = {}
-            for _, model, *_ in chunks:
-                for name, param in model.named_parameters():
-                    if param.grad is not None:
-                        grad = _full(param.grad).detach().cpu()
-                        if name in orders:  # undo the per-head regrouping
-                            grad = grad[torch.argsort(orders[name])]
-                        grads[name] = grad.clone()
+        grads = _gradients(chunks, orders) if job.capture_grads else None
+    return _Measured(
+        peak_bytes=peak_bytes,
+        breakdown=breakdown,
+        iteration_ms=iteration_ms,
+        losses=losses,
+        cuda_peak=cuda_peak,
+        grads=grads,
+    )
 
-    predicted = stages[stage_index].get("peak_bytes")
+
+def _rank_main(rank: int, job: _Job) -> RankReport:
+    """One rank: place it, join the mesh, build its chunks, train and measure, and report next
+    to the plan's prediction for its stage."""
+    place = _place(rank, job)
+    mesh = _init_mesh(place, job)
+    spec = _spec(job.preset, job.overrides)
+    chunks, vocab_sizes = _build_chunks(spec, job, place)
+    measured = _train_and_measure(chunks, spec, job, place, mesh, vocab_sizes)
+    stage = job.plan.stages[place.stage]
+    predicted = stage.peak_bytes
+    peak_bytes = measured.peak_bytes
     return RankReport(
         rank=rank,
-        stage=stage_index,
-        dp_rank=dp_rank,
-        tp_rank=tp_rank,
-        layers=list(layers),
+        stage=place.stage,
+        dp_rank=place.dp_rank,
+        tp_rank=place.tp_rank,
+        layers=list(stage.layers),
         measured_peak_bytes=peak_bytes,
-        measured_breakdown=breakdown,
+        measured_breakdown=measured.breakdown,
         predicted_peak_bytes=predicted,
-        predicted_breakdown=stages[stage_index].get("breakdown"),
+        predicted_breakdown=dict(stage.breakdown),
         error_pct=100.0 * (predicted - peak_bytes) / peak_bytes if predicted else None,
-        iteration_ms=iteration_ms,
-        cuda_max_allocated_bytes=cuda_peak,
-        losses=losses,
-        grads=grads,
+        iteration_ms=measured.iteration_ms,
+        cuda_max_allocated_bytes=measured.cuda_peak,
+        losses=measured.losses,
+        grads=measured.grads,
     )
 
 
@@ -648,7 +754,7 @@ def _first_error(directory: Path) -> str:
 
 def run_plan(
     preset: str,
-    plan: dict[str, Any],
+    plan: str | Path | dict[str, Any] | PlanFile,
     *,
     iterations: int = 2,
     seed: int = 0,
@@ -662,6 +768,8 @@ def run_plan(
 ) -> list[RankReport]:
     """Train ``iterations`` steps of ``preset`` with ``plan`` on ``pp * dp * tp`` local processes.
 
+    ``plan``: a plan or evaluation document (a path, a parsed dict or a
+    :class:`solver.plan_file.PlanFile`), checked by :func:`solver.plan_file.load_plan`.
     Returns one ``RankReport`` per rank, in rank order. ``seq`` defaults to the model's
     ``seq_len``; ``max_processes`` to ``max(4, 2 * cpu_count)``. ``device``: ``"cpu"`` (gloo) or
     ``"cuda"`` (NCCL, rank r on ``cuda:{r % device_count}``, one GPU per rank). Raises
@@ -674,11 +782,11 @@ def run_plan(
     overrides = dict(overrides or {})
     if iterations < 1:
         raise InputError(f"iterations must be >= 1, got {iterations}")
+    plan = load_plan(plan)
     spec = _spec(preset, overrides)
     limit = max_processes or max(4, 2 * (os.cpu_count() or 1))
-    _check_plan(spec, plan, limit)
-    config = plan["config"]
-    world = config["pp"] * config["dp"] * config["tp"]
+    _check_runnable(spec, plan, limit)
+    world = plan.config.num_gpus
     _check_device(device, world)
     job = _Job(
         preset=preset,

@@ -15,8 +15,8 @@ from dataclasses import asdict
 
 from profiling.export import parse_overrides
 from solver.cli.common import OneLineErrorParser, positive_int, write_json
-from solver.errors import InputError, PlannerError
-from solver.jsonfile import read_json
+from solver.errors import PlannerError
+from solver.plan_file import load_plan
 
 TOLERANCE_EXCEEDED = 6
 
@@ -26,7 +26,10 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m profiling.validate",
         description="Run a plan for real and compare per-rank peaks.",
     )
-    result.add_argument("plan", help="plan JSON written by python -m solver.plan --json")
+    result.add_argument(
+        "plan",
+        help="plan JSON written by python -m solver.plan --json (or solver.evaluate --json)",
+    )
     result.add_argument("--model", required=True, help="zoo preset the plan was made for")
     result.add_argument(
         "--set",
@@ -60,25 +63,15 @@ def parser() -> argparse.ArgumentParser:
     return result
 
 
-def load_plan(path: str) -> dict:
-    plan = read_json(path, kind="plan", fix="pass a plan from solver.plan --json")
-    if not isinstance(plan, dict) or plan.get("format") != "plan":
-        raise InputError(
-            f'{path}: not a plan (expected "format": "plan" as written by '
-            "python -m solver.plan --json)"
-        )
-    return plan
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         from profiling.run import format_reports, run_plan
 
-        plan = load_plan(args.plan)
-        if plan.get("runtime", "megatron") != "torch":
+        plan = load_plan(args.plan)  # checked (docs/plan.md): a PlanFile
+        if plan.runtime != "torch":
             print(
-                f"note: {args.plan} was planned for the {plan.get('runtime', 'megatron')} runtime; "
+                f"note: {args.plan} was planned for the {plan.runtime} runtime; "
                 "this run uses torch.distributed.pipelining, which keeps more boundary buffers "
                 "(plan with --runtime torch to compare like for like)",
                 file=sys.stderr,

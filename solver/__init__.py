@@ -1,10 +1,11 @@
 """Memory-centric planner: partition and parallelise a layer graph to minimise per-GPU peak memory.
 
-    from solver import load_graph, Cluster, TrainingConfig, plan
+    from solver import load_graph, load_plan, Cluster, TrainingConfig, plan
     graph = load_graph("examples/gpt-1.3b.json")
     result = plan(graph, Cluster(num_gpus=16, gpu_memory_bytes=80 * 2**30),
                   TrainingConfig(global_batch=64))
     print(result.config, result.peak_bytes, result.throughput)
+    again = load_plan("plan.json")  # a plan file (solver.plan --json), checked: a PlanFile
 
 The solver never imports torch.
 """
@@ -13,6 +14,7 @@ from solver.cluster_file import load_cluster
 from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate
 from solver.graph import Edge, Layer, LayerGraph, graph_from_dict, load_graph
+from solver.plan_file import PlanFile, evaluate_plan, load_plan
 from solver.planner import Plan, plan
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
@@ -27,11 +29,14 @@ __all__ = [
     "NoSolutionError",
     "ParallelConfig",
     "Plan",
+    "PlanFile",
     "PlannerError",
     "TrainingConfig",
     "evaluate",
+    "evaluate_plan",
     "graph_from_dict",
     "load_cluster",
     "load_graph",
+    "load_plan",
     "plan",
 ]

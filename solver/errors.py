@@ -48,6 +48,13 @@ class NoSolutionError(PlannerError):
     exit_code = 4
 
 
+class StalePlanError(PlannerError):
+    """Evaluating a plan file again gives other numbers than it records (the cost model changed
+    since it was written). Exit code 6."""
+
+    exit_code = 6
+
+
 class RunError(PlannerError):
     """A rank of a real run failed or the run timed out; every process of the run has been
     stopped. Exit code 5."""

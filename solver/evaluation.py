@@ -130,6 +130,54 @@ def default_training(config: ParallelConfig) -> TrainingConfig:
     )
 
 
+_DEFAULTS = TrainingConfig(global_batch=1)
+
+
+def check_training(config: ParallelConfig, training: TrainingConfig) -> None:
+    """InputError naming both values when ``training`` contradicts ``config``.
+
+    The config is the layout that is evaluated; the training options must admit it: the same
+    schedule and global batch (dp * b * m), its virtual stages among the candidates, its
+    recompute mode (or auto, which covers every mode), its micro-batch size and ZeRO stage among
+    the candidates when those lists are not the defaults (the default lists restrict nothing
+    here), and pp/tp/dp equal to any pinned degree. Only then do the training options' bytes per
+    parameter, runtime, memory model and calibration describe this layout.
+    """
+    problems = []
+    if training.schedule != config.schedule:
+        problems.append(
+            f"training.schedule {training.schedule!r} != config.schedule {config.schedule!r}"
+        )
+    if config.virtual_stages not in training.virtual_stages:
+        problems.append(
+            f"config.virtual_stages {config.virtual_stages} not in training.virtual_stages "
+            f"{list(training.virtual_stages)}"
+        )
+    if training.recompute not in (config.recompute, "auto"):
+        problems.append(
+            f"training.recompute {training.recompute!r} != config.recompute {config.recompute!r}"
+        )
+    for field, candidates in (("micro_batch", "micro_batch_sizes"), ("zero", "zero_stages")):
+        allowed, value = getattr(training, candidates), getattr(config, field)
+        if allowed != getattr(_DEFAULTS, candidates) and value not in allowed:
+            problems.append(f"config.{field} {value} not in training.{candidates} {list(allowed)}")
+    for degree in ("pp", "tp", "dp"):
+        pinned, value = getattr(training, degree), getattr(config, degree)
+        if pinned is not None and pinned != value:
+            problems.append(f"training.{degree} {pinned} != config.{degree} {value}")
+    if training.global_batch != config.global_batch:
+        problems.append(
+            f"training.global_batch {training.global_batch} != config dp({config.dp}) * "
+            f"micro_batch({config.micro_batch}) * num_microbatches({config.num_microbatches}) = "
+            f"{config.global_batch}"
+        )
+    if problems:
+        raise InputError(
+            f"training options contradict the config: {'; '.join(problems)}; make them agree "
+            "or omit training (it is then derived from the config)"
+        )
+
+
 def evaluate(
     graph: LayerGraph,
     config: ParallelConfig,
@@ -146,9 +194,14 @@ def evaluate(
     per stage (chains, list order), or a stage index per layer (any DAG). ``recomputed``: a flag
     per layer, under ``config.recompute == "selective"`` (default: no layer). On a heterogeneous
     cluster ``group_of_stage`` says which node group runs each stage (tp * dp GPUs of it).
+    ``training`` gives the bytes per parameter, runtime, memory model and calibration; it must
+    admit ``config`` (:func:`check_training`, InputError otherwise); None derives it from config.
     """
     cluster = cluster or Cluster(num_gpus=config.num_gpus)
-    training = training or default_training(config)
+    if training is None:
+        training = default_training(config)
+    else:
+        check_training(config, training)
     if config.virtual_stages > 1:
         check_interleaving(cluster, training)
         m, p, v = config.num_microbatches, config.pp, config.virtual_stages

@@ -8,6 +8,7 @@ and the fix.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from functools import cache
@@ -167,6 +168,17 @@ class LayerGraph:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    def sha256(self) -> str:
+        """Hex SHA-256 of the v1 document (:meth:`to_dict`) as canonical JSON (sorted keys, no
+        spaces): equal for equal graphs whatever the file's formatting (plans record it)."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    @property
+    def path(self) -> str | None:
+        """The file the graph was loaded from (``source``), None for a graph built in memory."""
+        return None if self.source.startswith("<") else self.source
 
 
 @cache

@@ -37,13 +37,15 @@ from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, UTILIZATIO
 from solver.errors import InputError, NoSolutionError
 from solver.evaluation import Evaluation, evaluate_assignment
 from solver.graph import LayerGraph
-from solver.report import evaluation_to_dict
+from solver.plan_file import PLAN_VERSION, check_pareto
+from solver.report import cluster_to_dict, evaluation_fields
 from solver.search import Deadline, build_entries, search
 from solver.specs import Cluster, TrainingConfig
 from solver.units import format_bytes
 
 PARETO_FORMAT = "pareto"
-PARETO_VERSION = 1
+PARETO_VERSION = PLAN_VERSION
+"""Version 2: every point records the graph, the complete cluster and the training options."""
 
 
 @dataclass(kw_only=True)
@@ -222,18 +224,14 @@ def pareto_to_dict(front: ParetoFront) -> dict[str, Any]:
     first = front.points[0]
     cluster = first.cluster
     points = [
-        evaluation_to_dict(point) | {"layer_counts": point.layer_counts, "memory": memory}
+        evaluation_fields(point) | {"layer_counts": point.layer_counts, "memory": memory}
         for point, memory in zip(front.points, front.memory, strict=True)
     ]
     document = {
         "format": PARETO_FORMAT,
         "version": PARETO_VERSION,
         "model": first.graph.model,
-        "cluster": {
-            "num_gpus": cluster.num_gpus,
-            "gpu_memory_bytes": cluster.gpu_memory_bytes,
-            "gpus_per_node": cluster.gpus_per_node,
-        },
+        "cluster": cluster_to_dict(cluster),
         "memory_unit": front.memory_unit,
         "complete": front.complete,
         "proven": front.proven,
@@ -242,8 +240,8 @@ def pareto_to_dict(front: ParetoFront) -> dict[str, Any]:
         "points": points,
     }
     if cluster.is_heterogeneous:
-        document["cluster"]["groups"] = points[0]["cluster"]["groups"]
         document["memory_objective"] = first.training.memory_objective
+    check_pareto(document)  # the writer's invariant: the schema (plan.schema.json) accepts it
     return document
 
 

@@ -6,29 +6,41 @@ import math
 from typing import Any
 
 from solver.cost_model import PPM
+from solver.errors import InputError
 from solver.evaluation import Evaluation
+from solver.plan_file import EVALUATION_FORMAT, PLAN_FORMAT, PLAN_VERSION, load_plan
 from solver.planner import Plan
+from solver.specs import Cluster, TrainingConfig
 from solver.units import format_bytes
-
-PLAN_FORMAT = "plan"
-PLAN_VERSION = 1
 
 
 def evaluation_to_dict(evaluation: Evaluation) -> dict[str, Any]:
-    """Config, per-stage costs (bytes per GPU, ms), peak and throughput of one split."""
+    """The evaluation JSON (format "evaluation", version 2; docs/plan.md): what
+    ``python -m solver.evaluate --json`` writes."""
+    document = {"format": EVALUATION_FORMAT, "version": PLAN_VERSION}
+    return checked(document | evaluation_fields(evaluation))
+
+
+def evaluation_fields(evaluation: Evaluation) -> dict[str, Any]:
+    """What a plan, an evaluation and a Pareto point share: the graph, cluster, config and
+    training options, and the per-stage costs (bytes per GPU, ms), peak and throughput."""
     names = evaluation.stage_layer_names()
     recomputed = evaluation.stage_recomputed_names()
-    cluster = evaluation.cluster
+    graph = evaluation.graph
     document = {
-        "model": evaluation.graph.model,
-        "cluster": {
-            "num_gpus": cluster.num_gpus,
-            "gpu_memory_bytes": cluster.gpu_memory_bytes,
-            "gpus_per_node": cluster.gpus_per_node,
+        "model": graph.model,
+        "graph": {
+            "model": graph.model,
+            "path": graph.path,
+            "sha256": graph.sha256(),
+            "num_layers": graph.num_layers,
         },
+        "cluster": cluster_to_dict(evaluation.cluster),
         "config": evaluation.config.to_dict(),
+        "training": training_to_dict(evaluation.training),
         "runtime": evaluation.training.runtime,
         "memory_model": evaluation.training.memory_model,
+        "memory_objective": evaluation.training.memory_objective,
         "stages": [
             {
                 "index": stage.index,
@@ -62,22 +74,58 @@ def evaluation_to_dict(evaluation: Evaluation) -> dict[str, Any]:
     return document
 
 
+def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
+    """Every field of the cluster (its groups only when heterogeneous): rebuilds it exactly."""
+    document = {
+        "num_gpus": cluster.num_gpus,
+        "gpu_memory_bytes": cluster.gpu_memory_bytes,
+        "gpus_per_node": cluster.gpus_per_node,
+        "gpu_flops": cluster.gpu_flops,
+        "flops_efficiency": cluster.flops_efficiency,
+        "intra_node_gb_per_s": cluster.intra_node_gb_per_s,
+        "inter_node_gb_per_s": cluster.inter_node_gb_per_s,
+    }
+    if cluster.groups:
+        document["groups"] = [
+            {
+                "name": g.name,
+                "num_nodes": g.num_nodes,
+                "gpus_per_node": g.gpus_per_node,
+                "gpu_memory_bytes": g.gpu_memory_bytes,
+                "gpu_flops": g.gpu_flops,
+                "flops_efficiency": g.flops_efficiency,
+                "intra_node_gb_per_s": g.intra_node_gb_per_s,
+                "inter_node_gb_per_s": g.inter_node_gb_per_s,
+            }
+            for g in cluster.groups
+        ]
+    return document
+
+
+def training_to_dict(training: TrainingConfig) -> dict[str, Any]:
+    """The training options but runtime, memory model and objective and calibration (top-level
+    fields of the document)."""
+    top_level = ("runtime", "memory_model", "memory_objective", "calibration")
+    return {
+        name: list(value) if isinstance(value, tuple) else value
+        for name in TrainingConfig.__dataclass_fields__
+        if name not in top_level
+        for value in [getattr(training, name)]
+    }
+
+
+def checked(document: dict[str, Any]) -> dict[str, Any]:
+    """``document``, after checking that :func:`solver.plan_file.load_plan` accepts it (an
+    internal invariant: the writer never writes a plan its own reader rejects)."""
+    try:
+        load_plan(document)
+    except InputError as error:
+        raise AssertionError(f"internal error: a written plan fails its reader: {error}") from None
+    return document
+
+
 def _add_groups(document: dict[str, Any], evaluation: Evaluation) -> None:
-    """Heterogeneous clusters: the groups, and each stage's group, capacity and utilization."""
-    document["cluster"]["groups"] = [
-        {
-            "name": g.name,
-            "num_nodes": g.num_nodes,
-            "gpus_per_node": g.gpus_per_node,
-            "gpu_memory_bytes": g.gpu_memory_bytes,
-            "gpu_flops": g.gpu_flops,
-            "flops_efficiency": g.flops_efficiency,
-            "intra_node_gb_per_s": g.intra_node_gb_per_s,
-            "inter_node_gb_per_s": g.inter_node_gb_per_s,
-        }
-        for g in evaluation.cluster.groups
-    ]
-    document["memory_objective"] = evaluation.training.memory_objective
+    """Heterogeneous clusters: each stage's group, capacity and utilization."""
     for stage, group, capacity, ppm in zip(
         document["stages"],
         evaluation.group_names,
@@ -100,10 +148,10 @@ def calibration_to_dict(evaluation: Evaluation) -> dict[str, Any] | None:
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
-    """The plan JSON (format "plan", version 1)."""
+    """The plan JSON (format "plan", version 2; docs/plan.md, solver/plan.schema.json)."""
     report = plan.solver
     document = {"format": PLAN_FORMAT, "version": PLAN_VERSION}
-    document |= evaluation_to_dict(plan.evaluation)
+    document |= evaluation_fields(plan.evaluation)
     document["solver"] = {
         "backend": report.backend,
         "status": report.status,
@@ -130,7 +178,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         for name, ev in plan.baselines.items()
     }
     document["exports"] = plan.exports
-    return document
+    return checked(document)
 
 
 def objective_unit(evaluation: Evaluation) -> str:

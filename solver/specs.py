@@ -14,14 +14,20 @@ from solver.calibration import Calibration
 from solver.errors import InputError
 
 SCHEDULES = ("1f1b", "gpipe")
-RECOMPUTE_CHOICES = ("none", "full", "selective", "auto")
+"""Pipeline schedules (interleaved 1F1B is 1f1b with ``virtual_stages`` > 1)."""
+RECOMPUTE_MODES = ("none", "full", "selective")
+"""Recomputation of a concrete layout (:attr:`ParallelConfig.recompute`)."""
+RECOMPUTE_CHOICES = (*RECOMPUTE_MODES, "auto")
+"""What the search may be asked for (:attr:`TrainingConfig.recompute`): a mode, or auto."""
+ZERO_STAGES = (0, 1, 2, 3)
+"""ZeRO stages over the data-parallel group."""
 OBJECTIVES = ("memory", "throughput")
 RUNTIMES = ("megatron", "torch")
+"""Pipeline runtimes whose boundary buffers the cost model knows (``boundary_copies``)."""
 MEMORY_MODELS = ("analytic", "empirical")
 MEMORY_OBJECTIVES = ("utilization", "absolute")
 """What "memory" minimises on a heterogeneous cluster: the largest stage peak / capacity of its
 group (utilization) or the largest stage peak in bytes (absolute)."""
-"""Pipeline runtimes whose boundary buffers the cost model knows (``boundary_copies``)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -114,7 +120,12 @@ class Cluster:
 
 @dataclass(kw_only=True, frozen=True)
 class TrainingConfig:
-    """What is trained and how the search may vary it."""
+    """What is trained and how the search may vary it.
+
+    The candidate lists (micro-batch sizes, ZeRO stages, recompute, virtual stages) and the pins
+    describe the search space; each :class:`ParallelConfig` the search builds is one concrete
+    point of it and is the home of that layout's schedule, recompute mode and virtual stages.
+    """
 
     global_batch: int
     """Samples per optimizer step (B)."""
@@ -127,7 +138,7 @@ class TrainingConfig:
     jointly with the split) | auto (= selective: none and full are special cases of it, so its
     optimum is never worse than either; none and full with the empirical memory model)."""
     schedule: str = "1f1b"
-    """Pipeline schedule: 1f1b or gpipe."""
+    """Pipeline schedule of every candidate: 1f1b or gpipe (``SCHEDULES``)."""
     virtual_stages: tuple[int, ...] = (1,)
     """Candidate model chunks per pipeline rank v (interleaved 1F1B when v > 1; Megatron-LM's
     ``--num-virtual-stages-per-pipeline-rank``); (1, 2, 4) lets the search choose."""
@@ -172,7 +183,7 @@ class TrainingConfig:
             f"micro_batch_sizes must be positive integers, got {self.micro_batch_sizes}",
         )
         _require(
-            bool(self.zero_stages) and all(z in (0, 1, 2, 3) for z in self.zero_stages),
+            bool(self.zero_stages) and all(z in ZERO_STAGES for z in self.zero_stages),
             f"zero_stages must be within 0..3, got {self.zero_stages}",
         )
         _require(
@@ -245,12 +256,35 @@ class ParallelConfig:
     zero: int = 0
     """ZeRO stage 0..3 over the data-parallel group."""
     recompute: str = "none"
-    """none | full: every layer recomputes | selective: each layer may (the plan says which)."""
+    """none | full: every layer recomputes | selective: each layer may (the plan says which);
+    ``RECOMPUTE_MODES``."""
     schedule: str = "1f1b"
-    """1f1b | gpipe."""
+    """1f1b | gpipe (``SCHEDULES``)."""
     virtual_stages: int = 1
     """v: model chunks per pipeline rank (interleaved 1F1B, Megatron's virtual pipeline size);
     the layers are split into p v virtual stages and virtual stage j runs on rank j mod p."""
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "tp", "dp", "micro_batch", "num_microbatches", "virtual_stages"):
+            value = getattr(self, name)
+            _require(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                f"{name} must be a positive integer, got {value!r}",
+            )
+        _require(self.zero in ZERO_STAGES, f"zero must be one of 0..3, got {self.zero!r}")
+        _require(
+            self.recompute in RECOMPUTE_MODES,
+            f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}",
+        )
+        _require(
+            self.schedule in SCHEDULES,
+            f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}",
+        )
+        _require(
+            self.virtual_stages == 1 or self.schedule == "1f1b",
+            f"virtual_stages={self.virtual_stages} with schedule {self.schedule!r}: interleaved "
+            "pipelines run 1F1B; use --schedule 1f1b",
+        )
 
     @property
     def num_gpus(self) -> int:

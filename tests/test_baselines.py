@@ -40,7 +40,10 @@ def random_case(seed: int):
     problem = random_problem(rng, graph)
     config = problem.costs.config
     cluster = Cluster(num_gpus=config.num_gpus)
-    training = TrainingConfig(global_batch=config.global_batch)
+    # the options the problem's costs were built with, admitting its schedule and recompute
+    training = TrainingConfig(
+        global_batch=config.global_batch, schedule=config.schedule, recompute=config.recompute
+    )
     return graph, problem, cluster, training
 
 

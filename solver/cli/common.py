@@ -17,7 +17,16 @@ from typing import Any
 
 from solver.calibration import Calibration, load_calibration
 from solver.errors import InputError
-from solver.specs import MEMORY_MODELS, MEMORY_OBJECTIVES, RUNTIMES, Cluster, TrainingConfig
+from solver.specs import (
+    MEMORY_MODELS,
+    MEMORY_OBJECTIVES,
+    RECOMPUTE_CHOICES,
+    RUNTIMES,
+    SCHEDULES,
+    ZERO_STAGES,
+    Cluster,
+    TrainingConfig,
+)
 from solver.units import parse_bytes
 
 
@@ -87,11 +96,18 @@ def size_list(text: str) -> list[int]:
     return [memory_size(part) for part in parts]
 
 
-def add_graph_and_cluster(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("graph", help="layer-graph JSON file (docs/layer-graph.md)")
+def add_graph_and_cluster(parser: argparse.ArgumentParser, *, graph_optional: bool = False) -> None:
+    """The graph argument, --cluster and the cluster and training flags, --json and --quiet;
+    ``graph_optional``: the graph and --global-batch may be left out (solver.evaluate --plan)."""
+    parser.add_argument(
+        "graph",
+        nargs="?" if graph_optional else None,
+        help="layer-graph JSON file (docs/layer-graph.md)"
+        + ("; with --plan, default: the graph the plan records" if graph_optional else ""),
+    )
     add_cluster_file_option(parser)
     add_cluster_options(parser)
-    add_training_options(parser)
+    add_training_options(parser, batch_required=not graph_optional)
     parser.add_argument("--json", metavar="OUT", help="also write the result as JSON to OUT")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
 
@@ -182,13 +198,16 @@ def add_cluster_options(parser: argparse.ArgumentParser, *, memory_list: bool = 
     )
 
 
-def add_training_options(parser: argparse.ArgumentParser) -> None:
+def add_training_options(parser: argparse.ArgumentParser, *, batch_required: bool = True) -> None:
     """--global-batch, --schedule, --runtime, --bytes-per-param, --calibration, --memory-model."""
     training = parser.add_argument_group("training")
     training.add_argument(
-        "--global-batch", type=positive_int, required=True, help="samples per optimizer step"
+        "--global-batch",
+        type=positive_int,
+        required=batch_required,
+        help="samples per optimizer step",
     )
-    training.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    training.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     training.add_argument(
         "--virtual-stages",
         type=int_list,
@@ -253,8 +272,8 @@ def bytes_per_param(args: argparse.Namespace) -> dict[str, int]:
 
 def input_files(args: argparse.Namespace) -> list[str]:
     """Files the CLI read (--json must not overwrite them)."""
-    files = [args.graph] + ([args.calibration] if args.calibration else [])
-    return files + ([args.cluster] if getattr(args, "cluster", None) else [])
+    names = ("graph", "calibration", "cluster", "plan")
+    return [getattr(args, name) for name in names if getattr(args, name, None)]
 
 
 def add_plot_option(parser: argparse.ArgumentParser) -> None:
@@ -283,7 +302,7 @@ def calibration_from_args(args: argparse.Namespace) -> Calibration | None:
 
 def zero_stages(text: str) -> tuple[int, ...]:
     if text == "auto":
-        return (0, 1, 2, 3)
+        return ZERO_STAGES
     return (int(text),)
 
 
@@ -323,13 +342,13 @@ def add_plan_options(parser: argparse.ArgumentParser, *, cpsat_workers: bool = T
     )
     search.add_argument(
         "--zero",
-        choices=["0", "1", "2", "3", "auto"],
+        choices=[*map(str, ZERO_STAGES), "auto"],
         default="0",
         help="ZeRO stage, or auto to search 0..3 (default 0)",
     )
     search.add_argument(
         "--recompute",
-        choices=["none", "full", "selective", "auto"],
+        choices=RECOMPUTE_CHOICES,
         default="none",
         help="activation recomputation: none, full (every layer), selective (the solver picks "
         "the layers, jointly with the split; CP-SAT/MILP), or auto (= selective, which contains "

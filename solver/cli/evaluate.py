@@ -1,5 +1,6 @@
 """``python -m solver.evaluate``: parse, call :func:`solver.evaluation.evaluate` on a given
-config and split, print the per-stage table, write its JSON and plot."""
+config and split (or :func:`solver.plan_file.evaluate_plan` on a plan file, ``--plan``), print the
+per-stage table, write its JSON and plot."""
 
 from __future__ import annotations
 
@@ -20,24 +21,37 @@ from solver.cli.common import (
     print_output,
     write_json,
 )
-from solver.errors import InputError, PlannerError
+from solver.errors import InputError, PlannerError, StalePlanError
 from solver.graph import load_graph
-from solver.specs import Cluster, ParallelConfig, TrainingConfig
+from solver.specs import RECOMPUTE_MODES, ZERO_STAGES, Cluster, ParallelConfig, TrainingConfig
+
+REQUIRED = ("graph", "pp", "split", "global_batch")
+"""Required unless --plan gives them."""
+WITH_PLAN = ("plan", "graph", "json", "quiet", "plot")
+"""The arguments --plan takes (the plan gives the rest)."""
 
 
 def evaluate_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog="python -m solver.evaluate",
-        description="Per-stage peak memory and time of a given split and config.",
+        description="Per-stage peak memory and time of a given split and config, or of a plan "
+        "file's own (--plan).",
     )
-    parser.add_argument("--pp", type=positive_int, required=True)
+    parser.add_argument(
+        "--plan",
+        metavar="PLAN.json",
+        help="evaluate this plan (solver.plan --json or solver.evaluate --json) again: its config, "
+        "split, recomputed layers, stage groups, cluster and training options, on the graph it "
+        "records (or GRAPH); exit code 6 when the numbers differ from the plan's",
+    )
+    parser.add_argument("--pp", type=positive_int)
     parser.add_argument("--tp", type=positive_int, default=1)
     parser.add_argument("--dp", type=positive_int, default=1)
     parser.add_argument("--micro-batch", type=positive_int, default=1)
-    parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
+    parser.add_argument("--zero", type=int, choices=ZERO_STAGES, default=0)
     parser.add_argument(
         "--recompute",
-        choices=["none", "full", "selective"],
+        choices=RECOMPUTE_MODES,
         default="none",
         help="none, full (every layer), or selective: the layers of --recompute-layers",
     )
@@ -50,7 +64,6 @@ def evaluate_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--split",
-        required=True,
         help="even | parameters | layer counts per stage (5,7,7,5) | a stage index per layer "
         "(with --virtual-stages v: per virtual stage, p v of them, in pipeline order)",
     )
@@ -61,97 +74,142 @@ def evaluate_parser() -> argparse.ArgumentParser:
         "group names (e.g. a100-80g,a100-40g)",
     )
     add_plot_option(parser)
-    add_graph_and_cluster(parser)
+    add_graph_and_cluster(parser, graph_optional=True)
     return parser
 
 
 def evaluate_main(argv: list[str] | None = None) -> int:
     parser = evaluate_parser()
     args = parser.parse_args(argv)
+    if args.plan is None:
+        missing = [name for name in REQUIRED if getattr(args, name) is None]
+        if missing:
+            names = [name if name == "graph" else "--" + name.replace("_", "-") for name in missing]
+            parser.error(f"the following arguments are required: {', '.join(names)}")
     try:
-        from solver.evaluation import evaluate
-        from solver.report import evaluation_to_dict, format_evaluation
-
         check_outputs(args)
-        graph = load_graph(args.graph)
-        if args.global_batch % (args.dp * args.micro_batch):
-            raise InputError(
-                f"--global-batch {args.global_batch} is not a multiple of dp("
-                f"{args.dp}) * micro-batch({args.micro_batch})"
-            )
-        if len(args.virtual_stages) != 1:
-            raise InputError(
-                f"--virtual-stages {','.join(map(str, args.virtual_stages))}: evaluate takes "
-                "one value (the chunks per pipeline rank of the split)"
-            )
-        config = ParallelConfig(
-            pp=args.pp,
-            tp=args.tp,
-            dp=args.dp,
-            micro_batch=args.micro_batch,
-            num_microbatches=args.global_batch // (args.dp * args.micro_batch),
-            zero=args.zero,
-            recompute=args.recompute,
-            schedule=args.schedule,
-            virtual_stages=args.virtual_stages[0],
-        )
-        cluster = cluster_from_args(parser, args, config.num_gpus)
-        if args.tp > cluster.gpus_per_node or cluster.gpus_per_node % args.tp:
-            if not cluster.is_heterogeneous:
-                raise InputError(
-                    f"--tp {args.tp} must divide --gpus-per-node {cluster.gpus_per_node}"
-                )
-        if args.cluster is not None and not cluster.is_heterogeneous:
-            if config.num_gpus != cluster.num_gpus:
-                raise InputError(
-                    f"pp({args.pp}) * tp({args.tp}) * dp({args.dp}) = {config.num_gpus} != "
-                    f"gpus({cluster.num_gpus}) of --cluster {args.cluster}"
-                )
-        groups = _stage_groups(args, cluster)
-        recomputed = _recompute_layers(args, graph)
-        split: str | list[int] = args.split
-        if args.split not in ("even", "parameters"):
-            try:
-                split = [int(part) for part in args.split.split(",")]
-            except ValueError:
-                raise InputError(
-                    f"--split {args.split!r}: use even, parameters, or comma-separated integers"
-                ) from None
-        training = TrainingConfig(
-            global_batch=args.global_batch,
-            micro_batch_sizes=(args.micro_batch,),
-            zero_stages=(args.zero,),
-            recompute=args.recompute,
-            schedule=args.schedule,
-            virtual_stages=(config.virtual_stages,),
-            runtime=args.runtime,
-            memory_model=args.memory_model,
-            calibration=calibration_from_args(args),
-            **bytes_per_param(args),
-        )
-        result = evaluate(
-            graph,
-            config,
-            split,
-            cluster=cluster,
-            training=training,
-            group_of_stage=groups,
-            recomputed=recomputed,
-        )
-        if args.json:
-            write_json(args.json, evaluation_to_dict(result), protect=input_files(args))
-        if args.plot:
-            _plot_evaluation(result, args.plot)
-        if not args.quiet:
-            print_output(
-                format_evaluation(
-                    result, f"Split {args.split} of {graph.model} on {config.num_gpus} GPUs"
-                )
-            )
+        if args.plan is not None:
+            return _evaluate_plan(parser, args)
+        _evaluate_split(parser, args)
     except PlannerError as error:
         sys.stderr.write(f"error: {error}\n")
         return error.exit_code
     return 0
+
+
+def _evaluate_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """--plan: evaluate the plan's own layout; StalePlanError when its numbers differ."""
+    from solver.plan_file import evaluate_plan, load_plan, plan_differences
+
+    given = [
+        "--" + dest.replace("_", "-")
+        for dest, value in vars(args).items()
+        if dest not in WITH_PLAN and value != parser.get_default(dest)
+    ]
+    if given:
+        raise InputError(
+            f"--plan {args.plan} gives the config, split, cluster and training options: drop "
+            f"{', '.join(given)}"
+        )
+    plan = load_plan(args.plan)
+    result = evaluate_plan(plan, args.graph)
+    where = f"{result.graph.model} on {result.config.num_gpus} GPUs"
+    _output(args, result, f"Plan {args.plan} evaluated again: {where}")
+    differences = plan_differences(plan, result)
+    if differences:
+        shown = "; ".join(differences[:3]) + ("; ..." if len(differences) > 3 else "")
+        raise StalePlanError(
+            f"{args.plan}: {len(differences)} number(s) differ from the plan's ({shown}); the "
+            "cost model changed since it was written: re-create it with python -m solver.plan"
+        )
+    if not args.quiet:
+        print_output(
+            f"plan check: every stage's peak, breakdown and time equal {args.plan}'s "
+            f"({plan.peak_bytes} B peak, {plan.iteration_ms:.6g} ms per iteration)"
+        )
+    return 0
+
+
+def _output(args: argparse.Namespace, result: Any, title: str) -> None:
+    """--json, --plot and the table (unless --quiet)."""
+    from solver.report import evaluation_to_dict, format_evaluation
+
+    if args.json:
+        write_json(args.json, evaluation_to_dict(result), protect=input_files(args))
+    if args.plot:
+        _plot_evaluation(result, args.plot)
+    if not args.quiet:
+        print_output(format_evaluation(result, title))
+
+
+def _evaluate_split(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The config, split and options of the flags."""
+    from solver.evaluation import evaluate
+
+    graph = load_graph(args.graph)
+    if args.global_batch % (args.dp * args.micro_batch):
+        raise InputError(
+            f"--global-batch {args.global_batch} is not a multiple of dp("
+            f"{args.dp}) * micro-batch({args.micro_batch})"
+        )
+    if len(args.virtual_stages) != 1:
+        raise InputError(
+            f"--virtual-stages {','.join(map(str, args.virtual_stages))}: evaluate takes "
+            "one value (the chunks per pipeline rank of the split)"
+        )
+    config = ParallelConfig(
+        pp=args.pp,
+        tp=args.tp,
+        dp=args.dp,
+        micro_batch=args.micro_batch,
+        num_microbatches=args.global_batch // (args.dp * args.micro_batch),
+        zero=args.zero,
+        recompute=args.recompute,
+        schedule=args.schedule,
+        virtual_stages=args.virtual_stages[0],
+    )
+    cluster = cluster_from_args(parser, args, config.num_gpus)
+    if args.tp > cluster.gpus_per_node or cluster.gpus_per_node % args.tp:
+        if not cluster.is_heterogeneous:
+            raise InputError(f"--tp {args.tp} must divide --gpus-per-node {cluster.gpus_per_node}")
+    if args.cluster is not None and not cluster.is_heterogeneous:
+        if config.num_gpus != cluster.num_gpus:
+            raise InputError(
+                f"pp({args.pp}) * tp({args.tp}) * dp({args.dp}) = {config.num_gpus} != "
+                f"gpus({cluster.num_gpus}) of --cluster {args.cluster}"
+            )
+    groups = _stage_groups(args, cluster)
+    recomputed = _recompute_layers(args, graph)
+    split: str | list[int] = args.split
+    if args.split not in ("even", "parameters"):
+        try:
+            split = [int(part) for part in args.split.split(",")]
+        except ValueError:
+            raise InputError(
+                f"--split {args.split!r}: use even, parameters, or comma-separated integers"
+            ) from None
+    training = TrainingConfig(
+        global_batch=args.global_batch,
+        micro_batch_sizes=(args.micro_batch,),
+        zero_stages=(args.zero,),
+        recompute=args.recompute,
+        schedule=args.schedule,
+        virtual_stages=(config.virtual_stages,),
+        runtime=args.runtime,
+        memory_model=args.memory_model,
+        calibration=calibration_from_args(args),
+        **bytes_per_param(args),
+    )
+    result = evaluate(
+        graph,
+        config,
+        split,
+        cluster=cluster,
+        training=training,
+        group_of_stage=groups,
+        recomputed=recomputed,
+    )
+    _output(args, result, f"Split {args.split} of {graph.model} on {config.num_gpus} GPUs")
 
 
 def _stage_groups(args: argparse.Namespace, cluster: Cluster) -> list[int] | None:
