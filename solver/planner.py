@@ -395,7 +395,7 @@ def _memory_exceeded(
         )
     needs = f"needs {format_bytes(best_peak)}{config_text}, "
     if not unconstrained.proven:  # the 10 s search stopped early: an upper bound only
-        needs = f"is proven over it; the best split found in 10 s needs {needs}"
+        needs = f"is proven over it; the best split found in 10 s {needs}"
     return InfeasibleError(
         f"nothing fits in {format_bytes(capacity)} per GPU (--gpu-memory): the best of "
         f"{len(entries)} configs {needs}"
