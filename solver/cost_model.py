@@ -787,40 +787,17 @@ def stage_costs(
     mask = costs.recompute_mask(recomputed)
     stored_per_layer, transient_per_layer, time_per_layer = costs.coefficients(mask)
     num_stages = costs.num_stages
-    first, last = stage_of[costs.edge_src], stage_of[costs.edge_dst]
-    crossing = first != last
-    nbytes = costs.edge_bytes[crossing]
-    # an edge leaves its producer's stage and enters its consumer's stage ...
-    sent = np.zeros(num_stages, dtype=np.int64)
-    received = np.zeros(num_stages, dtype=np.int64)
-    np.add.at(sent, first[crossing], nbytes)
-    np.add.at(received, last[crossing], nbytes)
-    # ... and every stage in between receives it, sends it on and keeps it in flight (relay)
-    relayed = np.zeros(num_stages, dtype=np.int64)
-    for src, dst, size in zip(first[crossing], last[crossing], nbytes, strict=True):
-        if dst - src > 1:
-            relayed[src + 1 : dst] += size
-    into, out_of = received + relayed, sent + relayed  # bytes a stage receives / sends
-
-    def buffer_bytes(stage: int, held: int, done: int = 0) -> int:
-        receive, send = costs.copies_at(stage, held, done)
-        return int(receive * into[stage] + send * out_of[stage])
-
-    def per_stage_sum(values: np.ndarray) -> np.ndarray:
-        """Exact int64 sums (np.bincount would go through float64)."""
-        total = np.zeros(num_stages, dtype=np.int64)
-        np.add.at(total, stage_of, values)
-        return total
-
-    weight, grad, optimizer = (
-        per_stage_sum(costs.weight_bytes),
-        per_stage_sum(costs.grad_bytes),
-        per_stage_sum(costs.optimizer_bytes),
-    )
-    stored, time_ns, sync_ns = (
-        per_stage_sum(stored_per_layer),
-        per_stage_sum(time_per_layer),
-        per_stage_sum(costs.dp_sync_ns),
+    into, out_of, relayed = _boundary_bytes(costs, stage_of)
+    weight, grad, optimizer, stored, time_ns, sync_ns = (
+        _per_stage_sum(values, stage_of, num_stages)
+        for values in (
+            costs.weight_bytes,
+            costs.grad_bytes,
+            costs.optimizer_bytes,
+            stored_per_layer,
+            time_per_layer,
+            costs.dp_sync_ns,
+        )
     )
     transient = np.zeros(num_stages, dtype=np.int64)
     np.maximum.at(transient, stage_of, transient_per_layer)
@@ -828,23 +805,9 @@ def stage_costs(
     bounds = np.searchsorted(stage_of[members], np.arange(num_stages + 1))
     kept = stored + relayed  # per micro-batch kept by each virtual stage
     stages = []
-    for rank, vectors in enumerate(costs.in_flight_vectors):
+    for rank in range(len(costs.in_flight_vectors)):
         own = costs.stages_of_rank(rank)
-        # the rank's peak is at the in-flight vector with the most activations + buffers
-        # (buffers depend on it only on the torch runtime with interleaving; ties: larger vector)
-        _, activations, buffers, vector = max(
-            (acts + bufs, acts, bufs, vector)
-            for vector, dones in zip(vectors, costs.backwards_done[rank], strict=True)
-            for acts, bufs in [
-                (
-                    int(sum(n * kept[j] for n, j in zip(vector, own, strict=True))),
-                    sum(
-                        buffer_bytes(j, n, done)
-                        for n, done, j in zip(vector, dones, own, strict=True)
-                    ),
-                )
-            ]
-        )
+        activations, buffers, vector = _rank_peak_moment(costs, rank, kept, into, out_of)
         chunks = [members[bounds[j] : bounds[j + 1]].tolist() for j in own]
         layers = [layer for chunk in chunks for layer in chunk]
         stages.append(
@@ -867,6 +830,57 @@ def stage_costs(
             )
         )
     return stages
+
+
+def _boundary_bytes(
+    costs: LayerCosts, stage_of: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(into, out_of, relayed) per (virtual) stage, per sample: the edge bytes a stage receives,
+    the bytes it sends, and those it relays (a relayed edge is received, kept in flight and sent
+    on)."""
+    num_stages = costs.num_stages
+    first, last = stage_of[costs.edge_src], stage_of[costs.edge_dst]
+    crossing = first != last
+    nbytes = costs.edge_bytes[crossing]
+    # an edge leaves its producer's stage and enters its consumer's stage ...
+    sent = np.zeros(num_stages, dtype=np.int64)
+    received = np.zeros(num_stages, dtype=np.int64)
+    np.add.at(sent, first[crossing], nbytes)
+    np.add.at(received, last[crossing], nbytes)
+    # ... and every stage in between receives it, sends it on and keeps it in flight (relay)
+    relayed = np.zeros(num_stages, dtype=np.int64)
+    for src, dst, size in zip(first[crossing], last[crossing], nbytes, strict=True):
+        if dst - src > 1:
+            relayed[src + 1 : dst] += size
+    return received + relayed, sent + relayed, relayed
+
+
+def _per_stage_sum(values: np.ndarray, stage_of: np.ndarray, num_stages: int) -> np.ndarray:
+    """Exact int64 sums (np.bincount would go through float64)."""
+    total = np.zeros(num_stages, dtype=np.int64)
+    np.add.at(total, stage_of, values)
+    return total
+
+
+def _rank_peak_moment(
+    costs: LayerCosts, rank: int, kept: np.ndarray, into: np.ndarray, out_of: np.ndarray
+) -> tuple[int, int, tuple[int, ...]]:
+    """(activations, buffers, in-flight vector) at the moment of the rank's schedule with the
+    most activations + buffers (buffers depend on the moment only on the torch runtime with
+    interleaving; ties: the larger vector)."""
+    own = costs.stages_of_rank(rank)
+    moments = []
+    for vector, dones in zip(
+        costs.in_flight_vectors[rank], costs.backwards_done[rank], strict=True
+    ):
+        activations = int(sum(n * kept[j] for n, j in zip(vector, own, strict=True)))
+        buffers = 0
+        for held, done, stage in zip(vector, dones, own, strict=True):
+            receive, send = costs.copies_at(stage, held, done)
+            buffers += int(receive * into[stage] + send * out_of[stage])
+        moments.append((activations + buffers, activations, buffers, vector))
+    _, activations, buffers, vector = max(moments)
+    return activations, buffers, vector
 
 
 PPM = 1_000_000
