@@ -70,88 +70,109 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         from solver.evaluation import evaluate
-        from solver.report import evaluation_to_dict, format_evaluation
 
         check_outputs(args)
         graph = load_graph(args.graph)
-        if args.global_batch % (args.dp * args.micro_batch):
-            raise InputError(
-                f"--global-batch {args.global_batch} is not a multiple of dp("
-                f"{args.dp}) * micro-batch({args.micro_batch})"
-            )
-        if len(args.virtual_stages) != 1:
-            raise InputError(
-                f"--virtual-stages {','.join(map(str, args.virtual_stages))}: evaluate takes "
-                "one value (the chunks per pipeline rank of the split)"
-            )
-        config = ParallelConfig(
-            pp=args.pp,
-            tp=args.tp,
-            dp=args.dp,
-            micro_batch=args.micro_batch,
-            num_microbatches=args.global_batch // (args.dp * args.micro_batch),
-            zero=args.zero,
-            recompute=args.recompute,
-            schedule=args.schedule,
-            virtual_stages=args.virtual_stages[0],
-        )
+        config = _config_from_args(args)
         cluster = cluster_from_args(parser, args, config.num_gpus)
-        if args.tp > cluster.gpus_per_node or cluster.gpus_per_node % args.tp:
-            if not cluster.is_heterogeneous:
-                raise InputError(
-                    f"--tp {args.tp} must divide --gpus-per-node {cluster.gpus_per_node}"
-                )
-        if args.cluster is not None and not cluster.is_heterogeneous:
-            if config.num_gpus != cluster.num_gpus:
-                raise InputError(
-                    f"pp({args.pp}) * tp({args.tp}) * dp({args.dp}) = {config.num_gpus} != "
-                    f"gpus({cluster.num_gpus}) of --cluster {args.cluster}"
-                )
+        _check_cluster(args, config, cluster)
         groups = _stage_groups(args, cluster)
         recomputed = _recompute_layers(args, graph)
-        split: str | list[int] = args.split
-        if args.split not in ("even", "parameters"):
-            try:
-                split = [int(part) for part in args.split.split(",")]
-            except ValueError:
-                raise InputError(
-                    f"--split {args.split!r}: use even, parameters, or comma-separated integers"
-                ) from None
-        training = TrainingConfig(
-            global_batch=args.global_batch,
-            micro_batch_sizes=(args.micro_batch,),
-            zero_stages=(args.zero,),
-            recompute=args.recompute,
-            schedule=args.schedule,
-            virtual_stages=(config.virtual_stages,),
-            runtime=args.runtime,
-            memory_model=args.memory_model,
-            calibration=calibration_from_args(args),
-            **bytes_per_param(args),
-        )
+        split = _split_from_args(args)
         result = evaluate(
             graph,
             config,
             split,
             cluster=cluster,
-            training=training,
+            training=_training_from_args(args, config),
             group_of_stage=groups,
             recomputed=recomputed,
         )
-        if args.json:
-            write_json(args.json, evaluation_to_dict(result), protect=input_files(args))
-        if args.plot:
-            _plot_evaluation(result, args.plot)
-        if not args.quiet:
-            print_output(
-                format_evaluation(
-                    result, f"Split {args.split} of {graph.model} on {config.num_gpus} GPUs"
-                )
-            )
+        _write_outputs(args, result)
     except PlannerError as error:
         sys.stderr.write(f"error: {error}\n")
         return error.exit_code
     return 0
+
+
+def _config_from_args(args: argparse.Namespace) -> ParallelConfig:
+    """The config being evaluated; the global batch must split into dp x micro-batch."""
+    if args.global_batch % (args.dp * args.micro_batch):
+        raise InputError(
+            f"--global-batch {args.global_batch} is not a multiple of dp("
+            f"{args.dp}) * micro-batch({args.micro_batch})"
+        )
+    if len(args.virtual_stages) != 1:
+        raise InputError(
+            f"--virtual-stages {','.join(map(str, args.virtual_stages))}: evaluate takes "
+            "one value (the chunks per pipeline rank of the split)"
+        )
+    return ParallelConfig(
+        pp=args.pp,
+        tp=args.tp,
+        dp=args.dp,
+        micro_batch=args.micro_batch,
+        num_microbatches=args.global_batch // (args.dp * args.micro_batch),
+        zero=args.zero,
+        recompute=args.recompute,
+        schedule=args.schedule,
+        virtual_stages=args.virtual_stages[0],
+    )
+
+
+def _check_cluster(args: argparse.Namespace, config: ParallelConfig, cluster: Cluster) -> None:
+    """On a homogeneous cluster, tp divides the GPUs per node and a --cluster file has exactly
+    the config's GPU count."""
+    if cluster.is_heterogeneous:
+        return
+    if args.tp > cluster.gpus_per_node or cluster.gpus_per_node % args.tp:
+        raise InputError(f"--tp {args.tp} must divide --gpus-per-node {cluster.gpus_per_node}")
+    if args.cluster is not None and config.num_gpus != cluster.num_gpus:
+        raise InputError(
+            f"pp({args.pp}) * tp({args.tp}) * dp({args.dp}) = {config.num_gpus} != "
+            f"gpus({cluster.num_gpus}) of --cluster {args.cluster}"
+        )
+
+
+def _split_from_args(args: argparse.Namespace) -> str | list[int]:
+    """--split: "even", "parameters", or a list of integers (counts or stage indices)."""
+    if args.split in ("even", "parameters"):
+        return args.split
+    try:
+        return [int(part) for part in args.split.split(",")]
+    except ValueError:
+        raise InputError(
+            f"--split {args.split!r}: use even, parameters, or comma-separated integers"
+        ) from None
+
+
+def _training_from_args(args: argparse.Namespace, config: ParallelConfig) -> TrainingConfig:
+    """Training options that pin the search space to the evaluated config."""
+    return TrainingConfig(
+        global_batch=args.global_batch,
+        micro_batch_sizes=(args.micro_batch,),
+        zero_stages=(args.zero,),
+        recompute=args.recompute,
+        schedule=args.schedule,
+        virtual_stages=(config.virtual_stages,),
+        runtime=args.runtime,
+        memory_model=args.memory_model,
+        calibration=calibration_from_args(args),
+        **bytes_per_param(args),
+    )
+
+
+def _write_outputs(args: argparse.Namespace, result: Any) -> None:
+    """--json, --plot, and the table unless --quiet."""
+    from solver.report import evaluation_to_dict, format_evaluation
+
+    if args.json:
+        write_json(args.json, evaluation_to_dict(result), protect=input_files(args))
+    if args.plot:
+        _plot_evaluation(result, args.plot)
+    if not args.quiet:
+        heading = f"Split {args.split} of {result.graph.model} on {result.config.num_gpus} GPUs"
+        print_output(format_evaluation(result, heading))
 
 
 def _stage_groups(args: argparse.Namespace, cluster: Cluster) -> list[int] | None:
