@@ -75,29 +75,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from fractions import Fraction
 from functools import cached_property
 
 import numpy as np
 
 from solver.calibration import Calibration
 from solver.errors import InputError
-from solver.graph import INTEGER_FIELDS, Layer, LayerGraph
+from solver.graph import INTEGER_FIELDS, LayerGraph
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
 NS_PER_MS = 1_000_000
-
-
-def parameters_per_gpu(layer: Layer, tp: int) -> Fraction:
-    """P'_l: parameters of the layer held by one GPU under tensor parallelism t."""
-    return (layer.params - layer.tp_params) + Fraction(layer.tp_params, tp)
-
-
-def saved_bytes_per_gpu(layer: Layer, tp: int) -> Fraction:
-    """A'_l: bytes saved for backward per sample on one GPU under tensor parallelism t."""
-    return (layer.activation_bytes - layer.tp_activation_bytes) + Fraction(
-        layer.tp_activation_bytes, tp
-    )
 
 
 def in_flight_microbatches(
@@ -227,15 +214,6 @@ def stage_boundary_copies(runtime: str, config: ParallelConfig) -> tuple[list[in
         for j in range(num_stages)
     ]
     return [receive for receive, _ in copies], [send for _, send in copies]
-
-
-def layer_compute_ms(layer: Layer, cluster: Cluster) -> tuple[float, float]:
-    """(forward, forward + backward) compute per sample at t = 1, milliseconds."""
-    if layer.fwd_ms is not None and layer.bwd_ms is not None:
-        return layer.fwd_ms, layer.fwd_ms + layer.bwd_ms
-    rate = cluster.gpu_flops * cluster.flops_efficiency / 1e3  # FLOPs per ms
-    bwd_flops = 2 * layer.fwd_flops if layer.bwd_flops is None else layer.bwd_flops
-    return layer.fwd_flops / rate, (layer.fwd_flops + bwd_flops) / rate
 
 
 @dataclass(kw_only=True)
