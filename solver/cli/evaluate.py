@@ -30,11 +30,21 @@ def evaluate_parser() -> argparse.ArgumentParser:
         prog="python -m solver.evaluate",
         description="Per-stage peak memory and time of a given split and config.",
     )
-    parser.add_argument("--pp", type=positive_int, required=True)
-    parser.add_argument("--tp", type=positive_int, default=1)
-    parser.add_argument("--dp", type=positive_int, default=1)
-    parser.add_argument("--micro-batch", type=positive_int, default=1)
-    parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
+    parser.add_argument(
+        "--pp", type=positive_int, required=True, help="pipeline-parallel degree (pipeline ranks)"
+    )
+    parser.add_argument(
+        "--tp", type=positive_int, default=1, help="tensor-parallel degree (default 1)"
+    )
+    parser.add_argument(
+        "--dp", type=positive_int, default=1, help="data-parallel degree (default 1)"
+    )
+    parser.add_argument(
+        "--micro-batch", type=positive_int, default=1, help="samples per micro-batch (default 1)"
+    )
+    parser.add_argument(
+        "--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (default 0)"
+    )
     parser.add_argument(
         "--recompute",
         choices=["none", "full", "selective"],
@@ -60,7 +70,11 @@ def evaluate_parser() -> argparse.ArgumentParser:
         help="with a heterogeneous --cluster: the node group of each stage, comma-separated "
         "group names (e.g. a100-80g,a100-40g)",
     )
-    add_plot_option(parser)
+    add_plot_option(
+        parser,
+        drawing="the split's per-stage memory, next to the even split of the same config "
+        "unless it is the even split",
+    )
     add_graph_and_cluster(parser)
     return parser
 
