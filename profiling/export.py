@@ -205,7 +205,12 @@ def parser() -> argparse.ArgumentParser:
     result.add_argument("model", help="zoo preset, hf:NAME, or package.module:factory")
     result.add_argument("--batch", type=positive_int, default=1, help="micro-batch to profile")
     result.add_argument("--seq", type=positive_int, help="sequence length (default: preset's)")
-    result.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    result.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="bf16",
+        help="default dtype the model is built and run in (default bf16)",
+    )
     result.add_argument(
         "--device",
         choices=["meta", "cpu", "cuda"],
@@ -232,7 +237,11 @@ def parser() -> argparse.ArgumentParser:
     )
     result.add_argument("--out", help="write the graph JSON here")
     result.add_argument("--summary", action="store_true", help="print the per-layer table")
-    result.add_argument("--no-progress", action="store_true")
+    result.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (otherwise shown when stderr is a terminal)",
+    )
     return result
 
 

@@ -69,7 +69,7 @@ def _split(module: nn.Module, prefix: str) -> list[str]:
     path, blocks = max(lists, key=lambda item: (_size(item[1]), len(item[1])))
     # children of a module that contains two disjoint block lists (encoder + decoder) are split
     # separately, so that both stacks become blocks
-    if _has_parallel_stacks(module, prefix, path):
+    if _has_parallel_stacks(module, prefix):
         layers = []
         for name, child in module.named_children():
             child_path = f"{prefix}{name}"
@@ -84,7 +84,7 @@ def _split(module: nn.Module, prefix: str) -> list[str]:
     return layers
 
 
-def _has_parallel_stacks(module: nn.Module, prefix: str, main_path: str) -> bool:
+def _has_parallel_stacks(module: nn.Module, prefix: str) -> bool:
     """True when two different direct children of ``module`` each hold a block list."""
     holders = set()
     for name, child in module.named_children():

@@ -168,7 +168,9 @@ def profile_module(
         timings=timings,
         model_name=model_name,
         meta={
-            "profiled_by": f"profiling.profile_module ({mode} mode, torch {torch.__version__})",
+            "profiled_by": (
+                f"profiling.profile.profile_module ({mode} mode, torch {torch.__version__})"
+            ),
             "profile_mode": mode,
             "profile_device": str(device),
             "profile_batch": batch,

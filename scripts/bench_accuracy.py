@@ -11,7 +11,7 @@ measured). All of it through ``profiling.calibrate.calibrate``,
 which also fits the calibration to every rank and predicts each layout from a fit on the others.
 Writes benchmarks/bench_accuracy.md and .csv with the analytic, calibrated and leave-one-out
 predictions, the measured peak and the errors per rank, and their median / max absolute values
-(issue 4 targets for the analytic model: median <= 3%, max <= 8%).
+(targets for the analytic model: median <= 3%, max <= 8%).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Mixed 40/80 GiB clusters vs planning as if every GPU had 40 GiB (issue 7, item 2).
+"""Mixed 40/80 GiB clusters vs planning as if every GPU had 40 GiB.
 
     python scripts/bench_heterogeneous.py [--out benchmarks] [--time-limit 120] [--gpus 512]
 

@@ -1,4 +1,4 @@
-"""Interleaved 1F1B (v chunks per rank): Megatron's even split vs the planner's split (issue 7).
+"""Interleaved 1F1B (v chunks per rank): Megatron's even split vs the planner's split.
 
     python scripts/bench_interleaved.py [--out benchmarks] [--time-limit 120]
 

@@ -4,7 +4,7 @@
 
 Every preset (and bundled hf: config) is profiled by ``python -m profiling.export PRESET`` in a
 fresh process (so its peak resident memory is its own), then planned with ``python -m
-solver.plan``. Targets (issue 3): GPT-3 175B and Llama-2 70B shapes under 60 s and 4 GiB each on
+solver.plan``. Targets: GPT-3 175B and Llama-2 70B shapes under 60 s and 4 GiB each on
 2 cores.
 Writes benchmarks/bench_profile.md and .csv.
 """
@@ -26,7 +26,7 @@ from tables import markdown_table, write_report  # scripts/ is sys.path[0] when 
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ("gpt3-175b", "llama2-70b")
-"""The presets with the issue's targets (under 60 s and 4 GiB each)."""
+"""The presets with a target: under 60 s and 4 GiB each."""
 
 
 def cases() -> list[tuple[str, list[str]]]:

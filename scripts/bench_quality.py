@@ -48,7 +48,7 @@ from solver.search import build_entries  # noqa: E402
 
 GIB = 2**30
 TARGETS = {"even": 30.0, "parameters": 20.0}
-"""Issue 6: median peak reduction (%) against the even and the parameter-balanced split."""
+"""Target median peak reduction (%) against the even and the parameter-balanced split."""
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,7 @@ def largest_models(graphs: GraphCache) -> list[dict]:
 
 
 RECOMPUTE_CASES = (Case("gpt3-175b", 64, 80, 256), Case("llama2-70b", 32, 80, 128))
-"""Cases for selective recomputation (issue 7) against Megatron's full recomputation."""
+"""Cases for selective recomputation against Megatron's full recomputation."""
 MIXED_GPUS = 128
 """GPT-3 175B on half 40 GiB and half 80 GiB GPUs (8 per node) vs all 40 GiB."""
 
@@ -401,7 +401,7 @@ def main() -> int:
         "are not held to either; `*/mem`, `*_memory_only_pct`). A baseline may beat our "
         "plan's peak when it is slower than the plan's throughput constraint allows "
         "(`meets_constraint` = no); it never beats the memory-only optimum. "
-        "`met_memory_only` compares the memory-only optimum's median with the issue's target "
+        "`met_memory_only` compares the memory-only optimum's median with its target "
         "(partitioner against partitioner), `met_default_plan` the default plan's.",
         "",
         "## Median reduction of the peak per GPU across the suite",
@@ -420,7 +420,7 @@ def main() -> int:
         "",
         *markdown_table(largest, list(largest[0]), ".3f"),
         "",
-        "## Selective recomputation vs Megatron's full recomputation (issue 7)",
+        "## Selective recomputation vs Megatron's full recomputation",
         "",
         "Our plan with `--recompute auto` (the recomputed layers chosen jointly with the split) "
         "vs `--recompute full` (every layer, Megatron's `--recompute-granularity full`), default "
@@ -431,7 +431,7 @@ def main() -> int:
         "",
         *markdown_table(recompute, list(recompute[0]), ".3f"),
         "",
-        f"## GPT-3 175B on {MIXED_GPUS} GPUs: a 40/80 GiB mix vs all 40 GiB (issue 7)",
+        f"## GPT-3 175B on {MIXED_GPUS} GPUs: a 40/80 GiB mix vs all 40 GiB",
         "",
         "The mix has half its GPUs at 40 GiB and half at 80 GiB (`--cluster`, stages placed on "
         "groups by the solver); global batch 256, default options.",

@@ -12,7 +12,7 @@ hybrid searches.
    here, otherwise its time is extrapolated from the measured rate and marked as an estimate).
 2. Full hybrid searches (``solver.plan``, default options: every pp x tp x dp, micro-batch 1/2/4)
    for a 96-layer and a 1000-layer GPT-style chain on 64..16384 GPUs of 80 GiB.
-Targets (issue 6): exact >= 10x faster than brute force from 24 layers x 8 stages upward; the
+Targets: exact >= 10x faster than brute force from 24 layers x 8 stages upward; the
 1000-layer search for 4096 GPUs under 10 s. Writes benchmarks/bench_search.md and .csv.
 """
 

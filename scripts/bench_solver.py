@@ -6,7 +6,7 @@ Writes benchmarks/bench_solver.md and .csv: for chains of 24, 96, 400 and 2000 l
 GPUs (80 GiB each), the wall time of the full search (median of --repeats runs), the plan found
 (config, peak, throughput, status) and the even (Megatron) and parameter-balanced (DeepSpeed)
 splits of the same config; then per-config exact chain solves of 2000 layers x 8..128 stages.
-Targets (issue 2): 400 layers on 1024 GPUs under 5 s median; 2000 x 128 well under a second.
+Targets: 400 layers on 1024 GPUs under 5 s median; 2000 x 128 well under a second.
 """
 
 from __future__ import annotations

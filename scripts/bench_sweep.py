@@ -8,7 +8,7 @@ batch 1536, the GPT-3 paper's 3.2M tokens of 2048; ZeRO 0, micro-batch 1/2/4, ma
 1.25) through ``solver.sweep.sweep``, once in-process (workers=1) and once on ``--workers``
 processes. Writes benchmarks/bench_sweep.md (command, machine, wall times, points/s, the rows)
 and benchmarks/bench_sweep.csv (the rows, as ``python -m solver.sweep --out`` writes them).
-Target (issue 5): the whole sweep in under 60 s on 2 cores.
+Target: the whole sweep in under 60 s on 2 cores.
 """
 
 from __future__ import annotations

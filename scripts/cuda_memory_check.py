@@ -15,7 +15,7 @@ step 3 (after warm-up; ``torch.cuda.max_memory_allocated`` reset before it) is r
 ``compare`` evaluates the same shapes with the planner's cost model (pp = tp = dp = 1,
 bytes per parameter 2, 2, 4) and prints predicted, measured and the error, per configuration.
 This is a single-GPU check of the per-layer figures and the state/activation/transient terms;
-pipeline runs belong to the executor (issue 4).
+pipeline runs belong to the executor (``profiling.run``, checked by scripts/validate_cuda.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Predicted vs torch.cuda.max_memory_allocated of plans run by the executor (issue 4), < 5 min.
+# Predicted vs torch.cuda.max_memory_allocated of plans run by the executor (profiling.run), < 5 min.
 #
 #   scripts/validate_cuda.sh [OUT_DIR] [extra args of scripts/validate_cuda.py]
 #

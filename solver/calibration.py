@@ -109,11 +109,6 @@ class Calibration:
     def __hash__(self) -> int:
         return hash((tuple(self.scales[name] for name in COMPONENTS), self.constant_bytes))
 
-    @property
-    def is_identity(self) -> bool:
-        """True when applying it changes nothing (every scale 1, constant 0)."""
-        return self.constant_bytes == 0 and all(v == 1.0 for v in self.scales.values())
-
     def scale(self, component: str) -> float:
         """The multiplier of one ``StageCost.breakdown()`` component."""
         return self.scales[component]

@@ -75,28 +75,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from fractions import Fraction
 from functools import cached_property
 
 import numpy as np
 
+from solver.calibration import Calibration
 from solver.errors import InputError
-from solver.graph import INTEGER_FIELDS, Layer, LayerGraph
+from solver.graph import INTEGER_FIELDS, LayerGraph
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
 NS_PER_MS = 1_000_000
-
-
-def parameters_per_gpu(layer: Layer, tp: int) -> Fraction:
-    """P'_l: parameters of the layer held by one GPU under tensor parallelism t."""
-    return (layer.params - layer.tp_params) + Fraction(layer.tp_params, tp)
-
-
-def saved_bytes_per_gpu(layer: Layer, tp: int) -> Fraction:
-    """A'_l: bytes saved for backward per sample on one GPU under tensor parallelism t."""
-    return (layer.activation_bytes - layer.tp_activation_bytes) + Fraction(
-        layer.tp_activation_bytes, tp
-    )
 
 
 def in_flight_microbatches(
@@ -226,15 +214,6 @@ def stage_boundary_copies(runtime: str, config: ParallelConfig) -> tuple[list[in
         for j in range(num_stages)
     ]
     return [receive for receive, _ in copies], [send for _, send in copies]
-
-
-def layer_compute_ms(layer: Layer, cluster: Cluster) -> tuple[float, float]:
-    """(forward, forward + backward) compute per sample at t = 1, milliseconds."""
-    if layer.fwd_ms is not None and layer.bwd_ms is not None:
-        return layer.fwd_ms, layer.fwd_ms + layer.bwd_ms
-    rate = cluster.gpu_flops * cluster.flops_efficiency / 1e3  # FLOPs per ms
-    bwd_flops = 2 * layer.fwd_flops if layer.bwd_flops is None else layer.bwd_flops
-    return layer.fwd_flops / rate, (layer.fwd_flops + bwd_flops) / rate
 
 
 @dataclass(kw_only=True)
@@ -445,66 +424,22 @@ def layer_costs(
 
     Vectorised over layers; integer terms use exact integer arithmetic (ceil of a ratio of ints).
     """
-    t, d, b, z = config.tp, config.dp, config.micro_batch, config.zero
-    w, g, o = (
-        training.weight_bytes_per_param,
-        training.grad_bytes_per_param,
-        training.optimizer_bytes_per_param,
-    )
+    t = config.tp
     cols = _graph_columns(graph)
     # t * P'_l and t * A'_l are integers: ceil(t P' x / (t n)) is then exact.
     params_times_t = (cols["params"] - cols["tp_params"]) * t + cols["tp_params"]
     saved_times_t = (cols["activation_bytes"] - cols["tp_activation_bytes"]) * t + cols[
         "tp_activation_bytes"
     ]
-    weight = _ceil_div(params_times_t * w, t * (d if z >= 3 else 1))
-    if z == 2 and d > 1 and training.runtime == "torch":
-        # FSDP2 keeps the sharded parameters next to the gathered ones
-        weight = weight + _ceil_div(params_times_t * w, t * d)
-    grad = _ceil_div(params_times_t * g, t * (d if z >= 2 else 1))
-    optimizer = _ceil_div(params_times_t * o, t * (d if z >= 1 else 1))
-    grad_temporary = g * np.maximum(cols["largest_param"], _ceil_div(cols["largest_tp_param"], t))
-    # both states of every layer: kept (index 0) and recomputed (index 1)
-    stored = (_ceil_div(b * saved_times_t, t), b * cols["output_bytes"])
-    transient = (
-        b * cols["transient_bytes"],
-        _ceil_div(b * (cols["transient_bytes"] * t + saved_times_t), t),
-    )
-    gather = 2 * _ceil_div(params_times_t * w, t) if z >= 3 else 0
-    # the layer's gathered weights and the next layer's (prefetched) with ZeRO-3
-    transient = tuple(value + grad_temporary + gather for value in transient)
-    rate_per_ms = cluster.gpu_flops * cluster.flops_efficiency / 1e3
-    fwd_ms = np.where(cols["measured"], cols["fwd_ms"], cols["fwd_flops"] / rate_per_ms)
-    total_ms = np.where(
-        cols["measured"],
-        cols["fwd_ms"] + cols["bwd_ms"],
-        (cols["fwd_flops"] + cols["bwd_flops"]) / rate_per_ms,
-    )
-    # GB/s == bytes/ns; ring all-reduce moves 2 (t-1)/t of the buffer per GPU.
-    tp_comm_ns = b * cols["tp_comm_bytes"] * 2 * (t - 1) / t / cluster.intra_node_gb_per_s
-    time_ns = tuple(
-        np.ceil(b * (total_ms + extra) / t * NS_PER_MS + tp_comm_ns) for extra in (0.0, fwd_ms)
-    )
+    weight, grad, optimizer = _model_state_bytes(params_times_t, config, training)
+    stored, transient = _activation_bytes(cols, params_times_t, saved_times_t, config, training)
+    time_ns = _time_ns(cols, config, cluster)
     # "none" and "selective" take the kept state as the plain coefficients, "full" the other
     state = int(config.recompute == "full")
-    sync_bytes_per_ns = (
-        cluster.intra_node_gb_per_s
-        if t * d <= cluster.gpus_per_node
-        else cluster.inter_node_gb_per_s
-    )
-    sync_rounds = 3 if z >= 3 else 2
-    dp_sync_ns = np.ceil(sync_rounds * (d - 1) * params_times_t * g / (d * t * sync_bytes_per_ns))
-    as_int = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
     in_flight, vectors, dones = _in_flight(config, training)
     receive_copies, send_copies = stage_boundary_copies(training.runtime, config)
     calibration = training.calibration
-    scaled = (  # a calibration's scale per component, each coefficient rounded up
-        (lambda values, component: as_int(values))
-        if calibration is None
-        else lambda values, component: as_int(
-            np.ceil(np.asarray(values, dtype=float) * calibration.scale(component))
-        )
-    )
+    scaled = _calibrated(calibration)
     costs = LayerCosts(
         config=config,
         weight_bytes=scaled(weight, "weights"),
@@ -512,14 +447,14 @@ def layer_costs(
         optimizer_bytes=scaled(optimizer, "optimizer"),
         stored_bytes=scaled(stored[state], "activations"),
         transient_bytes=scaled(transient[state], "transient"),
-        time_ns=as_int(time_ns[state]),
+        time_ns=_as_int(time_ns[state]),
         recompute_stored_bytes=scaled(stored[1], "activations"),
         recompute_transient_bytes=scaled(transient[1], "transient"),
-        recompute_time_ns=as_int(time_ns[1]),
-        dp_sync_ns=as_int(dp_sync_ns),
+        recompute_time_ns=_as_int(time_ns[1]),
+        dp_sync_ns=_as_int(_dp_sync_ns(params_times_t, config, cluster, training)),
         edge_src=cols["edge_src"],
         edge_dst=cols["edge_dst"],
-        edge_bytes=scaled(b * cols["edge_bytes"], "buffers"),
+        edge_bytes=scaled(config.micro_batch * cols["edge_bytes"], "buffers"),
         constant_bytes=0 if calibration is None else calibration.constant_bytes,
         in_flight=in_flight,
         in_flight_vectors=vectors,
@@ -529,18 +464,121 @@ def layer_costs(
         runtime=training.runtime,
     )
     if training.memory_model == "empirical":
-        if config.recompute == "selective":
-            raise InputError(
-                "memory model empirical: the statistics are measured for one recompute setting; "
-                "selective recomputation needs the analytic model"
-            )
-        if calibration is not None:
-            raise InputError(
-                "memory model empirical: a calibration scales the analytic model; give one or "
-                "the other"
-            )
+        _check_empirical_options(config, calibration)
         return empirical_layer_costs(graph, config, costs)
     return costs
+
+
+def _model_state_bytes(
+    params_times_t: np.ndarray, config: ParallelConfig, training: TrainingConfig
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Weights, gradients and optimizer state per GPU of every layer (the terms of states_s in
+    the module docstring): tp splits the tp parameters; ZeRO stage z shards the optimizer state
+    (z >= 1), gradients (z >= 2) and weights (z = 3) over dp."""
+    t, d, z = config.tp, config.dp, config.zero
+    w, g, o = (
+        training.weight_bytes_per_param,
+        training.grad_bytes_per_param,
+        training.optimizer_bytes_per_param,
+    )
+    weight = _ceil_div(params_times_t * w, t * (d if z >= 3 else 1))
+    if z == 2 and d > 1 and training.runtime == "torch":
+        # FSDP2 keeps the sharded parameters next to the gathered ones
+        weight = weight + _ceil_div(params_times_t * w, t * d)
+    grad = _ceil_div(params_times_t * g, t * (d if z >= 2 else 1))
+    optimizer = _ceil_div(params_times_t * o, t * (d if z >= 1 else 1))
+    return weight, grad, optimizer
+
+
+def _activation_bytes(
+    cols: dict[str, np.ndarray],
+    params_times_t: np.ndarray,
+    saved_times_t: np.ndarray,
+    config: ParallelConfig,
+    training: TrainingConfig,
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """(stored_l, transient) bytes of every layer per micro-batch, each in both states: kept
+    (index 0) and recomputed (index 1: only the output is stored, the saved tensors come back
+    while the layer recomputes). Transient is b transient_bytes_l + gtemp_l + gather_l (module
+    docstring)."""
+    t, b = config.tp, config.micro_batch
+    g, w = training.grad_bytes_per_param, training.weight_bytes_per_param
+    grad_temporary = g * np.maximum(cols["largest_param"], _ceil_div(cols["largest_tp_param"], t))
+    stored = (_ceil_div(b * saved_times_t, t), b * cols["output_bytes"])
+    transient = (
+        b * cols["transient_bytes"],
+        _ceil_div(b * (cols["transient_bytes"] * t + saved_times_t), t),
+    )
+    gather = 2 * _ceil_div(params_times_t * w, t) if config.zero >= 3 else 0
+    transient = tuple(value + grad_temporary + gather for value in transient)
+    return stored, transient
+
+
+def _time_ns(
+    cols: dict[str, np.ndarray], config: ParallelConfig, cluster: Cluster
+) -> tuple[np.ndarray, np.ndarray]:
+    """Time of every layer per micro-batch (module docstring, "per micro-batch"), kept (index 0)
+    and recomputed (index 1: the forward runs twice)."""
+    t, b = config.tp, config.micro_batch
+    rate_per_ms = cluster.gpu_flops * cluster.flops_efficiency / 1e3
+    fwd_ms = np.where(cols["measured"], cols["fwd_ms"], cols["fwd_flops"] / rate_per_ms)
+    total_ms = np.where(
+        cols["measured"],
+        cols["fwd_ms"] + cols["bwd_ms"],
+        (cols["fwd_flops"] + cols["bwd_flops"]) / rate_per_ms,
+    )
+    # GB/s == bytes/ns; ring all-reduce moves 2 (t-1)/t of the buffer per GPU.
+    tp_comm_ns = b * cols["tp_comm_bytes"] * 2 * (t - 1) / t / cluster.intra_node_gb_per_s
+    return tuple(
+        np.ceil(b * (total_ms + extra) / t * NS_PER_MS + tp_comm_ns) for extra in (0.0, fwd_ms)
+    )
+
+
+def _dp_sync_ns(
+    params_times_t: np.ndarray, config: ParallelConfig, cluster: Cluster, training: TrainingConfig
+) -> np.ndarray:
+    """Each layer's share of AR_s, the data-parallel gradient sync (module docstring): 2 (d-1)/d
+    of its gradient bytes per GPU, 3 (d-1)/d with ZeRO-3, intra-node when t d fits in a node."""
+    t, d = config.tp, config.dp
+    sync_bytes_per_ns = (
+        cluster.intra_node_gb_per_s
+        if t * d <= cluster.gpus_per_node
+        else cluster.inter_node_gb_per_s
+    )
+    sync_rounds = 3 if config.zero >= 3 else 2
+    return np.ceil(
+        sync_rounds
+        * (d - 1)
+        * params_times_t
+        * training.grad_bytes_per_param
+        / (d * t * sync_bytes_per_ns)
+    )
+
+
+def _as_int(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64)
+
+
+def _calibrated(calibration: Calibration | None):
+    """values, component -> int64 coefficients scaled by the calibration's factor for that
+    component, each rounded up (unchanged without a calibration)."""
+    if calibration is None:
+        return lambda values, component: _as_int(values)
+    return lambda values, component: _as_int(
+        np.ceil(np.asarray(values, dtype=float) * calibration.scale(component))
+    )
+
+
+def _check_empirical_options(config: ParallelConfig, calibration: Calibration | None) -> None:
+    if config.recompute == "selective":
+        raise InputError(
+            "memory model empirical: the statistics are measured for one recompute setting; "
+            "selective recomputation needs the analytic model"
+        )
+    if calibration is not None:
+        raise InputError(
+            "memory model empirical: a calibration scales the analytic model; give one or the other"
+        )
 
 
 def _in_flight(config: ParallelConfig, training: TrainingConfig):
@@ -727,40 +765,17 @@ def stage_costs(
     mask = costs.recompute_mask(recomputed)
     stored_per_layer, transient_per_layer, time_per_layer = costs.coefficients(mask)
     num_stages = costs.num_stages
-    first, last = stage_of[costs.edge_src], stage_of[costs.edge_dst]
-    crossing = first != last
-    nbytes = costs.edge_bytes[crossing]
-    # an edge leaves its producer's stage and enters its consumer's stage ...
-    sent = np.zeros(num_stages, dtype=np.int64)
-    received = np.zeros(num_stages, dtype=np.int64)
-    np.add.at(sent, first[crossing], nbytes)
-    np.add.at(received, last[crossing], nbytes)
-    # ... and every stage in between receives it, sends it on and keeps it in flight (relay)
-    relayed = np.zeros(num_stages, dtype=np.int64)
-    for src, dst, size in zip(first[crossing], last[crossing], nbytes, strict=True):
-        if dst - src > 1:
-            relayed[src + 1 : dst] += size
-    into, out_of = received + relayed, sent + relayed  # bytes a stage receives / sends
-
-    def buffer_bytes(stage: int, held: int, done: int = 0) -> int:
-        receive, send = costs.copies_at(stage, held, done)
-        return int(receive * into[stage] + send * out_of[stage])
-
-    def per_stage_sum(values: np.ndarray) -> np.ndarray:
-        """Exact int64 sums (np.bincount would go through float64)."""
-        total = np.zeros(num_stages, dtype=np.int64)
-        np.add.at(total, stage_of, values)
-        return total
-
-    weight, grad, optimizer = (
-        per_stage_sum(costs.weight_bytes),
-        per_stage_sum(costs.grad_bytes),
-        per_stage_sum(costs.optimizer_bytes),
-    )
-    stored, time_ns, sync_ns = (
-        per_stage_sum(stored_per_layer),
-        per_stage_sum(time_per_layer),
-        per_stage_sum(costs.dp_sync_ns),
+    into, out_of, relayed = _boundary_bytes(costs, stage_of)
+    weight, grad, optimizer, stored, time_ns, sync_ns = (
+        _per_stage_sum(values, stage_of, num_stages)
+        for values in (
+            costs.weight_bytes,
+            costs.grad_bytes,
+            costs.optimizer_bytes,
+            stored_per_layer,
+            time_per_layer,
+            costs.dp_sync_ns,
+        )
     )
     transient = np.zeros(num_stages, dtype=np.int64)
     np.maximum.at(transient, stage_of, transient_per_layer)
@@ -768,23 +783,9 @@ def stage_costs(
     bounds = np.searchsorted(stage_of[members], np.arange(num_stages + 1))
     kept = stored + relayed  # per micro-batch kept by each virtual stage
     stages = []
-    for rank, vectors in enumerate(costs.in_flight_vectors):
+    for rank in range(len(costs.in_flight_vectors)):
         own = costs.stages_of_rank(rank)
-        # the rank's peak is at the in-flight vector with the most activations + buffers
-        # (buffers depend on it only on the torch runtime with interleaving; ties: larger vector)
-        _, activations, buffers, vector = max(
-            (acts + bufs, acts, bufs, vector)
-            for vector, dones in zip(vectors, costs.backwards_done[rank], strict=True)
-            for acts, bufs in [
-                (
-                    int(sum(n * kept[j] for n, j in zip(vector, own, strict=True))),
-                    sum(
-                        buffer_bytes(j, n, done)
-                        for n, done, j in zip(vector, dones, own, strict=True)
-                    ),
-                )
-            ]
-        )
+        activations, buffers, vector = _rank_peak_moment(costs, rank, kept, into, out_of)
         chunks = [members[bounds[j] : bounds[j + 1]].tolist() for j in own]
         layers = [layer for chunk in chunks for layer in chunk]
         stages.append(
@@ -807,6 +808,57 @@ def stage_costs(
             )
         )
     return stages
+
+
+def _boundary_bytes(
+    costs: LayerCosts, stage_of: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(into, out_of, relayed) per (virtual) stage, per sample: the edge bytes a stage receives,
+    the bytes it sends, and those it relays (a relayed edge is received, kept in flight and sent
+    on)."""
+    num_stages = costs.num_stages
+    first, last = stage_of[costs.edge_src], stage_of[costs.edge_dst]
+    crossing = first != last
+    nbytes = costs.edge_bytes[crossing]
+    # an edge leaves its producer's stage and enters its consumer's stage ...
+    sent = np.zeros(num_stages, dtype=np.int64)
+    received = np.zeros(num_stages, dtype=np.int64)
+    np.add.at(sent, first[crossing], nbytes)
+    np.add.at(received, last[crossing], nbytes)
+    # ... and every stage in between receives it, sends it on and keeps it in flight (relay)
+    relayed = np.zeros(num_stages, dtype=np.int64)
+    for src, dst, size in zip(first[crossing], last[crossing], nbytes, strict=True):
+        if dst - src > 1:
+            relayed[src + 1 : dst] += size
+    return received + relayed, sent + relayed, relayed
+
+
+def _per_stage_sum(values: np.ndarray, stage_of: np.ndarray, num_stages: int) -> np.ndarray:
+    """Exact int64 sums (np.bincount would go through float64)."""
+    total = np.zeros(num_stages, dtype=np.int64)
+    np.add.at(total, stage_of, values)
+    return total
+
+
+def _rank_peak_moment(
+    costs: LayerCosts, rank: int, kept: np.ndarray, into: np.ndarray, out_of: np.ndarray
+) -> tuple[int, int, tuple[int, ...]]:
+    """(activations, buffers, in-flight vector) at the moment of the rank's schedule with the
+    most activations + buffers (buffers depend on the moment only on the torch runtime with
+    interleaving; ties: the larger vector)."""
+    own = costs.stages_of_rank(rank)
+    moments = []
+    for vector, dones in zip(
+        costs.in_flight_vectors[rank], costs.backwards_done[rank], strict=True
+    ):
+        activations = int(sum(n * kept[j] for n, j in zip(vector, own, strict=True)))
+        buffers = 0
+        for held, done, stage in zip(vector, dones, own, strict=True):
+            receive, send = costs.copies_at(stage, held, done)
+            buffers += int(receive * into[stage] + send * out_of[stage])
+        moments.append((activations + buffers, activations, buffers, vector))
+    _, activations, buffers, vector = max(moments)
+    return activations, buffers, vector
 
 
 PPM = 1_000_000

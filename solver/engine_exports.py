@@ -78,14 +78,42 @@ def torch_pipelining_export(
     recomputed: list[list[str]] | None = None,
 ) -> dict[str, Any]:
     """``split_spec`` (first layer of every stage but the first -> "BEGINNING") and schedule."""
-    split_spec = {stage[0]: "BEGINNING" for stage in stages[1:]}
     schedule = "ScheduleGPipe" if config.schedule == "gpipe" else "Schedule1F1B"
+    if config.virtual_stages > 1:
+        schedule = "ScheduleInterleaved1F1B"  # takes the rank's stages
+    return {
+        "split_spec": {stage[0]: "BEGINNING" for stage in stages[1:]},
+        "schedule": schedule,
+        "n_microbatches": config.num_microbatches,
+        "stage_ranks": [j % config.pp for j in range(len(stages))],
+        "contiguous": contiguous,
+        "stages": stages,
+        **(
+            {}
+            if recomputed is None
+            else {"checkpoint_modules": [name for names in recomputed for name in names]}
+        ),
+        "note": _torch_pipelining_note(
+            config, schedule, contiguous=contiguous, recomputed=recomputed
+        ),
+        "memory_note": _torch_pipelining_memory_note(config),
+    }
+
+
+def _torch_pipelining_note(
+    config: ParallelConfig,
+    schedule: str,
+    *,
+    contiguous: bool,
+    recomputed: list[list[str]] | None,
+) -> str:
+    """How to build the pipeline and its schedule from the export, and what pipelining leaves
+    to the user (tensor and data parallelism, recomputation, a split that is not contiguous)."""
     m, p, v = config.num_microbatches, config.pp, config.virtual_stages
     build = "stage = pipe.build_stage(pp_rank, device); "
     if v > 1:
-        # ScheduleInterleaved1F1B takes the rank's stages; PipelineStage indices are global and
-        # the "loop" placement puts stage j on rank j mod p (pipelining's stage_index_to_group_rank)
-        schedule = "ScheduleInterleaved1F1B"
+        # PipelineStage indices are global and the "loop" placement puts stage j on rank j mod p
+        # (pipelining's stage_index_to_group_rank)
         build = f"stage = [pipe.build_stage(j, device) for j in range(pp_rank, {p * v}, {p})]; "
     note = (
         "from torch.distributed.pipelining import SplitPoint, pipeline, "
@@ -110,42 +138,34 @@ def torch_pipelining_export(
             "with torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper "
             "(apply_activation_checkpointing(module, check_fn=lambda m: m in those modules))."
         )
-    result: dict[str, Any] = {
-        "split_spec": split_spec,
-        "schedule": schedule,
-        "n_microbatches": m,
-        "stage_ranks": [j % p for j in range(len(stages))],
-        "contiguous": contiguous,
-        "stages": stages,
-        **(
-            {}
-            if recomputed is None
-            else {"checkpoint_modules": [name for names in recomputed for name in names]}
-        ),
-        "note": note,
-        # Measured (../shared/reference/runtime-memory-facts.md, benchmarks/bench_accuracy.md).
-        "memory_note": (
-            f"torch.distributed.pipelining keeps {m} activation receive buffers on every "
-            f"non-first stage and {m} gradient receive buffers on every non-last stage (the "
-            "planner's buffers term counts them); pass static input_args/output_args to "
-            "PipelineStage and return_outputs=False to schedule.step, or the first stage keeps "
-            "part of a shape-inference graph and the last stage every micro-batch's output."
-        ),
-    }
-    if v > 1:
-        result["memory_note"] += (
-            f" With {v} stages per rank, each of them keeps its own receive buffers (plan with "
-            "--runtime torch to count them)."
-        )
     if not contiguous:
-        result["note"] += (
+        note += (
             " NOT CONTIGUOUS: some stage is not a consecutive run of the graph's layer order, "
             "and pipeline() splits the traced program in execution order, so these split "
             "points give the planned stages only if the forward runs the layers in the order "
             "of 'stages' (stage 0's layers, then stage 1's, ...; that order is topological). "
             "Otherwise build each PipelineStage by hand from the module lists in 'stages'."
         )
-    return result
+    return note
+
+
+def _torch_pipelining_memory_note(config: ParallelConfig) -> str:
+    """The receive buffers pipelining keeps, and how to avoid two leaks. Measured
+    (../shared/reference/runtime-memory-facts.md, benchmarks/bench_accuracy.md)."""
+    m, v = config.num_microbatches, config.virtual_stages
+    note = (
+        f"torch.distributed.pipelining keeps {m} activation receive buffers on every "
+        f"non-first stage and {m} gradient receive buffers on every non-last stage (the "
+        "planner's buffers term counts them); pass static input_args/output_args to "
+        "PipelineStage and return_outputs=False to schedule.step, or the first stage keeps "
+        "part of a shape-inference graph and the last stage every micro-batch's output."
+    )
+    if v > 1:
+        note += (
+            f" With {v} stages per rank, each of them keeps its own receive buffers (plan with "
+            "--runtime torch to count them)."
+        )
+    return note
 
 
 def megatron_export(
@@ -169,26 +189,12 @@ def megatron_export(
     num_layers = sum(blocks)
     warnings = _megatron_warnings(graph, config, roles, stage_letters)
     layout_valid = not any(w.startswith("layout:") for w in warnings)
-    interleaved = config.virtual_stages > 1
-    first, last = (None, None)
-    if layout_valid and not interleaved:
-        first, last = _first_last_counts(blocks, stage_letters)
-    p = config.pp
-    ends_in_place = "E" in stage_letters[0] and "L" in stage_letters[-1]
-    if p == 1 or (len(set(blocks)) == 1 and layout_valid and ends_in_place):
-        # Megatron's default: an even split of the blocks, E on the first stage, L on the last
-        # (of every virtual stage with interleaving).
-        method = "even"
-    elif first is not None or last is not None:
-        method = "first_last"
-    else:
-        # with interleaving the layout lists the p v virtual stages in order and Megatron takes
-        # the virtual pipeline size from it: len(layout) // p (PipelineParallelLayerLayout)
-        method = "layout"
-
+    method, first, last = _megatron_split_method(
+        config, blocks, stage_letters, layout_valid=layout_valid
+    )
     args = [
         "--pipeline-model-parallel-size",
-        str(p),
+        str(config.pp),
         "--tensor-model-parallel-size",
         str(config.tp),
         "--num-layers",
@@ -198,52 +204,11 @@ def megatron_export(
         "--global-batch-size",
         str(config.global_batch),
     ]
-    # --decoder-first/last-pipeline-num-layers (megatron/training/arguments.py): "The number of
-    # transformer layers on the first (last) pipeline stage of the decoder. Default None is even
-    # split". TransformerConfig.__post_init__ requires each to be > 0 and the layers left to divide
-    # evenly over the middle stages; pipeline_model_parallel_layout, when set, takes precedence.
-    if method == "first_last":
-        if first is not None:
-            args += ["--decoder-first-pipeline-num-layers", str(first)]
-        if last is not None:
-            args += ["--decoder-last-pipeline-num-layers", str(last)]
-    elif method == "layout":
-        args += ["--pipeline-model-parallel-layout", layout]
-    if interleaved and method == "even":
-        # megatron/training/arguments.py: "Number of virtual pipeline stages per pipeline
-        # parallelism rank"
-        args += ["--num-virtual-stages-per-pipeline-rank", str(config.virtual_stages)]
-    if config.recompute == "full":
-        args += [
-            "--recompute-granularity",
-            "full",
-            "--recompute-method",
-            "uniform",
-            "--recompute-num-layers",
-            "1",
-        ]
-    if recomputed is not None:
-        blocks_recomputed = _megatron_block_recompute(roles, stages, recomputed)
-        if blocks_recomputed is None:
-            warnings.append(
-                "recompute: the recomputed layers are not the first N transformer layers of "
-                "every stage, which is all --recompute-method block expresses; recompute these "
-                "by hand (e.g. checkpoint_wrapper): "
-                + "; ".join(
-                    f"stage {s}: {', '.join(names)}" for s, names in enumerate(recomputed) if names
-                )
-            )
-        elif blocks_recomputed:
-            # megatron/training/arguments.py: with --recompute-method block, "the first N
-            # transformer layers of each pipeline stage are recomputed"
-            args += [
-                "--recompute-granularity",
-                "full",
-                "--recompute-method",
-                "block",
-                "--recompute-num-layers",
-                str(blocks_recomputed),
-            ]
+    args += _megatron_split_args(config, method, first, last, layout)
+    recompute_args, warning = _megatron_recompute_args(config, roles, stages, recomputed)
+    args += recompute_args
+    if warning is not None:
+        warnings.append(warning)
     if config.zero >= 1:
         args.append("--use-distributed-optimizer")
     return {
@@ -268,6 +233,93 @@ def megatron_export(
     }
 
 
+def _megatron_split_method(
+    config: ParallelConfig, blocks: list[int], stage_letters: list[str], *, layout_valid: bool
+) -> tuple[str, int | None, int | None]:
+    """How Megatron is told the split: "even" (its default), "first_last" (with those block
+    counts) or "layout"; returns (method, first, last)."""
+    first, last = (None, None)
+    if layout_valid and config.virtual_stages == 1:
+        first, last = _first_last_counts(blocks, stage_letters)
+    ends_in_place = "E" in stage_letters[0] and "L" in stage_letters[-1]
+    if config.pp == 1 or (len(set(blocks)) == 1 and layout_valid and ends_in_place):
+        # Megatron's default: an even split of the blocks, E on the first stage, L on the last
+        # (of every virtual stage with interleaving).
+        return "even", first, last
+    if first is not None or last is not None:
+        return "first_last", first, last
+    # with interleaving the layout lists the p v virtual stages in order and Megatron takes
+    # the virtual pipeline size from it: len(layout) // p (PipelineParallelLayerLayout)
+    return "layout", first, last
+
+
+def _megatron_split_args(
+    config: ParallelConfig, method: str, first: int | None, last: int | None, layout: str
+) -> list[str]:
+    """The flags that give Megatron the split (none for its default even split)."""
+    args = []
+    # --decoder-first/last-pipeline-num-layers (megatron/training/arguments.py): "The number of
+    # transformer layers on the first (last) pipeline stage of the decoder. Default None is even
+    # split". TransformerConfig.__post_init__ requires each to be > 0 and the layers left to divide
+    # evenly over the middle stages; pipeline_model_parallel_layout, when set, takes precedence.
+    if method == "first_last":
+        if first is not None:
+            args += ["--decoder-first-pipeline-num-layers", str(first)]
+        if last is not None:
+            args += ["--decoder-last-pipeline-num-layers", str(last)]
+    elif method == "layout":
+        args += ["--pipeline-model-parallel-layout", layout]
+    if config.virtual_stages > 1 and method == "even":
+        # megatron/training/arguments.py: "Number of virtual pipeline stages per pipeline
+        # parallelism rank"
+        args += ["--num-virtual-stages-per-pipeline-rank", str(config.virtual_stages)]
+    return args
+
+
+def _megatron_recompute_args(
+    config: ParallelConfig,
+    roles: dict[str, str],
+    stages: list[list[str]],
+    recomputed: list[list[str]] | None,
+) -> tuple[list[str], str | None]:
+    """Recomputation flags: every layer (full), or the chosen layers (selective) when Megatron
+    can express them, else no flag and a warning that lists them."""
+    args = []
+    if config.recompute == "full":
+        args += [
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ]
+    if recomputed is None:
+        return args, None
+    blocks_recomputed = _megatron_block_recompute(roles, stages, recomputed)
+    if blocks_recomputed is None:
+        return args, (
+            "recompute: the recomputed layers are not the first N transformer layers of "
+            "every stage, which is all --recompute-method block expresses; recompute these "
+            "by hand (e.g. checkpoint_wrapper): "
+            + "; ".join(
+                f"stage {s}: {', '.join(names)}" for s, names in enumerate(recomputed) if names
+            )
+        )
+    if not blocks_recomputed:
+        return args, None
+    # megatron/training/arguments.py: with --recompute-method block, "the first N
+    # transformer layers of each pipeline stage are recomputed"
+    return args + [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "block",
+        "--recompute-num-layers",
+        str(blocks_recomputed),
+    ], None
+
+
 def deepspeed_export(
     config: ParallelConfig,
     stages: list[list[str]],
@@ -280,6 +332,35 @@ def deepspeed_export(
     parts = [0]
     for count in counts:
         parts.append(parts[-1] + count)
+    warnings = _deepspeed_warnings(config, contiguous=contiguous, recomputed=recomputed)
+    return {
+        "layer_counts": counts,
+        "parts": parts,
+        "stages": stages,
+        "num_stages": config.pp,
+        "partition_method_note": (
+            "PipelineModule(partition_method=...) accepts only 'uniform', 'parameters' and "
+            "'type:REGEX' (deepspeed/runtime/pipe/module.py, _partition_layers); none takes "
+            "explicit counts. Apply these counts by subclassing PipelineModule and overriding "
+            "_partition_layers(self, method) to set self.parts = PARTS and call "
+            "self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1]) with "
+            "stage_id = self._topo.get_coord(self.global_rank).pipe. The layer list must have one "
+            "entry (LayerSpec) per graph layer, in graph order."
+        ),
+        "zero_optimization": {"stage": config.zero},
+        "train_micro_batch_size_per_gpu": config.micro_batch,
+        "gradient_accumulation_steps": config.num_microbatches,
+        # PipelineEngine asserts train_batch_size == micro batch * micro-batches * dp.
+        "train_batch_size": config.global_batch,
+        "activation_checkpoint_interval": 1 if config.recompute == "full" else 0,
+        "warnings": warnings,
+    }
+
+
+def _deepspeed_warnings(
+    config: ParallelConfig, *, contiguous: bool, recomputed: list[list[str]] | None
+) -> list[str]:
+    """What DeepSpeed's PipelineEngine cannot run as planned, or needs done by hand."""
     warnings = []
     # deepspeed/runtime/pipe/engine.py, PipelineEngine.__init__: assert zero_optimization_stage()
     # < ZeroStageEnum.gradients, "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism".
@@ -314,28 +395,7 @@ def deepspeed_export(
             "layers (e.g. Megatron-DeepSpeed) and pass topology=PipeModelDataParallelTopology("
             f"num_pp={config.pp}, num_mp={config.tp}, num_dp={config.dp})."
         )
-    return {
-        "layer_counts": counts,
-        "parts": parts,
-        "stages": stages,
-        "num_stages": config.pp,
-        "partition_method_note": (
-            "PipelineModule(partition_method=...) accepts only 'uniform', 'parameters' and "
-            "'type:REGEX' (deepspeed/runtime/pipe/module.py, _partition_layers); none takes "
-            "explicit counts. Apply these counts by subclassing PipelineModule and overriding "
-            "_partition_layers(self, method) to set self.parts = PARTS and call "
-            "self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1]) with "
-            "stage_id = self._topo.get_coord(self.global_rank).pipe. The layer list must have one "
-            "entry (LayerSpec) per graph layer, in graph order."
-        ),
-        "zero_optimization": {"stage": config.zero},
-        "train_micro_batch_size_per_gpu": config.micro_batch,
-        "gradient_accumulation_steps": config.num_microbatches,
-        # PipelineEngine asserts train_batch_size == micro batch * micro-batches * dp.
-        "train_batch_size": config.global_batch,
-        "activation_checkpoint_interval": 1 if config.recompute == "full" else 0,
-        "warnings": warnings,
-    }
+    return warnings
 
 
 def _megatron_block_recompute(

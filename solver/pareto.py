@@ -27,19 +27,18 @@ split and assignment of stages to groups; each point carries its ``group_of_stag
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, UTILIZATION
-from solver.errors import InputError, NoSolutionError
+from solver.errors import InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate_assignment
 from solver.graph import LayerGraph
 from solver.plan_file import PLAN_VERSION, check_pareto
 from solver.report import cluster_to_dict, evaluation_fields
-from solver.search import Deadline, build_entries, search
+from solver.search import Deadline, SearchResult, build_entries, search
 from solver.specs import Cluster, TrainingConfig
 from solver.units import format_bytes
 
@@ -104,34 +103,89 @@ def pareto_front(
     if max_points is not None and max_points < 2:
         raise InputError(f"--pareto-points {max_points}: need at least 2 (both ends of the front)")
     started = time.perf_counter()
-    deadline = Deadline.after(time_limit_s)
-    entries = build_entries(graph, cluster, training)
-    budget_ns = (
-        None
-        if training.min_throughput is None
-        else math.floor(training.global_batch * 1e9 / training.min_throughput)
+    walk = _FrontWalk(
+        graph,
+        cluster,
+        training,
+        backend=backend,
+        deadline=Deadline.after(time_limit_s),
+        num_workers=num_workers,
     )
-    run = functools.partial(
-        search, entries, backend=backend, deadline=deadline, num_workers=num_workers
+    first = walk.fastest_within(walk.capacity)
+    if first is None:
+        raise walk.no_plan(time_limit_s)
+    points, complete = walk.points_from(first, max_points)
+    front = _non_dominated(points)
+    return ParetoFront(
+        points=[p.evaluation for p in front],
+        complete=complete and walk.proven,
+        proven=walk.proven,
+        searches=walk.searches,
+        wall_s=time.perf_counter() - started,
+        memory_unit=walk.unit,
     )
-    counter = {"searches": 0, "proven": True}
-    heterogeneous = cluster.is_heterogeneous
-    unit = "ppm" if heterogeneous and training.memory_objective == UTILIZATION else "bytes"
 
-    def solve(objective: str, level: int | None, budget: int | None):
+
+class _FrontWalk:
+    """The config searches of one :func:`pareto_front` call: the lexicographic steps, in the
+    front's memory unit, and how many searches ran and whether all of them finished."""
+
+    def __init__(
+        self,
+        graph: LayerGraph,
+        cluster: Cluster,
+        training: TrainingConfig,
+        *,
+        backend: str,
+        deadline: Deadline,
+        num_workers: int,
+    ) -> None:
+        self.graph = graph
+        self.cluster = cluster
+        self.training = training
+        self.backend = backend
+        self.deadline = deadline
+        self.num_workers = num_workers
+        self.entries = build_entries(graph, cluster, training)
+        self.budget_ns = (
+            None
+            if training.min_throughput is None
+            else math.floor(training.global_batch * 1e9 / training.min_throughput)
+        )
+        heterogeneous = cluster.is_heterogeneous
+        self.unit = "ppm" if heterogeneous and training.memory_objective == UTILIZATION else "bytes"
+        # each group's capacity is in its entries' placement; the cluster's is the only limit else
+        self.capacity = None if heterogeneous else cluster.gpu_memory_bytes
+        self.searches = 0
+        self.proven = True
+
+    def search_within(self, objective: str, level: int | None, budget: int | None) -> SearchResult:
         """One config search with memory <= level (None: only the GPU capacities) in the
         front's unit: a peak limit in bytes, or a utilization limit in ppm."""
-        counter["searches"] += 1
-        result = run(
+        self.searches += 1
+        result = search(
+            self.entries,
             objective=objective,
-            capacity_bytes=None if unit == "ppm" else level,
-            utilization_limit_ppm=level if unit == "ppm" else None,
+            capacity_bytes=None if self.unit == "ppm" else level,
+            utilization_limit_ppm=level if self.unit == "ppm" else None,
             iteration_budget_ns=budget,
+            backend=self.backend,
+            deadline=self.deadline,
+            num_workers=self.num_workers,
         )
-        counter["proven"] &= result.proven
+        self.proven &= result.proven
         return result
 
-    def point(result) -> _Point:
+    def fastest_within(self, level: int | None) -> _Point | None:
+        """Fastest plan with memory <= level; among those, the smallest memory."""
+        fastest = self.search_within(OBJECTIVE_TIME, level, self.budget_ns)
+        if fastest.entry is None:
+            return None
+        smallest = self.search_within(OBJECTIVE_MEMORY, level, fastest.value)
+        return self._point(smallest if smallest.entry is not None else fastest)
+
+    def _point(self, result: SearchResult) -> _Point:
+        """The result's plan evaluated by the cost model."""
         solution, placement = result.solution, result.entry.placement
         placed = (
             {}
@@ -139,68 +193,68 @@ def pareto_front(
             else {"group_costs": placement.group_costs, "group_of_stage": solution.group_of_stage}
         )
         evaluation = evaluate_assignment(
-            graph,
+            self.graph,
             result.entry.costs,
             solution.stage_of_layer,
-            cluster=cluster,
-            training=training,
+            cluster=self.cluster,
+            training=self.training,
             recomputed=solution.recomputed,
             **placed,
         )
-        return _Point(memory_value(evaluation, unit), evaluation.iteration_ns, evaluation)
+        return _Point(memory_value(evaluation, self.unit), evaluation.iteration_ns, evaluation)
 
-    def fastest_within(level: int | None) -> _Point | None:
-        """Fastest plan with memory <= level; among those, the smallest memory."""
-        fastest = solve(OBJECTIVE_TIME, level, budget_ns)
-        if fastest.entry is None:
-            return None
-        smallest = solve(OBJECTIVE_MEMORY, level, fastest.value)
-        return point(smallest if smallest.entry is not None else fastest)
-
-    # each group's capacity is in its entries' placement; the cluster's is the only limit else
-    capacity = None if heterogeneous else cluster.gpu_memory_bytes
-    first = fastest_within(capacity)
-    if first is None:
-        if not counter["proven"]:
-            raise NoSolutionError(
+    def no_plan(self, time_limit_s: float | None) -> PlannerError:
+        """Why not even the fastest plan was found: the time limit, or nothing fits."""
+        if not self.proven:
+            return NoSolutionError(
                 f"time limit ({time_limit_s} s) reached before any plan was found; "
                 "raise --time-limit"
             )
         from solver.planner import explain_infeasible
 
-        raise explain_infeasible(graph, cluster, training, entries, backend, budget_ns)
-    smallest = solve(OBJECTIVE_MEMORY, capacity, budget_ns)
-    last = (
-        first
-        if smallest.entry is None or smallest.value >= first.memory
-        else fastest_within(smallest.value)
-    )
-    walk, complete = [first], True
-    while last is not None and walk[-1].memory > last.memory:
-        if max_points is not None and len(walk) == max_points:
-            complete = False
-            break
-        following = fastest_within(walk[-1].memory - 1)
-        if following is None:  # time limit
-            complete = False
-            break
-        walk.append(following)
-    points = walk
-    if not complete and last is not None and max_points is not None:
+        return explain_infeasible(
+            self.graph, self.cluster, self.training, self.entries, self.backend, self.budget_ns
+        )
+
+    def points_from(self, first: _Point, max_points: int | None) -> tuple[list[_Point], bool]:
+        """Points of the front from the fastest plan ``first`` to the smallest-memory one, and
+        whether the walk visited all of them (else a sample of ``max_points`` evenly spaced
+        memory levels, or what the time limit allowed)."""
+        smallest = self.search_within(OBJECTIVE_MEMORY, self.capacity, self.budget_ns)
+        last = (
+            first
+            if smallest.entry is None or smallest.value >= first.memory
+            else self.fastest_within(smallest.value)
+        )
+        walk, complete = self._walk(first, last, max_points)
+        if not complete and last is not None and max_points is not None:
+            return self._sample(first, last, max_points), complete
+        return walk, complete
+
+    def _walk(
+        self, first: _Point, last: _Point | None, max_points: int | None
+    ) -> tuple[list[_Point], bool]:
+        """Every non-dominated point from ``first`` down to ``last``, each step the fastest
+        plan below the previous memory; stops (incomplete) after ``max_points`` points or when
+        a step finds nothing in time."""
+        walk = [first]
+        while last is not None and walk[-1].memory > last.memory:
+            if max_points is not None and len(walk) == max_points:
+                return walk, False
+            following = self.fastest_within(walk[-1].memory - 1)
+            if following is None:  # time limit
+                return walk, False
+            walk.append(following)
+        return walk, True
+
+    def _sample(self, first: _Point, last: _Point, max_points: int) -> list[_Point]:
+        """``first``, ``last`` and the fastest plans at ``max_points - 2`` memory levels evenly
+        spaced between them."""
         levels = [
             first.memory - (first.memory - last.memory) * i // (max_points - 1)
             for i in range(1, max_points - 1)
         ]
-        points = [first, *(p for p in map(fastest_within, levels) if p is not None), last]
-    front = _non_dominated(points)
-    return ParetoFront(
-        points=[p.evaluation for p in front],
-        complete=complete and counter["proven"],
-        proven=counter["proven"],
-        searches=counter["searches"],
-        wall_s=time.perf_counter() - started,
-        memory_unit=unit,
-    )
+        return [first, *(p for p in map(self.fastest_within, levels) if p is not None), last]
 
 
 def _non_dominated(points: list[_Point]) -> list[_Point]:

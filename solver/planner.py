@@ -8,7 +8,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, UTILIZATION
 from solver.baselines import BASELINES
@@ -74,170 +74,245 @@ def plan(
     """
     started = time.perf_counter()
     deadline = Deadline.after(time_limit_s)
-    entries = build_entries(graph, cluster, training)
-    heterogeneous = cluster.is_heterogeneous
-    # a heterogeneous cluster's capacities are per group, in each entry's placement
-    capacity = None if heterogeneous else cluster.gpu_memory_bytes
-    budget_ns = None
-    required = None
-    fastest = None
-    if training.min_throughput is not None:
-        budget_ns = math.floor(training.global_batch * 1e9 / training.min_throughput)
-        required = training.min_throughput
-    run = functools.partial(
-        search,
-        entries,
-        capacity_bytes=capacity,
+    call = _PlanningCall(
+        graph=graph,
+        cluster=cluster,
+        training=training,
+        entries=build_entries(graph, cluster, training),
         backend=backend,
         deadline=deadline,
         num_workers=num_workers,
+        time_limit_s=time_limit_s,
     )
+    limit = _throughput_limit(call)
+    if training.objective == "memory":
+        result = call.best(OBJECTIVE_MEMORY, budget_ns=limit.budget_ns, retry_open=True)
+    else:
+        result = limit.fastest
+    choice = _break_ties(call, result, budget_ns=limit.budget_ns)
+    # a throughput budget taken from an unproven fastest plan is not proven either
+    proven = result.proven and (limit.fastest is None or limit.fastest.proven)
+    return _build_plan(call, choice, result, limit, proven=proven, started=started)
 
-    def found(result: SearchResult) -> SearchResult:
+
+@dataclass(kw_only=True)
+class _PlanningCall:
+    """What the searches of one :func:`plan` call share."""
+
+    graph: LayerGraph
+    cluster: Cluster
+    training: TrainingConfig
+    entries: list[ConfigEntry]
+    backend: str
+    deadline: Deadline
+    num_workers: int
+    time_limit_s: float | None
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The GPU memory every split must fit in; None on a heterogeneous cluster, whose
+        capacities are per group, in each entry's placement."""
+        return None if self.cluster.is_heterogeneous else self.cluster.gpu_memory_bytes
+
+    def best(self, objective: str, *, budget_ns: int | None, retry_open: bool) -> SearchResult:
+        """The best config for ``objective`` within the capacity and the iteration budget;
+        raises why there is none (NoSolutionError or InfeasibleError)."""
+        result = search(
+            self.entries,
+            objective=objective,
+            capacity_bytes=self.capacity_bytes,
+            iteration_budget_ns=budget_ns,
+            backend=self.backend,
+            deadline=self.deadline,
+            num_workers=self.num_workers,
+            retry_open=retry_open,
+        )
         if result.entry is None:
-            raise _no_plan(
-                result, graph, cluster, training, entries, backend, budget_ns, time_limit_s
-            )
+            raise self._no_plan(result, budget_ns)
         return result
 
-    if training.objective == "throughput" or (
-        training.min_throughput is None and training.max_slowdown is not None
-    ):
+    def _no_plan(self, result: SearchResult, budget_ns: int | None) -> PlannerError:
+        """NoSolutionError when the time ran out first, else the infeasibility explanation."""
+        if not result.proven:
+            return NoSolutionError(
+                f"time limit ({self.time_limit_s} s) reached before any plan was found "
+                f"({result.solved} of {len(self.entries)} configs solved); raise --time-limit"
+            )
+        return explain_infeasible(
+            self.graph, self.cluster, self.training, self.entries, self.backend, budget_ns
+        )
+
+
+@dataclass(kw_only=True)
+class _ThroughputLimit:
+    """The throughput constraint of one planning call."""
+
+    budget_ns: int | None = None
+    """Longest iteration a plan may take (ns); None: no constraint."""
+    required: float | None = None
+    """The same in samples/s, as reported; None also when the fastest plan takes 0 ns."""
+    fastest: SearchResult | None = None
+    """The fastest plan that fits, when it was searched."""
+
+    def fastest_throughput(self, global_batch: int) -> float | None:
+        if self.fastest is None or self.fastest.value is None:
+            return None
+        return global_batch * 1e9 / self.fastest.value
+
+
+def _throughput_limit(call: _PlanningCall) -> _ThroughputLimit:
+    """The iteration budget from ``min_throughput``, else ``max_slowdown`` times the fastest plan
+    that fits. The fastest plan is searched for that, or as the answer of objective
+    "throughput"."""
+    training = call.training
+    limit = _ThroughputLimit()
+    if training.min_throughput is not None:
+        limit.budget_ns = math.floor(training.global_batch * 1e9 / training.min_throughput)
+        limit.required = training.min_throughput
+    slowdown_only = training.min_throughput is None and training.max_slowdown is not None
+    if training.objective == "throughput" or slowdown_only:
         # only the last search spends the time left on configs that did not close
         last = training.objective == "throughput"
-        fastest = found(
-            run(objective=OBJECTIVE_TIME, iteration_budget_ns=budget_ns, retry_open=last)
-        )
+        limit.fastest = call.best(OBJECTIVE_TIME, budget_ns=limit.budget_ns, retry_open=last)
         if training.objective == "memory" and training.min_throughput is None:
-            budget_ns = math.floor(training.max_slowdown * fastest.value)
+            limit.budget_ns = math.floor(training.max_slowdown * limit.fastest.value)
             # a graph without FLOPs or times runs in 0 ns: no throughput to require
-            required = training.global_batch * 1e9 / budget_ns if budget_ns else None
-    if training.objective == "memory":
-        result = found(
-            run(objective=OBJECTIVE_MEMORY, iteration_budget_ns=budget_ns, retry_open=True)
+            limit.required = (
+                training.global_batch * 1e9 / limit.budget_ns if limit.budget_ns else None
+            )
+    return limit
+
+
+class _Choice(NamedTuple):
+    """The chosen config and its split."""
+
+    entry: ConfigEntry
+    split: list[int]
+    recomputed: list[bool] | None
+    """Recompute flag of each layer (selective recomputation only)."""
+    groups: list[int] | None
+    """Node group of each stage (heterogeneous clusters only)."""
+
+
+def _break_ties(call: _PlanningCall, result: SearchResult, *, budget_ns: int | None) -> _Choice:
+    """Among configs tied on the primary objective, the best on the secondary one (then the
+    earliest in candidate order). Each tie is re-solved for its best secondary value while
+    keeping the primary optimum as a hard limit (with selective recomputation this also drops
+    recomputed layers the peak does not need)."""
+    limits = _secondary_limits(call, result, budget_ns=budget_ns)
+    best_key, best = None, None
+    for entry, solution in result.ties:
+        refined = refine(
+            entry,
+            **limits,
+            backend=result.backend,
+            deadline=call.deadline,
+            hint=solution.stage_of_layer,
+            hint_recomputed=solution.recomputed,
+            hint_groups=solution.group_of_stage,
+            num_workers=call.num_workers,
         )
-        secondary, limits = OBJECTIVE_TIME, {"capacity": result.value, "budget": budget_ns}
-        if heterogeneous and training.memory_objective == UTILIZATION:
-            limits = {"capacity": None, "budget": budget_ns, "utilization": result.value}
-    else:
-        result = fastest
-        secondary, limits = OBJECTIVE_MEMORY, {"capacity": capacity, "budget": result.value}
-    entry, split, recomputed, groups = _break_ties(
-        result, secondary=secondary, **limits, deadline=deadline, num_workers=num_workers
-    )
-    # a throughput budget taken from an unproven fastest plan is not proven either
-    proven = result.proven and (fastest is None or fastest.proven)
+        chosen = refined if refined is not None else solution
+        key = (refined.objective if refined is not None else math.inf, entry.order)
+        if best is None or key < best_key:
+            best_key = key
+            best = _Choice(entry, chosen.stage_of_layer, chosen.recomputed, chosen.group_of_stage)
+    return best
+
+
+def _secondary_limits(
+    call: _PlanningCall, result: SearchResult, *, budget_ns: int | None
+) -> dict[str, Any]:
+    """The secondary objective and the limits that hold the primary optimum, as arguments of
+    :func:`solver.search.refine`: the fastest split at the optimal peak (or the optimal largest
+    utilization of a heterogeneous cluster), or the smallest peak at the fastest iteration."""
+    if call.training.objective != "memory":
+        return {
+            "objective": OBJECTIVE_MEMORY,
+            "capacity_bytes": call.capacity_bytes,
+            "iteration_budget_ns": result.value,
+        }
+    if call.cluster.is_heterogeneous and call.training.memory_objective == UTILIZATION:
+        return {
+            "objective": OBJECTIVE_TIME,
+            "capacity_bytes": None,
+            "iteration_budget_ns": budget_ns,
+            "utilization_limit_ppm": result.value,
+        }
+    return {
+        "objective": OBJECTIVE_TIME,
+        "capacity_bytes": result.value,
+        "iteration_budget_ns": budget_ns,
+    }
+
+
+def _build_plan(
+    call: _PlanningCall,
+    choice: _Choice,
+    result: SearchResult,
+    limit: _ThroughputLimit,
+    *,
+    proven: bool,
+    started: float,
+) -> Plan:
+    """The chosen split evaluated by the cost model, how it was found, its engine exports, and
+    the usual splits of the same config for comparison."""
     placed = (
         {}
-        if entry.placement is None
-        else {"group_costs": entry.placement.group_costs, "group_of_stage": groups}
+        if choice.entry.placement is None
+        else {"group_costs": choice.entry.placement.group_costs, "group_of_stage": choice.groups}
     )
     evaluation = evaluate_assignment(
-        graph,
-        entry.costs,
-        split,
-        cluster=cluster,
-        training=training,
-        recomputed=recomputed,
+        call.graph,
+        choice.entry.costs,
+        choice.split,
+        cluster=call.cluster,
+        training=call.training,
+        recomputed=choice.recomputed,
         **placed,
     )
+    report = _solver_report(result, proven=proven, configs_total=len(call.entries), started=started)
+    return Plan(
+        evaluation=evaluation,
+        solver=report,
+        exports=build_exports(
+            call.graph,
+            choice.entry.costs.config,
+            evaluation.virtual_stage_layer_names(),
+            recomputed=evaluation.virtual_stage_recomputed_names(),
+        ),
+        baselines={
+            name: evaluate_assignment(
+                call.graph,
+                choice.entry.costs,
+                split_of(call.graph, choice.entry.costs.num_stages),
+                cluster=call.cluster,
+                training=call.training,
+                **placed,
+            )
+            for name, split_of in BASELINES.items()
+        },
+        required_throughput=limit.required,
+        fastest_throughput=limit.fastest_throughput(call.training.global_batch),
+    )
+
+
+def _solver_report(
+    result: SearchResult, *, proven: bool, configs_total: int, started: float
+) -> SolverReport:
     report = SolverReport(
         backend=result.backend,
         status=OPTIMAL if proven else "FEASIBLE",
         objective=result.value,
         bound=result.bound,
         wall_s=time.perf_counter() - started,
-        configs_total=len(entries),
+        configs_total=configs_total,
         configs_solved=result.solved,
         configs_pruned=result.pruned,
     )
     if not proven:
         report.notes.append("time limit reached: best plan found, not proven optimal")
-    return Plan(
-        evaluation=evaluation,
-        solver=report,
-        exports=build_exports(
-            graph,
-            entry.costs.config,
-            evaluation.virtual_stage_layer_names(),
-            recomputed=evaluation.virtual_stage_recomputed_names(),
-        ),
-        baselines={
-            name: evaluate_assignment(
-                graph,
-                entry.costs,
-                split_of(graph, entry.costs.num_stages),
-                cluster=cluster,
-                training=training,
-                **placed,
-            )
-            for name, split_of in BASELINES.items()
-        },
-        required_throughput=required,
-        fastest_throughput=(
-            None
-            if fastest is None or fastest.value is None
-            else training.global_batch * 1e9 / fastest.value
-        ),
-    )
-
-
-def _break_ties(
-    result: SearchResult,
-    *,
-    secondary: str,
-    capacity: int | None,
-    budget: int | None,
-    deadline: Deadline,
-    num_workers: int,
-    utilization: int | None = None,
-) -> tuple[ConfigEntry, list[int], list[bool] | None, list[int] | None]:
-    """Among configs tied on the primary objective, the best on the secondary one (then the
-    earliest in candidate order). Each tie is re-solved for its best secondary value while
-    keeping the primary optimum as a hard limit (with selective recomputation this also drops
-    recomputed layers the peak does not need). Returns (entry, split, recompute flags, group
-    of each stage)."""
-    best: tuple[tuple[int, int], ConfigEntry, list[int], list[bool] | None, list[int] | None]
-    best = None
-    for entry, solution in result.ties:
-        refined = refine(
-            entry,
-            objective=secondary,
-            capacity_bytes=capacity,
-            iteration_budget_ns=budget,
-            backend=result.backend,
-            deadline=deadline,
-            hint=solution.stage_of_layer,
-            hint_recomputed=solution.recomputed,
-            hint_groups=solution.group_of_stage,
-            num_workers=num_workers,
-            utilization_limit_ppm=utilization,
-        )
-        chosen = refined if refined is not None else solution
-        value = refined.objective if refined is not None else math.inf
-        key = (value, entry.order)
-        if best is None or key < best[0]:
-            best = (key, entry, chosen.stage_of_layer, chosen.recomputed, chosen.group_of_stage)
-    return best[1], best[2], best[3], best[4]
-
-
-def _no_plan(
-    result: SearchResult,
-    graph: LayerGraph,
-    cluster: Cluster,
-    training: TrainingConfig,
-    entries: list[ConfigEntry],
-    backend: str,
-    budget_ns: int | None,
-    time_limit_s: float | None,
-) -> PlannerError:
-    """NoSolutionError when the time ran out first, else the infeasibility explanation."""
-    if not result.proven:
-        return NoSolutionError(
-            f"time limit ({time_limit_s} s) reached before any plan was found "
-            f"({result.solved} of {len(entries)} configs solved); raise --time-limit"
-        )
-    return explain_infeasible(graph, cluster, training, entries, backend, budget_ns)
+    return report
 
 
 def explain_infeasible(
@@ -251,7 +326,6 @@ def explain_infeasible(
     """Which constraint fails, by how much, and the smallest GPU count that would fit."""
     if cluster.is_heterogeneous:
         return _explain_heterogeneous(cluster, entries, budget_ns)
-    capacity = cluster.gpu_memory_bytes
     quick = functools.partial(
         search, entries, iteration_budget_ns=None, backend=backend, deadline=Deadline.after(10.0)
     )
@@ -261,22 +335,48 @@ def explain_infeasible(
         if unconstrained.value is not None
         else min(e.memory_bound for e in entries)
     )
-    if best_peak <= capacity and budget_ns is not None:
-        fastest = quick(objective=OBJECTIVE_TIME, capacity_bytes=capacity)
-        reached = (
-            "no plan was found in time"
-            if fastest.value is None
-            else f"the fastest plan that fits reaches "
-            f"{training.global_batch * 1e9 / fastest.value:.4g} samples/s "
-            f"({fastest.entry.costs.config.label()})"
-        )
-        required = training.global_batch * 1e9 / budget_ns
-        return InfeasibleError(
-            f"throughput constraint cannot be met: {required:.4g} samples/s required, {reached};"
-            " lower --min-throughput, raise --max-slowdown, or add GPUs",
-            best_peak_bytes=best_peak,
-            capacity_bytes=capacity,
-        )
+    if best_peak <= cluster.gpu_memory_bytes and budget_ns is not None:
+        fastest = quick(objective=OBJECTIVE_TIME, capacity_bytes=cluster.gpu_memory_bytes)
+        return _throughput_unmet(cluster, training, fastest, budget_ns, best_peak=best_peak)
+    return _memory_exceeded(graph, cluster, training, entries, backend, unconstrained, best_peak)
+
+
+def _throughput_unmet(
+    cluster: Cluster,
+    training: TrainingConfig,
+    fastest: SearchResult,
+    budget_ns: int,
+    *,
+    best_peak: int,
+) -> InfeasibleError:
+    """Some plan fits in memory, but none reaches the required throughput."""
+    reached = (
+        "no plan was found in time"
+        if fastest.value is None
+        else f"the fastest plan that fits reaches "
+        f"{training.global_batch * 1e9 / fastest.value:.4g} samples/s "
+        f"({fastest.entry.costs.config.label()})"
+    )
+    required = training.global_batch * 1e9 / budget_ns
+    return InfeasibleError(
+        f"throughput constraint cannot be met: {required:.4g} samples/s required, {reached};"
+        " lower --min-throughput, raise --max-slowdown, or add GPUs",
+        best_peak_bytes=best_peak,
+        capacity_bytes=cluster.gpu_memory_bytes,
+    )
+
+
+def _memory_exceeded(
+    graph: LayerGraph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    entries: list[ConfigEntry],
+    backend: str,
+    unconstrained: SearchResult,
+    best_peak: int,
+) -> InfeasibleError:
+    """No plan fits in memory: by how much the best one is over, and a GPU count that fits."""
+    capacity = cluster.gpu_memory_bytes
     over = best_peak - capacity
     config_text = (
         "" if unconstrained.entry is None else f" ({unconstrained.entry.costs.config.label()})"
@@ -295,7 +395,7 @@ def explain_infeasible(
         )
     needs = f"needs {format_bytes(best_peak)}{config_text}, "
     if not unconstrained.proven:  # the 10 s search stopped early: an upper bound only
-        needs = f"is proven over it; the best split found in 10 s needs {needs}"
+        needs = f"is proven over it; the best split found in 10 s {needs}"
     return InfeasibleError(
         f"nothing fits in {format_bytes(capacity)} per GPU (--gpu-memory): the best of "
         f"{len(entries)} configs {needs}"

@@ -34,6 +34,10 @@ COMPONENTS = (
 )
 """(breakdown key, legend label, colour) of each stacked segment, bottom to top."""
 CAPACITY_COLOUR = "#c44e52"
+SWEEP_PEAK_KEYS = ("peak_bytes", "even_peak_bytes", "parameters_peak_bytes")
+SWEEP_THROUGHPUT_KEYS = ("throughput", "even_throughput", "parameters_throughput")
+"""Sweep row keys of the plan, the even split and the parameter-balanced split, drawn as solid,
+dashed and dotted lines (the plan's with markers)."""
 
 
 def check_plot_path(path: str | os.PathLike, *, protect: Iterable[str] = ()) -> Path:
@@ -112,71 +116,13 @@ def plot_sweep(
     for index, size in enumerate(sizes):
         colour = colours[index % len(colours)]
         series = sorted((r for r in rows if int(r["gpu_memory_bytes"]) == size), key=_gpus)
-        tag = format_bytes(size).replace(".00 ", " ")
-        memory_ax.axhline(size / GIB, color=colour, linestyle="--", linewidth=1, alpha=0.7)
-        memory_ax.annotate(
-            f"capacity {tag}",
-            (0.01, size / GIB),
-            xycoords=("axes fraction", "data"),
-            textcoords="offset points",
-            xytext=(0, 2),
-            color=colour,
-            fontsize=8,
-        )
+        _capacity_line(memory_ax, size, colour)
         solved = [r for r in series if _solved(r)]
-        for key, style in (
-            ("peak_bytes", "-"),
-            ("even_peak_bytes", "--"),
-            ("parameters_peak_bytes", ":"),
-        ):
-            points = [(_gpus(r), r[key] / GIB) for r in solved if r.get(key) is not None]
-            if points:
-                memory_ax.plot(
-                    *zip(*points, strict=True),
-                    linestyle=style,
-                    marker="o" if key == "peak_bytes" else None,
-                    markersize=4,
-                    color=colour,
-                )
-        for key, style in (
-            ("throughput", "-"),
-            ("even_throughput", "--"),
-            ("parameters_throughput", ":"),
-        ):
-            points = [(_gpus(r), r[key]) for r in solved if r.get(key) is not None]
-            if points:
-                speed_ax.plot(
-                    *zip(*points, strict=True),
-                    linestyle=style,
-                    marker="o" if key == "throughput" else None,
-                    markersize=4,
-                    color=colour,
-                )
+        _sweep_lines(memory_ax, solved, SWEEP_PEAK_KEYS, colour, scale=GIB)
+        _sweep_lines(speed_ax, solved, SWEEP_THROUGHPUT_KEYS, colour)
         for row in series:
-            if _solved(row):
-                continue
-            failed = str(row.get("status", "")).upper() == "ERROR"
-            kind = "error" if failed else "infeasible"
-            peak = row.get("peak_bytes")
-            y = (peak if peak is not None and not failed else size) / GIB
-            style = (
-                {"marker": "D", "facecolors": "none", "edgecolors": colour}
-                if failed
-                else {"marker": "x", "color": colour}
-            )
-            label = None
-            if not marked[kind]:
-                label = "error (see the table)" if failed else "no plan fits"
-                marked[kind] = True
-            memory_ax.scatter([_gpus(row)], [y], s=60, zorder=5, label=label, **style)
-            speed_ax.scatter(
-                [_gpus(row)],
-                [0.03],
-                s=60,
-                zorder=5,
-                transform=speed_ax.get_xaxis_transform(),
-                **style,
-            )
+            if not _solved(row):
+                _unsolved_marker(memory_ax, speed_ax, row, size, colour, marked)
     gpus = sorted({_gpus(r) for r in rows})
     for ax, ylabel in (
         (memory_ax, "peak memory per GPU (GiB)"),
@@ -199,6 +145,61 @@ def plot_sweep(
     if title:
         figure.suptitle(title, fontsize=11)
     return _save(figure, target)
+
+
+def _capacity_line(ax, size: int, colour: str) -> None:
+    """A dashed horizontal line at the GPU memory ``size``, labelled at its left end."""
+    ax.axhline(size / GIB, color=colour, linestyle="--", linewidth=1, alpha=0.7)
+    ax.annotate(
+        f"capacity {format_bytes(size).replace('.00 ', ' ')}",
+        (0.01, size / GIB),
+        xycoords=("axes fraction", "data"),
+        textcoords="offset points",
+        xytext=(0, 2),
+        color=colour,
+        fontsize=8,
+    )
+
+
+def _sweep_lines(
+    ax, solved: list[Mapping[str, Any]], keys: tuple[str, str, str], colour: str, *, scale=1
+) -> None:
+    """One line per partitioner over the solved rows (values / ``scale``)."""
+    for key, style in zip(keys, ("-", "--", ":"), strict=True):
+        points = [(_gpus(r), r[key] / scale) for r in solved if r.get(key) is not None]
+        if points:
+            ax.plot(
+                *zip(*points, strict=True),
+                linestyle=style,
+                marker="o" if key == keys[0] else None,
+                markersize=4,
+                color=colour,
+            )
+
+
+def _unsolved_marker(
+    memory_ax, speed_ax, row: Mapping[str, Any], size: int, colour: str, marked: dict[str, bool]
+) -> None:
+    """A cross where no plan fits (at the best peak when known, else at the capacity) or a hollow
+    diamond where the point failed (at the capacity), on both panels; the first of each kind is
+    labelled for the legend (``marked``)."""
+    failed = str(row.get("status", "")).upper() == "ERROR"
+    kind = "error" if failed else "infeasible"
+    peak = row.get("peak_bytes")
+    y = (peak if peak is not None and not failed else size) / GIB
+    style = (
+        {"marker": "D", "facecolors": "none", "edgecolors": colour}
+        if failed
+        else {"marker": "x", "color": colour}
+    )
+    label = None
+    if not marked[kind]:
+        label = "error (see the table)" if failed else "no plan fits"
+        marked[kind] = True
+    memory_ax.scatter([_gpus(row)], [y], s=60, zorder=5, label=label, **style)
+    speed_ax.scatter(
+        [_gpus(row)], [0.03], s=60, zorder=5, transform=speed_ax.get_xaxis_transform(), **style
+    )
 
 
 def plot_pareto(

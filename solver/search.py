@@ -180,179 +180,225 @@ def search(
 ) -> SearchResult:
     """Exact best config for ``objective`` (memory or time) under the limits (the utilization
     limit applies to heterogeneous entries only). With ``retry_open`` the time left once every
-    config was visited goes to the time-shared configs that did not close (``_retry_open``):
-    for the last search of a planning call, which may use the whole deadline."""
-    chain = bool(entries) and entries[0].costs.is_chain()
-    placed = bool(entries) and entries[0].placement is not None
-    selective = any(e.costs.selective for e in entries)
-    interleaved = any(e.costs.config.virtual_stages > 1 for e in entries)
-    requested, backend = (
-        backend,
-        resolve_backend(
-            backend, chain, heterogeneous=placed, selective=selective, interleaved=interleaved
-        ),
+    config was visited goes to the time-shared configs that did not close
+    (:meth:`_Search.retry_open`): for the last search of a planning call, which may use the
+    whole deadline."""
+    state = _Search(
+        entries,
+        objective=objective,
+        capacity_bytes=capacity_bytes,
+        iteration_budget_ns=iteration_budget_ns,
+        backend=backend,
+        deadline=deadline,
+        num_workers=num_workers,
+        utilization_limit_ppm=utilization_limit_ppm,
     )
+    state.visit_in_bound_order()
+    if retry_open:
+        state.retry_open()
+    return state.result()
 
-    def backend_of(entry: ConfigEntry) -> str:
+
+class _Search:
+    """The state of one :func:`search`: the configs to visit (lowest bound first), the best
+    solution found for each, the lower bounds of the configs not proven yet, and the solves
+    that were given a share of the time (which :meth:`retry_open` may resume)."""
+
+    def __init__(
+        self,
+        entries: list[ConfigEntry],
+        *,
+        objective: str,
+        capacity_bytes: int | None,
+        iteration_budget_ns: int | None,
+        backend: str,
+        deadline: Deadline,
+        num_workers: int,
+        utilization_limit_ppm: int | None,
+    ) -> None:
+        self.objective = objective
+        self.capacity_bytes = capacity_bytes
+        self.iteration_budget_ns = iteration_budget_ns
+        self.deadline = deadline
+        self.num_workers = num_workers
+        self.utilization_limit_ppm = utilization_limit_ppm
+        self.chain = bool(entries) and entries[0].costs.is_chain()
+        self.placed = bool(entries) and entries[0].placement is not None
+        self.requested_backend = backend
+        self.backend = resolve_backend(
+            backend,
+            self.chain,
+            heterogeneous=self.placed,
+            selective=any(e.costs.selective for e in entries),
+            interleaved=any(e.costs.config.virtual_stages > 1 for e in entries),
+        )
+        self.viable = [e for e in entries if self._within_limits(e)]
+        self.viable.sort(key=lambda e: (self.bound_of(e), e.order))
+        self.pruned = len(entries) - len(self.viable)
+        self.solved = 0
+        self.results: dict[int, tuple[ConfigEntry, StageSolution]] = {}  # by entry order
+        self.open_bounds: dict[int, int] = {}  # entry order -> lower bound of a config not proven
+        self.shared: list[tuple[ConfigEntry, StageProblem]] = []  # solves given a share of time
+
+    def bound_of(self, entry: ConfigEntry) -> int:
+        """The entry's lower bound on the objective searched."""
+        return entry.memory_bound if self.objective == OBJECTIVE_MEMORY else entry.time_bound
+
+    def _within_limits(self, entry: ConfigEntry) -> bool:
+        """False when the entry's bounds already break a limit: it is pruned unsolved."""
+        return (
+            (self.capacity_bytes is None or entry.peak_lower_bound <= self.capacity_bytes)
+            and (self.iteration_budget_ns is None or entry.time_bound <= self.iteration_budget_ns)
+            and (
+                entry.placement is None
+                or entry.peak_lower_bound <= max(entry.placement.capacity_bytes)
+            )
+        )
+
+    def backend_of(self, entry: ConfigEntry) -> str:
         """'auto' per config: the chain algorithm stays with the plain configs of a chain even
         when interleaved ones are searched too."""
         return resolve_backend(
-            requested,
-            chain,
-            heterogeneous=placed,
+            self.requested_backend,
+            self.chain,
+            heterogeneous=self.placed,
             selective=entry.costs.selective,
             interleaved=entry.costs.config.virtual_stages > 1,
         )
 
-    bound_of = (
-        (lambda e: e.memory_bound) if objective == OBJECTIVE_MEMORY else (lambda e: e.time_bound)
-    )
-    viable = [
-        e
-        for e in entries
-        if (capacity_bytes is None or e.peak_lower_bound <= capacity_bytes)
-        and (iteration_budget_ns is None or e.time_bound <= iteration_budget_ns)
-        and (e.placement is None or e.peak_lower_bound <= max(e.placement.capacity_bytes))
-    ]
-    pruned = len(entries) - len(viable)
-    viable.sort(key=lambda e: (bound_of(e), e.order))
-    results: dict[int, tuple[ConfigEntry, StageSolution]] = {}  # by entry order
-    open_bounds: dict[int, int] = {}  # entry order -> lower bound of a config not proven
-    shared: list[tuple[ConfigEntry, StageProblem]] = []  # solves given a share of the time
-    solved = 0
+    def incumbent(self) -> int | None:
+        """The best objective found so far (None: no solution yet)."""
+        return min((solution.objective for _, solution in self.results.values()), default=None)
 
-    def incumbent() -> int | None:
-        return min((solution.objective for _, solution in results.values()), default=None)
-
-    def record(entry: ConfigEntry, solution: StageSolution, *, retry: bool = False) -> None:
-        nonlocal solved
-        solved += not retry
-        earlier = open_bounds.pop(entry.order, bound_of(entry))
+    def record(self, entry: ConfigEntry, solution: StageSolution, *, retry: bool = False) -> None:
+        """Keep the entry's best solution; it stays open, at its best bound, unless proven."""
+        self.solved += not retry
+        earlier = self.open_bounds.pop(entry.order, self.bound_of(entry))
         if solution.status not in (OPTIMAL, INFEASIBLE):
-            open_bounds[entry.order] = max(solution.bound, earlier)
-        previous = results.get(entry.order)
+            self.open_bounds[entry.order] = max(solution.bound, earlier)
+        previous = self.results.get(entry.order)
         if solution.has_solution and (
             previous is None or solution.objective < previous[1].objective
         ):
-            results[entry.order] = (entry, solution)
+            self.results[entry.order] = (entry, solution)
 
-    for index, entry in enumerate(viable):
-        best_value = incumbent()
-        if best_value is not None and bound_of(entry) > best_value:
-            pruned += len(viable) - index
-            break
-        if deadline.expired():
-            open_bounds.update((e.order, bound_of(e)) for e in viable[index:])
-            break
-        problem = StageProblem(
+    def visit_in_bound_order(self) -> None:
+        """Solve the configs lowest bound first until a bound exceeds the incumbent (the rest
+        are pruned) or the time runs out (the rest stay open at their bounds)."""
+        for index, entry in enumerate(self.viable):
+            best_value = self.incumbent()
+            if best_value is not None and self.bound_of(entry) > best_value:
+                self.pruned += len(self.viable) - index
+                return
+            if self.deadline.expired():
+                self.open_bounds.update((e.order, self.bound_of(e)) for e in self.viable[index:])
+                return
+            self._solve_config(entry, still_to_visit=len(self.viable) - index)
+
+    def _problem(self, entry: ConfigEntry) -> StageProblem:
+        return StageProblem(
             costs=entry.costs,
-            objective=objective,
-            capacity_bytes=capacity_bytes,
-            iteration_budget_ns=iteration_budget_ns,
+            objective=self.objective,
+            capacity_bytes=self.capacity_bytes,
+            iteration_budget_ns=self.iteration_budget_ns,
             placement=entry.placement,
-            utilization_limit_ppm=utilization_limit_ppm,
+            utilization_limit_ppm=self.utilization_limit_ppm,
         )
-        time_limit_s, hint, hint_recomputed = deadline.remaining(), None, None
-        if entry.costs.config.virtual_stages > 1:
-            # Megatron's own layout (equal layers per virtual stage) as a start, so a solve
-            # stopped by its time limit is never worse than it
-            hint = entry.start
+
+    def _solve_config(self, entry: ConfigEntry, *, still_to_visit: int) -> None:
+        """Solve one config with the time left and record the result. A large selective or
+        interleaved model may not close in that time: it gets a share of it (among the configs
+        still to visit) and a known split to start from; what is left at the end goes to those
+        that did not close (:meth:`retry_open`)."""
+        problem = self._problem(entry)
+        time_limit_s = self.deadline.remaining()
         share = problem.selective or entry.costs.config.virtual_stages > 1
         if share:
-            # a large selective or interleaved model may not close in the time left: share it
-            # among the configs still to solve (and start from a known split); what is left at
-            # the end goes to those that did not close (below)
-            time_limit_s /= len(viable) - index
-        if problem.selective:
-            # start from the best all-off / all-on split (a placed problem builds its own
-            # start, solver.backends.placement_start)
-            if chain and not placed and entry.costs.config.virtual_stages == 1:
-                hint, hint_recomputed = uniform_recompute_hint(problem, deadline)
+            time_limit_s /= still_to_visit
+        hint, hint_recomputed = self._start(entry, problem)
         solution = solve(
             problem,
-            backend_of(entry),
+            self.backend_of(entry),
             time_limit_s=max(time_limit_s, 0.01),
             hint=hint,
             hint_recomputed=hint_recomputed,
-            num_workers=num_workers,
+            num_workers=self.num_workers,
         )
-        record(entry, solution)
-        if share and entry.order in open_bounds:
-            shared.append((entry, problem))
-    _retry_open(
-        shared if retry_open else [],
-        open_bounds=open_bounds,
-        results=results,
-        incumbent=incumbent,
-        record=record,
-        backend_of=backend_of,
-        deadline=deadline,
-        num_workers=num_workers,
-    )
-    best_value = incumbent()
-    # a config whose bound is at least the incumbent cannot beat it: the optimum is proven
-    still_open = [b for b in open_bounds.values() if best_value is None or b < best_value]
-    if best_value is None:
-        return SearchResult(
-            entry=None,
-            solution=None,
-            ties=[],
-            bound=min(open_bounds.values(), default=0),
-            proven=not still_open,
-            solved=solved,
-            pruned=pruned,
-            backend=backend,
-        )
-    visit_order = [e.order for e in viable]
-    ties = [
-        results[order]
-        for order in visit_order
-        if order in results and results[order][1].objective == best_value
-    ]
-    return SearchResult(
-        entry=ties[0][0],
-        solution=ties[0][1],
-        ties=ties,
-        bound=min([best_value, *open_bounds.values()]),
-        proven=not still_open,
-        solved=solved,
-        pruned=pruned,
-        backend=backend,
-    )
+        self.record(entry, solution)
+        if share and entry.order in self.open_bounds:
+            self.shared.append((entry, problem))
 
+    def _start(
+        self, entry: ConfigEntry, problem: StageProblem
+    ) -> tuple[list[int] | None, list[bool] | None]:
+        """The split (and recompute flags) a solve starts from, so that one stopped by its
+        time limit is never worse than it; (None, None) for none."""
+        if entry.costs.config.virtual_stages > 1:
+            # Megatron's own layout (equal layers per virtual stage)
+            return entry.start, None
+        if problem.selective and self.chain and not self.placed:
+            # the best all-off / all-on split (a placed problem builds its own start,
+            # solver.backends.placement_start)
+            return uniform_recompute_hint(problem, self.deadline)
+        return None, None
 
-def _retry_open(
-    shared, *, open_bounds, results, incumbent, record, backend_of, deadline, num_workers
-) -> None:
-    """The time left after every config was visited goes to the configs that had a share of it
-    and did not close, lowest bound first, each restarted from its best split: a search that
-    ends early is then as close to proven as the time limit allows."""
-    retry = [(entry, problem) for entry, problem in shared if entry.order in open_bounds]
-    while retry and not deadline.expired():
-        best_value = incumbent()
+    def retry_open(self) -> None:
+        """The time left after every config was visited goes to the configs that had a share
+        of it and did not close, lowest bound first, each restarted from its best split: a
+        search that ends early is then as close to proven as the time limit allows."""
         retry = [
-            (entry, problem)
-            for entry, problem in retry
-            if best_value is None or open_bounds[entry.order] < best_value
+            (entry, problem) for entry, problem in self.shared if entry.order in self.open_bounds
         ]
-        if not retry:
-            return
-        retry.sort(key=lambda item: (open_bounds[item[0].order], item[0].order))
-        entry, problem = retry.pop(0)
-        previous = results.get(entry.order)
-        found = None if previous is None else previous[1]  # restart from its best split
-        record(
-            entry,
-            solve(
-                problem,
-                backend_of(entry),
-                time_limit_s=max(deadline.remaining() / (len(retry) + 1), 0.01),
-                hint=entry.start if found is None else found.stage_of_layer,
-                hint_recomputed=None if found is None else found.recomputed,
-                hint_groups=None if found is None else found.group_of_stage,
-                num_workers=num_workers,
-            ),
-            retry=True,
+        while retry and not self.deadline.expired():
+            best_value = self.incumbent()
+            retry = [
+                (entry, problem)
+                for entry, problem in retry
+                if best_value is None or self.open_bounds[entry.order] < best_value
+            ]
+            if not retry:
+                return
+            retry.sort(key=lambda item: (self.open_bounds[item[0].order], item[0].order))
+            entry, problem = retry.pop(0)
+            self._restart(entry, problem, still_to_retry=len(retry) + 1)
+
+    def _restart(self, entry: ConfigEntry, problem: StageProblem, *, still_to_retry: int) -> None:
+        """Solve an open config again, from its best split so far (else its first start), with
+        a share of the time left."""
+        previous = self.results.get(entry.order)
+        found = None if previous is None else previous[1]
+        solution = solve(
+            problem,
+            self.backend_of(entry),
+            time_limit_s=max(self.deadline.remaining() / still_to_retry, 0.01),
+            hint=entry.start if found is None else found.stage_of_layer,
+            hint_recomputed=None if found is None else found.recomputed,
+            hint_groups=None if found is None else found.group_of_stage,
+            num_workers=self.num_workers,
+        )
+        self.record(entry, solution, retry=True)
+
+    def result(self) -> SearchResult:
+        """The best config, ties in visit order, and the proven bound: a config still open
+        whose bound is at least the incumbent cannot beat it, so the optimum is proven when no
+        other config is open."""
+        best_value = self.incumbent()
+        still_open = [b for b in self.open_bounds.values() if best_value is None or b < best_value]
+        ties = [
+            self.results[e.order]
+            for e in self.viable
+            if e.order in self.results and self.results[e.order][1].objective == best_value
+        ]
+        bounds = [*([] if best_value is None else [best_value]), *self.open_bounds.values()]
+        return SearchResult(
+            entry=ties[0][0] if ties else None,
+            solution=ties[0][1] if ties else None,
+            ties=ties,
+            bound=min(bounds, default=0),
+            proven=not still_open,
+            solved=self.solved,
+            pruned=self.pruned,
+            backend=self.backend,
         )
 
 

@@ -56,7 +56,7 @@ def test_apply_rounds_each_scaled_component_up_and_adds_the_constant():
     # ceil(4.5) + 5 + ceil(1.1) - 7 (0.1 is slightly above 1/10 as a float: still 2)
     assert calibration.apply(breakdown) == 5 + 5 + 2 - 7
     identity = Calibration()
-    assert identity.is_identity and identity.apply(breakdown) == 19
+    assert identity.apply(breakdown) == 19  # every scale 1, constant 0
     assert Calibration(scales={"grads": 0.5}).apply({"grads": 3}) == 2  # ceil(1.5)
 
 

@@ -1,4 +1,4 @@
-"""Tests for profiling.profile_module: fake vs real, closed forms, dataflow edges, errors.
+"""Tests for profiling.profile.profile_module: fake vs real, closed forms, dataflow edges, errors.
 
 Models are defined here (small, CPU). Sizes in the comments: s sequence, h hidden, a heads,
 b batch, V vocabulary; bytes are per sample.

@@ -171,7 +171,12 @@ def add_cluster_options(parser: argparse.ArgumentParser, *, memory_list: bool = 
         help="memory per GPU, e.g. 80GiB, 40GB (default 80GiB)"
         + ("; several: 40GiB,80GiB" if memory_list else ""),
     )
-    cluster.add_argument("--gpus-per-node", type=positive_int, default=8)
+    cluster.add_argument(
+        "--gpus-per-node",
+        type=positive_int,
+        default=8,
+        help="GPUs per node; tensor parallelism stays inside a node (default 8)",
+    )
     cluster.add_argument(
         "--gpu-tflops",
         type=positive_float,
@@ -207,7 +212,13 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
         required=batch_required,
         help="samples per optimizer step",
     )
-    training.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    training.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="1f1b",
+        help="pipeline schedule: 1f1b (at most p - s micro-batches in flight on stage s) or "
+        "gpipe (all m in flight); default 1f1b",
+    )
     training.add_argument(
         "--virtual-stages",
         type=int_list,
@@ -276,12 +287,12 @@ def input_files(args: argparse.Namespace) -> list[str]:
     return [getattr(args, name) for name in names if getattr(args, name, None)]
 
 
-def add_plot_option(parser: argparse.ArgumentParser) -> None:
+def add_plot_option(parser: argparse.ArgumentParser, *, drawing: str) -> None:
+    """--plot FILE; ``drawing`` says what this CLI draws."""
     parser.add_argument(
         "--plot",
         metavar="FILE",
-        help="also draw per-stage memory next to the even split of the same config, or with "
-        "--pareto the front (.png, .pdf or .svg; solver/plots.py)",
+        help=f"also draw {drawing} (.png, .pdf or .svg; solver/plots.py)",
     )
 
 
@@ -358,7 +369,13 @@ def add_plan_options(parser: argparse.ArgumentParser, *, cpsat_workers: bool = T
     search.add_argument("--tp", type=positive_int, help="pin the tensor-parallel degree")
     search.add_argument("--dp", type=positive_int, help="pin the data-parallel degree")
     goal = parser.add_argument_group("objective and constraints")
-    goal.add_argument("--objective", choices=["memory", "throughput"], default="memory")
+    goal.add_argument(
+        "--objective",
+        choices=["memory", "throughput"],
+        default="memory",
+        help="memory: minimise the largest per-GPU peak (default); throughput: the fastest plan "
+        "that fits",
+    )
     goal.add_argument(
         "--memory-objective",
         choices=MEMORY_OBJECTIVES,

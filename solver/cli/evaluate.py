@@ -44,11 +44,21 @@ def evaluate_parser() -> argparse.ArgumentParser:
         "split, recomputed layers, stage groups, cluster and training options, on the graph it "
         "records (or GRAPH); exit code 6 when the numbers differ from the plan's",
     )
-    parser.add_argument("--pp", type=positive_int)
-    parser.add_argument("--tp", type=positive_int, default=1)
-    parser.add_argument("--dp", type=positive_int, default=1)
-    parser.add_argument("--micro-batch", type=positive_int, default=1)
-    parser.add_argument("--zero", type=int, choices=ZERO_STAGES, default=0)
+    parser.add_argument(
+        "--pp", type=positive_int, help="pipeline-parallel degree (pipeline ranks); required"
+    )
+    parser.add_argument(
+        "--tp", type=positive_int, default=1, help="tensor-parallel degree (default 1)"
+    )
+    parser.add_argument(
+        "--dp", type=positive_int, default=1, help="data-parallel degree (default 1)"
+    )
+    parser.add_argument(
+        "--micro-batch", type=positive_int, default=1, help="samples per micro-batch (default 1)"
+    )
+    parser.add_argument(
+        "--zero", type=int, choices=ZERO_STAGES, default=0, help="ZeRO stage (default 0)"
+    )
     parser.add_argument(
         "--recompute",
         choices=RECOMPUTE_MODES,
@@ -73,7 +83,11 @@ def evaluate_parser() -> argparse.ArgumentParser:
         help="with a heterogeneous --cluster: the node group of each stage, comma-separated "
         "group names (e.g. a100-80g,a100-40g)",
     )
-    add_plot_option(parser)
+    add_plot_option(
+        parser,
+        drawing="the split's per-stage memory, next to the even split of the same config "
+        "unless it is the even split",
+    )
     add_graph_and_cluster(parser, graph_optional=True)
     return parser
 
@@ -147,6 +161,25 @@ def _evaluate_split(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     from solver.evaluation import evaluate
 
     graph = load_graph(args.graph)
+    config = _config_from_args(args)
+    cluster = cluster_from_args(parser, args, config.num_gpus)
+    _check_cluster(args, config, cluster)
+    groups = _stage_groups(args, cluster)
+    recomputed = _recompute_layers(args, graph)
+    result = evaluate(
+        graph,
+        config,
+        _split_from_args(args),
+        cluster=cluster,
+        training=_training_from_args(args, config),
+        group_of_stage=groups,
+        recomputed=recomputed,
+    )
+    _output(args, result, f"Split {args.split} of {graph.model} on {config.num_gpus} GPUs")
+
+
+def _config_from_args(args: argparse.Namespace) -> ParallelConfig:
+    """The config being evaluated; the global batch must split into dp x micro-batch."""
     if args.global_batch % (args.dp * args.micro_batch):
         raise InputError(
             f"--global-batch {args.global_batch} is not a multiple of dp("
@@ -157,7 +190,7 @@ def _evaluate_split(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             f"--virtual-stages {','.join(map(str, args.virtual_stages))}: evaluate takes "
             "one value (the chunks per pipeline rank of the split)"
         )
-    config = ParallelConfig(
+    return ParallelConfig(
         pp=args.pp,
         tp=args.tp,
         dp=args.dp,
@@ -168,27 +201,37 @@ def _evaluate_split(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         schedule=args.schedule,
         virtual_stages=args.virtual_stages[0],
     )
-    cluster = cluster_from_args(parser, args, config.num_gpus)
+
+
+def _check_cluster(args: argparse.Namespace, config: ParallelConfig, cluster: Cluster) -> None:
+    """On a homogeneous cluster, tp divides the GPUs per node and a --cluster file has exactly
+    the config's GPU count."""
+    if cluster.is_heterogeneous:
+        return
     if args.tp > cluster.gpus_per_node or cluster.gpus_per_node % args.tp:
-        if not cluster.is_heterogeneous:
-            raise InputError(f"--tp {args.tp} must divide --gpus-per-node {cluster.gpus_per_node}")
-    if args.cluster is not None and not cluster.is_heterogeneous:
-        if config.num_gpus != cluster.num_gpus:
-            raise InputError(
-                f"pp({args.pp}) * tp({args.tp}) * dp({args.dp}) = {config.num_gpus} != "
-                f"gpus({cluster.num_gpus}) of --cluster {args.cluster}"
-            )
-    groups = _stage_groups(args, cluster)
-    recomputed = _recompute_layers(args, graph)
-    split: str | list[int] = args.split
-    if args.split not in ("even", "parameters"):
-        try:
-            split = [int(part) for part in args.split.split(",")]
-        except ValueError:
-            raise InputError(
-                f"--split {args.split!r}: use even, parameters, or comma-separated integers"
-            ) from None
-    training = TrainingConfig(
+        raise InputError(f"--tp {args.tp} must divide --gpus-per-node {cluster.gpus_per_node}")
+    if args.cluster is not None and config.num_gpus != cluster.num_gpus:
+        raise InputError(
+            f"pp({args.pp}) * tp({args.tp}) * dp({args.dp}) = {config.num_gpus} != "
+            f"gpus({cluster.num_gpus}) of --cluster {args.cluster}"
+        )
+
+
+def _split_from_args(args: argparse.Namespace) -> str | list[int]:
+    """--split: "even", "parameters", or a list of integers (counts or stage indices)."""
+    if args.split in ("even", "parameters"):
+        return args.split
+    try:
+        return [int(part) for part in args.split.split(",")]
+    except ValueError:
+        raise InputError(
+            f"--split {args.split!r}: use even, parameters, or comma-separated integers"
+        ) from None
+
+
+def _training_from_args(args: argparse.Namespace, config: ParallelConfig) -> TrainingConfig:
+    """Training options that pin the search space to the evaluated config."""
+    return TrainingConfig(
         global_batch=args.global_batch,
         micro_batch_sizes=(args.micro_batch,),
         zero_stages=(args.zero,),
@@ -200,16 +243,6 @@ def _evaluate_split(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         calibration=calibration_from_args(args),
         **bytes_per_param(args),
     )
-    result = evaluate(
-        graph,
-        config,
-        split,
-        cluster=cluster,
-        training=training,
-        group_of_stage=groups,
-        recomputed=recomputed,
-    )
-    _output(args, result, f"Split {args.split} of {graph.model} on {config.num_gpus} GPUs")
 
 
 def _stage_groups(args: argparse.Namespace, cluster: Cluster) -> list[int] | None:

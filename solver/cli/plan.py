@@ -54,7 +54,11 @@ def plan_parser() -> argparse.ArgumentParser:
         "largest per-GPU peak memory, with a proof of optimality.",
     )
     parser.add_argument("--gpus", type=positive_int, help="number of GPUs (or --cluster FILE)")
-    add_plot_option(parser)
+    add_plot_option(
+        parser,
+        drawing="the plan's per-stage memory next to the even split of the same config; with "
+        "--pareto, the front",
+    )
     _add_pareto(parser)
     add_graph_and_cluster(parser)
     add_plan_options(parser)

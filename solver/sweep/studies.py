@@ -72,58 +72,80 @@ def min_gpus(
         backend=backend,
         time_limit_s=time_limit_s,
     )
-    rows: dict[int, dict] = {}
-
-    def solve_all(counts: Sequence[int]) -> list[dict]:
-        todo = [n for n in counts if n not in rows]
-        if todo:
-            found = sweep(
-                graph,
-                todo,
-                [gpu_memory_bytes],
-                training,
-                cluster_template,
-                workers=workers,
-                on_row=None if bar is None else lambda _: bar.update(1),
-                backend=backend,
-                time_limit_s=time_limit_s,
-            )
-            rows.update((row["gpus"], row) for row in found)
-        return [rows[n] for n in counts]
-
-    def first_fit(counts: Sequence[int]) -> int | None:
-        chunk = max(1, workers or os.cpu_count() or 1)
-        for start in range(0, len(counts), chunk):
-            fitting = [r["gpus"] for r in solve_all(counts[start : start + chunk]) if fits(r)]
-            if fitting:
-                return min(fitting)
-        return None
-
+    solved = _SolvedCounts(
+        options,
+        gpu_memory_bytes,
+        workers=workers,
+        bar=progress_bar(None, desc="min-gpus", unit="count") if progress else None,
+    )
     skipped = 0
-    bar = progress_bar(None, desc="min-gpus", unit="count") if progress else None
     try:
         if candidates is not None:
-            answer = first_fit(sorted({g for g, _ in sweep_points(list(candidates), [1])}))
+            answer = solved.first_fit(sorted({g for g, _ in sweep_points(list(candidates), [1])}))
         else:
             counts = valid_gpu_counts(
                 graph.num_layers, cluster_template, training, max_gpus=max_gpus
             )
-            upper = _bisect_fit(counts, lambda n: fits(solve_all([n])[0]))
-            below = counts[: bisect.bisect_left(counts, upper)] if upper is not None else counts
-            possible = [n for n in below if _may_fit(options, n, gpu_memory_bytes)]
-            skipped = len(below) - len(possible)
-            answer = first_fit(possible)
-            if answer is None:
-                answer = upper
+            answer, skipped = _bisect_then_scan(solved, counts)
     finally:
-        if bar is not None:
-            bar.close()
+        if solved.bar is not None:
+            solved.bar.close()
     best = None
     if answer is not None:
         best = solve_point(options, answer, gpu_memory_bytes)[1]
     return MinGpusResult(
-        gpus=answer, plan=best, rows=[rows[n] for n in sorted(rows)], skipped=skipped
+        gpus=answer, plan=best, rows=[solved.rows[n] for n in sorted(solved.rows)], skipped=skipped
     )
+
+
+class _SolvedCounts:
+    """The sweep rows :func:`min_gpus` solved, by GPU count (each count is solved once)."""
+
+    def __init__(self, options: PointOptions, gpu_memory_bytes: int, *, workers, bar) -> None:
+        self.options = options
+        self.gpu_memory_bytes = gpu_memory_bytes
+        self.workers = workers
+        self.bar = bar
+        self.rows: dict[int, dict] = {}
+
+    def rows_of(self, counts: Sequence[int]) -> list[dict]:
+        """The rows of ``counts``, solving (in parallel) those not solved yet."""
+        todo = [n for n in counts if n not in self.rows]
+        if todo:
+            found = sweep(
+                self.options.graph,
+                todo,
+                [self.gpu_memory_bytes],
+                self.options.training,
+                self.options.cluster,
+                workers=self.workers,
+                on_row=None if self.bar is None else lambda _: self.bar.update(1),
+                backend=self.options.backend,
+                time_limit_s=self.options.time_limit_s,
+            )
+            self.rows.update((row["gpus"], row) for row in found)
+        return [self.rows[n] for n in counts]
+
+    def first_fit(self, counts: Sequence[int]) -> int | None:
+        """The smallest of ``counts`` that fits, solving them in increasing order, as many at a
+        time as there are workers."""
+        chunk = max(1, self.workers or os.cpu_count() or 1)
+        for start in range(0, len(counts), chunk):
+            rows = self.rows_of(counts[start : start + chunk])
+            fitting = [r["gpus"] for r in rows if fits(r)]
+            if fitting:
+                return min(fitting)
+        return None
+
+
+def _bisect_then_scan(solved: _SolvedCounts, counts: list[int]) -> tuple[int | None, int]:
+    """Steps 1 and 2 of :func:`min_gpus`: a count that fits by binary search, then the smallest
+    below it that fits; returns (answer, counts ruled out by their memory lower bounds)."""
+    upper = _bisect_fit(counts, lambda n: fits(solved.rows_of([n])[0]))
+    below = counts[: bisect.bisect_left(counts, upper)] if upper is not None else counts
+    possible = [n for n in below if _may_fit(solved.options, n, solved.gpu_memory_bytes)]
+    answer = solved.first_fit(possible)
+    return (upper if answer is None else answer), len(below) - len(possible)
 
 
 def valid_gpu_counts(
