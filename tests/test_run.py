@@ -20,15 +20,8 @@ import models
 from profiling.export import export_graph
 from profiling.memory import CATEGORIES, LiveTensorTracker
 from profiling.parallelize import shard_order
-from profiling.run import (
-    LEARNING_RATE,
-    RankReport,
-    RunError,
-    batch_for_iteration,
-    build_model,
-    format_reports,
-    run_plan,
-)
+from profiling.rank import LEARNING_RATE, RankReport, batch_for_iteration, build_model
+from profiling.run import RunError, format_reports, run_plan
 from profiling.tensor_parallel import VOCAB_PARALLEL_MIN_ROWS
 from solver import Cluster, ParallelConfig, TrainingConfig, evaluate, plan
 from solver.errors import InputError

@@ -1,0 +1,540 @@
+"""One rank of a plan's real run (the child process of :func:`profiling.run.run_plan`): join
+the ``(pp, dp, tp)`` mesh, build this rank's chunks of the model, apply its tensor and data
+parallelism, train ``iterations`` steps with torch.distributed.pipelining and Adam, and report
+the live-tensor peak of the last one next to the plan's prediction. How the run works as a
+whole: :mod:`profiling.run`."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import models
+from profiling.parallelize import (
+    apply_data_parallel,
+    apply_tensor_parallel,
+    build_optimizer,
+    vocabulary_parallel_paths,
+    vocabulary_sizes,
+)
+from solver.errors import InputError
+from solver.plan_file import PlanFile
+
+LEARNING_RATE = 1e-3
+"""Adam's learning rate (the other Adam settings are torch's defaults)."""
+
+
+@dataclass(kw_only=True)
+class RankReport:
+    """What one rank measured on the last iteration."""
+
+    rank: int
+    """Global rank, ``(stage * dp + dp_rank) * tp + tp_rank``."""
+    stage: int
+    """Pipeline stage index (the plan's ``stages[i].index``)."""
+    dp_rank: int
+    """Data-parallel rank within the stage's replicas."""
+    tp_rank: int
+    """Tensor-parallel rank within the replica's TP group."""
+    layers: list[str]
+    """Layer names the stage holds."""
+    measured_peak_bytes: int
+    """Live tensor bytes at the peak of the last iteration (exact storage accounting)."""
+    measured_breakdown: dict[str, int]
+    """The live bytes at that peak by category (``profiling.memory.CATEGORIES``)."""
+    predicted_peak_bytes: int | None
+    """The plan's ``stages[stage].peak_bytes``; None when the plan does not give it."""
+    predicted_breakdown: dict[str, int] | None
+    """The plan's ``stages[stage].breakdown``."""
+    error_pct: float | None
+    """100 * (predicted - measured) / measured: negative when the plan under-predicts."""
+    iteration_ms: list[float]
+    """Wall time of each iteration on this rank (schedule step + optimizer step)."""
+    cuda_max_allocated_bytes: int | None = None
+    """``device="cuda"``: ``torch.cuda.max_memory_allocated`` over the last iteration (reset at
+    its start), next to the tracker's count; None on CPU."""
+    losses: list[float] = field(default_factory=list)
+    """Last stage only: each iteration's loss (mean over micro-batches) on this rank's data."""
+    grads: dict[str, torch.Tensor] | None = None
+    """With ``capture_grads``: the last iteration's gradients (after the pipeline's scaling and the
+    data-parallel average, before the optimizer step), keyed by the full model's parameter name."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunJob:
+    """What every rank of one run is given (sent to each child process)."""
+
+    preset: str
+    overrides: dict[str, Any]
+    plan: PlanFile
+    iterations: int
+    seed: int
+    seq: int | None
+    timeout_s: float
+    master_port: int
+    capture_grads: bool
+    device: str
+    fault: tuple[int, str] | None
+
+
+def model_spec(preset: str, overrides: dict[str, Any]) -> models.ModelSpec:
+    """The zoo model ``preset`` with ``overrides``; InputError if unknown or without layers."""
+    try:
+        spec = models.get(preset, **overrides)
+    except ValueError as error:
+        raise InputError(str(error)) from error
+    if not spec.layers:
+        raise InputError(f"model {preset}: no default layer list")
+    return spec
+
+
+def batch_for_iteration(
+    spec: models.ModelSpec, *, batch: int, seq: int | None, seed: int, iteration: int
+) -> tuple:
+    """The global batch of ``iteration``: the same on every rank and in a single process."""
+    torch.manual_seed(seed + 1 + iteration)
+    return spec.example_inputs(batch, seq)
+
+
+def build_model(spec: models.ModelSpec, seed: int) -> nn.Module:
+    """The full model with weights from ``seed`` (what every rank and the reference build)."""
+    torch.manual_seed(seed)
+    return spec.build()
+
+
+class _StageModule(nn.Module):
+    """Runs ``run_paths`` of ``root`` in order; ``root`` keeps only this stage's layers.
+
+    With ``recompute`` each layer runs under ``torch.utils.checkpoint`` (non-reentrant): only the
+    layer's input is kept and its saved tensors are re-materialised in the backward, one layer at
+    a time (the cost model's full recomputation).
+    """
+
+    def __init__(self, root: nn.Module, run_paths: list[str], *, recompute: bool = False):
+        super().__init__()
+        self.root = root
+        self.run_paths = run_paths
+        self.recompute = recompute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for path in self.run_paths:
+            layer = self.root.get_submodule(path)
+            x = checkpoint(layer, x, use_reentrant=False) if self.recompute else layer(x)
+        return x
+
+
+def _head_loss(
+    head: nn.Module | None, recompute: bool, output: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
+    assert head is not None, "loss_fn called on a stage without the head"
+    if recompute:  # the head is a layer too: the cost model stores only its (scalar) output
+        return checkpoint(head, output, target, use_reentrant=False)
+    return head(output, target)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective over its mesh), a plain tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def boundary_metas(
+    model: nn.Module, spec: models.ModelSpec, micro_batch_input: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Meta tensors (shape, dtype) of every layer's output for one micro-batch, by layer path.
+
+    Run under ``FakeTensorMode`` (no memory, no compute), so that the pipeline stages get static
+    metadata: left to infer it, ``PipelineStage`` runs a real forward and backward of the first
+    micro-batch on the first step, and on the first stage part of that graph stays alive for the
+    whole run (torch 2.13), which would add about one micro-batch of activations to every peak.
+    """
+    from profiling._torch_compat import FakeTensorMode
+
+    metas = {}
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        x = fake.from_tensor(micro_batch_input)
+        for path in spec.layers[:-1]:
+            x = model.get_submodule(path)(x)
+            metas[path] = torch.empty(
+                x.shape, dtype=x.dtype, device="meta", requires_grad=x.dtype.is_floating_point
+            )
+    return metas
+
+
+def _keep_layers(model: nn.Module, all_layers: list[str], keep: list[str]) -> None:
+    """Drop every layer not in ``keep`` (the module slot becomes None); check nothing is shared."""
+    owner: dict[int, str] = {}
+    for path in all_layers:
+        for param in model.get_submodule(path).parameters():
+            if id(param) in owner and owner[id(param)] != path:
+                if (owner[id(param)] in keep) != (path in keep):
+                    raise InputError(
+                        f"layers {owner[id(param)]} and {path} share a parameter (tied weights) "
+                        "but are on different stages; not supported yet"
+                    )
+            owner[id(param)] = path
+    loose = [name for name, param in model.named_parameters() if id(param) not in owner]
+    if loose:
+        raise InputError(f"parameters outside every layer: {', '.join(loose[:5])}")
+    for path in all_layers:
+        if path not in keep:
+            parent, _, name = path.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, name, None)
+
+
+@dataclass(kw_only=True, frozen=True)
+class _Place:
+    """Where a rank sits: ``rank = (stage * dp + dp_rank) * tp + tp_rank``, and its device."""
+
+    rank: int
+    stage: int
+    dp_rank: int
+    tp_rank: int
+    first: bool
+    """Holds the first (virtual) stage: feeds the input ids."""
+    last: bool
+    """Holds the last (virtual) stage: its loss_fn gets the targets."""
+    device: torch.device
+
+
+@dataclass(kw_only=True)
+class _Chunk:
+    """One model chunk of a rank: virtual stage ``index`` (chunk * pp + stage), a full model from
+    the seed that keeps only the chunk's layers, and its static boundary shapes."""
+
+    index: int
+    model: nn.Module
+    run_paths: list[str]
+    """The chunk's layers the stage module runs (all but the loss head)."""
+    stage_input: torch.Tensor
+    stage_output: torch.Tensor
+
+
+@dataclass(kw_only=True)
+class _Measured:
+    """What the iterations measured on one rank."""
+
+    peak_bytes: int
+    breakdown: dict[str, int]
+    iteration_ms: list[float]
+    losses: list[float]
+    cuda_peak: int | None
+    grads: dict[str, torch.Tensor] | None
+
+
+def _place(rank: int, job: RunJob) -> _Place:
+    """The rank's mesh coordinates and device; sets its CPU threads (and CUDA device)."""
+    config = job.plan.config
+    replica, tp_rank = divmod(rank, config.tp)
+    stage, dp_rank = divmod(replica, config.dp)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.num_gpus))
+    cuda = job.device == "cuda"
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return _Place(
+        rank=rank,
+        stage=stage,
+        dp_rank=dp_rank,
+        tp_rank=tp_rank,
+        first=stage == 0,
+        last=stage == config.pp - 1,
+        device=device,
+    )
+
+
+def _init_mesh(place: _Place, job: RunJob):
+    """Join the process group (gloo, or NCCL on CUDA) and build the (pp, dp, tp) device mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    config = job.plan.config
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = str(job.master_port)
+    dist.init_process_group(
+        "nccl" if place.device.type == "cuda" else "gloo",
+        rank=place.rank,
+        world_size=config.num_gpus,
+        timeout=timedelta(seconds=job.timeout_s),
+    )
+    # Row-major over (pp, dp, tp): rank = (stage * dp + dp_rank) * tp + tp_rank.
+    return init_device_mesh(
+        place.device.type, (config.pp, config.dp, config.tp), mesh_dim_names=("pp", "dp", "tp")
+    )
+
+
+def _build_chunks(
+    spec: models.ModelSpec, job: RunJob, place: _Place
+) -> tuple[list[_Chunk], dict[str, int]]:
+    """The rank's chunks on its device, and the full model's vocabulary sizes.
+
+    One model per chunk (virtual stage chunk * pp + stage), each from the same seed and keeping
+    only the chunk's layers, so that a chunk's module (and its DDP) owns exactly its parameters.
+    Without interleaving: one chunk, the rank's stage."""
+    config = job.plan.config
+    virtual = job.plan.virtual_stage_layers
+    head_path = spec.layers[-1]
+    # static stage metadata: one micro-batch's input and output shapes
+    example_ids, _ = batch_for_iteration(
+        spec, batch=config.micro_batch, seq=job.seq, seed=job.seed, iteration=0
+    )
+    ids_meta = torch.empty(example_ids.shape, dtype=example_ids.dtype, device="meta")
+    chunks: list[_Chunk] = []
+    for chunk in range(config.virtual_stages):
+        index = chunk * config.pp + place.stage
+        model = build_model(spec, job.seed)
+        if not chunks:
+            # of the full model: a stage may hold only the head
+            vocab_sizes = vocabulary_sizes(model)
+            metas = boundary_metas(model, spec, example_ids)
+        run_paths = [path for path in virtual[index] if path != head_path]
+        stage_input = ids_meta if index == 0 else metas[virtual[index - 1][-1]]
+        stage_output = metas[run_paths[-1]] if run_paths else stage_input
+        _keep_layers(model, spec.layers, virtual[index])
+        model.to(place.device)
+        chunks.append(
+            _Chunk(
+                index=index,
+                model=model,
+                run_paths=run_paths,
+                stage_input=stage_input,
+                stage_output=stage_output,
+            )
+        )
+    return chunks, vocab_sizes
+
+
+def _parallelize(
+    chunk: _Chunk, job: RunJob, place: _Place, mesh, vocab_sizes: dict[str, int], tracker
+) -> tuple[_StageModule, nn.Module, dict[str, torch.Tensor]]:
+    """Tensor parallelism, the stage module (with recompute), then data parallelism (DDP, ZeRO,
+    FSDP2) on one chunk. Returns the stage module, what the PipelineStage runs and the TP
+    regrouping orders of its parameters."""
+    config = job.plan.config
+    layer_paths = job.plan.virtual_stage_layers[chunk.index]
+    orders: dict[str, torch.Tensor] = {}
+    if config.tp > 1:
+        orders = apply_tensor_parallel(chunk.model, layer_paths, mesh["tp"], vocab_sizes)
+    stage_module = _StageModule(chunk.model, chunk.run_paths, recompute=config.recompute == "full")
+    layer_modules = [chunk.model.get_submodule(path) for path in layer_paths]
+    submod = apply_data_parallel(stage_module, layer_modules, mesh, config.zero, place.device)
+    tracker.track_module(stage_module)  # the shards are the weights now (TP, FSDP2)
+    tracker.track_grads(stage_module)
+    return stage_module, submod, orders
+
+
+def _pipeline_stage(chunk: _Chunk, submod: nn.Module, job: RunJob, mesh, device: torch.device):
+    """The chunk's PipelineStage (global index of pp * v) with static input/output shapes."""
+    from torch.distributed.pipelining import PipelineStage
+
+    num_virtual = job.plan.config.pp * job.plan.config.virtual_stages
+    shapes = {"input_args": chunk.stage_input, "output_args": chunk.stage_output}
+    if "output_grads" in inspect.signature(PipelineStage).parameters:  # torch >= 2.12
+        shapes |= {
+            "output_grads": None if chunk.index == num_virtual - 1 else chunk.stage_output,
+            "input_grads": None if chunk.index == 0 else chunk.stage_input,
+        }
+    return PipelineStage(
+        submod, chunk.index, num_virtual, device, group=mesh["pp"].get_group(), **shapes
+    )
+
+
+def _schedule(
+    chunks: list[_Chunk], pipeline_stages: list, spec: models.ModelSpec, job: RunJob, place: _Place
+):
+    """The plan's schedule over the rank's stages; the head runs in loss_fn on the last rank."""
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    config = job.plan.config
+    head = chunks[-1].model.get_submodule(spec.layers[-1]) if place.last else None
+    # loss_fn on every rank: without it the first stage skips backward (and deadlocks).
+    loss_fn = functools.partial(_head_loss, head, config.recompute == "full")
+    if len(chunks) > 1:
+        return ScheduleInterleaved1F1B(
+            pipeline_stages, n_microbatches=config.num_microbatches, loss_fn=loss_fn
+        )
+    schedule_class = Schedule1F1B if config.schedule == "1f1b" else ScheduleGPipe
+    return schedule_class(
+        pipeline_stages[0], n_microbatches=config.num_microbatches, loss_fn=loss_fn
+    )
+
+
+def _iterate(
+    schedule,
+    optimizer,
+    params: list,
+    spec: models.ModelSpec,
+    job: RunJob,
+    place: _Place,
+    tracker,
+    *,
+    sharded_logits: bool,
+) -> tuple[list[float], list[float], int | None]:
+    """Run ``job.iterations`` steps (schedule, then optimizer), resetting the peaks at the start
+    of each. Returns the iteration times (ms), the losses (last rank) and the last CUDA peak."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    config, device, cuda = job.plan.config, place.device, place.device.type == "cuda"
+    losses: list[float] = []
+    iteration_ms: list[float] = []
+    cuda_peak: int | None = None
+    rows = config.micro_batch * config.num_microbatches
+    for iteration in range(job.iterations):
+        ids, targets = batch_for_iteration(
+            spec, batch=rows * config.dp, seq=job.seq, seed=job.seed, iteration=iteration
+        )
+        local = slice(place.dp_rank * rows, (place.dp_rank + 1) * rows)
+        args = (ids[local].to(device, copy=True),) if place.first else ()
+        kwargs: dict[str, Any] = {}
+        step_losses: list[torch.Tensor] = []
+        if place.last:
+            kwargs = {"target": targets[local].to(device, copy=True), "losses": step_losses}
+        del ids, targets
+        optimizer.zero_grad(set_to_none=False)  # persistent gradient buffers, as costed
+        tracker.reset_peak()
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        started = time.perf_counter()
+        if job.fault and job.fault[0] == place.rank:
+            if job.fault[1] == "hang":
+                time.sleep(3600)
+            raise RuntimeError(f"rank {place.rank}: injected failure (test hook)")
+        with (
+            tracker.saved_tensors(),
+            loss_parallel() if sharded_logits else contextlib.nullcontext(),
+        ):
+            schedule.step(*args, **kwargs, return_outputs=False)
+        for param in params:  # FSDP2 sets sharded grads without hooks
+            if param.grad is not None:
+                tracker.track(param.grad, "grads")
+        optimizer.step()
+        if cuda:
+            torch.cuda.synchronize(device)
+            cuda_peak = torch.cuda.max_memory_allocated(device)
+        iteration_ms.append((time.perf_counter() - started) * 1e3)
+        if place.last:
+            losses.append(float(torch.stack([_full(x) for x in step_losses]).detach().mean()))
+        del args, kwargs, step_losses
+    return iteration_ms, losses, cuda_peak
+
+
+def _gradients(chunks: list[_Chunk], orders: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full gradients of the rank's parameters on CPU, in the single-process layout."""
+    grads = {}
+    for chunk in chunks:
+        for name, param in chunk.model.named_parameters():
+            if param.grad is not None:
+                grad = _full(param.grad).detach().cpu()
+                if name in orders:  # undo the per-head regrouping
+                    grad = grad[torch.argsort(orders[name])]
+                grads[name] = grad.clone()
+    return grads
+
+
+def _train_and_measure(
+    chunks: list[_Chunk], spec: models.ModelSpec, job: RunJob, place: _Place, mesh, vocab_sizes
+) -> _Measured:
+    """Parallelize the chunks, build the schedule and the optimizer, train, and measure the live
+    tensors from before the wrappers on (the peak of the last iteration)."""
+    from profiling.memory import LiveTensorTracker
+
+    config = job.plan.config
+    tracker = LiveTensorTracker()
+    for chunk in chunks:
+        tracker.track_module(chunk.model)
+    orders: dict[str, torch.Tensor] = {}
+    with tracker:
+        pipeline_stages, stage_modules = [], []
+        for chunk in chunks:
+            stage_module, submod, chunk_orders = _parallelize(
+                chunk, job, place, mesh, vocab_sizes, tracker
+            )
+            orders |= chunk_orders
+            pipeline_stages.append(_pipeline_stage(chunk, submod, job, mesh, place.device))
+            stage_modules.append(stage_module)
+        # A vocabulary-parallel head leaves its logits sharded: its cross-entropy (forward and
+        # backward) needs loss_parallel.
+        virtual = job.plan.virtual_stage_layers
+        sharded_logits = config.tp > 1 and any(
+            path.endswith(".lm_head")
+            for chunk in chunks
+            for path in vocabulary_parallel_paths(chunk.model, virtual[chunk.index], vocab_sizes)
+        )
+        schedule = _schedule(chunks, pipeline_stages, spec, job, place)
+        params = [param for module in stage_modules for param in module.parameters()]
+        optimizer = build_optimizer(params, mesh, config.zero, lr=LEARNING_RATE)
+        tracker.track_optimizer(getattr(optimizer, "optim", optimizer))  # ZeRO-1: the local Adam
+        iteration_ms, losses, cuda_peak = _iterate(
+            schedule, optimizer, params, spec, job, place, tracker, sharded_logits=sharded_logits
+        )
+        peak_bytes, breakdown = tracker.peak_bytes, dict(tracker.peak_breakdown)
+        grads = _gradients(chunks, orders) if job.capture_grads else None
+    return _Measured(
+        peak_bytes=peak_bytes,
+        breakdown=breakdown,
+        iteration_ms=iteration_ms,
+        losses=losses,
+        cuda_peak=cuda_peak,
+        grads=grads,
+    )
+
+
+def _rank_main(rank: int, job: RunJob) -> RankReport:
+    """One rank: place it, join the mesh, build its chunks, train and measure, and report next
+    to the plan's prediction for its stage."""
+    place = _place(rank, job)
+    mesh = _init_mesh(place, job)
+    spec = model_spec(job.preset, job.overrides)
+    chunks, vocab_sizes = _build_chunks(spec, job, place)
+    measured = _train_and_measure(chunks, spec, job, place, mesh, vocab_sizes)
+    stage = job.plan.stages[place.stage]
+    predicted = stage.peak_bytes
+    peak_bytes = measured.peak_bytes
+    return RankReport(
+        rank=rank,
+        stage=place.stage,
+        dp_rank=place.dp_rank,
+        tp_rank=place.tp_rank,
+        layers=list(stage.layers),
+        measured_peak_bytes=peak_bytes,
+        measured_breakdown=measured.breakdown,
+        predicted_peak_bytes=predicted,
+        predicted_breakdown=dict(stage.breakdown),
+        error_pct=100.0 * (predicted - peak_bytes) / peak_bytes if predicted else None,
+        iteration_ms=measured.iteration_ms,
+        cuda_max_allocated_bytes=measured.cuda_peak,
+        losses=measured.losses,
+        grads=measured.grads,
+    )
+
+
+def rank_worker(rank: int, job: RunJob, result_dir: str) -> None:
+    """Child entry point: write ``rank{r}.pt`` (the report) or ``rank{r}.err`` and exit non-zero."""
+    directory = Path(result_dir)
+    try:
+        report = _rank_main(rank, job)
+        torch.save(report, directory / f"rank{rank}.tmp")
+        os.replace(directory / f"rank{rank}.tmp", directory / f"rank{rank}.pt")
+        import torch.distributed as dist
+
+        dist.barrier()  # nobody tears down gloo while a peer still talks to it
+        dist.destroy_process_group()
+    except BaseException:
+        (directory / f"rank{rank}.err").write_text(f"{time.time()}\n{traceback.format_exc()}")
+        os._exit(1)  # skip atexit and gloo teardown: peers may be gone or stuck
