@@ -22,9 +22,90 @@ from solver.cost_model import LayerCosts
 from solver.errors import InputError
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
+MAX_CONFIG_LAYERS = 2**23
+"""Most (candidate config x layer) pairs a search may hold: every config keeps per-layer
+coefficients (about 100 bytes a layer, ``cost_model.LayerCosts``), so this keeps them under
+about 1 GiB; a larger search is an InputError that says how to narrow it."""
+
 
 def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """The divisors of n >= 1, ascending, from its prime factors (fast for any 64-bit n: a GPU
+    count of 1,000,000,007 is not a loop to n)."""
+    result = [1]
+    for prime, power in _prime_factors(n).items():
+        result = [d * prime**k for d in result for k in range(power + 1)]
+    return sorted(result)
+
+
+def _prime_factors(n: int) -> dict[int, int]:
+    """{prime: exponent} of n >= 1: trial division by small primes, then Miller-Rabin and
+    Pollard-Brent rho for what is left (each step O(n^(1/4)))."""
+    if n < 1:
+        raise ValueError(f"divisors of {n}: need n >= 1")
+    factors: dict[int, int] = {}
+    for prime in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):
+        while n % prime == 0:
+            factors[prime] = factors.get(prime, 0) + 1
+            n //= prime
+    stack = [n] if n > 1 else []
+    while stack:
+        m = stack.pop()
+        if _is_prime(m):
+            factors[m] = factors.get(m, 0) + 1
+            continue
+        d = _pollard_brent(m)
+        stack += [d, m // d]
+    return factors
+
+
+def _is_prime(n: int) -> bool:
+    """Miller-Rabin with the first 12 prime bases: exact below 3.3e24 (n has no factor <= 37)."""
+    if n < 2:
+        return False
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    for base in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):
+        if base % n == 0:
+            return True
+        x = pow(base, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def _pollard_brent(n: int) -> int:
+    """A non-trivial factor of the odd composite n (Brent's cycle finding, batched gcds)."""
+    for c in range(1, n):
+        y, m, g, r, q = 2, 128, 1, 1, 1
+        x = ys = y
+        while g == 1:
+            x = y
+            for _ in range(r):
+                y = (y * y + c) % n
+            k = 0
+            while k < r and g == 1:
+                ys = y
+                for _ in range(min(m, r - k)):
+                    y = (y * y + c) % n
+                    q = q * abs(x - y) % n
+                g = math.gcd(q, n)
+                k += m
+            r *= 2
+        if g == n:  # the batch overshot: step one by one
+            g = 1
+            while g == 1:
+                ys = (ys * ys + c) % n
+                g = math.gcd(abs(x - ys), n)
+        if g != n:
+            return g
+    raise AssertionError(f"no factor found for {n}")
 
 
 def check_pinned_degrees(cluster: Cluster, training: TrainingConfig) -> None:
@@ -64,12 +145,16 @@ def candidate_configs(
     virtual_stages = sorted(set(training.virtual_stages))
     if virtual_stages != [1]:
         check_interleaving(cluster, training)
-    configs = []
+    configs: list[ParallelConfig] = []
+    most = MAX_CONFIG_LAYERS // (num_layers * max(1, len(cluster.groups)))
     for pp in divisors(cluster.num_gpus):
-        if pp > num_layers or training.pp not in (None, pp):
+        if pp > num_layers:
+            break  # ascending: every larger pp has an empty stage
+        if training.pp not in (None, pp):
             continue
-        for tp in divisors(cluster.num_gpus // pp):
-            if cluster.gpus_per_node % tp or training.tp not in (None, tp):
+        # tensor parallelism stays inside a node: tp | gcd(gpus / pp, gpus per node)
+        for tp in divisors(math.gcd(cluster.num_gpus // pp, cluster.gpus_per_node)):
+            if training.tp not in (None, tp):
                 continue
             dp = cluster.num_gpus // (pp * tp)
             if training.dp not in (None, dp):
@@ -90,6 +175,8 @@ def candidate_configs(
                         for virtual in virtual_stages:
                             if virtual > 1 and not interleaving_fits(num_layers, pp, m, virtual):
                                 continue
+                            if len(configs) >= most:
+                                raise InputError(_too_many_configs(num_layers, most, training))
                             configs.append(
                                 ParallelConfig(
                                     pp=pp,
@@ -134,6 +221,18 @@ def check_interleaving(cluster: Cluster, training: TrainingConfig) -> None:
 def stages_per_group(cluster: Cluster, config: ParallelConfig) -> list[int]:
     """Stages each group of a heterogeneous cluster hosts: gpus_k / (tp dp)."""
     return [group.num_gpus // (config.tp * config.dp) for group in cluster.groups]
+
+
+def _too_many_configs(num_layers: int, most: int, training: TrainingConfig) -> str:
+    lists = (
+        f"micro-batch sizes {len(training.micro_batch_sizes)}, ZeRO stages "
+        f"{len(training.zero_stages)}, virtual stages {len(training.virtual_stages)}"
+    )
+    return (
+        f"more than {most} candidate configs for {num_layers} layers (the search keeps per-layer "
+        f"costs of each, at most {MAX_CONFIG_LAYERS} configs x layers; {lists}): pin --pp, --tp "
+        "or --dp, or give fewer --micro-batch / --zero / --virtual-stages values"
+    )
 
 
 def _why_no_config(num_layers: int, cluster: Cluster, training: TrainingConfig) -> str:

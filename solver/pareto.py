@@ -92,12 +92,14 @@ def pareto_front(
     backend: str = "auto",
     time_limit_s: float | None = 60.0,
     num_workers: int = 1,
+    deadline: Deadline | None = None,
 ) -> ParetoFront:
     """Non-dominated (peak memory, throughput) plans that fit ``cluster.gpu_memory_bytes`` (on
     a heterogeneous cluster: each stage its group's memory; memory is then the largest
     utilization or the largest peak, as ``training.memory_objective`` says).
 
     ``max_points``: at most this many points (>= 2; None: the complete front, however long).
+    Every search ends by ``deadline`` (default: ``time_limit_s`` from now).
     Raises InfeasibleError when no plan fits, NoSolutionError when the time runs out first.
     """
     if max_points is not None and max_points < 2:
@@ -108,7 +110,7 @@ def pareto_front(
         cluster,
         training,
         backend=backend,
-        deadline=Deadline.after(time_limit_s),
+        deadline=Deadline.after(time_limit_s) if deadline is None else deadline,
         num_workers=num_workers,
     )
     first = walk.fastest_within(walk.capacity)
@@ -146,7 +148,7 @@ class _FrontWalk:
         self.backend = backend
         self.deadline = deadline
         self.num_workers = num_workers
-        self.entries = build_entries(graph, cluster, training)
+        self.entries = build_entries(graph, cluster, training, deadline=deadline)
         self.budget_ns = (
             None
             if training.min_throughput is None
@@ -213,7 +215,13 @@ class _FrontWalk:
         from solver.planner import explain_infeasible
 
         return explain_infeasible(
-            self.graph, self.cluster, self.training, self.entries, self.backend, self.budget_ns
+            self.graph,
+            self.cluster,
+            self.training,
+            self.entries,
+            self.backend,
+            self.budget_ns,
+            deadline=self.deadline,
         )
 
     def points_from(self, first: _Point, max_points: int | None) -> tuple[list[_Point], bool]:

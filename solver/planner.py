@@ -16,7 +16,15 @@ from solver.engine_exports import build_exports
 from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate_assignment
 from solver.graph import LayerGraph
-from solver.search import ConfigEntry, Deadline, SearchResult, build_entries, refine, search
+from solver.search import (
+    ConfigEntry,
+    Deadline,
+    Progress,
+    SearchResult,
+    build_entries,
+    refine,
+    search,
+)
 from solver.specs import Cluster, SolverReport, TrainingConfig
 from solver.units import format_bytes
 
@@ -66,33 +74,43 @@ def plan(
     backend: str = "auto",
     time_limit_s: float | None = 60.0,
     num_workers: int = 1,
+    deadline: Deadline | None = None,
+    progress: Progress | None = None,
 ) -> Plan:
     """Minimise the largest per-GPU peak (or, with objective "throughput", the iteration time).
 
+    Everything (bounds, searches, tie-breaking, the infeasibility explanation) ends by
+    ``deadline``: by default ``time_limit_s`` from now; a CLI passes the one it started before
+    reading the graph. ``progress`` hears of every config solved.
+
     Raises InputError for bad options, InfeasibleError when nothing fits (with the smallest peak
-    found and, when found quickly, a GPU count that fits).
+    found and, when found quickly, a GPU count that fits), NoSolutionError when the time runs
+    out before any plan is found.
     """
     started = time.perf_counter()
-    deadline = Deadline.after(time_limit_s)
+    deadline = Deadline.after(time_limit_s) if deadline is None else deadline
     call = _PlanningCall(
         graph=graph,
         cluster=cluster,
         training=training,
-        entries=build_entries(graph, cluster, training),
+        entries=build_entries(graph, cluster, training, deadline=deadline),
         backend=backend,
         deadline=deadline,
         num_workers=num_workers,
         time_limit_s=time_limit_s,
+        progress=progress,
     )
     limit = _throughput_limit(call)
     if training.objective == "memory":
         result = call.best(OBJECTIVE_MEMORY, budget_ns=limit.budget_ns, retry_open=True)
     else:
         result = limit.fastest
-    choice = _break_ties(call, result, budget_ns=limit.budget_ns)
+    choice, notes = _break_ties(call, result, budget_ns=limit.budget_ns)
     # a throughput budget taken from an unproven fastest plan is not proven either
     proven = result.proven and (limit.fastest is None or limit.fastest.proven)
-    return _build_plan(call, choice, result, limit, proven=proven, started=started)
+    plan = _build_plan(call, choice, result, limit, proven=proven, started=started)
+    plan.solver.notes += notes
+    return plan
 
 
 @dataclass(kw_only=True)
@@ -107,6 +125,7 @@ class _PlanningCall:
     deadline: Deadline
     num_workers: int
     time_limit_s: float | None
+    progress: Progress | None = None
 
     @property
     def capacity_bytes(self) -> int | None:
@@ -126,6 +145,7 @@ class _PlanningCall:
             deadline=self.deadline,
             num_workers=self.num_workers,
             retry_open=retry_open,
+            progress=self.progress,
         )
         if result.entry is None:
             raise self._no_plan(result, budget_ns)
@@ -139,7 +159,13 @@ class _PlanningCall:
                 f"({result.solved} of {len(self.entries)} configs solved); raise --time-limit"
             )
         return explain_infeasible(
-            self.graph, self.cluster, self.training, self.entries, self.backend, budget_ns
+            self.graph,
+            self.cluster,
+            self.training,
+            self.entries,
+            self.backend,
+            budget_ns,
+            deadline=self.deadline,
         )
 
 
@@ -194,14 +220,28 @@ class _Choice(NamedTuple):
     """Node group of each stage (heterogeneous clusters only)."""
 
 
-def _break_ties(call: _PlanningCall, result: SearchResult, *, budget_ns: int | None) -> _Choice:
+def _break_ties(
+    call: _PlanningCall, result: SearchResult, *, budget_ns: int | None
+) -> tuple[_Choice, list[str]]:
     """Among configs tied on the primary objective, the best on the secondary one (then the
     earliest in candidate order). Each tie is re-solved for its best secondary value while
     keeping the primary optimum as a hard limit (with selective recomputation this also drops
-    recomputed layers the peak does not need)."""
+    recomputed layers the peak does not need). Ties the time limit leaves no time for keep
+    their split and rank after the re-solved ones; the notes say so."""
     limits = _secondary_limits(call, result, budget_ns=budget_ns)
-    best_key, best = None, None
-    for entry, solution in result.ties:
+    best_key, best, refined_count = None, None, 0
+    for index, (entry, solution) in enumerate(result.ties):
+        if call.deadline.expired():
+            key = (math.inf, entry.order)
+            if best is None or key < best_key:
+                best_key = key
+                best = _Choice(
+                    entry, solution.stage_of_layer, solution.recomputed, solution.group_of_stage
+                )
+            continue
+        if call.progress is not None:
+            call.progress("ties", index, len(result.ties), "")
+        refined_count += 1
         refined = refine(
             entry,
             **limits,
@@ -217,7 +257,15 @@ def _break_ties(call: _PlanningCall, result: SearchResult, *, budget_ns: int | N
         if best is None or key < best_key:
             best_key = key
             best = _Choice(entry, chosen.stage_of_layer, chosen.recomputed, chosen.group_of_stage)
-    return best
+    notes = []
+    if refined_count < len(result.ties):
+        secondary = "throughput" if call.training.objective == "memory" else "peak"
+        notes.append(
+            f"time limit reached before tie-breaking: {refined_count} of {len(result.ties)} "
+            f"configs tied on the optimum were re-solved for the best {secondary}; the others "
+            "keep the split found and rank after them"
+        )
+    return best, notes
 
 
 def _secondary_limits(
@@ -322,12 +370,16 @@ def explain_infeasible(
     entries: list[ConfigEntry],
     backend: str,
     budget_ns: int | None,
+    *,
+    deadline: Deadline | None = None,
 ) -> InfeasibleError:
-    """Which constraint fails, by how much, and the smallest GPU count that would fit."""
+    """Which constraint fails, by how much, and the smallest GPU count that would fit (its
+    searches end by ``deadline``, the planning call's)."""
     if cluster.is_heterogeneous:
         return _explain_heterogeneous(cluster, entries, budget_ns)
+    deadline = Deadline.after(None) if deadline is None else deadline
     quick = functools.partial(
-        search, entries, iteration_budget_ns=None, backend=backend, deadline=Deadline.after(10.0)
+        search, entries, iteration_budget_ns=None, backend=backend, deadline=deadline.capped(10.0)
     )
     unconstrained = quick(objective=OBJECTIVE_MEMORY, capacity_bytes=None)
     best_peak = (
@@ -338,7 +390,9 @@ def explain_infeasible(
     if best_peak <= cluster.gpu_memory_bytes and budget_ns is not None:
         fastest = quick(objective=OBJECTIVE_TIME, capacity_bytes=cluster.gpu_memory_bytes)
         return _throughput_unmet(cluster, training, fastest, budget_ns, best_peak=best_peak)
-    return _memory_exceeded(graph, cluster, training, entries, backend, unconstrained, best_peak)
+    return _memory_exceeded(
+        graph, cluster, training, entries, backend, unconstrained, best_peak, deadline
+    )
 
 
 def _throughput_unmet(
@@ -374,6 +428,7 @@ def _memory_exceeded(
     backend: str,
     unconstrained: SearchResult,
     best_peak: int,
+    deadline: Deadline,
 ) -> InfeasibleError:
     """No plan fits in memory: by how much the best one is over, and a GPU count that fits."""
     capacity = cluster.gpu_memory_bytes
@@ -381,7 +436,7 @@ def _memory_exceeded(
     config_text = (
         "" if unconstrained.entry is None else f" ({unconstrained.entry.costs.config.label()})"
     )
-    suggestion = smallest_fitting_gpus(graph, cluster, training, backend)
+    suggestion = smallest_fitting_gpus(graph, cluster, training, backend, deadline=deadline)
     if suggestion is None:
         tail = (
             f"no cluster of {2 * cluster.num_gpus}..{64 * cluster.num_gpus} GPUs "
@@ -430,9 +485,10 @@ def smallest_fitting_gpus(
     backend: str,
     *,
     seconds: float = 10.0,
+    deadline: Deadline | None = None,
 ) -> tuple[int, str] | None:
     """Smallest of 2N, 4N, ..., 64N GPUs on which some plan fits in memory (throughput ignored)."""
-    deadline = Deadline.after(seconds)
+    deadline = Deadline.after(seconds) if deadline is None else deadline.capped(seconds)
     relaxed = dataclasses.replace(
         training, min_throughput=None, max_slowdown=None, pp=None, tp=None, dp=None
     )
@@ -440,8 +496,10 @@ def smallest_fitting_gpus(
     while num_gpus < 64 * cluster.num_gpus and not deadline.expired():
         num_gpus *= 2
         try:
-            entries = build_entries(graph, dataclasses.replace(cluster, num_gpus=num_gpus), relaxed)
-        except InputError:
+            entries = build_entries(
+                graph, dataclasses.replace(cluster, num_gpus=num_gpus), relaxed, deadline=deadline
+            )
+        except (InputError, NoSolutionError):
             continue
         if min(e.memory_bound for e in entries) > cluster.gpu_memory_bytes:
             continue

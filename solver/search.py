@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,8 +43,10 @@ from solver.candidates import (
     time_lower_bound,
 )
 from solver.cost_model import LayerCosts, layer_costs, utilization_ppm
+from solver.errors import NoSolutionError
 from solver.graph import LayerGraph
 from solver.specs import Cluster, TrainingConfig
+from solver.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -109,13 +112,34 @@ class Deadline:
     def expired(self) -> bool:
         return self.remaining() <= 0.0
 
+    def capped(self, seconds: float) -> Deadline:
+        """This deadline, or ``seconds`` from now if that comes first."""
+        return Deadline(end=min(self.end, time.perf_counter() + seconds))
+
+
+Progress = Callable[[str, int, int, str], None]
+"""``progress(step, visited, total, best)``: a search ``step`` (e.g. "smallest peak") has
+visited ``visited`` of its ``total`` configs; ``best`` describes the incumbent ("" for none).
+Called after every config solved, for a display (``solver.cli.progress``)."""
+
 
 def build_entries(
-    graph: LayerGraph, cluster: Cluster, training: TrainingConfig
+    graph: LayerGraph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    *,
+    deadline: Deadline | None = None,
 ) -> list[ConfigEntry]:
-    """Every candidate config with its coefficients and bounds."""
+    """Every candidate config with its coefficients and bounds; NoSolutionError when the
+    ``deadline`` passes first."""
     entries = []
-    for order, config in enumerate(candidate_configs(graph.num_layers, cluster, training)):
+    configs = candidate_configs(graph.num_layers, cluster, training)
+    for order, config in enumerate(configs):
+        if deadline is not None and deadline.expired():
+            raise NoSolutionError(
+                f"time limit reached while bounding the candidate configs ({order} of "
+                f"{len(configs)}); raise --time-limit, or pin --pp/--tp/--dp"
+            )
         if cluster.is_heterogeneous:
             entries.append(_placed_entry(order, graph, config, cluster, training))
             continue
@@ -177,12 +201,13 @@ def search(
     num_workers: int = 1,
     utilization_limit_ppm: int | None = None,
     retry_open: bool = False,
+    progress: Progress | None = None,
 ) -> SearchResult:
     """Exact best config for ``objective`` (memory or time) under the limits (the utilization
     limit applies to heterogeneous entries only). With ``retry_open`` the time left once every
     config was visited goes to the time-shared configs that did not close
     (:meth:`_Search.retry_open`): for the last search of a planning call, which may use the
-    whole deadline."""
+    whole deadline. ``progress`` hears of every config solved."""
     state = _Search(
         entries,
         objective=objective,
@@ -192,6 +217,7 @@ def search(
         deadline=deadline,
         num_workers=num_workers,
         utilization_limit_ppm=utilization_limit_ppm,
+        progress=progress,
     )
     state.visit_in_bound_order()
     if retry_open:
@@ -215,8 +241,10 @@ class _Search:
         deadline: Deadline,
         num_workers: int,
         utilization_limit_ppm: int | None,
+        progress: Progress | None = None,
     ) -> None:
         self.objective = objective
+        self.progress = progress
         self.capacity_bytes = capacity_bytes
         self.iteration_budget_ns = iteration_budget_ns
         self.deadline = deadline
@@ -270,6 +298,29 @@ class _Search:
         """The best objective found so far (None: no solution yet)."""
         return min((solution.objective for _, solution in self.results.values()), default=None)
 
+    def _report(self, visited: int) -> None:
+        """Tell ``progress`` how far the search is, with the incumbent in words."""
+        if self.progress is None:
+            return
+        best, entry = self.incumbent(), None
+        if best is not None:
+            entry = min(
+                (e for e, solution in self.results.values() if solution.objective == best),
+                key=lambda e: e.order,
+            )
+        if best is None:
+            text = ""
+        elif self.objective != OBJECTIVE_MEMORY:
+            text = f"{best / 1e6:.4g} ms/iteration"
+        elif self.placed and entry.placement.memory_objective == UTILIZATION:
+            text = f"utilization {best / 1e4:.2f}%"
+        else:
+            text = f"peak {format_bytes(best)}"
+        if entry is not None:
+            text += f" ({entry.costs.config.label()})"
+        step = "fastest plan" if self.objective != OBJECTIVE_MEMORY else "smallest peak"
+        self.progress(step, visited, len(self.viable), text)
+
     def record(self, entry: ConfigEntry, solution: StageSolution, *, retry: bool = False) -> None:
         """Keep the entry's best solution; it stays open, at its best bound, unless proven."""
         self.solved += not retry
@@ -294,6 +345,7 @@ class _Search:
                 self.open_bounds.update((e.order, self.bound_of(e)) for e in self.viable[index:])
                 return
             self._solve_config(entry, still_to_visit=len(self.viable) - index)
+            self._report(index + 1)
 
     def _problem(self, entry: ConfigEntry) -> StageProblem:
         return StageProblem(
@@ -449,7 +501,7 @@ def refine(
     solution = solve(
         problem,
         backend,
-        time_limit_s=max(deadline.remaining(), 1.0),
+        time_limit_s=max(deadline.remaining(), 0.01),
         hint=hint,
         hint_recomputed=hint_recomputed,
         hint_groups=hint_groups,
@@ -461,6 +513,7 @@ def refine(
 __all__ = [
     "ConfigEntry",
     "Deadline",
+    "Progress",
     "SearchResult",
     "build_entries",
     "refine",

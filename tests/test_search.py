@@ -48,14 +48,32 @@ def test_candidate_configs_follow_the_rules():
 
 
 class OneSolveDeadline(Deadline):
-    """Expires after the first solve: the search must report an unproven result."""
+    """Expires once the first config is solved: the search must report an unproven result."""
+
+    spent: bool = False
 
     def remaining(self) -> float:
-        self.calls = getattr(self, "calls", 0) + 1
-        return 10.0 if self.calls <= 2 else 0.0
+        return 0.0 if self.spent else 10.0
 
 
-def test_time_limit_leaves_configs_open_and_reports_a_gap():
+@pytest.fixture
+def one_solve_deadline(monkeypatch) -> OneSolveDeadline:
+    """A OneSolveDeadline that the search's first solve spends."""
+    import solver.search
+
+    deadline = OneSolveDeadline(end=0)
+    solve = solver.search.solve
+
+    def solve_and_spend(*args, **kwargs):
+        solution = solve(*args, **kwargs)
+        deadline.spent = True
+        return solution
+
+    monkeypatch.setattr(solver.search, "solve", solve_and_spend)
+    return deadline
+
+
+def test_time_limit_leaves_configs_open_and_reports_a_gap(one_solve_deadline):
     graph = random_chain(random.Random(1), 8)
     cluster = Cluster(num_gpus=8, gpus_per_node=2)
     entries = build_entries(graph, cluster, TrainingConfig(global_batch=16))
@@ -67,13 +85,14 @@ def test_time_limit_leaves_configs_open_and_reports_a_gap():
         backend="auto",
         deadline=Deadline.after(60),
     )
+    one_solve_deadline.spent = False  # the full search's solves spent it
     cut = search(
         entries,
         objective=OBJECTIVE_MEMORY,
         capacity_bytes=None,
         iteration_budget_ns=None,
         backend="auto",
-        deadline=OneSolveDeadline(end=0),
+        deadline=one_solve_deadline,
     )
     assert full.proven and full.bound == full.value
     assert not cut.proven and cut.solved == 1
@@ -92,11 +111,11 @@ def test_no_plan_before_the_time_limit_is_exit_code_4():
     assert caught.value.exit_code == 4
 
 
-def test_plan_cut_by_the_time_limit_is_marked_not_proven(monkeypatch):
+def test_plan_cut_by_the_time_limit_is_marked_not_proven(monkeypatch, one_solve_deadline):
     from solver.report import format_plan, plan_to_dict
 
     graph = random_chain(random.Random(1), 8)
-    monkeypatch.setattr("solver.planner.Deadline.after", lambda seconds: OneSolveDeadline(end=0))
+    monkeypatch.setattr("solver.planner.Deadline.after", lambda seconds: one_solve_deadline)
     result = plan(
         graph,
         Cluster(num_gpus=8, gpus_per_node=2),

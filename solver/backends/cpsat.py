@@ -32,6 +32,7 @@ from solver.backends.problem import (
     StageProblem,
     StageSolution,
 )
+from solver.backends.stoppable import run_stoppable
 from solver.cost_model import PPM
 from solver.errors import InputError
 
@@ -46,8 +47,10 @@ class CpSatFormulation(PrefixFormulation):
 
     backend = "cp-sat"
 
-    def __init__(self, problem: StageProblem, presolve: Presolve | None = None):
-        super().__init__(problem, presolve)
+    def __init__(
+        self, problem: StageProblem, presolve: Presolve | None = None, *, stop_at: float = math.inf
+    ):
+        super().__init__(problem, presolve, stop_at=stop_at)
         self._check_ranges()
         self.model = cp_model.CpModel()
         self._build()
@@ -120,7 +123,10 @@ class CpSatFormulation(PrefixFormulation):
         # All constraints in the LP relaxation: over 32 random 40-60-layer problems, half the
         # total time of the default level and a 5x smaller worst case with one worker.
         solver.parameters.linearization_level = 2
-        status = solver.solve(self.model)
+        # Ctrl-C: stop_search from the main thread (solver.backends.stoppable), not CP-SAT's
+        # own SIGINT handler, which ends the solve quietly as if its time limit were reached
+        solver.parameters.catch_sigint_signal = False
+        status = run_stoppable(lambda: solver.solve(self.model), solver.stop_search)
         if status == cp_model.MODEL_INVALID:
             raise AssertionError(f"invalid CP-SAT model: {self.model.validate()}")
         if status == cp_model.INFEASIBLE:

@@ -91,16 +91,19 @@ from __future__ import annotations
 import abc
 import dataclasses
 import itertools
+import math
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from solver.backends.presolve import Presolve, check_hint, keep_hint_if_better
+from solver.backends.presolve import Presolve, check_hint, keep_hint_if_better, make_solution
 from solver.backends.problem import (
     OBJECTIVE_MEMORY,
     OBJECTIVE_TIME,
+    UNKNOWN,
     UTILIZATION,
     StageProblem,
     StageSolution,
@@ -136,11 +139,28 @@ class PrefixVariables:
     """z[(l, s)] = x[l][s] rc[l], where layer l can sit on stage s."""
 
 
+class BuildTimeUp(Exception):
+    """The time limit ran out while the model was being built (``PrefixFormulation.stop_at``)."""
+
+
 class PrefixFormulation(abc.ABC):
     """The model of the module docstring; a subclass creates ``self.model`` and calls
     :meth:`_build`."""
 
-    def __init__(self, problem: StageProblem, presolve: Presolve | None = None):
+    backend = "prefix"
+    """The backend's name in a StageSolution."""
+
+    def __init__(
+        self,
+        problem: StageProblem,
+        presolve: Presolve | None = None,
+        *,
+        stop_at: float = math.inf,
+    ):
+        self.stop_at = stop_at
+        """``time.perf_counter()`` past which building raises :class:`BuildTimeUp` (a model of
+        L x p variables takes minutes to build in Python for thousands of layers: it must not
+        outlive the time limit, nor hold memory for a solve there is no time for)."""
         self.problem = problem
         self.costs: LayerCosts = problem.costs
         self.presolve = presolve or Presolve.of(problem)
@@ -160,6 +180,12 @@ class PrefixFormulation(abc.ABC):
         self.vars = PrefixVariables()
         self._parts: dict[int, tuple[Any, Any, Any, Any]] = {}
         """Per virtual stage (states, kept, in, out) variables (``_stage_parts``)."""
+        self._stage_layers: dict[int, list[int]] = {}
+        """Per stage, the layers it can hold (``_layers_of``)."""
+        self._stage_recompute: dict[int, list[tuple[int, Any]]] = defaultdict(list)
+        """Per stage s, (l, z[l][s]) (``vars.recompute_member`` by stage)."""
+        self._stage_relays: dict[int, list[tuple[int, Any]]] = defaultdict(list)
+        """Per stage s, (e, r[e][s]) (``vars.relay`` by stage)."""
 
     @classmethod
     def solve_problem(
@@ -185,23 +211,44 @@ class PrefixFormulation(abc.ABC):
             hint, hint_recomputed, hint_groups = _placement_hint(
                 problem, hint, hint_recomputed, options
             )
-        formulation = cls(problem)
-        if hint is not None:
-            formulation.set_hint(hint, hint_recomputed, hint_groups)
-        if dump_path is not None:
-            formulation.dump(dump_path)
-        if "time_limit_s" in options:  # the start's time comes out of the limit
-            spent = time.perf_counter() - start
-            options["time_limit_s"] = max(0.01, options["time_limit_s"] - spent)
-        solution = formulation.solve(**options)
+        limit = options.get("time_limit_s")
+        presolve = Presolve.of(problem)
+        try:
+            formulation = cls(
+                problem, presolve, stop_at=math.inf if limit is None else start + limit
+            )
+            if hint is not None:
+                formulation.set_hint(hint, hint_recomputed, hint_groups)
+        except BuildTimeUp:
+            # no model in time: the hint (if valid) is the solution, the static bound the bound
+            bound = presolve.objective_lower_bound(problem)
+            solution = make_solution(UNKNOWN, cls.backend_of(options), bound=bound)
+        else:
+            if dump_path is not None:
+                formulation.dump(dump_path)
+            if limit is not None:  # the start's and the model's time comes out of the limit
+                spent = time.perf_counter() - start
+                options["time_limit_s"] = max(0.01, limit - spent)
+            solution = formulation.solve(**options)
         solution = keep_hint_if_better(problem, solution, hint, hint_recomputed, hint_groups)
         solution.wall_s = time.perf_counter() - start
         return solution
+
+    @classmethod
+    def backend_of(cls, options: dict) -> str:
+        """The backend's name in a StageSolution, for the options of a solve."""
+        return cls.backend
 
     def _build(self) -> None:
         self._build_variables()
         self._add_constraints()
         self._set_objective()
+
+    def _tick(self) -> None:
+        """Raise :class:`BuildTimeUp` past ``stop_at`` (called once per layer, stage or edge
+        of each loop that builds the model)."""
+        if time.perf_counter() > self.stop_at:
+            raise BuildTimeUp
 
     # -- backend ---------------------------------------------------------------------------------
 
@@ -266,20 +313,21 @@ class PrefixFormulation(abc.ABC):
         return self._y(u, boundary) - self._y(v, boundary)
 
     def _layers_of(self, stage: int) -> list[int]:
-        return [
-            layer
-            for layer in range(self.problem.num_layers)
-            if self.presolve.can_hold(layer, stage)
-        ]
+        layers = self._stage_layers.get(stage)
+        if layers is None:
+            first, last = self.presolve.first_stage, self.presolve.last_stage
+            layers = [
+                layer
+                for layer in range(self.problem.num_layers)
+                if first[layer] <= stage <= last[layer]
+            ]
+            self._stage_layers[stage] = layers
+        return layers
 
     def _recompute_terms(self, extra: np.ndarray, stage: int, unit) -> list:
         """sum_l extra_l z[l][s]: what recomputing changes on stage s (empty without
         selective recomputation)."""
-        return [
-            unit(extra[layer]) * z
-            for (layer, s), z in self.vars.recompute_member.items()
-            if s == stage and extra[layer]
-        ]
+        return [unit(extra[layer]) * z for layer, z in self._stage_recompute[stage] if extra[layer]]
 
     def _stage_bytes(self, stage: int):
         """Peak of stage s as a linear expression (module docstring, 'memory'); without
@@ -312,8 +360,7 @@ class PrefixFormulation(abc.ABC):
             ]
             terms += [
                 self._bytes(k * costs.edge_bytes[e]) * relay
-                for (e, s), relay in self.vars.relay.items()
-                if s == stage
+                for e, relay in self._stage_relays[stage]
             ]
         if self.vars.transient:
             terms.append(self.vars.transient[rank])
@@ -367,9 +414,7 @@ class PrefixFormulation(abc.ABC):
             costs.recompute_stored_bytes - costs.stored_bytes, stage, self._bytes
         )
         kept_terms += [
-            self._bytes(costs.edge_bytes[e]) * relay
-            for (e, s), relay in self.vars.relay.items()
-            if s == stage
+            self._bytes(costs.edge_bytes[e]) * relay for e, relay in self._stage_relays[stage]
         ]
         self._add(kept >= self._sum(kept_terms), f"kept_v{stage}")
         self._add(
@@ -409,24 +454,29 @@ class PrefixFormulation(abc.ABC):
         """y[l][s], r[e][s] where stage(u) < s < stage(v) is possible, tr[s], peak, T, AR."""
         problem, pre, costs = self.problem, self.presolve, self.costs
         p = problem.num_stages
-        self.vars.prefix = [
-            [self._new_bool(f"y_l{layer}_s{s}") for s in range(p - 1)]
-            for layer in range(problem.num_layers)
-        ]
+        for layer in range(problem.num_layers):
+            self._tick()
+            self.vars.prefix.append([self._new_bool(f"y_l{layer}_s{s}") for s in range(p - 1)])
         if problem.selective:
             self.vars.recompute = [
                 self._new_bool(f"rc_l{layer}") for layer in range(problem.num_layers)
             ]
             for s in range(p):
+                self._tick()
                 for layer in self._layers_of(s):
-                    self.vars.recompute_member[(layer, s)] = self._new_var(0, 1, f"z_l{layer}_s{s}")
+                    z = self._new_var(0, 1, f"z_l{layer}_s{s}")
+                    self.vars.recompute_member[(layer, s)] = z
+                    self._stage_recompute[s].append((layer, z))
         stored_ub, transient_ub, time_ub = costs.bounding_coefficients(np.maximum)
         if self.needs_memory:
             for e, (u, v) in enumerate(self.edges):
+                self._tick()
                 if pre.max_span[e] < 2 or not costs.edge_bytes[e]:
                     continue
                 for s in range(max(1, pre.first_stage[u] + 1), min(p - 1, pre.last_stage[v])):
-                    self.vars.relay[(e, s)] = self._new_var(0, 1, f"r_e{e}_s{s}")
+                    relay = self._new_var(0, 1, f"r_e{e}_s{s}")
+                    self.vars.relay[(e, s)] = relay
+                    self._stage_relays[s].append((e, relay))
             top = int(transient_ub.max(initial=0))
             if top:
                 self.vars.transient = [
@@ -500,6 +550,7 @@ class PrefixFormulation(abc.ABC):
         """y[l][s] = 0 for s < first_l;  y[l][s] = 1 for s >= last_l."""
         pre = self.presolve
         for layer, row in enumerate(self.vars.prefix):
+            self._tick()
             for s, y in enumerate(row):
                 if s < pre.first_stage[layer]:
                     self._add(y == 0, f"range_lo_l{layer}_s{s}")
@@ -509,18 +560,21 @@ class PrefixFormulation(abc.ABC):
     def _add_monotone_prefix(self) -> None:
         """y[l][s] <= y[l][s+1]."""
         for layer, row in enumerate(self.vars.prefix):
+            self._tick()
             for s, (low, high) in enumerate(itertools.pairwise(row)):
                 self._add(low <= high, f"monotone_l{layer}_s{s}")
 
     def _add_precedence(self) -> None:
         """y[v][s] <= y[u][s] for every edge u -> v."""
         for e, (u, v) in enumerate(self.edges):
+            self._tick()
             for s in range(self.problem.num_stages - 1):
                 self._add(self._y(v, s) <= self._y(u, s), f"precedence_e{e}_s{s}")
 
     def _add_nonempty_stages(self) -> None:
         """sum_l x[l][s] >= 1."""
         for s in range(self.problem.num_stages):
+            self._tick()
             members = self._sum(self._member(layer, s) for layer in range(self.problem.num_layers))
             self._add(members >= 1, f"nonempty_s{s}")
 
@@ -528,21 +582,25 @@ class PrefixFormulation(abc.ABC):
         """y[v][s] >= y[u][s - span_e]: stage(v) <= stage(u) + span_e."""
         p = self.problem.num_stages
         for e, (u, v) in enumerate(self.edges):
+            self._tick()
             span = self.presolve.max_span[e]
             for s in range(span, p - 1):
                 self._add(self._y(v, s) >= self._y(u, s - span), f"span_e{e}_s{s}")
 
     def _add_recompute_member(self) -> None:
         """z[l][s] <= x[l][s],  z[l][s] <= rc[l],  z[l][s] >= x[l][s] + rc[l] - 1."""
-        for (layer, s), z in self.vars.recompute_member.items():
-            member, recompute = self._member(layer, s), self.vars.recompute[layer]
-            self._add(z <= member, f"rcx_l{layer}_s{s}")
-            self._add(z <= recompute, f"rcr_l{layer}_s{s}")
-            self._add(z >= member + recompute - 1, f"rcxr_l{layer}_s{s}")
+        for s, members in self._stage_recompute.items():
+            self._tick()
+            for layer, z in members:
+                member, recompute = self._member(layer, s), self.vars.recompute[layer]
+                self._add(z <= member, f"rcx_l{layer}_s{s}")
+                self._add(z <= recompute, f"rcr_l{layer}_s{s}")
+                self._add(z >= member + recompute - 1, f"rcxr_l{layer}_s{s}")
 
     def _add_relay(self) -> None:
         """r[e][s] >= y[u][s-1] - y[v][s]."""
         for (e, s), relay in self.vars.relay.items():
+            self._tick()
             u, v = self.edges[e]
             self._add(relay >= self._y(u, s - 1) - self._y(v, s), f"relay_e{e}_s{s}")
 
@@ -553,6 +611,7 @@ class PrefixFormulation(abc.ABC):
         if not self.vars.transient:
             return
         for rank, s in self._rank_stages():
+            self._tick()
             largest = self.vars.transient[rank]
             for layer in self._layers_of(s):
                 kept = costs.transient_bytes[layer]
@@ -594,6 +653,7 @@ class PrefixFormulation(abc.ABC):
             for rank, vectors in enumerate(costs.in_flight_vectors):
                 dones = costs.backwards_done[rank]
                 for i, (vector, done) in enumerate(zip(vectors, dones, strict=True)):
+                    self._tick()
                     suffix = f"_n{i}" if len(vectors) > 1 else ""
                     self._add(
                         self.vars.peak >= self._rank_bytes(rank, vector, done),
@@ -601,6 +661,7 @@ class PrefixFormulation(abc.ABC):
                     )
             return
         for s, row in enumerate(self.vars.stage_peak):
+            self._tick()
             self._add(self._sum(row) >= self._stage_bytes(s), f"memory_s{s}")
         if self.vars.utilization is None:
             for s, row in enumerate(self.vars.stage_peak):
@@ -652,6 +713,7 @@ class PrefixFormulation(abc.ABC):
         costs = self.costs
         recomputed = costs.recompute_time_ns if self.problem.selective else None
         for r in range(costs.num_ranks):
+            self._tick()
             own = costs.stages_of_rank(r)
             times = [self._stage_sum(costs.time_ns, s, recomputed) for s in own]
             self._add(self.vars.slowest_stage_ns >= self._sum(times), f"time_s{r}")
@@ -669,6 +731,7 @@ class PrefixFormulation(abc.ABC):
             _, _, time_ub = costs.bounding_coefficients(np.maximum)
             slowest, sync = int(time_ub.sum()), int(costs.dp_sync_ns.sum())
             for s, groups in enumerate(self.vars.group):
+                self._tick()
                 off = 1 - groups[k]
                 self._add(
                     self.vars.slowest_stage_ns
@@ -719,6 +782,7 @@ class PrefixFormulation(abc.ABC):
         group of each stage, required with a placement), every auxiliary variable at its exact
         value."""
         for layer, row in enumerate(self.vars.prefix):
+            self._tick()
             for s, y in enumerate(row):
                 self._hint(y, int(stage_of_layer[layer] <= s))
         if not self.problem.selective:

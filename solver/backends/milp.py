@@ -57,6 +57,7 @@ from solver.backends.problem import (
     StageProblem,
     StageSolution,
 )
+from solver.backends.stoppable import run_stoppable
 from solver.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -80,8 +81,12 @@ def power_of_two_scale(values: np.ndarray | list[int]) -> int:
 class MilpFormulation(PrefixFormulation):
     """The model of ``solver/backends/formulation.py`` in scaled units, for PuLP."""
 
-    def __init__(self, problem: StageProblem, presolve: Presolve | None = None):
-        super().__init__(problem, presolve)
+    backend = "milp"
+
+    def __init__(
+        self, problem: StageProblem, presolve: Presolve | None = None, *, stop_at: float = math.inf
+    ):
+        super().__init__(problem, presolve, stop_at=stop_at)
         self.bytes_scale, self.ns_scale = self._scales()
         self.model = pulp.LpProblem("stage_assignment", pulp.LpMinimize)
         self.start: dict[pulp.LpVariable, float] = {}
@@ -122,6 +127,10 @@ class MilpFormulation(PrefixFormulation):
                 ]
             )
         return power_of_two_scale(byte_coefficients), power_of_two_scale(time_coefficients)
+
+    @classmethod
+    def backend_of(cls, options: dict) -> str:
+        return f"milp-{options.get('solver', 'highs')}"
 
     # -- backend ---------------------------------------------------------------------------------
 
@@ -293,14 +302,18 @@ class _HighsWithStart(pulp.HiGHS):
         super().createAndConfigureSolver(lp)
 
     def callSolver(self, lp):  # noqa: N802 (PuLP's name)
+        highs = lp.solverModel
         if self.warm_start:
             columns = [var for var in lp.variables() if var.varValue is not None]
-            lp.solverModel.setSolution(
+            highs.setSolution(
                 len(columns),
                 np.asarray([var.index for var in columns], dtype=np.int32),
                 np.asarray([var.varValue for var in columns], dtype=np.float64),
             )
-        super().callSolver(lp)
+        # Ctrl-C: cancelSolve from the main thread (solver.backends.stoppable); HiGHS checks
+        # the request in its interrupt callbacks
+        highs.HandleUserInterrupt = True
+        run_stoppable(highs.run, highs.cancelSolve)
 
 
 def _without_stdout(function):

@@ -21,6 +21,7 @@ from solver.cli.common import (
     print_output,
     write_json,
 )
+from solver.cli.terminal import interrupted
 from solver.errors import InputError, PlannerError, StalePlanError
 from solver.graph import load_graph
 from solver.specs import RECOMPUTE_MODES, ZERO_STAGES, Cluster, ParallelConfig, TrainingConfig
@@ -108,6 +109,8 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     except PlannerError as error:
         sys.stderr.write(f"error: {error}\n")
         return error.exit_code
+    except KeyboardInterrupt:
+        return interrupted()
     return 0
 
 

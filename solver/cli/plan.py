@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from typing import Any
 
 from solver.cli.common import (
@@ -21,6 +22,7 @@ from solver.cli.common import (
     training_from_args,
     write_json,
 )
+from solver.cli.terminal import SearchProgress, interrupted, shows_progress
 from solver.errors import InputError, PlannerError
 from solver.graph import load_graph
 from solver.specs import Cluster, TrainingConfig
@@ -66,13 +68,18 @@ def plan_parser() -> argparse.ArgumentParser:
 
 
 def plan_main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     parser = plan_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    progress = SearchProgress(enabled=shows_progress(args.quiet))
     try:
         from solver.planner import plan
         from solver.report import format_plan, plan_to_dict
+        from solver.search import Deadline
 
+        # --time-limit covers the whole command: reading the graph included
+        deadline = Deadline(end=started + args.time_limit)
         check_outputs(args)
         if args.pareto_points is not None and not args.pareto:
             raise InputError("--pareto-points needs --pareto")
@@ -80,7 +87,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         graph = load_graph(args.graph)
         training = training_from_args(args)
         if args.pareto:
-            _pareto(args, graph, training, cluster)
+            _pareto(args, graph, training, cluster, deadline)
             return 0
         result = plan(
             graph,
@@ -89,7 +96,10 @@ def plan_main(argv: list[str] | None = None) -> int:
             backend=args.backend,
             time_limit_s=args.time_limit,
             num_workers=args.workers,
+            deadline=deadline,
+            progress=progress if progress.enabled else None,
         )
+        progress.close()
         if args.json:
             write_json(args.json, plan_to_dict(result), protect=input_files(args))
         if args.plot:
@@ -99,13 +109,21 @@ def plan_main(argv: list[str] | None = None) -> int:
         if not args.quiet:
             print_output(format_plan(result))
     except PlannerError as error:
+        progress.close()  # before the line, which would otherwise land on the bar
         sys.stderr.write(f"error: {error}\n")
         return error.exit_code
+    except KeyboardInterrupt:
+        progress.close()
+        return interrupted()
     return 0
 
 
 def _pareto(
-    args: argparse.Namespace, graph: Any, training: TrainingConfig, cluster: Cluster
+    args: argparse.Namespace,
+    graph: Any,
+    training: TrainingConfig,
+    cluster: Cluster,
+    deadline: Any,
 ) -> None:
     """solver.plan --pareto: the front as a table, --json document and --plot picture."""
     from solver.pareto import format_pareto, pareto_front, pareto_to_dict
@@ -118,6 +136,7 @@ def _pareto(
         backend=args.backend,
         time_limit_s=args.time_limit,
         num_workers=args.workers,
+        deadline=deadline,
     )
     if args.json:
         write_json(args.json, pareto_to_dict(front), protect=input_files(args))

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -20,6 +21,7 @@ from solver.planner import Plan, plan
 from solver.report import finite_or_none
 from solver.specs import Cluster, TrainingConfig
 from solver.sweep.rows import ROW_KEYS
+from solver.workers import exit_with_parent, stop_pool
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +164,8 @@ def _run(
             finished, pending = wait(pending, return_when=FIRST_COMPLETED)
             for future in finished:
                 done(future.result())
-    except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
+    except BaseException:  # Ctrl-C included: the rows done were handed to ``done`` already
+        stop_pool(pool)
         raise
     pool.shutdown()
 
@@ -186,10 +188,12 @@ _WORKER: PointOptions | None = None
 
 def _init_worker(options: PointOptions) -> None:
     """Keep the study's options (graph included) for every point this worker solves; leave
-    Ctrl-C to the parent, which cancels what is left."""
+    Ctrl-C to the parent, which cancels what is left and terminates the workers; end with the
+    parent even when it is killed (``solver.workers.exit_with_parent``)."""
     global _WORKER
-    _WORKER = options
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent()
+    _WORKER = options
 
 
 def _solve_in_worker(gpus: int, gpu_memory_bytes: int) -> dict:
@@ -198,10 +202,18 @@ def _solve_in_worker(gpus: int, gpu_memory_bytes: int) -> dict:
 
 
 def progress_bar(total: int | None, *, desc: str = "sweep", unit: str = "point"):
-    """points (or counts) done / total and the elapsed time, on stderr."""
+    """points (or counts) done / total and the elapsed time, on stderr when it is a terminal
+    (nothing in a log file or a pipe)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, unit=unit, desc=desc, dynamic_ncols=True)
+    return tqdm(
+        total=total,
+        unit=unit,
+        desc=desc,
+        dynamic_ncols=True,
+        file=sys.stderr,
+        disable=not sys.stderr.isatty(),
+    )
 
 
 def _one_line(error: Exception) -> str:
