@@ -34,6 +34,7 @@ from solver.calibration import (
     write_calibration,
 )
 from solver.cli.common import OneLineErrorParser, positive_int
+from solver.cli.terminal import interrupted
 from solver.errors import InputError, PlannerError
 from solver.specs import TrainingConfig
 
@@ -377,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     except PlannerError as error:
         sys.stderr.write(f"error: {error}\n")
         return error.exit_code
+    except KeyboardInterrupt:  # the ranks of the current run were stopped on the way out
+        return interrupted()
     return 0
 
 

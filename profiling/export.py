@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from solver.cli.common import OneLineErrorParser, positive_int, write_json
+from solver.cli.terminal import interrupted
 from solver.errors import InputError, PlannerError
 from solver.graph import LayerGraph
 from solver.units import format_bytes
@@ -274,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     except PlannerError as error:
         sys.stderr.write(f"error: {error}\n")
         return error.exit_code
+    except KeyboardInterrupt:
+        return interrupted()
     return 0
 
 

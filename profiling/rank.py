@@ -10,6 +10,7 @@ import contextlib
 import functools
 import inspect
 import os
+import signal
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from profiling.parallelize import (
 )
 from solver.errors import InputError
 from solver.plan_file import PlanFile
+from solver.workers import exit_with_parent
 
 LEARNING_RATE = 1e-3
 """Adam's learning rate (the other Adam settings are torch's defaults)."""
@@ -525,7 +527,11 @@ def _rank_main(rank: int, job: RunJob) -> RankReport:
 
 
 def rank_worker(rank: int, job: RunJob, result_dir: str) -> None:
-    """Child entry point: write ``rank{r}.pt`` (the report) or ``rank{r}.err`` and exit non-zero."""
+    """Child entry point: write ``rank{r}.pt`` (the report) or ``rank{r}.err`` and exit non-zero.
+    Ctrl-C is the parent's to handle (it stops every rank); a rank ends with its parent even
+    when the parent is killed."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent()
     directory = Path(result_dir)
     try:
         report = _rank_main(rank, job)

@@ -15,6 +15,7 @@ from dataclasses import asdict
 
 from profiling.export import parse_overrides
 from solver.cli.common import OneLineErrorParser, positive_int, write_json
+from solver.cli.terminal import interrupted
 from solver.errors import PlannerError
 from solver.plan_file import load_plan
 
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     except PlannerError as error:
         sys.stderr.write(f"error: {error}\n")
         return error.exit_code
+    except KeyboardInterrupt:  # the ranks of a run were stopped on the way out
+        return interrupted()
     return 0
 
 

@@ -29,10 +29,11 @@ STOP_WAIT_S = 1.0
 """How long a terminated worker may take to exit before it is killed."""
 
 
-def exit_with_parent() -> None:
-    """Make this (child) process end when its parent does, however the parent ends."""
+def exit_with_parent(*, use_prctl: bool = True) -> None:
+    """Make this (child) process end when its parent does, however the parent ends
+    (``use_prctl=False``: the portable fallback alone, for tests)."""
     parent = os.getppid()
-    if sys.platform.startswith("linux"):
+    if use_prctl and sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

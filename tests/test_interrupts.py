@@ -1,0 +1,483 @@
+"""Time limits whatever the input, progress only on a terminal, and Ctrl-C: exit 130 within a
+second or two, one line on stderr, finished work kept, no process left behind (also when the
+parent is killed).
+
+The fast tests call the pieces in-process (divisors, candidate enumeration, a model build cut by
+its time limit, the CLIs' KeyboardInterrupt path, the helper thread of a native solve). The slow
+ones run the CLIs as subprocesses and signal them once their work has started.
+"""
+
+from __future__ import annotations
+
+import _thread
+import fcntl
+import json
+import os
+import pty
+import random
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from solver import Cluster, TrainingConfig
+from solver.backends.cpsat import solve_cpsat
+from solver.backends.problem import FEASIBLE, UNKNOWN, StageProblem
+from solver.backends.stoppable import run_stoppable
+from solver.candidates import MAX_CONFIG_LAYERS, candidate_configs, divisors
+from solver.cli import evaluate_main, plan_main
+from solver.cli.terminal import INTERRUPTED, SearchProgress, shows_progress
+from solver.cost_model import layer_costs
+from solver.errors import InputError
+from solver.plan_check import check_plan
+from solver.planner import plan
+from solver.search import Deadline
+from solver.specs import ParallelConfig
+from solver.sweep.runner import progress_bar
+from tests.conftest import GPT_1_3B, ROOT, gpt_chain
+from tests.random_graphs import random_chain
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import make_examples  # noqa: E402
+
+PYTHON = sys.executable
+STOP_S = 3.0
+"""A signalled CLI must have exited this long after the signal (target: 1-2 s)."""
+
+# -- time: divisors and candidates ---------------------------------------------------------------
+
+
+def test_divisors_of_huge_numbers_are_immediate():
+    started = time.perf_counter()
+    assert divisors(1_000_000_007) == [1, 1_000_000_007]
+    assert divisors(2**61 - 1) == [1, 2**61 - 1]  # a Mersenne prime
+    assert divisors(2147483647 * 2147483629) == [1, 2147483629, 2147483647, 2147483647 * 2147483629]
+    assert len(divisors(963_761_198_400)) == 6720  # the most divisors below 10^12
+    assert time.perf_counter() - started < 0.5
+
+
+def test_divisors_match_a_scan():
+    for n in range(1, 1500):
+        assert divisors(n) == [k for k in range(1, n + 1) if n % k == 0], n
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randrange(1, 10**15)
+        found = divisors(n)
+        assert found == sorted(set(found)) and all(n % k == 0 for k in found)
+        assert len(found) == sum(2 - (k * k == n) for k in found if k * k <= n)
+
+
+def _scanned_configs(num_layers: int, cluster: Cluster, training: TrainingConfig) -> list:
+    """(pp, tp, dp, micro_batch) of every config, by the definition (a loop to N)."""
+    n = cluster.num_gpus
+    return [
+        (pp, tp, n // (pp * tp), b)
+        for pp in range(1, min(n, num_layers) + 1)
+        if n % pp == 0
+        for tp in range(1, n // pp + 1)
+        if (n // pp) % tp == 0 and cluster.gpus_per_node % tp == 0
+        for b in sorted(training.micro_batch_sizes)
+        if training.global_batch % (n // (pp * tp) * b) == 0
+    ]
+
+
+@pytest.mark.parametrize("gpus", [1, 6, 8, 12, 64, 96, 360, 1024])
+def test_candidate_configs_are_those_of_the_definition_in_the_same_order(gpus):
+    cluster = Cluster(num_gpus=gpus, gpus_per_node=8)
+    training = TrainingConfig(global_batch=720, micro_batch_sizes=(1, 2, 3))
+    configs = candidate_configs(40, cluster, training)
+    found = [(c.pp, c.tp, c.dp, c.micro_batch) for c in configs]
+    assert found == _scanned_configs(40, cluster, training)
+
+
+def test_huge_gpu_counts_enumerate_at_once():
+    started = time.perf_counter()
+    with pytest.raises(InputError, match="no valid parallel config for 1000000007 GPUs"):
+        candidate_configs(5000, Cluster(num_gpus=1_000_000_007), TrainingConfig(global_batch=256))
+    configs = candidate_configs(5000, Cluster(num_gpus=2**32), TrainingConfig(global_batch=2**20))
+    assert configs and all(c.pp * c.tp * c.dp == 2**32 and c.pp <= 5000 for c in configs)
+    assert time.perf_counter() - started < 0.5
+
+
+def test_too_many_candidate_configs_is_an_input_error_that_says_how_to_narrow_it():
+    training = TrainingConfig(global_batch=2**20, micro_batch_sizes=tuple(2**k for k in range(20)))
+    layers = MAX_CONFIG_LAYERS // 100
+    with pytest.raises(InputError, match="candidate configs.*pin --pp"):
+        candidate_configs(layers, Cluster(num_gpus=2**20), training)
+
+
+# -- time: model building, tie-breaking ---------------------------------------------------------
+
+
+def test_a_model_that_cannot_be_built_in_time_returns_its_start_at_once():
+    graph = random_chain(random.Random(3), 1500)
+    config = ParallelConfig(pp=32, tp=1, dp=1, micro_batch=1, num_microbatches=64)
+    costs = layer_costs(graph, config, Cluster(num_gpus=32), TrainingConfig(global_batch=64))
+    problem = StageProblem(costs=costs)
+    start = [layer * 32 // graph.num_layers for layer in range(graph.num_layers)]
+    began = time.perf_counter()
+    unsolved = solve_cpsat(problem, time_limit_s=0.05)
+    hinted = solve_cpsat(problem, time_limit_s=0.05, hint=start)
+    assert time.perf_counter() - began < 2.0  # building this model takes several seconds
+    assert unsolved.status == UNKNOWN and unsolved.bound > 0
+    assert hinted.status == FEASIBLE and hinted.stage_of_layer == start
+
+
+class _SpentAfterSearch(Deadline):
+    """Time left until ``spent`` is set (by the patched search below)."""
+
+    spent: bool = False
+
+    def remaining(self) -> float:
+        return 0.0 if self.spent else 60.0
+
+
+def test_tie_breaking_is_skipped_with_a_note_when_the_time_is_up(monkeypatch):
+    import solver.planner
+
+    deadline, search = _SpentAfterSearch(end=0), solver.planner.search
+
+    def search_then_spend(*args, **kwargs):
+        result = search(*args, **kwargs)
+        deadline.spent = True
+        return result
+
+    monkeypatch.setattr(solver.planner, "search", search_then_spend)
+    graph = gpt_chain(6)
+    cluster = Cluster(num_gpus=4, gpus_per_node=4)
+    training = TrainingConfig(global_batch=8, max_slowdown=None)  # one search, then ties
+    result = plan(graph, cluster, training, deadline=deadline)
+    assert any("before tie-breaking" in note for note in result.solver.notes)
+    assert check_plan(result) == []
+
+
+def test_progress_hears_every_config_solved():
+    heard = []
+    graph = random_chain(random.Random(1), 8)
+    plan(
+        graph,
+        Cluster(num_gpus=8, gpus_per_node=2),
+        TrainingConfig(global_batch=16),
+        progress=lambda *args: heard.append(args),
+    )
+    last = {step: (visited, total, best) for step, visited, total, best in heard}
+    assert {"fastest plan", "smallest peak"} <= set(last)
+    assert all(0 <= visited <= total for _, visited, total, _ in heard)
+    assert "ms/iteration (pp" in last["fastest plan"][2]  # the incumbent, in words
+    assert "peak " in last["smallest peak"][2]
+
+
+def test_progress_is_drawn_only_on_a_terminal(capsys):
+    assert not shows_progress(False)  # pytest captures stderr: not a terminal
+    bar = progress_bar(3)
+    bar.update(3)
+    bar.close()
+    quiet = SearchProgress(enabled=False)
+    quiet("smallest peak", 1, 2, "peak 1 GiB")
+    assert capsys.readouterr().err == ""
+
+
+# -- Ctrl-C in-process: the exit code and the one line -------------------------------------------
+
+
+def _interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+def test_plan_and_evaluate_return_130_with_one_line(run_cli, monkeypatch):
+    monkeypatch.setattr("solver.planner.plan", _interrupt)
+    code, _, err = run_cli(plan_main, GPT_1_3B, "--gpus", "8", "--global-batch", "64")
+    assert (code, err) == (INTERRUPTED, "interrupted\n")
+    monkeypatch.setattr("solver.cli.evaluate._evaluate_split", _interrupt)
+    code, _, err = run_cli(
+        evaluate_main, GPT_1_3B, "--pp", "2", "--global-batch", "64", "--split", "even"
+    )
+    assert (code, err) == (INTERRUPTED, "interrupted\n")
+
+
+def test_profiling_clis_return_130_with_one_line(run_cli, monkeypatch, tmp_path):
+    from profiling import calibrate, export, validate
+
+    monkeypatch.setattr(export, "export_graph", _interrupt)
+    code, _, err = run_cli(export.main, "gpt-tiny")
+    assert (code, err) == (INTERRUPTED, "interrupted\n")
+    monkeypatch.setattr(calibrate, "calibrate", _interrupt)
+    code, _, err = run_cli(calibrate.main, "--model", "gpt-tiny", "--out", str(tmp_path / "c"))
+    assert (code, err) == (INTERRUPTED, "interrupted\n")
+    plan_path = tmp_path / "plan.json"
+    code, _, _ = run_cli(
+        plan_main, GPT_1_3B, "--gpus", "2", "--global-batch", "8", "--json", str(plan_path)
+    )
+    assert code == 0
+    monkeypatch.setattr("profiling.run.run_plan", _interrupt)
+    code, _, err = run_cli(validate.main, str(plan_path), "--model", "gpt-tiny")
+    assert code == INTERRUPTED and err.endswith("interrupted\n")
+
+
+def test_a_native_solve_is_stopped_and_the_interrupt_raised():
+    release = threading.Event()
+    stopped = []
+
+    def stop():
+        stopped.append(time.perf_counter())
+        release.set()
+
+    threading.Timer(0.2, _thread.interrupt_main).start()
+    began = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        run_stoppable(lambda: release.wait(30), stop)
+    assert stopped and time.perf_counter() - began < 1.5
+    assert run_stoppable(lambda: 42, stop) == 42
+
+
+# -- Ctrl-C and kill on real processes ----------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    """Live (not zombie) child processes of ``pid``, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z"
+
+
+def _wait_for(condition, timeout_s: float, what: str) -> None:
+    end = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > end:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _interrupt_and_wait(process: subprocess.Popen, sig: int = signal.SIGINT) -> tuple[int, float]:
+    """Send ``sig``; (exit code, seconds until it exited)."""
+    sent = time.monotonic()
+    process.send_signal(sig)
+    try:
+        code = process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        pytest.fail(f"still running 30 s after signal {sig}")
+    return code, time.monotonic() - sent
+
+
+def _dag(tmp_path: Path, blocks: int = 149) -> str:
+    """A T5-style DAG (the encoder output feeds every decoder block) of 2 blocks + 4 layers."""
+    path = tmp_path / "dag.json"
+    make_examples.t5_dag(blocks=blocks, s=512, h=768, a=12, vocab=32128).save(path)
+    return str(path)
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+
+
+@pytest.mark.slow
+@needs_proc
+def test_plan_shows_progress_on_a_terminal_and_stops_on_ctrl_c(tmp_path):
+    """A 400-layer chain with selective recompute: every config gets a share of the time, so
+    the progress line appears within seconds; it is the marker that the search is running."""
+    graph = tmp_path / "chain.json"
+    make_examples.gpt("chain", layers=398, s=2048, h=1024, a=16, vocab=50257).save(graph)
+    leader, follower = pty.openpty()
+    # a 120-column terminal (tqdm draws nothing where the width is unknown)
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    process = subprocess.Popen(
+        [PYTHON, "-m", "solver.plan", str(graph), "--gpus", "64", "--global-batch", "256"]
+        + ["--recompute", "auto", "--time-limit", "120"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=follower,
+    )
+    os.close(follower)
+    seen = _read_until(leader, b"config", 60)  # tqdm's "n/N [..., config/s, ...]"
+    assert b"config" in seen, seen
+    code, took = _interrupt_and_wait(process)
+    rest = _read_until(leader, None, 5)
+    os.close(leader)
+    assert code == INTERRUPTED and took < STOP_S
+    assert rest.decode().replace("\r", "\n").strip().splitlines()[-1].strip() == "interrupted"
+    assert process.stdout.read() == b""
+
+
+def _read_until(fd: int, marker: bytes | None, timeout_s: float) -> bytes:
+    """What ``fd`` gives until ``marker`` appears, it ends, or the time is up."""
+    seen, end = b"", time.monotonic() + timeout_s
+    while (marker is None or marker not in seen) and time.monotonic() < end:
+        if not select.select([fd], [], [], 0.2)[0]:
+            continue
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # the other side closed
+            break
+        if not chunk:
+            break
+        seen += chunk
+    return seen
+
+
+@pytest.mark.slow
+@needs_proc
+def test_plan_on_a_pipe_prints_no_progress_and_stops_on_ctrl_c(tmp_path):
+    process = subprocess.Popen(
+        [PYTHON, "-m", "solver.plan", _dag(tmp_path), "--gpus", "64", "--global-batch", "256"]
+        + ["--time-limit", "120"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    time.sleep(4.0)  # past the imports: the search of the first config runs for minutes
+    code, took = _interrupt_and_wait(process)
+    assert code == INTERRUPTED and took < STOP_S
+    assert process.stderr.read() == b"interrupted\n" and process.stdout.read() == b""
+
+
+def _sweep(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+    """A sweep of a 302-layer DAG: 1 and 2 GPUs solve in about a second, 64 and 128 GPUs take
+    minutes; three workers, so the quick points finish while the slow ones run."""
+    out = tmp_path / "sweep.csv"
+    process = subprocess.Popen(
+        [PYTHON, "-m", "solver.sweep", _dag(tmp_path), "--gpus", "1,2,64,128"]
+        + ["--global-batch", "256", "--time-limit", "120", "--workers", "3", "--out", str(out)]
+        + list(extra),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    return process, out
+
+
+def _rows(path: Path) -> int:
+    return max(0, len(path.read_text().splitlines()) - 1) if path.exists() else 0
+
+
+@pytest.mark.slow
+@needs_proc
+def test_sweep_stops_on_ctrl_c_keeps_its_rows_and_leaves_no_worker(tmp_path):
+    process, out = _sweep(tmp_path)
+    _wait_for(lambda: _rows(out) == 2, 30, "the two quick rows")
+    workers = _children(process.pid)
+    assert len(workers) >= 2  # the slow points are running
+    code, took = _interrupt_and_wait(process)
+    assert code == INTERRUPTED and took < STOP_S
+    assert process.stderr.read().decode() == f"interrupted; 2 rows kept in {out}\n"
+    assert sorted(line.split(",")[0] for line in out.read_text().splitlines()[1:]) == ["1", "2"]
+    _wait_for(lambda: not [pid for pid in workers if _alive(pid)], 1.0, "the workers to end")
+
+
+@pytest.mark.slow
+@needs_proc
+def test_killed_sweep_leaves_no_worker(tmp_path):
+    process, out = _sweep(tmp_path)
+    _wait_for(lambda: len(_children(process.pid)) == 3, 30, "three workers")
+    workers = _children(process.pid)
+    _interrupt_and_wait(process, signal.SIGKILL)
+    _wait_for(lambda: not [pid for pid in workers if _alive(pid)], 2.5, "the workers to end")
+
+
+@pytest.mark.slow
+@needs_proc
+def test_min_gpus_search_stops_on_ctrl_c(tmp_path):
+    process = subprocess.Popen(
+        [PYTHON, "-m", "solver.sweep", _dag(tmp_path), "--find", "min-gpus", "--gpus", "64,128"]
+        + ["--global-batch", "256", "--time-limit", "120", "--workers", "2"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    _wait_for(lambda: len(_children(process.pid)) == 2, 30, "two workers")
+    workers = _children(process.pid)
+    time.sleep(0.5)
+    code, took = _interrupt_and_wait(process)
+    assert code == INTERRUPTED and took < STOP_S
+    assert process.stderr.read() == b"interrupted\n"
+    _wait_for(lambda: not [pid for pid in workers if _alive(pid)], 1.0, "the workers to end")
+
+
+_ORPHAN = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", {child!r}])
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+_CHILD = """
+import time
+from solver.workers import exit_with_parent
+exit_with_parent(use_prctl=False)
+time.sleep(60)
+"""
+
+
+@pytest.mark.slow
+@needs_proc
+def test_a_worker_without_prctl_still_ends_with_its_killed_parent():
+    parent = subprocess.Popen(
+        [PYTHON, "-c", _ORPHAN.format(child=_CHILD)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    child = int(parent.stdout.readline())
+    time.sleep(2.0)  # the child has imported solver and started watching
+    assert _alive(child)
+    _interrupt_and_wait(parent, signal.SIGKILL)
+    _wait_for(lambda: not _alive(child), 2.5, "the orphan to exit")
+
+
+_HANGING_VALIDATE = """
+import functools, sys
+import profiling.run, profiling.validate
+profiling.run.run_plan = functools.partial(profiling.run.run_plan, _fault=(0, "hang"))
+sys.exit(profiling.validate.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@needs_proc
+def test_validate_stops_its_ranks_on_ctrl_c(tmp_path):
+    from profiling.export import export_graph
+
+    graph = tmp_path / "tiny.json"
+    graph.write_text(json.dumps(export_graph("gpt-tiny", dtype="fp32").to_dict()))
+    plan_path = tmp_path / "plan.json"
+    assert (
+        plan_main(
+            [str(graph), "--gpus", "2", "--pp", "2", "--global-batch", "8", "--runtime", "torch"]
+            + ["--bytes-per-param", "4,4,8", "--json", str(plan_path), "--quiet"]
+        )
+        == 0
+    )
+    process = subprocess.Popen(
+        [PYTHON, "-c", _HANGING_VALIDATE, str(plan_path), "--model", "gpt-tiny"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    _wait_for(lambda: len(_children(process.pid)) >= 2, 60, "the ranks")
+    ranks = _children(process.pid)
+    time.sleep(1.0)
+    code, took = _interrupt_and_wait(process)
+    assert code == INTERRUPTED and took < STOP_S
+    assert process.stderr.read() == b"interrupted\n"
+    # the ranks are stopped before exit; multiprocessing's resource tracker ends on its own
+    _wait_for(lambda: not [pid for pid in ranks if _alive(pid)], 1.0, "the ranks to end")
