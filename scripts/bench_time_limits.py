@@ -1,0 +1,190 @@
+"""Time limits: wall time of the CLIs against ``--time-limit`` on inputs that used to overrun it.
+
+    python scripts/bench_time_limits.py [--limits 10,30] [--out benchmarks]
+
+Each case runs ``python -m solver.plan`` (or ``solver.sweep``) as a subprocess, as a user
+would, and records its wall time from start to exit (interpreter start and graph reading
+included), its exit code, the solver's status or error, and its peak resident memory
+(``os.wait4``). Cases (graphs generated into a temporary folder from scripts/make_examples.py):
+
+- a 5,000-layer GPT chain (hidden 1024, 64 GPUs): ``--recompute auto`` (selective, CP-SAT on
+  each config), ``--backend cpsat`` (one CP-SAT model of 5,000 x 64 prefix variables per config),
+  and ``--recompute auto --pareto``;
+- a 302-layer T5-style DAG (the encoder output feeds all 149 decoder blocks; CP-SAT) and the same
+  with ``--backend milp``;
+- ``--gpus 1000000007`` on the chain (a prime: no config; the candidate enumeration used to loop
+  to N);
+- the README's default case (examples/gpt3-175b.json, 64 GPUs, 80 GiB, global batch 256);
+- a sweep of the chain at 64 and 128 GPUs (``--workers 2``; the limit is per point).
+
+Target: every run returns within its limit + 5 s. Writes benchmarks/bench_time_limits.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from make_examples import gpt, t5_dag  # noqa: E402
+from tables import markdown_table, write_report  # noqa: E402
+
+SLACK_S = 5.0
+"""A run may exceed its time limit by this much (interpreter start, reading, writing)."""
+PLAN = ("-m", "solver.plan")
+COMMON = ("--global-batch", "256")
+README = str(ROOT / "examples" / "gpt3-175b.json")
+
+
+def cases(chain: str, dag: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(name, CLI arguments without --time-limit) of every case."""
+    return [
+        (
+            "5,000-layer chain, --recompute auto",
+            (*PLAN, chain, "--gpus", "64", "--recompute", "auto"),
+        ),
+        (
+            "5,000-layer chain, --backend cpsat",
+            (*PLAN, chain, "--gpus", "64", "--backend", "cpsat"),
+        ),
+        (
+            "5,000-layer chain, --recompute auto --pareto",
+            (*PLAN, chain, "--gpus", "64", "--recompute", "auto", "--pareto"),
+        ),
+        ("302-layer DAG (CP-SAT)", (*PLAN, dag, "--gpus", "64")),
+        ("302-layer DAG, --backend milp", (*PLAN, dag, "--gpus", "64", "--backend", "milp")),
+        ("--gpus 1000000007 (chain)", (*PLAN, chain, "--gpus", "1000000007")),
+        ("README default (GPT-3 175B, 64 GPUs)", (*PLAN, README, "--gpus", "64")),
+        (
+            "sweep of the chain, --recompute auto, 64 and 128 GPUs, 2 workers",
+            ("-m", "solver.sweep", chain, "--gpus", "64,128", "--workers", "2")
+            + ("--recompute", "auto"),
+        ),
+    ]
+
+
+def run_measured(arguments: tuple[str, ...], limit_s: float) -> dict:
+    """Run one case: its wall time, exit code, outcome line and peak resident memory (the
+    child's own, ``os.wait4``)."""
+    command = [sys.executable, *arguments, *COMMON, "--time-limit", f"{limit_s:g}"]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        started = time.perf_counter()
+        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(process.pid, 0)
+        wall = time.perf_counter() - started
+        process.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        outcome = _outcome(out.read(), err.read())
+    return {
+        "wall_s": round(wall, 1),
+        "over_limit_s": round(wall - limit_s, 1),
+        "within_target": "yes" if wall <= limit_s + SLACK_S else "NO",
+        "exit": process.returncode,
+        "peak_rss_mib": round(usage.ru_maxrss / 1024),  # KiB on Linux
+        "outcome": outcome,
+    }
+
+
+def _outcome(out: str, err: str) -> str:
+    """The solver line of a plan, the first error line, or the points of a sweep."""
+    table = out.splitlines()
+    if table and table[0].split()[:3] == ["gpus", "memory", "status"]:
+        points = [line.split() for line in table[1:]]  # gpus, memory (2 words), status, ...
+        return "; ".join(f"{point[0]} GPUs {point[3]}" for point in points)
+    for line in out.splitlines():
+        if line.startswith("solver:"):
+            return line.split(", objective")[0].split(" (")[0].replace("|", "/")[:90]
+    if err.strip():
+        return err.strip().splitlines()[0].replace("|", "/")[:90]
+    for line in out.splitlines():
+        if line.strip():
+            return line.strip().replace("|", "/")[:90]
+    return ""
+
+
+def write_graphs(folder: Path) -> tuple[str, str]:
+    chain = folder / "chain-5000.json"
+    gpt("chain-5000-h1024", layers=4998, s=2048, h=1024, a=16, vocab=50257).save(chain)
+    dag = folder / "dag-302.json"
+    t5_dag(blocks=149, s=512, h=768, a=12, vocab=32128).save(dag)
+    return str(chain), str(dag)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--limits", default="10,30", help="time limits to run, seconds")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks")
+    args = parser.parse_args()
+    limits = [float(text) for text in args.limits.split(",")]
+    began, loads = time.perf_counter(), [os.getloadavg()[0]]
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        chain, dag = write_graphs(Path(folder))
+        for name, arguments in cases(chain, dag):
+            for limit in limits:
+                row = {"case": name, "time_limit_s": f"{limit:g}"}
+                row |= run_measured(arguments, limit)
+                loads.append(os.getloadavg()[0])
+                print(
+                    f"{name} @ {limit:g} s: {row['wall_s']} s, exit {row['exit']}: {row['outcome']}"
+                )
+                rows.append(row)
+    missed = [r for r in rows if r["within_target"] != "yes"]
+    command = "python scripts/bench_time_limits.py" + (
+        f" --limits {args.limits}" if args.limits != "10,30" else ""
+    )
+    columns = [
+        "case",
+        "time_limit_s",
+        "wall_s",
+        "over_limit_s",
+        "within_target",
+        "exit",
+        "peak_rss_mib",
+        "outcome",
+    ]
+    lines = [
+        "# Time limits",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}, run {time.strftime('%Y-%m-%d')}, "
+        f"{time.perf_counter() - began:.0f} s in all; 1-minute load average "
+        f"{min(loads):.1f}-{max(loads):.1f} during the runs (a shared machine: other processes "
+        "slow them down)",
+        "",
+        "Each run is the CLI as a subprocess: wall time from start to exit (interpreter start and "
+        "graph reading included), exit code (0 plan, 2 bad input, 3 nothing fits, 4 time limit "
+        "without a plan), peak resident memory of the process (`os.wait4`; for a sweep the "
+        "parent's, without its workers). The 5,000-layer chain is a GPT chain of hidden size "
+        "1024 (scripts/make_examples.py `gpt`), the DAG a T5-style "
+        "encoder-decoder of 149 + 149 blocks (`t5_dag`: the encoder output feeds every decoder "
+        "block); global batch 256, 80 GiB GPUs, other options at their defaults. A sweep's "
+        "limit applies to each point.",
+        "",
+        f"Target: within the limit + {SLACK_S:g} s. "
+        + (
+            "Every run met it."
+            if not missed
+            else f"{len(missed)} run(s) missed it: "
+            + "; ".join(f"{r['case']} @ {r['time_limit_s']} s" for r in missed)
+        ),
+        "",
+        *markdown_table(rows, columns),
+        "",
+    ]
+    write_report(args.out, "bench_time_limits.md", lines)
+    return 0 if not missed else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
