@@ -225,7 +225,12 @@ class MilpFormulation(PrefixFormulation):
                 if strict
                 else {}
             )
-            return _HighsWithStart(warm_start=bool(self.start), **options, **tolerances)
+            return _HighsWithStart(
+                warm_start=bool(self.start),
+                stop_at=time.perf_counter() + options["timeLimit"],
+                **options,
+                **tolerances,
+            )
         return _cbc(
             warmStart=bool(self.start), options=["preprocess off"] if strict else [], **options
         )
@@ -291,9 +296,12 @@ class _HighsWithStart(pulp.HiGHS):
     option can turn it off), which would corrupt a CLI's JSON output: that one is built with
     stdout sent to /dev/null."""
 
-    def __init__(self, *, warm_start: bool = False, **options):
+    def __init__(self, *, warm_start: bool = False, stop_at: float = math.inf, **options):
         super().__init__(**options)
         self.warm_start = warm_start
+        self.stop_at = stop_at
+        """``time.perf_counter()`` by which HiGHS must stop: PuLP copies the model into HiGHS
+        first (seconds for a large model), so the limit is set again when the solve starts."""
 
     def createAndConfigureSolver(self, lp):  # noqa: N802 (PuLP's name)
         if not _HighsWithStart.banner_shown:
@@ -310,6 +318,8 @@ class _HighsWithStart(pulp.HiGHS):
                 np.asarray([var.index for var in columns], dtype=np.int32),
                 np.asarray([var.varValue for var in columns], dtype=np.float64),
             )
+        if math.isfinite(self.stop_at):
+            highs.setOptionValue("time_limit", max(0.01, self.stop_at - time.perf_counter()))
         # Ctrl-C: cancelSolve from the main thread (solver.backends.stoppable); HiGHS checks
         # the request in its interrupt callbacks
         highs.HandleUserInterrupt = True
