@@ -139,6 +139,9 @@ class PrefixVariables:
     """z[(l, s)] = x[l][s] rc[l], where layer l can sit on stage s."""
 
 
+MIN_BUILD_S = 0.05
+"""Building a model may take this long whatever the time limit (a small model, in
+milliseconds, is then solved for at least 0.01 s, as every config of a search is)."""
 LOAD_SHARE = 0.1
 """A model is solved only with at least this fraction of its build time left: loading it alone
 takes about half of that (CP-SAT: 1.4 s for 1.2 million constraints built in 29 s), whatever
@@ -222,7 +225,9 @@ class PrefixFormulation(abc.ABC):
         try:
             built = time.perf_counter()
             formulation = cls(
-                problem, presolve, stop_at=math.inf if limit is None else start + limit
+                problem,
+                presolve,
+                stop_at=math.inf if limit is None else start + max(limit, MIN_BUILD_S),
             )
             if hint is not None:
                 formulation.set_hint(hint, hint_recomputed, hint_groups)
@@ -230,10 +235,10 @@ class PrefixFormulation(abc.ABC):
             if dump_path is not None:
                 formulation.dump(dump_path)
             if limit is not None:  # the start's and the model's time comes out of the limit
-                left = limit - (time.perf_counter() - start)
+                left = max(0.01, limit - (time.perf_counter() - start))
                 if left < LOAD_SHARE * built:
                     raise BuildTimeUp  # the solver could not even load the model in time
-                options["time_limit_s"] = max(0.01, left)
+                options["time_limit_s"] = left
         except BuildTimeUp:
             # no model in time: the hint (if valid) is the solution, the static bound the bound
             bound = presolve.objective_lower_bound(problem)
