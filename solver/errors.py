@@ -6,6 +6,8 @@ Only a CLI's ``main()`` catches these: it prints ``str(error)`` as one line on s
 
 from __future__ import annotations
 
+import reprlib
+
 
 class PlannerError(Exception):
     """Base class; ``exit_code`` is what a CLI returns for it."""
@@ -65,3 +67,41 @@ class RunError(PlannerError):
         super().__init__(message)
         self.pids = pids
         """Process ids of the ranks (all ended when this is raised)."""
+
+
+QUOTE_CHARS = 80
+"""Longest piece of user data an error message quotes (longer text is cut, its length said)."""
+MESSAGE_CHARS = 400
+"""Longest error line a CLI prints (:func:`one_line`)."""
+
+
+def quote(value: object, limit: int = QUOTE_CHARS) -> str:
+    """User data made safe to put in a message: a string as its Python repr (control characters,
+    newlines, ANSI escapes and lone surrogates escaped, so it prints on one line on any terminal
+    and any stream encoding), anything else as its repr; cut to ``limit`` characters with its
+    full length said. Every message that quotes a name, a value or a path from a file uses it."""
+    if isinstance(value, str):
+        if len(value) <= limit:
+            return repr(value)
+        return repr(value[:limit]) + f"... ({len(value)} characters)"
+    short = reprlib.Repr()
+    short.maxlevel, short.maxlist, short.maxdict, short.maxstring = 2, 4, 4, 20
+    text = short.repr(value)  # a container's first items only, however large it is
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    return one_line(text)
+
+
+def one_line(message: str, limit: int = MESSAGE_CHARS) -> str:
+    """``message`` as one printable line of at most ``limit`` characters (plus a marker when
+    cut): control characters (newlines, tabs, escape sequences) escaped, lone surrogates escaped.
+    The last guard of every CLI's error line (``solver.cli.common.print_error``)."""
+    text = "".join(char if char.isprintable() else _escape(char) for char in message)
+    if len(text) > limit:
+        text = text[: limit - 25] + f"... [{len(text) - limit + 25} more characters]"
+    return text
+
+
+def _escape(char: str) -> str:
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
