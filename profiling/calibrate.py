@@ -33,7 +33,7 @@ from solver.calibration import (
     leave_one_out,
     write_calibration,
 )
-from solver.cli.common import OneLineErrorParser, positive_int
+from solver.cli.common import OneLineErrorParser, positive_int, print_error
 from solver.errors import InputError, PlannerError
 from solver.specs import TrainingConfig
 
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         write_calibration(out, calibration, force=args.force)
         print(f"wrote {out}")
     except PlannerError as error:
-        sys.stderr.write(f"error: {error}\n")
+        print_error(error)
         return error.exit_code
     return 0
 

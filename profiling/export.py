@@ -12,13 +12,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import inspect
 import json
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
-from solver.cli.common import OneLineErrorParser, positive_int, write_json
+from solver.cli.common import OneLineErrorParser, positive_int, print_error, write_json
 from solver.errors import InputError, PlannerError
 from solver.graph import LayerGraph
 from solver.units import format_bytes
@@ -28,22 +30,37 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def resolve_spec(name: str, overrides: dict[str, Any]):
     """The ModelSpec named on the command line."""
+    import models
+
     if name.startswith("hf:"):
         from profiling.hf import hf_spec
 
         return hf_spec(name[3:], overrides)
     if ":" in name:
         module_name, _, factory_name = name.partition(":")
+        fix = "give package.module:factory, a function returning a models.ModelSpec"
         try:
             factory = getattr(importlib.import_module(module_name), factory_name)
-        except (ImportError, AttributeError) as error:
+        except (ImportError, AttributeError, ValueError) as error:
             raise InputError(
-                f"{name}: cannot import {factory_name} from {module_name} ({error});"
-                " give package.module:factory returning a models.ModelSpec"
+                f"{name}: cannot import {factory_name} from {module_name} ({error}); {fix}"
             ) from None
-        return factory(**overrides)
-    import models
-
+        if isinstance(factory, types.ModuleType) or not callable(factory):
+            kind = "a module" if isinstance(factory, types.ModuleType) else type(factory).__name__
+            raise InputError(f"{name}: {factory_name} is {kind}, not a function; {fix}")
+        try:
+            inspect.signature(factory).bind(**overrides)
+        except TypeError as error:
+            raise InputError(f"{name}: {factory_name} does not take --set {error}; {fix}") from None
+        except ValueError:  # no signature to check (a builtin): call it
+            pass
+        spec = factory(**overrides)
+        if not isinstance(spec, models.ModelSpec):
+            raise InputError(
+                f"{name}: {factory_name}() returned {type(spec).__name__}, not a "
+                f"models.ModelSpec; {fix}"
+            )
+        return spec
     try:
         return models.get(name, **overrides)
     except ValueError as error:
@@ -272,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"({graph.meta.get('profile_s')} s)"
             )
     except PlannerError as error:
-        sys.stderr.write(f"error: {error}\n")
+        print_error(error)
         return error.exit_code
     return 0
 

@@ -14,11 +14,19 @@ import sys
 from dataclasses import asdict
 
 from profiling.export import parse_overrides
-from solver.cli.common import OneLineErrorParser, positive_int, write_json
+from solver.cli.common import (
+    OneLineErrorParser,
+    number_in,
+    positive_int,
+    print_error,
+    write_json,
+)
 from solver.errors import PlannerError
 from solver.plan_file import load_plan
 
 TOLERANCE_EXCEEDED = 6
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""Longest --timeout, seconds (a week)."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -47,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
     )
     result.add_argument(
         "--tolerance",
-        type=float,
+        type=number_in(0, 1e6, unit=" percent"),
         default=10.0,
         help="largest allowed |error| in percent (default 10)",
     )
@@ -58,7 +66,12 @@ def parser() -> argparse.ArgumentParser:
         help="cpu (gloo, default) or cuda (NCCL, one GPU per rank; also reports "
         "torch.cuda.max_memory_allocated)",
     )
-    result.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run")
+    result.add_argument(
+        "--timeout",
+        type=number_in(0, MAX_TIMEOUT_S, low_open=True, unit=" seconds"),
+        default=300.0,
+        help="seconds for the whole run (default 300)",
+    )
     result.add_argument("--json", metavar="OUT", help="also write the per-rank reports as JSON")
     return result
 
@@ -69,13 +82,6 @@ def main(argv: list[str] | None = None) -> int:
         from profiling.run import format_reports, run_plan
 
         plan = load_plan(args.plan)  # checked (docs/plan.md): a PlanFile
-        if plan.runtime != "torch":
-            print(
-                f"note: {args.plan} was planned for the {plan.runtime} runtime; "
-                "this run uses torch.distributed.pipelining, which keeps more boundary buffers "
-                "(plan with --runtime torch to compare like for like)",
-                file=sys.stderr,
-            )
         reports = run_plan(
             args.model,
             plan,
@@ -94,16 +100,28 @@ def main(argv: list[str] | None = None) -> int:
             )
         worst = max((abs(r.error_pct) for r in reports if r.error_pct is not None), default=0.0)
         if worst > args.tolerance:
-            sys.stderr.write(
-                f"error: largest per-rank error {worst:.1f}% exceeds --tolerance "
-                f"{args.tolerance:g}%\n"
+            print_error(
+                f"largest per-rank error {worst:.1f}% exceeds --tolerance {args.tolerance:g}%"
             )
+            _runtime_note(args.plan, plan.runtime)
             return TOLERANCE_EXCEEDED
         print(f"all ranks within {args.tolerance:g}% (largest |error| {worst:.1f}%)")
+        _runtime_note(args.plan, plan.runtime)
     except PlannerError as error:
-        sys.stderr.write(f"error: {error}\n")
+        print_error(error)
         return error.exit_code
     return 0
+
+
+def _runtime_note(path: str, runtime: str) -> None:
+    """After the result (never before an error): a plan for another runtime than the one run."""
+    if runtime != "torch":
+        print(
+            f"note: {path} was planned for the {runtime} runtime; this run uses "
+            "torch.distributed.pipelining, which keeps more boundary buffers (plan with "
+            "--runtime torch to compare like for like)",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

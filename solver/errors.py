@@ -75,11 +75,15 @@ MESSAGE_CHARS = 400
 """Longest error line a CLI prints (:func:`one_line`)."""
 
 
-def quote(value: object, limit: int = QUOTE_CHARS) -> str:
+def quote(value: object, limit: int = QUOTE_CHARS, *, bare: bool = False) -> str:
     """User data made safe to put in a message: a string as its Python repr (control characters,
     newlines, ANSI escapes and lone surrogates escaped, so it prints on one line on any terminal
     and any stream encoding), anything else as its repr; cut to ``limit`` characters with its
-    full length said. Every message that quotes a name, a value or a path from a file uses it."""
+    full length said. Every message that quotes a name, a value or a path from a file uses it.
+    ``bare``: a short string of printable ASCII without spaces or quotes is given as it is (a
+    field name in a list)."""
+    if isinstance(value, str) and bare and _plain(value, limit):
+        return value
     if isinstance(value, str):
         if len(value) <= limit:
             return repr(value)
@@ -100,6 +104,15 @@ def one_line(message: str, limit: int = MESSAGE_CHARS) -> str:
     if len(text) > limit:
         text = text[: limit - 25] + f"... [{len(text) - limit + 25} more characters]"
     return text
+
+
+def _plain(text: str, limit: int) -> bool:
+    return (
+        0 < len(text) <= limit
+        and text.isascii()
+        and text.isprintable()
+        and not any(char in text for char in " '\"\\")
+    )
 
 
 def _escape(char: str) -> str:

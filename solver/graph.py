@@ -305,6 +305,13 @@ def _layer_from_dict(item: dict[str, Any]) -> Layer:
 
 
 def _check_layers(layers: list[Layer], origin: str) -> None:
+    memory = ("params", "activation_bytes", "output_bytes", "transient_bytes", "mem_isolated")
+    if not any(getattr(layer, key) for layer in layers for key in memory):
+        raise InputError(
+            f"{origin}: $.layers: every layer has params, activation_bytes, output_bytes and "
+            "transient_bytes 0: the graph holds no memory to plan (a placeholder?); give the "
+            "layers their sizes"
+        )
     seen: dict[str, int] = {}
     for i, layer in enumerate(layers):
         check_name(layer.name, f"{origin}: $.layers[{i}].name", what="layer name")

@@ -114,7 +114,7 @@ def _read_bytes(path: str | Path, kind: str, fix: str) -> bytes:
             if stat.S_ISREG(info.st_mode) and info.st_size > MAX_FILE_BYTES:
                 raise InputError(_too_large(path, info.st_size))
             head = stream.read(_HEAD_BYTES)
-            _check_head(head, path)
+            _check_head(head, path, kind)
             data = head + stream.read(MAX_FILE_BYTES + 1 - len(head))
     except FileNotFoundError:
         raise InputError(f"{path}: {kind} file not found; {fix}") from None
@@ -137,8 +137,9 @@ def _too_large(path: str | Path, size: int | None) -> str:
     )
 
 
-def _check_head(head: bytes, path: str | Path) -> None:
-    """What the first bytes say: a known binary format, or text in another encoding than UTF-8."""
+def _check_head(head: bytes, path: str | Path, kind: str) -> None:
+    """What the first bytes say: a known binary format, text in another encoding than UTF-8, or
+    a NUL byte (a binary file: /dev/zero fails here, without reading 256 MiB)."""
     for magic, looks_like, fix in _MAGIC:
         if head.startswith(magic):
             raise InputError(f"{path}: looks like {looks_like}, not JSON; {fix}")
@@ -159,18 +160,23 @@ def _check_head(head: bytes, path: str | Path) -> None:
     elif len(first) >= 2 and first[0] != 0 and first[1] == 0:
         encoding = "UTF-16 (little-endian)"
     else:
+        _check_nul(head, path, kind)
         return
     raise InputError(f"{path}: looks like {encoding} text, not UTF-8; save it as UTF-8")
 
 
-def _decode(data: bytes, path: str | Path, kind: str) -> str:
-    """UTF-8 text of the file (a UTF-8 byte-order mark skipped); NUL bytes and invalid UTF-8
-    are errors with their byte offset."""
+def _check_nul(data: bytes, path: str | Path, kind: str) -> None:
     nul = data.find(b"\0")
     if nul >= 0:
         raise InputError(
             f"{path}: NUL byte at offset {nul}: a binary file, not JSON text; pass a {kind} file"
         )
+
+
+def _decode(data: bytes, path: str | Path, kind: str) -> str:
+    """UTF-8 text of the file (a UTF-8 byte-order mark skipped); NUL bytes and invalid UTF-8
+    are errors with their byte offset."""
+    _check_nul(data, path, kind)
     try:
         return data.decode("utf-8-sig" if data.startswith(_UTF8_BOM) else "utf-8")
     except UnicodeDecodeError as error:

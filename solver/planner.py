@@ -155,7 +155,7 @@ class _ThroughputLimit:
     """The fastest plan that fits, when it was searched."""
 
     def fastest_throughput(self, global_batch: int) -> float | None:
-        if self.fastest is None or self.fastest.value is None:
+        if self.fastest is None or not self.fastest.value:  # None, or 0 ns: no FLOPs or times
             return None
         return global_batch * 1e9 / self.fastest.value
 

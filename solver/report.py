@@ -11,7 +11,7 @@ from solver.evaluation import Evaluation
 from solver.plan_file import EVALUATION_FORMAT, PLAN_FORMAT, PLAN_VERSION, load_plan
 from solver.planner import Plan
 from solver.specs import Cluster, TrainingConfig
-from solver.units import format_bytes
+from solver.units import format_bytes, format_throughput
 
 
 def evaluation_to_dict(evaluation: Evaluation) -> dict[str, Any]:
@@ -199,7 +199,7 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
     names = evaluation.graph.names
     lines = [
         title,
-        f"config: {config.label()}   throughput {evaluation.throughput:.4g} samples/s "
+        f"config: {config.label()}   throughput {format_throughput(evaluation.throughput)} "
         f"(iteration {evaluation.iteration_ns / 1e6:.4g} ms, global batch "
         f"{config.global_batch})",
     ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -16,8 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from solver.calibration import Calibration, load_calibration
-from solver.errors import InputError
+from solver.errors import InputError, one_line, quote
 from solver.specs import (
+    GB_PER_S_RANGE,
+    GPU_TFLOPS_RANGE,
+    MAX_BYTES_PER_PARAM,
+    MAX_DEGREE,
+    MAX_GLOBAL_BATCH,
+    MAX_GPU_MEMORY_BYTES,
+    MAX_GPUS_PER_NODE,
+    MAX_SLOWDOWN,
+    MAX_VIRTUAL_STAGES,
     MEMORY_MODELS,
     MEMORY_OBJECTIVES,
     RECOMPUTE_CHOICES,
@@ -29,13 +39,23 @@ from solver.specs import (
 )
 from solver.units import parse_bytes
 
+MAX_WORKERS = 256
+"""Most CP-SAT worker threads --workers takes."""
+
 
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse that reports a bad argument in one line with exit code 2 (no usage dump)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        sys.stderr.write(one_line(f"{self.prog}: error: {message} (see --help)") + "\n")
         raise SystemExit(2)
+
+
+def print_error(error: BaseException | str) -> None:
+    """A CLI's error: ``error: <message>`` as one line on stderr, at most a few hundred
+    characters, control characters escaped (``solver.errors.one_line``), whatever it quotes."""
+    sys.stderr.write(f"error: {one_line(str(error))}\n")
+    sys.stderr.flush()
 
 
 def int_list(text: str) -> list[int]:
@@ -43,45 +63,115 @@ def int_list(text: str) -> list[int]:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
+            f"expected comma-separated integers, got {quote(text)}"
         ) from None
     if not values:
         raise argparse.ArgumentTypeError("expected at least one integer")
     return values
 
 
+def int_list_in(low: int, high: int):
+    """An argparse type: comma-separated integers, each in low..high."""
+
+    def parse(text: str) -> list[int]:
+        values = int_list(text)
+        bad = [value for value in values if not low <= value <= high]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"each value must be in {low}..{_count(high)}, got {quote(bad[0])}"
+            )
+        return values
+
+    return parse
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer, got {quote(text)}"
+        ) from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {quote(value)}")
+    return value
+
+
+def int_in(low: int, high: int):
+    """An argparse type: an integer in low..high."""
+
+    def parse(text: str) -> int:
+        value = positive_int(text) if low == 1 else _integer(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"must be in {low}..{_count(high)}, got {quote(value)}"
+            )
+        return value
+
+    return parse
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {quote(text)}") from None
+
+
+def _count(value: int) -> str:
+    """2^24 rather than 16777216."""
+    if value >= 2**16 and value & (value - 1) == 0:
+        return f"2^{value.bit_length() - 1}"
+    return str(value)
+
+
+def _number(text: str) -> float:
+    """A finite number (NaN, inf and 1e400 are errors)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {quote(text)}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {quote(text)}")
     return value
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value = _number(text)
     if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        raise argparse.ArgumentTypeError(f"must be > 0, got {quote(text)}")
     return value
+
+
+def number_in(low: float, high: float, *, low_open: bool = False, unit: str = ""):
+    """An argparse type: a finite number in [low, high] ((low, high] with ``low_open``)."""
+
+    def parse(text: str) -> float:
+        value = _number(text)
+        if not ((value > low if low_open else value >= low) and value <= high):
+            bracket = "(" if low_open else "["
+            raise argparse.ArgumentTypeError(
+                f"must be in {bracket}{low:g}, {high:g}]{unit}, got {quote(text)}"
+            )
+        return value
+
+    return parse
 
 
 def slowdown(text: str) -> float | None:
     if text.lower() == "none":
         return None
-    value = positive_float(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 or 'none', got {text}")
+    value = _number(text)
+    if not 1 <= value <= MAX_SLOWDOWN:
+        raise argparse.ArgumentTypeError(
+            f"must be >= 1 (and at most {MAX_SLOWDOWN:g}) or 'none', got {quote(text)}"
+        )
     return value
 
 
 def memory_size(text: str) -> int:
     try:
-        return parse_bytes(text, what="--gpu-memory")
+        return parse_bytes(text, what="--gpu-memory", maximum=MAX_GPU_MEMORY_BYTES)
     except InputError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -91,7 +181,7 @@ def size_list(text: str) -> list[int]:
     parts = [part.strip() for part in text.split(",")]
     if not text.strip() or any(not part for part in parts):
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated sizes like 40GiB,80GiB, got {text!r}"
+            f"expected comma-separated sizes like 40GiB,80GiB, got {quote(text)}"
         )
     return [memory_size(part) for part in parts]
 
@@ -173,31 +263,31 @@ def add_cluster_options(parser: argparse.ArgumentParser, *, memory_list: bool = 
     )
     cluster.add_argument(
         "--gpus-per-node",
-        type=positive_int,
+        type=int_in(1, MAX_GPUS_PER_NODE),
         default=8,
         help="GPUs per node; tensor parallelism stays inside a node (default 8)",
     )
     cluster.add_argument(
         "--gpu-tflops",
-        type=positive_float,
+        type=number_in(*GPU_TFLOPS_RANGE, unit=" TFLOP/s"),
         default=989.0,
         help="peak dense TFLOP/s per GPU (default 989, H100 bf16)",
     )
     cluster.add_argument(
         "--flops-efficiency",
-        type=positive_float,
+        type=number_in(0, 1, low_open=True),
         default=0.5,
         help="fraction of peak FLOP/s reached (default 0.5)",
     )
     cluster.add_argument(
         "--intra-node-gbps",
-        type=positive_float,
+        type=number_in(*GB_PER_S_RANGE, unit=" GB/s"),
         default=450.0,
         help="per-GPU intra-node bandwidth, GB/s (default 450)",
     )
     cluster.add_argument(
         "--inter-node-gbps",
-        type=positive_float,
+        type=number_in(*GB_PER_S_RANGE, unit=" GB/s"),
         default=50.0,
         help="per-GPU inter-node bandwidth, GB/s (default 50)",
     )
@@ -208,7 +298,7 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
     training = parser.add_argument_group("training")
     training.add_argument(
         "--global-batch",
-        type=positive_int,
+        type=int_in(1, MAX_GLOBAL_BATCH),
         required=batch_required,
         help="samples per optimizer step",
     )
@@ -221,7 +311,7 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
     )
     training.add_argument(
         "--virtual-stages",
-        type=int_list,
+        type=int_list_in(1, MAX_VIRTUAL_STAGES),
         default=[1],
         metavar="V",
         help="model chunks per pipeline rank (interleaved 1F1B when > 1, Megatron's virtual "
@@ -238,7 +328,7 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
     )
     training.add_argument(
         "--bytes-per-param",
-        type=int_list,
+        type=int_list_in(0, MAX_BYTES_PER_PARAM),
         default=[2, 2, 12],
         help="weights,grads,optimizer bytes per parameter (default 2,2,12)",
     )
@@ -275,7 +365,7 @@ def bytes_per_param(args: argparse.Namespace) -> dict[str, int]:
     if len(args.bytes_per_param) != 3:
         raise InputError(
             f"--bytes-per-param: give 3 numbers (weights,grads,optimizer), got "
-            f"{args.bytes_per_param}"
+            f"{quote(args.bytes_per_param)}"
         )
     w, g, o = args.bytes_per_param
     return {"weight_bytes_per_param": w, "grad_bytes_per_param": g, "optimizer_bytes_per_param": o}
@@ -333,9 +423,14 @@ def write_json(path: str, document: dict[str, Any], *, protect: list[str]) -> No
 
 
 def print_output(text: str) -> None:
-    """Print, tolerating a closed pipe (``... | head``)."""
+    """Print, tolerating a closed pipe (``... | head``) and a stdout that cannot encode a name
+    (``PYTHONIOENCODING=ascii``: such characters are written as backslash escapes)."""
     try:
-        print(text, flush=True)
+        try:
+            print(text, flush=True)
+        except UnicodeEncodeError:
+            encoding = sys.stdout.encoding or "ascii"
+            print(text.encode(encoding, "backslashreplace").decode(encoding), flush=True)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
@@ -347,7 +442,7 @@ def add_plan_options(parser: argparse.ArgumentParser, *, cpsat_workers: bool = T
     search = parser.add_argument_group("search space")
     search.add_argument(
         "--micro-batch",
-        type=int_list,
+        type=int_list_in(1, MAX_GLOBAL_BATCH),
         default=[1, 2, 4],
         help="candidate micro-batch sizes (default 1,2,4)",
     )
@@ -365,9 +460,10 @@ def add_plan_options(parser: argparse.ArgumentParser, *, cpsat_workers: bool = T
         "the layers, jointly with the split; CP-SAT/MILP), or auto (= selective, which contains "
         "none and full)",
     )
-    search.add_argument("--pp", type=positive_int, help="pin the pipeline degree")
-    search.add_argument("--tp", type=positive_int, help="pin the tensor-parallel degree")
-    search.add_argument("--dp", type=positive_int, help="pin the data-parallel degree")
+    degree = int_in(1, MAX_DEGREE)
+    search.add_argument("--pp", type=degree, help="pin the pipeline degree")
+    search.add_argument("--tp", type=degree, help="pin the tensor-parallel degree")
+    search.add_argument("--dp", type=degree, help="pin the data-parallel degree")
     goal = parser.add_argument_group("objective and constraints")
     goal.add_argument(
         "--objective",
@@ -414,7 +510,7 @@ def add_plan_options(parser: argparse.ArgumentParser, *, cpsat_workers: bool = T
     if cpsat_workers:
         solver.add_argument(
             "--workers",
-            type=positive_int,
+            type=int_in(1, MAX_WORKERS),
             default=1,
             help="CP-SAT worker threads (1 = deterministic)",
         )

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from typing import Any
 
 from solver.cli.common import (
@@ -17,6 +16,7 @@ from solver.cli.common import (
     cluster_from_args,
     input_files,
     positive_int,
+    print_error,
     print_output,
     training_from_args,
     write_json,
@@ -99,7 +99,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         if not args.quiet:
             print_output(format_plan(result))
     except PlannerError as error:
-        sys.stderr.write(f"error: {error}\n")
+        print_error(error)
         return error.exit_code
     return 0
 

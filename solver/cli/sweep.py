@@ -138,7 +138,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
         if all(row["status"] == "ERROR" for row in rows):
             raise InputError(f"no point can be solved; first: {rows[0]['detail']}")
     except PlannerError as error:
-        sys.stderr.write(f"error: {error}\n")
+        common.print_error(error)
         return error.exit_code
     except KeyboardInterrupt:
         kept = "" if writer is None else f"; {writer.count} rows kept in {writer.path}"
