@@ -125,21 +125,19 @@ def _count(value: int) -> str:
     return str(value)
 
 
-def _number(text: str) -> float:
-    """A finite number (NaN, inf and 1e400 are errors)."""
+def _float(text: str) -> float:
+    """The number of ``text``, NaN when it is none (then every range check fails)."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {quote(text)}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {quote(text)}")
-    return value
+        return math.nan
 
 
 def positive_float(text: str) -> float:
-    value = _number(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {quote(text)}")
+    """A finite number > 0 (NaN, inf and 1e400 are errors)."""
+    value = _float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {quote(text)}")
     return value
 
 
@@ -147,11 +145,11 @@ def number_in(low: float, high: float, *, low_open: bool = False, unit: str = ""
     """An argparse type: a finite number in [low, high] ((low, high] with ``low_open``)."""
 
     def parse(text: str) -> float:
-        value = _number(text)
+        value = _float(text)
         if not ((value > low if low_open else value >= low) and value <= high):
             bracket = "(" if low_open else "["
             raise argparse.ArgumentTypeError(
-                f"must be in {bracket}{low:g}, {high:g}]{unit}, got {quote(text)}"
+                f"must be a number in {bracket}{low:g}, {high:g}]{unit}, got {quote(text)}"
             )
         return value
 
@@ -161,19 +159,19 @@ def number_in(low: float, high: float, *, low_open: bool = False, unit: str = ""
 def slowdown(text: str) -> float | None:
     if text.lower() == "none":
         return None
-    value = _number(text)
+    value = _float(text)
     if not 1 <= value <= MAX_SLOWDOWN:
         raise argparse.ArgumentTypeError(
-            f"must be >= 1 (and at most {MAX_SLOWDOWN:g}) or 'none', got {quote(text)}"
+            f"must be >= 1 (a number in [1, {MAX_SLOWDOWN:g}]) or 'none', got {quote(text)}"
         )
     return value
 
 
 def memory_size(text: str) -> int:
     try:
-        return parse_bytes(text, what="--gpu-memory", maximum=MAX_GPU_MEMORY_BYTES)
-    except InputError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+        return parse_bytes(text, what="size", maximum=MAX_GPU_MEMORY_BYTES)
+    except InputError as error:  # argparse names the flag
+        raise argparse.ArgumentTypeError(str(error).removeprefix("size: ")) from None
 
 
 def size_list(text: str) -> list[int]:
@@ -516,8 +514,38 @@ def add_plan_options(parser: argparse.ArgumentParser, *, cpsat_workers: bool = T
         )
 
 
+FLAG_OF_FIELD = {
+    "global_batch": "--global-batch",
+    "micro_batch_sizes": "--micro-batch",
+    "virtual_stages": "--virtual-stages",
+    "min_throughput": "--min-throughput",
+    "max_slowdown": "--max-slowdown",
+}
+"""TrainingConfig fields whose errors name their flag on the command line."""
+
+
 def training_from_args(args: argparse.Namespace) -> TrainingConfig:
-    """The TrainingConfig of add_training_options + add_plan_options flags (loads --calibration)."""
+    """The TrainingConfig of add_training_options + add_plan_options flags (loads --calibration);
+    its errors name the flag."""
+    try:
+        return _training_from_args(args)
+    except InputError as error:
+        field, _, rest = str(error).partition(" ")
+        if field in FLAG_OF_FIELD:
+            raise InputError(f"{FLAG_OF_FIELD[field]} {_args_value(args, field)}: {rest}") from None
+        raise
+
+
+def _args_value(args: argparse.Namespace, field: str) -> str:
+    """The command-line value of a TrainingConfig field, for messages."""
+    dest = {"micro_batch_sizes": "micro_batch"}.get(field, field)
+    value = getattr(args, dest, None)
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _training_from_args(args: argparse.Namespace) -> TrainingConfig:
     return TrainingConfig(
         global_batch=args.global_batch,
         micro_batch_sizes=tuple(args.micro_batch),
