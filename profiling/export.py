@@ -51,7 +51,10 @@ def resolve_spec(name: str, overrides: dict[str, Any]):
         try:
             inspect.signature(factory).bind(**overrides)
         except TypeError as error:
-            raise InputError(f"{name}: {factory_name} does not take --set {error}; {fix}") from None
+            raise InputError(
+                f"{name}: {factory_name}() cannot be called with the --set fields given "
+                f"({error}); {fix}"
+            ) from None
         except ValueError:  # no signature to check (a builtin): call it
             pass
         spec = factory(**overrides)

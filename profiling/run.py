@@ -169,9 +169,9 @@ def _check_model(spec: models.ModelSpec, plan: PlanFile) -> None:
     if plan.model != spec.name:
         raise InputError(
             f"{plan.source}: made for model {quote(plan.model)}, not {quote(spec.name)}: the "
-            f"model does not match the plan; run it with --model {quote(plan.model, 40)} if "
-            "that is a preset, or plan for this model's graph (python -m profiling.export "
-            f"{quote(spec.name, 40)})"
+            "model does not match the plan; run it with --model "
+            f"{quote(plan.model, 40, bare=True)} if that is a preset, or plan for this model's "
+            f"graph (python -m profiling.export {quote(spec.name, 40, bare=True)})"
         )
 
 
