@@ -71,8 +71,8 @@ class RunError(PlannerError):
 
 QUOTE_CHARS = 80
 """Longest piece of user data an error message quotes (longer text is cut, its length said)."""
-MESSAGE_CHARS = 400
-"""Longest error line a CLI prints (:func:`one_line`)."""
+MESSAGE_CHARS = 399
+"""Longest error line a CLI prints, "error: " included (:func:`one_line`)."""
 
 
 def quote(value: object, limit: int = QUOTE_CHARS, *, bare: bool = False) -> str:
@@ -100,9 +100,11 @@ def one_line(message: str, limit: int = MESSAGE_CHARS) -> str:
     """``message`` as one printable line of at most ``limit`` characters (plus a marker when
     cut): control characters (newlines, tabs, escape sequences) escaped, lone surrogates escaped.
     The last guard of every CLI's error line (``solver.cli.common.print_error``)."""
-    text = "".join(char if char.isprintable() else _escape(char) for char in message)
+    head = message[: limit + 1]  # escaping only lengthens the text
+    text = "".join(char if char.isprintable() else _escape(char) for char in head)
     if len(text) > limit:
-        text = text[: limit - 25] + f"... [{len(text) - limit + 25} more characters]"
+        marker = f"... [cut; {len(message)} characters]"
+        text = text[: limit - len(marker)] + marker
     return text
 
 

@@ -54,7 +54,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 def print_error(error: BaseException | str) -> None:
     """A CLI's error: ``error: <message>`` as one line on stderr, at most a few hundred
     characters, control characters escaped (``solver.errors.one_line``), whatever it quotes."""
-    sys.stderr.write(f"error: {one_line(str(error))}\n")
+    sys.stderr.write(one_line(f"error: {error}") + "\n")
     sys.stderr.flush()
 
 
