@@ -14,6 +14,7 @@ import contextlib
 import importlib
 import inspect
 import json
+import math
 import sys
 import time
 import types
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from solver.cli.common import OneLineErrorParser, positive_int, print_error, write_json
-from solver.errors import InputError, PlannerError
+from solver.errors import InputError, PlannerError, quote
 from solver.graph import LayerGraph
 from solver.units import format_bytes
 
@@ -76,12 +77,25 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key:
-            raise InputError(f"--set {item!r}: write FIELD=VALUE, e.g. --set layers=4")
+            raise InputError(f"--set {quote(item)}: write FIELD=VALUE, e.g. --set layers=4")
         try:
-            overrides[key] = json.loads(text)
+            overrides[key] = json.loads(text, parse_constant=_not_finite, parse_float=_finite)
         except json.JSONDecodeError:
             overrides[key] = text
+        except (RecursionError, ValueError) as error:  # deep nesting, 5000-digit integers
+            raise InputError(f"--set {quote(item)}: not a value a model field takes") from None
     return overrides
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not finite")
+    return value
+
+
+def _not_finite(text: str) -> float:
+    raise ValueError(f"{text} is not finite")
 
 
 def export_graph(

@@ -268,12 +268,6 @@ def _build(document: dict[str, Any], origin: str, kind: str) -> PlanFile:
     except InputError as error:
         raise fail("config", str(error)) from None
     cluster = _cluster(document["cluster"], fail)
-    if cluster is not None and not cluster.is_heterogeneous and cluster.num_gpus != config.num_gpus:
-        raise fail(
-            "cluster.num_gpus",
-            f"{cluster.num_gpus} GPUs, but config pp({config.pp}) * tp({config.tp}) * "
-            f"dp({config.dp}) = {config.num_gpus}",
-        )
     stages = tuple(_stage(item, i, config, fail) for i, item in enumerate(document["stages"]))
     _check_stages(document, config, stages, fail)
     groups = [g["name"] for g in document["cluster"].get("groups", [])]

@@ -34,6 +34,9 @@ group (utilization) or the largest stage peak in bytes (absolute)."""
 # Ranges of the inputs (docs/layer-graph.md, "Limits"). Far beyond any real cluster or job; they
 # keep the cost model's int64 products exact together with the graph's limits (solver.graph) and
 # make absurd values (1e30 bytes of GPU memory, infinite TFLOP/s) errors instead of answers.
+MAX_GPUS = 2**32
+"""GPUs in a cluster: refuses absurd counts such as 2^64 (what a large count costs to search is
+the time limit's business)."""
 MAX_GPU_MEMORY_BYTES = 2**50
 """Memory per GPU, at most 1 PiB."""
 MAX_GPUS_PER_NODE = 1024
@@ -138,7 +141,7 @@ class Cluster:
                 f"num_gpus({self.num_gpus}) != GPUs of the groups "
                 f"({sum(g.num_gpus for g in self.groups)})",
             )
-        _integer("num_gpus", self.num_gpus, 1, None)
+        _integer("num_gpus", self.num_gpus, 1, MAX_GPUS)
         _check_hardware(self)
 
 

@@ -25,6 +25,7 @@ from solver.specs import (
     MAX_DEGREE,
     MAX_GLOBAL_BATCH,
     MAX_GPU_MEMORY_BYTES,
+    MAX_GPUS,
     MAX_GPUS_PER_NODE,
     MAX_SLOWDOWN,
     MAX_VIRTUAL_STAGES,
@@ -348,6 +349,10 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
 def cluster_from_flags(
     args: argparse.Namespace, num_gpus: int, gpu_memory_bytes: int | None = None
 ) -> Cluster:
+    """The Cluster of the flags (each flag's type checked its range; the GPU count is checked
+    here, and named --gpus)."""
+    if num_gpus > MAX_GPUS:
+        raise InputError(f"--gpus {num_gpus}: at most {_count(MAX_GPUS)} GPUs")
     return Cluster(
         num_gpus=num_gpus,
         gpu_memory_bytes=args.gpu_memory if gpu_memory_bytes is None else gpu_memory_bytes,
