@@ -352,7 +352,7 @@ def cluster_from_flags(
     """The Cluster of the flags (each flag's type checked its range; the GPU count is checked
     here, and named --gpus)."""
     if num_gpus > MAX_GPUS:
-        raise InputError(f"--gpus {num_gpus}: at most {_count(MAX_GPUS)} GPUs")
+        raise InputError(f"{num_gpus} GPUs (--gpus, or pp x tp x dp): at most {_count(MAX_GPUS)}")
     return Cluster(
         num_gpus=num_gpus,
         gpu_memory_bytes=args.gpu_memory if gpu_memory_bytes is None else gpu_memory_bytes,
