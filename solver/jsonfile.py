@@ -122,6 +122,10 @@ def _read_bytes(path: str | Path, kind: str, fix: str) -> bytes:
         raise InputError(f"{path}: is a directory, not a {kind} file; {fix}") from None
     except OSError as error:
         raise InputError(f"{path}: cannot read the {kind} file ({error.strerror})") from None
+    except ValueError:  # open() refuses a path with a NUL character
+        raise InputError(
+            f"{quote(str(path))}: not a file name (it holds a NUL character)"
+        ) from None
     if len(data) > MAX_FILE_BYTES:
         raise InputError(_too_large(path, None))
     if not data.strip():

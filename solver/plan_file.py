@@ -472,15 +472,23 @@ def _plan_graph(plan: PlanFile, graph: str | Path | LayerGraph | None) -> LayerG
         )
     path = Path(plan.graph.path)
     beside = Path(plan.source).parent / path
-    if not path.exists() and not path.is_absolute() and beside.exists():
+    if not _exists(path) and not path.is_absolute() and _exists(beside):
         path = beside
-    if not path.exists():
+    if not _exists(path):
         raise InputError(
-            f"{plan.source}: graph.path {plan.graph.path} not found (neither from the working "
-            "directory nor beside the plan); pass the graph: python -m solver.evaluate --plan "
-            "PLAN.json GRAPH.json"
+            f"{plan.source}: graph.path {quote(plan.graph.path)} not found (neither from the "
+            "working directory nor beside the plan); pass the graph: python -m solver.evaluate "
+            "--plan PLAN.json GRAPH.json"
         )
     return load_graph(path)
+
+
+def _exists(path: Path) -> bool:
+    """Path.exists() that is False for what cannot be a path (too long, a NUL character)."""
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
 
 
 def plan_differences(plan: PlanFile, evaluation: Evaluation) -> list[str]:

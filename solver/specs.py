@@ -14,6 +14,7 @@ from typing import Any
 
 from solver.calibration import Calibration
 from solver.errors import InputError, quote
+from solver.jsonfile import check_name
 
 SCHEDULES = ("1f1b", "gpipe")
 """Pipeline schedules (interleaved 1F1B is 1f1b with ``virtual_stages`` > 1)."""
@@ -84,6 +85,7 @@ class NodeGroup:
             isinstance(self.name, str) and bool(self.name),
             f"name must be a non-empty string, got {quote(self.name)}",
         )
+        check_name(self.name, "node group", what="name")
         _integer("num_nodes", self.num_nodes, 1, MAX_DEGREE)
         _check_hardware(self)
 

@@ -423,6 +423,8 @@ def plan_cases() -> list[Case]:
         ),
         Case("plan-graph-path-gzip", "plan", as_json(_graph_path("graph.json.gz")), PLAN_CLIS),
         Case("plan-graph-path-folder", "plan", as_json(_graph_path(".")), PLAN_CLIS),
+        Case("plan-graph-path-nul", "plan", as_json(_graph_path("graph\x00.json")), PLAN_CLIS),
+        Case("plan-graph-path-long", "plan", as_json(_graph_path("g" * 5000)), PLAN_CLIS),
         Case("plan-graph-sha-other", "plan", setter(("graph", "sha256"), "0" * 64), PLAN_CLIS),
     ]
     return cases
