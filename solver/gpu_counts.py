@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from solver.candidates import divisors
@@ -72,7 +72,8 @@ class CountSearch:
     solved: list[int] = field(default_factory=list)
     """Counts ``fits`` was asked about, in the order asked."""
     skipped: int = 0
-    """Counts below the answer ruled out by ``may_fit`` (memory lower bounds) alone."""
+    """Counts below the answer ruled out by ``may_fit`` (memory lower bounds) alone, without
+    asking ``fits``."""
 
 
 class _Stopped(Exception):
@@ -114,14 +115,15 @@ def smallest_fitting_count(
         survivors: list[int] = []
         for index, count in enumerate(below):
             state.check_deadline()
-            if may_fit is None or may_fit(count):
+            if count in state.answers or may_fit is None or may_fit(count):
                 survivors.append(count)
             else:
                 ruled_out.add(count)
             if len(survivors) == max(1, chunk) or (survivors and index == len(below) - 1):
                 found = state.first_fit(survivors, prepare)
                 if found is not None:
-                    return state.result(found, complete=True, skipped=len(ruled_out))
+                    skipped = sum(1 for n in ruled_out if n < found)
+                    return state.result(found, complete=True, skipped=skipped)
                 survivors = []
         return state.result(upper, complete=True, skipped=len(ruled_out))
     except _Stopped:
@@ -190,11 +192,3 @@ def _bisect_fit(counts: list[int], fit: Callable[[int], bool]) -> int | None:
         else:
             low = middle + 1
     return counts[high]
-
-
-def count_ranges(counts: Iterable[int]) -> str:
-    """'8..64' for a run of counts, for messages ('' when empty)."""
-    values = sorted(counts)
-    if not values:
-        return ""
-    return str(values[0]) if len(values) == 1 else f"{values[0]}..{values[-1]}"

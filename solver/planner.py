@@ -37,7 +37,9 @@ class Plan:
     solver: SolverReport
     exports: dict[str, Any]
     baselines: dict[str, Evaluation] = field(default_factory=dict)
-    """The same config split the usual ways (even, parameters), for comparison."""
+    """The same config split the usual ways (even, parameters), for comparison: same ZeRO stage
+    and recompute mode, the plan's recomputed layers under selective recomputation, the plan's
+    stage groups on a heterogeneous cluster."""
     required_throughput: float | None = None
     """The throughput constraint that was applied (samples/s), if any."""
     fastest_throughput: float | None = None
@@ -305,6 +307,9 @@ def _build_plan(
             evaluation.virtual_stage_layer_names(),
             recomputed=evaluation.virtual_stage_recomputed_names(),
         ),
+        # like with like: the plan's config (ZeRO stage, recompute mode, schedule), and under
+        # selective recomputation the plan's recomputed layers (a flag per layer, so it
+        # applies to any split), and on a heterogeneous cluster the plan's stage groups
         baselines={
             name: evaluate_assignment(
                 call.graph,
@@ -312,6 +317,7 @@ def _build_plan(
                 split_of(call.graph, choice.entry.costs.num_stages),
                 cluster=call.cluster,
                 training=call.training,
+                recomputed=choice.recomputed,
                 **placed,
             )
             for name, split_of in BASELINES.items()
