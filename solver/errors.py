@@ -23,7 +23,8 @@ class InfeasibleError(PlannerError):
     """No configuration fits the constraints. Exit code 3.
 
     ``best_peak_bytes`` is the smallest peak found (or a lower bound) and ``suggested_gpus`` the
-    smallest GPU count that would fit, when one was found quickly.
+    smallest GPU count that fits (``solver.planner.smallest_fitting_gpus``; when its search
+    stopped at the time limit, the smallest count it found to fit; None when none was).
     """
 
     exit_code = 3

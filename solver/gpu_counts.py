@@ -76,6 +76,56 @@ class CountSearch:
     asking ``fits``."""
 
 
+@dataclass(kw_only=True)
+class GpuCountAdvice:
+    """A count search as an infeasibility message says it
+    (``solver.planner.smallest_fitting_gpus``)."""
+
+    search: CountSearch
+    counts: list[int]
+    """Every count some config can use (what was searched)."""
+    label: str | None
+    """Config of the plan on ``gpus`` (None when no count was found to fit)."""
+    wall_s: float
+
+    @property
+    def gpus(self) -> int | None:
+        return self.search.gpus
+
+    def text(self, verb: str) -> str:
+        """The message's GPU count clause; ``verb``: "fits" or "meets it"."""
+        found, searched = self.search, len(self.search.solved)
+        work = (
+            f"{searched} {'count' if searched == 1 else 'counts'} solved, {found.skipped} ruled "
+            "out by memory bounds"
+        )
+        settled = found.complete or found.open_from is None  # nothing below left open
+        if settled and found.gpus is None:
+            span = f", {self.counts[0]}..{self.counts[-1]}" if self.counts else ""
+            return (
+                f"no GPU count {verb} either (every count some config can use{span}: {work}, "
+                f"{self.wall_s:.1f} s)"
+            )
+        if settled:
+            return (
+                f"smallest GPU count that {verb}: {found.gpus} ({self.label}; every count some "
+                f"config can use checked as by --find min-gpus: {work}, {self.wall_s:.1f} s)"
+            )
+        stopped = (
+            f"stopped looking after {searched} {'count' if searched == 1 else 'counts'} at the "
+            f"time limit ({self.wall_s:.1f} s)"
+        )
+        ruled = (
+            f"every count below {found.open_from} was ruled out"
+            if self.counts and found.open_from > self.counts[0]
+            else "no smaller count was ruled out"
+        )
+        hint = "raise --time-limit or run python -m solver.sweep GRAPH --find min-gpus --gpus auto"
+        if found.gpus is None:
+            return f"{stopped}: no count found that {verb}, {ruled}; {hint}"
+        return f"{stopped}: {found.gpus} {verb} ({self.label}), {ruled}; {hint}"
+
+
 class _Stopped(Exception):
     """``fits`` had no answer, or the deadline passed: the search ends with what it knows."""
 

@@ -16,7 +16,7 @@ from solver.engine_exports import build_exports
 from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate_assignment
 from solver.gpu_counts import (
-    CountSearch,
+    GpuCountAdvice,
     memory_may_fit,
     smallest_fitting_count,
     valid_gpu_counts,
@@ -422,7 +422,7 @@ def _throughput_unmet(
         f"({fastest.entry.costs.config.label()})"
     )
     required = training.global_batch * 1e9 / budget_ns
-    more = "add GPUs" if counts is None else counts.text("meets it")
+    more = "add GPUs" if counts is None else f"add GPUs; {counts.text('meets it')}"
     return InfeasibleError(
         f"throughput constraint cannot be met: {required:.4g} samples/s required, {reached};"
         f" lower --min-throughput, raise --max-slowdown, or {more}",
@@ -494,49 +494,6 @@ def _explain_heterogeneous(
         best_peak_bytes=best,
         capacity_bytes=max(g.gpu_memory_bytes for g in cluster.groups),
     )
-
-
-@dataclass(kw_only=True)
-class GpuCountAdvice:
-    """The GPU count search of an infeasibility message (:func:`smallest_fitting_gpus`)."""
-
-    search: CountSearch
-    counts: list[int]
-    """Every count some config can use (what was searched)."""
-    label: str | None
-    """Config of the plan on ``gpus`` (None when no count was found to fit)."""
-    wall_s: float
-
-    @property
-    def gpus(self) -> int | None:
-        return self.search.gpus
-
-    def text(self, verb: str) -> str:
-        """The message's GPU count clause; ``verb``: "fits" or "meets it"."""
-        found, searched = self.search, len(self.search.solved)
-        work = f"{searched} counts solved, {found.skipped} ruled out by memory bounds"
-        if found.complete:
-            if found.gpus is None:
-                return (
-                    f"no GPU count {verb} either (every count some config can use, "
-                    f"{self.counts[0]}..{self.counts[-1]}: {work}, {self.wall_s:.1f} s)"
-                )
-            return (
-                f"smallest GPU count that {verb}: {found.gpus} ({self.label}; every count some "
-                f"config can use checked as by --find min-gpus: {work}, {self.wall_s:.1f} s)"
-            )
-        stopped = f"stopped looking after {searched} counts at the time limit ({self.wall_s:.1f} s)"
-        ruled = (
-            f"every count below {found.open_from} was ruled out"
-            if found.open_from is not None and found.open_from > self.counts[0]
-            else "no smaller count was ruled out"
-        )
-        hint = "raise --time-limit or run python -m solver.sweep GRAPH --find min-gpus --gpus auto"
-        if found.gpus is None:
-            return f"{stopped}: no count found that {verb}, {ruled}; {hint}"
-        if found.open_from is None:  # everything below was settled before the stop
-            return f"smallest GPU count that {verb}: {found.gpus} ({self.label}; {work})"
-        return f"{stopped}: {found.gpus} {verb} ({self.label}), {ruled}; {hint}"
 
 
 def smallest_fitting_gpus(

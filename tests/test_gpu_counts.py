@@ -14,7 +14,12 @@ import pytest
 
 from solver import planner
 from solver.errors import InfeasibleError
-from solver.gpu_counts import smallest_fitting_count, valid_gpu_counts
+from solver.gpu_counts import (
+    CountSearch,
+    GpuCountAdvice,
+    smallest_fitting_count,
+    valid_gpu_counts,
+)
 from solver.graph import load_graph
 from solver.planner import plan
 from solver.search import Deadline
@@ -103,6 +108,26 @@ def test_valid_counts_keep_the_pins():
     assert set(pinned) <= set(free)
 
 
+def _worded(search: CountSearch, counts=(8, 16, 24, 32)) -> str:
+    return GpuCountAdvice(search=search, counts=list(counts), label="pp2", wall_s=1.0).text("fits")
+
+
+def test_the_message_says_what_the_search_found():
+    done = CountSearch(gpus=24, complete=True, solved=[32, 16, 24], skipped=1)
+    assert _worded(done).startswith("smallest GPU count that fits: 24 (pp2; every count")
+    assert "3 counts solved, 1 ruled out by memory bounds" in _worded(done)
+    none = CountSearch(gpus=None, complete=True, solved=[32], skipped=3)
+    assert _worded(none).startswith("no GPU count fits either (every count some config can use")
+    assert "8..32: 1 count solved" in _worded(none)
+    early = CountSearch(gpus=32, complete=False, open_from=16, solved=[32])
+    assert _worded(early).startswith("stopped looking after 1 count at the time limit (1.0 s)")
+    assert "32 fits (pp2), every count below 16 was ruled out; raise --time-limit" in (
+        _worded(early)
+    )
+    nothing = CountSearch(gpus=None, complete=False, open_from=8, solved=[])
+    assert "no count found that fits, no smaller count was ruled out" in _worded(nothing)
+
+
 # -- exit 3's advice equals --find min-gpus ----------------------------------------------------
 
 
@@ -144,6 +169,21 @@ def test_advice_keeps_the_throughput_constraint(gpt_graph):
     assert fitted.throughput >= training.min_throughput
 
 
+def test_throughput_unmet_advice_is_the_min_gpus_answer(gpt_graph):
+    """8 GPUs fit in memory but are far too slow: the count that meets the constraint."""
+    memory, training = 8 * GIB, TrainingConfig(global_batch=64, min_throughput=1000)
+    error = _advice(gpt_graph, 8, memory, training)
+    assert "throughput constraint cannot be met" in str(error)
+    assert error.suggested_gpus == 72  # = min_gpus: the slow test below
+    assert "add GPUs; smallest GPU count that meets it: 72 (" in str(error)
+
+
+@pytest.mark.slow
+def test_min_gpus_agrees_on_the_throughput_case(gpt_graph):
+    training = TrainingConfig(global_batch=64, min_throughput=1000)
+    assert _min_gpus(gpt_graph, 8 * GIB, training) == 72
+
+
 @pytest.mark.slow
 def test_gpt3_80gib_advice_is_56_like_min_gpus(gpt3):
     training = TrainingConfig(global_batch=256)  # the README's quick start
@@ -172,7 +212,7 @@ def test_gpt3_on_8gib_gpus_gets_a_count_where_doublings_found_none(gpt3):
 def test_a_short_time_limit_says_where_it_stopped(gpt3, monkeypatch):
     monkeypatch.setattr(planner, "ADVICE_MIN_S", 0.5)
     training = TrainingConfig(global_batch=1536, recompute="full", zero_stages=(0, 1, 2, 3))
-    error = _advice(gpt3, 4, 8 * GIB, training, time_limit_s=0.2)
+    error = _advice(gpt3, 4, 8 * GIB, training, time_limit_s=1.0)
     message = str(error)
     assert "stopped looking after" in message and "at the time limit" in message
     assert "raise --time-limit" in message
