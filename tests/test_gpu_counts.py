@@ -210,9 +210,9 @@ def test_gpt3_on_8gib_gpus_gets_a_count_where_doublings_found_none(gpt3):
 
 
 def test_a_short_time_limit_says_where_it_stopped(gpt3, monkeypatch):
-    monkeypatch.setattr(planner, "ADVICE_MIN_S", 0.5)
+    monkeypatch.setattr(planner, "ADVICE_MIN_S", 0.3)
     training = TrainingConfig(global_batch=1536, recompute="full", zero_stages=(0, 1, 2, 3))
-    error = _advice(gpt3, 4, 8 * GIB, training, time_limit_s=1.0)
+    error = _advice(gpt3, 4, 8 * GIB, training, time_limit_s=0.6)
     message = str(error)
     assert "stopped looking after" in message and "at the time limit" in message
     assert "raise --time-limit" in message
