@@ -447,11 +447,14 @@ def _memory_exceeded(
         "" if unconstrained.entry is None else f" ({unconstrained.entry.costs.config.label()})"
     )
     options = _memory_options(training)
-    if counts is None or counts.gpus is None:
-        found = "more GPUs (python -m solver.sweep GRAPH --find min-gpus --gpus auto)"
-        if counts is not None:
-            found = counts.text("fits")
-        tail = f"{found}; use larger GPUs" + "".join(f", {option}" for option in options)
+    savers = "".join(f", {option}" for option in options)
+    if counts is None:
+        tail = (
+            "try more GPUs (python -m solver.sweep GRAPH --find min-gpus --gpus auto says how "
+            f"many), larger GPUs{savers}"
+        )
+    elif counts.gpus is None:
+        tail = f"{counts.text('fits')}; use larger GPUs{savers}"
     else:
         tail = counts.text("fits") + ("" if not options else f"; or try {' / '.join(options)}")
     needs = f"needs {format_bytes(best_peak)}{config_text}, "
