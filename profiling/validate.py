@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict
 
 from profiling.export import parse_overrides
-from solver.cli.common import OneLineErrorParser, positive_int, write_json
+from solver.cli.common import OneLineErrorParser, check_outputs, positive_int, write_json
 from solver.errors import PlannerError
 from solver.plan_file import load_plan
 
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from profiling.run import format_reports, run_plan
 
+        check_outputs(args)  # --json, before the run
         plan = load_plan(args.plan)  # checked (docs/plan.md): a PlanFile
         if plan.runtime != "torch":
             print(
