@@ -11,7 +11,8 @@ Where the bytes go (:func:`check_output` decides, before any work):
 - **a symbolic link** is never replaced: its target is written, atomically when the target is a
   regular file (or does not exist yet: a dangling link creates it), so the link stays a link.
   A link through ``/proc`` (``/dev/stdout``, ``/dev/fd/N``) names an open file, not a path:
-  it is written through, appending.
+  it is written through (one of this process's descriptors through a duplicate, so a file a
+  shell redirected stdout into gets the output in order with what else is printed).
 - **anything else that exists** (a character device such as ``/dev/null``, a FIFO, a block
   device) is opened for writing and written through; it is never replaced. Opening a FIFO waits
   for a reader, as a shell redirection does.
@@ -31,6 +32,7 @@ import json
 import os
 import secrets
 import stat
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +61,9 @@ class Destination:
     """The regular file an atomic write replaces (its mode is kept); None for a new file."""
     label: str
     """'--json out.json' (the flag and the path, printable), how messages name it."""
+    descriptor: int | None = None
+    """This process's open descriptor the path names (``/dev/stdout`` -> 1): written through a
+    duplicate of it, so the output shares its file offset (in order with what else is printed)."""
 
 
 def check_output(
@@ -94,8 +99,9 @@ def check_output(
         raise InputError(f"{label}: is a folder; give a file name")
     if status is not None and stat.S_ISSOCK(status.st_mode):
         raise InputError(f"{label}: is a socket; give a file, a device or a FIFO")
+    through_proc, descriptor = _through_proc(given) if is_link else (False, None)
     regular = status is None or stat.S_ISREG(status.st_mode)
-    if regular and not (is_link and _names_an_open_file(given)):
+    if regular and not through_proc:
         target = Path(os.path.realpath(given)) if is_link else given
         if is_link:
             label += f" (a link to {_printable(str(target))})"
@@ -112,7 +118,12 @@ def check_output(
         if not os.access(given, os.W_OK):
             raise InputError(f"{label}: no permission to write it")
         destination = Destination(
-            path=given, target=given, atomic=False, replaces=None, label=label
+            path=given,
+            target=given,
+            atomic=False,
+            replaces=None,
+            label=label,
+            descriptor=descriptor,
         )
     for other in others:
         if _same_file(destination.target, other.target):
@@ -140,7 +151,13 @@ class OutputFile:
             if self.destination.atomic:
                 handle, self._temporary = _create_temporary(target, self.destination.replaces)
                 self.stream: BinaryIO = os.fdopen(handle, "wb")
-            else:  # a device or a FIFO (append: no-op), or an open regular file (/dev/stdout)
+            elif self.destination.descriptor is not None:  # /dev/stdout, /dev/fd/N
+                for printed in (sys.stdout, sys.stderr):  # what was printed first comes first
+                    with contextlib.suppress(AttributeError, OSError, ValueError):
+                        if printed.fileno() == self.destination.descriptor:
+                            printed.flush()
+                self.stream = os.fdopen(os.dup(self.destination.descriptor), "wb")
+            else:  # a device or a FIFO (append: no-op), or another process's open file
                 self.stream = open(target, "ab")  # noqa: SIM115 (closed in commit/discard)
         except OSError as error:
             self.discard()
@@ -271,18 +288,21 @@ def _same_file(first: Path, second: Path) -> bool:
         return False
 
 
-def _names_an_open_file(path: Path) -> bool:
+def _through_proc(path: Path) -> tuple[bool, int | None]:
     """Whether resolving the link ``path`` passes through /proc (``/dev/stdout`` ->
-    ``/proc/self/fd/1``): such a link names an open file (a pipe, a terminal, the file a shell
-    redirected into), which is written through, not replaced."""
+    ``/proc/self/fd/1``), and the descriptor number when it names one of this process's. Such a
+    link names an open file (a pipe, a terminal, the file a shell redirected into), which is
+    written through, never replaced."""
     current = Path(os.path.abspath(path))
     for _ in range(40):  # the kernel's limit of links followed
-        if Path(os.path.realpath(current.parent)).parts[1:2] == ("proc",):
-            return True
+        folder = Path(os.path.realpath(current.parent))
+        if folder.parts[1:2] == ("proc",):
+            own = folder == Path(f"/proc/{os.getpid()}/fd") and current.name.isdigit()
+            return True, int(current.name) if own else None
         if not current.is_symlink():
-            return False
+            return False, None
         current = Path(os.path.abspath(current.parent / os.readlink(current)))
-    return False
+    return False, None
 
 
 def _create_temporary(target: Path, replaces: os.stat_result | None) -> tuple[int, Path]:
