@@ -11,7 +11,8 @@ configuration the fit has not seen). Writes the calibration JSON, whose ``meta``
 sample, so the fit can be redone from the file alone.
 
 From Python (a benchmark): ``calibration, rows = calibrate("gpt-tiny", SMALL_GPT, LAYOUTS[:2])``.
-Exit codes: 0 written, 2 bad input (flags, an existing --out without --force), 5 a run failed.
+Exit codes: 0 written, 2 bad input (flags, a bad --out path or an existing --out file without
+--force, checked before any run), 5 a run failed, 7 --out could not be written.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ MODEL is a zoo preset (``models.presets()``), ``hf:NAME`` (a transformers archit
 bundled config, offline) or ``package.module:factory`` (a function returning a
 ``models.ModelSpec``). The default ``--device meta`` profiles with fake tensors: no memory, no
 GPU, any size. ``--device cpu|cuda`` runs real tensors and also measures per-layer times.
-Errors: one line on stderr, exit code 2.
+Errors: one line on stderr, exit code 2 (a bad --out path: before profiling), 7 when --out could
+not be written.
 """
 
 from __future__ import annotations

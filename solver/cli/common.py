@@ -3,7 +3,8 @@ flags, checking and writing outputs (``check_outputs``, ``write_json``: solver.o
 ``print_output``.
 
 The CLIs only parse, call the API, print and write JSON. Errors: one line on stderr, exit code
-2 (bad input), 3 (infeasible), 4 (time limit without a solution); never a traceback.
+2 (bad input, a bad output path included), 3 (infeasible), 4 (time limit without a solution),
+7 (an output could not be written after the work); never a traceback.
 """
 
 from __future__ import annotations

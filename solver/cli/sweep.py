@@ -8,7 +8,8 @@
 Every training, search and cluster flag of ``python -m solver.plan`` applies (the same helpers
 in solver/cli/common.py build them).
 Only parses, calls solver.sweep, prints and writes; errors are one
-line with exit code 2 (bad input); a sweep whose every point is an ERROR row also returns 2;
+line with exit code 2 (bad input, a bad --out/--json/--plot path: before any work); a sweep whose
+every point is an ERROR row also returns 2; 7: an output could not be written;
 Ctrl-C returns 130 and keeps the CSV rows already written.
 """
 
