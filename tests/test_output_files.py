@@ -304,6 +304,34 @@ def test_csv_write_failure_drops_the_rows_and_keeps_the_file(tmp_path, failing_f
     assert path.read_bytes() == OLD and temporaries(tmp_path) == []
 
 
+@pytest.mark.parametrize("rows_done, fsync", [(0, "works"), (2, "works"), (2, "fails")])
+def test_cli_interrupted_sweep_keeps_rows_or_the_old_file(
+    rows_done, fsync, tmp_path, run_cli, monkeypatch
+):
+    append = CsvRows.append
+
+    def interrupted(self, row):
+        if self.count == rows_done:
+            raise KeyboardInterrupt
+        append(self, row)
+
+    monkeypatch.setattr(CsvRows, "append", interrupted)
+    if fsync == "fails":
+        monkeypatch.setattr(output_file, "_fsync", _enospc)
+    out = tmp_path / "sweep.csv"
+    out.write_bytes(OLD)
+    code, _, err = run_cli(
+        sweep_main, GPT_1_3B, "--gpus", "1,2,4,8", "--global-batch", "64", "--out", str(out),
+        "--workers", "1", "--quiet",
+    )  # fmt: skip
+    assert code == 130 and err.count("\n") == 1 and temporaries(tmp_path) == []
+    if rows_done and fsync == "works":
+        assert "2 rows kept" in err and len(read_rows(out)) == 2
+    else:
+        assert ("not kept: --out" if rows_done else "no row done") in err
+        assert out.read_bytes() == OLD
+
+
 # -- every CLI's writing flag ---------------------------------------------------------------
 
 

@@ -139,7 +139,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: {error}\n")
         return error.exit_code
     except KeyboardInterrupt:
-        kept = "" if writer is None else f"; {writer.count} rows kept in {writer.path}"
+        kept = "" if writer is None else writer.close()
         sys.stderr.write(f"interrupted{kept}\n")
         return INTERRUPTED
     finally:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from solver.errors import InputError
+from solver.errors import InputError, OutputError
 from solver.output_file import OutputFile, check_output
 
 ROW_KEYS = (
@@ -99,15 +99,20 @@ class CsvRows:
             self.count = len(rows)
         self._publish()
 
-    def close(self) -> None:
+    def close(self) -> str:
         """Publish the rows appended so far (none: drop them, an existing file stays as it was);
-        nothing after :meth:`finish`."""
+        nothing after :meth:`finish`. Never raises (a failed write leaves the path as it was):
+        returns what became of the rows, for a message ('; 2 rows kept in sweep.csv')."""
         if not self._open:
-            return
-        if self.count > 0 or not self._output.destination.atomic:
-            self._publish()
-        else:
+            return ""
+        if self.count == 0 and self._output.destination.atomic:
             self._drop()
+            return f"; no row done, {self.path} not written"
+        try:
+            self._publish()
+        except OutputError as error:
+            return f"; {self.count} rows not kept: {error}"
+        return f"; {self.count} rows kept in {self.path}"
 
     def _write(self, write) -> None:
         """Run ``write`` and flush; a failure drops the output (OutputError, exit code 7)."""
