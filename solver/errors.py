@@ -66,3 +66,12 @@ class RunError(PlannerError):
         super().__init__(message)
         self.pids = pids
         """Process ids of the ranks (all ended when this is raised)."""
+
+
+class OutputError(PlannerError):
+    """An output file could not be written after the work was done (a full disk, ``/dev/full``,
+    an I/O error); an existing file is left as it was and no temporary file remains
+    (``solver.output_file``). A bad output path found before the work is an ``InputError``.
+    Exit code 7."""
+
+    exit_code = 7
