@@ -4,7 +4,8 @@ MODEL is a zoo preset (``models.presets()``), ``hf:NAME`` (a transformers archit
 bundled config, offline) or ``package.module:factory`` (a function returning a
 ``models.ModelSpec``). The default ``--device meta`` profiles with fake tensors: no memory, no
 GPU, any size. ``--device cpu|cuda`` runs real tensors and also measures per-layer times.
-Errors: one line on stderr, exit code 2.
+Errors: one line on stderr, exit code 2 (a bad --out path: before profiling), 7 when --out could
+not be written.
 """
 
 from __future__ import annotations
@@ -18,10 +19,15 @@ import math
 import sys
 import time
 import types
-from pathlib import Path
 from typing import Any
 
-from solver.cli.common import OneLineErrorParser, positive_int, print_error, write_json
+from solver.cli.common import (
+    OneLineErrorParser,
+    check_outputs,
+    positive_int,
+    print_error,
+    write_json,
+)
 from solver.errors import InputError, PlannerError, quote
 from solver.graph import LayerGraph
 from solver.units import format_bytes
@@ -82,7 +88,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             overrides[key] = json.loads(text, parse_constant=_not_finite, parse_float=_finite)
         except json.JSONDecodeError:
             overrides[key] = text
-        except (RecursionError, ValueError) as error:  # deep nesting, 5000-digit integers
+        except (RecursionError, ValueError):  # deep nesting, 5000-digit integers
             raise InputError(f"--set {quote(item)}: not a value a model field takes") from None
     return overrides
 
@@ -282,8 +288,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        if args.out and not Path(args.out).parent.exists():
-            raise InputError(f"--out {args.out}: folder {Path(args.out).parent} does not exist")
+        check_outputs(args)  # --out, before profiling
         with progress_bar(not args.no_progress and sys.stderr.isatty()) as progress:
             graph = export_graph(
                 args.model,
@@ -296,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                 progress=progress,
             )
         if args.out:
-            write_json(args.out, graph.to_dict(), protect=[])
+            write_json(args.out, graph.to_dict(), protect=[], flag="--out")
         if args.summary or not args.out:
             print(format_summary(graph))
         if args.out:

@@ -4,7 +4,8 @@ Runs the plan on this machine with ``profiling.run.run_plan`` (pp * dp * tp proc
 CPU, or NCCL with one GPU per rank with ``--device cuda``; the plan must be small enough to fit),
 prints predicted, measured and error % rank by rank, and exits non-zero when any rank's absolute
 error exceeds ``--tolerance`` percent.
-Exit codes: 0 within tolerance, 2 bad input, 5 a rank failed or timed out, 6 error above tolerance.
+Exit codes: 0 within tolerance, 2 bad input (a bad --json path: before the run), 5 a rank failed
+or timed out, 6 error above tolerance, 7 --json could not be written.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import asdict
 from profiling.export import parse_overrides
 from solver.cli.common import (
     OneLineErrorParser,
+    check_outputs,
     number_in,
     positive_int,
     print_error,
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from profiling.run import format_reports, run_plan
 
+        check_outputs(args)  # --json, before the run
         plan = load_plan(args.plan)  # checked (docs/plan.md): a PlanFile
         reports = run_plan(
             args.model,

@@ -23,10 +23,7 @@ No torch here: the planner loads calibration files.
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -37,6 +34,7 @@ import numpy as np
 
 from solver.errors import InputError, quote
 from solver.jsonfile import read_json
+from solver.output_file import check_output, write_json_file
 
 COMPONENTS = ("weights", "grads", "optimizer", "activations", "buffers", "transient")
 """The keys of ``StageCost.breakdown()``; a calibration scales each one."""
@@ -158,18 +156,18 @@ class Calibration:
         return f"{scales}; constant {self.constant_bytes:+d} B per GPU"
 
 
-def write_calibration(path: str | Path, calibration: Calibration, *, force: bool = False) -> None:
-    """Write ``calibration.to_dict()`` as JSON, atomically; refuse to overwrite unless ``force``."""
-    target = Path(path)
-    if target.exists() and not force:
-        raise InputError(f"{path}: already exists; pass --force to overwrite it or choose --out")
-    if not target.parent.exists():
-        raise InputError(f"{path}: folder {target.parent} does not exist; create it first")
-    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    with os.fdopen(handle, "w") as stream:
-        json.dump(calibration.to_dict(), stream, indent=1)
-        stream.write("\n")
-    os.replace(temporary, target)
+def write_calibration(
+    path: str | Path, calibration: Calibration, *, force: bool = False, flag: str = ""
+) -> None:
+    """Write ``calibration.to_dict()`` as JSON by the one writing path (``solver.output_file``:
+    atomic for a regular file); refuse to replace an existing regular file unless ``force``.
+    ``flag`` ('--out') starts the messages."""
+    destination = check_output(path, flag=flag)
+    if destination.replaces is not None and not force:
+        raise InputError(
+            f"{destination.label}: already exists; pass --force to overwrite it or choose --out"
+        )
+    write_json_file(path, calibration.to_dict(), flag=flag)
 
 
 def load_calibration(path: str | Path) -> Calibration:

@@ -184,7 +184,10 @@ class LayerGraph:
         return document
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        """Write ``to_dict()`` as JSON by the one writing path (solver.output_file)."""
+        from solver.output_file import write_json_file
+
+        write_json_file(path, self.to_dict())
 
     def sha256(self) -> str:
         """Hex SHA-256 of the v1 document (:meth:`to_dict`) as canonical JSON (sorted keys, no

@@ -213,7 +213,13 @@ class _FrontWalk:
         from solver.planner import explain_infeasible
 
         return explain_infeasible(
-            self.graph, self.cluster, self.training, self.entries, self.backend, self.budget_ns
+            self.graph,
+            self.cluster,
+            self.training,
+            self.entries,
+            self.backend,
+            self.budget_ns,
+            deadline=self.deadline,
         )
 
     def points_from(self, first: _Point, max_points: int | None) -> tuple[list[_Point], bool]:

@@ -147,6 +147,31 @@ def calibration_to_dict(evaluation: Evaluation) -> dict[str, Any] | None:
     return {"scales": dict(calibration.scales), "constant_bytes": calibration.constant_bytes}
 
 
+def _recomputed_layer_names(evaluation: Evaluation) -> list[str]:
+    """Every recomputed layer of an evaluation (all stages), in graph order."""
+    names = evaluation.graph.names
+    return [names[i] for i in sorted(i for stage in evaluation.stages for i in stage.recomputed)]
+
+
+def _baseline_basis(ours: Evaluation, baseline: Evaluation) -> str:
+    """What a baseline split shares with the plan, and what differs: the config always (ZeRO,
+    recompute mode, schedule); under selective recomputation the recomputed layers; on a
+    heterogeneous cluster the stage groups."""
+    basis = "the same config"
+    if ours.config.recompute == "selective":
+        theirs = sum(baseline.recomputed or [])
+        mine = sum(ours.recomputed or [])
+        total = ours.graph.num_layers
+        basis += (
+            f" and recomputed layers ({mine} of {total})"
+            if (baseline.recomputed or []) == (ours.recomputed or [])
+            else f" but other recomputed layers ({theirs} of {total}; the plan: {mine})"
+        )
+    if ours.group_of_stage is not None and baseline.group_of_stage != ours.group_of_stage:
+        basis += " but other stage groups"
+    return basis
+
+
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
     """The plan JSON (format "plan", version 2; docs/plan.md, solver/plan.schema.json)."""
     report = plan.solver
@@ -174,6 +199,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             "fits": ev.fits,
             "meets_throughput": meets_throughput(plan, ev),
             "layer_counts": ev.layer_counts,
+            "recomputed": _recomputed_layer_names(ev),
         }
         for name, ev in plan.baselines.items()
     }
@@ -317,7 +343,7 @@ def format_plan(plan: Plan) -> str:
             caveats.append("below the throughput constraint")
         caveat = f" ({', '.join(caveats)})" if caveats else ""
         lines.append(
-            f"{name} split ({counts}) on the same config: "
+            f"{name} split ({counts}) on {_baseline_basis(plan.evaluation, baseline)}: "
             f"{format_bytes(baseline.peak_bytes)} peak, "
             f"{baseline.throughput:.4g} samples/s{caveat}; this plan: {change:+.1f}% "
             + ("largest utilization" if by_utilization else "peak")

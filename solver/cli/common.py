@@ -1,19 +1,18 @@
 """What the CLIs share: the one-line-error parser, argument types, the cluster and training
-flags, and writing results (``write_json``, ``print_output``).
+flags, checking and writing outputs (``check_outputs``, ``write_json``: solver.output_file) and
+``print_output``.
 
 The CLIs only parse, call the API, print and write JSON. Errors: one line on stderr, exit code
-2 (bad input), 3 (infeasible), 4 (time limit without a solution); never a traceback.
+2 (bad input, a bad output path included), 3 (infeasible), 4 (time limit without a solution),
+7 (an output could not be written after the work); never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from solver.calibration import Calibration, load_calibration
@@ -375,7 +374,8 @@ def bytes_per_param(args: argparse.Namespace) -> dict[str, int]:
 
 
 def input_files(args: argparse.Namespace) -> list[str]:
-    """Files the CLI read (--json must not overwrite them)."""
+    """Files the CLI reads (no output may replace them): the graph, --calibration, --cluster
+    and --plan, where given."""
     names = ("graph", "calibration", "cluster", "plan")
     return [getattr(args, name) for name in names if getattr(args, name, None)]
 
@@ -389,15 +389,27 @@ def add_plot_option(parser: argparse.ArgumentParser, *, drawing: str) -> None:
     )
 
 
-def check_outputs(args: argparse.Namespace) -> None:
-    """Fail on a bad --plot path (or --plot = --json) before any work."""
-    if args.plot is None:
-        return
-    from solver.plots import check_plot_path
+OUTPUT_FLAGS = (("json", "--json"), ("out", "--out"), ("plot", "--plot"))
+"""(argument, flag) of the outputs a CLI may have, in the order they are checked."""
 
-    check_plot_path(args.plot, protect=input_files(args))
-    if args.json and Path(args.json).resolve() == Path(args.plot).resolve():
-        raise InputError(f"--plot {args.plot}: same file as --json; choose another path")
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Fail on a bad output path before any work (InputError, exit 2, one line): every given
+    --json, --out and --plot (solver.output_file.check_output: a folder, a missing or read-only
+    folder, no permission, an input file, the same file as another output; --plot also needs
+    .png, .pdf or .svg)."""
+    from solver.output_file import check_output
+
+    checked = []
+    for name, flag in OUTPUT_FLAGS:
+        path = getattr(args, name, None)
+        if path is None:
+            continue
+        if name == "plot":
+            from solver.plots import check_plot_extension
+
+            check_plot_extension(path)
+        checked.append(check_output(path, flag=flag, protect=input_files(args), others=checked))
 
 
 def calibration_from_args(args: argparse.Namespace) -> Calibration | None:
@@ -410,19 +422,16 @@ def zero_stages(text: str) -> tuple[int, ...]:
     return (int(text),)
 
 
-def write_json(path: str, document: dict[str, Any], *, protect: list[str]) -> None:
-    """Write atomically; refuse to overwrite an input file or to write into a missing folder."""
-    target = Path(path)
-    for given in protect:
-        if target.exists() and Path(given).exists() and target.resolve() == Path(given).resolve():
-            raise InputError(f"--json {path}: is the input file; choose another output path")
-    if not target.parent.exists():
-        raise InputError(f"--json {path}: folder {target.parent} does not exist; create it first")
-    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    with os.fdopen(handle, "w") as stream:
-        json.dump(document, stream, indent=1)
-        stream.write("\n")
-    os.replace(temporary, target)
+def write_json(
+    path: str, document: dict[str, Any], *, protect: list[str], flag: str = "--json"
+) -> None:
+    """Write ``document`` by the one writing path (solver.output_file: atomic for a regular
+    file, written through for a device, a FIFO or a link's target); a bad path is an
+    InputError (exit 2), a failed write an OutputError (exit 7) that leaves an existing file
+    as it was. ``protect``: the input files it must not be."""
+    from solver.output_file import write_json_file
+
+    write_json_file(path, document, flag=flag, protect=protect)
 
 
 def print_output(text: str) -> None:
