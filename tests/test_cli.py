@@ -168,6 +168,45 @@ def test_dag_plans_with_cpsat_and_milp_agree(capsys, tmp_path):
             "expected comma-separated integers",
         ),
         (["--gpus", "8", "--global-batch", "8", "--max-slowdown", "0.5"], "must be >= 1"),
+        # absurd values: exit 2 naming the flag and the range (issue 13)
+        (
+            ["--gpus", "8", "--global-batch", "8", "--gpu-memory", "1e400"],
+            "'1e400' is not a finite",
+        ),
+        (
+            ["--gpus", "8", "--global-batch", "8", "--gpu-memory", "1e30"],
+            "argument --gpu-memory: '1e30' is 1e+30 bytes, over the limit of 2^50 bytes (1 PiB)",
+        ),
+        (
+            ["--gpus", "8", "--global-batch", "8", "--gpu-tflops", "inf"],
+            "argument --gpu-tflops: must be a number in [1e-06, 1e+06] TFLOP/s, got 'inf'",
+        ),
+        (
+            ["--gpus", "8", "--global-batch", "8", "--flops-efficiency", "nan"],
+            "argument --flops-efficiency: must be a number in (0, 1]",
+        ),
+        (
+            ["--gpus", "8", "--global-batch", "8", "--inter-node-gbps", "-1"],
+            "argument --inter-node-gbps: must be a number in [0.001, 1e+06] GB/s",
+        ),
+        (
+            ["--gpus", "8", "--global-batch", "8", "--min-throughput", "inf"],
+            "argument --min-throughput: must be a finite number > 0, got 'inf'",
+        ),
+        (
+            ["--gpus", "8", "--global-batch", "8", "--min-throughput", "1e-300"],
+            "--min-throughput 1e-300: must be within",
+        ),
+        (
+            ["--gpus", "8", "--global-batch", "8", "--max-slowdown", "inf"],
+            "argument --max-slowdown: must be >= 1 (a number in [1, 1000]) or 'none'",
+        ),
+        (["--gpus", "8", "--global-batch", str(2**30)], "argument --global-batch: must be in"),
+        (
+            ["--gpus", "8", "--global-batch", "8", "--bytes-per-param", "2,2,4096"],
+            "argument --bytes-per-param: each value must be in 0..256, got 4096",
+        ),
+        (["--gpus", str(2**40), "--global-batch", "8"], "at most 2^32"),
         (["--gpus", "8", "--global-batch", "7", "--micro-batch", "2"], "no valid parallel config"),
     ],
 )

@@ -26,9 +26,11 @@ import hashlib
 import io
 import json
 import lzma
+import math
 import os
 import pickle
 import random
+import re
 import subprocess
 import sys
 import zipfile
@@ -39,6 +41,7 @@ from typing import Any
 
 import pytest
 
+from solver import Cluster, InputError, TrainingConfig
 from solver.calibration import Calibration
 from tests.conftest import GPT_1_3B, MIXED_CLUSTER, ROOT, T5_DAG
 
@@ -914,3 +917,27 @@ def test_python_m_with_ascii_streams(tmp_path):
             assert err.count("\n") == 1 and len(err) < MAX_LINE, err
             assert b"fits" not in done.stdout
     assert b"\\u5c42-\\xe9" in runs[-1][0].stdout
+
+
+# -- the API: the same ranges as the flags -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: Cluster(num_gpus=8, gpu_memory_bytes=10**30), "gpu_memory_bytes must be an"),
+        (lambda: Cluster(num_gpus=8, gpu_flops=math.inf), "gpu_flops must be a finite number"),
+        (lambda: Cluster(num_gpus=8, flops_efficiency=math.nan), "flops_efficiency must be"),
+        (lambda: Cluster(num_gpus=8, inter_node_gb_per_s=-1.0), "inter_node_gb_per_s must be"),
+        (lambda: Cluster(num_gpus=1.5), "num_gpus must be an integer in 1..2^32, got 1.5"),
+        (lambda: Cluster(num_gpus=2**64), "num_gpus must be an integer in 1..2^32"),
+        (lambda: TrainingConfig(global_batch=8, min_throughput=math.inf), "min_throughput"),
+        (lambda: TrainingConfig(global_batch=8, min_throughput=1e-300), "an iteration of 1 ns"),
+        (lambda: TrainingConfig(global_batch=8, max_slowdown=math.inf), "max_slowdown must be"),
+        (lambda: TrainingConfig(global_batch=2**30), "global_batch must be an integer in"),
+        (lambda: TrainingConfig(global_batch=8, optimizer_bytes_per_param=2**60), "0..256"),
+    ],
+)
+def test_the_api_refuses_what_the_flags_refuse(build, message):
+    with pytest.raises(InputError, match=re.escape(message)):
+        build()
