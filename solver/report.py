@@ -333,10 +333,10 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"throughput constraint: >= {plan.required_throughput:.4g} samples/s{fastest}")
     by_utilization = objective_unit(plan.evaluation) == "ppm"
     for name, baseline in plan.baselines.items():
-        change = 100 * (plan.peak_bytes - baseline.peak_bytes) / baseline.peak_bytes
+        ours, theirs = plan.peak_bytes, baseline.peak_bytes
         if by_utilization:
             ours, theirs = max(plan.evaluation.utilization_ppm), max(baseline.utilization_ppm)
-            change = 100 * (ours - theirs) / theirs
+        change = _relative_change(ours, theirs)
         counts = ",".join(str(count) for count in baseline.layer_counts)
         caveats = [] if baseline.fits else ["does not fit"]
         if not meets_throughput(plan, baseline):
@@ -345,7 +345,7 @@ def format_plan(plan: Plan) -> str:
         lines.append(
             f"{name} split ({counts}) on {_baseline_basis(plan.evaluation, baseline)}: "
             f"{format_bytes(baseline.peak_bytes)} peak, "
-            f"{baseline.throughput:.4g} samples/s{caveat}; this plan: {change:+.1f}% "
+            f"{_throughput_cell(baseline.throughput)}{caveat}; this plan: {change} "
             + ("largest utilization" if by_utilization else "peak")
         )
     report = plan.solver
@@ -396,3 +396,15 @@ def _layer_span(names: list[str]) -> str:
 
 def finite_or_none(value: float) -> float | None:
     return None if math.isinf(value) else value
+
+
+def _relative_change(ours: int, theirs: int) -> str:
+    """'+1.5%': how much the plan's value differs from a baseline's ('n/a' when the baseline's
+    is 0, e.g. a calibration that scales every component to 0)."""
+    return f"{100 * (ours - theirs) / theirs:+.1f}%" if theirs else "n/a"
+
+
+def _throughput_cell(samples_per_s: float) -> str:
+    """'12.03 samples/s', or 'throughput n/a' for a graph without FLOPs or times."""
+    text = format_throughput(samples_per_s, why=False)
+    return text if math.isfinite(samples_per_s) else f"throughput {text}"

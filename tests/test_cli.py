@@ -337,3 +337,20 @@ def test_runtime_torch_counts_a_receive_buffer_per_micro_batch(run_cli, tmp_path
     ):
         for stage in document["stages"]:
             assert stage["breakdown"]["buffers"] == copies(stage["index"]) * boundary
+
+
+def test_a_graph_without_flops_or_times_plans_for_memory_and_says_throughput_n_a(run_cli, tmp_path):
+    """Zero time everywhere: the plan is still the memory optimum; no line prints an infinite
+    throughput or divides by it."""
+    graph = json.loads(Path(GPT_1_3B).read_text())
+    for layer in graph["layers"]:
+        for key in layer:
+            if "flops" in key or key.endswith("_ms"):
+                layer[key] = 0
+    path = tmp_path / "no-time.json"
+    path.write_text(json.dumps(graph))
+    code, out, err = run_cli(plan_main, str(path), "--gpus", "8", "--global-batch", "64")
+    assert code == 0, err
+    assert "inf" not in out.replace("info", "")
+    baselines = [line for line in out.splitlines() if " split (" in line]
+    assert len(baselines) == 2 and all("throughput n/a" in line for line in baselines)
