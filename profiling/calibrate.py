@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from profiling.export import parse_overrides
+from profiling.validate import MAX_TIMEOUT_S
 from solver.calibration import (
     Calibration,
     Sample,
@@ -33,7 +34,7 @@ from solver.calibration import (
     leave_one_out,
     write_calibration,
 )
-from solver.cli.common import OneLineErrorParser, positive_int, print_error
+from solver.cli.common import OneLineErrorParser, number_in, positive_int, print_error
 from solver.errors import InputError, PlannerError
 from solver.output_file import check_output
 from solver.specs import TrainingConfig
@@ -344,7 +345,11 @@ def parser() -> argparse.ArgumentParser:
         help="training iterations per run; the last one is measured (default 2)",
     )
     result.add_argument(
-        "--timeout", type=float, default=300.0, metavar="S", help="seconds per run (default 300)"
+        "--timeout",
+        type=number_in(0, MAX_TIMEOUT_S, low_open=True, unit=" seconds"),
+        default=300.0,
+        metavar="S",
+        help="seconds per run (default 300; at most a week)",
     )
     return result
 
@@ -354,8 +359,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.configs > len(LAYOUTS):
             raise InputError(f"--configs {args.configs}: at most {len(LAYOUTS)}")
-        if not args.timeout > 0:
-            raise InputError(f"--timeout {args.timeout:g}: must be > 0 seconds")
         out = check_output(args.out, flag="--out")  # before 20-30 s of runs
         if out.replaces is not None and not args.force:
             raise InputError(f"{out.label}: already exists; pass --force to overwrite it")

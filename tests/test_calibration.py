@@ -306,7 +306,8 @@ def tiny_args(out) -> list[str]:
     [
         (["--configs", "9"], "--configs 9: at most 4"),
         (["--configs", "0"], "must be >= 1"),
-        (["--timeout", "0"], "--timeout 0: must be > 0"),
+        (["--timeout", "0"], "argument --timeout: must be a number in (0, 604800] seconds"),
+        (["--timeout", "inf"], "argument --timeout: must be a number in (0, 604800] seconds"),
         (["--set", "layers"], "write FIELD=VALUE"),
         (["--iterations", "x"], "expected a positive integer"),
     ],
