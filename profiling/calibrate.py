@@ -11,7 +11,8 @@ configuration the fit has not seen). Writes the calibration JSON, whose ``meta``
 sample, so the fit can be redone from the file alone.
 
 From Python (a benchmark): ``calibration, rows = calibrate("gpt-tiny", SMALL_GPT, LAYOUTS[:2])``.
-Exit codes: 0 written, 2 bad input (flags, an existing --out without --force), 5 a run failed.
+Exit codes: 0 written, 2 bad input (flags, a bad --out path or an existing --out file without
+--force, checked before any run), 5 a run failed, 7 --out could not be written.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from profiling.export import parse_overrides
+from profiling.validate import MAX_TIMEOUT_S
 from solver.calibration import (
     Calibration,
     Sample,
@@ -33,9 +34,10 @@ from solver.calibration import (
     leave_one_out,
     write_calibration,
 )
-from solver.cli.common import OneLineErrorParser, positive_int
+from solver.cli.common import OneLineErrorParser, number_in, positive_int, print_error
 from solver.cli.terminal import interrupted
 from solver.errors import InputError, PlannerError
+from solver.output_file import check_output
 from solver.specs import TrainingConfig
 
 SMALL_GPT = {
@@ -344,7 +346,11 @@ def parser() -> argparse.ArgumentParser:
         help="training iterations per run; the last one is measured (default 2)",
     )
     result.add_argument(
-        "--timeout", type=float, default=300.0, metavar="S", help="seconds per run (default 300)"
+        "--timeout",
+        type=number_in(0, MAX_TIMEOUT_S, low_open=True, unit=" seconds"),
+        default=300.0,
+        metavar="S",
+        help="seconds per run (default 300; at most a week)",
     )
     return result
 
@@ -354,13 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.configs > len(LAYOUTS):
             raise InputError(f"--configs {args.configs}: at most {len(LAYOUTS)}")
-        if not args.timeout > 0:
-            raise InputError(f"--timeout {args.timeout:g}: must be > 0 seconds")
-        out = Path(args.out)
-        if out.exists() and not args.force:
-            raise InputError(f"--out {out}: already exists; pass --force to overwrite it")
-        if not out.parent.exists():
-            raise InputError(f"--out {out}: folder {out.parent} does not exist; create it first")
+        out = check_output(args.out, flag="--out")  # before 20-30 s of runs
+        if out.replaces is not None and not args.force:
+            raise InputError(f"{out.label}: already exists; pass --force to overwrite it")
         overrides = parse_overrides(args.set)
         if not overrides and args.model == "gpt-tiny":
             overrides = dict(SMALL_GPT)
@@ -373,10 +375,10 @@ def main(argv: list[str] | None = None) -> int:
             progress=lambda text: print(text, file=sys.stderr, flush=True),
         )
         print(format_rows(calibration, rows))
-        write_calibration(out, calibration, force=args.force)
-        print(f"wrote {out}")
+        write_calibration(args.out, calibration, force=args.force, flag="--out")
+        print(f"wrote {args.out}")
     except PlannerError as error:
-        sys.stderr.write(f"error: {error}\n")
+        print_error(error)
         return error.exit_code
     except KeyboardInterrupt:  # the ranks of the current run were stopped on the way out
         return interrupted()

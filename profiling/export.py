@@ -4,7 +4,8 @@ MODEL is a zoo preset (``models.presets()``), ``hf:NAME`` (a transformers archit
 bundled config, offline) or ``package.module:factory`` (a function returning a
 ``models.ModelSpec``). The default ``--device meta`` profiles with fake tensors: no memory, no
 GPU, any size. ``--device cpu|cuda`` runs real tensors and also measures per-layer times.
-Errors: one line on stderr, exit code 2.
+Errors: one line on stderr, exit code 2 (a bad --out path: before profiling), 7 when --out could
+not be written.
 """
 
 from __future__ import annotations
@@ -12,15 +13,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import inspect
 import json
+import math
 import sys
 import time
-from pathlib import Path
+import types
 from typing import Any
 
-from solver.cli.common import OneLineErrorParser, positive_int, write_json
+from solver.cli.common import (
+    OneLineErrorParser,
+    check_outputs,
+    positive_int,
+    print_error,
+    write_json,
+)
 from solver.cli.terminal import interrupted
-from solver.errors import InputError, PlannerError
+from solver.errors import InputError, PlannerError, quote
 from solver.graph import LayerGraph
 from solver.units import format_bytes
 
@@ -29,22 +38,40 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def resolve_spec(name: str, overrides: dict[str, Any]):
     """The ModelSpec named on the command line."""
+    import models
+
     if name.startswith("hf:"):
         from profiling.hf import hf_spec
 
         return hf_spec(name[3:], overrides)
     if ":" in name:
         module_name, _, factory_name = name.partition(":")
+        fix = "give package.module:factory, a function returning a models.ModelSpec"
         try:
             factory = getattr(importlib.import_module(module_name), factory_name)
-        except (ImportError, AttributeError) as error:
+        except (ImportError, AttributeError, ValueError) as error:
             raise InputError(
-                f"{name}: cannot import {factory_name} from {module_name} ({error});"
-                " give package.module:factory returning a models.ModelSpec"
+                f"{name}: cannot import {factory_name} from {module_name} ({error}); {fix}"
             ) from None
-        return factory(**overrides)
-    import models
-
+        if isinstance(factory, types.ModuleType) or not callable(factory):
+            kind = "a module" if isinstance(factory, types.ModuleType) else type(factory).__name__
+            raise InputError(f"{name}: {factory_name} is {kind}, not a function; {fix}")
+        try:
+            inspect.signature(factory).bind(**overrides)
+        except TypeError as error:
+            raise InputError(
+                f"{name}: {factory_name}() cannot be called with the --set fields given "
+                f"({error}); {fix}"
+            ) from None
+        except ValueError:  # no signature to check (a builtin): call it
+            pass
+        spec = factory(**overrides)
+        if not isinstance(spec, models.ModelSpec):
+            raise InputError(
+                f"{name}: {factory_name}() returned {type(spec).__name__}, not a "
+                f"models.ModelSpec; {fix}"
+            )
+        return spec
     try:
         return models.get(name, **overrides)
     except ValueError as error:
@@ -57,12 +84,25 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key:
-            raise InputError(f"--set {item!r}: write FIELD=VALUE, e.g. --set layers=4")
+            raise InputError(f"--set {quote(item)}: write FIELD=VALUE, e.g. --set layers=4")
         try:
-            overrides[key] = json.loads(text)
+            overrides[key] = json.loads(text, parse_constant=_not_finite, parse_float=_finite)
         except json.JSONDecodeError:
             overrides[key] = text
+        except (RecursionError, ValueError):  # deep nesting, 5000-digit integers
+            raise InputError(f"--set {quote(item)}: not a value a model field takes") from None
     return overrides
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not finite")
+    return value
+
+
+def _not_finite(text: str) -> float:
+    raise ValueError(f"{text} is not finite")
 
 
 def export_graph(
@@ -249,8 +289,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        if args.out and not Path(args.out).parent.exists():
-            raise InputError(f"--out {args.out}: folder {Path(args.out).parent} does not exist")
+        check_outputs(args)  # --out, before profiling
         with progress_bar(not args.no_progress and sys.stderr.isatty()) as progress:
             graph = export_graph(
                 args.model,
@@ -263,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                 progress=progress,
             )
         if args.out:
-            write_json(args.out, graph.to_dict(), protect=[])
+            write_json(args.out, graph.to_dict(), protect=[], flag="--out")
         if args.summary or not args.out:
             print(format_summary(graph))
         if args.out:
@@ -273,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"({graph.meta.get('profile_s')} s)"
             )
     except PlannerError as error:
-        sys.stderr.write(f"error: {error}\n")
+        print_error(error)
         return error.exit_code
     except KeyboardInterrupt:
         return interrupted()

@@ -107,7 +107,7 @@ from profiling.rank import (
     model_spec,
     rank_worker,
 )
-from solver.errors import InputError, RunError
+from solver.errors import InputError, RunError, quote
 from solver.plan_file import PlanFile, load_plan
 from solver.specs import SCHEDULES as SCHEDULES  # re-exported: the names profiling.run had
 from solver.specs import ZERO_STAGES as ZERO_STAGES
@@ -127,6 +127,7 @@ def _check_runnable(spec: models.ModelSpec, plan: PlanFile, max_processes: int) 
     a tensor-parallel split of the model's heads, few enough processes, and the model's layers."""
     config = plan.config
     pp, tp, dp, zero = config.pp, config.tp, config.dp, config.zero
+    _check_model(spec, plan)
     if tp > 1 and dp > 1 and zero == 1:
         raise InputError(
             f"plan config: zero=1 with tp({tp}) and dp({dp}): ZeroRedundancyOptimizer cannot "
@@ -158,6 +159,19 @@ def _check_runnable(spec: models.ModelSpec, plan: PlanFile, max_processes: int) 
             f"plan does not match model {spec.name}: the stages' layers must be the model's "
             f"{len(spec.layers)} layers {spec.layers[0]}..{spec.layers[-1]} in order, got "
             f"{len(layers)} layers{'; ' + detail if detail else ' (out of order)'}"
+        )
+
+
+def _check_model(spec: models.ModelSpec, plan: PlanFile) -> None:
+    """InputError unless the plan was made for this model: the graph's model name (a graph from
+    ``profiling.export PRESET`` carries the preset's name) and its layer names in order. Presets of
+    one family share their layer names (gpt-tiny, llama-tiny), so the names alone do not tell."""
+    if plan.model != spec.name:
+        raise InputError(
+            f"{plan.source}: made for model {quote(plan.model)}, not {quote(spec.name)}: the "
+            "model does not match the plan; run it with --model "
+            f"{quote(plan.model, 40, bare=True)} if that is a preset, or plan for this model's "
+            f"graph (python -m profiling.export {quote(spec.name, 40, bare=True)})"
         )
 
 

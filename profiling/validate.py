@@ -4,7 +4,8 @@ Runs the plan on this machine with ``profiling.run.run_plan`` (pp * dp * tp proc
 CPU, or NCCL with one GPU per rank with ``--device cuda``; the plan must be small enough to fit),
 prints predicted, measured and error % rank by rank, and exits non-zero when any rank's absolute
 error exceeds ``--tolerance`` percent.
-Exit codes: 0 within tolerance, 2 bad input, 5 a rank failed or timed out, 6 error above tolerance.
+Exit codes: 0 within tolerance, 2 bad input (a bad --json path: before the run), 5 a rank failed
+or timed out, 6 error above tolerance, 7 --json could not be written.
 """
 
 from __future__ import annotations
@@ -14,12 +15,21 @@ import sys
 from dataclasses import asdict
 
 from profiling.export import parse_overrides
-from solver.cli.common import OneLineErrorParser, positive_int, write_json
+from solver.cli.common import (
+    OneLineErrorParser,
+    check_outputs,
+    number_in,
+    positive_int,
+    print_error,
+    write_json,
+)
 from solver.cli.terminal import interrupted
 from solver.errors import PlannerError
 from solver.plan_file import load_plan
 
 TOLERANCE_EXCEEDED = 6
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""Longest --timeout, seconds (a week)."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -48,7 +58,7 @@ def parser() -> argparse.ArgumentParser:
     )
     result.add_argument(
         "--tolerance",
-        type=float,
+        type=number_in(0, 1e6, unit=" percent"),
         default=10.0,
         help="largest allowed |error| in percent (default 10)",
     )
@@ -59,7 +69,12 @@ def parser() -> argparse.ArgumentParser:
         help="cpu (gloo, default) or cuda (NCCL, one GPU per rank; also reports "
         "torch.cuda.max_memory_allocated)",
     )
-    result.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run")
+    result.add_argument(
+        "--timeout",
+        type=number_in(0, MAX_TIMEOUT_S, low_open=True, unit=" seconds"),
+        default=300.0,
+        help="seconds for the whole run (default 300)",
+    )
     result.add_argument("--json", metavar="OUT", help="also write the per-rank reports as JSON")
     return result
 
@@ -69,14 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from profiling.run import format_reports, run_plan
 
+        check_outputs(args)  # --json, before the run
         plan = load_plan(args.plan)  # checked (docs/plan.md): a PlanFile
-        if plan.runtime != "torch":
-            print(
-                f"note: {args.plan} was planned for the {plan.runtime} runtime; "
-                "this run uses torch.distributed.pipelining, which keeps more boundary buffers "
-                "(plan with --runtime torch to compare like for like)",
-                file=sys.stderr,
-            )
         reports = run_plan(
             args.model,
             plan,
@@ -95,18 +104,30 @@ def main(argv: list[str] | None = None) -> int:
             )
         worst = max((abs(r.error_pct) for r in reports if r.error_pct is not None), default=0.0)
         if worst > args.tolerance:
-            sys.stderr.write(
-                f"error: largest per-rank error {worst:.1f}% exceeds --tolerance "
-                f"{args.tolerance:g}%\n"
+            print_error(
+                f"largest per-rank error {worst:.1f}% exceeds --tolerance {args.tolerance:g}%"
             )
+            _runtime_note(args.plan, plan.runtime)
             return TOLERANCE_EXCEEDED
         print(f"all ranks within {args.tolerance:g}% (largest |error| {worst:.1f}%)")
+        _runtime_note(args.plan, plan.runtime)
     except PlannerError as error:
-        sys.stderr.write(f"error: {error}\n")
+        print_error(error)
         return error.exit_code
     except KeyboardInterrupt:  # the ranks of a run were stopped on the way out
         return interrupted()
     return 0
+
+
+def _runtime_note(path: str, runtime: str) -> None:
+    """After the result (never before an error): a plan for another runtime than the one run."""
+    if runtime != "torch":
+        print(
+            f"note: {path} was planned for the {runtime} runtime; this run uses "
+            "torch.distributed.pipelining, which keeps more boundary buffers (plan with "
+            "--runtime torch to compare like for like)",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

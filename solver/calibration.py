@@ -23,10 +23,7 @@ No torch here: the planner loads calibration files.
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -35,8 +32,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from solver.errors import InputError
+from solver.errors import InputError, quote
 from solver.jsonfile import read_json
+from solver.output_file import check_output, write_json_file
 
 COMPONENTS = ("weights", "grads", "optimizer", "activations", "buffers", "transient")
 """The keys of ``StageCost.breakdown()``; a calibration scales each one."""
@@ -59,6 +57,11 @@ resolve; the rest keep the analytic value (scale 1, constant 0) and are listed i
 
 FORMAT = "memplan-calibration"
 VERSION = 1
+MAX_SCALE = 1e6
+"""Largest scale of a component: any fit of real runs is far below; 1e300 would turn every
+coefficient into infinity."""
+MAX_CONSTANT_BYTES = 2**48
+"""Largest constant per GPU, either sign (256 TiB, the graph's limit per layer)."""
 _RANK_TOLERANCE = 1e-9
 """Singular values below this (relative to the largest, columns normalised) count as zero."""
 
@@ -80,10 +83,13 @@ class Calibration:
     date (free-form, JSON-serialisable)."""
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.scales) - set(COMPONENTS))
+        if not isinstance(self.scales, Mapping):
+            raise InputError(f"calibration scales: {quote(self.scales)} must be an object")
+        unknown = sorted(map(str, set(self.scales) - set(COMPONENTS)))
         if unknown:
             raise InputError(
-                f"calibration scales: unknown component(s) {', '.join(unknown)}; "
+                "calibration scales: unknown component(s) "
+                f"{', '.join(quote(key, bare=True) for key in unknown[:3])}; "
                 f"valid: {', '.join(COMPONENTS)}"
             )
         complete = {}
@@ -93,17 +99,23 @@ class Calibration:
                 isinstance(value, bool)
                 or not isinstance(value, (int, float))
                 or not math.isfinite(value)
-                or value < 0
+                or not 0 <= value <= MAX_SCALE
             ):
                 raise InputError(
-                    f"calibration scales.{name}: {value!r} must be a finite number >= 0"
+                    f"calibration scales.{name}: {quote(value)} must be a finite number >= 0 "
+                    f"(at most {MAX_SCALE:g})"
                 )
             complete[name] = float(value)
         object.__setattr__(self, "scales", complete)
-        if isinstance(self.constant_bytes, bool) or not isinstance(self.constant_bytes, int):
+        constant = self.constant_bytes
+        if (
+            isinstance(constant, bool)
+            or not isinstance(constant, int)
+            or abs(constant) > MAX_CONSTANT_BYTES
+        ):
             raise InputError(
-                f"calibration constant_bytes: {self.constant_bytes!r} must be an integer "
-                "number of bytes"
+                f"calibration constant_bytes: {quote(constant)} must be an integer number of "
+                "bytes, at most 2^48 either way"
             )
 
     def __hash__(self) -> int:
@@ -144,18 +156,18 @@ class Calibration:
         return f"{scales}; constant {self.constant_bytes:+d} B per GPU"
 
 
-def write_calibration(path: str | Path, calibration: Calibration, *, force: bool = False) -> None:
-    """Write ``calibration.to_dict()`` as JSON, atomically; refuse to overwrite unless ``force``."""
-    target = Path(path)
-    if target.exists() and not force:
-        raise InputError(f"{path}: already exists; pass --force to overwrite it or choose --out")
-    if not target.parent.exists():
-        raise InputError(f"{path}: folder {target.parent} does not exist; create it first")
-    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    with os.fdopen(handle, "w") as stream:
-        json.dump(calibration.to_dict(), stream, indent=1)
-        stream.write("\n")
-    os.replace(temporary, target)
+def write_calibration(
+    path: str | Path, calibration: Calibration, *, force: bool = False, flag: str = ""
+) -> None:
+    """Write ``calibration.to_dict()`` as JSON by the one writing path (``solver.output_file``:
+    atomic for a regular file); refuse to replace an existing regular file unless ``force``.
+    ``flag`` ('--out') starts the messages."""
+    destination = check_output(path, flag=flag)
+    if destination.replaces is not None and not force:
+        raise InputError(
+            f"{destination.label}: already exists; pass --force to overwrite it or choose --out"
+        )
+    write_json_file(path, calibration.to_dict(), flag=flag)
 
 
 def load_calibration(path: str | Path) -> Calibration:
@@ -166,11 +178,15 @@ def load_calibration(path: str | Path) -> Calibration:
         raise InputError(f'{path}: not a calibration file (expected "format": "{FORMAT}"); {fix}')
     if document.get("version") != VERSION:
         raise InputError(
-            f"{path}: version {document.get('version')!r} is not supported (expected {VERSION})"
+            f"{path}: version {quote(document.get('version'))} is not supported (expected "
+            f"{VERSION})"
         )
     unknown = sorted(set(document) - {"format", "version", "scales", "constant_bytes", "meta"})
     if unknown:
-        raise InputError(f"{path}: unknown field(s) {', '.join(unknown)}; remove them")
+        raise InputError(
+            f"{path}: unknown field(s) "
+            f"{', '.join(quote(key, bare=True) for key in unknown[:3])}; remove them"
+        )
     missing = [key for key in ("scales", "constant_bytes") if key not in document]
     if missing:
         raise InputError(
@@ -184,7 +200,7 @@ def load_calibration(path: str | Path) -> Calibration:
     if not isinstance(meta, dict):
         raise InputError(f"{path}: meta must be an object")
     constant = document["constant_bytes"]
-    if isinstance(constant, float) and constant.is_integer():
+    if isinstance(constant, float) and constant.is_integer() and abs(constant) <= 2**53:
         constant = int(constant)  # 1e6 is fine; 1.5 is not
     try:
         return Calibration(scales=scales, constant_bytes=constant, meta=meta)

@@ -13,30 +13,44 @@ from typing import Any
 
 import jsonschema
 
-from solver.errors import InputError
-from solver.jsonfile import read_json
-from solver.specs import Cluster, NodeGroup
+from solver.errors import InputError, quote
+from solver.jsonfile import check_name, read_json, schema_message
+from solver.specs import (
+    GB_PER_S_RANGE,
+    GPU_TFLOPS_RANGE,
+    MAX_DEGREE,
+    MAX_GPU_MEMORY_BYTES,
+    MAX_GPUS_PER_NODE,
+    Cluster,
+    NodeGroup,
+)
 from solver.units import parse_bytes
 
 FORMAT_NAME = "cluster"
 FORMAT_VERSION = 1
 
-_POSITIVE = {"type": "number", "exclusiveMinimum": 0}
+_GB_PER_S = {"type": "number", "minimum": GB_PER_S_RANGE[0], "maximum": GB_PER_S_RANGE[1]}
 GROUP_SCHEMA = {
     "type": "object",
     "additionalProperties": False,
     "required": ["name", "num_nodes", "gpus_per_node", "gpu_memory", "gpu_tflops"],
     "properties": {
         "name": {"type": "string", "minLength": 1},
-        "num_nodes": {"type": "integer", "minimum": 1},
-        "gpus_per_node": {"type": "integer", "minimum": 1},
+        "num_nodes": {"type": "integer", "minimum": 1, "maximum": MAX_DEGREE},
+        "gpus_per_node": {"type": "integer", "minimum": 1, "maximum": MAX_GPUS_PER_NODE},
         "gpu_memory": {"type": ["string", "integer"]},
-        "gpu_tflops": _POSITIVE,
+        "gpu_tflops": {
+            "type": "number",
+            "minimum": GPU_TFLOPS_RANGE[0],
+            "maximum": GPU_TFLOPS_RANGE[1],
+        },
         "flops_efficiency": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-        "intra_node_gb_per_s": _POSITIVE,
-        "inter_node_gb_per_s": _POSITIVE,
+        "intra_node_gb_per_s": _GB_PER_S,
+        "inter_node_gb_per_s": _GB_PER_S,
     },
 }
+"""A group's fields and their ranges (``solver.specs``: 1 MFLOP/s to 1 EFLOP/s, 1 MB/s to 1 PB/s,
+at most 1024 GPUs per node and 1 PiB per GPU)."""
 SCHEMA = {
     "type": "object",
     "additionalProperties": False,
@@ -63,9 +77,13 @@ def cluster_from_dict(document: Any, *, origin: str = "<dict>") -> Cluster:
     _check_schema(document, origin)
     groups = []
     for i, item in enumerate(document["groups"]):
-        memory = parse_bytes(item["gpu_memory"], what=f"{origin}: $.groups[{i}].gpu_memory")
-        groups.append(
-            NodeGroup(
+        where = f"{origin}: $.groups[{i}]"
+        check_name(item["name"], f"{where}.name", what="group name")
+        memory = parse_bytes(
+            item["gpu_memory"], what=f"{where}.gpu_memory", maximum=MAX_GPU_MEMORY_BYTES
+        )
+        try:
+            group = NodeGroup(
                 name=item["name"],
                 num_nodes=item["num_nodes"],
                 gpus_per_node=item["gpus_per_node"],
@@ -75,13 +93,15 @@ def cluster_from_dict(document: Any, *, origin: str = "<dict>") -> Cluster:
                 intra_node_gb_per_s=float(item.get("intra_node_gb_per_s", 450.0)),
                 inter_node_gb_per_s=float(item.get("inter_node_gb_per_s", 50.0)),
             )
-        )
+        except InputError as error:  # NaN from a dict (a file has none: read_json)
+            raise InputError(f"{where}: {error}") from None
+        groups.append(group)
     names = [group.name for group in groups]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise InputError(
-            f"{origin}: $.groups: name {duplicates[0]!r} is used twice; give each group its own "
-            "name"
+            f"{origin}: $.groups: name {quote(duplicates[0])} is used twice; give each group "
+            "its own name"
         )
     if len(groups) == 1:
         group = groups[0]
@@ -121,4 +141,4 @@ def _check_schema(document: Any, origin: str) -> None:
         hint = f"set it to {error.validator_value!r}".replace("'", '"')
     else:
         hint = "see docs/cluster.md for the field's type and range"
-    raise InputError(f"{origin}: {error.json_path}: {error.message}; {hint}")
+    raise InputError(f"{origin}: {error.json_path}: {schema_message(error)}; {hint}")

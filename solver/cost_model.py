@@ -424,6 +424,10 @@ def layer_costs(
 
     Vectorised over layers; integer terms use exact integer arithmetic (ceil of a ratio of ints).
     """
+    in_flight, vectors, dones = _in_flight(config, training)
+    receive_copies, send_copies = stage_boundary_copies(training.runtime, config)
+    held = max(sum(vector) for rank in vectors for vector in rank)
+    check_exact_range(graph, config, cluster, training, held, receive_copies, send_copies)
     t = config.tp
     cols = _graph_columns(graph)
     # t * P'_l and t * A'_l are integers: ceil(t P' x / (t n)) is then exact.
@@ -436,8 +440,6 @@ def layer_costs(
     time_ns = _time_ns(cols, config, cluster)
     # "none" and "selective" take the kept state as the plain coefficients, "full" the other
     state = int(config.recompute == "full")
-    in_flight, vectors, dones = _in_flight(config, training)
-    receive_copies, send_copies = stage_boundary_copies(training.runtime, config)
     calibration = training.calibration
     scaled = _calibrated(calibration)
     costs = LayerCosts(
@@ -467,6 +469,129 @@ def layer_costs(
         _check_empirical_options(config, calibration)
         return empirical_layer_costs(graph, config, costs)
     return costs
+
+
+MAX_EXACT_BYTES = 2**62
+"""Largest stage memory the cost model computes: int64 holds 2^63 - 1, and the chain backend adds
+its "no value" 2^62 to sums of layer costs (``solver.backends.chain.INF``); CP-SAT needs every
+expression inside int64 too (``solver.backends.cpsat.MAX_CP_SAT_VALUE``)."""
+MAX_ITERATION_NS = 2**52
+"""Longest iteration the cost model computes, ns (52 days): a budget of up to
+``specs.MAX_SLOWDOWN`` (1000) times it stays below 2^62, and every float time it rounds is exact
+to the nanosecond."""
+
+
+def check_exact_range(
+    graph: LayerGraph,
+    config: ParallelConfig,
+    cluster: Cluster,
+    training: TrainingConfig,
+    held: int,
+    receive_copies: list[int],
+    send_copies: list[int],
+) -> None:
+    """InputError unless every int64 product and sum of ``layer_costs`` and ``stage_costs`` for
+    this config stays exact: upper bounds (every layer on one stage, every micro-batch in flight
+    that the schedule holds, ``held``) of a layer's intermediate products and of a stage's memory
+    at most :data:`MAX_EXACT_BYTES`, and of the iteration at most :data:`MAX_ITERATION_NS`.
+    Computed in floats from the graph's totals, O(1) per config; the limits have a factor 2 of
+    headroom over int64, far more than the floats' rounding. Real models are orders of magnitude
+    below both (GPT-3 175B: stage peaks near 2^36 bytes, iterations near 2^44 ns)."""
+    totals = _graph_totals(graph)
+    t, b, m, p, v = (
+        config.tp,
+        config.micro_batch,
+        config.num_microbatches,
+        config.pp,
+        config.virtual_stages,
+    )
+    w, g, o = (
+        training.weight_bytes_per_param,
+        training.grad_bytes_per_param,
+        training.optimizer_bytes_per_param,
+    )
+    calibration = training.calibration
+    scale = max(1.0, *calibration.scales.values()) if calibration else 1.0
+    constant = abs(calibration.constant_bytes) if calibration else 0
+    layers = graph.num_layers
+    # a layer's largest intermediate: t P w before the division by t d, b t (A + T), ...
+    largest_product = totals["largest"] * t * max(b, w, g, o, 1) * 2
+    memory = (
+        scale
+        * (
+            (2 * w + g + o) * totals["params"]
+            + held * b * (totals["activation_bytes"] + totals["output_bytes"] + totals["edges"])
+            + (max(receive_copies) + max(send_copies)) * v * b * totals["edges"]
+            + b * totals["largest"] * 2
+            + (g + 2 * w) * totals["largest"]
+            + 8 * layers
+        )
+        + constant
+        + totals["empirical"]
+    )
+    rate_per_ms = cluster.gpu_flops * cluster.flops_efficiency / 1e3
+    slowest_link = min(cluster.intra_node_gb_per_s, cluster.inter_node_gb_per_s)
+    stage_ns = (
+        b * (totals["ms"] + totals["flops"] / rate_per_ms) * NS_PER_MS / t
+        + 2 * b * totals["tp_comm_bytes"] / cluster.intra_node_gb_per_s
+        + layers
+    )
+    sync_ns = 3 * g * totals["params"] / slowest_link + layers
+    iteration = (m + p) * stage_ns + sync_ns
+    where = f"{graph.source}: {config.label()}"
+    if max(largest_product, memory) > MAX_EXACT_BYTES:
+        raise InputError(
+            f"{where}: a stage's memory could reach {max(largest_product, memory):.3g} bytes, "
+            "beyond the 2^62 the cost model computes exactly; the graph's sizes (parameters, "
+            "bytes per sample), the batch and the bytes per parameter are implausible together "
+            '(docs/layer-graph.md, "Limits")'
+        )
+    if not iteration <= MAX_ITERATION_NS:
+        raise InputError(
+            f"{where}: an iteration could take {iteration:.3g} ns ({iteration / 864e11:.3g} "
+            "days), beyond the 2^52 ns (52 days) the cost model computes; check the graph's "
+            "FLOPs and times and the cluster's TFLOP/s and bandwidths (docs/layer-graph.md, "
+            '"Limits")'
+        )
+
+
+def _graph_totals(graph: LayerGraph) -> dict[str, float]:
+    """Sums and maxima of a graph's fields (floats: no overflow) for ``check_exact_range``
+    (cached on the graph object)."""
+    cached = getattr(graph, "_totals", None)
+    if cached is not None:
+        return cached
+    layers = graph.layers
+    fields = ("params", "activation_bytes", "output_bytes", "tp_comm_bytes")
+    totals = {key: float(sum(getattr(layer, key) for layer in layers)) for key in fields}
+    totals["edges"] = float(sum(edge.bytes for edge in graph.edges))
+    totals["largest"] = float(
+        max(
+            max(
+                layer.params,
+                layer.activation_bytes + layer.transient_bytes,
+                layer.output_bytes,
+                layer.largest_param,
+                layer.largest_tp_param,
+            )
+            for layer in layers
+        )
+    )
+    totals["largest"] = max([totals["largest"], *(float(edge.bytes) for edge in graph.edges)])
+    totals["empirical"] = float(
+        sum((layer.mem_isolated or 0) + (layer.mem_added or 0) for layer in layers)
+    )
+    # per sample, with a recomputed forward: measured ms, and FLOPs (divided by the rate later)
+    totals["ms"] = float(sum(2 * (layer.fwd_ms or 0.0) + (layer.bwd_ms or 0.0) for layer in layers))
+    totals["flops"] = float(
+        sum(
+            2 * layer.fwd_flops
+            + (2 * layer.fwd_flops if layer.bwd_flops is None else layer.bwd_flops)
+            for layer in layers
+        )
+    )
+    graph._totals = totals
+    return totals
 
 
 def _model_state_bytes(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from importlib import resources
@@ -20,8 +21,8 @@ from typing import Any
 import jsonschema
 import networkx as nx
 
-from solver.errors import InputError
-from solver.jsonfile import read_json
+from solver.errors import InputError, quote
+from solver.jsonfile import check_name, read_json, schema_message
 
 INTEGER_FIELDS = (
     "params",
@@ -35,6 +36,22 @@ INTEGER_FIELDS = (
     "largest_tp_param",
 )
 """Layer fields that are whole numbers (parameter counts and bytes)."""
+
+MAX_COUNT = 2**48
+"""Largest parameter count or byte figure of one layer (or edge), per sample: 2^48 = 256 TiB
+(2.8e14 parameters). With it, and the bounds on the training options (``solver.specs``), every
+int64 sum of the cost model stays exact; ``cost_model.check_exact_range`` checks the products of
+each config (docs/layer-graph.md, "Limits")."""
+MAX_FLOPS = 1e21
+"""Largest FLOPs of one layer per sample (a GPT-3 175B block: 7e12)."""
+MAX_MS = 1e9
+"""Largest measured time of one layer per sample, ms (11.6 days)."""
+LIMITS: dict[str, float] = (
+    dict.fromkeys((*INTEGER_FIELDS, "mem_isolated", "mem_added"), MAX_COUNT)
+    | dict.fromkeys(("fwd_flops", "bwd_flops"), MAX_FLOPS)
+    | dict.fromkeys(("fwd_ms", "bwd_ms"), MAX_MS)
+)
+"""The largest value of every numeric layer field."""
 
 FORMAT_NAME = "layer-graph"
 FORMAT_VERSION = 1
@@ -167,7 +184,10 @@ class LayerGraph:
         return document
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        """Write ``to_dict()`` as JSON by the one writing path (solver.output_file)."""
+        from solver.output_file import write_json_file
+
+        write_json_file(path, self.to_dict())
 
     def sha256(self) -> str:
         """Hex SHA-256 of the v1 document (:meth:`to_dict`) as canonical JSON (sorted keys, no
@@ -203,6 +223,8 @@ def load_graph(source: str | Path | dict[str, Any]) -> LayerGraph:
 def graph_from_dict(document: Any, *, origin: str = "<dict>") -> LayerGraph:
     """Validate a parsed v1 document and build the :class:`LayerGraph`."""
     _check_schema(document, origin)
+    _check_numbers(document, origin)
+    check_name(document["model"], f"{origin}: $.model", what="model name")
     layers = [_layer_from_dict(item) for item in document["layers"]]
     _check_layers(layers, origin)
     position = {layer.name: i for i, layer in enumerate(layers)}
@@ -240,7 +262,38 @@ def _check_schema(document: Any, origin: str) -> None:
         hint = "see docs/layer-graph.md for the field's type and range"
     else:
         hint = "see docs/layer-graph.md"
-    raise InputError(f"{origin}: {where}: {error.message}; {hint}")
+    raise InputError(f"{origin}: {where}: {schema_message(error)}; {hint}")
+
+
+def _check_numbers(document: dict[str, Any], origin: str) -> None:
+    """Every number of the (schema-valid) document finite and at most its field's limit."""
+    for i, item in enumerate(document["layers"]):
+        for key, value in item.items():
+            if key in LIMITS and not (math.isfinite(value) and value <= LIMITS[key]):
+                raise InputError(
+                    f"{origin}: $.layers[{i}].{key}: {_number(value)} for layer "
+                    f"{quote(item['name'], 40)} {_beyond(key)}"
+                )
+    for i, edge in enumerate(document.get("edges", [])):
+        if not (math.isfinite(edge["bytes"]) and edge["bytes"] <= MAX_COUNT):
+            raise InputError(f"{origin}: $.edges[{i}].bytes: {_number(edge['bytes'])} {_beyond()}")
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) and abs(value) < 10**15 else f"{value:.3g}"
+
+
+def _beyond(key: str = "bytes") -> str:
+    """Why a value is refused: not finite, or over the field's limit."""
+    limit = LIMITS.get(key, MAX_COUNT)
+    if key.endswith("_flops"):
+        return f"exceeds the limit {limit:.0e} FLOPs per sample; check the unit (FLOPs per sample)"
+    if key.endswith("_ms"):
+        return f"exceeds the limit {limit:.0e} ms per sample; check the unit (milliseconds)"
+    return (
+        "exceeds the limit 2^48 (256 TiB or 2.8e14 parameters per layer and sample), beyond "
+        "which the cost model's integer sums could overflow; check the unit (docs/layer-graph.md)"
+    )
 
 
 def _layer_from_dict(item: dict[str, Any]) -> Layer:
@@ -255,11 +308,19 @@ def _layer_from_dict(item: dict[str, Any]) -> Layer:
 
 
 def _check_layers(layers: list[Layer], origin: str) -> None:
+    memory = ("params", "activation_bytes", "output_bytes", "transient_bytes", "mem_isolated")
+    if not any(getattr(layer, key) for layer in layers for key in memory):
+        raise InputError(
+            f"{origin}: $.layers: every layer has params, activation_bytes, output_bytes and "
+            "transient_bytes 0: the graph holds no memory to plan (a placeholder?); give the "
+            "layers their sizes"
+        )
     seen: dict[str, int] = {}
     for i, layer in enumerate(layers):
+        check_name(layer.name, f"{origin}: $.layers[{i}].name", what="layer name")
         if layer.name in seen:
             raise InputError(
-                f"{origin}: $.layers[{i}].name: duplicate layer name {layer.name!r} "
+                f"{origin}: $.layers[{i}].name: duplicate layer name {quote(layer.name)} "
                 f"(also $.layers[{seen[layer.name]}]); give every layer a unique name"
             )
         seen[layer.name] = i
@@ -267,7 +328,7 @@ def _check_layers(layers: list[Layer], origin: str) -> None:
             if getattr(layer, part) > getattr(layer, total):
                 raise InputError(
                     f"{origin}: $.layers[{i}].{part}: {getattr(layer, part)} exceeds "
-                    f"{total} ({getattr(layer, total)}) of layer {layer.name!r}; "
+                    f"{total} ({getattr(layer, total)}) of layer {quote(layer.name)}; "
                     f"{part} counts the part of {total} split across TP ranks"
                 )
         for part, total in (
@@ -278,23 +339,23 @@ def _check_layers(layers: list[Layer], origin: str) -> None:
                 raise InputError(
                     f"{origin}: $.layers[{i}].{part}: {getattr(layer, part)} exceeds the "
                     f"{'split' if 'tp' in part else 'unsplit'} parameters ({total}) of layer "
-                    f"{layer.name!r}; it is the size of one parameter tensor of the layer"
+                    f"{quote(layer.name)}; it is the size of one parameter tensor of the layer"
                 )
         if (layer.mem_isolated is None) != (layer.mem_added is None):
             raise InputError(
-                f"{origin}: $.layers[{i}]: layer {layer.name!r} has only one of "
+                f"{origin}: $.layers[{i}]: layer {quote(layer.name)} has only one of "
                 "mem_isolated/mem_added; give both empirical statistics or neither"
             )
         if layer.mem_isolated is not None and layer.mem_isolated < layer.mem_added:
             raise InputError(
                 f"{origin}: $.layers[{i}].mem_isolated: {layer.mem_isolated} is below mem_added "
-                f"({layer.mem_added}) of layer {layer.name!r}; a stage's first layer holds at "
+                f"({layer.mem_added}) of layer {quote(layer.name)}; a stage's first layer holds at "
                 "least what the layer adds to a stage"
             )
         if (layer.fwd_ms is None) != (layer.bwd_ms is None):
             raise InputError(
-                f"{origin}: $.layers[{i}]: layer {layer.name!r} has only one of fwd_ms/bwd_ms; "
-                "give both measured times or neither"
+                f"{origin}: $.layers[{i}]: layer {quote(layer.name)} has only one of "
+                "fwd_ms/bwd_ms; give both measured times or neither"
             )
 
 
@@ -305,25 +366,27 @@ def _check_edges(edges: list[Edge], position: dict[str, int], origin: str) -> No
             name = getattr(edge, end)
             if name not in position:
                 raise InputError(
-                    f"{origin}: $.edges[{i}].{end}: unknown layer {name!r}; "
+                    f"{origin}: $.edges[{i}].{end}: unknown layer {quote(name)}; "
                     "edge endpoints must be names listed in $.layers"
                 )
         if edge.src == edge.dst:
-            raise InputError(f"{origin}: $.edges[{i}]: self-loop on {edge.src!r}; remove the edge")
+            raise InputError(
+                f"{origin}: $.edges[{i}]: self-loop on {quote(edge.src)}; remove the edge"
+            )
         if (edge.src, edge.dst) in seen_pairs:
             raise InputError(
-                f"{origin}: $.edges[{i}]: duplicate edge {edge.src!r} -> {edge.dst!r}; "
+                f"{origin}: $.edges[{i}]: duplicate edge {quote(edge.src)} -> {quote(edge.dst)}; "
                 "merge them into one edge with the summed bytes"
             )
         seen_pairs.add((edge.src, edge.dst))
     graph = nx.DiGraph((e.src, e.dst) for e in edges)
     if not nx.is_directed_acyclic_graph(graph):
-        cycle = " -> ".join(u for u, _ in nx.find_cycle(graph))
+        cycle = " -> ".join(quote(u, 40) for u, _ in nx.find_cycle(graph)[:8])
         raise InputError(f"{origin}: $.edges: the graph has a cycle ({cycle}); remove an edge")
     for i, edge in enumerate(edges):
         if position[edge.src] > position[edge.dst]:
             raise InputError(
                 f"{origin}: $.layers: not in topological order: edge $.edges[{i}] goes from "
-                f"{edge.src!r} (layer {position[edge.src]}) back to {edge.dst!r} "
+                f"{quote(edge.src)} (layer {position[edge.src]}) back to {quote(edge.dst)} "
                 f"(layer {position[edge.dst]}); list every layer after the layers it reads from"
             )

@@ -40,7 +40,7 @@ from solver.plan_file import PLAN_VERSION, check_pareto
 from solver.report import cluster_to_dict, evaluation_fields
 from solver.search import Deadline, SearchResult, build_entries, search
 from solver.specs import Cluster, TrainingConfig
-from solver.units import format_bytes
+from solver.units import format_bytes, format_throughput
 
 PARETO_FORMAT = "pareto"
 PARETO_VERSION = PLAN_VERSION
@@ -331,7 +331,7 @@ def format_pareto(front: ParetoFront) -> str:
     for point in front.points:
         row = [
             format_bytes(point.peak_bytes),
-            f"{point.throughput:.4g} samples/s",
+            format_throughput(point.throughput, why=False),
             point.config.label(),
             ",".join(str(count) for count in point.layer_counts),
         ]

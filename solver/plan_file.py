@@ -28,10 +28,10 @@ from typing import Any
 import jsonschema
 
 from solver.calibration import Calibration
-from solver.errors import InputError
+from solver.errors import InputError, quote
 from solver.evaluation import Evaluation, evaluate
 from solver.graph import LayerGraph, load_graph
-from solver.jsonfile import read_json
+from solver.jsonfile import read_json, schema_message
 from solver.specs import Cluster, NodeGroup, ParallelConfig, TrainingConfig
 
 PLAN_FORMAT = "plan"
@@ -219,7 +219,7 @@ def _format_of(document: Any, origin: str) -> str:
     version = document.get("version")
     if version not in READABLE_VERSIONS:
         raise InputError(
-            f"{origin}: version: {json.dumps(version)} is not a version this reader knows "
+            f"{origin}: version: {quote(version)} is not a version this reader knows "
             f"({', '.join(map(str, READABLE_VERSIONS))}); {_FIX[kind]}, or update memplan"
         )
     return kind
@@ -254,7 +254,7 @@ def _describe(error: jsonschema.ValidationError) -> str:
         case "minItems":
             return f"expected at least {error.validator_value} item(s), got {len(error.instance)}"
         case _:
-            return error.message
+            return schema_message(error)
 
 
 def _build(document: dict[str, Any], origin: str, kind: str) -> PlanFile:
@@ -275,7 +275,7 @@ def _build(document: dict[str, Any], origin: str, kind: str) -> PlanFile:
         if (stage.group is None) != (not groups) or (groups and stage.group not in groups):
             raise fail(
                 f"stages[{stage.index}].group",
-                f"{json.dumps(stage.group)} is not a group of cluster.groups "
+                f"{quote(stage.group)} is not a group of cluster.groups "
                 f"({', '.join(groups) or 'none: a homogeneous cluster'})",
             )
     record = document.get("graph")
@@ -361,7 +361,7 @@ def _stage(item: dict[str, Any], i: int, config: ParallelConfig, fail) -> PlanSt
             raise fail(f"{where}.chunks", "must list its layers in order (chunk 0 first)")
     unknown = sorted(set(item["recomputed"]) - set(layers))
     if unknown:
-        raise fail(f"{where}.recomputed", f"{unknown[0]!r} is not one of the stage's layers")
+        raise fail(f"{where}.recomputed", f"{quote(unknown[0])} is not one of the stage's layers")
     total = sum(item["breakdown"].values())
     if item["peak_bytes"] != total:
         raise fail(f"{where}.peak_bytes", f"{item['peak_bytes']} != the sum of breakdown {total}")
@@ -388,7 +388,7 @@ def _check_stages(
     seen = Counter(name for stage in stages for name in stage.layers)
     twice = [name for name, count in seen.items() if count > 1]
     if twice:
-        raise fail("stages", f"layer {twice[0]!r} is on more than one stage")
+        raise fail("stages", f"layer {quote(twice[0])} is on more than one stage")
     stage_of_layer = document["stage_of_layer"]
     if len(stage_of_layer) != len(seen):
         raise fail(
@@ -472,15 +472,23 @@ def _plan_graph(plan: PlanFile, graph: str | Path | LayerGraph | None) -> LayerG
         )
     path = Path(plan.graph.path)
     beside = Path(plan.source).parent / path
-    if not path.exists() and not path.is_absolute() and beside.exists():
+    if not _exists(path) and not path.is_absolute() and _exists(beside):
         path = beside
-    if not path.exists():
+    if not _exists(path):
         raise InputError(
-            f"{plan.source}: graph.path {plan.graph.path} not found (neither from the working "
-            "directory nor beside the plan); pass the graph: python -m solver.evaluate --plan "
-            "PLAN.json GRAPH.json"
+            f"{plan.source}: graph.path {quote(plan.graph.path)} not found (neither from the "
+            "working directory nor beside the plan); pass the graph: python -m solver.evaluate "
+            "--plan PLAN.json GRAPH.json"
         )
     return load_graph(path)
+
+
+def _exists(path: Path) -> bool:
+    """Path.exists() that is False for what cannot be a path (too long, a NUL character)."""
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
 
 
 def plan_differences(plan: PlanFile, evaluation: Evaluation) -> list[str]:

@@ -15,6 +15,12 @@ from solver.baselines import BASELINES
 from solver.engine_exports import build_exports
 from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate_assignment
+from solver.gpu_counts import (
+    GpuCountAdvice,
+    memory_may_fit,
+    smallest_fitting_count,
+    valid_gpu_counts,
+)
 from solver.graph import LayerGraph
 from solver.search import (
     ConfigEntry,
@@ -39,7 +45,9 @@ class Plan:
     solver: SolverReport
     exports: dict[str, Any]
     baselines: dict[str, Evaluation] = field(default_factory=dict)
-    """The same config split the usual ways (even, parameters), for comparison."""
+    """The same config split the usual ways (even, parameters), for comparison: same ZeRO stage
+    and recompute mode, the plan's recomputed layers under selective recomputation, the plan's
+    stage groups on a heterogeneous cluster."""
     required_throughput: float | None = None
     """The throughput constraint that was applied (samples/s), if any."""
     fastest_throughput: float | None = None
@@ -76,6 +84,7 @@ def plan(
     num_workers: int = 1,
     deadline: Deadline | None = None,
     progress: Progress | None = None,
+    suggest_gpus: bool = True,
 ) -> Plan:
     """Minimise the largest per-GPU peak (or, with objective "throughput", the iteration time).
 
@@ -83,9 +92,11 @@ def plan(
     ``deadline``: by default ``time_limit_s`` from now; a CLI passes the one it started before
     reading the graph. ``progress`` hears of every config solved.
 
-    Raises InputError for bad options, InfeasibleError when nothing fits (with the smallest peak
-    found and, when found quickly, a GPU count that fits), NoSolutionError when the time runs
-    out before any plan is found.
+    Raises InputError for bad options, InfeasibleError when nothing fits: which constraint, the
+    smallest peak found and, with ``suggest_gpus``, the smallest GPU count that fits (the
+    search of ``solver.sweep.min_gpus`` with ``--gpus auto``, in what is left of the time limit:
+    :func:`smallest_fitting_gpus`). A sweep passes ``suggest_gpus=False``: it searches the
+    counts itself. NoSolutionError when the time runs out before any plan is found.
     """
     started = time.perf_counter()
     deadline = Deadline.after(time_limit_s) if deadline is None else deadline
@@ -99,6 +110,7 @@ def plan(
         num_workers=num_workers,
         time_limit_s=time_limit_s,
         progress=progress,
+        suggest_gpus=suggest_gpus,
     )
     limit = _throughput_limit(call)
     if training.objective == "memory":
@@ -126,6 +138,10 @@ class _PlanningCall:
     num_workers: int
     time_limit_s: float | None
     progress: Progress | None = None
+    suggest_gpus: bool = True
+    """Look for a GPU count that fits when nothing does (the exit-3 message)."""
+    explain: bool = True
+    """False for the probes of that search: an InfeasibleError without an explanation."""
 
     @property
     def capacity_bytes(self) -> int | None:
@@ -158,6 +174,8 @@ class _PlanningCall:
                 f"time limit ({self.time_limit_s} s) reached before any plan was found "
                 f"({result.solved} of {len(self.entries)} configs solved); raise --time-limit"
             )
+        if not self.explain:
+            return InfeasibleError("no plan fits")
         return explain_infeasible(
             self.graph,
             self.cluster,
@@ -166,6 +184,7 @@ class _PlanningCall:
             self.backend,
             budget_ns,
             deadline=self.deadline,
+            suggest_gpus=self.suggest_gpus,
         )
 
 
@@ -181,7 +200,7 @@ class _ThroughputLimit:
     """The fastest plan that fits, when it was searched."""
 
     def fastest_throughput(self, global_batch: int) -> float | None:
-        if self.fastest is None or self.fastest.value is None:
+        if self.fastest is None or not self.fastest.value:  # None, or 0 ns: no FLOPs or times
             return None
         return global_batch * 1e9 / self.fastest.value
 
@@ -329,6 +348,9 @@ def _build_plan(
             evaluation.virtual_stage_layer_names(),
             recomputed=evaluation.virtual_stage_recomputed_names(),
         ),
+        # like with like: the plan's config (ZeRO stage, recompute mode, schedule), and under
+        # selective recomputation the plan's recomputed layers (a flag per layer, so it
+        # applies to any split), and on a heterogeneous cluster the plan's stage groups
         baselines={
             name: evaluate_assignment(
                 call.graph,
@@ -336,6 +358,7 @@ def _build_plan(
                 split_of(call.graph, choice.entry.costs.num_stages),
                 cluster=call.cluster,
                 training=call.training,
+                recomputed=choice.recomputed,
                 **placed,
             )
             for name, split_of in BASELINES.items()
@@ -363,6 +386,15 @@ def _solver_report(
     return report
 
 
+ADVICE_MIN_S = 2.0
+"""The infeasibility explanation (its smallest-peak search and GPU count search) uses what is
+left of the planning call's time limit, and at least this many seconds."""
+
+QUICK_SEARCH_S = 10.0
+"""At most this long for the smallest peak over all configs (the "needs X GiB" of the
+message); the GPU count search gets the rest."""
+
+
 def explain_infeasible(
     graph: LayerGraph,
     cluster: Cluster,
@@ -372,14 +404,21 @@ def explain_infeasible(
     budget_ns: int | None,
     *,
     deadline: Deadline | None = None,
+    suggest_gpus: bool = True,
 ) -> InfeasibleError:
-    """Which constraint fails, by how much, and the smallest GPU count that would fit (its
-    searches end by ``deadline``, the planning call's)."""
+    """Which constraint fails, by how much, and (``suggest_gpus``) the smallest GPU count that
+    would fit, all within ``deadline`` (what is left of the planning call; at least
+    :data:`ADVICE_MIN_S`; None: 60 s). A heterogeneous cluster gets no GPU count: its size is
+    its node groups."""
     if cluster.is_heterogeneous:
         return _explain_heterogeneous(cluster, entries, budget_ns)
-    deadline = Deadline.after(None) if deadline is None else deadline
+    advice = _advice_deadline(deadline)
     quick = functools.partial(
-        search, entries, iteration_budget_ns=None, backend=backend, deadline=deadline.capped(10.0)
+        search,
+        entries,
+        iteration_budget_ns=None,
+        backend=backend,
+        deadline=Deadline(end=min(advice.end, time.perf_counter() + QUICK_SEARCH_S)),
     )
     unconstrained = quick(objective=OBJECTIVE_MEMORY, capacity_bytes=None)
     best_peak = (
@@ -387,12 +426,23 @@ def explain_infeasible(
         if unconstrained.value is not None
         else min(e.memory_bound for e in entries)
     )
-    if best_peak <= cluster.gpu_memory_bytes and budget_ns is not None:
+    throughput_unmet = best_peak <= cluster.gpu_memory_bytes and budget_ns is not None
+    if throughput_unmet:
         fastest = quick(objective=OBJECTIVE_TIME, capacity_bytes=cluster.gpu_memory_bytes)
-        return _throughput_unmet(cluster, training, fastest, budget_ns, best_peak=best_peak)
-    return _memory_exceeded(
-        graph, cluster, training, entries, backend, unconstrained, best_peak, deadline
+    counts = (
+        smallest_fitting_gpus(graph, cluster, training, backend, deadline=advice)
+        if suggest_gpus
+        else None
     )
+    if throughput_unmet:
+        return _throughput_unmet(cluster, training, fastest, budget_ns, counts, best_peak=best_peak)
+    return _memory_exceeded(cluster, training, entries, unconstrained, counts, best_peak)
+
+
+def _advice_deadline(deadline: Deadline | None) -> Deadline:
+    if deadline is None:
+        return Deadline.after(60.0)
+    return Deadline(end=max(deadline.end, time.perf_counter() + ADVICE_MIN_S))
 
 
 def _throughput_unmet(
@@ -400,6 +450,7 @@ def _throughput_unmet(
     training: TrainingConfig,
     fastest: SearchResult,
     budget_ns: int,
+    counts: GpuCountAdvice | None,
     *,
     best_peak: int,
 ) -> InfeasibleError:
@@ -412,23 +463,23 @@ def _throughput_unmet(
         f"({fastest.entry.costs.config.label()})"
     )
     required = training.global_batch * 1e9 / budget_ns
+    more = "add GPUs" if counts is None else f"add GPUs; {counts.text('meets it')}"
     return InfeasibleError(
         f"throughput constraint cannot be met: {required:.4g} samples/s required, {reached};"
-        " lower --min-throughput, raise --max-slowdown, or add GPUs",
+        f" lower --min-throughput, raise --max-slowdown, or {more}",
         best_peak_bytes=best_peak,
         capacity_bytes=cluster.gpu_memory_bytes,
+        suggested_gpus=None if counts is None else counts.gpus,
     )
 
 
 def _memory_exceeded(
-    graph: LayerGraph,
     cluster: Cluster,
     training: TrainingConfig,
     entries: list[ConfigEntry],
-    backend: str,
     unconstrained: SearchResult,
+    counts: GpuCountAdvice | None,
     best_peak: int,
-    deadline: Deadline,
 ) -> InfeasibleError:
     """No plan fits in memory: by how much the best one is over, and a GPU count that fits."""
     capacity = cluster.gpu_memory_bytes
@@ -436,29 +487,40 @@ def _memory_exceeded(
     config_text = (
         "" if unconstrained.entry is None else f" ({unconstrained.entry.costs.config.label()})"
     )
-    suggestion = smallest_fitting_gpus(graph, cluster, training, backend, deadline=deadline)
-    if suggestion is None:
+    options = _memory_options(training)
+    savers = "".join(f", {option}" for option in options)
+    if counts is None:
         tail = (
-            f"no cluster of {2 * cluster.num_gpus}..{64 * cluster.num_gpus} GPUs "
-            "(doubling) fits either; use larger GPUs, ZeRO (--zero auto), recompute "
-            "(--recompute full) or a smaller micro-batch"
+            "try more GPUs (python -m solver.sweep GRAPH --find min-gpus --gpus auto says how "
+            f"many), larger GPUs{savers}"
         )
+    elif counts.gpus is None:
+        tail = f"{counts.text('fits')}; use larger GPUs{savers}"
     else:
-        tail = (
-            f"smallest GPU count that fits (trying 2x, 4x, ...): {suggestion[0]} "
-            f"({suggestion[1]}); or try --zero auto / --recompute auto"
-        )
+        tail = counts.text("fits") + ("" if not options else f"; or try {' / '.join(options)}")
     needs = f"needs {format_bytes(best_peak)}{config_text}, "
-    if not unconstrained.proven:  # the 10 s search stopped early: an upper bound only
-        needs = f"is proven over it; the best split found in 10 s {needs}"
+    if not unconstrained.proven:  # the quick search stopped early: an upper bound only
+        needs = f"is proven over it; the best split found in time {needs}"
     return InfeasibleError(
         f"nothing fits in {format_bytes(capacity)} per GPU (--gpu-memory): the best of "
         f"{len(entries)} configs {needs}"
         f"{format_bytes(over)} ({100 * over / capacity:.1f}%) over; {tail}",
         best_peak_bytes=best_peak,
         capacity_bytes=capacity,
-        suggested_gpus=None if suggestion is None else suggestion[0],
+        suggested_gpus=None if counts is None else counts.gpus,
     )
+
+
+def _memory_options(training: TrainingConfig) -> list[str]:
+    """The memory savers the search was not already allowed to use."""
+    options = []
+    if set(training.zero_stages) != {0, 1, 2, 3}:
+        options.append("--zero auto")
+    if training.recompute == "none":
+        options.append("--recompute auto")
+    if min(training.micro_batch_sizes) > 1:
+        options.append("a smaller micro-batch")
+    return options
 
 
 def _explain_heterogeneous(
@@ -484,33 +546,83 @@ def smallest_fitting_gpus(
     training: TrainingConfig,
     backend: str,
     *,
-    seconds: float = 10.0,
-    deadline: Deadline | None = None,
-) -> tuple[int, str] | None:
-    """Smallest of 2N, 4N, ..., 64N GPUs on which some plan fits in memory (throughput ignored)."""
-    deadline = Deadline.after(seconds) if deadline is None else deadline.capped(seconds)
-    relaxed = dataclasses.replace(
-        training, min_throughput=None, max_slowdown=None, pp=None, tp=None, dp=None
+    deadline: Deadline,
+) -> GpuCountAdvice:
+    """The smallest GPU count on which :func:`plan` finds a plan for ``training`` (memory,
+    throughput constraint and pins as given): the search of ``solver.sweep.min_gpus`` with
+    ``--gpus auto`` (:func:`solver.gpu_counts.smallest_fitting_count`), every count planned
+    with this call's searches under the shared ``deadline``; ``cluster``'s own count is known
+    not to fit. It stops (``search.complete`` False) when the deadline passes."""
+    started = time.perf_counter()
+    counts = valid_gpu_counts(graph.num_layers, cluster, training)
+    smallest: dict[int, _Probe] = {}  # the smallest count found to fit, and how
+
+    def fits(count: int) -> bool | None:
+        probe = _probe(
+            graph, dataclasses.replace(cluster, num_gpus=count), training, backend, deadline
+        )
+        if isinstance(probe, _Probe):
+            if not smallest or count < min(smallest):
+                smallest.clear()
+                smallest[count] = probe
+            return True
+        return probe
+
+    found = smallest_fitting_count(
+        counts,
+        fits,
+        may_fit=lambda n: memory_may_fit(graph, cluster, training, n),
+        deadline=deadline,
+        known={cluster.num_gpus: False},
     )
-    num_gpus = cluster.num_gpus
-    while num_gpus < 64 * cluster.num_gpus and not deadline.expired():
-        num_gpus *= 2
-        try:
-            entries = build_entries(
-                graph, dataclasses.replace(cluster, num_gpus=num_gpus), relaxed, deadline=deadline
-            )
-        except (InputError, NoSolutionError):
-            continue
-        if min(e.memory_bound for e in entries) > cluster.gpu_memory_bytes:
-            continue
-        found = search(
-            entries,
-            objective=OBJECTIVE_MEMORY,
-            capacity_bytes=cluster.gpu_memory_bytes,
-            iteration_budget_ns=None,
+    label = None
+    if found.gpus is not None:
+        call, result, limit = smallest[found.gpus]
+        choice, _ = _break_ties(call, result, budget_ns=limit.budget_ns)
+        label = choice.entry.costs.config.label()
+    return GpuCountAdvice(
+        search=found, counts=counts, label=label, wall_s=time.perf_counter() - started
+    )
+
+
+class _Probe(NamedTuple):
+    """A count on which the searches of :func:`plan` found a plan."""
+
+    call: _PlanningCall
+    result: SearchResult
+    limit: _ThroughputLimit
+
+
+def _probe(
+    graph: LayerGraph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    backend: str,
+    deadline: Deadline,
+) -> _Probe | bool | None:
+    """Whether :func:`plan` finds a plan on ``cluster`` (a :class:`_Probe`), proves there is
+    none (False) or runs out of time first (None); its searches only, no tie-break, no
+    explanation."""
+    try:
+        call = _PlanningCall(
+            graph=graph,
+            cluster=cluster,
+            training=training,
+            entries=build_entries(graph, cluster, training, deadline=deadline),
             backend=backend,
             deadline=deadline,
+            num_workers=1,
+            time_limit_s=None,
+            explain=False,
         )
-        if found.entry is not None:
-            return num_gpus, found.entry.costs.config.label()
-    return None
+        limit = _throughput_limit(call)
+        result = (
+            call.best(OBJECTIVE_MEMORY, budget_ns=limit.budget_ns, retry_open=False)
+            if training.objective == "memory"
+            else limit.fastest
+        )
+    except NoSolutionError:
+        return None
+    except (InfeasibleError, InputError):
+        return False
+    return _Probe(call, result, limit)

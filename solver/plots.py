@@ -2,7 +2,8 @@
 
 matplotlib is imported inside the functions, so ``import solver`` stays light. Figures are built
 with ``matplotlib.figure.Figure`` on an Agg canvas (no pyplot global state, no display) and written
-atomically: a temporary file in the target folder, then a rename. Every size axis is in GiB.
+by the one writing path (``solver.output_file``: atomically to a regular file, through to a
+device, a FIFO or a link's target). Every size axis is in GiB.
 
 Call :func:`check_plot_path` before any work, so a bad path fails in one line at once.
 """
@@ -11,12 +12,12 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from solver.errors import InputError
+from solver.output_file import check_output, write_output
 from solver.units import format_bytes
 
 GIB = 2**30
@@ -40,24 +41,22 @@ SWEEP_THROUGHPUT_KEYS = ("throughput", "even_throughput", "parameters_throughput
 dashed and dotted lines (the plan's with markers)."""
 
 
-def check_plot_path(path: str | os.PathLike, *, protect: Iterable[str] = ()) -> Path:
-    """The plot path, or InputError (one line) for a missing folder, an unsupported extension,
-    a folder in its place, or one of the input files ``protect``."""
-    target = Path(path)
-    extension = target.suffix.lower().lstrip(".")
-    if extension not in PLOT_FORMATS:
+def check_plot_extension(path: str | os.PathLike) -> None:
+    """InputError (one line) unless ``path`` ends in .png, .pdf or .svg."""
+    suffix = Path(path).suffix
+    if suffix.lower().lstrip(".") not in PLOT_FORMATS:
         raise InputError(
-            f"--plot {path}: unsupported extension {target.suffix or '(none)'!r}; "
+            f"--plot {os.fspath(path)}: unsupported extension {suffix or '(none)'!r}; "
             f"use {', '.join('.' + name for name in PLOT_FORMATS)}"
         )
-    if not target.parent.exists():
-        raise InputError(f"--plot {path}: folder {target.parent} does not exist; create it first")
-    if target.is_dir():
-        raise InputError(f"--plot {path}: is a folder; give a file name")
-    for given in protect:
-        if target.exists() and Path(given).exists() and target.resolve() == Path(given).resolve():
-            raise InputError(f"--plot {path}: is an input file; choose another output path")
-    return target
+
+
+def check_plot_path(path: str | os.PathLike, *, protect: Iterable[str] = ()) -> Path:
+    """The plot path, or InputError (one line) for an unsupported extension or a path the one
+    writing path refuses (``solver.output_file.check_output``: a folder, a missing or
+    read-only folder, one of the input files ``protect``, ...)."""
+    check_plot_extension(path)
+    return check_output(path, flag="--plot", protect=protect).path
 
 
 def plot_plan(
@@ -279,23 +278,12 @@ def _figure(rows: int, columns: int, *, width: float, height: float, sharey: boo
 
 
 def _save(figure, target: Path) -> Path:
-    """Write atomically in the target's folder (a failed save leaves no partial file)."""
-    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            figure.savefig(stream, format=target.suffix.lower().lstrip("."), dpi=DPI)
-        os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes 0600; a plot is an ordinary file
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    return target
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+    """Write by the one writing path (solver.output_file: atomic for a regular file, written
+    through for a device, a FIFO or a link's target; nothing left behind on failure)."""
+    extension = target.suffix.lower().lstrip(".")
+    return write_output(
+        target, lambda stream: figure.savefig(stream, format=extension, dpi=DPI), flag="--plot"
+    )
 
 
 def _stage_bars(ax, evaluation) -> None:
@@ -368,4 +356,4 @@ def _label(point: Any) -> str:
     return text + {"full": " rc", "selective": " src"}.get(config.get("recompute"), "")
 
 
-__all__ = ["check_plot_path", "plot_pareto", "plot_plan", "plot_sweep"]
+__all__ = ["check_plot_extension", "check_plot_path", "plot_pareto", "plot_plan", "plot_sweep"]

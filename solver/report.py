@@ -11,7 +11,7 @@ from solver.evaluation import Evaluation
 from solver.plan_file import EVALUATION_FORMAT, PLAN_FORMAT, PLAN_VERSION, load_plan
 from solver.planner import Plan
 from solver.specs import Cluster, TrainingConfig
-from solver.units import format_bytes
+from solver.units import format_bytes, format_throughput
 
 
 def evaluation_to_dict(evaluation: Evaluation) -> dict[str, Any]:
@@ -147,6 +147,31 @@ def calibration_to_dict(evaluation: Evaluation) -> dict[str, Any] | None:
     return {"scales": dict(calibration.scales), "constant_bytes": calibration.constant_bytes}
 
 
+def _recomputed_layer_names(evaluation: Evaluation) -> list[str]:
+    """Every recomputed layer of an evaluation (all stages), in graph order."""
+    names = evaluation.graph.names
+    return [names[i] for i in sorted(i for stage in evaluation.stages for i in stage.recomputed)]
+
+
+def _baseline_basis(ours: Evaluation, baseline: Evaluation) -> str:
+    """What a baseline split shares with the plan, and what differs: the config always (ZeRO,
+    recompute mode, schedule); under selective recomputation the recomputed layers; on a
+    heterogeneous cluster the stage groups."""
+    basis = "the same config"
+    if ours.config.recompute == "selective":
+        theirs = sum(baseline.recomputed or [])
+        mine = sum(ours.recomputed or [])
+        total = ours.graph.num_layers
+        basis += (
+            f" and recomputed layers ({mine} of {total})"
+            if (baseline.recomputed or []) == (ours.recomputed or [])
+            else f" but other recomputed layers ({theirs} of {total}; the plan: {mine})"
+        )
+    if ours.group_of_stage is not None and baseline.group_of_stage != ours.group_of_stage:
+        basis += " but other stage groups"
+    return basis
+
+
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
     """The plan JSON (format "plan", version 2; docs/plan.md, solver/plan.schema.json)."""
     report = plan.solver
@@ -174,6 +199,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             "fits": ev.fits,
             "meets_throughput": meets_throughput(plan, ev),
             "layer_counts": ev.layer_counts,
+            "recomputed": _recomputed_layer_names(ev),
         }
         for name, ev in plan.baselines.items()
     }
@@ -199,7 +225,7 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
     names = evaluation.graph.names
     lines = [
         title,
-        f"config: {config.label()}   throughput {evaluation.throughput:.4g} samples/s "
+        f"config: {config.label()}   throughput {format_throughput(evaluation.throughput)} "
         f"(iteration {evaluation.iteration_ns / 1e6:.4g} ms, global batch "
         f"{config.global_batch})",
     ]
@@ -307,19 +333,19 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"throughput constraint: >= {plan.required_throughput:.4g} samples/s{fastest}")
     by_utilization = objective_unit(plan.evaluation) == "ppm"
     for name, baseline in plan.baselines.items():
-        change = 100 * (plan.peak_bytes - baseline.peak_bytes) / baseline.peak_bytes
+        ours, theirs = plan.peak_bytes, baseline.peak_bytes
         if by_utilization:
             ours, theirs = max(plan.evaluation.utilization_ppm), max(baseline.utilization_ppm)
-            change = 100 * (ours - theirs) / theirs
+        change = _relative_change(ours, theirs)
         counts = ",".join(str(count) for count in baseline.layer_counts)
         caveats = [] if baseline.fits else ["does not fit"]
         if not meets_throughput(plan, baseline):
             caveats.append("below the throughput constraint")
         caveat = f" ({', '.join(caveats)})" if caveats else ""
         lines.append(
-            f"{name} split ({counts}) on the same config: "
+            f"{name} split ({counts}) on {_baseline_basis(plan.evaluation, baseline)}: "
             f"{format_bytes(baseline.peak_bytes)} peak, "
-            f"{baseline.throughput:.4g} samples/s{caveat}; this plan: {change:+.1f}% "
+            f"{_throughput_cell(baseline.throughput)}{caveat}; this plan: {change} "
             + ("largest utilization" if by_utilization else "peak")
         )
     report = plan.solver
@@ -370,3 +396,15 @@ def _layer_span(names: list[str]) -> str:
 
 def finite_or_none(value: float) -> float | None:
     return None if math.isinf(value) else value
+
+
+def _relative_change(ours: int, theirs: int) -> str:
+    """'+1.5%': how much the plan's value differs from a baseline's ('n/a' when the baseline's
+    is 0, e.g. a calibration that scales every component to 0)."""
+    return f"{100 * (ours - theirs) / theirs:+.1f}%" if theirs else "n/a"
+
+
+def _throughput_cell(samples_per_s: float) -> str:
+    """'12.03 samples/s', or 'throughput n/a' for a graph without FLOPs or times."""
+    text = format_throughput(samples_per_s, why=False)
+    return text if math.isfinite(samples_per_s) else f"throughput {text}"

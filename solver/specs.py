@@ -7,11 +7,14 @@ A :class:`ParallelConfig` is one point of the search space; a plan is a config p
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from solver.calibration import Calibration
-from solver.errors import InputError
+from solver.errors import InputError, quote
+from solver.jsonfile import check_name
 
 SCHEDULES = ("1f1b", "gpipe")
 """Pipeline schedules (interleaved 1F1B is 1f1b with ``virtual_stages`` > 1)."""
@@ -28,6 +31,32 @@ MEMORY_MODELS = ("analytic", "empirical")
 MEMORY_OBJECTIVES = ("utilization", "absolute")
 """What "memory" minimises on a heterogeneous cluster: the largest stage peak / capacity of its
 group (utilization) or the largest stage peak in bytes (absolute)."""
+
+# Ranges of the inputs (docs/layer-graph.md, "Limits"). Far beyond any real cluster or job; they
+# keep the cost model's int64 products exact together with the graph's limits (solver.graph) and
+# make absurd values (1e30 bytes of GPU memory, infinite TFLOP/s) errors instead of answers.
+MAX_GPUS = 2**32
+"""GPUs in a cluster: refuses absurd counts such as 2^64 (what a large count costs to search is
+the time limit's business)."""
+MAX_GPU_MEMORY_BYTES = 2**50
+"""Memory per GPU, at most 1 PiB."""
+MAX_GPUS_PER_NODE = 1024
+GPU_TFLOPS_RANGE = (1e-6, 1e6)
+"""Peak TFLOP/s per GPU: 1 MFLOP/s to 1 EFLOP/s."""
+GB_PER_S_RANGE = (1e-3, 1e6)
+"""Link bandwidth per GPU, GB/s: 1 MB/s to 1 PB/s."""
+MAX_GLOBAL_BATCH = 2**24
+"""Samples per step (also bounds micro-batch sizes and dp * b * m of a config)."""
+MAX_DEGREE = 2**24
+"""Pipeline, tensor- and data-parallel degrees and micro-batch counts."""
+MAX_VIRTUAL_STAGES = 1024
+MAX_BYTES_PER_PARAM = 256
+"""Bytes per parameter for weights, gradients or optimizer state (fp32 Adam: 12)."""
+MAX_SLOWDOWN = 1000.0
+"""Largest max_slowdown (use None for no limit): 1000 times the fastest iteration stays inside
+the cost model's exact range (``cost_model.MAX_ITERATION_NS``)."""
+MAX_BUDGET_NS = 2**62
+"""Longest iteration a min_throughput may allow, ns (with the global batch: its lower bound)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -50,6 +79,15 @@ class NodeGroup:
     """Per-GPU, per-direction bandwidth inside a node, GB/s."""
     inter_node_gb_per_s: float = 50.0
     """Per-GPU, per-direction bandwidth across nodes, GB/s."""
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.name, str) and bool(self.name),
+            f"name must be a non-empty string, got {quote(self.name)}",
+        )
+        check_name(self.name, "node group", what="name")
+        _integer("num_nodes", self.num_nodes, 1, MAX_DEGREE)
+        _check_hardware(self)
 
     @property
     def num_gpus(self) -> int:
@@ -105,17 +143,8 @@ class Cluster:
                 f"num_gpus({self.num_gpus}) != GPUs of the groups "
                 f"({sum(g.num_gpus for g in self.groups)})",
             )
-        _require(self.num_gpus >= 1, f"num_gpus must be >= 1, got {self.num_gpus}")
-        _require(self.gpu_memory_bytes > 0, "gpu_memory_bytes must be positive")
-        _require(self.gpus_per_node >= 1, f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
-        _require(
-            self.gpu_flops > 0 and 0 < self.flops_efficiency <= 1,
-            "gpu_flops must be positive and flops_efficiency in (0, 1]",
-        )
-        _require(
-            self.intra_node_gb_per_s > 0 and self.inter_node_gb_per_s > 0,
-            "bandwidths must be positive",
-        )
+        _integer("num_gpus", self.num_gpus, 1, MAX_GPUS)
+        _check_hardware(self)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -177,10 +206,12 @@ class TrainingConfig:
     Hashable and compared on its scales and constant only, so this config stays hashable."""
 
     def __post_init__(self) -> None:
-        _require(self.global_batch >= 1, f"global_batch must be >= 1, got {self.global_batch}")
+        _integer("global_batch", self.global_batch, 1, MAX_GLOBAL_BATCH)
         _require(
-            bool(self.micro_batch_sizes) and all(b >= 1 for b in self.micro_batch_sizes),
-            f"micro_batch_sizes must be positive integers, got {self.micro_batch_sizes}",
+            bool(self.micro_batch_sizes)
+            and all(_is_int(b) and 1 <= b <= MAX_GLOBAL_BATCH for b in self.micro_batch_sizes),
+            f"micro_batch_sizes must be integers in 1..{_count(MAX_GLOBAL_BATCH)}, got "
+            f"{quote(self.micro_batch_sizes)}",
         )
         _require(
             bool(self.zero_stages) and all(z in ZERO_STAGES for z in self.zero_stages),
@@ -188,50 +219,60 @@ class TrainingConfig:
         )
         _require(
             self.recompute in RECOMPUTE_CHOICES,
-            f"recompute must be one of {RECOMPUTE_CHOICES}, got {self.recompute!r}",
+            f"recompute must be one of {RECOMPUTE_CHOICES}, got {quote(self.recompute)}",
         )
         _require(
-            bool(self.virtual_stages) and all(v >= 1 for v in self.virtual_stages),
-            f"virtual_stages must be positive integers, got {self.virtual_stages}",
+            bool(self.virtual_stages)
+            and all(_is_int(v) and 1 <= v <= MAX_VIRTUAL_STAGES for v in self.virtual_stages),
+            f"virtual_stages must be integers in 1..{MAX_VIRTUAL_STAGES}, got "
+            f"{quote(self.virtual_stages)}",
         )
         _require(
             self.schedule == "1f1b" or self.virtual_stages == (1,),
             f"virtual stages {self.virtual_stages} need the 1f1b schedule (interleaved 1F1B), "
-            f"got {self.schedule!r}",
+            f"got {quote(self.schedule)}",
         )
         _require(
             self.schedule in SCHEDULES,
-            f"schedule must be one of {SCHEDULES}, got {self.schedule!r}",
+            f"schedule must be one of {SCHEDULES}, got {quote(self.schedule)}",
         )
         _require(
             self.memory_model in MEMORY_MODELS,
-            f"memory_model must be one of {MEMORY_MODELS}, got {self.memory_model!r}",
+            f"memory_model must be one of {MEMORY_MODELS}, got {quote(self.memory_model)}",
         )
         _require(
             self.runtime in RUNTIMES,
-            f"runtime must be one of {RUNTIMES}, got {self.runtime!r}",
+            f"runtime must be one of {RUNTIMES}, got {quote(self.runtime)}",
         )
         _require(
             self.objective in OBJECTIVES,
-            f"objective must be one of {OBJECTIVES}, got {self.objective!r}",
+            f"objective must be one of {OBJECTIVES}, got {quote(self.objective)}",
         )
         _require(
             self.memory_objective in MEMORY_OBJECTIVES,
-            f"memory_objective must be one of {MEMORY_OBJECTIVES}, got {self.memory_objective!r}",
+            f"memory_objective must be one of {MEMORY_OBJECTIVES}, got "
+            f"{quote(self.memory_objective)}",
         )
         for name in ("weight_bytes_per_param", "grad_bytes_per_param", "optimizer_bytes_per_param"):
-            _require(getattr(self, name) >= 0, f"{name} must be >= 0")
+            _integer(name, getattr(self, name), 0, MAX_BYTES_PER_PARAM)
         for name in ("pp", "tp", "dp"):
-            value = getattr(self, name)
-            _require(value is None or value >= 1, f"{name} must be >= 1, got {value}")
-        _require(
-            self.min_throughput is None or self.min_throughput > 0,
-            f"min_throughput must be positive, got {self.min_throughput}",
-        )
-        _require(
-            self.max_slowdown is None or self.max_slowdown >= 1,
-            f"max_slowdown must be >= 1 (1 = only the fastest plans), got {self.max_slowdown}",
-        )
+            if getattr(self, name) is not None:
+                _integer(name, getattr(self, name), 1, MAX_DEGREE)
+        if self.min_throughput is not None:
+            _real("min_throughput", self.min_throughput, 0, None, low_open=True)
+            # the iteration it allows, B / min_throughput, from 1 ns to 2^62 ns
+            low = self.global_batch * 1e9 / MAX_BUDGET_NS
+            high = self.global_batch * 1e9
+            _require(
+                low <= self.min_throughput <= high,
+                f"min_throughput must be within {low:.3g}..{high:.3g} samples/s with global_batch "
+                f"{self.global_batch} (an iteration of 1 ns to 2^62 ns), got "
+                f"{self.min_throughput:.4g}",
+            )
+        if self.max_slowdown is not None:
+            _real(
+                "max_slowdown", self.max_slowdown, 1, MAX_SLOWDOWN, note="1: only the fastest plans"
+            )
         _require(
             self.calibration is None or isinstance(self.calibration, Calibration),
             f"calibration must be a solver.calibration.Calibration or None, got "
@@ -267,23 +308,31 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("pp", "tp", "dp", "micro_batch", "num_microbatches", "virtual_stages"):
             value = getattr(self, name)
+            high = MAX_VIRTUAL_STAGES if name == "virtual_stages" else MAX_DEGREE
             _require(
                 isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                f"{name} must be a positive integer, got {value!r}",
+                f"{name} must be a positive integer, got {quote(value)}",
             )
-        _require(self.zero in ZERO_STAGES, f"zero must be one of 0..3, got {self.zero!r}")
+            _integer(name, value, 1, high)
+        _require(
+            self.dp * self.micro_batch * self.num_microbatches <= MAX_GLOBAL_BATCH,
+            f"dp({self.dp}) * micro_batch({self.micro_batch}) * num_microbatches"
+            f"({self.num_microbatches}) = {self.dp * self.micro_batch * self.num_microbatches} "
+            f"samples per step, over the limit {_count(MAX_GLOBAL_BATCH)}",
+        )
+        _require(self.zero in ZERO_STAGES, f"zero must be one of 0..3, got {quote(self.zero)}")
         _require(
             self.recompute in RECOMPUTE_MODES,
-            f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}",
+            f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {quote(self.recompute)}",
         )
         _require(
             self.schedule in SCHEDULES,
-            f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}",
+            f"schedule must be one of {', '.join(SCHEDULES)}, got {quote(self.schedule)}",
         )
         _require(
             self.virtual_stages == 1 or self.schedule == "1f1b",
-            f"virtual_stages={self.virtual_stages} with schedule {self.schedule!r}: interleaved "
-            "pipelines run 1F1B; use --schedule 1f1b",
+            f"virtual_stages={self.virtual_stages} with schedule {quote(self.schedule)}: "
+            "interleaved pipelines run 1F1B; use --schedule 1f1b",
         )
 
     @property
@@ -335,3 +384,59 @@ class SolverReport:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise InputError(message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _integer(name: str, value: Any, low: int, high: int | None) -> None:
+    """InputError unless ``value`` is an integer in low..high (high None: no upper limit)."""
+    within = _is_int(value) and low <= value and (high is None or value <= high)
+    if not within:
+        accepted = f">= {low}" if high is None else f"in {low}..{_count(high)}"
+        raise InputError(f"{name} must be an integer {accepted}, got {quote(value)}")
+
+
+def _count(value: int) -> str:
+    """A limit as written in the docs: 2^24 rather than 16777216."""
+    if value >= 2**16 and value & (value - 1) == 0:
+        return f"2^{value.bit_length() - 1}"
+    return str(value)
+
+
+def _real(
+    name: str,
+    value: Any,
+    low: float,
+    high: float | None,
+    *,
+    low_open: bool = False,
+    note: str = "",
+) -> None:
+    """InputError unless ``value`` is a finite number in [low, high] ((low, high] with
+    ``low_open``; high None: no upper limit)."""
+    ok = (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value > low if low_open else value >= low)
+        and (high is None or value <= high)
+    )
+    if not ok:
+        bracket = "(" if low_open else "["
+        accepted = f"{bracket}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
+        shown = f"{value:g}" if isinstance(value, float) else quote(value)
+        extra = f" ({note})" if note else ""
+        raise InputError(f"{name} must be a finite number in {accepted}{extra}, got {shown}")
+
+
+def _check_hardware(spec: Cluster | NodeGroup) -> None:
+    """The fields a Cluster and a NodeGroup share: within their ranges (module constants)."""
+    _integer("gpu_memory_bytes", spec.gpu_memory_bytes, 1, MAX_GPU_MEMORY_BYTES)
+    _integer("gpus_per_node", spec.gpus_per_node, 1, MAX_GPUS_PER_NODE)
+    low, high = GPU_TFLOPS_RANGE
+    _real("gpu_flops", spec.gpu_flops, low * 1e12, high * 1e12)
+    _real("flops_efficiency", spec.flops_efficiency, 0, 1, low_open=True)
+    for name in ("intra_node_gb_per_s", "inter_node_gb_per_s"):
+        _real(name, getattr(spec, name), *GB_PER_S_RANGE)

@@ -187,7 +187,10 @@ def valid_document() -> dict:
     [
         (lambda d: d["scales"].update(weight=1.0), "unknown component(s) weight; valid: weights"),
         (lambda d: d["scales"].update(activations=-0.5), "scales.activations: -0.5 must be"),
-        (lambda d: d["scales"].update(buffers=float("inf")), "scales.buffers: inf must be"),
+        (
+            lambda d: d["scales"].update(buffers=float("inf")),
+            "scales.buffers: inf is not a finite number",
+        ),
         (lambda d: d["scales"].update(grads="1.0"), "scales.grads: '1.0' must be a finite"),
         (lambda d: d.update(constant_bytes=1.5), "constant_bytes: 1.5 must be an integer"),
         (lambda d: d.update(constant_bytes="100"), "constant_bytes: '100' must be an integer"),
@@ -303,7 +306,8 @@ def tiny_args(out) -> list[str]:
     [
         (["--configs", "9"], "--configs 9: at most 4"),
         (["--configs", "0"], "must be >= 1"),
-        (["--timeout", "0"], "--timeout 0: must be > 0"),
+        (["--timeout", "0"], "argument --timeout: must be a number in (0, 604800] seconds"),
+        (["--timeout", "inf"], "argument --timeout: must be a number in (0, 604800] seconds"),
         (["--set", "layers"], "write FIELD=VALUE"),
         (["--iterations", "x"], "expected a positive integer"),
     ],

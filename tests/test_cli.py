@@ -168,6 +168,45 @@ def test_dag_plans_with_cpsat_and_milp_agree(capsys, tmp_path):
             "expected comma-separated integers",
         ),
         (["--gpus", "8", "--global-batch", "8", "--max-slowdown", "0.5"], "must be >= 1"),
+        # absurd values: exit 2 naming the flag and the range (issue 13)
+        (
+            ["--gpus", "8", "--global-batch", "8", "--gpu-memory", "1e400"],
+            "'1e400' is not a finite",
+        ),
+        (
+            ["--gpus", "8", "--global-batch", "8", "--gpu-memory", "1e30"],
+            "argument --gpu-memory: '1e30' is 1e+30 bytes, over the limit of 2^50 bytes (1 PiB)",
+        ),
+        (
+            ["--gpus", "8", "--global-batch", "8", "--gpu-tflops", "inf"],
+            "argument --gpu-tflops: must be a number in [1e-06, 1e+06] TFLOP/s, got 'inf'",
+        ),
+        (
+            ["--gpus", "8", "--global-batch", "8", "--flops-efficiency", "nan"],
+            "argument --flops-efficiency: must be a number in (0, 1]",
+        ),
+        (
+            ["--gpus", "8", "--global-batch", "8", "--inter-node-gbps", "-1"],
+            "argument --inter-node-gbps: must be a number in [0.001, 1e+06] GB/s",
+        ),
+        (
+            ["--gpus", "8", "--global-batch", "8", "--min-throughput", "inf"],
+            "argument --min-throughput: must be a finite number > 0, got 'inf'",
+        ),
+        (
+            ["--gpus", "8", "--global-batch", "8", "--min-throughput", "1e-300"],
+            "--min-throughput 1e-300: must be within",
+        ),
+        (
+            ["--gpus", "8", "--global-batch", "8", "--max-slowdown", "inf"],
+            "argument --max-slowdown: must be >= 1 (a number in [1, 1000]) or 'none'",
+        ),
+        (["--gpus", "8", "--global-batch", str(2**30)], "argument --global-batch: must be in"),
+        (
+            ["--gpus", "8", "--global-batch", "8", "--bytes-per-param", "2,2,4096"],
+            "argument --bytes-per-param: each value must be in 0..256, got 4096",
+        ),
+        (["--gpus", str(2**40), "--global-batch", "8"], "at most 2^32"),
         (["--gpus", "8", "--global-batch", "7", "--micro-batch", "2"], "no valid parallel config"),
     ],
 )
@@ -298,3 +337,20 @@ def test_runtime_torch_counts_a_receive_buffer_per_micro_batch(run_cli, tmp_path
     ):
         for stage in document["stages"]:
             assert stage["breakdown"]["buffers"] == copies(stage["index"]) * boundary
+
+
+def test_a_graph_without_flops_or_times_plans_for_memory_and_says_throughput_n_a(run_cli, tmp_path):
+    """Zero time everywhere: the plan is still the memory optimum; no line prints an infinite
+    throughput or divides by it."""
+    graph = json.loads(Path(GPT_1_3B).read_text())
+    for layer in graph["layers"]:
+        for key in layer:
+            if "flops" in key or key.endswith("_ms"):
+                layer[key] = 0
+    path = tmp_path / "no-time.json"
+    path.write_text(json.dumps(graph))
+    code, out, err = run_cli(plan_main, str(path), "--gpus", "8", "--global-batch", "64")
+    assert code == 0, err
+    assert "inf" not in out.replace("info", "")
+    baselines = [line for line in out.splitlines() if " split (" in line]
+    assert len(baselines) == 2 and all("throughput n/a" in line for line in baselines)

@@ -370,7 +370,10 @@ def _sweep(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
 
 
 def _rows(path: Path) -> int:
-    return max(0, len(path.read_text().splitlines()) - 1) if path.exists() else 0
+    """Rows written so far: they stream into a hidden temporary file next to ``path`` (renamed
+    over it at the end, or when interrupted: ``solver.sweep.CsvRows``)."""
+    files = [path, *path.parent.glob(f".{path.name}.*")]
+    return max((len(f.read_text().splitlines()) - 1 for f in files if f.exists()), default=0)
 
 
 @pytest.mark.slow

@@ -27,9 +27,12 @@ from solver.errors import InfeasibleError, InputError
 from solver.evaluation import evaluate
 from solver.graph import LayerGraph
 from solver.plan_check import check_plan
+from solver.plan_file import load_plan
 from solver.planner import plan
+from solver.report import format_plan, plan_to_dict
 from solver.search import Deadline, uniform_recompute_hint
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
+from solver.sweep import PointOptions, solve_point
 from tests.conftest import activation_heavy_chain, gpt_chain
 from tests.random_graphs import random_chain, random_config, random_dag
 
@@ -263,3 +266,70 @@ def test_uniform_hint_is_the_better_of_none_and_full(seed):
     assert problem.objective_value(split, flags) == best
     assert len(set(flags)) == 1
     assert solve_cpsat(problem).objective <= best
+
+
+# -- baselines compare like with like ----------------------------------------------------------
+
+
+def test_pp1_selective_plan_equals_its_baselines(gpt_graph):
+    """One stage: every split is the same split, so with the plan's recomputed layers the
+    baselines have its peak and throughput, and the report says 0% (it said -25.2%: the
+    baselines had no recomputation)."""
+    cap = 80 * 2**30
+    cluster = Cluster(num_gpus=1, gpu_memory_bytes=cap)
+    training = TrainingConfig(global_batch=64, recompute="selective")
+    result = plan(gpt_graph, cluster, training)
+    assert result.config.pp == 1 and 0 < sum(result.evaluation.recomputed) < gpt_graph.num_layers
+    for baseline in result.baselines.values():
+        assert baseline.recomputed == result.evaluation.recomputed
+        assert baseline.peak_bytes == result.peak_bytes
+        assert baseline.throughput == result.throughput
+    chosen = sum(result.evaluation.recomputed)
+    lines = [line for line in format_plan(result).splitlines() if " split (" in line]
+    assert len(lines) == 2
+    for line in lines:
+        assert f"same config and recomputed layers ({chosen} of 26)" in line
+        assert line.endswith("this plan: +0.0% peak")
+    row, _ = solve_point(PointOptions(graph=gpt_graph, training=training, cluster=cluster), 1, cap)
+    assert row["even_peak_bytes"] == row["parameters_peak_bytes"] == row["peak_bytes"]
+
+
+def test_pp4_selective_baselines_are_exact_evaluations_with_the_plans_recompute_set(gpt_graph):
+    """pp4: the even split differs from the plan's; its peak is what solver.evaluation.evaluate
+    gives for that split with the plan's recomputed layers, and the JSON carries that set."""
+    cluster = Cluster(num_gpus=4, gpu_memory_bytes=8 * 2**30)
+    training = TrainingConfig(global_batch=16, recompute="selective", pp=4, max_slowdown=None)
+    result = plan(gpt_graph, cluster, training)
+    flags = result.evaluation.recomputed
+    assert any(flags)
+    for name in ("even", "parameters"):
+        expected = evaluate(
+            gpt_graph, result.config, name, cluster=cluster, training=training, recomputed=flags
+        )
+        baseline = result.baselines[name]
+        assert baseline.stage_of_layer == expected.stage_of_layer
+        assert baseline.peak_bytes == expected.peak_bytes
+        assert baseline.throughput == expected.throughput
+    even = result.baselines["even"]
+    assert even.stage_of_layer != result.stage_of_layer and even.peak_bytes > result.peak_bytes
+    bare = evaluate(gpt_graph, result.config, "even", cluster=cluster, training=training)
+    assert bare.peak_bytes != even.peak_bytes  # what it was compared with before
+    document = plan_to_dict(result)  # checked against the schema and load_plan on the way
+    load_plan(document)
+    chosen = [name for name, flag in zip(gpt_graph.names, flags, strict=True) if flag]
+    for baseline in document["baselines"].values():
+        assert baseline["recomputed"] == chosen
+
+
+def test_full_recompute_and_zero_baselines_keep_the_config(gpt_graph):
+    """ZeRO and full recomputation live in the config, which the baselines share."""
+    cluster = Cluster(num_gpus=4, gpu_memory_bytes=80 * 2**30)
+    training = TrainingConfig(
+        global_batch=16, recompute="full", zero_stages=(3,), dp=2, max_slowdown=None
+    )
+    result = plan(gpt_graph, cluster, training)
+    expected = evaluate(gpt_graph, result.config, "even", cluster=cluster, training=training)
+    assert result.baselines["even"].config == result.config
+    assert result.baselines["even"].peak_bytes == expected.peak_bytes
+    recomputed = plan_to_dict(result)["baselines"]["even"]["recomputed"]
+    assert recomputed == list(gpt_graph.names)  # full: every layer

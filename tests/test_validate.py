@@ -66,6 +66,25 @@ def test_validate_rejects_a_file_that_is_not_a_plan(tmp_path, capsys):
     assert "not a plan" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tolerance", "-5"], "argument --tolerance: must be a number in [0, 1e+06] percent"),
+        (["--timeout", "0"], "argument --timeout: must be a number in (0, 604800] seconds"),
+        (["--timeout", "nan"], "argument --timeout: must be a number in"),
+        (["--model", "llama-tiny"], "made for model 'gpt-tiny', not 'llama-tiny'"),
+    ],
+)
+def test_validate_bad_flags_and_another_model_are_one_line_exit_2(
+    tmp_path, run_cli, flags, message
+):
+    """Before anything is spawned, and no runtime note with the error (issue 13)."""
+    plan_path = write_plan(tmp_path, runtime="megatron")
+    code, out, err = run_cli(main, str(plan_path), "--model", "gpt-tiny", *flags)
+    assert code == 2 and message in err, err
+    assert err.count("\n") == 1 and "note:" not in err and out == ""
+
+
 def test_validate_cuda_without_a_gpu_is_a_one_line_input_error(tmp_path, capsys, monkeypatch):
     import torch
 

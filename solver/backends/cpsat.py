@@ -29,6 +29,7 @@ from solver.backends.problem import (
     INFEASIBLE,
     OPTIMAL,
     UNKNOWN,
+    UTILIZATION,
     StageProblem,
     StageSolution,
 )
@@ -67,7 +68,11 @@ class CpSatFormulation(PrefixFormulation):
                 iteration_ub,
                 costs.pipeline_factor * int(time_ub.sum()) + int(costs.dp_sync_ns.sum()),
             )
-        for name, value in (("stage peak", pre.peak_ub_bytes), ("iteration", iteration_ub)):
+        ranges = [("stage peak", pre.peak_ub_bytes), ("iteration", iteration_ub)]
+        if placement is not None and placement.memory_objective == UTILIZATION:
+            # 10^6 P[s][k] <= C_k U with P[s][k] <= C_k and U <= 10^6
+            ranges.append(("utilization row", 2 * PPM * max(placement.capacity_bytes)))
+        for name, value in ranges:
             if value >= MAX_CP_SAT_VALUE:
                 raise InputError(
                     f"{name} upper bound {value} >= 2^62: too large for CP-SAT "

@@ -1,23 +1,33 @@
 """What the CLIs share: the one-line-error parser, argument types, the cluster and training
-flags, and writing results (``write_json``, ``print_output``).
+flags, checking and writing outputs (``check_outputs``, ``write_json``: solver.output_file) and
+``print_output``.
 
 The CLIs only parse, call the API, print and write JSON. Errors: one line on stderr, exit code
-2 (bad input), 3 (infeasible), 4 (time limit without a solution); never a traceback.
+2 (bad input, a bad output path included), 3 (infeasible), 4 (time limit without a solution),
+7 (an output could not be written after the work); never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from solver.calibration import Calibration, load_calibration
-from solver.errors import InputError
+from solver.errors import InputError, one_line, quote
 from solver.specs import (
+    GB_PER_S_RANGE,
+    GPU_TFLOPS_RANGE,
+    MAX_BYTES_PER_PARAM,
+    MAX_DEGREE,
+    MAX_GLOBAL_BATCH,
+    MAX_GPU_MEMORY_BYTES,
+    MAX_GPUS,
+    MAX_GPUS_PER_NODE,
+    MAX_SLOWDOWN,
+    MAX_VIRTUAL_STAGES,
     MEMORY_MODELS,
     MEMORY_OBJECTIVES,
     RECOMPUTE_CHOICES,
@@ -29,13 +39,23 @@ from solver.specs import (
 )
 from solver.units import parse_bytes
 
+MAX_WORKERS = 256
+"""Most CP-SAT worker threads --workers takes."""
+
 
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse that reports a bad argument in one line with exit code 2 (no usage dump)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        sys.stderr.write(one_line(f"{self.prog}: error: {message} (see --help)") + "\n")
         raise SystemExit(2)
+
+
+def print_error(error: BaseException | str) -> None:
+    """A CLI's error: ``error: <message>`` as one line on stderr, at most a few hundred
+    characters, control characters escaped (``solver.errors.one_line``), whatever it quotes."""
+    sys.stderr.write(one_line(f"error: {error}") + "\n")
+    sys.stderr.flush()
 
 
 def int_list(text: str) -> list[int]:
@@ -43,47 +63,115 @@ def int_list(text: str) -> list[int]:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
+            f"expected comma-separated integers, got {quote(text)}"
         ) from None
     if not values:
         raise argparse.ArgumentTypeError("expected at least one integer")
     return values
 
 
+def int_list_in(low: int, high: int):
+    """An argparse type: comma-separated integers, each in low..high."""
+
+    def parse(text: str) -> list[int]:
+        values = int_list(text)
+        bad = [value for value in values if not low <= value <= high]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"each value must be in {low}..{_count(high)}, got {quote(bad[0])}"
+            )
+        return values
+
+    return parse
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer, got {quote(text)}"
+        ) from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {quote(value)}")
     return value
+
+
+def int_in(low: int, high: int):
+    """An argparse type: an integer in low..high."""
+
+    def parse(text: str) -> int:
+        value = positive_int(text) if low == 1 else _integer(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"must be in {low}..{_count(high)}, got {quote(value)}"
+            )
+        return value
+
+    return parse
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {quote(text)}") from None
+
+
+def _count(value: int) -> str:
+    """2^24 rather than 16777216."""
+    if value >= 2**16 and value & (value - 1) == 0:
+        return f"2^{value.bit_length() - 1}"
+    return str(value)
+
+
+def _float(text: str) -> float:
+    """The number of ``text``, NaN when it is none (then every range check fails)."""
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    """A finite number > 0 (NaN, inf and 1e400 are errors)."""
+    value = _float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {quote(text)}")
     return value
+
+
+def number_in(low: float, high: float, *, low_open: bool = False, unit: str = ""):
+    """An argparse type: a finite number in [low, high] ((low, high] with ``low_open``)."""
+
+    def parse(text: str) -> float:
+        value = _float(text)
+        if not ((value > low if low_open else value >= low) and value <= high):
+            bracket = "(" if low_open else "["
+            raise argparse.ArgumentTypeError(
+                f"must be a number in {bracket}{low:g}, {high:g}]{unit}, got {quote(text)}"
+            )
+        return value
+
+    return parse
 
 
 def slowdown(text: str) -> float | None:
     if text.lower() == "none":
         return None
-    value = positive_float(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 or 'none', got {text}")
+    value = _float(text)
+    if not 1 <= value <= MAX_SLOWDOWN:
+        raise argparse.ArgumentTypeError(
+            f"must be >= 1 (a number in [1, {MAX_SLOWDOWN:g}]) or 'none', got {quote(text)}"
+        )
     return value
 
 
 def memory_size(text: str) -> int:
     try:
-        return parse_bytes(text, what="--gpu-memory")
-    except InputError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+        return parse_bytes(text, what="size", maximum=MAX_GPU_MEMORY_BYTES)
+    except InputError as error:  # argparse names the flag
+        raise argparse.ArgumentTypeError(str(error).removeprefix("size: ")) from None
 
 
 def size_list(text: str) -> list[int]:
@@ -91,7 +179,7 @@ def size_list(text: str) -> list[int]:
     parts = [part.strip() for part in text.split(",")]
     if not text.strip() or any(not part for part in parts):
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated sizes like 40GiB,80GiB, got {text!r}"
+            f"expected comma-separated sizes like 40GiB,80GiB, got {quote(text)}"
         )
     return [memory_size(part) for part in parts]
 
@@ -173,31 +261,31 @@ def add_cluster_options(parser: argparse.ArgumentParser, *, memory_list: bool = 
     )
     cluster.add_argument(
         "--gpus-per-node",
-        type=positive_int,
+        type=int_in(1, MAX_GPUS_PER_NODE),
         default=8,
         help="GPUs per node; tensor parallelism stays inside a node (default 8)",
     )
     cluster.add_argument(
         "--gpu-tflops",
-        type=positive_float,
+        type=number_in(*GPU_TFLOPS_RANGE, unit=" TFLOP/s"),
         default=989.0,
         help="peak dense TFLOP/s per GPU (default 989, H100 bf16)",
     )
     cluster.add_argument(
         "--flops-efficiency",
-        type=positive_float,
+        type=number_in(0, 1, low_open=True),
         default=0.5,
         help="fraction of peak FLOP/s reached (default 0.5)",
     )
     cluster.add_argument(
         "--intra-node-gbps",
-        type=positive_float,
+        type=number_in(*GB_PER_S_RANGE, unit=" GB/s"),
         default=450.0,
         help="per-GPU intra-node bandwidth, GB/s (default 450)",
     )
     cluster.add_argument(
         "--inter-node-gbps",
-        type=positive_float,
+        type=number_in(*GB_PER_S_RANGE, unit=" GB/s"),
         default=50.0,
         help="per-GPU inter-node bandwidth, GB/s (default 50)",
     )
@@ -208,7 +296,7 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
     training = parser.add_argument_group("training")
     training.add_argument(
         "--global-batch",
-        type=positive_int,
+        type=int_in(1, MAX_GLOBAL_BATCH),
         required=batch_required,
         help="samples per optimizer step",
     )
@@ -221,7 +309,7 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
     )
     training.add_argument(
         "--virtual-stages",
-        type=int_list,
+        type=int_list_in(1, MAX_VIRTUAL_STAGES),
         default=[1],
         metavar="V",
         help="model chunks per pipeline rank (interleaved 1F1B when > 1, Megatron's virtual "
@@ -238,7 +326,7 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
     )
     training.add_argument(
         "--bytes-per-param",
-        type=int_list,
+        type=int_list_in(0, MAX_BYTES_PER_PARAM),
         default=[2, 2, 12],
         help="weights,grads,optimizer bytes per parameter (default 2,2,12)",
     )
@@ -260,6 +348,10 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
 def cluster_from_flags(
     args: argparse.Namespace, num_gpus: int, gpu_memory_bytes: int | None = None
 ) -> Cluster:
+    """The Cluster of the flags (each flag's type checked its range; the GPU count is checked
+    here, and named --gpus)."""
+    if num_gpus > MAX_GPUS:
+        raise InputError(f"{num_gpus} GPUs (--gpus, or pp x tp x dp): at most {_count(MAX_GPUS)}")
     return Cluster(
         num_gpus=num_gpus,
         gpu_memory_bytes=args.gpu_memory if gpu_memory_bytes is None else gpu_memory_bytes,
@@ -275,14 +367,15 @@ def bytes_per_param(args: argparse.Namespace) -> dict[str, int]:
     if len(args.bytes_per_param) != 3:
         raise InputError(
             f"--bytes-per-param: give 3 numbers (weights,grads,optimizer), got "
-            f"{args.bytes_per_param}"
+            f"{quote(args.bytes_per_param)}"
         )
     w, g, o = args.bytes_per_param
     return {"weight_bytes_per_param": w, "grad_bytes_per_param": g, "optimizer_bytes_per_param": o}
 
 
 def input_files(args: argparse.Namespace) -> list[str]:
-    """Files the CLI read (--json must not overwrite them)."""
+    """Files the CLI reads (no output may replace them): the graph, --calibration, --cluster
+    and --plan, where given."""
     names = ("graph", "calibration", "cluster", "plan")
     return [getattr(args, name) for name in names if getattr(args, name, None)]
 
@@ -296,15 +389,27 @@ def add_plot_option(parser: argparse.ArgumentParser, *, drawing: str) -> None:
     )
 
 
-def check_outputs(args: argparse.Namespace) -> None:
-    """Fail on a bad --plot path (or --plot = --json) before any work."""
-    if args.plot is None:
-        return
-    from solver.plots import check_plot_path
+OUTPUT_FLAGS = (("json", "--json"), ("out", "--out"), ("plot", "--plot"))
+"""(argument, flag) of the outputs a CLI may have, in the order they are checked."""
 
-    check_plot_path(args.plot, protect=input_files(args))
-    if args.json and Path(args.json).resolve() == Path(args.plot).resolve():
-        raise InputError(f"--plot {args.plot}: same file as --json; choose another path")
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Fail on a bad output path before any work (InputError, exit 2, one line): every given
+    --json, --out and --plot (solver.output_file.check_output: a folder, a missing or read-only
+    folder, no permission, an input file, the same file as another output; --plot also needs
+    .png, .pdf or .svg)."""
+    from solver.output_file import check_output
+
+    checked = []
+    for name, flag in OUTPUT_FLAGS:
+        path = getattr(args, name, None)
+        if path is None:
+            continue
+        if name == "plot":
+            from solver.plots import check_plot_extension
+
+            check_plot_extension(path)
+        checked.append(check_output(path, flag=flag, protect=input_files(args), others=checked))
 
 
 def calibration_from_args(args: argparse.Namespace) -> Calibration | None:
@@ -317,25 +422,27 @@ def zero_stages(text: str) -> tuple[int, ...]:
     return (int(text),)
 
 
-def write_json(path: str, document: dict[str, Any], *, protect: list[str]) -> None:
-    """Write atomically; refuse to overwrite an input file or to write into a missing folder."""
-    target = Path(path)
-    for given in protect:
-        if target.exists() and Path(given).exists() and target.resolve() == Path(given).resolve():
-            raise InputError(f"--json {path}: is the input file; choose another output path")
-    if not target.parent.exists():
-        raise InputError(f"--json {path}: folder {target.parent} does not exist; create it first")
-    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    with os.fdopen(handle, "w") as stream:
-        json.dump(document, stream, indent=1)
-        stream.write("\n")
-    os.replace(temporary, target)
+def write_json(
+    path: str, document: dict[str, Any], *, protect: list[str], flag: str = "--json"
+) -> None:
+    """Write ``document`` by the one writing path (solver.output_file: atomic for a regular
+    file, written through for a device, a FIFO or a link's target); a bad path is an
+    InputError (exit 2), a failed write an OutputError (exit 7) that leaves an existing file
+    as it was. ``protect``: the input files it must not be."""
+    from solver.output_file import write_json_file
+
+    write_json_file(path, document, flag=flag, protect=protect)
 
 
 def print_output(text: str) -> None:
-    """Print, tolerating a closed pipe (``... | head``)."""
+    """Print, tolerating a closed pipe (``... | head``) and a stdout that cannot encode a name
+    (``PYTHONIOENCODING=ascii``: such characters are written as backslash escapes)."""
     try:
-        print(text, flush=True)
+        try:
+            print(text, flush=True)
+        except UnicodeEncodeError:
+            encoding = sys.stdout.encoding or "ascii"
+            print(text.encode(encoding, "backslashreplace").decode(encoding), flush=True)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
@@ -347,7 +454,7 @@ def add_plan_options(parser: argparse.ArgumentParser, *, cpsat_workers: bool = T
     search = parser.add_argument_group("search space")
     search.add_argument(
         "--micro-batch",
-        type=int_list,
+        type=int_list_in(1, MAX_GLOBAL_BATCH),
         default=[1, 2, 4],
         help="candidate micro-batch sizes (default 1,2,4)",
     )
@@ -365,9 +472,10 @@ def add_plan_options(parser: argparse.ArgumentParser, *, cpsat_workers: bool = T
         "the layers, jointly with the split; CP-SAT/MILP), or auto (= selective, which contains "
         "none and full)",
     )
-    search.add_argument("--pp", type=positive_int, help="pin the pipeline degree")
-    search.add_argument("--tp", type=positive_int, help="pin the tensor-parallel degree")
-    search.add_argument("--dp", type=positive_int, help="pin the data-parallel degree")
+    degree = int_in(1, MAX_DEGREE)
+    search.add_argument("--pp", type=degree, help="pin the pipeline degree")
+    search.add_argument("--tp", type=degree, help="pin the tensor-parallel degree")
+    search.add_argument("--dp", type=degree, help="pin the data-parallel degree")
     goal = parser.add_argument_group("objective and constraints")
     goal.add_argument(
         "--objective",
@@ -414,14 +522,44 @@ def add_plan_options(parser: argparse.ArgumentParser, *, cpsat_workers: bool = T
     if cpsat_workers:
         solver.add_argument(
             "--workers",
-            type=positive_int,
+            type=int_in(1, MAX_WORKERS),
             default=1,
             help="CP-SAT worker threads (1 = deterministic)",
         )
 
 
+FLAG_OF_FIELD = {
+    "global_batch": "--global-batch",
+    "micro_batch_sizes": "--micro-batch",
+    "virtual_stages": "--virtual-stages",
+    "min_throughput": "--min-throughput",
+    "max_slowdown": "--max-slowdown",
+}
+"""TrainingConfig fields whose errors name their flag on the command line."""
+
+
 def training_from_args(args: argparse.Namespace) -> TrainingConfig:
-    """The TrainingConfig of add_training_options + add_plan_options flags (loads --calibration)."""
+    """The TrainingConfig of add_training_options + add_plan_options flags (loads --calibration);
+    its errors name the flag."""
+    try:
+        return _training_from_args(args)
+    except InputError as error:
+        field, _, rest = str(error).partition(" ")
+        if field in FLAG_OF_FIELD:
+            raise InputError(f"{FLAG_OF_FIELD[field]} {_args_value(args, field)}: {rest}") from None
+        raise
+
+
+def _args_value(args: argparse.Namespace, field: str) -> str:
+    """The command-line value of a TrainingConfig field, for messages."""
+    dest = {"micro_batch_sizes": "micro_batch"}.get(field, field)
+    value = getattr(args, dest, None)
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _training_from_args(args: argparse.Namespace) -> TrainingConfig:
     return TrainingConfig(
         global_batch=args.global_batch,
         micro_batch_sizes=tuple(args.micro_batch),

@@ -5,7 +5,6 @@ per-stage table, write its JSON and plot."""
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from solver.cli.common import (
@@ -18,6 +17,7 @@ from solver.cli.common import (
     cluster_from_args,
     input_files,
     positive_int,
+    print_error,
     print_output,
     write_json,
 )
@@ -107,7 +107,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
             return _evaluate_plan(parser, args)
         _evaluate_split(parser, args)
     except PlannerError as error:
-        sys.stderr.write(f"error: {error}\n")
+        print_error(error)
         return error.exit_code
     except KeyboardInterrupt:
         return interrupted()

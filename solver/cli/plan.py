@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import time
 from typing import Any
 
@@ -18,6 +17,7 @@ from solver.cli.common import (
     cluster_from_args,
     input_files,
     positive_int,
+    print_error,
     print_output,
     training_from_args,
     write_json,
@@ -110,7 +110,7 @@ def plan_main(argv: list[str] | None = None) -> int:
             print_output(format_plan(result))
     except PlannerError as error:
         progress.close()  # before the line, which would otherwise land on the bar
-        sys.stderr.write(f"error: {error}\n")
+        print_error(error)
         return error.exit_code
     except KeyboardInterrupt:
         progress.close()

@@ -8,7 +8,8 @@
 Every training, search and cluster flag of ``python -m solver.plan`` applies (the same helpers
 in solver/cli/common.py build them).
 Only parses, calls solver.sweep, prints and writes; errors are one
-line with exit code 2 (bad input); a sweep whose every point is an ERROR row also returns 2;
+line with exit code 2 (bad input, a bad --out/--json/--plot path: before any work); a sweep whose
+every point is an ERROR row also returns 2; 7: an output could not be written;
 Ctrl-C returns 130 and keeps the CSV rows already written.
 """
 
@@ -25,7 +26,6 @@ from solver.graph import load_graph
 from solver.sweep import (
     SCALES,
     CsvRows,
-    check_output_path,
     max_scale,
     min_gpus,
     sweep,
@@ -111,8 +111,6 @@ def sweep_main(argv: list[str] | None = None) -> int:
             return _min_gpus(args)
         graph = load_graph(args.graph)
         training = common.training_from_args(args)
-        if args.plot:
-            _check_plot(args)
         if args.out:
             writer = CsvRows(args.out, protect=_inputs(args))
         rows = sweep(
@@ -138,10 +136,10 @@ def sweep_main(argv: list[str] | None = None) -> int:
         if all(row["status"] == "ERROR" for row in rows):
             raise InputError(f"no point can be solved; first: {rows[0]['detail']}")
     except PlannerError as error:
-        sys.stderr.write(f"error: {error}\n")
+        common.print_error(error)
         return error.exit_code
     except KeyboardInterrupt:
-        kept = "" if writer is None else f"; {writer.count} rows kept in {writer.path}"
+        kept = "" if writer is None else writer.close()
         sys.stderr.write(f"interrupted{kept}\n")
         return INTERRUPTED
     finally:
@@ -172,19 +170,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InputError("--json goes with --find; a sweep writes --out CSV")
     if args.find == "max-scale" and len(args.gpus) != 1:
         raise InputError("--find max-scale: give one GPU count (--gpus N)")
-    if args.json:
-        check_output_path(args.json, flag="--json", protect=_inputs(args))
-    if args.out and args.plot and args.out == args.plot:
-        raise InputError(f"--plot {args.plot}: same file as --out; choose another path")
-
-
-def _check_plot(args: argparse.Namespace) -> None:
-    try:
-        from solver.plots import check_plot_path
-    except ImportError:
-        check_output_path(args.plot, flag="--plot", protect=_inputs(args))
-        return
-    check_plot_path(args.plot, protect=_inputs(args))
+    common.check_outputs(args)  # --json, --out, --plot: before any graph is read or solved
 
 
 def _inputs(args: argparse.Namespace) -> list[str]:

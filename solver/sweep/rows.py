@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import csv
+import io
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from solver.errors import InputError
+from solver.errors import InputError, OutputError
+from solver.output_file import OutputFile, check_output
 
 ROW_KEYS = (
     "gpus",
@@ -55,33 +57,84 @@ _FLOAT = ("throughput", "gap", "wall_s", "even_throughput", "parameters_throughp
 class CsvRows:
     """A sweep CSV written row by row (flushed), so an interrupted run keeps what it wrote.
 
-    ``append`` each row as it completes; ``finish(rows)`` rewrites the file with every row in
-    point order (atomically)."""
+    ``append`` each row as it completes; ``finish(rows)`` writes every row in point order;
+    ``close()`` without ``finish`` keeps the rows appended so far. The file goes through the one
+    writing path (``solver.output_file``):
+
+    - to a regular file (or a new path) the rows stream into a temporary file next to it; ``finish``
+      rewrites it in point order and renames it over the path; ``close`` after an interrupt
+      renames it with the rows appended so far when there is at least one (with none, an
+      existing file stays as it was); a failed write removes it and leaves the path as it was. A
+      killed process leaves its rows in the hidden ``.NAME.XXXXXXXX.tmp`` file next to the path;
+    - to a device, a FIFO or ``/dev/stdout`` the rows go out as they complete (completion order)
+      and are not written again by ``finish`` (which writes them all only when none was appended).
+    """
 
     def __init__(self, path: str | os.PathLike, *, protect: Sequence[str] = ()):
-        self.path = check_output_path(path, flag="--out", protect=protect)
+        self._output = OutputFile(path, flag="--out", protect=protect)
+        self.path = self._output.destination.path
         self.count = 0
-        self._stream = open(self.path, "w", newline="")  # noqa: SIM115 (closed in finish/close)
-        self._writer = csv.DictWriter(self._stream, fieldnames=ROW_KEYS)
-        self._writer.writeheader()
-        self._stream.flush()
+        self._open = True
+        self._text = io.TextIOWrapper(self._output.stream, encoding="utf-8", newline="")
+        self._writer = csv.DictWriter(self._text, fieldnames=ROW_KEYS)
+        self._write(self._writer.writeheader)
 
     def append(self, row: dict) -> None:
-        self._writer.writerow(_csv_cells(row))
-        self._stream.flush()
+        self._write(lambda: self._writer.writerow(_csv_cells(row)))
         self.count += 1
 
-    def close(self) -> None:
-        self._stream.close()
-
     def finish(self, rows: Sequence[dict]) -> None:
-        self.close()
-        temporary = self.path.with_name(f".{self.path.name}.tmp")
-        with open(temporary, "w", newline="") as stream:
-            writer = csv.DictWriter(stream, fieldnames=ROW_KEYS)
-            writer.writeheader()
-            writer.writerows(_csv_cells(row) for row in rows)
-        os.replace(temporary, self.path)
+        """Write every row in point order and publish the file."""
+        atomic = self._output.destination.atomic
+        if atomic or self.count == 0:
+
+            def rewrite() -> None:
+                if atomic:  # the temporary file: start again
+                    self._text.seek(0)
+                    self._text.truncate()
+                    self._writer.writeheader()
+                self._writer.writerows(_csv_cells(row) for row in rows)
+
+            self._write(rewrite)
+            self.count = len(rows)
+        self._publish()
+
+    def close(self) -> str:
+        """Publish the rows appended so far (none: drop them, an existing file stays as it was);
+        nothing after :meth:`finish`. Never raises (a failed write leaves the path as it was):
+        returns what became of the rows, for a message ('; 2 rows kept in sweep.csv')."""
+        if not self._open:
+            return ""
+        if self.count == 0 and self._output.destination.atomic:
+            self._drop()
+            return f"; no row done, {self.path} not written"
+        try:
+            self._publish()
+        except OutputError as error:
+            return f"; {self.count} rows not kept: {error}"
+        return f"; {self.count} rows kept in {self.path}"
+
+    def _write(self, write) -> None:
+        """Run ``write`` and flush; a failure drops the output (OutputError, exit code 7)."""
+        try:
+            write()
+            self._text.flush()
+        except OSError as error:
+            self._drop()
+            raise self._output.error(error) from None
+
+    def _publish(self) -> None:
+        self._open = False
+        try:
+            self._text.detach()  # flushes; the binary stream stays open for commit
+        except OSError as error:
+            self._output.discard()
+            raise self._output.error(error) from None
+        self._output.commit()
+
+    def _drop(self) -> None:
+        self._open = False
+        self._output.discard()
 
 
 def read_rows(path: str | os.PathLike) -> list[dict]:
@@ -118,16 +171,9 @@ def _typed(cells: dict[str, str]) -> dict:
 
 
 def check_output_path(path: str | os.PathLike, *, flag: str, protect: Sequence[str] = ()) -> Path:
-    """An output path whose folder exists and that is not an input file (InputError otherwise)."""
-    target = Path(path)
-    if not target.parent.exists():
-        raise InputError(f"{flag} {path}: folder {target.parent} does not exist; create it first")
-    if target.is_dir():
-        raise InputError(f"{flag} {path}: is a folder; give a file name")
-    for given in protect:
-        if target.exists() and Path(given).exists() and target.resolve() == Path(given).resolve():
-            raise InputError(f"{flag} {path}: is an input file; choose another output path")
-    return target
+    """An output path the one writing path accepts (``solver.output_file.check_output``); a
+    folder, a missing or read-only folder, no permission or an input file is an InputError."""
+    return check_output(path, flag=flag, protect=protect).path
 
 
 def fits(row: dict) -> bool:

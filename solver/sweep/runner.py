@@ -56,6 +56,7 @@ def solve_point(
             options.training,
             backend=options.backend,
             time_limit_s=options.time_limit_s,
+            suggest_gpus=False,  # a study searches the counts itself
         )
     except InfeasibleError as error:
         row |= {"status": "INFEASIBLE", "fits": False, "peak_bytes": error.best_peak_bytes}

@@ -1,17 +1,17 @@
 """Questions answered by searching over points: the smallest GPU count that fits
-(:func:`min_gpus`) and the largest model size that fits (:func:`max_scale`)."""
+(:func:`min_gpus`; the search itself is :mod:`solver.gpu_counts`, shared with the planner's
+infeasibility message) and the largest model size that fits (:func:`max_scale`)."""
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from solver.candidates import divisors
 from solver.errors import InputError
+from solver.gpu_counts import memory_may_fit, smallest_fitting_count, valid_gpu_counts
 from solver.graph import LayerGraph
 from solver.planner import Plan
 from solver.specs import Cluster, TrainingConfig
@@ -52,15 +52,10 @@ def min_gpus(
 
     With ``candidates``, they are solved in increasing order, ``workers`` at a time, until one
     fits. Without, the candidates are every count some config can use (:func:`valid_gpu_counts`,
-    up to ``max_gpus``) and the search is:
-
-    1. binary search over them as if "fits" were monotone in the GPU count: a few plans find a
-       count N that fits (and, usually, the answer);
-    2. a brute-force check below N, because monotonicity is not guaranteed: whether a config
-       exists depends on divisibility (pp <= layers, tp | gpus per node, dp * b | global batch),
-       and a relative throughput constraint moves with the fastest plan. Each smaller count is
-       first tested with its configs' memory lower bounds (no solve), then the survivors are
-       solved in increasing order until one fits.
+    up to ``max_gpus``) and the search is :func:`solver.gpu_counts.smallest_fitting_count`:
+    binary search as if "fits" were monotone, then every smaller count, first by its configs'
+    memory lower bounds (no solve), then by an exact solve, ``workers`` at a time (the same
+    search gives the GPU count of ``solver.plan``'s infeasibility message).
 
     The answer is therefore exact (up to the time limit of each solve: a NO_SOLUTION count is
     treated as not fitting and kept in ``rows``).
@@ -86,7 +81,15 @@ def min_gpus(
             counts = valid_gpu_counts(
                 graph.num_layers, cluster_template, training, max_gpus=max_gpus
             )
-            answer, skipped = _bisect_then_scan(solved, counts)
+            capacity = dataclasses.replace(cluster_template, gpu_memory_bytes=gpu_memory_bytes)
+            search = smallest_fitting_count(
+                counts,
+                lambda n: fits(solved.rows_of([n])[0]),
+                may_fit=lambda n: memory_may_fit(graph, capacity, training, n),
+                prepare=solved.rows_of,
+                chunk=solved.chunk,
+            )
+            answer, skipped = search.gpus, search.skipped
     finally:
         if solved.bar is not None:
             solved.bar.close()
@@ -107,6 +110,11 @@ class _SolvedCounts:
         self.workers = workers
         self.bar = bar
         self.rows: dict[int, dict] = {}
+
+    @property
+    def chunk(self) -> int:
+        """Counts solved at a time (as many as there are workers)."""
+        return max(1, self.workers or os.cpu_count() or 1)
 
     def rows_of(self, counts: Sequence[int]) -> list[dict]:
         """The rows of ``counts``, solving (in parallel) those not solved yet."""
@@ -129,71 +137,12 @@ class _SolvedCounts:
     def first_fit(self, counts: Sequence[int]) -> int | None:
         """The smallest of ``counts`` that fits, solving them in increasing order, as many at a
         time as there are workers."""
-        chunk = max(1, self.workers or os.cpu_count() or 1)
-        for start in range(0, len(counts), chunk):
-            rows = self.rows_of(counts[start : start + chunk])
+        for start in range(0, len(counts), self.chunk):
+            rows = self.rows_of(counts[start : start + self.chunk])
             fitting = [r["gpus"] for r in rows if fits(r)]
             if fitting:
                 return min(fitting)
         return None
-
-
-def _bisect_then_scan(solved: _SolvedCounts, counts: list[int]) -> tuple[int | None, int]:
-    """Steps 1 and 2 of :func:`min_gpus`: a count that fits by binary search, then the smallest
-    below it that fits; returns (answer, counts ruled out by their memory lower bounds)."""
-    upper = _bisect_fit(counts, lambda n: fits(solved.rows_of([n])[0]))
-    below = counts[: bisect.bisect_left(counts, upper)] if upper is not None else counts
-    possible = [n for n in below if _may_fit(solved.options, n, solved.gpu_memory_bytes)]
-    answer = solved.first_fit(possible)
-    return (upper if answer is None else answer), len(below) - len(possible)
-
-
-def valid_gpu_counts(
-    num_layers: int, cluster: Cluster, training: TrainingConfig, *, max_gpus: int | None = None
-) -> list[int]:
-    """Every GPU count N <= max_gpus with at least one candidate config (candidates.py rules:
-    N = pp * tp * dp, pp <= layers, tp | gpus per node, dp * b | global batch, pins), sorted."""
-    dps = [
-        d
-        for d in divisors(training.global_batch)
-        if any(training.global_batch % (d * b) == 0 for b in training.micro_batch_sizes)
-    ]
-    counts = {
-        pp * tp * dp
-        for pp in range(1, num_layers + 1)
-        if training.pp in (None, pp)
-        for tp in divisors(cluster.gpus_per_node)
-        if training.tp in (None, tp)
-        for dp in dps
-        if training.dp in (None, dp)
-    }
-    return sorted(n for n in counts if max_gpus is None or n <= max_gpus)
-
-
-def _bisect_fit(counts: list[int], fit: Callable[[int], bool]) -> int | None:
-    """The smallest count that fits if fitting were monotone (None if the largest does not)."""
-    if not counts or not fit(counts[-1]):
-        return None
-    low, high = 0, len(counts) - 1  # counts[high] fits
-    while low < high:
-        middle = (low + high) // 2
-        if fit(counts[middle]):
-            high = middle
-        else:
-            low = middle + 1
-    return counts[high]
-
-
-def _may_fit(options: PointOptions, gpus: int, gpu_memory_bytes: int) -> bool:
-    """False when every config of this count has a memory lower bound over the capacity."""
-    from solver.search import build_entries
-
-    cluster = dataclasses.replace(options.cluster, num_gpus=gpus, gpu_memory_bytes=gpu_memory_bytes)
-    try:
-        entries = build_entries(options.graph, cluster, options.training)
-    except InputError:
-        return False
-    return min(entry.memory_bound for entry in entries) <= gpu_memory_bytes
 
 
 SCALES = {"layers": "layers", "hidden": "hidden"}
