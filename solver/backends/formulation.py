@@ -468,9 +468,13 @@ class PrefixFormulation(abc.ABC):
     def _build_variables(self) -> None:
         """y[l][s], r[e][s] where stage(u) < s < stage(v) is possible, tr[s], peak, T, AR."""
         problem, pre, costs = self.problem, self.presolve, self.costs
-        p = problem.num_stages
+        p, began = problem.num_stages, time.perf_counter()
         for layer in range(problem.num_layers):
             self._tick()
+            if layer % 64 == 63:  # the rows so far say when all of them would be made
+                projected = began + (time.perf_counter() - began) * problem.num_layers / layer
+                if projected > self.stop_at:
+                    raise BuildTimeUp  # not even its variables in time: build none of it
             self.vars.prefix.append([self._new_bool(f"y_l{layer}_s{s}") for s in range(p - 1)])
         if problem.selective:
             self.vars.recompute = [
