@@ -9,13 +9,15 @@ included), its exit code, the solver's status or error, and its peak resident me
 
 - a 5,000-layer GPT chain (hidden 1024, 64 GPUs): ``--recompute auto`` (selective, CP-SAT on
   each config), ``--backend cpsat`` (one CP-SAT model of 5,000 x 64 prefix variables per config),
-  and ``--recompute auto --pareto``;
+  ``--recompute auto --pareto``, and on 8 GPUs, where nothing fits (exit 3: the explanation
+  and its search for a GPU count that fits run under the same deadline);
 - a 302-layer T5-style DAG (the encoder output feeds all 149 decoder blocks; CP-SAT) and the same
   with ``--backend milp``;
 - ``--gpus 1000000007`` on the chain (a prime: no config; the candidate enumeration used to loop
   to N);
 - the README's default case (examples/gpt3-175b.json, 64 GPUs, 80 GiB, global batch 256);
-- a sweep of the chain at 64 and 128 GPUs (``--workers 2``; the limit is per point).
+- a sweep of the chain at 64 and 128 GPUs (``--recompute auto``, ``--workers 2``; the limit is
+  per point).
 
 Target: every run returns within its limit + 5 s. Writes benchmarks/bench_time_limits.md.
 """
@@ -58,6 +60,10 @@ def cases(chain: str, dag: str) -> list[tuple[str, tuple[str, ...]]]:
         (
             "5,000-layer chain, --recompute auto --pareto",
             (*PLAN, chain, "--gpus", "64", "--recompute", "auto", "--pareto"),
+        ),
+        (
+            "5,000-layer chain on 8 GPUs, --recompute auto (nothing fits: exit 3)",
+            (*PLAN, chain, "--gpus", "8", "--recompute", "auto"),
         ),
         ("302-layer DAG (CP-SAT)", (*PLAN, dag, "--gpus", "64")),
         ("302-layer DAG, --backend milp", (*PLAN, dag, "--gpus", "64", "--backend", "milp")),
