@@ -168,7 +168,7 @@ def test_dag_plans_with_cpsat_and_milp_agree(capsys, tmp_path):
             "expected comma-separated integers",
         ),
         (["--gpus", "8", "--global-batch", "8", "--max-slowdown", "0.5"], "must be >= 1"),
-        # absurd values: exit 2 naming the flag and the range (issue 13)
+        # absurd values: exit 2 naming the flag and the range
         (
             ["--gpus", "8", "--global-batch", "8", "--gpu-memory", "1e400"],
             "'1e400' is not a finite",

@@ -1,4 +1,4 @@
-"""Hostile input files for every CLI that reads one (issue 13, item 7: the inputs).
+"""Hostile input files for every CLI that reads one.
 
 The cases are generated from the bundled examples (``examples/gpt-1.3b.json``,
 ``examples/t5-dag.json``, ``examples/clusters/a100-40g-80g.json``), a plan that

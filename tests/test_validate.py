@@ -78,7 +78,7 @@ def test_validate_rejects_a_file_that_is_not_a_plan(tmp_path, capsys):
 def test_validate_bad_flags_and_another_model_are_one_line_exit_2(
     tmp_path, run_cli, flags, message
 ):
-    """Before anything is spawned, and no runtime note with the error (issue 13)."""
+    """Before anything is spawned, and no runtime note with the error."""
     plan_path = write_plan(tmp_path, runtime="megatron")
     code, out, err = run_cli(main, str(plan_path), "--model", "gpt-tiny", *flags)
     assert code == 2 and message in err, err
