@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from typing import Any
 
 from solver.cli import common
+from solver.cli.terminal import interrupted
 from solver.errors import InputError, PlannerError
 from solver.graph import load_graph
 from solver.sweep import (
@@ -31,8 +31,6 @@ from solver.sweep import (
     sweep,
 )
 from solver.units import format_bytes
-
-INTERRUPTED = 130
 
 
 def gpu_list(text: str) -> list[int] | str:
@@ -139,9 +137,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
         common.print_error(error)
         return error.exit_code
     except KeyboardInterrupt:
-        kept = "" if writer is None else writer.close()
-        sys.stderr.write(f"interrupted{kept}\n")
-        return INTERRUPTED
+        return interrupted("" if writer is None else writer.close())
     finally:
         if writer is not None:
             writer.close()
