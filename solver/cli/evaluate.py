@@ -5,6 +5,7 @@ per-stage table, write its JSON and plot."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from solver.cli.common import (
@@ -233,14 +234,13 @@ def _split_from_args(args: argparse.Namespace) -> str | list[int]:
 
 
 def _training_from_args(args: argparse.Namespace, config: ParallelConfig) -> TrainingConfig:
-    """Training options that pin the search space to the evaluated config."""
-    return TrainingConfig(
-        global_batch=args.global_batch,
-        micro_batch_sizes=(args.micro_batch,),
-        zero_stages=(args.zero,),
-        recompute=args.recompute,
-        schedule=args.schedule,
-        virtual_stages=(config.virtual_stages,),
+    """The evaluated config's own training options (``evaluation.default_training``: its global
+    batch, micro-batch, ZeRO stage, recompute, schedule and virtual stages) with the flags'
+    runtime, memory model, calibration and bytes per parameter."""
+    from solver.evaluation import default_training
+
+    return dataclasses.replace(
+        default_training(config),
         runtime=args.runtime,
         memory_model=args.memory_model,
         calibration=calibration_from_args(args),
