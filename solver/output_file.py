@@ -33,7 +33,7 @@ import os
 import secrets
 import stat
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -147,7 +147,7 @@ class OutputFile:
         self.destination = check_output(path, flag=flag, protect=protect)
         self._temporary: Path | None = None
         target = self.destination.target
-        try:
+        with self._discarding_on_failure():
             if self.destination.atomic:
                 handle, self._temporary = _create_temporary(target, self.destination.replaces)
                 self.stream: BinaryIO = os.fdopen(handle, "wb")
@@ -159,16 +159,10 @@ class OutputFile:
                 self.stream = os.fdopen(os.dup(self.destination.descriptor), "wb")
             else:  # a device or a FIFO (append: no-op), or another process's open file
                 self.stream = open(target, "ab")  # noqa: SIM115 (closed in commit/discard)
-        except OSError as error:
-            self.discard()
-            raise self.error(error) from None
-        except BaseException:
-            self.discard()
-            raise
 
     def commit(self) -> Path:
         """Flush, fsync and (atomic) rename over the target; returns the path as given."""
-        try:
+        with self._discarding_on_failure():
             self.stream.flush()
             _fsync(self.stream.fileno())
             self.stream.close()
@@ -176,13 +170,20 @@ class OutputFile:
                 os.replace(self._temporary, self.destination.target)
                 self._temporary = None
                 _fsync_folder(self.destination.target.parent)
+        return self.destination.path
+
+    @contextlib.contextmanager
+    def _discarding_on_failure(self) -> Iterator[None]:
+        """Any failure inside (Ctrl-C included) drops the temporary file; an OSError becomes this
+        output's one-line ``OutputError``."""
+        try:
+            yield
         except OSError as error:
             self.discard()
             raise self.error(error) from None
         except BaseException:
             self.discard()
             raise
-        return self.destination.path
 
     def discard(self) -> None:
         """Close and remove the temporary file (an existing target stays as it was)."""
