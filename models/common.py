@@ -28,6 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu", "relu")
@@ -239,11 +240,48 @@ class MLP(nn.Module):
         return self.dropout(self.fc2(x))
 
 
+class _CrossEntropy(torch.autograd.Function):
+    """Megatron-core's cross-entropy (``tensor_parallel.vocab_parallel_cross_entropy`` on one
+    tensor-parallel rank) with its memory behaviour: the logits' fp32 copy (the logits themselves
+    when they are fp32) becomes the softmax in place and is the only tensor saved; the backward
+    turns it into the gradient in place. Per-token losses, (b, s) -> fp32."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()  # a copy for bf16 logits, the same tensor for fp32 ones
+        logits -= logits.max(dim=-1, keepdim=True)[0]
+        predicted = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        torch.exp(logits, out=logits)
+        sum_exp = logits.sum(dim=-1)
+        loss = torch.log(sum_exp) - predicted
+        logits.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(logits, targets)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, targets = ctx.saved_tensors
+        grad = softmax  # in place, as Megatron
+        grad.scatter_add_(-1, targets.unsqueeze(-1), grad.new_full((*targets.shape, 1), -1.0))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None
+
+
+def language_model_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of (b, s, V) logits, computed in fp32 as Megatron-core does
+    (:class:`_CrossEntropy`). Sharded (vocabulary-parallel DTensor) logits go through
+    ``F.cross_entropy``, which torch's ``loss_parallel`` computes without gathering them."""
+    if isinstance(logits, DTensor):
+        return language_model_loss(logits, targets)
+    return _CrossEntropy.apply(logits, targets).mean()
+
+
 class LMHead(nn.Module):
     """Final norm + LM head (no bias) + cross-entropy, the loss computed in fp32.
 
-    ``logits.float()`` upcasts a bf16 model's logits before the loss (Megatron-LM does the same),
-    so the loss and its gradient are fp32. Tying (the LM head reusing the token embedding weight)
+    The loss upcasts a bf16 model's logits to fp32 (Megatron-LM does the same) and keeps only
+    their softmax for the backward (:func:`language_model_loss`), so the loss and its gradient
+    are fp32. Tying (the LM head reusing the token embedding weight)
     is done by the owning model, which replaces ``lm_head.weight`` with the embedding's Parameter.
     """
 
@@ -254,4 +292,4 @@ class LMHead(nn.Module):
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.norm(x))
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return language_model_loss(logits, targets)

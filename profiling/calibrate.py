@@ -67,9 +67,13 @@ class Layout(NamedTuple):
     recompute: str = "none"
     virtual_stages: int = 1
     """Chunks per pipeline rank (interleaved 1F1B when > 1)."""
+    engine: str = "torch"
+    """What runs the plan (``profiling.run.ENGINES``): torch (planned for the torch runtime) or
+    megatron (megatron-core, planned for the megatron runtime)."""
 
     def training(self) -> TrainingConfig:
-        """The planner's options for this layout: pinned degrees, fp32 + Adam, torch runtime."""
+        """The planner's options for this layout: pinned degrees, fp32 + Adam, the runtime of
+        the engine that runs it."""
         return TrainingConfig(
             global_batch=self.global_batch,
             micro_batch_sizes=(self.micro_batch,),
@@ -77,7 +81,7 @@ class Layout(NamedTuple):
             recompute=self.recompute,
             schedule=self.schedule,
             virtual_stages=(self.virtual_stages,),
-            runtime="torch",  # what run_plan executes
+            runtime="torch" if self.engine == "torch" else "megatron",
             max_slowdown=None,
             **{"tp": 1, **self.pins},
             **FP32_ADAM,
@@ -183,6 +187,7 @@ def calibrate(
             overrides=overrides,
             timeout_s=timeout_s,
             seed=seed,
+            engine=layout.engine,
         )
         for report in reports:
             samples.append(
@@ -247,7 +252,7 @@ def _layout(item: Layout | tuple) -> Layout:
     except TypeError:
         raise InputError(
             f"calibrate: configuration {item!r}: give (label, num_gpus, pins, global_batch, "
-            "micro_batch, schedule[, zero[, recompute[, virtual_stages]]])"
+            "micro_batch, schedule[, zero[, recompute[, virtual_stages[, engine]]]])"
         ) from None
     if not isinstance(layout.pins, dict) or set(layout.pins) - {"pp", "dp", "tp"}:
         raise InputError(

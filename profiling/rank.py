@@ -89,6 +89,11 @@ class RunJob:
     capture_grads: bool
     device: str
     fault: tuple[int, str] | None
+    engine: str = "torch"
+    """torch (torch.distributed.pipelining, this module) or megatron (megatron-core,
+    :mod:`profiling.megatron_rank`)."""
+    deallocate_pipeline_outputs: bool = True
+    """megatron engine: free a sent pipeline output's data at once (Megatron-LM's setting)."""
 
 
 def model_spec(preset: str, overrides: dict[str, Any]) -> models.ModelSpec:
@@ -224,7 +229,7 @@ class _Chunk:
 
 
 @dataclass(kw_only=True)
-class _Measured:
+class Measured:
     """What the iterations measured on one rank."""
 
     peak_bytes: int
@@ -235,7 +240,7 @@ class _Measured:
     grads: dict[str, torch.Tensor] | None
 
 
-def _place(rank: int, job: RunJob) -> _Place:
+def place_rank(rank: int, job: RunJob) -> _Place:
     """The rank's mesh coordinates and device; sets its CPU threads (and CUDA device)."""
     config = job.plan.config
     replica, tp_rank = divmod(rank, config.tp)
@@ -451,7 +456,7 @@ def _gradients(chunks: list[_Chunk], orders: dict[str, torch.Tensor]) -> dict[st
 
 def _train_and_measure(
     chunks: list[_Chunk], spec: models.ModelSpec, job: RunJob, place: _Place, mesh, vocab_sizes
-) -> _Measured:
+) -> Measured:
     """Parallelize the chunks, build the schedule and the optimizer, train, and measure the live
     tensors from before the wrappers on (the peak of the last iteration)."""
     from profiling.memory import LiveTensorTracker
@@ -487,7 +492,7 @@ def _train_and_measure(
         )
         peak_bytes, breakdown = tracker.peak_bytes, dict(tracker.peak_breakdown)
         grads = _gradients(chunks, orders) if job.capture_grads else None
-    return _Measured(
+    return Measured(
         peak_bytes=peak_bytes,
         breakdown=breakdown,
         iteration_ms=iteration_ms,
@@ -500,16 +505,20 @@ def _train_and_measure(
 def _rank_main(rank: int, job: RunJob) -> RankReport:
     """One rank: place it, join the mesh, build its chunks, train and measure, and report next
     to the plan's prediction for its stage."""
-    place = _place(rank, job)
+    place = place_rank(rank, job)
     mesh = _init_mesh(place, job)
     spec = model_spec(job.preset, job.overrides)
     chunks, vocab_sizes = _build_chunks(spec, job, place)
-    measured = _train_and_measure(chunks, spec, job, place, mesh, vocab_sizes)
+    return rank_report(place, job, _train_and_measure(chunks, spec, job, place, mesh, vocab_sizes))
+
+
+def rank_report(place: _Place, job: RunJob, measured: Measured) -> RankReport:
+    """What a rank measured, next to the plan's prediction for its stage."""
     stage = job.plan.stages[place.stage]
     predicted = stage.peak_bytes
     peak_bytes = measured.peak_bytes
     return RankReport(
-        rank=rank,
+        rank=place.rank,
         stage=place.stage,
         dp_rank=place.dp_rank,
         tp_rank=place.tp_rank,
@@ -534,13 +543,21 @@ def rank_worker(rank: int, job: RunJob, result_dir: str) -> None:
     exit_with_parent()
     directory = Path(result_dir)
     try:
-        report = _rank_main(rank, job)
+        if job.engine == "megatron":
+            from profiling.megatron_rank import megatron_rank_main
+
+            report = megatron_rank_main(rank, job)
+        else:
+            report = _rank_main(rank, job)
         torch.save(report, directory / f"rank{rank}.tmp")
         os.replace(directory / f"rank{rank}.tmp", directory / f"rank{rank}.pt")
         import torch.distributed as dist
 
         dist.barrier()  # nobody tears down gloo while a peer still talks to it
         dist.destroy_process_group()
+    except InputError as error:  # the plan or model, found wrong on this rank: one line
+        (directory / f"rank{rank}.input").write_text(str(error))
+        os._exit(1)
     except BaseException:
         (directory / f"rank{rank}.err").write_text(f"{time.time()}\n{traceback.format_exc()}")
         os._exit(1)  # skip atexit and gloo teardown: peers may be gone or stuck

@@ -113,6 +113,9 @@ from solver.specs import SCHEDULES as SCHEDULES  # re-exported: the names profil
 from solver.specs import ZERO_STAGES as ZERO_STAGES
 from solver.specs import ParallelConfig
 
+ENGINES = ("torch", "megatron")
+"""torch: torch.distributed.pipelining (:mod:`profiling.rank`); megatron: megatron-core
+(:mod:`profiling.megatron_rank`)."""
 RECOMPUTE = ("none", "full")
 """The recompute modes (of ``solver.specs.RECOMPUTE_MODES``) this executor runs."""
 DEVICES = ("cpu", "cuda")
@@ -121,28 +124,20 @@ DEVICES = ("cpu", "cuda")
 # -- what this executor runs (parent) ----------------------------------------------------------
 
 
-def _check_runnable(spec: models.ModelSpec, plan: PlanFile, max_processes: int) -> None:
-    """InputError naming the field, unless this executor can run the (checked) plan on ``spec``:
-    recompute none or full, no ZeRO-1 over tensor-parallel parameters, a supported interleaving,
-    a tensor-parallel split of the model's heads, few enough processes, and the model's layers."""
+def _check_runnable(
+    spec: models.ModelSpec, plan: PlanFile, max_processes: int, engine: str = "torch"
+) -> None:
+    """InputError naming the field, unless ``engine`` can run the (checked) plan on ``spec``:
+    the plan's model and layers, few enough processes, and what the engine supports."""
     config = plan.config
-    pp, tp, dp, zero = config.pp, config.tp, config.dp, config.zero
+    pp, tp, dp = config.pp, config.tp, config.dp
+    if engine not in ENGINES:
+        raise InputError(f"engine {engine!r}; valid: {', '.join(ENGINES)}")
     _check_model(spec, plan)
-    if tp > 1 and dp > 1 and zero == 1:
-        raise InputError(
-            f"plan config: zero=1 with tp({tp}) and dp({dp}): ZeroRedundancyOptimizer cannot "
-            "shard DTensor (tensor-parallel) parameters; use zero=2 or 3"
-        )
-    if config.recompute not in RECOMPUTE:
-        raise InputError(
-            f"plan config: recompute={config.recompute!r}; valid: {', '.join(RECOMPUTE)}"
-        )
-    _check_interleaving(config)
-    if tp > 1:
-        with torch.device("meta"):  # shapes only
-            model = spec.build()
-        tensor_parallel_pairs(model, spec.layers, tp)
-        vocabulary_parallel_paths(model, spec.layers, vocabulary_sizes(model))
+    if engine == "megatron":
+        _check_megatron(spec, plan)
+    else:
+        _check_torch(spec, config)
     if pp * dp * tp > max_processes:
         raise InputError(
             f"plan needs pp({pp}) * dp({dp}) * tp({tp}) = {pp * dp * tp} processes, more than "
@@ -160,6 +155,67 @@ def _check_runnable(spec: models.ModelSpec, plan: PlanFile, max_processes: int) 
             f"{len(spec.layers)} layers {spec.layers[0]}..{spec.layers[-1]} in order, got "
             f"{len(layers)} layers{'; ' + detail if detail else ' (out of order)'}"
         )
+
+
+def _check_torch(spec: models.ModelSpec, config: ParallelConfig) -> None:
+    """What the torch executor runs: recompute none or full, no ZeRO-1 over tensor-parallel
+    parameters, a supported interleaving and a tensor-parallel split of the model's heads."""
+    tp, dp, zero = config.tp, config.dp, config.zero
+    if tp > 1 and dp > 1 and zero == 1:
+        raise InputError(
+            f"plan config: zero=1 with tp({tp}) and dp({dp}): ZeroRedundancyOptimizer cannot "
+            "shard DTensor (tensor-parallel) parameters; use zero=2 or 3"
+        )
+    if config.recompute not in RECOMPUTE:
+        raise InputError(
+            f"plan config: recompute={config.recompute!r}; valid: {', '.join(RECOMPUTE)}"
+        )
+    _check_interleaving(config)
+    if tp > 1:
+        with torch.device("meta"):  # shapes only
+            model = spec.build()
+        tensor_parallel_pairs(model, spec.layers, tp)
+        vocabulary_parallel_paths(model, spec.layers, vocabulary_sizes(model))
+
+
+def _check_megatron(spec: models.ModelSpec, plan: PlanFile) -> None:
+    """What the megatron engine runs: megatron-core installed, a plan for the megatron runtime
+    with a Megatron export that Megatron can take, a GPT/Llama preset whose heads, KV heads,
+    vocabulary and MLP width the TP degree divides, 1F1B, ZeRO 0 or 1 (the distributed
+    optimizer), and bf16 or fp32 weights."""
+    from profiling.megatron_model import check_model, megatron_settings, require_megatron
+    from profiling.megatron_rank import plan_dtype_of
+
+    config = plan.config
+    require_megatron()
+    if plan.runtime != "megatron":
+        raise InputError(
+            f"{plan.source}: planned for the {plan.runtime} runtime; the megatron engine runs "
+            "plans for the megatron runtime (plan with --runtime megatron)"
+        )
+    problems = (
+        (config.schedule != "1f1b", f"schedule={config.schedule}: Megatron runs 1F1B only"),
+        (
+            config.zero > 1,
+            f"zero={config.zero}: Megatron's distributed optimizer is ZeRO 1; plan with "
+            "--zero 0 or 1",
+        ),
+        (
+            config.virtual_stages > 1 and config.num_microbatches % config.pp != 0,
+            f"num_microbatches={config.num_microbatches}: interleaved 1F1B needs a multiple of "
+            f"pp ({config.pp})",
+        ),
+    )
+    for failed, problem in problems:
+        if failed:
+            raise InputError(f"plan config: {problem}")
+    settings = megatron_settings(plan)
+    export = plan.exports["megatron"]
+    recompute_warnings = [w for w in export.get("warnings", []) if w.startswith("recompute:")]
+    if recompute_warnings:
+        raise InputError(f"{plan.source}: exports.megatron: {recompute_warnings[0]}")
+    check_model(spec, settings.tp)
+    plan_dtype_of(plan)
 
 
 def _check_model(spec: models.ModelSpec, plan: PlanFile) -> None:
@@ -269,6 +325,8 @@ def run_plan(
     capture_grads: bool = False,
     max_processes: int | None = None,
     device: str = "cpu",
+    engine: str = "torch",
+    deallocate_pipeline_outputs: bool = True,
     _fault: tuple[int, str] | None = None,
 ) -> list[RankReport]:
     """Train ``iterations`` steps of ``preset`` with ``plan`` on ``pp * dp * tp`` local processes.
@@ -290,9 +348,11 @@ def run_plan(
     plan = load_plan(plan)
     spec = model_spec(preset, overrides)
     limit = max_processes or max(4, 2 * (os.cpu_count() or 1))
-    _check_runnable(spec, plan, limit)
+    _check_runnable(spec, plan, limit, engine)
     world = plan.config.num_gpus
     _check_device(device, world)
+    if engine == "megatron" and device != "cpu":
+        raise InputError("engine megatron runs on device cpu here (gloo); use --device cpu")
     job = RunJob(
         preset=preset,
         overrides=overrides,
@@ -305,6 +365,8 @@ def run_plan(
         capture_grads=capture_grads,
         device=device,
         fault=_fault,
+        engine=engine,
+        deallocate_pipeline_outputs=deallocate_pipeline_outputs,
     )
     context = torch.multiprocessing.get_context("spawn")
     directory = Path(tempfile.mkdtemp(prefix="memplan-run-"))
@@ -325,6 +387,9 @@ def run_plan(
             if failed:
                 time.sleep(0.2)  # let the first failure's traceback land
                 _stop(processes)
+                bad_input = sorted(directory.glob("rank*.input"))
+                if bad_input:
+                    raise InputError(bad_input[0].read_text())
                 detail = _first_error(directory) or f"exit codes {codes}"
                 raise RunError(f"rank(s) {failed} failed; all ranks stopped. {detail}", pids=pids)
             if all(code == 0 for code in codes):

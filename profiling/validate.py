@@ -1,7 +1,8 @@
 """``python -m profiling.validate PLAN.json --model PRESET``: run a plan for real, compare peaks.
 
 Runs the plan on this machine with ``profiling.run.run_plan`` (pp * dp * tp processes: gloo on
-CPU, or NCCL with one GPU per rank with ``--device cuda``; the plan must be small enough to fit),
+CPU, or NCCL with one GPU per rank with ``--device cuda``; the plan must be small enough to fit)
+on torch.distributed.pipelining, or on megatron-core with ``--engine megatron``,
 prints predicted, measured and error % rank by rank, and exits non-zero when any rank's absolute
 error exceeds ``--tolerance`` percent.
 Exit codes: 0 within tolerance, 2 bad input (a bad --json path: before the run), 5 a rank failed
@@ -70,6 +71,13 @@ def parser() -> argparse.ArgumentParser:
         "torch.cuda.max_memory_allocated)",
     )
     result.add_argument(
+        "--engine",
+        choices=("torch", "megatron"),
+        default="torch",
+        help="torch (torch.distributed.pipelining, default) or megatron (megatron-core, CPU "
+        'over gloo; needs pip install -e ".[megatron]" and a plan for --runtime megatron)',
+    )
+    result.add_argument(
         "--timeout",
         type=number_in(0, MAX_TIMEOUT_S, low_open=True, unit=" seconds"),
         default=300.0,
@@ -93,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides=parse_overrides(args.set),
             timeout_s=args.timeout,
             device=args.device,
+            engine=args.engine,
         )
         print(format_reports(reports))
         if args.json:
@@ -107,10 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             print_error(
                 f"largest per-rank error {worst:.1f}% exceeds --tolerance {args.tolerance:g}%"
             )
-            _runtime_note(args.plan, plan.runtime)
+            _runtime_note(args.plan, plan.runtime, args.engine)
             return TOLERANCE_EXCEEDED
         print(f"all ranks within {args.tolerance:g}% (largest |error| {worst:.1f}%)")
-        _runtime_note(args.plan, plan.runtime)
+        _runtime_note(args.plan, plan.runtime, args.engine)
     except PlannerError as error:
         print_error(error)
         return error.exit_code
@@ -119,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _runtime_note(path: str, runtime: str) -> None:
+def _runtime_note(path: str, runtime: str, engine: str) -> None:
     """After the result (never before an error): a plan for another runtime than the one run."""
-    if runtime != "torch":
+    if engine == "torch" and runtime != "torch":
         print(
             f"note: {path} was planned for the {runtime} runtime; this run uses "
             "torch.distributed.pipelining, which keeps more boundary buffers (plan with "

@@ -1,0 +1,108 @@
+"""Megatron-core on CPU over gloo: every CUDA assumption it makes, bypassed in one place.
+
+megatron-core (``pip install -e ".[megatron]"``) trains a ``GPTModel`` built from its local
+layer spec (no TransformerEngine, no apex) on CPU once these are bypassed, and nothing else
+(measured on 0.16.1 and 0.19.2; ../shared/reference/runtime-memory-facts.md):
+
+1. ``torch.cuda.current_device()`` is the device of the p2p receive buffers, the gradient
+   buffers and the distributed optimizer's shards: it returns ``"cpu"`` here.
+2. ``torch.cuda.synchronize()`` after the p2p exchange: a no-op.
+3. Small tensors created with an explicit ``device="cuda"`` (the schedules' token count, the
+   optimizer's ``found_inf``): :class:`CudaFactoriesOnCpu` rewrites a CUDA ``device=`` to the CPU
+   in every torch call made while it is active.
+4. The CUDA RNG: the tensor-parallel RNG tracker is Megatron's own inference tracker, whose
+   ``fork()`` leaves the RNG alone (runs compared with predictions use dropout 0, so no random
+   numbers are drawn inside the forward), and the RNG state that activation recomputation saves
+   and restores is the CPU generator's.
+5. The optimizers and the gradient clipping accept tensors only of the types
+   ``torch.cuda.{Float,Half,BFloat16}Tensor``: ``Tensor.type()`` names a CPU tensor's type as its
+   CUDA twin (:func:`cuda_type_names`).
+
+6. Without TransformerEngine or apex, Megatron's optimizer falls back to ``torch.optim.AdamW``,
+   whose default (per-tensor) step allocates two parameter-sized temporaries for the largest
+   parameter; on a GPU Megatron runs a fused Adam that updates in place. :class:`FusedAdamW`
+   (torch's own fused CPU kernel, ``fused=True``) restores that behaviour.
+
+Everything here runs only inside a rank process of ``profiling.run`` (``engine="megatron"``);
+the patches are undone when the context exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from unittest import mock
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+NO_FUSED_KERNELS = (
+    r".*((Transformer Engine|Apex|TransformerEngine).*not installed|full scope is deprecated)"
+)
+"""megatron-core's warnings that it falls back to torch's own kernels, and one about its own default
+CUDA-graph scope: expected here, and not the user's to act on."""
+
+
+def quiet_fallback_warnings() -> None:
+    """Silence the warnings that TransformerEngine and apex are missing (the local spec and
+    torch's Adam are what runs here by design)."""
+    warnings.filterwarnings("ignore", message=NO_FUSED_KERNELS)
+
+
+def _is_cuda(device: object) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # an index means a CUDA device (torch.cuda.current_device())
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda"
+
+
+class CudaFactoriesOnCpu(TorchFunctionMode):
+    """Every torch call with a CUDA ``device=`` keyword gets ``device="cpu"`` instead."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+class FusedAdamW(torch.optim.AdamW):
+    """Bypass 6: ``torch.optim.AdamW`` with its fused kernel (in place, as TE/apex FusedAdam)."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs, fused=True)
+
+
+def _cuda_type_name(tensor: torch.Tensor, *args, _original=torch.Tensor.type, **kwargs):
+    """Bypass 5: ``Tensor.type()`` of a CPU tensor reads ``torch.cuda.<Type>``."""
+    name = _original(tensor, *args, **kwargs)
+    if args or kwargs or not isinstance(name, str) or ".cuda." in name:
+        return name
+    return name.replace("torch.", "torch.cuda.", 1)
+
+
+@contextlib.contextmanager
+def megatron_on_cpu() -> Iterator[None]:
+    """Bypasses 1-6 for the whole run (building the model, the schedules, the optimizer step)."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: "cpu"))
+        stack.enter_context(mock.patch.object(torch.cuda, "synchronize", lambda *_, **__: None))
+        megatron_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        stack.enter_context(
+            mock.patch.object(
+                megatron_random, "_get_cuda_rng_state", lambda *_, **__: torch.get_rng_state()
+            )
+        )
+        stack.enter_context(
+            mock.patch.object(
+                megatron_random,
+                "_set_cuda_rng_state",
+                lambda state, *_, **__: torch.set_rng_state(state),
+            )
+        )
+        stack.enter_context(mock.patch.object(torch.Tensor, "type", _cuda_type_name))
+        stack.enter_context(mock.patch.object(torch.optim, "AdamW", FusedAdamW))
+        stack.enter_context(CudaFactoriesOnCpu())
+        yield

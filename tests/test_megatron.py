@@ -1,0 +1,250 @@
+"""profiling.run(engine="megatron"): megatron-core runs a plan's own Megatron export on CPU.
+
+The distributed runs (a few seconds each with two ranks, 10-25 s with four) compare every
+parameter's gradient with a single-process megatron-core run of the same model and global batch
+(pp 2 x tp 2; Llama with GQA, SwiGLU and RMSNorm under interleaved 1F1B and with tp 2; dp 2 with
+the distributed optimizer; full recompute), and check the measured peaks
+against the plan. The bad-input cases need no run.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from profiling import validate
+from profiling.export import export_graph
+from profiling.megatron_model import megatron_settings, require_megatron
+from profiling.run import format_reports, run_plan
+from solver import Cluster, ParallelConfig, TrainingConfig, evaluate, plan
+from solver.errors import InputError
+from solver.plan_file import load_plan
+from solver.report import evaluation_to_dict, plan_to_dict
+
+pytest.importorskip("megatron.core", reason="megatron-core is the [megatron] extra")
+
+GPT = {"layers": 4, "hidden": 32, "heads": 4, "seq_len": 16, "vocab_size": 96, "dropout": 0.0}
+GPT_TP = {**GPT, "vocab_size": 16384}
+"""A vocabulary the profiler splits over tp as Megatron does (``VOCAB_PARALLEL_MIN_ROWS``)."""
+LLAMA = {"layers": 4, "hidden": 32, "heads": 4, "kv_heads": 2, "seq_len": 16, "dropout": 0.0}
+FP32 = dict(weight_bytes_per_param=4, grad_bytes_per_param=4, optimizer_bytes_per_param=8)
+TOLERANCE_PCT = 5.0
+"""Largest |error| of a predicted rank peak here (the benchmark's targets are tighter)."""
+
+
+def megatron_plan(
+    preset: str,
+    overrides: dict,
+    *,
+    pp: int = 1,
+    tp: int = 1,
+    dp: int = 1,
+    global_batch: int = 8,
+    micro_batch: int = 2,
+    zero: int = 0,
+    recompute: str = "none",
+    virtual_stages: int = 1,
+    bytes_per_param: dict | None = None,
+) -> dict:
+    """A plan dict from the real planner for the megatron runtime, with pinned degrees."""
+    graph = export_graph(
+        preset, dtype="fp32" if bytes_per_param is None else "bf16", overrides=overrides
+    )
+    training = TrainingConfig(
+        global_batch=global_batch,
+        micro_batch_sizes=(micro_batch,),
+        zero_stages=(zero,),
+        recompute=recompute,
+        virtual_stages=(virtual_stages,),
+        runtime="megatron",
+        pp=pp,
+        tp=tp,
+        dp=dp,
+        max_slowdown=None,
+        **(bytes_per_param or FP32),
+    )
+    cluster = Cluster(num_gpus=pp * tp * dp, gpu_memory_bytes=2**30)
+    return plan_to_dict(plan(graph, cluster, training))
+
+
+def single_process_gradients(preset: str, overrides: dict, global_batch: int, micro_batch: int):
+    """The gradients of the same megatron-core model on one rank (pp = tp = dp = 1)."""
+    reference = megatron_plan(preset, overrides, global_batch=global_batch, micro_batch=micro_batch)
+    (report,) = run_plan(
+        preset, reference, overrides=overrides, engine="megatron", capture_grads=True
+    )
+    return report.grads
+
+
+def assert_same_gradients(reports, expected: dict[str, torch.Tensor], tolerance=1e-5) -> None:
+    got: dict[str, torch.Tensor] = {}
+    for report in reports:
+        for name, grad in report.grads.items():
+            if name in got:  # replicas (dp, tp) hold the same full gradient
+                torch.testing.assert_close(grad, got[name], atol=tolerance, rtol=1e-4)
+            got[name] = grad
+    assert sorted(got) == sorted(expected)
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, atol=tolerance, rtol=1e-4, msg=name)
+
+
+def assert_peaks_predicted(reports) -> None:
+    worst = max(abs(report.error_pct) for report in reports)
+    assert worst <= TOLERANCE_PCT, format_reports(reports)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_pipeline_and_tensor_parallel_gradients_equal_a_single_process():
+    expected = single_process_gradients("gpt-tiny", GPT_TP, 8, 2)
+    chosen = megatron_plan("gpt-tiny", GPT_TP, pp=2, tp=2)
+    reports = run_plan("gpt-tiny", chosen, overrides=GPT_TP, engine="megatron", capture_grads=True)
+    assert [(r.stage, r.tp_rank) for r in reports] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert_same_gradients(reports, expected)
+    assert_peaks_predicted(reports)
+    assert reports[-1].losses and all(loss > 9 for loss in reports[-1].losses)  # ln 16384 = 9.7
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_interleaved_and_tensor_parallel_llama_gradients_equal_a_single_process():
+    """GQA, SwiGLU (gate and up split per half), RMSNorm and rotary positions; interleaved
+    1F1B with an embedding-only first virtual stage when the planner chooses one; then tp 2."""
+    expected = single_process_gradients("llama-tiny", LLAMA, 8, 2)
+    interleaved = megatron_plan("llama-tiny", LLAMA, pp=2, virtual_stages=2)
+    assert load_plan(interleaved).config.virtual_stages == 2
+    reports = run_plan(
+        "llama-tiny", interleaved, overrides=LLAMA, engine="megatron", capture_grads=True
+    )
+    assert_same_gradients(reports, expected)
+    assert_peaks_predicted(reports)
+    tensor_parallel = megatron_plan("llama-tiny", LLAMA, tp=2)
+    reports = run_plan(
+        "llama-tiny",
+        tensor_parallel,
+        overrides=LLAMA,
+        engine="megatron",
+        capture_grads=True,
+    )
+    assert_same_gradients(reports, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_distributed_optimizer_and_recompute_gradients_equal_a_single_process():
+    expected = single_process_gradients("gpt-tiny", GPT, 16, 2)
+    sharded = megatron_plan("gpt-tiny", GPT, pp=2, dp=2, global_batch=16, zero=1)
+    assert "--use-distributed-optimizer" in sharded["exports"]["megatron"]["args"]
+    reports = run_plan("gpt-tiny", sharded, overrides=GPT, engine="megatron", capture_grads=True)
+    assert_same_gradients(reports, expected)
+    assert_peaks_predicted(reports)
+    # Adam state is sharded over dp: each rank holds half of its stage's 8 bytes per parameter
+    for report in reports:
+        assert report.measured_breakdown["optimizer"] < report.measured_breakdown["params"] * 1.1
+    recomputed = megatron_plan("gpt-tiny", GPT, pp=2, global_batch=16, recompute="full")
+    assert "--recompute-granularity" in recomputed["exports"]["megatron"]["args"]
+    reports = run_plan("gpt-tiny", recomputed, overrides=GPT, engine="megatron", capture_grads=True)
+    assert_same_gradients(reports, expected)
+    assert_peaks_predicted(reports)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_bf16_run_keeps_fp32_main_gradients():
+    """bf16 weights, fp32 main_grad buffer, fp32 master weights and Adam: 2 + 4 + 12 bytes."""
+    chosen = megatron_plan(
+        "gpt-tiny",
+        GPT,
+        pp=2,
+        bytes_per_param=dict(
+            weight_bytes_per_param=2, grad_bytes_per_param=4, optimizer_bytes_per_param=12
+        ),
+    )
+    reports = run_plan("gpt-tiny", chosen, overrides=GPT, engine="megatron")
+    for report in reports:
+        breakdown = report.measured_breakdown
+        assert breakdown["grads"] == 2 * breakdown["params"]
+        assert breakdown["optimizer"] == pytest.approx(6 * breakdown["params"], abs=256)
+    assert_peaks_predicted(reports)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_validate_cli_runs_the_megatron_engine(run_cli, write_json):
+    path = write_json("plan.json", megatron_plan("gpt-tiny", GPT, pp=2))
+    sets = [arg for key, value in GPT.items() for arg in ("--set", f"{key}={value}")]
+    code, out, err = run_cli(
+        validate.main, path, "--model", "gpt-tiny", *sets, "--engine", "megatron"
+    )
+    assert code == 0, err
+    assert "all ranks within" in out
+    assert len(out.splitlines()) == 4  # header, two ranks, verdict
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_export_that_disagrees_with_the_plan_is_refused():
+    chosen = megatron_plan("gpt-tiny", GPT, pp=2)
+    args = chosen["exports"]["megatron"]["args"]
+    # move one transformer layer between the stages in the export only
+    chosen["exports"]["megatron"]["args"] = [
+        *args,
+        "--pipeline-model-parallel-layout",
+        "Et|tttL",
+    ]
+    with pytest.raises(InputError, match="exports.megatron builds layers"):
+        run_plan("gpt-tiny", chosen, overrides=GPT, engine="megatron")
+
+
+# -- bad input, before any process starts -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pipeline_plan() -> dict:
+    return megatron_plan("gpt-tiny", GPT, pp=2)
+
+
+def test_the_export_is_read_as_megatron_lm_reads_it(pipeline_plan):
+    settings = megatron_settings(load_plan(pipeline_plan))
+    assert (settings.pp, settings.tp, settings.num_layers) == (2, 1, 4)
+    assert (settings.micro_batch, settings.global_batch) == (2, 8)
+    assert not settings.distributed_optimizer
+
+
+def test_missing_megatron_core_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "megatron", None)
+    monkeypatch.setitem(sys.modules, "megatron.core", None)
+    with pytest.raises(InputError, match=r'pip install -e "\.\[megatron\]"'):
+        require_megatron()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda p: p.update(runtime="torch"), "planned for the torch runtime"),
+        (lambda p: p["config"].update(zero=2), "distributed optimizer is ZeRO 1"),
+    ],
+)
+def test_plans_the_engine_cannot_run_are_refused(pipeline_plan, change, message):
+    edited = {**pipeline_plan, "config": dict(pipeline_plan["config"])}
+    change(edited)
+    with pytest.raises(InputError, match=message):
+        run_plan("gpt-tiny", edited, overrides=GPT, engine="megatron")
+
+
+def test_an_evaluation_document_has_no_export_to_run():
+    graph = export_graph("gpt-tiny", dtype="fp32", overrides=GPT)
+    config = ParallelConfig(pp=2, tp=1, dp=1, micro_batch=2, num_microbatches=4)
+    training = TrainingConfig(global_batch=8, micro_batch_sizes=(2,), max_slowdown=None, **FP32)
+    document = evaluation_to_dict(evaluate(graph, config, [3, 3], training=training))
+    with pytest.raises(InputError, match="no Megatron export"):
+        run_plan("gpt-tiny", document, overrides=GPT, engine="megatron")
+
+
+def test_tensor_parallel_degree_must_divide_the_heads():
+    overrides = {**GPT, "heads": 2, "hidden": 32}
+    chosen = megatron_plan("gpt-tiny", overrides, tp=4, global_batch=8)
+    with pytest.raises(InputError, match="does not divide heads"):
+        run_plan("gpt-tiny", chosen, overrides=overrides, engine="megatron")
