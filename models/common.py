@@ -272,7 +272,7 @@ def language_model_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
     (:class:`_CrossEntropy`). Sharded (vocabulary-parallel DTensor) logits go through
     ``F.cross_entropy``, which torch's ``loss_parallel`` computes without gathering them."""
     if isinstance(logits, DTensor):
-        return language_model_loss(logits, targets)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
     return _CrossEntropy.apply(logits, targets).mean()
 
 
