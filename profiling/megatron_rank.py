@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -39,6 +38,8 @@ from profiling.rank import (
     RankReport,
     RunJob,
     batch_for_iteration,
+    inject_fault,
+    join_process_group,
     model_spec,
     place_rank,
     rank_report,
@@ -60,17 +61,6 @@ def plan_dtype_of(plan: PlanFile) -> torch.dtype:
             "runs bf16 (2) or fp32 (4) weights; plan with --bytes-per-param 2,4,12 or 4,4,8"
         )
     return DTYPES[weight_bytes]
-
-
-def _join(place, job: RunJob) -> None:
-    os.environ["MASTER_ADDR"] = "localhost"
-    os.environ["MASTER_PORT"] = str(job.master_port)
-    dist.init_process_group(
-        "gloo",
-        rank=place.rank,
-        world_size=job.plan.config.num_gpus,
-        timeout=timedelta(seconds=job.timeout_s),
-    )
 
 
 def _check_layers(chunks, job: RunJob, stage: int) -> None:
@@ -211,79 +201,75 @@ def _unpartition(name: str, parts: list[torch.Tensor], dim: int, gated: bool) ->
     return torch.cat(parts, dim)
 
 
-def megatron_rank_main(rank: int, job: RunJob) -> RankReport:
-    """One rank of a megatron-core run: build, train, measure, and report next to the plan."""
-    quiet_fallback_warnings()  # before megatron-core's first import
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # as Megatron-LM's launch scripts
+def _build(spec, job: RunJob, place, settings, dtype: torch.dtype):
+    """megatron-core's parallel state and this rank's chunks, checked against the plan and
+    initialised from the seed; returns (TransformerConfig, chunks)."""
     from megatron.core import parallel_state
+
+    tconfig = transformer_config(
+        spec, settings, dtype=dtype, deallocate_pipeline_outputs=job.deallocate_pipeline_outputs
+    )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=settings.tp,
+        pipeline_model_parallel_size=settings.pp,
+        virtual_pipeline_model_parallel_size=tconfig.virtual_pipeline_model_parallel_size,
+    )
+    torch.manual_seed(job.seed)
+    chunks = build_chunks(spec, tconfig)
+    _check_layers(chunks, job, place.stage)
+    gated = spec.config.mlp == "swiglu"
+    init_weights(chunks, seed=job.seed, tp=settings.tp, tp_rank=place.tp_rank, gated=gated)
+    return tconfig, chunks
+
+
+def _train_and_measure(spec, job: RunJob, place, settings, dtype, tconfig, chunks) -> Measured:
+    """Wrap the chunks (Float16Module, DDP), build the optimizer and train ``job.iterations``
+    steps as Megatron-LM's ``train_step``, measuring the live tensors from before the wrappers
+    on (the peak of the last iteration)."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    place = place_rank(rank, job)
     config = job.plan.config
-    settings = megatron_settings(job.plan)
-    spec = model_spec(job.preset, job.overrides)
-    dtype = plan_dtype_of(job.plan)
-    gated = spec.config.mlp == "swiglu"
-    _join(place, job)
-    with megatron_on_cpu():
-        tconfig = transformer_config(
-            spec,
-            settings,
-            dtype=dtype,
-            deallocate_pipeline_outputs=job.deallocate_pipeline_outputs,
-        )
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=settings.tp,
-            pipeline_model_parallel_size=settings.pp,
-            virtual_pipeline_model_parallel_size=tconfig.virtual_pipeline_model_parallel_size,
-        )
-        torch.manual_seed(job.seed)
-        chunks = build_chunks(spec, tconfig)
-        _check_layers(chunks, job, place.stage)
-        init_weights(chunks, seed=job.seed, tp=settings.tp, tp_rank=place.tp_rank, gated=gated)
-        tracker = LiveTensorTracker()
-        for chunk in chunks:
-            tracker.track_module(chunk)
-        losses: list[float] = []
-        iteration_ms: list[float] = []
-        with tracker:
-            wrapped = _wrap(chunks, tconfig, settings, dtype)
-            optimizer = _optimizer(wrapped, settings, dtype)
-            _track_training_state(tracker, wrapped, optimizer)
-            tconfig.finalize_model_grads_func = finalize_model_grads
-            forward_backward = get_forward_backward_func()
-            seq = job.seq or spec.seq_len
-            for iteration in range(job.iterations):
-                data = [iter(_micro_batches(spec, job, place, iteration, c)) for c in chunks]
-                for ddp in wrapped:
-                    ddp.zero_grad_buffer()
-                optimizer.zero_grad()
-                tracker.reset_peak()
-                started = time.perf_counter()
-                if job.fault and job.fault[0] == place.rank:
-                    if job.fault[1] == "hang":
-                        time.sleep(3600)
-                    raise RuntimeError(f"rank {place.rank}: injected failure (test hook)")
-                with tracker.saved_tensors():
-                    step_losses = forward_backward(
-                        forward_step_func=_forward_step,
-                        data_iterator=data if len(wrapped) > 1 else data[0],
-                        model=wrapped if len(wrapped) > 1 else wrapped[0],
-                        num_microbatches=config.num_microbatches,
-                        seq_length=seq,
-                        micro_batch_size=config.micro_batch,
-                        forward_only=False,
-                    )
-                optimizer.step()
-                iteration_ms.append((time.perf_counter() - started) * 1e3)
-                if step_losses:
-                    losses.append(float(torch.stack([x["loss"] for x in step_losses]).mean()))
-            peak_bytes, breakdown = tracker.peak_bytes, dict(tracker.peak_breakdown)
-            # the main gradients outlive the step (zeroed at the next one): gathered after the
-            # measurement
-            grads = _full_gradients(wrapped, settings, gated) if job.capture_grads else None
-    measured = Measured(
+    tracker = LiveTensorTracker()
+    for chunk in chunks:
+        tracker.track_module(chunk)
+    losses: list[float] = []
+    iteration_ms: list[float] = []
+    with tracker:
+        wrapped = _wrap(chunks, tconfig, settings, dtype)
+        optimizer = _optimizer(wrapped, settings, dtype)
+        _track_training_state(tracker, wrapped, optimizer)
+        tconfig.finalize_model_grads_func = finalize_model_grads
+        forward_backward = get_forward_backward_func()
+        interleaved = len(wrapped) > 1
+        for iteration in range(job.iterations):
+            data = [iter(_micro_batches(spec, job, place, iteration, c)) for c in chunks]
+            for ddp in wrapped:
+                ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            tracker.reset_peak()
+            started = time.perf_counter()
+            inject_fault(job, place)
+            with tracker.saved_tensors():
+                step_losses = forward_backward(
+                    forward_step_func=_forward_step,
+                    data_iterator=data if interleaved else data[0],
+                    model=wrapped if interleaved else wrapped[0],
+                    num_microbatches=config.num_microbatches,
+                    seq_length=job.seq or spec.seq_len,
+                    micro_batch_size=config.micro_batch,
+                    forward_only=False,
+                )
+            optimizer.step()
+            iteration_ms.append((time.perf_counter() - started) * 1e3)
+            if step_losses:  # the last pipeline rank
+                losses.append(float(torch.stack([x["loss"] for x in step_losses]).mean()))
+        peak_bytes, breakdown = tracker.peak_bytes, dict(tracker.peak_breakdown)
+        # the main gradients outlive the step (zeroed at the next one): gathered after the
+        # measurement
+        gated = spec.config.mlp == "swiglu"
+        grads = _full_gradients(wrapped, settings, gated) if job.capture_grads else None
+    return Measured(
         peak_bytes=peak_bytes,
         breakdown=breakdown,
         iteration_ms=iteration_ms,
@@ -291,4 +277,18 @@ def megatron_rank_main(rank: int, job: RunJob) -> RankReport:
         cuda_peak=None,
         grads=grads,
     )
+
+
+def megatron_rank_main(rank: int, job: RunJob) -> RankReport:
+    """One rank of a megatron-core run: build, train, measure, and report next to the plan."""
+    quiet_fallback_warnings()  # before megatron-core's first import
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # as Megatron-LM's launch scripts
+    place = place_rank(rank, job)
+    settings = megatron_settings(job.plan)
+    spec = model_spec(job.preset, job.overrides)
+    dtype = plan_dtype_of(job.plan)
+    join_process_group(place, job)
+    with megatron_on_cpu():
+        tconfig, chunks = _build(spec, job, place, settings, dtype)
+        measured = _train_and_measure(spec, job, place, settings, dtype, tconfig, chunks)
     return rank_report(place, job, measured)

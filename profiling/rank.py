@@ -261,20 +261,35 @@ def place_rank(rank: int, job: RunJob) -> _Place:
     )
 
 
-def _init_mesh(place: _Place, job: RunJob):
-    """Join the process group (gloo, or NCCL on CUDA) and build the (pp, dp, tp) device mesh."""
+def join_process_group(place: _Place, job: RunJob) -> None:
+    """Join the run's process group: gloo, or NCCL on CUDA."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
-    config = job.plan.config
     os.environ["MASTER_ADDR"] = "localhost"
     os.environ["MASTER_PORT"] = str(job.master_port)
     dist.init_process_group(
         "nccl" if place.device.type == "cuda" else "gloo",
         rank=place.rank,
-        world_size=config.num_gpus,
+        world_size=job.plan.config.num_gpus,
         timeout=timedelta(seconds=job.timeout_s),
     )
+
+
+def inject_fault(job: RunJob, place: _Place) -> None:
+    """The test hook ``job.fault``: this rank raises, or hangs (its peers then wait in their
+    receives), at the start of its iteration."""
+    if job.fault and job.fault[0] == place.rank:
+        if job.fault[1] == "hang":
+            time.sleep(3600)
+        raise RuntimeError(f"rank {place.rank}: injected failure (test hook)")
+
+
+def _init_mesh(place: _Place, job: RunJob):
+    """Join the process group and build the (pp, dp, tp) device mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    config = job.plan.config
+    join_process_group(place, job)
     # Row-major over (pp, dp, tp): rank = (stage * dp + dp_rank) * tp + tp_rank.
     return init_device_mesh(
         place.device.type, (config.pp, config.dp, config.tp), mesh_dim_names=("pp", "dp", "tp")
@@ -418,10 +433,7 @@ def _iterate(
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         started = time.perf_counter()
-        if job.fault and job.fault[0] == place.rank:
-            if job.fault[1] == "hang":
-                time.sleep(3600)
-            raise RuntimeError(f"rank {place.rank}: injected failure (test hook)")
+        inject_fault(job, place)
         with (
             tracker.saved_tensors(),
             loss_parallel() if sharded_logits else contextlib.nullcontext(),

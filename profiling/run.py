@@ -10,7 +10,9 @@ The plan (a path, a parsed dict or a ``PlanFile``) is read and checked by
 ``solver.plan_file.load_plan`` (docs/plan.md); ``run_plan`` then refuses what this executor
 cannot run (``_check_runnable``) before spawning anything.
 
-This module checks the plan and launches the ranks; what each rank does is :mod:`profiling.rank`.
+This module checks the plan and launches the ranks; what each rank does is :mod:`profiling.rank`
+(``engine="torch"``, described below) or :mod:`profiling.megatron_rank` (``engine="megatron"``:
+megatron-core runs the plan's own Megatron export, on CPU over gloo; docs/running.md).
 ``run_plan`` spawns ``pp * dp * tp`` processes (gloo on CPU, or NCCL with one GPU per rank for
 ``device="cuda"``), builds on each the full model from the same seed (so every weight equals the
 single-process model's), keeps the layers of its plan stage, and trains ``iterations`` steps with
