@@ -4,8 +4,10 @@ Every backend (chain algorithm, CP-SAT, MILP), the baselines, validation and the
 per-layer coefficients from :func:`layer_costs` and the stage aggregation of :func:`stage_costs`.
 
 Notation: config (p, t, d), micro-batch b, global batch B, m = B / (d b) micro-batches per step,
-bytes per parameter (w, g, o) (default 2, 2, 12: bf16 weights and grads, fp32 Adam master + 2
-moments; ZeRO paper), ZeRO stage z, stages s = 0..p-1.
+bytes per parameter (w, g, o) (default 2, 4, 12 on the megatron runtime: bf16 weights, fp32
+gradient accumulation (Megatron's ``main_grad``), fp32 Adam master + 2 moments; 2, 2, 12 on the
+torch runtime: bf16 gradients; ZeRO paper; ``specs.GRAD_BYTES_PER_PARAM``), ZeRO stage z, stages
+s = 0..p-1.
 
 Memory of stage s (bytes per GPU):
   P'_l = (params - tp_params) + tp_params / t                        parameters held per GPU
@@ -20,8 +22,12 @@ Memory of stage s (bytes per GPU):
   buffers_s = R_s b (bytes of edges entering s) + S_s b (bytes of edges leaving s)
               (a relayed edge does both), with the copies the pipeline runtime keeps:
               megatron  R_s = 1 (s > 0), S_s = 1 (s < p - 1): the next input's and the next
-                        gradient's receive buffers; sent outputs are freed at once and the
-                        in-flight inputs are the stage's saved input, already in acts_s
+                        gradient's receive buffers; sent outputs are freed at once
+                        (deallocate_pipeline_outputs, as Megatron-LM sets it) and the in-flight
+                        inputs are the stage's saved input, already in acts_s. Without
+                        deallocate_pipeline_outputs (megatron-core's TransformerConfig default)
+                        S_s = 1 + k_s: the outputs of the k_s in-flight micro-batches stay alive
+                        until their backward
               torch     R_s = m - k_s (s > 0): torch.distributed.pipelining allocates a receive
                         buffer per micro-batch and keeps them for the run (the k_s in flight are
                         the saved inputs); S_s = m + k_s (s < p - 1): m gradient receive buffers
@@ -180,37 +186,70 @@ def schedule_moments(
 
 
 def boundary_copies(
-    runtime: str, schedule: str, num_microbatches: int, num_stages: int, stage: int
+    runtime: str,
+    schedule: str,
+    num_microbatches: int,
+    num_stages: int,
+    stage: int,
+    *,
+    deallocate_pipeline_outputs: bool = True,
+    held: int | None = None,
 ) -> tuple[int, int]:
     """(R_s, S_s): copies of each received and each sent boundary tensor stage s holds at its peak.
 
-    megatron: one buffer for the next input (s > 0) and one for the next gradient (s < p - 1);
-    Megatron-LM frees a sent output's data at once (``deallocate_pipeline_outputs``).
+    megatron: one buffer for the next input (s > 0) and one for the next gradient (s < p - 1).
+    With ``deallocate_pipeline_outputs`` (Megatron-LM's argument parsing sets it) a sent output's
+    data is freed at once; without it (megatron-core's ``TransformerConfig`` default) the outputs
+    of the k_s in-flight micro-batches stay alive until their backward: S_s = 1 + k_s (measured on
+    megatron-core 0.16.1, ../shared/reference/runtime-memory-facts.md).
     torch: torch.distributed.pipelining allocates a receive buffer per micro-batch (activations on
     every non-first stage, gradients on every non-last one) and keeps them for the run, and a stage
     keeps the outputs of its in-flight micro-batches until their backward (measured,
-    ``benchmarks/bench_accuracy.md``). In both, the in-flight inputs are what the stage's first
-    layer saves, so they are part of the stage's activations.
+    ``benchmarks/bench_accuracy.md``); ``deallocate_pipeline_outputs`` does not apply. In both, the
+    in-flight inputs are what the stage's first layer saves, so they are part of the stage's
+    activations. ``held``: k_s (default: the schedule's, :func:`in_flight_microbatches`; with
+    interleaving the virtual stage's count at the moment).
     """
     first, last = stage == 0, stage == num_stages - 1
+    k = held
+    if k is None:
+        k = in_flight_microbatches(schedule, num_microbatches, num_stages, stage)
     if runtime == "megatron":
-        return int(not first), int(not last)
-    k = in_flight_microbatches(schedule, num_microbatches, num_stages, stage)
+        kept_outputs = 0 if deallocate_pipeline_outputs else k
+        return int(not first), (0 if last else 1 + kept_outputs)
     return (0 if first else num_microbatches - k), (0 if last else num_microbatches + k)
 
 
-def stage_boundary_copies(runtime: str, config: ParallelConfig) -> tuple[list[int], list[int]]:
+def stage_boundary_copies(
+    runtime: str,
+    config: ParallelConfig,
+    *,
+    deallocate_pipeline_outputs: bool = True,
+    in_flight: list[int] | None = None,
+) -> tuple[list[int], list[int]]:
     """([R_j], [S_j]) of every (virtual) stage of ``config`` under ``runtime``; with v chunks per
-    rank each of the p v virtual stages keeps its own buffers. On the torch runtime with
-    interleaving the copies follow the schedule (``LayerCosts.copies_at``); these are their
-    largest values (for bounds)."""
+    rank each of the p v virtual stages keeps its own buffers. With interleaving on the torch
+    runtime, and on the megatron runtime without ``deallocate_pipeline_outputs``, the copies
+    follow the schedule (``LayerCosts.copies_at``); these are their largest values (for bounds),
+    from ``in_flight`` (the most micro-batches each virtual stage holds, ``LayerCosts.in_flight``;
+    needed in that megatron case)."""
     num_stages = config.pp * config.virtual_stages
+    m = config.num_microbatches
     if runtime == "torch" and config.virtual_stages > 1:
-        m = config.num_microbatches
         # held + done <= m, so R <= 2 m and S <= 2 m
         return [0] + [2 * m] * (num_stages - 1), [2 * m] * (num_stages - 1) + [0]
+    if config.virtual_stages > 1 and not deallocate_pipeline_outputs:
+        assert in_flight is not None, "interleaved megatron copies without deallocation need k_j"
     copies = [
-        boundary_copies(runtime, config.schedule, config.num_microbatches, num_stages, j)
+        boundary_copies(
+            runtime,
+            config.schedule,
+            m,
+            num_stages,
+            j,
+            deallocate_pipeline_outputs=deallocate_pipeline_outputs,
+            held=None if in_flight is None else in_flight[j],
+        )
         for j in range(num_stages)
     ]
     return [receive for receive, _ in copies], [send for _, send in copies]
@@ -259,6 +298,9 @@ class LayerCosts:
     """S_s for each stage: copies of a sent edge's bytes."""
     runtime: str = "megatron"
     """The pipeline runtime whose buffers ``copies_at`` describes."""
+    deallocate_pipeline_outputs: bool = True
+    """megatron runtime: sent outputs are freed at once (``TrainingConfig``'s field of that
+    name); False keeps those of the in-flight micro-batches (``copies_at``)."""
     constant_bytes: int = 0
     """Added to every stage's peak (a calibration's constant per GPU), bytes."""
     recompute_stored_bytes: np.ndarray | None = None
@@ -276,7 +318,12 @@ class LayerCosts:
                 [(0,) * len(vector) for vector in vectors] for vectors in self.in_flight_vectors
             ]
         if not self.receive_copies and not self.send_copies:
-            self.receive_copies, self.send_copies = stage_boundary_copies("megatron", self.config)
+            self.receive_copies, self.send_copies = stage_boundary_copies(
+                "megatron",
+                self.config,
+                deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
+                in_flight=self.in_flight,
+            )
         if self.recompute_stored_bytes is None:
             self.recompute_stored_bytes = self.stored_bytes
         if self.recompute_transient_bytes is None:
@@ -288,17 +335,24 @@ class LayerCosts:
         """(R_j, S_j) of (virtual) stage j while it holds ``held`` micro-batches in flight and
         has done ``done`` backwards.
 
-        megatron: constant. torch: each PipelineStage allocates a receive buffer per micro-batch
-        for the run (m on a non-first stage, of which the ``held`` in-flight ones are its saved
-        inputs, already in the activations) and m gradient receive buffers plus the outputs of
-        its ``held`` in-flight micro-batches (on a non-last stage): (m - held, m + held), which
-        is ``boundary_copies`` without interleaving (held = k_s). With interleaving torch's
-        runtime schedule (``_PipelineScheduleRuntime``) waits on its sends only at the end of
-        the step, so every output sent and every input gradient sent back stays alive until
-        then: (m - held + done, m + held + done) (measured, ``benchmarks/bench_accuracy.md``)."""
-        if self.runtime != "torch" or self.config.virtual_stages == 1:
+        Without interleaving the stage's constants (``boundary_copies`` at held = k_s).
+        megatron: (1, 1) inside the pipeline, or (1, 1 + held) without
+        ``deallocate_pipeline_outputs``: the sent outputs of the ``held`` in-flight micro-batches
+        stay alive until their backward. torch: each PipelineStage allocates a receive buffer per
+        micro-batch for the run (m on a non-first stage, of which the ``held`` in-flight ones are
+        its saved inputs, already in the activations) and m gradient receive buffers plus the
+        outputs of its ``held`` in-flight micro-batches (on a non-last stage): (m - held,
+        m + held). With interleaving torch's runtime schedule (``_PipelineScheduleRuntime``)
+        waits on its sends only at the end of the step, so every output sent and every input
+        gradient sent back stays alive until then: (m - held + done, m + held + done)
+        (measured, ``benchmarks/bench_accuracy.md``)."""
+        if self.config.virtual_stages == 1:
             return self.receive_copies[stage], self.send_copies[stage]
         m, last = self.config.num_microbatches, self.num_stages - 1
+        if self.runtime == "megatron":
+            if self.deallocate_pipeline_outputs:
+                return self.receive_copies[stage], self.send_copies[stage]
+            return self.receive_copies[stage], (0 if stage == last else 1 + held)
         return (
             (0 if stage == 0 else m - held + done),
             (0 if stage == last else m + held + done),
@@ -425,7 +479,12 @@ def layer_costs(
     Vectorised over layers; integer terms use exact integer arithmetic (ceil of a ratio of ints).
     """
     in_flight, vectors, dones = _in_flight(config, training)
-    receive_copies, send_copies = stage_boundary_copies(training.runtime, config)
+    receive_copies, send_copies = stage_boundary_copies(
+        training.runtime,
+        config,
+        deallocate_pipeline_outputs=training.deallocate_pipeline_outputs,
+        in_flight=in_flight,
+    )
     held = max(sum(vector) for rank in vectors for vector in rank)
     check_exact_range(graph, config, cluster, training, held, receive_copies, send_copies)
     t = config.tp
@@ -464,6 +523,7 @@ def layer_costs(
         receive_copies=receive_copies,
         send_copies=send_copies,
         runtime=training.runtime,
+        deallocate_pipeline_outputs=training.deallocate_pipeline_outputs,
     )
     if training.memory_model == "empirical":
         _check_empirical_options(config, calibration)

@@ -228,7 +228,8 @@ def megatron_export(
             "--pipeline-model-parallel-layout (experimental in Megatron-Core), which states "
             "every stage: E embedding, t transformer layer, L final norm + output layer + loss. "
             "With bf16 Megatron keeps fp32 gradients (18 bytes per parameter, 6 + 12/d with the "
-            "distributed optimizer): plan with grad_bytes_per_param=4 to match its memory."
+            "distributed optimizer), what the megatron runtime's default bytes per parameter "
+            "2,4,12 count; other precisions: docs/cost-model.md."
         ),
     }
 

@@ -119,7 +119,9 @@ class Evaluation:
 
 
 def default_training(config: ParallelConfig) -> TrainingConfig:
-    """Training options matching a config (its global batch, schedule and recompute)."""
+    """Training options matching a config (its global batch, schedule and recompute); the rest
+    are TrainingConfig's defaults: the megatron runtime with its bytes per parameter (2, 4, 12:
+    fp32 gradients) and sent pipeline outputs deallocated, as Megatron-LM runs."""
     return TrainingConfig(
         global_batch=config.global_batch,
         micro_batch_sizes=(config.micro_batch,),
@@ -141,7 +143,8 @@ def check_training(config: ParallelConfig, training: TrainingConfig) -> None:
     recompute mode (or auto, which covers every mode), its micro-batch size and ZeRO stage among
     the candidates when those lists are not the defaults (the default lists restrict nothing
     here), and pp/tp/dp equal to any pinned degree. Only then do the training options' bytes per
-    parameter, runtime, memory model and calibration describe this layout.
+    parameter, runtime (and its output deallocation), memory model and calibration describe this
+    layout.
     """
     problems = []
     if training.schedule != config.schedule:
@@ -194,8 +197,9 @@ def evaluate(
     per stage (chains, list order), or a stage index per layer (any DAG). ``recomputed``: a flag
     per layer, under ``config.recompute == "selective"`` (default: no layer). On a heterogeneous
     cluster ``group_of_stage`` says which node group runs each stage (tp * dp GPUs of it).
-    ``training`` gives the bytes per parameter, runtime, memory model and calibration; it must
-    admit ``config`` (:func:`check_training`, InputError otherwise); None derives it from config.
+    ``training`` gives the bytes per parameter, runtime, output deallocation, memory model and
+    calibration; it must admit ``config`` (:func:`check_training`, InputError otherwise); None
+    derives it from config.
     """
     cluster = cluster or Cluster(num_gpus=config.num_gpus)
     if training is None:

@@ -291,6 +291,11 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
         )
     if evaluation.training.runtime != "megatron":
         lines.append(f"runtime: {evaluation.training.runtime} (its pipeline buffers are counted)")
+    elif not evaluation.training.deallocate_pipeline_outputs:
+        lines.append(
+            "runtime: megatron, sent pipeline outputs kept until their backward "
+            "(--no-deallocate-pipeline-outputs)"
+        )
     if evaluation.training.calibration is not None:
         lines.append(f"calibration: {evaluation.training.calibration.summary()}")
     verdict = "fits" if evaluation.fits else "DOES NOT FIT"

@@ -27,6 +27,11 @@ ZERO_STAGES = (0, 1, 2, 3)
 OBJECTIVES = ("memory", "throughput")
 RUNTIMES = ("megatron", "torch")
 """Pipeline runtimes whose boundary buffers the cost model knows (``boundary_copies``)."""
+GRAD_BYTES_PER_PARAM = {"megatron": 4, "torch": 2}
+"""Gradient bytes per parameter of each runtime when ``TrainingConfig.grad_bytes_per_param`` is
+None: Megatron-LM's DistributedDataParallel accumulates bf16 training's gradients in an fp32
+``main_grad`` buffer (``accumulate_allreduce_grads_in_fp32``); torch keeps them in the
+parameters' dtype (bf16)."""
 MEMORY_MODELS = ("analytic", "empirical")
 MEMORY_OBJECTIVES = ("utilization", "absolute")
 """What "memory" minimises on a heterogeneous cluster: the largest stage peak / capacity of its
@@ -173,8 +178,10 @@ class TrainingConfig:
     ``--num-virtual-stages-per-pipeline-rank``); (1, 2, 4) lets the search choose."""
     weight_bytes_per_param: int = 2
     """Bytes per parameter for weights (bf16)."""
-    grad_bytes_per_param: int = 2
-    """Bytes per parameter for gradients (bf16)."""
+    grad_bytes_per_param: int | None = None
+    """Bytes per parameter for gradients; None: the runtime's (``GRAD_BYTES_PER_PARAM``: 4 on
+    megatron, its fp32 ``main_grad``; 2 on torch, bf16). Resolved when the config is made, so
+    ``dataclasses.replace(config, runtime=...)`` keeps it unless given None again."""
     optimizer_bytes_per_param: int = 12
     """Bytes per parameter for optimizer state (fp32 master + Adam moments)."""
     pp: int | None = None
@@ -196,6 +203,11 @@ class TrainingConfig:
     runtime: str = "megatron"
     """Pipeline runtime the plan is for: megatron (Megatron-LM / DeepSpeed: one receive buffer per
     direction) or torch (torch.distributed.pipelining: one per micro-batch, kept for the run)."""
+    deallocate_pipeline_outputs: bool = True
+    """megatron runtime: a sent pipeline output's data is freed at once (Megatron-LM's argument
+    parsing sets this); False (megatron-core's ``TransformerConfig`` default) keeps the outputs of
+    a stage's in-flight micro-batches until their backward. The torch runtime ignores it (it
+    keeps them)."""
     memory_objective: str = "utilization"
     """Heterogeneous clusters only: utilization (minimise max stage peak / its group's capacity,
     in parts per million, rounded up) or absolute (max stage peak, bytes). A homogeneous cluster
@@ -244,6 +256,14 @@ class TrainingConfig:
             self.runtime in RUNTIMES,
             f"runtime must be one of {RUNTIMES}, got {quote(self.runtime)}",
         )
+        _require(
+            isinstance(self.deallocate_pipeline_outputs, bool),
+            f"deallocate_pipeline_outputs must be True or False, got "
+            f"{quote(self.deallocate_pipeline_outputs)}",
+        )
+        if self.grad_bytes_per_param is None:
+            # frozen: the runtime's default is set once, here
+            object.__setattr__(self, "grad_bytes_per_param", GRAD_BYTES_PER_PARAM[self.runtime])
         _require(
             self.objective in OBJECTIVES,
             f"objective must be one of {OBJECTIVES}, got {quote(self.objective)}",

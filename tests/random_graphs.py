@@ -83,10 +83,12 @@ def random_problem(
     objective: str = OBJECTIVE_MEMORY,
     capacity_bytes: int | None = None,
     iteration_budget_ns: int | None = None,
+    **training_options,
 ) -> StageProblem:
+    """A random config's problem; ``training_options``: TrainingConfig fields (e.g. runtime)."""
     config = random_config(rng, graph.num_layers)
     cluster = Cluster(num_gpus=config.num_gpus)
-    training = TrainingConfig(global_batch=config.global_batch)
+    training = TrainingConfig(global_batch=config.global_batch, **training_options)
     return StageProblem(
         costs=layer_costs(graph, config, cluster, training),
         objective=objective,

@@ -53,6 +53,20 @@ def test_three_backends_agree_on_larger_chains(seed):
     assert len(set(values.values())) == 1, values
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_backends_agree_when_megatron_keeps_sent_outputs(seed):
+    """deallocate_pipeline_outputs False: every non-last stage keeps 1 + k_s copies of what it
+    sends (LayerCosts.send_copies, which every backend reads); the optimum is brute force's."""
+    rng = random.Random(3000 + seed)
+    graph = random_chain(rng, rng.randint(3, 7))
+    problem = random_problem(rng, graph, deallocate_pipeline_outputs=False)
+    costs = problem.costs
+    last = costs.num_stages - 1
+    assert costs.send_copies == [0 if s == last else 1 + k for s, k in enumerate(costs.in_flight)]
+    values = solve_all(problem)
+    assert set(values.values()) == {solve_brute_force(problem).objective}
+
+
 def random_problem_like(problem, objective):
     return StageProblem(
         costs=problem.costs, objective=objective, capacity_bytes=problem.capacity_bytes

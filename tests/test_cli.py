@@ -354,3 +354,87 @@ def test_a_graph_without_flops_or_times_plans_for_memory_and_says_throughput_n_a
     assert "inf" not in out.replace("info", "")
     baselines = [line for line in out.splitlines() if " split (" in line]
     assert len(baselines) == 2 and all("throughput n/a" in line for line in baselines)
+
+
+def test_runtime_sets_gradient_bytes_and_megatron_may_keep_sent_outputs(run_cli, tmp_path):
+    """--runtime megatron counts fp32 gradients (2,4,12), torch bf16 ones (2,2,12), unless
+    --bytes-per-param says otherwise; --no-deallocate-pipeline-outputs keeps a non-last megatron
+    stage's k_s sent outputs (S_s = 1 + k_s), and the torch runtime ignores it."""
+    args = ("--gpus", "8", "--global-batch", "32", "--pp", "4", "--tp", "2", "--quiet")
+
+    def planned(*flags: str) -> dict:
+        out = tmp_path / "plan.json"
+        code, _, err = run_cli(plan_main, GPT_1_3B, *args, *flags, "--json", str(out))
+        assert code == 0, err
+        return json.loads(out.read_text())
+
+    for flags, grad_bytes in (
+        ((), 4),
+        (("--runtime", "torch"), 2),
+        (("--bytes-per-param", "2,2,12"), 2),
+        (("--runtime", "torch", "--bytes-per-param", "2,4,12"), 4),
+    ):
+        document = planned(*flags)
+        assert document["training"]["grad_bytes_per_param"] == grad_bytes, flags
+        for stage in document["stages"]:  # tp 2 splits w and g exactly: grads = g/w weights
+            breakdown = stage["breakdown"]
+            assert 2 * breakdown["grads"] == grad_bytes * breakdown["weights"], flags
+    code, text, _ = run_cli(plan_main, GPT_1_3B, *args[:-1], "--no-deallocate-pipeline-outputs")
+    assert code == 0 and "sent pipeline outputs kept until their backward" in text
+    kept = planned("--no-deallocate-pipeline-outputs")
+    assert kept["training"]["deallocate_pipeline_outputs"] is False
+    m, b = kept["config"]["num_microbatches"], kept["config"]["micro_batch"]
+    boundary = json.loads(Path(GPT_1_3B).read_text())["layers"][0]["output_bytes"] * b
+    for stage in kept["stages"]:
+        s = stage["index"]
+        copies = (s > 0) + (1 + min(m, 4 - s)) * (s < 3)
+        assert stage["breakdown"]["buffers"] == copies * boundary
+    torch = planned("--runtime", "torch")
+    assert (
+        planned("--runtime", "torch", "--no-deallocate-pipeline-outputs")["stages"]
+        == (torch["stages"])
+    )
+
+
+def test_evaluate_takes_the_runtime_flags(run_cli, tmp_path):
+    """solver.evaluate: the runtime's gradient bytes unless --bytes-per-param, and
+    --no-deallocate-pipeline-outputs, as solver.plan (stage 0 of 2: k_0 = 2 outputs kept)."""
+    out = tmp_path / "evaluation.json"
+
+    def first_stage(*flags: str) -> tuple[dict, dict]:
+        code, _, err = run_cli(
+            evaluate_main, GPT_1_3B, "--pp", "2", "--global-batch", "8", "--split", "even",
+            "--json", str(out), "--quiet", *flags,
+        )  # fmt: skip
+        assert code == 0, err
+        document = json.loads(out.read_text())
+        return document["training"], document["stages"][0]["breakdown"]
+
+    training, freed = first_stage()
+    assert training["grad_bytes_per_param"] == 4 and training["deallocate_pipeline_outputs"]
+    assert freed["grads"] == 2 * freed["weights"]
+    assert first_stage("--runtime", "torch")[0]["grad_bytes_per_param"] == 2
+    assert first_stage("--bytes-per-param", "2,2,12")[1]["grads"] == freed["weights"]
+    training, kept = first_stage("--no-deallocate-pipeline-outputs")
+    assert training["deallocate_pipeline_outputs"] is False
+    boundary = json.loads(Path(GPT_1_3B).read_text())["layers"][0]["output_bytes"]
+    assert kept["buffers"] - freed["buffers"] == 2 * boundary  # k_0 = min(m 8, p 2) = 2, b = 1
+    assert kept | {"buffers": 0} == freed | {"buffers": 0}
+
+
+@pytest.mark.parametrize("parser", ["plan", "sweep"])
+def test_plan_and_sweep_flags_make_the_training_options(parser):
+    from solver.cli.common import training_from_args
+    from solver.cli.plan import plan_parser
+    from solver.cli.sweep import sweep_parser
+
+    parse = {"plan": plan_parser, "sweep": sweep_parser}[parser]().parse_args
+    base = [GPT_1_3B, "--gpus", "8", "--global-batch", "16"]
+    default = training_from_args(parse(base))
+    assert (default.grad_bytes_per_param, default.deallocate_pipeline_outputs) == (4, True)
+    torch = training_from_args(parse([*base, "--runtime", "torch"]))
+    assert torch.grad_bytes_per_param == 2
+    kept = training_from_args(parse([*base, "--no-deallocate-pipeline-outputs"]))
+    assert kept.deallocate_pipeline_outputs is False
+    given = training_from_args(parse([*base, "--bytes-per-param", "4,4,8"]))
+    assert (given.weight_bytes_per_param, given.grad_bytes_per_param) == (4, 4)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from solver.calibration import Calibration
@@ -15,7 +17,7 @@ from solver.cost_model import (
 )
 from solver.errors import InputError
 from solver.graph import graph_from_dict
-from solver.specs import Cluster, ParallelConfig, TrainingConfig
+from solver.specs import GRAD_BYTES_PER_PARAM, Cluster, ParallelConfig, TrainingConfig
 
 # a -> b -> c -> d plus a skip edge a -> d (relayed through the middle stage below)
 GRAPH = graph_from_dict(
@@ -65,8 +67,8 @@ CONFIG = ParallelConfig(pp=3, tp=2, dp=2, micro_batch=2, num_microbatches=4, zer
 SPLIT = [0, 1, 1, 2]
 
 
-def costs_for(config: ParallelConfig, runtime: str = "torch"):
-    training = TrainingConfig(global_batch=config.global_batch, runtime=runtime)
+def costs_for(config: ParallelConfig, runtime: str = "torch", **options):
+    training = TrainingConfig(global_batch=config.global_batch, runtime=runtime, **options)
     return layer_costs(GRAPH, config, CLUSTER, training)
 
 
@@ -90,6 +92,68 @@ def test_megatron_runtime_counts_one_buffer_per_side():
     assert first.buffer_bytes == 2 * (10 + 5)
     assert middle.buffer_bytes == 2 * 10 + 2 * (2 * 5) + 2 * 30  # the relayed a->d both ways
     assert last.buffer_bytes == 2 * 5 + 2 * 30
+
+
+def test_megatron_without_deallocation_keeps_the_sent_outputs_in_flight():
+    """deallocate_pipeline_outputs False: S_s = 1 + k_s on a non-last stage, so each such stage
+    holds k_s b (bytes of its outgoing edges, relays included) more; nothing else changes."""
+    assert [
+        boundary_copies("megatron", "1f1b", 4, 3, s, deallocate_pipeline_outputs=False)
+        for s in range(3)
+    ] == [(0, 4), (1, 3), (1, 0)]
+    assert [  # torch keeps them anyway: the field does not apply
+        boundary_copies("torch", "1f1b", 4, 3, s, deallocate_pipeline_outputs=False)
+        for s in range(3)
+    ] == [boundary_copies("torch", "1f1b", 4, 3, s) for s in range(3)]
+    freed = stage_costs(costs_for(CONFIG, "megatron"), SPLIT)
+    kept = stage_costs(costs_for(CONFIG, "megatron", deallocate_pipeline_outputs=False), SPLIT)
+    # first: k_0 = 3, sends a->b (10) and a->d (5); b = 2
+    assert kept[0].buffer_bytes == (1 + 3) * 2 * (10 + 5) == 120
+    # middle: k_1 = 2, receives a->b and the relayed a->d, sends c->d (30) and relays a->d (5)
+    assert kept[1].buffer_bytes == 1 * 2 * (10 + 5) + (1 + 2) * 2 * (30 + 5) == 240
+    assert kept[2].buffer_bytes == freed[2].buffer_bytes == 2 * (5 + 30)  # last: sends nothing
+    extra = [k * 2 * out for k, out in ((3, 10 + 5), (2, 30 + 5), (1, 0))]
+    assert [a.peak_bytes - f.peak_bytes for a, f in zip(kept, freed, strict=True)] == extra
+    assert [a.breakdown() | {"buffers": 0} for a in kept] == [
+        f.breakdown() | {"buffers": 0} for f in freed
+    ]
+    torch = costs_for(CONFIG, "torch", deallocate_pipeline_outputs=False)
+    assert [s.peak_bytes for s in stage_costs(torch, SPLIT)] == [
+        s.peak_bytes for s in stage_costs(costs_for(CONFIG, "torch"), SPLIT)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("runtime", "zero", "options", "bytes_per_param"),
+    [
+        ("megatron", 0, {}, 2 + 4 + 12),  # bf16 weights, fp32 main_grad, fp32 Adam
+        ("megatron", 1, {}, 2 + 4 + 12 / 4),  # distributed optimizer: 6 + 12/d
+        ("torch", 0, {}, 2 + 2 + 12),  # bf16 gradients (ZeRO paper)
+        ("megatron", 0, {"grad_bytes_per_param": 2}, 2 + 2 + 12),  # an explicit value wins
+        ("torch", 0, {"grad_bytes_per_param": 4}, 2 + 4 + 12),
+    ],
+)
+def test_model_states_per_parameter_by_runtime(runtime, zero, options, bytes_per_param):
+    config = ParallelConfig(pp=1, tp=1, dp=4, micro_batch=1, num_microbatches=1, zero=zero)
+    training = TrainingConfig(global_batch=4, runtime=runtime, **options)
+    (stage,) = stage_costs(layer_costs(GRAPH, config, CLUSTER, training), [0, 0, 0, 0])
+    params = 1000 + 200 + 300 + 50
+    states = stage.weight_bytes + stage.grad_bytes + stage.optimizer_bytes
+    assert states == bytes_per_param * params
+
+
+def test_gradient_bytes_default_by_runtime():
+    assert TrainingConfig(global_batch=1).grad_bytes_per_param == 4  # runtime megatron
+    assert TrainingConfig(global_batch=1, runtime="torch").grad_bytes_per_param == 2
+    assert GRAD_BYTES_PER_PARAM == {"megatron": 4, "torch": 2}
+    megatron = TrainingConfig(global_batch=1, grad_bytes_per_param=None)
+    assert megatron == TrainingConfig(global_batch=1, grad_bytes_per_param=4)
+    # resolved once: replace() keeps the value unless it is given as None again
+    torch = dataclasses.replace(megatron, runtime="torch", grad_bytes_per_param=None)
+    assert torch.grad_bytes_per_param == 2
+    assert dataclasses.replace(megatron, runtime="torch").grad_bytes_per_param == 4
+    with pytest.raises(InputError, match="deallocate_pipeline_outputs must be True or False"):
+        TrainingConfig(global_batch=1, deallocate_pipeline_outputs="no")
 
 
 def test_in_flight_counts():
@@ -191,8 +255,8 @@ def test_times_by_hand():
 def test_inter_node_bandwidth_for_wide_data_parallel_groups():
     config = ParallelConfig(pp=1, tp=2, dp=8, micro_batch=1, num_microbatches=1)
     costs = layer_costs(GRAPH, config, Cluster(num_gpus=16), TrainingConfig(global_batch=8))
-    # t d = 16 > 8 GPUs per node: 2 * 7/8 * 700 * 2 B at 50 GB/s
-    assert costs.dp_sync_ns[0] == 49  # ceil(2450 / 50)
+    # t d = 16 > 8 GPUs per node: 2 * 7/8 * 700 * 4 B (megatron's fp32 gradients) at 50 GB/s
+    assert costs.dp_sync_ns[0] == 98  # ceil(4900 / 50)
 
 
 def test_calibration_scales_each_coefficient_and_adds_the_constant():

@@ -142,7 +142,9 @@ def test_first_rank_activations_grow_by_korthikanti_factor(p, v):
     assert iteration == m * ours[0].time_ns + (p - 1) * ours[0].time_ns // v
 
 
-def _random_interleaved(seed: int, selective: bool = False):
+def _random_interleaved(seed: int, selective: bool = False, **training_options):
+    """A random interleaved config's costs; ``training_options`` override TrainingConfig fields
+    (the same draws: the runtime is drawn either way)."""
     rng = random.Random(seed)
     p, v = rng.choice([(2, 2), (2, 3), (3, 2)])
     num_layers = p * v + rng.randint(0, 1 if selective else 2)
@@ -158,11 +160,12 @@ def _random_interleaved(seed: int, selective: bool = False):
         recompute="selective" if selective else rng.choice(["none", "full"]),
         virtual_stages=v,
     )
-    training = TrainingConfig(
-        global_batch=config.global_batch,
-        virtual_stages=(v,),
-        runtime=rng.choice(["megatron", "torch"]),
-    )
+    options = {
+        "global_batch": config.global_batch,
+        "virtual_stages": (v,),
+        "runtime": rng.choice(["megatron", "torch"]),
+    }
+    training = TrainingConfig(**(options | training_options))
     return graph, config, layer_costs(graph, config, Cluster(num_gpus=config.num_gpus), training)
 
 
@@ -170,7 +173,8 @@ def _rank_peaks_by_hand(graph, costs, split) -> list[int]:
     """Per-rank peak straight from the definition, with loops (chains and DAGs): states of every
     chunk, the moment with the most activations (+ relayed edges) + boundary buffers, the
     largest transient. Buffers: megatron one per direction per virtual stage at its maximal
-    in-flight vectors; torch at every moment of its own schedule (replayed): m receive buffers
+    in-flight vectors (and the n held outputs without deallocate_pipeline_outputs); torch at
+    every moment of its own schedule (replayed): m receive buffers
     less the held inputs plus the input gradients sent back (kept until the step ends), m
     gradient buffers plus the held outputs plus the outputs already sent back from."""
     p, num_stages = costs.num_ranks, costs.num_stages
@@ -191,7 +195,8 @@ def _rank_peaks_by_hand(graph, costs, split) -> list[int]:
     def copies(j: int, n: int, done: int) -> tuple[int, int]:
         if costs.runtime == "torch":
             return (0 if j == 0 else m - n + done), (0 if j == last else m + n + done)
-        return int(j > 0), int(j < last)
+        kept_outputs = 0 if costs.deallocate_pipeline_outputs else n
+        return int(j > 0), (1 + kept_outputs) * (j < last)
 
     peaks = []
     for rank in range(p):
@@ -220,9 +225,10 @@ def _rank_peaks_by_hand(graph, costs, split) -> list[int]:
     return peaks
 
 
+@pytest.mark.parametrize("deallocate", [True, False])
 @pytest.mark.parametrize("seed", range(12))
-def test_rank_costs_recompute_by_hand(seed):
-    graph, config, costs = _random_interleaved(seed)
+def test_rank_costs_recompute_by_hand(seed, deallocate):
+    graph, config, costs = _random_interleaved(seed, deallocate_pipeline_outputs=deallocate)
     rng = np.random.default_rng(seed)
     for _ in range(5):
         cuts = np.sort(rng.choice(np.arange(1, graph.num_layers), costs.num_stages - 1, False))
@@ -257,6 +263,26 @@ def test_solvers_equal_brute_force(seed, backend):
     assert got.objective == expected.objective
     timed = BACKENDS[backend](StageProblem(costs=costs, objective=OBJECTIVE_TIME), time_limit_s=30)
     assert timed.objective == fastest.objective
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_solvers_equal_brute_force_when_megatron_keeps_sent_outputs(seed):
+    """Without deallocate_pipeline_outputs a virtual stage's sent copies follow its in-flight
+    count at each moment (1 + n_c, ``LayerCosts.copies_at``): one memory row per vector."""
+    graph, config, costs = _random_interleaved(
+        seed, runtime="megatron", deallocate_pipeline_outputs=False
+    )
+    problem = StageProblem(costs=costs, objective=OBJECTIVE_MEMORY)
+    oracle = solve_brute_force(problem)
+    assert [s.peak_bytes for s in stage_costs(costs, oracle.stage_of_layer)] == (
+        _rank_peaks_by_hand(graph, costs, oracle.stage_of_layer)
+    )
+    for solve in BACKENDS.values():
+        solution = solve(problem, time_limit_s=30)
+        assert solution.status == OPTIMAL
+        assert solution.objective == oracle.objective
+        assert problem.objective_value(solution.stage_of_layer) == oracle.objective
+    assert memory_lower_bound(costs) <= oracle.objective
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -77,7 +77,7 @@ def test_front_equals_brute_force_on_a_tiny_dag():
 
 
 def test_bounded_front_keeps_both_ends_and_only_front_points():
-    graph, cluster = tiny_case(0, random_chain, 6)
+    graph, cluster = tiny_case(3, random_chain, 6)
     expected = brute_force_front(graph, cluster, TRAINING)
     assert len(expected) > 3, "the case must have a front longer than the bound"
     front = pareto_front(graph, cluster, TRAINING, max_points=3)

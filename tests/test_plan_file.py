@@ -30,9 +30,11 @@ SCHEMA = json.loads((ROOT / "docs" / "plan.schema.json").read_text())  # through
 
 BASE = ["--gpus", "8", "--global-batch", "32", "--time-limit", "30", "--quiet"]
 KINDS = {
-    "1f1b": [GPT, *BASE],
+    "1f1b": [GPT, *BASE, "--pp", "4"],  # four stages: the errors below name them
     "gpipe": [GPT, *BASE, "--schedule", "gpipe"],
     "interleaved": [GPT, *BASE, "--pp", "4", "--virtual-stages", "2"],
+    "interleaved-outputs-kept": [GPT, *BASE, "--pp", "4", "--virtual-stages", "2"]
+    + ["--no-deallocate-pipeline-outputs"],
     "selective": [GPT, *BASE, "--recompute", "selective", "--gpu-memory", "8GiB"],
     "full-zero-throughput": [GPT, *BASE, "--recompute", "full", "--zero", "auto"]
     + ["--objective", "throughput", "--runtime", "torch", "--bytes-per-param", "2,4,12"],
@@ -141,6 +143,27 @@ def test_plan_file_view(plans):
     assert calibrated.training.calibration == calibrated.calibration
     full = load_plan(plans["full-zero-throughput"])
     assert (full.runtime, full.training.grad_bytes_per_param) == ("torch", 4)
+    plain = load_plan(plans["1f1b"])  # the megatron runtime's bytes: fp32 gradients
+    assert (plain.runtime, plain.training.grad_bytes_per_param) == ("megatron", 4)
+    assert plain.training.deallocate_pipeline_outputs
+    assert not load_plan(plans["interleaved-outputs-kept"]).training.deallocate_pipeline_outputs
+
+
+def test_a_version_2_plan_without_deallocate_pipeline_outputs_means_true(plans, tmp_path, capsys):
+    """Plans written before the field existed: the sent outputs were freed (as Megatron-LM
+    does), and solver.evaluate --plan reproduces them."""
+    document = json.loads(plans["1f1b"].read_text())
+    assert document["training"].pop("deallocate_pipeline_outputs") is True
+    path = tmp_path / "older.json"
+    path.write_text(json.dumps(document))
+    assert load_plan(path).training.deallocate_pipeline_outputs is True
+    assert _run(evaluate_main, ["--plan", str(path), "--quiet"], capsys)[0] == 0
+    kept = json.loads(plans["interleaved-outputs-kept"].read_text())
+    assert kept["training"]["deallocate_pipeline_outputs"] is False
+    kept["training"].pop("deallocate_pipeline_outputs")  # now read as True: other buffers
+    path.write_text(json.dumps(kept))
+    code, _, err = _run(evaluate_main, ["--plan", str(path), "--quiet"], capsys)
+    assert code == 6 and "buffers" in err
 
 
 @pytest.mark.parametrize(

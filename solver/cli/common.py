@@ -20,6 +20,7 @@ from solver.errors import InputError, one_line, quote
 from solver.specs import (
     GB_PER_S_RANGE,
     GPU_TFLOPS_RANGE,
+    GRAD_BYTES_PER_PARAM,
     MAX_BYTES_PER_PARAM,
     MAX_DEGREE,
     MAX_GLOBAL_BATCH,
@@ -292,7 +293,8 @@ def add_cluster_options(parser: argparse.ArgumentParser, *, memory_list: bool = 
 
 
 def add_training_options(parser: argparse.ArgumentParser, *, batch_required: bool = True) -> None:
-    """--global-batch, --schedule, --runtime, --bytes-per-param, --calibration, --memory-model."""
+    """--global-batch, --schedule, --runtime, --deallocate-pipeline-outputs, --bytes-per-param,
+    --calibration, --memory-model."""
     training = parser.add_argument_group("training")
     training.add_argument(
         "--global-batch",
@@ -325,10 +327,23 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
         "micro-batch, kept for the run; what profiling.run executes). Default megatron",
     )
     training.add_argument(
+        "--deallocate-pipeline-outputs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="megatron runtime: a sent pipeline output's data is freed at once, as Megatron-LM "
+        "sets it; --no-deallocate-pipeline-outputs keeps the outputs of a stage's in-flight "
+        "micro-batches until their backward (megatron-core's TransformerConfig default). The "
+        "torch runtime ignores it",
+    )
+    defaults = "; ".join(f"2,{g},12 on {name}" for name, g in GRAD_BYTES_PER_PARAM.items())
+    training.add_argument(
         "--bytes-per-param",
         type=int_list_in(0, MAX_BYTES_PER_PARAM),
-        default=[2, 2, 12],
-        help="weights,grads,optimizer bytes per parameter (default 2,2,12)",
+        default=None,
+        metavar="W,G,O",
+        help="weights,grads,optimizer bytes per parameter (default by --runtime: "
+        f"{defaults}; megatron's bf16 training accumulates fp32 gradients, main_grad; "
+        "docs/cost-model.md)",
     )
     training.add_argument(
         "--calibration",
@@ -363,7 +378,12 @@ def cluster_from_flags(
     )
 
 
-def bytes_per_param(args: argparse.Namespace) -> dict[str, int]:
+def bytes_per_param(args: argparse.Namespace) -> dict[str, int | None]:
+    """The TrainingConfig fields of --bytes-per-param: all three when given, else
+    grad_bytes_per_param None (the runtime's, ``specs.GRAD_BYTES_PER_PARAM``; weights and
+    optimizer keep TrainingConfig's defaults)."""
+    if args.bytes_per_param is None:
+        return {"grad_bytes_per_param": None}
     if len(args.bytes_per_param) != 3:
         raise InputError(
             f"--bytes-per-param: give 3 numbers (weights,grads,optimizer), got "
@@ -568,6 +588,7 @@ def _training_from_args(args: argparse.Namespace) -> TrainingConfig:
         schedule=args.schedule,
         virtual_stages=tuple(args.virtual_stages),
         runtime=args.runtime,
+        deallocate_pipeline_outputs=args.deallocate_pipeline_outputs,
         memory_model=args.memory_model,
         pp=args.pp,
         tp=args.tp,

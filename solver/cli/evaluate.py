@@ -236,12 +236,14 @@ def _split_from_args(args: argparse.Namespace) -> str | list[int]:
 def _training_from_args(args: argparse.Namespace, config: ParallelConfig) -> TrainingConfig:
     """The evaluated config's own training options (``evaluation.default_training``: its global
     batch, micro-batch, ZeRO stage, recompute, schedule and virtual stages) with the flags'
-    runtime, memory model, calibration and bytes per parameter."""
+    runtime, output deallocation, memory model, calibration and bytes per parameter (the
+    runtime's gradient bytes unless given)."""
     from solver.evaluation import default_training
 
     return dataclasses.replace(
         default_training(config),
         runtime=args.runtime,
+        deallocate_pipeline_outputs=args.deallocate_pipeline_outputs,
         memory_model=args.memory_model,
         calibration=calibration_from_args(args),
         **bytes_per_param(args),
