@@ -93,7 +93,8 @@ class RunJob:
     """torch (torch.distributed.pipelining, this module) or megatron (megatron-core,
     :mod:`profiling.megatron_rank`)."""
     deallocate_pipeline_outputs: bool = True
-    """megatron engine: free a sent pipeline output's data at once (Megatron-LM's setting)."""
+    """megatron engine: free a sent pipeline output's data at once (the plan's training option,
+    Megatron-LM's setting by default)."""
 
 
 def model_spec(preset: str, overrides: dict[str, Any]) -> models.ModelSpec:

@@ -328,7 +328,6 @@ def run_plan(
     max_processes: int | None = None,
     device: str = "cpu",
     engine: str = "torch",
-    deallocate_pipeline_outputs: bool = True,
     _fault: tuple[int, str] | None = None,
 ) -> list[RankReport]:
     """Train ``iterations`` steps of ``preset`` with ``plan`` on ``pp * dp * tp`` local processes.
@@ -368,7 +367,9 @@ def run_plan(
         device=device,
         fault=_fault,
         engine=engine,
-        deallocate_pipeline_outputs=deallocate_pipeline_outputs,
+        deallocate_pipeline_outputs=(
+            plan.training is None or plan.training.deallocate_pipeline_outputs
+        ),
     )
     context = torch.multiprocessing.get_context("spawn")
     directory = Path(tempfile.mkdtemp(prefix="memplan-run-"))

@@ -47,6 +47,7 @@ def megatron_plan(
     recompute: str = "none",
     virtual_stages: int = 1,
     bytes_per_param: dict | None = None,
+    deallocate_pipeline_outputs: bool = True,
 ) -> dict:
     """A plan dict from the real planner for the megatron runtime, with pinned degrees."""
     graph = export_graph(
@@ -63,6 +64,7 @@ def megatron_plan(
         tp=tp,
         dp=dp,
         max_slowdown=None,
+        deallocate_pipeline_outputs=deallocate_pipeline_outputs,
         **(bytes_per_param or FP32),
     )
     cluster = Cluster(num_gpus=pp * tp * dp, gpu_memory_bytes=2**30)
@@ -168,6 +170,28 @@ def test_bf16_run_keeps_fp32_main_gradients():
         assert breakdown["grads"] == 2 * breakdown["params"]
         assert breakdown["optimizer"] == pytest.approx(6 * breakdown["params"], abs=256)
     assert_peaks_predicted(reports)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_kept_pipeline_outputs_cost_what_the_plan_adds():
+    """deallocate_pipeline_outputs=False (megatron-core's TransformerConfig default): each
+    non-last stage keeps the sent outputs of its k_s in-flight micro-batches; the measured peak
+    grows by what the plan's buffers grow (to within Adam's step counters)."""
+    peaks = {}
+    for deallocate in (True, False):
+        chosen = megatron_plan(
+            "gpt-tiny", GPT, pp=3, global_batch=12, deallocate_pipeline_outputs=deallocate
+        )
+        reports = run_plan("gpt-tiny", chosen, overrides=GPT, engine="megatron")
+        assert_peaks_predicted(reports)
+        peaks[deallocate] = [
+            (r.measured_peak_bytes, r.predicted_breakdown["buffers"]) for r in reports
+        ]
+    kept = [(m1 - m0, p1 - p0) for (m0, p0), (m1, p1) in zip(peaks[True], peaks[False])]
+    assert kept[-1][1] == 0 and abs(kept[-1][0]) <= 64  # the last stage sends nothing
+    for measured, predicted in kept[:-1]:
+        assert predicted > 0 and abs(measured - predicted) <= 64, kept
 
 
 @pytest.mark.slow
