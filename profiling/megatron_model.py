@@ -198,6 +198,9 @@ def transformer_config(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
+        # Megatron-LM's default (--attention-softmax-in-fp32 is off; TransformerConfig's default
+        # is on): the local attention's softmax runs in the weights' dtype, as the zoo's does
+        attention_softmax_in_fp32=False,
         deallocate_pipeline_outputs=deallocate_pipeline_outputs,
         # gloo: batched p2p (batch_isend_irecv) pairs same-shaped tensors between two ranks in
         # posting order, and with pp 2 a rank's previous and next stage are one rank, so the

@@ -33,8 +33,9 @@ Memory of stage s (bytes per GPU):
                         the saved inputs); S_s = m + k_s (s < p - 1): m gradient receive buffers
                         and the outputs of the k_s in-flight micro-batches, held until their
                         backward
-  gtemp_l   = g max(largest_param_l, largest_tp_param_l / t): a weight gradient is computed into a
-              temporary and added to the persistent .grad while backward accumulates
+  gtemp_l   = w max(largest_param_l, largest_tp_param_l / t): a weight gradient is computed in
+              the weights' dtype into a temporary and added to the persistent gradient (.grad,
+              or Megatron's fp32 main_grad) while backward accumulates
   gather_l  = 2 w P'_l with ZeRO-3, else 0: the running layer's weights are gathered and the next
               layer's prefetched (FSDP), each freed again after use
   trans_s   = max_l (b transient_bytes_l + gtemp_l + gather_l);  for a recomputed layer
@@ -45,7 +46,11 @@ Memory of stage s (bytes per GPU):
 Recomputation (``ParallelConfig.recompute``): "none" recomputes no layer, "full" every layer,
 "selective" the layers a solver chooses; :class:`LayerCosts` carries both states of every layer
 (``stored_bytes`` / ``recompute_stored_bytes``, and likewise transient and time) and
-:func:`stage_costs` takes the chosen set.
+:func:`stage_costs` takes the chosen set. Only recomputable layers are recomputed
+(``LayerCosts.recomputable``): on the megatron runtime the transformer blocks (Megatron-LM's
+``--recompute-granularity full`` checkpoints the layers of its TransformerBlock, never the
+embedding or the output layer and loss; measured, tests/test_megatron.py); on the torch runtime
+every layer. A layer that cannot be recomputed has the same coefficients in both states.
 
 Empirical (``TrainingConfig.memory_model = "empirical"``, mCAP/CAPSlog statistics in the graph):
 a stage holding layers a..b peaks at mem_isolated(a) + sum_{l=a+1..b} mem_added(l), nothing else
@@ -309,6 +314,8 @@ class LayerCosts:
     """transient_bytes of a recomputed layer (its saved tensors re-materialised too)."""
     recompute_time_ns: np.ndarray | None = None
     """time_ns of a recomputed layer (the forward runs twice)."""
+    recomputable: np.ndarray | None = None
+    """Which layers the runtime can recompute (``recomputable_layers``); None: every layer."""
 
     def __post_init__(self) -> None:
         if not self.in_flight_vectors:
@@ -382,17 +389,18 @@ class LayerCosts:
         )
 
     def recompute_mask(self, recomputed: list[bool] | np.ndarray | None) -> np.ndarray:
-        """Which layers are recomputed: every one under "full", none under "none", the given
-        ones (default none) under "selective"."""
+        """Which layers are recomputed: every recomputable one under "full", none under "none",
+        the given recomputable ones (default none) under "selective"."""
         n = self.num_layers
+        recomputable = np.ones(n, dtype=bool) if self.recomputable is None else self.recomputable
         if self.config.recompute == "full":
-            return np.ones(n, dtype=bool)
+            return recomputable.copy()
         if recomputed is None or not self.selective:
             assert recomputed is None or not np.any(recomputed), "recompute set without selective"
             return np.zeros(n, dtype=bool)
         mask = np.asarray(recomputed, dtype=bool)
         assert mask.shape == (n,), f"{mask.shape} recompute flags for {n} layers"
-        return mask
+        return mask & recomputable
 
     def bounding_coefficients(self, pick=np.minimum) -> tuple[np.ndarray, ...]:
         """(stored_bytes, transient_bytes, time_ns) per layer, the smaller (``np.minimum``) or
@@ -497,6 +505,11 @@ def layer_costs(
     weight, grad, optimizer = _model_state_bytes(params_times_t, config, training)
     stored, transient = _activation_bytes(cols, params_times_t, saved_times_t, config, training)
     time_ns = _time_ns(cols, config, cluster)
+    recomputable = recomputable_layers(graph, training.runtime)
+    stored, transient, time_ns = (
+        (kept, np.where(recomputable, recomputed, kept))
+        for kept, recomputed in (stored, transient, time_ns)
+    )
     # "none" and "selective" take the kept state as the plain coefficients, "full" the other
     state = int(config.recompute == "full")
     calibration = training.calibration
@@ -512,6 +525,7 @@ def layer_costs(
         recompute_stored_bytes=scaled(stored[1], "activations"),
         recompute_transient_bytes=scaled(transient[1], "transient"),
         recompute_time_ns=_as_int(time_ns[1]),
+        recomputable=recomputable,
         dp_sync_ns=_as_int(_dp_sync_ns(params_times_t, config, cluster, training)),
         edge_src=cols["edge_src"],
         edge_dst=cols["edge_dst"],
@@ -675,6 +689,14 @@ def _model_state_bytes(
     return weight, grad, optimizer
 
 
+def recomputable_layers(graph: LayerGraph, runtime: str) -> np.ndarray:
+    """Which layers ``runtime`` recomputes under recomputation: megatron the transformer blocks
+    (``Layer.role == "block"``), torch every layer."""
+    if runtime == "torch":
+        return np.ones(len(graph.layers), dtype=bool)
+    return np.array([layer.role == "block" for layer in graph.layers], dtype=bool)
+
+
 def _activation_bytes(
     cols: dict[str, np.ndarray],
     params_times_t: np.ndarray,
@@ -687,8 +709,8 @@ def _activation_bytes(
     while the layer recomputes). Transient is b transient_bytes_l + gtemp_l + gather_l (module
     docstring)."""
     t, b = config.tp, config.micro_batch
-    g, w = training.grad_bytes_per_param, training.weight_bytes_per_param
-    grad_temporary = g * np.maximum(cols["largest_param"], _ceil_div(cols["largest_tp_param"], t))
+    w = training.weight_bytes_per_param
+    grad_temporary = w * np.maximum(cols["largest_param"], _ceil_div(cols["largest_tp_param"], t))
     stored = (_ceil_div(b * saved_times_t, t), b * cols["output_bytes"])
     transient = (
         b * cols["transient_bytes"],

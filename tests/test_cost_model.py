@@ -220,13 +220,16 @@ def test_recompute_and_zero3_and_gpipe():
 
 
 def test_weight_gradient_temporary_is_transient():
-    """A layer's largest weight gradient is a temporary next to its own transient (g bytes per
-    element; a TP-split tensor divided by t)."""
+    """A layer's largest weight gradient is a temporary next to its own transient, in the
+    weights' dtype (w bytes per element, whatever the persistent gradient's g; a TP-split tensor
+    divided by t)."""
     document = GRAPH.to_dict()
     document["layers"][1].update(largest_param=150)  # b: 200 unsplit parameters
     document["layers"][2].update(largest_tp_param=300)  # c: 300 split ones
     graph = graph_from_dict(document)
-    training = TrainingConfig(global_batch=CONFIG.global_batch, grad_bytes_per_param=4)
+    training = TrainingConfig(
+        global_batch=CONFIG.global_batch, weight_bytes_per_param=4, grad_bytes_per_param=8
+    )
     costs = layer_costs(graph, CONFIG, CLUSTER, training)
     assert costs.transient_bytes.tolist() == [0, 4 * 150, 2 * 7 + 4 * 300 // 2, 0]
     bad = GRAPH.to_dict()

@@ -332,4 +332,40 @@ def test_full_recompute_and_zero_baselines_keep_the_config(gpt_graph):
     assert result.baselines["even"].config == result.config
     assert result.baselines["even"].peak_bytes == expected.peak_bytes
     recomputed = plan_to_dict(result)["baselines"]["even"]["recomputed"]
-    assert recomputed == list(gpt_graph.names)  # full: every layer
+    # full on the megatron runtime: every transformer block (Megatron never recomputes the
+    # embedding or the head)
+    assert recomputed == [layer.name for layer in gpt_graph.layers if layer.role == "block"]
+
+
+def test_megatron_recomputes_only_transformer_blocks(gpt_graph):
+    """Under full recomputation the megatron runtime keeps the embedding's and the head's
+    activations (Megatron checkpoints only its TransformerBlock layers); torch recomputes every
+    layer. The blocks' coefficients are the same on both runtimes."""
+    config = ParallelConfig(pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=4, recompute="full")
+    cluster = Cluster(num_gpus=2, gpu_memory_bytes=80 * 2**30)
+    costs = {
+        runtime: layer_costs(
+            gpt_graph,
+            config,
+            cluster,
+            TrainingConfig(global_batch=4, runtime=runtime, grad_bytes_per_param=2),
+        )
+        for runtime in ("megatron", "torch")
+    }
+    blocks = np.array([layer.role == "block" for layer in gpt_graph.layers])
+    assert 0 < blocks.sum() < len(blocks)
+    megatron, torch_runtime = costs["megatron"], costs["torch"]
+    assert np.array_equal(megatron.recompute_mask(None), blocks)
+    assert torch_runtime.recompute_mask(None).all()
+    kept = layer_costs(
+        gpt_graph,
+        dataclasses.replace(config, recompute="none"),
+        cluster,
+        TrainingConfig(global_batch=4, grad_bytes_per_param=2),
+    )
+    # not recomputed: the kept coefficients; recomputed: only the output is stored
+    assert np.array_equal(megatron.stored_bytes[~blocks], kept.stored_bytes[~blocks])
+    assert np.array_equal(megatron.stored_bytes[blocks], torch_runtime.stored_bytes[blocks])
+    outputs = [config.micro_batch * layer.output_bytes for layer in gpt_graph.layers]
+    assert np.array_equal(torch_runtime.stored_bytes, outputs)
+    assert np.array_equal(megatron.time_ns[~blocks], kept.time_ns[~blocks])
