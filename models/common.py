@@ -210,12 +210,33 @@ class Attention(nn.Module):
         return self.dropout(self.proj(out))
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up of the fused [gate, up] projection, keeping only that input for the
+    backward and recomputing silu there: Megatron-LM's fused bias-SwiGLU (``SwiGLUFunction``,
+    on by default with ``--swiglu``), whose memory the zoo's Llama therefore has."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        gate, up = x.chunk(2, dim=-1)
+        sigmoid = torch.sigmoid(gate)
+        grad_gate = grad * up * sigmoid * (1 + gate * (1 - sigmoid))
+        return torch.cat([grad_gate, grad * gate * sigmoid], dim=-1)
+
+
 class MLP(nn.Module):
     """fc1 -> activation -> fc2 -> dropout.
 
     gelu / relu: fc1 Linear(h, ffn), 2 h ffn weights. swiglu: fc1 is the fused gate and up
-    projection Linear(h, 2 ffn) (Megatron-LM's gated linear unit layout), silu(gate) * up, then
-    fc2 Linear(ffn, h): 3 h ffn weights, as Llama's w1, w3 and w2.
+    projection Linear(h, 2 ffn) (Megatron-LM's gated linear unit layout), silu(gate) * up
+    (:class:`_SwiGLU`, Megatron-LM's fused kernel: only fc1's output is kept), then fc2
+    Linear(ffn, h): 3 h ffn weights, as Llama's w1, w3 and w2.
     """
 
     def __init__(
@@ -231,8 +252,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.fc1(x)
         if self.kind == "swiglu":
-            gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate) * up
+            x = _SwiGLU.apply(x)
         elif self.kind == "relu":
             x = F.relu(x)
         else:

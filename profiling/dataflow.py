@@ -415,8 +415,10 @@ class Tracer(TorchDispatchMode):
 
     # -- results ------------------------------------------------------------------------------
 
-    def transients(self, excluded: set[int]) -> dict[int, int]:
-        """Peak extra live bytes per owner while it runs (batch totals).
+    def transients(self, excluded: set[int], at: set[int] | None = None) -> dict[int, int]:
+        """Peak extra live bytes per owner while it runs (batch totals); with ``at``, only at
+        the moments the storages in ``at`` are made (the parameter gradients: what else is
+        live next to a weight gradient's temporary).
 
         For each window (a maximal run of events with one owner), the live bytes of storages
         made by the run, minus their value at the window's start, minus (in the backward) the
@@ -431,6 +433,8 @@ class Tracer(TorchDispatchMode):
             owner = self.resolve(owner)
             if window != current:
                 current, base, credit = window, live, 0
+            if at is not None and uid in at and delta > 0:
+                peaks[owner] = max(peaks[owner], live - base - credit)
             if uid in excluded:
                 saver = self.saved_owner.get(uid)
                 if (
@@ -442,5 +446,6 @@ class Tracer(TorchDispatchMode):
                     credit -= delta
                 continue
             live += delta
-            peaks[owner] = max(peaks[owner], live - base - credit)
+            if at is None:
+                peaks[owner] = max(peaks[owner], live - base - credit)
         return dict(peaks)

@@ -96,6 +96,7 @@ def build_graph(
             )
 
     transients = tracer.transient_peaks
+    weight_grad_transients = tracer.weight_grad_transient_peaks
     items = []
     for i in order:
         record = tracer.layers[i]
@@ -112,6 +113,7 @@ def build_graph(
             "bwd_flops": record.bwd_flops / batch,
             "tp_comm_bytes": _ceil_div(split.comm_bytes.get(i, 0), batch),
             "transient_bytes": _ceil_div(transients.get(i, 0), batch),
+            "weight_grad_transient_bytes": _ceil_div(weight_grad_transients.get(i, 0), batch),
             "largest_param": largest[i],
             "largest_tp_param": largest_tp[i],
         }

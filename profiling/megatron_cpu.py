@@ -23,6 +23,11 @@ layer spec (no TransformerEngine, no apex) on CPU once these are bypassed, and n
    parameter; on a GPU Megatron runs a fused Adam that updates in place. :class:`FusedAdamW`
    (torch's own fused CPU kernel, ``fused=True``) restores that behaviour.
 
+7. The fused bias-activation functions (Megatron-LM's default bias-GeLU / bias-SwiGLU fusion) and
+   megatron-core's other ``jit_fuser`` functions are wrapped in ``torch.compile`` when imported;
+   compiled on the CPU they keep buffers of their own next to the live tensors. They run as the
+   plain torch functions they wrap (same saved tensors; :func:`_uncompiled`).
+
 Everything here runs only inside a rank process of ``profiling.run`` (``engine="megatron"``);
 the patches are undone when the context exits.
 """
@@ -30,6 +35,7 @@ the patches are undone when the context exits.
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Iterator
 from unittest import mock
@@ -83,7 +89,9 @@ def _cuda_type_name(tensor: torch.Tensor, *args, _original=torch.Tensor.type, **
 
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
-    """Bypasses 1-6 for the whole run (building the model, the schedules, the optimizer step)."""
+    """Bypasses 1-7 for the whole run (building the model, the schedules, the optimizer step)."""
+    import megatron.core.fusions.fused_bias_gelu  # noqa: F401  (the fusions the layers call)
+    import megatron.core.fusions.fused_bias_swiglu  # noqa: F401
     from megatron.core.tensor_parallel import random as megatron_random
 
     with contextlib.ExitStack() as stack:
@@ -104,5 +112,21 @@ def megatron_on_cpu() -> Iterator[None]:
         )
         stack.enter_context(mock.patch.object(torch.Tensor, "type", _cuda_type_name))
         stack.enter_context(mock.patch.object(torch.optim, "AdamW", FusedAdamW))
+        for module, name, function in _uncompiled():
+            stack.enter_context(mock.patch.object(module, name, function))
         stack.enter_context(CudaFactoriesOnCpu())
         yield
+
+
+def _uncompiled() -> list[tuple[object, str, object]]:
+    """(module, name, plain function) for every ``torch.compile``-wrapped function of the
+    imported megatron-core modules (bypass 7)."""
+    found = []
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith("megatron.core") or module is None:
+            continue
+        for name, value in list(vars(module).items()):
+            original = getattr(value, "_torchdynamo_orig_callable", None)
+            if callable(original):
+                found.append((module, name, original))
+    return found

@@ -131,11 +131,6 @@ def check_model(spec: models.ModelSpec, tp: int) -> None:
             f"engine megatron: model {spec.name}: Megatron's LayerNorm always has a bias; "
             "set bias=true or norm=rmsnorm"
         )
-    if config.attention != "explicit":
-        raise InputError(
-            f"engine megatron: model {spec.name}: attention={config.attention!r}; the local "
-            "layer spec computes attention explicitly: set attention=explicit"
-        )
     for name, value in (
         ("heads", config.heads),
         ("kv_heads", config.num_kv_heads),
@@ -201,6 +196,11 @@ def transformer_config(
         # Megatron-LM's default (--attention-softmax-in-fp32 is off; TransformerConfig's default
         # is on): the local attention's softmax runs in the weights' dtype, as the zoo's does
         attention_softmax_in_fp32=False,
+        # Megatron-LM's --bias-swiglu-fusion (on by default): the fused SwiGLU keeps only its
+        # input, as the zoo's does (profiling/megatron_cpu.py runs it uncompiled). GeLU stays
+        # unfused: the same saved bytes as the fused bias-GeLU, and one backward temporary as
+        # a fused GPU kernel, where the uncompiled tanh formula would make six
+        bias_activation_fusion=config.mlp == "swiglu",
         deallocate_pipeline_outputs=deallocate_pipeline_outputs,
         # gloo: batched p2p (batch_isend_irecv) pairs same-shaped tensors between two ranks in
         # posting order, and with pp 2 a rank's previous and next stage are one rank, so the
@@ -212,22 +212,63 @@ def transformer_config(
     )
 
 
+def sdpa_core_attention():
+    """A megatron-core core attention (``DotProductAttention``'s interface) that runs
+    ``F.scaled_dot_product_attention``: on a GPU TransformerEngine's flash/fused attention takes
+    this place; here torch's CPU flash kernel keeps what CUDA's flash kernel keeps (q, k, v, the
+    output and the fp32 log-sum-exp), as the zoo's ``attention="sdpa"`` does."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.module import MegatronModule
+
+    class SdpaAttention(MegatronModule):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, **_):
+            super().__init__(config=config)
+            self.dropout_p = config.attention_dropout
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, **_):
+            """[s, b, heads, d] query and [s, b, groups, d] key/value -> [s, b, heads * d]."""
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                dropout_p=self.dropout_p if self.training else 0.0,
+                is_causal=True,
+                enable_gqa=k.shape[1] != q.shape[1],
+            )
+            s, b = query.shape[:2]
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    return SdpaAttention
+
+
+def layer_spec(model_config):
+    """The local layer spec (no TransformerEngine) for the preset's norm; its core attention is
+    :func:`sdpa_core_attention` for ``attention="sdpa"`` and Megatron's own explicit
+    ``DotProductAttention`` for ``"explicit"``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(
+        normalization="RMSNorm" if model_config.norm == "rmsnorm" else "LayerNorm"
+    )
+    if model_config.attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()
+    return spec
+
+
 def build_chunks(spec: models.ModelSpec, config) -> list[nn.Module]:
     """This rank's GPTModel chunks (one per virtual stage it runs), local layer spec."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     model_config = spec.config
-    layer_spec = get_gpt_layer_local_spec(
-        normalization="RMSNorm" if model_config.norm == "rmsnorm" else "LayerNorm"
-    )
+    chunk_spec = layer_spec(model_config)
     chunks = []
     for vp_stage in range(config.virtual_pipeline_model_parallel_size or 1):
         chunks.append(
             GPTModel(
                 config,
-                layer_spec,
+                chunk_spec,
                 vocab_size=model_config.vocab_size,
                 max_sequence_length=model_config.seq_len,
                 pre_process=parallel_state.is_pipeline_first_stage(

@@ -44,6 +44,10 @@ such as a causal mask; profile with batch 1 to count those in full):
   (the cost model holds those elsewhere), less the layer's saved storages already released in its
   backward. Live memory is tracked exactly: every storage made by an op, until it is freed. It
   catches the fp32 logits and their gradient of a loss.
+- ``weight_grad_transient_bytes``: the same extra live memory at the moments the layer's weight
+  gradients are made (at least 0). The cost model adds the weight-gradient temporary to this one
+  only: a loss whose fp32 logits peak in the forward, and have been freed by the time the LM
+  head's weight gradient is computed, does not count both at once.
 - ``tp_params``, ``tp_activation_bytes``, ``tp_comm_bytes``: the Megatron-style split of
   ``tensor_parallel.py``.
 - ``fwd_ms``, ``bwd_ms`` (``mode="real"`` only, ``timing.py``): the median over three timed runs
@@ -382,12 +386,13 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
             tracer.start_backward(loss)
             loss.backward()
             tracer.finish()
-            excluded = set(tracer.saved_owner)
+            gradients = set()
             for _, _, tensor in state.params:
                 grad = tensor.grad
                 record = tracer.record_of(grad) if grad is not None else None
                 if record is not None:
-                    excluded.add(record.uid)
+                    gradients.add(record.uid)
+            excluded = set(tracer.saved_owner) | gradients
             del loss
     except InputError:
         raise
@@ -405,6 +410,7 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
             "select modules the forward calls"
         )
     tracer.transient_peaks = tracer.transients(excluded)
+    tracer.weight_grad_transient_peaks = tracer.transients(excluded, at=gradients)
     return tracer, tp.resolve()
 
 

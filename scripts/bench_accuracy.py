@@ -11,7 +11,7 @@ measured). All of it through ``profiling.calibrate.calibrate``,
 which also fits the calibration to every rank and predicts each layout from a fit on the others.
 Then the same for megatron-core (``engine="megatron"``, plans for ``--runtime megatron``): 10
 layouts of 2-4 ranks (pp 2-4, 1F1B and interleaved, tp 2, dp 2 with the distributed optimizer,
-full recompute) of a head-heavy GPT (a 16384-token vocabulary).
+full recompute) of a GPT with flash-style attention, seq 512 and a 16384-token vocabulary.
 Writes benchmarks/bench_accuracy.md and .csv with the analytic, calibrated and leave-one-out
 predictions, the measured peak and the errors per rank, and their median / max absolute values
 (targets for the analytic model: torch median <= 3%, max <= 8%; megatron median <= 2%,
@@ -59,9 +59,12 @@ LAYOUTS = [
 ]
 
 
-MEGATRON_OVERRIDES = {**SMALL_GPT, "vocab_size": 16384}
-"""A vocabulary Megatron and the profiler both split over tp (``VOCAB_PARALLEL_MIN_ROWS``); it
-makes the last stage head-heavy, so the planner's splits are uneven."""
+MEGATRON_OVERRIDES = {**SMALL_GPT, "seq_len": 512, "vocab_size": 16384, "attention": "sdpa"}
+"""Flash-style attention (Megatron runs its SDPA core attention, where TransformerEngine's flash
+attention sits on a GPU), a vocabulary Megatron and the profiler both split over tp
+(``VOCAB_PARALLEL_MIN_ROWS``), which makes the embedding and the head heavy and the planner's
+splits uneven, and a sequence long enough for activations to outweigh the embedding's weight
+gradient, as in LLM training."""
 MEGATRON_LAYOUTS = [
     Layout("mcore pp2 m4", 2, {"pp": 2}, 8, 2, "1f1b", engine="megatron"),
     Layout("mcore pp3 m6", 3, {"pp": 3}, 12, 2, "1f1b", engine="megatron"),

@@ -38,9 +38,13 @@ Memory of stage s (bytes per GPU):
               or Megatron's fp32 main_grad) while backward accumulates
   gather_l  = 2 w P'_l with ZeRO-3, else 0: the running layer's weights are gathered and the next
               layer's prefetched (FSDP), each freed again after use
-  trans_s   = max_l (b transient_bytes_l + gtemp_l + gather_l);  for a recomputed layer
-              b (transient_l + A'_l) + gtemp_l + gather_l: the layer being recomputed
-              re-materialises its saved tensors while it runs
+  trans_s   = max_l (max(b transient_l, b weight_grad_transient_l + gtemp_l) + gather_l): the
+              weight-gradient temporary joins what is live when the weight gradients are made
+              (weight_grad_transient_bytes), not the layer's peak, so a loss whose fp32 logits
+              are freed by then does not count both (a graph without the field takes
+              weight_grad_transient = transient: the sum);  for a recomputed layer
+              b A'_l joins both terms: the layer being recomputed re-materialises its saved
+              tensors while it runs
   peak_s    = states_s + acts_s + buffers_s + trans_s
 
 Recomputation (``ParallelConfig.recompute``): "none" recomputes no layer, "full" every layer,
@@ -706,19 +710,29 @@ def _activation_bytes(
 ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """(stored_l, transient) bytes of every layer per micro-batch, each in both states: kept
     (index 0) and recomputed (index 1: only the output is stored, the saved tensors come back
-    while the layer recomputes). Transient is b transient_bytes_l + gtemp_l + gather_l (module
-    docstring)."""
+    while the layer recomputes). Transient is max(b transient_bytes_l, b
+    weight_grad_transient_bytes_l + gtemp_l) + gather_l (module docstring)."""
     t, b = config.tp, config.micro_batch
     w = training.weight_bytes_per_param
     grad_temporary = w * np.maximum(cols["largest_param"], _ceil_div(cols["largest_tp_param"], t))
     stored = (_ceil_div(b * saved_times_t, t), b * cols["output_bytes"])
-    transient = (
-        b * cols["transient_bytes"],
-        _ceil_div(b * (cols["transient_bytes"] * t + saved_times_t), t),
-    )
     gather = 2 * _ceil_div(params_times_t * w, t) if config.zero >= 3 else 0
-    transient = tuple(value + grad_temporary + gather for value in transient)
-    return stored, transient
+
+    def transient(bytes_per_sample: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Kept, recomputed (the recomputed layer's saved tensors come back while it runs)."""
+        return (
+            b * bytes_per_sample,
+            _ceil_div(b * (bytes_per_sample * t + saved_times_t), t),
+        )
+
+    # the weight-gradient temporary joins what is live when the weight gradients are made
+    anytime = transient(cols["transient_bytes"])
+    at_weight_grad = transient(cols["weight_grad_transient_bytes"])
+    peaks = tuple(
+        np.maximum(peak, beside + grad_temporary) + gather
+        for peak, beside in zip(anytime, at_weight_grad, strict=True)
+    )
+    return stored, peaks
 
 
 def _time_ns(
@@ -893,6 +907,15 @@ def _graph_columns(graph: LayerGraph) -> dict[str, np.ndarray]:
     measured = np.array([x.fwd_ms is not None and x.bwd_ms is not None for x in layers])
     position = graph.index()
     cols = {key: ints(key) for key in INTEGER_FIELDS}
+    cols["weight_grad_transient_bytes"] = np.array(
+        [
+            x.transient_bytes
+            if x.weight_grad_transient_bytes is None
+            else x.weight_grad_transient_bytes
+            for x in layers
+        ],
+        dtype=np.int64,
+    )
     cols.update(
         measured=measured,
         fwd_ms=np.array([x.fwd_ms or 0.0 for x in layers]),

@@ -47,7 +47,9 @@ MAX_FLOPS = 1e21
 MAX_MS = 1e9
 """Largest measured time of one layer per sample, ms (11.6 days)."""
 LIMITS: dict[str, float] = (
-    dict.fromkeys((*INTEGER_FIELDS, "mem_isolated", "mem_added"), MAX_COUNT)
+    dict.fromkeys(
+        (*INTEGER_FIELDS, "weight_grad_transient_bytes", "mem_isolated", "mem_added"), MAX_COUNT
+    )
     | dict.fromkeys(("fwd_flops", "bwd_flops"), MAX_FLOPS)
     | dict.fromkeys(("fwd_ms", "bwd_ms"), MAX_MS)
 )
@@ -84,6 +86,10 @@ class Layer:
     """Bytes all-reduced across TP ranks per sample, forward + backward."""
     transient_bytes: int = 0
     """Extra peak per sample while the layer runs, beyond what it saves."""
+    weight_grad_transient_bytes: int | None = None
+    """The extra live bytes per sample at the moments the layer's weight gradients are made (at
+    most ``transient_bytes``): the weight-gradient temporary adds to this one only. None: not
+    measured, taken as ``transient_bytes`` (the conservative sum)."""
     largest_param: int = 0
     """Elements of the layer's largest parameter tensor that is not split across TP ranks."""
     largest_tp_param: int = 0
@@ -298,7 +304,7 @@ def _beyond(key: str = "bytes") -> str:
 
 def _layer_from_dict(item: dict[str, Any]) -> Layer:
     values = {key: (int(value) if key in INTEGER_FIELDS else value) for key, value in item.items()}
-    for key in ("mem_isolated", "mem_added"):
+    for key in ("weight_grad_transient_bytes", "mem_isolated", "mem_added"):
         if values.get(key) is not None:
             values[key] = int(values[key])
     for key in ("fwd_flops", "bwd_flops", "fwd_ms", "bwd_ms"):
@@ -341,6 +347,13 @@ def _check_layers(layers: list[Layer], origin: str) -> None:
                     f"{'split' if 'tp' in part else 'unsplit'} parameters ({total}) of layer "
                     f"{quote(layer.name)}; it is the size of one parameter tensor of the layer"
                 )
+        at_weight_grad = layer.weight_grad_transient_bytes
+        if at_weight_grad is not None and at_weight_grad > layer.transient_bytes:
+            raise InputError(
+                f"{origin}: $.layers[{i}].weight_grad_transient_bytes: {at_weight_grad} exceeds "
+                f"transient_bytes ({layer.transient_bytes}) of layer {quote(layer.name)}; it is "
+                "the layer's transient at one moment of its run, at most its peak"
+            )
         if (layer.mem_isolated is None) != (layer.mem_added is None):
             raise InputError(
                 f"{origin}: $.layers[{i}]: layer {quote(layer.name)} has only one of "

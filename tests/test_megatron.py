@@ -28,7 +28,16 @@ pytest.importorskip("megatron.core", reason="megatron-core is the [megatron] ext
 GPT = {"layers": 4, "hidden": 32, "heads": 4, "seq_len": 16, "vocab_size": 96, "dropout": 0.0}
 GPT_TP = {**GPT, "vocab_size": 16384}
 """A vocabulary the profiler splits over tp as Megatron does (``VOCAB_PARALLEL_MIN_ROWS``)."""
-LLAMA = {"layers": 4, "hidden": 32, "heads": 4, "kv_heads": 2, "seq_len": 16, "dropout": 0.0}
+LLAMA = {
+    "layers": 4,
+    "hidden": 32,
+    "heads": 4,
+    "kv_heads": 2,
+    "seq_len": 16,
+    "dropout": 0.0,
+    "attention": "sdpa",
+}
+"""Llama with GQA, and flash-style attention (the engine's SDPA core attention)."""
 FP32 = dict(weight_bytes_per_param=4, grad_bytes_per_param=4, optimizer_bytes_per_param=8)
 TOLERANCE_PCT = 5.0
 """Largest |error| of a predicted rank peak here (the benchmark's targets are tighter)."""
@@ -188,7 +197,8 @@ def test_kept_pipeline_outputs_cost_what_the_plan_adds():
         peaks[deallocate] = [
             (r.measured_peak_bytes, r.predicted_breakdown["buffers"]) for r in reports
         ]
-    kept = [(m1 - m0, p1 - p0) for (m0, p0), (m1, p1) in zip(peaks[True], peaks[False])]
+    pairs = zip(peaks[True], peaks[False], strict=True)
+    kept = [(m1 - m0, p1 - p0) for (m0, p0), (m1, p1) in pairs]
     assert kept[-1][1] == 0 and abs(kept[-1][0]) <= 64  # the last stage sends nothing
     for measured, predicted in kept[:-1]:
         assert predicted > 0 and abs(measured - predicted) <= 64, kept
