@@ -238,6 +238,30 @@ def test_weight_gradient_temporary_is_transient():
         graph_from_dict(bad, origin="g.json")
 
 
+def test_weight_gradient_temporary_joins_the_transient_at_its_own_moment():
+    """With weight_grad_transient_bytes the temporary adds to what is live when the weight
+    gradients are made, not to the layer's peak: max(b T, b W + gtemp) per layer."""
+    document = GRAPH.to_dict()
+    # b: a peak of 7 per sample (say, logits in the forward), 1 left when its gradient is made
+    document["layers"][1].update(
+        transient_bytes=7, largest_param=150, weight_grad_transient_bytes=1
+    )
+    training = TrainingConfig(global_batch=CONFIG.global_batch, weight_bytes_per_param=4)
+    costs = layer_costs(graph_from_dict(document), CONFIG, CLUSTER, training)
+    b = CONFIG.micro_batch
+    assert costs.transient_bytes[1] == max(b * 7, b * 1 + 4 * 150)
+    document["layers"][1].update(largest_param=1)  # a small weight: the peak wins
+    costs = layer_costs(graph_from_dict(document), CONFIG, CLUSTER, training)
+    assert costs.transient_bytes[1] == b * 7
+    # without the field the sum, as before
+    document["layers"][1].pop("weight_grad_transient_bytes")
+    costs = layer_costs(graph_from_dict(document), CONFIG, CLUSTER, training)
+    assert costs.transient_bytes[1] == b * 7 + 4 * 1
+    document["layers"][1].update(weight_grad_transient_bytes=8)
+    with pytest.raises(InputError, match=r"layers\[1\]\.weight_grad_transient_bytes: 8 exceeds"):
+        graph_from_dict(document, origin="g.json")
+
+
 def test_times_by_hand():
     costs = costs_for(CONFIG)
     # a: measured 1 + 2 ms per sample, b = 2, t = 2 -> 3 ms; TP ring all-reduce of
