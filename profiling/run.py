@@ -185,7 +185,12 @@ def _check_megatron(spec: models.ModelSpec, plan: PlanFile) -> None:
     with a Megatron export that Megatron can take, a GPT/Llama preset whose heads, KV heads,
     vocabulary and MLP width the TP degree divides, 1F1B, ZeRO 0 or 1 (the distributed
     optimizer), and bf16 or fp32 weights."""
-    from profiling.megatron_model import check_model, megatron_settings, require_megatron
+    from profiling.megatron_model import (
+        check_model,
+        megatron_settings,
+        require_megatron,
+        transformer_config,
+    )
     from profiling.megatron_rank import plan_dtype_of
 
     config = plan.config
@@ -217,7 +222,16 @@ def _check_megatron(spec: models.ModelSpec, plan: PlanFile) -> None:
     if recompute_warnings:
         raise InputError(f"{plan.source}: exports.megatron: {recompute_warnings[0]}")
     check_model(spec, settings.tp)
-    plan_dtype_of(plan)
+    try:  # megatron-core's own checks of the settings (the layout against pp, the split)
+        transformer_config(
+            spec, settings, dtype=plan_dtype_of(plan), deallocate_pipeline_outputs=True
+        )
+    except (AssertionError, ValueError, TypeError) as error:
+        message = " ".join(str(error).split()) or type(error).__name__
+        raise InputError(
+            f"{plan.source}: exports.megatron: megatron-core rejects the settings: {message}; "
+            "re-create the plan with python -m solver.plan"
+        ) from None
 
 
 def _check_model(spec: models.ModelSpec, plan: PlanFile) -> None:

@@ -285,6 +285,15 @@ def test_an_evaluation_document_has_no_export_to_run():
         run_plan("gpt-tiny", document, overrides=GPT, engine="megatron")
 
 
+def test_a_layout_megatron_core_rejects_is_one_line(pipeline_plan):
+    edited = {**pipeline_plan, "exports": dict(pipeline_plan["exports"])}
+    megatron = dict(edited["exports"]["megatron"])
+    megatron["args"] = [*megatron["args"], "--pipeline-model-parallel-layout", "Ett|tt|tL"]
+    edited["exports"]["megatron"] = megatron
+    with pytest.raises(InputError, match="megatron-core rejects the settings: .*divisible by"):
+        run_plan("gpt-tiny", edited, overrides=GPT, engine="megatron")
+
+
 def test_tensor_parallel_degree_must_divide_the_heads():
     overrides = {**GPT, "heads": 2, "hidden": 32}
     chosen = megatron_plan("gpt-tiny", overrides, tp=4, global_batch=8)
