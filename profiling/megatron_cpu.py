@@ -23,6 +23,12 @@ layer spec (no TransformerEngine, no apex) on CPU once these are bypassed, and n
    parameter; on a GPU Megatron runs a fused Adam that updates in place. :class:`FusedAdamW`
    (torch's own fused CPU kernel, ``fused=True``) restores that behaviour.
 
+7. Without TransformerEngine or apex, the local layer spec's norm (``WrappedTorchNorm``)
+   asserts that sequence parallelism is off. :class:`profiling.megatron_model.TorchNorm` builds
+   the same torch LayerNorm/RMSNorm without that assertion and marks its parameters
+   ``sequence_parallel`` (what finalize_model_grads all-reduces over tp), as TransformerEngine's
+   and apex's norms are marked; the model uses it for every norm, with or without SP.
+
 Everything here runs only inside a rank process of ``profiling.run`` (``engine="megatron"``);
 the patches are undone when the context exits.
 """

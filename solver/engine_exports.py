@@ -133,7 +133,10 @@ def _torch_pipelining_note(
             " Sequence parallelism: in the tensor-parallel plan give the norms (and dropouts) "
             "SequenceParallel(), the column-parallel Linears input_layouts=Shard(1) and the "
             "row-parallel ones output_layouts=Shard(1) ('tensor_parallel' below), and send "
-            f"[b, s/{config.tp}, h] between stages (PipelineStage input_args/output_args)."
+            f"[b, s/{config.tp}, h] between stages (PipelineStage input_args/output_args). "
+            "The plan counts Megatron's SP, which saves each column-parallel Linear's input as "
+            "its sequence shard; eager torch TP saves the all-gathered [b, s, h] input, so expect "
+            "more activation memory (profiling.run refuses sp plans on the torch engine)."
         )
     if config.recompute == "full":
         note += (
