@@ -71,9 +71,9 @@ Time (integer nanoseconds, rounded up per layer so that every backend sums the s
   per-sample compute of a layer: fwd_ms + bwd_ms when measured, else
       (fwd_flops + bwd_flops) / (gpu_flops * flops_efficiency), bwd_flops defaulting to 2 fwd_flops
   per micro-batch: b * compute / t  +  b * tp_comm_bytes * 2 (t-1)/t / intra-node bandwidth (ring)
-      (the same with sequence parallelism: each all-reduce becomes an all-gather plus a
-      reduce-scatter, (t-1)/t of the buffer each, the same bytes per GPU; Korthikanti et al. 2022)
-      + b * forward compute / t for a recomputed layer (the forward runs twice)
+      + b * forward compute / t for a recomputed layer (the forward runs twice);
+      the same with sequence parallelism: each all-reduce becomes an all-gather plus a
+      reduce-scatter, (t-1)/t of the buffer each, the same bytes per GPU (Korthikanti et al. 2022)
   T_s  = sum of its layers' micro-batch times
   AR_s = non-overlapped data-parallel gradient sync of stage s: ring all-reduce of its gradients,
          2 (d-1)/d * sum_l P'_l g bytes (z <= 2: all-reduce, or reduce-scatter + all-gather of the
