@@ -27,6 +27,11 @@ layer spec (no TransformerEngine, no apex) on CPU once these are bypassed, and n
    megatron-core's other ``jit_fuser`` functions are wrapped in ``torch.compile`` when imported;
    compiled on the CPU they keep buffers of their own next to the live tensors. They run as the
    plain torch functions they wrap (same saved tensors; :func:`_uncompiled`).
+8. Without TransformerEngine or apex, the local layer spec's norm (``WrappedTorchNorm``)
+   asserts that sequence parallelism is off. :class:`profiling.megatron_model.TorchNorm` builds
+   the same torch LayerNorm/RMSNorm without that assertion and marks its parameters
+   ``sequence_parallel`` (what finalize_model_grads all-reduces over tp), as TransformerEngine's
+   and apex's norms are marked; the model uses it for every norm, with or without SP.
 
 Everything here runs only inside a rank process of ``profiling.run`` (``engine="megatron"``);
 the patches are undone when the context exits.
@@ -89,7 +94,8 @@ def _cuda_type_name(tensor: torch.Tensor, *args, _original=torch.Tensor.type, **
 
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
-    """Bypasses 1-7 for the whole run (building the model, the schedules, the optimizer step)."""
+    """Bypasses 1-7 for the whole run (building the model, the schedules, the optimizer step);
+    8 is in the layer spec."""
     import megatron.core.fusions.fused_bias_gelu  # noqa: F401  (the fusions the layers call)
     import megatron.core.fusions.fused_bias_swiglu  # noqa: F401
     from megatron.core.tensor_parallel import random as megatron_random

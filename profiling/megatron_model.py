@@ -3,11 +3,18 @@ Megatron export (``plan.exports["megatron"]``, :mod:`solver.engine_exports`).
 
 ``megatron_settings`` reads the export's Megatron-LM arguments the way Megatron-LM's argument
 parsing does (``--pipeline-model-parallel-layout``, ``--decoder-first/last-pipeline-num-layers``,
-``--num-virtual-stages-per-pipeline-rank``, ``--recompute-*``, ``--use-distributed-optimizer``)
-and ``transformer_config`` turns them, with the preset's shape, into a ``TransformerConfig``:
-nothing is translated a second time, so a run checks the export itself. ``build_chunks`` builds
-a rank's chunks with the local layer spec (no TransformerEngine) and ``chunk_layers`` names the
-zoo layers each holds, which the rank compares with the plan's stages.
+``--num-virtual-stages-per-pipeline-rank``, ``--recompute-*``, ``--use-distributed-optimizer``,
+``--sequence-parallel``) and ``transformer_config`` turns them, with the preset's shape, into a
+``TransformerConfig``: nothing is translated a second time, so a run checks the export itself.
+``build_chunks`` builds a rank's chunks with the local layer spec (no TransformerEngine) and
+``chunk_layers`` names the zoo layers each holds, which the rank compares with the plan's stages.
+
+Norms (:class:`TorchNorm`): the local spec's ``WrappedTorchNorm`` refuses sequence parallelism
+(apex and TransformerEngine norms are the ones Megatron marks for it), so every norm of the
+layers and the final norm is torch's LayerNorm or RMSNorm built the same way, with its
+parameters marked ``sequence_parallel`` as TransformerEngine's and apex's norms mark theirs:
+that attribute is how ``finalize_model_grads`` knows to all-reduce their gradients over tp
+(each rank saw only its part of the sequence). Bypass 7 of :mod:`profiling.megatron_cpu`.
 
 Layer names: ``embedding`` is the zoo's ``embed``, ``decoder.layers.i`` (global layer number
 n = i + 1 on the first chunk) is ``layers.{n-1}``, and ``decoder.final_layernorm`` plus
@@ -69,6 +76,8 @@ class MegatronSettings:
     recompute_method: str | None
     recompute_num_layers: int | None
     distributed_optimizer: bool
+    sequence_parallel: bool = False
+    """--sequence-parallel (the plan's ``config.sp``)."""
 
 
 def megatron_settings(plan: PlanFile) -> MegatronSettings:
@@ -102,6 +111,7 @@ def megatron_settings(plan: PlanFile) -> MegatronSettings:
         recompute_method=args.get("--recompute-method"),
         recompute_num_layers=number("--recompute-num-layers"),
         distributed_optimizer="--use-distributed-optimizer" in args,
+        sequence_parallel="--sequence-parallel" in args,
     )
 
 
@@ -118,8 +128,9 @@ def _parse_args(argv: list[str]) -> dict[str, str | None]:
     return parsed
 
 
-def check_model(spec: models.ModelSpec, tp: int) -> None:
-    """InputError unless megatron-core's GPTModel (local spec) can build ``spec`` with ``tp``."""
+def check_model(spec: models.ModelSpec, tp: int, *, sequence_parallel: bool = False) -> None:
+    """InputError unless megatron-core's GPTModel (local spec) can build ``spec`` with ``tp``
+    (and sequence parallelism, which splits the sequence over the tp ranks)."""
     config = spec.config
     if not isinstance(config, models.gpt.GPTConfig):
         raise InputError(
@@ -130,6 +141,11 @@ def check_model(spec: models.ModelSpec, tp: int) -> None:
         raise InputError(
             f"engine megatron: model {spec.name}: Megatron's LayerNorm always has a bias; "
             "set bias=true or norm=rmsnorm"
+        )
+    if sequence_parallel and config.seq_len % tp:
+        raise InputError(
+            f"engine megatron: --sequence-parallel with tp {tp} splits the sequence, and tp does "
+            f"not divide seq_len ({config.seq_len}) of {spec.name}; set seq_len to a multiple"
         )
     for name, value in (
         ("heads", config.heads),
@@ -188,6 +204,7 @@ def transformer_config(
         attention_dropout=config.dropout,
         tensor_model_parallel_size=settings.tp,
         pipeline_model_parallel_size=settings.pp,
+        sequence_parallel=settings.sequence_parallel,
         use_cpu_initialization=True,  # (its initialisation also sets the TP attributes that
         # init_weights reads; init_weights then sets every value)
         params_dtype=dtype,
@@ -242,33 +259,57 @@ def sdpa_core_attention():
     return SdpaAttention
 
 
-def layer_spec(model_config):
-    """The local layer spec (no TransformerEngine) for the preset's norm; its core attention is
-    :func:`sdpa_core_attention` for ``attention="sdpa"`` and Megatron's own explicit
-    ``DotProductAttention`` for ``"explicit"``."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+class TorchNorm:
+    """megatron-core's ``WrappedTorchNorm`` (torch's LayerNorm or RMSNorm by
+    ``config.normalization``) without its refusal of sequence parallelism: the norm's
+    parameters carry ``sequence_parallel = config.sequence_parallel``, so that
+    ``finalize_model_grads`` all-reduces their gradients over the tensor-parallel group (as
+    Megatron's TransformerEngine and apex norms are marked)."""
 
-    spec = get_gpt_layer_local_spec(
-        normalization="RMSNorm" if model_config.norm == "rmsnorm" else "LayerNorm"
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused) -> nn.Module:
+        for name in ("layernorm_zero_centered_gamma", "persist_layer_norm"):
+            assert not getattr(config, name), f"{name} is not supported by torch norms"
+        norm_class = {"LayerNorm": nn.LayerNorm, "RMSNorm": nn.RMSNorm}[config.normalization]
+        norm = norm_class(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def block_spec(model_config, config, vp_stage: int):
+    """The TransformerBlock spec of one chunk: the local layer spec with :class:`TorchNorm` as
+    its two norms and, for ``attention="sdpa"``, :func:`sdpa_core_attention` as its core
+    attention (Megatron's own explicit ``DotProductAttention`` otherwise), as many layers as
+    Megatron builds on this rank and virtual stage, and :class:`TorchNorm` as the final norm
+    (which a layer spec alone would leave to ``WrappedTorchNorm``)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
     )
+
+    layer_spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    layer_spec.submodules.input_layernorm = TorchNorm
+    layer_spec.submodules.pre_mlp_layernorm = TorchNorm
     if model_config.attention == "sdpa":
-        spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()
-    return spec
+        layer_spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=TorchNorm)
 
 
 def build_chunks(spec: models.ModelSpec, config) -> list[nn.Module]:
-    """This rank's GPTModel chunks (one per virtual stage it runs), local layer spec."""
+    """This rank's GPTModel chunks (one per virtual stage it runs), local layer spec with
+    :class:`TorchNorm` norms (:func:`block_spec`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     model_config = spec.config
-    chunk_spec = layer_spec(model_config)
     chunks = []
     for vp_stage in range(config.virtual_pipeline_model_parallel_size or 1):
         chunks.append(
             GPTModel(
                 config,
-                chunk_spec,
+                block_spec(model_config, config, vp_stage),
                 vocab_size=model_config.vocab_size,
                 max_sequence_length=model_config.seq_len,
                 pre_process=parallel_state.is_pipeline_first_stage(

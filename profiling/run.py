@@ -75,11 +75,13 @@ every iteration and the last iteration's peak is reported, with the plan's
 ``torch.cuda.max_memory_allocated`` over the last iteration is reported as well.
 
 Not supported (``InputError``): tied weights split across (virtual) stages, a tied embedding and
-head with a vocabulary-parallel table, ZeRO-1 with tp > 1 and dp > 1. The model's layers must form
-a chain (each takes the previous one's output, the last takes ``(hidden, targets)``: the GPT/Llama
-presets); a DAG model such as T5 fails inside the ranks, which ``run_plan`` reports as
-``RunError``. Use dropout 0 for runs compared with a single process or with predictions (the CPU
-dropout kernels differ from GPU ones, and dropout masks draw random numbers in a different order).
+head with a vocabulary-parallel table, ZeRO-1 with tp > 1 and dp > 1, sequence parallelism
+(``config.sp``: the megatron engine runs it; ``_check_torch`` says why not this one). The
+model's layers must form a chain (each takes the previous one's output, the last takes
+``(hidden, targets)``: the GPT/Llama presets); a DAG model such as T5 fails inside the ranks,
+which ``run_plan`` reports as ``RunError``. Use dropout 0 for runs compared with a single process
+or with predictions (the CPU dropout kernels differ from GPU ones, and dropout masks draw random
+numbers in a different order).
 """
 
 from __future__ import annotations
@@ -161,8 +163,18 @@ def _check_runnable(
 
 def _check_torch(spec: models.ModelSpec, config: ParallelConfig) -> None:
     """What the torch executor runs: recompute none or full, no ZeRO-1 over tensor-parallel
-    parameters, a supported interleaving and a tensor-parallel split of the model's heads."""
+    parameters, a supported interleaving, a tensor-parallel split of the model's heads, and no
+    sequence parallelism: torch's eager SequenceParallel all-gathers the input of each
+    column-parallel Linear before it, and autograd saves that full [b, s, h] input, where
+    Megatron (what the plan counts) saves its [s/t, b, h] shard and gathers it again in the
+    backward."""
     tp, dp, zero = config.tp, config.dp, config.zero
+    if config.sp:
+        raise InputError(
+            "plan config: sp=true: the torch engine does not run sequence parallelism (torch's "
+            "keeps the gathered inputs of column-parallel Linears, not the shards the plan "
+            "counts); run it with --engine megatron"
+        )
     if tp > 1 and dp > 1 and zero == 1:
         raise InputError(
             f"plan config: zero=1 with tp({tp}) and dp({dp}): ZeroRedundancyOptimizer cannot "
@@ -221,7 +233,7 @@ def _check_megatron(spec: models.ModelSpec, plan: PlanFile) -> None:
     recompute_warnings = [w for w in export.get("warnings", []) if w.startswith("recompute:")]
     if recompute_warnings:
         raise InputError(f"{plan.source}: exports.megatron: {recompute_warnings[0]}")
-    check_model(spec, settings.tp)
+    check_model(spec, settings.tp, sequence_parallel=settings.sequence_parallel)
     try:  # megatron-core's own checks of the settings (the layout against pp, the split)
         transformer_config(
             spec, settings, dtype=plan_dtype_of(plan), deallocate_pipeline_outputs=True

@@ -3,7 +3,9 @@
 Rules: pp * tp * dp = number of GPUs; tp divides gpus_per_node (tensor parallelism stays inside a
 node); pp <= number of layers (every stage holds a layer); dp * micro_batch divides the global batch
 (m = B / (dp b) micro-batches per step). ZeRO stages only differ when dp > 1, so with dp = 1 only
-the smallest requested stage is kept.
+the smallest requested stage is kept. Sequence parallelism (``TrainingConfig.sequence_parallel``
+on or auto) goes with every tp > 1 (it only splits activations further, and its communication
+costs what TP's all-reduces cost), never with tp = 1.
 
 Heterogeneous clusters (``Cluster.groups``): every stage runs on tp * dp GPUs of one node group,
 and every GPU is used, so tp divides every group's GPUs per node (``Cluster.gpus_per_node`` is
@@ -188,11 +190,19 @@ def candidate_configs(
                                     recompute=recompute,
                                     schedule=training.schedule,
                                     virtual_stages=virtual,
+                                    sp=sequence_parallel(training, tp),
                                 )
                             )
     if not configs:
         raise InputError(_why_no_config(num_layers, cluster, training))
     return configs
+
+
+def sequence_parallel(training: TrainingConfig, tp: int) -> bool:
+    """Whether a candidate with tensor-parallel degree ``tp`` uses sequence parallelism: with
+    "on" or "auto" exactly when tp > 1 (SP splits over the TP ranks; Megatron-LM recommends it
+    whenever tp > 1), with "off" never."""
+    return training.sequence_parallel != "off" and tp > 1
 
 
 def interleaving_fits(num_layers: int, pp: int, num_microbatches: int, virtual: int) -> bool:

@@ -12,6 +12,11 @@ s = 0..p-1.
 Memory of stage s (bytes per GPU):
   P'_l = (params - tp_params) + tp_params / t                        parameters held per GPU
   A'_l = (activation_bytes - tp_activation_bytes) + tp_act / t        saved bytes per sample per GPU
+  A'_l = activation_bytes / t  with sequence parallelism (config.sp; Korthikanti et al. 2022,
+         sbh(34/t + 5as/(ht)) against sbh(10 + 24/t + 5as/(ht))): the parts TP leaves replicated
+         (norm inputs, dropout masks, residuals) are split along the sequence over the t ranks too;
+         so are the tensors sent between stages, [s/t, b, h]: an edge carries ceil(b bytes / t) per
+         micro-batch, and a recomputed layer keeps ceil(b output_bytes / t)
   states_s  = sum_l P'_l (w / d[z>=3] + g / d[z>=2] + o / d[z>=1])  each term rounded up per layer
               (+ w P'_l / d with ZeRO-2 on the torch runtime: FSDP2 keeps the sharded parameters
               next to the gathered ones)
@@ -70,7 +75,9 @@ Time (integer nanoseconds, rounded up per layer so that every backend sums the s
   per-sample compute of a layer: fwd_ms + bwd_ms when measured, else
       (fwd_flops + bwd_flops) / (gpu_flops * flops_efficiency), bwd_flops defaulting to 2 fwd_flops
   per micro-batch: b * compute / t  +  b * tp_comm_bytes * 2 (t-1)/t / intra-node bandwidth (ring)
-      + b * forward compute / t for a recomputed layer (the forward runs twice)
+      + b * forward compute / t for a recomputed layer (the forward runs twice);
+      the same with sequence parallelism: each all-reduce becomes an all-gather plus a
+      reduce-scatter, (t-1)/t of the buffer each, the same bytes per GPU (Korthikanti et al. 2022)
   T_s  = sum of its layers' micro-batch times
   AR_s = non-overlapped data-parallel gradient sync of stage s: ring all-reduce of its gradients,
          2 (d-1)/d * sum_l P'_l g bytes (z <= 2: all-reduce, or reduce-scatter + all-gather of the
@@ -288,7 +295,7 @@ class LayerCosts:
     edge_dst: np.ndarray
     """Edge destination positions."""
     edge_bytes: np.ndarray
-    """Bytes an edge carries per micro-batch."""
+    """Bytes an edge carries per micro-batch per GPU (b bytes, / t with sequence parallelism)."""
     in_flight: list[int]
     """k_j for each (virtual) stage j: the most micro-batches whose activations it holds at once
     (``in_flight_vectors``; k_s of the module docstring without interleaving)."""
@@ -499,15 +506,25 @@ def layer_costs(
     )
     held = max(sum(vector) for rank in vectors for vector in rank)
     check_exact_range(graph, config, cluster, training, held, receive_copies, send_copies)
-    t = config.tp
+    t, b = config.tp, config.micro_batch
     cols = _graph_columns(graph)
     # t * P'_l and t * A'_l are integers: ceil(t P' x / (t n)) is then exact.
     params_times_t = (cols["params"] - cols["tp_params"]) * t + cols["tp_params"]
     saved_times_t = (cols["activation_bytes"] - cols["tp_activation_bytes"]) * t + cols[
         "tp_activation_bytes"
     ]
+    edge_bytes = b * cols["edge_bytes"]
+    if config.sp:
+        # sequence parallelism splits every saved tensor along the sequence or, where TP
+        # already splits it, along heads/width: A'_l = activation_bytes / t (Korthikanti et al.
+        # 2022, section 4.2.2); a stage sends [s/t, b, h]
+        saved_times_t = cols["activation_bytes"]
+        edge_bytes = _ceil_div(edge_bytes, t)
     weight, grad, optimizer = _model_state_bytes(params_times_t, config, training)
     stored, transient = _activation_bytes(cols, params_times_t, saved_times_t, config, training)
+    if config.sp:
+        # a recomputed layer keeps its output, the next layer's input: [s/t, b, h] too
+        stored = (stored[0], _ceil_div(b * cols["output_bytes"], t))
     time_ns = _time_ns(cols, config, cluster)
     recomputable = recomputable_layers(graph, training.runtime)
     stored, transient, time_ns = (
@@ -533,7 +550,7 @@ def layer_costs(
         dp_sync_ns=_as_int(_dp_sync_ns(params_times_t, config, cluster, training)),
         edge_src=cols["edge_src"],
         edge_dst=cols["edge_dst"],
-        edge_bytes=scaled(config.micro_batch * cols["edge_bytes"], "buffers"),
+        edge_bytes=scaled(edge_bytes, "buffers"),
         constant_bytes=0 if calibration is None else calibration.constant_bytes,
         in_flight=in_flight,
         in_flight_vectors=vectors,

@@ -93,6 +93,7 @@ def torch_pipelining_export(
             if recomputed is None
             else {"checkpoint_modules": [name for names in recomputed for name in names]}
         ),
+        **({"tensor_parallel": _torch_sequence_parallel_plan()} if config.sp else {}),
         "note": _torch_pipelining_note(
             config, schedule, contiguous=contiguous, recomputed=recomputed
         ),
@@ -127,6 +128,16 @@ def _torch_pipelining_note(
         f"(tp={config.tp}) and data parallelism (dp={config.dp}, ZeRO {config.zero}) to each "
         "stage separately (DeviceMesh, parallelize_module, fully_shard)."
     )
+    if config.sp:
+        note += (
+            " Sequence parallelism: in the tensor-parallel plan give the norms (and dropouts) "
+            "SequenceParallel(), the column-parallel Linears input_layouts=Shard(1) and the "
+            "row-parallel ones output_layouts=Shard(1) ('tensor_parallel' below), and send "
+            f"[b, s/{config.tp}, h] between stages (PipelineStage input_args/output_args). "
+            "The plan counts Megatron's SP, which saves each column-parallel Linear's input as "
+            "its sequence shard; eager torch TP saves the all-gathered [b, s, h] input, so expect "
+            "more activation memory (profiling.run refuses sp plans on the torch engine)."
+        )
     if config.recompute == "full":
         note += (
             " Full recomputation is not a pipelining option: wrap every layer in "
@@ -147,6 +158,20 @@ def _torch_pipelining_note(
             "Otherwise build each PipelineStage by hand from the module lists in 'stages'."
         )
     return note
+
+
+def _torch_sequence_parallel_plan() -> dict[str, Any]:
+    """The styles of torch.distributed.tensor.parallel (``parallelize_module``) that add
+    sequence parallelism to Megatron's split: activations between the blocks' Linears are
+    Shard(1) (batch-first [b, s, h], split along the sequence) instead of replicated."""
+    return {
+        "sequence_parallel": True,
+        "norms": "SequenceParallel()",
+        "column_parallel": "ColwiseParallel(input_layouts=Shard(1))",
+        "row_parallel": "RowwiseParallel(output_layouts=Shard(1))",
+        "embedding": "RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))",
+        "lm_head": "ColwiseParallel(input_layouts=Shard(1), use_local_output=False)",
+    }
 
 
 def _torch_pipelining_memory_note(config: ParallelConfig) -> str:
@@ -211,6 +236,10 @@ def megatron_export(
         warnings.append(warning)
     if config.zero >= 1:
         args.append("--use-distributed-optimizer")
+    if config.sp:
+        # megatron/training/arguments.py: "Enable sequence parallel optimization"; it needs
+        # --tensor-model-parallel-size > 1
+        args.append("--sequence-parallel")
     return {
         "args": args,
         "layout": layout,
@@ -394,7 +423,8 @@ def _deepspeed_warnings(
         warnings.append(
             f"tp={config.tp}: PipelineModule does not split layers itself; use tensor-parallel "
             "layers (e.g. Megatron-DeepSpeed) and pass topology=PipeModelDataParallelTopology("
-            f"num_pp={config.pp}, num_mp={config.tp}, num_dp={config.dp})."
+            f"num_pp={config.pp}, num_mp={config.tp}, num_dp={config.dp})"
+            + (", with Megatron-DeepSpeed's --sequence-parallel." if config.sp else ".")
         )
     return warnings
 

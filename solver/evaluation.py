@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 from solver.baselines import BASELINES, PARTITIONERS, counts_to_assignment
-from solver.candidates import check_interleaving, interleaving_fits
+from solver.candidates import check_interleaving, interleaving_fits, sequence_parallel
 from solver.cost_model import (
     LayerCosts,
     StageCost,
@@ -129,6 +129,7 @@ def default_training(config: ParallelConfig) -> TrainingConfig:
         recompute=config.recompute,
         schedule=config.schedule,
         virtual_stages=(config.virtual_stages,),
+        sequence_parallel="on" if config.sp else "off",
     )
 
 
@@ -142,9 +143,10 @@ def check_training(config: ParallelConfig, training: TrainingConfig) -> None:
     schedule and global batch (dp * b * m), its virtual stages among the candidates, its
     recompute mode (or auto, which covers every mode), its micro-batch size and ZeRO stage among
     the candidates when those lists are not the defaults (the default lists restrict nothing
-    here), and pp/tp/dp equal to any pinned degree. Only then do the training options' bytes per
-    parameter, runtime (and its output deallocation), memory model and calibration describe this
-    layout.
+    here), pp/tp/dp equal to any pinned degree, and config.sp what its sequence_parallel option
+    gives for its tp (``candidates.sequence_parallel``). Only then do the training options'
+    bytes per parameter, runtime (and its output deallocation), memory model and calibration
+    describe this layout.
     """
     problems = []
     if training.schedule != config.schedule:
@@ -155,6 +157,11 @@ def check_training(config: ParallelConfig, training: TrainingConfig) -> None:
         problems.append(
             f"config.virtual_stages {config.virtual_stages} not in training.virtual_stages "
             f"{list(training.virtual_stages)}"
+        )
+    if config.sp != sequence_parallel(training, config.tp):
+        problems.append(
+            f"training.sequence_parallel {training.sequence_parallel!r} gives sp "
+            f"{sequence_parallel(training, config.tp)} with tp {config.tp}, config.sp {config.sp}"
         )
     if training.recompute not in (config.recompute, "auto"):
         problems.append(

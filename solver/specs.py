@@ -22,6 +22,8 @@ RECOMPUTE_MODES = ("none", "full", "selective")
 """Recomputation of a concrete layout (:attr:`ParallelConfig.recompute`)."""
 RECOMPUTE_CHOICES = (*RECOMPUTE_MODES, "auto")
 """What the search may be asked for (:attr:`TrainingConfig.recompute`): a mode, or auto."""
+SEQUENCE_PARALLEL_CHOICES = ("off", "on", "auto")
+"""Sequence parallelism the search may be asked for (:attr:`TrainingConfig.sequence_parallel`)."""
 ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages over the data-parallel group."""
 OBJECTIVES = ("memory", "throughput")
@@ -208,6 +210,11 @@ class TrainingConfig:
     parsing sets this); False (megatron-core's ``TransformerConfig`` default) keeps the outputs of
     a stage's in-flight micro-batches until their backward. The torch runtime ignores it (it
     keeps them)."""
+    sequence_parallel: str = "off"
+    """Megatron's sequence parallelism (Korthikanti et al. 2022) for the candidates with tp > 1:
+    off (none), on (every such candidate; a pinned tp of 1 is an error) or auto (the same
+    candidates without that error: SP whenever tp > 1, as Megatron-LM recommends). It splits the
+    activations TP leaves replicated, so it never costs memory; "off" keeps plans as they were."""
     memory_objective: str = "utilization"
     """Heterogeneous clusters only: utilization (minimise max stage peak / its group's capacity,
     in parts per million, rounded up) or absolute (max stage peak, bytes). A homogeneous cluster
@@ -260,6 +267,16 @@ class TrainingConfig:
             isinstance(self.deallocate_pipeline_outputs, bool),
             f"deallocate_pipeline_outputs must be True or False, got "
             f"{quote(self.deallocate_pipeline_outputs)}",
+        )
+        _require(
+            self.sequence_parallel in SEQUENCE_PARALLEL_CHOICES,
+            f"sequence_parallel must be one of {SEQUENCE_PARALLEL_CHOICES}, got "
+            f"{quote(self.sequence_parallel)}",
+        )
+        _require(
+            self.sequence_parallel != "on" or self.tp != 1,
+            "--sequence-parallel on with pinned tp(1): sequence parallelism splits over the "
+            "tensor-parallel ranks; pin --tp > 1 or use --sequence-parallel auto or off",
         )
         if self.grad_bytes_per_param is None:
             # frozen: the runtime's default is set once, here
@@ -324,6 +341,10 @@ class ParallelConfig:
     virtual_stages: int = 1
     """v: model chunks per pipeline rank (interleaved 1F1B, Megatron's virtual pipeline size);
     the layers are split into p v virtual stages and virtual stage j runs on rank j mod p."""
+    sp: bool = False
+    """Sequence parallelism (Megatron's ``--sequence-parallel``, needs tp > 1): the activations
+    TP leaves replicated (norms, dropout, residuals) and the tensors sent between stages are
+    split along the sequence over the t ranks too."""
 
     def __post_init__(self) -> None:
         for name in ("pp", "tp", "dp", "micro_batch", "num_microbatches", "virtual_stages"):
@@ -354,6 +375,12 @@ class ParallelConfig:
             f"virtual_stages={self.virtual_stages} with schedule {quote(self.schedule)}: "
             "interleaved pipelines run 1F1B; use --schedule 1f1b",
         )
+        _require(isinstance(self.sp, bool), f"sp must be true or false, got {quote(self.sp)}")
+        _require(
+            not self.sp or self.tp > 1,
+            f"--sequence-parallel on with tp({self.tp}): sequence parallelism splits over the "
+            "tensor-parallel ranks; use tp > 1 or --sequence-parallel off",
+        )
 
     @property
     def num_gpus(self) -> int:
@@ -367,7 +394,8 @@ class ParallelConfig:
         return asdict(self)
 
     def label(self) -> str:
-        """Short text such as 'pp4 tp2 dp2 b1 m16 zero0 1f1b'."""
+        """Short text such as 'pp4 tp2 dp2 b1 m16 zero0 1f1b' (' sp' last with sequence
+        parallelism)."""
         v = self.virtual_stages
         schedule = self.schedule if v == 1 else f"interleaved-1f1b v{v}"
         text = (
@@ -375,7 +403,7 @@ class ParallelConfig:
             f"m{self.num_microbatches} zero{self.zero} {schedule}"
         )
         suffix = {"full": " recompute", "selective": " selective-recompute"}
-        return text + suffix.get(self.recompute, "")
+        return text + suffix.get(self.recompute, "") + (" sp" if self.sp else "")
 
 
 @dataclass(kw_only=True)

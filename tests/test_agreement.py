@@ -3,6 +3,7 @@ enumeration is tractable); every reported peak recomputes from the cost model.""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -12,7 +13,9 @@ from solver.backends.chain import solve_chain
 from solver.backends.cpsat import solve_cpsat
 from solver.backends.milp import solve_milp
 from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, StageProblem
-from tests.random_graphs import random_chain, random_problem
+from solver.cost_model import layer_costs
+from solver.specs import Cluster, TrainingConfig
+from tests.random_graphs import random_chain, random_config, random_dag, random_problem
 
 BACKENDS = {"chain": solve_chain, "cpsat": solve_cpsat, "milp": solve_milp}
 
@@ -65,6 +68,35 @@ def test_backends_agree_when_megatron_keeps_sent_outputs(seed):
     assert costs.send_copies == [0 if s == last else 1 + k for s, k in enumerate(costs.in_flight)]
     values = solve_all(problem)
     assert set(values.values()) == {solve_brute_force(problem).objective}
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_backends_agree_with_sequence_parallelism(seed):
+    """config.sp divides every stored activation and edge by t (rounded up per layer); chains go
+    through all three backends, DAGs (skip edges relayed, [s/t, b, h] each) through CP-SAT and
+    the MILP; brute force is the oracle."""
+    rng = random.Random(4000 + seed)
+    chain = seed % 2 == 0
+    graph = (random_chain if chain else random_dag)(rng, rng.randint(3, 6))
+    config = dataclasses.replace(random_config(rng, graph.num_layers), tp=rng.choice([2, 4]))
+    config = dataclasses.replace(config, sp=True)
+    training = TrainingConfig(
+        global_batch=config.global_batch, runtime=rng.choice(["megatron", "torch"])
+    )
+    costs = layer_costs(graph, config, Cluster(num_gpus=config.num_gpus), training)
+    plain = layer_costs(
+        graph, dataclasses.replace(config, sp=False), Cluster(num_gpus=config.num_gpus), training
+    )
+    assert (costs.edge_bytes <= plain.edge_bytes).all() and (costs.edge_bytes > 0).all()
+    problem = StageProblem(costs=costs)
+    oracle = solve_brute_force(problem).objective
+    if chain:
+        assert set(solve_all(problem).values()) == {oracle}
+        return
+    for name in ("cpsat", "milp"):
+        solution = BACKENDS[name](problem, time_limit_s=30)
+        assert solution.status == OPTIMAL, name
+        assert solution.objective == oracle == problem.objective_value(solution.stage_of_layer)
 
 
 def random_problem_like(problem, objective):

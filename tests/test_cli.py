@@ -422,6 +422,49 @@ def test_evaluate_takes_the_runtime_flags(run_cli, tmp_path):
     assert kept | {"buffers": 0} == freed | {"buffers": 0}
 
 
+def test_sequence_parallel_flag_of_plan_and_evaluate(run_cli, tmp_path):
+    """--sequence-parallel auto gives SP to a tp > 1 plan (Megatron's --sequence-parallel in its
+    export, ' sp' in its label) and lowers its peak; evaluate takes on/off for its one config;
+    SP without TP is one line, exit 2."""
+    args = ("--gpus", "8", "--global-batch", "32", "--pp", "2", "--tp", "4", "--quiet")
+    peaks = {}
+    for mode in ("off", "auto"):
+        out = tmp_path / f"{mode}.json"
+        code, _, err = run_cli(
+            plan_main, GPT_1_3B, *args, "--sequence-parallel", mode, "--json", str(out)
+        )
+        assert code == 0, err
+        document = json.loads(out.read_text())
+        assert document["config"]["sp"] is (mode == "auto")
+        args_of_megatron = document["exports"]["megatron"]["args"]
+        assert ("--sequence-parallel" in args_of_megatron) is (mode == "auto")
+        peaks[mode] = document["peak_bytes"]
+    assert peaks["auto"] < peaks["off"]
+    code, text, _ = run_cli(plan_main, GPT_1_3B, *args[:-1], "--sequence-parallel", "on")
+    assert code == 0 and " sp" in text
+    evaluated = {}
+    for mode in ("off", "on"):
+        code, _, err = run_cli(
+            evaluate_main, GPT_1_3B, "--pp", "2", "--tp", "4", "--global-batch", "8",
+            "--split", "even", "--sequence-parallel", mode, "--json", str(tmp_path / "e.json"),
+            "--quiet",
+        )  # fmt: skip
+        assert code == 0, err
+        evaluated[mode] = json.loads((tmp_path / "e.json").read_text())
+    stage = [evaluated[mode]["stages"][0]["breakdown"] for mode in ("off", "on")]
+    assert stage[1]["activations"] < stage[0]["activations"]
+    assert stage[1]["weights"] == stage[0]["weights"]
+    assert evaluated["on"]["training"]["sequence_parallel"] == "on"
+    for main, extra in (
+        (plan_main, ("--gpus", "8", "--global-batch", "32", "--tp", "1")),
+        (evaluate_main, ("--pp", "2", "--global-batch", "8", "--split", "even")),
+    ):
+        code, out, err = run_cli(main, GPT_1_3B, *extra, "--sequence-parallel", "on")
+        assert code == 2 and out == "", err
+        assert len(err.strip().splitlines()) == 1 and "--sequence-parallel on with" in err
+        assert "tp(1)" in err
+
+
 @pytest.mark.parametrize("parser", ["plan", "sweep"])
 def test_plan_and_sweep_flags_make_the_training_options(parser):
     from solver.cli.common import training_from_args
@@ -438,3 +481,7 @@ def test_plan_and_sweep_flags_make_the_training_options(parser):
     assert kept.deallocate_pipeline_outputs is False
     given = training_from_args(parse([*base, "--bytes-per-param", "4,4,8"]))
     assert (given.weight_bytes_per_param, given.grad_bytes_per_param) == (4, 4)
+    assert default.sequence_parallel == "off"
+    assert training_from_args(parse([*base, "--sequence-parallel", "auto"])).sequence_parallel == (
+        "auto"
+    )

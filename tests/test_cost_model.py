@@ -335,3 +335,52 @@ def test_backends_plan_with_the_calibration(backend):
     assert solution.objective == best.objective
     peaks = [s.peak_bytes for s in stage_costs(problem.costs, solution.stage_of_layer)]
     assert max(peaks) == best.objective
+
+
+def test_sequence_parallelism_splits_every_activation_and_sent_tensor_by_hand():
+    """config.sp: A'_l = activation_bytes / t (the replicated parts too) and an edge carries
+    ceil(b bytes / t); states, transients and times are those without it (megatron runtime)."""
+    plain = stage_costs(costs_for(CONFIG, "megatron"), SPLIT)
+    split = stage_costs(costs_for(dataclasses.replace(CONFIG, sp=True), "megatron"), SPLIT)
+    # without sp: a keeps A' = 30 (nothing split), b 60 + 40/2 = 80, c 50, d 8
+    assert [s.activation_bytes for s in plain] == [3 * 2 * 30, 2 * (2 * 80 + 2 * 50 + 2 * 5), 16]
+    # with sp every A'_l is halved: a 15, b 50, c 25, d 4; the relayed a->d carries 2 * 5 / 2
+    assert [s.activation_bytes for s in split] == [3 * 2 * 15, 2 * (2 * 50 + 2 * 25 + 5), 2 * 4]
+    # one receive and one send buffer per boundary tensor, each [s/t, b, h]
+    assert [s.buffer_bytes for s in plain] == [2 * (10 + 5), 2 * 10 + 2 * 2 * 5 + 2 * 30, 70]
+    assert [s.buffer_bytes for s in split] == [10 + 5, 10 + 2 * 5 + 30, 5 + 30]
+    for before, after in zip(plain, split, strict=True):
+        kept = ("weights", "grads", "optimizer", "transient")
+        assert {k: after.breakdown()[k] for k in kept} == {k: before.breakdown()[k] for k in kept}
+        assert (after.time_ns, after.dp_sync_ns) == (before.time_ns, before.dp_sync_ns)
+
+
+def test_sequence_parallelism_rounds_up_per_layer_and_splits_recomputed_outputs():
+    # b = 1: each per-micro-batch term is ceil(bytes / t)
+    config = ParallelConfig(pp=3, tp=2, dp=2, micro_batch=1, num_microbatches=8, sp=True)
+    costs = costs_for(config, "megatron")
+    assert costs.stored_bytes.tolist() == [15, 50, 25, 4]
+    assert costs.edge_bytes.tolist() == [5, 10, 3, 15]  # a->b, b->c, a->d (5 / 2 up), c->d
+    # full recomputation keeps each layer's output, the next one's input: [s/t, b, h] too
+    recompute = dataclasses.replace(CONFIG, recompute="full")
+    kept = costs_for(recompute, "torch")
+    split = costs_for(dataclasses.replace(recompute, sp=True), "torch")
+    assert kept.stored_bytes.tolist() == [2 * 10, 2 * 20, 2 * 30, 2 * 1]
+    assert split.stored_bytes.tolist() == [10, 20, 30, 1]
+    # the layer being recomputed re-materialises b A'_l next to its transient
+    assert split.transient_bytes.tolist() == [2 * 15, 2 * 50, 2 * 7 + 2 * 25, 2 * 4]
+
+
+def test_sequence_parallelism_needs_tensor_parallelism():
+    with pytest.raises(InputError, match=r"^--sequence-parallel on with tp\(1\)"):
+        ParallelConfig(pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=2, sp=True)
+    with pytest.raises(InputError, match="sp must be true or false"):
+        ParallelConfig(pp=2, tp=2, dp=1, micro_batch=1, num_microbatches=2, sp="yes")
+    with pytest.raises(InputError, match=r"^--sequence-parallel on with pinned tp\(1\)"):
+        TrainingConfig(global_batch=1, tp=1, sequence_parallel="on")
+    with pytest.raises(InputError, match="sequence_parallel must be one of"):
+        TrainingConfig(global_batch=1, sequence_parallel=True)
+    assert TrainingConfig(global_batch=1, tp=1, sequence_parallel="auto").tp == 1
+    config = ParallelConfig(pp=4, tp=8, dp=2, micro_batch=1, num_microbatches=16, sp=True)
+    assert config.label() == "pp4 tp8 dp2 b1 m16 zero0 1f1b sp"
+    assert "sp" not in dataclasses.replace(config, sp=False).label()

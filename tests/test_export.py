@@ -195,6 +195,19 @@ def test_recompute_and_distributed_optimizer_flags(recompute, zero):
     assert ("--use-distributed-optimizer" in args) == (zero >= 1)
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_sequence_parallelism_in_every_export(sp):
+    graph = gpt_chain(4)
+    exports = build_exports(graph, config(2, sp=sp), split(graph, [3, 3]))
+    assert ("--sequence-parallel" in exports["megatron"]["args"]) == sp
+    torch = exports["torch_pipelining"]
+    assert ("tensor_parallel" in torch) == sp and ("SequenceParallel" in torch["note"]) == sp
+    if sp:
+        assert torch["tensor_parallel"]["norms"] == "SequenceParallel()"
+        assert "Shard(1)" in torch["tensor_parallel"]["row_parallel"]
+    assert any("--sequence-parallel" in w for w in exports["deepspeed"]["warnings"]) == sp
+
+
 # --- DeepSpeed ---------------------------------------------------------------------------------
 
 

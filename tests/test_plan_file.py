@@ -41,6 +41,7 @@ KINDS = {
     "heterogeneous": [GPT, "--cluster", HETEROGENEOUS, "--global-batch", "64", "--quiet"]
     + ["--time-limit", "30"],
     "t5-dag": [T5, *BASE],
+    "sequence-parallel": [GPT, *BASE, "--pp", "2", "--tp", "4", "--sequence-parallel", "on"],
     "calibrated": [GPT, *BASE, "--calibration", "{calibration}"],
     "empirical": ["{stats}", "--gpus", "4", "--global-batch", "4", "--memory-model", "empirical"]
     + ["--max-slowdown", "none", "--quiet"],
@@ -164,6 +165,31 @@ def test_a_version_2_plan_without_deallocate_pipeline_outputs_means_true(plans, 
     path.write_text(json.dumps(kept))
     code, _, err = _run(evaluate_main, ["--plan", str(path), "--quiet"], capsys)
     assert code == 6 and "buffers" in err
+
+
+def test_a_plan_without_sequence_parallel_fields_means_off(plans, tmp_path, capsys):
+    """config.sp and training.sequence_parallel are absent from plans written before them: no
+    sequence parallelism; a plan with it records both and reproduces."""
+    document = json.loads(plans["1f1b"].read_text())
+    assert document["config"].pop("sp") is False
+    assert document["training"].pop("sequence_parallel") == "off"
+    path = tmp_path / "older.json"
+    path.write_text(json.dumps(document))
+    older = load_plan(path)
+    assert not older.config.sp and older.training.sequence_parallel == "off"
+    assert _run(evaluate_main, ["--plan", str(path), "--quiet"], capsys)[0] == 0
+    split = json.loads(plans["sequence-parallel"].read_text())
+    assert split["config"]["sp"] is True and split["training"]["sequence_parallel"] == "on"
+    assert "--sequence-parallel" in split["exports"]["megatron"]["args"]
+    assert split["exports"]["torch_pipelining"]["tensor_parallel"]["sequence_parallel"] is True
+    split["config"].pop("sp")  # read as off, against the training options' "on"
+    path.write_text(json.dumps(split))
+    code, _, err = _run(evaluate_main, ["--plan", str(path), "--quiet"], capsys)
+    assert code == 2 and "training.sequence_parallel 'on' gives sp True" in err
+    split["training"].pop("sequence_parallel")  # both off: the activations and buffers grow
+    path.write_text(json.dumps(split))
+    code, _, err = _run(evaluate_main, ["--plan", str(path), "--quiet"], capsys)
+    assert code == 6 and "activations" in err
 
 
 @pytest.mark.parametrize(

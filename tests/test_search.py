@@ -47,6 +47,38 @@ def test_candidate_configs_follow_the_rules():
         candidate_configs(6, Cluster(num_gpus=12), TrainingConfig(global_batch=12, tp=3))
 
 
+@pytest.mark.parametrize("mode", ["off", "on", "auto"])
+def test_candidate_configs_with_each_sequence_parallel_mode(mode):
+    """off: no candidate has sp; on and auto: exactly those with tp > 1 (the same layouts as
+    off, so a search can only get lower peaks); on refuses a pinned tp of 1, auto does not."""
+    cluster = Cluster(num_gpus=16, gpus_per_node=4)
+    plain = candidate_configs(6, cluster, TrainingConfig(global_batch=32))
+    configs = candidate_configs(6, cluster, TrainingConfig(global_batch=32, sequence_parallel=mode))
+    assert [c.sp for c in configs] == [mode != "off" and c.tp > 1 for c in configs]
+    assert [(c.pp, c.tp, c.dp, c.micro_batch, c.zero) for c in configs] == [
+        (c.pp, c.tp, c.dp, c.micro_batch, c.zero) for c in plain
+    ]
+    pinned = dict(global_batch=32, tp=1, sequence_parallel=mode)
+    if mode == "on":
+        with pytest.raises(InputError, match=r"--sequence-parallel on with pinned tp\(1\)"):
+            TrainingConfig(**pinned)
+    else:
+        assert not any(c.sp for c in candidate_configs(6, cluster, TrainingConfig(**pinned)))
+
+
+def test_sequence_parallelism_never_raises_a_planned_peak():
+    rng = random.Random(7)
+    graph = random_chain(rng, 8)
+    cluster = Cluster(num_gpus=8, gpu_memory_bytes=2**40)
+    peaks = {}
+    for mode in ("off", "auto"):
+        training = TrainingConfig(global_batch=16, tp=4, sequence_parallel=mode)
+        chosen = plan(graph, cluster, training, time_limit_s=30)
+        assert chosen.config.sp == (mode == "auto")
+        peaks[mode] = chosen.peak_bytes
+    assert peaks["auto"] < peaks["off"]
+
+
 class OneSolveDeadline(Deadline):
     """Expires once the first config is solved: the search must report an unproven result."""
 

@@ -34,6 +34,7 @@ from solver.specs import (
     RECOMPUTE_CHOICES,
     RUNTIMES,
     SCHEDULES,
+    SEQUENCE_PARALLEL_CHOICES,
     ZERO_STAGES,
     Cluster,
     TrainingConfig,
@@ -294,7 +295,7 @@ def add_cluster_options(parser: argparse.ArgumentParser, *, memory_list: bool = 
 
 def add_training_options(parser: argparse.ArgumentParser, *, batch_required: bool = True) -> None:
     """--global-batch, --schedule, --runtime, --deallocate-pipeline-outputs, --bytes-per-param,
-    --calibration, --memory-model."""
+    --calibration, --memory-model, --sequence-parallel."""
     training = parser.add_argument_group("training")
     training.add_argument(
         "--global-batch",
@@ -357,6 +358,14 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
         default="analytic",
         help="analytic (default: the cost model's terms) or empirical: the graph's per-layer "
         "mem_isolated/mem_added statistics (mCAP/CAPSlog), pipeline-only configs of a chain",
+    )
+    training.add_argument(
+        "--sequence-parallel",
+        choices=SEQUENCE_PARALLEL_CHOICES,
+        default="off",
+        help="Megatron's sequence parallelism with tp > 1 (activations TP leaves replicated and "
+        "the tensors sent between stages split over the tp ranks too): off (default), on "
+        "(every config with tp > 1; a pinned --tp 1 is an error) or auto (SP whenever tp > 1)",
     )
 
 
@@ -590,6 +599,7 @@ def _training_from_args(args: argparse.Namespace) -> TrainingConfig:
         runtime=args.runtime,
         deallocate_pipeline_outputs=args.deallocate_pipeline_outputs,
         memory_model=args.memory_model,
+        sequence_parallel=args.sequence_parallel,
         pp=args.pp,
         tp=args.tp,
         dp=args.dp,

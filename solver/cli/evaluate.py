@@ -204,6 +204,8 @@ def _config_from_args(args: argparse.Namespace) -> ParallelConfig:
         recompute=args.recompute,
         schedule=args.schedule,
         virtual_stages=args.virtual_stages[0],
+        # auto: SP exactly when tp > 1, as the search's candidates
+        sp=args.sequence_parallel == "on" or (args.sequence_parallel == "auto" and args.tp > 1),
     )
 
 
@@ -235,7 +237,8 @@ def _split_from_args(args: argparse.Namespace) -> str | list[int]:
 
 def _training_from_args(args: argparse.Namespace, config: ParallelConfig) -> TrainingConfig:
     """The evaluated config's own training options (``evaluation.default_training``: its global
-    batch, micro-batch, ZeRO stage, recompute, schedule and virtual stages) with the flags'
+    batch, micro-batch, ZeRO stage, recompute, schedule, virtual stages and sequence
+    parallelism) with the flags'
     runtime, output deallocation, memory model, calibration and bytes per parameter (the
     runtime's gradient bytes unless given)."""
     from solver.evaluation import default_training
