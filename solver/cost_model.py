@@ -522,9 +522,6 @@ def layer_costs(
         edge_bytes = _ceil_div(edge_bytes, t)
     weight, grad, optimizer = _model_state_bytes(params_times_t, config, training)
     stored, transient = _activation_bytes(cols, params_times_t, saved_times_t, config, training)
-    if config.sp:
-        # a recomputed layer keeps its output, the next layer's input: [s/t, b, h] too
-        stored = (stored[0], _ceil_div(b * cols["output_bytes"], t))
     time_ns = _time_ns(cols, config, cluster)
     recomputable = recomputable_layers(graph, training.runtime)
     stored, transient, time_ns = (
@@ -732,7 +729,10 @@ def _activation_bytes(
     t, b = config.tp, config.micro_batch
     w = training.weight_bytes_per_param
     grad_temporary = w * np.maximum(cols["largest_param"], _ceil_div(cols["largest_tp_param"], t))
-    stored = (_ceil_div(b * saved_times_t, t), b * cols["output_bytes"])
+    # a recomputed layer keeps its output, the next layer's input: [s/t, b, h] with sequence
+    # parallelism
+    kept_output = _ceil_div(b * cols["output_bytes"], t) if config.sp else b * cols["output_bytes"]
+    stored = (_ceil_div(b * saved_times_t, t), kept_output)
     gather = 2 * _ceil_div(params_times_t * w, t) if config.zero >= 3 else 0
 
     def transient(bytes_per_sample: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
