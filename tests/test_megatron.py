@@ -9,6 +9,7 @@ against the plan. The bad-input cases need no run.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -19,6 +20,7 @@ from profiling.export import export_graph
 from profiling.megatron_model import megatron_settings, require_megatron
 from profiling.run import format_reports, run_plan
 from solver import Cluster, ParallelConfig, TrainingConfig, evaluate, plan
+from solver.engine_exports import build_exports
 from solver.errors import InputError
 from solver.plan_file import load_plan
 from solver.report import evaluation_to_dict, plan_to_dict
@@ -197,6 +199,57 @@ def test_distributed_optimizer_and_recompute_gradients_equal_a_single_process():
     reports = run_plan("gpt-tiny", recomputed, overrides=GPT, engine="megatron", capture_grads=True)
     assert_same_gradients(reports, expected)
     assert_peaks_predicted(reports)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_selective_recompute_of_the_first_blocks_runs_as_megatrons_block_method():
+    """The planner's per-layer recomputation, when it is each stage's first N blocks, is
+    Megatron's --recompute-method block: the export says so, the engine runs it with the same
+    gradients, and it saves memory. The prediction is an upper bound here (docs/cost-model.md,
+    "What stays conservative": a block recomputed first in its stage re-materialises its
+    activations when the stage's later layers have freed theirs)."""
+    graph = export_graph("gpt-tiny", dtype="fp32", overrides=GPT)
+    split = [3, 3]  # embed layers.0 layers.1 | layers.2 layers.3 head
+    measured = {}
+    for recompute in ("none", "selective"):
+        config = ParallelConfig(
+            pp=2, tp=1, dp=1, micro_batch=2, num_microbatches=4, recompute=recompute
+        )
+        training = TrainingConfig(
+            global_batch=8, micro_batch_sizes=(2,), recompute=recompute, max_slowdown=None, **FP32
+        )
+        flags = [name in {"layers.0", "layers.2"} for name in graph.names]
+        evaluation = evaluate(
+            graph,
+            config,
+            split,
+            training=training,
+            recomputed=flags if recompute != "none" else None,
+        )
+        document = load_plan(evaluation_to_dict(evaluation))
+        exports = build_exports(
+            graph,
+            config,
+            document.virtual_stage_layers,
+            recomputed=evaluation.stage_recomputed_names() if recompute != "none" else None,
+        )
+        reports = run_plan(
+            "gpt-tiny",
+            dataclasses.replace(document, exports=exports),
+            overrides=GPT,
+            engine="megatron",
+            capture_grads=recompute != "none",
+        )
+        measured[recompute] = [report.measured_peak_bytes for report in reports]
+    args = exports["megatron"]["args"]
+    assert args[args.index("--recompute-method") + 1] == "block"
+    assert args[args.index("--recompute-num-layers") + 1] == "1"
+    assert_same_gradients(reports, single_process_gradients("gpt-tiny", GPT, 8, 2))
+    assert all(
+        low < high for low, high in zip(measured["selective"], measured["none"], strict=True)
+    )
+    assert all(0 <= report.error_pct <= 15 for report in reports), format_reports(reports)
 
 
 @pytest.mark.slow
