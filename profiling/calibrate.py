@@ -70,6 +70,8 @@ class Layout(NamedTuple):
     engine: str = "torch"
     """What runs the plan (``profiling.run.ENGINES``): torch (planned for the torch runtime) or
     megatron (megatron-core, planned for the megatron runtime)."""
+    sequence_parallel: str = "off"
+    """``TrainingConfig.sequence_parallel``: on for Megatron's sequence parallelism with tp > 1."""
 
     def training(self) -> TrainingConfig:
         """The planner's options for this layout: pinned degrees, fp32 + Adam, the runtime of
@@ -81,6 +83,7 @@ class Layout(NamedTuple):
             recompute=self.recompute,
             schedule=self.schedule,
             virtual_stages=(self.virtual_stages,),
+            sequence_parallel=self.sequence_parallel,
             runtime="torch" if self.engine == "torch" else "megatron",
             max_slowdown=None,
             **{"tp": 1, **self.pins},
@@ -252,7 +255,8 @@ def _layout(item: Layout | tuple) -> Layout:
     except TypeError:
         raise InputError(
             f"calibrate: configuration {item!r}: give (label, num_gpus, pins, global_batch, "
-            "micro_batch, schedule[, zero[, recompute[, virtual_stages[, engine]]]])"
+            "micro_batch, schedule[, zero[, recompute[, virtual_stages[, engine[, "
+            "sequence_parallel]]]]])"
         ) from None
     if not isinstance(layout.pins, dict) or set(layout.pins) - {"pp", "dp", "tp"}:
         raise InputError(

@@ -9,9 +9,10 @@ recomputation, interleaved 1F1B with two chunks per rank) and runs each plan wit
 ``profiling.run.run_plan`` on gloo (exact live-tensor accounting, 2 iterations, the last
 measured). All of it through ``profiling.calibrate.calibrate``,
 which also fits the calibration to every rank and predicts each layout from a fit on the others.
-Then the same for megatron-core (``engine="megatron"``, plans for ``--runtime megatron``): 10
-layouts of 2-4 ranks (pp 2-4, 1F1B and interleaved, tp 2, dp 2 with the distributed optimizer,
-full recompute) of a GPT with flash-style attention, seq 512 and a 16384-token vocabulary.
+Then the same for megatron-core (``engine="megatron"``, plans for ``--runtime megatron``): 12
+layouts of 2-4 ranks (pp 2-4, 1F1B and interleaved, tp 2 with and without sequence parallelism,
+dp 2 with the distributed optimizer, full recompute) of a GPT with flash-style attention, seq
+512 and a 16384-token vocabulary.
 Writes benchmarks/bench_accuracy.md and .csv with the analytic, calibrated and leave-one-out
 predictions, the measured peak and the errors per rank, and their median / max absolute values
 (targets for the analytic model: torch median <= 3%, max <= 8%; megatron median <= 2%,
@@ -74,6 +75,28 @@ MEGATRON_LAYOUTS = [
     Layout("mcore pp3 v2 m6", 3, {"pp": 3}, 12, 2, "1f1b", virtual_stages=2, engine="megatron"),
     Layout("mcore pp4 v2 m8", 4, {"pp": 4}, 16, 2, "1f1b", virtual_stages=2, engine="megatron"),
     Layout("mcore pp2 tp2 m4", 4, {"pp": 2, "tp": 2}, 8, 2, "1f1b", engine="megatron"),
+    Layout(
+        "mcore pp2 tp2 sp m4",
+        4,
+        {"pp": 2, "tp": 2},
+        8,
+        2,
+        "1f1b",
+        engine="megatron",
+        sequence_parallel="on",
+    ),
+    Layout(
+        "mcore tp2 sp recompute m4",
+        2,
+        {"pp": 1, "tp": 2},
+        8,
+        2,
+        "1f1b",
+        0,
+        "full",
+        engine="megatron",
+        sequence_parallel="on",
+    ),
     Layout("mcore dp2 pp2 distopt m4", 4, {"pp": 2, "dp": 2}, 16, 2, "1f1b", 1, engine="megatron"),
     Layout("mcore pp2 recompute m4", 2, {"pp": 2}, 8, 2, "1f1b", 0, "full", engine="megatron"),
 ]

@@ -106,6 +106,15 @@ def assert_same_gradients(reports, expected: dict[str, torch.Tensor], tolerance=
         torch.testing.assert_close(got[name], grad, atol=tolerance, rtol=1e-4, msg=name)
 
 
+def run_matching(preset: str, chosen, overrides: dict, expected: dict[str, torch.Tensor]):
+    """Run ``chosen`` on the megatron engine: its gradients equal ``expected`` (the single-process
+    run's) and every rank's peak is predicted. Returns the reports."""
+    reports = run_plan(preset, chosen, overrides=overrides, engine="megatron", capture_grads=True)
+    assert_same_gradients(reports, expected)
+    assert_peaks_predicted(reports)
+    return reports
+
+
 def assert_peaks_predicted(reports) -> None:
     worst = max(abs(report.error_pct) for report in reports)
     assert worst <= TOLERANCE_PCT, format_reports(reports)
@@ -116,10 +125,8 @@ def assert_peaks_predicted(reports) -> None:
 def test_pipeline_and_tensor_parallel_gradients_equal_a_single_process():
     expected = single_process_gradients("gpt-tiny", GPT_TP, 8, 2)
     chosen = megatron_plan("gpt-tiny", GPT_TP, pp=2, tp=2)
-    reports = run_plan("gpt-tiny", chosen, overrides=GPT_TP, engine="megatron", capture_grads=True)
+    reports = run_matching("gpt-tiny", chosen, GPT_TP, expected)
     assert [(r.stage, r.tp_rank) for r in reports] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert_same_gradients(reports, expected)
-    assert_peaks_predicted(reports)
     assert reports[-1].losses and all(loss > 9 for loss in reports[-1].losses)  # ln 16384 = 9.7
 
 
@@ -131,11 +138,7 @@ def test_interleaved_and_tensor_parallel_llama_gradients_equal_a_single_process(
     expected = single_process_gradients("llama-tiny", LLAMA, 8, 2)
     interleaved = megatron_plan("llama-tiny", LLAMA, pp=2, virtual_stages=2)
     assert load_plan(interleaved).config.virtual_stages == 2
-    reports = run_plan(
-        "llama-tiny", interleaved, overrides=LLAMA, engine="megatron", capture_grads=True
-    )
-    assert_same_gradients(reports, expected)
-    assert_peaks_predicted(reports)
+    run_matching("llama-tiny", interleaved, LLAMA, expected)
     tensor_parallel = megatron_plan("llama-tiny", LLAMA, tp=2)
     reports = run_plan(
         "llama-tiny",
@@ -156,11 +159,7 @@ def test_sequence_parallel_llama_gradients_equal_a_single_process():
     expected = single_process_gradients("llama-tiny", LLAMA_TP, 8, 2)
     chosen = megatron_plan("llama-tiny", LLAMA_TP, tp=2, sequence_parallel="on")
     assert "--sequence-parallel" in chosen["exports"]["megatron"]["args"]
-    reports = run_plan(
-        "llama-tiny", chosen, overrides=LLAMA_TP, engine="megatron", capture_grads=True
-    )
-    assert_same_gradients(reports, expected)
-    assert_peaks_predicted(reports)
+    run_matching("llama-tiny", chosen, LLAMA_TP, expected)
 
 
 @pytest.mark.slow
@@ -175,11 +174,7 @@ def test_sequence_parallel_pipeline_gradients_equal_a_single_process():
             "gpt-tiny", GPT_TP, pp=2, tp=2, recompute=recompute, sequence_parallel="auto"
         )
         assert load_plan(chosen).config.sp
-        reports = run_plan(
-            "gpt-tiny", chosen, overrides=GPT_TP, engine="megatron", capture_grads=True
-        )
-        assert_same_gradients(reports, expected)
-        assert_peaks_predicted(reports)
+        run_matching("gpt-tiny", chosen, GPT_TP, expected)
 
 
 @pytest.mark.slow
@@ -188,17 +183,13 @@ def test_distributed_optimizer_and_recompute_gradients_equal_a_single_process():
     expected = single_process_gradients("gpt-tiny", GPT, 16, 2)
     sharded = megatron_plan("gpt-tiny", GPT, pp=2, dp=2, global_batch=16, zero=1)
     assert "--use-distributed-optimizer" in sharded["exports"]["megatron"]["args"]
-    reports = run_plan("gpt-tiny", sharded, overrides=GPT, engine="megatron", capture_grads=True)
-    assert_same_gradients(reports, expected)
-    assert_peaks_predicted(reports)
+    reports = run_matching("gpt-tiny", sharded, GPT, expected)
     # Adam state is sharded over dp: each rank holds half of its stage's 8 bytes per parameter
     for report in reports:
         assert report.measured_breakdown["optimizer"] < report.measured_breakdown["params"] * 1.1
     recomputed = megatron_plan("gpt-tiny", GPT, pp=2, global_batch=16, recompute="full")
     assert "--recompute-granularity" in recomputed["exports"]["megatron"]["args"]
-    reports = run_plan("gpt-tiny", recomputed, overrides=GPT, engine="megatron", capture_grads=True)
-    assert_same_gradients(reports, expected)
-    assert_peaks_predicted(reports)
+    run_matching("gpt-tiny", recomputed, GPT, expected)
 
 
 @pytest.mark.slow
