@@ -1,8 +1,9 @@
-"""Megatron-core on CPU over gloo: every CUDA assumption it makes, bypassed in one place.
+"""Megatron-core on CPU over gloo: every CUDA, TransformerEngine or apex assumption it makes,
+bypassed in one place (8, in the layer spec, is :class:`profiling.megatron_model.TorchNorm`).
 
 megatron-core (``pip install -e ".[megatron]"``) trains a ``GPTModel`` built from its local
 layer spec (no TransformerEngine, no apex) on CPU once these are bypassed, and nothing else
-(measured on 0.16.1 and 0.19.2; ../shared/reference/runtime-memory-facts.md):
+(0.16.1; ../shared/reference/runtime-memory-facts.md):
 
 1. ``torch.cuda.current_device()`` is the device of the p2p receive buffers, the gradient
    buffers and the distributed optimizer's shards: it returns ``"cpu"`` here.
@@ -16,13 +17,11 @@ layer spec (no TransformerEngine, no apex) on CPU once these are bypassed, and n
    and restores is the CPU generator's.
 5. The optimizers and the gradient clipping accept tensors only of the types
    ``torch.cuda.{Float,Half,BFloat16}Tensor``: ``Tensor.type()`` names a CPU tensor's type as its
-   CUDA twin (:func:`cuda_type_names`).
-
+   CUDA twin (``_cuda_type_name``).
 6. Without TransformerEngine or apex, Megatron's optimizer falls back to ``torch.optim.AdamW``,
    whose default (per-tensor) step allocates two parameter-sized temporaries for the largest
    parameter; on a GPU Megatron runs a fused Adam that updates in place. :class:`FusedAdamW`
    (torch's own fused CPU kernel, ``fused=True``) restores that behaviour.
-
 7. The fused bias-activation functions (Megatron-LM's default bias-GeLU / bias-SwiGLU fusion) and
    megatron-core's other ``jit_fuser`` functions are wrapped in ``torch.compile`` when imported;
    compiled on the CPU they keep buffers of their own next to the live tensors. They run as the
