@@ -42,6 +42,8 @@ LLAMA = {
 """Llama with GQA, and flash-style attention (the engine's SDPA core attention)."""
 LLAMA_TP = {**LLAMA, "vocab_size": 16384}
 FP32 = dict(weight_bytes_per_param=4, grad_bytes_per_param=4, optimizer_bytes_per_param=8)
+NOISE = 512
+"""Bytes two runs of one plan may differ by at their peaks (small scalars alive or not)."""
 TOLERANCE_PCT = 5.0
 """Largest |error| of a predicted rank peak here (the benchmark's targets are tighter)."""
 
@@ -281,9 +283,11 @@ def test_kept_pipeline_outputs_cost_what_the_plan_adds():
         ]
     pairs = zip(peaks[True], peaks[False], strict=True)
     kept = [(m1 - m0, p1 - p0) for (m0, p0), (m1, p1) in pairs]
-    assert kept[-1][1] == 0 and abs(kept[-1][0]) <= 64  # the last stage sends nothing
+    # the two runs' peaks may fall a step apart, with a few small scalars (losses, token counts)
+    # more or less alive: NOISE bytes
+    assert kept[-1][1] == 0 and abs(kept[-1][0]) <= NOISE  # the last stage sends nothing
     for measured, predicted in kept[:-1]:
-        assert predicted > 0 and abs(measured - predicted) <= 64, kept
+        assert predicted >= 4096 and abs(measured - predicted) <= NOISE, kept
 
 
 @pytest.mark.slow
