@@ -193,6 +193,17 @@ def test_config_without_architectures_is_built_from_model_type(
     assert loss.ndim == 0 and 3.0 < loss.item() < 5.5  # ln(64) = 4.16 at initialisation
 
 
+def test_build_and_forward_of_a_shrunk_config_print_nothing(capfd):
+    """A vocabulary of 96 puts GPT-2's bos/eos id 50256 outside it and GPT2LMHeadModel names no
+    loss_type: transformers warns about both unless hf: keeps it quiet."""
+    level = transformers.logging.get_verbosity()
+    spec = hf_spec("gpt2", TINY["gpt2"])
+    model = spec.build()
+    model(*spec.example_inputs(1, 8)).backward()
+    assert capfd.readouterr().err == ""
+    assert transformers.logging.get_verbosity() == level  # restored after the build
+
+
 # -- as trained ------------------------------------------------------------------------------
 
 
