@@ -159,7 +159,10 @@ def _check_fields(config_class, raw: dict[str, Any], overrides: dict[str, Any], 
     or a generation field a model may read from its config (T5's decoder_start_token_id)."""
     from transformers import GenerationConfig
 
-    default, generation = config_class(), GenerationConfig()
+    try:
+        default, generation = config_class(), GenerationConfig()
+    except (ValueError, TypeError):  # a config without defaults: transformers checks it later
+        return
     for key in overrides:
         known = hasattr(default, key) or hasattr(generation, key)
         if known or key in raw or key in _EXTRA_FIELDS:
