@@ -98,7 +98,9 @@ import torch
 from torch import nn
 
 from profiling._torch_compat import FakeTensorMode, tree_map
-from profiling.dataflow import CudaLikeDropout, Tracer, tensors_in
+from profiling._transformers_compat import real_run_masks
+from profiling.cuda_attention import cuda_like_kernels
+from profiling.dataflow import Tracer, tensors_in
 from profiling.graph_builder import build_graph
 from profiling.layers import default_layer_paths
 from profiling.tensor_parallel import TensorParallelTracker, is_linear
@@ -373,10 +375,16 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
         handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mod.register_forward_hook(post, with_kwargs=True))
     fake = fake_mode if fake_mode is not None else contextlib.nullcontext()
-    dropout = CudaLikeDropout() if cuda_like else contextlib.nullcontext()
+    masks = real_run_masks() if fake_mode is not None else contextlib.nullcontext()
     step = "forward"
     try:
-        with fake, tracer, torch.autograd.graph.saved_tensors_hooks(tracer.pack, _unpack), dropout:
+        with (
+            fake,
+            masks,
+            tracer,
+            torch.autograd.graph.saved_tensors_hooks(tracer.pack, _unpack),
+            cuda_like_kernels(cuda_like),
+        ):
             tracer.start_forward()
             out = torch.func.functional_call(module, state.tensors, inputs)
             loss = _loss(out, model_name)
