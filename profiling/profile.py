@@ -72,10 +72,12 @@ format's implied chain), and written otherwise.
 (the first scalar among the outputs, e.g. HuggingFace's ``loss``), else ``out.float().sum()``
 (the sum over every floating output that needs a gradient).
 
-**CUDA-like dropout** (``cuda_like=True``, the default): ``F.dropout`` is run as
-``torch.native_dropout``, the fused kernel CUDA uses (a one-byte mask), instead of CPU's composite
-(a mask of the input's dtype), in both modes, so that CPU and fake-CPU profiles match GPU training.
-``F.scaled_dot_product_attention`` still follows the profiling device's kernel choice. Checked on
+**CUDA-like kernels** (``cuda_like=True``, the default; ``cuda_attention.py``): ``F.dropout`` is
+run as ``torch.native_dropout``, the fused kernel CUDA uses (a one-byte mask), instead of CPU's
+composite (a mask of the input's dtype), and ``F.scaled_dot_product_attention`` on the CPU as a
+GPU's fused attention kernels run it (no ``s x s`` matrix for dropout or a learned bias), in both
+modes, so that CPU and fake-CPU profiles match GPU training. Under fake tensors, transformers'
+mask code is given the real run's answer (``_transformers_compat.real_run_masks``). Checked on
 an H200 (torch 2.11, bf16 GPT, h 1024, s 1024, dropout 0.1): a fake profile on the CUDA device
 equals the real CUDA run in every field; a fake CPU profile differs only by the LayerNorm
 statistics, which CPU kernels keep in bf16 and CUDA in fp32 (4s bytes per LayerNorm per sample,
