@@ -138,6 +138,25 @@ def test_fake_profile_equals_the_measured_saved_bytes_of_every_layer(name, dtype
     assert {layer.name: layer.output_bytes for layer in graph.layers} == outputs
 
 
+def test_fake_profile_equals_the_real_profile_of_a_grouped_query_model():
+    """Under fake tensors transformers would materialise the causal mask the real run skips (and
+    repeat K and V for the masked SDPA call); the profiler gives it the real run's answer."""
+    spec = hf_spec("llama-2-7b", {**LLAMA, "use_cache": False})
+    with default_dtype(torch.bfloat16):
+        torch.manual_seed(0)
+        model = spec.build()
+        inputs = spec.example_inputs(BATCH, SEQ)
+        fake = profile_module(model, inputs, mode="fake")
+        real = profile_module(model, inputs, mode="real")
+    for a, b in zip(fake.layers, real.layers, strict=True):
+        assert (a.name, a.activation_bytes, a.output_bytes) == (
+            b.name,
+            b.activation_bytes,
+            b.output_bytes,
+        )
+        assert a.transient_bytes == b.transient_bytes
+
+
 def _block(graph, name):
     return next(layer for layer in graph.layers if layer.name == name).activation_bytes
 
