@@ -86,8 +86,6 @@ class CudaLikeAttention(TorchFunctionMode):
         if mask is not None and mask.requires_grad and torch.is_grad_enabled():
             if key.shape[-3] != query.shape[-3] or query.dim() != 4:
                 return func(*args, **kwargs)  # grouped heads with a learned bias: math, as is
-            if mask.dtype == torch.bool:
-                return func(*args, **kwargs)
             return _FusedBiasAttention.apply(query, key, value, mask, is_causal, scale)
         return func(
             query,
