@@ -128,10 +128,9 @@ def _training_config(raw: dict[str, Any], overrides: dict[str, Any], *, source: 
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "architectures")}
     fields["use_cache"] = False
     fields["return_dict"] = True
-    # Eager attention stores the softmax output like a GPU run without flash attention; the SDPA
-    # default would take PyTorch's CPU math fallback under fake tensors, which keeps extra fp32
-    # copies no GPU kernel keeps. --set attn_implementation=sdpa restores the default.
-    fields["attn_implementation"] = "eager"
+    # SDPA, transformers' default: the profiler runs it as a GPU's fused kernels do
+    # (profiling/cuda_attention.py). --set attn_implementation=eager profiles explicit attention.
+    fields["attn_implementation"] = "sdpa"
     fields.update(overrides)
     try:
         config = transformers.AutoConfig.for_model(model_type, **fields)
