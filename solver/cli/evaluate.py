@@ -16,6 +16,7 @@ from solver.cli.common import (
     calibration_from_args,
     check_outputs,
     cluster_from_args,
+    precision_words,
     input_files,
     positive_int,
     print_error,
@@ -238,9 +239,10 @@ def _split_from_args(args: argparse.Namespace) -> str | list[int]:
 def _training_from_args(args: argparse.Namespace, config: ParallelConfig) -> TrainingConfig:
     """The evaluated config's own training options (``evaluation.default_training``: its global
     batch, micro-batch, ZeRO stage, recompute, schedule, virtual stages and sequence
-    parallelism) with the flags'
-    runtime, output deallocation, memory model, calibration and bytes per parameter (the
-    runtime's gradient bytes unless given)."""
+    parallelism) with the flags' runtime, output deallocation, memory model, calibration,
+    precision, optimizer, reserve and bytes per parameter (the table's for the precision,
+    optimizer and runtime unless --bytes-per-param gives them; the precision is the graph's
+    unless --precision gives it)."""
     from solver.evaluation import default_training
 
     return dataclasses.replace(
@@ -249,6 +251,7 @@ def _training_from_args(args: argparse.Namespace, config: ParallelConfig) -> Tra
         deallocate_pipeline_outputs=args.deallocate_pipeline_outputs,
         memory_model=args.memory_model,
         calibration=calibration_from_args(args),
+        **precision_words(args),
         **bytes_per_param(args),
     )
 
