@@ -508,16 +508,24 @@ def _memory_exceeded(
         tail = f"{counts.text('fits')}; use larger GPUs{savers}"
     else:
         tail = counts.text("fits") + ("" if not options else f"; or try {' / '.join(options)}")
-    needs = f"needs {format_bytes(best_peak)}{config_text}, "
+    reserve = training.memory_reserve
+    reserved = reserve.bytes_for(cluster.gpu_memory_bytes)
+    if reserved:
+        # needs X of usable Y = capacity Z - reserve R
+        where = "nothing fits in the usable memory"
+        of = (
+            f" of usable {format_bytes(capacity)} per GPU = capacity "
+            f"{format_bytes(cluster.gpu_memory_bytes)} - reserve {format_bytes(reserved)} "
+            f"({reserve.label()})"
+        )
+        tail += "; or a smaller --reserve"
+    else:
+        where, of = f"nothing fits in {format_bytes(capacity)} per GPU (--gpu-memory)", ""
+    needs = f"needs {format_bytes(best_peak)}{config_text}{of}, "
     if not unconstrained.proven:  # the quick search stopped early: an upper bound only
         needs = f"is proven over it; the best split found in time {needs}"
-    reserve = training.memory_reserve
-    if reserve.bytes_for(cluster.gpu_memory_bytes):
-        tail += "; or a smaller --reserve"
     return InfeasibleError(
-        f"nothing fits in {format_bytes(capacity)} per GPU ("
-        f"{usable_text(reserve, cluster.gpu_memory_bytes)}; --gpu-memory, --reserve): the best "
-        f"of {len(entries)} configs {needs}"
+        f"{where}: the best of {len(entries)} configs {needs}"
         f"{format_bytes(over)} ({100 * over / capacity:.1f}%) over; {tail}",
         best_peak_bytes=best_peak,
         capacity_bytes=capacity,

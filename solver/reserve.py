@@ -28,6 +28,10 @@ compares peaks with ``usable``. The default, :data:`DEFAULT_RESERVE` = 1 GiB + 5
 margin for fragmentation, not a measurement: a calibration fitted to real runs (``--calibration``,
 its per-GPU constant) replaces the default, and ``--reserve`` sets any other (``--reserve 0``:
 the whole capacity, the planner's behaviour before the reserve).
+
+The CLIs apply the default (:func:`default_reserve`); the Python API's ``TrainingConfig.reserve``
+defaults to none, as its ``Cluster.gpu_memory_bytes`` has always meant memory usable for
+training: pass ``reserve=default_reserve(calibration)`` to plan as the CLIs do.
 """
 
 from __future__ import annotations
@@ -93,8 +97,18 @@ class MemoryReserve:
 DEFAULT_RESERVE = MemoryReserve(fixed_bytes=1 * GIB, fraction=0.05, source="default")
 """1 GiB (CUDA context, NCCL buffers, cuBLAS workspaces) + 5 % (fragmentation); module doc."""
 
-NO_RESERVE = MemoryReserve(source="--reserve 0")
-"""The whole capacity is usable (the planner before the reserve)."""
+NO_RESERVE = MemoryReserve(source="none")
+"""The whole capacity is usable (the planner before the reserve; the Python API's default)."""
+
+
+def default_reserve(calibration=None) -> MemoryReserve:
+    """The CLIs' reserve when --reserve is not given: none under a calibration whose per-GPU
+    constant is not 0 (fitted to real runs, it stands for what the job does not see), else
+    :data:`DEFAULT_RESERVE`."""
+    if calibration is not None and calibration.constant_bytes != 0:
+        return MemoryReserve(source="replaced by the calibration's per-GPU constant")
+    return DEFAULT_RESERVE
+
 
 _PART = re.compile(r"^\s*([0-9.eE+-]+)\s*%\s*$")
 
@@ -128,7 +142,9 @@ def parse_reserve(text: str) -> MemoryReserve:
         else:
             fixed += parse_bytes(part, what="size")
     if fraction > MAX_RESERVE_FRACTION:
-        raise InputError(f"{quote(text)}: the shares add up to over {100 * MAX_RESERVE_FRACTION:g}%")
+        raise InputError(
+            f"{quote(text)}: the shares add up to over {100 * MAX_RESERVE_FRACTION:g}%"
+        )
     return MemoryReserve(fixed_bytes=fixed, fraction=fraction, source="--reserve")
 
 
@@ -145,7 +161,10 @@ def check_usable(reserve: MemoryReserve, capacities: dict[str, int]) -> None:
 
 
 def usable_text(reserve: MemoryReserve, capacity_bytes: int) -> str:
-    """'usable 75.00 GiB = capacity 80.00 GiB - reserve 5.00 GiB (1.00 GiB + 5%, default)'."""
+    """'usable 75.00 GiB = capacity 80.00 GiB - reserve 5.00 GiB (1.00 GiB + 5%, default)';
+    '80.00 GiB (no reserve)' when the reserve is 0."""
+    if reserve.bytes_for(capacity_bytes) == 0:
+        return f"{format_bytes(capacity_bytes)} (no reserve)"
     source = f", {reserve.source}" if reserve.source else ""
     return (
         f"usable {format_bytes(reserve.usable_bytes(capacity_bytes))} = capacity "

@@ -17,7 +17,7 @@ from solver.errors import InputError, quote
 from solver.jsonfile import check_name
 from solver.precision import BYTE_FIELDS, DEFAULT_PRECISION, bytes_per_param
 from solver.precision import check_words as check_precision_words
-from solver.reserve import DEFAULT_RESERVE, MemoryReserve
+from solver.reserve import NO_RESERVE, MemoryReserve
 
 SCHEDULES = ("1f1b", "gpipe")
 """Pipeline schedules (interleaved 1F1B is 1f1b with ``virtual_stages`` > 1)."""
@@ -244,19 +244,16 @@ class TrainingConfig:
     Hashable and compared on its scales and constant only, so this config stays hashable."""
     reserve: MemoryReserve | None = None
     """Memory per GPU the job never gets (CUDA context, NCCL buffers, cuBLAS workspaces,
-    fragmentation): peaks must fit in capacity - reserve (``solver.reserve``). None: the default
-    (``reserve.DEFAULT_RESERVE``, 1 GiB + 5%), or none when the calibration carries a per-GPU
-    constant (its fitted constant stands for it); ``MemoryReserve()``: the whole capacity."""
+    fragmentation): every peak must fit in capacity - reserve (``solver.reserve``). None: no
+    reserve, the API's historical meaning of ``Cluster.gpu_memory_bytes`` (memory usable for
+    training). The CLIs pass ``reserve.default_reserve(calibration)`` unless --reserve is
+    given: ``DEFAULT_RESERVE`` (1 GiB + 5%), or none under a calibration with a per-GPU
+    constant; pass the same here to plan as the CLIs do."""
 
     @property
     def memory_reserve(self) -> MemoryReserve:
-        """The reserve in force: the given one, else none under a calibration with a per-GPU
-        constant, else ``DEFAULT_RESERVE``."""
-        if self.reserve is not None:
-            return self.reserve
-        if self.calibration is not None and self.calibration.constant_bytes != 0:
-            return MemoryReserve(source="calibration constant")
-        return DEFAULT_RESERVE
+        """The reserve in force: the given one, else none."""
+        return NO_RESERVE if self.reserve is None else self.reserve
 
     def usable_bytes(self, capacity_bytes: int) -> int:
         """The memory a stage may fill on a GPU of ``capacity_bytes``: capacity - reserve."""

@@ -18,7 +18,7 @@ from typing import Any
 from solver.calibration import Calibration, load_calibration
 from solver.errors import InputError, one_line, quote
 from solver.precision import BYTE_FIELDS, OPTIMIZERS, PRECISIONS
-from solver.reserve import MemoryReserve, parse_reserve
+from solver.reserve import MemoryReserve, default_reserve, parse_reserve
 from solver.specs import (
     GB_PER_S_RANGE,
     GPU_TFLOPS_RANGE,
@@ -424,13 +424,15 @@ def reserve_size(text: str) -> MemoryReserve:
         raise argparse.ArgumentTypeError(str(error).removeprefix("size: ")) from None
 
 
-def precision_words(args: argparse.Namespace) -> dict[str, Any]:
-    """The TrainingConfig fields of --precision, --optimizer and --reserve (None: the graph's
-    precision, the default reserve)."""
+def precision_words(args: argparse.Namespace, calibration: Calibration | None) -> dict[str, Any]:
+    """The TrainingConfig fields of --precision, --optimizer and --reserve: precision None is
+    the graph's; without --reserve, ``reserve.default_reserve(calibration)`` (1 GiB + 5%, or
+    none under a calibration with a per-GPU constant)."""
+    reserve = getattr(args, "reserve", None)
     return {
         "precision": getattr(args, "precision", None),
         "optimizer": getattr(args, "optimizer", "adam"),
-        "reserve": getattr(args, "reserve", None),
+        "reserve": default_reserve(calibration) if reserve is None else reserve,
     }
 
 
@@ -635,6 +637,7 @@ def _args_value(args: argparse.Namespace, field: str) -> str:
 
 
 def _training_from_args(args: argparse.Namespace) -> TrainingConfig:
+    calibration = calibration_from_args(args)
     return TrainingConfig(
         global_batch=args.global_batch,
         micro_batch_sizes=tuple(args.micro_batch),
@@ -653,7 +656,7 @@ def _training_from_args(args: argparse.Namespace) -> TrainingConfig:
         max_slowdown=args.max_slowdown,
         objective=args.objective,
         memory_objective=getattr(args, "memory_objective", "utilization"),
-        calibration=calibration_from_args(args),
-        **precision_words(args),
+        calibration=calibration,
+        **precision_words(args, calibration),
         **bytes_per_param(args),
     )

@@ -245,13 +245,14 @@ def _training_from_args(args: argparse.Namespace, config: ParallelConfig) -> Tra
     unless --precision gives it)."""
     from solver.evaluation import default_training
 
+    calibration = calibration_from_args(args)
     return dataclasses.replace(
         default_training(config),
         runtime=args.runtime,
         deallocate_pipeline_outputs=args.deallocate_pipeline_outputs,
         memory_model=args.memory_model,
-        calibration=calibration_from_args(args),
-        **precision_words(args),
+        calibration=calibration,
+        **precision_words(args, calibration),
         **bytes_per_param(args),
     )
 
