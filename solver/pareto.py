@@ -38,6 +38,7 @@ from solver.evaluation import Evaluation, evaluate_assignment, prepare_training
 from solver.graph import LayerGraph
 from solver.plan_file import PLAN_VERSION, check_pareto
 from solver.report import cluster_to_dict, evaluation_fields
+from solver.reserve import usable_text
 from solver.search import Deadline, SearchResult, build_entries, search
 from solver.specs import Cluster, TrainingConfig
 from solver.units import format_bytes, format_throughput
@@ -314,13 +315,20 @@ def format_pareto(front: ParetoFront) -> str:
     the largest utilization and each stage's group)."""
     first = front.points[0]
     cluster = first.cluster
-    where = f"{cluster.num_gpus} GPUs x {format_bytes(cluster.gpu_memory_bytes)}"
+    reserve = first.training.memory_reserve
+    where = (
+        f"{cluster.num_gpus} GPUs x {format_bytes(cluster.gpu_memory_bytes)} "
+        f"({usable_text(reserve, cluster.gpu_memory_bytes)})"
+    )
     placed = cluster.is_heterogeneous
     if placed:
         where = " + ".join(
             f"{g.num_gpus} x {format_bytes(g.gpu_memory_bytes)} ({g.name})" for g in cluster.groups
         )
-        where += f"; memory objective: {first.training.memory_objective}"
+        where += (
+            f"; memory objective: {first.training.memory_objective}; reserve "
+            f"{reserve.label()} per GPU ({reserve.source})"
+        )
     lines = [
         f"Pareto front of {first.graph.model} on {where}: {len(front.points)} non-dominated plans"
         + ("" if front.complete else " (a sample of the front)")

@@ -22,6 +22,7 @@ from solver.gpu_counts import (
     valid_gpu_counts,
 )
 from solver.graph import LayerGraph
+from solver.reserve import usable_text
 from solver.search import (
     ConfigEntry,
     Deadline,
@@ -31,7 +32,6 @@ from solver.search import (
     refine,
     search,
 )
-from solver.reserve import usable_text
 from solver.specs import Cluster, SolverReport, TrainingConfig
 from solver.units import format_bytes
 

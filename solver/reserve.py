@@ -166,8 +166,8 @@ def usable_text(reserve: MemoryReserve, capacity_bytes: int) -> str:
     if reserve.bytes_for(capacity_bytes) == 0:
         return f"{format_bytes(capacity_bytes)} (no reserve)"
     source = f", {reserve.source}" if reserve.source else ""
+    usable, reserved = reserve.usable_bytes(capacity_bytes), reserve.bytes_for(capacity_bytes)
     return (
-        f"usable {format_bytes(reserve.usable_bytes(capacity_bytes))} = capacity "
-        f"{format_bytes(capacity_bytes)} - reserve {format_bytes(reserve.bytes_for(capacity_bytes))}"
-        f" ({reserve.label()}{source})"
+        f"usable {format_bytes(usable)} = capacity {format_bytes(capacity_bytes)} - reserve "
+        f"{format_bytes(reserved)} ({reserve.label()}{source})"
     )

@@ -13,7 +13,7 @@ from solver.errors import InputError
 from solver.evaluation import evaluate
 from solver.graph import load_graph
 from solver.precision import OPTIMIZERS, PRECISIONS, bytes_per_param, for_graph, graph_precision
-from solver.specs import Cluster, ParallelConfig, TrainingConfig
+from solver.specs import ParallelConfig, TrainingConfig
 from tests.conftest import GPT_1_3B
 
 TABLE = {
