@@ -4,6 +4,7 @@ sourced CLI default, --reserve, a calibration's constant in its place, bad input
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 
 import pytest
@@ -215,3 +216,25 @@ def test_bad_reserve_exits_2_with_one_line(run_cli, value, words):
     )
     assert code == 2
     assert err.count("\n") == 1 and words in err and "reserve" in err
+
+
+def test_plans_with_a_reserve_stay_within_usable_memory(run_cli, tmp_path):
+    """A homogeneous and a heterogeneous plan under the default reserve: every stage's peak is
+    at most its usable memory, and the plan checker (solver.plan_check) agrees."""
+    from solver.cluster_file import load_cluster
+    from solver.plan_check import check_plan
+
+    graph = load_graph(GPT_1_3B)
+    training = TrainingConfig(global_batch=64, reserve=DEFAULT_RESERVE)
+    small = Cluster(num_gpus=8, gpu_memory_bytes=10 * GIB)  # 8.5 GiB usable
+    result = plan(graph, small, training, time_limit_s=30)
+    assert result.evaluation.usable_bytes == [10 * GIB - GIB - GIB // 2] * result.config.pp
+    assert result.peak_bytes <= 8.5 * GIB and check_plan(result) == []
+    mixed = load_cluster(MIXED_CLUSTER)
+    placed = plan(graph, mixed, dataclasses.replace(training, global_batch=32), time_limit_s=30)
+    for stage, usable, capacity in zip(
+        placed.stages, placed.evaluation.usable_bytes, placed.evaluation.capacity_bytes, strict=True
+    ):
+        assert usable == DEFAULT_RESERVE.usable_bytes(capacity)
+        assert stage.peak_bytes <= usable
+    assert check_plan(placed) == []
