@@ -327,6 +327,9 @@ class LayerCosts:
     """time_ns of a recomputed layer (the forward runs twice)."""
     recomputable: np.ndarray | None = None
     """Which layers the runtime can recompute (``recomputable_layers``); None: every layer."""
+    grad_lifetime: str = "persistent"
+    """When gradients exist, as this config runs (``effective_grad_lifetime``): persistent (all
+    step) or step (from each layer's first backward of the step; ``first_backward_peak``)."""
 
     def __post_init__(self) -> None:
         if not self.in_flight_vectors:
@@ -365,7 +368,17 @@ class LayerCosts:
         gradient sent back stays alive until then: (m - held + done, m + held + done)
         (measured, ``benchmarks/bench_accuracy.md``)."""
         if self.config.virtual_stages == 1:
-            return self.receive_copies[stage], self.send_copies[stage]
+            if held == self.in_flight[stage]:
+                return self.receive_copies[stage], self.send_copies[stage]
+            return boundary_copies(  # a later moment of the schedule (first_backward_peak)
+                self.runtime,
+                self.config.schedule,
+                self.config.num_microbatches,
+                self.num_stages,
+                stage,
+                deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
+                held=held,
+            )
         m, last = self.config.num_microbatches, self.num_stages - 1
         if self.runtime == "megatron":
             if self.deallocate_pipeline_outputs:
@@ -375,6 +388,28 @@ class LayerCosts:
             (0 if stage == 0 else m - held + done),
             (0 if stage == last else m + held + done),
         )
+
+    @cached_property
+    def first_backward_peak(self) -> list[bool]:
+        """Per (virtual) stage: its gradients appear during its first backward and no forward
+        follows it, so its peak is one of the moments of ``first_backward_moments`` rather than
+        the persistent one. True where the gradient lifetime is "step" and every forward of the
+        step runs before the stage's first backward: GPipe, or 1F1B with m <= p - s (k_s = m).
+        Under 1F1B with m > p - s a forward follows the first backward, holding k_s micro-batches
+        and every gradient: the persistent moment, exactly. Interleaved stages keep the
+        persistent moment (an upper bound: fewer gradients never take memory)."""
+        m = self.config.num_microbatches
+        late = self.grad_lifetime == "step" and self.config.virtual_stages == 1
+        return [late and k == m for k in self.in_flight]
+
+    @cached_property
+    def state_lower_bytes(self) -> np.ndarray:
+        """Per layer, states a stage holding it keeps at its peak at least: the weights and
+        optimizer state, plus the gradients unless some stage's peak can come before them
+        (``first_backward_peak``), bytes (for lower bounds)."""
+        if any(self.first_backward_peak):
+            return self.weight_bytes + self.optimizer_bytes
+        return self.state_bytes
 
     @property
     def selective(self) -> bool:
@@ -556,11 +591,24 @@ def layer_costs(
         send_copies=send_copies,
         runtime=training.runtime,
         deallocate_pipeline_outputs=training.deallocate_pipeline_outputs,
+        grad_lifetime=effective_grad_lifetime(config, training),
     )
     if training.memory_model == "empirical":
         _check_empirical_options(config, calibration)
         return empirical_layer_costs(graph, config, costs)
     return costs
+
+
+def effective_grad_lifetime(config: ParallelConfig, training: TrainingConfig) -> str:
+    """The gradient lifetime the cost model counts for ``config``: ``training.grad_lifetime``,
+    except on the torch runtime with DDP (dp > 1, ZeRO 0 or 1), whose reducer allocates its
+    gradient buckets when it is built and keeps them (``gradient_as_bucket_view=True`` makes
+    ``.grad`` a view of them; without it they are a second copy): persistent there whatever
+    ``zero_grad`` frees. FSDP2 (ZeRO 2, 3) allocates sharded gradients at the first backward and
+    ``zero_grad()`` frees them: step holds."""
+    if training.runtime == "torch" and config.dp > 1 and config.zero <= 1:
+        return "persistent"
+    return training.grad_lifetime
 
 
 MAX_EXACT_BYTES = 2**62
@@ -1012,7 +1060,7 @@ def stage_costs(
     mask = costs.recompute_mask(recomputed)
     stored_per_layer, transient_per_layer, time_per_layer = costs.coefficients(mask)
     num_stages = costs.num_stages
-    into, out_of, relayed = _boundary_bytes(costs, stage_of)
+    into, out_of, relayed = boundary_bytes(costs, stage_of)
     weight, grad, optimizer, stored, time_ns, sync_ns = (
         _per_stage_sum(values, stage_of, num_stages)
         for values in (
@@ -1032,20 +1080,33 @@ def stage_costs(
     stages = []
     for rank in range(len(costs.in_flight_vectors)):
         own = costs.stages_of_rank(rank)
-        activations, buffers, vector = _rank_peak_moment(costs, rank, kept, into, out_of)
         chunks = [members[bounds[j] : bounds[j + 1]].tolist() for j in own]
         layers = [layer for chunk in chunks for layer in chunk]
+        grads, largest = int(grad[own].sum()), int(transient[own].max())
+        activations, buffers, vector = _rank_peak_moment(costs, rank, kept, into, out_of)
+        if costs.config.virtual_stages == 1 and costs.first_backward_peak[rank]:
+            moments = first_backward_moments(
+                costs,
+                rank,
+                chunks[0],
+                stored_per_layer,
+                transient_per_layer,
+                int(relayed[rank]),
+                into,
+                out_of,
+            )
+            grads, activations, buffers, largest = max(moments, key=sum)
         stages.append(
             StageCost(
                 index=rank,
                 layers=layers,
                 recomputed=[layer for layer in layers if mask[layer]],
                 weight_bytes=int(weight[own].sum()),
-                grad_bytes=int(grad[own].sum()),
+                grad_bytes=grads,
                 optimizer_bytes=int(optimizer[own].sum()),
                 activation_bytes=activations,
                 buffer_bytes=buffers,
-                transient_bytes=int(transient[own].max()),
+                transient_bytes=largest,
                 in_flight=sum(vector),
                 time_ns=int(time_ns[own].sum()),
                 dp_sync_ns=int(sync_ns[own].sum()),
@@ -1057,7 +1118,61 @@ def stage_costs(
     return stages
 
 
-def _boundary_bytes(
+def first_backward_moments(
+    costs: LayerCosts,
+    stage: int,
+    layers: list[int],
+    stored: np.ndarray,
+    transient: np.ndarray,
+    relayed: int,
+    into: np.ndarray,
+    out_of: np.ndarray,
+) -> list[tuple[int, int, int, int]]:
+    """(gradients, activations, buffers, transient) bytes of a stage whose gradients appear at
+    its first backward (``LayerCosts.first_backward_peak``: step lifetime, every forward before
+    it), at the moments that bound its peak. ``layers``: the stage's layer positions in forward
+    order; ``stored``, ``transient``: per layer per micro-batch (recompute set applied).
+
+    During the first backward, while layer l runs its backward (the stage's layers in reverse):
+    the k - 1 other in-flight micro-batches keep everything, the current one its relayed tensors
+    and the stored bytes of layers up to l (autograd frees a node's saved tensors once its
+    backward has run), the layers after l have their gradients, and l has its transient, whose
+    weight-gradient temporary is now the first of l's gradients being made (there is no
+    ``.grad`` to add it to yet):
+
+        during(l) = (k - 1) (stored_s + relay_s) + relay_s + stored(<= l) + grads(> l)
+                    + transient_l + buffers at k held
+
+    during(last layer) is the start of the first backward: every activation and no gradient.
+    After the first backward every gradient exists and at most k - 1 micro-batches are held (the
+    later backwards free more; a safe bound):
+
+        after = (k - 1) (stored_s + relay_s) + grads_s + max transient_s + buffers at k - 1 held
+
+    Measured on gpt-tiny (fp32, gloo, ``profiling.run``): a 1F1B stage with m = p peaks in its
+    last block's backward at its first weight gradient, with no gradient accumulated yet, within
+    0.2% of during(l). With the states (weights, optimizer) the largest moment is the stage's
+    peak, at most the persistent one (k held with every gradient)."""
+    k = costs.in_flight[stage]
+    grads = costs.grad_bytes[layers]
+    stored_here = stored[layers]
+    total_stored, total_grads = int(stored_here.sum()), int(grads.sum())
+    before = np.cumsum(stored_here)  # stored(<= l)
+    later = total_grads - np.cumsum(grads)  # grads(> l)
+    receive, send = costs.copies_at(stage, k)
+    buffers_k = int(receive * into[stage] + send * out_of[stage])
+    held = (k - 1) * (total_stored + relayed)
+    moments = [
+        (int(g), held + relayed + int(a), buffers_k, int(t))
+        for g, a, t in zip(later, before, transient[layers], strict=True)
+    ]
+    receive, send = costs.copies_at(stage, k - 1)
+    after_buffers = int(receive * into[stage] + send * out_of[stage])
+    moments.append((total_grads, held, after_buffers, int(transient[layers].max(initial=0))))
+    return moments
+
+
+def boundary_bytes(
     costs: LayerCosts, stage_of: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(into, out_of, relayed) per (virtual) stage, per sample: the edge bytes a stage receives,

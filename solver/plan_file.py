@@ -297,7 +297,8 @@ def _build(document: dict[str, Any], origin: str, kind: str) -> PlanFile:
             training = TrainingConfig(
                 **{
                     key: tuple(value) if isinstance(value, list) else value
-                    for key, value in document["training"].items()
+                    # plans written before grad_lifetime existed ran with persistent gradients
+                    for key, value in {"grad_lifetime": "persistent", **document["training"]}.items()
                 },
                 runtime=document["runtime"],
                 memory_model=document["memory_model"],

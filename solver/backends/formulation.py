@@ -108,7 +108,7 @@ from solver.backends.problem import (
     StageProblem,
     StageSolution,
 )
-from solver.cost_model import PPM, LayerCosts, stage_costs
+from solver.cost_model import PPM, LayerCosts, boundary_bytes, stage_costs
 
 
 @dataclass
@@ -195,6 +195,8 @@ class PrefixFormulation(abc.ABC):
         """Per stage s, (l, z[l][s]) (``vars.recompute_member`` by stage)."""
         self._stage_relays: dict[int, list[tuple[int, Any]]] = defaultdict(list)
         """Per stage s, (e, r[e][s]) (``vars.relay`` by stage)."""
+        self._first_backward: dict[int, tuple[Any, list[tuple[int, Any]]]] = {}
+        """Per stage s with ``first_backward_peak``: (B_s, [(l, D[l][s])]) (hints)."""
 
     @classmethod
     def solve_problem(
@@ -349,10 +351,21 @@ class PrefixFormulation(abc.ABC):
         interleaving, where rank s holds stage s alone with one in-flight count."""
         return self._rank_bytes(stage, self.costs.in_flight_vectors[stage][0])
 
-    def _rank_bytes(self, rank: int, vector: tuple[int, ...], done: tuple[int, ...] = ()):
+    def _rank_bytes(
+        self,
+        rank: int,
+        vector: tuple[int, ...],
+        done: tuple[int, ...] = (),
+        *,
+        relays_held: int | None = None,
+        copies_held: int | None = None,
+        transient: bool = True,
+    ):
         """Peak of rank r when it holds vector[c] micro-batches of its chunk c, after done[c]
         backwards of it (module docstring, 'interleaving'; one chunk and k_s without
-        interleaving)."""
+        interleaving). Without interleaving ``relays_held`` and ``copies_held`` (default
+        vector[0]) count the relayed tensors and the boundary copies at another held count
+        (``_first_backward_rows``); ``transient`` False leaves tr[r] out."""
         costs = self.costs
         if costs.config.virtual_stages > 1:
             return self._rank_bytes_from_parts(rank, vector, done or (0,) * len(vector))
@@ -366,22 +379,78 @@ class PrefixFormulation(abc.ABC):
             terms += self._recompute_terms(
                 k * (costs.recompute_stored_bytes - costs.stored_bytes), stage, self._bytes
             )
-            receive, send = costs.copies_at(stage, k)
+            receive, send = costs.copies_at(stage, k if copies_held is None else copies_held)
             terms += [
                 self._bytes(receive * nbytes) * self._crossing(e, stage - 1)
                 + self._bytes(send * nbytes) * self._crossing(e, stage)
                 for e, nbytes in enumerate(costs.edge_bytes.tolist())
                 if nbytes
             ]
+            relays = k if relays_held is None else relays_held
             terms += [
-                self._bytes(k * costs.edge_bytes[e]) * relay
+                self._bytes(relays * costs.edge_bytes[e]) * relay
                 for e, relay in self._stage_relays[stage]
             ]
-        if self.vars.transient:
+        if self.vars.transient and transient:
             terms.append(self.vars.transient[rank])
         if costs.constant_bytes:
             terms.append(self._bytes(costs.constant_bytes))
         return self._sum(terms)
+
+    def _stage_rows(self, stage: int) -> list:
+        """Expressions the peak of stage s (no interleaving) is at least: the persistent moment,
+        or the first-backward moments where gradients appear then (``_first_backward_rows``)."""
+        if self.costs.first_backward_peak[stage]:
+            return self._first_backward_rows(stage)
+        return [self._stage_bytes(stage)]
+
+    def _first_backward_rows(self, stage: int) -> list:
+        """``cost_model.first_backward_moments`` as rows, with k = k_s (= m) and, per layer l
+        that can sit on s in forward order, a running sum D[l][s]:
+
+          B_s     >= states_s + (k-1) stored_s + k relay_s + buffers_s(k)      (no transient)
+          D[l][s] >= D[l'][s] + (stored_l - grad_l) x[l][s] (+ d_stored_l z[l][s])
+                                          (l' the previous such layer; D = 0 before the first)
+          peak    >= B_s + D[l][s] + transient_l x[l][s] (+ d_transient_l z[l][s])
+                                          during(l): states_s holds every gradient, D takes
+                                          off those up to l and adds the current micro-batch's
+                                          stored bytes up to l
+          peak    >= states_s + (k-1) (stored_s + relay_s) + buffers_s(k-1) + tr[s]   (after)
+
+        2 |layers of s| + 2 rows of a few terms each, no big-M; D and B only bounded below."""
+        costs = self.costs
+        k = costs.in_flight[stage]
+        stored_ub, _, _ = costs.bounding_coefficients(np.maximum)
+        grads = costs.grad_bytes
+        base = self._new_var(0, self._bytes(self.presolve.peak_ub_bytes), f"B_s{stage}")
+        base_terms = self._rank_bytes(
+            stage, (k - 1,), relays_held=k, copies_held=k, transient=False
+        )
+        self._add(base >= base_terms, f"first_backward_base_s{stage}")
+        self._first_backward[stage] = (base, [])
+        recompute = dict(self._stage_recompute[stage])
+        extra_stored = costs.recompute_stored_bytes - costs.stored_bytes
+        extra_transient = costs.recompute_transient_bytes - costs.transient_bytes
+        low = -self._bytes(int(grads.sum()))
+        high = self._bytes(int(stored_ub.sum()))
+        rows, previous = [], 0
+        for layer in self._layers_of(stage):
+            self._tick()
+            running = self._new_var(low, high, f"D_l{layer}_s{stage}")
+            member = self._member(layer, stage)
+            terms = [previous, self._bytes(int(costs.stored_bytes[layer] - grads[layer])) * member]
+            row = [base, running, self._bytes(int(costs.transient_bytes[layer])) * member]
+            z = recompute.get(layer)
+            if z is not None and extra_stored[layer]:
+                terms.append(self._bytes(int(extra_stored[layer])) * z)
+            if z is not None and extra_transient[layer]:
+                row.append(self._bytes(int(extra_transient[layer])) * z)
+            self._add(running >= self._sum(terms), f"first_backward_d_l{layer}_s{stage}")
+            self._first_backward[stage][1].append((layer, running))
+            rows.append(self._sum(row))
+            previous = running
+        rows.append(self._rank_bytes(stage, (k - 1,), relays_held=k - 1, copies_held=k - 1))
+        return rows
 
     def _rank_bytes_from_parts(self, rank: int, vector: tuple[int, ...], done: tuple[int, ...]):
         """With interleaving a rank has a row per in-flight vector: each row sums four
@@ -670,6 +739,10 @@ class PrefixFormulation(abc.ABC):
         if self.placement is None:
             costs = self.costs
             for rank, vectors in enumerate(costs.in_flight_vectors):
+                if costs.config.virtual_stages == 1 and costs.first_backward_peak[rank]:
+                    for i, row in enumerate(self._first_backward_rows(rank)):
+                        self._add(self.vars.peak >= row, f"memory_s{rank}_b{i}")
+                    continue
                 dones = costs.backwards_done[rank]
                 for i, (vector, done) in enumerate(zip(vectors, dones, strict=True)):
                     self._tick()
@@ -681,7 +754,8 @@ class PrefixFormulation(abc.ABC):
             return
         for s, row in enumerate(self.vars.stage_peak):
             self._tick()
-            self._add(self._sum(row) >= self._stage_bytes(s), f"memory_s{s}")
+            for i, bound in enumerate(self._stage_rows(s)):
+                self._add(self._sum(row) >= bound, f"memory_s{s}_b{i}")
         if self.vars.utilization is None:
             for s, row in enumerate(self.vars.stage_peak):
                 for k, stage_peak in enumerate(row):
@@ -819,11 +893,15 @@ class PrefixFormulation(abc.ABC):
         else:
             stages = self.problem.stages(stage_of_layer, recomputed, group_of_stage)
             self._hint_placement(stages, group_of_stage)
+        _, transient, _ = self.costs.coefficients(recomputed if self.problem.selective else None)
         for s, largest in enumerate(self.vars.transient):
-            self._hint(largest, self._bytes(stages[s].transient_bytes))
+            # the rank's largest (a stage's StageCost.transient_bytes is at its peak moment)
+            held = [layer for chunk in stages[s].chunks for layer in chunk]
+            self._hint(largest, self._bytes(int(transient[held].max(initial=0))))
         if self.vars.peak is not None:
             self._hint(self.vars.peak, self._bytes(max(st.peak_bytes for st in stages)))
         self._hint_parts(stage_of_layer, recomputed)
+        self._hint_first_backward(stage_of_layer, recomputed, stages)
         if self.vars.slowest_stage_ns is not None:
             self._hint(self.vars.slowest_stage_ns, self._ns(max(st.time_ns for st in stages)))
             if self.vars.slowest_chunk_ns is not None:
@@ -850,6 +928,34 @@ class PrefixFormulation(abc.ABC):
             self._hint(
                 sent, self._bytes(int(costs.edge_bytes[(src <= stage) & (dst > stage)].sum()))
             )
+
+    def _hint_first_backward(
+        self, stage_of_layer: list[int], recomputed: list[bool] | None, stages: list
+    ) -> None:
+        """The exact B_s and D[l][s] of ``_first_backward_rows`` for a split."""
+        if not self._first_backward:
+            return
+        costs = self.costs
+        stage_of = np.asarray(stage_of_layer)
+        stored, _, _ = costs.coefficients(recomputed if self.problem.selective else None)
+        into, out_of, relayed = boundary_bytes(costs, stage_of)
+        for stage, (base, runnings) in self._first_backward.items():
+            k = costs.in_flight[stage]
+            here = stage_of == stage
+            receive, send = costs.copies_at(stage, k)
+            value = (
+                int(costs.state_bytes[here].sum())
+                + (k - 1) * int(stored[here].sum())
+                + k * int(relayed[stage])
+                + int(receive * into[stage] + send * out_of[stage])
+                + costs.constant_bytes
+            )
+            self._hint(base, self._bytes(value))
+            running = 0
+            for layer, variable in runnings:
+                if here[layer]:
+                    running += int(stored[layer] - costs.grad_bytes[layer])
+                self._hint(variable, self._bytes(running))
 
     def _hint_placement(self, stages: list, group_of_stage: list[int]) -> None:
         """g[s][k] = [k = k(s)], P[s][k] = peak_s there (0 elsewhere), U = the utilization;

@@ -247,6 +247,7 @@ def _training_from_args(args: argparse.Namespace, config: ParallelConfig) -> Tra
         default_training(config),
         runtime=args.runtime,
         deallocate_pipeline_outputs=args.deallocate_pipeline_outputs,
+        grad_lifetime=args.grad_lifetime,
         memory_model=args.memory_model,
         calibration=calibration_from_args(args),
         **bytes_per_param(args),
