@@ -296,6 +296,10 @@ class LayerCosts:
     """Edge destination positions."""
     edge_bytes: np.ndarray
     """Bytes an edge carries per micro-batch per GPU (b bytes, / t with sequence parallelism)."""
+    edge_tensor: np.ndarray | None = None
+    """The tensor each edge carries, as an index (edges of one tensor share it: the graph's
+    ``Edge.tensor``); None: a tensor per edge. A stage receives, sends and relays each tensor
+    once (``boundary_bytes``, ``tensor_groups``)."""
     in_flight: list[int]
     """k_j for each (virtual) stage j: the most micro-batches whose activations it holds at once
     (``in_flight_vectors``; k_s of the module docstring without interleaving)."""
@@ -332,6 +336,8 @@ class LayerCosts:
     step) or step (from each layer's first backward of the step; ``first_backward_peak``)."""
 
     def __post_init__(self) -> None:
+        if self.edge_tensor is None:
+            self.edge_tensor = np.arange(len(self.edge_src), dtype=np.int64)
         if not self.in_flight_vectors:
             self.in_flight_vectors = [[(k,)] for k in self.in_flight]
         if not self.backwards_done:
@@ -388,6 +394,15 @@ class LayerCosts:
             (0 if stage == 0 else m - held + done),
             (0 if stage == last else m + held + done),
         )
+
+    @cached_property
+    def tensor_groups(self) -> list[tuple[list[int], int]]:
+        """(edges, bytes per micro-batch) of every tensor that edges carry, in order of first
+        edge; one edge each unless the graph names a tensor sent to several consumers."""
+        groups: dict[int, list[int]] = {}
+        for edge, tensor in enumerate(self.edge_tensor.tolist()):
+            groups.setdefault(tensor, []).append(edge)
+        return [(edges, int(self.edge_bytes[edges[0]])) for edges in groups.values()]
 
     @cached_property
     def first_backward_peak(self) -> list[bool]:
@@ -583,6 +598,7 @@ def layer_costs(
         edge_src=cols["edge_src"],
         edge_dst=cols["edge_dst"],
         edge_bytes=scaled(edge_bytes, "buffers"),
+        edge_tensor=cols["edge_tensor"],
         constant_bytes=0 if calibration is None else calibration.constant_bytes,
         in_flight=in_flight,
         in_flight_vectors=vectors,
@@ -992,9 +1008,21 @@ def _graph_columns(graph: LayerGraph) -> dict[str, np.ndarray]:
         edge_src=np.array([position[e.src] for e in graph.edges], dtype=np.int64),
         edge_dst=np.array([position[e.dst] for e in graph.edges], dtype=np.int64),
         edge_bytes=np.array([e.bytes for e in graph.edges], dtype=np.int64),
+        edge_tensor=_edge_tensors(graph),
     )
     graph._columns = cols
     return cols
+
+
+def _edge_tensors(graph: LayerGraph) -> np.ndarray:
+    """An index per edge: edges naming one tensor (``Edge.tensor``) share it, others get their
+    own."""
+    index: dict[str, int] = {}
+    tensors = []
+    for position, edge in enumerate(graph.edges):
+        key = f"#{position}" if edge.tensor is None else edge.tensor
+        tensors.append(index.setdefault(key, len(index)))
+    return np.array(tensors, dtype=np.int64)
 
 
 @dataclass(kw_only=True)
@@ -1175,23 +1203,24 @@ def first_backward_moments(
 def boundary_bytes(
     costs: LayerCosts, stage_of: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(into, out_of, relayed) per (virtual) stage, per sample: the edge bytes a stage receives,
-    the bytes it sends, and those it relays (a relayed edge is received, kept in flight and sent
-    on)."""
+    """(into, out_of, relayed) per (virtual) stage, per micro-batch: the bytes a stage
+    receives, the bytes it sends, and those it relays, each tensor counted once per stage
+    (``LayerCosts.tensor_groups``). A tensor made on stage a whose farthest consumer is on
+    stage c > a crosses every boundary between them: a sends it, c receives it, and every stage
+    in between receives it, keeps it in flight and sends it on (relay), whatever it consumes
+    itself."""
     num_stages = costs.num_stages
-    first, last = stage_of[costs.edge_src], stage_of[costs.edge_dst]
-    crossing = first != last
-    nbytes = costs.edge_bytes[crossing]
-    # an edge leaves its producer's stage and enters its consumer's stage ...
     sent = np.zeros(num_stages, dtype=np.int64)
     received = np.zeros(num_stages, dtype=np.int64)
-    np.add.at(sent, first[crossing], nbytes)
-    np.add.at(received, last[crossing], nbytes)
-    # ... and every stage in between receives it, sends it on and keeps it in flight (relay)
     relayed = np.zeros(num_stages, dtype=np.int64)
-    for src, dst, size in zip(first[crossing], last[crossing], nbytes, strict=True):
-        if dst - src > 1:
-            relayed[src + 1 : dst] += size
+    producer, consumer = stage_of[costs.edge_src], stage_of[costs.edge_dst]
+    for edges, size in costs.tensor_groups:
+        made, farthest = int(producer[edges[0]]), int(consumer[edges].max())
+        if farthest == made or not size:
+            continue
+        sent[made] += size
+        received[farthest] += size
+        relayed[made + 1 : farthest] += size
     return received + relayed, sent + relayed, relayed
 
 

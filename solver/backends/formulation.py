@@ -194,7 +194,9 @@ class PrefixFormulation(abc.ABC):
         self._stage_recompute: dict[int, list[tuple[int, Any]]] = defaultdict(list)
         """Per stage s, (l, z[l][s]) (``vars.recompute_member`` by stage)."""
         self._stage_relays: dict[int, list[tuple[int, Any]]] = defaultdict(list)
-        """Per stage s, (e, r[e][s]) (``vars.relay`` by stage)."""
+        """Per stage s, (T, r[T][s]) (``vars.relay`` by stage)."""
+        self._tensor_crossings: dict[tuple[int, int], Any] = {}
+        """ct[T][s] of tensors with several edges (``_tensor_crossing``)."""
         self._first_backward: dict[int, tuple[Any, list[tuple[int, Any]]]] = {}
         """Per stage s with ``first_backward_peak``: (B_s, [(l, D[l][s])]) (hints)."""
 
@@ -329,6 +331,22 @@ class PrefixFormulation(abc.ABC):
         u, v = self.edges[edge]
         return self._y(u, boundary) - self._y(v, boundary)
 
+    def _tensor_crossing(self, tensor: int, boundary: int):
+        """ct[T][s]: tensor T crosses s | s+1, i.e. stage(producer) <= s < the farthest
+        consumer's stage: c[e][s] of its one edge, or a variable ct >= c[e][s] for each of its
+        edges (only bounded below, as every auxiliary: the max of them at the optimum)."""
+        edges, _ = self.costs.tensor_groups[tensor]
+        if len(edges) == 1 or not 0 <= boundary < self.problem.num_stages - 1:
+            return self._crossing(edges[0], boundary)
+        key = (tensor, boundary)
+        crossing = self._tensor_crossings.get(key)
+        if crossing is None:
+            crossing = self._new_var(0, 1, f"ct_t{tensor}_s{boundary}")
+            for e in edges:
+                self._add(crossing >= self._crossing(e, boundary), f"ct_t{tensor}_e{e}_s{boundary}")
+            self._tensor_crossings[key] = crossing
+        return crossing
+
     def _layers_of(self, stage: int) -> list[int]:
         layers = self._stage_layers.get(stage)
         if layers is None:
@@ -381,15 +399,15 @@ class PrefixFormulation(abc.ABC):
             )
             receive, send = costs.copies_at(stage, k if copies_held is None else copies_held)
             terms += [
-                self._bytes(receive * nbytes) * self._crossing(e, stage - 1)
-                + self._bytes(send * nbytes) * self._crossing(e, stage)
-                for e, nbytes in enumerate(costs.edge_bytes.tolist())
+                self._bytes(receive * nbytes) * self._tensor_crossing(t, stage - 1)
+                + self._bytes(send * nbytes) * self._tensor_crossing(t, stage)
+                for t, (_, nbytes) in enumerate(costs.tensor_groups)
                 if nbytes
             ]
             relays = k if relays_held is None else relays_held
             terms += [
-                self._bytes(relays * costs.edge_bytes[e]) * relay
-                for e, relay in self._stage_relays[stage]
+                self._bytes(relays * costs.tensor_groups[t][1]) * relay
+                for t, relay in self._stage_relays[stage]
             ]
         if self.vars.transient and transient:
             terms.append(self.vars.transient[rank])
@@ -481,7 +499,7 @@ class PrefixFormulation(abc.ABC):
             return cached
         costs, layers = self.costs, self._layers_of(stage)
         stored_ub, _, _ = costs.bounding_coefficients(np.maximum)
-        edges = [(e, int(nbytes)) for e, nbytes in enumerate(costs.edge_bytes.tolist()) if nbytes]
+        edges = [(t, nbytes) for t, (_, nbytes) in enumerate(costs.tensor_groups) if nbytes]
         edge_total = sum(nbytes for _, nbytes in edges)
         states = self._new_var(0, self._bytes(int(costs.state_bytes.sum())), f"S_v{stage}")
         kept = self._new_var(0, self._bytes(int(stored_ub.sum()) + edge_total), f"A_v{stage}")
@@ -498,15 +516,16 @@ class PrefixFormulation(abc.ABC):
             costs.recompute_stored_bytes - costs.stored_bytes, stage, self._bytes
         )
         kept_terms += [
-            self._bytes(costs.edge_bytes[e]) * relay for e, relay in self._stage_relays[stage]
+            self._bytes(costs.tensor_groups[t][1]) * relay for t, relay in self._stage_relays[stage]
         ]
         self._add(kept >= self._sum(kept_terms), f"kept_v{stage}")
+        crossing = self._tensor_crossing
         self._add(
-            received >= self._sum(self._bytes(n) * self._crossing(e, stage - 1) for e, n in edges),
+            received >= self._sum(self._bytes(n) * crossing(t, stage - 1) for t, n in edges),
             f"in_v{stage}",
         )
         self._add(
-            sent >= self._sum(self._bytes(n) * self._crossing(e, stage) for e, n in edges),
+            sent >= self._sum(self._bytes(n) * crossing(t, stage) for t, n in edges),
             f"out_v{stage}",
         )
         self._parts[stage] = (states, kept, received, sent)
@@ -557,14 +576,17 @@ class PrefixFormulation(abc.ABC):
                     self._stage_recompute[s].append((layer, z))
         stored_ub, transient_ub, time_ub = costs.bounding_coefficients(np.maximum)
         if self.needs_memory:
-            for e, (u, v) in enumerate(self.edges):
+            for t, (edges, nbytes) in enumerate(costs.tensor_groups):
                 self._tick()
-                if pre.max_span[e] < 2 or not costs.edge_bytes[e]:
+                spanning = [e for e in edges if pre.max_span[e] >= 2]
+                if not spanning or not nbytes:
                     continue
-                for s in range(max(1, pre.first_stage[u] + 1), min(p - 1, pre.last_stage[v])):
-                    relay = self._new_var(0, 1, f"r_e{e}_s{s}")
-                    self.vars.relay[(e, s)] = relay
-                    self._stage_relays[s].append((e, relay))
+                u = self.edges[edges[0]][0]
+                farthest = max(pre.last_stage[self.edges[e][1]] for e in spanning)
+                for s in range(max(1, pre.first_stage[u] + 1), min(p - 1, farthest)):
+                    relay = self._new_var(0, 1, f"r_t{t}_s{s}")
+                    self.vars.relay[(t, s)] = relay
+                    self._stage_relays[s].append((t, relay))
             top = int(transient_ub.max(initial=0))
             if top:
                 self.vars.transient = [
@@ -687,10 +709,11 @@ class PrefixFormulation(abc.ABC):
 
     def _add_relay(self) -> None:
         """r[e][s] >= y[u][s-1] - y[v][s]."""
-        for (e, s), relay in self.vars.relay.items():
+        for (t, s), relay in self.vars.relay.items():
             self._tick()
-            u, v = self.edges[e]
-            self._add(relay >= self._y(u, s - 1) - self._y(v, s), f"relay_e{e}_s{s}")
+            for e in self.costs.tensor_groups[t][0]:
+                u, v = self.edges[e]
+                self._add(relay >= self._y(u, s - 1) - self._y(v, s), f"relay_t{t}_e{e}_s{s}")
 
     def _add_transient(self) -> None:
         """tr[r] >= transient_l x[l][s] for each stage s of rank r (+ d_transient_l z[l][s]
@@ -885,9 +908,11 @@ class PrefixFormulation(abc.ABC):
             self._hint(rc, int(flags[layer]))
         for (layer, s), z in self.vars.recompute_member.items():
             self._hint(z, int(flags[layer] and stage_of_layer[layer] == s))
-        for (e, s), relay in self.vars.relay.items():
-            u, v = self.edges[e]
-            self._hint(relay, int(stage_of_layer[u] < s < stage_of_layer[v]))
+        made_at, reach = self._tensor_spans(stage_of_layer)
+        for (t, s), relay in self.vars.relay.items():
+            self._hint(relay, int(made_at[t] < s < reach[t]))
+        for (t, s), crossing in self._tensor_crossings.items():
+            self._hint(crossing, int(made_at[t] <= s < reach[t]))
         if self.placement is None:
             stages = stage_costs(self.costs, stage_of_layer, recomputed)
         else:
@@ -909,6 +934,14 @@ class PrefixFormulation(abc.ABC):
                 self._hint(self.vars.slowest_chunk_ns, self._ns(slowest_chunk))
             self._hint(self.vars.slowest_sync_ns, self._ns(max(st.dp_sync_ns for st in stages)))
 
+    def _tensor_spans(self, stage_of_layer: list[int]) -> tuple[list[int], list[int]]:
+        """Per tensor, its producer's stage and its farthest consumer's stage in a split."""
+        made_at, reach = [], []
+        for edges, _ in self.costs.tensor_groups:
+            made_at.append(stage_of_layer[self.edges[edges[0]][0]])
+            reach.append(max(stage_of_layer[self.edges[e][1]] for e in edges))
+        return made_at, reach
+
     def _hint_parts(self, stage_of_layer: list[int], recomputed: list[bool] | None) -> None:
         """The exact sums of ``_stage_parts`` for a split (interleaving only)."""
         if not self._parts:
@@ -916,18 +949,13 @@ class PrefixFormulation(abc.ABC):
         costs = self.costs
         stage_of = np.asarray(stage_of_layer)
         stored, _, _ = costs.coefficients(recomputed if self.problem.selective else None)
-        src, dst = stage_of[costs.edge_src], stage_of[costs.edge_dst]
+        into, out_of, relayed = boundary_bytes(costs, stage_of)
         for stage, (states, kept, received, sent) in self._parts.items():
             here = stage_of == stage
-            relayed = int(costs.edge_bytes[(src < stage) & (stage < dst)].sum())
             self._hint(states, self._bytes(int(costs.state_bytes[here].sum())))
-            self._hint(kept, self._bytes(int(stored[here].sum()) + relayed))
-            self._hint(
-                received, self._bytes(int(costs.edge_bytes[(src < stage) & (dst >= stage)].sum()))
-            )
-            self._hint(
-                sent, self._bytes(int(costs.edge_bytes[(src <= stage) & (dst > stage)].sum()))
-            )
+            self._hint(kept, self._bytes(int(stored[here].sum()) + int(relayed[stage])))
+            self._hint(received, self._bytes(int(into[stage])))
+            self._hint(sent, self._bytes(int(out_of[stage])))
 
     def _hint_first_backward(
         self, stage_of_layer: list[int], recomputed: list[bool] | None, stages: list
