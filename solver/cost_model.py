@@ -572,6 +572,12 @@ def layer_costs(
         edge_bytes = _ceil_div(edge_bytes, t)
     weight, grad, optimizer = _model_state_bytes(params_times_t, config, training)
     stored, transient = _activation_bytes(cols, params_times_t, saved_times_t, config, training)
+    if training.runtime == "torch":
+        # torch.distributed.pipelining's loss_fn(output, target) runs outside the model: the
+        # last stage keeps each in-flight micro-batch's output until its backward, beside what
+        # the loss saves; the part no op saved is not in the graph's activation_bytes
+        held_output = b * unsaved_output_bytes(graph)
+        stored = tuple(np.concatenate([kept[:-1], kept[-1:] + held_output]) for kept in stored)
     time_ns = _time_ns(cols, config, cluster)
     recomputable = recomputable_layers(graph, training.runtime)
     stored, transient, time_ns = (
@@ -613,6 +619,21 @@ def layer_costs(
         _check_empirical_options(config, calibration)
         return empirical_layer_costs(graph, config, costs)
     return costs
+
+
+def unsaved_output_bytes(graph: LayerGraph) -> int:
+    """Bytes per sample of the model's output (its last layer's) that no op saves for backward:
+    the graph's ``meta["unsaved_output_bytes"]`` (``profiling.export`` writes it; 0 when absent,
+    as in graphs written before it). HuggingFace's ``lm_head`` returns the logits, which the
+    linear does not save: all of them; the zoo's head returns the loss: 4 bytes."""
+    value = graph.meta.get("unsaved_output_bytes", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 2**50:
+        raise InputError(
+            f"{graph.source}: $.meta.unsaved_output_bytes: {value!r} is not a byte count in "
+            "0..2^50; give the per-sample bytes of the last layer's output no op saves, or "
+            "remove the field"
+        )
+    return value
 
 
 def effective_grad_lifetime(config: ParallelConfig, training: TrainingConfig) -> str:

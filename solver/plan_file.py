@@ -298,7 +298,10 @@ def _build(document: dict[str, Any], origin: str, kind: str) -> PlanFile:
                 **{
                     key: tuple(value) if isinstance(value, list) else value
                     # plans written before grad_lifetime existed ran with persistent gradients
-                    for key, value in {"grad_lifetime": "persistent", **document["training"]}.items()
+                    for key, value in {
+                        "grad_lifetime": "persistent",
+                        **document["training"],
+                    }.items()
                 },
                 runtime=document["runtime"],
                 memory_model=document["memory_model"],

@@ -68,6 +68,9 @@ SPLIT = [0, 1, 1, 2]
 
 
 def costs_for(config: ParallelConfig, runtime: str = "torch", **options):
+    """The toy graph's coefficients; gradients persistent unless ``grad_lifetime`` is given
+    (the step lifetime's moments: tests/test_grad_lifetime.py)."""
+    options.setdefault("grad_lifetime", "persistent")
     training = TrainingConfig(global_batch=config.global_batch, runtime=runtime, **options)
     return layer_costs(GRAPH, config, CLUSTER, training)
 
