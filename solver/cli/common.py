@@ -18,9 +18,9 @@ from typing import Any
 from solver.calibration import Calibration, load_calibration
 from solver.errors import InputError, one_line, quote
 from solver.specs import (
+    DEFAULT_GRAD_LIFETIME,
     GB_PER_S_RANGE,
     GPU_TFLOPS_RANGE,
-    DEFAULT_GRAD_LIFETIME,
     GRAD_BYTES_PER_PARAM,
     GRAD_LIFETIMES,
     MAX_BYTES_PER_PARAM,
