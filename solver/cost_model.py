@@ -51,6 +51,18 @@ Memory of stage s (bytes per GPU):
               b A'_l joins both terms: the layer being recomputed re-materialises its saved
               tensors while it runs
   peak_s    = states_s + acts_s + buffers_s + trans_s
+  edges naming one tensor (Edge.tensor) count once per stage: it crosses every boundary from its
+              producer's stage to its farthest consumer's (``boundary_bytes``)
+  torch runtime: the last layer's stored bytes += b unsaved_output_bytes (graph meta): a
+              pipeline's loss_fn keeps the model's output per in-flight micro-batch
+  grad lifetime "step" (``TrainingConfig.grad_lifetime``; torch's zero_grad(set_to_none=True)),
+              on a stage whose forwards all precede its first backward (GPipe, 1F1B with
+              m <= p - s; ``LayerCosts.first_backward_peak``), layers l in forward order:
+              peak_s = weights + optimizer + max(max_l during(l), after) with
+              during(l) = (k-1)(stored_s + relay_s) + relay_s + stored(<= l) + grads(> l)
+                          + trans_l + buffers(k),
+              after     = (k-1)(stored_s + relay_s) + grads_s + trans_s + buffers(k-1)
+              (``first_backward_moments``); DDP on torch keeps its buckets: persistent
 
 Recomputation (``ParallelConfig.recompute``): "none" recomputes no layer, "full" every layer,
 "selective" the layers a solver chooses; :class:`LayerCosts` carries both states of every layer

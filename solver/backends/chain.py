@@ -4,6 +4,10 @@ For stage s = layers i..j (0-based, inclusive) ``cost_model.stage_costs`` reduce
   peak_s(i, j) = sum state[i..j] + k_s sum stored[i..j] + R_s e[i-1] + S_s e[j]
                  + max transient[i..j]                  (a chain relays no edge)
   (R_s, S_s: the cost model's boundary copies, 0 on the first / last stage)
+  on a stage whose gradients appear at its first backward (``LayerCosts.first_backward_peak``)
+  instead max(during, after) of ``cost_model.first_backward_moments``: max_l during(l) is a range
+  maximum of stored_prefix[l+1] - grad_prefix[l+1] + transient_l (sparse table), and the
+  monotone relaxation counts the states without gradients (a lower bound of during(j))
   T(i, j) = sum time_ns[i..j],  AR(i, j) = sum dp_sync_ns[i..j],
   iteration = F max_s T_s + max_s AR_s  with F = m + p - 1.
 

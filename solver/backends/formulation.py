@@ -7,14 +7,17 @@ The formulation (``cpsat.py`` and ``milp.py`` build it through :class:`PrefixFor
                                      y[l][-1] = 0 and y[l][p-1] = 1 are constants
   x[l][s] = y[l][s] - y[l][s-1]      layer l sits on stage s (linear, no variable)
   c[e][s] = y[u][s] - y[v][s]        edge e crosses the boundary s | s+1 (in {0, 1} by precedence)
-  r[e][s] >= y[u][s-1] - y[v][s]     edge e is relayed by stage s: stage(u) < s < stage(v)
+  r[T][s] >= y[u][s-1] - y[v][s]     tensor T (edges e = (u, v) naming it, one producer u) is
+                                     relayed by stage s: stage(u) < s < max stage(v)
+  ct[T][s] >= c[e][s]                T crosses s | s+1 (a variable only for a tensor on several
+                                     edges; c[e][s] itself otherwise)
   tr[s] >= transient_l x[l][s]       largest transient of stage s
 
   monotone     y[l][s] <= y[l][s+1]
   precedence   y[v][s] <= y[u][s]                          stage(u) <= stage(v)
   non-empty    sum_l x[l][s] >= 1
   memory       peak >= sum_l (state_l + k_s stored_l) x[l][s]
-                       + sum_e eb_e (R_s c[e][s-1] + S_s c[e][s]) + k_s sum_e eb_e r[e][s] + tr[s]
+                       + sum_T eb_T (R_s ct[T][s-1] + S_s ct[T][s]) + k_s sum_T eb_T r[T][s] + tr[s]
                (R_s, S_s: boundary copies of the cost model; a relayed edge is received and sent)
   time         T >= sum_l time_l x[l][s],  AR >= sum_l sync_l x[l][s]
   limits       peak <= capacity;  F T + AR <= budget      (F = m + p - 1)
@@ -69,6 +72,12 @@ so "none" (rc = 0) and "full" (rc = 1) are both feasible choices of the same mod
 placement the same z terms enter the placed memory rows (``_stage_bytes`` is shared) and every
 group's time rows: T >= sum_l time_l^k x[l][s] + d_time_l^k z[l][s] - M^k (1 - g[s][k]), with
 M^k = sum_l max(time_l^k, recompute_time_l^k).
+
+Gradients that appear at the first backward (``LayerCosts.first_backward_peak``, step lifetime):
+the stage's memory rows are ``_first_backward_rows``: B_s >= the stage without transient at k-1
+held (relays and buffers at k), D[l][s] >= D[l'][s] + (stored_l - grad_l) x[l][s] (+ d z), and
+peak >= B_s + D[l][s] + transient_l x[l][s] per layer, plus the 'after' row at k - 1 held
+(``cost_model.first_backward_moments``).
 
 The buffer term is exact: an edge leaving s crosses s | s+1 only, one entering s crosses s-1 | s
 only, and a relayed one crosses both ((R_s + S_s) eb_e). Prefix variables make all of this linear
