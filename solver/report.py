@@ -102,6 +102,18 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
     return document
 
 
+def _grad_lifetime_text(evaluation) -> str:
+    """How the plan counts gradients (``TrainingConfig.grad_lifetime``; DDP keeps its buckets)."""
+    from solver.cost_model import effective_grad_lifetime
+
+    asked = evaluation.training.grad_lifetime
+    if asked == "persistent":
+        return "persistent (--grad-lifetime persistent)"
+    if effective_grad_lifetime(evaluation.config, evaluation.training) == "persistent":
+        return "persistent (DDP keeps its gradient buckets; --grad-lifetime step)"
+    return "from each layer's first backward (zero_grad(set_to_none=True), --grad-lifetime step)"
+
+
 def training_to_dict(training: TrainingConfig) -> dict[str, Any]:
     """The training options but runtime, memory model and objective and calibration (top-level
     fields of the document)."""
@@ -290,7 +302,10 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
             "at mem_isolated; buffers = each later stage's first-layer mem_isolated - mem_added)"
         )
     if evaluation.training.runtime != "megatron":
-        lines.append(f"runtime: {evaluation.training.runtime} (its pipeline buffers are counted)")
+        lines.append(
+            f"runtime: {evaluation.training.runtime} (its pipeline buffers are counted); "
+            f"gradients: {_grad_lifetime_text(evaluation)}"
+        )
     elif not evaluation.training.deallocate_pipeline_outputs:
         lines.append(
             "runtime: megatron, sent pipeline outputs kept until their backward "
