@@ -41,7 +41,15 @@ LAYERS = [
 GRAPH = graph_from_dict({"format": "layer-graph", "version": 1, "model": "toy", "layers": LAYERS})
 
 
-def costs_of(graph, config: ParallelConfig, lifetime: str, runtime: str = "torch", **options):
+def costs_of(
+    graph,
+    config: ParallelConfig,
+    lifetime: str,
+    runtime: str = "torch",
+    cluster: Cluster | None = None,
+    **options,
+):
+    """Coefficients with fp32 Adam (4, 4, 8 bytes per parameter) and the given lifetime."""
     training = TrainingConfig(
         global_batch=config.global_batch,
         runtime=runtime,
@@ -51,7 +59,7 @@ def costs_of(graph, config: ParallelConfig, lifetime: str, runtime: str = "torch
         optimizer_bytes_per_param=8,
         **options,
     )
-    return layer_costs(graph, config, Cluster(num_gpus=config.num_gpus), training)
+    return layer_costs(graph, config, cluster or Cluster(num_gpus=config.num_gpus), training)
 
 
 # -- the moments, by hand --------------------------------------------------------------------------
@@ -473,3 +481,38 @@ def test_executor_runs_the_plan_lifetime_and_matches_it(lifetime):
             )
     assert max(abs(e) for e in errors) <= 1.5, errors
     assert statistics.median(abs(e) for e in errors) <= 0.8, errors
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_placed_problems_agree_with_step_gradients(seed):
+    """A heterogeneous 2-group cluster (the placement's P[s][k] rows take every first-backward
+    row of a stage): CP-SAT and the MILP reach brute force's optimum."""
+    from solver.backends.problem import ABSOLUTE, Placement
+
+    rng = random.Random(9100 + seed)
+    while True:
+        graph = (random_chain if seed % 2 else random_dag)(rng, rng.randint(2, 5))
+        config = random_config(rng, graph.num_layers)
+        if config.pp >= 2 and config.pp**graph.num_layers * 2**config.pp <= 3000:
+            break
+    config = dataclasses.replace(config, dp=1, schedule="gpipe")
+    group_costs = [
+        costs_of(graph, config, "step", cluster=Cluster(num_gpus=config.num_gpus, gpu_flops=f))
+        for f in (989e12, 312e12)
+    ]
+    assert all(group_costs[0].first_backward_peak)
+    even = [min(i * config.pp // graph.num_layers, config.pp - 1) for i in range(graph.num_layers)]
+    peak = max(s.peak_bytes for s in stage_costs(group_costs[0], even))
+    small = rng.randint(1, config.pp - 1)
+    placement = Placement(
+        group_costs=group_costs,
+        capacity_bytes=[int(peak * 0.9), int(peak * 1.5)],
+        stages_per_group=[small, config.pp - small],
+        names=["small", "large"],
+        memory_objective=ABSOLUTE,
+    )
+    problem = StageProblem(costs=group_costs[0], placement=placement)
+    reference = solve_brute_force(problem)
+    for solve in (solve_cpsat, solve_milp):
+        solution = solve(problem, time_limit_s=20)
+        assert (solution.status, solution.objective) == (reference.status, reference.objective)
