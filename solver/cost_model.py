@@ -62,7 +62,8 @@ Memory of stage s (bytes per GPU):
               during(l) = (k-1)(stored_s + relay_s) + relay_s + stored(<= l) + grads(> l)
                           + trans_l + buffers(k),
               after     = (k-1)(stored_s + relay_s) + grads_s + trans_s + buffers(k-1)
-              (``first_backward_moments``); DDP on torch keeps its buckets: persistent
+              (``first_backward_moments``); DDP on torch keeps its buckets beside the fresh
+              .grad all step: + g P'_l per layer (``ddp_bucket_bytes``)
 
 Recomputation (``ParallelConfig.recompute``): "none" recomputes no layer, "full" every layer,
 "selective" the layers a solver chooses; :class:`LayerCosts` carries both states of every layer
@@ -344,8 +345,12 @@ class LayerCosts:
     recomputable: np.ndarray | None = None
     """Which layers the runtime can recompute (``recomputable_layers``); None: every layer."""
     grad_lifetime: str = "persistent"
-    """When gradients exist, as this config runs (``effective_grad_lifetime``): persistent (all
-    step) or step (from each layer's first backward of the step; ``first_backward_peak``)."""
+    """When the ``.grad`` gradients (``grad_bytes``) exist: persistent (all step) or step (from
+    each layer's first backward of the step; ``first_backward_peak``)."""
+    grad_buffer_bytes: np.ndarray | None = None
+    """Gradient buffers kept for the whole run beside ``.grad``, per GPU, bytes: DDP's buckets
+    when ``zero_grad(set_to_none=True)`` frees ``.grad`` (``ddp_bucket_bytes``); None: none.
+    Part of ``state_bytes`` and of a stage's ``grad_bytes``."""
 
     def __post_init__(self) -> None:
         if self.edge_tensor is None:
@@ -435,7 +440,7 @@ class LayerCosts:
         optimizer state, plus the gradients unless some stage's peak can come before them
         (``first_backward_peak``), bytes (for lower bounds)."""
         if any(self.first_backward_peak):
-            return self.weight_bytes + self.optimizer_bytes
+            return self.state_bytes - self.grad_bytes
         return self.state_bytes
 
     @property
@@ -524,8 +529,9 @@ class LayerCosts:
 
     @cached_property
     def state_bytes(self) -> np.ndarray:
-        """Weights + gradients + optimizer per GPU, bytes."""
-        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+        """Weights + gradients (+ gradient buffers) + optimizer per GPU, bytes."""
+        states = self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+        return states if self.grad_buffer_bytes is None else states + self.grad_buffer_bytes
 
     @property
     def pipeline_factor(self) -> int:
@@ -625,7 +631,8 @@ def layer_costs(
         send_copies=send_copies,
         runtime=training.runtime,
         deallocate_pipeline_outputs=training.deallocate_pipeline_outputs,
-        grad_lifetime=effective_grad_lifetime(config, training),
+        grad_lifetime=training.grad_lifetime,
+        grad_buffer_bytes=ddp_bucket_bytes(config, training, scaled(grad, "grads")),
     )
     if training.memory_model == "empirical":
         _check_empirical_options(config, calibration)
@@ -648,16 +655,21 @@ def unsaved_output_bytes(graph: LayerGraph) -> int:
     return value
 
 
-def effective_grad_lifetime(config: ParallelConfig, training: TrainingConfig) -> str:
-    """The gradient lifetime the cost model counts for ``config``: ``training.grad_lifetime``,
-    except on the torch runtime with DDP (dp > 1, ZeRO 0 or 1), whose reducer allocates its
-    gradient buckets when it is built and keeps them (``gradient_as_bucket_view=True`` makes
-    ``.grad`` a view of them; without it they are a second copy): persistent there whatever
-    ``zero_grad`` frees. FSDP2 (ZeRO 2, 3) allocates sharded gradients at the first backward and
-    ``zero_grad()`` frees them: step holds."""
-    if training.runtime == "torch" and config.dp > 1 and config.zero <= 1:
-        return "persistent"
-    return training.grad_lifetime
+def ddp_bucket_bytes(
+    config: ParallelConfig, training: TrainingConfig, grad: np.ndarray
+) -> np.ndarray | None:
+    """DDP's gradient buckets beside ``.grad`` (per layer, bytes), or None. On the torch runtime
+    DDP (dp > 1, ZeRO 0 or 1; ``profiling.run`` builds it with ``gradient_as_bucket_view``)
+    allocates its buckets when it is built and keeps them; ``.grad`` is a view of them only
+    until ``zero_grad(set_to_none=True)`` frees it: the next backward makes fresh gradients,
+    which live beside the buckets until the step ends (torch's DDP docs: "the bucket view alias
+    is destroyed every iteration"; measured: +1 gradient copy, -15% under-predicted without
+    it). So with the step lifetime the buckets are a persistent second copy; with persistent
+    gradients ``.grad`` stays the bucket view."""
+    if training.runtime == "torch" and training.grad_lifetime == "step":
+        if config.dp > 1 and config.zero <= 1:
+            return grad.copy()
+    return None
 
 
 MAX_EXACT_BYTES = 2**62
@@ -708,7 +720,7 @@ def check_exact_range(
     memory = (
         scale
         * (
-            (2 * w + g + o) * totals["params"]
+            (2 * w + 2 * g + o) * totals["params"]  # + DDP's buckets
             + held * b * (totals["activation_bytes"] + totals["output_bytes"] + totals["edges"])
             + (max(receive_copies) + max(send_copies)) * v * b * totals["edges"]
             + b * totals["largest"] * 2
@@ -1133,6 +1145,10 @@ def stage_costs(
             costs.dp_sync_ns,
         )
     )
+    if costs.grad_buffer_bytes is not None:  # DDP's buckets, beside .grad all step
+        buckets = _per_stage_sum(costs.grad_buffer_bytes, stage_of, num_stages)
+    else:
+        buckets = np.zeros(num_stages, dtype=np.int64)
     transient = np.zeros(num_stages, dtype=np.int64)
     np.maximum.at(transient, stage_of, transient_per_layer)
     members = np.argsort(stage_of, kind="stable")
@@ -1163,7 +1179,7 @@ def stage_costs(
                 layers=layers,
                 recomputed=[layer for layer in layers if mask[layer]],
                 weight_bytes=int(weight[own].sum()),
-                grad_bytes=grads,
+                grad_bytes=grads + int(buckets[own].sum()),
                 optimizer_bytes=int(optimizer[own].sum()),
                 activation_bytes=activations,
                 buffer_bytes=buffers,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from solver.cost_model import PPM
 from solver.errors import InputError
 from solver.evaluation import Evaluation
@@ -104,14 +106,15 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
 
 def _grad_lifetime_text(evaluation) -> str:
     """How the plan counts gradients (``TrainingConfig.grad_lifetime``; DDP keeps its buckets)."""
-    from solver.cost_model import effective_grad_lifetime
+    from solver.cost_model import ddp_bucket_bytes
 
-    asked = evaluation.training.grad_lifetime
-    if asked == "persistent":
+    training = evaluation.training
+    if training.grad_lifetime == "persistent":
         return "persistent (--grad-lifetime persistent)"
-    if effective_grad_lifetime(evaluation.config, evaluation.training) == "persistent":
-        return "persistent (DDP keeps its gradient buckets; --grad-lifetime step)"
-    return "from each layer's first backward (zero_grad(set_to_none=True), --grad-lifetime step)"
+    text = "from each layer's first backward (zero_grad(set_to_none=True), --grad-lifetime step)"
+    if ddp_bucket_bytes(evaluation.config, training, np.zeros(1)) is not None:
+        text += ", beside DDP's buckets"
+    return text
 
 
 def training_to_dict(training: TrainingConfig) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from solver.backends.chain import solve_chain
 from solver.backends.cpsat import solve_cpsat
 from solver.backends.milp import solve_milp
 from solver.backends.problem import OPTIMAL, StageProblem
-from solver.cost_model import boundary_bytes, effective_grad_lifetime, layer_costs, stage_costs
+from solver.cost_model import boundary_bytes, layer_costs, stage_costs
 from solver.errors import InputError
 from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
@@ -109,15 +109,28 @@ def test_1f1b_with_more_microbatches_than_stages_keeps_the_persistent_peak():
     assert step[1].peak_bytes == persistent[1].peak_bytes
 
 
-def test_ddp_keeps_its_buckets_whatever_zero_grad_frees():
-    """torch runtime, dp > 1 with ZeRO 0/1 (DDP): the buckets persist, so the cost model counts
-    persistent gradients; FSDP2 (ZeRO 2/3) and dp = 1 follow the lifetime asked for."""
-    step = TrainingConfig(global_batch=8, runtime="torch", grad_lifetime="step")
-    base = ParallelConfig(pp=2, tp=1, dp=2, micro_batch=1, num_microbatches=2, schedule="gpipe")
-    assert effective_grad_lifetime(base, step) == "persistent"
-    assert effective_grad_lifetime(dataclasses.replace(base, zero=1), step) == "persistent"
-    assert effective_grad_lifetime(dataclasses.replace(base, zero=2), step) == "step"
-    assert effective_grad_lifetime(dataclasses.replace(base, dp=1), step) == "step"
+def test_ddp_buckets_stay_beside_the_fresh_gradients():
+    """torch runtime, dp > 1 with ZeRO 0/1 (DDP): zero_grad(set_to_none=True) frees .grad, the
+    buckets stay, and the next backward makes fresh gradients beside them (measured: -12.8% to
+    -18.2% on DDP layouts without the buckets). FSDP2 (ZeRO 2/3) and dp = 1 have none."""
+    config = ParallelConfig(pp=2, tp=1, dp=2, micro_batch=1, num_microbatches=4)
+    split = [0, 0, 1]
+    step = stage_costs(costs_of(GRAPH, config, "step"), split)
+    persistent = stage_costs(costs_of(GRAPH, config, "persistent"), split)
+    grads = [4 * (5 + 2), 4 * 15]  # fp32 gradients per stage
+    assert [s.grad_bytes for s in persistent] == grads
+    assert [s.grad_bytes for s in step] == [2 * g for g in grads]  # 1F1B, m > p: all of them
+    assert [s.peak_bytes - p.peak_bytes for s, p in zip(step, persistent, strict=True)] == grads
+    for change in ({"zero": 2}, {"dp": 1}):
+        other = dataclasses.replace(config, **change)
+        assert costs_of(GRAPH, other, "step").grad_buffer_bytes is None
+    assert costs_of(
+        GRAPH, dataclasses.replace(config, zero=1), "step"
+    ).grad_buffer_bytes.tolist() == [
+        20,
+        8,
+        60,
+    ]
 
 
 def test_defaults_and_bad_values():
@@ -233,7 +246,8 @@ def solve_everywhere(problem: StageProblem, chain: bool) -> set[int]:
 def test_backends_agree_with_step_gradients(seed):
     """grad_lifetime step on the torch runtime (GPipe and 1F1B, m around p): CP-SAT, the MILP
     and the chain algorithm (on chains) reach brute force's optimum of the cost model; DAGs
-    with a tensor sent to several consumers and selective recomputation included."""
+    with a tensor sent to several consumers, selective recomputation and DDP's buckets
+    included."""
     rng = random.Random(7000 + seed)
     chain = seed % 3 != 2
     graph = (random_chain if chain else random_dag)(rng, rng.randint(3, 6))
@@ -248,7 +262,7 @@ def test_backends_agree_with_step_gradients(seed):
     schedule = rng.choice(["gpipe", "1f1b"])
     config = dataclasses.replace(
         config,
-        dp=1,
+        dp=rng.choice([1, 2]),  # dp 2 with ZeRO 0/1: DDP's buckets
         num_microbatches=rng.randint(1, 3 if schedule == "gpipe" else config.pp),  # m <= p
         schedule=schedule,
         recompute="selective" if seed % 4 == 3 else "none",
