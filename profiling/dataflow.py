@@ -6,10 +6,16 @@ storage's identity (``Tensor.untyped_storage()``, whose Python object PyTorch pr
 long as the storage lives), so views and in-place updates of one buffer share a record. A record
 holds:
 
-- ``provenance``: the selected layers whose forward produced the data. A storage created while
-  layer L's forward runs gets ``{L}``; one created by glue code outside every layer gets the union
-  of its inputs' provenance; everything a layer returns is re-tagged ``{L}``. When a layer's
-  forward starts, each input tensor's provenance gives the edges ``src -> L``.
+- ``provenance``: the selected layer whose forward produced the data, as a set. A storage
+  created while layer L's forward runs gets ``{L}``; one created (or updated in place, or viewed)
+  by glue code outside every layer from layers' data belongs to the glue's owner (below), the
+  stage ``torch.distributed.pipelining.pipeline`` runs that glue in and sends the result from;
+  everything a layer returns is re-tagged ``{L}``. Tensors made by glue from the model inputs
+  alone (masks, position ids) have none. Edges, each naming the storage it carries: when a
+  layer's forward starts, each input tensor gives ``src -> L``; when glue reads a tensor of
+  another layer, ``src -> owner``. So HuggingFace GPT-2's ``inputs_embeds + position_embeds``
+  (run after ``wpe``) gives ``wte -> wpe`` and ``wpe -> h.0``, the tensors ``pipeline()`` sends,
+  and one tensor read by several layers (T5's encoder output) is one storage on several edges.
 - ``taint``: the column-parallel Linear calls the data derives from (see ``tensor_parallel.py``).
 - allocation and release events, from which :meth:`Tracer.transients` computes each layer's
   transient peak.
@@ -118,8 +124,11 @@ class LayerRecord:
     output_bytes: int = 0
     fwd_flops: int = 0
     bwd_flops: int = 0
-    in_edges: dict[int, int] = field(default_factory=lambda: defaultdict(int))
-    """Source layer -> bytes of its data read at this layer's forward calls."""
+    outputs: dict[int, int] = field(default_factory=dict)
+    """Storage uid -> bytes of the tensors the layer's last forward call returned."""
+    in_edges: dict[tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))
+    """(source layer, storage uid) -> bytes of that tensor read at this layer's forward calls,
+    or, for glue this layer owns, read by that glue (once)."""
 
     @property
     def saved_bytes(self) -> int:
@@ -277,10 +286,10 @@ class Tracer(TorchDispatchMode):
                 continue
             previous = reads.get(storage.uid, (storage.provenance, 0))[1]
             reads[storage.uid] = (storage.provenance, max(previous, tensor_bytes(tensor)))
-        for provenance, nbytes in reads.values():
+        for uid, (provenance, nbytes) in reads.items():
             for src in provenance:
                 if src != index:
-                    record.in_edges[src] += nbytes
+                    record.in_edges[(src, uid)] += nbytes
         record.calls += 1
         if record.first_call is None:
             record.first_call = self.num_started
@@ -295,10 +304,12 @@ class Tracer(TorchDispatchMode):
         outputs = tensors_in(output)
         unique = {id(t): t for t in outputs}
         self.layers[index].output_bytes += sum(tensor_bytes(t) for t in unique.values())
+        self.layers[index].outputs = {}
         for tensor in outputs:
             record = self.record_of(tensor)
             if record is not None and record.kind == "activation":
                 record.provenance = frozenset({index})
+                self.layers[index].outputs[record.uid] = storage_of(tensor).nbytes()
         assign_nodes(outputs, index, self.node_owner)
         self.active = None
         self.last_finished = index
@@ -387,6 +398,7 @@ class Tracer(TorchDispatchMode):
             return out
         provenance: frozenset[int] = frozenset()
         taint: frozenset[int] = frozenset()
+        glue = self.active is None
         for tensor in tensors_in((args, kwargs)):
             record = self.record_of(tensor)
             if record is None:
@@ -396,6 +408,11 @@ class Tracer(TorchDispatchMode):
             if record.kind == "activation":
                 provenance |= record.provenance
                 taint |= record.taint
+                if glue:
+                    self._glue_reads(owner, record, tensor)
+        if glue and provenance:
+            # glue runs on its owner's stage: what it makes from layers' data is sent from there
+            provenance = frozenset({owner})
         for tensor in outputs:
             storage = storage_of(tensor)
             if storage is None:
@@ -407,13 +424,33 @@ class Tracer(TorchDispatchMode):
                 record.provenance = frozenset({self.active}) if inside else provenance
                 record.taint = taint
             elif record.kind == "activation":
-                # A view or an in-place update: the buffer now also carries the inputs' data.
-                if self.active is None:
-                    record.provenance |= provenance
+                # A view or an in-place update by glue: the buffer now holds the owner's data
+                if glue and provenance:
+                    record.provenance = provenance
                 record.taint |= taint
         return out
 
+    def _glue_reads(self, owner: int, record: StorageRecord, tensor: torch.Tensor) -> None:
+        """Glue of ``owner`` reads another layer's output: an edge src -> owner carrying that
+        storage (its largest view; once however often the glue reads it)."""
+        edges = self.layers[owner].in_edges
+        for src in record.provenance:
+            if src != owner:
+                key = (src, record.uid)
+                edges[key] = max(edges.get(key, 0), tensor_bytes(tensor))
+
     # -- results ------------------------------------------------------------------------------
+
+    def unsaved_output_bytes(self, index: int) -> int:
+        """Bytes of layer ``index``'s output storages that no op saved for backward (batch
+        total): what a pipeline schedule that runs the loss outside the model
+        (``loss_fn(output, target)``) keeps beside the saved tensors while the micro-batch is
+        in flight."""
+        return sum(
+            nbytes
+            for uid, nbytes in self.layers[index].outputs.items()
+            if uid not in self.saved_owner
+        )
 
     def transients(self, excluded: set[int], at: set[int] | None = None) -> dict[int, int]:
         """Peak extra live bytes per owner while it runs (batch totals); with ``at``, only at

@@ -125,18 +125,7 @@ def build_graph(
             item["bwd_ms"] = timings[1][i] / batch
         items.append(item)
 
-    edges = []
-    for dst in order:
-        for src, nbytes in sorted(
-            tracer.layers[dst].in_edges.items(), key=lambda e: position[e[0]]
-        ):
-            if position[src] > position[dst]:
-                raise InputError(
-                    f"{model_name}: layer {names[dst]!r} reads the output of {names[src]!r}, "
-                    "which first runs after it (a layer called more than once); select modules "
-                    "that each run once"
-                )
-            edges.append({"src": names[src], "dst": names[dst], "bytes": _ceil_div(nbytes, batch)})
+    edges = _edges(tracer, order, position, names, batch, model_name)
     chain = [
         {"src": a["name"], "dst": b["name"], "bytes": a["output_bytes"]}
         for a, b in zip(items, items[1:], strict=False)
@@ -149,6 +138,9 @@ def build_graph(
         extra["shared_params"] = shared
     if unused:
         extra["unused_params"] = unused
+    # the model's output, when a pipeline's loss_fn computes the loss from it, stays alive for
+    # every in-flight micro-batch; what no op saved is not in any layer's activation_bytes
+    extra["unsaved_output_bytes"] = _ceil_div(tracer.unsaved_output_bytes(order[-1]), batch)
     uncalled = [names[i] for i in order if tracer.layers[i].first_call is None]
     if uncalled:
         extra["uncalled_layers"] = uncalled
@@ -164,6 +156,53 @@ def build_graph(
     if sorted(edges, key=_edge_key) != sorted(chain, key=_edge_key):
         document["edges"] = edges
     return graph_from_dict(document, origin=f"profile of {model_name}")
+
+
+def _edges(
+    tracer: Tracer,
+    order: list[int],
+    position: dict[int, int],
+    names: list[str],
+    batch: int,
+    model_name: str,
+) -> list[dict[str, Any]]:
+    """One edge per (producer, consumer, tensor) of the dataflow (``LayerRecord.in_edges``),
+    per-sample bytes. A tensor on several edges, or one of several between a pair, is named
+    ``"<producer>:<index>"`` (the producer's tensors numbered in consumer order), so the cost
+    model counts it once per stage."""
+    found: list[tuple[int, int, int, int]] = []  # (src, dst, uid, bytes)
+    for dst in order:
+        merged: dict[tuple[int, int], int] = defaultdict(int)
+        for (src, uid), nbytes in tracer.layers[dst].in_edges.items():
+            src = tracer.resolve(src)
+            if src != dst:
+                merged[(src, uid)] += nbytes
+        for (src, uid), nbytes in sorted(merged.items(), key=lambda e: position[e[0][0]]):
+            if position[src] > position[dst]:
+                raise InputError(
+                    f"{model_name}: layer {names[dst]!r} reads the output of {names[src]!r}, "
+                    "which first runs after it (a layer called more than once); select modules "
+                    "that each run once"
+                )
+            found.append((src, dst, uid, nbytes))
+    index: dict[tuple[int, int], int] = {}
+    edges_of: dict[int, int] = defaultdict(int)
+    tensors_of: dict[tuple[int, int], int] = defaultdict(int)
+    for src, dst, uid, _ in found:
+        index.setdefault((src, uid), sum(1 for key in index if key[0] == src))
+        edges_of[uid] += 1
+        tensors_of[(src, dst)] += 1
+    edges = []
+    for src, dst, uid, nbytes in found:
+        edge: dict[str, Any] = {
+            "src": names[src],
+            "dst": names[dst],
+            "bytes": _ceil_div(nbytes, batch),
+        }
+        if edges_of[uid] > 1 or tensors_of[(src, dst)] > 1:
+            edge["tensor"] = f"{names[src]}:{index[(src, uid)]}"
+        edges.append(edge)
+    return edges
 
 
 def _edge_key(edge: dict) -> tuple:

@@ -97,6 +97,12 @@ class RunJob:
     Megatron-LM's setting by default)."""
 
 
+def grad_lifetime(plan: PlanFile) -> str:
+    """The gradient lifetime a plan was made for (``TrainingConfig.grad_lifetime``): what the
+    executor's ``optimizer.zero_grad`` runs; persistent for a plan without training options."""
+    return "persistent" if plan.training is None else plan.training.grad_lifetime
+
+
 def model_spec(preset: str, overrides: dict[str, Any]) -> models.ModelSpec:
     """The zoo model ``preset`` with ``overrides``; InputError if unknown or without layers."""
     try:
@@ -428,7 +434,9 @@ def _iterate(
         if place.last:
             kwargs = {"target": targets[local].to(device, copy=True), "losses": step_losses}
         del ids, targets
-        optimizer.zero_grad(set_to_none=False)  # persistent gradient buffers, as costed
+        # the plan's gradient lifetime: step frees every gradient (torch's default), persistent
+        # keeps them as buffers (DDP keeps its buckets either way; the cost model knows)
+        optimizer.zero_grad(set_to_none=grad_lifetime(job.plan) == "step")
         tracker.reset_peak()
         if cuda:
             torch.cuda.synchronize(device)

@@ -199,9 +199,52 @@ def capslog_statistics(costs: LayerCosts) -> tuple[np.ndarray, np.ndarray]:
         + np.maximum(transient[:-1], transient[1:])[None, :]
         + costs.constant_bytes
     )
+    late = np.asarray(costs.first_backward_peak, dtype=bool)
+    if late.any():  # step gradients: cost_model.first_backward_moments of one and two layers
+        first_isolated, first_pair = _first_backward_statistics(costs, edge_in, edge_out)
+        isolated = np.where(late[:, None], first_isolated, isolated)
+        pair = np.where(late[:, None], first_pair, pair)
     added = np.zeros_like(isolated)
     added[:, 1:] = pair[:, 1:] - isolated[:, :-1]
     return isolated, added
+
+
+def _first_backward_statistics(
+    costs: LayerCosts, edge_in: np.ndarray, edge_out: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Peaks of one- and two-layer stages whose gradients appear at their first backward
+    (``cost_model.first_backward_moments`` on a chain: the largest of during(l) over its layers
+    and after), in the layout of ``capslog_statistics``."""
+    k = np.asarray(costs.in_flight, dtype=np.int64)[:, None]
+    copies = np.array([costs.copies_at(s, int(n)) for s, n in enumerate(costs.in_flight)])
+    later = np.array(
+        [costs.copies_at(s, max(0, int(n) - 1)) for s, n in enumerate(costs.in_flight)]
+    )
+    state, grad, stored = costs.state_bytes, costs.grad_bytes, costs.stored_bytes
+    transient = costs.transient_bytes
+
+    def buffers(pairs: np.ndarray, into: np.ndarray, out_of: np.ndarray) -> np.ndarray:
+        return pairs[:, :1] * into[None, :] + pairs[:, 1:] * out_of[None, :]
+
+    fixed = state - grad  # weights and optimizer
+    during = fixed + k * stored + transient + buffers(copies, edge_in, edge_out)
+    after = state + (k - 1) * stored + transient + buffers(later, edge_in, edge_out)
+    isolated = np.maximum(during, after) + costs.constant_bytes
+    pair = np.zeros_like(isolated)
+    a, b = slice(None, -1), slice(1, None)
+    both = fixed[a] + fixed[b] + (k - 1) * (stored[a] + stored[b])
+    at_k = buffers(copies, edge_in[a], edge_out[b])
+    during_a = both + stored[a] + grad[b] + transient[a] + at_k
+    during_b = both + stored[a] + stored[b] + transient[b] + at_k
+    after = (
+        both
+        + grad[a]
+        + grad[b]
+        + np.maximum(transient[a], transient[b])
+        + buffers(later, edge_in[a], edge_out[b])
+    )
+    pair[:, 1:] = np.maximum(np.maximum(during_a, during_b), after) + costs.constant_bytes
+    return isolated, pair
 
 
 def capslog_split(costs: LayerCosts) -> list[int]:

@@ -273,17 +273,18 @@ def _why_no_config(num_layers: int, cluster: Cluster, training: TrainingConfig) 
 def memory_lower_bound(costs: LayerCosts) -> int:
     """A peak no split of this config can beat (bytes per GPU).
 
-    Every layer sits in some stage, whose peak is at least the layer's states, k_min stored
+    Every layer sits in some stage, whose peak is at least the layer's states (without its
+    gradients where a peak can come before them, ``LayerCosts.state_lower_bytes``), k_min stored
     micro-batches and its transient; and the p stage peaks together hold every layer's states and
     at least k_min stored micro-batches of each, so the largest is >= their sum / p. Plus a
     calibration's constant, which every stage carries.
     """
     k_min = min(costs.in_flight)
     stored, transient, _ = costs.bounding_coefficients(np.minimum)
-    per_layer = costs.state_bytes + k_min * stored
+    per_layer = costs.state_lower_bytes + k_min * stored
     single = int((per_layer + transient).max())
     # with interleaving the p ranks together hold least_held micro-batches of every chunk
-    spread_layer = costs.state_bytes + costs.least_held * stored
+    spread_layer = costs.state_lower_bytes + costs.least_held * stored
     spread = -(-int(spread_layer.sum()) // costs.num_ranks)
     return costs.constant_bytes + max(single, spread)
 

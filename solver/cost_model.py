@@ -51,6 +51,19 @@ Memory of stage s (bytes per GPU):
               b A'_l joins both terms: the layer being recomputed re-materialises its saved
               tensors while it runs
   peak_s    = states_s + acts_s + buffers_s + trans_s
+  edges naming one tensor (Edge.tensor) count once per stage: it crosses every boundary from its
+              producer's stage to its farthest consumer's (``boundary_bytes``)
+  torch runtime: the last layer's stored bytes += b unsaved_output_bytes (graph meta): a
+              pipeline's loss_fn keeps the model's output per in-flight micro-batch
+  grad lifetime "step" (``TrainingConfig.grad_lifetime``; torch's zero_grad(set_to_none=True)),
+              on a stage whose forwards all precede its first backward (GPipe, 1F1B with
+              m <= p - s; ``LayerCosts.first_backward_peak``), layers l in forward order:
+              peak_s = weights + optimizer + max(max_l during(l), after) with
+              during(l) = (k-1)(stored_s + relay_s) + relay_s + stored(<= l) + grads(> l)
+                          + trans_l + buffers(k),
+              after     = (k-1)(stored_s + relay_s) + grads_s + trans_s + buffers(k-1)
+              (``first_backward_moments``); DDP on torch keeps its buckets beside the fresh
+              .grad all step: + g P'_l per layer (``ddp_bucket_bytes``)
 
 Recomputation (``ParallelConfig.recompute``): "none" recomputes no layer, "full" every layer,
 "selective" the layers a solver chooses; :class:`LayerCosts` carries both states of every layer
@@ -296,6 +309,10 @@ class LayerCosts:
     """Edge destination positions."""
     edge_bytes: np.ndarray
     """Bytes an edge carries per micro-batch per GPU (b bytes, / t with sequence parallelism)."""
+    edge_tensor: np.ndarray | None = None
+    """The tensor each edge carries, as an index (edges of one tensor share it: the graph's
+    ``Edge.tensor``); None: a tensor per edge. A stage receives, sends and relays each tensor
+    once (``boundary_bytes``, ``tensor_groups``)."""
     in_flight: list[int]
     """k_j for each (virtual) stage j: the most micro-batches whose activations it holds at once
     (``in_flight_vectors``; k_s of the module docstring without interleaving)."""
@@ -327,8 +344,17 @@ class LayerCosts:
     """time_ns of a recomputed layer (the forward runs twice)."""
     recomputable: np.ndarray | None = None
     """Which layers the runtime can recompute (``recomputable_layers``); None: every layer."""
+    grad_lifetime: str = "persistent"
+    """When the ``.grad`` gradients (``grad_bytes``) exist: persistent (all step) or step (from
+    each layer's first backward of the step; ``first_backward_peak``)."""
+    grad_buffer_bytes: np.ndarray | None = None
+    """Gradient buffers kept for the whole run beside ``.grad``, per GPU, bytes: DDP's buckets
+    when ``zero_grad(set_to_none=True)`` frees ``.grad`` (``ddp_bucket_bytes``); None: none.
+    Part of ``state_bytes`` and of a stage's ``grad_bytes``."""
 
     def __post_init__(self) -> None:
+        if self.edge_tensor is None:
+            self.edge_tensor = np.arange(len(self.edge_src), dtype=np.int64)
         if not self.in_flight_vectors:
             self.in_flight_vectors = [[(k,)] for k in self.in_flight]
         if not self.backwards_done:
@@ -365,7 +391,17 @@ class LayerCosts:
         gradient sent back stays alive until then: (m - held + done, m + held + done)
         (measured, ``benchmarks/bench_accuracy.md``)."""
         if self.config.virtual_stages == 1:
-            return self.receive_copies[stage], self.send_copies[stage]
+            if held == self.in_flight[stage]:
+                return self.receive_copies[stage], self.send_copies[stage]
+            return boundary_copies(  # a later moment of the schedule (first_backward_peak)
+                self.runtime,
+                self.config.schedule,
+                self.config.num_microbatches,
+                self.num_stages,
+                stage,
+                deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
+                held=held,
+            )
         m, last = self.config.num_microbatches, self.num_stages - 1
         if self.runtime == "megatron":
             if self.deallocate_pipeline_outputs:
@@ -375,6 +411,37 @@ class LayerCosts:
             (0 if stage == 0 else m - held + done),
             (0 if stage == last else m + held + done),
         )
+
+    @cached_property
+    def tensor_groups(self) -> list[tuple[list[int], int]]:
+        """(edges, bytes per micro-batch) of every tensor that edges carry, in order of first
+        edge; one edge each unless the graph names a tensor sent to several consumers."""
+        groups: dict[int, list[int]] = {}
+        for edge, tensor in enumerate(self.edge_tensor.tolist()):
+            groups.setdefault(tensor, []).append(edge)
+        return [(edges, int(self.edge_bytes[edges[0]])) for edges in groups.values()]
+
+    @cached_property
+    def first_backward_peak(self) -> list[bool]:
+        """Per (virtual) stage: its gradients appear during its first backward and no forward
+        follows it, so its peak is one of the moments of ``first_backward_moments`` rather than
+        the persistent one. True where the gradient lifetime is "step" and every forward of the
+        step runs before the stage's first backward: GPipe, or 1F1B with m <= p - s (k_s = m).
+        Under 1F1B with m > p - s a forward follows the first backward, holding k_s micro-batches
+        and every gradient: the persistent moment, exactly. Interleaved stages keep the
+        persistent moment (an upper bound: fewer gradients never take memory)."""
+        m = self.config.num_microbatches
+        late = self.grad_lifetime == "step" and self.config.virtual_stages == 1
+        return [late and k == m for k in self.in_flight]
+
+    @cached_property
+    def state_lower_bytes(self) -> np.ndarray:
+        """Per layer, states a stage holding it keeps at its peak at least: the weights and
+        optimizer state, plus the gradients unless some stage's peak can come before them
+        (``first_backward_peak``), bytes (for lower bounds)."""
+        if any(self.first_backward_peak):
+            return self.state_bytes - self.grad_bytes
+        return self.state_bytes
 
     @property
     def selective(self) -> bool:
@@ -462,8 +529,9 @@ class LayerCosts:
 
     @cached_property
     def state_bytes(self) -> np.ndarray:
-        """Weights + gradients + optimizer per GPU, bytes."""
-        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+        """Weights + gradients (+ gradient buffers) + optimizer per GPU, bytes."""
+        states = self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+        return states if self.grad_buffer_bytes is None else states + self.grad_buffer_bytes
 
     @property
     def pipeline_factor(self) -> int:
@@ -522,6 +590,12 @@ def layer_costs(
         edge_bytes = _ceil_div(edge_bytes, t)
     weight, grad, optimizer = _model_state_bytes(params_times_t, config, training)
     stored, transient = _activation_bytes(cols, params_times_t, saved_times_t, config, training)
+    if training.runtime == "torch":
+        # torch.distributed.pipelining's loss_fn(output, target) runs outside the model: the
+        # last stage keeps each in-flight micro-batch's output until its backward, beside what
+        # the loss saves; the part no op saved is not in the graph's activation_bytes
+        held_output = b * unsaved_output_bytes(graph)
+        stored = tuple(np.concatenate([kept[:-1], kept[-1:] + held_output]) for kept in stored)
     time_ns = _time_ns(cols, config, cluster)
     recomputable = recomputable_layers(graph, training.runtime)
     stored, transient, time_ns = (
@@ -548,6 +622,7 @@ def layer_costs(
         edge_src=cols["edge_src"],
         edge_dst=cols["edge_dst"],
         edge_bytes=scaled(edge_bytes, "buffers"),
+        edge_tensor=cols["edge_tensor"],
         constant_bytes=0 if calibration is None else calibration.constant_bytes,
         in_flight=in_flight,
         in_flight_vectors=vectors,
@@ -556,11 +631,45 @@ def layer_costs(
         send_copies=send_copies,
         runtime=training.runtime,
         deallocate_pipeline_outputs=training.deallocate_pipeline_outputs,
+        grad_lifetime=training.grad_lifetime,
+        grad_buffer_bytes=ddp_bucket_bytes(config, training, scaled(grad, "grads")),
     )
     if training.memory_model == "empirical":
         _check_empirical_options(config, calibration)
         return empirical_layer_costs(graph, config, costs)
     return costs
+
+
+def unsaved_output_bytes(graph: LayerGraph) -> int:
+    """Bytes per sample of the model's output (its last layer's) that no op saves for backward:
+    the graph's ``meta["unsaved_output_bytes"]`` (``profiling.export`` writes it; 0 when absent,
+    as in graphs written before it). HuggingFace's ``lm_head`` returns the logits, which the
+    linear does not save: all of them; the zoo's head returns the loss: 4 bytes."""
+    value = graph.meta.get("unsaved_output_bytes", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 2**50:
+        raise InputError(
+            f"{graph.source}: $.meta.unsaved_output_bytes: {value!r} is not a byte count in "
+            "0..2^50; give the per-sample bytes of the last layer's output no op saves, or "
+            "remove the field"
+        )
+    return value
+
+
+def ddp_bucket_bytes(
+    config: ParallelConfig, training: TrainingConfig, grad: np.ndarray
+) -> np.ndarray | None:
+    """DDP's gradient buckets beside ``.grad`` (per layer, bytes), or None. On the torch runtime
+    DDP (dp > 1, ZeRO 0 or 1; ``profiling.run`` builds it with ``gradient_as_bucket_view``)
+    allocates its buckets when it is built and keeps them; ``.grad`` is a view of them only
+    until ``zero_grad(set_to_none=True)`` frees it: the next backward makes fresh gradients,
+    which live beside the buckets until the step ends (torch's DDP docs: "the bucket view alias
+    is destroyed every iteration"; measured: +1 gradient copy, -15% under-predicted without
+    it). So with the step lifetime the buckets are a persistent second copy; with persistent
+    gradients ``.grad`` stays the bucket view."""
+    if training.runtime == "torch" and training.grad_lifetime == "step":
+        if config.dp > 1 and config.zero <= 1:
+            return grad.copy()
+    return None
 
 
 MAX_EXACT_BYTES = 2**62
@@ -611,7 +720,7 @@ def check_exact_range(
     memory = (
         scale
         * (
-            (2 * w + g + o) * totals["params"]
+            (2 * w + 2 * g + o) * totals["params"]  # + DDP's buckets
             + held * b * (totals["activation_bytes"] + totals["output_bytes"] + totals["edges"])
             + (max(receive_copies) + max(send_copies)) * v * b * totals["edges"]
             + b * totals["largest"] * 2
@@ -944,9 +1053,21 @@ def _graph_columns(graph: LayerGraph) -> dict[str, np.ndarray]:
         edge_src=np.array([position[e.src] for e in graph.edges], dtype=np.int64),
         edge_dst=np.array([position[e.dst] for e in graph.edges], dtype=np.int64),
         edge_bytes=np.array([e.bytes for e in graph.edges], dtype=np.int64),
+        edge_tensor=_edge_tensors(graph),
     )
     graph._columns = cols
     return cols
+
+
+def _edge_tensors(graph: LayerGraph) -> np.ndarray:
+    """An index per edge: edges naming one tensor (``Edge.tensor``) share it, others get their
+    own."""
+    index: dict[str, int] = {}
+    tensors = []
+    for position, edge in enumerate(graph.edges):
+        key = f"#{position}" if edge.tensor is None else edge.tensor
+        tensors.append(index.setdefault(key, len(index)))
+    return np.array(tensors, dtype=np.int64)
 
 
 @dataclass(kw_only=True)
@@ -1012,7 +1133,7 @@ def stage_costs(
     mask = costs.recompute_mask(recomputed)
     stored_per_layer, transient_per_layer, time_per_layer = costs.coefficients(mask)
     num_stages = costs.num_stages
-    into, out_of, relayed = _boundary_bytes(costs, stage_of)
+    into, out_of, relayed = boundary_bytes(costs, stage_of)
     weight, grad, optimizer, stored, time_ns, sync_ns = (
         _per_stage_sum(values, stage_of, num_stages)
         for values in (
@@ -1024,6 +1145,10 @@ def stage_costs(
             costs.dp_sync_ns,
         )
     )
+    if costs.grad_buffer_bytes is not None:  # DDP's buckets, beside .grad all step
+        buckets = _per_stage_sum(costs.grad_buffer_bytes, stage_of, num_stages)
+    else:
+        buckets = np.zeros(num_stages, dtype=np.int64)
     transient = np.zeros(num_stages, dtype=np.int64)
     np.maximum.at(transient, stage_of, transient_per_layer)
     members = np.argsort(stage_of, kind="stable")
@@ -1032,20 +1157,33 @@ def stage_costs(
     stages = []
     for rank in range(len(costs.in_flight_vectors)):
         own = costs.stages_of_rank(rank)
-        activations, buffers, vector = _rank_peak_moment(costs, rank, kept, into, out_of)
         chunks = [members[bounds[j] : bounds[j + 1]].tolist() for j in own]
         layers = [layer for chunk in chunks for layer in chunk]
+        grads, largest = int(grad[own].sum()), int(transient[own].max())
+        activations, buffers, vector = _rank_peak_moment(costs, rank, kept, into, out_of)
+        if costs.config.virtual_stages == 1 and costs.first_backward_peak[rank]:
+            moments = first_backward_moments(
+                costs,
+                rank,
+                chunks[0],
+                stored_per_layer,
+                transient_per_layer,
+                int(relayed[rank]),
+                into,
+                out_of,
+            )
+            grads, activations, buffers, largest = max(moments, key=sum)
         stages.append(
             StageCost(
                 index=rank,
                 layers=layers,
                 recomputed=[layer for layer in layers if mask[layer]],
                 weight_bytes=int(weight[own].sum()),
-                grad_bytes=int(grad[own].sum()),
+                grad_bytes=grads + int(buckets[own].sum()),
                 optimizer_bytes=int(optimizer[own].sum()),
                 activation_bytes=activations,
                 buffer_bytes=buffers,
-                transient_bytes=int(transient[own].max()),
+                transient_bytes=largest,
                 in_flight=sum(vector),
                 time_ns=int(time_ns[own].sum()),
                 dp_sync_ns=int(sync_ns[own].sum()),
@@ -1057,26 +1195,81 @@ def stage_costs(
     return stages
 
 
-def _boundary_bytes(
+def first_backward_moments(
+    costs: LayerCosts,
+    stage: int,
+    layers: list[int],
+    stored: np.ndarray,
+    transient: np.ndarray,
+    relayed: int,
+    into: np.ndarray,
+    out_of: np.ndarray,
+) -> list[tuple[int, int, int, int]]:
+    """(gradients, activations, buffers, transient) bytes of a stage whose gradients appear at
+    its first backward (``LayerCosts.first_backward_peak``: step lifetime, every forward before
+    it), at the moments that bound its peak. ``layers``: the stage's layer positions in forward
+    order; ``stored``, ``transient``: per layer per micro-batch (recompute set applied).
+
+    During the first backward, while layer l runs its backward (the stage's layers in reverse):
+    the k - 1 other in-flight micro-batches keep everything, the current one its relayed tensors
+    and the stored bytes of layers up to l (autograd frees a node's saved tensors once its
+    backward has run), the layers after l have their gradients, and l has its transient, whose
+    weight-gradient temporary is now the first of l's gradients being made (there is no
+    ``.grad`` to add it to yet):
+
+        during(l) = (k - 1) (stored_s + relay_s) + relay_s + stored(<= l) + grads(> l)
+                    + transient_l + buffers at k held
+
+    during(last layer) is the start of the first backward: every activation and no gradient.
+    After the first backward every gradient exists and at most k - 1 micro-batches are held (the
+    later backwards free more; a safe bound):
+
+        after = (k - 1) (stored_s + relay_s) + grads_s + max transient_s + buffers at k - 1 held
+
+    Measured on gpt-tiny (fp32, gloo, ``profiling.run``): a 1F1B stage with m = p peaks in its
+    last block's backward at its first weight gradient, with no gradient accumulated yet, within
+    0.2% of during(l). With the states (weights, optimizer) the largest moment is the stage's
+    peak, at most the persistent one (k held with every gradient)."""
+    k = costs.in_flight[stage]
+    grads = costs.grad_bytes[layers]
+    stored_here = stored[layers]
+    total_stored, total_grads = int(stored_here.sum()), int(grads.sum())
+    before = np.cumsum(stored_here)  # stored(<= l)
+    later = total_grads - np.cumsum(grads)  # grads(> l)
+    receive, send = costs.copies_at(stage, k)
+    buffers_k = int(receive * into[stage] + send * out_of[stage])
+    held = (k - 1) * (total_stored + relayed)
+    moments = [
+        (int(g), held + relayed + int(a), buffers_k, int(t))
+        for g, a, t in zip(later, before, transient[layers], strict=True)
+    ]
+    receive, send = costs.copies_at(stage, k - 1)
+    after_buffers = int(receive * into[stage] + send * out_of[stage])
+    moments.append((total_grads, held, after_buffers, int(transient[layers].max(initial=0))))
+    return moments
+
+
+def boundary_bytes(
     costs: LayerCosts, stage_of: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(into, out_of, relayed) per (virtual) stage, per sample: the edge bytes a stage receives,
-    the bytes it sends, and those it relays (a relayed edge is received, kept in flight and sent
-    on)."""
+    """(into, out_of, relayed) per (virtual) stage, per micro-batch: the bytes a stage
+    receives, the bytes it sends, and those it relays, each tensor counted once per stage
+    (``LayerCosts.tensor_groups``). A tensor made on stage a whose farthest consumer is on
+    stage c > a crosses every boundary between them: a sends it, c receives it, and every stage
+    in between receives it, keeps it in flight and sends it on (relay), whatever it consumes
+    itself."""
     num_stages = costs.num_stages
-    first, last = stage_of[costs.edge_src], stage_of[costs.edge_dst]
-    crossing = first != last
-    nbytes = costs.edge_bytes[crossing]
-    # an edge leaves its producer's stage and enters its consumer's stage ...
     sent = np.zeros(num_stages, dtype=np.int64)
     received = np.zeros(num_stages, dtype=np.int64)
-    np.add.at(sent, first[crossing], nbytes)
-    np.add.at(received, last[crossing], nbytes)
-    # ... and every stage in between receives it, sends it on and keeps it in flight (relay)
     relayed = np.zeros(num_stages, dtype=np.int64)
-    for src, dst, size in zip(first[crossing], last[crossing], nbytes, strict=True):
-        if dst - src > 1:
-            relayed[src + 1 : dst] += size
+    producer, consumer = stage_of[costs.edge_src], stage_of[costs.edge_dst]
+    for edges, size in costs.tensor_groups:
+        made, farthest = int(producer[edges[0]]), int(consumer[edges].max())
+        if farthest == made or not size:
+            continue
+        sent[made] += size
+        received[farthest] += size
+        relayed[made + 1 : farthest] += size
     return received + relayed, sent + relayed, relayed
 
 

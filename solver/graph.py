@@ -122,6 +122,9 @@ class Edge:
     src: str
     dst: str
     bytes: int
+    tensor: str | None = None
+    """Which tensor the edge carries ("<producer>:<index>"): edges naming one tensor are one
+    tensor sent to several consumers, counted once per stage by the cost model; None: its own."""
 
 
 @dataclass(kw_only=True)
@@ -158,12 +161,14 @@ class LayerGraph:
         return pairs == [(i, i + 1) for i in range(self.num_layers - 1)]
 
     def to_networkx(self) -> nx.DiGraph:
-        """Nodes carry the layer fields as attributes; edges carry ``bytes``."""
+        """Nodes carry the layer fields as attributes; edges carry ``bytes`` (summed over the
+        tensors a pair of layers passes)."""
         graph = nx.DiGraph(model=self.model, meta=self.meta)
         for layer in self.layers:
             graph.add_node(layer.name, **asdict(layer))
-        for edge in self.edges:
-            graph.add_edge(edge.src, edge.dst, bytes=edge.bytes)
+        for edge in self.edges:  # two tensors between one pair: one edge, their bytes summed
+            earlier = graph.get_edge_data(edge.src, edge.dst, default={"bytes": 0})["bytes"]
+            graph.add_edge(edge.src, edge.dst, bytes=earlier + edge.bytes)
         return graph
 
     def to_dict(self) -> dict[str, Any]:
@@ -186,7 +191,10 @@ class LayerGraph:
             document["meta"] = self.meta
         document["layers"] = layers
         if self.edges_given:
-            document["edges"] = [asdict(edge) for edge in self.edges]
+            document["edges"] = [
+                {key: value for key, value in asdict(edge).items() if value is not None}
+                for edge in self.edges
+            ]
         return document
 
     def save(self, path: str | Path) -> None:
@@ -236,7 +244,10 @@ def graph_from_dict(document: Any, *, origin: str = "<dict>") -> LayerGraph:
     position = {layer.name: i for i, layer in enumerate(layers)}
     edges_given = "edges" in document
     if edges_given:
-        edges = [Edge(src=e["src"], dst=e["dst"], bytes=int(e["bytes"])) for e in document["edges"]]
+        edges = [
+            Edge(src=e["src"], dst=e["dst"], bytes=int(e["bytes"]), tensor=e.get("tensor"))
+            for e in document["edges"]
+        ]
         _check_edges(edges, position, origin)
     else:
         edges = [Edge(src=a.name, dst=b.name, bytes=a.output_bytes) for a, b in pairwise(layers)]
@@ -373,7 +384,8 @@ def _check_layers(layers: list[Layer], origin: str) -> None:
 
 
 def _check_edges(edges: list[Edge], position: dict[str, int], origin: str) -> None:
-    seen_pairs: set[tuple[str, str]] = set()
+    seen_pairs: dict[tuple[str, str], list[str | None]] = {}
+    tensors: dict[str, tuple[int, Edge]] = {}
     for i, edge in enumerate(edges):
         for end in ("src", "dst"):
             name = getattr(edge, end)
@@ -386,12 +398,22 @@ def _check_edges(edges: list[Edge], position: dict[str, int], origin: str) -> No
             raise InputError(
                 f"{origin}: $.edges[{i}]: self-loop on {quote(edge.src)}; remove the edge"
             )
-        if (edge.src, edge.dst) in seen_pairs:
+        # one pair may pass several tensors, each edge naming its own
+        named = seen_pairs.setdefault((edge.src, edge.dst), [])
+        if named and (edge.tensor is None or None in named or edge.tensor in named):
             raise InputError(
                 f"{origin}: $.edges[{i}]: duplicate edge {quote(edge.src)} -> {quote(edge.dst)}; "
-                "merge them into one edge with the summed bytes"
+                "merge them into one edge with the summed bytes, or name the tensor each carries"
             )
-        seen_pairs.add((edge.src, edge.dst))
+        named.append(edge.tensor)
+        if edge.tensor is not None:
+            first = tensors.setdefault(edge.tensor, (i, edge))
+            if (first[1].src, first[1].bytes) != (edge.src, edge.bytes):
+                raise InputError(
+                    f"{origin}: $.edges[{i}].tensor: {quote(edge.tensor)} also names "
+                    f"$.edges[{first[0]}], from {quote(first[1].src)} with {first[1].bytes} "
+                    "bytes; a tensor has one producer and one size (rename one of them)"
+                )
     graph = nx.DiGraph((e.src, e.dst) for e in edges)
     if not nx.is_directed_acyclic_graph(graph):
         cycle = " -> ".join(quote(u, 40) for u, _ in nx.find_cycle(graph)[:8])

@@ -306,7 +306,8 @@ def _build(document: dict[str, Any], origin: str, kind: str) -> PlanFile:
             training = TrainingConfig(
                 **{
                     key: tuple(value) if isinstance(value, list) else value
-                    for key, value in options.items()
+                    # plans written before grad_lifetime existed ran with persistent gradients
+                    for key, value in {"grad_lifetime": "persistent", **options}.items()
                 },
                 reserve=reserve,
                 runtime=document["runtime"],

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from solver.cost_model import PPM
 from solver.errors import InputError
 from solver.evaluation import Evaluation
@@ -103,6 +105,19 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
             for g in cluster.groups
         ]
     return document
+
+
+def _grad_lifetime_text(evaluation) -> str:
+    """How the plan counts gradients (``TrainingConfig.grad_lifetime``; DDP keeps its buckets)."""
+    from solver.cost_model import ddp_bucket_bytes
+
+    training = evaluation.training
+    if training.grad_lifetime == "persistent":
+        return "persistent (--grad-lifetime persistent)"
+    text = "from each layer's first backward (zero_grad(set_to_none=True), --grad-lifetime step)"
+    if ddp_bucket_bytes(evaluation.config, training, np.zeros(1)) is not None:
+        text += ", beside DDP's buckets"
+    return text
 
 
 def training_to_dict(training: TrainingConfig) -> dict[str, Any]:
@@ -296,7 +311,10 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
             "at mem_isolated; buffers = each later stage's first-layer mem_isolated - mem_added)"
         )
     if evaluation.training.runtime != "megatron":
-        lines.append(f"runtime: {evaluation.training.runtime} (its pipeline buffers are counted)")
+        lines.append(
+            f"runtime: {evaluation.training.runtime} (its pipeline buffers are counted); "
+            f"gradients: {_grad_lifetime_text(evaluation)}"
+        )
     elif not evaluation.training.deallocate_pipeline_outputs:
         lines.append(
             "runtime: megatron, sent pipeline outputs kept until their backward "

@@ -39,6 +39,15 @@ GRAD_BYTES_PER_PARAM = {
 Megatron-LM's DistributedDataParallel accumulates bf16 training's gradients in an fp32
 ``main_grad`` buffer (``accumulate_allreduce_grads_in_fp32``: 4); torch keeps them in the
 parameters' dtype (bf16: 2)."""
+GRAD_LIFETIMES = ("persistent", "step")
+"""When gradients exist (``TrainingConfig.grad_lifetime``): persistent, for the whole step (a
+gradient buffer: Megatron's ``main_grad``, DDP's ``gradient_as_bucket_view`` buckets,
+``zero_grad(set_to_none=False)``); step, from each layer's first backward of the step to the
+optimizer step (``optimizer.zero_grad()``, torch's default ``set_to_none=True``)."""
+DEFAULT_GRAD_LIFETIME = {"megatron": "persistent", "torch": "step"}
+"""``TrainingConfig.grad_lifetime`` when None: megatron-core allocates ``main_grad`` in a buffer
+for the run; torch users call ``optimizer.zero_grad()`` (``set_to_none=True`` since torch 2.0;
+torchtitan does), so gradients are freed every step (docs/cost-model.md, "Gradient lifetime")."""
 MEMORY_MODELS = ("analytic", "empirical")
 MEMORY_OBJECTIVES = ("utilization", "absolute")
 """What "memory" minimises on a heterogeneous cluster: the largest stage peak / capacity of its
@@ -250,6 +259,15 @@ class TrainingConfig:
     given: ``DEFAULT_RESERVE`` (1 GiB + 5%), or none under a calibration with a per-GPU
     constant; pass the same here to plan as the CLIs do."""
 
+    grad_lifetime: str | None = None
+    """When gradients exist (``GRAD_LIFETIMES``): persistent (all step: a gradient buffer,
+    Megatron's ``main_grad``, DDP buckets, ``zero_grad(set_to_none=False)``) or step
+    (``optimizer.zero_grad()`` with torch's default ``set_to_none=True``: each layer's gradients
+    appear at its first backward of the step). None: the runtime's (``DEFAULT_GRAD_LIFETIME``:
+    persistent on megatron, step on torch), resolved when the config is made like
+    ``grad_bytes_per_param``. On the torch runtime DDP (dp > 1, ZeRO 0 or 1) keeps gradients in
+    its buckets, so the cost model counts them persistent there whatever this says."""
+
     @property
     def memory_reserve(self) -> MemoryReserve:
         """The reserve in force: the given one, else none."""
@@ -321,6 +339,18 @@ class TrainingConfig:
             if name in filled:
                 object.__setattr__(self, name, value)
         object.__setattr__(self, "bytes_from_table", filled)
+        if self.grad_lifetime is None:
+            object.__setattr__(self, "grad_lifetime", DEFAULT_GRAD_LIFETIME[self.runtime])
+        _require(
+            self.grad_lifetime in GRAD_LIFETIMES,
+            f"grad_lifetime must be one of {GRAD_LIFETIMES}, got {quote(self.grad_lifetime)}",
+        )
+        _require(
+            self.runtime == "torch" or self.grad_lifetime == "persistent",
+            f"grad_lifetime {quote(self.grad_lifetime)} with runtime megatron: megatron-core "
+            "keeps gradients in its main_grad buffer for the whole run; use --grad-lifetime "
+            "persistent or --runtime torch",
+        )
         _require(
             self.objective in OBJECTIVES,
             f"objective must be one of {OBJECTIVES}, got {quote(self.objective)}",

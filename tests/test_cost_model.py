@@ -68,6 +68,9 @@ SPLIT = [0, 1, 1, 2]
 
 
 def costs_for(config: ParallelConfig, runtime: str = "torch", **options):
+    """The toy graph's coefficients; gradients persistent unless ``grad_lifetime`` is given
+    (the step lifetime's moments: tests/test_grad_lifetime.py)."""
+    options.setdefault("grad_lifetime", "persistent")
     training = TrainingConfig(global_batch=config.global_batch, runtime=runtime, **options)
     return layer_costs(GRAPH, config, CLUSTER, training)
 
@@ -135,7 +138,10 @@ def test_megatron_without_deallocation_keeps_the_sent_outputs_in_flight():
 )
 def test_model_states_per_parameter_by_runtime(runtime, zero, options, bytes_per_param):
     config = ParallelConfig(pp=1, tp=1, dp=4, micro_batch=1, num_microbatches=1, zero=zero)
-    training = TrainingConfig(global_batch=4, runtime=runtime, **options)
+    # persistent gradients: torch's default (step) adds DDP's buckets (tests/test_grad_lifetime.py)
+    training = TrainingConfig(
+        global_batch=4, runtime=runtime, grad_lifetime="persistent", **options
+    )
     (stage,) = stage_costs(layer_costs(GRAPH, config, CLUSTER, training), [0, 0, 0, 0])
     params = 1000 + 200 + 300 + 50
     states = stage.weight_bytes + stage.grad_bytes + stage.optimizer_bytes

@@ -269,14 +269,18 @@ def test_residual_cnn_edges():
     graph = profile_module(BranchNet(c), (torch.randn(2, 3, r, r),), layers=layers)
     act = 4 * c * r * r
     assert graph.edges_given and graph.names == layers
-    assert sorted((e.src, e.dst, e.bytes) for e in graph.edges) == sorted(
+    # what torch.distributed.pipelining.pipeline() sends with a split at each layer (its
+    # split_gm: right's stage receives stem and left, merge's stage the sum and stem): glue
+    # runs on the stage of the layer that finished last, so left + right is made on right's
+    # stage and merged + stem on merge's; stem's output is one tensor on three edges
+    assert sorted((e.src, e.dst, e.bytes, e.tensor) for e in graph.edges) == sorted(
         [
-            ("stem", "left", act),
-            ("stem", "right", act),
-            ("left", "merge", act),  # left + right in glue: both feed merge
-            ("right", "merge", act),
-            ("merge", "out", act),
-            ("stem", "out", act),  # the long skip
+            ("stem", "left", act, "stem:0"),
+            ("stem", "right", act, "stem:0"),
+            ("left", "right", act, None),  # left + right, in glue after right
+            ("right", "merge", act, None),
+            ("stem", "merge", act, "stem:0"),  # merged + stem, in glue after merge
+            ("merge", "out", act, None),
         ]
     )
 

@@ -4,6 +4,10 @@ For stage s = layers i..j (0-based, inclusive) ``cost_model.stage_costs`` reduce
   peak_s(i, j) = sum state[i..j] + k_s sum stored[i..j] + R_s e[i-1] + S_s e[j]
                  + max transient[i..j]                  (a chain relays no edge)
   (R_s, S_s: the cost model's boundary copies, 0 on the first / last stage)
+  on a stage whose gradients appear at its first backward (``LayerCosts.first_backward_peak``)
+  instead max(during, after) of ``cost_model.first_backward_moments``: max_l during(l) is a range
+  maximum of stored_prefix[l+1] - grad_prefix[l+1] + transient_l (sparse table), and the
+  monotone relaxation counts the states without gradients (a lower bound of during(j))
   T(i, j) = sum time_ns[i..j],  AR(i, j) = sum dp_sync_ns[i..j],
   iteration = F max_s T_s + max_s AR_s  with F = m + p - 1.
 
@@ -146,8 +150,21 @@ class _Chain:
         self.transient_max = int(transient.max())
         self._transient_table = _sparse_max_table(transient)
         self._log2 = np.floor(np.log2(np.arange(1, self.num_layers + 1))).astype(np.int64)
-        self._memory_prefix: dict[int, np.ndarray] = {}
+        self._memory_prefix: dict[tuple[int, bool], np.ndarray] = {}
         self._rules: tuple[_Limits, list] | None = None
+        # stages whose gradients appear at the first backward (cost_model.first_backward_moments)
+        self.late = np.asarray(costs.first_backward_peak, dtype=bool)
+        self.grad_prefix = prefix(costs.grad_bytes)
+        self.ungraded_prefix = self.state_prefix - self.grad_prefix
+        if self.late.any():
+            # stored(i..l) + grads(l+1..j) + transient_l = h[l] - stored_prefix[i]
+            # + grad_prefix[j + 1]
+            self._during_table = _sparse_max_table(
+                self.stored_prefix[1:] - self.grad_prefix[1:] + costs.transient_bytes
+            )
+        after = [costs.copies_at(s, max(0, int(k) - 1)) for s, k in enumerate(self.in_flight)]
+        self.after_receive = np.array([r for r, _ in after], dtype=np.int64)  # R_s at k_s - 1
+        self.after_send = np.array([c for _, c in after], dtype=np.int64)
 
     # -- stage quantities ------------------------------------------------------------------
 
@@ -156,16 +173,26 @@ class _Chain:
             raise _TimeUp
 
     def memory_prefix(self, stage: int) -> np.ndarray:
-        """Prefix sums of state + k_s stored, bytes (length L + 1)."""
-        k = int(self.in_flight[stage])
-        if k not in self._memory_prefix:
-            self._memory_prefix[k] = self.state_prefix + k * self.stored_prefix
-        return self._memory_prefix[k]
+        """Prefix sums of state + k_s stored, bytes (length L + 1); without the gradients on a
+        stage whose peak can precede them (``late``: its first-backward moments are at least
+        that, at the last layer)."""
+        key = (int(self.in_flight[stage]), bool(self.late[stage]))
+        if key not in self._memory_prefix:
+            states = self.ungraded_prefix if key[1] else self.state_prefix
+            self._memory_prefix[key] = states + key[0] * self.stored_prefix
+        return self._memory_prefix[key]
 
     def boundary_floor(self, stage: int) -> int:
         """Smallest possible buffers + transient of a stage, bytes (the relaxation's constant)."""
         copies = self.receive_copies[stage] + self.send_copies[stage]
+        if self.late[stage]:
+            copies = min(copies, self.after_receive[stage] + self.after_send[stage])
         return int(copies) * self.edge_min + self.transient_min + self.constant_bytes
+
+    def range_max(self, table: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """max values[i..j] for each pair from a ``_sparse_max_table`` of the values."""
+        level = self._log2[ends - starts]
+        return np.maximum(table[level, starts], table[level, ends - (1 << level) + 1])
 
     def transient(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """max transient[i..j] for each pair, bytes (sparse-table range maximum)."""
@@ -188,7 +215,35 @@ class _Chain:
         )
         value = value + self.receive_copies[stage] * self.edge_in[starts]
         value = value + self.send_copies[stage] * self.edge_out[ends]
-        return value + self.transient(starts, ends) + self.constant_bytes
+        late = self.late[stage]
+        if not np.any(late):
+            return value + self.transient(starts, ends) + self.constant_bytes
+        # cost_model.first_backward_moments on a chain (no relays): during the first backward
+        # the largest of stored(i..l) + grads(l+1..j) + transient_l over l, beside the states
+        # without gradients and k - 1 whole micro-batches; after it every gradient, k - 1 held
+        starts, ends = np.broadcast_arrays(starts, ends)
+        stage = np.broadcast_to(stage, starts.shape)
+        states = self.state_prefix[ends + 1] - self.state_prefix[starts]
+        held = (k - 1) * (self.stored_prefix[ends + 1] - self.stored_prefix[starts])
+        during = (
+            states
+            - (self.grad_prefix[ends + 1] - self.grad_prefix[starts])
+            + held
+            + self.range_max(self._during_table, starts, ends)
+            - self.stored_prefix[starts]
+            + self.grad_prefix[ends + 1]
+            + self.receive_copies[stage] * self.edge_in[starts]
+            + self.send_copies[stage] * self.edge_out[ends]
+        )
+        after = (
+            states
+            + held
+            + self.after_receive[stage] * self.edge_in[starts]
+            + self.after_send[stage] * self.edge_out[ends]
+            + self.transient(starts, ends)
+        )
+        persistent = value + self.transient(starts, ends)
+        return np.where(late, np.maximum(during, after), persistent) + self.constant_bytes
 
     def measure(self, starts: np.ndarray) -> tuple[int, int, int]:
         """(max peak bytes, max T_s ns, max AR_s ns) of a split given by its stage starts."""

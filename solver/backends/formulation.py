@@ -7,14 +7,17 @@ The formulation (``cpsat.py`` and ``milp.py`` build it through :class:`PrefixFor
                                      y[l][-1] = 0 and y[l][p-1] = 1 are constants
   x[l][s] = y[l][s] - y[l][s-1]      layer l sits on stage s (linear, no variable)
   c[e][s] = y[u][s] - y[v][s]        edge e crosses the boundary s | s+1 (in {0, 1} by precedence)
-  r[e][s] >= y[u][s-1] - y[v][s]     edge e is relayed by stage s: stage(u) < s < stage(v)
+  r[T][s] >= y[u][s-1] - y[v][s]     tensor T (edges e = (u, v) naming it, one producer u) is
+                                     relayed by stage s: stage(u) < s < max stage(v)
+  ct[T][s] >= c[e][s]                T crosses s | s+1 (a variable only for a tensor on several
+                                     edges; c[e][s] itself otherwise)
   tr[s] >= transient_l x[l][s]       largest transient of stage s
 
   monotone     y[l][s] <= y[l][s+1]
   precedence   y[v][s] <= y[u][s]                          stage(u) <= stage(v)
   non-empty    sum_l x[l][s] >= 1
   memory       peak >= sum_l (state_l + k_s stored_l) x[l][s]
-                       + sum_e eb_e (R_s c[e][s-1] + S_s c[e][s]) + k_s sum_e eb_e r[e][s] + tr[s]
+                       + sum_T eb_T (R_s ct[T][s-1] + S_s ct[T][s]) + k_s sum_T eb_T r[T][s] + tr[s]
                (R_s, S_s: boundary copies of the cost model; a relayed edge is received and sent)
   time         T >= sum_l time_l x[l][s],  AR >= sum_l sync_l x[l][s]
   limits       peak <= capacity;  F T + AR <= budget      (F = m + p - 1)
@@ -70,6 +73,12 @@ placement the same z terms enter the placed memory rows (``_stage_bytes`` is sha
 group's time rows: T >= sum_l time_l^k x[l][s] + d_time_l^k z[l][s] - M^k (1 - g[s][k]), with
 M^k = sum_l max(time_l^k, recompute_time_l^k).
 
+Gradients that appear at the first backward (``LayerCosts.first_backward_peak``, step lifetime):
+the stage's memory rows are ``_first_backward_rows``: B_s >= the stage without transient at k-1
+held (relays and buffers at k), D[l][s] >= D[l'][s] + (stored_l - grad_l) x[l][s] (+ d z), and
+peak >= B_s + D[l][s] + transient_l x[l][s] per layer, plus the 'after' row at k - 1 held
+(``cost_model.first_backward_moments``).
+
 The buffer term is exact: an edge leaving s crosses s | s+1 only, one entering s crosses s-1 | s
 only, and a relayed one crosses both ((R_s + S_s) eb_e). Prefix variables make all of this linear
 with no big-M; r is the only product, and ``y[u][s-1] - y[v][s]`` is the tightest linear lower
@@ -108,7 +117,7 @@ from solver.backends.problem import (
     StageProblem,
     StageSolution,
 )
-from solver.cost_model import PPM, LayerCosts, stage_costs
+from solver.cost_model import PPM, LayerCosts, boundary_bytes, stage_costs
 
 
 @dataclass
@@ -194,7 +203,11 @@ class PrefixFormulation(abc.ABC):
         self._stage_recompute: dict[int, list[tuple[int, Any]]] = defaultdict(list)
         """Per stage s, (l, z[l][s]) (``vars.recompute_member`` by stage)."""
         self._stage_relays: dict[int, list[tuple[int, Any]]] = defaultdict(list)
-        """Per stage s, (e, r[e][s]) (``vars.relay`` by stage)."""
+        """Per stage s, (T, r[T][s]) (``vars.relay`` by stage)."""
+        self._tensor_crossings: dict[tuple[int, int], Any] = {}
+        """ct[T][s] of tensors with several edges (``_tensor_crossing``)."""
+        self._first_backward: dict[int, tuple[Any, list[tuple[int, Any]]]] = {}
+        """Per stage s with ``first_backward_peak``: (B_s, [(l, D[l][s])]) (hints)."""
 
     @classmethod
     def solve_problem(
@@ -327,6 +340,22 @@ class PrefixFormulation(abc.ABC):
         u, v = self.edges[edge]
         return self._y(u, boundary) - self._y(v, boundary)
 
+    def _tensor_crossing(self, tensor: int, boundary: int):
+        """ct[T][s]: tensor T crosses s | s+1, i.e. stage(producer) <= s < the farthest
+        consumer's stage: c[e][s] of its one edge, or a variable ct >= c[e][s] for each of its
+        edges (only bounded below, as every auxiliary: the max of them at the optimum)."""
+        edges, _ = self.costs.tensor_groups[tensor]
+        if len(edges) == 1 or not 0 <= boundary < self.problem.num_stages - 1:
+            return self._crossing(edges[0], boundary)
+        key = (tensor, boundary)
+        crossing = self._tensor_crossings.get(key)
+        if crossing is None:
+            crossing = self._new_var(0, 1, f"ct_t{tensor}_s{boundary}")
+            for e in edges:
+                self._add(crossing >= self._crossing(e, boundary), f"ct_t{tensor}_e{e}_s{boundary}")
+            self._tensor_crossings[key] = crossing
+        return crossing
+
     def _layers_of(self, stage: int) -> list[int]:
         layers = self._stage_layers.get(stage)
         if layers is None:
@@ -349,10 +378,21 @@ class PrefixFormulation(abc.ABC):
         interleaving, where rank s holds stage s alone with one in-flight count."""
         return self._rank_bytes(stage, self.costs.in_flight_vectors[stage][0])
 
-    def _rank_bytes(self, rank: int, vector: tuple[int, ...], done: tuple[int, ...] = ()):
+    def _rank_bytes(
+        self,
+        rank: int,
+        vector: tuple[int, ...],
+        done: tuple[int, ...] = (),
+        *,
+        relays_held: int | None = None,
+        copies_held: int | None = None,
+        transient: bool = True,
+    ):
         """Peak of rank r when it holds vector[c] micro-batches of its chunk c, after done[c]
         backwards of it (module docstring, 'interleaving'; one chunk and k_s without
-        interleaving)."""
+        interleaving). Without interleaving ``relays_held`` and ``copies_held`` (default
+        vector[0]) count the relayed tensors and the boundary copies at another held count
+        (``_first_backward_rows``); ``transient`` False leaves tr[r] out."""
         costs = self.costs
         if costs.config.virtual_stages > 1:
             return self._rank_bytes_from_parts(rank, vector, done or (0,) * len(vector))
@@ -366,22 +406,78 @@ class PrefixFormulation(abc.ABC):
             terms += self._recompute_terms(
                 k * (costs.recompute_stored_bytes - costs.stored_bytes), stage, self._bytes
             )
-            receive, send = costs.copies_at(stage, k)
+            receive, send = costs.copies_at(stage, k if copies_held is None else copies_held)
             terms += [
-                self._bytes(receive * nbytes) * self._crossing(e, stage - 1)
-                + self._bytes(send * nbytes) * self._crossing(e, stage)
-                for e, nbytes in enumerate(costs.edge_bytes.tolist())
+                self._bytes(receive * nbytes) * self._tensor_crossing(t, stage - 1)
+                + self._bytes(send * nbytes) * self._tensor_crossing(t, stage)
+                for t, (_, nbytes) in enumerate(costs.tensor_groups)
                 if nbytes
             ]
+            relays = k if relays_held is None else relays_held
             terms += [
-                self._bytes(k * costs.edge_bytes[e]) * relay
-                for e, relay in self._stage_relays[stage]
+                self._bytes(relays * costs.tensor_groups[t][1]) * relay
+                for t, relay in self._stage_relays[stage]
             ]
-        if self.vars.transient:
+        if self.vars.transient and transient:
             terms.append(self.vars.transient[rank])
         if costs.constant_bytes:
             terms.append(self._bytes(costs.constant_bytes))
         return self._sum(terms)
+
+    def _stage_rows(self, stage: int) -> list:
+        """Expressions the peak of stage s (no interleaving) is at least: the persistent moment,
+        or the first-backward moments where gradients appear then (``_first_backward_rows``)."""
+        if self.costs.first_backward_peak[stage]:
+            return self._first_backward_rows(stage)
+        return [self._stage_bytes(stage)]
+
+    def _first_backward_rows(self, stage: int) -> list:
+        """``cost_model.first_backward_moments`` as rows, with k = k_s (= m) and, per layer l
+        that can sit on s in forward order, a running sum D[l][s]:
+
+          B_s     >= states_s + (k-1) stored_s + k relay_s + buffers_s(k)      (no transient)
+          D[l][s] >= D[l'][s] + (stored_l - grad_l) x[l][s] (+ d_stored_l z[l][s])
+                                          (l' the previous such layer; D = 0 before the first)
+          peak    >= B_s + D[l][s] + transient_l x[l][s] (+ d_transient_l z[l][s])
+                                          during(l): states_s holds every gradient, D takes
+                                          off those up to l and adds the current micro-batch's
+                                          stored bytes up to l
+          peak    >= states_s + (k-1) (stored_s + relay_s) + buffers_s(k-1) + tr[s]   (after)
+
+        2 |layers of s| + 2 rows of a few terms each, no big-M; D and B only bounded below."""
+        costs = self.costs
+        k = costs.in_flight[stage]
+        stored_ub, _, _ = costs.bounding_coefficients(np.maximum)
+        grads = costs.grad_bytes
+        base = self._new_var(0, self._bytes(self.presolve.peak_ub_bytes), f"B_s{stage}")
+        base_terms = self._rank_bytes(
+            stage, (k - 1,), relays_held=k, copies_held=k, transient=False
+        )
+        self._add(base >= base_terms, f"first_backward_base_s{stage}")
+        self._first_backward[stage] = (base, [])
+        recompute = dict(self._stage_recompute[stage])
+        extra_stored = costs.recompute_stored_bytes - costs.stored_bytes
+        extra_transient = costs.recompute_transient_bytes - costs.transient_bytes
+        low = -self._bytes(int(grads.sum()))
+        high = self._bytes(int(stored_ub.sum()))
+        rows, previous = [], 0
+        for layer in self._layers_of(stage):
+            self._tick()
+            running = self._new_var(low, high, f"D_l{layer}_s{stage}")
+            member = self._member(layer, stage)
+            terms = [previous, self._bytes(int(costs.stored_bytes[layer] - grads[layer])) * member]
+            row = [base, running, self._bytes(int(costs.transient_bytes[layer])) * member]
+            z = recompute.get(layer)
+            if z is not None and extra_stored[layer]:
+                terms.append(self._bytes(int(extra_stored[layer])) * z)
+            if z is not None and extra_transient[layer]:
+                row.append(self._bytes(int(extra_transient[layer])) * z)
+            self._add(running >= self._sum(terms), f"first_backward_d_l{layer}_s{stage}")
+            self._first_backward[stage][1].append((layer, running))
+            rows.append(self._sum(row))
+            previous = running
+        rows.append(self._rank_bytes(stage, (k - 1,), relays_held=k - 1, copies_held=k - 1))
+        return rows
 
     def _rank_bytes_from_parts(self, rank: int, vector: tuple[int, ...], done: tuple[int, ...]):
         """With interleaving a rank has a row per in-flight vector: each row sums four
@@ -412,7 +508,7 @@ class PrefixFormulation(abc.ABC):
             return cached
         costs, layers = self.costs, self._layers_of(stage)
         stored_ub, _, _ = costs.bounding_coefficients(np.maximum)
-        edges = [(e, int(nbytes)) for e, nbytes in enumerate(costs.edge_bytes.tolist()) if nbytes]
+        edges = [(t, nbytes) for t, (_, nbytes) in enumerate(costs.tensor_groups) if nbytes]
         edge_total = sum(nbytes for _, nbytes in edges)
         states = self._new_var(0, self._bytes(int(costs.state_bytes.sum())), f"S_v{stage}")
         kept = self._new_var(0, self._bytes(int(stored_ub.sum()) + edge_total), f"A_v{stage}")
@@ -429,15 +525,16 @@ class PrefixFormulation(abc.ABC):
             costs.recompute_stored_bytes - costs.stored_bytes, stage, self._bytes
         )
         kept_terms += [
-            self._bytes(costs.edge_bytes[e]) * relay for e, relay in self._stage_relays[stage]
+            self._bytes(costs.tensor_groups[t][1]) * relay for t, relay in self._stage_relays[stage]
         ]
         self._add(kept >= self._sum(kept_terms), f"kept_v{stage}")
+        crossing = self._tensor_crossing
         self._add(
-            received >= self._sum(self._bytes(n) * self._crossing(e, stage - 1) for e, n in edges),
+            received >= self._sum(self._bytes(n) * crossing(t, stage - 1) for t, n in edges),
             f"in_v{stage}",
         )
         self._add(
-            sent >= self._sum(self._bytes(n) * self._crossing(e, stage) for e, n in edges),
+            sent >= self._sum(self._bytes(n) * crossing(t, stage) for t, n in edges),
             f"out_v{stage}",
         )
         self._parts[stage] = (states, kept, received, sent)
@@ -488,14 +585,17 @@ class PrefixFormulation(abc.ABC):
                     self._stage_recompute[s].append((layer, z))
         stored_ub, transient_ub, time_ub = costs.bounding_coefficients(np.maximum)
         if self.needs_memory:
-            for e, (u, v) in enumerate(self.edges):
+            for t, (edges, nbytes) in enumerate(costs.tensor_groups):
                 self._tick()
-                if pre.max_span[e] < 2 or not costs.edge_bytes[e]:
+                spanning = [e for e in edges if pre.max_span[e] >= 2]
+                if not spanning or not nbytes:
                     continue
-                for s in range(max(1, pre.first_stage[u] + 1), min(p - 1, pre.last_stage[v])):
-                    relay = self._new_var(0, 1, f"r_e{e}_s{s}")
-                    self.vars.relay[(e, s)] = relay
-                    self._stage_relays[s].append((e, relay))
+                u = self.edges[edges[0]][0]
+                farthest = max(pre.last_stage[self.edges[e][1]] for e in spanning)
+                for s in range(max(1, pre.first_stage[u] + 1), min(p - 1, farthest)):
+                    relay = self._new_var(0, 1, f"r_t{t}_s{s}")
+                    self.vars.relay[(t, s)] = relay
+                    self._stage_relays[s].append((t, relay))
             top = int(transient_ub.max(initial=0))
             if top:
                 self.vars.transient = [
@@ -618,10 +718,11 @@ class PrefixFormulation(abc.ABC):
 
     def _add_relay(self) -> None:
         """r[e][s] >= y[u][s-1] - y[v][s]."""
-        for (e, s), relay in self.vars.relay.items():
+        for (t, s), relay in self.vars.relay.items():
             self._tick()
-            u, v = self.edges[e]
-            self._add(relay >= self._y(u, s - 1) - self._y(v, s), f"relay_e{e}_s{s}")
+            for e in self.costs.tensor_groups[t][0]:
+                u, v = self.edges[e]
+                self._add(relay >= self._y(u, s - 1) - self._y(v, s), f"relay_t{t}_e{e}_s{s}")
 
     def _add_transient(self) -> None:
         """tr[r] >= transient_l x[l][s] for each stage s of rank r (+ d_transient_l z[l][s]
@@ -670,6 +771,10 @@ class PrefixFormulation(abc.ABC):
         if self.placement is None:
             costs = self.costs
             for rank, vectors in enumerate(costs.in_flight_vectors):
+                if costs.config.virtual_stages == 1 and costs.first_backward_peak[rank]:
+                    for i, row in enumerate(self._first_backward_rows(rank)):
+                        self._add(self.vars.peak >= row, f"memory_s{rank}_b{i}")
+                    continue
                 dones = costs.backwards_done[rank]
                 for i, (vector, done) in enumerate(zip(vectors, dones, strict=True)):
                     self._tick()
@@ -681,7 +786,8 @@ class PrefixFormulation(abc.ABC):
             return
         for s, row in enumerate(self.vars.stage_peak):
             self._tick()
-            self._add(self._sum(row) >= self._stage_bytes(s), f"memory_s{s}")
+            for i, bound in enumerate(self._stage_rows(s)):
+                self._add(self._sum(row) >= bound, f"memory_s{s}_b{i}")
         if self.vars.utilization is None:
             for s, row in enumerate(self.vars.stage_peak):
                 for k, stage_peak in enumerate(row):
@@ -811,25 +917,39 @@ class PrefixFormulation(abc.ABC):
             self._hint(rc, int(flags[layer]))
         for (layer, s), z in self.vars.recompute_member.items():
             self._hint(z, int(flags[layer] and stage_of_layer[layer] == s))
-        for (e, s), relay in self.vars.relay.items():
-            u, v = self.edges[e]
-            self._hint(relay, int(stage_of_layer[u] < s < stage_of_layer[v]))
+        made_at, reach = self._tensor_spans(stage_of_layer)
+        for (t, s), relay in self.vars.relay.items():
+            self._hint(relay, int(made_at[t] < s < reach[t]))
+        for (t, s), crossing in self._tensor_crossings.items():
+            self._hint(crossing, int(made_at[t] <= s < reach[t]))
         if self.placement is None:
             stages = stage_costs(self.costs, stage_of_layer, recomputed)
         else:
             stages = self.problem.stages(stage_of_layer, recomputed, group_of_stage)
             self._hint_placement(stages, group_of_stage)
+        _, transient, _ = self.costs.coefficients(recomputed if self.problem.selective else None)
         for s, largest in enumerate(self.vars.transient):
-            self._hint(largest, self._bytes(stages[s].transient_bytes))
+            # the rank's largest (a stage's StageCost.transient_bytes is at its peak moment)
+            held = [layer for chunk in stages[s].chunks for layer in chunk]
+            self._hint(largest, self._bytes(int(transient[held].max(initial=0))))
         if self.vars.peak is not None:
             self._hint(self.vars.peak, self._bytes(max(st.peak_bytes for st in stages)))
         self._hint_parts(stage_of_layer, recomputed)
+        self._hint_first_backward(stage_of_layer, recomputed, stages)
         if self.vars.slowest_stage_ns is not None:
             self._hint(self.vars.slowest_stage_ns, self._ns(max(st.time_ns for st in stages)))
             if self.vars.slowest_chunk_ns is not None:
                 slowest_chunk = max(max(st.chunk_time_ns) for st in stages)
                 self._hint(self.vars.slowest_chunk_ns, self._ns(slowest_chunk))
             self._hint(self.vars.slowest_sync_ns, self._ns(max(st.dp_sync_ns for st in stages)))
+
+    def _tensor_spans(self, stage_of_layer: list[int]) -> tuple[list[int], list[int]]:
+        """Per tensor, its producer's stage and its farthest consumer's stage in a split."""
+        made_at, reach = [], []
+        for edges, _ in self.costs.tensor_groups:
+            made_at.append(stage_of_layer[self.edges[edges[0]][0]])
+            reach.append(max(stage_of_layer[self.edges[e][1]] for e in edges))
+        return made_at, reach
 
     def _hint_parts(self, stage_of_layer: list[int], recomputed: list[bool] | None) -> None:
         """The exact sums of ``_stage_parts`` for a split (interleaving only)."""
@@ -838,18 +958,41 @@ class PrefixFormulation(abc.ABC):
         costs = self.costs
         stage_of = np.asarray(stage_of_layer)
         stored, _, _ = costs.coefficients(recomputed if self.problem.selective else None)
-        src, dst = stage_of[costs.edge_src], stage_of[costs.edge_dst]
+        into, out_of, relayed = boundary_bytes(costs, stage_of)
         for stage, (states, kept, received, sent) in self._parts.items():
             here = stage_of == stage
-            relayed = int(costs.edge_bytes[(src < stage) & (stage < dst)].sum())
             self._hint(states, self._bytes(int(costs.state_bytes[here].sum())))
-            self._hint(kept, self._bytes(int(stored[here].sum()) + relayed))
-            self._hint(
-                received, self._bytes(int(costs.edge_bytes[(src < stage) & (dst >= stage)].sum()))
+            self._hint(kept, self._bytes(int(stored[here].sum()) + int(relayed[stage])))
+            self._hint(received, self._bytes(int(into[stage])))
+            self._hint(sent, self._bytes(int(out_of[stage])))
+
+    def _hint_first_backward(
+        self, stage_of_layer: list[int], recomputed: list[bool] | None, stages: list
+    ) -> None:
+        """The exact B_s and D[l][s] of ``_first_backward_rows`` for a split."""
+        if not self._first_backward:
+            return
+        costs = self.costs
+        stage_of = np.asarray(stage_of_layer)
+        stored, _, _ = costs.coefficients(recomputed if self.problem.selective else None)
+        into, out_of, relayed = boundary_bytes(costs, stage_of)
+        for stage, (base, runnings) in self._first_backward.items():
+            k = costs.in_flight[stage]
+            here = stage_of == stage
+            receive, send = costs.copies_at(stage, k)
+            value = (
+                int(costs.state_bytes[here].sum())
+                + (k - 1) * int(stored[here].sum())
+                + k * int(relayed[stage])
+                + int(receive * into[stage] + send * out_of[stage])
+                + costs.constant_bytes
             )
-            self._hint(
-                sent, self._bytes(int(costs.edge_bytes[(src <= stage) & (dst > stage)].sum()))
-            )
+            self._hint(base, self._bytes(value))
+            running = 0
+            for layer, variable in runnings:
+                if here[layer]:
+                    running += int(stored[layer] - costs.grad_bytes[layer])
+                self._hint(variable, self._bytes(running))
 
     def _hint_placement(self, stages: list, group_of_stage: list[int]) -> None:
         """g[s][k] = [k = k(s)], P[s][k] = peak_s there (0 elsewhere), U = the utilization;

@@ -64,7 +64,7 @@ class Presolve:
             spans.append(min(num_stages - 1, 1 + num_layers - blocked.bit_count()))
         # under selective recomputation: each layer's cheaper state for lower bounds, its dearer
         # one for upper bounds
-        state = costs.state_bytes
+        state = costs.state_lower_bytes  # without gradients where a peak can precede them
         stored, transient, time_ns = costs.bounding_coefficients(np.minimum)
         stored_ub, transient_ub, _ = costs.bounding_coefficients(np.maximum)
         k = costs.in_flight
@@ -91,7 +91,7 @@ class Presolve:
             ),
             peak_ub_bytes=int(
                 costs.constant_bytes
-                + state.sum()
+                + costs.state_bytes.sum()
                 + max(k) * stored_ub.sum()
                 + transient_ub.max(initial=0)
                 + (max(costs.receive_copies) + max(costs.send_copies) + max(k)) * edge_total

@@ -20,9 +20,11 @@ from solver.errors import InputError, one_line, quote
 from solver.precision import BYTE_FIELDS, OPTIMIZERS, PRECISIONS
 from solver.reserve import MemoryReserve, default_reserve, parse_reserve
 from solver.specs import (
+    DEFAULT_GRAD_LIFETIME,
     GB_PER_S_RANGE,
     GPU_TFLOPS_RANGE,
     GRAD_BYTES_PER_PARAM,
+    GRAD_LIFETIMES,
     MAX_BYTES_PER_PARAM,
     MAX_DEGREE,
     MAX_GLOBAL_BATCH,
@@ -355,6 +357,17 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
         help="adam, adamw (2 state tensors per parameter), lion, sgd-momentum (1) or sgd (0); "
         "default adam",
     )
+    training.add_argument(
+        "--grad-lifetime",
+        choices=GRAD_LIFETIMES,
+        default=None,
+        help="when gradients exist: persistent (the whole step: a gradient buffer, megatron's "
+        "main_grad, DDP buckets, zero_grad(set_to_none=False)) or step (optimizer.zero_grad() "
+        "with torch's default set_to_none=True: each layer's gradients appear at its first "
+        "backward, so a GPipe peak holds only part of them). Default by --runtime: "
+        + ", ".join(f"{lifetime} on {name}" for name, lifetime in DEFAULT_GRAD_LIFETIME.items())
+        + " (persistent under DDP, whose buckets persist; docs/cost-model.md)",
+    )
     defaults = "; ".join(f"2,{g},12 on {name}" for name, g in GRAD_BYTES_PER_PARAM.items())
     training.add_argument(
         "--bytes-per-param",
@@ -647,6 +660,7 @@ def _training_from_args(args: argparse.Namespace) -> TrainingConfig:
         virtual_stages=tuple(args.virtual_stages),
         runtime=args.runtime,
         deallocate_pipeline_outputs=args.deallocate_pipeline_outputs,
+        grad_lifetime=args.grad_lifetime,
         memory_model=args.memory_model,
         sequence_parallel=args.sequence_parallel,
         pp=args.pp,

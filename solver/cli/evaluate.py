@@ -250,6 +250,7 @@ def _training_from_args(args: argparse.Namespace, config: ParallelConfig) -> Tra
         default_training(config),
         runtime=args.runtime,
         deallocate_pipeline_outputs=args.deallocate_pipeline_outputs,
+        grad_lifetime=args.grad_lifetime,
         memory_model=args.memory_model,
         calibration=calibration,
         **precision_words(args, calibration),
