@@ -50,3 +50,27 @@ def real_run_masks() -> Iterator[None]:
         yield
     finally:
         masking.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
+def traced_run_masks() -> Iterator[None]:
+    """Within it (``torch.export`` tracing, as ``torch.distributed.pipelining.pipeline()`` does),
+    transformers' mask code answers as in an eager run of the model's own positions: no packed
+    sequences (:func:`real_run_masks`) and a causal mask that SDPA's ``is_causal=True`` replaces.
+    transformers materialises the ``b x 1 x s x s`` mask whenever ``is_torchdynamo_exporting()``
+    because an exported program may later run with other shapes; a pipeline stage is traced for
+    one static micro-batch shape and runs only that shape, so the eager answer is exact there.
+    Without it the traced stages pass that mask to every block (a boundary tensor with a receive
+    buffer per micro-batch), and a grouped-query model's SDPA copies K and V for every head
+    (``use_gqa_in_sdpa`` refuses a mask), which an eager run never holds."""
+    masking = sys.modules.get("transformers.masking_utils")
+    exporting = getattr(masking, "is_torchdynamo_exporting", None)
+    with real_run_masks():
+        if exporting is None:
+            yield
+            return
+        masking.is_torchdynamo_exporting = lambda: False
+        try:
+            yield
+        finally:
+            masking.is_torchdynamo_exporting = exporting
