@@ -95,6 +95,9 @@ class RunJob:
     deallocate_pipeline_outputs: bool = True
     """megatron engine: free a sent pipeline output's data at once (the plan's training option,
     Megatron-LM's setting by default)."""
+    traced: bool = False
+    """torch engine on a model that is not a zoo preset (``preset`` is then ``hf:NAME`` or
+    ``package.module:factory``): cut by tracing, :mod:`profiling.traced_rank`."""
 
 
 def model_spec(preset: str, overrides: dict[str, Any]) -> models.ModelSpec:
@@ -560,6 +563,10 @@ def rank_worker(rank: int, job: RunJob, result_dir: str) -> None:
             from profiling.megatron_rank import megatron_rank_main
 
             report = megatron_rank_main(rank, job)
+        elif job.traced:
+            from profiling.traced_rank import traced_rank_main
+
+            report = traced_rank_main(rank, job)
         else:
             report = _rank_main(rank, job)
         torch.save(report, directory / f"rank{rank}.tmp")

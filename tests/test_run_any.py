@@ -1,0 +1,167 @@
+"""profiling.run on models that are not zoo presets: HF GPT-2, Llama (GQA) and T5, and a user
+factory, cut by ``torch.distributed.pipelining.pipeline`` at the plan's layers
+(profiling/traced_rank.py). Gradients after one step equal a single-process run of the same model
+on the same global batch; every rank reports its measured and predicted peak; bad input is one
+line.
+
+The HF models come through ``tests.run_any_factories`` (``hf_spec`` with a ``loss_outside``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from profiling.export import export_graph
+from profiling.rank import batch_for_iteration
+from profiling.run import format_reports, run_plan
+from profiling.traced_rank import build_model
+from profiling.validate import main as validate_main
+from solver import Cluster, ParallelConfig, TrainingConfig, evaluate, plan
+from solver.errors import InputError
+from solver.report import evaluation_to_dict, plan_to_dict
+
+GPT2 = "tests.run_any_factories:gpt2"
+GPT2_TINY = {
+    "n_layer": 4,
+    "n_embd": 64,
+    "n_head": 4,
+    "vocab_size": 512,
+    "tie_word_embeddings": False,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+}
+LLAMA = "tests.run_any_factories:llama"
+LLAMA_TINY = {
+    "num_hidden_layers": 4,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "tie_word_embeddings": False,
+}
+T5 = "tests.run_any_factories:t5_untied"
+T5_TINY = {
+    "num_layers": 2,
+    "num_decoder_layers": 2,
+    "d_model": 64,
+    "d_ff": 128,
+    "num_heads": 4,
+    "d_kv": 16,
+    "vocab_size": 512,
+    "dropout_rate": 0.0,
+}
+SEQ = 64
+BYTES = {
+    "fp32": dict(weight_bytes_per_param=4, grad_bytes_per_param=4, optimizer_bytes_per_param=8),
+    "bf16": dict(weight_bytes_per_param=2, grad_bytes_per_param=2, optimizer_bytes_per_param=4),
+}
+
+
+def planned(
+    name: str,
+    overrides: dict,
+    *,
+    pp: int,
+    split: list[int] | None = None,
+    global_batch: int = 8,
+    micro_batch: int = 1,
+    schedule: str = "1f1b",
+    dtype: str = "fp32",
+    recompute: str = "none",
+) -> dict:
+    """A plan dict for ``name`` from the real exporter and cost model (torch runtime, Adam):
+    the planner's split, or ``split`` (layers per stage, in the graph's layer order)."""
+    graph = export_graph(name, dtype=dtype, seq=SEQ, overrides=overrides)
+    training = TrainingConfig(
+        global_batch=global_batch,
+        micro_batch_sizes=(micro_batch,),
+        pp=pp,
+        dp=1,
+        tp=1,
+        schedule=schedule,
+        recompute=recompute,
+        runtime="torch",
+        max_slowdown=None,
+        **BYTES[dtype],
+    )
+    if split is None:
+        cluster = Cluster(num_gpus=pp, gpu_memory_bytes=2**30)
+        return plan_to_dict(plan(graph, cluster, training))
+    config = ParallelConfig(
+        pp=pp,
+        tp=1,
+        dp=1,
+        micro_batch=micro_batch,
+        num_microbatches=global_batch // micro_batch,
+        schedule=schedule,
+        recompute=recompute,
+    )
+    return evaluation_to_dict(evaluate(graph, config, split, training=training))
+
+
+def reference_grads(
+    name: str, overrides: dict, global_batch: int, dtype: torch.dtype = torch.float32
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and gradients of one single-process step of the model's own forward (its loss
+    inside) on the global batch of iteration 0."""
+    from profiling.export import resolve_spec
+
+    spec = resolve_spec(name, overrides)
+    model = build_model(spec, 0, dtype)
+    example = batch_for_iteration(spec, batch=global_batch, seq=SEQ, seed=0, iteration=0)
+    loss = model(*example)
+    loss.backward()
+    return float(loss.detach()), {
+        n: p.grad for n, p in model.named_parameters() if p.grad is not None
+    }
+
+
+def assert_matches_reference(reports, name, overrides, global_batch, tolerance=1e-5) -> None:
+    loss, grads = reference_grads(name, overrides, global_batch)
+    seen = set()
+    for report in reports:
+        assert report.grads, f"rank {report.rank} captured no gradients"
+        for param, grad in report.grads.items():
+            expected = grads[param]
+            error = float((grad - expected).norm() / expected.norm())
+            assert error <= tolerance, f"rank {report.rank} {param}: relative error {error:.3g}"
+            seen.add(param)
+    assert seen == set(grads), f"parameters without a gradient: {set(grads) - seen}"
+    assert reports[-1].losses[0] == pytest.approx(loss, rel=tolerance)
+
+
+def assert_reported(reports, plan_dict) -> None:
+    for report in reports:
+        predicted = plan_dict["stages"][report.stage]["peak_bytes"]
+        assert report.predicted_peak_bytes == predicted > 0
+        assert report.measured_peak_bytes == sum(report.measured_breakdown.values()) > 0
+        assert report.error_pct == pytest.approx(
+            100 * (predicted - report.measured_peak_bytes) / report.measured_peak_bytes
+        )
+    print(format_reports(reports))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("name", "overrides", "pp", "split"),
+    [
+        (GPT2, GPT2_TINY, 2, None),  # the planner's split
+        (LLAMA, LLAMA_TINY, 2, None),
+        # shared, encoder.embed_tokens, encoder blocks | encoder norm, decoder (embedding, blocks,
+        # norm), head: the encoder output and the decoder's input ids cross the split
+        (T5, T5_TINY, 2, [4, 6]),
+    ],
+    ids=["gpt2", "llama-gqa", "t5"],
+)
+def test_traced_run_matches_single_process(name, overrides, pp, split):
+    plan_dict = planned(name, overrides, pp=pp, split=split)
+    reports = run_plan(
+        name, plan_dict, iterations=1, overrides=overrides, seq=SEQ, capture_grads=True
+    )
+    assert [(r.rank, r.stage) for r in reports] == [(s, s) for s in range(pp)]
+    assert_matches_reference(reports, name, overrides, global_batch=8)
+    assert_reported(reports, plan_dict)
