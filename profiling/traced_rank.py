@@ -57,6 +57,11 @@ from profiling.rank import (
     place_rank,
     rank_report,
 )
+from profiling.traced_boundaries import (
+    check_no_gradient_skips,
+    constant_aware_stage,
+    make_boundaries_contiguous,
+)
 from solver.errors import InputError
 from solver.plan_file import PlanFile
 
@@ -357,7 +362,9 @@ def traced_rank_main(rank: int, job: RunJob) -> RankReport:
     _check_traced_stage(stage_module, owners, place.stage, job.plan.source)
     if config.recompute == "full":
         _recompute_layers(stage_module, stages[place.stage])
-    stage = pipe.build_stage(place.stage, place.device, None)
+    make_boundaries_contiguous(pipe)
+    check_no_gradient_skips(pipe, spec.name)
+    stage = constant_aware_stage(pipe, place.stage, place.device)
     del pipe, traced.module, example  # the other stages' modules go with the pipe
     tracker = LiveTensorTracker()
     tracker.track_module(stage.submod)

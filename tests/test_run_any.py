@@ -9,6 +9,8 @@ The HF models come through ``tests.run_any_factories`` (``hf_spec`` with a ``los
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -165,3 +167,60 @@ def test_traced_run_matches_single_process(name, overrides, pp, split):
     assert [(r.rank, r.stage) for r in reports] == [(s, s) for s in range(pp)]
     assert_matches_reference(reports, name, overrides, global_batch=8)
     assert_reported(reports, plan_dict)
+
+
+@pytest.fixture(scope="module")
+def gpt2_plan() -> dict:
+    return planned(GPT2, GPT2_TINY, pp=2, split=[3, 5])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "overrides", "message"),
+    [
+        # the plan's transformer.h.2 and .3 are not in a 2-block model
+        (
+            GPT2,
+            {**GPT2_TINY, "n_layer": 2},
+            "layer(s) transformer.h.2, transformer.h.3 are not modules of hf:gpt2",
+        ),
+        # wte (stage 0) and lm_head (stage 1) share the embedding matrix
+        (
+            GPT2,
+            {**GPT2_TINY, "tie_word_embeddings": True},
+            "layers transformer.wte (stage 0) and lm_head (stage 1) share the parameter "
+            "lm_head.weight (tied weights)",
+        ),
+        (
+            "tests.run_any_factories:failing",
+            {},
+            "tests.run_any_factories:failing: the model factory failed: RuntimeError: cannot "
+            "reach the model store",
+        ),
+    ],
+    ids=["missing-layers", "tied-across-stages", "failing-factory"],
+)
+def test_bad_model_is_one_line_before_any_process(gpt2_plan, model, overrides, message):
+    with pytest.raises(InputError) as raised:
+        run_plan(model, gpt2_plan, overrides=overrides, seq=SEQ)
+    assert message in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.slow
+def test_traced_runs_refuse_tensor_parallel_plans():
+    graph = export_graph(GPT2, dtype="fp32", seq=SEQ, overrides=GPT2_TINY)
+    config = ParallelConfig(pp=1, tp=2, dp=1, micro_batch=1, num_microbatches=2)
+    training = TrainingConfig(global_batch=2, micro_batch_sizes=(1,), **BYTES["fp32"])
+    plan_dict = evaluation_to_dict(evaluate(graph, config, [8], training=training))
+    with pytest.raises(InputError, match=r"plan config: tp=2: traced models run with tp=1"):
+        run_plan(GPT2, plan_dict, overrides=GPT2_TINY, seq=SEQ)
+
+
+@pytest.mark.slow
+def test_validate_cli_failing_factory_exits_2_with_one_line(gpt2_plan, tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(gpt2_plan))
+    assert validate_main([str(path), "--model", "tests.run_any_factories:failing"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "the model factory failed" in err
