@@ -76,10 +76,12 @@ every iteration and the last iteration's peak is reported, with the plan's
 
 Not supported (``InputError``): tied weights split across (virtual) stages, a tied embedding and
 head with a vocabulary-parallel table, ZeRO-1 with tp > 1 and dp > 1, sequence parallelism
-(``config.sp``: the megatron engine runs it; ``_check_torch`` says why not this one). The
-model's layers must form a chain (each takes the previous one's output, the last takes
-``(hidden, targets)``: the GPT/Llama presets); a DAG model such as T5 fails inside the ranks,
-which ``run_plan`` reports as ``RunError``. Use dropout 0 for runs compared with a single process
+(``config.sp``: the megatron engine runs it; ``_check_torch`` says why not this one). For a zoo
+preset the model's layers must form a chain (each takes the previous one's output, the last takes
+``(hidden, targets)``: the GPT/Llama presets); a DAG preset such as t5-tiny fails inside the
+ranks, which ``run_plan`` reports as ``RunError``. Any other model (``hf:NAME``,
+``package.module:factory``, T5 included) is cut by tracing: :mod:`profiling.traced_rank`
+(docs/running.md). Use dropout 0 for runs compared with a single process
 or with predictions (the CPU dropout kernels differ from GPU ones, and dropout masks draw random
 numbers in a different order).
 """

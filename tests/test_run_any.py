@@ -224,3 +224,63 @@ def test_validate_cli_failing_factory_exits_2_with_one_line(gpt2_plan, tmp_path,
     assert validate_main([str(path), "--model", "tests.run_any_factories:failing"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "the model factory failed" in err
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("name", "overrides", "pp", "split", "schedule"),
+    [
+        # wte + wpe | h.0, h.1 | h.2, h.3 | ln_f + lm_head: an embedding-only first stage, a
+        # head-only last one, and the causal mask sent from stage 0 to stages 1 and 2
+        (GPT2, GPT2_TINY, 4, [2, 2, 2, 2], "gpipe"),
+        # encoder | norm, decoder embedding, decoder.block.0 | decoder.block.1, norm, head: the
+        # position biases and masks cross the second split, one non-contiguous
+        (T5, T5_TINY, 3, [4, 3, 3], "gpipe"),
+    ],
+    ids=["gpt2-pp4-gpipe", "t5-pp3-gpipe"],
+)
+def test_traced_uneven_splits_match_single_process(name, overrides, pp, split, schedule):
+    plan_dict = planned(name, overrides, pp=pp, split=split, schedule=schedule)
+    reports = run_plan(
+        name, plan_dict, iterations=1, overrides=overrides, seq=SEQ, capture_grads=True
+    )
+    assert_matches_reference(reports, name, overrides, global_batch=8)
+    assert_reported(reports, plan_dict)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_traced_full_recompute_matches_and_keeps_fewer_activations():
+    runs = {}
+    for recompute in ("none", "full"):
+        plan_dict = planned(GPT2, GPT2_TINY, pp=2, split=[4, 4], recompute=recompute)
+        runs[recompute] = run_plan(
+            GPT2, plan_dict, iterations=1, overrides=GPT2_TINY, seq=SEQ, capture_grads=True
+        )
+    assert_matches_reference(runs["full"], GPT2, GPT2_TINY, global_batch=8)
+    for plain, recomputed in zip(runs["none"], runs["full"], strict=True):
+        print(plain.measured_breakdown, recomputed.measured_breakdown)
+        assert recomputed.measured_peak_bytes <= plain.measured_peak_bytes
+    # the last stage's peak falls in its backward: only the blocks' inputs (and one block's
+    # re-materialised tensors) are kept under recompute
+    plain, recomputed = runs["none"][-1], runs["full"][-1]
+    assert (
+        recomputed.measured_breakdown["activations"] < plain.measured_breakdown["activations"] / 2
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_traced_bf16_run_keeps_bf16_weights():
+    plan_dict = planned(LLAMA, LLAMA_TINY, pp=2, split=[3, 4], dtype="bf16")
+    reports = run_plan(LLAMA, plan_dict, iterations=2, overrides=LLAMA_TINY, seq=SEQ)
+    for report in reports:
+        # 2 bytes per parameter: the stage's weights exactly as the plan counts them, and on
+        # the first stage the rotary embedding's inv_freq buffer (head_dim / 2 = 8 values, cast
+        # to bf16 with the model), which is no parameter
+        weights = plan_dict["stages"][report.stage]["breakdown"]["weights"]
+        buffers = 8 * 2 if report.stage == 0 else 0
+        assert report.measured_breakdown["params"] == weights + buffers
+        assert report.measured_breakdown["optimizer"] == pytest.approx(2 * weights, abs=256)
+    assert_reported(reports, plan_dict)
