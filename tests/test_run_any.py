@@ -284,3 +284,35 @@ def test_traced_bf16_run_keeps_bf16_weights():
         assert report.measured_breakdown["params"] == weights + buffers
         assert report.measured_breakdown["optimizer"] == pytest.approx(2 * weights, abs=256)
     assert_reported(reports, plan_dict)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_validate_cli_runs_an_hf_plan_with_the_graphs_settings(tmp_path, capsys):
+    """The acceptance path: export hf:gpt2 with size overrides, plan it, validate it with only
+    --model hf:gpt2 (its --set and --seq come from the graph the plan records). Without a
+    loss_outside the traced module computes its own loss and its labels reach the last stage as
+    a copy made on the first."""
+    from profiling.export import main as export_main
+    from solver.cli.plan import plan_main
+
+    graph, plan_path, out = tmp_path / "g.json", tmp_path / "plan.json", tmp_path / "runs.json"
+    sets = [f"--set={key}={json.dumps(value)}" for key, value in GPT2_TINY.items()]
+    assert (
+        export_main(["hf:gpt2", *sets, "--seq", "64", "--dtype", "fp32", "--out", str(graph)]) == 0
+    )
+    plan_args = [str(graph), "--gpus", "2", "--pp", "2", "--global-batch", "8"]
+    plan_args += ["--runtime", "torch", "--bytes-per-param", "4,4,8", "--json", str(plan_path)]
+    assert plan_main(plan_args) == 0
+    capsys.readouterr()
+    code = validate_main(
+        [str(plan_path), "--model", "hf:gpt2", "--tolerance", "1000", "--json", str(out)]
+    )
+    assert code == 0, capsys.readouterr().err
+    ranks = json.loads(out.read_text())["ranks"]
+    assert [rank["stage"] for rank in ranks] == [0, 1]
+    assert all(
+        rank["predicted_peak_bytes"] > 0 and rank["measured_peak_bytes"] > 0 for rank in ranks
+    )
+    printed = capsys.readouterr().out
+    assert "measured_MiB predicted_MiB" in printed and "all ranks within 1000%" in printed
