@@ -288,7 +288,7 @@ def inject_fault(job: RunJob, place: _Place) -> None:
         raise RuntimeError(f"rank {place.rank}: injected failure (test hook)")
 
 
-def _init_mesh(place: _Place, job: RunJob):
+def init_mesh(place: _Place, job: RunJob):
     """Join the process group and build the (pp, dp, tp) device mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -522,7 +522,7 @@ def _rank_main(rank: int, job: RunJob) -> RankReport:
     """One rank: place it, join the mesh, build its chunks, train and measure, and report next
     to the plan's prediction for its stage."""
     place = place_rank(rank, job)
-    mesh = _init_mesh(place, job)
+    mesh = init_mesh(place, job)
     spec = model_spec(job.preset, job.overrides)
     chunks, vocab_sizes = _build_chunks(spec, job, place)
     return rank_report(place, job, _train_and_measure(chunks, spec, job, place, mesh, vocab_sizes))

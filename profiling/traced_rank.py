@@ -25,8 +25,10 @@ bytes this adds, a receive buffer per micro-batch on the reading stage).
 Recompute ``"full"``: every planned layer's traced submodule runs under non-reentrant
 ``torch.utils.checkpoint`` (its forward is replaced on the traced stage, names unchanged).
 Gradients persist between steps (``zero_grad(set_to_none=False)``) unless the plan's training
-section says ``grad_lifetime: "step"`` (then ``set_to_none=True``). Supported: pp >= 1 with
-dp = 1, tp = 1, no sequence parallelism, recompute none or full, 1F1B or GPipe, fp32 or bf16
+section says ``grad_lifetime: "step"`` (then ``set_to_none=True``). Data parallelism
+(dp > 1, ZeRO 0): DDP over each stage's traced module (gradients in its buckets, synced on the
+last micro-batch). Supported: pp >= 1, dp >= 1 with ZeRO 0, tp = 1, no sequence parallelism,
+recompute none or full, 1F1B or GPipe, fp32 or bf16
 (:func:`check_traced_plan` says what else is refused, in the parent, before any process starts).
 Memory is measured as for the zoo path (``profiling.memory.LiveTensorTracker``, from the built
 stage on).
@@ -52,8 +54,8 @@ from profiling.rank import (
     RankReport,
     RunJob,
     batch_for_iteration,
+    init_mesh,
     inject_fault,
-    join_process_group,
     place_rank,
     rank_report,
 )
@@ -133,9 +135,9 @@ def build_model(spec: models.ModelSpec, seed: int, dtype: torch.dtype) -> nn.Mod
 
 def check_traced_plan(spec: models.ModelSpec, plan: PlanFile) -> None:
     """InputError naming the field unless a traced run can take ``plan`` on ``spec``: tp 1, no
-    sequence parallelism, no interleaving, dp 1, recompute none or full, bf16 or fp32 weights,
-    every planned layer a module of the model, every parameter inside a planned layer and no
-    parameter shared by layers of two stages (tied weights)."""
+    sequence parallelism, no interleaving, ZeRO 0 over dp > 1, recompute none or full, bf16 or
+    fp32 weights, every planned layer a module of the model, every parameter inside a planned
+    layer and no parameter shared by layers of two stages (tied weights)."""
     config = plan.config
     problems = (
         (config.tp > 1, f"tp={config.tp}: traced models run with tp=1; plan with --tp 1"),
@@ -146,8 +148,9 @@ def check_traced_plan(spec: models.ModelSpec, plan: PlanFile) -> None:
             "plan with --virtual-stages 1",
         ),
         (
-            config.dp > 1,
-            f"dp={config.dp}: traced models run without data parallelism here; plan with --dp 1",
+            config.dp > 1 and config.zero != 0,
+            f"zero={config.zero} with dp={config.dp}: traced models run data parallelism with "
+            "DDP (zero 0); plan with --zero 0",
         ),
         (
             config.recompute not in ("none", "full"),
@@ -289,13 +292,15 @@ def _iterate(schedule, optimizer, stage, spec, traced, job, place, tracker, owne
     """Run ``job.iterations`` steps; the live-tensor peak of the last one."""
     config = job.plan.config
     rows = config.micro_batch * config.num_microbatches
+    local = slice(place.dp_rank * rows, (place.dp_rank + 1) * rows)
     step_lifetime = getattr(job.plan.training, "grad_lifetime", "persistent") == "step"
     cuda = place.device.type == "cuda"
     losses, iteration_ms, cuda_peak = [], [], None
     for iteration in range(job.iterations):
         example = batch_for_iteration(
-            spec, batch=rows, seq=job.seq, seed=job.seed, iteration=iteration
+            spec, batch=rows * config.dp, seq=job.seq, seed=job.seed, iteration=iteration
         )
+        example = tuple(tensor[local] for tensor in example)  # this replica's rows
         inputs = traced.model_inputs(example) if place.first else ()
         args = tuple(x.to(place.device) for x in inputs)
         kwargs: dict[str, Any] = {}
@@ -347,7 +352,7 @@ def traced_rank_main(rank: int, job: RunJob) -> RankReport:
     from profiling.memory import LiveTensorTracker
 
     place = place_rank(rank, job)
-    join_process_group(place, job)
+    mesh = init_mesh(place, job)
     config = job.plan.config
     spec = resolve_spec(job.preset, job.overrides)
     dtype = plan_dtype(job.plan)
@@ -364,12 +369,14 @@ def traced_rank_main(rank: int, job: RunJob) -> RankReport:
         _recompute_layers(stage_module, stages[place.stage])
     make_boundaries_contiguous(pipe)
     check_no_gradient_skips(pipe, spec.name)
-    stage = constant_aware_stage(pipe, place.stage, place.device)
+    stage = constant_aware_stage(pipe, place.stage, place.device, mesh["pp"].get_group())
     del pipe, traced.module, example  # the other stages' modules go with the pipe
     tracker = LiveTensorTracker()
     tracker.track_module(stage.submod)
     with tracker:
         tracker.track_grads(stage.submod)
+        if config.dp > 1:
+            _data_parallel(stage, mesh, place.device)
         schedule_class = Schedule1F1B if config.schedule == "1f1b" else ScheduleGPipe
         schedule = schedule_class(
             stage, n_microbatches=config.num_microbatches, loss_fn=traced.loss_fn
@@ -378,6 +385,26 @@ def traced_rank_main(rank: int, job: RunJob) -> RankReport:
         tracker.track_optimizer(optimizer)
         measured = _iterate(schedule, optimizer, stage, spec, traced, job, place, tracker, owners)
     return rank_report(place, job, measured)
+
+
+def _data_parallel(stage, mesh, device: torch.device) -> None:
+    """Wrap the stage's traced module in DDP over ``mesh["dp"]`` (gradients in its buckets, the
+    buckets fixed now, as on the zoo path: profiling.parallelize.apply_data_parallel); the
+    pipeline then syncs gradients on the last micro-batch only (its ``no_sync`` handling)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from profiling._torch_compat import rebuild_ddp_buckets
+
+    traced = stage.submod
+    wrapped = DistributedDataParallel(
+        traced,
+        process_group=mesh["dp"].get_group(),
+        device_ids=[device] if device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+    )
+    rebuild_ddp_buckets(wrapped)
+    wrapped.graph = traced.graph  # the traced frontend reads its stage's fx graph from submod
+    stage.submod = wrapped
 
 
 def _check_traced_stage(
