@@ -11,6 +11,6 @@ Families: ``gpt`` (GPT-2/3 and Llama-style decoders), ``bert``, ``t5`` (encoder-
 for tensor-parallel roles). ``presets()`` lists the names.
 """
 
-from models.registry import ModelSpec, get, presets
+from models.registry import LossOutside, ModelSpec, get, presets
 
-__all__ = ["ModelSpec", "get", "presets"]
+__all__ = ["LossOutside", "ModelSpec", "get", "presets"]

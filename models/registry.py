@@ -17,12 +17,34 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from models import bert, gpt, resnet, t5, vit
+
+
+@dataclass(kw_only=True)
+class LossOutside:
+    """A model split as ``torch.distributed.pipelining`` trains it: a module returning the output
+    tensor (what ``pipeline()`` traces) and the loss applied to it on the last stage.
+
+    For example inputs ``x`` of the spec, ``loss_fn(module(*model_inputs(x)), target(x))`` equals
+    the spec's ``build()(*x)``: same value, same gradients.
+    """
+
+    module: nn.Module
+    """Shares the built model's parameters and submodule names; ``forward(*model_inputs)``
+    returns the output tensor (e.g. logits, batch x seq x vocabulary)."""
+    model_inputs: Callable[[tuple], tuple]
+    """Example inputs -> ``module``'s forward arguments (T5: input_ids and the decoder inputs
+    shifted from the labels)."""
+    target: Callable[[tuple], torch.Tensor]
+    """Example inputs -> the target ``loss_fn`` takes (the labels)."""
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """``loss_fn(output, target)`` -> scalar loss, the one the built model's forward returns."""
 
 
 @dataclass(kw_only=True)
@@ -43,6 +65,11 @@ class ModelSpec:
     T5 the DAG's parts in a valid topological order). None: ``profiling.layers`` picks them."""
     seq_len: int | None
     """Default sequence length (None for image models)."""
+    loss_outside: Callable[[nn.Module], LossOutside] | None = None
+    """``loss_outside(built_model)`` -> the model split into output module and loss (for
+    ``torch.distributed.pipelining``); None: only the loss-returning ``build()`` (zoo presets)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Recorded in the profiled graph's ``meta`` (hf: source, class, training settings)."""
 
 
 @dataclass(frozen=True)

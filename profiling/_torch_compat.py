@@ -63,12 +63,14 @@ PRIVATE_APIS: dict[str, tuple[str, str]] = {
         "profiling/dataflow.py",
     ),
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu": (
-        "recognise the attention kernel SDPA runs on CPU (FLOPs)",
-        "profiling/dataflow.py",
+        "recognise the attention kernel SDPA runs on CPU (FLOPs), and run it where a GPU runs "
+        "its memory-efficient kernel with a learned bias",
+        "profiling/dataflow.py, profiling/cuda_attention.py",
     ),
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward": (
-        "recognise the attention backward kernel SDPA runs on CPU (FLOPs)",
-        "profiling/dataflow.py",
+        "recognise the attention backward kernel SDPA runs on CPU (FLOPs), and run it for a "
+        "learned bias",
+        "profiling/dataflow.py, profiling/cuda_attention.py",
     ),
     "torch.distributed.tensor.DTensor._local_tensor": (
         "count the storage of a DTensor's local shard",

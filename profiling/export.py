@@ -1,7 +1,8 @@
 """``python -m profiling.export MODEL --batch 1 --seq 2048 --dtype bf16 --out graph.json``.
 
-MODEL is a zoo preset (``models.presets()``), ``hf:NAME`` (a transformers architecture from a
-bundled config, offline) or ``package.module:factory`` (a function returning a
+MODEL is a zoo preset (``models.presets()``), ``hf:NAME`` (a transformers model built as trained
+from a config: a local directory or config.json, a bundled name, or ORG/NAME from the HF cache or
+the Hub; ``profiling.hf_config``) or ``package.module:factory`` (a function returning a
 ``models.ModelSpec``). The default ``--device meta`` profiles with fake tensors: no memory, no
 GPU, any size. ``--device cpu|cuda`` runs real tensors and also measures per-layer times.
 Errors: one line on stderr, exit code 2 (a bad --out path: before profiling), 7 when --out could
@@ -156,6 +157,7 @@ def export_graph(
                 "preset": spec.name,
                 "overrides": overrides or {},
                 "torch": torch.__version__,
+                **spec.meta,
             },
         )
         graph.meta["profile_s"] = round(time.perf_counter() - started, 3)
@@ -243,7 +245,11 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m profiling.export",
         description="Profile a PyTorch model into a layer graph (docs/layer-graph.md).",
     )
-    result.add_argument("model", help="zoo preset, hf:NAME, or package.module:factory")
+    result.add_argument(
+        "model",
+        help="zoo preset, hf:NAME (hf:path/to/dir, hf:config.json, hf:gpt2, hf:ORG/NAME), "
+        "or package.module:factory",
+    )
     result.add_argument("--batch", type=positive_int, default=1, help="micro-batch to profile")
     result.add_argument("--seq", type=positive_int, help="sequence length (default: preset's)")
     result.add_argument(
@@ -274,7 +280,7 @@ def parser() -> argparse.ArgumentParser:
     result.add_argument(
         "--config-only",
         action="store_true",
-        help="hf: models: build from the bundled config (always offline here)",
+        help="hf: models: config only, no weights (always so; kept for old command lines)",
     )
     result.add_argument("--out", help="write the graph JSON here")
     result.add_argument("--summary", action="store_true", help="print the per-layer table")

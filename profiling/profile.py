@@ -72,10 +72,12 @@ format's implied chain), and written otherwise.
 (the first scalar among the outputs, e.g. HuggingFace's ``loss``), else ``out.float().sum()``
 (the sum over every floating output that needs a gradient).
 
-**CUDA-like dropout** (``cuda_like=True``, the default): ``F.dropout`` is run as
-``torch.native_dropout``, the fused kernel CUDA uses (a one-byte mask), instead of CPU's composite
-(a mask of the input's dtype), in both modes, so that CPU and fake-CPU profiles match GPU training.
-``F.scaled_dot_product_attention`` still follows the profiling device's kernel choice. Checked on
+**CUDA-like kernels** (``cuda_like=True``, the default; ``cuda_attention.py``): ``F.dropout`` is
+run as ``torch.native_dropout``, the fused kernel CUDA uses (a one-byte mask), instead of CPU's
+composite (a mask of the input's dtype), and ``F.scaled_dot_product_attention`` on the CPU as a
+GPU's fused attention kernels run it (no ``s x s`` matrix for dropout or a learned bias), in both
+modes, so that CPU and fake-CPU profiles match GPU training. Under fake tensors, transformers'
+mask code is given the real run's answer (``_transformers_compat.real_run_masks``). Checked on
 an H200 (torch 2.11, bf16 GPT, h 1024, s 1024, dropout 0.1): a fake profile on the CUDA device
 equals the real CUDA run in every field; a fake CPU profile differs only by the LayerNorm
 statistics, which CPU kernels keep in bf16 and CUDA in fp32 (4s bytes per LayerNorm per sample,
@@ -98,7 +100,9 @@ import torch
 from torch import nn
 
 from profiling._torch_compat import FakeTensorMode, tree_map
-from profiling.dataflow import CudaLikeDropout, Tracer, tensors_in
+from profiling._transformers_compat import real_run_masks
+from profiling.cuda_attention import cuda_like_kernels
+from profiling.dataflow import Tracer, tensors_in
 from profiling.graph_builder import build_graph
 from profiling.layers import default_layer_paths
 from profiling.tensor_parallel import TensorParallelTracker, is_linear
@@ -373,10 +377,16 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
         handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mod.register_forward_hook(post, with_kwargs=True))
     fake = fake_mode if fake_mode is not None else contextlib.nullcontext()
-    dropout = CudaLikeDropout() if cuda_like else contextlib.nullcontext()
+    masks = real_run_masks() if fake_mode is not None else contextlib.nullcontext()
     step = "forward"
     try:
-        with fake, tracer, torch.autograd.graph.saved_tensors_hooks(tracer.pack, _unpack), dropout:
+        with (
+            fake,
+            masks,
+            tracer,
+            torch.autograd.graph.saved_tensors_hooks(tracer.pack, _unpack),
+            cuda_like_kernels(cuda_like),
+        ):
             tracer.start_forward()
             out = torch.func.functional_call(module, state.tensors, inputs)
             loss = _loss(out, model_name)

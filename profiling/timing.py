@@ -13,7 +13,6 @@ and ``time.perf_counter`` on the CPU. The caller divides by the batch size for m
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -22,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from profiling.dataflow import PENDING, CudaLikeDropout, assign_nodes, tensors_in
+from profiling.cuda_attention import cuda_like_kernels
+from profiling.dataflow import PENDING, assign_nodes, tensors_in
 
 TIMED_RUNS = 3
 """Timed forward + backward runs in real mode (after one warm-up); the median is kept."""
@@ -114,8 +114,9 @@ def time_layers(
     """Median per-layer forward and backward time (ms per batch) over TIMED_RUNS runs.
 
     ``run_loss`` runs the forward and returns the loss; ``params`` are the tensors the run
-    differentiates, whose ``.grad`` is cleared after each run; ``cuda_like`` runs dropout as
-    ``CudaLikeDropout`` (as the traced run does); ``progress`` is called once per run.
+    differentiates, whose ``.grad`` is cleared after each run; ``cuda_like`` runs dropout and
+    attention as CUDA does (``cuda_attention.cuda_like_kernels``, as the traced run does);
+    ``progress`` is called once per run.
     """
     say = progress or (lambda _message: None)
     index_of = {id(m): i for i, (_, m) in enumerate(selection)}
@@ -134,7 +135,6 @@ def time_layers(
         handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mod.register_forward_hook(post, with_kwargs=True))
     runs: list[tuple[list[float], list[float]]] = []
-    dropout = CudaLikeDropout() if cuda_like else contextlib.nullcontext()
     try:
         for run in range(1 + TIMED_RUNS):
             say(f"timing run {run + 1}/{1 + TIMED_RUNS}" + (" (warm-up)" if run == 0 else ""))
@@ -142,7 +142,7 @@ def time_layers(
             if timer.cuda:
                 torch.cuda.synchronize()
             timer.mark("fwd", PENDING)
-            with dropout:
+            with cuda_like_kernels(cuda_like):
                 loss = run_loss()
                 timer.start_backward(loss)
                 loss.backward()

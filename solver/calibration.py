@@ -77,7 +77,10 @@ class Calibration:
     scales: dict[str, float] = field(default_factory=dict)
     """Multiplier per ``StageCost.breakdown()`` key; a missing key means 1.0. Stored complete."""
     constant_bytes: int = 0
-    """Bytes added to every stage's peak, per GPU (may be negative)."""
+    """Bytes added to every stage's peak, per GPU (may be negative). Fitted to real runs, it
+    stands for memory the analytic model does not see, so a CLI given a calibration whose
+    constant is not 0 uses it in place of the default reserve (``solver.reserve.default_reserve``;
+    ``--reserve`` still applies when given)."""
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
     """Provenance: model, configurations, fit residuals, leave-one-out errors, torch version,
     date (free-form, JSON-serialisable)."""

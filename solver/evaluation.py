@@ -19,6 +19,8 @@ from solver.cost_model import (
 )
 from solver.errors import InputError
 from solver.graph import LayerGraph
+from solver.precision import for_graph
+from solver.reserve import check_usable
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
 
@@ -52,11 +54,17 @@ class Evaluation:
         return [self.cluster.groups[k].gpu_memory_bytes for k in self.group_of_stage]
 
     @property
+    def usable_bytes(self) -> list[int]:
+        """The memory each stage may fill: its GPUs' capacity - the reserve
+        (``TrainingConfig.memory_reserve``)."""
+        return [self.training.usable_bytes(capacity) for capacity in self.capacity_bytes]
+
+    @property
     def utilization_ppm(self) -> list[int]:
-        """Each stage's peak / its capacity, parts per million (rounded up)."""
+        """Each stage's peak / its usable memory, parts per million (rounded up)."""
         return [
-            utilization_ppm(stage.peak_bytes, capacity)
-            for stage, capacity in zip(self.stages, self.capacity_bytes, strict=True)
+            utilization_ppm(stage.peak_bytes, usable)
+            for stage, usable in zip(self.stages, self.usable_bytes, strict=True)
         ]
 
     @property
@@ -72,11 +80,10 @@ class Evaluation:
 
     @property
     def fits(self) -> bool:
-        if self.group_of_stage is None:
-            return self.peak_bytes <= self.cluster.gpu_memory_bytes
+        """Every stage's peak within its usable memory (capacity - reserve)."""
         return all(
-            stage.peak_bytes <= capacity
-            for stage, capacity in zip(self.stages, self.capacity_bytes, strict=True)
+            stage.peak_bytes <= usable
+            for stage, usable in zip(self.stages, self.usable_bytes, strict=True)
         )
 
     def stage_layer_names(self) -> list[list[str]]:
@@ -134,6 +141,22 @@ def default_training(config: ParallelConfig) -> TrainingConfig:
 
 
 _DEFAULTS = TrainingConfig(global_batch=1)
+
+
+def prepare_training(
+    graph: LayerGraph, cluster: Cluster, training: TrainingConfig
+) -> TrainingConfig:
+    """``training`` as plan and evaluate use it: its precision resolved for ``graph`` (the
+    graph's dtype when None, ``precision.for_graph``), and InputError when its reserve leaves
+    nothing of a GPU of ``cluster``."""
+    training = for_graph(training, graph)
+    capacities = (
+        {f"node group {g.name}'s GPU": g.gpu_memory_bytes for g in cluster.groups}
+        if cluster.is_heterogeneous
+        else {"each GPU's": cluster.gpu_memory_bytes}
+    )
+    check_usable(training.memory_reserve, capacities)
+    return training
 
 
 def check_training(config: ParallelConfig, training: TrainingConfig) -> None:
@@ -204,15 +227,17 @@ def evaluate(
     per stage (chains, list order), or a stage index per layer (any DAG). ``recomputed``: a flag
     per layer, under ``config.recompute == "selective"`` (default: no layer). On a heterogeneous
     cluster ``group_of_stage`` says which node group runs each stage (tp * dp GPUs of it).
-    ``training`` gives the bytes per parameter, runtime, output deallocation, memory model and
-    calibration; it must admit ``config`` (:func:`check_training`, InputError otherwise); None
-    derives it from config.
+    ``training`` gives the precision and bytes per parameter, runtime, output deallocation,
+    memory model, calibration and reserve; it must admit ``config`` (:func:`check_training`,
+    InputError otherwise); None derives it from config. A precision of None is the graph's
+    (``precision.for_graph``).
     """
     cluster = cluster or Cluster(num_gpus=config.num_gpus)
     if training is None:
         training = default_training(config)
     else:
         check_training(config, training)
+    training = prepare_training(graph, cluster, training)
     if config.virtual_stages > 1:
         check_interleaving(cluster, training)
         m, p, v = config.num_microbatches, config.pp, config.virtual_stages
@@ -401,12 +426,12 @@ def evaluate_partitioners(
 ):
     """name -> Evaluation of each partitioner's split of the config of ``costs`` (exact costs
     from ``cost_model.stage_costs``, as for a plan); the throughput-first split fits in
-    ``cluster.gpu_memory_bytes`` when any split does."""
+    the usable memory (``cluster.gpu_memory_bytes`` - the reserve) when any split does."""
     return {
         name: evaluate_assignment(
             graph,
             costs,
-            PARTITIONERS[name](graph, costs, cluster.gpu_memory_bytes),
+            PARTITIONERS[name](graph, costs, training.usable_bytes(cluster.gpu_memory_bytes)),
             cluster=cluster,
             training=training,
         )

@@ -48,12 +48,13 @@ def memory_may_fit(
     graph: LayerGraph, cluster: Cluster, training: TrainingConfig, num_gpus: int
 ) -> bool:
     """False when every config on ``num_gpus`` GPUs of ``cluster``'s kind has a memory lower
-    bound over its capacity (no solve; a homogeneous cluster)."""
+    bound over its usable memory, capacity - reserve (no solve; a homogeneous cluster)."""
     try:
         entries = build_entries(graph, dataclasses.replace(cluster, num_gpus=num_gpus), training)
     except InputError:
         return False
-    return min(entry.memory_bound for entry in entries) <= cluster.gpu_memory_bytes
+    usable = training.usable_bytes(cluster.gpu_memory_bytes)  # capacity - reserve
+    return min(entry.memory_bound for entry in entries) <= usable
 
 
 @dataclass(kw_only=True)

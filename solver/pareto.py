@@ -34,10 +34,11 @@ from typing import Any
 
 from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, UTILIZATION
 from solver.errors import InputError, NoSolutionError, PlannerError
-from solver.evaluation import Evaluation, evaluate_assignment
+from solver.evaluation import Evaluation, evaluate_assignment, prepare_training
 from solver.graph import LayerGraph
 from solver.plan_file import PLAN_VERSION, check_pareto
 from solver.report import cluster_to_dict, evaluation_fields
+from solver.reserve import usable_text
 from solver.search import Deadline, SearchResult, build_entries, search
 from solver.specs import Cluster, TrainingConfig
 from solver.units import format_bytes, format_throughput
@@ -94,8 +95,9 @@ def pareto_front(
     num_workers: int = 1,
     deadline: Deadline | None = None,
 ) -> ParetoFront:
-    """Non-dominated (peak memory, throughput) plans that fit ``cluster.gpu_memory_bytes`` (on
-    a heterogeneous cluster: each stage its group's memory; memory is then the largest
+    """Non-dominated (peak memory, throughput) plans that fit the usable memory,
+    ``cluster.gpu_memory_bytes`` - ``training.memory_reserve`` (on a heterogeneous cluster: each
+    stage its group's usable memory; memory is then the largest
     utilization or the largest peak, as ``training.memory_objective`` says).
 
     ``max_points``: at most this many points (>= 2; None: the complete front, however long).
@@ -105,6 +107,7 @@ def pareto_front(
     if max_points is not None and max_points < 2:
         raise InputError(f"--pareto-points {max_points}: need at least 2 (both ends of the front)")
     started = time.perf_counter()
+    training = prepare_training(graph, cluster, training)
     walk = _FrontWalk(
         graph,
         cluster,
@@ -157,7 +160,7 @@ class _FrontWalk:
         heterogeneous = cluster.is_heterogeneous
         self.unit = "ppm" if heterogeneous and training.memory_objective == UTILIZATION else "bytes"
         # each group's capacity is in its entries' placement; the cluster's is the only limit else
-        self.capacity = None if heterogeneous else cluster.gpu_memory_bytes
+        self.capacity = None if heterogeneous else training.usable_bytes(cluster.gpu_memory_bytes)
         self.searches = 0
         self.proven = True
 
@@ -312,13 +315,20 @@ def format_pareto(front: ParetoFront) -> str:
     the largest utilization and each stage's group)."""
     first = front.points[0]
     cluster = first.cluster
-    where = f"{cluster.num_gpus} GPUs x {format_bytes(cluster.gpu_memory_bytes)}"
+    reserve = first.training.memory_reserve
+    where = (
+        f"{cluster.num_gpus} GPUs x {format_bytes(cluster.gpu_memory_bytes)} "
+        f"({usable_text(reserve, cluster.gpu_memory_bytes)})"
+    )
     placed = cluster.is_heterogeneous
     if placed:
         where = " + ".join(
             f"{g.num_gpus} x {format_bytes(g.gpu_memory_bytes)} ({g.name})" for g in cluster.groups
         )
-        where += f"; memory objective: {first.training.memory_objective}"
+        where += (
+            f"; memory objective: {first.training.memory_objective}; reserve "
+            f"{reserve.label()} per GPU ({reserve.source})"
+        )
     lines = [
         f"Pareto front of {first.graph.model} on {where}: {len(front.points)} non-dominated plans"
         + ("" if front.complete else " (a sample of the front)")

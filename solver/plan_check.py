@@ -47,10 +47,10 @@ def check_plan(plan: Plan) -> list[str]:
             )
     if fresh.iteration_ns != ev.iteration_ns:
         problems.append(f"iteration {ev.iteration_ns} != recomputed {fresh.iteration_ns} ns")
-    for stage, capacity in zip(fresh.stages, fresh.capacity_bytes, strict=True):
-        if stage.peak_bytes > capacity:
+    for stage, usable in zip(fresh.stages, fresh.usable_bytes, strict=True):
+        if stage.peak_bytes > usable:  # capacity - reserve
             problems.append(
-                f"stage {stage.index}: peak {stage.peak_bytes} B exceeds capacity {capacity} B"
+                f"stage {stage.index}: peak {stage.peak_bytes} B exceeds usable memory {usable} B"
             )
     if plan.required_throughput is not None and fresh.throughput < plan.required_throughput * (
         1 - 1e-9

@@ -32,6 +32,7 @@ from solver.errors import InputError, quote
 from solver.evaluation import Evaluation, evaluate
 from solver.graph import LayerGraph, load_graph
 from solver.jsonfile import read_json, schema_message
+from solver.reserve import MemoryReserve
 from solver.specs import Cluster, NodeGroup, ParallelConfig, TrainingConfig
 
 PLAN_FORMAT = "plan"
@@ -294,11 +295,20 @@ def _build(document: dict[str, Any], origin: str, kind: str) -> PlanFile:
     training = None
     if "training" in document:
         try:
+            options = dict(document["training"])
+            # a plan written before the reserve existed was checked against the whole capacity
+            recorded = options.pop("reserve", {"fixed_bytes": 0, "fraction": 0.0})
+            reserve = MemoryReserve(
+                fixed_bytes=recorded["fixed_bytes"],
+                fraction=recorded["fraction"],
+                source=recorded.get("source", "not recorded: none"),
+            )
             training = TrainingConfig(
                 **{
                     key: tuple(value) if isinstance(value, list) else value
-                    for key, value in document["training"].items()
+                    for key, value in options.items()
                 },
+                reserve=reserve,
                 runtime=document["runtime"],
                 memory_model=document["memory_model"],
                 memory_objective=memory_objective,

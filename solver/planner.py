@@ -14,7 +14,7 @@ from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, U
 from solver.baselines import BASELINES
 from solver.engine_exports import build_exports
 from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
-from solver.evaluation import Evaluation, evaluate_assignment
+from solver.evaluation import Evaluation, evaluate_assignment, prepare_training
 from solver.gpu_counts import (
     GpuCountAdvice,
     memory_may_fit,
@@ -22,6 +22,7 @@ from solver.gpu_counts import (
     valid_gpu_counts,
 )
 from solver.graph import LayerGraph
+from solver.reserve import usable_text
 from solver.search import (
     ConfigEntry,
     Deadline,
@@ -92,6 +93,9 @@ def plan(
     ``deadline``: by default ``time_limit_s`` from now; a CLI passes the one it started before
     reading the graph. ``progress`` hears of every config solved.
 
+    ``training.precision`` None is the graph's precision (``precision.for_graph``); every peak
+    must fit in the usable memory, capacity - ``training.memory_reserve``.
+
     Raises InputError for bad options, InfeasibleError when nothing fits: which constraint, the
     smallest peak found and, with ``suggest_gpus``, the smallest GPU count that fits (the
     search of ``solver.sweep.min_gpus`` with ``--gpus auto``, in what is left of the time limit:
@@ -100,6 +104,7 @@ def plan(
     """
     started = time.perf_counter()
     deadline = Deadline.after(time_limit_s) if deadline is None else deadline
+    training = prepare_training(graph, cluster, training)
     call = _PlanningCall(
         graph=graph,
         cluster=cluster,
@@ -145,9 +150,12 @@ class _PlanningCall:
 
     @property
     def capacity_bytes(self) -> int | None:
-        """The GPU memory every split must fit in; None on a heterogeneous cluster, whose
-        capacities are per group, in each entry's placement."""
-        return None if self.cluster.is_heterogeneous else self.cluster.gpu_memory_bytes
+        """The GPU memory every split must fit in: the usable memory, capacity - reserve; None
+        on a heterogeneous cluster, whose usable memories are per group, in each entry's
+        placement."""
+        if self.cluster.is_heterogeneous:
+            return None
+        return self.training.usable_bytes(self.cluster.gpu_memory_bytes)
 
     def best(self, objective: str, *, budget_ns: int | None, retry_open: bool) -> SearchResult:
         """The best config for ``objective`` within the capacity and the iteration budget;
@@ -411,7 +419,8 @@ def explain_infeasible(
     :data:`ADVICE_MIN_S`; None: 60 s). A heterogeneous cluster gets no GPU count: its size is
     its node groups."""
     if cluster.is_heterogeneous:
-        return _explain_heterogeneous(cluster, entries, budget_ns)
+        return _explain_heterogeneous(cluster, training, entries, budget_ns)
+    usable = training.usable_bytes(cluster.gpu_memory_bytes)
     advice = _advice_deadline(deadline)
     quick = functools.partial(
         search,
@@ -426,9 +435,9 @@ def explain_infeasible(
         if unconstrained.value is not None
         else min(e.memory_bound for e in entries)
     )
-    throughput_unmet = best_peak <= cluster.gpu_memory_bytes and budget_ns is not None
+    throughput_unmet = best_peak <= usable and budget_ns is not None
     if throughput_unmet:
-        fastest = quick(objective=OBJECTIVE_TIME, capacity_bytes=cluster.gpu_memory_bytes)
+        fastest = quick(objective=OBJECTIVE_TIME, capacity_bytes=usable)
     counts = (
         smallest_fitting_gpus(graph, cluster, training, backend, deadline=advice)
         if suggest_gpus
@@ -468,7 +477,7 @@ def _throughput_unmet(
         f"throughput constraint cannot be met: {required:.4g} samples/s required, {reached};"
         f" lower --min-throughput, raise --max-slowdown, or {more}",
         best_peak_bytes=best_peak,
-        capacity_bytes=cluster.gpu_memory_bytes,
+        capacity_bytes=training.usable_bytes(cluster.gpu_memory_bytes),
         suggested_gpus=None if counts is None else counts.gpus,
     )
 
@@ -481,8 +490,9 @@ def _memory_exceeded(
     counts: GpuCountAdvice | None,
     best_peak: int,
 ) -> InfeasibleError:
-    """No plan fits in memory: by how much the best one is over, and a GPU count that fits."""
-    capacity = cluster.gpu_memory_bytes
+    """No plan fits in memory: by how much the best one is over the usable memory (capacity -
+    reserve), and a GPU count that fits."""
+    capacity = training.usable_bytes(cluster.gpu_memory_bytes)
     over = best_peak - capacity
     config_text = (
         "" if unconstrained.entry is None else f" ({unconstrained.entry.costs.config.label()})"
@@ -498,12 +508,24 @@ def _memory_exceeded(
         tail = f"{counts.text('fits')}; use larger GPUs{savers}"
     else:
         tail = counts.text("fits") + ("" if not options else f"; or try {' / '.join(options)}")
-    needs = f"needs {format_bytes(best_peak)}{config_text}, "
+    reserve = training.memory_reserve
+    reserved = reserve.bytes_for(cluster.gpu_memory_bytes)
+    if reserved:
+        # needs X of usable Y = capacity Z - reserve R
+        where = "nothing fits in the usable memory"
+        of = (
+            f" of usable {format_bytes(capacity)} per GPU = capacity "
+            f"{format_bytes(cluster.gpu_memory_bytes)} - reserve {format_bytes(reserved)} "
+            f"({reserve.label()})"
+        )
+        tail += "; or a smaller --reserve"
+    else:
+        where, of = f"nothing fits in {format_bytes(capacity)} per GPU (--gpu-memory)", ""
+    needs = f"needs {format_bytes(best_peak)}{config_text}{of}, "
     if not unconstrained.proven:  # the quick search stopped early: an upper bound only
         needs = f"is proven over it; the best split found in time {needs}"
     return InfeasibleError(
-        f"nothing fits in {format_bytes(capacity)} per GPU (--gpu-memory): the best of "
-        f"{len(entries)} configs {needs}"
+        f"{where}: the best of {len(entries)} configs {needs}"
         f"{format_bytes(over)} ({100 * over / capacity:.1f}%) over; {tail}",
         best_peak_bytes=best_peak,
         capacity_bytes=capacity,
@@ -524,10 +546,14 @@ def _memory_options(training: TrainingConfig) -> list[str]:
 
 
 def _explain_heterogeneous(
-    cluster: Cluster, entries: list[ConfigEntry], budget_ns: int | None
+    cluster: Cluster, training: TrainingConfig, entries: list[ConfigEntry], budget_ns: int | None
 ) -> InfeasibleError:
-    """No placement of any config fits the groups (or meets the throughput constraint)."""
-    groups = ", ".join(f"{g.name} {format_bytes(g.gpu_memory_bytes)}" for g in cluster.groups)
+    """No placement of any config fits the groups' usable memory (or meets the throughput
+    constraint)."""
+    reserve = training.memory_reserve
+    groups = ", ".join(
+        f"{g.name} {usable_text(reserve, g.gpu_memory_bytes)}" for g in cluster.groups
+    )
     best = min(e.peak_lower_bound for e in entries)
     constraint = "" if budget_ns is None else " and the throughput constraint"
     return InfeasibleError(
@@ -536,7 +562,7 @@ def _explain_heterogeneous(
         f"on a stage peak is {format_bytes(best)}); try --zero auto, --recompute auto, a smaller "
         "micro-batch, --max-slowdown none, or more nodes",
         best_peak_bytes=best,
-        capacity_bytes=max(g.gpu_memory_bytes for g in cluster.groups),
+        capacity_bytes=max(training.usable_bytes(g.gpu_memory_bytes) for g in cluster.groups),
     )
 
 

@@ -10,6 +10,8 @@ from solver.errors import InputError
 from solver.evaluation import Evaluation
 from solver.plan_file import EVALUATION_FORMAT, PLAN_FORMAT, PLAN_VERSION, load_plan
 from solver.planner import Plan
+from solver.precision import describe as describe_precision
+from solver.reserve import usable_text
 from solver.specs import Cluster, TrainingConfig
 from solver.units import format_bytes, format_throughput
 
@@ -44,6 +46,7 @@ def evaluation_fields(evaluation: Evaluation) -> dict[str, Any]:
         "stages": [
             {
                 "index": stage.index,
+                "usable_bytes": usable,
                 "layers": names[stage.index],
                 "recomputed": recomputed[stage.index],
                 "peak_bytes": stage.peak_bytes,
@@ -60,7 +63,7 @@ def evaluation_fields(evaluation: Evaluation) -> dict[str, Any]:
                 "time_ms": stage.time_ns / 1e6,
                 "dp_sync_ms": stage.dp_sync_ns / 1e6,
             }
-            for stage in evaluation.stages
+            for stage, usable in zip(evaluation.stages, evaluation.usable_bytes, strict=True)
         ],
         "stage_of_layer": evaluation.stage_of_layer,
         "peak_bytes": evaluation.peak_bytes,
@@ -104,14 +107,17 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
 
 def training_to_dict(training: TrainingConfig) -> dict[str, Any]:
     """The training options but runtime, memory model and objective and calibration (top-level
-    fields of the document)."""
-    top_level = ("runtime", "memory_model", "memory_objective", "calibration")
-    return {
+    fields of the document); the reserve as used (``TrainingConfig.memory_reserve``)."""
+    top_level = ("runtime", "memory_model", "memory_objective", "calibration", "reserve")
+    document = {
         name: list(value) if isinstance(value, tuple) else value
-        for name in TrainingConfig.__dataclass_fields__
-        if name not in top_level
+        for name, spec in TrainingConfig.__dataclass_fields__.items()
+        if spec.init and name not in top_level
         for value in [getattr(training, name)]
     }
+    reserve = training.memory_reserve
+    document["reserve"] = reserve.to_dict() | {"source": reserve.source}
+    return document
 
 
 def checked(document: dict[str, Any]) -> dict[str, Any]:
@@ -296,19 +302,23 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
             "runtime: megatron, sent pipeline outputs kept until their backward "
             "(--no-deallocate-pipeline-outputs)"
         )
+    lines.append(describe_precision(evaluation.training))
     if evaluation.training.calibration is not None:
         lines.append(f"calibration: {evaluation.training.calibration.summary()}")
     verdict = "fits" if evaluation.fits else "DOES NOT FIT"
+    reserve = evaluation.training.memory_reserve
     if placed:
         lines.append(
             f"peak: {format_bytes(evaluation.peak_bytes)} per GPU; largest utilization "
-            f"{max(evaluation.utilization_ppm) / 1e4:.1f}% of its group's memory ({verdict})"
+            f"{max(evaluation.utilization_ppm) / 1e4:.1f}% of its group's usable memory "
+            f"({verdict}; reserve {reserve.label()} per GPU, {reserve.source})"
         )
         return "\n".join(lines)
-    share = 100 * evaluation.peak_bytes / cluster.gpu_memory_bytes
+    usable = evaluation.usable_bytes[0]
+    share = 100 * evaluation.peak_bytes / usable
     lines.append(
         f"peak: {format_bytes(evaluation.peak_bytes)} per GPU ({share:.1f}% of "
-        f"{format_bytes(cluster.gpu_memory_bytes)}, {verdict})"
+        f"{usable_text(reserve, cluster.gpu_memory_bytes)}; {verdict})"
     )
     return "\n".join(lines)
 

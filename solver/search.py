@@ -165,7 +165,7 @@ def _placed_entry(order, graph, config, cluster, training) -> ConfigEntry:
     ]
     placement = Placement(
         group_costs=group_costs,
-        capacity_bytes=[g.gpu_memory_bytes for g in cluster.groups],
+        capacity_bytes=[training.usable_bytes(g.gpu_memory_bytes) for g in cluster.groups],
         stages_per_group=stages_per_group(cluster, config),
         names=[g.name for g in cluster.groups],
         memory_objective=training.memory_objective,

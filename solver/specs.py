@@ -15,6 +15,9 @@ from typing import Any
 from solver.calibration import Calibration
 from solver.errors import InputError, quote
 from solver.jsonfile import check_name
+from solver.precision import BYTE_FIELDS, DEFAULT_PRECISION, bytes_per_param
+from solver.precision import check_words as check_precision_words
+from solver.reserve import NO_RESERVE, MemoryReserve
 
 SCHEDULES = ("1f1b", "gpipe")
 """Pipeline schedules (interleaved 1F1B is 1f1b with ``virtual_stages`` > 1)."""
@@ -29,11 +32,13 @@ ZERO_STAGES = (0, 1, 2, 3)
 OBJECTIVES = ("memory", "throughput")
 RUNTIMES = ("megatron", "torch")
 """Pipeline runtimes whose boundary buffers the cost model knows (``boundary_copies``)."""
-GRAD_BYTES_PER_PARAM = {"megatron": 4, "torch": 2}
-"""Gradient bytes per parameter of each runtime when ``TrainingConfig.grad_bytes_per_param`` is
-None: Megatron-LM's DistributedDataParallel accumulates bf16 training's gradients in an fp32
-``main_grad`` buffer (``accumulate_allreduce_grads_in_fp32``); torch keeps them in the
-parameters' dtype (bf16)."""
+GRAD_BYTES_PER_PARAM = {
+    runtime: bytes_per_param(DEFAULT_PRECISION, "adam", runtime)[1] for runtime in RUNTIMES
+}
+"""Gradient bytes per parameter of bf16-mixed training on each runtime (``solver.precision``):
+Megatron-LM's DistributedDataParallel accumulates bf16 training's gradients in an fp32
+``main_grad`` buffer (``accumulate_allreduce_grads_in_fp32``: 4); torch keeps them in the
+parameters' dtype (bf16: 2)."""
 MEMORY_MODELS = ("analytic", "empirical")
 MEMORY_OBJECTIVES = ("utilization", "absolute")
 """What "memory" minimises on a heterogeneous cluster: the largest stage peak / capacity of its
@@ -178,14 +183,28 @@ class TrainingConfig:
     virtual_stages: tuple[int, ...] = (1,)
     """Candidate model chunks per pipeline rank v (interleaved 1F1B when v > 1; Megatron-LM's
     ``--num-virtual-stages-per-pipeline-rank``); (1, 2, 4) lets the search choose."""
-    weight_bytes_per_param: int = 2
-    """Bytes per parameter for weights (bf16)."""
+    precision: str | None = None
+    """fp32 | bf16 | bf16-mixed | fp16-mixed (``solver.precision.PRECISIONS``): with the
+    optimizer and the runtime, it gives the bytes per parameter (``solver.precision``'s table).
+    None: the graph's dtype decides when plan/evaluate get the graph (``precision.for_graph``:
+    fp32 -> fp32, bf16 -> bf16-mixed, fp16 -> fp16-mixed); until then bf16-mixed."""
+    optimizer: str = "adam"
+    """adam | adamw | lion | sgd-momentum | sgd (``solver.precision.OPTIMIZERS``): its state
+    tensors per parameter (2, 2, 1, 1, 0)."""
+    weight_bytes_per_param: int | None = None
+    """Bytes per parameter for weights; None: the table's for precision, optimizer and runtime
+    (2 for bf16-mixed). A value given here (``--bytes-per-param``) wins over the table."""
     grad_bytes_per_param: int | None = None
-    """Bytes per parameter for gradients; None: the runtime's (``GRAD_BYTES_PER_PARAM``: 4 on
-    megatron, its fp32 ``main_grad``; 2 on torch, bf16). Resolved when the config is made, so
+    """Bytes per parameter for gradients; None: the table's (bf16-mixed: 4 on megatron, its fp32
+    ``main_grad``; 2 on torch). Resolved when the config is made, so
     ``dataclasses.replace(config, runtime=...)`` keeps it unless given None again."""
-    optimizer_bytes_per_param: int = 12
-    """Bytes per parameter for optimizer state (fp32 master + Adam moments)."""
+    optimizer_bytes_per_param: int | None = None
+    """Bytes per parameter for optimizer state; None: the table's (bf16-mixed Adam: 12, fp32
+    master + two moments)."""
+    bytes_from_table: frozenset[str] = field(
+        default=frozenset(), init=False, compare=False, repr=False
+    )
+    """The byte fields the table filled (the others were given); set by the config itself."""
     pp: int | None = None
     """Pin the pipeline degree (None: search)."""
     tp: int | None = None
@@ -223,6 +242,22 @@ class TrainingConfig:
     """Scales per memory component and a constant per GPU fitted to real runs
     (``solver.calibration``, ``python -m profiling.calibrate``); None: the analytic model alone.
     Hashable and compared on its scales and constant only, so this config stays hashable."""
+    reserve: MemoryReserve | None = None
+    """Memory per GPU the job never gets (CUDA context, NCCL buffers, cuBLAS workspaces,
+    fragmentation): every peak must fit in capacity - reserve (``solver.reserve``). None: no
+    reserve, the API's historical meaning of ``Cluster.gpu_memory_bytes`` (memory usable for
+    training). The CLIs pass ``reserve.default_reserve(calibration)`` unless --reserve is
+    given: ``DEFAULT_RESERVE`` (1 GiB + 5%), or none under a calibration with a per-GPU
+    constant; pass the same here to plan as the CLIs do."""
+
+    @property
+    def memory_reserve(self) -> MemoryReserve:
+        """The reserve in force: the given one, else none."""
+        return NO_RESERVE if self.reserve is None else self.reserve
+
+    def usable_bytes(self, capacity_bytes: int) -> int:
+        """The memory a stage may fill on a GPU of ``capacity_bytes``: capacity - reserve."""
+        return self.memory_reserve.usable_bytes(capacity_bytes)
 
     def __post_init__(self) -> None:
         _integer("global_batch", self.global_batch, 1, MAX_GLOBAL_BATCH)
@@ -278,9 +313,14 @@ class TrainingConfig:
             "--sequence-parallel on with pinned tp(1): sequence parallelism splits over the "
             "tensor-parallel ranks; pin --tp > 1 or use --sequence-parallel auto or off",
         )
-        if self.grad_bytes_per_param is None:
-            # frozen: the runtime's default is set once, here
-            object.__setattr__(self, "grad_bytes_per_param", GRAD_BYTES_PER_PARAM[self.runtime])
+        check_precision_words(self.precision or DEFAULT_PRECISION, self.optimizer)
+        table = bytes_per_param(self.precision or DEFAULT_PRECISION, self.optimizer, self.runtime)
+        filled = frozenset(name for name in BYTE_FIELDS if getattr(self, name) is None)
+        # frozen: the table's bytes are set once, here
+        for name, value in zip(BYTE_FIELDS, table, strict=True):
+            if name in filled:
+                object.__setattr__(self, name, value)
+        object.__setattr__(self, "bytes_from_table", filled)
         _require(
             self.objective in OBJECTIVES,
             f"objective must be one of {OBJECTIVES}, got {quote(self.objective)}",
@@ -310,6 +350,11 @@ class TrainingConfig:
             _real(
                 "max_slowdown", self.max_slowdown, 1, MAX_SLOWDOWN, note="1: only the fastest plans"
             )
+        _require(
+            self.reserve is None or isinstance(self.reserve, MemoryReserve),
+            f"reserve must be a solver.reserve.MemoryReserve or None, got "
+            f"{type(self.reserve).__name__}",
+        )
         _require(
             self.calibration is None or isinstance(self.calibration, Calibration),
             f"calibration must be a solver.calibration.Calibration or None, got "

@@ -8,6 +8,7 @@ files import them: ``from tests.conftest import GPT_1_3B, gpt_chain``.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,11 @@ import pytest
 from solver.cluster_file import cluster_from_dict
 from solver.graph import LayerGraph, graph_from_dict, load_graph
 from solver.specs import Cluster
+
+# Tests never download: hf: names resolve from local paths, bundled configs and the HF cache only
+# (huggingface_hub reads this when first imported; subprocesses inherit it). Without it, a name
+# that is not cached would be looked up on the Hub, and with no network that retries for ~20 s.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository root (subprocess tests run the CLIs from it)."""

@@ -247,7 +247,9 @@ def test_json_never_overwrites_the_graph_or_writes_into_missing_folder(run_cli, 
 
 def test_infeasible_exits_3_with_explanation(run_cli):
     code, _, err = run_cli(
-        plan_main, GPT_1_3B, "--gpus", "2", "--gpu-memory", "8GiB", "--global-batch", "8"
+        plan_main,
+        GPT_1_3B,
+        *("--gpus", "2", "--gpu-memory", "8GiB", "--global-batch", "8", "--reserve", "0"),
     )
     assert code == 3
     assert "nothing fits in 8.00 GiB per GPU" in err and "over;" in err

@@ -291,7 +291,7 @@ def test_homogeneous_cluster_file_gives_the_flags_plan(write_json, tmp_path, run
         ],
     }
     assert not load_cluster(write_json("c.json", cluster)).is_heterogeneous
-    common = [str(graph_path), "--global-batch", "8", "--quiet"]
+    common = [str(graph_path), "--global-batch", "8", "--quiet", "--reserve", "0"]
     flags = [
         "--gpus",
         "8",

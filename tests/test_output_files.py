@@ -282,8 +282,8 @@ def test_csv_to_a_fifo_streams_rows_once(tmp_path):
     writer.append(row(1))
     writer.finish([row(1), row(2)])  # already out, in completion order: not written again
     assert reader.data().decode().splitlines()[1:] == [
-        "2,1073741824,ERROR,,,,,,,,,,,,,,,,,,p2",
-        "1,1073741824,ERROR,,,,,,,,,,,,,,,,,,p1",
+        "2,1073741824,,,ERROR,,,,,,,,,,,,,,,,,,p2",  # reserve_bytes, usable_bytes blank
+        "1,1073741824,,,ERROR,,,,,,,,,,,,,,,,,,p1",
     ]
 
 

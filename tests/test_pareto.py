@@ -261,7 +261,7 @@ def test_heterogeneous_nothing_fits_is_infeasible():
 def test_plan_cli_pareto_on_a_heterogeneous_cluster(capsys, tmp_path, memory_objective, unit):
     out, picture = tmp_path / "front.json", tmp_path / "front.png"
     args = [GPT_1_3B, "--cluster", MIXED_CLUSTER, "--global-batch", "32", "--pareto", "--pp", "2"]
-    args += ["--memory-objective", memory_objective, "--pareto-points", "3"]
+    args += ["--memory-objective", memory_objective, "--pareto-points", "3", "--reserve", "0"]
     code = plan_main([*args, "--json", str(out), "--plot", str(picture)])
     captured = capsys.readouterr()
     assert code == 0, captured.err

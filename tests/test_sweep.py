@@ -311,7 +311,7 @@ def test_cli_min_gpus_prints_and_writes_the_plan(run_cli, tmp_path):
 def test_cli_max_scale_regenerates_a_preset(run_cli, tmp_path):
     code, text, err = run_cli(
         sweep_main, "--find", "max-scale", "--model", "gpt-tiny", "--scale", "layers", "--range",
-        "1:6", "--gpus", "2", "--gpu-memory", "1MiB", "--global-batch", "4",
+        "1:6", "--gpus", "2", "--gpu-memory", "1MiB", "--global-batch", "4", "--reserve", "0",
     )  # fmt: skip
     assert code == 0, err
     assert "largest gpt-tiny that fits on 2 GPUs x 1.00 MiB: layers=6" in text

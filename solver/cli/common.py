@@ -17,6 +17,8 @@ from typing import Any
 
 from solver.calibration import Calibration, load_calibration
 from solver.errors import InputError, one_line, quote
+from solver.precision import BYTE_FIELDS, OPTIMIZERS, PRECISIONS
+from solver.reserve import MemoryReserve, default_reserve, parse_reserve
 from solver.specs import (
     GB_PER_S_RANGE,
     GPU_TFLOPS_RANGE,
@@ -294,8 +296,9 @@ def add_cluster_options(parser: argparse.ArgumentParser, *, memory_list: bool = 
 
 
 def add_training_options(parser: argparse.ArgumentParser, *, batch_required: bool = True) -> None:
-    """--global-batch, --schedule, --runtime, --deallocate-pipeline-outputs, --bytes-per-param,
-    --calibration, --memory-model, --sequence-parallel."""
+    """--global-batch, --schedule, --runtime, --deallocate-pipeline-outputs, --precision,
+    --optimizer, --bytes-per-param, --reserve, --calibration, --memory-model,
+    --sequence-parallel."""
     training = parser.add_argument_group("training")
     training.add_argument(
         "--global-batch",
@@ -336,15 +339,41 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
         "micro-batches until their backward (megatron-core's TransformerConfig default). The "
         "torch runtime ignores it",
     )
+    training.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=None,
+        help="fp32, bf16 (pure bf16, no master copy), bf16-mixed or fp16-mixed (16-bit weights, "
+        "fp32 master copy and optimizer state); with --optimizer and --runtime it gives the "
+        "bytes per parameter (solver/precision.py, docs/cost-model.md). Default: the graph's "
+        "dtype (fp32 -> fp32, bf16 -> bf16-mixed, fp16 -> fp16-mixed; none -> bf16-mixed)",
+    )
+    training.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adam",
+        help="adam, adamw (2 state tensors per parameter), lion, sgd-momentum (1) or sgd (0); "
+        "default adam",
+    )
     defaults = "; ".join(f"2,{g},12 on {name}" for name, g in GRAD_BYTES_PER_PARAM.items())
     training.add_argument(
         "--bytes-per-param",
         type=int_list_in(0, MAX_BYTES_PER_PARAM),
         default=None,
         metavar="W,G,O",
-        help="weights,grads,optimizer bytes per parameter (default by --runtime: "
-        f"{defaults}; megatron's bf16 training accumulates fp32 gradients, main_grad; "
-        "docs/cost-model.md)",
+        help="weights,grads,optimizer bytes per parameter: overrides what --precision and "
+        f"--optimizer give (always wins; bf16-mixed Adam: {defaults}; megatron's bf16 "
+        "training accumulates fp32 gradients, main_grad; docs/cost-model.md)",
+    )
+    training.add_argument(
+        "--reserve",
+        type=reserve_size,
+        default=None,
+        metavar="SIZE|PCT",
+        help="memory per GPU the job never gets (CUDA context, NCCL buffers, cuBLAS "
+        "workspaces, allocator fragmentation): peaks must fit in --gpu-memory minus it. A size "
+        "(3GiB), a share (8%%) or both (1GiB+5%%); 0: the whole memory. Default 1GiB+5%% "
+        "(solver/reserve.py), or 0 with a --calibration that has a per-GPU constant",
     )
     training.add_argument(
         "--calibration",
@@ -387,12 +416,31 @@ def cluster_from_flags(
     )
 
 
+def reserve_size(text: str) -> MemoryReserve:
+    """--reserve: '3GiB', '8%', '1GiB+5%' or '0' (``solver.reserve.parse_reserve``)."""
+    try:
+        return parse_reserve(text)
+    except InputError as error:  # argparse names the flag
+        raise argparse.ArgumentTypeError(str(error).removeprefix("size: ")) from None
+
+
+def precision_words(args: argparse.Namespace, calibration: Calibration | None) -> dict[str, Any]:
+    """The TrainingConfig fields of --precision, --optimizer and --reserve: precision None is
+    the graph's; without --reserve, ``reserve.default_reserve(calibration)`` (1 GiB + 5%, or
+    none under a calibration with a per-GPU constant)."""
+    reserve = getattr(args, "reserve", None)
+    return {
+        "precision": getattr(args, "precision", None),
+        "optimizer": getattr(args, "optimizer", "adam"),
+        "reserve": default_reserve(calibration) if reserve is None else reserve,
+    }
+
+
 def bytes_per_param(args: argparse.Namespace) -> dict[str, int | None]:
-    """The TrainingConfig fields of --bytes-per-param: all three when given, else
-    grad_bytes_per_param None (the runtime's, ``specs.GRAD_BYTES_PER_PARAM``; weights and
-    optimizer keep TrainingConfig's defaults)."""
+    """The TrainingConfig fields of --bytes-per-param: all three when given, else all None
+    (the table of ``solver.precision`` for --precision, --optimizer and --runtime)."""
     if args.bytes_per_param is None:
-        return {"grad_bytes_per_param": None}
+        return {name: None for name in BYTE_FIELDS}
     if len(args.bytes_per_param) != 3:
         raise InputError(
             f"--bytes-per-param: give 3 numbers (weights,grads,optimizer), got "
@@ -589,6 +637,7 @@ def _args_value(args: argparse.Namespace, field: str) -> str:
 
 
 def _training_from_args(args: argparse.Namespace) -> TrainingConfig:
+    calibration = calibration_from_args(args)
     return TrainingConfig(
         global_batch=args.global_batch,
         micro_batch_sizes=tuple(args.micro_batch),
@@ -607,6 +656,7 @@ def _training_from_args(args: argparse.Namespace) -> TrainingConfig:
         max_slowdown=args.max_slowdown,
         objective=args.objective,
         memory_objective=getattr(args, "memory_objective", "utilization"),
-        calibration=calibration_from_args(args),
+        calibration=calibration,
+        **precision_words(args, calibration),
         **bytes_per_param(args),
     )

@@ -18,6 +18,7 @@ from solver.cli.common import (
     cluster_from_args,
     input_files,
     positive_int,
+    precision_words,
     print_error,
     print_output,
     write_json,
@@ -238,17 +239,20 @@ def _split_from_args(args: argparse.Namespace) -> str | list[int]:
 def _training_from_args(args: argparse.Namespace, config: ParallelConfig) -> TrainingConfig:
     """The evaluated config's own training options (``evaluation.default_training``: its global
     batch, micro-batch, ZeRO stage, recompute, schedule, virtual stages and sequence
-    parallelism) with the flags'
-    runtime, output deallocation, memory model, calibration and bytes per parameter (the
-    runtime's gradient bytes unless given)."""
+    parallelism) with the flags' runtime, output deallocation, memory model, calibration,
+    precision, optimizer, reserve and bytes per parameter (the table's for the precision,
+    optimizer and runtime unless --bytes-per-param gives them; the precision is the graph's
+    unless --precision gives it)."""
     from solver.evaluation import default_training
 
+    calibration = calibration_from_args(args)
     return dataclasses.replace(
         default_training(config),
         runtime=args.runtime,
         deallocate_pipeline_outputs=args.deallocate_pipeline_outputs,
         memory_model=args.memory_model,
-        calibration=calibration_from_args(args),
+        calibration=calibration,
+        **precision_words(args, calibration),
         **bytes_per_param(args),
     )
 

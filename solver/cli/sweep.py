@@ -108,7 +108,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
         if args.find == "min-gpus":
             return _min_gpus(args)
         graph = load_graph(args.graph)
-        training = common.training_from_args(args)
+        training = _training(args)
         if args.out:
             writer = CsvRows(args.out, protect=_inputs(args))
         rows = sweep(
@@ -173,6 +173,16 @@ def _inputs(args: argparse.Namespace) -> list[str]:
     return [p for p in (args.graph, args.calibration) if p]
 
 
+def _training(args: argparse.Namespace) -> Any:
+    """The training options of the flags; InputError (exit 2) when --reserve leaves nothing of
+    one of the --gpu-memory sizes."""
+    from solver.reserve import check_usable
+
+    training = common.training_from_args(args)
+    check_usable(training.memory_reserve, {"each GPU's": min(args.gpu_memory)})
+    return training
+
+
 def _title(model: str, training: Any) -> str:
     return f"{model}, global batch {training.global_batch}"
 
@@ -181,7 +191,7 @@ def _min_gpus(args: argparse.Namespace) -> int:
     from solver.report import format_plan, plan_to_dict
 
     graph = load_graph(args.graph)
-    training = common.training_from_args(args)
+    training = _training(args)
     memory = args.gpu_memory[0]
     result = min_gpus(
         graph,
@@ -225,7 +235,7 @@ def _max_scale(args: argparse.Namespace) -> int:
     if not sizes:
         raise InputError(f"--range {low}:{high}: no {args.scale} size that is a multiple of {step}")
     start = min(range(len(sizes)), key=lambda i: abs(sizes[i] - current)) if not args.range else 0
-    training = common.training_from_args(args)
+    training = _training(args)
     result = max_scale(
         preset_graph_of(args.model, args.scale),
         sizes,
@@ -265,8 +275,20 @@ def _infeasible(message: str) -> PlannerError:
 
 
 def format_rows(rows: list[dict]) -> str:
-    """The sweep as a text table (display only)."""
-    header = ["gpus", "memory", "status", "config", "peak", "samples/s", "even", "params", "wall"]
+    """The sweep as a text table (display only); "usable" is the memory minus the reserve
+    (``--reserve``), what the peaks must fit in."""
+    header = [
+        "gpus",
+        "memory",
+        "usable",
+        "status",
+        "config",
+        "peak",
+        "samples/s",
+        "even",
+        "params",
+        "wall",
+    ]
 
     def size(value: int | None) -> str:
         return "-" if value is None else format_bytes(value)
@@ -278,6 +300,7 @@ def format_rows(rows: list[dict]) -> str:
         [
             str(row["gpus"]),
             size(row["gpu_memory_bytes"]),
+            size(row.get("usable_bytes")),
             row["status"] + ("" if not row["gap"] else f" gap {100 * row['gap']:.2f}%"),
             row["config"] or row["detail"][:60],
             size(row["peak_bytes"]),

@@ -16,6 +16,8 @@ from solver.output_file import OutputFile, check_output
 ROW_KEYS = (
     "gpus",
     "gpu_memory_bytes",
+    "reserve_bytes",
+    "usable_bytes",
     "status",
     "config",
     "pp",
@@ -36,7 +38,13 @@ ROW_KEYS = (
     "parameters_throughput",
     "detail",
 )
-"""The columns of a sweep row, in CSV order (``solver.plots.plot_sweep`` reads them)."""
+"""The columns of a sweep row, in CSV order (``solver.plots.plot_sweep`` reads them).
+``reserve_bytes``: the memory per GPU the job never gets (``TrainingConfig.memory_reserve``);
+``usable_bytes`` = gpu_memory_bytes - reserve_bytes, what a plan's peak must fit in."""
+
+
+OPTIONAL_KEYS = ("reserve_bytes", "usable_bytes")
+"""Columns a sweep CSV written before the reserve lacks (read as blanks)."""
 
 
 STATUSES = ("OPTIMAL", "FEASIBLE", "INFEASIBLE", "NO_SOLUTION", "ERROR")
@@ -45,7 +53,18 @@ or the throughput constraint; NO_SOLUTION: time limit before any plan; ERROR: ba
 GPU count no config can use)."""
 
 
-_INT = ("gpus", "gpu_memory_bytes", "pp", "tp", "dp", "micro_batch", "num_microbatches", "zero")
+_INT = (
+    "gpus",
+    "gpu_memory_bytes",
+    "reserve_bytes",
+    "usable_bytes",
+    "pp",
+    "tp",
+    "dp",
+    "micro_batch",
+    "num_microbatches",
+    "zero",
+)
 
 
 _INT += ("peak_bytes", "even_peak_bytes", "parameters_peak_bytes")
@@ -141,7 +160,11 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
     """The rows of a sweep CSV with their types back (ints, floats, bools, None for blanks)."""
     with open(path, newline="") as stream:
         reader = csv.DictReader(stream)
-        missing = [key for key in ROW_KEYS if key not in (reader.fieldnames or [])]
+        missing = [
+            key
+            for key in ROW_KEYS
+            if key not in (reader.fieldnames or []) and key not in OPTIONAL_KEYS
+        ]
         if missing:
             raise InputError(f"{path}: not a sweep CSV; missing columns {missing}")
         return [_typed(cells) for cells in reader]
@@ -154,7 +177,7 @@ def _csv_cells(row: dict) -> dict:
 def _typed(cells: dict[str, str]) -> dict:
     row: dict[str, Any] = {}
     for key in ROW_KEYS:
-        text = cells[key]
+        text = cells.get(key) or ""
         if key in ("config", "detail", "status"):
             row[key] = text
         elif text == "":

@@ -45,6 +45,8 @@ def solve_point(
     started = time.perf_counter()
     row: dict[str, Any] = dict.fromkeys(ROW_KEYS)
     row |= {"gpus": gpus, "gpu_memory_bytes": gpu_memory_bytes, "config": "", "detail": ""}
+    reserved = options.training.memory_reserve.bytes_for(gpu_memory_bytes)
+    row |= {"reserve_bytes": reserved, "usable_bytes": gpu_memory_bytes - reserved}
     result = None
     try:
         cluster = dataclasses.replace(
