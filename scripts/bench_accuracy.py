@@ -106,7 +106,7 @@ MEGATRON_LAYOUTS = [
 HF_SEQ = 64
 HF_MODELS = {
     "gpt2": (
-        "tests.run_any_factories:gpt2",
+        "hf:gpt2",
         {
             "n_layer": 4,
             "n_embd": 64,
@@ -119,7 +119,7 @@ HF_MODELS = {
         },
     ),
     "llama-gqa": (
-        "tests.run_any_factories:llama",
+        "hf:llama-2-7b",
         {
             "num_hidden_layers": 4,
             "hidden_size": 64,
@@ -144,8 +144,9 @@ HF_MODELS = {
         },
     ),
 }
-"""Tiny HF configs (``hf_spec`` through the test factories, which give the loss outside the model
-and untie T5's embeddings), seq 64, dropout 0."""
+"""Tiny HF configs, seq 64, dropout 0: GPT-2 and Llama through ``hf:`` (the loss outside the
+model, in the schedule's ``loss_fn``), T5 through a factory that unties its embeddings (transformers
+5 ties T5's encoder and decoder embeddings and head, which a split over stages cannot share)."""
 HF_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 4)}
 """Bytes per parameter (weights, gradients, Adam state) of what the traced run trains: torch's
 Adam keeps its state in the weights' dtype."""

@@ -4,7 +4,9 @@ factory, cut by ``torch.distributed.pipelining.pipeline`` at the plan's layers
 on the same global batch; every rank reports its measured and predicted peak; bad input is one
 line.
 
-The HF models come through ``tests.run_any_factories`` (``hf_spec`` with a ``loss_outside``).
+GPT-2 and Llama come through the HF front door (``hf:NAME``: ``profiling.hf.hf_spec``, whose
+``loss_outside`` puts the loss in the schedule's ``loss_fn``); T5 through a user factory that
+unties its embeddings (``tests.run_any_factories:t5_untied``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from solver import Cluster, ParallelConfig, TrainingConfig, evaluate, plan
 from solver.errors import InputError
 from solver.report import evaluation_to_dict, plan_to_dict
 
-GPT2 = "tests.run_any_factories:gpt2"
+GPT2 = "hf:gpt2"
 GPT2_TINY = {
     "n_layer": 4,
     "n_embd": 64,
@@ -34,7 +36,7 @@ GPT2_TINY = {
     "embd_pdrop": 0.0,
     "attn_pdrop": 0.0,
 }
-LLAMA = "tests.run_any_factories:llama"
+LLAMA = "hf:llama-2-7b"
 LLAMA_TINY = {
     "num_hidden_layers": 4,
     "hidden_size": 64,
@@ -292,9 +294,7 @@ def test_traced_bf16_run_keeps_bf16_weights():
 @pytest.mark.distributed
 def test_validate_cli_runs_an_hf_plan_with_the_graphs_settings(tmp_path, capsys):
     """The acceptance path: export hf:gpt2 with size overrides, plan it, validate it with only
-    --model hf:gpt2 (its --set and --seq come from the graph the plan records). Without a
-    loss_outside the traced module computes its own loss and its labels reach the last stage as
-    a copy made on the first."""
+    --model hf:gpt2 (its --set and --seq come from the graph the plan records)."""
     from profiling.export import main as export_main
     from solver.cli.plan import plan_main
 
@@ -332,4 +332,21 @@ def test_traced_data_parallel_matches_single_process():
     )
     assert [(r.stage, r.dp_rank) for r in reports] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert_matches_reference(reports, GPT2, GPT2_TINY, global_batch=16)
+    assert_reported(reports, plan_dict)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_factory_returning_its_loss_matches_single_process():
+    """A factory without loss_outside: the traced module returns the loss itself, and its
+    targets, read by the last stage, reach it as a copy made on the first (pipelining feeds the
+    model's inputs to the first stage only)."""
+    name = "tests.run_any_factories:zoo_loss_inside"
+    overrides = {"layers": 4, "dropout": 0.0, "seq_len": SEQ}
+    plan_dict = planned(name, overrides, pp=2, split=[3, 3])
+    assert plan_dict["model"] == "factory-gpt-tiny"
+    reports = run_plan(
+        name, plan_dict, iterations=1, overrides=overrides, seq=SEQ, capture_grads=True
+    )
+    assert_matches_reference(reports, name, overrides, global_batch=8)
     assert_reported(reports, plan_dict)
