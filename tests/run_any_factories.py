@@ -2,13 +2,15 @@
 ``scripts/bench_accuracy.py``, as a user's ``package.module:factory`` would be written.
 
 ``t5_untied``: HF T5 (``hf:t5-base`` with its ``loss_outside``) with untied embeddings and head;
-``zoo_loss_inside``: a factory without ``loss_outside`` (its ``build()`` forward takes
-``(ids, targets)`` and returns the loss); ``failing``: a factory that raises.
+``loss_inside``: a factory without ``loss_outside`` (its ``build()`` forward takes
+``(x, target)`` and returns the loss); ``failing``: a factory that raises.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.nn import functional as F
 
 import models
 from profiling.hf import hf_spec
@@ -31,11 +33,29 @@ def t5_untied(**overrides) -> models.ModelSpec:
     return spec
 
 
-def zoo_loss_inside(**overrides) -> models.ModelSpec:
-    """The zoo's gpt-tiny as a user factory: ``forward(ids, targets)`` returns the loss."""
-    spec = models.get("gpt-tiny", **overrides)
-    spec.name = "factory-gpt-tiny"
-    return spec
+class RegressionChain(nn.Module):
+    """Four tanh Linear layers whose forward returns its own loss (MSE against ``target``)."""
+
+    def __init__(self, width: int = 16, depth: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.mse_loss(x, target)
+
+
+def loss_inside(width: int = 16, depth: int = 4) -> models.ModelSpec:
+    """A factory without ``loss_outside``: ``build()(x, target)`` returns the loss."""
+    return models.ModelSpec(
+        name="regression-chain",
+        config=None,
+        build=lambda: RegressionChain(width, depth),
+        example_inputs=lambda batch, seq: (torch.randn(batch, width), torch.randn(batch, width)),
+        layers=[f"layers.{i}" for i in range(depth)],
+        seq_len=None,
+    )
 
 
 def failing(**overrides) -> models.ModelSpec:
