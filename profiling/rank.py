@@ -95,6 +95,9 @@ class RunJob:
     deallocate_pipeline_outputs: bool = True
     """megatron engine: free a sent pipeline output's data at once (the plan's training option,
     Megatron-LM's setting by default)."""
+    traced: bool = False
+    """torch engine on a model that is not a zoo preset (``preset`` is then ``hf:NAME`` or
+    ``package.module:factory``): cut by tracing, :mod:`profiling.traced_rank`."""
 
 
 def grad_lifetime(plan: PlanFile) -> str:
@@ -291,7 +294,7 @@ def inject_fault(job: RunJob, place: _Place) -> None:
         raise RuntimeError(f"rank {place.rank}: injected failure (test hook)")
 
 
-def _init_mesh(place: _Place, job: RunJob):
+def init_mesh(place: _Place, job: RunJob):
     """Join the process group and build the (pp, dp, tp) device mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -527,7 +530,7 @@ def _rank_main(rank: int, job: RunJob) -> RankReport:
     """One rank: place it, join the mesh, build its chunks, train and measure, and report next
     to the plan's prediction for its stage."""
     place = place_rank(rank, job)
-    mesh = _init_mesh(place, job)
+    mesh = init_mesh(place, job)
     spec = model_spec(job.preset, job.overrides)
     chunks, vocab_sizes = _build_chunks(spec, job, place)
     return rank_report(place, job, _train_and_measure(chunks, spec, job, place, mesh, vocab_sizes))
@@ -568,6 +571,10 @@ def rank_worker(rank: int, job: RunJob, result_dir: str) -> None:
             from profiling.megatron_rank import megatron_rank_main
 
             report = megatron_rank_main(rank, job)
+        elif job.traced:
+            from profiling.traced_rank import traced_rank_main
+
+            report = traced_rank_main(rank, job)
         else:
             report = _rank_main(rank, job)
         torch.save(report, directory / f"rank{rank}.tmp")

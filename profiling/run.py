@@ -76,10 +76,12 @@ every iteration and the last iteration's peak is reported, with the plan's
 
 Not supported (``InputError``): tied weights split across (virtual) stages, a tied embedding and
 head with a vocabulary-parallel table, ZeRO-1 with tp > 1 and dp > 1, sequence parallelism
-(``config.sp``: the megatron engine runs it; ``_check_torch`` says why not this one). The
-model's layers must form a chain (each takes the previous one's output, the last takes
-``(hidden, targets)``: the GPT/Llama presets); a DAG model such as T5 fails inside the ranks,
-which ``run_plan`` reports as ``RunError``. Use dropout 0 for runs compared with a single process
+(``config.sp``: the megatron engine runs it; ``_check_torch`` says why not this one). For a zoo
+preset the model's layers must form a chain (each takes the previous one's output, the last takes
+``(hidden, targets)``: the GPT/Llama presets); a DAG preset such as t5-tiny fails inside the
+ranks, which ``run_plan`` reports as ``RunError``. Any other model (``hf:NAME``,
+``package.module:factory``, T5 included) is cut by tracing: :mod:`profiling.traced_rank`
+(docs/running.md). Use dropout 0 for runs compared with a single process
 or with predictions (the CPU dropout kernels differ from GPU ones, and dropout masks draw random
 numbers in a different order).
 """
@@ -100,6 +102,7 @@ from typing import Any
 import torch
 
 import models
+from profiling.export import resolve_spec
 from profiling.parallelize import (
     tensor_parallel_pairs,
     vocabulary_parallel_paths,
@@ -111,7 +114,8 @@ from profiling.rank import (
     model_spec,
     rank_worker,
 )
-from solver.errors import InputError, RunError, quote
+from profiling.traced_rank import check_traced_plan
+from solver.errors import InputError, PlannerError, RunError, quote
 from solver.plan_file import PlanFile, load_plan
 from solver.specs import SCHEDULES as SCHEDULES  # re-exported: the names profiling.run had
 from solver.specs import ZERO_STAGES as ZERO_STAGES
@@ -129,16 +133,29 @@ DEVICES = ("cpu", "cuda")
 
 
 def _check_runnable(
-    spec: models.ModelSpec, plan: PlanFile, max_processes: int, engine: str = "torch"
+    spec: models.ModelSpec,
+    plan: PlanFile,
+    max_processes: int,
+    engine: str = "torch",
+    *,
+    traced: bool = False,
 ) -> None:
     """InputError naming the field, unless ``engine`` can run the (checked) plan on ``spec``:
-    the plan's model and layers, few enough processes, and what the engine supports."""
+    the plan's model and layers, few enough processes, and what the engine supports. ``traced``:
+    a model that is not a zoo preset (:func:`profiling.traced_rank.check_traced_plan`)."""
     config = plan.config
     pp, tp, dp = config.pp, config.tp, config.dp
     if engine not in ENGINES:
         raise InputError(f"engine {engine!r}; valid: {', '.join(ENGINES)}")
     _check_model(spec, plan)
-    if engine == "megatron":
+    if traced:
+        if engine != "torch":
+            raise InputError(
+                f"engine {engine} runs the zoo's GPT/Llama presets; {spec.name} runs with "
+                "--engine torch"
+            )
+        check_traced_plan(spec, plan)
+    elif engine == "megatron":
         _check_megatron(spec, plan)
     else:
         _check_torch(spec, config)
@@ -148,7 +165,7 @@ def _check_runnable(
             f"this machine allows ({max_processes}); plan for fewer GPUs"
         )
     layers = [name for chunk in plan.virtual_stage_layers for name in chunk]
-    if layers != spec.layers:
+    if not traced and layers != spec.layers:
         unknown = [name for name in layers if name not in spec.layers]
         absent = [name for name in spec.layers if name not in layers]
         detail = (
@@ -341,8 +358,25 @@ def _first_error(directory: Path) -> str:
     return f"{name} failed first:\n{text}"
 
 
+def resolve_model(model: str, overrides: dict[str, Any]) -> tuple[models.ModelSpec, bool]:
+    """The spec of ``model`` (a zoo preset, ``hf:NAME`` or ``package.module:factory``) and
+    whether it runs traced (not a zoo preset). A factory that raises is an InputError."""
+    if model in models.presets():
+        return model_spec(model, overrides), False
+    try:
+        spec = resolve_spec(model, overrides)
+    except PlannerError:
+        raise
+    except Exception as error:  # the user's factory: one line, not a traceback
+        message = " ".join(str(error).split())[:200]
+        raise InputError(
+            f"{model}: the model factory failed: {type(error).__name__}: {message}"
+        ) from None
+    return spec, True
+
+
 def run_plan(
-    preset: str,
+    model: str,
     plan: str | Path | dict[str, Any] | PlanFile,
     *,
     iterations: int = 2,
@@ -356,7 +390,11 @@ def run_plan(
     engine: str = "torch",
     _fault: tuple[int, str] | None = None,
 ) -> list[RankReport]:
-    """Train ``iterations`` steps of ``preset`` with ``plan`` on ``pp * dp * tp`` local processes.
+    """Train ``iterations`` steps of ``model`` with ``plan`` on ``pp * dp * tp`` local processes.
+
+    ``model``: a zoo preset (cut by hand, :mod:`profiling.rank`), or ``hf:NAME`` or
+    ``package.module:factory`` (cut by tracing with ``torch.distributed.pipelining.pipeline`` at
+    the plan's layers, :mod:`profiling.traced_rank`); ``overrides`` are its ``--set`` fields.
 
     ``plan``: a plan or evaluation document (a path, a parsed dict or a
     :class:`solver.plan_file.PlanFile`), checked by :func:`solver.plan_file.load_plan`.
@@ -373,15 +411,15 @@ def run_plan(
     if iterations < 1:
         raise InputError(f"iterations must be >= 1, got {iterations}")
     plan = load_plan(plan)
-    spec = model_spec(preset, overrides)
+    spec, traced = resolve_model(model, overrides)
     limit = max_processes or max(4, 2 * (os.cpu_count() or 1))
-    _check_runnable(spec, plan, limit, engine)
+    _check_runnable(spec, plan, limit, engine, traced=traced)
     world = plan.config.num_gpus
     _check_device(device, world)
     if engine == "megatron" and device != "cpu":
         raise InputError("engine megatron runs on device cpu here (gloo); use --device cpu")
     job = RunJob(
-        preset=preset,
+        preset=model,
         overrides=overrides,
         plan=plan,
         iterations=iterations,
@@ -393,6 +431,7 @@ def run_plan(
         device=device,
         fault=_fault,
         engine=engine,
+        traced=traced,
         deallocate_pipeline_outputs=(
             plan.training is None or plan.training.deallocate_pipeline_outputs
         ),

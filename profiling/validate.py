@@ -42,13 +42,25 @@ def parser() -> argparse.ArgumentParser:
         "plan",
         help="plan JSON written by python -m solver.plan --json (or solver.evaluate --json)",
     )
-    result.add_argument("--model", required=True, help="zoo preset the plan was made for")
+    result.add_argument(
+        "--model",
+        required=True,
+        help="the model the plan was made for: a zoo preset, hf:NAME or package.module:factory "
+        "(the last two are cut by torch.distributed.pipelining.pipeline at the plan's layers)",
+    )
     result.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="model config override, as given to profiling.export",
+        help="model config override, as given to profiling.export (default: the overrides the "
+        "plan's graph was exported with, when its graph file is readable)",
+    )
+    result.add_argument(
+        "--seq",
+        type=positive_int,
+        help="sequence length (default: the one the plan's graph was exported with, else the "
+        "model's)",
     )
     result.add_argument(
         "--iterations",
@@ -94,11 +106,14 @@ def main(argv: list[str] | None = None) -> int:
 
         check_outputs(args)  # --json, before the run
         plan = load_plan(args.plan)  # checked (docs/plan.md): a PlanFile
+        exported = _export_settings(plan)
+        overrides = parse_overrides(args.set) if args.set else exported.get("overrides", {})
         reports = run_plan(
             args.model,
             plan,
             iterations=args.iterations,
-            overrides=parse_overrides(args.set),
+            overrides=overrides,
+            seq=args.seq or exported.get("seq_len"),
             timeout_s=args.timeout,
             device=args.device,
             engine=args.engine,
@@ -126,6 +141,25 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # the ranks of a run were stopped on the way out
         return interrupted()
     return 0
+
+
+def _export_settings(plan) -> dict:
+    """``overrides`` and ``seq_len`` from the meta of the graph file the plan records, when that
+    file is there and still the plan's graph; else nothing (the run takes the model's own)."""
+    from pathlib import Path
+
+    from solver.graph import load_graph
+
+    record = plan.graph
+    if record is None or not record.path or not Path(record.path).is_file():
+        return {}
+    try:
+        graph = load_graph(record.path)
+    except (PlannerError, OSError, ValueError):
+        return {}
+    if graph.sha256() != record.sha256:
+        return {}
+    return {key: graph.meta[key] for key in ("overrides", "seq_len") if graph.meta.get(key)}
 
 
 def _runtime_note(path: str, runtime: str, engine: str) -> None:

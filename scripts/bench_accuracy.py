@@ -103,6 +103,144 @@ MEGATRON_LAYOUTS = [
 """megatron-core runs (``engine="megatron"``, plans for ``--runtime megatron``)."""
 
 
+HF_SEQ = 64
+HF_MODELS = {
+    "gpt2": (
+        "hf:gpt2",
+        {
+            "n_layer": 4,
+            "n_embd": 64,
+            "n_head": 4,
+            "vocab_size": 512,
+            "tie_word_embeddings": False,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        },
+    ),
+    "llama-gqa": (
+        "hf:llama-2-7b",
+        {
+            "num_hidden_layers": 4,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 512,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "t5": (
+        "tests.run_any_factories:t5_untied",
+        {
+            "num_layers": 2,
+            "num_decoder_layers": 2,
+            "d_model": 64,
+            "d_ff": 128,
+            "num_heads": 4,
+            "d_kv": 16,
+            "vocab_size": 512,
+            "dropout_rate": 0.0,
+        },
+    ),
+}
+"""Tiny HF configs, seq 64, dropout 0: GPT-2 and Llama through ``hf:`` (the loss outside the
+model, in the schedule's ``loss_fn``), T5 through a factory that unties its embeddings (transformers
+5 ties T5's encoder and decoder embeddings and head, which a split over stages cannot share)."""
+HF_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 4)}
+"""Bytes per parameter (weights, gradients, Adam state) of what the traced run trains: torch's
+Adam keeps its state in the weights' dtype."""
+HF_LAYOUTS = [
+    # (model, pp, split: layers per stage or None for the planner's, schedule, dtype)
+    ("gpt2", 2, None, "1f1b", "fp32"),
+    ("gpt2", 2, [2, 6], "gpipe", "fp32"),  # embedding-only first stage
+    ("gpt2", 4, [2, 2, 2, 2], "gpipe", "fp32"),  # ... and a head-only last stage
+    ("gpt2", 4, [2, 2, 2, 2], "1f1b", "bf16"),
+    ("gpt2", 2, [6, 2], "1f1b", "bf16"),
+    ("llama-gqa", 2, None, "1f1b", "fp32"),
+    ("llama-gqa", 3, [1, 4, 2], "gpipe", "fp32"),
+    ("llama-gqa", 4, [1, 2, 2, 2], "1f1b", "bf16"),
+    ("llama-gqa", 2, [5, 2], "gpipe", "bf16"),
+    ("t5", 2, [4, 6], "1f1b", "fp32"),
+    ("t5", 3, [4, 3, 3], "gpipe", "fp32"),
+    ("t5", 2, [6, 4], "gpipe", "bf16"),
+    ("t5", 3, [5, 3, 2], "1f1b", "bf16"),
+]
+"""HF rows: 35 ranks, global batch 8 in micro-batches of 1 (m = 8), traced and run by
+``profiling.run.run_plan`` (profiling/traced_rank.py)."""
+
+
+def hf_rows(progress) -> list[dict]:
+    """Run every HF layout; one row per rank with the analytic prediction and its error."""
+    from profiling.export import export_graph
+    from profiling.run import run_plan
+    from solver import ParallelConfig, TrainingConfig, evaluate, plan
+    from solver.report import evaluation_to_dict, plan_to_dict
+    from solver.specs import Cluster
+
+    rows = []
+    for key, pp, split, schedule, dtype in HF_LAYOUTS:
+        name, overrides = HF_MODELS[key]
+        weights, grads, optimizer = HF_BYTES[dtype]
+        graph = export_graph(name, dtype=dtype, seq=HF_SEQ, overrides=overrides)
+        training = TrainingConfig(
+            global_batch=8,
+            micro_batch_sizes=(1,),
+            pp=pp,
+            tp=1,
+            dp=1,
+            schedule=schedule,
+            runtime="torch",
+            max_slowdown=None,
+            weight_bytes_per_param=weights,
+            grad_bytes_per_param=grads,
+            optimizer_bytes_per_param=optimizer,
+        )
+        if split is None:
+            document = plan_to_dict(plan(graph, Cluster(num_gpus=pp), training))
+        else:
+            config = ParallelConfig(
+                pp=pp, tp=1, dp=1, micro_batch=1, num_microbatches=8, schedule=schedule
+            )
+            document = evaluation_to_dict(evaluate(graph, config, split, training=training))
+        label = f"{key} pp{pp} {schedule} {dtype}"
+        split_text = "|".join(str(len(stage["layers"])) for stage in document["stages"])
+        progress(f"{label} ({split_text})")
+        for report in run_plan(
+            name, document, iterations=2, overrides=overrides, seq=HF_SEQ, timeout_s=600
+        ):
+            rows.append(
+                {
+                    "layout": label,
+                    "split": split_text,
+                    "rank": report.rank,
+                    "stage": report.stage,
+                    "measured_kib": round(report.measured_peak_bytes / 1024, 1),
+                    "analytic_kib": round(report.predicted_peak_bytes / 1024, 1),
+                    "analytic_pct": round(report.error_pct, 1),
+                }
+            )
+    return rows
+
+
+def hf_section(rows: list[dict]) -> list[str]:
+    errors = [row["analytic_pct"] for row in rows]
+    print(f"HF models: analytic {spread(errors)}")
+    return [
+        "## HuggingFace models traced by torch.distributed.pipelining (`--model hf:...`)",
+        "",
+        "GPT-2, Llama with GQA and T5 (untied) from tiny configs (scripts/bench_accuracy.py "
+        "`HF_MODELS`), seq 64, global batch 8 in 8 micro-batches, Adam; fp32 (4, 4, 8 bytes per "
+        "parameter) and bf16 (2, 2, 4); cut by `pipeline()` at the plan's layers "
+        "(profiling/traced_rank.py). Target for the analytic model: median 2%, max 5%.",
+        "",
+        f"Over {len(rows)} ranks of {len(HF_LAYOUTS)} plans: analytic model {spread(errors)}.",
+        "",
+        *markdown_table(rows, list(rows[0])),
+        "",
+    ]
+
+
 def spread(errors: list[float]) -> str:
     values = [abs(error) for error in errors]
     return f"median {statistics.median(values):.1f}%, max {max(values):.1f}%"
@@ -151,8 +289,18 @@ def section(title: str, overrides, layouts, calibration, results, targets: str) 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks")
+    parser.add_argument(
+        "--hf-only",
+        action="store_true",
+        help="run only the HF rows (about 10 minutes) and write bench_accuracy_hf.md",
+    )
     args = parser.parse_args()
     progress = lambda text: print(text, flush=True)  # noqa: E731
+    if args.hf_only:
+        args.out.mkdir(parents=True, exist_ok=True)
+        lines = ["# Accuracy benchmark: HF rows", "", *hf_section(hf_rows(progress))]
+        (args.out / "bench_accuracy_hf.md").write_text("\n".join(lines))
+        return 0
     torch_fit, torch_results = calibrate(
         "gpt-tiny", OVERRIDES, LAYOUTS, timeout_s=300, progress=progress
     )
@@ -189,6 +337,7 @@ def main() -> int:
             megatron_results,
             "median 2%, max 5%",
         ),
+        *hf_section(hf_rows(progress)),
     ]
     (args.out / "bench_accuracy.md").write_text("\n".join(lines))
     return 0
