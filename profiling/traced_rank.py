@@ -234,11 +234,14 @@ def trace(
     parameters: a module is traced once)."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
+    from profiling._transformers_compat import traced_run_masks
+
     split_spec = {layers[0]: SplitPoint.BEGINNING for layers in stages[1:]}
 
     def run(module: nn.Module, mb_args: tuple):
         try:
-            return pipeline(module, mb_args=mb_args, split_spec=split_spec)
+            with traced_run_masks():  # no causal mask where an eager run skips it
+                return pipeline(module, mb_args=mb_args, split_spec=split_spec)
         except Exception as error:  # export's own message (the innermost) says which op
             while error.__cause__ is not None:
                 error = error.__cause__
