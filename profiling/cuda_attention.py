@@ -68,13 +68,17 @@ def fused_on_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) ->
     return head_dim % alignment == 0 and query.dtype in fused_dtypes
 
 
+_SDPA_CALLS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+"""The Python call and the aten op a ``torch.export`` trace (a ``pipeline()`` stage) calls."""
+
+
 class CudaLikeAttention(TorchFunctionMode):
     """Route ``F.scaled_dot_product_attention`` on the CPU to the fused kernel a GPU would run
     (module docstring). Tensors on other devices pass through unchanged."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
+        if func not in _SDPA_CALLS:
             return func(*args, **kwargs)
         bound = dict(zip(_ARGUMENTS, args, strict=False)) | kwargs
         query, key, value = bound["query"], bound["key"], bound["value"]

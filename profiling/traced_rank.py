@@ -22,6 +22,13 @@ a copy of its inputs (:func:`_copy_inputs_first`): the copies are made on the fi
 sent, like activations, to the stages that read them (``b * s`` int64 per micro-batch: the only
 bytes this adds, a receive buffer per micro-batch on the reading stage).
 
+Masks and attention as an eager GPU run has them: tracing runs under
+``_transformers_compat.traced_run_masks`` (transformers would otherwise materialise the causal
+mask for the exported program, send it to every stage and hand SDPA an explicit mask, with K/V
+copies per head on grouped-query models), and on a CPU the training step runs under
+``cuda_attention.cuda_like_kernels`` (SDPA on the fused kernels a GPU picks, e.g. for T5's learned
+position bias, instead of the CPU math fallback): what the profile counts.
+
 Recompute ``"full"``: every planned layer's traced submodule runs under non-reentrant
 ``torch.utils.checkpoint`` (its forward is replaced on the traced stage, names unchanged).
 Gradients persist between steps (``zero_grad(set_to_none=False)``) unless the plan's training
@@ -48,6 +55,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import models
+from profiling.cuda_attention import cuda_like_kernels
 from profiling.rank import (
     LEARNING_RATE,
     Measured,
@@ -319,7 +327,8 @@ def _iterate(schedule, optimizer, stage, spec, traced, job, place, tracker, owne
             torch.cuda.reset_peak_memory_stats(place.device)
         started = time.perf_counter()
         inject_fault(job, place)
-        with tracker.saved_tensors():
+        # on a CPU, attention runs the fused kernels a GPU runs (what the profile counts)
+        with tracker.saved_tensors(), cuda_like_kernels(place.device.type == "cpu"):
             schedule.step(*args, **kwargs, return_outputs=False)
         optimizer.step()
         if cuda:
