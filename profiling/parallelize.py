@@ -226,9 +226,16 @@ def apply_data_parallel(
 
 
 def build_optimizer(
-    params: list[nn.Parameter], mesh: DeviceMesh, zero: int, *, lr: float
+    params: list[nn.Parameter], mesh: DeviceMesh, zero: int, *, lr: float, impl: str = "foreach"
 ) -> torch.optim.Optimizer:
-    """Adam; with zero=1 over dp > 1, ZeroRedundancyOptimizer shards its state over the group."""
+    """Adam; with zero=1 over dp > 1, ZeroRedundancyOptimizer shards its state over the group
+    (its local Adam gets the same implementation).
+
+    ``impl`` (``TrainingConfig.optimizer_impl``): foreach (``foreach=True``, what
+    ``torch.optim.Adam(params)`` picks on a GPU; on CPU torch would pick the single-tensor loop,
+    so it is asked for explicitly: its ``_foreach_sqrt`` of every ``exp_avg_sq`` is the step
+    temporary the cost model counts) or fused (``fused=True``: in place, no temporary)."""
+    options = {"foreach": True} if impl == "foreach" else {"fused": True}
     if zero == 1 and mesh["dp"].size() > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -237,5 +244,6 @@ def build_optimizer(
             optimizer_class=torch.optim.Adam,
             process_group=mesh["dp"].get_group(),
             lr=lr,
+            **options,
         )
-    return torch.optim.Adam(params, lr=lr)
+    return torch.optim.Adam(params, lr=lr, **options)
