@@ -279,9 +279,8 @@ def test_executor_step_moment_matches_the_prediction():
     (fp32 Adam, foreach=True as on a GPU, vocabulary 8192, seq 8), pp 4 1F1B m 4 split
     [embed, block | 2 blocks | 2 blocks | block, head]: the first three ranks peak at the
     optimizer step, whose _foreach_sqrt temporaries measured the predicted bytes exactly.
-    Measured 2026-12-01: -0.003%, -0.006%, -0.006% (Adam's fp32 `step` scalars, 4 bytes per
-    parameter tensor, which a GPU keeps on the CPU); without the step moment -0.8%, -6.1%,
-    -9.4%."""
+    Measured 2026-12-01: -0.003%, -0.006%, -0.006% (332, 116 and 116 bytes: Adam's `step`
+    scalars and the token ids); without the step moment -0.8%, -6.1%, -9.4%."""
     from profiling.calibrate import SMALL_GPT
     from profiling.export import export_graph
     from profiling.run import run_plan
@@ -302,8 +301,13 @@ def test_executor_step_moment_matches_the_prediction():
     for stage, report in zip(evaluation.stages, reports, strict=True):
         assert abs(report.error_pct) <= 1.0, (stage.index, report.error_pct)
         if stage.moment == "optimizer step":
-            # the optimizer's states and the temporaries agree to the step scalars
-            assert 0 <= report.measured_peak_bytes - stage.peak_bytes <= 4 * 64, report
+            # tagged at the peak (inside _multi_tensor_adam): the _foreach_sqrt storages are
+            # the predicted transient to the byte, the m gradient receive buffers the predicted
+            # buffers; beyond them only Adam's fp32 `step` scalars (4 bytes per parameter
+            # tensor; on the CPU on a GPU run), a 4-byte and a 16-byte scalar, and on rank 0
+            # the step's token ids (int64, 4 x 8 tokens: 256 bytes): 332 bytes on rank 0,
+            # 116 on ranks 1 and 2
+            assert 0 <= report.measured_peak_bytes - stage.peak_bytes <= 512, report
     fused = dataclasses.replace(training, optimizer_impl="fused")
     before = evaluate(graph, config, [2, 2, 2, 2], cluster=Cluster(num_gpus=4), training=fused)
     assert before.stages[2].peak_bytes < 0.95 * reports[2].measured_peak_bytes
