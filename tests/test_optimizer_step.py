@@ -165,7 +165,9 @@ def test_backends_agree_where_the_step_binds(seed):
     interleaving (CP-SAT and MILP) and DAGs with a tensor sent to several consumers."""
     rng = random.Random(11000 + seed)
     chain = seed % 3 != 2
-    graph = heavy((random_chain if chain else random_dag)(rng, rng.randint(3, 6)), rng)
+    interleaved = seed % 8 == 5  # pp 2 x v 2 over 4..6 layers
+    size = rng.randint(4, 6) if interleaved else rng.randint(3, 6)
+    graph = heavy((random_chain if chain else random_dag)(rng, size), rng)
     if not chain:  # every edge of a producer carries its one output tensor
         document = graph.to_dict()
         sizes: dict[str, int] = {}
@@ -174,12 +176,13 @@ def test_backends_agree_where_the_step_binds(seed):
             edge["tensor"] = f"{edge['src']}:0"
         graph = graph_from_dict(document)
     config = random_config(rng, graph.num_layers)
-    virtual = 2 if seed % 8 == 5 and graph.num_layers >= 2 * config.pp and config.pp > 1 else 1
+    virtual = 2 if interleaved else 1
     config = dataclasses.replace(
         config,
+        pp=2 if interleaved else config.pp,
         recompute="selective" if seed % 4 == 3 else config.recompute,
         virtual_stages=virtual,
-        num_microbatches=config.pp * 2 if virtual > 1 else config.num_microbatches,
+        num_microbatches=4 if interleaved else config.num_microbatches,
         schedule="1f1b" if virtual > 1 else config.schedule,
     )
     lifetime = rng.choice(["step", "persistent"])
