@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from profiling._torch_compat import rebuild_ddp_buckets, replicate_with_fsdp
 from profiling.tensor_parallel import VOCAB_PARALLEL_MIN_ROWS
@@ -234,8 +235,18 @@ def build_optimizer(
     ``impl`` (``TrainingConfig.optimizer_impl``): foreach (``foreach=True``, what
     ``torch.optim.Adam(params)`` picks on a GPU; on CPU torch would pick the single-tensor loop,
     so it is asked for explicitly: its ``_foreach_sqrt`` of every ``exp_avg_sq`` is the step
-    temporary the cost model counts) or fused (``fused=True``: in place, no temporary)."""
+    temporary the cost model counts) or fused (``fused=True``: in place, no temporary).
+
+    With tensor parallelism the split layers' parameters are DTensors and the rest (norms,
+    position tables) plain tensors; torch's foreach and fused kernels refuse a list that mixes
+    them ("got mixed torch.Tensor and DTensor", torch 2.13), so each kind gets its own param
+    group, stepped one after the other: the step's temporary is then the larger group's, which
+    the cost model's sum over every parameter bounds (by the replicated parameters)."""
     options = {"foreach": True} if impl == "foreach" else {"fused": True}
+    distributed = [param for param in params if isinstance(param, DTensor)]
+    if distributed and len(distributed) < len(params):
+        plain = [param for param in params if not isinstance(param, DTensor)]
+        params = [{"params": distributed}, {"params": plain}]
     if zero == 1 and mesh["dp"].size() > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
