@@ -240,13 +240,17 @@ def build_optimizer(
     With tensor parallelism the split layers' parameters are DTensors and the rest (norms,
     position tables) plain tensors; torch's foreach and fused kernels refuse a list that mixes
     them ("got mixed torch.Tensor and DTensor", torch 2.13), so each kind gets its own param
-    group, stepped one after the other: the step's temporary is then the larger group's, which
-    the cost model's sum over every parameter bounds (by the replicated parameters)."""
+    group, stepped one after the other (and ``zero_grad`` loops over the tensors): the step's
+    temporary is then the larger group's, which the cost model's sum over every parameter bounds
+    (by the replicated parameters)."""
     options = {"foreach": True} if impl == "foreach" else {"fused": True}
     distributed = [param for param in params if isinstance(param, DTensor)]
     if distributed and len(distributed) < len(params):
         plain = [param for param in params if not isinstance(param, DTensor)]
-        params = [{"params": distributed}, {"params": plain}]
+        # per group, not as defaults: zero_grad(set_to_none=False) zeroes with one foreach call
+        # over every group when the defaults ask for foreach
+        params = [{"params": group, **options} for group in (distributed, plain)]
+        options = {}
     if zero == 1 and mesh["dp"].size() > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
