@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from profiling._torch_compat import rebuild_ddp_buckets, replicate_with_fsdp
 from profiling.tensor_parallel import VOCAB_PARALLEL_MIN_ROWS
@@ -226,9 +227,30 @@ def apply_data_parallel(
 
 
 def build_optimizer(
-    params: list[nn.Parameter], mesh: DeviceMesh, zero: int, *, lr: float
+    params: list[nn.Parameter], mesh: DeviceMesh, zero: int, *, lr: float, impl: str = "foreach"
 ) -> torch.optim.Optimizer:
-    """Adam; with zero=1 over dp > 1, ZeroRedundancyOptimizer shards its state over the group."""
+    """Adam; with zero=1 over dp > 1, ZeroRedundancyOptimizer shards its state over the group
+    (its local Adam gets the same implementation).
+
+    ``impl`` (``TrainingConfig.optimizer_impl``): foreach (``foreach=True``, what
+    ``torch.optim.Adam(params)`` picks on a GPU; on CPU torch would pick the single-tensor loop,
+    so it is asked for explicitly: its ``_foreach_sqrt`` of every ``exp_avg_sq`` is the step
+    temporary the cost model counts) or fused (``fused=True``: in place, no temporary).
+
+    With tensor parallelism the split layers' parameters are DTensors and the rest (norms,
+    position tables) plain tensors; torch's foreach and fused kernels refuse a list that mixes
+    them ("got mixed torch.Tensor and DTensor", torch 2.13), so each kind gets its own param
+    group, stepped one after the other (and ``zero_grad`` loops over the tensors): the step's
+    temporary is then the larger group's, which the cost model's sum over every parameter bounds
+    (by the replicated parameters)."""
+    options = {"foreach": True} if impl == "foreach" else {"fused": True}
+    distributed = [param for param in params if isinstance(param, DTensor)]
+    if distributed and len(distributed) < len(params):
+        plain = [param for param in params if not isinstance(param, DTensor)]
+        # per group, not as defaults: zero_grad(set_to_none=False) zeroes with one foreach call
+        # over every group when the defaults ask for foreach
+        params = [{"params": group, **options} for group in (distributed, plain)]
+        options = {}
     if zero == 1 and mesh["dp"].size() > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -237,5 +259,6 @@ def build_optimizer(
             optimizer_class=torch.optim.Adam,
             process_group=mesh["dp"].get_group(),
             lr=lr,
+            **options,
         )
-    return torch.optim.Adam(params, lr=lr)
+    return torch.optim.Adam(params, lr=lr, **options)

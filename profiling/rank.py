@@ -106,6 +106,13 @@ def grad_lifetime(plan: PlanFile) -> str:
     return "persistent" if plan.training is None else plan.training.grad_lifetime
 
 
+def optimizer_impl(plan: PlanFile) -> str:
+    """How the plan's optimizer step runs (``TrainingConfig.optimizer_impl``): what the
+    executor's Adam is built with; fused (no step temporary) for a plan without training
+    options, as plans written before the field are read."""
+    return "fused" if plan.training is None else plan.training.optimizer_impl
+
+
 def model_spec(preset: str, overrides: dict[str, Any]) -> models.ModelSpec:
     """The zoo model ``preset`` with ``overrides``; InputError if unknown or without layers."""
     try:
@@ -509,7 +516,9 @@ def _train_and_measure(
         )
         schedule = _schedule(chunks, pipeline_stages, spec, job, place)
         params = [param for module in stage_modules for param in module.parameters()]
-        optimizer = build_optimizer(params, mesh, config.zero, lr=LEARNING_RATE)
+        optimizer = build_optimizer(
+            params, mesh, config.zero, lr=LEARNING_RATE, impl=optimizer_impl(job.plan)
+        )
         tracker.track_optimizer(getattr(optimizer, "optim", optimizer))  # ZeRO-1: the local Adam
         iteration_ms, losses, cuda_peak = _iterate(
             schedule, optimizer, params, spec, job, place, tracker, sharded_logits=sharded_logits

@@ -204,6 +204,23 @@ def capslog_statistics(costs: LayerCosts) -> tuple[np.ndarray, np.ndarray]:
         first_isolated, first_pair = _first_backward_statistics(costs, edge_in, edge_out)
         isolated = np.where(late[:, None], first_isolated, isolated)
         pair = np.where(late[:, None], first_pair, pair)
+    if costs.step_bytes is not None:  # cost_model.optimizer_step_moment of one and two layers
+        at_step = np.array([costs.copies_at(s, 0) for s in range(costs.num_stages)])
+        body = costs.state_bytes + costs.step_bytes
+        step_isolated = (
+            body[None, :]
+            + at_step[:, :1] * edge_in[None, :]
+            + at_step[:, 1:] * edge_out[None, :]
+            + costs.constant_bytes
+        )
+        isolated = np.maximum(isolated, step_isolated)
+        pair[:, 1:] = np.maximum(
+            pair[:, 1:],
+            (body[:-1] + body[1:])[None, :]
+            + at_step[:, :1] * edge_in[None, :-1]
+            + at_step[:, 1:] * edge_out[None, 1:]
+            + costs.constant_bytes,
+        )
     added = np.zeros_like(isolated)
     added[:, 1:] = pair[:, 1:] - isolated[:, :-1]
     return isolated, added

@@ -276,7 +276,8 @@ def memory_lower_bound(costs: LayerCosts) -> int:
     Every layer sits in some stage, whose peak is at least the layer's states (without its
     gradients where a peak can come before them, ``LayerCosts.state_lower_bytes``), k_min stored
     micro-batches and its transient; and the p stage peaks together hold every layer's states and
-    at least k_min stored micro-batches of each, so the largest is >= their sum / p. Plus a
+    at least k_min stored micro-batches of each, so the largest is >= their sum / p; likewise
+    with every state and the step temporary at the optimizer step. Plus a
     calibration's constant, which every stage carries.
     """
     k_min = min(costs.in_flight)
@@ -286,6 +287,10 @@ def memory_lower_bound(costs: LayerCosts) -> int:
     # with interleaving the p ranks together hold least_held micro-batches of every chunk
     spread_layer = costs.state_lower_bytes + costs.least_held * stored
     spread = -(-int(spread_layer.sum()) // costs.num_ranks)
+    if costs.step_bytes is not None:  # the optimizer step: every state and the step temporary
+        at_step = costs.state_bytes + costs.step_bytes
+        single = max(single, int(at_step.max()))
+        spread = max(spread, -(-int(at_step.sum()) // costs.num_ranks))
     return costs.constant_bytes + max(single, spread)
 
 

@@ -64,6 +64,14 @@ Memory of stage s (bytes per GPU):
               after     = (k-1)(stored_s + relay_s) + grads_s + trans_s + buffers(k-1)
               (``first_backward_moments``); DDP on torch keeps its buckets beside the fresh
               .grad all step: + g P'_l per layer (``ddp_bucket_bytes``)
+  optimizer step (``TrainingConfig.optimizer_impl`` foreach, torch's default on a GPU): Adam's
+              ``_multi_tensor_adam`` makes sqrt(exp_avg_sq) of every parameter at once,
+              step_l = ceil(P'_l u / d[z>=1]) with u the bytes of one state element
+              (``solver.precision.step_temporary_bytes_per_param``: 4 fp32 states, 0 fused),
+              sharded like the optimizer state; after the schedule no activation is held and
+              every gradient exists:
+              peak_s = max(the moments above, states_s + sum_l step_l + buffers(0 held))
+              (``optimizer_step_moment``; torch: the m receive buffers of each direction)
 
 Recomputation (``ParallelConfig.recompute``): "none" recomputes no layer, "full" every layer,
 "selective" the layers a solver chooses; :class:`LayerCosts` carries both states of every layer
@@ -351,6 +359,10 @@ class LayerCosts:
     """Gradient buffers kept for the whole run beside ``.grad``, per GPU, bytes: DDP's buckets
     when ``zero_grad(set_to_none=True)`` frees ``.grad`` (``ddp_bucket_bytes``); None: none.
     Part of ``state_bytes`` and of a stage's ``grad_bytes``."""
+    step_bytes: np.ndarray | None = None
+    """The optimizer step's temporary per GPU, bytes (``optimizer_step_bytes``: a foreach Adam's
+    square root of ``exp_avg_sq``, sharded like the optimizer state); None: no temporary (fused,
+    or an optimizer without one), and no optimizer-step moment."""
 
     def __post_init__(self) -> None:
         if self.edge_tensor is None:
@@ -633,6 +645,7 @@ def layer_costs(
         deallocate_pipeline_outputs=training.deallocate_pipeline_outputs,
         grad_lifetime=training.grad_lifetime,
         grad_buffer_bytes=ddp_bucket_bytes(config, training, scaled(grad, "grads")),
+        step_bytes=optimizer_step_bytes(params_times_t, config, training, scaled),
     )
     if training.memory_model == "empirical":
         _check_empirical_options(config, calibration)
@@ -720,7 +733,8 @@ def check_exact_range(
     memory = (
         scale
         * (
-            (2 * w + 2 * g + o) * totals["params"]  # + DDP's buckets
+            (2 * w + 2 * g + o + training.optimizer_step_bytes_per_param) * totals["params"]
+            # + DDP's buckets and the optimizer step's temporary
             + held * b * (totals["activation_bytes"] + totals["output_bytes"] + totals["edges"])
             + (max(receive_copies) + max(send_copies)) * v * b * totals["edges"]
             + b * totals["largest"] * 2
@@ -814,6 +828,25 @@ def _model_state_bytes(
     grad = _ceil_div(params_times_t * g, t * (d if z >= 2 else 1))
     optimizer = _ceil_div(params_times_t * o, t * (d if z >= 1 else 1))
     return weight, grad, optimizer
+
+
+def optimizer_step_bytes(
+    params_times_t: np.ndarray, config: ParallelConfig, training: TrainingConfig, scaled
+) -> np.ndarray | None:
+    """The optimizer step's temporary of every layer per GPU, bytes, or None without one:
+    ceil(P'_l u / d[z>=1]) with u = ``TrainingConfig.optimizer_step_bytes_per_param`` (a foreach
+    Adam's square root of ``exp_avg_sq``, one state element per parameter). It is made from the
+    optimizer's own states, so it is split like them: over tp, and over dp from ZeRO 1 (each
+    rank steps its shard: ``ZeroRedundancyOptimizer``'s local optimizer, FSDP2's DTensor
+    shards). ``scaled``: ``_calibrated``'s function (a calibration scales it with the
+    transients)."""
+    per_param = training.optimizer_step_bytes_per_param
+    if not per_param:
+        return None
+    t, d = config.tp, config.dp
+    return scaled(
+        _ceil_div(params_times_t * per_param, t * (d if config.zero >= 1 else 1)), "transient"
+    )
 
 
 def recomputable_layers(graph: LayerGraph, runtime: str) -> np.ndarray:
@@ -1098,6 +1131,11 @@ class StageCost:
     index + p, ...); [layers] without."""
     chunk_time_ns: list[int] = field(default_factory=list)
     """Per micro-batch time of each chunk, ns ([time_ns] without interleaving)."""
+    moment: str = "forward"
+    """The moment of the schedule that sets the peak (``MOMENTS``): forward (after a forward,
+    k_s micro-batches held), first backward or after first backward (``first_backward_moments``),
+    optimizer step (``optimizer_step_moment``: no activation, the step's temporary in
+    ``transient_bytes``)."""
 
     @property
     def peak_bytes(self) -> int:
@@ -1120,6 +1158,10 @@ class StageCost:
             "buffers": self.buffer_bytes,
             "transient": self.transient_bytes,
         } | ({"constant": self.constant_bytes} if self.constant_bytes else {})
+
+
+MOMENTS = ("forward", "first backward", "after first backward", "optimizer step")
+"""The moments a stage's peak can be at (``StageCost.moment``)."""
 
 
 def stage_costs(
@@ -1161,6 +1203,7 @@ def stage_costs(
         layers = [layer for chunk in chunks for layer in chunk]
         grads, largest = int(grad[own].sum()), int(transient[own].max())
         activations, buffers, vector = _rank_peak_moment(costs, rank, kept, into, out_of)
+        moment = "forward"
         if costs.config.virtual_stages == 1 and costs.first_backward_peak[rank]:
             moments = first_backward_moments(
                 costs,
@@ -1172,14 +1215,23 @@ def stage_costs(
                 into,
                 out_of,
             )
-            grads, activations, buffers, largest = max(moments, key=sum)
+            best = max(range(len(moments)), key=lambda i: sum(moments[i]))
+            grads, activations, buffers, largest = moments[best]
+            moment = "after first backward" if best == len(moments) - 1 else "first backward"
+        grads += int(buckets[own].sum())
+        if costs.step_bytes is not None:
+            step = optimizer_step_moment(costs, rank, stage_of, into, out_of)
+            all_grads = int(grad[own].sum()) + int(buckets[own].sum())
+            if sum(step) + all_grads > grads + activations + buffers + largest:
+                buffers, largest = step
+                grads, activations, vector, moment = all_grads, 0, (0,), "optimizer step"
         stages.append(
             StageCost(
                 index=rank,
                 layers=layers,
                 recomputed=[layer for layer in layers if mask[layer]],
                 weight_bytes=int(weight[own].sum()),
-                grad_bytes=grads + int(buckets[own].sum()),
+                grad_bytes=grads,
                 optimizer_bytes=int(optimizer[own].sum()),
                 activation_bytes=activations,
                 buffer_bytes=buffers,
@@ -1190,9 +1242,32 @@ def stage_costs(
                 constant_bytes=costs.constant_bytes,
                 chunks=chunks,
                 chunk_time_ns=[int(time_ns[j]) for j in own],
+                moment=moment,
             )
         )
     return stages
+
+
+def optimizer_step_moment(
+    costs: LayerCosts, rank: int, stage_of: np.ndarray, into: np.ndarray, out_of: np.ndarray
+) -> tuple[int, int]:
+    """(buffers, step temporary) bytes of rank r at its optimizer step, beside its weights, every
+    gradient and its optimizer state: the schedule has finished, so no micro-batch is held and
+    no relayed tensor either, and the step makes its temporary (``LayerCosts.step_bytes``: a
+    foreach Adam's ``torch._foreach_sqrt(exp_avg_sqs)`` over all the rank's parameters at once).
+    The buffers are those the runtime keeps with 0 held (``LayerCosts.copies_at``): on the torch
+    runtime the m receive buffers of each direction that every PipelineStage keeps for the run
+    (the outputs it held until their backward are gone, and so are an interleaved schedule's
+    pending sends, waited on at the end of ``step()``); megatron's one buffer per direction.
+    ``stage_of``: the (virtual) stage of each layer; ``into``, ``out_of``: per (virtual) stage,
+    per micro-batch (``boundary_bytes``)."""
+    own = costs.stages_of_rank(rank)
+    buffers = 0
+    for stage in own:
+        receive, send = costs.copies_at(stage, 0, 0)
+        buffers += int(receive * into[stage] + send * out_of[stage])
+    step = int(costs.step_bytes[np.isin(stage_of, own)].sum())
+    return buffers, step
 
 
 def first_backward_moments(

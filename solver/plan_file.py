@@ -307,7 +307,12 @@ def _build(document: dict[str, Any], origin: str, kind: str) -> PlanFile:
                 **{
                     key: tuple(value) if isinstance(value, list) else value
                     # plans written before grad_lifetime existed ran with persistent gradients
-                    for key, value in {"grad_lifetime": "persistent", **options}.items()
+                    # and before optimizer_impl without a step temporary
+                    for key, value in {
+                        "grad_lifetime": "persistent",
+                        "optimizer_impl": "fused",
+                        **options,
+                    }.items()
                 },
                 reserve=reserve,
                 runtime=document["runtime"],

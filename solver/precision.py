@@ -55,6 +55,25 @@ The default precision follows the graph (:func:`graph_precision`): the dtype it 
 ``meta["dtype"]`` (``profiling.export --dtype``): fp32 -> fp32, bf16 -> bf16-mixed,
 fp16 -> fp16-mixed; a graph without one -> bf16-mixed, the planner's historical default.
 
+The optimizer step's temporary (:func:`step_temporary_bytes_per_param`), by implementation
+(``--optimizer-impl``, :data:`OPTIMIZER_IMPLS`):
+
+- **foreach** (torch.optim's default on a GPU: ``_default_to_fused_or_foreach`` picks it when every
+  parameter is a plain or DTensor tensor on CUDA): Adam and AdamW's ``_multi_tensor_adam``
+  (torch 2.13 ``torch/optim/adam.py``) make ``exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)``
+  for every parameter of a (device, dtype) group at once, then divide and add to it in place and
+  free it after ``_foreach_addcdiv_``: one tensor the size of all the optimizer's parameters in
+  the state's dtype, live beside weights, gradients and states. Adam with a weight decay (not
+  torch's default 0) makes ``torch._foreach_add(grads, params)``, a gradient-sized copy freed
+  (``del device_grads``) before the square root is made; AdamW decays in place; ``maximize``
+  negates into a copy with the same lifetime. None of these is live with the square root, so
+  the temporary is one state element per parameter: 4 bytes for fp32 states (fp32 and the mixed
+  precisions' fp32 master states), 2 for pure bf16. SGD's ``_multi_tensor_sgd`` updates its
+  momentum buffers in place (a copy only with ``nesterov`` or a weight decay): 0. Lion has no
+  torch.optim implementation: 0.
+- **fused** (``fused=True``, torchtitan's default; TransformerEngine/apex ``FusedAdam`` in
+  Megatron-LM, ``multi_tensor_apply``): one kernel updates each parameter in place: 0.
+
 No torch here: the planner imports this.
 """
 
@@ -75,6 +94,19 @@ MOMENTS = {"adam": 2, "adamw": 2, "lion": 1, "sgd-momentum": 1, "sgd": 0}
 
 OPTIMIZERS = tuple(MOMENTS)
 """The words of ``--optimizer`` / ``TrainingConfig.optimizer``."""
+
+OPTIMIZER_IMPLS = ("foreach", "fused")
+"""How the optimizer step runs (``--optimizer-impl`` / ``TrainingConfig.optimizer_impl``): torch's
+multi-tensor ``foreach`` kernels (its default on a GPU; a step temporary) or a ``fused`` kernel
+(in place: none)."""
+
+DEFAULT_OPTIMIZER_IMPL = {"megatron": "fused", "torch": "foreach"}
+"""``TrainingConfig.optimizer_impl`` when None: Megatron-LM steps with TransformerEngine's or
+apex's FusedAdam; a torch run builds ``torch.optim.Adam(params)``, which is foreach on a GPU."""
+
+STEP_TEMPORARY_STATES = {"adam": 1, "adamw": 1, "lion": 0, "sgd-momentum": 0, "sgd": 0}
+"""State-sized temporaries live at once in a foreach step (module docstring): Adam and AdamW
+one (the square root of ``exp_avg_sq``), the others none."""
 
 DEFAULT_PRECISION = "bf16-mixed"
 """The precision of a graph that records no dtype (what the planner assumed before the words)."""
@@ -107,6 +139,21 @@ def bytes_per_param(precision: str, optimizer: str, runtime: str) -> tuple[int, 
     # Megatron-LM's bf16 main_grad (accumulate_allreduce_grads_in_fp32)
     grads = 4 if (precision == "bf16-mixed" and runtime == "megatron") else 2
     return 2, grads, 4 + 4 * moments
+
+
+def step_temporary_bytes_per_param(precision: str, optimizer: str, impl: str) -> int:
+    """Bytes per parameter of the temporary that ``optimizer``'s step makes under ``impl`` beside
+    the weights, gradients and states (module docstring): one state element per parameter for a
+    foreach Adam or AdamW (4 with fp32 states, 2 with bf16 ones), else 0."""
+    check_words(precision, optimizer)
+    if impl not in OPTIMIZER_IMPLS:
+        raise InputError(
+            f"optimizer_impl must be one of {', '.join(OPTIMIZER_IMPLS)}, got {quote(impl)}"
+        )
+    if impl != "foreach":
+        return 0
+    state_element = 2 if precision == "bf16" else 4  # mixed precisions keep fp32 states
+    return STEP_TEMPORARY_STATES[optimizer] * state_element
 
 
 def check_words(precision: str, optimizer: str) -> None:

@@ -54,6 +54,7 @@ def evaluation_fields(evaluation: Evaluation) -> dict[str, Any]:
                 "peak_bytes": stage.peak_bytes,
                 "breakdown": stage.breakdown(),
                 "in_flight_microbatches": stage.in_flight,
+                "peak_moment": stage.moment,
                 **(
                     {}
                     if evaluation.config.virtual_stages == 1
@@ -118,6 +119,26 @@ def _grad_lifetime_text(evaluation) -> str:
     if ddp_bucket_bytes(evaluation.config, training, np.zeros(1)) is not None:
         text += ", beside DDP's buckets"
     return text
+
+
+def _optimizer_step_text(evaluation: Evaluation) -> str:
+    """'optimizer step: foreach adam, a 4 bytes/param temporary; it sets the peak of stages 0, 3'
+    when the step makes a temporary (``TrainingConfig.optimizer_step_bytes_per_param``), else
+    ''."""
+    training = evaluation.training
+    per_param = training.optimizer_step_bytes_per_param
+    if not per_param or training.memory_model != "analytic":
+        return ""
+    at_step = [str(s.index) for s in evaluation.stages if s.moment == "optimizer step"]
+    where = (
+        f"it sets the peak of stage{'s' if len(at_step) > 1 else ''} {', '.join(at_step)}"
+        if at_step
+        else "no stage peaks there"
+    )
+    return (
+        f"optimizer step: {training.optimizer_impl} {training.optimizer}, a {per_param} "
+        f"bytes/param temporary (--optimizer-impl fused for none); {where}"
+    )
 
 
 def training_to_dict(training: TrainingConfig) -> dict[str, Any]:
@@ -321,6 +342,9 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
             "(--no-deallocate-pipeline-outputs)"
         )
     lines.append(describe_precision(evaluation.training))
+    step_line = _optimizer_step_text(evaluation)
+    if step_line:
+        lines.append(step_line)
     if evaluation.training.calibration is not None:
         lines.append(f"calibration: {evaluation.training.calibration.summary()}")
     verdict = "fits" if evaluation.fits else "DOES NOT FIT"

@@ -15,7 +15,14 @@ from typing import Any
 from solver.calibration import Calibration
 from solver.errors import InputError, quote
 from solver.jsonfile import check_name
-from solver.precision import BYTE_FIELDS, DEFAULT_PRECISION, bytes_per_param
+from solver.precision import (
+    BYTE_FIELDS,
+    DEFAULT_OPTIMIZER_IMPL,
+    DEFAULT_PRECISION,
+    OPTIMIZER_IMPLS,
+    bytes_per_param,
+    step_temporary_bytes_per_param,
+)
 from solver.precision import check_words as check_precision_words
 from solver.reserve import NO_RESERVE, MemoryReserve
 
@@ -267,6 +274,21 @@ class TrainingConfig:
     persistent on megatron, step on torch), resolved when the config is made like
     ``grad_bytes_per_param``. On the torch runtime DDP (dp > 1, ZeRO 0 or 1) keeps gradients in
     its buckets, so the cost model counts them persistent there whatever this says."""
+    optimizer_impl: str | None = None
+    """How the optimizer step runs (``solver.precision.OPTIMIZER_IMPLS``): foreach (torch.optim's
+    multi-tensor kernels, its default on a GPU: Adam's step makes a state-sized temporary of every
+    parameter at once, ``optimizer_step_bytes_per_param``) or fused (``fused=True``,
+    TransformerEngine/apex FusedAdam: in place). None: the runtime's
+    (``DEFAULT_OPTIMIZER_IMPL``: fused on megatron, foreach on torch), resolved when the config is
+    made."""
+
+    @property
+    def optimizer_step_bytes_per_param(self) -> int:
+        """Bytes per parameter of the optimizer step's temporary (``solver.precision``: 4 for a
+        foreach Adam with fp32 states, 0 fused)."""
+        return step_temporary_bytes_per_param(
+            self.precision or DEFAULT_PRECISION, self.optimizer, self.optimizer_impl
+        )
 
     @property
     def memory_reserve(self) -> MemoryReserve:
@@ -341,6 +363,12 @@ class TrainingConfig:
         object.__setattr__(self, "bytes_from_table", filled)
         if self.grad_lifetime is None:
             object.__setattr__(self, "grad_lifetime", DEFAULT_GRAD_LIFETIME[self.runtime])
+        if self.optimizer_impl is None:
+            object.__setattr__(self, "optimizer_impl", DEFAULT_OPTIMIZER_IMPL[self.runtime])
+        _require(
+            self.optimizer_impl in OPTIMIZER_IMPLS,
+            f"optimizer_impl must be one of {OPTIMIZER_IMPLS}, got {quote(self.optimizer_impl)}",
+        )
         _require(
             self.grad_lifetime in GRAD_LIFETIMES,
             f"grad_lifetime must be one of {GRAD_LIFETIMES}, got {quote(self.grad_lifetime)}",

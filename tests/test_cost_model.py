@@ -69,8 +69,10 @@ SPLIT = [0, 1, 1, 2]
 
 def costs_for(config: ParallelConfig, runtime: str = "torch", **options):
     """The toy graph's coefficients; gradients persistent unless ``grad_lifetime`` is given
-    (the step lifetime's moments: tests/test_grad_lifetime.py)."""
+    (the step lifetime's moments: tests/test_grad_lifetime.py), a fused optimizer step unless
+    ``optimizer_impl`` is given (foreach's step moment: tests/test_optimizer_step.py)."""
     options.setdefault("grad_lifetime", "persistent")
+    options.setdefault("optimizer_impl", "fused")
     training = TrainingConfig(global_batch=config.global_batch, runtime=runtime, **options)
     return layer_costs(GRAPH, config, CLUSTER, training)
 
@@ -297,7 +299,11 @@ def test_calibration_scales_each_coefficient_and_adds_the_constant():
     scales |= {"activations": 0.5, "buffers": 2.0, "transient": 3.0}
     calibration = Calibration(scales=scales, constant_bytes=1000)
     training = TrainingConfig(
-        global_batch=CONFIG.global_batch, runtime="torch", calibration=calibration
+        global_batch=CONFIG.global_batch,
+        runtime="torch",
+        calibration=calibration,
+        grad_lifetime="persistent",
+        optimizer_impl="fused",
     )
     analytic = stage_costs(costs_for(CONFIG), SPLIT)
     calibrated = stage_costs(layer_costs(GRAPH, CONFIG, CLUSTER, training), SPLIT)

@@ -176,7 +176,9 @@ def _rank_peaks_by_hand(graph, costs, split) -> list[int]:
     in-flight vectors (and the n held outputs without deallocate_pipeline_outputs); torch at
     every moment of its own schedule (replayed): m receive buffers
     less the held inputs plus the input gradients sent back (kept until the step ends), m
-    gradient buffers plus the held outputs plus the outputs already sent back from."""
+    gradient buffers plus the held outputs plus the outputs already sent back from. With a
+    foreach optimizer step, at least the step: every state, the step temporaries, the buffers
+    with nothing held."""
     p, num_stages = costs.num_ranks, costs.num_stages
     stored, transient, _ = costs.coefficients(None)
     relayed = [0] * num_stages
@@ -221,7 +223,16 @@ def _rank_peaks_by_hand(graph, costs, split) -> list[int]:
             )
             for vector, dones in moments
         )
-        peaks.append(states + at_peak + max(int(transient[layer]) for layer in layers))
+        peak = states + at_peak + max(int(transient[layer]) for layer in layers)
+        if costs.step_bytes is not None:  # the optimizer step: nothing held, the temporary
+            step = sum(int(costs.step_bytes[layer]) for layer in layers)
+            idle = sum(
+                copies(j, 0, 0)[0] * (received[j] + relayed[j])
+                + copies(j, 0, 0)[1] * (sent[j] + relayed[j])
+                for j in own
+            )
+            peak = max(peak, states + step + idle)
+        peaks.append(peak)
     return peaks
 
 

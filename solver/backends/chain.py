@@ -8,6 +8,8 @@ For stage s = layers i..j (0-based, inclusive) ``cost_model.stage_costs`` reduce
   instead max(during, after) of ``cost_model.first_backward_moments``: max_l during(l) is a range
   maximum of stored_prefix[l+1] - grad_prefix[l+1] + transient_l (sparse table), and the
   monotone relaxation counts the states without gradients (a lower bound of during(j))
+  with an optimizer-step temporary (``LayerCosts.step_bytes``) also the step moment
+  sum (state + step)[i..j] + R0_s e[i-1] + S0_s e[j] (``cost_model.optimizer_step_moment``)
   T(i, j) = sum time_ns[i..j],  AR(i, j) = sum dp_sync_ns[i..j],
   iteration = F max_s T_s + max_s AR_s  with F = m + p - 1.
 
@@ -162,6 +164,11 @@ class _Chain:
             self._during_table = _sparse_max_table(
                 self.stored_prefix[1:] - self.grad_prefix[1:] + costs.transient_bytes
             )
+        # the optimizer step: every state, the step temporary, the buffers at 0 held
+        self.step_prefix = None if costs.step_bytes is None else prefix(costs.step_bytes)
+        at_step = [costs.copies_at(s, 0) for s in range(self.num_stages)]
+        self.step_receive = np.array([r for r, _ in at_step], dtype=np.int64)
+        self.step_send = np.array([c for _, c in at_step], dtype=np.int64)
         after = [costs.copies_at(s, max(0, int(k) - 1)) for s, k in enumerate(self.in_flight)]
         self.after_receive = np.array([r for r, _ in after], dtype=np.int64)  # R_s at k_s - 1
         self.after_send = np.array([c for _, c in after], dtype=np.int64)
@@ -206,6 +213,25 @@ class _Chain:
 
     def peaks(self, stage: int | np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """peak_s(i, j) in bytes; ``stage`` is one index or one per pair."""
+        peaks = self.schedule_peaks(stage, starts, ends)
+        if self.step_prefix is None:
+            return peaks
+        stage = np.asarray(stage)
+        step = (
+            self.state_prefix[ends + 1]
+            - self.state_prefix[starts]
+            + self.step_prefix[ends + 1]
+            - self.step_prefix[starts]
+            + self.step_receive[stage] * self.edge_in[starts]
+            + self.step_send[stage] * self.edge_out[ends]
+            + self.constant_bytes
+        )
+        return np.maximum(peaks, step)
+
+    def schedule_peaks(
+        self, stage: int | np.ndarray, starts: np.ndarray, ends: np.ndarray
+    ) -> np.ndarray:
+        """peak_s(i, j) over the moments of the schedule (before the optimizer step), bytes."""
         stage = np.asarray(stage)
         k = self.in_flight[stage]
         value = (

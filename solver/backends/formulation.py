@@ -79,6 +79,12 @@ held (relays and buffers at k), D[l][s] >= D[l'][s] + (stored_l - grad_l) x[l][s
 peak >= B_s + D[l][s] + transient_l x[l][s] per layer, plus the 'after' row at k - 1 held
 (``cost_model.first_backward_moments``).
 
+The optimizer step (``LayerCosts.step_bytes``, a foreach Adam's temporary): one more row per
+rank, ``_optimizer_step_row``:
+  peak >= sum_l (state_l + step_l) x[l][s] + sum_T eb_T (R0_s ct[T][s-1] + S0_s ct[T][s])
+(R0, S0: the copies with nothing held, ``LayerCosts.copies_at(s, 0)``; the sum over the rank's
+chunks with interleaving; ``cost_model.optimizer_step_moment``).
+
 The buffer term is exact: an edge leaving s crosses s | s+1 only, one entering s crosses s-1 | s
 only, and a relayed one crosses both ((R_s + S_s) eb_e). Prefix variables make all of this linear
 with no big-M; r is the only product, and ``y[u][s-1] - y[v][s]`` is the tightest linear lower
@@ -426,10 +432,41 @@ class PrefixFormulation(abc.ABC):
 
     def _stage_rows(self, stage: int) -> list:
         """Expressions the peak of stage s (no interleaving) is at least: the persistent moment,
-        or the first-backward moments where gradients appear then (``_first_backward_rows``)."""
+        or the first-backward moments where gradients appear then (``_first_backward_rows``);
+        and the optimizer step where it makes a temporary (``_optimizer_step_row``)."""
         if self.costs.first_backward_peak[stage]:
-            return self._first_backward_rows(stage)
-        return [self._stage_bytes(stage)]
+            rows = self._first_backward_rows(stage)
+        else:
+            rows = [self._stage_bytes(stage)]
+        return rows + self._optimizer_step_rows(stage)
+
+    def _optimizer_step_rows(self, rank: int) -> list:
+        """[peak of rank r at its optimizer step] (``cost_model.optimizer_step_moment``), or []
+        without a step temporary:
+
+          sum_c [ sum_l (state_l + step_l) x[l][s_c] + R0 In_c + S0 Out_c ] (+ constant)
+
+        every gradient, no activation, the buffers at 0 held (``LayerCosts.copies_at``)."""
+        costs = self.costs
+        if costs.step_bytes is None:
+            return []
+        per_layer = costs.state_bytes + costs.step_bytes
+        terms = []
+        for stage in costs.stages_of_rank(rank):
+            terms += [
+                self._bytes(per_layer[layer]) * self._member(layer, stage)
+                for layer in self._layers_of(stage)
+            ]
+            receive, send = costs.copies_at(stage, 0, 0)
+            terms += [
+                self._bytes(receive * nbytes) * self._tensor_crossing(t, stage - 1)
+                + self._bytes(send * nbytes) * self._tensor_crossing(t, stage)
+                for t, (_, nbytes) in enumerate(costs.tensor_groups)
+                if nbytes
+            ]
+        if costs.constant_bytes:
+            terms.append(self._bytes(costs.constant_bytes))
+        return [self._sum(terms)]
 
     def _first_backward_rows(self, stage: int) -> list:
         """``cost_model.first_backward_moments`` as rows, with k = k_s (= m) and, per layer l
@@ -771,6 +808,8 @@ class PrefixFormulation(abc.ABC):
         if self.placement is None:
             costs = self.costs
             for rank, vectors in enumerate(costs.in_flight_vectors):
+                for i, row in enumerate(self._optimizer_step_rows(rank)):
+                    self._add(self.vars.peak >= row, f"memory_s{rank}_step{i}")
                 if costs.config.virtual_stages == 1 and costs.first_backward_peak[rank]:
                     for i, row in enumerate(self._first_backward_rows(rank)):
                         self._add(self.vars.peak >= row, f"memory_s{rank}_b{i}")

@@ -94,6 +94,7 @@ class Presolve:
                 + costs.state_bytes.sum()
                 + max(k) * stored_ub.sum()
                 + transient_ub.max(initial=0)
+                + (0 if costs.step_bytes is None else costs.step_bytes.sum())
                 + (max(costs.receive_copies) + max(costs.send_copies) + max(k)) * edge_total
             ),
             stage_time_lb_ns=max(int(time_ns.max(initial=0)), _ceil_div(int(time_ns.sum()), ranks)),

@@ -17,7 +17,13 @@ from typing import Any
 
 from solver.calibration import Calibration, load_calibration
 from solver.errors import InputError, one_line, quote
-from solver.precision import BYTE_FIELDS, OPTIMIZERS, PRECISIONS
+from solver.precision import (
+    BYTE_FIELDS,
+    DEFAULT_OPTIMIZER_IMPL,
+    OPTIMIZER_IMPLS,
+    OPTIMIZERS,
+    PRECISIONS,
+)
 from solver.reserve import MemoryReserve, default_reserve, parse_reserve
 from solver.specs import (
     DEFAULT_GRAD_LIFETIME,
@@ -368,6 +374,17 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
         + ", ".join(f"{lifetime} on {name}" for name, lifetime in DEFAULT_GRAD_LIFETIME.items())
         + " (persistent under DDP, whose buckets persist; docs/cost-model.md)",
     )
+    training.add_argument(
+        "--optimizer-impl",
+        choices=OPTIMIZER_IMPLS,
+        default=None,
+        help="how the optimizer step runs: foreach (torch.optim's multi-tensor kernels, its "
+        "default on a GPU: Adam's step makes sqrt(exp_avg_sq) of every parameter at once, a "
+        "temporary of one state element per parameter) or fused (fused=True, torchtitan's "
+        "default; TransformerEngine/apex FusedAdam: in place). Default by --runtime: "
+        + ", ".join(f"{impl} on {name}" for name, impl in DEFAULT_OPTIMIZER_IMPL.items())
+        + " (docs/cost-model.md)",
+    )
     defaults = "; ".join(f"2,{g},12 on {name}" for name, g in GRAD_BYTES_PER_PARAM.items())
     training.add_argument(
         "--bytes-per-param",
@@ -661,6 +678,7 @@ def _training_from_args(args: argparse.Namespace) -> TrainingConfig:
         runtime=args.runtime,
         deallocate_pipeline_outputs=args.deallocate_pipeline_outputs,
         grad_lifetime=args.grad_lifetime,
+        optimizer_impl=args.optimizer_impl,
         memory_model=args.memory_model,
         sequence_parallel=args.sequence_parallel,
         pp=args.pp,

@@ -251,6 +251,7 @@ def _training_from_args(args: argparse.Namespace, config: ParallelConfig) -> Tra
         runtime=args.runtime,
         deallocate_pipeline_outputs=args.deallocate_pipeline_outputs,
         grad_lifetime=args.grad_lifetime,
+        optimizer_impl=args.optimizer_impl,
         memory_model=args.memory_model,
         calibration=calibration,
         **precision_words(args, calibration),
