@@ -6,7 +6,9 @@ parameter, else fp32), traces it with ``torch.distributed.pipelining.pipeline(mo
 mb_args=one micro-batch, split_spec={first layer of each stage j > 0: SplitPoint.BEGINNING})``
 (exactly what the plan's torch export tells users, ``solver.engine_exports``), builds its stage
 with ``pipe.build_stage(stage, device, group)`` and trains with ``Schedule1F1B`` /
-``ScheduleGPipe`` and Adam.
+``ScheduleGPipe`` and Adam (``profiling.parallelize.build_optimizer`` with the plan's
+``optimizer_impl``: foreach by default on the torch runtime, whose step temporary the plan
+counts).
 
 What is traced and where the loss runs (:func:`traceable`): with ``spec.loss_outside``
 (``models.registry.LossOutside``: an HF model, say) the module returns the logits, the last stage
@@ -56,6 +58,7 @@ from torch.utils.checkpoint import checkpoint
 
 import models
 from profiling.cuda_attention import cuda_like_kernels
+from profiling.parallelize import build_optimizer
 from profiling.rank import (
     LEARNING_RATE,
     Measured,
@@ -64,6 +67,7 @@ from profiling.rank import (
     batch_for_iteration,
     init_mesh,
     inject_fault,
+    optimizer_impl,
     place_rank,
     rank_report,
 )
@@ -393,7 +397,13 @@ def traced_rank_main(rank: int, job: RunJob) -> RankReport:
         schedule = schedule_class(
             stage, n_microbatches=config.num_microbatches, loss_fn=traced.loss_fn
         )
-        optimizer = torch.optim.Adam(stage.submod.parameters(), lr=LEARNING_RATE)
+        optimizer = build_optimizer(
+            list(stage.submod.parameters()),
+            mesh,
+            config.zero,
+            lr=LEARNING_RATE,
+            impl=optimizer_impl(job.plan),
+        )
         tracker.track_optimizer(optimizer)
         measured = _iterate(schedule, optimizer, stage, spec, traced, job, place, tracker, owners)
     return rank_report(place, job, measured)
