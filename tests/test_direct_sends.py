@@ -133,7 +133,7 @@ def brute_force_and_backends(problem: StageProblem) -> None:
 
 
 @pytest.mark.parametrize("lifetime", ["step", "persistent"])
-@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("seed", range(24))
 def test_backends_agree_with_direct_sends(seed, lifetime):
     """torch runtime on DAGs with skipping tensors, GPipe and 1F1B, both gradient lifetimes
     (step: the first-backward rows), a third with selective recomputation: CP-SAT and the MILP
