@@ -22,7 +22,9 @@ Memory of stage s (bytes per GPU):
               next to the gathered ones)
   k_s       = min(m, p - s) under 1F1B, m under GPipe                  micro-batches in flight
   stored_l  = b A'_l, or b output_bytes_l when l is recomputed         per micro-batch, rounded up
-  relay     = b bytes of every edge u->v with stage(u) < s < stage(v)  (passed along by stage s)
+  relay     = b bytes of every edge u->v with stage(u) < s < stage(v)  (passed along by stage s;
+              megatron runtime: p2p between neighbours only. The torch runtime sends each
+              tensor straight to every consuming stage: no relay, ``direct_boundary_bytes``)
   acts_s    = k_s (sum_l stored_l + sum relay)
   buffers_s = R_s b (bytes of edges entering s) + S_s b (bytes of edges leaving s)
               (a relayed edge does both), with the copies the pipeline runtime keeps:
@@ -52,7 +54,8 @@ Memory of stage s (bytes per GPU):
               tensors while it runs
   peak_s    = states_s + acts_s + buffers_s + trans_s
   edges naming one tensor (Edge.tensor) count once per stage: it crosses every boundary from its
-              producer's stage to its farthest consumer's (``boundary_bytes``)
+              producer's stage to its farthest consumer's (``boundary_bytes``); on the torch
+              runtime it goes from its producer's stage to each consuming stage
   torch runtime: the last layer's stored bytes += b unsaved_output_bytes (graph meta): a
               pipeline's loss_fn keeps the model's output per in-flight micro-batch
   grad lifetime "step" (``TrainingConfig.grad_lifetime``; torch's zero_grad(set_to_none=True)),
@@ -338,7 +341,8 @@ class LayerCosts:
     send_copies: list[int] = field(default_factory=list)
     """S_s for each stage: copies of a sent edge's bytes."""
     runtime: str = "megatron"
-    """The pipeline runtime whose buffers ``copies_at`` describes."""
+    """The pipeline runtime whose buffers ``copies_at`` describes; torch also sends each
+    boundary tensor straight to its consumers (``direct_sends``)."""
     deallocate_pipeline_outputs: bool = True
     """megatron runtime: sent outputs are freed at once (``TrainingConfig``'s field of that
     name); False keeps those of the in-flight micro-batches (``copies_at``)."""
@@ -423,6 +427,13 @@ class LayerCosts:
             (0 if stage == 0 else m - held + done),
             (0 if stage == last else m + held + done),
         )
+
+    @property
+    def direct_sends(self) -> bool:
+        """Each boundary tensor goes straight from its producer's stage to every consuming
+        stage, nothing relayed (torch.distributed.pipelining; ``direct_boundary_bytes``); False:
+        from neighbour to neighbour (Megatron-LM's and DeepSpeed's p2p, ``boundary_bytes``)."""
+        return self.runtime == "torch"
 
     @cached_property
     def tensor_groups(self) -> list[tuple[list[int], int]]:
@@ -1332,7 +1343,10 @@ def boundary_bytes(
     (``LayerCosts.tensor_groups``). A tensor made on stage a whose farthest consumer is on
     stage c > a crosses every boundary between them: a sends it, c receives it, and every stage
     in between receives it, keeps it in flight and sends it on (relay), whatever it consumes
-    itself."""
+    itself. With ``LayerCosts.direct_sends`` (the torch runtime) nothing is relayed
+    (:func:`direct_boundary_bytes`)."""
+    if costs.direct_sends:
+        return direct_boundary_bytes(costs, stage_of)
     num_stages = costs.num_stages
     sent = np.zeros(num_stages, dtype=np.int64)
     received = np.zeros(num_stages, dtype=np.int64)
@@ -1346,6 +1360,34 @@ def boundary_bytes(
         received[farthest] += size
         relayed[made + 1 : farthest] += size
     return received + relayed, sent + relayed, relayed
+
+
+def direct_boundary_bytes(
+    costs: LayerCosts, stage_of: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(into, out_of, relayed = 0) per (virtual) stage, per micro-batch, when each tensor goes
+    straight from its producer's stage to every stage that consumes it, as
+    torch.distributed.pipelining sends it: a ``PipelineStage`` maps each output to all its
+    destination stages (``act_send_info``) and a consumer stage allocates its receive buffers
+    for it (``args_recv_info``); no stage in between sees it. Per tensor t and stage s:
+
+      receive(t, s) = stage(producer) < s and some consumer of t is on s
+      send(t, s)    = stage(producer) = s and some consumer of t is after s
+
+    each counted once per stage however many of its layers read t."""
+    num_stages = costs.num_stages
+    sent = np.zeros(num_stages, dtype=np.int64)
+    received = np.zeros(num_stages, dtype=np.int64)
+    producer, consumer = stage_of[costs.edge_src], stage_of[costs.edge_dst]
+    for edges, size in costs.tensor_groups:
+        made = int(producer[edges[0]])
+        readers = {int(s) for s in consumer[edges].tolist() if s > made}
+        if not readers or not size:
+            continue
+        sent[made] += size
+        for s in readers:
+            received[s] += size
+    return received, sent, np.zeros(num_stages, dtype=np.int64)
 
 
 def _per_stage_sum(values: np.ndarray, stage_of: np.ndarray, num_stages: int) -> np.ndarray:

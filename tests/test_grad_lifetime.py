@@ -280,7 +280,9 @@ def test_backends_agree_with_step_gradients(seed):
 def test_one_tensor_into_several_layers_of_a_stage_is_received_once():
     """T5-like: the encoder output (one tensor) feeds two decoder blocks. With both blocks on
     stage 2 the stage receives it once (torch's pipeline() split_gm has one placeholder for
-    it); on separate stages it is relayed by the first: received, kept and sent on once."""
+    it); on separate stages it is relayed by the first on the megatron runtime (neighbour p2p):
+    received, kept and sent on once. The torch runtime sends it straight to stage 2
+    (tests/test_direct_sends.py)."""
     layers = [
         {"name": n, "params": 10, "activation_bytes": 50, "output_bytes": 8}
         for n in ("enc", "dec_embed", "dec0", "dec1")
@@ -305,14 +307,22 @@ def test_one_tensor_into_several_layers_of_a_stage_is_received_once():
     )
     config = ParallelConfig(pp=3, tp=1, dp=1, micro_batch=2, num_microbatches=4)
     together = np.array([0, 1, 2, 2])
-    into, out_of, relayed = boundary_bytes(costs_of(named, config, "persistent"), together)
+    into, out_of, relayed = boundary_bytes(
+        costs_of(named, config, "persistent", runtime="megatron"), together
+    )
     assert into.tolist() == [0, 2 * 8, 2 * (8 + 6)]  # enc relayed by stage 1; once into 2
     assert out_of.tolist() == [2 * 8, 2 * (8 + 6), 0]
     assert relayed.tolist() == [0, 2 * 8, 0]
-    into, _, _ = boundary_bytes(costs_of(unnamed, config, "persistent"), together)
+    into, _, _ = boundary_bytes(
+        costs_of(unnamed, config, "persistent", runtime="megatron"), together
+    )
     assert into.tolist() == [0, 2 * 2 * 8, 2 * (8 + 8 + 6)]  # without names: per edge
+    into, _, _ = boundary_bytes(costs_of(unnamed, config, "persistent"), together)
+    assert into.tolist() == [0, 0, 2 * (8 + 8 + 6)]  # torch: straight to stage 2, per edge
     apart = np.array([0, 0, 1, 2])
-    into, out_of, relayed = boundary_bytes(costs_of(named, config, "persistent"), apart)
+    into, out_of, relayed = boundary_bytes(
+        costs_of(named, config, "persistent", runtime="megatron"), apart
+    )
     assert into.tolist() == [0, 2 * (8 + 6), 2 * (8 + 7)]
     assert out_of.tolist() == [2 * (8 + 6), 2 * (8 + 7), 0]  # stage 1 sends enc on once
     assert relayed.tolist() == [0, 2 * 8, 0]

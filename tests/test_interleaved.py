@@ -190,8 +190,9 @@ def _rank_peaks_by_hand(graph, costs, split) -> list[int]:
             continue
         sent[a] += int(nbytes)
         received[b] += int(nbytes)
-        for j in range(a + 1, b):
-            relayed[j] += int(nbytes)
+        if costs.runtime == "megatron":  # torch sends straight to the consumer: no relay
+            for j in range(a + 1, b):
+                relayed[j] += int(nbytes)
     m, last = costs.config.num_microbatches, num_stages - 1
 
     def copies(j: int, n: int, done: int) -> tuple[int, int]:

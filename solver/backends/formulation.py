@@ -12,6 +12,11 @@ The formulation (``cpsat.py`` and ``milp.py`` build it through :class:`PrefixFor
   ct[T][s] >= c[e][s]                T crosses s | s+1 (a variable only for a tensor on several
                                      edges; c[e][s] itself otherwise)
   tr[s] >= transient_l x[l][s]       largest transient of stage s
+  torch runtime (``LayerCosts.direct_sends``: each tensor goes straight to every consuming
+  stage, no r), for a tensor T that can skip a stage (``_received``, ``_sent``):
+  rv[T][s] >= y[u][s-1] + x[v][s] - 1  s receives T: stage(u) < s = stage(v) for an edge (u, v)
+  sd[T][s] >= x[u][s] - y[v][s]        s sends T: stage(u) = s < stage(v) for an edge (u, v)
+                                     (both replace ct[T][s-1], ct[T][s] in the memory rows)
 
   monotone     y[l][s] <= y[l][s+1]
   precedence   y[v][s] <= y[u][s]                          stage(u) <= stage(v)
@@ -212,6 +217,10 @@ class PrefixFormulation(abc.ABC):
         """Per stage s, (T, r[T][s]) (``vars.relay`` by stage)."""
         self._tensor_crossings: dict[tuple[int, int], Any] = {}
         """ct[T][s] of tensors with several edges (``_tensor_crossing``)."""
+        self._direct_receives: dict[tuple[int, int], Any] = {}
+        """rv[T][s] of tensors that can skip a stage, torch runtime (``_received``)."""
+        self._direct_sends: dict[tuple[int, int], Any] = {}
+        """sd[T][s] of tensors that can skip a stage, torch runtime (``_sent``)."""
         self._first_backward: dict[int, tuple[Any, list[tuple[int, Any]]]] = {}
         """Per stage s with ``first_backward_peak``: (B_s, [(l, D[l][s])]) (hints)."""
 
@@ -362,6 +371,69 @@ class PrefixFormulation(abc.ABC):
             self._tensor_crossings[key] = crossing
         return crossing
 
+    def _can_skip(self, tensor: int) -> bool:
+        """Some edge of tensor T can jump over a stage (presolve's span >= 2): only then do a
+        relay (megatron) or a direct send past a neighbour (torch) exist."""
+        edges, nbytes = self.costs.tensor_groups[tensor]
+        return bool(nbytes) and any(self.presolve.max_span[e] >= 2 for e in edges)
+
+    def _received(self, tensor: int, stage: int):
+        """Stage s receives tensor T. Megatron (neighbour p2p, relays included): ct[T][s-1].
+        torch (``LayerCosts.direct_sends``), for a T that can skip a stage, a variable
+
+          rv[T][s] >= y[u][s-1] + x[v][s] - 1     for each edge (u, v) of T
+
+        (stage(u) < s = stage(v): s receives T straight from u's stage; the max over T's edges at
+        the optimum); ct[T][s-1] otherwise, which is then exact."""
+        if not self.costs.direct_sends or not self._can_skip(tensor):
+            return self._tensor_crossing(tensor, stage - 1)
+        if stage <= 0:
+            return 0
+        key = (tensor, stage)
+        receive = self._direct_receives.get(key)
+        if receive is None:
+            pre, edges = self.presolve, self.costs.tensor_groups[tensor][0]
+            readers = [e for e in edges if pre.can_hold(self.edges[e][1], stage)]
+            if not readers or pre.first_stage[self.edges[edges[0]][0]] >= stage:
+                return 0
+            receive = self._new_var(0, 1, f"rv_t{tensor}_s{stage}")
+            for e in readers:
+                u, v = self.edges[e]
+                self._add(
+                    receive >= self._y(u, stage - 1) + self._member(v, stage) - 1,
+                    f"rv_t{tensor}_e{e}_s{stage}",
+                )
+            self._direct_receives[key] = receive
+        return receive
+
+    def _sent(self, tensor: int, stage: int):
+        """Stage s sends tensor T. Megatron: ct[T][s]. torch, for a T that can skip a stage:
+
+          sd[T][s] >= x[u][s] - y[v][s]           for each edge (u, v) of T
+
+        (stage(u) = s < stage(v): made here, read later; the max over T's edges at the
+        optimum); ct[T][s] otherwise."""
+        if not self.costs.direct_sends or not self._can_skip(tensor):
+            return self._tensor_crossing(tensor, stage)
+        if stage >= self.problem.num_stages - 1:
+            return 0
+        key = (tensor, stage)
+        send = self._direct_sends.get(key)
+        if send is None:
+            edges = self.costs.tensor_groups[tensor][0]
+            producer = self.edges[edges[0]][0]
+            if not self.presolve.can_hold(producer, stage):
+                return 0
+            send = self._new_var(0, 1, f"sd_t{tensor}_s{stage}")
+            for e in edges:
+                v = self.edges[e][1]
+                self._add(
+                    send >= self._member(producer, stage) - self._y(v, stage),
+                    f"sd_t{tensor}_e{e}_s{stage}",
+                )
+            self._direct_sends[key] = send
+        return send
+
     def _layers_of(self, stage: int) -> list[int]:
         layers = self._stage_layers.get(stage)
         if layers is None:
@@ -414,8 +486,8 @@ class PrefixFormulation(abc.ABC):
             )
             receive, send = costs.copies_at(stage, k if copies_held is None else copies_held)
             terms += [
-                self._bytes(receive * nbytes) * self._tensor_crossing(t, stage - 1)
-                + self._bytes(send * nbytes) * self._tensor_crossing(t, stage)
+                self._bytes(receive * nbytes) * self._received(t, stage)
+                + self._bytes(send * nbytes) * self._sent(t, stage)
                 for t, (_, nbytes) in enumerate(costs.tensor_groups)
                 if nbytes
             ]
@@ -459,8 +531,8 @@ class PrefixFormulation(abc.ABC):
             ]
             receive, send = costs.copies_at(stage, 0, 0)
             terms += [
-                self._bytes(receive * nbytes) * self._tensor_crossing(t, stage - 1)
-                + self._bytes(send * nbytes) * self._tensor_crossing(t, stage)
+                self._bytes(receive * nbytes) * self._received(t, stage)
+                + self._bytes(send * nbytes) * self._sent(t, stage)
                 for t, (_, nbytes) in enumerate(costs.tensor_groups)
                 if nbytes
             ]
@@ -565,13 +637,12 @@ class PrefixFormulation(abc.ABC):
             self._bytes(costs.tensor_groups[t][1]) * relay for t, relay in self._stage_relays[stage]
         ]
         self._add(kept >= self._sum(kept_terms), f"kept_v{stage}")
-        crossing = self._tensor_crossing
         self._add(
-            received >= self._sum(self._bytes(n) * crossing(t, stage - 1) for t, n in edges),
+            received >= self._sum(self._bytes(n) * self._received(t, stage) for t, n in edges),
             f"in_v{stage}",
         )
         self._add(
-            sent >= self._sum(self._bytes(n) * crossing(t, stage) for t, n in edges),
+            sent >= self._sum(self._bytes(n) * self._sent(t, stage) for t, n in edges),
             f"out_v{stage}",
         )
         self._parts[stage] = (states, kept, received, sent)
@@ -625,7 +696,7 @@ class PrefixFormulation(abc.ABC):
             for t, (edges, nbytes) in enumerate(costs.tensor_groups):
                 self._tick()
                 spanning = [e for e in edges if pre.max_span[e] >= 2]
-                if not spanning or not nbytes:
+                if not spanning or not nbytes or costs.direct_sends:  # torch relays nothing
                     continue
                 u = self.edges[edges[0]][0]
                 farthest = max(pre.last_stage[self.edges[e][1]] for e in spanning)
@@ -961,6 +1032,7 @@ class PrefixFormulation(abc.ABC):
             self._hint(relay, int(made_at[t] < s < reach[t]))
         for (t, s), crossing in self._tensor_crossings.items():
             self._hint(crossing, int(made_at[t] <= s < reach[t]))
+        self._hint_direct(stage_of_layer)
         if self.placement is None:
             stages = stage_costs(self.costs, stage_of_layer, recomputed)
         else:
@@ -989,6 +1061,19 @@ class PrefixFormulation(abc.ABC):
             made_at.append(stage_of_layer[self.edges[edges[0]][0]])
             reach.append(max(stage_of_layer[self.edges[e][1]] for e in edges))
         return made_at, reach
+
+    def _hint_direct(self, stage_of_layer: list[int]) -> None:
+        """The exact rv[T][s] and sd[T][s] of a split (torch runtime, ``_received``/``_sent``)."""
+        for (t, s), variable in self._direct_receives.items():
+            edges = self.costs.tensor_groups[t][0]
+            made = stage_of_layer[self.edges[edges[0]][0]]
+            read = any(stage_of_layer[self.edges[e][1]] == s for e in edges)
+            self._hint(variable, int(made < s and read))
+        for (t, s), variable in self._direct_sends.items():
+            edges = self.costs.tensor_groups[t][0]
+            made = stage_of_layer[self.edges[edges[0]][0]]
+            later = any(stage_of_layer[self.edges[e][1]] > s for e in edges)
+            self._hint(variable, int(made == s and later))
 
     def _hint_parts(self, stage_of_layer: list[int], recomputed: list[bool] | None) -> None:
         """The exact sums of ``_stage_parts`` for a split (interleaving only)."""

@@ -44,7 +44,8 @@ class Presolve:
     peak_lb_bytes: int
     """Lower bound on the largest stage peak."""
     peak_ub_bytes: int
-    """Upper bound on any stage peak (every layer, edge and relay counted at the largest k)."""
+    """Upper bound on any stage peak (every layer, edge and relay counted at the largest k;
+    no relay with direct sends)."""
     stage_time_lb_ns: int
     """Lower bound on max_r T_r (the slowest rank, all its chunks)."""
     chunk_time_lb_ns: int
@@ -75,6 +76,7 @@ class Presolve:
         ranks = costs.num_ranks
         spread_acts = min_acts if ranks == num_stages else costs.least_held * stored
         edge_total = int(costs.edge_bytes.sum())
+        relay_copies = 0 if costs.direct_sends else max(k)  # the torch runtime relays nothing
         time_ns, sync_ns = costs.time_ns, costs.dp_sync_ns
         if problem.placement is not None:  # a layer's time on its fastest group
             time_ns = np.min([c.time_ns for c in problem.placement.group_costs], axis=0)
@@ -95,7 +97,7 @@ class Presolve:
                 + max(k) * stored_ub.sum()
                 + transient_ub.max(initial=0)
                 + (0 if costs.step_bytes is None else costs.step_bytes.sum())
-                + (max(costs.receive_copies) + max(costs.send_copies) + max(k)) * edge_total
+                + (max(costs.receive_copies) + max(costs.send_copies) + relay_copies) * edge_total
             ),
             stage_time_lb_ns=max(int(time_ns.max(initial=0)), _ceil_div(int(time_ns.sum()), ranks)),
             chunk_time_lb_ns=max(
