@@ -10,12 +10,16 @@ holds:
   created while layer L's forward runs gets ``{L}``; one created (or updated in place, or viewed)
   by glue code outside every layer from layers' data belongs to the glue's owner (below), the
   stage ``torch.distributed.pipelining.pipeline`` runs that glue in and sends the result from;
-  everything a layer returns is re-tagged ``{L}``. Tensors made by glue from the model inputs
-  alone (masks, position ids) have none. Edges, each naming the storage it carries: when a
-  layer's forward starts, each input tensor gives ``src -> L``; when glue reads a tensor of
-  another layer, ``src -> owner``. So HuggingFace GPT-2's ``inputs_embeds + position_embeds``
-  (run after ``wpe``) gives ``wte -> wpe`` and ``wpe -> h.0``, the tensors ``pipeline()`` sends,
-  and one tensor read by several layers (T5's encoder output) is one storage on several edges.
+  everything a layer returns is re-tagged ``{L}``. Tensors that glue after a layer makes from
+  the model inputs or buffers alone (Llama's rotary ``cos``/``sin``, computed once after the
+  embedding and read by every block) belong to that owner too; those made before any layer
+  (position ids from the inputs) have none. Edges, each naming the storage it carries: an
+  input of layer L that L's ops read gives ``src -> L`` (one it is given but never reads, such
+  as position ids passed to every block, is no edge: ``pipeline()`` does not send it); glue
+  reading a tensor of another layer gives ``src -> owner``. So HuggingFace GPT-2's
+  ``inputs_embeds + position_embeds`` (run after ``wpe``) gives ``wte -> wpe`` and
+  ``wpe -> h.0``, the tensors ``pipeline()`` sends, and one tensor read by several layers
+  (T5's encoder output) is one storage on several edges.
 - ``taint``: the column-parallel Linear calls the data derives from (see ``tensor_parallel.py``).
 - allocation and release events, from which :meth:`Tracer.transients` computes each layer's
   transient peak.
@@ -206,6 +210,9 @@ class Tracer(TorchDispatchMode):
         self._bwd_seen: set[int] = set()
         self._last_node: Any = None
         self.saved_owner: dict[int, int] = {}
+        self._unread_inputs: dict[int, tuple[frozenset[int], int]] = {}
+        """Inputs of the running layer call its ops have not read yet: uid -> (provenance,
+        bytes)."""
         self.events: list[tuple[int, int, int]] = []
         """(window, storage uid, +bytes on allocation / -bytes on release)."""
         self.windows: list[tuple[str, int]] = []
@@ -286,10 +293,9 @@ class Tracer(TorchDispatchMode):
                 continue
             previous = reads.get(storage.uid, (storage.provenance, 0))[1]
             reads[storage.uid] = (storage.provenance, max(previous, tensor_bytes(tensor)))
-        for uid, (provenance, nbytes) in reads.items():
-            for src in provenance:
-                if src != index:
-                    record.in_edges[(src, uid)] += nbytes
+        # an input becomes an edge when the layer's ops read it (_commit_reads): pipeline()
+        # sends a stage only what its traced ops use, not every argument (position ids)
+        self._unread_inputs = reads
         record.calls += 1
         if record.first_call is None:
             record.first_call = self.num_started
@@ -311,6 +317,7 @@ class Tracer(TorchDispatchMode):
                 record.provenance = frozenset({index})
                 self.layers[index].outputs[record.uid] = storage_of(tensor).nbytes()
         assign_nodes(outputs, index, self.node_owner)
+        self._unread_inputs = {}
         self.active = None
         self.last_finished = index
         return outputs
@@ -376,6 +383,8 @@ class Tracer(TorchDispatchMode):
             raise
         if func in _IGNORED_OPS or self.phase not in ("fwd", "bwd"):
             return out
+        if self._unread_inputs and self.active is not None:
+            self._commit_reads(self.active, tensors_in((args, kwargs)))
         owner = self.owner()
         formula = FLOP_FORMULAS.get(func.overloadpacket)
         if formula is not None:
@@ -410,8 +419,9 @@ class Tracer(TorchDispatchMode):
                 taint |= record.taint
                 if glue:
                     self._glue_reads(owner, record, tensor)
-        if glue and provenance:
-            # glue runs on its owner's stage: what it makes from layers' data is sent from there
+        if glue and (provenance or owner != PENDING):
+            # glue runs on its owner's stage: what it makes there (from layers' data, or from the
+            # model inputs and buffers alone: Llama's rotary cos/sin) is sent from there
             provenance = frozenset({owner})
         for tensor in outputs:
             storage = storage_of(tensor)
@@ -429,6 +439,22 @@ class Tracer(TorchDispatchMode):
                     record.provenance = provenance
                 record.taint |= taint
         return out
+
+    def _commit_reads(self, index: int, tensors: Iterable[torch.Tensor]) -> None:
+        """Layer ``index``'s op reads these tensors: each input of the call among them gives its
+        edges src -> index (once per call, with its largest view; ``layer_enter``)."""
+        edges = self.layers[index].in_edges
+        for tensor in tensors:
+            record = self.record_of(tensor)
+            if record is None:
+                continue
+            read = self._unread_inputs.pop(record.uid, None)
+            if read is None:
+                continue
+            provenance, nbytes = read
+            for src in provenance:
+                if src != index:
+                    edges[(src, record.uid)] += nbytes
 
     def _glue_reads(self, owner: int, record: StorageRecord, tensor: torch.Tensor) -> None:
         """Glue of ``owner`` reads another layer's output: an edge src -> owner carrying that

@@ -367,17 +367,19 @@ def test_hf_gpt2_edges_are_what_pipeline_sends(hf_gpt2):
     wte's stage sends its embedding (65536 B) to wpe's, where the glue inputs_embeds +
     position_embeds and the dropout run; wpe's stage sends that sum to h.0; then one hidden
     state per boundary. The profile used to give wte -> h.0 and wpe -> h.0, both counted (+19%
-    on a wte + wpe stage). Not edges yet: the int64 position ids (1024 B, wte -> wpe) and the
-    bool causal mask (16384 B, wpe -> h.0 and h.1), made from the inputs alone."""
+    on a wte + wpe stage). The int64 position ids that glue after wte makes from the inputs
+    (1024 B) go to wpe, which reads them, and to no block (they are given them but read none);
+    the causal mask is skipped (SDPA's is_causal), in the profile and in the traced run."""
     hidden = 128 * 128 * 4
     assert [(e.src, e.dst, e.bytes) for e in hf_gpt2.edges] == [
+        ("transformer.wte", "transformer.wpe", 128 * 8),
         ("transformer.wte", "transformer.wpe", hidden),
         ("transformer.wpe", "transformer.h.0", hidden),
         ("transformer.h.0", "transformer.h.1", hidden),
         ("transformer.h.1", "transformer.ln_f", hidden),
         ("transformer.ln_f", "lm_head", hidden),
     ]
-    assert hf_gpt2.is_chain
+    assert not hf_gpt2.is_chain  # two tensors wte -> wpe
 
 
 def test_the_model_output_a_loss_fn_keeps(hf_gpt2):
