@@ -119,13 +119,28 @@ def traceable(spec: models.ModelSpec, model: nn.Module) -> Traceable:
 
 
 def plan_dtype(plan: PlanFile) -> torch.dtype:
-    """bf16 for a plan with 2 weight bytes per parameter, fp32 for 4 (InputError otherwise)."""
-    weight_bytes = plan.training.weight_bytes_per_param if plan.training is not None else 4
+    """bf16 for a plan with 2 weight bytes per parameter, fp32 for 4; InputError otherwise, and
+    when the plan's optimizer state is not in the weights' dtype (a mixed precision's fp32
+    master copy and moments): traced runs train with torch.optim, whose states follow the
+    weights (``--precision fp32`` or ``bf16``)."""
+    from solver.precision import MOMENTS
+
+    training = plan.training
+    weight_bytes = training.weight_bytes_per_param if training is not None else 4
     if weight_bytes not in DTYPES:
         raise InputError(
             f"{plan.source}: weight_bytes_per_param {weight_bytes}: traced runs train bf16 (2) or "
-            "fp32 (4) weights; plan with --bytes-per-param 2,2,4 or 4,4,8"
+            "fp32 (4) weights; plan with --precision bf16 or fp32"
         )
+    if training is not None:
+        states = weight_bytes * MOMENTS[training.optimizer]
+        if training.optimizer_bytes_per_param != states or training.optimizer != "adam":
+            raise InputError(
+                f"{plan.source}: training: {training.optimizer} with "
+                f"{training.optimizer_bytes_per_param} optimizer bytes per parameter: traced runs "
+                f"train torch.optim.Adam, whose states take {states} bytes per parameter in the "
+                "weights' dtype; plan with --precision fp32 or bf16 and --optimizer adam"
+            )
     return DTYPES[weight_bytes]
 
 

@@ -147,9 +147,6 @@ HF_MODELS = {
 """Tiny HF configs, seq 64, dropout 0: GPT-2 and Llama through ``hf:`` (the loss outside the
 model, in the schedule's ``loss_fn``), T5 through a factory that unties its embeddings (transformers
 5 ties T5's encoder and decoder embeddings and head, which a split over stages cannot share)."""
-HF_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 4)}
-"""Bytes per parameter (weights, gradients, Adam state) of what the traced run trains: torch's
-Adam keeps its state in the weights' dtype."""
 HF_LAYOUTS = [
     # (model, pp, split: layers per stage or None for the planner's, schedule, dtype)
     ("gpt2", 2, None, "1f1b", "fp32"),
@@ -181,7 +178,6 @@ def hf_rows(progress) -> list[dict]:
     rows = []
     for key, pp, split, schedule, dtype in HF_LAYOUTS:
         name, overrides = HF_MODELS[key]
-        weights, grads, optimizer = HF_BYTES[dtype]
         graph = export_graph(name, dtype=dtype, seq=HF_SEQ, overrides=overrides)
         training = TrainingConfig(
             global_batch=8,
@@ -192,9 +188,7 @@ def hf_rows(progress) -> list[dict]:
             schedule=schedule,
             runtime="torch",
             max_slowdown=None,
-            weight_bytes_per_param=weights,
-            grad_bytes_per_param=grads,
-            optimizer_bytes_per_param=optimizer,
+            precision=dtype,  # fp32, or bf16: pure bf16, torch.optim's states in bf16
         )
         if split is None:
             document = plan_to_dict(plan(graph, Cluster(num_gpus=pp), training))
@@ -230,8 +224,9 @@ def hf_section(rows: list[dict]) -> list[str]:
         "## HuggingFace models traced by torch.distributed.pipelining (`--model hf:...`)",
         "",
         "GPT-2, Llama with GQA and T5 (untied) from tiny configs (scripts/bench_accuracy.py "
-        "`HF_MODELS`), seq 64, global batch 8 in 8 micro-batches, Adam; fp32 (4, 4, 8 bytes per "
-        "parameter) and bf16 (2, 2, 4); cut by `pipeline()` at the plan's layers "
+        "`HF_MODELS`), seq 64, global batch 8 in 8 micro-batches, foreach Adam; `--precision fp32` "
+        "(4, 4, 8 bytes per parameter) and `bf16` (pure bf16: 2, 2, 4, torch's Adam keeps its "
+        "state in the weights' dtype); cut by `pipeline()` at the plan's layers "
         "(profiling/traced_rank.py). Target for the analytic model: median 2%, max 5%.",
         "",
         f"Over {len(rows)} ranks of {len(HF_LAYOUTS)} plans: analytic model {spread(errors)}.",
