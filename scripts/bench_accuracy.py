@@ -293,7 +293,17 @@ def main() -> int:
     progress = lambda text: print(text, flush=True)  # noqa: E731
     if args.hf_only:
         args.out.mkdir(parents=True, exist_ok=True)
-        lines = ["# Accuracy benchmark: HF rows", "", *hf_section(hf_rows(progress))]
+        lines = [
+            "# Accuracy benchmark: HF rows",
+            "",
+            "Command: `python scripts/bench_accuracy.py --hf-only` (the same rows close "
+            "bench_accuracy.md)  ",
+            f"Machine: {platform.machine()}, Python {platform.python_version()}, run "
+            f"{time.strftime('%Y-%m-%d')}; gloo on CPU, exact live-tensor accounting (the last of "
+            "2 iterations measured).",
+            "",
+            *hf_section(hf_rows(progress)),
+        ]
         (args.out / "bench_accuracy_hf.md").write_text("\n".join(lines))
         return 0
     torch_fit, torch_results = calibrate(
