@@ -153,7 +153,10 @@ def build_graph(
         "meta": extra | meta,
         "layers": items,
     }
-    if sorted(edges, key=_edge_key) != sorted(chain, key=_edge_key):
+    # a chain whose tensors each need grad and are counted by their consumer is the implied
+    # chain: the cost model treats its edges as those of a graph without the fields
+    plain = all(edge.get("charged") and set(edge) <= _PLAIN_KEYS for edge in edges)
+    if not plain or sorted(map(_edge_key, edges)) != sorted(map(_edge_key, chain)):
         document["edges"] = edges
     return graph_from_dict(document, origin=f"profile of {model_name}")
 
@@ -217,6 +220,9 @@ def _edges(
             edge["src_charged"] = True
         edges.append(edge)
     return edges
+
+
+_PLAIN_KEYS = {"src", "dst", "bytes", "tensor", "saved", "charged"}
 
 
 def _edge_key(edge: dict) -> tuple:
