@@ -61,7 +61,7 @@ def graph_of(edges):
 
 def unflagged(edges):
     keep = ("src", "dst", "bytes", "tensor")
-    return [{key: edge[key] for key in keep} for edge in edges]
+    return [{key: edge[key] for key in keep if edge.get(key) is not None} for edge in edges]
 
 
 def costs_of(graph, config: ParallelConfig, runtime: str = "torch", lifetime: str = "persistent"):
@@ -238,3 +238,52 @@ def test_the_formulation_hints_the_counted_indicators_exactly():
         assert solver.solve(formulation.model) == cp_model.OPTIMAL
         peak = max(stage.peak_bytes for stage in stage_costs(costs, split))
         assert solver.objective_value == peak
+
+
+def test_traced_t5_edges_say_which_tensors_need_grad_and_who_counts_them():
+    """The profiler's fields on the T5 of ``scripts/bench_accuracy.py`` (fp32, seq 64): the
+    zero cross-attention bias needs no grad and its producer counts it; the self-attention
+    position bias is not saved as received by decoder.block.1; the encoder output is counted by
+    decoder.block.0 and saved again by decoder.block.1. Split 4|3|3 (GPipe, m 8) then moves
+    8 x (65,536 + 65,536 + 16,384) B from stage 1 to stage 2."""
+    from profiling.export import export_graph
+
+    overrides = {
+        "num_layers": 2,
+        "num_decoder_layers": 2,
+        "d_model": 64,
+        "d_ff": 128,
+        "num_heads": 4,
+        "d_kv": 16,
+        "vocab_size": 512,
+        "dropout_rate": 0.0,
+    }
+    graph = export_graph(
+        "tests.run_any_factories:t5_untied", dtype="fp32", seq=64, overrides=overrides
+    )
+    encoder_out = [
+        (e.dst, e.bytes, e.requires_grad, e.saved, e.charged, e.src_charged)
+        for e in graph.edges
+        if e.src == "encoder.final_layer_norm"
+    ]
+    assert sorted(encoder_out) == [
+        ("decoder.block.0", 16384, True, True, True, False),
+        ("decoder.block.1", 16384, True, True, False, False),
+        ("decoder.embed_tokens", 512, False, True, True, False),
+    ]
+    edges = [e for e in graph.edges if (e.src, e.dst) == ("decoder.block.0", "decoder.block.1")]
+    assert sorted((e.bytes, e.requires_grad, e.saved, e.src_charged) for e in edges) == [
+        (16384, True, True, False),
+        (65536, False, True, True),
+        (65536, True, False, False),
+    ]
+    config = ParallelConfig(pp=3, tp=1, dp=1, micro_batch=1, num_microbatches=8, schedule="gpipe")
+    split = np.repeat([0, 1, 2], [4, 3, 3])
+    plain = graph_from_dict(
+        {**graph.to_dict(), "edges": unflagged([dataclasses.asdict(e) for e in graph.edges])}
+    )
+    old, new = (
+        [s.peak_bytes for s in stage_costs(costs_of(g, config), split)] for g in (plain, graph)
+    )
+    moved = 8 * (65536 + 65536 + 16384)
+    assert [b - a for a, b in zip(old, new, strict=True)] == [0, -moved, moved]
