@@ -210,6 +210,13 @@ class Tracer(TorchDispatchMode):
         self._bwd_seen: set[int] = set()
         self._last_node: Any = None
         self.saved_owner: dict[int, int] = {}
+        """Storage uid -> the owner that saved it first (its bytes are in that layer's record)."""
+        self.savers: dict[int, set[int]] = defaultdict(set)
+        """Storage uid -> every owner that saves it for backward (resolved at graph building)."""
+        self.grad_storages: set[int] = set()
+        """Storages some layer reads as an input through a view that requires grad: the sending
+        stage of such a tensor gets gradient receive buffers for it (torch allocates them only
+        for outputs that require grad)."""
         self._unread_inputs: dict[int, tuple[frozenset[int], int]] = {}
         """Inputs of the running layer call its ops have not read yet: uid -> (provenance,
         bytes)."""
@@ -291,6 +298,8 @@ class Tracer(TorchDispatchMode):
             storage = self.record_of(tensor)
             if storage is None or storage.kind != "activation" or not storage.provenance:
                 continue
+            if tensor.requires_grad:
+                self.grad_storages.add(storage.uid)
             previous = reads.get(storage.uid, (storage.provenance, 0))[1]
             reads[storage.uid] = (storage.provenance, max(previous, tensor_bytes(tensor)))
         # an input becomes an edge when the layer's ops read it (_commit_reads): pipeline()
@@ -344,9 +353,12 @@ class Tracer(TorchDispatchMode):
         if self.phase != "fwd":
             return tensor
         record = self.record_of(tensor, create=True)
-        if record is None or record.kind in ("param", "buffer") or record.uid in self.saved_owner:
+        if record is None or record.kind in ("param", "buffer"):
             return tensor
         owner = self.owner()
+        self.savers[record.uid].add(owner)
+        if record.uid in self.saved_owner:
+            return tensor
         self.saved_owner[record.uid] = owner
         layer = self.layers[owner]
         nbytes = storage_of(tensor).nbytes()
@@ -460,6 +472,8 @@ class Tracer(TorchDispatchMode):
         """Glue of ``owner`` reads another layer's output: an edge src -> owner carrying that
         storage (its largest view; once however often the glue reads it)."""
         edges = self.layers[owner].in_edges
+        if tensor.requires_grad:
+            self.grad_storages.add(record.uid)
         for src in record.provenance:
             if src != owner:
                 key = (src, record.uid)

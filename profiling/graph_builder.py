@@ -153,7 +153,10 @@ def build_graph(
         "meta": extra | meta,
         "layers": items,
     }
-    if sorted(edges, key=_edge_key) != sorted(chain, key=_edge_key):
+    # a chain whose tensors each need grad and are counted by their consumer is the implied
+    # chain: the cost model treats its edges as those of a graph without the fields
+    plain = all(edge.get("charged") and set(edge) <= _PLAIN_KEYS for edge in edges)
+    if not plain or sorted(map(_edge_key, edges)) != sorted(map(_edge_key, chain)):
         document["edges"] = edges
     return graph_from_dict(document, origin=f"profile of {model_name}")
 
@@ -169,7 +172,12 @@ def _edges(
     """One edge per (producer, consumer, tensor) of the dataflow (``LayerRecord.in_edges``),
     per-sample bytes. A tensor on several edges, or one of several between a pair, is named
     ``"<producer>:<index>"`` (the producer's tensors numbered in consumer order), so the cost
-    model counts it once per stage."""
+    model counts it once per stage. Each edge also says whether the tensor requires grad when
+    sent (``requires_grad``, written when False), whether ``dst`` saves it for backward
+    (``saved``) and whether ``dst``'s ``activation_bytes`` already count its storage
+    (``charged``: dst saved it first, written when True) or ``src``'s do (``src_charged``);
+    ``cost_model.direct_boundary_bytes``
+    uses them for the torch runtime's buffers."""
     found: list[tuple[int, int, int, int]] = []  # (src, dst, uid, bytes)
     for dst in order:
         merged: dict[tuple[int, int], int] = defaultdict(int)
@@ -201,8 +209,20 @@ def _edges(
         }
         if edges_of[uid] > 1 or tensors_of[(src, dst)] > 1:
             edge["tensor"] = f"{names[src]}:{index[(src, uid)]}"
+        if uid not in tracer.grad_storages:
+            edge["requires_grad"] = False
+        edge["saved"] = dst in {tracer.resolve(owner) for owner in tracer.savers.get(uid, ())}
+        first_saver = tracer.saved_owner.get(uid)
+        first_saver = None if first_saver is None else tracer.resolve(first_saver)
+        if edge["saved"] and first_saver == dst:
+            edge["charged"] = True
+        if first_saver == src:
+            edge["src_charged"] = True
         edges.append(edge)
     return edges
+
+
+_PLAIN_KEYS = {"src", "dst", "bytes", "tensor", "saved", "charged"}
 
 
 def _edge_key(edge: dict) -> tuple:

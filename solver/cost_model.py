@@ -324,6 +324,17 @@ class LayerCosts:
     """The tensor each edge carries, as an index (edges of one tensor share it: the graph's
     ``Edge.tensor``); None: a tensor per edge. A stage receives, sends and relays each tensor
     once (``boundary_bytes``, ``tensor_groups``)."""
+    edge_requires_grad: np.ndarray | None = None
+    """Per edge, the tensor requires grad when sent (``Edge.requires_grad``); None: all do."""
+    edge_saved: np.ndarray | None = None
+    """Per edge: 1 the consumer saves the tensor, 0 it does not, -1 unknown (``Edge.saved``);
+    None: all unknown."""
+    edge_charged: np.ndarray | None = None
+    """Per edge, the consumer's stored bytes count the tensor's storage (``Edge.charged``);
+    None: none."""
+    edge_src_charged: np.ndarray | None = None
+    """Per edge, the producer's stored bytes count the tensor's storage (``Edge.src_charged``);
+    None: none."""
     in_flight: list[int]
     """k_j for each (virtual) stage j: the most micro-batches whose activations it holds at once
     (``in_flight_vectors``; k_s of the module docstring without interleaving)."""
@@ -443,6 +454,41 @@ class LayerCosts:
         for edge, tensor in enumerate(self.edge_tensor.tolist()):
             groups.setdefault(tensor, []).append(edge)
         return [(edges, int(self.edge_bytes[edges[0]])) for edges in groups.values()]
+
+    @cached_property
+    def tensor_roles(self) -> list[tuple[bool, bool, list[int]]]:
+        """Parallel to ``tensor_groups``: (requires grad, whether its consumers' saving is known,
+        the layers whose stored bytes count its storage) of every tensor, for the torch
+        runtime's buffers (``direct_buffer_adjustments``)."""
+        roles = []
+        for edges, _ in self.tensor_groups:
+            grad = self.edge_requires_grad is None or bool(self.edge_requires_grad[edges[0]])
+            known = self.edge_saved is not None and bool((self.edge_saved[edges] >= 0).any())
+            charged = set()
+            if self.edge_charged is not None:
+                charged = {int(self.edge_dst[e]) for e in edges if self.edge_charged[e]}
+            if self.edge_src_charged is not None and self.edge_src_charged[edges[0]]:
+                charged.add(int(self.edge_src[edges[0]]))
+            roles.append((grad, known, sorted(charged)))
+        return roles
+
+    @cached_property
+    def plain_boundaries(self) -> bool:
+        """Every tensor requires grad and goes to one consumer whose stored bytes count it (or
+        its saving is unknown), so each boundary takes today's R_s and S_s copies and no
+        adjustment (``direct_buffer_adjustments``): what the chain methods assume."""
+        return not self.direct_sends or all(
+            grad
+            and (
+                not known
+                or charged
+                == [int(self.edge_dst[edges[0]])]
+                == [int(self.edge_dst[e]) for e in edges]
+            )
+            for (edges, _), (grad, known, charged) in zip(
+                self.tensor_groups, self.tensor_roles, strict=True
+            )
+        )
 
     @cached_property
     def first_backward_peak(self) -> list[bool]:
@@ -575,9 +621,17 @@ class LayerCosts:
         )
 
     def is_chain(self) -> bool:
+        """Layer i feeds layer i + 1 only, each boundary with the plain copies
+        (``plain_boundaries``): the chain methods (``backends.chain``, ``capslog_statistics``)
+        apply."""
         n = self.num_layers
-        return len(self.edge_src) == n - 1 and bool(
-            np.all(self.edge_src == np.arange(n - 1)) and np.all(self.edge_dst == np.arange(1, n))
+        return (
+            self.plain_boundaries
+            and len(self.edge_src) == n - 1
+            and bool(
+                np.all(self.edge_src == np.arange(n - 1))
+                and np.all(self.edge_dst == np.arange(1, n))
+            )
         )
 
 
@@ -646,6 +700,10 @@ def layer_costs(
         edge_dst=cols["edge_dst"],
         edge_bytes=scaled(edge_bytes, "buffers"),
         edge_tensor=cols["edge_tensor"],
+        edge_requires_grad=cols["edge_requires_grad"],
+        edge_saved=cols["edge_saved"],
+        edge_charged=cols["edge_charged"],
+        edge_src_charged=cols["edge_src_charged"],
         constant_bytes=0 if calibration is None else calibration.constant_bytes,
         in_flight=in_flight,
         in_flight_vectors=vectors,
@@ -1098,6 +1156,12 @@ def _graph_columns(graph: LayerGraph) -> dict[str, np.ndarray]:
         edge_dst=np.array([position[e.dst] for e in graph.edges], dtype=np.int64),
         edge_bytes=np.array([e.bytes for e in graph.edges], dtype=np.int64),
         edge_tensor=_edge_tensors(graph),
+        edge_requires_grad=np.array([e.requires_grad for e in graph.edges], dtype=bool),
+        edge_saved=np.array(
+            [-1 if e.saved is None else int(e.saved) for e in graph.edges], dtype=np.int64
+        ),
+        edge_charged=np.array([e.charged for e in graph.edges], dtype=bool),
+        edge_src_charged=np.array([e.src_charged for e in graph.edges], dtype=bool),
     )
     graph._columns = cols
     return cols
@@ -1187,6 +1251,7 @@ def stage_costs(
     stored_per_layer, transient_per_layer, time_per_layer = costs.coefficients(mask)
     num_stages = costs.num_stages
     into, out_of, relayed = boundary_bytes(costs, stage_of)
+    adjust = direct_buffer_adjustments(costs, stage_of)
     weight, grad, optimizer, stored, time_ns, sync_ns = (
         _per_stage_sum(values, stage_of, num_stages)
         for values in (
@@ -1213,7 +1278,7 @@ def stage_costs(
         chunks = [members[bounds[j] : bounds[j + 1]].tolist() for j in own]
         layers = [layer for chunk in chunks for layer in chunk]
         grads, largest = int(grad[own].sum()), int(transient[own].max())
-        activations, buffers, vector = _rank_peak_moment(costs, rank, kept, into, out_of)
+        activations, buffers, vector = _rank_peak_moment(costs, rank, kept, into, out_of, adjust)
         moment = "forward"
         if costs.config.virtual_stages == 1 and costs.first_backward_peak[rank]:
             moments = first_backward_moments(
@@ -1225,13 +1290,14 @@ def stage_costs(
                 int(relayed[rank]),
                 into,
                 out_of,
+                adjust,
             )
             best = max(range(len(moments)), key=lambda i: sum(moments[i]))
             grads, activations, buffers, largest = moments[best]
             moment = "after first backward" if best == len(moments) - 1 else "first backward"
         grads += int(buckets[own].sum())
         if costs.step_bytes is not None:
-            step = optimizer_step_moment(costs, rank, stage_of, into, out_of)
+            step = optimizer_step_moment(costs, rank, stage_of, into, out_of, adjust)
             all_grads = int(grad[own].sum()) + int(buckets[own].sum())
             if sum(step) + all_grads > grads + activations + buffers + largest:
                 buffers, largest = step
@@ -1260,7 +1326,12 @@ def stage_costs(
 
 
 def optimizer_step_moment(
-    costs: LayerCosts, rank: int, stage_of: np.ndarray, into: np.ndarray, out_of: np.ndarray
+    costs: LayerCosts,
+    rank: int,
+    stage_of: np.ndarray,
+    into: np.ndarray,
+    out_of: np.ndarray,
+    adjust: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[int, int]:
     """(buffers, step temporary) bytes of rank r at its optimizer step, beside its weights, every
     gradient and its optimizer state: the schedule has finished, so no micro-batch is held and
@@ -1271,12 +1342,9 @@ def optimizer_step_moment(
     (the outputs it held until their backward are gone, and so are an interleaved schedule's
     pending sends, waited on at the end of ``step()``); megatron's one buffer per direction.
     ``stage_of``: the (virtual) stage of each layer; ``into``, ``out_of``: per (virtual) stage,
-    per micro-batch (``boundary_bytes``)."""
+    per micro-batch (``boundary_bytes``); ``adjust``: ``direct_buffer_adjustments``."""
     own = costs.stages_of_rank(rank)
-    buffers = 0
-    for stage in own:
-        receive, send = costs.copies_at(stage, 0, 0)
-        buffers += int(receive * into[stage] + send * out_of[stage])
+    buffers = sum(stage_buffer_bytes(costs, stage, 0, 0, into, out_of, adjust) for stage in own)
     step = int(costs.step_bytes[np.isin(stage_of, own)].sum())
     return buffers, step
 
@@ -1290,6 +1358,7 @@ def first_backward_moments(
     relayed: int,
     into: np.ndarray,
     out_of: np.ndarray,
+    adjust: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> list[tuple[int, int, int, int]]:
     """(gradients, activations, buffers, transient) bytes of a stage whose gradients appear at
     its first backward (``LayerCosts.first_backward_peak``: step lifetime, every forward before
@@ -1322,15 +1391,13 @@ def first_backward_moments(
     total_stored, total_grads = int(stored_here.sum()), int(grads.sum())
     before = np.cumsum(stored_here)  # stored(<= l)
     later = total_grads - np.cumsum(grads)  # grads(> l)
-    receive, send = costs.copies_at(stage, k)
-    buffers_k = int(receive * into[stage] + send * out_of[stage])
+    buffers_k = stage_buffer_bytes(costs, stage, k, 0, into, out_of, adjust)
     held = (k - 1) * (total_stored + relayed)
     moments = [
         (int(g), held + relayed + int(a), buffers_k, int(t))
         for g, a, t in zip(later, before, transient[layers], strict=True)
     ]
-    receive, send = costs.copies_at(stage, k - 1)
-    after_buffers = int(receive * into[stage] + send * out_of[stage])
+    after_buffers = stage_buffer_bytes(costs, stage, k - 1, 0, into, out_of, adjust)
     moments.append((total_grads, held, after_buffers, int(transient[layers].max(initial=0))))
     return moments
 
@@ -1390,6 +1457,63 @@ def direct_boundary_bytes(
     return received, sent, np.zeros(num_stages, dtype=np.int64)
 
 
+def direct_buffer_adjustments(
+    costs: LayerCosts, stage_of: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(per held micro-batch, per micro-batch of the run) bytes per (virtual) stage that the
+    torch runtime's buffers differ from R_s into + S_s out_of (``boundary_copies``), from what
+    the graph says of each tensor (``LayerCosts.tensor_roles``; zeros on the megatron runtime
+    and for graphs without these fields). Per tensor t of size n and stage s:
+
+      received, saving known, no layer of s counts t   + held n  (R = m: every receive buffer
+                                                                 holds t, none is a stored input)
+      sent, a layer of s counts t                       - held n  (the held outputs are stored)
+      sent, t does not require grad                     - m n     (no gradient receive buffers)
+
+    (docs/cost-model.md, "Runtime torch: direct sends")."""
+    num_stages = costs.num_stages
+    per_held = np.zeros(num_stages, dtype=np.int64)
+    no_grad = np.zeros(num_stages, dtype=np.int64)
+    if not costs.direct_sends or costs.plain_boundaries:
+        return per_held, no_grad
+    producer, consumer = stage_of[costs.edge_src], stage_of[costs.edge_dst]
+    roles = costs.tensor_roles
+    for (edges, size), (grad, known, charged) in zip(costs.tensor_groups, roles, strict=True):
+        made = int(producer[edges[0]])
+        readers = {int(s) for s in consumer[edges].tolist() if s > made}
+        if not readers or not size:
+            continue
+        counted = {int(stage_of[layer]) for layer in charged}
+        if made in counted:
+            per_held[made] -= size
+        if not grad:
+            no_grad[made] += size
+        for s in readers:
+            if known and s not in counted:
+                per_held[s] += size
+    return per_held, no_grad
+
+
+def stage_buffer_bytes(
+    costs: LayerCosts,
+    stage: int,
+    held: int,
+    done: int,
+    into: np.ndarray,
+    out_of: np.ndarray,
+    adjust: tuple[np.ndarray, np.ndarray] | None = None,
+) -> int:
+    """Boundary buffers of (virtual) stage j holding ``held`` micro-batches after ``done``
+    backwards, bytes: R into + S out_of (``LayerCosts.copies_at``) plus the torch runtime's
+    per-tensor adjustments (``direct_buffer_adjustments``; None: none)."""
+    receive, send = costs.copies_at(stage, held, done)
+    total = int(receive * into[stage] + send * out_of[stage])
+    if adjust is not None:
+        per_held, no_grad = adjust
+        total += held * int(per_held[stage]) - costs.config.num_microbatches * int(no_grad[stage])
+    return total
+
+
 def _per_stage_sum(values: np.ndarray, stage_of: np.ndarray, num_stages: int) -> np.ndarray:
     """Exact int64 sums (np.bincount would go through float64)."""
     total = np.zeros(num_stages, dtype=np.int64)
@@ -1398,7 +1522,12 @@ def _per_stage_sum(values: np.ndarray, stage_of: np.ndarray, num_stages: int) ->
 
 
 def _rank_peak_moment(
-    costs: LayerCosts, rank: int, kept: np.ndarray, into: np.ndarray, out_of: np.ndarray
+    costs: LayerCosts,
+    rank: int,
+    kept: np.ndarray,
+    into: np.ndarray,
+    out_of: np.ndarray,
+    adjust: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[int, int, tuple[int, ...]]:
     """(activations, buffers, in-flight vector) at the moment of the rank's schedule with the
     most activations + buffers (buffers depend on the moment only on the torch runtime with
@@ -1409,10 +1538,10 @@ def _rank_peak_moment(
         costs.in_flight_vectors[rank], costs.backwards_done[rank], strict=True
     ):
         activations = int(sum(n * kept[j] for n, j in zip(vector, own, strict=True)))
-        buffers = 0
-        for held, done, stage in zip(vector, dones, own, strict=True):
-            receive, send = costs.copies_at(stage, held, done)
-            buffers += int(receive * into[stage] + send * out_of[stage])
+        buffers = sum(
+            stage_buffer_bytes(costs, stage, held, done, into, out_of, adjust)
+            for held, done, stage in zip(vector, dones, own, strict=True)
+        )
         moments.append((activations + buffers, activations, buffers, vector))
     _, activations, buffers, vector = max(moments)
     return activations, buffers, vector

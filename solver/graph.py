@@ -125,6 +125,20 @@ class Edge:
     tensor: str | None = None
     """Which tensor the edge carries ("<producer>:<index>"): edges naming one tensor are one
     tensor sent to several consumers, counted once per stage by the cost model; None: its own."""
+    requires_grad: bool = True
+    """The tensor requires grad when sent: its sending stage keeps gradient receive buffers for
+    it (torch runtime). False for constants (T5's zero position bias, Llama's rotary cos/sin)."""
+    saved: bool | None = None
+    """``dst`` saves the tensor for backward; None: unknown (graphs written before the field:
+    every received tensor is taken as a saved input)."""
+    charged: bool = False
+    """``dst``'s ``activation_bytes`` count the tensor's storage (the profiler charges a storage
+    to the first layer that saves it)."""
+    src_charged: bool = False
+    """``src``'s ``activation_bytes`` count the tensor's storage (the producer saved it first)."""
+
+
+_EDGE_DEFAULTS = {"requires_grad": True, "charged": False, "src_charged": False}
 
 
 @dataclass(kw_only=True)
@@ -192,7 +206,11 @@ class LayerGraph:
         document["layers"] = layers
         if self.edges_given:
             document["edges"] = [
-                {key: value for key, value in asdict(edge).items() if value is not None}
+                {
+                    key: value
+                    for key, value in asdict(edge).items()
+                    if value is not None and value != _EDGE_DEFAULTS.get(key)
+                }
                 for edge in self.edges
             ]
         return document
@@ -245,7 +263,16 @@ def graph_from_dict(document: Any, *, origin: str = "<dict>") -> LayerGraph:
     edges_given = "edges" in document
     if edges_given:
         edges = [
-            Edge(src=e["src"], dst=e["dst"], bytes=int(e["bytes"]), tensor=e.get("tensor"))
+            Edge(
+                src=e["src"],
+                dst=e["dst"],
+                bytes=int(e["bytes"]),
+                tensor=e.get("tensor"),
+                requires_grad=e.get("requires_grad", True),
+                saved=e.get("saved"),
+                charged=e.get("charged", False),
+                src_charged=e.get("src_charged", False),
+            )
             for e in document["edges"]
         ]
         _check_edges(edges, position, origin)
@@ -406,13 +433,25 @@ def _check_edges(edges: list[Edge], position: dict[str, int], origin: str) -> No
                 "merge them into one edge with the summed bytes, or name the tensor each carries"
             )
         named.append(edge.tensor)
+        if edge.charged and not edge.saved:
+            raise InputError(
+                f"{origin}: $.edges[{i}].charged: true needs saved: true (a layer's saved bytes "
+                "count only tensors it saves); set saved, or remove charged"
+            )
         if edge.tensor is not None:
             first = tensors.setdefault(edge.tensor, (i, edge))
-            if (first[1].src, first[1].bytes) != (edge.src, edge.bytes):
+            if (first[1].src, first[1].bytes, first[1].requires_grad, first[1].src_charged) != (
+                edge.src,
+                edge.bytes,
+                edge.requires_grad,
+                edge.src_charged,
+            ):
                 raise InputError(
                     f"{origin}: $.edges[{i}].tensor: {quote(edge.tensor)} also names "
                     f"$.edges[{first[0]}], from {quote(first[1].src)} with {first[1].bytes} "
-                    "bytes; a tensor has one producer and one size (rename one of them)"
+                    f"bytes (requires_grad {first[1].requires_grad}, src_charged "
+                    f"{first[1].src_charged}); a tensor has one producer, one size, one "
+                    "requires_grad and one src_charged (rename one of them)"
                 )
     graph = nx.DiGraph((e.src, e.dst) for e in edges)
     if not nx.is_directed_acyclic_graph(graph):

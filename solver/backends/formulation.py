@@ -128,7 +128,14 @@ from solver.backends.problem import (
     StageProblem,
     StageSolution,
 )
-from solver.cost_model import PPM, LayerCosts, boundary_bytes, stage_costs
+from solver.cost_model import (
+    PPM,
+    LayerCosts,
+    boundary_bytes,
+    direct_buffer_adjustments,
+    stage_buffer_bytes,
+    stage_costs,
+)
 
 
 @dataclass
@@ -218,6 +225,9 @@ class PrefixFormulation(abc.ABC):
         self._tensor_crossings: dict[tuple[int, int], Any] = {}
         """ct[T][s] of tensors with several edges (``_tensor_crossing``)."""
         self._direct_receives: dict[tuple[int, int], Any] = {}
+        self._counted: dict[tuple[int, int], Any] = {}
+        """(tensor, stage) -> w: T crosses the stage's boundary and a layer of it counts T
+        (``_counted_here``)."""
         """rv[T][s] of tensors that can skip a stage, torch runtime (``_received``)."""
         self._direct_sends: dict[tuple[int, int], Any] = {}
         """sd[T][s] of tensors that can skip a stage, torch runtime (``_sent``)."""
@@ -484,13 +494,7 @@ class PrefixFormulation(abc.ABC):
             terms += self._recompute_terms(
                 k * (costs.recompute_stored_bytes - costs.stored_bytes), stage, self._bytes
             )
-            receive, send = costs.copies_at(stage, k if copies_held is None else copies_held)
-            terms += [
-                self._bytes(receive * nbytes) * self._received(t, stage)
-                + self._bytes(send * nbytes) * self._sent(t, stage)
-                for t, (_, nbytes) in enumerate(costs.tensor_groups)
-                if nbytes
-            ]
+            terms += self._buffer_terms(stage, k if copies_held is None else copies_held, 0)
             relays = k if relays_held is None else relays_held
             terms += [
                 self._bytes(relays * costs.tensor_groups[t][1]) * relay
@@ -529,16 +533,67 @@ class PrefixFormulation(abc.ABC):
                 self._bytes(per_layer[layer]) * self._member(layer, stage)
                 for layer in self._layers_of(stage)
             ]
-            receive, send = costs.copies_at(stage, 0, 0)
-            terms += [
-                self._bytes(receive * nbytes) * self._received(t, stage)
-                + self._bytes(send * nbytes) * self._sent(t, stage)
-                for t, (_, nbytes) in enumerate(costs.tensor_groups)
-                if nbytes
-            ]
+            terms += self._buffer_terms(stage, 0, 0)
         if costs.constant_bytes:
             terms.append(self._bytes(costs.constant_bytes))
         return [self._sum(terms)]
+
+    def _buffer_terms(self, stage: int, held: int, done: int) -> list:
+        """Boundary buffers of stage s holding ``held`` micro-batches after ``done`` backwards
+        (``cost_model.stage_buffer_bytes``), per tensor T of n bytes:
+
+          (R + held [saving of T known]) n rv[T][s] + (S - m [T needs no grad]) n sd[T][s]
+          - held n w[T][s]                        (w: a layer of s counts T, ``_counted_here``)
+
+        the plain R n rv + S n sd when every boundary is (``LayerCosts.plain_boundaries``)."""
+        costs = self.costs
+        receive, send = costs.copies_at(stage, held, done)
+        adjusted = costs.direct_sends and not costs.plain_boundaries
+        m, last = costs.config.num_microbatches, self.problem.num_stages - 1
+        terms = []
+        for t, (_, nbytes) in enumerate(costs.tensor_groups):
+            if not nbytes:
+                continue
+            into, out_of = receive * nbytes, send * nbytes
+            if adjusted:
+                grad, known, charged = costs.tensor_roles[t]
+                into += held * nbytes if known else 0
+                out_of -= 0 if grad or stage == last else m * nbytes
+                if charged and held:
+                    terms.append(-self._bytes(held * nbytes) * self._counted_here(t, stage))
+            terms.append(
+                self._bytes(into) * self._received(t, stage)
+                + self._bytes(out_of) * self._sent(t, stage)
+            )
+        return terms
+
+    def _counted_here(self, tensor: int, stage: int):
+        """w[T][s] in [0, 1] with
+
+          w <= sum_c x[c][s]   (c: the layers whose stored bytes count T, ``tensor_roles``)
+          w <= rv[T][s] + sd[T][s]
+
+        T's negative coefficient lifts w to the minimum: 1 exactly when s receives or sends T
+        and counts it in its stored bytes. Raising rv or sd to lift w never pays: their
+        coefficients are at least held n."""
+        key = (tensor, stage)
+        counted = self._counted.get(key)
+        if counted is None:
+            charged = self.costs.tensor_roles[tensor][2]
+            here = [c for c in charged if self.presolve.can_hold(c, stage)]
+            if not here:
+                return 0
+            counted = self._new_var(0, 1, f"w_t{tensor}_s{stage}")
+            self._add(
+                counted <= self._sum(self._member(c, stage) for c in here),
+                f"w_t{tensor}_s{stage}_layer",
+            )
+            self._add(
+                counted <= self._received(tensor, stage) + self._sent(tensor, stage),
+                f"w_t{tensor}_s{stage}_crossing",
+            )
+            self._counted[key] = counted
+        return counted
 
     def _first_backward_rows(self, stage: int) -> list:
         """``cost_model.first_backward_moments`` as rows, with k = k_s (= m) and, per layer l
@@ -596,7 +651,12 @@ class PrefixFormulation(abc.ABC):
         for k, finished, stage in zip(vector, done, stages, strict=True):
             states, kept, received, sent = self._stage_parts(stage)
             receive, send = self.costs.copies_at(stage, k, finished)
-            terms += [states, k * kept, receive * received, send * sent]
+            terms += [states, k * kept]
+            if self.costs.direct_sends and not self.costs.plain_boundaries:
+                # per-tensor copies (_buffer_terms): the parts In, Out carry one coefficient each
+                terms += self._buffer_terms(stage, k, finished)
+            else:
+                terms += [receive * received, send * sent]
         if self.vars.transient:
             terms.append(self.vars.transient[rank])
         if self.costs.constant_bytes:
@@ -1074,6 +1134,13 @@ class PrefixFormulation(abc.ABC):
             made = stage_of_layer[self.edges[edges[0]][0]]
             later = any(stage_of_layer[self.edges[e][1]] > s for e in edges)
             self._hint(variable, int(made == s and later))
+        for (t, s), variable in self._counted.items():
+            edges = self.costs.tensor_groups[t][0]
+            made = stage_of_layer[self.edges[edges[0]][0]]
+            readers = {stage_of_layer[self.edges[e][1]] for e in edges}
+            crosses = (made < s and s in readers) or (made == s and max(readers) > s)
+            here = any(stage_of_layer[c] == s for c in self.costs.tensor_roles[t][2])
+            self._hint(variable, int(crosses and here))
 
     def _hint_parts(self, stage_of_layer: list[int], recomputed: list[bool] | None) -> None:
         """The exact sums of ``_stage_parts`` for a split (interleaving only)."""
@@ -1100,15 +1167,15 @@ class PrefixFormulation(abc.ABC):
         stage_of = np.asarray(stage_of_layer)
         stored, _, _ = costs.coefficients(recomputed if self.problem.selective else None)
         into, out_of, relayed = boundary_bytes(costs, stage_of)
+        adjust = direct_buffer_adjustments(costs, stage_of)
         for stage, (base, runnings) in self._first_backward.items():
             k = costs.in_flight[stage]
             here = stage_of == stage
-            receive, send = costs.copies_at(stage, k)
             value = (
                 int(costs.state_bytes[here].sum())
                 + (k - 1) * int(stored[here].sum())
                 + k * int(relayed[stage])
-                + int(receive * into[stage] + send * out_of[stage])
+                + stage_buffer_bytes(costs, stage, k, 0, into, out_of, adjust)
                 + costs.constant_bytes
             )
             self._hint(base, self._bytes(value))

@@ -77,6 +77,9 @@ class Presolve:
         spread_acts = min_acts if ranks == num_stages else costs.least_held * stored
         edge_total = int(costs.edge_bytes.sum())
         relay_copies = 0 if costs.direct_sends else max(k)  # the torch runtime relays nothing
+        receive_copies = max(costs.receive_copies)
+        if not costs.plain_boundaries:  # a tensor no layer of s counts takes all m buffers
+            receive_copies = max(receive_copies, costs.config.num_microbatches)
         time_ns, sync_ns = costs.time_ns, costs.dp_sync_ns
         if problem.placement is not None:  # a layer's time on its fastest group
             time_ns = np.min([c.time_ns for c in problem.placement.group_costs], axis=0)
@@ -97,7 +100,7 @@ class Presolve:
                 + max(k) * stored_ub.sum()
                 + transient_ub.max(initial=0)
                 + (0 if costs.step_bytes is None else costs.step_bytes.sum())
-                + (max(costs.receive_copies) + max(costs.send_copies) + relay_copies) * edge_total
+                + (receive_copies + max(costs.send_copies) + relay_copies) * edge_total
             ),
             stage_time_lb_ns=max(int(time_ns.max(initial=0)), _ceil_div(int(time_ns.sum()), ranks)),
             chunk_time_lb_ns=max(
