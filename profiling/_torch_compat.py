@@ -76,6 +76,14 @@ PRIVATE_APIS: dict[str, tuple[str, str]] = {
         "count the storage of a DTensor's local shard",
         "profiling/memory.py",
     ),
+    "torch.distributed.pipelining.stage._PipelineStage": (
+        "a traced pipeline stage whose constant boundary tensors carry no gradient",
+        "profiling/traced_boundaries.py",
+    ),
+    "torch.distributed.pipelining._IR._modify_graph_op_device": (
+        "move a traced stage's device constants to the rank's device, as build_stage does",
+        "profiling/traced_boundaries.py",
+    ),
     "torch.UntypedStorage._cdata": (
         "key live storages by the C++ storage behind them",
         "profiling/memory.py",
@@ -284,3 +292,15 @@ def interleaved_1f1b_actions(
     )
     actions = calculate(schedule, rank)
     return [(a.stage_index, a.computation_type.name) for a in actions if a is not None]
+
+
+def pipeline_stage_base() -> type:
+    """torch's ``_PipelineStage``, the stage ``Pipe.build_stage`` makes from a traced pipe, to
+    subclass (checked on 2.13.0; public: ``build_stage`` only)."""
+    return _private("torch.distributed.pipelining.stage._PipelineStage")
+
+
+def modify_graph_op_device(module: Any, device: torch.device) -> None:
+    """Point the device arguments of a traced stage's ops at ``device``, as ``build_stage`` does
+    (checked on 2.13.0; public: none)."""
+    _private("torch.distributed.pipelining._IR._modify_graph_op_device")(module, device)

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
-from torch.distributed.pipelining.stage import _PipelineStage
 
+from profiling._torch_compat import modify_graph_op_device, pipeline_stage_base
 from solver.errors import InputError
 
 
@@ -214,13 +214,11 @@ def _contiguous_meta(example: torch.Tensor) -> torch.Tensor:
 def constant_aware_stage(pipe, stage_index: int, device: torch.device, group=None):
     """``pipe.build_stage(stage_index, device, group)`` whose constant boundary tensors carry no
     gradient (:class:`ConstantAwareStage`)."""
-    from torch.distributed.pipelining._IR import _modify_graph_op_device
-
     constants = {(b.source, b.index) for b in boundaries(pipe) if b.constant}
     stage_nodes = _stage_nodes(pipe)
     index_of = {node.name: i for i, node in enumerate(stage_nodes)}
     module = pipe.get_stage_module(stage_index)
-    _modify_graph_op_device(module, device)  # what build_stage does first
+    modify_graph_op_device(module, device)  # what build_stage does first
     constant_inputs = {
         position
         for position, arg in enumerate(stage_nodes[stage_index].args)
@@ -238,7 +236,7 @@ def constant_aware_stage(pipe, stage_index: int, device: torch.device, group=Non
     )
 
 
-class ConstantAwareStage(_PipelineStage):
+class ConstantAwareStage(pipeline_stage_base()):
     """``_PipelineStage`` (what ``pipe.build_stage`` returns) that marks the constant inputs it
     receives and the constant outputs it sends as needing no gradient: no gradient receive
     buffers for them, no gradient sent back, and no skip-connection error."""

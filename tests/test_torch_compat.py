@@ -219,6 +219,26 @@ def _interleaved_1f1b_actions():
     assert {stage for stage, _ in actions} == {1, 3}, actions  # rank 1 holds stages 1 and 3
 
 
+def _pipeline_stage_base():
+    import inspect
+
+    base = compat.pipeline_stage_base()
+    parameters = inspect.signature(base.__init__).parameters
+    for name in ("stage_module", "stage_index", "pipe_info", "device", "group"):
+        assert name in parameters, f"_PipelineStage.__init__ takes no {name}"
+
+
+def _modify_graph_op_device():
+    class Ones(torch.nn.Module):
+        def forward(self, x):
+            return x + torch.ones(x.size(0), device="cpu")
+
+    module = torch.fx.symbolic_trace(Ones())
+    compat.modify_graph_op_device(module, torch.device("meta"))
+    devices = [node.kwargs.get("device") for node in module.graph.nodes if "device" in node.kwargs]
+    assert devices == [torch.device("meta")], f"device arguments not moved: {devices}"
+
+
 CANARIES = {
     "torch._C._current_autograd_node": _current_autograd_node,
     "torch.utils._python_dispatch.TorchDispatchMode": _dispatch_mode,
@@ -244,6 +264,8 @@ CANARIES = {
     "torch.distributed._tools.mem_tracker.MemTracker": _mem_tracker,
     "torch.distributed.pipelining.schedules.ScheduleInterleaved1F1B"
     "._calculate_single_rank_operations": _interleaved_1f1b_actions,
+    "torch.distributed.pipelining.stage._PipelineStage": _pipeline_stage_base,
+    "torch.distributed.pipelining._IR._modify_graph_op_device": _modify_graph_op_device,
 }
 
 
