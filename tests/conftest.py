@@ -146,3 +146,54 @@ def write_json(tmp_path) -> Callable[[str, Any], str]:
 def gpt_graph() -> LayerGraph:
     """examples/gpt-1.3b.json, loaded once per run: do not modify it in a test."""
     return load_graph(GPT_1_3B)
+
+
+# -- solver oracles ------------------------------------------------------------------------------
+
+
+def assert_backends_match_brute_force(problem) -> None:
+    """CP-SAT and the MILP both prove brute force's optimum of ``problem`` (a StageProblem), and
+    the split each returns measures that objective."""
+    from solver.backends.brute_force import solve_brute_force
+    from solver.backends.cpsat import solve_cpsat
+    from solver.backends.milp import solve_milp
+    from solver.backends.problem import OPTIMAL
+
+    oracle = solve_brute_force(problem)
+    for solve in (solve_cpsat, solve_milp):
+        solution = solve(problem, time_limit_s=30)
+        assert solution.status == oracle.status == OPTIMAL
+        assert solution.objective == oracle.objective
+        assert problem.objective_value(solution.stage_of_layer, solution.recomputed) == (
+            oracle.objective
+        )
+
+
+def assert_placed_backends_match_brute_force(group_costs: list, rng) -> None:
+    """A two-group heterogeneous placement of ``group_costs`` (one LayerCosts per group, same
+    layers and config): capacities 0.9x and 1.5x the even split's peak on the first group's
+    costs, a random share of the stages per group, absolute memory objective; CP-SAT and the
+    MILP reach brute force's status and objective."""
+    from solver.backends.brute_force import solve_brute_force
+    from solver.backends.cpsat import solve_cpsat
+    from solver.backends.milp import solve_milp
+    from solver.backends.problem import ABSOLUTE, Placement, StageProblem
+    from solver.cost_model import stage_costs
+
+    costs = group_costs[0]
+    layers, pp = len(costs.weight_bytes), costs.config.pp
+    even = [min(i * pp // layers, pp - 1) for i in range(layers)]
+    peak = max(s.peak_bytes for s in stage_costs(costs, even))
+    small = rng.randint(1, pp - 1)
+    placement = Placement(
+        group_costs=group_costs,
+        capacity_bytes=[int(peak * 0.9), int(peak * 1.5)],
+        stages_per_group=[small, pp - small],
+        names=["small", "large"],
+        memory_objective=ABSOLUTE,
+    )
+    problem = StageProblem(costs=costs, placement=placement)
+    reference = solve_brute_force(problem)
+    for solve in (solve_cpsat, solve_milp):
+        solution = solve(problem, time_limit_s=20)
+        assert (solution.status, solution.objective) == (reference.status, reference.objective)

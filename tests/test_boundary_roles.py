@@ -13,14 +13,13 @@ import random
 import numpy as np
 import pytest
 
-from solver.backends.brute_force import solve_brute_force
-from solver.backends.cpsat import CpSatFormulation, solve_cpsat
-from solver.backends.milp import solve_milp
-from solver.backends.problem import OBJECTIVE_MEMORY, OPTIMAL, StageProblem
+from solver.backends.cpsat import CpSatFormulation
+from solver.backends.problem import OBJECTIVE_MEMORY, StageProblem
 from solver.cost_model import layer_costs, stage_costs
 from solver.errors import InputError
 from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
+from tests.conftest import assert_backends_match_brute_force
 from tests.random_graphs import random_config, random_dag
 
 LAYERS = [
@@ -164,17 +163,6 @@ def flagged_dag(rng: random.Random, num_layers: int):
     return graph_from_dict(document)
 
 
-def brute_force_and_backends(problem: StageProblem) -> None:
-    oracle = solve_brute_force(problem)
-    for solve in (solve_cpsat, solve_milp):
-        solution = solve(problem, time_limit_s=30)
-        assert solution.status == oracle.status == OPTIMAL
-        assert solution.objective == oracle.objective
-        assert problem.objective_value(solution.stage_of_layer, solution.recomputed) == (
-            oracle.objective
-        )
-
-
 @pytest.mark.parametrize("lifetime", ["step", "persistent"])
 @pytest.mark.parametrize("seed", range(10))
 def test_backends_agree_with_flagged_tensors(seed, lifetime):
@@ -196,7 +184,7 @@ def test_backends_agree_with_flagged_tensors(seed, lifetime):
     )
     costs = costs_of(graph, config, "torch", lifetime)
     assert not costs.plain_boundaries
-    brute_force_and_backends(StageProblem(costs=costs, objective=OBJECTIVE_MEMORY))
+    assert_backends_match_brute_force(StageProblem(costs=costs, objective=OBJECTIVE_MEMORY))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -209,7 +197,7 @@ def test_backends_agree_with_flagged_tensors_interleaved(seed):
         pp=2, tp=1, dp=1, micro_batch=rng.choice([1, 2]), num_microbatches=2, virtual_stages=2
     )
     costs = costs_of(graph, config, "torch")
-    brute_force_and_backends(StageProblem(costs=costs, objective=OBJECTIVE_MEMORY))
+    assert_backends_match_brute_force(StageProblem(costs=costs, objective=OBJECTIVE_MEMORY))
 
 
 def test_the_formulation_hints_the_counted_indicators_exactly():

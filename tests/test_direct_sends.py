@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from solver.backends.brute_force import solve_brute_force
-from solver.backends.cpsat import CpSatFormulation, solve_cpsat
-from solver.backends.milp import solve_milp
-from solver.backends.problem import OBJECTIVE_MEMORY, OPTIMAL, StageProblem
+from solver.backends.cpsat import CpSatFormulation
+from solver.backends.problem import OBJECTIVE_MEMORY, StageProblem
 from solver.cost_model import boundary_bytes, layer_costs, stage_costs
 from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
+from tests.conftest import assert_backends_match_brute_force
 from tests.random_graphs import random_config, random_dag
 
 # T5-like, bytes per sample: the encoder output (one tensor, 8 B) feeds both decoder blocks
@@ -121,17 +121,6 @@ def named_dag(rng: random.Random, num_layers: int):
     return graph_from_dict(document)
 
 
-def brute_force_and_backends(problem: StageProblem) -> None:
-    oracle = solve_brute_force(problem)
-    for solve in (solve_cpsat, solve_milp):
-        solution = solve(problem, time_limit_s=30)
-        assert solution.status == oracle.status == OPTIMAL
-        assert solution.objective == oracle.objective
-        assert problem.objective_value(solution.stage_of_layer, solution.recomputed) == (
-            oracle.objective
-        )
-
-
 @pytest.mark.parametrize("lifetime", ["step", "persistent"])
 @pytest.mark.parametrize("seed", range(24))
 def test_backends_agree_with_direct_sends(seed, lifetime):
@@ -152,7 +141,7 @@ def test_backends_agree_with_direct_sends(seed, lifetime):
         recompute="selective" if seed % 3 == 2 else rng.choice(["none", "full"]),
     )
     costs = costs_of(graph, config, "torch", lifetime)
-    brute_force_and_backends(StageProblem(costs=costs, objective=OBJECTIVE_MEMORY))
+    assert_backends_match_brute_force(StageProblem(costs=costs, objective=OBJECTIVE_MEMORY))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -171,7 +160,7 @@ def test_backends_agree_with_direct_sends_under_a_budget(seed):
     budgeted = StageProblem(
         costs=costs, objective=OBJECTIVE_MEMORY, iteration_budget_ns=(fastest + slowest) // 2
     )
-    brute_force_and_backends(budgeted)
+    assert_backends_match_brute_force(budgeted)
 
 
 def test_the_formulation_has_direct_variables_and_hints_them_exactly():

@@ -22,6 +22,7 @@ from solver.cost_model import boundary_bytes, layer_costs, stage_costs
 from solver.errors import InputError
 from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
+from tests.conftest import assert_placed_backends_match_brute_force
 from tests.random_graphs import random_chain, random_config, random_dag
 
 CLUSTER = Cluster(num_gpus=2)
@@ -515,8 +516,6 @@ def test_executor_runs_the_plan_lifetime_and_matches_it(lifetime):
 def test_placed_problems_agree_with_step_gradients(seed):
     """A heterogeneous 2-group cluster (the placement's P[s][k] rows take every first-backward
     row of a stage): CP-SAT and the MILP reach brute force's optimum."""
-    from solver.backends.problem import ABSOLUTE, Placement
-
     rng = random.Random(9100 + seed)
     while True:
         graph = (random_chain if seed % 2 else random_dag)(rng, rng.randint(2, 5))
@@ -529,18 +528,4 @@ def test_placed_problems_agree_with_step_gradients(seed):
         for f in (989e12, 312e12)
     ]
     assert all(group_costs[0].first_backward_peak)
-    even = [min(i * config.pp // graph.num_layers, config.pp - 1) for i in range(graph.num_layers)]
-    peak = max(s.peak_bytes for s in stage_costs(group_costs[0], even))
-    small = rng.randint(1, config.pp - 1)
-    placement = Placement(
-        group_costs=group_costs,
-        capacity_bytes=[int(peak * 0.9), int(peak * 1.5)],
-        stages_per_group=[small, config.pp - small],
-        names=["small", "large"],
-        memory_objective=ABSOLUTE,
-    )
-    problem = StageProblem(costs=group_costs[0], placement=placement)
-    reference = solve_brute_force(problem)
-    for solve in (solve_cpsat, solve_milp):
-        solution = solve(problem, time_limit_s=20)
-        assert (solution.status, solution.objective) == (reference.status, reference.objective)
+    assert_placed_backends_match_brute_force(group_costs, rng)

@@ -14,13 +14,14 @@ from solver.backends.brute_force import solve_brute_force
 from solver.backends.chain import solve_chain
 from solver.backends.cpsat import solve_cpsat
 from solver.backends.milp import solve_milp
-from solver.backends.problem import ABSOLUTE, OPTIMAL, Placement, StageProblem
+from solver.backends.problem import OPTIMAL, StageProblem
 from solver.candidates import memory_lower_bound
 from solver.cost_model import layer_costs, stage_costs
 from solver.errors import InputError
 from solver.graph import graph_from_dict
 from solver.precision import step_temporary_bytes_per_param
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
+from tests.conftest import assert_placed_backends_match_brute_force
 from tests.random_graphs import random_chain, random_config, random_dag
 
 # parameter-heavy layers, bytes per sample: an embedding, a block, a head
@@ -211,21 +212,7 @@ def test_placed_problems_agree_with_the_step_moment(seed):
         costs_of(graph, config, cluster=Cluster(num_gpus=config.num_gpus, gpu_flops=f))
         for f in (989e12, 312e12)
     ]
-    even = [min(i * config.pp // graph.num_layers, config.pp - 1) for i in range(graph.num_layers)]
-    peak = max(s.peak_bytes for s in stage_costs(group_costs[0], even))
-    small = rng.randint(1, config.pp - 1)
-    placement = Placement(
-        group_costs=group_costs,
-        capacity_bytes=[int(peak * 0.9), int(peak * 1.5)],
-        stages_per_group=[small, config.pp - small],
-        names=["small", "large"],
-        memory_objective=ABSOLUTE,
-    )
-    problem = StageProblem(costs=group_costs[0], placement=placement)
-    reference = solve_brute_force(problem)
-    for solve in (solve_cpsat, solve_milp):
-        solution = solve(problem, time_limit_s=20)
-        assert (solution.status, solution.objective) == (reference.status, reference.objective)
+    assert_placed_backends_match_brute_force(group_costs, rng)
 
 
 # -- plans, reports, the CLI -----------------------------------------------------------------------
