@@ -239,7 +239,8 @@ def test_cli_writes_csv_in_point_order_and_prints_a_table(run_cli, tmp_path):
     assert [(r["gpus"], r["gpu_memory_bytes"] // GIB) for r in rows] == [
         (8, 16), (8, 40), (2, 16), (2, 40), (4, 16), (4, 40),
     ]  # fmt: skip
-    assert text.splitlines()[0].split()[:3] == ["gpus", "memory", "status"]
+    # usable: the memory after the CLI's default reserve (1 GiB + 5%)
+    assert text.splitlines()[0].split()[:4] == ["gpus", "memory", "usable", "status"]
     assert len(text.splitlines()) == 7 and "OPTIMAL" in text
 
 
