@@ -4,13 +4,12 @@ solver/cli/evaluate.py.
 Imported, this module calls :func:`solver.evaluation.evaluate` (``solver.evaluate`` is also the
 API function; see solver/cli/entry.py)."""
 
-import sys
-
 from solver.cli.entry import make_callable
 from solver.cli.evaluate import evaluate_main
+from solver.cli.terminal import exit_process
 from solver.evaluation import evaluate
 
 make_callable(__name__, evaluate)
 
 if __name__ == "__main__":
-    sys.exit(evaluate_main())
+    exit_process(evaluate_main())

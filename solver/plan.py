@@ -3,13 +3,12 @@
 Imported, this module calls :func:`solver.planner.plan` (``solver.plan`` is also the API
 function; see solver/cli/entry.py)."""
 
-import sys
-
 from solver.cli.entry import make_callable
 from solver.cli.plan import plan_main
+from solver.cli.terminal import exit_process
 from solver.planner import plan
 
 make_callable(__name__, plan)
 
 if __name__ == "__main__":
-    sys.exit(plan_main())
+    exit_process(plan_main())
