@@ -197,3 +197,43 @@ def assert_placed_backends_match_brute_force(group_costs: list, rng) -> None:
     for solve in (solve_cpsat, solve_milp):
         solution = solve(problem, time_limit_s=20)
         assert (solution.status, solution.objective) == (reference.status, reference.objective)
+
+
+def solve_everywhere(problem, chain: bool) -> set[int]:
+    """The objectives CP-SAT, the MILP and (``chain``) the chain algorithm prove optimal for
+    ``problem``, each equal to its split's measured value (callers compare the set with brute
+    force's optimum)."""
+    from solver.backends.chain import solve_chain
+    from solver.backends.cpsat import solve_cpsat
+    from solver.backends.milp import solve_milp
+    from solver.backends.problem import OPTIMAL
+
+    solutions = [solve_cpsat(problem, time_limit_s=30), solve_milp(problem, time_limit_s=30)]
+    if chain:
+        solutions.append(solve_chain(problem))
+    for solution in solutions:
+        assert solution.status == OPTIMAL, solution
+        assert solution.objective == problem.objective_value(
+            solution.stage_of_layer, solution.recomputed
+        )
+    return {solution.objective for solution in solutions}
+
+
+def t5_like_graph(*, named: bool = True) -> LayerGraph:
+    """A T5-shaped DAG, bytes per sample: the encoder output (one tensor, 8 B) feeds both decoder
+    blocks; ``named`` False leaves the edges without tensor ids (one tensor per edge)."""
+    layers = [
+        {"name": name, "params": 10, "activation_bytes": 50, "output_bytes": 8}
+        for name in ("enc", "dec_embed", "dec0", "dec1")
+    ]
+    edges = [
+        {"src": "enc", "dst": "dec0", "bytes": 8, "tensor": "enc:0"},
+        {"src": "enc", "dst": "dec1", "bytes": 8, "tensor": "enc:0"},
+        {"src": "dec_embed", "dst": "dec0", "bytes": 6},
+        {"src": "dec0", "dst": "dec1", "bytes": 7},
+    ]
+    if not named:
+        edges = [{k: v for k, v in edge.items() if k != "tensor"} for edge in edges]
+    return graph_from_dict(
+        {"format": "layer-graph", "version": 1, "model": "t5", "layers": layers, "edges": edges}
+    )

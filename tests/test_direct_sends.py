@@ -18,23 +18,10 @@ from solver.backends.problem import OBJECTIVE_MEMORY, StageProblem
 from solver.cost_model import boundary_bytes, layer_costs, stage_costs
 from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
-from tests.conftest import assert_backends_match_brute_force
+from tests.conftest import assert_backends_match_brute_force, t5_like_graph
 from tests.random_graphs import random_config, random_dag
 
-# T5-like, bytes per sample: the encoder output (one tensor, 8 B) feeds both decoder blocks
-LAYERS = [
-    {"name": name, "params": 10, "activation_bytes": 50, "output_bytes": 8}
-    for name in ("enc", "dec_embed", "dec0", "dec1")
-]
-EDGES = [
-    {"src": "enc", "dst": "dec0", "bytes": 8, "tensor": "enc:0"},
-    {"src": "enc", "dst": "dec1", "bytes": 8, "tensor": "enc:0"},
-    {"src": "dec_embed", "dst": "dec0", "bytes": 6},
-    {"src": "dec0", "dst": "dec1", "bytes": 7},
-]
-T5_LIKE = graph_from_dict(
-    {"format": "layer-graph", "version": 1, "model": "t5-like", "layers": LAYERS, "edges": EDGES}
-)
+T5_LIKE = t5_like_graph()
 GPIPE = ParallelConfig(pp=3, tp=1, dp=1, micro_batch=2, num_microbatches=4, schedule="gpipe")
 
 
@@ -103,7 +90,8 @@ def test_tensor_read_on_two_later_stages_is_received_by_each_by_hand():
 
 def test_chains_are_the_same_on_both_models():
     """Every edge of a chain crosses one boundary at most: direct sends and relays agree."""
-    chain = graph_from_dict({"format": "layer-graph", "version": 1, "model": "c", "layers": LAYERS})
+    layers = T5_LIKE.to_dict()["layers"]
+    chain = graph_from_dict({"format": "layer-graph", "version": 1, "model": "c", "layers": layers})
     split = np.array([0, 1, 1, 2])
     direct = boundary_bytes(costs_of(chain, GPIPE, "torch"), split)
     relayed = boundary_bytes(costs_of(chain, GPIPE, "megatron"), split)

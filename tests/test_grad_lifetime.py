@@ -14,15 +14,16 @@ import numpy as np
 import pytest
 
 from solver.backends.brute_force import solve_brute_force
-from solver.backends.chain import solve_chain
-from solver.backends.cpsat import solve_cpsat
-from solver.backends.milp import solve_milp
-from solver.backends.problem import OPTIMAL, StageProblem
+from solver.backends.problem import StageProblem
 from solver.cost_model import boundary_bytes, layer_costs, stage_costs
 from solver.errors import InputError
 from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
-from tests.conftest import assert_placed_backends_match_brute_force
+from tests.conftest import (
+    assert_placed_backends_match_brute_force,
+    solve_everywhere,
+    t5_like_graph,
+)
 from tests.random_graphs import random_chain, random_config, random_dag
 
 CLUSTER = Cluster(num_gpus=2)
@@ -231,18 +232,6 @@ def test_step_moments_bound_the_simulated_schedule(seed):
 # -- every backend solves the same model -----------------------------------------------------------
 
 
-def solve_everywhere(problem: StageProblem, chain: bool) -> set[int]:
-    solutions = [solve_cpsat(problem, time_limit_s=30), solve_milp(problem, time_limit_s=30)]
-    if chain:
-        solutions.append(solve_chain(problem))
-    for solution in solutions:
-        assert solution.status == OPTIMAL, solution
-        assert solution.objective == problem.objective_value(
-            solution.stage_of_layer, solution.recomputed
-        )
-    return {solution.objective for solution in solutions}
-
-
 @pytest.mark.parametrize("seed", range(24))
 def test_backends_agree_with_step_gradients(seed):
     """grad_lifetime step on the torch runtime (GPipe and 1F1B, m around p): CP-SAT, the MILP
@@ -284,28 +273,7 @@ def test_one_tensor_into_several_layers_of_a_stage_is_received_once():
     it); on separate stages it is relayed by the first on the megatron runtime (neighbour p2p):
     received, kept and sent on once. The torch runtime sends it straight to stage 2
     (tests/test_direct_sends.py)."""
-    layers = [
-        {"name": n, "params": 10, "activation_bytes": 50, "output_bytes": 8}
-        for n in ("enc", "dec_embed", "dec0", "dec1")
-    ]
-    edges = [
-        {"src": "enc", "dst": "dec0", "bytes": 8, "tensor": "enc:0"},
-        {"src": "enc", "dst": "dec1", "bytes": 8, "tensor": "enc:0"},
-        {"src": "dec_embed", "dst": "dec0", "bytes": 6},
-        {"src": "dec0", "dst": "dec1", "bytes": 7},
-    ]
-    named = graph_from_dict(
-        {"format": "layer-graph", "version": 1, "model": "t5", "layers": layers, "edges": edges}
-    )
-    unnamed = graph_from_dict(
-        {
-            "format": "layer-graph",
-            "version": 1,
-            "model": "t5",
-            "layers": layers,
-            "edges": [{k: v for k, v in e.items() if k != "tensor"} for e in edges],
-        }
-    )
+    named, unnamed = t5_like_graph(), t5_like_graph(named=False)
     config = ParallelConfig(pp=3, tp=1, dp=1, micro_batch=2, num_microbatches=4)
     together = np.array([0, 1, 2, 2])
     into, out_of, relayed = boundary_bytes(

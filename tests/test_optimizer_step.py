@@ -11,17 +11,14 @@ import numpy as np
 import pytest
 
 from solver.backends.brute_force import solve_brute_force
-from solver.backends.chain import solve_chain
-from solver.backends.cpsat import solve_cpsat
-from solver.backends.milp import solve_milp
-from solver.backends.problem import OPTIMAL, StageProblem
+from solver.backends.problem import StageProblem
 from solver.candidates import memory_lower_bound
 from solver.cost_model import layer_costs, stage_costs
 from solver.errors import InputError
 from solver.graph import graph_from_dict
 from solver.precision import step_temporary_bytes_per_param
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
-from tests.conftest import assert_placed_backends_match_brute_force
+from tests.conftest import assert_placed_backends_match_brute_force, solve_everywhere
 from tests.random_graphs import random_chain, random_config, random_dag
 
 # parameter-heavy layers, bytes per sample: an embedding, a block, a head
@@ -144,18 +141,6 @@ def heavy(graph, rng: random.Random):
         layer["params"] *= factor
         layer["tp_params"] = layer.get("tp_params", 0) * factor
     return graph_from_dict(document)
-
-
-def solve_everywhere(problem: StageProblem, chain: bool) -> set[int]:
-    solutions = [solve_cpsat(problem, time_limit_s=30), solve_milp(problem, time_limit_s=30)]
-    if chain:
-        solutions.append(solve_chain(problem))
-    for solution in solutions:
-        assert solution.status == OPTIMAL, solution
-        assert solution.objective == problem.objective_value(
-            solution.stage_of_layer, solution.recomputed
-        )
-    return {solution.objective for solution in solutions}
 
 
 @pytest.mark.parametrize("seed", range(24))
