@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from tables import markdown_table  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 from profiling.calibrate import SMALL_GPT, Layout, calibrate  # noqa: E402
+from tests.run_any_factories import TINY_HF_MODELS  # noqa: E402
 
 OVERRIDES = SMALL_GPT
 LAYOUTS = [
@@ -104,49 +105,8 @@ MEGATRON_LAYOUTS = [
 
 
 HF_SEQ = 64
-HF_MODELS = {
-    "gpt2": (
-        "hf:gpt2",
-        {
-            "n_layer": 4,
-            "n_embd": 64,
-            "n_head": 4,
-            "vocab_size": 512,
-            "tie_word_embeddings": False,
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0,
-        },
-    ),
-    "llama-gqa": (
-        "hf:llama-2-7b",
-        {
-            "num_hidden_layers": 4,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "vocab_size": 512,
-            "tie_word_embeddings": False,
-        },
-    ),
-    "t5": (
-        "tests.run_any_factories:t5_untied",
-        {
-            "num_layers": 2,
-            "num_decoder_layers": 2,
-            "d_model": 64,
-            "d_ff": 128,
-            "num_heads": 4,
-            "d_kv": 16,
-            "vocab_size": 512,
-            "dropout_rate": 0.0,
-        },
-    ),
-}
-"""Tiny HF configs, seq 64, dropout 0: GPT-2 and Llama through ``hf:`` (the loss outside the
-model, in the schedule's ``loss_fn``), T5 through a factory that unties its embeddings (transformers
-5 ties T5's encoder and decoder embeddings and head, which a split over stages cannot share)."""
+HF_MODELS = TINY_HF_MODELS
+"""Tiny HF configs (``tests/run_any_factories.py``, shared with the traced-run tests), seq 64."""
 HF_LAYOUTS = [
     # (model, pp, split: layers per stage or None for the planner's, schedule, dtype)
     ("gpt2", 2, None, "1f1b", "fp32"),

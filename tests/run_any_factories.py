@@ -15,6 +15,51 @@ from torch.nn import functional as F
 import models
 from profiling.hf import hf_spec
 
+TINY_HF_MODELS = {
+    "gpt2": (
+        "hf:gpt2",
+        {
+            "n_layer": 4,
+            "n_embd": 64,
+            "n_head": 4,
+            "vocab_size": 512,
+            "tie_word_embeddings": False,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        },
+    ),
+    "llama-gqa": (
+        "hf:llama-2-7b",
+        {
+            "num_hidden_layers": 4,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 512,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "t5": (
+        "tests.run_any_factories:t5_untied",
+        {
+            "num_layers": 2,
+            "num_decoder_layers": 2,
+            "d_model": 64,
+            "d_ff": 128,
+            "num_heads": 4,
+            "d_kv": 16,
+            "vocab_size": 512,
+            "dropout_rate": 0.0,
+        },
+    ),
+}
+"""Tiny HF configs, dropout 0, by key: (model name, --set overrides). GPT-2 and Llama (GQA)
+through ``hf:`` (the loss outside the model, in the schedule's ``loss_fn``), T5 through
+:func:`t5_untied` (transformers 5 ties T5's encoder and decoder embeddings and head, which a split
+over stages cannot share)."""
+
 
 def t5_untied(**overrides) -> models.ModelSpec:
     """HF T5 whose decoder embedding and LM head get their own copies of the shared embedding

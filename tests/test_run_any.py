@@ -24,39 +24,11 @@ from profiling.validate import main as validate_main
 from solver import Cluster, ParallelConfig, TrainingConfig, evaluate, plan
 from solver.errors import InputError
 from solver.report import evaluation_to_dict, plan_to_dict
+from tests.run_any_factories import TINY_HF_MODELS
 
-GPT2 = "hf:gpt2"
-GPT2_TINY = {
-    "n_layer": 4,
-    "n_embd": 64,
-    "n_head": 4,
-    "vocab_size": 512,
-    "tie_word_embeddings": False,
-    "resid_pdrop": 0.0,
-    "embd_pdrop": 0.0,
-    "attn_pdrop": 0.0,
-}
-LLAMA = "hf:llama-2-7b"
-LLAMA_TINY = {
-    "num_hidden_layers": 4,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-    "tie_word_embeddings": False,
-}
-T5 = "tests.run_any_factories:t5_untied"
-T5_TINY = {
-    "num_layers": 2,
-    "num_decoder_layers": 2,
-    "d_model": 64,
-    "d_ff": 128,
-    "num_heads": 4,
-    "d_kv": 16,
-    "vocab_size": 512,
-    "dropout_rate": 0.0,
-}
+GPT2, GPT2_TINY = TINY_HF_MODELS["gpt2"]
+LLAMA, LLAMA_TINY = TINY_HF_MODELS["llama-gqa"]
+T5, T5_TINY = TINY_HF_MODELS["t5"]
 SEQ = 64
 BYTES = {
     "fp32": dict(weight_bytes_per_param=4, grad_bytes_per_param=4, optimizer_bytes_per_param=8),
