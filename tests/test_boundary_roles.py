@@ -235,20 +235,10 @@ def test_traced_t5_edges_say_which_tensors_need_grad_and_who_counts_them():
     decoder.block.0 and saved again by decoder.block.1. Split 4|3|3 (GPipe, m 8) then moves
     8 x (65,536 + 65,536 + 16,384) B from stage 1 to stage 2."""
     from profiling.export import export_graph
+    from tests.run_any_factories import TINY_HF_MODELS
 
-    overrides = {
-        "num_layers": 2,
-        "num_decoder_layers": 2,
-        "d_model": 64,
-        "d_ff": 128,
-        "num_heads": 4,
-        "d_kv": 16,
-        "vocab_size": 512,
-        "dropout_rate": 0.0,
-    }
-    graph = export_graph(
-        "tests.run_any_factories:t5_untied", dtype="fp32", seq=64, overrides=overrides
-    )
+    name, overrides = TINY_HF_MODELS["t5"]
+    graph = export_graph(name, dtype="fp32", seq=64, overrides=overrides)
     encoder_out = [
         (e.dst, e.bytes, e.requires_grad, e.saved, e.charged, e.src_charged)
         for e in graph.edges
