@@ -71,6 +71,24 @@ class GPTConfig:
     tensors) or "sdpa" (F.scaled_dot_product_attention)."""
     tied_embeddings: bool = False
     """The LM head reuses the token embedding weight (one Parameter; GPT-2 does this)."""
+    num_experts: int = 0
+    """Routed experts per MoE block (Mixtral 8, DeepSeek-MoE 64); 0: every block has the dense
+    MLP. The experts are MLPs of kind ``mlp`` and width ``expert_ffn_width``."""
+    top_k: int = 2
+    """Experts each token is routed to (Mixtral 2, DeepSeek-MoE 6)."""
+    expert_ffn_hidden: int | None = None
+    """Width of one routed (and shared) expert; None = ``ffn_width``."""
+    shared_experts: int = 0
+    """Always-active shared experts per MoE block (DeepSeek-MoE 2), each ``expert_ffn_width``
+    wide, next to the routed ones."""
+    dense_layers: int = 0
+    """The first ``dense_layers`` blocks keep the dense MLP of width ``ffn_width`` (DeepSeek-MoE
+    1); the rest are MoE blocks when ``num_experts`` > 0."""
+    capacity_factor: float = 1.0
+    """Each expert takes at most ceil(capacity_factor * tokens * top_k / num_experts) tokens of
+    a micro-batch (GShard/Switch capacity; Megatron's ``--moe-expert-capacity-factor`` with
+    ``--moe-pad-expert-input-to-capacity``): tokens over it are dropped, and the expert inputs
+    are padded to it, so the shapes (and the memory) do not depend on the routing."""
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -105,6 +123,14 @@ class GPTConfig:
     @property
     def ffn_width(self) -> int:
         return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def expert_ffn_width(self) -> int:
+        return self.expert_ffn_hidden or self.ffn_width
+
+    def is_moe_block(self, index: int) -> bool:
+        """Whether block ``index`` (0-based) has the mixture-of-experts MLP."""
+        return self.num_experts > 0 and index >= self.dense_layers
 
 
 class Embedding(nn.Module):

@@ -34,6 +34,10 @@ INTEGER_FIELDS = (
     "transient_bytes",
     "largest_param",
     "largest_tp_param",
+    "expert_params",
+    "expert_activation_bytes",
+    "ep_comm_bytes",
+    "attention_kv_bytes",
 )
 """Layer fields that are whole numbers (parameter counts and bytes)."""
 
@@ -94,6 +98,21 @@ class Layer:
     """Elements of the layer's largest parameter tensor that is not split across TP ranks."""
     largest_tp_param: int = 0
     """Elements of its largest TP-split parameter tensor (before the split)."""
+    expert_params: int = 0
+    """How many of ``params`` are routed-expert weights (mixture of experts): split over the
+    expert-parallel ranks (and over t, Megatron's expert tensor parallelism = tp). Disjoint from
+    ``tp_params``: tp_params + expert_params <= params."""
+    expert_activation_bytes: int = 0
+    """How many of ``activation_bytes`` the routed experts and their token dispatch and combine
+    save, per sample, at a balanced routing (each expert receives tokens * top_k / num_experts).
+    Disjoint from ``tp_activation_bytes``."""
+    ep_comm_bytes: int = 0
+    """Bytes per sample one GPU sends in the layer's expert-parallel all-to-alls (dispatch and
+    combine), forward + backward, at a balanced routing, before the (ep-1)/ep share that leaves
+    the GPU."""
+    attention_kv_bytes: int = 0
+    """Bytes per sample of the keys and values the layer's attention reads (whole sequence, all
+    KV heads): what ring attention passes around under context parallelism."""
     mem_isolated: int | None = None
     """Empirical (mCAP/CAPSlog): peak bytes of a GPU holding only this layer, measured at the
     target GPU count; used with ``memory_model="empirical"``."""
@@ -374,6 +393,18 @@ def _check_layers(layers: list[Layer], origin: str) -> None:
                     f"{origin}: $.layers[{i}].{part}: {getattr(layer, part)} exceeds "
                     f"{total} ({getattr(layer, total)}) of layer {quote(layer.name)}; "
                     f"{part} counts the part of {total} split across TP ranks"
+                )
+        for tp_part, expert_part, total in (
+            ("tp_params", "expert_params", "params"),
+            ("tp_activation_bytes", "expert_activation_bytes", "activation_bytes"),
+        ):
+            both = getattr(layer, tp_part) + getattr(layer, expert_part)
+            if getattr(layer, expert_part) and both > getattr(layer, total):
+                raise InputError(
+                    f"{origin}: $.layers[{i}].{expert_part}: {getattr(layer, expert_part)} plus "
+                    f"{tp_part} ({getattr(layer, tp_part)}) exceeds {total} "
+                    f"({getattr(layer, total)}) of layer {quote(layer.name)}; the expert part "
+                    f"and the TP-split part are disjoint parts of {total}"
                 )
         for part, total in (
             ("largest_param", layer.params - layer.tp_params),

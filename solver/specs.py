@@ -448,9 +448,24 @@ class ParallelConfig:
     """Sequence parallelism (Megatron's ``--sequence-parallel``, needs tp > 1): the activations
     TP leaves replicated (norms, dropout, residuals) and the tensors sent between stages are
     split along the sequence over the t ranks too."""
+    cp: int = 1
+    """Context-parallel degree c (Megatron's ``--context-parallel-size``): each sequence is split
+    over c GPUs, ring attention passes the keys and values around; pp x tp x cp x dp GPUs."""
+    ep: int = 1
+    """Expert-parallel degree e (Megatron's ``--expert-model-parallel-size``): the routed experts
+    are sharded over e of the data-parallel ranks (e divides dp)."""
 
     def __post_init__(self) -> None:
-        for name in ("pp", "tp", "dp", "micro_batch", "num_microbatches", "virtual_stages"):
+        for name in (
+            "pp",
+            "tp",
+            "cp",
+            "dp",
+            "ep",
+            "micro_batch",
+            "num_microbatches",
+            "virtual_stages",
+        ):
             value = getattr(self, name)
             high = MAX_VIRTUAL_STAGES if name == "virtual_stages" else MAX_DEGREE
             _require(
@@ -484,10 +499,15 @@ class ParallelConfig:
             f"--sequence-parallel on with tp({self.tp}): sequence parallelism splits over the "
             "tensor-parallel ranks; use tp > 1 or --sequence-parallel off",
         )
+        _require(
+            self.dp % self.ep == 0,
+            f"ep({self.ep}) does not divide dp({self.dp}): the experts are sharded within the "
+            "data-parallel ranks; pick an --ep that divides the data-parallel degree",
+        )
 
     @property
     def num_gpus(self) -> int:
-        return self.pp * self.tp * self.dp
+        return self.pp * self.tp * self.cp * self.dp
 
     @property
     def global_batch(self) -> int:
@@ -498,11 +518,13 @@ class ParallelConfig:
 
     def label(self) -> str:
         """Short text such as 'pp4 tp2 dp2 b1 m16 zero0 1f1b' (' sp' last with sequence
-        parallelism)."""
+        parallelism; 'cp2' after tp and 'ep4' after dp when above 1)."""
         v = self.virtual_stages
         schedule = self.schedule if v == 1 else f"interleaved-1f1b v{v}"
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
         text = (
-            f"pp{self.pp} tp{self.tp} dp{self.dp} b{self.micro_batch} "
+            f"pp{self.pp} tp{self.tp}{cp} dp{self.dp}{ep} b{self.micro_batch} "
             f"m{self.num_microbatches} zero{self.zero} {schedule}"
         )
         suffix = {"full": " recompute", "selective": " selective-recompute"}
