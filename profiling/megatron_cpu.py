@@ -1,5 +1,6 @@
 """Megatron-core on CPU over gloo: every CUDA, TransformerEngine or apex assumption it makes,
-bypassed in one place (8, in the layer spec, is :class:`profiling.megatron_model.TorchNorm`).
+bypassed in one place (8, in the layer spec, is :class:`profiling.megatron_model.TorchNorm`;
+9 and 10 are the MoE layer's).
 
 megatron-core (``pip install -e ".[megatron]"``) trains a ``GPTModel`` built from its local
 layer spec (no TransformerEngine, no apex) on CPU once these are bypassed, and nothing else
@@ -31,6 +32,16 @@ layer spec (no TransformerEngine, no apex) on CPU once these are bypassed, and n
    the same torch LayerNorm/RMSNorm without that assertion and marks its parameters
    ``sequence_parallel`` (what finalize_model_grads all-reduces over tp), as TransformerEngine's
    and apex's norms are marked; the model uses it for every norm, with or without SP.
+
+9. The MoE all-to-all token dispatcher (``MoEAlltoAllTokenDispatcher``) creates a CUDA side
+   stream when its first instance is built, on which dropless routing copies the token counts to
+   the host; with ``--moe-pad-expert-input-to-capacity`` (the only MoE routing the engine runs:
+   :mod:`profiling.megatron_moe`) every count is known in advance and the stream is never used.
+   The class attribute holds :data:`NO_SIDE_STREAM` instead, so no stream is created.
+10. Without TransformerEngine, ``moe_utils`` never defines ``te_general_gemm`` (its import sits
+    in the ``try`` that fails), yet the router's gating linear (``RouterGatingLinearFunction``)
+    tests ``te_general_gemm is not None`` and raises NameError; the name is set to None, which
+    is the fallback the function means: ``torch.mm`` in the router's dtype.
 
 Everything here runs only inside a rank process of ``profiling.run`` (``engine="megatron"``);
 the patches are undone when the context exits.
@@ -83,6 +94,19 @@ class FusedAdamW(torch.optim.AdamW):
         super().__init__(params, **kwargs, fused=True)
 
 
+class _NoSideStream:
+    """Bypass 9: stands for the dispatcher's CUDA side stream, which padded routing never uses."""
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(
+            f"the MoE dispatcher used its CUDA side stream ({name}): only dropless routing does, "
+            "and the megatron engine runs MoE with --moe-pad-expert-input-to-capacity"
+        )
+
+
+NO_SIDE_STREAM = _NoSideStream()
+
+
 def _cuda_type_name(tensor: torch.Tensor, *args, _original=torch.Tensor.type, **kwargs):
     """Bypass 5: ``Tensor.type()`` of a CPU tensor reads ``torch.cuda.<Type>``."""
     name = _original(tensor, *args, **kwargs)
@@ -93,11 +117,13 @@ def _cuda_type_name(tensor: torch.Tensor, *args, _original=torch.Tensor.type, **
 
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
-    """Bypasses 1-7 for the whole run (building the model, the schedules, the optimizer step);
+    """Bypasses 1-7, 9 and 10 for the whole run (building the model, the schedules, the optimizer step);
     8 is in the layer spec."""
     import megatron.core.fusions.fused_bias_gelu  # noqa: F401  (the fusions the layers call)
     import megatron.core.fusions.fused_bias_swiglu  # noqa: F401
     from megatron.core.tensor_parallel import random as megatron_random
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: "cpu"))
@@ -117,6 +143,11 @@ def megatron_on_cpu() -> Iterator[None]:
         )
         stack.enter_context(mock.patch.object(torch.Tensor, "type", _cuda_type_name))
         stack.enter_context(mock.patch.object(torch.optim, "AdamW", FusedAdamW))
+        stack.enter_context(
+            mock.patch.object(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", NO_SIDE_STREAM)
+        )
+        if not hasattr(moe_utils, "te_general_gemm"):
+            stack.enter_context(mock.patch.object(moe_utils, "te_general_gemm", None, create=True))
         for module, name, function in _uncompiled():
             stack.enter_context(mock.patch.object(module, name, function))
         stack.enter_context(CudaFactoriesOnCpu())

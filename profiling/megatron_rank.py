@@ -167,18 +167,24 @@ def _forward_step(data_iterator, model):
 
 def _full_gradients(wrapped, settings, gated: bool) -> dict[str, torch.Tensor]:
     """Every parameter's gradient (``main_grad``) in the single-GPU layout, by global name: the
-    distributed optimizer's reduce-scattered shards are gathered over dp first, tensor-parallel
-    partitions over tp."""
+    distributed optimizer's reduce-scattered shards are gathered over dp first (a routed
+    expert's over the expert-data-parallel group, dp / ep ranks), tensor-parallel partitions
+    over tp. A rank reports the routed experts it holds, under their global indices."""
     from megatron.core import parallel_state
 
     if settings.distributed_optimizer:
-        group = parallel_state.get_data_parallel_group()
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        dense_group = parallel_state.get_data_parallel_group()
+        expert_group = parallel_state.get_expert_data_parallel_group()
         for ddp in wrapped:
-            for buffer in ddp.buffers:
-                for bucket in buffer.buckets:
-                    shard = bucket.grad_data.view(size, -1)[rank].clone()
-                    dist.all_gather_into_tensor(bucket.grad_data, shard, group=group)
+            for buffers, group in (
+                (ddp.buffers, dense_group),
+                (ddp.expert_parallel_buffers, expert_group),
+            ):
+                size, rank = dist.get_world_size(group), dist.get_rank(group)
+                for buffer in buffers:
+                    for bucket in buffer.buckets:
+                        shard = bucket.grad_data.view(size, -1)[rank].clone()
+                        dist.all_gather_into_tensor(bucket.grad_data, shard, group=group)
     tp, tp_group = settings.tp, parallel_state.get_tensor_model_parallel_group()
     grads = {}
     for ddp in wrapped:
@@ -213,6 +219,7 @@ def _build(spec, job: RunJob, place, settings, dtype: torch.dtype):
         tensor_model_parallel_size=settings.tp,
         pipeline_model_parallel_size=settings.pp,
         virtual_pipeline_model_parallel_size=tconfig.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=tconfig.expert_model_parallel_size,
     )
     torch.manual_seed(job.seed)
     chunks = build_chunks(spec, tconfig)
