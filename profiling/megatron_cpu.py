@@ -117,8 +117,8 @@ def _cuda_type_name(tensor: torch.Tensor, *args, _original=torch.Tensor.type, **
 
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
-    """Bypasses 1-7, 9 and 10 for the whole run (building the model, the schedules, the optimizer step);
-    8 is in the layer spec."""
+    """Bypasses 1-7, 9 and 10 for the whole run (building the model, the schedules, the
+    optimizer step); 8 is in the layer spec."""
     import megatron.core.fusions.fused_bias_gelu  # noqa: F401  (the fusions the layers call)
     import megatron.core.fusions.fused_bias_swiglu  # noqa: F401
     from megatron.core.tensor_parallel import random as megatron_random

@@ -142,7 +142,7 @@ def check_moe(spec: models.ModelSpec, settings) -> None:
             config.shared_experts * config.expert_ffn_width,
         ),
         "--moe-layer-freq": (moe_layer_pattern(moe, config.layers), dense_pattern(config)),
-        "--moe-router-pre-softmax": (moe.router_pre_softmax, router_pre_softmax(config)),
+        "--moe-router-pre-softmax": (moe.router_pre_softmax, config.router_pre_softmax),
     }
     for flag, (exported, model) in expected.items():
         if exported != model:
@@ -168,6 +168,14 @@ def check_moe(spec: models.ModelSpec, settings) -> None:
             "model's graph",
         ),
         (
+            moe.capacity_factor is not None
+            and moe.capacity_factor * moe.router_topk > moe.num_experts,
+            f"capacity factor {moe.capacity_factor} x top-k {moe.router_topk} > "
+            f"{moe.num_experts} experts: each expert's capacity would exceed the micro-batch's "
+            "tokens, which megatron-core's padded dispatch cannot fill; plan with a capacity "
+            "factor of at most num_experts / top_k",
+        ),
+        (
             settings.tp > 1 and not settings.sequence_parallel,
             f"tp {settings.tp} without --sequence-parallel: megatron-core trains MoE layers "
             "with tp > 1 only with sequence parallelism; plan with --sequence-parallel on",
@@ -186,13 +194,6 @@ def dense_pattern(config: models.gpt.GPTConfig) -> list[int]:
 def moe_layer_pattern(moe: MoeSettings, num_layers: int) -> list[int]:
     """The export's pattern (every block a MoE block without ``--moe-layer-freq``)."""
     return moe.layer_freq if moe.layer_freq is not None else [1] * num_layers
-
-
-def router_pre_softmax(config: models.gpt.GPTConfig) -> bool:
-    """Whether the preset's router takes the softmax over all experts and keeps the top-k
-    weights as they are (DeepSeek-MoE, Megatron's --moe-router-pre-softmax), rather than
-    softmaxing the top-k logits (Mixtral: the renormalised top-k of the softmax)."""
-    return not getattr(config, "normalize_top_k", True)
 
 
 def moe_config_kwargs(spec: models.ModelSpec, moe: MoeSettings | None) -> dict[str, Any]:
