@@ -6,22 +6,31 @@ A plan for a zoo MoE preset (``GPTConfig.num_experts`` > 0) is run as megatron-c
 a ``TopKRouter`` (softmax scores, no auxiliary loss unless the export asks for one), the
 all-to-all token dispatcher over the expert-parallel group, ``SequentialMLP`` experts
 (``moe_grouped_gemm=False``: one MLP per local expert, E/ep of them on each rank) and, for
-shared experts, one ``SharedExpertMLP`` as wide as all of the preset's shared experts together.
-The capacity factor comes with ``--moe-pad-expert-input-to-capacity``: every expert receives
-exactly ``ceil(capacity_factor * tokens * top_k / num_experts)`` tokens of each micro-batch
-(Megatron's ``get_capacity``), so every tensor's shape, and the memory, is the same whatever the
-routing. Dense first blocks (``dense_layers``) are ``--moe-layer-freq``'s zeros.
+shared experts, one ``SharedExpertMLP`` as wide as all of the preset's shared experts together
+(as the zoo's). Dense first blocks (``dense_layers``) are ``moe_layer_freq``'s zeros.
 
-Structural differences from the zoo's MoE block that remain (parameter counts per layer are
-equal otherwise; tests/test_megatron_moe.py):
+Which flags say what: the export states the experts, top-k, ep and the routing capacity
+(``--num-experts --moe-router-topk --expert-model-parallel-size --moe-expert-capacity-factor
+--moe-pad-expert-input-to-capacity``), which must agree with the preset and the plan. The
+expert width, the shared experts, the dense blocks and the router's softmax are the model's
+shape, as ``--hidden-size`` is: the preset's, and checked when the export states them
+(``--moe-ffn-hidden-size --moe-shared-expert-intermediate-size --moe-layer-freq
+--moe-router-pre-softmax``).
 
-- Megatron's router has a bias of ``num_experts`` elements when the linear layers have biases
-  (``add_bias_linear``), and its shared experts are one fused MLP, so with biases its second
-  linear has one bias of ``hidden`` elements where ``shared_experts`` separate MLPs have one
-  each.
-- Megatron multiplies each token's routing weight into the expert's activation (before the
-  second linear: ``MLP.forward(per_token_scale=...)``) rather than into its output; the same
-  result, and the saved activation is the scaled one, of the same shape.
+Routing capacity: with ``--moe-expert-capacity-factor c --moe-pad-expert-input-to-capacity``
+every expert receives exactly ``ceil(c * tokens * top_k / num_experts)`` tokens of each
+micro-batch (Megatron's ``get_capacity``; the zoo block's drop-and-pad dispatch), so every
+tensor's shape, and the memory, is the same whatever the routing. Without a capacity factor
+Megatron's router is dropless: each expert receives the tokens routed to it, and the memory of
+a run depends on how balanced its routing is (the zoo block is the padded one; the two agree
+at a balanced routing).
+
+Structural difference from the zoo's MoE block (parameter counts per layer are equal
+otherwise; tests/test_megatron_moe.py): with biases (``add_bias_linear``) Megatron's router
+has a bias of ``num_experts`` elements, the zoo's none (the MoE presets have no biases).
+Megatron multiplies each token's routing weight into the expert's activation (before the
+second linear: ``MLP.forward(per_token_scale=...)``) rather than into its output: the same
+result, and the saved activation is the scaled one, of the same shape.
 """
 
 from __future__ import annotations
@@ -32,11 +41,6 @@ from typing import Any
 
 import models
 from solver.errors import InputError
-
-CAPACITY_FIX = (
-    "plan the MoE model with a capacity factor (Megatron-LM --moe-expert-capacity-factor C "
-    "--moe-pad-expert-input-to-capacity): re-create the plan with python -m solver.plan"
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,15 +57,18 @@ class MoeSettings:
     """--moe-expert-capacity-factor (None: dropless)."""
     pad_to_capacity: bool
     """--moe-pad-expert-input-to-capacity: every expert gets exactly its capacity of tokens."""
-    router_pre_softmax: bool
+    router_pre_softmax: bool | None
     """--moe-router-pre-softmax: softmax over all experts before the top-k (weights not
-    renormalised, DeepSeek-MoE); without it the top-k logits are softmaxed (Mixtral)."""
+    renormalised, DeepSeek-MoE), else the top-k logits are softmaxed (Mixtral); None: not in
+    the export (the model's)."""
     ffn_hidden: int | None
-    """--moe-ffn-hidden-size (None: Megatron-LM takes --ffn-hidden-size)."""
+    """--moe-ffn-hidden-size (None: not in the export, the model's expert width)."""
     shared_expert_hidden: int | None
-    """--moe-shared-expert-intermediate-size (None: no shared experts)."""
+    """--moe-shared-expert-intermediate-size (None: not in the export, the model's)."""
     layer_freq: list[int] | None
-    """--moe-layer-freq as one 0/1 per block (None: every block is a MoE block)."""
+    """--moe-layer-freq as one 0/1 per block (None: not in the export, the model's)."""
+    dispatcher: str | None
+    """--moe-token-dispatcher-type (None: not in the export; the engine runs alltoall)."""
     aux_loss_coeff: float
     """--moe-aux-loss-coeff (Megatron-LM's default 0: no load-balancing loss)."""
 
@@ -83,11 +90,12 @@ def moe_settings(args: dict[str, str | None]) -> MoeSettings | None:
         expert_parallel=number("--expert-model-parallel-size") or 1,
         capacity_factor=number("--moe-expert-capacity-factor", float),
         pad_to_capacity="--moe-pad-expert-input-to-capacity" in args,
-        router_pre_softmax="--moe-router-pre-softmax" in args,
+        router_pre_softmax=True if "--moe-router-pre-softmax" in args else None,
         ffn_hidden=number("--moe-ffn-hidden-size"),
         shared_expert_hidden=number("--moe-shared-expert-intermediate-size"),
         layer_freq=parse_layer_freq(freq, layers) if freq is not None else None,
         aux_loss_coeff=number("--moe-aux-loss-coeff", float) or 0.0,
+        dispatcher=args.get("--moe-token-dispatcher-type"),
     )
 
 
@@ -121,8 +129,11 @@ def parse_layer_freq(text: str, num_layers: int) -> list[int]:
 
 def check_moe(spec: models.ModelSpec, settings) -> None:
     """InputError unless the export's MoE flags (``settings.moe``) describe the preset's
-    experts (count, top-k, widths, dense blocks, capacity) and megatron-core can run them here:
-    ep dividing the experts, a capacity with padding, sequence parallelism with tp > 1."""
+    experts and megatron-core can run them here: ep dividing the experts, the all-to-all
+    dispatcher, a padded capacity the micro-batch can fill, sequence parallelism with tp > 1.
+    The expert width, shared experts, dense blocks and router kind are the model's shape, as
+    ``--hidden-size`` is: taken from the preset when the export does not state them, and
+    checked against it when it does."""
     config: models.gpt.GPTConfig = spec.config
     moe = settings.moe
     if moe is None:
@@ -133,23 +144,25 @@ def check_moe(spec: models.ModelSpec, settings) -> None:
                 "re-create the plan from the MoE model's graph with python -m solver.plan"
             )
         return
-    expected: dict[str, Any] = {
+    shape = model_moe_shape(config)
+    stated: dict[str, Any] = {
         "--num-experts": (moe.num_experts, config.num_experts),
         "--moe-router-topk": (moe.router_topk, config.top_k),
-        "--moe-ffn-hidden-size": (moe.ffn_hidden or config.ffn_width, config.expert_ffn_width),
+        "--moe-ffn-hidden-size": (moe.ffn_hidden, shape["moe_ffn_hidden_size"]),
         "--moe-shared-expert-intermediate-size": (
-            moe.shared_expert_hidden or 0,
-            config.shared_experts * config.expert_ffn_width,
+            moe.shared_expert_hidden,
+            shape["moe_shared_expert_intermediate_size"],
         ),
-        "--moe-layer-freq": (moe_layer_pattern(moe, config.layers), dense_pattern(config)),
-        "--moe-router-pre-softmax": (moe.router_pre_softmax, config.router_pre_softmax),
+        "--moe-layer-freq": (moe.layer_freq, shape["moe_layer_freq"]),
+        "--moe-router-pre-softmax": (moe.router_pre_softmax, shape["moe_router_pre_softmax"]),
     }
-    for flag, (exported, model) in expected.items():
-        if exported != model:
+    for flag, (exported, model) in stated.items():
+        if exported is not None and exported != model:
             raise InputError(
                 f"exports.megatron: {flag} gives {exported}, model {spec.name} has {model}; "
                 "the plan was made for another model: re-create it from this model's graph"
             )
+    padded = moe.capacity_factor is not None and moe.pad_to_capacity
     problems = (
         (
             moe.num_experts % moe.expert_parallel != 0,
@@ -157,19 +170,19 @@ def check_moe(spec: models.ModelSpec, settings) -> None:
             f"{moe.num_experts}; plan with an ep that divides the experts",
         ),
         (
-            moe.capacity_factor is None or not moe.pad_to_capacity,
-            f"--moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity missing (the "
-            f"run's shapes would depend on the routing); {CAPACITY_FIX}",
+            moe.dispatcher not in (None, "alltoall"),
+            f"--moe-token-dispatcher-type {moe.dispatcher}: the engine runs the alltoall "
+            "dispatcher (the all-to-all the plan counts); re-create the plan with python -m "
+            "solver.plan",
         ),
         (
-            moe.capacity_factor is not None and moe.capacity_factor != config.capacity_factor,
-            f"--moe-expert-capacity-factor {moe.capacity_factor} and the model's "
-            f"capacity_factor {config.capacity_factor} differ; re-create the plan from this "
-            "model's graph",
+            moe.capacity_factor is not None and not moe.pad_to_capacity,
+            f"--moe-expert-capacity-factor {moe.capacity_factor} without "
+            "--moe-pad-expert-input-to-capacity: the dropped tokens, and the memory, would "
+            "depend on the routing; add the flag (what the plan counts)",
         ),
         (
-            moe.capacity_factor is not None
-            and moe.capacity_factor * moe.router_topk > moe.num_experts,
+            padded and moe.capacity_factor * moe.router_topk > moe.num_experts,
             f"capacity factor {moe.capacity_factor} x top-k {moe.router_topk} > "
             f"{moe.num_experts} experts: each expert's capacity would exceed the micro-batch's "
             "tokens, which megatron-core's padded dispatch cannot fill; plan with a capacity "
@@ -186,33 +199,33 @@ def check_moe(spec: models.ModelSpec, settings) -> None:
             raise InputError(f"exports.megatron: {problem}")
 
 
-def dense_pattern(config: models.gpt.GPTConfig) -> list[int]:
-    """One 0 (dense MLP) or 1 (MoE) per block of the preset."""
-    return [int(config.is_moe_block(i)) for i in range(config.layers)]
-
-
-def moe_layer_pattern(moe: MoeSettings, num_layers: int) -> list[int]:
-    """The export's pattern (every block a MoE block without ``--moe-layer-freq``)."""
-    return moe.layer_freq if moe.layer_freq is not None else [1] * num_layers
+def model_moe_shape(config: models.gpt.GPTConfig) -> dict[str, Any]:
+    """megatron-core's settings of the preset's MoE shape: expert width, the shared experts as
+    one MLP (None: none), one 0 (dense) or 1 (MoE) per block, the router's softmax."""
+    shared = config.shared_experts * config.expert_ffn_width
+    return dict(
+        moe_ffn_hidden_size=config.expert_ffn_width,
+        moe_shared_expert_intermediate_size=shared or None,
+        moe_layer_freq=[int(config.is_moe_block(i)) for i in range(config.layers)],
+        moe_router_pre_softmax=config.router_pre_softmax,
+    )
 
 
 def moe_config_kwargs(spec: models.ModelSpec, moe: MoeSettings | None) -> dict[str, Any]:
     """megatron-core ``TransformerConfig`` arguments of the MoE layers (none for a dense
-    model): the all-to-all dispatcher, SequentialMLP experts, the capacity with padding, and
-    the auxiliary load-balancing loss only when the export asks for one."""
+    model): the preset's shape, the export's experts, top-k, ep and capacity (padded, or
+    dropless without one), the all-to-all dispatcher, SequentialMLP experts, and the auxiliary
+    load-balancing loss only when the export asks for one (Megatron-LM's default coefficient
+    is 0)."""
     if moe is None:
         return {}
-    config = spec.config
     return dict(
+        **model_moe_shape(spec.config),
         num_moe_experts=moe.num_experts,
         moe_router_topk=moe.router_topk,
-        moe_ffn_hidden_size=config.expert_ffn_width,
-        moe_shared_expert_intermediate_size=moe.shared_expert_hidden,
-        moe_layer_freq=moe_layer_pattern(moe, config.layers),
         expert_model_parallel_size=moe.expert_parallel,
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False,
-        moe_router_pre_softmax=moe.router_pre_softmax,
         moe_expert_capacity_factor=moe.capacity_factor,
         moe_pad_expert_input_to_capacity=moe.pad_to_capacity,
         moe_aux_loss_coeff=moe.aux_loss_coeff,

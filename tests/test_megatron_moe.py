@@ -224,7 +224,8 @@ def test_moe_flags_are_read_as_megatron_lm_reads_them():
     }
     moe = moe_settings(args)
     assert (moe.num_experts, moe.router_topk, moe.expert_parallel) == (8, 2, 4)  # top-k default 2
-    assert (moe.capacity_factor, moe.pad_to_capacity, moe.router_pre_softmax) == (1.25, True, False)
+    assert (moe.capacity_factor, moe.pad_to_capacity) == (1.25, True)
+    assert moe.router_pre_softmax is None and moe.ffn_hidden is None  # the model's
     assert moe.layer_freq == [0, 1, 1, 1] and moe.aux_loss_coeff == 0.0
     assert moe_settings({"--num-layers": "4"}) is None
     assert parse_layer_freq("2", 4) == [1, 0, 1, 0]  # an integer: every 2nd block from the first
@@ -295,7 +296,7 @@ def expert_parallel_plan() -> dict:
         (
             ("--moe-pad-expert-input-to-capacity",),
             (),
-            "--moe-pad-expert-input-to-capacity missing",
+            "--moe-expert-capacity-factor 1.0 without --moe-pad-expert-input-to-capacity",
         ),
         (
             ("--expert-model-parallel-size",),
