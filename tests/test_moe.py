@@ -165,18 +165,20 @@ TOKENS, E, K, H, F_WIDTH = BATCH * SEQ, 4, 2, 32, 64
 CAPACITY = 16  # ceil(32 x 2 / 4): balanced, E C = T k
 
 
-def zoo_expert_saved_bytes(*, tokens=TOKENS, capacity=CAPACITY, f=F_WIDTH) -> int:
-    """Hand count of what the zoo's routed experts save (models/moe.py), batch total."""
-    rows = E * capacity
+def zoo_expert_saved_bytes(
+    *, tokens=TOKENS, capacity=CAPACITY, experts=E, hidden=H, f=F_WIDTH, d=D
+) -> int:
+    """Hand count of what the zoo's routed SwiGLU experts save (models/moe.py), batch total."""
+    rows = experts * capacity
     return (
-        8 * capacity * E  # int64 indices of the capacity top-k (capacity < tokens)
-        + tokens * E  # bool capacity map
+        8 * capacity * experts * (capacity < tokens)  # int64 indices of the capacity top-k
+        + tokens * experts  # bool capacity map
         + 2 * 8 * rows  # int64 permutation indices, and those of the permuted probabilities
-        + D * rows * H  # permuted tokens (fc1's input)
-        + D * rows * 2 * f  # fc1 output (SwiGLU's only saved tensor)
-        + D * rows * f  # fc2 input
-        + D * rows * H  # expert outputs (saved by the weighting)
-        + D * rows  # permuted probabilities
+        + d * rows * hidden  # permuted tokens (fc1's input)
+        + d * rows * 2 * f  # fc1 output (SwiGLU's only saved tensor)
+        + d * rows * f  # fc2 input
+        + d * rows * hidden  # expert outputs (saved by the weighting)
+        + d * rows  # permuted probabilities
     )
 
 
@@ -372,3 +374,27 @@ def test_fake_profile_equals_real_cpu_run(name):
             "fwd_ms": None,
             "bwd_ms": None,
         }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "experts", "top_k", "hidden", "f", "first_moe"),
+    [("mixtral-8x7b", 8, 2, 4096, 14336, 0), ("deepseek-moe-16b", 64, 6, 2048, 1408, 1)],
+)
+def test_zoo_moe_full_size_expert_fields(name, experts, top_k, hidden, f, first_moe):
+    """Seq 4096, batch 1, bf16: Mixtral C = 1024 (839,106,560 saved bytes per block),
+    DeepSeek-MoE C = 384 (409,845,760)."""
+    from profiling.export import export_graph
+
+    graph = export_graph(name, batch=1)
+    blocks = [layer for layer in graph.layers if layer.name.startswith("layers.")]
+    capacity = expert_capacity(4096, top_k=top_k, num_experts=experts, capacity_factor=1.0)
+    saved = zoo_expert_saved_bytes(
+        tokens=4096, capacity=capacity, experts=experts, hidden=hidden, f=f
+    )
+    assert saved == {"mixtral-8x7b": 839_106_560, "deepseek-moe-16b": 409_845_760}[name]
+    for block in blocks[first_moe:]:
+        assert block.expert_params == experts * 3 * hidden * f
+        assert block.expert_activation_bytes == saved
+        assert block.ep_comm_bytes == 4 * experts * capacity * hidden * 2
+    assert all(block.expert_params == 0 for block in blocks[:first_moe])
