@@ -34,9 +34,14 @@ expert: every kind of MoE parameter Megatron builds."""
 FP32 = dict(weight_bytes_per_param=4, grad_bytes_per_param=4, optimizer_bytes_per_param=8)
 
 
-def moe_flags(config: models.gpt.GPTConfig, ep: int) -> list[str]:
-    """Megatron-LM's MoE flags for the preset (what the plan's Megatron export carries)."""
-    pattern = [int(config.is_moe_block(i)) for i in range(config.layers)]
+CAPACITY = 1.25
+"""The routing capacity of the padded runs (Megatron's --moe-expert-capacity-factor with
+--moe-pad-expert-input-to-capacity): shapes that do not depend on the routing."""
+
+
+def moe_flags(config: models.gpt.GPTConfig, ep: int, capacity: float | str) -> list[str]:
+    """Megatron-LM's MoE flags for the preset and ``ep`` (the export's, where the planner does
+    not write them): a padded capacity, or Megatron's dropless router for "dropless"."""
     flags = [
         "--num-experts",
         str(config.num_experts),
@@ -44,27 +49,30 @@ def moe_flags(config: models.gpt.GPTConfig, ep: int) -> list[str]:
         str(config.top_k),
         "--expert-model-parallel-size",
         str(ep),
-        "--moe-ffn-hidden-size",
-        str(config.expert_ffn_width),
-        "--moe-layer-freq",
-        "[" + ",".join(map(str, pattern)) + "]",
-        "--moe-expert-capacity-factor",
-        str(config.capacity_factor),
-        "--moe-pad-expert-input-to-capacity",
+        "--moe-token-dispatcher-type",
+        "alltoall",
     ]
-    if config.shared_experts:
-        shared = config.shared_experts * config.expert_ffn_width
-        flags += ["--moe-shared-expert-intermediate-size", str(shared)]
-    if config.router_pre_softmax:
-        flags.append("--moe-router-pre-softmax")
+    if capacity != "dropless":
+        flags += ["--moe-expert-capacity-factor", str(capacity)]
+        flags.append("--moe-pad-expert-input-to-capacity")
     return flags
 
 
 def moe_plan(
-    overrides: dict, *, pp: int = 1, dp: int = 1, ep: int = 1, global_batch: int = 8
+    overrides: dict,
+    *,
+    pp: int = 1,
+    dp: int = 1,
+    ep: int = 1,
+    global_batch: int = 8,
+    capacity: float | str = CAPACITY,
 ) -> dict:
-    """A plan from the real planner for moe-tiny with pinned degrees and ``ep``; an export
-    without MoE flags gets the preset's."""
+    """A plan from the real planner for moe-tiny with pinned degrees, ``ep`` and the routing
+    capacity (``TrainingConfig.ep`` and ``moe_capacity_factor``); an export without MoE flags
+    (a planner without expert parallelism) gets them here."""
+    expert_options = {}
+    if "ep" in TrainingConfig.__dataclass_fields__:
+        expert_options = dict(ep=(ep,), moe_capacity_factor=capacity)
     graph = export_graph("moe-tiny", dtype="fp32", overrides=overrides)
     training = TrainingConfig(
         global_batch=global_batch,
@@ -75,15 +83,15 @@ def moe_plan(
         tp=1,
         dp=dp,
         max_slowdown=None,
+        **expert_options,
         **FP32,
     )
-    document = plan_to_dict(
-        plan(graph, Cluster(num_gpus=pp * dp, gpu_memory_bytes=2**30), training)
-    )
+    cluster = Cluster(num_gpus=pp * dp, gpu_memory_bytes=2**30)
+    document = plan_to_dict(plan(graph, cluster, training))
     args = document["exports"]["megatron"]["args"]
     if "--num-experts" not in args:
         document["config"]["ep"] = ep
-        args += moe_flags(models.get("moe-tiny", **overrides).config, ep)
+        args += moe_flags(models.get("moe-tiny", **overrides).config, ep, capacity)
     return document
 
 
@@ -148,6 +156,23 @@ def test_expert_parallel_run_has_the_single_process_gradients_and_the_zoo_parame
     for report in reports:
         saved = single.measured_breakdown["params"] - report.measured_breakdown["params"]
         assert saved == 3 * 2 * expert_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_dropless_expert_parallel_run_trains():
+    """Without a capacity Megatron's router is dropless: the all-to-all splits come from the
+    routing (bypass 9 of profiling/megatron_cpu.py hands them over as host numbers)."""
+    dropless = moe_plan(MOE, dp=2, ep=2, capacity="dropless")
+    assert "--moe-expert-capacity-factor" not in dropless["exports"]["megatron"]["args"]
+    reports = run_plan("moe-tiny", dropless, overrides=MOE, engine="megatron", capture_grads=True)
+    for report in reports:
+        assert report.losses and all(3 < loss < 6 for loss in report.losses)  # ln 96 = 4.56
+        first = 2 * report.dp_rank  # this rank's experts: 2 dp_rank and 2 dp_rank + 1
+        expert = report.grads[
+            f"decoder.layers.3.mlp.experts.local_experts.{first}.linear_fc1.weight"
+        ]
+        assert expert.abs().sum() > 0
 
 
 # -- the zoo's routing, with megatron-core's functions ----------------------------------------
@@ -256,7 +281,7 @@ def test_the_export_becomes_megatron_cores_moe_layer():
     assert (config.moe_ffn_hidden_size, config.moe_shared_expert_intermediate_size) == (48, 48)
     assert config.moe_layer_freq == [0, 1, 1, 1]
     assert config.moe_token_dispatcher_type == "alltoall" and not config.moe_grouped_gemm
-    assert config.moe_expert_capacity_factor == 1.0 and config.moe_pad_expert_input_to_capacity
+    assert config.moe_expert_capacity_factor == CAPACITY and config.moe_pad_expert_input_to_capacity
     assert config.moe_aux_loss_coeff == 0.0 and not config.moe_router_pre_softmax
 
 
@@ -265,7 +290,7 @@ def test_the_export_becomes_megatron_cores_moe_layer():
 
 def _edited(document: dict, *, drop: tuple[str, ...] = (), add: tuple[str, ...] = ()) -> dict:
     """The plan with flags (and their values) removed from its Megatron export, others added;
-    without --expert-model-parallel-size, its config.ep is 1."""
+    its config.ep is the export's --expert-model-parallel-size (1 without)."""
     args = list(document["exports"]["megatron"]["args"])
     for flag in drop:
         at = args.index(flag)
@@ -273,9 +298,10 @@ def _edited(document: dict, *, drop: tuple[str, ...] = (), add: tuple[str, ...] 
         del args[at : at + (2 if has_value else 1)]
     exports = {**document["exports"], "megatron": {**document["exports"]["megatron"]}}
     exports["megatron"]["args"] = [*args, *add]
-    config = {**document["config"]}
-    if "--expert-model-parallel-size" not in exports["megatron"]["args"]:
-        config["ep"] = 1
+    config = {**document["config"], "ep": 1}
+    final = exports["megatron"]["args"]
+    if "--expert-model-parallel-size" in final:
+        config["ep"] = int(final[final.index("--expert-model-parallel-size") + 1])
     return {**document, "exports": exports, "config": config}
 
 
@@ -296,13 +322,9 @@ def expert_parallel_plan() -> dict:
         (
             ("--moe-pad-expert-input-to-capacity",),
             (),
-            "--moe-expert-capacity-factor 1.0 without --moe-pad-expert-input-to-capacity",
+            f"--moe-expert-capacity-factor {CAPACITY} without --moe-pad-expert-input-to-capacity",
         ),
-        (
-            ("--expert-model-parallel-size",),
-            ("--expert-model-parallel-size", "1"),
-            "--expert-model-parallel-size 1 and config.ep 2 differ",
-        ),
+        (("--num-experts",), ("--num-experts", "8"), "--num-experts gives 8, model"),
     ],
 )
 def test_an_export_that_does_not_describe_the_moe_model_is_one_line(
@@ -313,8 +335,18 @@ def test_an_export_that_does_not_describe_the_moe_model_is_one_line(
         run_plan("moe-tiny", edited, overrides=MOE, engine="megatron")
 
 
+def test_the_plans_ep_must_be_the_exports(expert_parallel_plan):
+    edited = {**expert_parallel_plan, "config": {**expert_parallel_plan["config"], "ep": 1}}
+    with pytest.raises(InputError, match="--expert-model-parallel-size 2 and config.ep 1 differ"):
+        run_plan("moe-tiny", edited, overrides=MOE, engine="megatron")
+
+
 def test_expert_parallel_degree_must_divide_the_experts():
     overrides = {**MOE, "num_experts": 3, "top_k": 1}
-    chosen = moe_plan(overrides, dp=2, ep=2)
+    chosen = _edited(
+        moe_plan(overrides, dp=2, ep=1),
+        drop=("--expert-model-parallel-size",),
+        add=("--expert-model-parallel-size", "2"),
+    )
     with pytest.raises(InputError, match="--expert-model-parallel-size 2 does not divide"):
         run_plan("moe-tiny", chosen, overrides=overrides, engine="megatron")
