@@ -159,7 +159,7 @@ def moe_rows(progress) -> list[dict]:
             precision="fp32",
         )
         document = plan_to_dict(plan(graph, Cluster(num_gpus=pp * dp), training))
-        split_text = "|".join(str(len(stage["layers"])) for stage in document["stages"])
+        split_text = "/".join(str(len(stage["layers"])) for stage in document["stages"])
         progress(f"{label} ({split_text})")
         reports = run_plan(
             "moe-tiny",
