@@ -388,12 +388,13 @@ def partition(
     name: str, full: torch.Tensor, param: nn.Parameter, tp: int, tp_rank: int, *, gated: bool
 ) -> torch.Tensor:
     """This tensor-parallel rank's part of a single-GPU tensor: Megatron's partition of
-    ``param`` along ``partition_dim``; a gated MLP's fc1 ([gate; up]) is split per half, so that
-    each rank holds [gate_r; up_r] as Megatron's own checkpoint conversion does."""
+    ``param`` along ``partition_dim``; a gated MLP's fc1 ([gate; up]; the dense MLP's, every
+    expert's and the shared experts') is split per half, so that each rank holds [gate_r; up_r]
+    as Megatron's own checkpoint conversion does."""
     if tp == 1 or not getattr(param, "tensor_model_parallel", False):
         return full
     dim = param.partition_dim
-    if gated and ".mlp.linear_fc1." in name:
+    if gated and ".linear_fc1." in name:
         gate, up = full.chunk(2, dim=dim)
         return torch.cat([gate.chunk(tp, dim)[tp_rank], up.chunk(tp, dim)[tp_rank]], dim)
     return full.chunk(tp, dim=dim)[tp_rank]

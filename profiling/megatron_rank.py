@@ -1,7 +1,8 @@
 """One rank of a plan's real run on megatron-core (``profiling.run.run_plan(engine="megatron")``).
 
 The rank joins gloo, initialises megatron-core's model-parallel state (its rank order
-``tp-cp-ep-dp-pp`` is the executor's: ``rank = (stage * dp + dp_rank) * tp + tp_rank``), builds
+``tp-cp-ep-dp-pp`` is the executor's: ``rank = (stage * dp + dp_rank) * tp + tp_rank``; the
+export's expert-parallel size groups ep consecutive data-parallel ranks), builds
 its ``GPTModel`` chunks from the plan's Megatron export (:mod:`profiling.megatron_model`), checks
 that they hold exactly the plan's layers, and trains ``iterations`` steps the way Megatron-LM's
 ``train_step`` does: ``Float16Module`` for bf16, Megatron's ``DistributedDataParallel`` (its
@@ -201,7 +202,7 @@ def _full_gradients(wrapped, settings, gated: bool) -> dict[str, torch.Tensor]:
 
 def _unpartition(name: str, parts: list[torch.Tensor], dim: int, gated: bool) -> torch.Tensor:
     """Inverse of :func:`profiling.megatron_model.partition`."""
-    if gated and ".mlp.linear_fc1." in name:
+    if gated and ".linear_fc1." in name:
         halves = [part.chunk(2, dim=dim) for part in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim)
     return torch.cat(parts, dim)
