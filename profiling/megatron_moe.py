@@ -189,6 +189,12 @@ def check_moe(spec: models.ModelSpec, settings) -> None:
             "factor of at most num_experts / top_k",
         ),
         (
+            config.expert_ffn_width % settings.tp != 0,
+            f"tp {settings.tp} does not divide the expert width ({config.expert_ffn_width}) of "
+            f"{spec.name}: megatron-core splits every expert over tp; plan with a tp that "
+            "divides it",
+        ),
+        (
             settings.tp > 1 and not settings.sequence_parallel,
             f"tp {settings.tp} without --sequence-parallel: megatron-core trains MoE layers "
             "with tp > 1 only with sequence parallelism; plan with --sequence-parallel on",

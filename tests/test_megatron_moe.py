@@ -1,11 +1,12 @@
 """Mixture of experts on the megatron engine (profiling/megatron_moe.py): megatron-core's
 MoELayer with expert parallelism over gloo, built from the plan's Megatron export.
 
-The distributed run (two ranks, dp 2 with ep 2: each rank holds 2 of the 4 experts, tokens
-cross in the all-to-all) trains the zoo's moe-tiny with a dense first block and a shared expert,
-and its gradients equal a single-process megatron-core run's; the single-process model has the
-zoo model's parameter count in every layer. The routing is the zoo's: Megatron's own routing,
-capacity and permutation functions give the zoo block's output. Bad input needs no run.
+The distributed runs (two ranks, dp 2 with ep 2: each rank holds 2 of the 4 experts, tokens
+cross in the all-to-all) train the zoo's moe-tiny with a dense first block and a shared expert,
+padded to a capacity and dropless, and their gradients equal a single-process megatron-core
+run's; the single-process model has the zoo model's parameter count in every layer. The routing
+is the zoo's: Megatron's own routing, capacity and permutation functions give the zoo block's
+output. Bad input needs no run.
 """
 
 from __future__ import annotations
