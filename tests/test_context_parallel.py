@@ -7,6 +7,7 @@ checked against hand-counted cases of a small graph."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from solver import Cluster, TrainingConfig, graph_from_dict, load_plan, plan
-from solver.candidates import candidate_configs
+from solver.candidates import candidate_configs, stages_per_group
 from solver.cli.evaluate import evaluate_main
 from solver.cli.plan import plan_main
 from solver.cost_model import (
@@ -27,6 +28,7 @@ from solver.errors import InputError
 from solver.plan_file import evaluate_plan
 from solver.specs import ParallelConfig
 from solver.sweep.rows import ROW_KEYS, read_rows
+from tests.conftest import cluster_group, cluster_of
 
 SEQ_LEN = 16
 KV = 128
@@ -212,11 +214,7 @@ def test_candidates_hold_every_pp_tp_cp_dp_product():
 def test_every_backend_finds_the_same_cp_plan(backend):
     """Activation-heavy blocks on 4 GPUs: splitting each sequence over 2 GPUs beats giving them
     another pipeline stage or data-parallel rank, and every backend proves the same peak."""
-    doc = cp_graph(blocks=6)
-    for layer in doc["layers"][1:-1]:
-        layer["activation_bytes"] = 2_000_000
-        layer["tp_activation_bytes"] = 0
-    graph = graph_from_dict(doc)
+    graph = heavy_graph()
     training = TrainingConfig(
         global_batch=8, cp=(1, 2, 4), max_slowdown=None, zero_stages=(0, 1), reserve=None
     )
@@ -225,6 +223,29 @@ def test_every_backend_finds_the_same_cp_plan(backend):
     assert result.config.cp > 1
     assert result.peak_bytes == reference.peak_bytes
     assert result.solver.status == "OPTIMAL"
+
+
+def heavy_graph():
+    """cp_graph with 2 MB of replicated activations per block: context parallelism pays."""
+    doc = cp_graph(blocks=6)
+    for layer in doc["layers"][1:-1]:
+        layer["activation_bytes"] = 2_000_000
+        layer["tp_activation_bytes"] = 0
+    return graph_from_dict(doc)
+
+
+def test_pareto_front_and_heterogeneous_clusters_take_cp():
+    from solver.pareto import pareto_front, pareto_to_dict
+
+    training = TrainingConfig(global_batch=8, cp=(1, 2, 4), max_slowdown=None)
+    front = pareto_front(heavy_graph(), Cluster(num_gpus=4), training, time_limit_s=30)
+    configs = [point["config"] for point in pareto_to_dict(front)["points"]]
+    assert configs[0]["cp"] == 4  # the smallest peak splits every sequence over 4 GPUs
+    assert any(config["cp"] == 1 for config in configs)
+    mixed = cluster_of(cluster_group("small", "40GiB", gpus=2), cluster_group("big", "80GiB"))
+    result = plan(heavy_graph(), mixed, dataclasses.replace(training, cp=(2,)), time_limit_s=30)
+    assert (result.config.pp, result.config.cp) == (2, 2)
+    assert stages_per_group(mixed, result.config) == [1, 1]
 
 
 def test_plan_json_records_cp_and_rechecks(tmp_path, run_cli, write_json):
