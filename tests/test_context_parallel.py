@@ -283,7 +283,17 @@ def test_evaluate_cli_takes_one_cp(run_cli, write_json):
 
 
 def test_sweep_rows_have_a_cp_column(tmp_path):
+    from solver.sweep.runner import PointOptions, solve_point
+
     assert ROW_KEYS.index("cp") == ROW_KEYS.index("tp") + 1
+    options = PointOptions(
+        graph=heavy_graph(),
+        training=TrainingConfig(global_batch=8, cp=(1, 2), max_slowdown=None),
+        cluster=Cluster(num_gpus=4),
+        time_limit_s=30,
+    )
+    row, _ = solve_point(options, 4, 80 * 2**30)
+    assert row["cp"] == 2 and " cp2 " in row["config"]
     old = tmp_path / "old.csv"  # a sweep written before the column existed
     keys = [key for key in ROW_KEYS if key not in ("cp", "reserve_bytes", "usable_bytes")]
     old.write_text(",".join(keys) + "\n" + ",".join("1" if k == "tp" else "" for k in keys) + "\n")
