@@ -831,6 +831,7 @@ def check_exact_range(
             + held * b * (totals["activation_bytes"] + totals["output_bytes"] + totals["edges"])
             + (max(receive_copies) + max(send_copies)) * v * b * totals["edges"]
             + b * totals["largest"] * 2
+            + 2 * b * totals["attention_kv_bytes"]  # ring attention: max(c, 4) chunks <= 2 b kv
             + (g + 2 * w) * totals["largest"]
             + 8 * layers
         )
@@ -842,6 +843,7 @@ def check_exact_range(
     stage_ns = (
         b * (totals["ms"] + totals["flops"] / rate_per_ms) * NS_PER_MS / t
         + 2 * b * totals["tp_comm_bytes"] / cluster.intra_node_gb_per_s
+        + 4 * b * totals["attention_kv_bytes"] / slowest_link  # ring passes, at most 4 per layer
         + layers
     )
     sync_ns = 3 * g * totals["params"] / slowest_link + layers
@@ -870,7 +872,7 @@ def _graph_totals(graph: LayerGraph) -> dict[str, float]:
     if cached is not None:
         return cached
     layers = graph.layers
-    fields = ("params", "activation_bytes", "output_bytes", "tp_comm_bytes")
+    fields = ("params", "activation_bytes", "output_bytes", "tp_comm_bytes", "attention_kv_bytes")
     totals = {key: float(sum(getattr(layer, key) for layer in layers)) for key in fields}
     totals["edges"] = float(sum(edge.bytes for edge in graph.edges))
     totals["largest"] = float(
