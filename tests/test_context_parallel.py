@@ -316,11 +316,18 @@ def test_profiled_attention_kv_bytes_of_a_zoo_block(preset, kv_heads, attention)
     assert [layer.attention_kv_bytes for layer in graph.layers] == [0, expected, expected, 0]
 
 
-def test_profiled_attention_kv_bytes_of_an_hf_llama_with_gqa():
+@pytest.mark.parametrize("native_gqa", [True, False])
+def test_profiled_attention_kv_bytes_of_an_hf_llama_with_gqa(monkeypatch, native_gqa):
     """HF Llama, 4 heads of 16 and 2 KV heads, bf16, s 32: 2 * 32 * 2 * 16 * 2 bytes per
-    sample in each decoder layer (SDPA's key and value, before any repeat_kv)."""
+    sample in each decoder layer, whether SDPA takes the KV heads (enable_gqa) or transformers
+    widens them first with repeat_kv (as it does when a mask is passed)."""
+    import transformers.integrations.sdpa_attention as sdpa_attention
+
     from profiling.export import export_graph
     from tests.run_any_factories import TINY_HF_MODELS
+
+    if not native_gqa:
+        monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", lambda *args, **kwargs: False)
 
     name, overrides = TINY_HF_MODELS["llama-gqa"]
     graph = export_graph(name, batch=2, seq=32, overrides=overrides)
