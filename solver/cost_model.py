@@ -123,7 +123,8 @@ each GPU holds s/c tokens of every sequence of its micro-batch, so
   states    parameters, gradients and optimizer state are replicated over cp; ZeRO shards them,
               and the gradient sync runs, over the d c ranks of Megatron's data-parallel group
               with context parallelism: d -> d c in states_s, step_l, AR_s (``sharding_degree``)
-  time      b compute / (t c) + 3 ring passes (4 recomputed), one pass
+  time      b compute / (t c), TP all-reduces of b tp_comm_bytes / c, + 3 ring passes (4
+              recomputed), one pass
               (c-1)/c b attention_kv_bytes_l / t bytes over the intra-node bandwidth when t c
               divides the GPUs per node (Megatron's rank order tp-cp-...: consecutive ranks),
               else inter-node; not overlapped (``ring_attention_pass_ns``)
@@ -1005,7 +1006,8 @@ def _time_ns(
         (cols["fwd_flops"] + cols["bwd_flops"]) / rate_per_ms,
     )
     # GB/s == bytes/ns; ring all-reduce moves 2 (t-1)/t of the buffer per GPU.
-    tp_comm_ns = b * cols["tp_comm_bytes"] * 2 * (t - 1) / t / cluster.intra_node_gb_per_s
+    # with context parallelism the all-reduced activations hold s/c tokens
+    tp_comm_ns = b * cols["tp_comm_bytes"] * 2 * (t - 1) / (t * c) / cluster.intra_node_gb_per_s
     # ring attention: (c-1)/c of the K/V per pass, three passes (forward K/V; backward K/V and
     # dK/dV), a fourth for a recomputed layer's second forward
     ring_pass_ns = ring_attention_pass_ns(cols["attention_kv_bytes"], config, cluster)

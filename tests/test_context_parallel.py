@@ -150,6 +150,21 @@ def test_time_is_compute_over_t_c_plus_three_ring_passes():
     assert costs.time_ns[1] == math.ceil(compute_ns + 3 * 2 * KV * (15 / 16) / 10.0)
 
 
+def test_tensor_parallel_all_reduces_carry_s_over_c_tokens():
+    """tp 2 cp 2, b0 without attention: the ring all-reduce of b tp_comm_bytes / c moves
+    2 (t-1)/t of it; no ring pass."""
+    doc = cp_graph()
+    for layer in doc["layers"]:
+        layer["tp_comm_bytes"] = 1000
+    doc["layers"][1]["attention_kv_bytes"] = 0
+    cluster = Cluster(num_gpus=4, intra_node_gb_per_s=100.0)
+    costs = costs_of(doc, config(tp=2, cp=2), cluster=cluster)
+    rate_per_ms = cluster.gpu_flops * cluster.flops_efficiency / 1e3
+    compute_ns = 2 * 3e9 / rate_per_ms / 4 * NS_PER_MS
+    all_reduce_ns = 2 * 1000 / 2 * (2 * 1 / 2) / 100.0
+    assert costs.time_ns[1] == math.ceil(compute_ns + all_reduce_ns)
+
+
 def test_cp_one_is_the_model_without_context_parallelism():
     """A graph with attention_kv_bytes plans at cp 1 exactly as one without."""
     plain = costs_of(cp_graph(kv=0), config())
