@@ -278,12 +278,13 @@ def stages_per_group(cluster: Cluster, config: ParallelConfig) -> list[int]:
 def _too_many_configs(num_layers: int, most: int, training: TrainingConfig) -> str:
     lists = (
         f"micro-batch sizes {len(training.micro_batch_sizes)}, ZeRO stages "
-        f"{len(training.zero_stages)}, virtual stages {len(training.virtual_stages)}"
+        f"{len(training.zero_stages)}, virtual stages {len(training.virtual_stages)}, cp degrees "
+        f"{len(training.cp)}"
     )
     return (
         f"more than {most} candidate configs for {num_layers} layers (the search keeps per-layer "
         f"costs of each, at most {MAX_CONFIG_LAYERS} configs x layers; {lists}): pin --pp, --tp "
-        "or --dp, or give fewer --micro-batch / --zero / --virtual-stages values"
+        "or --dp, or give fewer --micro-batch / --zero / --virtual-stages / --cp values"
     )
 
 
