@@ -42,6 +42,9 @@ Communication (``tp_comm_bytes``, per sample, forward + backward):
   all-reduces of the vocab-parallel cross-entropy (max, sum of exponentials, target logit): 12
   bytes per token.
 
+Routed experts (a module path with an ``experts`` component, ``experts.py``) are left out: their
+Linear calls are neither column- nor row-parallel, and their parameters go to ``expert_params``.
+
 Only module calls are seen: a functional ``F.linear`` (for example an LM head that reuses the
 embedding matrix without an ``nn.Linear``) is treated as replicated.
 """
@@ -55,6 +58,7 @@ import torch
 from torch import nn
 
 from profiling.dataflow import StorageRecord, Tracer, tensor_bytes, tensors_in
+from profiling.experts import is_expert_path
 
 VOCAB_PARALLEL_MIN_ROWS = 16384
 """Embeddings with at least this many rows are vocabularies and split by rows under TP."""
@@ -126,7 +130,7 @@ class TensorParallelTracker:
     def linear_enter(self, module: nn.Linear, args: tuple, kwargs: dict) -> None:
         layer = self.tracer.active
         inputs = tensors_in((args, kwargs))
-        if layer is None or not inputs:
+        if layer is None or not inputs or is_expert_path(self.paths.get(module, "")):
             return
         x = inputs[0]
         record = self.tracer.record_of(x)
