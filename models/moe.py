@@ -6,9 +6,9 @@
 Module paths (Megatron-core's names, so the megatron engine builds the same parameters):
 
     router.weight           (E, h)              TopKRouter: logits = x W^T, no bias
-    experts.fc1_weight      (E, 2f or f, h)     routed experts (GroupedMLP), fc1 = [gate; up]
-    experts.fc2_weight      (E, h, f)           (plus fc1_bias (E, 2f or f), fc2_bias (E, h)
-                                                with config.bias)
+    experts.fc1_weight      (E, h, 2f or f)     routed experts (GroupedMLP's weight1 viewed
+    experts.fc2_weight      (E, f, h)           (E, h, -1)), fc1 = [gate | up]; with config.bias
+                                                also fc1_bias (E, 2f or f), fc2_bias (E, h)
     shared_experts.fc1/fc2  one MLP of width shared_experts * f (SharedExpertMLP; DeepSeek)
 
 The routed experts' parameters live under the submodule ``experts`` (the profiler counts them
@@ -92,12 +92,15 @@ def capacity_experts_forward(
     capacity_factor: float,
     fc1_bias: torch.Tensor | None = None,
     fc2_bias: torch.Tensor | None = None,
+    out_in: bool = False,
 ) -> torch.Tensor:
     """Routed experts of (T, h) tokens, each routed to the ``top_k_index`` experts with weights
     ``top_k_weights`` (T, k): sum over k of weight * expert(token), with Megatron's
-    drop-and-pad dispatch (module docstring). Weights as transformers' fused experts store them:
-    ``fc1_weight`` (E, out, h), ``fc2_weight`` (E, h, f); ``activation`` maps fc1's output
-    (E, C, out) to (E, C, f). Returns (T, h) in ``hidden``'s dtype."""
+    drop-and-pad dispatch (module docstring). Weights as Megatron's GroupedMLP stores them,
+    ``fc1_weight`` (E, h, out) and ``fc2_weight`` (E, f, h), or with ``out_in`` as
+    transformers' fused experts do, (E, out, h) and (E, h, f) (:func:`expert_matmul`);
+    ``activation`` maps fc1's output (E, C, out) to (E, C, f). Returns (T, h) in ``hidden``'s
+    dtype."""
     tokens, hidden_size = hidden.shape
     num_experts, top_k = fc1_weight.shape[0], top_k_index.shape[-1]
     capacity = expert_capacity(
@@ -126,20 +129,34 @@ def capacity_experts_forward(
     permuted_probs = probs.T.contiguous().view(-1).index_select(0, probs_index)
     permuted = hidden.index_select(0, sorted_indices).view(num_experts, capacity, hidden_size)
     # the experts: two batched matmuls (GroupedMLP)
-    if fc1_bias is not None:
-        x = torch.baddbmm(fc1_bias.unsqueeze(1), permuted, fc1_weight.transpose(1, 2))
-    else:
-        x = torch.bmm(permuted, fc1_weight.transpose(1, 2))
-    x = activation(x)
-    if fc2_bias is not None:
-        out = torch.baddbmm(fc2_bias.unsqueeze(1), x, fc2_weight.transpose(1, 2))
-    else:
-        out = torch.bmm(x, fc2_weight.transpose(1, 2))
+    x = activation(expert_matmul(permuted, fc1_weight, fc1_bias, out_in=out_in))
+    out = expert_matmul(x, fc2_weight, fc2_bias, out_in=out_in)
     # unpermute: weight, then scatter-add back to the tokens
-    out = out.view(num_experts * capacity, hidden_size) * permuted_probs.unsqueeze(-1)
+    out = out.reshape(num_experts * capacity, hidden_size) * permuted_probs.unsqueeze(-1)
     combined = torch.zeros(tokens, hidden_size, dtype=out.dtype, device=hidden.device)
     combined = combined.scatter_add(0, sorted_indices.unsqueeze(1).expand(-1, hidden_size), out)
     return combined.to(hidden.dtype)
+
+
+def expert_matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, out_in: bool
+) -> torch.Tensor:
+    """x (E, C, in) times each expert's weight [+ bias (E, out)] -> (E, C, out).
+
+    ``out_in=False``: weight (E, in, out), ``bmm(x, weight)`` (Megatron's GroupedMLP layout, the
+    zoo's). ``out_in=True``: weight stored (E, out, in) (transformers'), multiplied as
+    ``bmm(weight, x^T)^T`` with the parameter itself as bmm's operand: autograd returns its
+    gradient contiguous, in the parameter's layout, straight to AccumulateGrad. Multiplying by
+    a transposed view instead (``bmm(x, weight.transpose(1, 2))``) returns a transposed
+    gradient, which the first accumulation copies into the parameter's layout (a
+    gradient-sized temporary), and delays its accumulation until the engine reaches the
+    transpose's node (the gradient waits, live, while earlier layers' gradients are made). The
+    output is then a transposed view of an (E, out, C) tensor."""
+    if out_in:
+        out = torch.bmm(weight, x.transpose(1, 2)).transpose(1, 2)
+    else:
+        out = torch.bmm(x, weight)
+    return out if bias is None else out + bias.unsqueeze(1)
 
 
 def _activation(kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -182,12 +199,12 @@ class Experts(nn.Module):
         self.capacity_factor = capacity_factor
         self.kind = kind
         width = 2 * ffn_hidden if kind == "swiglu" else ffn_hidden
-        self.fc1_weight = nn.Parameter(torch.empty(num_experts, width, hidden))
-        self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden))
+        self.fc1_weight = nn.Parameter(torch.empty(num_experts, hidden, width))
+        self.fc2_weight = nn.Parameter(torch.empty(num_experts, ffn_hidden, hidden))
         self.fc1_bias = nn.Parameter(torch.zeros(num_experts, width)) if bias else None
         self.fc2_bias = nn.Parameter(torch.zeros(num_experts, hidden)) if bias else None
         for weight in (self.fc1_weight, self.fc2_weight):  # nn.Linear's default, per expert
-            bound = 1.0 / math.sqrt(weight.shape[-1])
+            bound = 1.0 / math.sqrt(weight.shape[1])
             nn.init.uniform_(weight, -bound, bound)
 
     def forward(

@@ -109,8 +109,6 @@ def capacity_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if getattr(self, "has_bias", False):
         fc1_bias = self.gate_up_proj_bias if gated else self.up_proj_bias
         fc2_bias = self.down_proj_bias
-    if getattr(self, "is_transposed", False):  # (E, in, out) -> (E, out, in)
-        fc1, fc2 = fc1.transpose(1, 2), fc2.transpose(1, 2)
     return dispatch(
         hidden_states,
         top_k_index,
@@ -121,6 +119,7 @@ def capacity_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         fc2_bias=fc2_bias,
         activation=self._apply_gate if gated else self.act_fn,
         capacity_factor=float(getattr(self, "capacity_factor", 1.0)),
+        out_in=not getattr(self, "is_transposed", False),  # transformers' default (E, out, in)
     )
 
 

@@ -22,6 +22,7 @@ ROW_KEYS = (
     "config",
     "pp",
     "tp",
+    "cp",
     "dp",
     "micro_batch",
     "num_microbatches",
@@ -40,11 +41,13 @@ ROW_KEYS = (
 )
 """The columns of a sweep row, in CSV order (``solver.plots.plot_sweep`` reads them).
 ``reserve_bytes``: the memory per GPU the job never gets (``TrainingConfig.memory_reserve``);
-``usable_bytes`` = gpu_memory_bytes - reserve_bytes, what a plan's peak must fit in."""
+``usable_bytes`` = gpu_memory_bytes - reserve_bytes, what a plan's peak must fit in. ``cp``: the
+context-parallel degree (pp x tp x cp x dp = gpus)."""
 
 
-OPTIONAL_KEYS = ("reserve_bytes", "usable_bytes")
-"""Columns a sweep CSV written before the reserve lacks (read as blanks)."""
+OPTIONAL_KEYS = ("reserve_bytes", "usable_bytes", "cp")
+"""Columns a sweep CSV written before the reserve (or context parallelism) lacks (read as
+blanks)."""
 
 
 STATUSES = ("OPTIMAL", "FEASIBLE", "INFEASIBLE", "NO_SOLUTION", "ERROR")
@@ -60,6 +63,7 @@ _INT = (
     "usable_bytes",
     "pp",
     "tp",
+    "cp",
     "dp",
     "micro_batch",
     "num_microbatches",
