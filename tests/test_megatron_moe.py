@@ -203,8 +203,8 @@ def test_megatron_routing_and_padded_dispatch_give_the_zoo_blocks_output(pre_sof
         x,
         indices,
         weights,
-        fc1_weight=fc1,
-        fc2_weight=fc2,
+        fc1_weight=fc1.transpose(1, 2),  # the zoo's (GroupedMLP's) (E, in, out) layout
+        fc2_weight=fc2.transpose(1, 2),
         activation=_activation("swiglu"),
         capacity_factor=factor,
     )
