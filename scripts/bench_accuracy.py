@@ -188,6 +188,13 @@ def moe_rows(progress) -> list[dict]:
     return rows
 
 
+def planner_has_expert_parallelism() -> bool:
+    """Whether the planner takes ``TrainingConfig.ep`` (the MoE rows need it)."""
+    from solver import TrainingConfig
+
+    return "ep" in TrainingConfig.__dataclass_fields__
+
+
 def moe_section(rows: list[dict]) -> list[str]:
     errors = [row["analytic_pct"] for row in rows]
     print(f"megatron-core MoE: analytic {spread(errors)}")
@@ -359,6 +366,9 @@ def main() -> int:
     args = parser.parse_args()
     progress = lambda text: print(text, flush=True)  # noqa: E731
     if args.only_moe:
+        if not planner_has_expert_parallelism():
+            print("--only-moe: this planner has no expert parallelism (TrainingConfig.ep)")
+            return 2
         args.out.mkdir(parents=True, exist_ok=True)
         lines = [
             "# Accuracy benchmark: megatron-core MoE rows",
@@ -424,7 +434,7 @@ def main() -> int:
             megatron_results,
             "median 2%, max 5%",
         ),
-        *moe_section(moe_rows(progress)),
+        *(moe_section(moe_rows(progress)) if planner_has_expert_parallelism() else []),
         *hf_section(hf_rows(progress)),
     ]
     (args.out / "bench_accuracy.md").write_text("\n".join(lines))
