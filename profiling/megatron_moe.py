@@ -80,7 +80,15 @@ def moe_settings(args: dict[str, str | None]) -> MoeSettings | None:
 
     def number(flag: str, kind=int):
         value = args.get(flag)
-        return kind(value) if value is not None else None
+        if value is None:
+            return None
+        try:
+            return kind(value)
+        except ValueError:
+            raise InputError(
+                f"exports.megatron: {flag} {value!r} is not a number; re-create the plan with "
+                "python -m solver.plan"
+            ) from None
 
     layers = number("--num-layers") or 0
     freq = args.get("--moe-layer-freq")

@@ -262,6 +262,8 @@ def test_moe_flags_are_read_as_megatron_lm_reads_them():
         parse_layer_freq("[0]*1+[1]*2", 4)
     with pytest.raises(InputError, match="not an integer or a list"):
         parse_layer_freq("[1]*x", 4)
+    with pytest.raises(InputError, match=r"--num-experts 'eight' is not a number"):
+        moe_settings({"--num-experts": "eight"})
 
 
 @pytest.mark.filterwarnings("ignore:full scope is deprecated")
