@@ -1,4 +1,4 @@
-"""Turn a plan (config + the layers of each stage) into settings for three training runtimes.
+"""Turn a plan (config + the layers of each stage) into settings for four training runtimes.
 
 :func:`build_exports` returns a JSON-serialisable dict with one section per runtime:
 
@@ -6,6 +6,7 @@
 - ``megatron``: Megatron-LM command-line arguments, including the uneven split as
   ``--decoder-first/last-pipeline-num-layers`` or ``--pipeline-model-parallel-layout``.
 - ``deepspeed``: ``PipelineModule`` layer counts and ``parts`` boundaries, and the config keys.
+- ``torchtitan``: the job-config sections (:mod:`solver.torchtitan_export`).
 
 Pure functions: no I/O, no torch. Facts about the runtimes, and where they come from, are in the
 comments next to the code that relies on them.
@@ -18,6 +19,7 @@ from typing import Any
 from solver.errors import InputError
 from solver.graph import LayerGraph
 from solver.specs import ParallelConfig
+from solver.torchtitan_export import torchtitan_export
 
 # Megatron layout letters (megatron/core/transformer/pipeline_parallel_layer_layout.py,
 # PipelineParallelLayerLayout.parse_str_to_list): E = embedding, t = transformer (decoder) layer,
@@ -49,6 +51,7 @@ def build_exports(
         ),
         "megatron": megatron_export(graph, config, stages, recomputed=selected),
         "deepspeed": deepspeed_export(config, stages, contiguous=contiguous, recomputed=selected),
+        "torchtitan": torchtitan_export(graph, config, stages, recomputed=selected),
     }
 
 
