@@ -161,16 +161,20 @@ def _activation_checkpoint(
 
     torchtitan's "selective" is per op (``selective_ac_option = "op"``) or every n-th block
     (an integer); neither names the layers the plan chose, so a selective plan runs "full":
-    every block recomputed, no more memory than planned and more time.
+    every block recomputed, no more memory than planned and more time (a selection of no
+    layer runs "none").
     """
     if config.recompute == "none":
         return {"mode": "none"}, None
     if config.recompute == "full":
         return {"mode": "full"}, None
     chosen = [name for names in recomputed or [] for name in names]
+    if not chosen:
+        return {"mode": "none"}, None
     comment = (
         "the plan recomputes chosen layers ("
-        + (", ".join(chosen[:8]) + (" ..." if len(chosen) > 8 else "") if chosen else "none")
+        + ", ".join(chosen[:8])
+        + (" ..." if len(chosen) > 8 else "")
         + "); torchtitan's selective mode is per op or every n-th block, so this runs full"
     )
     return {"mode": "full"}, comment

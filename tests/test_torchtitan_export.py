@@ -277,6 +277,8 @@ def test_activation_checkpoint_modes(graph):
     export = _export(graph, selective, stages, recomputed=[["layers.0", "layers.1"], []])
     assert _check_fields(export)["activation_checkpoint"] == {"mode": "full"}
     assert "# the plan recomputes chosen layers (layers.0, layers.1)" in export["toml"]
+    nothing = _export(graph, selective, stages, recomputed=[[], []])
+    assert _check_fields(nothing)["activation_checkpoint"] == {"mode": "none"}
 
 
 def test_pp1_has_no_module_lists(graph):
