@@ -8,7 +8,8 @@ holds whole heads of q, k and v (or matching gate and up columns); the attention
 become the local ones. Vocabularies of at least ``VOCAB_PARALLEL_MIN_ROWS`` rows are split by
 rows (embedding and LM head, with a vocabulary-parallel cross-entropy); norms, position tables
 and smaller vocabularies stay replicated: the split ``profiling.tensor_parallel`` assumes for the
-cost model.
+cost model. Sequence parallelism (``apply_sequence_parallel``) adds torchtitan's Llama styles:
+norms on [b, s/t, h] shards, the sequence gathered in front of attention and MLP.
 
 Data parallelism by ZeRO stage (``apply_data_parallel``, ``build_optimizer``): 0 DDP, 1 DDP +
 ``ZeroRedundancyOptimizer``, 2 and 3 FSDP2 ``fully_shard``; with TP, zero 0 uses FSDP2's

@@ -206,7 +206,7 @@ def _check_torch(spec: models.ModelSpec, config: ParallelConfig) -> None:
 
 
 def _check_sequence_parallel(spec: models.ModelSpec, tp: int) -> None:
-    """What the torch engine's sequence parallelism runs: a GPT/Llama preset (a chain of
+    """What the torch engine's sequence parallelism runs: a dense GPT/Llama preset (a chain of
     embedding, blocks and LM head, ``profiling.parallelize.apply_sequence_parallel``) whose
     sequence the tp ranks split evenly."""
     config = spec.config
@@ -219,6 +219,11 @@ def _check_sequence_parallel(spec: models.ModelSpec, tp: int) -> None:
         raise InputError(
             f"plan config: sp=true with tp {tp} splits the sequence, and tp does not divide "
             f"seq_len ({config.seq_len}) of {spec.name}; set seq_len to a multiple"
+        )
+    if config.num_experts:
+        raise InputError(
+            f"plan config: sp=true on {spec.name}, a mixture of experts: the torch engine runs "
+            "sequence parallelism on dense blocks only; plan with --sequence-parallel off"
         )
 
 
