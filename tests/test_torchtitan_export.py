@@ -301,3 +301,28 @@ def test_torchtitan_config_manager_parses_the_toml(graph, tmp_path):
     assert job.parallelism.data_parallel_shard_degree == 2
     assert job.parallelism.fsdp_reshard_after_forward == "always"
     assert job.training.local_batch_size == 4
+
+
+@pytest.mark.parametrize(
+    ("schedule", "virtual_stages", "torch_class"),
+    [
+        ("1f1b", 1, "Schedule1F1B"),
+        ("gpipe", 1, "ScheduleGPipe"),
+        ("1f1b", 2, "ScheduleInterleaved1F1B"),
+    ],
+)
+def test_schedule_names_resolve_in_torch(graph, schedule, virtual_stages, torch_class):
+    """torchtitan looks the schedule name up with torch's get_schedule_class: the exported names
+    resolve to the schedule the plan was made for."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    config = ParallelConfig(
+        pp=2,
+        tp=1,
+        dp=1,
+        micro_batch=1,
+        num_microbatches=4,
+        schedule=schedule,
+        virtual_stages=virtual_stages,
+    )
+    name = _check_fields(_export(graph, config))["parallelism"]["pipeline_parallel_schedule"]
+    assert schedules.get_schedule_class(name).__name__ == torch_class
