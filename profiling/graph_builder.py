@@ -109,6 +109,11 @@ def build_graph(
         record = tracer.layers[i]
         saved_total = record.saved_bytes
         split_total = sum(n for n, taint in record.saved if split.is_split(taint))
+        # under sequence parallelism eager torch keeps whole what the gathered sequence feeds:
+        # the column-parallel inputs, and what a Linear left replicated computes from them
+        replicated_total = sum(
+            n for n, taint in record.saved if taint and not split.is_split(taint)
+        )
         item: dict[str, Any] = {
             "name": names[i],
             "params": params[i],
@@ -119,6 +124,9 @@ def build_graph(
             "fwd_flops": record.fwd_flops / batch,
             "bwd_flops": record.bwd_flops / batch,
             "tp_comm_bytes": _ceil_div(split.comm_bytes.get(i, 0), batch),
+            "sp_gathered_bytes": _ceil_div(
+                split.gathered_bytes.get(i, 0) + replicated_total, batch
+            ),
             "transient_bytes": _ceil_div(transients.get(i, 0), batch),
             "weight_grad_transient_bytes": _ceil_div(weight_grad_transients.get(i, 0), batch),
             "largest_param": largest[i],

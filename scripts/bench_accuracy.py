@@ -3,8 +3,9 @@
     python scripts/bench_accuracy.py [--out benchmarks]
 
 Profiles a small GPT (fp32, dropout 0) with ``profiling.export``, plans it for the torch runtime
-(``--runtime torch``: what the executor runs) for 18 layouts of 2-4 ranks (pipeline splits, 1F1B
-and GPipe, micro-batch counts, data parallelism with ZeRO 0-3, tensor parallelism, full
+(``--runtime torch``: what the executor runs) for 19 layouts of 2-4 ranks (pipeline splits, 1F1B
+and GPipe, micro-batch counts, data parallelism with ZeRO 0-3, tensor parallelism with and without
+sequence parallelism, full
 recomputation, interleaved 1F1B with two chunks per rank) and runs each plan with
 ``profiling.run.run_plan`` on gloo (exact live-tensor accounting, 2 iterations, the last
 measured). All of it through ``profiling.calibrate.calibrate``,
@@ -47,6 +48,7 @@ LAYOUTS = [
     Layout("pp4 gpipe m4", 4, {"pp": 4}, 8, 2, "gpipe"),
     Layout("pp2 recompute m4", 2, {"pp": 2}, 8, 2, "1f1b", 0, "full"),
     Layout("pp2 tp2 1f1b m4", 4, {"pp": 2, "tp": 2}, 8, 2, "1f1b"),
+    Layout("pp2 tp2 sp m4", 4, {"pp": 2, "tp": 2}, 8, 2, "1f1b", sequence_parallel="on"),
     Layout("dp2 pp2 1f1b m4", 4, {"pp": 2, "dp": 2}, 16, 2, "1f1b"),
     Layout("dp2 pp2 zero1 m4", 4, {"pp": 2, "dp": 2}, 16, 2, "1f1b", 1),
     Layout("dp2 pp2 zero2 m4", 4, {"pp": 2, "dp": 2}, 16, 2, "1f1b", 2),
