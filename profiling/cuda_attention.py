@@ -145,7 +145,8 @@ class CudaLikeAttention(TorchFunctionMode):
             return func(*args, **kwargs)
         is_causal = bool(bound.get("is_causal", False))
         scale = bound.get("scale")
-        if flash_on_gpu(query, key, value, mask):
+        grouped = key.shape[-3] != query.shape[-3]
+        if flash_on_gpu(query, key, value, mask) and (not grouped or bound.get("enable_gqa")):
             return _FlashAttention.apply(query, key, value, is_causal, scale)
         if mask is not None and mask.requires_grad and torch.is_grad_enabled():
             if key.shape[-3] != query.shape[-3] or query.dim() != 4:
