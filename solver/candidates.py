@@ -242,7 +242,8 @@ def _tensor_and_context_degrees(
 def sequence_parallel(training: TrainingConfig, tp: int) -> bool:
     """Whether a candidate with tensor-parallel degree ``tp`` uses sequence parallelism: with
     "on" or "auto" exactly when tp > 1 (SP splits over the TP ranks; Megatron-LM recommends it
-    whenever tp > 1), with "off" never."""
+    whenever tp > 1), with "off" never. The option defaults to auto on the megatron runtime and
+    off on the torch runtime (``specs.default_sequence_parallel``)."""
     return training.sequence_parallel != "off" and tp > 1
 
 

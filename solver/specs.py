@@ -34,6 +34,15 @@ RECOMPUTE_CHOICES = (*RECOMPUTE_MODES, "auto")
 """What the search may be asked for (:attr:`TrainingConfig.recompute`): a mode, or auto."""
 SEQUENCE_PARALLEL_CHOICES = ("off", "on", "auto")
 """Sequence parallelism the search may be asked for (:attr:`TrainingConfig.sequence_parallel`)."""
+
+
+def default_sequence_parallel(runtime: str) -> str:
+    """``TrainingConfig.sequence_parallel`` when None: auto (SP whenever tp > 1, as Megatron-LM
+    recommends and megatron-core runs it) on the megatron runtime; off on the torch runtime,
+    whose engine refuses SP plans (``profiling.run``). The one place that default lives."""
+    return "auto" if runtime == "megatron" else "off"
+
+
 ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages over the data-parallel group."""
 OBJECTIVES = ("memory", "throughput")
@@ -250,11 +259,13 @@ class TrainingConfig:
     parsing sets this); False (megatron-core's ``TransformerConfig`` default) keeps the outputs of
     a stage's in-flight micro-batches until their backward. The torch runtime ignores it (it
     keeps them)."""
-    sequence_parallel: str = "off"
+    sequence_parallel: str | None = None
     """Megatron's sequence parallelism (Korthikanti et al. 2022) for the candidates with tp > 1:
     off (none), on (every such candidate; a pinned tp of 1 is an error) or auto (the same
     candidates without that error: SP whenever tp > 1, as Megatron-LM recommends). It splits the
-    activations TP leaves replicated, so it never costs memory; "off" keeps plans as they were."""
+    activations TP leaves replicated, so it never costs memory. None: the runtime's
+    (:func:`default_sequence_parallel`: auto on megatron, off on torch), resolved when the config
+    is made like ``grad_lifetime``."""
     memory_objective: str = "utilization"
     """Heterogeneous clusters only: utilization (minimise max stage peak / its group's capacity,
     in parts per million, rounded up) or absolute (max stage peak, bytes). A homogeneous cluster
@@ -352,6 +363,8 @@ class TrainingConfig:
             f"deallocate_pipeline_outputs must be True or False, got "
             f"{quote(self.deallocate_pipeline_outputs)}",
         )
+        if self.sequence_parallel is None:
+            object.__setattr__(self, "sequence_parallel", default_sequence_parallel(self.runtime))
         _require(
             self.sequence_parallel in SEQUENCE_PARALLEL_CHOICES,
             f"sequence_parallel must be one of {SEQUENCE_PARALLEL_CHOICES}, got "
