@@ -75,6 +75,12 @@ def _parse(record: object, source: str) -> RoutedExperts:
     return RoutedExperts(**values)
 
 
+def num_routed_experts(graph: LayerGraph) -> int | None:
+    """E of a mixture-of-experts graph, None for a dense one (``routed_experts``)."""
+    experts = routed_experts(graph)
+    return None if experts is None else experts.num_experts
+
+
 def check_expert_degree(graph: LayerGraph, ep: int, *, flag: str = "--ep") -> None:
     """InputError unless expert-parallel degree ``ep`` fits the graph: 1 on any graph; above 1
     only on a graph with routed experts, and dividing their number (each rank holds E / ep)."""

@@ -207,7 +207,25 @@ def _config_from_args(args: argparse.Namespace) -> ParallelConfig:
         virtual_stages=args.virtual_stages[0],
         # auto: SP exactly when tp > 1, as the search's candidates
         sp=args.sequence_parallel == "on" or (args.sequence_parallel == "auto" and args.tp > 1),
+        ep=_expert_degree(args),
     )
+
+
+def _expert_degree(args: argparse.Namespace) -> int:
+    """evaluate checks one layout: --ep takes one degree (auto: 1, no expert parallelism)."""
+    if args.ep is None:
+        return 1
+    if len(args.ep) != 1:
+        raise InputError(
+            f"--ep {','.join(map(str, args.ep))}: evaluate takes one value (the expert-parallel "
+            "degree of the layout)"
+        )
+    if args.dp % args.ep[0]:
+        raise InputError(
+            f"--ep {args.ep[0]} does not divide --dp {args.dp}: the experts are sharded within "
+            "the data-parallel ranks; pick an --ep that divides the data-parallel degree"
+        )
+    return args.ep[0]
 
 
 def _check_cluster(args: argparse.Namespace, config: ParallelConfig, cluster: Cluster) -> None:
@@ -253,6 +271,7 @@ def _training_from_args(args: argparse.Namespace, config: ParallelConfig) -> Tra
         grad_lifetime=args.grad_lifetime,
         optimizer_impl=args.optimizer_impl,
         memory_model=args.memory_model,
+        moe_capacity_factor=args.moe_capacity_factor,
         calibration=calibration,
         **precision_words(args, calibration),
         **bytes_per_param(args),
