@@ -334,3 +334,22 @@ def test_evaluate_cli_ep(tmp_path, run_cli):
     assert "ep4" in stdout
     code, _, stderr = run_cli(main, *common, "--ep", "8", "--split", "2,2")
     assert code == 2 and "--ep 8 does not divide --dp 4" in stderr
+
+
+def test_sweep_rows_carry_ep(tmp_path, run_cli):
+    """The sweep's CSV has the ep column (pinned --ep 2 on 4 and 8 GPUs) and reads back."""
+    from solver.cli.sweep import sweep_main
+    from solver.sweep import read_rows
+
+    path = write_graph(tmp_path, moe_graph(blocks=2))
+    out = tmp_path / "sweep.csv"
+    code, _, stderr = run_cli(
+        sweep_main, path, "--gpus", "4,8", "--global-batch", "8", "--ep", "2", "--pp", "1",
+        "--tp", "1", "--workers", "1", "--quiet", "--out", str(out),
+    )  # fmt: skip
+    assert code == 0, stderr
+    rows = read_rows(out)
+    assert [(row["gpus"], row["ep"], row["status"]) for row in rows] == [
+        (4, 2, "OPTIMAL"),
+        (8, 2, "OPTIMAL"),
+    ]

@@ -23,6 +23,7 @@ ROW_KEYS = (
     "pp",
     "tp",
     "dp",
+    "ep",
     "micro_batch",
     "num_microbatches",
     "zero",
@@ -40,11 +41,13 @@ ROW_KEYS = (
 )
 """The columns of a sweep row, in CSV order (``solver.plots.plot_sweep`` reads them).
 ``reserve_bytes``: the memory per GPU the job never gets (``TrainingConfig.memory_reserve``);
-``usable_bytes`` = gpu_memory_bytes - reserve_bytes, what a plan's peak must fit in."""
+``usable_bytes`` = gpu_memory_bytes - reserve_bytes, what a plan's peak must fit in. ``ep``: the
+expert-parallel degree (1 on a dense graph)."""
 
 
-OPTIONAL_KEYS = ("reserve_bytes", "usable_bytes")
-"""Columns a sweep CSV written before the reserve lacks (read as blanks)."""
+OPTIONAL_KEYS = ("reserve_bytes", "usable_bytes", "ep")
+"""Columns a sweep CSV written before the reserve (or expert parallelism: ep) lacks (read as
+blanks)."""
 
 
 STATUSES = ("OPTIMAL", "FEASIBLE", "INFEASIBLE", "NO_SOLUTION", "ERROR")
@@ -61,6 +64,7 @@ _INT = (
     "pp",
     "tp",
     "dp",
+    "ep",
     "micro_batch",
     "num_microbatches",
     "zero",

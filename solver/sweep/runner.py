@@ -81,6 +81,7 @@ def solve_point(
             "throughput": finite_or_none(result.throughput),
             "gap": result.solver.gap,
             "fits": result.evaluation.fits,
+            "ep": config.ep,
         }
         for name, baseline in result.baselines.items():
             row[f"{name}_peak_bytes"] = baseline.peak_bytes
