@@ -144,6 +144,7 @@ def candidate_configs(
     graph's routed experts E (``moe.routed_experts``), None for a dense graph; it gives the
     expert-parallel degrees (``expert_parallel_degrees``)."""
     check_pinned_degrees(cluster, training)
+    check_pinned_expert_degrees(training)
     # auto = selective: with a free choice per layer, "none" (no layer) and "full" (every layer)
     # are feasible choices of the same config, so its optimum is never worse than either (on a
     # heterogeneous cluster too); the empirical model measures one setting per run, so there
@@ -213,6 +214,19 @@ def sequence_parallel(training: TrainingConfig, tp: int) -> bool:
     "on" or "auto" exactly when tp > 1 (SP splits over the TP ranks; Megatron-LM recommends it
     whenever tp > 1), with "off" never."""
     return training.sequence_parallel != "off" and tp > 1
+
+
+def check_pinned_expert_degrees(training: TrainingConfig) -> None:
+    """With dp pinned, at least one requested ep must divide it (the experts are sharded within
+    the data-parallel ranks)."""
+    if training.ep is None or training.dp is None:
+        return
+    if all(training.dp % e for e in training.ep):
+        asked = ",".join(map(str, training.ep))
+        raise InputError(
+            f"--ep {asked} does not divide the pinned dp({training.dp}): the experts are sharded "
+            "within the data-parallel ranks; pick an --ep that divides --dp"
+        )
 
 
 def expert_parallel_degrees(

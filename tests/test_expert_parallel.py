@@ -301,7 +301,10 @@ def test_plan_cli_ep_and_json(tmp_path, run_cli):
     ("args", "message"),
     [
         (("--ep", "3"), "--ep 3: does not divide the 8 routed experts"),
-        (("--ep", "2", "--dp", "1", "--pp", "1", "--tp", "8"), "--ep 2"),
+        (
+            ("--ep", "2", "--dp", "1", "--pp", "1", "--tp", "8"),
+            "--ep 2 does not divide the pinned dp(1)",
+        ),
         (("--moe-capacity-factor", "0.5"), "--moe-capacity-factor: must be a number in [1, 1024]"),
         (("--ep", "x"), "--ep: expected comma-separated integers"),
     ],
