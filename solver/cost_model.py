@@ -1052,7 +1052,11 @@ def routing_factor(graph: LayerGraph, config: ParallelConfig, training: Training
       the ep GPUs of its expert-parallel group as many of its k choices as that GPU has experts:
       each token reaches at most min(k, E / ep) of the GPU's E / ep experts, from ep GPUs, against
       k / ep x ep = k on average, f = ep min(k, E / ep) / k (ep = 1: f = 1; Mixtral E 8, k 2 at
-      ep 8: f = 8 x 1 / 2 = 4)."""
+      ep 8: f = 8 x 1 / 2 = 4).
+
+    Both relative to the capacity the graph was profiled at (``meta.moe.capacity_factor``,
+    default 1: balanced): a graph profiled with padding to 1.25 has f = 1 / 1.25 at a balanced
+    routing."""
     check_expert_degree(graph, config.ep)
     experts = routed_experts(graph)
     return _routing_factor(experts, config.ep, training.moe_capacity_factor)
@@ -1063,10 +1067,12 @@ def _routing_factor(
 ) -> Fraction:
     if experts is None:
         return Fraction(1)
+    # the graph's expert fields were profiled at this capacity (meta.moe.capacity_factor)
+    profiled = Fraction(experts.profiled_capacity_factor).limit_denominator(1000)
     if capacity_factor == MOE_DROPLESS:
         k, local = experts.top_k, experts.num_experts // ep
-        return Fraction(ep * min(k, local), k)
-    return Fraction(capacity_factor).limit_denominator(1000)
+        return Fraction(ep * min(k, local), k) / profiled
+    return Fraction(capacity_factor).limit_denominator(1000) / profiled
 
 
 def expert_stored_bytes(

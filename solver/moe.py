@@ -3,10 +3,13 @@
 A graph with routed experts has ``expert_params > 0`` on some layer (``solver.graph.Layer``) and
 says in its meta what the router does (``profiling.export`` writes it)::
 
-    "meta": {"moe": {"num_experts": 8, "top_k": 2, "shared_experts": 0}}
+    "meta": {"moe": {"num_experts": 8, "top_k": 2, "shared_experts": 0, "capacity_factor": 1.0}}
 
 The cost model needs E and k for the dropless routing factor (``cost_model.routing_factor``) and
-the search needs E for the expert-parallel degrees it may try (ep | E). No torch here.
+the search needs E for the expert-parallel degrees it may try (ep | E). ``capacity_factor``
+(optional, default 1.0) is the capacity the graph's expert fields were profiled at (the zoo's
+drop-and-pad dispatch: C = ceil(c T k / E) tokens per expert); the routing factor is taken
+relative to it. Other keys (``profiling.export`` adds a description) are ignored. No torch here.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from dataclasses import dataclass
 from solver.errors import InputError
 from solver.graph import LayerGraph
 
-MOE_META_KEYS = ("num_experts", "top_k", "shared_experts")
-"""Keys of ``meta.moe`` (shared_experts optional, default 0)."""
+MOE_META_KEYS = ("num_experts", "top_k", "shared_experts", "capacity_factor")
+"""Keys of ``meta.moe`` the planner reads (shared_experts optional, default 0; capacity_factor
+optional, default 1.0)."""
 
 DENSE_GRAPH = (
     "the graph has no routed experts (expert_params 0 on every layer); re-export it or drop --ep"
@@ -35,6 +39,9 @@ class RoutedExperts:
     """k: experts each token is sent to (k <= E)."""
     shared_experts: int = 0
     """Experts every token passes through (DeepSeek-MoE); dense weights, not sharded by ep."""
+    profiled_capacity_factor: float = 1.0
+    """The capacity factor the graph's expert_activation_bytes and ep_comm_bytes were measured
+    at (1.0: a balanced routing, each expert T k / E tokens)."""
 
 
 def routed_experts(graph: LayerGraph) -> RoutedExperts | None:
@@ -58,15 +65,19 @@ def _parse(record: object, source: str) -> RoutedExperts:
     )
     if not isinstance(record, dict):
         raise InputError(f"{where}: missing or not an object; {fix}")
-    unknown = sorted(set(record) - set(MOE_META_KEYS))
-    if unknown:
-        raise InputError(f"{where}: unknown key(s) {', '.join(unknown)}; {fix}")
     values = {}
     for key, low in (("num_experts", 1), ("top_k", 1), ("shared_experts", 0)):
         value = record.get(key, 0 if key == "shared_experts" else None)
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 2**24:
             raise InputError(f"{where}.{key}: {value!r} is not an integer in {low}..2^24; {fix}")
         values[key] = value
+    factor = record.get("capacity_factor", 1.0)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor <= 1024:
+        raise InputError(
+            f"{where}.capacity_factor: {factor!r} is not a number in 1..1024 (the capacity the "
+            "expert fields were profiled at); re-export the graph or remove the key"
+        )
+    values["profiled_capacity_factor"] = float(factor)
     if values["top_k"] > values["num_experts"]:
         raise InputError(
             f"{where}.top_k: {values['top_k']} exceeds num_experts ({values['num_experts']}); "

@@ -153,13 +153,15 @@ def _experts_text(evaluation: Evaluation) -> str:
     if factor_option == MOE_DROPLESS:
         reach = min(experts.top_k, experts.num_experts // config.ep)
         why = f"dropless worst case, ep min(k, E/ep) / k = {config.ep} x {reach} / {experts.top_k}"
-    elif factor == 1:
+    elif factor_option == 1:
         why = "balanced routing"
     else:
         why = f"capacity factor {factor_option:g}, padded"
+    if experts.profiled_capacity_factor != 1:
+        why += f"; relative to the graph's profiled capacity {experts.profiled_capacity_factor:g}"
     return (
         f"experts: {experts.num_experts} routed, top-{experts.top_k}, ep {config.ep} "
-        f"({experts.num_experts // config.ep} per GPU); routing factor {float(factor):g} ({why})"
+        f"({experts.num_experts // config.ep} per GPU); routing factor {float(factor):.4g} ({why})"
     )
 
 

@@ -356,3 +356,18 @@ def test_sweep_rows_carry_ep(tmp_path, run_cli):
         (4, 2, "OPTIMAL"),
         (8, 2, "OPTIMAL"),
     ]
+
+
+def test_profiled_capacity_factor_and_extra_meta_keys():
+    """A graph profiled with drop-and-pad at capacity 1.25 (``meta.moe.capacity_factor``, as
+    profiling.export writes it, with a description key the planner ignores) holds 1.25 times the
+    balanced experts' bytes: planning it at 1.25 counts them once (f = 1), balanced at 1 / 1.25."""
+    graph = moe_graph()
+    graph.meta["moe"] |= {"capacity_factor": 1.25, "expert_fields": "at a balanced routing"}
+    config = config_of()
+    assert routing_factor(graph, config, training_of(config, moe_capacity_factor=1.25)) == 1
+    assert routing_factor(graph, config, training_of(config)) == Fraction(4, 5)
+    graph = moe_graph()
+    graph.meta["moe"]["capacity_factor"] = 0.5
+    with pytest.raises(InputError, match=r"\$.meta.moe.capacity_factor: 0.5 is not a number"):
+        routing_factor(graph, config, training_of(config))
