@@ -371,3 +371,29 @@ def test_profiled_capacity_factor_and_extra_meta_keys():
     graph.meta["moe"]["capacity_factor"] = 0.5
     with pytest.raises(InputError, match=r"\$.meta.moe.capacity_factor: 0.5 is not a number"):
         routing_factor(graph, config, training_of(config))
+
+
+@pytest.mark.parametrize(
+    ("factor", "extra", "warned"),
+    [
+        (1.0, [], True),
+        (1.5, ["--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity"], False),
+        ("dropless", [], False),
+    ],
+)
+def test_megatron_export_expert_flags(factor, extra, warned):
+    from solver.engine_exports import megatron_export
+
+    graph = moe_graph(blocks=2)
+    config = ParallelConfig(pp=2, tp=1, dp=4, ep=4, micro_batch=1, num_microbatches=2)
+    stages = [["embed", "moe0"], ["moe1", "head"]]
+    export = megatron_export(graph, config, stages, moe_capacity_factor=factor)
+    args = export["args"]
+    start = args.index("--num-experts")
+    assert args[start : start + 8 + len(extra)] == [
+        "--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "4",
+        "--moe-token-dispatcher-type", "alltoall", *extra,
+    ]  # fmt: skip
+    assert warned == any(w.startswith("moe:") for w in export["warnings"])
+    dense = megatron_export(dense_graph(), dataclasses.replace(config, pp=1, ep=1), [["a"]])
+    assert "--num-experts" not in dense["args"]
