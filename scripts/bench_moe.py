@@ -79,6 +79,7 @@ def run_case(graph, gpus, memory, batch, factor, ep, objective, time_limit) -> d
         micro_batch_sizes=(1, 2),
         zero_stages=(1,),
         recompute="none",
+        sequence_parallel="auto",
         objective=objective,
         ep=None if ep is None else (ep,),
         moe_capacity_factor=factor,
@@ -158,7 +159,8 @@ def main() -> int:
         *(f"- {line}" for line in models),
         "",
         "bf16-mixed, megatron runtime, distributed optimizer (ZeRO-1: the dense states over dp, "
-        "the experts' over dp / ep), micro-batch 1 or 2, no recomputation, the default reserve "
+        "the experts' over dp / ep), sequence parallelism with tp > 1 (megatron-core refuses MoE "
+        "layers with TP but without SP), micro-batch 1 or 2, no recomputation, the default reserve "
         "(1 GiB + 5%: 75 of 80 GiB usable). *ep*: pinned `--ep`, or auto (every ep dividing E "
         "and dp). *objective* memory: the smallest peak of any config and split at most 1.25x "
         "slower than the fastest plan that fits (the planner's default); throughput: the "

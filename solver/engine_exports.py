@@ -284,10 +284,19 @@ def _megatron_expert_args(
     c = 1 (a balanced routing) and dropless no capacity is set: Megatron's router is then
     dropless, and at 1 a warning says the plan assumed balanced routing. Shared experts
     (``--moe-shared-expert-intermediate-size``) need the model's widths: left to the model's
-    own arguments. ([], None) for a dense graph."""
+    own arguments. ([], None) for a dense graph; no flags and a warning for tp > 1 without
+    sequence parallelism, which megatron-core refuses for MoE layers."""
     experts = routed_experts(graph)
     if experts is None:
         return [], None
+    if config.tp > 1 and not config.sp:
+        # megatron/core/transformer/moe/moe_layer.py, MoELayer.forward: "performance may degrade
+        # if MoE and tensor parallelism are enabled without also enabling sequence parallelism"
+        # is a ValueError in training
+        return [], (
+            "moe: megatron-core refuses to train MoE layers with tensor parallelism but without "
+            "sequence parallelism (MoELayer.forward raises); plan with --sequence-parallel auto"
+        )
     args = [
         "--num-experts",
         str(experts.num_experts),

@@ -279,8 +279,9 @@ def test_plan_cli_ep_and_json(tmp_path, run_cli):
     out = tmp_path / "plan.json"
     common = (path, "--gpus", "8", "--global-batch", "8", "--micro-batch", "1")
     code, stdout, stderr = run_cli(
-        main, *common, "--ep", "2,4", "--moe-capacity-factor", "dropless", "--json", str(out)
-    )
+        main, *common, "--ep", "2,4", "--moe-capacity-factor", "dropless", "--json", str(out),
+        "--sequence-parallel", "auto",
+    )  # fmt: skip
     assert code == 0, stderr
     document = json.loads(out.read_text())
     assert document["config"]["ep"] in (2, 4)
@@ -395,5 +396,9 @@ def test_megatron_export_expert_flags(factor, extra, warned):
         "--moe-token-dispatcher-type", "alltoall", *extra,
     ]  # fmt: skip
     assert warned == any(w.startswith("moe:") for w in export["warnings"])
+    # megatron-core refuses MoE layers with tp > 1 without sequence parallelism
+    no_sp = megatron_export(graph, dataclasses.replace(config, tp=2), stages)
+    assert "--num-experts" not in no_sp["args"]
+    assert any("--sequence-parallel auto" in w for w in no_sp["warnings"])
     dense = megatron_export(dense_graph(), dataclasses.replace(config, pp=1, ep=1), [["a"]])
     assert "--num-experts" not in dense["args"]
