@@ -96,6 +96,9 @@ def build_graph(
             )
 
     transients = tracer.transient_peaks
+    kv_reads: dict[int, int] = defaultdict(int)  # owner -> k + v bytes its attention read
+    for owner, nbytes in getattr(tracer, "attention_kv_bytes", {}).items():
+        kv_reads[tracer.resolve(owner)] += nbytes
     weight_grad_transients = tracer.weight_grad_transient_peaks
     items = []
     for i in order:
@@ -117,6 +120,8 @@ def build_graph(
             "largest_param": largest[i],
             "largest_tp_param": largest_tp[i],
         }
+        if kv_reads.get(i):
+            item["attention_kv_bytes"] = _ceil_div(kv_reads[i], batch)
         kind = _kind(selection[i][1], split)
         if kind:
             item["kind"] = kind

@@ -50,6 +50,9 @@ such as a causal mask; profile with batch 1 to count those in full):
   head's weight gradient is computed, does not count both at once.
 - ``tp_params``, ``tp_activation_bytes``, ``tp_comm_bytes``: the Megatron-style split of
   ``tensor_parallel.py``.
+- ``attention_kv_bytes``: bytes of the keys and values the layer's attention calls read in the
+  forward (SDPA and the zoo's explicit attention; grouped-query heads counted once), what ring
+  attention exchanges under context parallelism (``attention_kv.py``); omitted when 0.
 - ``fwd_ms``, ``bwd_ms`` (``mode="real"`` only, ``timing.py``): the median over three timed runs
   after one warm-up, per sample; CUDA events on a GPU, ``perf_counter`` on the CPU. The forward is
   split at the layers' forward hooks; the backward at autograd-node pre-hooks.
@@ -101,6 +104,7 @@ from torch import nn
 
 from profiling._torch_compat import FakeTensorMode, tree_map
 from profiling._transformers_compat import real_run_masks
+from profiling.attention_kv import attention_kv
 from profiling.cuda_attention import cuda_like_kernels
 from profiling.dataflow import Tracer, tensors_in
 from profiling.graph_builder import build_graph
@@ -386,6 +390,7 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
             tracer,
             torch.autograd.graph.saved_tensors_hooks(tracer.pack, _unpack),
             cuda_like_kernels(cuda_like),
+            attention_kv(lambda: tracer.phase, tracer.owner) as kv_reads,
         ):
             tracer.start_forward()
             out = torch.func.functional_call(module, state.tensors, inputs)
@@ -419,6 +424,7 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
             f"{model_name}: none of the selected layers ran ({', '.join(names[:4])}, ...); "
             "select modules the forward calls"
         )
+    tracer.attention_kv_bytes = dict(kv_reads.bytes_by_owner)
     tracer.transient_peaks = tracer.transients(excluded)
     tracer.weight_grad_transient_peaks = tracer.transients(excluded, at=gradients)
     return tracer, tp.resolve()

@@ -148,6 +148,14 @@ def _check_runnable(
     if engine not in ENGINES:
         raise InputError(f"engine {engine!r}; valid: {', '.join(ENGINES)}")
     _check_model(spec, plan)
+    if config.cp > 1:
+        raise InputError(
+            f"plan config: cp={config.cp}: no executor here runs context parallelism (torch "
+            "2.13's context_parallel has no CPU ring attention: "
+            "aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy; "
+            "megatron-core's local DotProductAttention asserts context_parallel_size == 1 "
+            "without TransformerEngine); docs/running.md, plan with --cp 1 to run it"
+        )
     if traced:
         if engine != "torch":
             raise InputError(

@@ -1,18 +1,27 @@
-"""Valid parallel configurations (pp, tp, dp, micro-batch, ZeRO, recompute) and their lower bounds.
+"""Valid parallel configurations (pp, tp, cp, dp, micro-batch, ZeRO, recompute) and their lower
+bounds.
 
-Rules: pp * tp * dp = number of GPUs; tp divides gpus_per_node (tensor parallelism stays inside a
-node); pp <= number of layers (every stage holds a layer); dp * micro_batch divides the global batch
-(m = B / (dp b) micro-batches per step). ZeRO stages only differ when dp > 1, so with dp = 1 only
-the smallest requested stage is kept. Expert parallelism: ep | dp, from ``TrainingConfig.ep``
-or, auto, every ep dividing dp and the graph's routed experts (``expert_parallel_degrees``).
-Sequence parallelism (``TrainingConfig.sequence_parallel``
-on or auto) goes with every tp > 1 (it only splits activations further, and its communication
-costs what TP's all-reduces cost), never with tp = 1.
+Rules: pp * tp * cp * dp = number of GPUs; tp divides gpus_per_node (tensor parallelism stays
+inside a node); pp <= number of layers (every stage holds a layer); dp * micro_batch divides the
+global batch (m = B / (dp b) micro-batches per step). ZeRO stages only differ when dp * cp > 1
+(they shard over both), so with dp = cp = 1 only the smallest requested stage is kept. Expert
+parallelism: ep | dp, from ``TrainingConfig.ep`` or, auto, every ep dividing dp and the graph's
+routed experts (``expert_parallel_degrees``). Sequence parallelism
+(``TrainingConfig.sequence_parallel`` on or auto) goes with every tp > 1 (it only splits
+activations further, and its communication costs what TP's all-reduces cost), never with tp = 1.
 
-Heterogeneous clusters (``Cluster.groups``): every stage runs on tp * dp GPUs of one node group,
-and every GPU is used, so tp divides every group's GPUs per node (``Cluster.gpus_per_node`` is
-their gcd) and tp * dp divides every group's GPU count; group k then hosts exactly
-gpus_k / (tp dp) stages (``stages_per_group``), which sum to pp. ``--recompute auto`` is
+Context parallelism (``TrainingConfig.cp``, candidate degrees c): pp * tp * cp * dp = GPUs, each
+c of the list that divides gpus / (pp tp). Megatron-LM orders ranks tp fastest, then cp
+(``--rank-order tp-cp-ep-dp-pp``), so a stage's tp * cp GPUs are consecutive: one node's when
+tp * cp divides gpus_per_node. That is not required (Llama 3 405B trained its 131K-token stage
+with tp 8 and cp 16, the cp ring across nodes; Dubey et al. 2024): the cost model takes the
+intra-node bandwidth for the K/V ring when tp * cp divides gpus_per_node and the inter-node one
+otherwise (``cost_model.ring_bytes_per_ns``), and the search weighs that.
+
+Heterogeneous clusters (``Cluster.groups``): every stage runs on tp * cp * dp GPUs of one node
+group, and every GPU is used, so tp divides every group's GPUs per node (``Cluster.gpus_per_node``
+is their gcd) and tp * cp * dp divides every group's GPU count; group k then hosts exactly
+gpus_k / (tp cp dp) stages (``stages_per_group``), which sum to pp. ``--recompute auto`` is
 selective there too (the placed formulation takes the recompute decision).
 """
 
@@ -113,12 +122,20 @@ def _pollard_brent(n: int) -> int:
 
 
 def check_pinned_degrees(cluster: Cluster, training: TrainingConfig) -> None:
-    """Explain, with the numbers, why pinned pp/tp/dp cannot work on this cluster."""
-    pins = {name: getattr(training, name) for name in ("pp", "tp", "dp")}
+    """Explain, with the numbers, why pinned pp/tp/dp (and one cp above 1) cannot work on this
+    cluster."""
+    pinned_cp = training.cp[0] if len(training.cp) == 1 and training.cp[0] > 1 else None
+    pins = {
+        "pp": training.pp,
+        "tp": training.tp,
+        "cp": pinned_cp,  # one context-parallel degree above 1 is a pin too
+        "dp": training.dp,
+    }
     given = {name: value for name, value in pins.items() if value is not None}
+    all_pinned = all(pins[name] is not None for name in ("pp", "tp", "dp"))
     product = math.prod(given.values())
     text = " * ".join(f"{name}({value})" for name, value in given.items())
-    if len(given) == 3 and product != cluster.num_gpus:
+    if all_pinned and product != cluster.num_gpus:
         raise InputError(
             f"pinned config {text} = {product} != gpus({cluster.num_gpus}); "
             "pin degrees whose product is the GPU count, or pin fewer of them"
@@ -156,6 +173,13 @@ def candidate_configs(
     virtual_stages = sorted(set(training.virtual_stages))
     if virtual_stages != [1]:
         check_interleaving(cluster, training)
+    cp_degrees = sorted(set(training.cp))
+    if training.memory_model == "empirical" and cp_degrees != [1]:
+        raise InputError(
+            f"--cp {','.join(map(str, training.cp))} with the empirical memory model: the "
+            "statistics are measured on whole sequences of one pipeline; use --cp 1 or "
+            "--memory-model analytic"
+        )
     configs: list[ParallelConfig] = []
     most = MAX_CONFIG_LAYERS // (num_layers * max(1, len(cluster.groups)))
     for pp in divisors(cluster.num_gpus):
@@ -164,18 +188,19 @@ def candidate_configs(
         if training.pp not in (None, pp):
             continue
         # tensor parallelism stays inside a node: tp | gcd(gpus / pp, gpus per node)
-        for tp in divisors(math.gcd(cluster.num_gpus // pp, cluster.gpus_per_node)):
+        for tp, cp in _tensor_and_context_degrees(cluster.num_gpus // pp, cluster, cp_degrees):
             if training.tp not in (None, tp):
                 continue
-            dp = cluster.num_gpus // (pp * tp)
+            dp = cluster.num_gpus // (pp * tp * cp)
             if training.dp not in (None, dp):
                 continue
-            if cluster.is_heterogeneous and any(g.num_gpus % (tp * dp) for g in cluster.groups):
-                continue  # a stage's tp * dp GPUs come from one group, and all GPUs are used
+            width = tp * cp * dp  # the GPUs of one stage
+            if cluster.is_heterogeneous and any(g.num_gpus % width for g in cluster.groups):
+                continue  # a stage's GPUs come from one group, and all GPUs are used
             if training.memory_model == "empirical" and tp * dp > 1:
                 continue  # the statistics describe one pipeline (CAPSlog): tp = dp = 1
             zero_stages = (
-                sorted(set(training.zero_stages)) if dp > 1 else [min(training.zero_stages)]
+                sorted(set(training.zero_stages)) if dp * cp > 1 else [min(training.zero_stages)]
             )
             for micro_batch in sorted(set(training.micro_batch_sizes)):
                 if training.global_batch % (dp * micro_batch):
@@ -193,6 +218,7 @@ def candidate_configs(
                                     ParallelConfig(
                                         pp=pp,
                                         tp=tp,
+                                        cp=cp,
                                         dp=dp,
                                         micro_batch=micro_batch,
                                         num_microbatches=m,
@@ -207,6 +233,20 @@ def candidate_configs(
     if not configs:
         raise InputError(_why_no_config(num_layers, cluster, training))
     return configs
+
+
+def _tensor_and_context_degrees(
+    stage_gpus: int, cluster: Cluster, cp_degrees: list[int]
+) -> list[tuple[int, int]]:
+    """(tp, cp) pairs for a pipeline stage of ``stage_gpus`` = tp cp dp GPUs, tp ascending then
+    cp: tp | gcd(stage GPUs, GPUs per node) (tensor parallelism stays inside a node), cp one of
+    the candidate degrees dividing stage_gpus / tp (it may cross nodes: module docstring)."""
+    return [
+        (tp, cp)
+        for tp in divisors(math.gcd(stage_gpus, cluster.gpus_per_node))
+        for cp in cp_degrees
+        if (stage_gpus // tp) % cp == 0
+    ]
 
 
 def sequence_parallel(training: TrainingConfig, tp: int) -> bool:
@@ -268,19 +308,21 @@ def check_interleaving(cluster: Cluster, training: TrainingConfig) -> None:
 
 
 def stages_per_group(cluster: Cluster, config: ParallelConfig) -> list[int]:
-    """Stages each group of a heterogeneous cluster hosts: gpus_k / (tp dp)."""
-    return [group.num_gpus // (config.tp * config.dp) for group in cluster.groups]
+    """Stages each group of a heterogeneous cluster hosts: gpus_k / (tp cp dp)."""
+    width = config.tp * config.cp * config.dp
+    return [group.num_gpus // width for group in cluster.groups]
 
 
 def _too_many_configs(num_layers: int, most: int, training: TrainingConfig) -> str:
     lists = (
         f"micro-batch sizes {len(training.micro_batch_sizes)}, ZeRO stages "
-        f"{len(training.zero_stages)}, virtual stages {len(training.virtual_stages)}"
+        f"{len(training.zero_stages)}, virtual stages {len(training.virtual_stages)}, cp degrees "
+        f"{len(training.cp)}"
     )
     return (
         f"more than {most} candidate configs for {num_layers} layers (the search keeps per-layer "
         f"costs of each, at most {MAX_CONFIG_LAYERS} configs x layers; {lists}): pin --pp, --tp "
-        "or --dp, or give fewer --micro-batch / --zero / --virtual-stages values"
+        "or --dp, or give fewer --micro-batch / --zero / --virtual-stages / --cp values"
     )
 
 

@@ -16,7 +16,7 @@ Memory of stage s (bytes per GPU):
          (expert tensor parallelism = tp, Megatron's default; ``ParamShares``)
   A'_l = (activation_bytes - expert_activation_bytes - tp_activation_bytes) + tp_act / t
          + X'_l / b                                                  saved bytes per sample per GPU
-  X'_l = f b (R_l + (X_l - R_l) / t) the routed experts' saved bytes per micro-batch
+  X'_l = f b (R_l + (X_l - R_l) / t) / c  the routed experts' saved bytes per micro-batch
          (``expert_stored_bytes``): X_l = expert_activation_bytes, R_l = min(X_l,
          ep_comm_bytes / 4) the dispatched tokens' hidden states, which every TP rank keeps
          whole (Megatron all-gathers them over tp before the experts); not divided by ep (each
@@ -30,8 +30,8 @@ Memory of stage s (bytes per GPU):
          so are the tensors sent between stages, [s/t, b, h]: an edge carries ceil(b bytes / t) per
          micro-batch, and a recomputed layer keeps ceil(b output_bytes / t)
   states_s  = sum_l P'_l (w / d[z>=3] + g / d[z>=2] + o / d[z>=1])  each term rounded up per layer
-              (the expert part of P'_l sharded over the d / ep expert-data-parallel ranks
-              instead of d: Megatron's distributed optimizer keeps the expert parameters'
+              (the expert part of P'_l sharded over the d c / ep expert-data-parallel ranks
+              instead of d c: Megatron's distributed optimizer keeps the expert parameters'
               states on ``intra_expt_dp_group``)
               (+ w P'_l / d with ZeRO-2 on the torch runtime: FSDP2 keeps the sharded parameters
               next to the gathered ones)
@@ -126,13 +126,36 @@ Time (integer nanoseconds, rounded up per layer so that every backend sums the s
          2 (d-1)/d * sum_l P'_l g bytes (z <= 2: all-reduce, or reduce-scatter + all-gather of the
          updated shards), 3 (d-1)/d with z = 3 (parameters are all-gathered again for backward);
          over the intra-node bandwidth when t d <= gpus_per_node, else inter-node; the routed
-         experts' gradients over their d / ep expert-data-parallel ranks, 2 (d/ep - 1)/(d/ep)
+         experts' gradients over their d_e = d c / ep expert-data-parallel ranks (c = cp, below),
+         2 (d_e - 1)/d_e
   iteration = (m + p - 1) max_s T_s + max_s AR_s;  throughput = B / iteration (samples/s)
 
-Heterogeneous clusters (``Cluster.groups``): stage s runs on the tp d GPUs of one node group k(s).
-Memory does not depend on the GPU type (the terms above use no cluster field); T_s and AR_s use
-group k(s)'s FLOP/s, efficiency and bandwidths (``placed_stage_costs``), and the utilization of
-stage s is peak_s / capacity_k(s), counted in parts per million, rounded up
+Context parallelism (``ParallelConfig.cp`` = c; Megatron-LM's ``--context-parallel-size``, ring
+attention as TransformerEngine's ``AttnFuncWithCPAndKVP2P`` runs it): a stage runs on t c d GPUs;
+each GPU holds s/c tokens of every sequence of its micro-batch, so
+  stored_l  = ceil(b A'_l / c) (ceil(b t A'_l / (t c)) exactly), recomputed ceil(b output_l / c)
+              (/ (t c) with sequence parallelism)
+  edges     = ceil(b bytes / c) ([s/c, b, h]; / (t c) with sequence parallelism)
+  transient = ceil(b transient_l / c) (and the recomputed layer's re-materialised A'_l / c)
+              + ring_l = max(c, 4) ceil(b attention_kv_bytes_l / (t c)) for c > 1: the K/V
+              chunks live while the layer's attention runs, c in the forward (TE keeps every
+              received chunk until the forward ends), 4 in the backward (K/V and dK/dV, used and
+              received) (``ring_attention_bytes``)
+  states    parameters, gradients and optimizer state are replicated over cp; ZeRO shards them,
+              and the gradient sync runs, over the d c ranks of Megatron's data-parallel group
+              with context parallelism: d -> d c in states_s, step_l, AR_s (``sharding_degree``)
+  time      b compute / (t c), TP all-reduces of b tp_comm_bytes / c, + 3 ring passes (4
+              recomputed), one pass
+              (c-1)/c b attention_kv_bytes_l / t bytes over the intra-node bandwidth when t c
+              divides the GPUs per node (Megatron's rank order tp-cp-...: consecutive ranks),
+              else inter-node; not overlapped (``ring_attention_pass_ns``)
+A graph planned with c > 1 needs ``attention_kv_bytes`` on some layer, c | ``meta.seq_len`` and
+the analytic model (``check_context_parallel``).
+
+Heterogeneous clusters (``Cluster.groups``): stage s runs on the t c d GPUs of one node group
+k(s). Memory does not depend on the GPU type (the terms above use no cluster field); T_s and
+AR_s use group k(s)'s FLOP/s, efficiency and bandwidths (``placed_stage_costs``), and the
+utilization of stage s is peak_s / capacity_k(s), counted in parts per million, rounded up
 (``utilization_ppm``), so that every backend compares the same integers.
 """
 
@@ -675,9 +698,11 @@ def layer_costs(
     check_exact_range(graph, config, cluster, training, held, receive_copies, send_copies)
     t, b = config.tp, config.micro_batch
     cols = _graph_columns(graph)
+    if config.cp > 1:
+        check_context_parallel(graph, config.cp, training.memory_model)
     factor = routing_factor(graph, config, training)
     params = ParamShares.of(cols, config)
-    # t * A'_l is an integer: ceil(b t A' / t) is then exact. The routed experts' part is
+    # t * A'_l is an integer: ceil(b t A' / (t c)) is then exact. The routed experts' part is
     # apart (expert_stored_bytes): it scales with the routing factor
     dense_activation_bytes = cols["activation_bytes"] - cols["expert_activation_bytes"]
     saved_times_t = (dense_activation_bytes - cols["tp_activation_bytes"]) * t + cols[
@@ -689,8 +714,9 @@ def layer_costs(
         # already splits it, along heads/width: A'_l = activation_bytes / t (Korthikanti et al.
         # 2022, section 4.2.2); a stage sends [s/t, b, h]
         saved_times_t = dense_activation_bytes
-        edge_bytes = _ceil_div(edge_bytes, t)
-    saved = _ceil_div(b * saved_times_t, t) + expert_stored_bytes(cols, config, factor)
+    # a stage sends [s/(t c), b, h] with sequence parallelism, [s/c, b, h] without
+    edge_bytes = _ceil_div(edge_bytes, sequence_split(config))
+    saved = _ceil_div(b * saved_times_t, t * config.cp) + expert_stored_bytes(cols, config, factor)
     weight, grad, optimizer = _model_state_bytes(params, config, training)
     stored, transient = _activation_bytes(cols, params, saved, config, training)
     if training.runtime == "torch":
@@ -775,7 +801,7 @@ def ddp_bucket_bytes(
     it). So with the step lifetime the buckets are a persistent second copy; with persistent
     gradients ``.grad`` stays the bucket view."""
     if training.runtime == "torch" and training.grad_lifetime == "step":
-        if config.dp > 1 and config.zero <= 1:
+        if config.dp * config.cp > 1 and config.zero <= 1:
             return grad.copy()
     return None
 
@@ -835,6 +861,7 @@ def check_exact_range(
             + held * b * factor * totals["expert_activation_bytes"]
             + (max(receive_copies) + max(send_copies)) * v * b * totals["edges"]
             + b * totals["largest"] * 2
+            + 2 * b * totals["attention_kv_bytes"]  # ring attention: max(c, 4) chunks <= 2 b kv
             + (g + 2 * w) * totals["largest"]
             + 8 * layers
         )
@@ -847,6 +874,7 @@ def check_exact_range(
         b * (totals["ms"] + totals["flops"] / rate_per_ms) * NS_PER_MS / t
         + 2 * b * totals["tp_comm_bytes"] / cluster.intra_node_gb_per_s
         + 2 * b * factor * totals["ep_comm_bytes"] / slowest_link
+        + 4 * b * totals["attention_kv_bytes"] / slowest_link  # ring passes, at most 4 per layer
         + layers
     )
     sync_ns = 3 * g * totals["params"] / slowest_link + layers
@@ -880,6 +908,7 @@ def _graph_totals(graph: LayerGraph) -> dict[str, float]:
         "activation_bytes",
         "output_bytes",
         "tp_comm_bytes",
+        "attention_kv_bytes",
         "expert_activation_bytes",
         "ep_comm_bytes",
     )
@@ -949,13 +978,15 @@ class ParamShares:
         return dense + _ceil_div(self.expert * per_param, self.tp * self.ep * expert_shards)
 
     def sharded(self, per_param: int, config: ParallelConfig, sharded: bool) -> np.ndarray:
-        """``bytes_per_gpu`` with the dense part over the d data-parallel ranks and the experts
-        over the d / ep expert-data-parallel ranks when ``sharded`` (ZeRO / Megatron's
-        distributed optimizer: ``_get_param_groups_and_buffers`` builds the expert parameters'
-        optimizer over ``intra_expt_dp_group``), else unsharded."""
+        """``bytes_per_gpu`` with the dense part over the d c data-parallel ranks
+        (``sharding_degree``) and the experts over the d c / ep expert-data-parallel ranks when
+        ``sharded`` (ZeRO / Megatron's distributed optimizer: ``_get_param_groups_and_buffers``
+        builds the expert parameters' optimizer over ``intra_expt_dp_group``, world / (pp tp
+        ep) ranks), else unsharded."""
         if not sharded:
             return self.bytes_per_gpu(per_param, 1, 1)
-        return self.bytes_per_gpu(per_param, config.dp, config.dp // config.ep)
+        shards = sharding_degree(config)
+        return self.bytes_per_gpu(per_param, shards, shards // config.ep)
 
 
 def _model_state_bytes(
@@ -963,9 +994,9 @@ def _model_state_bytes(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Weights, gradients and optimizer state per GPU of every layer (the terms of states_s in
     the module docstring): tp splits the tp parameters, t ep the routed experts'; ZeRO stage z
-    shards the optimizer state (z >= 1), gradients (z >= 2) and weights (z = 3) over dp (the
-    experts' over dp / ep)."""
-    d, z = config.dp, config.zero
+    shards the optimizer state (z >= 1), gradients (z >= 2) and weights (z = 3) over dp x cp
+    (``sharding_degree``; the experts' over dp x cp / ep)."""
+    d, z = sharding_degree(config), config.zero
     w, g, o = (
         training.weight_bytes_per_param,
         training.grad_bytes_per_param,
@@ -988,8 +1019,9 @@ def optimizer_step_bytes(
     Adam's square root of ``exp_avg_sq``, one state element per parameter). It is made from the
     optimizer's own states, so it is split like them: over tp, and over dp from ZeRO 1 (each
     rank steps its shard: ``ZeroRedundancyOptimizer``'s local optimizer, FSDP2's DTensor
-    shards; the routed experts' over dp / ep). ``scaled``: ``_calibrated``'s function (a
-    calibration scales it with the transients)."""
+    shards; over dp x cp with context parallelism, ``sharding_degree``; the routed experts'
+    over dp x cp / ep). ``scaled``: ``_calibrated``'s function (a calibration scales it with
+    the transients)."""
     per_param = training.optimizer_step_bytes_per_param
     if not per_param:
         return None
@@ -1013,24 +1045,27 @@ def _activation_bytes(
 ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """(stored_l, transient) bytes of every layer per micro-batch, each in both states: kept
     (index 0) and recomputed (index 1: only the output is stored, the saved tensors come back
-    while the layer recomputes). ``saved``: b A'_l per GPU, bytes per micro-batch (rounded up).
-    Transient is max(b transient_bytes_l, b weight_grad_transient_bytes_l + gtemp_l) + gather_l
-    (module docstring)."""
-    t, b = config.tp, config.micro_batch
+    while the layer recomputes). ``saved``: b A'_l per GPU, bytes per micro-batch (rounded
+    up; / c with context parallelism). Transient is max(b transient_bytes_l, b
+    weight_grad_transient_bytes_l + gtemp_l) + gather_l (module docstring)."""
+    t, b, c = config.tp, config.micro_batch, config.cp
     w = training.weight_bytes_per_param
     grad_temporary = w * np.maximum(cols["largest_param"], _ceil_div(cols["largest_tp_param"], t))
     # a recomputed layer keeps its output, the next layer's input: [s/t, b, h] with sequence
-    # parallelism
-    kept_output = _ceil_div(b * cols["output_bytes"], t) if config.sp else b * cols["output_bytes"]
+    # parallelism; context parallelism holds s/c of every sequence: every term per sample / c
+    kept_output = _ceil_div(b * cols["output_bytes"], sequence_split(config))
     stored = (saved, kept_output)
     gather = 2 * params.bytes_per_gpu(w, 1, 1) if config.zero >= 3 else 0
 
     def transient(bytes_per_sample: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Kept, recomputed (the recomputed layer's saved tensors come back while it runs)."""
-        return (b * bytes_per_sample, b * bytes_per_sample + saved)
+        kept = _ceil_div(b * bytes_per_sample, c)
+        return (kept, kept + saved)
 
-    # the weight-gradient temporary joins what is live when the weight gradients are made
-    anytime = transient(cols["transient_bytes"])
+    # the weight-gradient temporary joins what is live when the weight gradients are made; ring
+    # attention's K/V buffers join the layer's own peak (its attention runs then)
+    ring = ring_attention_bytes(cols["attention_kv_bytes"], config)
+    anytime = tuple(peak + ring for peak in transient(cols["transient_bytes"]))
     at_weight_grad = transient(cols["weight_grad_transient_bytes"])
     peaks = tuple(
         np.maximum(peak, beside + grad_temporary) + gather
@@ -1088,12 +1123,12 @@ def expert_stored_bytes(
     over ``tp_group``), so every TP rank keeps the whole [b s k, h] input fc1 saves: R stays
     replicated; the rest (fc1's output, the activation's input, fc2's input: width ffn / t) is
     split. Not divided by ep: each GPU's experts receive b s k tokens at a balanced routing
-    whatever ep is."""
-    t, b = config.tp, config.micro_batch
+    whatever ep is; divided by c with context parallelism (each GPU routes its s / c tokens)."""
+    t, b, c = config.tp, config.micro_batch, config.cp
     expert = cols["expert_activation_bytes"]
     replicated = np.minimum(expert, cols["ep_comm_bytes"] // 4)
     times_t = replicated * t + (expert - replicated)
-    return -(-(b * factor.numerator * times_t) // (factor.denominator * t))
+    return -(-(b * factor.numerator * times_t) // (factor.denominator * t * c))
 
 
 def _time_ns(
@@ -1101,7 +1136,7 @@ def _time_ns(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Time of every layer per micro-batch (module docstring, "per micro-batch"), kept (index 0)
     and recomputed (index 1: the forward runs twice, its dispatch and combine too)."""
-    t, b = config.tp, config.micro_batch
+    t, b, c = config.tp, config.micro_batch, config.cp
     rate_per_ms = cluster.gpu_flops * cluster.flops_efficiency / 1e3
     fwd_ms = np.where(cols["measured"], cols["fwd_ms"], cols["fwd_flops"] / rate_per_ms)
     total_ms = np.where(
@@ -1110,11 +1145,21 @@ def _time_ns(
         (cols["fwd_flops"] + cols["bwd_flops"]) / rate_per_ms,
     )
     # GB/s == bytes/ns; ring all-reduce moves 2 (t-1)/t of the buffer per GPU.
-    tp_comm_ns = b * cols["tp_comm_bytes"] * 2 * (t - 1) / t / cluster.intra_node_gb_per_s
+    # with context parallelism the all-reduced activations hold s/c tokens
+    tp_comm_ns = b * cols["tp_comm_bytes"] * 2 * (t - 1) / (t * c) / cluster.intra_node_gb_per_s
+    # ring attention: (c-1)/c of the K/V per pass, three passes (forward K/V; backward K/V and
+    # dK/dV), a fourth for a recomputed layer's second forward
+    ring_pass_ns = ring_attention_pass_ns(cols["attention_kv_bytes"], config, cluster)
+    # expert-parallel all-to-alls: a recomputed forward dispatches and combines again (x 1.5)
     all_to_all_ns = expert_all_to_all_ns(cols, config, cluster, factor)
     return tuple(
-        np.ceil(b * (total_ms + extra) / t * NS_PER_MS + tp_comm_ns + a2a)
-        for extra, a2a in ((0.0, all_to_all_ns), (fwd_ms, 1.5 * all_to_all_ns))
+        np.ceil(
+            b * (total_ms + extra) / (t * c) * NS_PER_MS
+            + tp_comm_ns
+            + passes * ring_pass_ns
+            + a2a * all_to_all_ns
+        )
+        for extra, passes, a2a in ((0.0, 3, 1.0), (fwd_ms, 4, 1.5))
     )
 
 
@@ -1123,9 +1168,9 @@ def expert_all_to_all_ns(
 ) -> np.ndarray:
     """Expert-parallel all-to-all time of every layer per micro-batch, ns (module docstring):
     b ep_comm_bytes f (ep - 1) / ep bytes leave each GPU (the (ep-1)/ep of its tokens routed to
-    other ranks), / t with sequence parallelism (each TP rank dispatches its s / t tokens), over
-    the intra-node bandwidth when the t ep GPUs of an expert-parallel group fit in a node, else
-    inter-node. 0 at ep 1."""
+    other ranks), / t with sequence parallelism (each TP rank dispatches its s / t tokens) and
+    / c with context parallelism (s / c tokens per GPU), over the intra-node bandwidth when the
+    t ep GPUs of an expert-parallel group fit in a node, else inter-node. 0 at ep 1."""
     t, e, b = config.tp, config.ep, config.micro_batch
     if e == 1:
         return np.zeros(len(cols["ep_comm_bytes"]))
@@ -1135,7 +1180,7 @@ def expert_all_to_all_ns(
         else cluster.inter_node_gb_per_s
     )
     sent = b * cols["ep_comm_bytes"] * float(factor) * (e - 1) / e
-    return sent / (t if config.sp else 1) / bytes_per_ns
+    return sent / sequence_split(config) / bytes_per_ns
 
 
 def _dp_sync_ns(
@@ -1143,9 +1188,12 @@ def _dp_sync_ns(
 ) -> np.ndarray:
     """Each layer's share of AR_s, the data-parallel gradient sync (module docstring): 2 (d-1)/d
     of its dense gradient bytes per GPU and 2 (d_e-1)/d_e of its expert gradient bytes over the
-    d_e = d / ep expert-data-parallel ranks, 3 rounds with ZeRO-3, intra-node when t d fits in a
-    node (the expert-data-parallel group spans the same t d GPUs)."""
-    t, d, e = config.tp, config.dp, config.ep
+    d_e = d c / ep expert-data-parallel ranks, 3 rounds with ZeRO-3, intra-node when t d fits in a
+    node (the expert-data-parallel group spans the same GPUs); with context parallelism the
+    group is dp x cp (d -> d c: the cp ranks hold the same parameters and their gradients are
+    summed too, Megatron's ``with_context_parallel`` data parallel group; the experts' d c / ep,
+    Megatron's expert-data-parallel group of world / (pp tp ep) ranks)."""
+    t, d, e = config.tp, sharding_degree(config), config.ep
     d_expert = d // e
     sync_bytes_per_ns = (
         cluster.intra_node_gb_per_s
@@ -1276,6 +1324,103 @@ def empirical_layer_costs(
         receive_copies=[0] + [1] * (config.pp - 1),
         send_copies=[0] * config.pp,
     )
+
+
+# -- context parallelism (config.cp = c) ------------------------------------------------------
+
+RING_BACKWARD_CHUNKS = 4
+"""K/V chunks (each b * attention_kv_bytes / (t c)) a GPU holds while ring attention's backward
+runs: TransformerEngine's ``AttnFuncWithCPAndKVP2P.backward`` (Megatron-LM's CP attention,
+``cp_comm_type="p2p"``, context_parallel.py at TE d0067d0) allocates ``p2p_comm_buffers`` as
+two tensors of shape (2, *kv.shape): the K/V being used and its dK/dV, and the K/V and dK/dV
+being received."""
+
+
+def sequence_split(config: ParallelConfig) -> int:
+    """Parts a tensor laid out [s, b, h] is split into along the sequence: c (context
+    parallelism), times t with sequence parallelism."""
+    return config.cp * (config.tp if config.sp else 1)
+
+
+def sharding_degree(config: ParallelConfig) -> int:
+    """GPUs that hold the same parameters of a stage and sum their gradients: d c. The cp ranks
+    keep full copies (context parallelism splits activations only), and Megatron-LM syncs
+    gradients and shards its distributed optimizer over the data-parallel group *with* context
+    parallelism (``parallel_state.get_data_parallel_group(with_context_parallel=True)``), so
+    ZeRO stages and the gradient sync span d c ranks."""
+    return config.dp * config.cp
+
+
+def ring_attention_bytes(attention_kv_bytes: np.ndarray, config: ParallelConfig) -> np.ndarray:
+    """Bytes per micro-batch per GPU of ring attention's K/V exchange buffers while a layer's
+    attention runs (0 without context parallelism or attention).
+
+    One chunk is the K and V of the GPU's s/c tokens and h_kv/t heads,
+    chunk_l = ceil(b attention_kv_bytes_l / (t c)). TransformerEngine's
+    ``AttnFuncWithCPAndKVP2P`` (what Megatron-LM runs) keeps, in the forward, every chunk it
+    received in ``p2p_comm_buffers`` until the forward ends (a copy of its own, ``torch.cat`` of
+    k and v, and c - 1 received: c chunks), and in the backward :data:`RING_BACKWARD_CHUNKS` (K/V
+    and dK/dV, in use and being received). The layer's transient takes the larger,
+    max(c, 4) chunk_l: ring_l = max(c, 4) ceil(b kv_l / (t c)) for c > 1, else 0. An upper bound
+    where the layer's own transient peak comes at another moment than its attention."""
+    c = config.cp
+    if c == 1:
+        return np.zeros_like(attention_kv_bytes)
+    chunk = _ceil_div(config.micro_batch * attention_kv_bytes, config.tp * c)
+    return max(c, RING_BACKWARD_CHUNKS) * chunk
+
+
+def ring_bytes_per_ns(config: ParallelConfig, cluster: Cluster) -> float:
+    """Bandwidth of ring attention's point-to-point link (GB/s = bytes/ns). Megatron orders
+    ranks tp fastest, then cp (``--rank-order tp-cp-ep-dp-pp``): a stage's t c GPUs are
+    consecutive ranks, one node's when t c divides the GPUs per node (intra-node bandwidth);
+    otherwise the ring crosses nodes (inter-node bandwidth)."""
+    inside = cluster.gpus_per_node % (config.tp * config.cp) == 0
+    return cluster.intra_node_gb_per_s if inside else cluster.inter_node_gb_per_s
+
+
+def ring_attention_pass_ns(
+    attention_kv_bytes: np.ndarray, config: ParallelConfig, cluster: Cluster
+) -> np.ndarray:
+    """Time of one pass of K/V (or dK/dV) around the ring per micro-batch, ns (floats):
+    (c-1)/c b kv_l / t bytes leave each GPU (c - 1 steps of one chunk) over
+    ``ring_bytes_per_ns``. A layer pays 3 passes (forward K/V; backward K/V and dK/dV), 4 when
+    recomputed; counted as not overlapped with compute (TransformerEngine overlaps each step's
+    send with the previous step's attention, which hides it only when attention is slower
+    than the link: an upper bound)."""
+    c = config.cp
+    if c == 1:
+        return np.zeros(len(attention_kv_bytes))
+    moved = config.micro_batch * attention_kv_bytes * (c - 1) / (c * config.tp)
+    return moved / ring_bytes_per_ns(config, cluster)
+
+
+def check_context_parallel(graph: LayerGraph, cp: int, memory_model: str = "analytic") -> None:
+    """InputError (one line, with the fix) unless the graph can be planned with context-parallel
+    degree ``cp`` > 1: the analytic memory model, cp dividing the graph's sequence length
+    (``meta["seq_len"]``, what ``profiling.export`` records; not checked when absent) and an
+    ``attention_kv_bytes`` on some layer (graphs exported before the field lack it: without it
+    the K/V exchange would silently cost nothing)."""
+    if cp == 1:
+        return
+    if memory_model == "empirical":
+        raise InputError(
+            f"memory model empirical with cp({cp}): the statistics are measured on whole "
+            "sequences of one pipeline; use --cp 1 or --memory-model analytic"
+        )
+    seq_len = graph.meta.get("seq_len")
+    if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len % cp:
+        raise InputError(
+            f"{graph.source}: cp({cp}) does not divide the sequence length {seq_len} "
+            "($.meta.seq_len); context parallelism gives each GPU s/cp tokens: pick a --cp that "
+            "divides it or re-export with --seq a multiple of it"
+        )
+    if not any(layer.attention_kv_bytes for layer in graph.layers):
+        raise InputError(
+            f"{graph.source}: cp({cp}) needs attention_kv_bytes, which no layer has (a graph "
+            "exported before the field); re-export the graph with this version's "
+            "python -m profiling.export, or use --cp 1"
+        )
 
 
 def _ceil_div(numerator: np.ndarray, denominator: int) -> np.ndarray:

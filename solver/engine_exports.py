@@ -98,6 +98,7 @@ def torch_pipelining_export(
             else {"checkpoint_modules": [name for names in recomputed for name in names]}
         ),
         **({"tensor_parallel": _torch_sequence_parallel_plan()} if config.sp else {}),
+        **({"context_parallel": _torch_context_parallel(config)} if config.cp > 1 else {}),
         "note": _torch_pipelining_note(
             config, schedule, contiguous=contiguous, recomputed=recomputed
         ),
@@ -132,6 +133,11 @@ def _torch_pipelining_note(
         f"(tp={config.tp}) and data parallelism (dp={config.dp}, ZeRO {config.zero}) to each "
         "stage separately (DeviceMesh, parallelize_module, fully_shard)."
     )
+    if config.cp > 1:
+        note += (
+            f" Context parallelism (cp={config.cp}): run each step inside context_parallel "
+            "on the mesh's cp dimension ('context_parallel' below)."
+        )
     if config.sp:
         note += (
             " Sequence parallelism: in the tensor-parallel plan give the norms (and dropouts) "
@@ -162,6 +168,36 @@ def _torch_pipelining_note(
             "Otherwise build each PipelineStage by hand from the module lists in 'stages'."
         )
     return note
+
+
+def _torch_context_parallel(config: ParallelConfig) -> dict[str, Any]:
+    """Context parallelism on torch: ``torch.distributed.tensor.experimental.context_parallel``
+    (torch 2.13: ``context_parallel(mesh, *, buffers, buffer_seq_dims, no_restore_buffers)``)
+    patches ``F.scaled_dot_product_attention`` with ring attention over the mesh it is given
+    and shards the listed buffers along their sequence dimension in place, for the forward and
+    backward run inside it."""
+    return {
+        "degree": config.cp,
+        "mesh_dims": ["pp", "dp", "cp", "tp"],
+        "mesh_shape": [config.pp, config.dp, config.cp, config.tp],
+        "snippet": (
+            "from torch.distributed.device_mesh import init_device_mesh; "
+            "from torch.distributed.tensor.experimental import context_parallel; "
+            f"mesh = init_device_mesh('cuda', ({config.pp}, {config.dp}, {config.cp}, "
+            f"{config.tp}), mesh_dim_names=('pp', 'dp', 'cp', 'tp')); "
+            "with context_parallel(mesh['cp'], buffers=[input_ids, labels], "
+            "buffer_seq_dims=[1, 1], no_restore_buffers={input_ids, labels}): "
+            "loss = stage_or_model(input_ids, labels); loss.backward()"
+        ),
+        "note": (
+            f"Each of the {config.cp} cp ranks of a stage keeps s/{config.cp} of every sequence "
+            "(the buffers sharded along dim 1, batch-first) and ring attention exchanges the "
+            "keys and values; the model must call F.scaled_dot_product_attention (attention="
+            "sdpa, HF attn_implementation='sdpa'). Data-parallel gradient sync and FSDP shard "
+            "over the dp and cp dimensions together (mesh['dp', 'cp']._flatten()), as the plan "
+            "counts. Pipeline stages send [b, s/cp, h]."
+        ),
+    }
 
 
 def _torch_sequence_parallel_plan() -> dict[str, Any]:
@@ -246,6 +282,11 @@ def megatron_export(
         # megatron/training/arguments.py: "Enable sequence parallel optimization"; it needs
         # --tensor-model-parallel-size > 1
         args.append("--sequence-parallel")
+    if config.cp > 1:
+        # megatron/training/arguments.py: "Degree of context parallelism"; Megatron's data
+        # parallel size is world / (tp cp pp), and its distributed optimizer and gradient
+        # all-reduce span dp x cp (the cost model's sharding_degree)
+        args += ["--context-parallel-size", str(config.cp)]
     expert_args, expert_warning = _megatron_expert_args(graph, config, moe_capacity_factor)
     args += expert_args
     if expert_warning is not None:
@@ -261,7 +302,7 @@ def megatron_export(
         "blocks_per_stage": blocks,
         "warnings": warnings,
         "note": (
-            f"Run on pp*tp*dp = {config.num_gpus} GPUs (Megatron derives the data-parallel size "
+            f"Run on pp*tp*cp*dp = {config.num_gpus} GPUs (Megatron derives the data-parallel size "
             f"{config.dp} from the world size). split_method 'even' needs no split flag; "
             "'first_last' uses --decoder-first/last-pipeline-num-layers; 'layout' uses "
             "--pipeline-model-parallel-layout (experimental in Megatron-Core), which states "
@@ -486,6 +527,13 @@ def _deepspeed_warnings(
             "layers (e.g. Megatron-DeepSpeed) and pass topology=PipeModelDataParallelTopology("
             f"num_pp={config.pp}, num_mp={config.tp}, num_dp={config.dp})"
             + (", with Megatron-DeepSpeed's --sequence-parallel." if config.sp else ".")
+        )
+    if config.cp > 1:
+        warnings.append(
+            f"cp={config.cp}: DeepSpeed's PipelineEngine has no ring-attention context "
+            "parallelism (DeepSpeed-Ulysses is all-to-all sequence parallelism, another memory "
+            "and time model); run this plan with Megatron-LM (--context-parallel-size) or torch "
+            "(context_parallel)."
         )
     return warnings
 

@@ -138,6 +138,7 @@ def default_training(config: ParallelConfig) -> TrainingConfig:
         schedule=config.schedule,
         virtual_stages=(config.virtual_stages,),
         sequence_parallel="on" if config.sp else "off",
+        cp=(config.cp,),
         ep=(config.ep,),
     )
 
@@ -186,6 +187,8 @@ def check_training(config: ParallelConfig, training: TrainingConfig) -> None:
             f"config.virtual_stages {config.virtual_stages} not in training.virtual_stages "
             f"{list(training.virtual_stages)}"
         )
+    if config.cp not in training.cp:
+        problems.append(f"config.cp {config.cp} not in training.cp {list(training.cp)}")
     if config.sp != sequence_parallel(training, config.tp):
         problems.append(
             f"training.sequence_parallel {training.sequence_parallel!r} gives sp "
@@ -330,11 +333,13 @@ def check_placement(cluster: Cluster, config: ParallelConfig, group_of_stage: li
             f"(--stage-groups, names: {', '.join(names)})"
         )
     for k, group in enumerate(cluster.groups):
-        used = config.tp * config.dp * sum(1 for g in group_of_stage if g == k)
+        width = config.tp * config.cp * config.dp  # the GPUs of one stage
+        used = width * sum(1 for g in group_of_stage if g == k)
         if used > group.num_gpus:
+            cp = f" * cp({config.cp})" if config.cp > 1 else ""
             raise InputError(
-                f"group {group.name}: its stages need tp({config.tp}) * dp({config.dp}) * "
-                f"{used // (config.tp * config.dp)} = {used} GPUs > its {group.num_gpus}"
+                f"group {group.name}: its stages need tp({config.tp}){cp} * dp({config.dp}) * "
+                f"{used // width} = {used} GPUs > its {group.num_gpus}"
             )
         if used and group.gpus_per_node % config.tp:
             raise InputError(

@@ -26,18 +26,20 @@ def valid_gpu_counts(
     num_layers: int, cluster: Cluster, training: TrainingConfig, *, max_gpus: int | None = None
 ) -> list[int]:
     """Every GPU count N <= max_gpus with at least one candidate config (candidates.py rules:
-    N = pp * tp * dp, pp <= layers, tp | gpus per node, dp * b | global batch, pins), sorted."""
+    N = pp * tp * cp * dp, pp <= layers, tp | gpus per node, cp one of the candidate degrees,
+    dp * b | global batch, pins), sorted."""
     dps = [
         d
         for d in divisors(training.global_batch)
         if any(training.global_batch % (d * b) == 0 for b in training.micro_batch_sizes)
     ]
     counts = {
-        pp * tp * dp
+        pp * tp * cp * dp
         for pp in range(1, num_layers + 1)
         if training.pp in (None, pp)
         for tp in divisors(cluster.gpus_per_node)
         if training.tp in (None, tp)
+        for cp in set(training.cp)
         for dp in dps
         if training.dp in (None, dp)
     }

@@ -16,7 +16,7 @@ def check_plan(plan: Plan) -> list[str]:
     ev = plan.evaluation
     config = ev.config
     if config.num_gpus != ev.cluster.num_gpus:
-        problems.append(f"pp*tp*dp = {config.num_gpus} != {ev.cluster.num_gpus} GPUs")
+        problems.append(f"pp*tp*cp*dp = {config.num_gpus} != {ev.cluster.num_gpus} GPUs")
     if config.global_batch != ev.training.global_batch:
         problems.append(
             f"dp*b*m = {config.global_batch} != global batch {ev.training.global_batch}"

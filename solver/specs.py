@@ -232,6 +232,11 @@ class TrainingConfig:
     """Pin the tensor-parallel degree (None: search)."""
     dp: int | None = None
     """Pin the data-parallel degree (None: search)."""
+    cp: tuple[int, ...] = (1,)
+    """Candidate context-parallel degrees c (Megatron-LM's ``--context-parallel-size``; each
+    sequence split over c GPUs, pp x tp x cp x dp GPUs); (1, 2, 4) lets the search choose, one
+    value pins it. c must divide the graph's sequence length
+    (``cost_model.check_context_parallel``)."""
     ep: tuple[int, ...] | None = None
     """Candidate expert-parallel degrees (Megatron's ``--expert-model-parallel-size``); each
     config takes those that divide its dp (the experts are sharded within the data-parallel
@@ -358,6 +363,10 @@ class TrainingConfig:
             and all(_is_int(v) and 1 <= v <= MAX_VIRTUAL_STAGES for v in self.virtual_stages),
             f"virtual_stages must be integers in 1..{MAX_VIRTUAL_STAGES}, got "
             f"{quote(self.virtual_stages)}",
+        )
+        _require(
+            bool(self.cp) and all(_is_int(c) and 1 <= c <= MAX_DEGREE for c in self.cp),
+            f"cp must be integers in 1..{_count(MAX_DEGREE)}, got {quote(self.cp)}",
         )
         _require(
             self.schedule == "1f1b" or self.virtual_stages == (1,),

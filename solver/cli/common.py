@@ -329,7 +329,7 @@ def add_cluster_options(parser: argparse.ArgumentParser, *, memory_list: bool = 
 def add_training_options(parser: argparse.ArgumentParser, *, batch_required: bool = True) -> None:
     """--global-batch, --schedule, --runtime, --deallocate-pipeline-outputs, --precision,
     --optimizer, --bytes-per-param, --reserve, --calibration, --memory-model,
-    --sequence-parallel, --ep, --moe-capacity-factor."""
+    --sequence-parallel, --cp, --ep, --moe-capacity-factor."""
     training = parser.add_argument_group("training")
     training.add_argument(
         "--global-batch",
@@ -448,6 +448,15 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
         help="Megatron's sequence parallelism with tp > 1 (activations TP leaves replicated and "
         "the tensors sent between stages split over the tp ranks too): off (default), on "
         "(every config with tp > 1; a pinned --tp 1 is an error) or auto (SP whenever tp > 1)",
+    )
+    training.add_argument(
+        "--cp",
+        type=int_list_in(1, MAX_DEGREE),
+        default=[1],
+        metavar="C",
+        help="context-parallel degree (Megatron's --context-parallel-size: each sequence split "
+        "over C GPUs, ring attention; pp x tp x cp x dp GPUs); solver.plan and solver.sweep "
+        "search a list such as 1,2,4; C must divide the graph's seq_len (default 1)",
     )
     add_expert_options(training)
 
@@ -686,6 +695,7 @@ FLAG_OF_FIELD = {
     "global_batch": "--global-batch",
     "micro_batch_sizes": "--micro-batch",
     "virtual_stages": "--virtual-stages",
+    "cp": "--cp",
     "ep": "--ep",
     "moe_capacity_factor": "--moe-capacity-factor",
     "min_throughput": "--min-throughput",
@@ -730,6 +740,7 @@ def _training_from_args(args: argparse.Namespace) -> TrainingConfig:
         optimizer_impl=args.optimizer_impl,
         memory_model=args.memory_model,
         sequence_parallel=args.sequence_parallel,
+        cp=tuple(args.cp),
         ep=None if args.ep is None else tuple(args.ep),
         moe_capacity_factor=args.moe_capacity_factor,
         pp=args.pp,

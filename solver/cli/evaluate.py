@@ -195,9 +195,15 @@ def _config_from_args(args: argparse.Namespace) -> ParallelConfig:
             f"--virtual-stages {','.join(map(str, args.virtual_stages))}: evaluate takes "
             "one value (the chunks per pipeline rank of the split)"
         )
+    if len(args.cp) != 1:
+        raise InputError(
+            f"--cp {','.join(map(str, args.cp))}: evaluate takes one value (the context-parallel "
+            "degree of the layout)"
+        )
     return ParallelConfig(
         pp=args.pp,
         tp=args.tp,
+        cp=args.cp[0],
         dp=args.dp,
         micro_batch=args.micro_batch,
         num_microbatches=args.global_batch // (args.dp * args.micro_batch),
@@ -237,8 +243,8 @@ def _check_cluster(args: argparse.Namespace, config: ParallelConfig, cluster: Cl
         raise InputError(f"--tp {args.tp} must divide --gpus-per-node {cluster.gpus_per_node}")
     if args.cluster is not None and config.num_gpus != cluster.num_gpus:
         raise InputError(
-            f"pp({args.pp}) * tp({args.tp}) * dp({args.dp}) = {config.num_gpus} != "
-            f"gpus({cluster.num_gpus}) of --cluster {args.cluster}"
+            f"pp({args.pp}) * tp({args.tp}) * cp({config.cp}) * dp({args.dp}) = "
+            f"{config.num_gpus} != gpus({cluster.num_gpus}) of --cluster {args.cluster}"
         )
 
 

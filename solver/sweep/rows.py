@@ -22,6 +22,7 @@ ROW_KEYS = (
     "config",
     "pp",
     "tp",
+    "cp",
     "dp",
     "ep",
     "micro_batch",
@@ -41,12 +42,13 @@ ROW_KEYS = (
 )
 """The columns of a sweep row, in CSV order (``solver.plots.plot_sweep`` reads them).
 ``reserve_bytes``: the memory per GPU the job never gets (``TrainingConfig.memory_reserve``);
-``usable_bytes`` = gpu_memory_bytes - reserve_bytes, what a plan's peak must fit in. ``ep``: the
-expert-parallel degree (1 on a dense graph)."""
+``usable_bytes`` = gpu_memory_bytes - reserve_bytes, what a plan's peak must fit in. ``cp``: the
+context-parallel degree (pp x tp x cp x dp = gpus). ``ep``: the expert-parallel degree (1 on a
+dense graph)."""
 
 
-OPTIONAL_KEYS = ("reserve_bytes", "usable_bytes", "ep")
-"""Columns a sweep CSV written before the reserve (or expert parallelism: ep) lacks (read as
+OPTIONAL_KEYS = ("reserve_bytes", "usable_bytes", "cp", "ep")
+"""Columns a sweep CSV written before the reserve (or context or expert parallelism) lacks (read as
 blanks)."""
 
 
@@ -63,6 +65,7 @@ _INT = (
     "usable_bytes",
     "pp",
     "tp",
+    "cp",
     "dp",
     "ep",
     "micro_batch",

@@ -73,7 +73,7 @@ def solve_point(
         row |= {
             "status": result.solver.status,
             "config": config.label(),
-            **{k: getattr(config, k) for k in ("pp", "tp", "dp", "micro_batch")},
+            **{k: getattr(config, k) for k in ("pp", "tp", "cp", "dp", "micro_batch")},
             "num_microbatches": config.num_microbatches,
             "zero": config.zero,
             "recompute": config.recompute,
