@@ -402,3 +402,23 @@ def test_megatron_export_expert_flags(factor, extra, warned):
     assert any("--sequence-parallel auto" in w for w in no_sp["warnings"])
     dense = megatron_export(dense_graph(), dataclasses.replace(config, pp=1, ep=1), [["a"]])
     assert "--num-experts" not in dense["args"]
+
+
+def test_expert_terms_under_context_parallelism():
+    """cp 2 x dp 2 x ep 2 (t 2, 8 GPUs): ZeRO-1 shards the dense optimizer state over d c = 4
+    ranks and the experts' over d c / ep = 2 (Megatron's expert-data-parallel group of
+    world / (pp tp ep) ranks); each GPU routes its s / c tokens: the expert activations
+    (4,200 at cp 1) and the all-to-all (8 ns at cp 1) halve."""
+    document = moe_graph().to_dict()
+    document["meta"]["seq_len"] = 64
+    document["layers"][1]["attention_kv_bytes"] = 0
+    document["layers"][0]["attention_kv_bytes"] = 2  # cp needs the field on some layer
+    graph = graph_from_dict(document)
+    config = config_of(cp=2, dp=2)
+    costs = costs_of(config, graph=graph)
+    moe = 1
+    assert costs.optimizer_bytes[moe] == 1_200 * 12 // 4 + 2_000 * 12 // 2
+    assert costs.stored_bytes[moe] == 3_000 // 2 + 4_200 // 2
+    assert costs.time_ns[moe] == 4
+    # expert gradients over d c / ep = 2 ranks, dense over 4: as at dp 4 (test above)
+    assert costs.dp_sync_ns[moe] == 152
