@@ -317,12 +317,13 @@ def _too_many_configs(num_layers: int, most: int, training: TrainingConfig) -> s
     lists = (
         f"micro-batch sizes {len(training.micro_batch_sizes)}, ZeRO stages "
         f"{len(training.zero_stages)}, virtual stages {len(training.virtual_stages)}, cp degrees "
-        f"{len(training.cp)}"
+        f"{len(training.cp)}, ep degrees "
+        + ("auto" if training.ep is None else str(len(training.ep)))
     )
     return (
         f"more than {most} candidate configs for {num_layers} layers (the search keeps per-layer "
         f"costs of each, at most {MAX_CONFIG_LAYERS} configs x layers; {lists}): pin --pp, --tp "
-        "or --dp, or give fewer --micro-batch / --zero / --virtual-stages / --cp values"
+        "or --dp, or give fewer --micro-batch / --zero / --virtual-stages / --cp / --ep values"
     )
 
 
