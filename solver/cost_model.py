@@ -57,7 +57,9 @@ Memory of stage s (bytes per GPU):
                         backward
   gtemp_l   = w max(largest_param_l, largest_tp_param_l / t): a weight gradient is computed in
               the weights' dtype into a temporary and added to the persistent gradient (.grad,
-              or Megatron's fp32 main_grad) while backward accumulates
+              or Megatron's fp32 main_grad) while backward accumulates; a largest_param larger
+              than the layer's dense replicated parameters is a routed-expert tensor, held
+              / (t ep) (``largest_local_param``)
   gather_l  = 2 w P'_l with ZeRO-3, else 0: the running layer's weights are gathered and the next
               layer's prefetched (FSDP), each freed again after use
   trans_s   = max_l (max(b transient_l, b weight_grad_transient_l + gtemp_l) + gather_l): the
@@ -1050,7 +1052,9 @@ def _activation_bytes(
     weight_grad_transient_bytes_l + gtemp_l) + gather_l (module docstring)."""
     t, b, c = config.tp, config.micro_batch, config.cp
     w = training.weight_bytes_per_param
-    grad_temporary = w * np.maximum(cols["largest_param"], _ceil_div(cols["largest_tp_param"], t))
+    grad_temporary = w * np.maximum(
+        largest_local_param(cols, config), _ceil_div(cols["largest_tp_param"], t)
+    )
     # a recomputed layer keeps its output, the next layer's input: [s/t, b, h] with sequence
     # parallelism; context parallelism holds s/c of every sequence: every term per sample / c
     kept_output = _ceil_div(b * cols["output_bytes"], sequence_split(config))
@@ -1072,6 +1076,19 @@ def _activation_bytes(
         for peak, beside in zip(anytime, at_weight_grad, strict=True)
     )
     return stored, peaks
+
+
+def largest_local_param(cols: dict[str, np.ndarray], config: ParallelConfig) -> np.ndarray:
+    """Elements per GPU of every layer's largest parameter tensor that TP does not split
+    (``largest_param``), as its weight-gradient temporary sees it. A tensor larger than all of
+    the layer's dense replicated parameters (params - tp_params - expert_params) can only be a
+    routed-expert tensor (a grouped (E, h, f) expert weight, never split by the TP rule):
+    Megatron holds E / ep experts of width / t of it, largest_param / (t ep) (``ParamShares``);
+    any other stays whole."""
+    dense_replicated = cols["params"] - cols["tp_params"] - cols["expert_params"]
+    largest = cols["largest_param"]
+    in_experts = (cols["expert_params"] > 0) & (largest > dense_replicated)
+    return np.where(in_experts, _ceil_div(largest, config.tp * config.ep), largest)
 
 
 def routing_factor(graph: LayerGraph, config: ParallelConfig, training: TrainingConfig) -> Fraction:

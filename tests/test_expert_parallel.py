@@ -422,3 +422,20 @@ def test_expert_terms_under_context_parallelism():
     assert costs.time_ns[moe] == 4
     # expert gradients over d c / ep = 2 ranks, dense over 4: as at dp 4 (test above)
     assert costs.dp_sync_ns[moe] == 152
+
+
+def test_expert_weight_gradient_temporary():
+    """A largest_param above the layer's 400 dense replicated parameters is a grouped expert
+    weight (profiling.export marks Mixtral's (E, h, 2f) fc1 so): its gradient temporary holds
+    the GPU's share, 4,000 / (t ep) = 1,000 elements at t 2, ep 2 (2 bytes each); a smaller one
+    is a dense tensor and stays whole."""
+    moe = 1
+
+    def transient(largest: int, **changes) -> int:
+        document = moe_graph().to_dict()
+        document["layers"][moe]["largest_param"] = largest
+        return costs_of(config_of(**changes), graph=graph_from_dict(document)).transient_bytes[moe]
+
+    assert transient(4_000) == 2 * 1_000
+    assert transient(4_000, ep=1) == 2 * 2_000
+    assert transient(300) == 2 * 300
