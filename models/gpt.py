@@ -34,6 +34,7 @@ from models.common import (
     check_positive,
     make_norm,
 )
+from models.moe import MoE
 
 
 @dataclass(kw_only=True)
@@ -89,6 +90,11 @@ class GPTConfig:
     a micro-batch (GShard/Switch capacity; Megatron's ``--moe-expert-capacity-factor`` with
     ``--moe-pad-expert-input-to-capacity``): tokens over it are dropped, and the expert inputs
     are padded to it, so the shapes (and the memory) do not depend on the routing."""
+    router_pre_softmax: bool = False
+    """Routing weights (``models.moe.route``): False (Megatron's default; Mixtral) takes the
+    top-k logits and a softmax over those k (weights sum to 1); True (Megatron's
+    ``--moe-router-pre-softmax``; DeepSeek-MoE) a softmax over all experts, then the top k,
+    not renormalised."""
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -107,6 +113,18 @@ class GPTConfig:
         check_choice(name, "positions", self.positions, ("learned", "rotary"))
         check_choice(name, "attention", self.attention, ATTENTIONS)
         check_dropout(name, self.dropout)
+        if self.num_experts:
+            check_positive(name, num_experts=self.num_experts, top_k=self.top_k)
+            check_positive(name, expert_ffn_hidden=self.expert_ffn_hidden)
+            if self.top_k > self.num_experts:
+                raise ValueError(f"{name}: top_k ({self.top_k}) > num_experts ({self.num_experts})")
+            if not self.capacity_factor > 0:
+                raise ValueError(f"{name}.capacity_factor = {self.capacity_factor!r}; expected > 0")
+        if not 0 <= self.num_experts or not 0 <= self.shared_experts or not 0 <= self.dense_layers:
+            raise ValueError(
+                f"{name}: num_experts ({self.num_experts}), shared_experts "
+                f"({self.shared_experts}) and dense_layers ({self.dense_layers}) must be >= 0"
+            )
         if self.hidden % self.heads:
             raise ValueError(f"{name}: hidden ({self.hidden}) % heads ({self.heads}) != 0")
         if self.heads % self.num_kv_heads:
@@ -155,9 +173,10 @@ class Embedding(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
+    """Pre-norm decoder block: x + attn(norm1(x)), then x + mlp(norm2(x)). Block ``index`` of a
+    MoE config (``config.is_moe_block(index)``) has ``models.moe.MoE`` as its ``mlp``."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, index: int = 0):
         super().__init__()
         norm = dict(eps=config.norm_eps, bias=config.bias)
         self.norm1 = make_norm(config.norm, config.hidden, **norm)
@@ -173,13 +192,16 @@ class Block(nn.Module):
             impl=config.attention,
         )
         self.norm2 = make_norm(config.norm, config.hidden, **norm)
-        self.mlp = MLP(
-            hidden=config.hidden,
-            ffn_hidden=config.ffn_width,
-            kind=config.mlp,
-            bias=config.bias,
-            dropout=config.dropout,
-        )
+        if config.is_moe_block(index):
+            self.mlp = MoE(config)
+        else:
+            self.mlp = MLP(
+                hidden=config.hidden,
+                ffn_hidden=config.ffn_width,
+                kind=config.mlp,
+                bias=config.bias,
+                dropout=config.dropout,
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -193,7 +215,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.embed = Embedding(config)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.layers))
         self.head = LMHead(
             hidden=config.hidden,
             vocab_size=config.vocab_size,

@@ -134,6 +134,29 @@ _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama2-7b": _llama(32, 4096, 32, 11008),
     "llama2-13b": _llama(40, 5120, 40, 13824),
     "llama2-70b": _llama(80, 8192, 64, 28672, kv_heads=8),
+    # Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts"; HF mistralai/Mixtral-8x7B-v0.1):
+    # Mistral-7B's shape with 8 SwiGLU experts of width 14336 per block, top-2; 46,702,792,704
+    # parameters. seq 4096 for planning (the model was trained at 32k).
+    "mixtral-8x7b": (
+        "gpt",
+        {
+            **_LLAMA,
+            **dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336),
+            **dict(rope_theta=1e6, num_experts=8, top_k=2),
+        },
+    ),
+    # DeepSeekMoE 16B (Dai et al. 2024, table 1; HF deepseek-ai/deepseek-moe-16b-base): block 0
+    # dense (width 10944), then 64 routed experts of width 1408 + 2 shared, top-6, softmax before
+    # the top-k and no renormalisation; 16,375,728,128 parameters.
+    "deepseek-moe-16b": (
+        "gpt",
+        {
+            **_LLAMA,
+            **dict(vocab_size=102400, layers=28, hidden=2048, heads=16, ffn_hidden=10944),
+            **dict(norm_eps=1e-6, num_experts=64, top_k=6, expert_ffn_hidden=1408),
+            **dict(shared_experts=2, dense_layers=1, router_pre_softmax=True),
+        },
+    ),
     "bert-base": ("bert", dict(layers=12, hidden=768, heads=12)),
     "bert-large": ("bert", dict(layers=24, hidden=1024, heads=16)),
     "t5-base": ("t5", dict(layers=12, hidden=768, heads=12, ffn_hidden=3072)),
@@ -147,6 +170,14 @@ _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-tiny": (
         "gpt",
         {**_LLAMA, **dict(vocab_size=96, seq_len=16, layers=2, hidden=32, heads=4, kv_heads=2)},
+    ),
+    "moe-tiny": (
+        "gpt",
+        {
+            **_LLAMA,
+            **dict(vocab_size=96, seq_len=16, layers=2, hidden=32, heads=4, kv_heads=2),
+            **dict(ffn_hidden=64, num_experts=4, top_k=2),
+        },
     ),
     "bert-tiny": ("bert", dict(vocab_size=96, seq_len=16, layers=2, hidden=32, heads=4)),
     "t5-tiny": (

@@ -74,3 +74,68 @@ def traced_run_masks() -> Iterator[None]:
             yield
         finally:
             masking.is_torchdynamo_exporting = exporting
+
+
+CAPACITY_EXPERTS = "capacity"
+"""The ``experts_implementation`` the ``hf:`` models are profiled with (registered by
+:func:`use_capacity_experts`)."""
+
+
+def capacity_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' fused experts (``@use_experts_implementation``: Mixtral, Qwen2-MoE, ...)
+    through the zoo's drop-and-pad dispatch (``models.moe.capacity_experts_forward``), with the
+    module's own weights and gate (``_apply_gate``: act(gate) * up, as transformers computes
+    it, saving what its activation saves) at capacity factor ``self.capacity_factor`` (1.0
+    unless set: a balanced routing, every expert taking T k / E tokens).
+
+    transformers' own implementations are dropless, with shapes that depend on the routing:
+    ``eager`` loops over ``nonzero()`` (refused by fake tensors), ``grouped_mm`` and
+    ``batched_mm`` hold T k rows. At capacity factor 1 the capacity dispatch holds E C = T k
+    rows (T k / E rounded up, per expert) too, i.e. what a balanced routing gives the dropless
+    kernels; it adds the (T, E) capacity map and the int64 permutation indices. Where the
+    router returns fp32 weights (Mixtral), the weighted expert outputs are fp32, as in
+    transformers' own kernels.
+    """
+    from models.moe import capacity_experts_forward as dispatch
+
+    if getattr(self, "has_post_expert_norm", False):
+        raise NotImplementedError(
+            f"{type(self).__name__}: a post-expert norm is not supported by the capacity experts"
+        )
+    gated = getattr(self, "has_gate", True)
+    fc1 = self.gate_up_proj if gated else self.up_proj
+    fc2 = self.down_proj
+    fc1_bias = fc2_bias = None
+    if getattr(self, "has_bias", False):
+        fc1_bias = self.gate_up_proj_bias if gated else self.up_proj_bias
+        fc2_bias = self.down_proj_bias
+    return dispatch(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        fc1_weight=fc1,
+        fc2_weight=fc2,
+        fc1_bias=fc1_bias,
+        fc2_bias=fc2_bias,
+        activation=self._apply_gate if gated else self.act_fn,
+        capacity_factor=float(getattr(self, "capacity_factor", 1.0)),
+        out_in=not getattr(self, "is_transposed", False),  # transformers' default (E, out, in)
+    )
+
+
+def use_capacity_experts(config, model_class) -> bool:
+    """Make ``model_class`` (a transformers MoE with fused experts) run its experts through
+    :func:`capacity_experts_forward`: register it as ``experts_implementation="capacity"`` and
+    select it in ``config`` unless the user chose one (``--set experts_implementation=...``).
+    Returns whether the config now selects it. Models without the experts interface (or a
+    transformers without it) are left as they are."""
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError:
+        return False
+    if not getattr(model_class, "_can_set_experts_implementation", lambda: False)():
+        return False
+    ExpertsInterface.register(CAPACITY_EXPERTS, capacity_experts_forward)
+    if getattr(config, "_experts_implementation", None) is None:
+        config._experts_implementation = CAPACITY_EXPERTS
+    return config._experts_implementation == CAPACITY_EXPERTS

@@ -125,6 +125,9 @@ class LayerRecord:
     saved: list[tuple[int, frozenset[int]]] = field(default_factory=list)
     """(storage bytes, taint at save time) per storage first saved by this layer."""
     glue_saved_bytes: int = 0
+    expert_saved: list[tuple[int, frozenset[int]]] = field(default_factory=list)
+    """The part of ``saved`` first saved by ops inside a routed-experts module
+    (``Tracer.in_experts``; ``experts.py``)."""
     output_bytes: int = 0
     fwd_flops: int = 0
     bwd_flops: int = 0
@@ -141,6 +144,7 @@ class LayerRecord:
     def absorb(self, other: LayerRecord) -> None:
         """Add ``other`` (the glue that ran before the first layer) to this record."""
         self.saved += other.saved
+        self.expert_saved += other.expert_saved
         self.glue_saved_bytes += other.glue_saved_bytes
         self.fwd_flops += other.fwd_flops
         self.bwd_flops += other.bwd_flops
@@ -228,6 +232,9 @@ class Tracer(TorchDispatchMode):
         self.failure: tuple[str, list[Any]] | None = None
         """(failing op, running modules) of the first op that raised."""
         self.transient_peaks: dict[int, int] = {}
+        self.in_experts: Callable[[], bool] = lambda: False
+        """Whether the running op is inside a routed-experts module (set by
+        ``experts.ExpertTracker``)."""
 
     # -- owners ---------------------------------------------------------------------------
 
@@ -363,6 +370,8 @@ class Tracer(TorchDispatchMode):
         layer = self.layers[owner]
         nbytes = storage_of(tensor).nbytes()
         layer.saved.append((nbytes, record.taint))
+        if self.in_experts():
+            layer.expert_saved.append((nbytes, record.taint))
         if self.active is None:
             layer.glue_saved_bytes += nbytes
         return tensor

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from profiling.dataflow import PENDING, Tracer
+from profiling.experts import ExpertTracker, is_expert_path
 from profiling.tensor_parallel import TensorParallelSplit, is_linear
 from solver.errors import InputError
 from solver.graph import LayerGraph, graph_from_dict
@@ -50,6 +51,7 @@ def build_graph(
     timings: tuple[list[float], list[float]] | None,
     model_name: str,
     meta: dict,
+    experts: ExpertTracker | None = None,
 ) -> LayerGraph:
     """The validated graph. ``run_params`` holds (first name, original parameter, the tensor the run
     used) per distinct parameter; ``timings`` is (forward ms, backward ms) per layer per batch."""
@@ -64,7 +66,7 @@ def build_graph(
     for i in order:
         for param in selection[i][1].parameters():
             owners[id(param)].append(i)
-    params, tp_params = defaultdict(int), defaultdict(int)
+    params, tp_params, expert_params = defaultdict(int), defaultdict(int), defaultdict(int)
     largest, largest_tp = defaultdict(int), defaultdict(int)  # one tensor's elements, per layer
     shared, unused = [], []
     used_by = {
@@ -80,6 +82,8 @@ def build_graph(
             unused.append(name)
             continue
         params[layers[0]] += original.numel()
+        if is_expert_path(name) and id(original) not in split.split_params:
+            expert_params[layers[0]] += original.numel()
         if id(original) in split.split_params:
             tp_params[layers[0]] += original.numel()
             largest_tp[layers[0]] = max(largest_tp[layers[0]], original.numel())
@@ -105,6 +109,11 @@ def build_graph(
         record = tracer.layers[i]
         saved_total = record.saved_bytes
         split_total = sum(n for n, taint in record.saved if split.is_split(taint))
+        # under sequence parallelism eager torch keeps whole what the gathered sequence feeds:
+        # the column-parallel inputs, and what a Linear left replicated computes from them
+        replicated_total = sum(
+            n for n, taint in record.saved if taint and not split.is_split(taint)
+        )
         item: dict[str, Any] = {
             "name": names[i],
             "params": params[i],
@@ -115,6 +124,9 @@ def build_graph(
             "fwd_flops": record.fwd_flops / batch,
             "bwd_flops": record.bwd_flops / batch,
             "tp_comm_bytes": _ceil_div(split.comm_bytes.get(i, 0), batch),
+            "sp_gathered_bytes": _ceil_div(
+                split.gathered_bytes.get(i, 0) + replicated_total, batch
+            ),
             "transient_bytes": _ceil_div(transients.get(i, 0), batch),
             "weight_grad_transient_bytes": _ceil_div(weight_grad_transients.get(i, 0), batch),
             "largest_param": largest[i],
@@ -122,6 +134,12 @@ def build_graph(
         }
         if kv_reads.get(i):
             item["attention_kv_bytes"] = _ceil_div(kv_reads[i], batch)
+        expert_saved = sum(n for n, taint in record.expert_saved if not split.is_split(taint))
+        ep_comm = experts.comm_bytes.get(i, 0) if experts is not None else 0
+        if expert_params[i] or expert_saved or ep_comm:
+            item["expert_params"] = expert_params[i]
+            item["expert_activation_bytes"] = _ceil_div(expert_saved, batch)
+            item["ep_comm_bytes"] = _ceil_div(ep_comm, batch)
         kind = _kind(selection[i][1], split)
         if kind:
             item["kind"] = kind
@@ -151,6 +169,8 @@ def build_graph(
         extra["uncalled_layers"] = uncalled
     if split.roles:
         extra["tp_roles"] = dict(sorted(split.roles.items()))
+    if experts is not None and experts.moe is not None:
+        extra["moe"] = experts.moe
     document: dict[str, Any] = {
         "format": "layer-graph",
         "version": 1,

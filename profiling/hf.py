@@ -38,6 +38,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from profiling._transformers_compat import use_capacity_experts
 from profiling.hf_config import CONFIG_DIR, bundled_configs, find_config
 from solver.errors import InputError
 
@@ -104,6 +105,10 @@ def hf_spec(name: str, overrides: dict[str, Any] | None = None):
         found = find_config(name)
         config, settings = _training_config(found.raw, overrides, source=found.source)
         model_class, task = _model_class(config, found.raw, source=found.source)
+    if use_capacity_experts(config, model_class):
+        # MoE experts through the static-shape capacity dispatch (fake tensors refuse the
+        # data-dependent eager loop): profiling/_transformers_compat.capacity_experts_forward
+        settings["experts_implementation"] = "capacity (drop-and-pad, capacity factor 1.0)"
     return _spec(name, found.source, config, settings, model_class, task)
 
 
@@ -149,7 +154,7 @@ def _training_config(raw: dict[str, Any], overrides: dict[str, Any], *, source: 
     return config, settings
 
 
-_EXTRA_FIELDS = {"attn_implementation", "dtype", "torch_dtype"}
+_EXTRA_FIELDS = {"attn_implementation", "experts_implementation", "dtype", "torch_dtype"}
 """Config arguments that are not attributes of a default config."""
 
 

@@ -1,5 +1,6 @@
 """Megatron-core on CPU over gloo: every CUDA, TransformerEngine or apex assumption it makes,
-bypassed in one place (8, in the layer spec, is :class:`profiling.megatron_model.TorchNorm`).
+bypassed in one place (8, in the layer spec, is :class:`profiling.megatron_model.TorchNorm`;
+9 and 10 are the MoE layer's).
 
 megatron-core (``pip install -e ".[megatron]"``) trains a ``GPTModel`` built from its local
 layer spec (no TransformerEngine, no apex) on CPU once these are bypassed, and nothing else
@@ -31,6 +32,21 @@ layer spec (no TransformerEngine, no apex) on CPU once these are bypassed, and n
    the same torch LayerNorm/RMSNorm without that assertion and marks its parameters
    ``sequence_parallel`` (what finalize_model_grads all-reduces over tp), as TransformerEngine's
    and apex's norms are marked; the model uses it for every norm, with or without SP.
+
+9. The MoE all-to-all token dispatcher (``MoEAlltoAllTokenDispatcher``) creates a CUDA side
+   stream when its first instance is built; dropless routing copies the token counts to the host
+   on it (``torch.cuda.stream``, ``current_stream``, ``record_event``, ``synchronize``) so that
+   the all-to-all's splits are known. On the CPU the counts are host tensors already: the stream
+   is :data:`HOST_STREAM`, whose waits and events do nothing, ``torch.cuda.current_stream`` is
+   that stream too and ``torch.cuda.stream`` a null context. The copy itself
+   (``maybe_move_tensor_to_cpu``) leaves a tensor already on the host as it is, where the
+   all-to-all needs its splits as numbers: :func:`_host_counts` converts them as the copy of a
+   CUDA tensor would (``as_numpy``). (With ``--moe-pad-expert-input-to-capacity`` every count
+   is known in advance and none of this runs.)
+10. Without TransformerEngine, ``moe_utils`` never defines ``te_general_gemm`` (its import sits
+    in the ``try`` that fails), yet the router's gating linear (``RouterGatingLinearFunction``)
+    tests ``te_general_gemm is not None`` and raises NameError; the name is set to None, which
+    is the fallback the function means: ``torch.mm`` in the router's dtype.
 
 Everything here runs only inside a rank process of ``profiling.run`` (``engine="megatron"``);
 the patches are undone when the context exits.
@@ -83,6 +99,35 @@ class FusedAdamW(torch.optim.AdamW):
         super().__init__(params, **kwargs, fused=True)
 
 
+class _HostEvent:
+    """Bypass 9: a recorded event on :data:`HOST_STREAM`, complete at once."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _HostStream:
+    """Bypass 9: the MoE dispatcher's device-to-host stream on a CPU, where every tensor is
+    on the host already and runs in order."""
+
+    def wait_stream(self, _other) -> None:
+        pass
+
+    def record_event(self, *_args) -> _HostEvent:
+        return _HostEvent()
+
+
+HOST_STREAM = _HostStream()
+
+
+def _host_counts(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """Bypass 9: ``maybe_move_tensor_to_cpu`` for host tensors: as numbers when asked."""
+    del record_stream  # (no stream to record on)
+    if isinstance(tensor, torch.Tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
 def _cuda_type_name(tensor: torch.Tensor, *args, _original=torch.Tensor.type, **kwargs):
     """Bypass 5: ``Tensor.type()`` of a CPU tensor reads ``torch.cuda.<Type>``."""
     name = _original(tensor, *args, **kwargs)
@@ -93,11 +138,12 @@ def _cuda_type_name(tensor: torch.Tensor, *args, _original=torch.Tensor.type, **
 
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
-    """Bypasses 1-7 for the whole run (building the model, the schedules, the optimizer step);
-    8 is in the layer spec."""
+    """Bypasses 1-7, 9 and 10 for the whole run (building the model, the schedules, the
+    optimizer step); 8 is in the layer spec."""
     import megatron.core.fusions.fused_bias_gelu  # noqa: F401  (the fusions the layers call)
     import megatron.core.fusions.fused_bias_swiglu  # noqa: F401
     from megatron.core.tensor_parallel import random as megatron_random
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: "cpu"))
@@ -117,6 +163,20 @@ def megatron_on_cpu() -> Iterator[None]:
         )
         stack.enter_context(mock.patch.object(torch.Tensor, "type", _cuda_type_name))
         stack.enter_context(mock.patch.object(torch.optim, "AdamW", FusedAdamW))
+        stack.enter_context(
+            mock.patch.object(
+                token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", HOST_STREAM
+            )
+        )
+        stack.enter_context(mock.patch.object(torch.cuda, "current_stream", lambda *_: HOST_STREAM))
+        stack.enter_context(
+            mock.patch.object(token_dispatcher, "maybe_move_tensor_to_cpu", _host_counts)
+        )
+        stack.enter_context(
+            mock.patch.object(torch.cuda, "stream", lambda *_: contextlib.nullcontext())
+        )
+        if not hasattr(moe_utils, "te_general_gemm"):
+            stack.enter_context(mock.patch.object(moe_utils, "te_general_gemm", None, create=True))
         for module, name, function in _uncompiled():
             stack.enter_context(mock.patch.object(module, name, function))
         stack.enter_context(CudaFactoriesOnCpu())

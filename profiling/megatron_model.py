@@ -23,7 +23,10 @@ n = i + 1 on the first chunk) is ``layers.{n-1}``, and ``decoder.final_layernorm
 Weights (``init_weights``): every parameter is drawn from a generator seeded by the run's seed and
 the parameter's global name, in the single-GPU (tp = 1) shape, and each tensor-parallel rank keeps
 its partition of it, so that every run of a preset, whatever its layout, trains the same model
-(the tests compare gradients with a single-process run).
+(the tests compare gradients with a single-process run). A routed expert's global name carries
+its global index, so each expert-parallel rank draws the values of the experts it holds.
+
+Mixture of experts (``--num-experts`` in the export): :mod:`profiling.megatron_moe`.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 from torch import nn
 
 import models
+from profiling.megatron_moe import MoeSettings, check_moe, moe_config_kwargs, moe_settings
 from solver.errors import InputError
 from solver.plan_file import PlanFile
 
@@ -78,6 +82,8 @@ class MegatronSettings:
     distributed_optimizer: bool
     sequence_parallel: bool = False
     """--sequence-parallel (the plan's ``config.sp``)."""
+    moe: MoeSettings | None = None
+    """The mixture-of-experts flags (None: a dense model, no ``--num-experts``)."""
 
 
 def megatron_settings(plan: PlanFile) -> MegatronSettings:
@@ -93,6 +99,13 @@ def megatron_settings(plan: PlanFile) -> MegatronSettings:
     if layout_errors:
         raise InputError(f"{plan.source}: exports.megatron: {layout_errors[0]}")
     args = _parse_args(export["args"])
+    moe = moe_settings(args)
+    exported_ep = moe.expert_parallel if moe is not None else 1
+    if exported_ep != plan.config.ep:
+        raise InputError(
+            f"{plan.source}: exports.megatron: --expert-model-parallel-size {exported_ep} and "
+            f"config.ep {plan.config.ep} differ; re-create the plan with python -m solver.plan"
+        )
 
     def number(flag: str) -> int | None:
         return int(args[flag]) if flag in args else None
@@ -112,6 +125,7 @@ def megatron_settings(plan: PlanFile) -> MegatronSettings:
         recompute_num_layers=number("--recompute-num-layers"),
         distributed_optimizer="--use-distributed-optimizer" in args,
         sequence_parallel="--sequence-parallel" in args,
+        moe=moe,
     )
 
 
@@ -171,6 +185,7 @@ def transformer_config(
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    check_moe(spec, settings)
     config = spec.config
     activation = {"gelu": F.gelu, "swiglu": F.silu, "relu": F.relu}[config.mlp]
     recompute = {}
@@ -226,6 +241,7 @@ def transformer_config(
         batch_p2p_comm=False,
         **split,
         **recompute,
+        **moe_config_kwargs(spec, settings.moe),
     )
 
 
@@ -277,24 +293,23 @@ class TorchNorm:
 
 
 def block_spec(model_config, config, vp_stage: int):
-    """The TransformerBlock spec of one chunk: the local layer spec with :class:`TorchNorm` as
-    its two norms and, for ``attention="sdpa"``, :func:`sdpa_core_attention` as its core
-    attention (Megatron's own explicit ``DotProductAttention`` otherwise), as many layers as
-    Megatron builds on this rank and virtual stage, and :class:`TorchNorm` as the final norm
-    (which a layer spec alone would leave to ``WrappedTorchNorm``)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlockSubmodules,
-        get_num_layers_to_build,
-    )
+    """The TransformerBlock spec of one chunk: megatron-core's GPT decoder block spec on the
+    local layer spec (the layers Megatron builds on this rank and virtual stage, dense or MoE by
+    ``moe_layer_freq``), with :class:`TorchNorm` as every layer's norms and the final norm and,
+    for ``attention="sdpa"``, :func:`sdpa_core_attention` as the core attention (Megatron's own
+    explicit ``DotProductAttention`` otherwise)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    layer_spec = get_gpt_layer_local_spec(normalization=config.normalization)
-    layer_spec.submodules.input_layernorm = TorchNorm
-    layer_spec.submodules.pre_mlp_layernorm = TorchNorm
-    if model_config.attention == "sdpa":
-        layer_spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()
-    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=TorchNorm)
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization=config.normalization, vp_stage=vp_stage
+    )
+    for layer_spec in {id(spec): spec for spec in block.layer_specs}.values():
+        layer_spec.submodules.input_layernorm = TorchNorm
+        layer_spec.submodules.pre_mlp_layernorm = TorchNorm
+        if model_config.attention == "sdpa":
+            layer_spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()
+    block.layer_norm = TorchNorm
+    return block
 
 
 def build_chunks(spec: models.ModelSpec, config) -> list[nn.Module]:
@@ -339,15 +354,23 @@ def chunk_layers(chunk: nn.Module) -> list[str]:
 
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.")
 
 
 def global_name(chunk: nn.Module, local: str) -> str:
-    """A chunk's parameter name in the single-GPU model: local layer i -> its global index."""
+    """A chunk's parameter name in the single-GPU model: local layer i -> its global index, and
+    a routed expert's local index on this expert-parallel rank -> its global index (expert j of
+    rank r is expert r * E/ep + j, ``MoELayer.local_expert_indices``)."""
     match = _LOCAL_LAYER.match(local)
     if not match:
         return local
     layer = chunk.decoder.layers[int(match.group(1))]
-    return f"decoder.layers.{layer.layer_number - 1}.{local[match.end() :]}"
+    rest = local[match.end() :]
+    expert = _LOCAL_EXPERT.match(rest)
+    if expert:
+        index = layer.mlp.local_expert_indices[int(expert.group(1))]
+        rest = f"mlp.experts.local_experts.{index}.{rest[expert.end() :]}"
+    return f"decoder.layers.{layer.layer_number - 1}.{rest}"
 
 
 def _full_value(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
@@ -365,12 +388,13 @@ def partition(
     name: str, full: torch.Tensor, param: nn.Parameter, tp: int, tp_rank: int, *, gated: bool
 ) -> torch.Tensor:
     """This tensor-parallel rank's part of a single-GPU tensor: Megatron's partition of
-    ``param`` along ``partition_dim``; a gated MLP's fc1 ([gate; up]) is split per half, so that
-    each rank holds [gate_r; up_r] as Megatron's own checkpoint conversion does."""
+    ``param`` along ``partition_dim``; a gated MLP's fc1 ([gate; up]; the dense MLP's, every
+    expert's and the shared experts') is split per half, so that each rank holds [gate_r; up_r]
+    as Megatron's own checkpoint conversion does."""
     if tp == 1 or not getattr(param, "tensor_model_parallel", False):
         return full
     dim = param.partition_dim
-    if gated and ".mlp.linear_fc1." in name:
+    if gated and ".linear_fc1." in name:
         gate, up = full.chunk(2, dim=dim)
         return torch.cat([gate.chunk(tp, dim)[tp_rank], up.chunk(tp, dim)[tp_rank]], dim)
     return full.chunk(tp, dim=dim)[tp_rank]

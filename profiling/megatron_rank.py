@@ -1,7 +1,8 @@
 """One rank of a plan's real run on megatron-core (``profiling.run.run_plan(engine="megatron")``).
 
 The rank joins gloo, initialises megatron-core's model-parallel state (its rank order
-``tp-cp-ep-dp-pp`` is the executor's: ``rank = (stage * dp + dp_rank) * tp + tp_rank``), builds
+``tp-cp-ep-dp-pp`` is the executor's: ``rank = (stage * dp + dp_rank) * tp + tp_rank``; the
+export's expert-parallel size groups ep consecutive data-parallel ranks), builds
 its ``GPTModel`` chunks from the plan's Megatron export (:mod:`profiling.megatron_model`), checks
 that they hold exactly the plan's layers, and trains ``iterations`` steps the way Megatron-LM's
 ``train_step`` does: ``Float16Module`` for bf16, Megatron's ``DistributedDataParallel`` (its
@@ -167,18 +168,24 @@ def _forward_step(data_iterator, model):
 
 def _full_gradients(wrapped, settings, gated: bool) -> dict[str, torch.Tensor]:
     """Every parameter's gradient (``main_grad``) in the single-GPU layout, by global name: the
-    distributed optimizer's reduce-scattered shards are gathered over dp first, tensor-parallel
-    partitions over tp."""
+    distributed optimizer's reduce-scattered shards are gathered over dp first (a routed
+    expert's over the expert-data-parallel group, dp / ep ranks), tensor-parallel partitions
+    over tp. A rank reports the routed experts it holds, under their global indices."""
     from megatron.core import parallel_state
 
     if settings.distributed_optimizer:
-        group = parallel_state.get_data_parallel_group()
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        dense_group = parallel_state.get_data_parallel_group()
+        expert_group = parallel_state.get_expert_data_parallel_group()
         for ddp in wrapped:
-            for buffer in ddp.buffers:
-                for bucket in buffer.buckets:
-                    shard = bucket.grad_data.view(size, -1)[rank].clone()
-                    dist.all_gather_into_tensor(bucket.grad_data, shard, group=group)
+            for buffers, group in (
+                (ddp.buffers, dense_group),
+                (ddp.expert_parallel_buffers, expert_group),
+            ):
+                size, rank = dist.get_world_size(group), dist.get_rank(group)
+                for buffer in buffers:
+                    for bucket in buffer.buckets:
+                        shard = bucket.grad_data.view(size, -1)[rank].clone()
+                        dist.all_gather_into_tensor(bucket.grad_data, shard, group=group)
     tp, tp_group = settings.tp, parallel_state.get_tensor_model_parallel_group()
     grads = {}
     for ddp in wrapped:
@@ -195,7 +202,7 @@ def _full_gradients(wrapped, settings, gated: bool) -> dict[str, torch.Tensor]:
 
 def _unpartition(name: str, parts: list[torch.Tensor], dim: int, gated: bool) -> torch.Tensor:
     """Inverse of :func:`profiling.megatron_model.partition`."""
-    if gated and ".mlp.linear_fc1." in name:
+    if gated and ".linear_fc1." in name:
         halves = [part.chunk(2, dim=dim) for part in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim)
     return torch.cat(parts, dim)
@@ -213,6 +220,7 @@ def _build(spec, job: RunJob, place, settings, dtype: torch.dtype):
         tensor_model_parallel_size=settings.tp,
         pipeline_model_parallel_size=settings.pp,
         virtual_pipeline_model_parallel_size=tconfig.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=tconfig.expert_model_parallel_size,
     )
     torch.manual_seed(job.seed)
     chunks = build_chunks(spec, tconfig)

@@ -8,7 +8,8 @@ holds whole heads of q, k and v (or matching gate and up columns); the attention
 become the local ones. Vocabularies of at least ``VOCAB_PARALLEL_MIN_ROWS`` rows are split by
 rows (embedding and LM head, with a vocabulary-parallel cross-entropy); norms, position tables
 and smaller vocabularies stay replicated: the split ``profiling.tensor_parallel`` assumes for the
-cost model.
+cost model. Sequence parallelism (``apply_sequence_parallel``) adds torchtitan's Llama styles:
+norms on [b, s/t, h] shards, the sequence gathered in front of attention and MLP.
 
 Data parallelism by ZeRO stage (``apply_data_parallel``, ``build_optimizer``): 0 DDP, 1 DDP +
 ``ZeroRedundancyOptimizer``, 2 and 3 FSDP2 ``fully_shard``; with TP, zero 0 uses FSDP2's
@@ -17,8 +18,9 @@ Data parallelism by ZeRO stage (``apply_data_parallel``, ``build_optimizer``): 0
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -132,7 +134,12 @@ def vocabulary_parallel_paths(
 
 
 def apply_tensor_parallel(
-    model: nn.Module, layers: list[str], tp_mesh: DeviceMesh, vocab_sizes: set[int]
+    model: nn.Module,
+    layers: list[str],
+    tp_mesh: DeviceMesh,
+    vocab_sizes: set[int],
+    *,
+    sequence_parallel: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Megatron split of every self-attention and MLP in ``layers`` over ``tp_mesh``.
 
@@ -145,6 +152,9 @@ def apply_tensor_parallel(
     ``torch.distributed.tensor.parallel.loss_parallel`` (forward and backward). Everything else
     (norms, position tables, small vocabularies) stays replicated. Returns the row order of each
     regrouped parameter, keyed by the full model's parameter name.
+
+    ``sequence_parallel`` adds :func:`apply_sequence_parallel`'s styles: between the Linears the
+    activations are [b, s/t, h] shards.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -163,9 +173,8 @@ def apply_tensor_parallel(
                 for name, param in module.get_submodule(pair.column).named_parameters():
                     param.copy_(param[order])
                     orders[f"{pair.path}.{pair.column}.{name}"] = order
-        parallelize_module(
-            module, tp_mesh, {pair.column: ColwiseParallel(), pair.row: RowwiseParallel()}
-        )
+        row = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
+        parallelize_module(module, tp_mesh, {pair.column: ColwiseParallel(), pair.row: row})
         if pair.column == "qkv":
             module.heads //= tp
             module.kv_heads //= tp
@@ -173,10 +182,75 @@ def apply_tensor_parallel(
         style = (
             RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
             if path.rpartition(".")[2] != "lm_head"
-            else ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+            else ColwiseParallel(
+                input_layouts=Shard(1) if sequence_parallel else Replicate(),
+                output_layouts=Shard(-1),
+                use_local_output=False,
+            )
         )
         parallelize_module(model.get_submodule(path), tp_mesh, style)
+    if sequence_parallel:
+        apply_sequence_parallel(model, layers, tp_mesh, vocab_sizes)
     return orders
+
+
+def apply_sequence_parallel(
+    model: nn.Module, layers: list[str], tp_mesh: DeviceMesh, vocab_sizes: set[int]
+) -> None:
+    """Sequence parallelism on top of the tensor-parallel split, as torchtitan's Llama
+    ``apply_tp`` does (and ``solver.engine_exports``' snippet says): every norm
+    ``SequenceParallel()`` (its [b, s/t, h] shard in, a Shard(1) DTensor out), the sequence
+    gathered in front of each self-attention and MLP (``PrepareModuleInput``, Shard(1) ->
+    Replicate), the row-parallel outputs reduce-scattered (``apply_tensor_parallel``), the LM
+    head's input gathered (``input_layouts=Shard(1)``). A layer without attention, MLP or head
+    (the embedding) computes its output replicated, then keeps its sequence shard
+    (``_scatter_sequence``); the stages send [b, s/t, h].
+
+    Eager autograd saves what each column-parallel Linear reads: the gathered [b, s, h] input,
+    where Megatron saves the shard and gathers it again in the backward; the layer graph's
+    ``sp_gathered_bytes`` counts it for ``--runtime torch``.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleInput,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    from models.common import MLP, Attention, LMHead
+
+    def gather() -> PrepareModuleInput:
+        return PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+
+    for path in layers:
+        layer = model.get_submodule(path)
+        if isinstance(layer, LMHead):
+            parallelize_module(layer, tp_mesh, {"norm": SequenceParallel()})
+            # a vocabulary-parallel head gathers its input itself (apply_tensor_parallel)
+            if layer.lm_head.out_features not in vocab_sizes:
+                parallelize_module(layer, tp_mesh, {"lm_head": gather()})
+            continue
+        plan: dict[str, Any] = {}
+        for name, module in layer.named_modules():
+            if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                plan[name] = SequenceParallel()
+            elif isinstance(module, (Attention, MLP)):
+                plan[name] = gather()
+        if plan:
+            parallelize_module(layer, tp_mesh, plan)
+        else:
+            layer.register_forward_hook(functools.partial(_scatter_sequence, tp_mesh))
+
+
+def _scatter_sequence(tp_mesh: DeviceMesh, module: nn.Module, args: tuple, output: torch.Tensor):
+    """Forward hook: a replicated [b, s, h] output -> this rank's [b, s/t, h] shard; the
+    backward all-gathers the shards' gradients (DTensor's Shard(1) -> Replicate)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    replicated = DTensor.from_local(output, tp_mesh, [Replicate()], run_check=False)
+    return replicated.redistribute(tp_mesh, [Shard(1)]).to_local()
 
 
 def apply_data_parallel(

@@ -53,6 +53,8 @@ such as a causal mask; profile with batch 1 to count those in full):
 - ``attention_kv_bytes``: bytes of the keys and values the layer's attention calls read in the
   forward (SDPA and the zoo's explicit attention; grouped-query heads counted once), what ring
   attention exchanges under context parallelism (``attention_kv.py``); omitted when 0.
+- ``expert_params``, ``expert_activation_bytes``, ``ep_comm_bytes`` (mixture-of-experts layers
+  only) and ``meta["moe"]``: the routed experts, by the module-name rule of ``experts.py``.
 - ``fwd_ms``, ``bwd_ms`` (``mode="real"`` only, ``timing.py``): the median over three timed runs
   after one warm-up, per sample; CUDA events on a GPU, ``perf_counter`` on the CPU. The forward is
   split at the layers' forward hooks; the backward at autograd-node pre-hooks.
@@ -107,6 +109,7 @@ from profiling._transformers_compat import real_run_masks
 from profiling.attention_kv import attention_kv
 from profiling.cuda_attention import cuda_like_kernels
 from profiling.dataflow import Tracer, tensors_in
+from profiling.experts import ExpertTracker
 from profiling.graph_builder import build_graph
 from profiling.layers import default_layer_paths
 from profiling.tensor_parallel import TensorParallelTracker, is_linear
@@ -158,7 +161,7 @@ def profile_module(
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if mode == "fake" else None
     state, inputs = _prepare(module, example_inputs, device, fake_mode)
     with torch.random.fork_rng(devices=_rng_devices(device)):
-        tracer, split = _trace(
+        tracer, split, experts = _trace(
             module, state, inputs, selection, fake_mode, say, cuda_like, model_name
         )
         timings = None
@@ -179,6 +182,7 @@ def profile_module(
         batch=batch,
         timings=timings,
         model_name=model_name,
+        experts=experts,
         meta={
             "profiled_by": (
                 f"profiling.profile.profile_module ({mode} mode, torch {torch.__version__})"
@@ -341,6 +345,7 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
     stack: list[nn.Module] = []
     tracer = Tracer(names, where=lambda: list(stack), progress=say)
     tp = TensorParallelTracker(module, tracer)
+    experts = ExpertTracker(module, tracer)
     for name, _, tensor in state.params:
         tracer.register(tensor, "param", name)
     for name, tensor in state.buffers:
@@ -360,6 +365,7 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
                     f"{names[tracer.active]!r}; select modules that do not call each other"
                 )
             tracer.layer_enter(index, args, kwargs)
+        experts.enter(mod)
         if is_linear(mod):
             tp.linear_enter(mod, args, kwargs)
 
@@ -368,6 +374,7 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
             pass
         if tracer.phase != "fwd":
             return
+        experts.exit(mod, args, kwargs)
         if is_linear(mod):
             tp.linear_exit(mod, output)
         elif isinstance(mod, nn.Embedding):
@@ -427,7 +434,7 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
     tracer.attention_kv_bytes = dict(kv_reads.bytes_by_owner)
     tracer.transient_peaks = tracer.transients(excluded)
     tracer.weight_grad_transient_peaks = tracer.transients(excluded, at=gradients)
-    return tracer, tp.resolve()
+    return tracer, tp.resolve(), experts
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

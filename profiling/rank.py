@@ -196,6 +196,12 @@ def boundary_metas(
     return metas
 
 
+def _sequence_shard(meta: torch.Tensor, tp: int) -> torch.Tensor:
+    """The meta tensor of one rank's sequence shard of a [b, s, ...] boundary tensor."""
+    shape = (meta.shape[0], meta.shape[1] // tp, *meta.shape[2:])
+    return torch.empty(shape, dtype=meta.dtype, device="meta", requires_grad=meta.requires_grad)
+
+
 def _keep_layers(model: nn.Module, all_layers: list[str], keep: list[str]) -> None:
     """Drop every layer not in ``keep`` (the module slot becomes None); check nothing is shared."""
     owner: dict[int, str] = {}
@@ -337,6 +343,8 @@ def _build_chunks(
             # of the full model: a stage may hold only the head
             vocab_sizes = vocabulary_sizes(model)
             metas = boundary_metas(model, spec, example_ids)
+            if config.sp:  # the stages send their [b, s/t, h] shard
+                metas = {path: _sequence_shard(meta, config.tp) for path, meta in metas.items()}
         run_paths = [path for path in virtual[index] if path != head_path]
         stage_input = ids_meta if index == 0 else metas[virtual[index - 1][-1]]
         stage_output = metas[run_paths[-1]] if run_paths else stage_input
@@ -364,7 +372,9 @@ def _parallelize(
     layer_paths = job.plan.virtual_stage_layers[chunk.index]
     orders: dict[str, torch.Tensor] = {}
     if config.tp > 1:
-        orders = apply_tensor_parallel(chunk.model, layer_paths, mesh["tp"], vocab_sizes)
+        orders = apply_tensor_parallel(
+            chunk.model, layer_paths, mesh["tp"], vocab_sizes, sequence_parallel=config.sp
+        )
     stage_module = _StageModule(chunk.model, chunk.run_paths, recompute=config.recompute == "full")
     layer_modules = [chunk.model.get_submodule(path) for path in layer_paths]
     submod = apply_data_parallel(stage_module, layer_modules, mesh, config.zero, place.device)

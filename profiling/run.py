@@ -76,7 +76,8 @@ every iteration and the last iteration's peak is reported, with the plan's
 
 Not supported (``InputError``): tied weights split across (virtual) stages, a tied embedding and
 head with a vocabulary-parallel table, ZeRO-1 with tp > 1 and dp > 1, sequence parallelism
-(``config.sp``: the megatron engine runs it; ``_check_torch`` says why not this one). For a zoo
+(``config.sp``) on a model other than the GPT/Llama presets or with a sequence tp does not
+divide. For a zoo
 preset the model's layers must form a chain (each takes the previous one's output, the last takes
 ``(hidden, targets)``: the GPT/Llama presets); a DAG preset such as t5-tiny fails inside the
 ranks, which ``run_plan`` reports as ``RunError``. Any other model (``hf:NAME``,
@@ -188,18 +189,13 @@ def _check_runnable(
 
 def _check_torch(spec: models.ModelSpec, config: ParallelConfig) -> None:
     """What the torch executor runs: recompute none or full, no ZeRO-1 over tensor-parallel
-    parameters, a supported interleaving, a tensor-parallel split of the model's heads, and no
-    sequence parallelism: torch's eager SequenceParallel all-gathers the input of each
-    column-parallel Linear before it, and autograd saves that full [b, s, h] input, where
-    Megatron (what the plan counts) saves its [s/t, b, h] shard and gathers it again in the
-    backward."""
+    parameters, a supported interleaving, a tensor-parallel split of the model's heads, and
+    sequence parallelism on GPT/Llama presets (``_check_sequence_parallel``; eager torch saves
+    each column-parallel Linear's gathered [b, s, h] input, which a plan for --runtime torch
+    counts as the layers' ``sp_gathered_bytes``)."""
     tp, dp, zero = config.tp, config.dp, config.zero
     if config.sp:
-        raise InputError(
-            "plan config: sp=true: the torch engine does not run sequence parallelism (torch's "
-            "keeps the gathered inputs of column-parallel Linears, not the shards the plan "
-            "counts); run it with --engine megatron"
-        )
+        _check_sequence_parallel(spec, tp)
     if tp > 1 and dp > 1 and zero == 1:
         raise InputError(
             f"plan config: zero=1 with tp({tp}) and dp({dp}): ZeroRedundancyOptimizer cannot "
@@ -215,6 +211,28 @@ def _check_torch(spec: models.ModelSpec, config: ParallelConfig) -> None:
             model = spec.build()
         tensor_parallel_pairs(model, spec.layers, tp)
         vocabulary_parallel_paths(model, spec.layers, vocabulary_sizes(model))
+
+
+def _check_sequence_parallel(spec: models.ModelSpec, tp: int) -> None:
+    """What the torch engine's sequence parallelism runs: a dense GPT/Llama preset (a chain of
+    embedding, blocks and LM head, ``profiling.parallelize.apply_sequence_parallel``) whose
+    sequence the tp ranks split evenly."""
+    config = spec.config
+    if not isinstance(config, models.gpt.GPTConfig):
+        raise InputError(
+            f"plan config: sp=true: the torch engine runs sequence parallelism on the gpt and "
+            f"llama presets, not {spec.name}; plan with --sequence-parallel off"
+        )
+    if config.seq_len % tp:
+        raise InputError(
+            f"plan config: sp=true with tp {tp} splits the sequence, and tp does not divide "
+            f"seq_len ({config.seq_len}) of {spec.name}; set seq_len to a multiple"
+        )
+    if config.num_experts:
+        raise InputError(
+            f"plan config: sp=true on {spec.name}, a mixture of experts: the torch engine runs "
+            "sequence parallelism on dense blocks only; plan with --sequence-parallel off"
+        )
 
 
 def _check_megatron(spec: models.ModelSpec, plan: PlanFile) -> None:

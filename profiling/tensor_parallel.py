@@ -42,6 +42,15 @@ Communication (``tp_comm_bytes``, per sample, forward + backward):
   all-reduces of the vocab-parallel cross-entropy (max, sum of exponentials, target logit): 12
   bytes per token.
 
+Routed experts (a module path with an ``experts`` component, ``experts.py``) are left out: their
+Linear calls are neither column- nor row-parallel, and their parameters go to ``expert_params``.
+
+Sequence parallelism (``sp_gathered_bytes``, per sample): the bytes of the distinct inputs of the
+column-parallel candidates, whole sequence (``gathered_bytes``), plus the saved tensors derived
+from a candidate left replicated (``graph_builder``). Under SP each input is all-gathered from the
+[s/t] shards in front of its Linear; Megatron saves the shard, eager torch
+(``profiling.parallelize``) the gathered tensor.
+
 Only module calls are seen: a functional ``F.linear`` (for example an LM head that reuses the
 embedding matrix without an ``nn.Linear``) is treated as replicated.
 """
@@ -55,6 +64,7 @@ import torch
 from torch import nn
 
 from profiling.dataflow import StorageRecord, Tracer, tensor_bytes, tensors_in
+from profiling.experts import is_expert_path
 
 VOCAB_PARALLEL_MIN_ROWS = 16384
 """Embeddings with at least this many rows are vocabularies and split by rows under TP."""
@@ -102,6 +112,10 @@ class TensorParallelSplit:
     """Module path -> ``column`` | ``row`` | ``vocab`` (for meta)."""
     heads: set[int] = field(default_factory=set)
     """``id()`` of the vocabulary-parallel LM-head modules."""
+    gathered_bytes: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    """Layer -> bytes of the distinct inputs of its column-parallel candidates (every Linear
+    reading replicated data: column-parallel, LM head, or one left replicated), batch total:
+    what sequence parallelism all-gathers in front of them (``sp_gathered_bytes``)."""
 
     def is_split(self, taint: frozenset[int]) -> bool:
         return bool(taint) and taint <= self.valid
@@ -126,7 +140,7 @@ class TensorParallelTracker:
     def linear_enter(self, module: nn.Linear, args: tuple, kwargs: dict) -> None:
         layer = self.tracer.active
         inputs = tensors_in((args, kwargs))
-        if layer is None or not inputs:
+        if layer is None or not inputs or is_expert_path(self.paths.get(module, "")):
             return
         x = inputs[0]
         record = self.tracer.record_of(x)
@@ -192,6 +206,13 @@ class TensorParallelTracker:
                 break
             valid = narrowed
         split = TensorParallelSplit(valid=frozenset(valid))
+        gathered: set[tuple[int, int]] = set()
+        for i, call in candidates.items():
+            # one all-gather per distinct input: q, k and v reading one norm output share it
+            key = (call.layer, call.input_uid if call.input_uid is not None else -1 - i)
+            if key not in gathered:
+                gathered.add(key)
+                split.gathered_bytes[call.layer] += call.input_bytes
         needs_all_reduce: set[tuple[int, int | None]] = set()
         for i in sorted(valid):
             call = candidates[i]

@@ -3,8 +3,9 @@
     python scripts/bench_accuracy.py [--out benchmarks]
 
 Profiles a small GPT (fp32, dropout 0) with ``profiling.export``, plans it for the torch runtime
-(``--runtime torch``: what the executor runs) for 18 layouts of 2-4 ranks (pipeline splits, 1F1B
-and GPipe, micro-batch counts, data parallelism with ZeRO 0-3, tensor parallelism, full
+(``--runtime torch``: what the executor runs) for 19 layouts of 2-4 ranks (pipeline splits, 1F1B
+and GPipe, micro-batch counts, data parallelism with ZeRO 0-3, tensor parallelism with and without
+sequence parallelism, full
 recomputation, interleaved 1F1B with two chunks per rank) and runs each plan with
 ``profiling.run.run_plan`` on gloo (exact live-tensor accounting, 2 iterations, the last
 measured). All of it through ``profiling.calibrate.calibrate``,
@@ -12,7 +13,8 @@ which also fits the calibration to every rank and predicts each layout from a fi
 Then the same for megatron-core (``engine="megatron"``, plans for ``--runtime megatron``): 12
 layouts of 2-4 ranks (pp 2-4, 1F1B and interleaved, tp 2 with and without sequence parallelism,
 dp 2 with the distributed optimizer, full recompute) of a GPT with flash-style attention, seq
-512 and a 16384-token vocabulary.
+512 and a 16384-token vocabulary, and 4 plans of a mixture-of-experts GPT with expert
+parallelism (``--only-moe`` runs only these).
 Writes benchmarks/bench_accuracy.md and .csv with the analytic, calibrated and leave-one-out
 predictions, the measured peak and the errors per rank, and their median / max absolute values
 (targets for the analytic model: torch median <= 3%, max <= 8%; megatron median <= 2%,
@@ -46,6 +48,7 @@ LAYOUTS = [
     Layout("pp4 gpipe m4", 4, {"pp": 4}, 8, 2, "gpipe"),
     Layout("pp2 recompute m4", 2, {"pp": 2}, 8, 2, "1f1b", 0, "full"),
     Layout("pp2 tp2 1f1b m4", 4, {"pp": 2, "tp": 2}, 8, 2, "1f1b"),
+    Layout("pp2 tp2 sp m4", 4, {"pp": 2, "tp": 2}, 8, 2, "1f1b", sequence_parallel="on"),
     Layout("dp2 pp2 1f1b m4", 4, {"pp": 2, "dp": 2}, 16, 2, "1f1b"),
     Layout("dp2 pp2 zero1 m4", 4, {"pp": 2, "dp": 2}, 16, 2, "1f1b", 1),
     Layout("dp2 pp2 zero2 m4", 4, {"pp": 2, "dp": 2}, 16, 2, "1f1b", 2),
@@ -102,6 +105,114 @@ MEGATRON_LAYOUTS = [
     Layout("mcore pp2 recompute m4", 2, {"pp": 2}, 8, 2, "1f1b", 0, "full", engine="megatron"),
 ]
 """megatron-core runs (``engine="megatron"``, plans for ``--runtime megatron``)."""
+
+
+MOE_OVERRIDES = {
+    "layers": 4,
+    "hidden": 64,
+    "heads": 4,
+    "kv_heads": 2,
+    "seq_len": 256,
+    "vocab_size": 2048,
+    "ffn_hidden": 128,
+    "num_experts": 8,
+    "top_k": 2,
+    "attention": "sdpa",
+    "dropout": 0.0,
+}
+"""moe-tiny (SwiGLU, RMSNorm, rotary, GQA) with 8 routed experts of width 128, top-2, in every
+block: the experts hold 94% of a block's parameters and most of its saved activations."""
+MOE_LAYOUTS = [
+    # (label, pp, dp, ep, moe_capacity_factor): fp32, micro-batches of 2, global batch 16
+    ("mcore pp2 dp2 ep2 c1.25 m4", 2, 2, 2, 1.25),
+    ("mcore pp2 dp2 ep1 c1.25 m4", 2, 2, 1, 1.25),
+    ("mcore dp2 ep2 c1.25 m8", 1, 2, 2, 1.25),
+    ("mcore pp2 dp2 ep2 balanced m4", 2, 2, 2, 1.0),
+]
+"""megatron-core MoE rows (``engine="megatron"``, plans for ``--runtime megatron --ep E
+--moe-capacity-factor C``): with C > 1 the export pads every expert's input to its capacity
+(``--moe-expert-capacity-factor C --moe-pad-expert-input-to-capacity``), so the run's shapes
+do not depend on the routing; at C = 1 the plan assumes a balanced routing and the export runs
+Megatron's dropless router, whose memory follows the routing of the run."""
+
+
+def moe_rows(progress) -> list[dict]:
+    """Plan and run every MoE layout; one row per rank with the analytic prediction, its error
+    and the measured breakdown (expert-sharded weights, saved activations, the rest)."""
+    from profiling.export import export_graph
+    from profiling.run import run_plan
+    from solver import Cluster, TrainingConfig, plan
+    from solver.report import plan_to_dict
+
+    graph = export_graph("moe-tiny", dtype="fp32", overrides=MOE_OVERRIDES)
+    rows = []
+    for label, pp, dp, ep, capacity in MOE_LAYOUTS:
+        training = TrainingConfig(
+            global_batch=16,
+            micro_batch_sizes=(2,),
+            zero_stages=(0,),
+            runtime="megatron",
+            pp=pp,
+            tp=1,
+            dp=dp,
+            ep=(ep,),
+            moe_capacity_factor=capacity,
+            max_slowdown=None,
+            precision="fp32",
+        )
+        document = plan_to_dict(plan(graph, Cluster(num_gpus=pp * dp), training))
+        split_text = "/".join(str(len(stage["layers"])) for stage in document["stages"])
+        progress(f"{label} ({split_text})")
+        reports = run_plan(
+            "moe-tiny",
+            document,
+            iterations=2,
+            overrides=MOE_OVERRIDES,
+            engine="megatron",
+            timeout_s=600,
+        )
+        for report in reports:
+            measured = report.measured_breakdown
+            rows.append(
+                {
+                    "layout": label,
+                    "split": split_text,
+                    "rank": report.rank,
+                    "stage": report.stage,
+                    "measured_kib": round(report.measured_peak_bytes / 1024, 1),
+                    "analytic_kib": round(report.predicted_peak_bytes / 1024, 1),
+                    "analytic_pct": round(report.error_pct, 1),
+                    "params_kib": round(measured["params"] / 1024, 1),
+                    "activations_kib": round(measured["activations"] / 1024, 1),
+                    "other_kib": round(measured["other"] / 1024, 1),
+                }
+            )
+    return rows
+
+
+def planner_has_expert_parallelism() -> bool:
+    """Whether the planner takes ``TrainingConfig.ep`` (the MoE rows need it)."""
+    from solver import TrainingConfig
+
+    return "ep" in TrainingConfig.__dataclass_fields__
+
+
+def moe_section(rows: list[dict]) -> list[str]:
+    errors = [row["analytic_pct"] for row in rows]
+    print(f"megatron-core MoE: analytic {spread(errors)}")
+    return [
+        "## megatron-core mixture of experts with expert parallelism (`--ep`, `--engine megatron`)",
+        "",
+        f"moe-tiny {MOE_OVERRIDES}, fp32 with Adam (4, 4, 8 bytes per parameter), global batch "
+        "16 in micro-batches of 2; megatron-core's MoELayer (all-to-all dispatcher over gloo, "
+        "SequentialMLP experts, E/ep experts per rank; profiling/megatron_moe.py). Target for "
+        "the analytic model: median 2%, max 5%.",
+        "",
+        f"Over {len(rows)} ranks of {len(MOE_LAYOUTS)} plans: analytic model {spread(errors)}.",
+        "",
+        *markdown_table(rows, list(rows[0])),
+        "",
+    ]
 
 
 HF_SEQ = 64
@@ -245,12 +356,35 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks")
     parser.add_argument(
+        "--only-moe",
+        action="store_true",
+        help="run only the megatron-core MoE rows (a few minutes) and write bench_accuracy_moe.md",
+    )
+    parser.add_argument(
         "--hf-only",
         action="store_true",
         help="run only the HF rows (about 10 minutes) and write bench_accuracy_hf.md",
     )
     args = parser.parse_args()
     progress = lambda text: print(text, flush=True)  # noqa: E731
+    if args.only_moe:
+        if not planner_has_expert_parallelism():
+            print("--only-moe: this planner has no expert parallelism (TrainingConfig.ep)")
+            return 2
+        args.out.mkdir(parents=True, exist_ok=True)
+        lines = [
+            "# Accuracy benchmark: megatron-core MoE rows",
+            "",
+            "Command: `python scripts/bench_accuracy.py --only-moe` (the same rows are in "
+            "bench_accuracy.md)  ",
+            f"Machine: {platform.machine()}, Python {platform.python_version()}, run "
+            f"{time.strftime('%Y-%m-%d')}; gloo on CPU, exact live-tensor accounting (the last of "
+            "2 iterations measured).",
+            "",
+            *moe_section(moe_rows(progress)),
+        ]
+        (args.out / "bench_accuracy_moe.md").write_text("\n".join(lines))
+        return 0
     if args.hf_only:
         args.out.mkdir(parents=True, exist_ok=True)
         lines = [
@@ -302,6 +436,7 @@ def main() -> int:
             megatron_results,
             "median 2%, max 5%",
         ),
+        *(moe_section(moe_rows(progress)) if planner_has_expert_parallelism() else []),
         *hf_section(hf_rows(progress)),
     ]
     (args.out / "bench_accuracy.md").write_text("\n".join(lines))

@@ -28,7 +28,9 @@ Memory of stage s (bytes per GPU):
          sbh(34/t + 5as/(ht)) against sbh(10 + 24/t + 5as/(ht))): the parts TP leaves replicated
          (norm inputs, dropout masks, residuals) are split along the sequence over the t ranks too;
          so are the tensors sent between stages, [s/t, b, h]: an edge carries ceil(b bytes / t) per
-         micro-batch, and a recomputed layer keeps ceil(b output_bytes / t)
+         micro-batch, and a recomputed layer keeps ceil(b output_bytes / t);
+         + (t-1)/t sp_gathered_bytes on the torch runtime, whose eager autograd saves the
+         gathered input of each column-parallel Linear where Megatron saves its shard
   states_s  = sum_l P'_l (w / d[z>=3] + g / d[z>=2] + o / d[z>=1])  each term rounded up per layer
               (the expert part of P'_l sharded over the d c / ep expert-data-parallel ranks
               instead of d c: Megatron's distributed optimizer keeps the expert parameters'
@@ -716,6 +718,12 @@ def layer_costs(
         # already splits it, along heads/width: A'_l = activation_bytes / t (Korthikanti et al.
         # 2022, section 4.2.2); a stage sends [s/t, b, h]
         saved_times_t = dense_activation_bytes
+        if training.runtime == "torch":
+            # eager torch (torch.distributed.tensor.parallel, profiling.parallelize) saves the
+            # all-gathered [b, s, h] input of each column-parallel Linear and LM head, not its
+            # [b, s/t, h] shard: (t-1)/t of sp_gathered_bytes more per GPU, measured to the byte
+            # on gpt-tiny (tests/test_torch_sp.py)
+            saved_times_t = saved_times_t + (t - 1) * cols["sp_gathered_bytes"]
     # a stage sends [s/(t c), b, h] with sequence parallelism, [s/c, b, h] without
     edge_bytes = _ceil_div(edge_bytes, sequence_split(config))
     saved = _ceil_div(b * saved_times_t, t * config.cp) + expert_stored_bytes(cols, config, factor)

@@ -1,4 +1,4 @@
-"""Turn a plan (config + the layers of each stage) into settings for three training runtimes.
+"""Turn a plan (config + the layers of each stage) into settings for four training runtimes.
 
 :func:`build_exports` returns a JSON-serialisable dict with one section per runtime:
 
@@ -6,6 +6,7 @@
 - ``megatron``: Megatron-LM command-line arguments, including the uneven split as
   ``--decoder-first/last-pipeline-num-layers`` or ``--pipeline-model-parallel-layout``.
 - ``deepspeed``: ``PipelineModule`` layer counts and ``parts`` boundaries, and the config keys.
+- ``torchtitan``: the job-config sections (:mod:`solver.torchtitan_export`).
 
 Pure functions: no I/O, no torch. Facts about the runtimes, and where they come from, are in the
 comments next to the code that relies on them.
@@ -19,6 +20,7 @@ from solver.errors import InputError
 from solver.graph import LayerGraph
 from solver.moe import routed_experts
 from solver.specs import MOE_DROPLESS, ParallelConfig
+from solver.torchtitan_export import torchtitan_export
 
 # Megatron layout letters (megatron/core/transformer/pipeline_parallel_layer_layout.py,
 # PipelineParallelLayerLayout.parse_str_to_list): E = embedding, t = transformer (decoder) layer,
@@ -53,6 +55,7 @@ def build_exports(
             graph, config, stages, recomputed=selected, moe_capacity_factor=moe_capacity_factor
         ),
         "deepspeed": deepspeed_export(config, stages, contiguous=contiguous, recomputed=selected),
+        "torchtitan": torchtitan_export(graph, config, stages, recomputed=selected),
     }
 
 
@@ -140,13 +143,14 @@ def _torch_pipelining_note(
         )
     if config.sp:
         note += (
-            " Sequence parallelism: in the tensor-parallel plan give the norms (and dropouts) "
-            "SequenceParallel(), the column-parallel Linears input_layouts=Shard(1) and the "
-            "row-parallel ones output_layouts=Shard(1) ('tensor_parallel' below), and send "
-            f"[b, s/{config.tp}, h] between stages (PipelineStage input_args/output_args). "
-            "The plan counts Megatron's SP, which saves each column-parallel Linear's input as "
-            "its sequence shard; eager torch TP saves the all-gathered [b, s, h] input, so expect "
-            "more activation memory (profiling.run refuses sp plans on the torch engine)."
+            " Sequence parallelism: in the tensor-parallel plan give the norms "
+            "SequenceParallel(), gather the sequence in front of attention and MLP "
+            "(PrepareModuleInput, Shard(1) -> Replicate()) and reduce-scatter the row-parallel "
+            "outputs (output_layouts=Shard(1)), as torchtitan's Llama does ('tensor_parallel' "
+            f"below, 'snippet' as code), and send [b, s/{config.tp}, h] between stages "
+            "(PipelineStage input_args/output_args). Eager torch saves each column-parallel "
+            "Linear's all-gathered [b, s, h] input where Megatron saves its shard and gathers "
+            "it again in the backward: plan with --runtime torch to count it."
         )
     if config.recompute == "full":
         note += (
@@ -203,15 +207,74 @@ def _torch_context_parallel(config: ParallelConfig) -> dict[str, Any]:
 def _torch_sequence_parallel_plan() -> dict[str, Any]:
     """The styles of torch.distributed.tensor.parallel (``parallelize_module``) that add
     sequence parallelism to Megatron's split: activations between the blocks' Linears are
-    Shard(1) (batch-first [b, s, h], split along the sequence) instead of replicated."""
+    Shard(1) (batch-first [b, s, h], split along the sequence) instead of replicated.
+
+    ``snippet`` is the plan as code, written as torchtitan's Llama ``apply_tp``
+    (torchtitan/models/llama3/infra/parallelize.py) writes it: SequenceParallel on the norms,
+    PrepareModuleInput gathering the sequence in front of attention and MLP, row-parallel
+    outputs reduce-scattered to Shard(1); the module names are the model zoo's
+    (:mod:`profiling.parallelize` applies the same plan)."""
     return {
         "sequence_parallel": True,
         "norms": "SequenceParallel()",
-        "column_parallel": "ColwiseParallel(input_layouts=Shard(1))",
+        "attention_and_mlp_inputs": (
+            "PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))"
+        ),
+        "column_parallel": "ColwiseParallel()",
         "row_parallel": "RowwiseParallel(output_layouts=Shard(1))",
         "embedding": "RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))",
-        "lm_head": "ColwiseParallel(input_layouts=Shard(1), use_local_output=False)",
+        "lm_head": (
+            "ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), "
+            "use_local_output=False)"
+        ),
+        "snippet": TORCH_SEQUENCE_PARALLEL_SNIPPET,
     }
+
+
+TORCH_SEQUENCE_PARALLEL_SNIPPET = """\
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+# Block names of the model zoo (models/gpt.py); torchtitan's Llama calls them attention_norm,
+# attention (wq, wk, wv, wo), ffn_norm, feed_forward (w1, w3 column-parallel, w2 row-parallel).
+gather_sequence = PrepareModuleInput(
+    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+)
+block_plan = {
+    "norm1": SequenceParallel(),
+    "attn": gather_sequence,
+    "attn.qkv": ColwiseParallel(),
+    "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+    "norm2": SequenceParallel(),
+    "mlp": gather_sequence,
+    "mlp.fc1": ColwiseParallel(),
+    "mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
+}
+for block in model.layers:
+    parallelize_module(block, tp_mesh, block_plan)
+parallelize_module(
+    model,
+    tp_mesh,
+    {
+        # a position table added after the token embedding needs the output's sequence
+        # shard: reduce-scatter after the sum instead (Shard(1) on the embedding layer's output)
+        "embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "head.norm": SequenceParallel(),
+        "head.lm_head": ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+        ),
+    },
+)
+# the logits stay sharded over the vocabulary: compute the loss (and its backward) under
+# loss_parallel(); pipeline stages send [b, s / tp, h]
+"""
 
 
 def _torch_pipelining_memory_note(config: ParallelConfig) -> str:

@@ -38,6 +38,7 @@ INTEGER_FIELDS = (
     "expert_activation_bytes",
     "ep_comm_bytes",
     "attention_kv_bytes",
+    "sp_gathered_bytes",
 )
 """Layer fields that are whole numbers (parameter counts and bytes)."""
 
@@ -113,6 +114,13 @@ class Layer:
     attention_kv_bytes: int = 0
     """Bytes per sample of the keys and values the layer's attention reads (whole sequence, all
     KV heads): what ring attention passes around under context parallelism."""
+    sp_gathered_bytes: int = 0
+    """Bytes per sample the layer saves from the whole sequence under sequence parallelism: the
+    distinct inputs of its column-parallel Linears and LM head, which SP all-gathers in front of
+    them, and what a Linear left replicated (a small vocabulary's LM head) computes from them.
+    Eager torch autograd saves the gathered tensors where Megatron saves the [s/t] shard and
+    gathers it again in the backward, so ``--runtime torch`` with sp keeps (t-1)/t of this
+    beyond ``activation_bytes / t``. Part of ``activation_bytes``."""
     mem_isolated: int | None = None
     """Empirical (mCAP/CAPSlog): peak bytes of a GPU holding only this layer, measured at the
     target GPU count; used with ``memory_model="empirical"``."""
@@ -387,7 +395,11 @@ def _check_layers(layers: list[Layer], origin: str) -> None:
                 f"(also $.layers[{seen[layer.name]}]); give every layer a unique name"
             )
         seen[layer.name] = i
-        for part, total in (("tp_params", "params"), ("tp_activation_bytes", "activation_bytes")):
+        for part, total in (
+            ("tp_params", "params"),
+            ("tp_activation_bytes", "activation_bytes"),
+            ("sp_gathered_bytes", "activation_bytes"),
+        ):
             if getattr(layer, part) > getattr(layer, total):
                 raise InputError(
                     f"{origin}: $.layers[{i}].{part}: {getattr(layer, part)} exceeds "

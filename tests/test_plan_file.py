@@ -131,7 +131,7 @@ def test_plan_file_view(plans):
     assert selective.training.weight_bytes_per_param == 2 and selective.training.global_batch == 32
     assert selective.global_batch == 32 and selective.group_of_stage is None
     assert selective.graph.path == GPT and selective.graph.num_layers == 26
-    assert set(selective.exports) == {"torch_pipelining", "megatron", "deepspeed"}
+    assert set(selective.exports) == {"torch_pipelining", "megatron", "deepspeed", "torchtitan"}
     placed = load_plan(plans["heterogeneous"])
     assert placed.cluster.is_heterogeneous and len(placed.group_of_stage) == placed.config.pp
     interleaved = load_plan(plans["interleaved"])

@@ -411,7 +411,7 @@ def _drop_last_layer(plan_dict: dict) -> None:
         (_drop_last_layer, "missing layers"),
         (lambda p: p["config"].update(pp=3), "2 stages for pp=3"),
         (lambda p: p["config"].update(dp=64), "processes"),
-        (lambda p: p["config"].update(tp=2, sp=True), "sp=true: .* --engine megatron$"),
+        (lambda p: p["config"].update(tp=3, sp=True), "sp=true with tp 3 splits the sequence"),
     ],
 )
 def test_bad_plans_are_input_errors_before_spawning(graph, change, message):
