@@ -12,7 +12,12 @@ import pytest
 
 from solver.backends.brute_force import solve_brute_force
 from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, StageProblem
-from solver.candidates import candidate_configs, expert_parallel_degrees
+from solver.candidates import (
+    candidate_configs,
+    expert_parallel_degrees,
+    memory_lower_bound,
+    time_lower_bound,
+)
 from solver.cost_model import expert_all_to_all_ns, layer_costs, routing_factor
 from solver.errors import InputError
 from solver.graph import graph_from_dict
@@ -228,7 +233,8 @@ def test_candidates_carry_ep():
 @pytest.mark.parametrize("seed", range(3))
 def test_backends_agree_with_brute_force_on_moe(seed):
     """CP-SAT, the MILP and the chain algorithm prove brute force's optimum on a 5-layer MoE
-    chain, for memory (capacity factor and dropless) and for time."""
+    chain, for memory (capacity factor and dropless) and for time, and the search's lower
+    bounds stay below it."""
     graph = moe_graph(blocks=3)
     config = ParallelConfig(
         pp=2 + seed % 2, tp=2, dp=4, ep=(2, 4, 1)[seed], micro_batch=1, num_microbatches=4,
@@ -244,7 +250,10 @@ def test_backends_agree_with_brute_force_on_moe(seed):
     for objective in (OBJECTIVE_MEMORY, OBJECTIVE_TIME):
         problem = StageProblem(costs=costs, objective=objective)
         assert_backends_match_brute_force(problem)
-        assert solve_everywhere(problem, chain=True) == {solve_brute_force(problem).objective}
+        optimum = solve_brute_force(problem).objective
+        assert solve_everywhere(problem, chain=True) == {optimum}
+        bound = (memory_lower_bound if objective == OBJECTIVE_MEMORY else time_lower_bound)(costs)
+        assert bound <= optimum
 
 
 def test_plan_api_picks_expert_parallelism():
