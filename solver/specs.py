@@ -94,6 +94,11 @@ MAX_SLOWDOWN = 1000.0
 the cost model's exact range (``cost_model.MAX_ITERATION_NS``)."""
 MAX_BUDGET_NS = 2**62
 """Longest iteration a min_throughput may allow, ns (with the global batch: its lower bound)."""
+MAX_CAPACITY_FACTOR = 1024.0
+"""Largest ``TrainingConfig.moe_capacity_factor`` (each expert takes at most this many times its
+balanced share of the tokens; real runs use 1 to 2)."""
+MOE_DROPLESS = "dropless"
+"""``TrainingConfig.moe_capacity_factor`` of a dropless router (the worst case it can reach)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -241,6 +246,17 @@ class TrainingConfig:
     sequence split over c GPUs, pp x tp x cp x dp GPUs); (1, 2, 4) lets the search choose, one
     value pins it. c must divide the graph's sequence length
     (``cost_model.check_context_parallel``)."""
+    ep: tuple[int, ...] | None = None
+    """Candidate expert-parallel degrees (Megatron's ``--expert-model-parallel-size``); each
+    config takes those that divide its dp (the experts are sharded within the data-parallel
+    ranks). None (auto): every ep dividing both the graph's routed experts and dp on a
+    mixture-of-experts graph, 1 on a dense one (``candidates.expert_parallel_degrees``)."""
+    moe_capacity_factor: float | str = 1.0
+    """Routing factor f of the routed experts' activations and all-to-alls (``cost_model``):
+    a float c >= 1, each expert takes at most c times its balanced share of the tokens (Megatron's
+    ``--moe-expert-capacity-factor`` with ``--moe-pad-expert-input-to-capacity``: padded to c,
+    so f = c; 1.0, the default, is a balanced routing), or "dropless": the most a dropless
+    router can send one GPU, f = ep min(k, E / ep) / k (``cost_model.routing_factor``)."""
     min_throughput: float | None = None
     """Samples/s the plan must reach; overrides max_slowdown when set."""
     max_slowdown: float | None = 1.25
@@ -305,6 +321,28 @@ class TrainingConfig:
         return step_temporary_bytes_per_param(
             self.precision or DEFAULT_PRECISION, self.optimizer, self.optimizer_impl
         )
+
+    def _check_experts(self) -> None:
+        """ep: None or a non-empty tuple of degrees; moe_capacity_factor: "dropless" or a
+        number in 1..MAX_CAPACITY_FACTOR."""
+        _require(
+            self.ep is None
+            or (
+                isinstance(self.ep, tuple)
+                and bool(self.ep)
+                and all(_is_int(e) and 1 <= e <= MAX_DEGREE for e in self.ep)
+            ),
+            f"ep must be None (auto) or integers in 1..{_count(MAX_DEGREE)}, got {quote(self.ep)}",
+        )
+        factor = self.moe_capacity_factor
+        if factor != MOE_DROPLESS:
+            _require(
+                isinstance(factor, numbers.Real)
+                and not isinstance(factor, bool)
+                and 1 <= factor <= MAX_CAPACITY_FACTOR,
+                f"moe_capacity_factor must be a number in 1..{MAX_CAPACITY_FACTOR:g} or "
+                f'"dropless", got {quote(factor)}',
+            )
 
     @property
     def memory_reserve(self) -> MemoryReserve:
@@ -415,6 +453,7 @@ class TrainingConfig:
         for name in ("pp", "tp", "dp"):
             if getattr(self, name) is not None:
                 _integer(name, getattr(self, name), 1, MAX_DEGREE)
+        self._check_experts()
         if self.min_throughput is not None:
             _real("min_throughput", self.min_throughput, 0, None, low_open=True)
             # the iteration it allows, B / min_throughput, from 1 ns to 2^62 ns

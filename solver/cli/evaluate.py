@@ -219,6 +219,7 @@ def _config_from_args(args: argparse.Namespace) -> ParallelConfig:
         schedule=args.schedule,
         virtual_stages=args.virtual_stages[0],
         sp=_sequence_parallel(args, args.tp),
+        ep=_expert_degree(args),
     )
 
 
@@ -228,6 +229,23 @@ def _sequence_parallel(args: argparse.Namespace, tp: int) -> bool:
     candidates."""
     choice = args.sequence_parallel or default_sequence_parallel(args.runtime)
     return choice == "on" or (choice == "auto" and tp > 1)
+
+
+def _expert_degree(args: argparse.Namespace) -> int:
+    """evaluate checks one layout: --ep takes one degree (auto: 1, no expert parallelism)."""
+    if args.ep is None:
+        return 1
+    if len(args.ep) != 1:
+        raise InputError(
+            f"--ep {','.join(map(str, args.ep))}: evaluate takes one value (the expert-parallel "
+            "degree of the layout)"
+        )
+    if args.dp % args.ep[0]:
+        raise InputError(
+            f"--ep {args.ep[0]} does not divide --dp {args.dp}: the experts are sharded within "
+            "the data-parallel ranks; pick an --ep that divides the data-parallel degree"
+        )
+    return args.ep[0]
 
 
 def _check_cluster(args: argparse.Namespace, config: ParallelConfig, cluster: Cluster) -> None:
@@ -273,6 +291,7 @@ def _training_from_args(args: argparse.Namespace, config: ParallelConfig) -> Tra
         grad_lifetime=args.grad_lifetime,
         optimizer_impl=args.optimizer_impl,
         memory_model=args.memory_model,
+        moe_capacity_factor=args.moe_capacity_factor,
         calibration=calibration,
         **precision_words(args, calibration),
         **bytes_per_param(args),
