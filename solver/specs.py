@@ -37,10 +37,12 @@ SEQUENCE_PARALLEL_CHOICES = ("off", "on", "auto")
 
 
 def default_sequence_parallel(runtime: str) -> str:
-    """``TrainingConfig.sequence_parallel`` when None: auto (SP whenever tp > 1, as Megatron-LM
-    recommends and megatron-core runs it) on the megatron runtime; off on the torch runtime,
-    whose engine refuses SP plans (``profiling.run``). The one place that default lives."""
-    return "auto" if runtime == "megatron" else "off"
+    """``TrainingConfig.sequence_parallel`` when None: auto, SP whenever tp > 1, on both
+    runtimes: Megatron-LM recommends it and torchtitan turns it on with TP (the torch runtime
+    counts eager torch's gathered inputs, ``sp_gathered_bytes``). The one place that default
+    lives."""
+    del runtime  # both runtimes default to auto; kept so the default can differ per runtime
+    return "auto"
 
 
 ZERO_STAGES = (0, 1, 2, 3)

@@ -486,7 +486,7 @@ def test_plan_and_sweep_flags_make_the_training_options(parser):
     given = training_from_args(parse([*base, "--bytes-per-param", "4,4,8"]))
     assert (given.weight_bytes_per_param, given.grad_bytes_per_param) == (4, 4)
     # SP by default where the engine runs it (specs.default_sequence_parallel)
-    assert default.sequence_parallel == "auto" and torch.sequence_parallel == "off"
+    assert default.sequence_parallel == "auto" and torch.sequence_parallel == "auto"
     assert training_from_args(parse([*base, "--sequence-parallel", "auto"])).sequence_parallel == (
         "auto"
     )
