@@ -124,8 +124,10 @@ def build_graph(
             "fwd_flops": record.fwd_flops / batch,
             "bwd_flops": record.bwd_flops / batch,
             "tp_comm_bytes": _ceil_div(split.comm_bytes.get(i, 0), batch),
+            # at most what the layer saves: a gathered input the layer does not save for
+            # backward (a frozen Linear, a tensor another layer already saved) costs nothing
             "sp_gathered_bytes": _ceil_div(
-                split.gathered_bytes.get(i, 0) + replicated_total, batch
+                min(split.gathered_bytes.get(i, 0) + replicated_total, saved_total), batch
             ),
             "transient_bytes": _ceil_div(transients.get(i, 0), batch),
             "weight_grad_transient_bytes": _ceil_div(weight_grad_transients.get(i, 0), batch),
