@@ -194,24 +194,35 @@ class _WeightedSwiGLU(torch.autograd.Function):
     routing weights (..., 1), keeping only x and the weights for the backward: Megatron-core's
     ``WeightedSwiGLUFunction`` (``megatron/core/fusions/fused_bias_swiglu.py``, reached through
     ``weighted_bias_swiglu_impl``), which its experts run with ``--swiglu`` and
-    ``bias_activation_fusion``. The result is in x's dtype; the weights' gradient is summed
-    over the row in the weights' dtype, as ``weighted_swiglu_back`` does."""
+    ``bias_activation_fusion``. The weights' gradient is summed over the row, as
+    ``weighted_swiglu_back`` does.
+
+    Megatron compiles ``weighted_swiglu`` and ``weighted_swiglu_back`` (``jit_fuser``: one
+    fused kernel each on a GPU), so they allocate only their results: (..., f) forward;
+    (..., 2f) and (..., 1) backward. This one allocates the same, computing in place in its
+    results (eager elementwise ops would add up to three (..., f) temporaries, E C f d each
+    for the experts)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weights)
         gate, up = x.chunk(2, dim=-1)
-        return (F.silu(gate) * up * weights).to(x.dtype)
+        return F.silu(gate).mul_(up).mul_(weights)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, weights = ctx.saved_tensors
         gate, up = x.chunk(2, dim=-1)
-        sigmoid = torch.sigmoid(gate)
-        grad_weighted = grad * weights
-        grad_gate = grad_weighted * up * sigmoid * (1 + gate * (1 - sigmoid))
-        grad_x = torch.cat([grad_gate, grad_weighted * gate * sigmoid], dim=-1).to(x.dtype)
-        grad_weights = (F.silu(gate) * up * grad.to(weights.dtype)).sum(dim=-1, keepdim=True)
+        grad_x = torch.empty_like(x)
+        grad_gate, grad_up = grad_x.chunk(2, dim=-1)
+        # weights: sum over the row of swiglu(x) * grad (grad_up holds swiglu(x) meanwhile)
+        torch.ops.aten.silu.out(gate, out=grad_up).mul_(up)
+        grad_weights = torch.matmul(grad_up.unsqueeze(-2), grad.unsqueeze(-1)).squeeze(-1)
+        # up: grad * weights * silu(gate)
+        torch.ops.aten.silu.out(gate, out=grad_up).mul_(grad).mul_(weights)
+        # gate: grad * weights * up * silu'(gate)
+        torch.mul(grad, weights, out=grad_gate).mul_(up)
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
         return grad_x, grad_weights.to(weights.dtype)
 
 

@@ -222,6 +222,42 @@ def test_weighted_swiglu_saves_its_input_and_the_weights():
     assert torch.autograd.gradcheck(_WeightedSwiGLU.apply, (x, weights))
 
 
+class NewStorages(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records (op, bytes) of every storage an op returns that no earlier op saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.new = set(), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat = torch.utils._pytree.tree_flatten
+        for t in flat((args, kwargs or {}))[0]:
+            if isinstance(t, torch.Tensor):
+                self.seen.add(t.untyped_storage().data_ptr())
+        out = func(*args, **(kwargs or {}))
+        for t in flat(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.seen:
+                self.seen.add(t.untyped_storage().data_ptr())
+                self.new.append((func.__name__, t.untyped_storage().nbytes()))
+        return out
+
+
+def test_weighted_swiglu_allocates_only_its_results():
+    """As megatron-core's compiled (fused) weighted_swiglu and weighted_swiglu_back on a GPU:
+    the forward allocates its (E, C, f) result, the backward the (E, C, 2f) input gradient and
+    the (E, C, 1) weights' gradient, nothing else (fp32: E 4, C 6, f 8)."""
+    x = torch.randn(4, 6, 16, requires_grad=True)
+    weights = torch.rand(4, 6, 1, requires_grad=True)
+    grad = torch.randn(4, 6, 8)
+    forward, backward = NewStorages(), NewStorages()
+    with forward:
+        out = _WeightedSwiGLU.apply(x, weights)
+    with backward:
+        out.backward(grad)
+    assert forward.new == [("silu.default", 4 * 4 * 6 * 8)]
+    assert sorted(nbytes for _, nbytes in backward.new) == [4 * 4 * 6, 4 * 4 * 6 * 16]
+
+
 def test_bf16_weighted_swiglu_matches_megatron_core():
     """The same bf16 output and gradients as megatron-core's own weighted_bias_swiglu_impl."""
     fused = pytest.importorskip("megatron.core.fusions.fused_bias_swiglu")
@@ -277,6 +313,11 @@ def test_profile_moe_tiny_expert_fields_byte_exact():
     block = layers["layers.0"]
     assert block.expert_params == E * 3 * H * F_WIDTH == 24_576
     assert block.expert_activation_bytes * BATCH == zoo_expert_saved_bytes() == 30_464
+    # the backward's extra peak: the weighted SwiGLU's input gradient (E C 2f d) and weights'
+    # gradient (E C d), all that megatron-core's fused weighted_swiglu_back allocates; at the
+    # weight gradients, the gradient of fc2's output (E C h d)
+    assert block.transient_bytes * BATCH == E * CAPACITY * (2 * F_WIDTH + 1) * D == 16_512
+    assert block.weight_grad_transient_bytes * BATCH == E * CAPACITY * H * D == 4_096
     # dispatch + combine all-to-all, forward + backward: 4 E C h d per micro-batch
     assert block.ep_comm_bytes * BATCH == 4 * E * CAPACITY * H * D == 16_384
     assert layers["layers.1"].expert_activation_bytes == block.expert_activation_bytes
