@@ -62,6 +62,11 @@ PRIVATE_APIS: dict[str, tuple[str, str]] = {
         "count the FLOPs of the CPU flash-attention backward",
         "profiling/dataflow.py",
     ),
+    "torch.ops.aten._scaled_dot_product_flash_attention": (
+        "the CUDA flash kernel's outputs (its meta kernel), against which the CUDA-like "
+        "attention's saved tensors are checked",
+        "tests/test_korthikanti.py",
+    ),
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu": (
         "recognise the attention kernel SDPA runs on CPU (FLOPs), and run it where a GPU runs "
         "its memory-efficient kernel with a learned bias",
@@ -201,6 +206,10 @@ sdpa_backward_flop_count: Callable[..., int] = _private(
     "torch.utils.flop_counter.sdpa_backward_flop_count"
 )
 """FLOPs of attention's backward from (grad, q, k, v) shapes (checked on 2.13.0; public: none)."""
+
+cuda_flash_attention: Any = _private("torch.ops.aten._scaled_dot_product_flash_attention")
+"""The aten op SDPA runs on the CUDA flash kernel; its meta kernel gives the shapes of its outputs
+on any machine (checked on 2.13.0; public: none)."""
 
 cpu_flash_attention: Any = _private("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu")
 """The aten op SDPA runs on CPU for plain attention (checked on 2.13.0; public: none)."""

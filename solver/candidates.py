@@ -4,10 +4,11 @@ bounds.
 Rules: pp * tp * cp * dp = number of GPUs; tp divides gpus_per_node (tensor parallelism stays
 inside a node); pp <= number of layers (every stage holds a layer); dp * micro_batch divides the
 global batch (m = B / (dp b) micro-batches per step). ZeRO stages only differ when dp * cp > 1
-(they shard over both), so with dp = cp = 1 only the smallest requested stage is kept. Sequence
-parallelism (``TrainingConfig.sequence_parallel`` on or auto) goes with every tp > 1 (it only
-splits activations further, and its communication costs what TP's all-reduces cost), never with
-tp = 1.
+(they shard over both), so with dp = cp = 1 only the smallest requested stage is kept. Expert
+parallelism: ep | dp, from ``TrainingConfig.ep`` or, auto, every ep dividing dp and the graph's
+routed experts (``expert_parallel_degrees``). Sequence parallelism
+(``TrainingConfig.sequence_parallel`` on or auto) goes with every tp > 1 (it only splits
+activations further, and its communication costs what TP's all-reduces cost), never with tp = 1.
 
 Context parallelism (``TrainingConfig.cp``, candidate degrees c): pp * tp * cp * dp = GPUs, each
 c of the list that divides gpus / (pp tp). Megatron-LM orders ranks tp fastest, then cp
@@ -150,10 +151,17 @@ def check_pinned_degrees(cluster: Cluster, training: TrainingConfig) -> None:
 
 
 def candidate_configs(
-    num_layers: int, cluster: Cluster, training: TrainingConfig
+    num_layers: int,
+    cluster: Cluster,
+    training: TrainingConfig,
+    *,
+    num_experts: int | None = None,
 ) -> list[ParallelConfig]:
-    """Every valid config, in a fixed order (deterministic search)."""
+    """Every valid config, in a fixed order (deterministic search). ``num_experts``: the
+    graph's routed experts E (``moe.routed_experts``), None for a dense graph; it gives the
+    expert-parallel degrees (``expert_parallel_degrees``)."""
     check_pinned_degrees(cluster, training)
+    check_pinned_expert_degrees(training)
     # auto = selective: with a free choice per layer, "none" (no layer) and "full" (every layer)
     # are feasible choices of the same config, so its optimum is never worse than either (on a
     # heterogeneous cluster too); the empirical model measures one setting per run, so there
@@ -203,23 +211,25 @@ def candidate_configs(
                         for virtual in virtual_stages:
                             if virtual > 1 and not interleaving_fits(num_layers, pp, m, virtual):
                                 continue
-                            if len(configs) >= most:
-                                raise InputError(_too_many_configs(num_layers, most, training))
-                            configs.append(
-                                ParallelConfig(
-                                    pp=pp,
-                                    tp=tp,
-                                    cp=cp,
-                                    dp=dp,
-                                    micro_batch=micro_batch,
-                                    num_microbatches=m,
-                                    zero=zero,
-                                    recompute=recompute,
-                                    schedule=training.schedule,
-                                    virtual_stages=virtual,
-                                    sp=sequence_parallel(training, tp),
+                            for ep in expert_parallel_degrees(training, dp, num_experts):
+                                if len(configs) >= most:
+                                    raise InputError(_too_many_configs(num_layers, most, training))
+                                configs.append(
+                                    ParallelConfig(
+                                        pp=pp,
+                                        tp=tp,
+                                        cp=cp,
+                                        dp=dp,
+                                        micro_batch=micro_batch,
+                                        num_microbatches=m,
+                                        zero=zero,
+                                        recompute=recompute,
+                                        schedule=training.schedule,
+                                        virtual_stages=virtual,
+                                        sp=sequence_parallel(training, tp),
+                                        ep=ep,
+                                    )
                                 )
-                            )
     if not configs:
         raise InputError(_why_no_config(num_layers, cluster, training))
     return configs
@@ -242,8 +252,37 @@ def _tensor_and_context_degrees(
 def sequence_parallel(training: TrainingConfig, tp: int) -> bool:
     """Whether a candidate with tensor-parallel degree ``tp`` uses sequence parallelism: with
     "on" or "auto" exactly when tp > 1 (SP splits over the TP ranks; Megatron-LM recommends it
-    whenever tp > 1), with "off" never."""
+    whenever tp > 1), with "off" never. The option defaults to auto on the megatron runtime and
+    off on the torch runtime (``specs.default_sequence_parallel``)."""
     return training.sequence_parallel != "off" and tp > 1
+
+
+def check_pinned_expert_degrees(training: TrainingConfig) -> None:
+    """With dp pinned, at least one requested ep must divide it (the experts are sharded within
+    the data-parallel ranks)."""
+    if training.ep is None or training.dp is None:
+        return
+    if all(training.dp % e for e in training.ep):
+        asked = ",".join(map(str, training.ep))
+        raise InputError(
+            f"--ep {asked} does not divide the pinned dp({training.dp}): the experts are sharded "
+            "within the data-parallel ranks; pick an --ep that divides --dp"
+        )
+
+
+def expert_parallel_degrees(
+    training: TrainingConfig, dp: int, num_experts: int | None
+) -> list[int]:
+    """The expert-parallel degrees of a candidate with data-parallel degree ``dp``, ascending:
+    those of ``training.ep`` that divide dp (Megatron shards the experts within the
+    data-parallel ranks), or with ep auto (None) every divisor of dp that divides the graph's
+    ``num_experts`` routed experts, and 1 on a dense graph (None). Whether a requested ep fits
+    the graph is ``moe.check_expert_degree``'s (in ``evaluation.prepare_training``)."""
+    if training.ep is None:
+        if num_experts is None:
+            return [1]
+        return [e for e in divisors(dp) if num_experts % e == 0]
+    return sorted({e for e in training.ep if dp % e == 0})
 
 
 def interleaving_fits(num_layers: int, pp: int, num_microbatches: int, virtual: int) -> bool:
@@ -279,12 +318,13 @@ def _too_many_configs(num_layers: int, most: int, training: TrainingConfig) -> s
     lists = (
         f"micro-batch sizes {len(training.micro_batch_sizes)}, ZeRO stages "
         f"{len(training.zero_stages)}, virtual stages {len(training.virtual_stages)}, cp degrees "
-        f"{len(training.cp)}"
+        f"{len(training.cp)}, ep degrees "
+        + ("auto" if training.ep is None else str(len(training.ep)))
     )
     return (
         f"more than {most} candidate configs for {num_layers} layers (the search keeps per-layer "
         f"costs of each, at most {MAX_CONFIG_LAYERS} configs x layers; {lists}): pin --pp, --tp "
-        "or --dp, or give fewer --micro-batch / --zero / --virtual-stages / --cp values"
+        "or --dp, or give fewer --micro-batch / --zero / --virtual-stages / --cp / --ep values"
     )
 
 
@@ -304,6 +344,11 @@ def _why_no_config(num_layers: int, cluster: Cluster, training: TrainingConfig) 
         if min(training.virtual_stages) > 1
         else ""
     )
+    if training.ep is not None:
+        interleaved += (
+            f", and with --ep {','.join(map(str, training.ep))}: dp divisible by one of them "
+            "(the experts are sharded within the data-parallel ranks)"
+        )
     return (
         f"no valid parallel config for {cluster.num_gpus} GPUs ({cluster.gpus_per_node} per node), "
         f"{num_layers} layers, global batch {batch}, micro-batch sizes "

@@ -10,8 +10,20 @@ torch runtime: bf16 gradients; ZeRO paper; ``specs.GRAD_BYTES_PER_PARAM``), ZeRO
 s = 0..p-1.
 
 Memory of stage s (bytes per GPU):
-  P'_l = (params - tp_params) + tp_params / t                        parameters held per GPU
-  A'_l = (activation_bytes - tp_activation_bytes) + tp_act / t        saved bytes per sample per GPU
+  P'_l = (params - tp_params - expert_params) + tp_params / t + expert_params / (t ep)
+         parameters held per GPU: the routed experts are sharded over ep ranks (Megatron's
+         expert parallelism, within the data-parallel ranks) and each expert split over t
+         (expert tensor parallelism = tp, Megatron's default; ``ParamShares``)
+  A'_l = (activation_bytes - expert_activation_bytes - tp_activation_bytes) + tp_act / t
+         + X'_l / b                                                  saved bytes per sample per GPU
+  X'_l = f b (R_l + (X_l - R_l) / t) / c  the routed experts' saved bytes per micro-batch
+         (``expert_stored_bytes``): X_l = expert_activation_bytes, R_l = min(X_l,
+         ep_comm_bytes / 4) the dispatched tokens' hidden states, which every TP rank keeps
+         whole (Megatron all-gathers them over tp before the experts); not divided by ep (each
+         GPU's experts receive b s k tokens at a balanced routing whatever ep is); f the routing
+         factor (``routing_factor``): the capacity factor c (``--moe-capacity-factor c``,
+         Megatron's --moe-expert-capacity-factor with padding; 1 = balanced) or, dropless, the
+         worst case a router can reach on one GPU, f = ep min(k, E / ep) / k
   A'_l = activation_bytes / t  with sequence parallelism (config.sp; Korthikanti et al. 2022,
          sbh(34/t + 5as/(ht)) against sbh(10 + 24/t + 5as/(ht))): the parts TP leaves replicated
          (norm inputs, dropout masks, residuals) are split along the sequence over the t ranks too;
@@ -20,6 +32,9 @@ Memory of stage s (bytes per GPU):
          + (t-1)/t sp_gathered_bytes on the torch runtime, whose eager autograd saves the
          gathered input of each column-parallel Linear where Megatron saves its shard
   states_s  = sum_l P'_l (w / d[z>=3] + g / d[z>=2] + o / d[z>=1])  each term rounded up per layer
+              (the expert part of P'_l sharded over the d c / ep expert-data-parallel ranks
+              instead of d c: Megatron's distributed optimizer keeps the expert parameters'
+              states on ``intra_expt_dp_group``)
               (+ w P'_l / d with ZeRO-2 on the torch runtime: FSDP2 keeps the sharded parameters
               next to the gathered ones)
   k_s       = min(m, p - s) under 1F1B, m under GPipe                  micro-batches in flight
@@ -44,7 +59,9 @@ Memory of stage s (bytes per GPU):
                         backward
   gtemp_l   = w max(largest_param_l, largest_tp_param_l / t): a weight gradient is computed in
               the weights' dtype into a temporary and added to the persistent gradient (.grad,
-              or Megatron's fp32 main_grad) while backward accumulates
+              or Megatron's fp32 main_grad) while backward accumulates; a largest_param larger
+              than the layer's dense replicated parameters is a routed-expert tensor, held
+              / (t ep) (``largest_local_param``)
   gather_l  = 2 w P'_l with ZeRO-3, else 0: the running layer's weights are gathered and the next
               layer's prefetched (FSDP), each freed again after use
   trans_s   = max_l (max(b transient_l, b weight_grad_transient_l + gtemp_l) + gather_l): the
@@ -104,11 +121,17 @@ Time (integer nanoseconds, rounded up per layer so that every backend sums the s
       + b * forward compute / t for a recomputed layer (the forward runs twice);
       the same with sequence parallelism: each all-reduce becomes an all-gather plus a
       reduce-scatter, (t-1)/t of the buffer each, the same bytes per GPU (Korthikanti et al. 2022)
+      + expert-parallel all-to-all (dispatch and combine, forward and backward;
+      ``expert_all_to_all_ns``): b ep_comm_bytes f (ep-1)/ep (/ t with sequence parallelism,
+      each TP rank dispatching its s / t tokens) over the intra-node bandwidth when t ep <=
+      gpus_per_node, else inter-node; a recomputed layer's forward sends its half again
   T_s  = sum of its layers' micro-batch times
   AR_s = non-overlapped data-parallel gradient sync of stage s: ring all-reduce of its gradients,
          2 (d-1)/d * sum_l P'_l g bytes (z <= 2: all-reduce, or reduce-scatter + all-gather of the
          updated shards), 3 (d-1)/d with z = 3 (parameters are all-gathered again for backward);
-         over the intra-node bandwidth when t d <= gpus_per_node, else inter-node
+         over the intra-node bandwidth when t d <= gpus_per_node, else inter-node; the routed
+         experts' gradients over their d_e = d c / ep expert-data-parallel ranks (c = cp, below),
+         2 (d_e - 1)/d_e
   iteration = (m + p - 1) max_s T_s + max_s AR_s;  throughput = B / iteration (samples/s)
 
 Context parallelism (``ParallelConfig.cp`` = c; Megatron-LM's ``--context-parallel-size``, ring
@@ -145,6 +168,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from functools import cached_property
 
 import numpy as np
@@ -152,7 +176,8 @@ import numpy as np
 from solver.calibration import Calibration
 from solver.errors import InputError
 from solver.graph import INTEGER_FIELDS, LayerGraph
-from solver.specs import Cluster, ParallelConfig, TrainingConfig
+from solver.moe import RoutedExperts, check_expert_degree, routed_experts
+from solver.specs import MOE_DROPLESS, Cluster, ParallelConfig, TrainingConfig
 
 NS_PER_MS = 1_000_000
 
@@ -679,9 +704,12 @@ def layer_costs(
     cols = _graph_columns(graph)
     if config.cp > 1:
         check_context_parallel(graph, config.cp, training.memory_model)
-    # t * P'_l and t * A'_l are integers: ceil(t P' x / (t n)) is then exact.
-    params_times_t = (cols["params"] - cols["tp_params"]) * t + cols["tp_params"]
-    saved_times_t = (cols["activation_bytes"] - cols["tp_activation_bytes"]) * t + cols[
+    factor = routing_factor(graph, config, training)
+    params = ParamShares.of(cols, config)
+    # t * A'_l is an integer: ceil(b t A' / (t c)) is then exact. The routed experts' part is
+    # apart (expert_stored_bytes): it scales with the routing factor
+    dense_activation_bytes = cols["activation_bytes"] - cols["expert_activation_bytes"]
+    saved_times_t = (dense_activation_bytes - cols["tp_activation_bytes"]) * t + cols[
         "tp_activation_bytes"
     ]
     edge_bytes = b * cols["edge_bytes"]
@@ -689,7 +717,7 @@ def layer_costs(
         # sequence parallelism splits every saved tensor along the sequence or, where TP
         # already splits it, along heads/width: A'_l = activation_bytes / t (Korthikanti et al.
         # 2022, section 4.2.2); a stage sends [s/t, b, h]
-        saved_times_t = cols["activation_bytes"]
+        saved_times_t = dense_activation_bytes
         if training.runtime == "torch":
             # eager torch (torch.distributed.tensor.parallel, profiling.parallelize) saves the
             # all-gathered [b, s, h] input of each column-parallel Linear and LM head, not its
@@ -698,15 +726,16 @@ def layer_costs(
             saved_times_t = saved_times_t + (t - 1) * cols["sp_gathered_bytes"]
     # a stage sends [s/(t c), b, h] with sequence parallelism, [s/c, b, h] without
     edge_bytes = _ceil_div(edge_bytes, sequence_split(config))
-    weight, grad, optimizer = _model_state_bytes(params_times_t, config, training)
-    stored, transient = _activation_bytes(cols, params_times_t, saved_times_t, config, training)
+    saved = _ceil_div(b * saved_times_t, t * config.cp) + expert_stored_bytes(cols, config, factor)
+    weight, grad, optimizer = _model_state_bytes(params, config, training)
+    stored, transient = _activation_bytes(cols, params, saved, config, training)
     if training.runtime == "torch":
         # torch.distributed.pipelining's loss_fn(output, target) runs outside the model: the
         # last stage keeps each in-flight micro-batch's output until its backward, beside what
         # the loss saves; the part no op saved is not in the graph's activation_bytes
         held_output = b * unsaved_output_bytes(graph)
         stored = tuple(np.concatenate([kept[:-1], kept[-1:] + held_output]) for kept in stored)
-    time_ns = _time_ns(cols, config, cluster)
+    time_ns = _time_ns(cols, config, cluster, factor)
     recomputable = recomputable_layers(graph, training.runtime)
     stored, transient, time_ns = (
         (kept, np.where(recomputable, recomputed, kept))
@@ -728,7 +757,7 @@ def layer_costs(
         recompute_transient_bytes=scaled(transient[1], "transient"),
         recompute_time_ns=_as_int(time_ns[1]),
         recomputable=recomputable,
-        dp_sync_ns=_as_int(_dp_sync_ns(params_times_t, config, cluster, training)),
+        dp_sync_ns=_as_int(_dp_sync_ns(params, config, cluster, training)),
         edge_src=cols["edge_src"],
         edge_dst=cols["edge_dst"],
         edge_bytes=scaled(edge_bytes, "buffers"),
@@ -747,7 +776,7 @@ def layer_costs(
         deallocate_pipeline_outputs=training.deallocate_pipeline_outputs,
         grad_lifetime=training.grad_lifetime,
         grad_buffer_bytes=ddp_bucket_bytes(config, training, scaled(grad, "grads")),
-        step_bytes=optimizer_step_bytes(params_times_t, config, training, scaled),
+        step_bytes=optimizer_step_bytes(params, config, training, scaled),
     )
     if training.memory_model == "empirical":
         _check_empirical_options(config, calibration)
@@ -830,6 +859,7 @@ def check_exact_range(
     scale = max(1.0, *calibration.scales.values()) if calibration else 1.0
     constant = abs(calibration.constant_bytes) if calibration else 0
     layers = graph.num_layers
+    factor = float(routing_factor(graph, config, training))
     # a layer's largest intermediate: t P w before the division by t d, b t (A + T), ...
     largest_product = totals["largest"] * t * max(b, w, g, o, 1) * 2
     memory = (
@@ -838,6 +868,7 @@ def check_exact_range(
             (2 * w + 2 * g + o + training.optimizer_step_bytes_per_param) * totals["params"]
             # + DDP's buckets and the optimizer step's temporary
             + held * b * (totals["activation_bytes"] + totals["output_bytes"] + totals["edges"])
+            + held * b * factor * totals["expert_activation_bytes"]
             + (max(receive_copies) + max(send_copies)) * v * b * totals["edges"]
             + b * totals["largest"] * 2
             + 2 * b * totals["attention_kv_bytes"]  # ring attention: max(c, 4) chunks <= 2 b kv
@@ -852,6 +883,7 @@ def check_exact_range(
     stage_ns = (
         b * (totals["ms"] + totals["flops"] / rate_per_ms) * NS_PER_MS / t
         + 2 * b * totals["tp_comm_bytes"] / cluster.intra_node_gb_per_s
+        + 2 * b * factor * totals["ep_comm_bytes"] / slowest_link
         + 4 * b * totals["attention_kv_bytes"] / slowest_link  # ring passes, at most 4 per layer
         + layers
     )
@@ -881,7 +913,15 @@ def _graph_totals(graph: LayerGraph) -> dict[str, float]:
     if cached is not None:
         return cached
     layers = graph.layers
-    fields = ("params", "activation_bytes", "output_bytes", "tp_comm_bytes", "attention_kv_bytes")
+    fields = (
+        "params",
+        "activation_bytes",
+        "output_bytes",
+        "tp_comm_bytes",
+        "attention_kv_bytes",
+        "expert_activation_bytes",
+        "ep_comm_bytes",
+    )
     totals = {key: float(sum(getattr(layer, key) for layer in layers)) for key in fields}
     totals["edges"] = float(sum(edge.bytes for edge in graph.edges))
     totals["largest"] = float(
@@ -913,44 +953,89 @@ def _graph_totals(graph: LayerGraph) -> dict[str, float]:
     return totals
 
 
+@dataclass(frozen=True)
+class ParamShares:
+    """A layer's parameters per GPU in two parts that shard differently (module docstring,
+    P'_l): the dense ones, P'_dense = (params - tp_params - expert_params) + tp_params / t,
+    held as ``dense_times_t`` = t P'_dense (an integer); and the routed experts',
+    expert_params / (t ep): Megatron shards the experts over ep ranks and splits each expert
+    over the expert tensor-parallel group, whose size is tp by default
+    (``ModelParallelConfig.expert_tensor_parallel_size`` None -> tensor_model_parallel_size)."""
+
+    dense_times_t: np.ndarray
+    """t P'_dense of every layer (parameters)."""
+    expert: np.ndarray
+    """expert_params of every layer, before the division by t ep (parameters)."""
+    tp: int
+    ep: int
+
+    @classmethod
+    def of(cls, cols: dict[str, np.ndarray], config: ParallelConfig) -> ParamShares:
+        t = config.tp
+        dense = cols["params"] - cols["tp_params"] - cols["expert_params"]
+        return cls(
+            dense_times_t=dense * t + cols["tp_params"],
+            expert=cols["expert_params"],
+            tp=t,
+            ep=config.ep,
+        )
+
+    def bytes_per_gpu(self, per_param: int, dense_shards: int, expert_shards: int) -> np.ndarray:
+        """ceil(P'_dense x / n_dense) + ceil(P'_expert x / n_expert) of every layer: ``per_param``
+        bytes of each parameter, the dense part sharded over ``dense_shards`` ranks and the
+        experts' over ``expert_shards`` (each term rounded up)."""
+        dense = _ceil_div(self.dense_times_t * per_param, self.tp * dense_shards)
+        return dense + _ceil_div(self.expert * per_param, self.tp * self.ep * expert_shards)
+
+    def sharded(self, per_param: int, config: ParallelConfig, sharded: bool) -> np.ndarray:
+        """``bytes_per_gpu`` with the dense part over the d c data-parallel ranks
+        (``sharding_degree``) and the experts over the d c / ep expert-data-parallel ranks when
+        ``sharded`` (ZeRO / Megatron's distributed optimizer: ``_get_param_groups_and_buffers``
+        builds the expert parameters' optimizer over ``intra_expt_dp_group``, world / (pp tp
+        ep) ranks), else unsharded."""
+        if not sharded:
+            return self.bytes_per_gpu(per_param, 1, 1)
+        shards = sharding_degree(config)
+        return self.bytes_per_gpu(per_param, shards, shards // config.ep)
+
+
 def _model_state_bytes(
-    params_times_t: np.ndarray, config: ParallelConfig, training: TrainingConfig
+    params: ParamShares, config: ParallelConfig, training: TrainingConfig
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Weights, gradients and optimizer state per GPU of every layer (the terms of states_s in
-    the module docstring): tp splits the tp parameters; ZeRO stage z shards the optimizer state
-    (z >= 1), gradients (z >= 2) and weights (z = 3) over dp x cp (``sharding_degree``)."""
-    t, d, z = config.tp, sharding_degree(config), config.zero
+    the module docstring): tp splits the tp parameters, t ep the routed experts'; ZeRO stage z
+    shards the optimizer state (z >= 1), gradients (z >= 2) and weights (z = 3) over dp x cp
+    (``sharding_degree``; the experts' over dp x cp / ep)."""
+    d, z = sharding_degree(config), config.zero
     w, g, o = (
         training.weight_bytes_per_param,
         training.grad_bytes_per_param,
         training.optimizer_bytes_per_param,
     )
-    weight = _ceil_div(params_times_t * w, t * (d if z >= 3 else 1))
+    weight = params.sharded(w, config, z >= 3)
     if z == 2 and d > 1 and training.runtime == "torch":
         # FSDP2 keeps the sharded parameters next to the gathered ones
-        weight = weight + _ceil_div(params_times_t * w, t * d)
-    grad = _ceil_div(params_times_t * g, t * (d if z >= 2 else 1))
-    optimizer = _ceil_div(params_times_t * o, t * (d if z >= 1 else 1))
+        weight = weight + params.sharded(w, config, True)
+    grad = params.sharded(g, config, z >= 2)
+    optimizer = params.sharded(o, config, z >= 1)
     return weight, grad, optimizer
 
 
 def optimizer_step_bytes(
-    params_times_t: np.ndarray, config: ParallelConfig, training: TrainingConfig, scaled
+    params: ParamShares, config: ParallelConfig, training: TrainingConfig, scaled
 ) -> np.ndarray | None:
     """The optimizer step's temporary of every layer per GPU, bytes, or None without one:
     ceil(P'_l u / d[z>=1]) with u = ``TrainingConfig.optimizer_step_bytes_per_param`` (a foreach
     Adam's square root of ``exp_avg_sq``, one state element per parameter). It is made from the
     optimizer's own states, so it is split like them: over tp, and over dp from ZeRO 1 (each
     rank steps its shard: ``ZeroRedundancyOptimizer``'s local optimizer, FSDP2's DTensor
-    shards; over dp x cp with context parallelism, ``sharding_degree``). ``scaled``:
-    ``_calibrated``'s function (a calibration scales it with the transients)."""
+    shards; over dp x cp with context parallelism, ``sharding_degree``; the routed experts'
+    over dp x cp / ep). ``scaled``: ``_calibrated``'s function (a calibration scales it with
+    the transients)."""
     per_param = training.optimizer_step_bytes_per_param
     if not per_param:
         return None
-    t, d = config.tp, sharding_degree(config)
-    return scaled(
-        _ceil_div(params_times_t * per_param, t * (d if config.zero >= 1 else 1)), "transient"
-    )
+    return scaled(params.sharded(per_param, config, config.zero >= 1), "transient")
 
 
 def recomputable_layers(graph: LayerGraph, runtime: str) -> np.ndarray:
@@ -963,30 +1048,31 @@ def recomputable_layers(graph: LayerGraph, runtime: str) -> np.ndarray:
 
 def _activation_bytes(
     cols: dict[str, np.ndarray],
-    params_times_t: np.ndarray,
-    saved_times_t: np.ndarray,
+    params: ParamShares,
+    saved: np.ndarray,
     config: ParallelConfig,
     training: TrainingConfig,
 ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """(stored_l, transient) bytes of every layer per micro-batch, each in both states: kept
     (index 0) and recomputed (index 1: only the output is stored, the saved tensors come back
-    while the layer recomputes). Transient is max(b transient_bytes_l, b
+    while the layer recomputes). ``saved``: b A'_l per GPU, bytes per micro-batch (rounded
+    up; / c with context parallelism). Transient is max(b transient_bytes_l, b
     weight_grad_transient_bytes_l + gtemp_l) + gather_l (module docstring)."""
     t, b, c = config.tp, config.micro_batch, config.cp
     w = training.weight_bytes_per_param
-    grad_temporary = w * np.maximum(cols["largest_param"], _ceil_div(cols["largest_tp_param"], t))
+    grad_temporary = w * np.maximum(
+        largest_local_param(cols, config), _ceil_div(cols["largest_tp_param"], t)
+    )
     # a recomputed layer keeps its output, the next layer's input: [s/t, b, h] with sequence
     # parallelism; context parallelism holds s/c of every sequence: every term per sample / c
     kept_output = _ceil_div(b * cols["output_bytes"], sequence_split(config))
-    stored = (_ceil_div(b * saved_times_t, t * c), kept_output)
-    gather = 2 * _ceil_div(params_times_t * w, t) if config.zero >= 3 else 0
+    stored = (saved, kept_output)
+    gather = 2 * params.bytes_per_gpu(w, 1, 1) if config.zero >= 3 else 0
 
     def transient(bytes_per_sample: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Kept, recomputed (the recomputed layer's saved tensors come back while it runs)."""
-        return (
-            _ceil_div(b * bytes_per_sample, c),
-            _ceil_div(b * (bytes_per_sample * t + saved_times_t), t * c),
-        )
+        kept = _ceil_div(b * bytes_per_sample, c)
+        return (kept, kept + saved)
 
     # the weight-gradient temporary joins what is live when the weight gradients are made; ring
     # attention's K/V buffers join the layer's own peak (its attention runs then)
@@ -1000,11 +1086,81 @@ def _activation_bytes(
     return stored, peaks
 
 
+def largest_local_param(cols: dict[str, np.ndarray], config: ParallelConfig) -> np.ndarray:
+    """Elements per GPU of every layer's largest parameter tensor that TP does not split
+    (``largest_param``), as its weight-gradient temporary sees it. A tensor larger than all of
+    the layer's dense replicated parameters (params - tp_params - expert_params) can only be a
+    routed-expert tensor (a grouped (E, h, f) expert weight, never split by the TP rule):
+    Megatron holds E / ep experts of width / t of it, largest_param / (t ep) (``ParamShares``);
+    any other stays whole."""
+    dense_replicated = cols["params"] - cols["tp_params"] - cols["expert_params"]
+    largest = cols["largest_param"]
+    in_experts = (cols["expert_params"] > 0) & (largest > dense_replicated)
+    return np.where(in_experts, _ceil_div(largest, config.tp * config.ep), largest)
+
+
+def routing_factor(graph: LayerGraph, config: ParallelConfig, training: TrainingConfig) -> Fraction:
+    """f: how many times its balanced share of routed tokens one GPU's experts may hold
+    (``TrainingConfig.moe_capacity_factor``); 1 on a dense graph. InputError when ``config.ep``
+    does not fit the graph (``moe.check_expert_degree``).
+
+    - a capacity factor c: Megatron's ``--moe-expert-capacity-factor c`` with
+      ``--moe-pad-expert-input-to-capacity`` pads every expert to capacity = c x its balanced
+      share (``moe_utils.get_capacity``), so the GPU holds exactly c times the balanced tokens:
+      f = c (taken to 1/1000; c = 1 is the balanced routing);
+    - dropless: no capacity, so the worst a router can do to one GPU is to send every token of
+      the ep GPUs of its expert-parallel group as many of its k choices as that GPU has experts:
+      each token reaches at most min(k, E / ep) of the GPU's E / ep experts, from ep GPUs, against
+      k / ep x ep = k on average, f = ep min(k, E / ep) / k (ep = 1: f = 1; Mixtral E 8, k 2 at
+      ep 8: f = 8 x 1 / 2 = 4).
+
+    Both relative to the capacity the graph was profiled at (``meta.moe.capacity_factor``,
+    default 1: balanced): a graph profiled with padding to 1.25 has f = 1 / 1.25 at a balanced
+    routing."""
+    check_expert_degree(graph, config.ep)
+    experts = routed_experts(graph)
+    return _routing_factor(experts, config.ep, training.moe_capacity_factor)
+
+
+def _routing_factor(
+    experts: RoutedExperts | None, ep: int, capacity_factor: float | str
+) -> Fraction:
+    if experts is None:
+        return Fraction(1)
+    # the graph's expert fields were profiled at this capacity (meta.moe.capacity_factor)
+    profiled = Fraction(experts.profiled_capacity_factor).limit_denominator(1000)
+    if capacity_factor == MOE_DROPLESS:
+        k, local = experts.top_k, experts.num_experts // ep
+        return Fraction(ep * min(k, local), k) / profiled
+    return Fraction(capacity_factor).limit_denominator(1000) / profiled
+
+
+def expert_stored_bytes(
+    cols: dict[str, np.ndarray], config: ParallelConfig, factor: Fraction
+) -> np.ndarray:
+    """The routed experts' saved bytes per GPU per micro-batch of every layer (module docstring,
+    X'_l): f b (R_l + (X_l - R_l) / t), rounded up, with X_l = expert_activation_bytes and
+    R_l = min(X_l, ep_comm_bytes_l / 4) the routed tokens' hidden states (one of the four equal
+    all-to-alls ep_comm_bytes counts: dispatch and combine, forward and backward). Megatron's
+    expert tensor parallelism splits the experts' width (fc1 column-, fc2 row-parallel) but
+    all-gathers the dispatched tokens over the TP ranks first
+    (``MoEAlltoAllTokenDispatcher.dispatch_postprocess``: ``gather_from_sequence_parallel_region``
+    over ``tp_group``), so every TP rank keeps the whole [b s k, h] input fc1 saves: R stays
+    replicated; the rest (fc1's output, the activation's input, fc2's input: width ffn / t) is
+    split. Not divided by ep: each GPU's experts receive b s k tokens at a balanced routing
+    whatever ep is; divided by c with context parallelism (each GPU routes its s / c tokens)."""
+    t, b, c = config.tp, config.micro_batch, config.cp
+    expert = cols["expert_activation_bytes"]
+    replicated = np.minimum(expert, cols["ep_comm_bytes"] // 4)
+    times_t = replicated * t + (expert - replicated)
+    return -(-(b * factor.numerator * times_t) // (factor.denominator * t * c))
+
+
 def _time_ns(
-    cols: dict[str, np.ndarray], config: ParallelConfig, cluster: Cluster
+    cols: dict[str, np.ndarray], config: ParallelConfig, cluster: Cluster, factor: Fraction
 ) -> tuple[np.ndarray, np.ndarray]:
     """Time of every layer per micro-batch (module docstring, "per micro-batch"), kept (index 0)
-    and recomputed (index 1: the forward runs twice)."""
+    and recomputed (index 1: the forward runs twice, its dispatch and combine too)."""
     t, b, c = config.tp, config.micro_batch, config.cp
     rate_per_ms = cluster.gpu_flops * cluster.flops_efficiency / 1e3
     fwd_ms = np.where(cols["measured"], cols["fwd_ms"], cols["fwd_flops"] / rate_per_ms)
@@ -1019,34 +1175,63 @@ def _time_ns(
     # ring attention: (c-1)/c of the K/V per pass, three passes (forward K/V; backward K/V and
     # dK/dV), a fourth for a recomputed layer's second forward
     ring_pass_ns = ring_attention_pass_ns(cols["attention_kv_bytes"], config, cluster)
+    # expert-parallel all-to-alls: a recomputed forward dispatches and combines again (x 1.5)
+    all_to_all_ns = expert_all_to_all_ns(cols, config, cluster, factor)
     return tuple(
-        np.ceil(b * (total_ms + extra) / (t * c) * NS_PER_MS + tp_comm_ns + passes * ring_pass_ns)
-        for extra, passes in ((0.0, 3), (fwd_ms, 4))
+        np.ceil(
+            b * (total_ms + extra) / (t * c) * NS_PER_MS
+            + tp_comm_ns
+            + passes * ring_pass_ns
+            + a2a * all_to_all_ns
+        )
+        for extra, passes, a2a in ((0.0, 3, 1.0), (fwd_ms, 4, 1.5))
     )
 
 
+def expert_all_to_all_ns(
+    cols: dict[str, np.ndarray], config: ParallelConfig, cluster: Cluster, factor: Fraction
+) -> np.ndarray:
+    """Expert-parallel all-to-all time of every layer per micro-batch, ns (module docstring):
+    b ep_comm_bytes f (ep - 1) / ep bytes leave each GPU (the (ep-1)/ep of its tokens routed to
+    other ranks), / t with sequence parallelism (each TP rank dispatches its s / t tokens) and
+    / c with context parallelism (s / c tokens per GPU), over the intra-node bandwidth when the
+    t ep GPUs of an expert-parallel group fit in a node, else inter-node. 0 at ep 1."""
+    t, e, b = config.tp, config.ep, config.micro_batch
+    if e == 1:
+        return np.zeros(len(cols["ep_comm_bytes"]))
+    bytes_per_ns = (
+        cluster.intra_node_gb_per_s
+        if t * e <= cluster.gpus_per_node
+        else cluster.inter_node_gb_per_s
+    )
+    sent = b * cols["ep_comm_bytes"] * float(factor) * (e - 1) / e
+    return sent / sequence_split(config) / bytes_per_ns
+
+
 def _dp_sync_ns(
-    params_times_t: np.ndarray, config: ParallelConfig, cluster: Cluster, training: TrainingConfig
+    params: ParamShares, config: ParallelConfig, cluster: Cluster, training: TrainingConfig
 ) -> np.ndarray:
     """Each layer's share of AR_s, the data-parallel gradient sync (module docstring): 2 (d-1)/d
-    of its gradient bytes per GPU, 3 (d-1)/d with ZeRO-3, intra-node when t d fits in a node;
-    with context parallelism the group is dp x cp (d -> d c: the cp ranks hold the same
-    parameters and their gradients are summed too, Megatron's ``with_context_parallel`` data
-    parallel group)."""
-    t, d = config.tp, sharding_degree(config)
+    of its dense gradient bytes per GPU and 2 (d_e-1)/d_e of its expert gradient bytes over the
+    d_e = d c / ep expert-data-parallel ranks, 3 rounds with ZeRO-3, intra-node when t d fits in a
+    node (the expert-data-parallel group spans the same GPUs); with context parallelism the
+    group is dp x cp (d -> d c: the cp ranks hold the same parameters and their gradients are
+    summed too, Megatron's ``with_context_parallel`` data parallel group; the experts' d c / ep,
+    Megatron's expert-data-parallel group of world / (pp tp ep) ranks)."""
+    t, d, e = config.tp, sharding_degree(config), config.ep
+    d_expert = d // e
     sync_bytes_per_ns = (
         cluster.intra_node_gb_per_s
         if t * d <= cluster.gpus_per_node
         else cluster.inter_node_gb_per_s
     )
     sync_rounds = 3 if config.zero >= 3 else 2
-    return np.ceil(
-        sync_rounds
-        * (d - 1)
-        * params_times_t
-        * training.grad_bytes_per_param
-        / (d * t * sync_bytes_per_ns)
+    g = training.grad_bytes_per_param
+    dense = sync_rounds * (d - 1) * params.dense_times_t * g / (d * t * sync_bytes_per_ns)
+    expert = (
+        sync_rounds * (d_expert - 1) * params.expert * g / (d_expert * t * e * sync_bytes_per_ns)
     )
+    return np.ceil(dense + expert)
 
 
 def _as_int(values) -> np.ndarray:

@@ -18,7 +18,8 @@ from typing import Any
 
 from solver.errors import InputError
 from solver.graph import LayerGraph
-from solver.specs import ParallelConfig
+from solver.moe import routed_experts
+from solver.specs import MOE_DROPLESS, ParallelConfig
 from solver.torchtitan_export import torchtitan_export
 
 # Megatron layout letters (megatron/core/transformer/pipeline_parallel_layer_layout.py,
@@ -33,6 +34,7 @@ def build_exports(
     stage_layers: list[list[str]],
     *,
     recomputed: list[list[str]] | None = None,
+    moe_capacity_factor: float | str = 1.0,
 ) -> dict[str, Any]:
     """Settings for torch pipelining, Megatron-LM and DeepSpeed that reproduce the plan.
 
@@ -49,7 +51,9 @@ def build_exports(
         "torch_pipelining": torch_pipelining_export(
             config, stages, contiguous=contiguous, recomputed=selected
         ),
-        "megatron": megatron_export(graph, config, stages, recomputed=selected),
+        "megatron": megatron_export(
+            graph, config, stages, recomputed=selected, moe_capacity_factor=moe_capacity_factor
+        ),
         "deepspeed": deepspeed_export(config, stages, contiguous=contiguous, recomputed=selected),
         "torchtitan": torchtitan_export(graph, config, stages, recomputed=selected),
     }
@@ -298,8 +302,10 @@ def megatron_export(
     stages: list[list[str]],
     *,
     recomputed: list[list[str]] | None = None,
+    moe_capacity_factor: float | str = 1.0,
 ) -> dict[str, Any]:
-    """Megatron-LM arguments for the plan.
+    """Megatron-LM arguments for the plan (``moe_capacity_factor``: the plan's
+    ``TrainingConfig.moe_capacity_factor``, for a mixture-of-experts graph's router flags).
 
     Layer roles become layout letters: embedding -> E, block -> t, head -> L. A layer of kind
     ``other`` gets no letter: Megatron builds only E, t, L (and m) modules, so such a layer (a
@@ -344,6 +350,10 @@ def megatron_export(
         # parallel size is world / (tp cp pp), and its distributed optimizer and gradient
         # all-reduce span dp x cp (the cost model's sharding_degree)
         args += ["--context-parallel-size", str(config.cp)]
+    expert_args, expert_warning = _megatron_expert_args(graph, config, moe_capacity_factor)
+    args += expert_args
+    if expert_warning is not None:
+        warnings.append(expert_warning)
     return {
         "args": args,
         "layout": layout,
@@ -365,6 +375,57 @@ def megatron_export(
             "2,4,12 count; other precisions: docs/cost-model.md."
         ),
     }
+
+
+def _megatron_expert_args(
+    graph: LayerGraph, config: ParallelConfig, capacity_factor: float | str
+) -> tuple[list[str], str | None]:
+    """Megatron's mixture-of-experts flags for a graph with routed experts (megatron/training/
+    arguments.py): ``--num-experts E --moe-router-topk k --expert-model-parallel-size ep`` and
+    ``--moe-token-dispatcher-type alltoall`` (the all-to-all the cost model times; Megatron's
+    default is allgather); a capacity factor c > 1 adds ``--moe-expert-capacity-factor c
+    --moe-pad-expert-input-to-capacity`` (padded to capacity: what the planner counts). At
+    c = 1 (a balanced routing) and dropless no capacity is set: Megatron's router is then
+    dropless, and at 1 a warning says the plan assumed balanced routing. Shared experts
+    (``--moe-shared-expert-intermediate-size``) need the model's widths: left to the model's
+    own arguments. ([], None) for a dense graph; no flags and a warning for tp > 1 without
+    sequence parallelism, which megatron-core refuses for MoE layers."""
+    experts = routed_experts(graph)
+    if experts is None:
+        return [], None
+    if config.tp > 1 and not config.sp:
+        # megatron/core/transformer/moe/moe_layer.py, MoELayer.forward: "performance may degrade
+        # if MoE and tensor parallelism are enabled without also enabling sequence parallelism"
+        # is a ValueError in training
+        return [], (
+            "moe: megatron-core refuses to train MoE layers with tensor parallelism but without "
+            "sequence parallelism (MoELayer.forward raises); plan with --sequence-parallel auto"
+        )
+    args = [
+        "--num-experts",
+        str(experts.num_experts),
+        "--moe-router-topk",
+        str(experts.top_k),
+        "--expert-model-parallel-size",
+        str(config.ep),
+        "--moe-token-dispatcher-type",
+        "alltoall",
+    ]
+    if capacity_factor == MOE_DROPLESS:
+        return args, None
+    if capacity_factor > 1:
+        args += [
+            "--moe-expert-capacity-factor",
+            f"{capacity_factor:g}",
+            "--moe-pad-expert-input-to-capacity",
+        ]
+        return args, None
+    return args, (
+        "moe: the plan assumes a balanced routing (each expert gets tokens x top_k / experts); "
+        "Megatron's dropless router can send a GPU more. Bound it with "
+        "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity, or plan with "
+        "--moe-capacity-factor dropless for the worst case"
+    )
 
 
 def _megatron_split_method(

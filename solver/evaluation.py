@@ -19,6 +19,7 @@ from solver.cost_model import (
 )
 from solver.errors import InputError
 from solver.graph import LayerGraph
+from solver.moe import check_expert_degree
 from solver.precision import for_graph
 from solver.reserve import check_usable
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
@@ -138,6 +139,7 @@ def default_training(config: ParallelConfig) -> TrainingConfig:
         virtual_stages=(config.virtual_stages,),
         sequence_parallel="on" if config.sp else "off",
         cp=(config.cp,),
+        ep=(config.ep,),
     )
 
 
@@ -151,6 +153,8 @@ def prepare_training(
     graph's dtype when None, ``precision.for_graph``), and InputError when its reserve leaves
     nothing of a GPU of ``cluster``."""
     training = for_graph(training, graph)
+    for ep in training.ep or ():
+        check_expert_degree(graph, ep)
     capacities = (
         {f"node group {g.name}'s GPU": g.gpu_memory_bytes for g in cluster.groups}
         if cluster.is_heterogeneous
@@ -167,8 +171,9 @@ def check_training(config: ParallelConfig, training: TrainingConfig) -> None:
     schedule and global batch (dp * b * m), its virtual stages among the candidates, its
     recompute mode (or auto, which covers every mode), its micro-batch size and ZeRO stage among
     the candidates when those lists are not the defaults (the default lists restrict nothing
-    here), pp/tp/dp equal to any pinned degree, and config.sp what its sequence_parallel option
-    gives for its tp (``candidates.sequence_parallel``). Only then do the training options'
+    here), pp/tp/dp equal to any pinned degree, config.ep among training.ep (unless auto),
+    and config.sp what its sequence_parallel option gives for its tp
+    (``candidates.sequence_parallel``). Only then do the training options'
     bytes per parameter, runtime (and its output deallocation), memory model and calibration
     describe this layout.
     """
@@ -189,6 +194,8 @@ def check_training(config: ParallelConfig, training: TrainingConfig) -> None:
             f"training.sequence_parallel {training.sequence_parallel!r} gives sp "
             f"{sequence_parallel(training, config.tp)} with tp {config.tp}, config.sp {config.sp}"
         )
+    if training.ep is not None and config.ep not in training.ep:
+        problems.append(f"config.ep {config.ep} not in training.ep {list(training.ep)}")
     if training.recompute not in (config.recompute, "auto"):
         problems.append(
             f"training.recompute {training.recompute!r} != config.recompute {config.recompute!r}"

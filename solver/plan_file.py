@@ -306,11 +306,13 @@ def _build(document: dict[str, Any], origin: str, kind: str) -> PlanFile:
             training = TrainingConfig(
                 **{
                     key: tuple(value) if isinstance(value, list) else value
-                    # plans written before grad_lifetime existed ran with persistent gradients
-                    # and before optimizer_impl without a step temporary
+                    # plans written before grad_lifetime existed ran with persistent gradients,
+                    # before optimizer_impl without a step temporary, before
+                    # sequence_parallel without SP
                     for key, value in {
                         "grad_lifetime": "persistent",
                         "optimizer_impl": "fused",
+                        "sequence_parallel": "off",
                         **options,
                     }.items()
                 },

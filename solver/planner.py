@@ -355,6 +355,7 @@ def _build_plan(
             choice.entry.costs.config,
             evaluation.virtual_stage_layer_names(),
             recomputed=evaluation.virtual_stage_recomputed_names(),
+            moe_capacity_factor=call.training.moe_capacity_factor,
         ),
         # like with like: the plan's config (ZeRO stage, recompute mode, schedule), and under
         # selective recomputation the plan's recomputed layers (a flag per layer, so it

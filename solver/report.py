@@ -7,14 +7,15 @@ from typing import Any
 
 import numpy as np
 
-from solver.cost_model import PPM
+from solver.cost_model import PPM, routing_factor
 from solver.errors import InputError
 from solver.evaluation import Evaluation
+from solver.moe import routed_experts
 from solver.plan_file import EVALUATION_FORMAT, PLAN_FORMAT, PLAN_VERSION, load_plan
 from solver.planner import Plan
 from solver.precision import describe as describe_precision
 from solver.reserve import usable_text
-from solver.specs import Cluster, TrainingConfig
+from solver.specs import MOE_DROPLESS, Cluster, TrainingConfig
 from solver.units import format_bytes, format_throughput
 
 
@@ -138,6 +139,29 @@ def _optimizer_step_text(evaluation: Evaluation) -> str:
     return (
         f"optimizer step: {training.optimizer_impl} {training.optimizer}, a {per_param} "
         f"bytes/param temporary (--optimizer-impl fused for none); {where}"
+    )
+
+
+def _experts_text(evaluation: Evaluation) -> str:
+    """A mixture-of-experts graph's line: experts per GPU and the routing factor used
+    (``cost_model.routing_factor``); "" for a dense graph."""
+    experts = routed_experts(evaluation.graph)
+    if experts is None:
+        return ""
+    config, factor_option = evaluation.config, evaluation.training.moe_capacity_factor
+    factor = routing_factor(evaluation.graph, config, evaluation.training)
+    if factor_option == MOE_DROPLESS:
+        reach = min(experts.top_k, experts.num_experts // config.ep)
+        why = f"dropless worst case, ep min(k, E/ep) / k = {config.ep} x {reach} / {experts.top_k}"
+    elif factor_option == 1:
+        why = "balanced routing"
+    else:
+        why = f"capacity factor {factor_option:g}, padded"
+    if experts.profiled_capacity_factor != 1:
+        why += f"; relative to the graph's profiled capacity {experts.profiled_capacity_factor:g}"
+    return (
+        f"experts: {experts.num_experts} routed, top-{experts.top_k}, ep {config.ep} "
+        f"({experts.num_experts // config.ep} per GPU); routing factor {float(factor):.4g} ({why})"
     )
 
 
@@ -342,6 +366,9 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
             "(--no-deallocate-pipeline-outputs)"
         )
     lines.append(describe_precision(evaluation.training))
+    experts_line = _experts_text(evaluation)
+    if experts_line:
+        lines.append(experts_line)
     step_line = _optimizer_step_text(evaluation)
     if step_line:
         lines.append(step_line)

@@ -45,6 +45,7 @@ from solver.candidates import (
 from solver.cost_model import LayerCosts, layer_costs, utilization_ppm
 from solver.errors import NoSolutionError
 from solver.graph import LayerGraph
+from solver.moe import num_routed_experts
 from solver.specs import Cluster, TrainingConfig
 from solver.units import format_bytes
 
@@ -133,7 +134,9 @@ def build_entries(
     """Every candidate config with its coefficients and bounds; NoSolutionError when the
     ``deadline`` passes first."""
     entries = []
-    configs = candidate_configs(graph.num_layers, cluster, training)
+    configs = candidate_configs(
+        graph.num_layers, cluster, training, num_experts=num_routed_experts(graph)
+    )
     for order, config in enumerate(configs):
         if deadline is not None and deadline.expired():
             raise NoSolutionError(

@@ -34,6 +34,17 @@ RECOMPUTE_CHOICES = (*RECOMPUTE_MODES, "auto")
 """What the search may be asked for (:attr:`TrainingConfig.recompute`): a mode, or auto."""
 SEQUENCE_PARALLEL_CHOICES = ("off", "on", "auto")
 """Sequence parallelism the search may be asked for (:attr:`TrainingConfig.sequence_parallel`)."""
+
+
+def default_sequence_parallel(runtime: str) -> str:
+    """``TrainingConfig.sequence_parallel`` when None: auto, SP whenever tp > 1, on both
+    runtimes: Megatron-LM recommends it and torchtitan turns it on with TP (the torch runtime
+    counts eager torch's gathered inputs, ``sp_gathered_bytes``). The one place that default
+    lives."""
+    del runtime  # both runtimes default to auto; kept so the default can differ per runtime
+    return "auto"
+
+
 ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages over the data-parallel group."""
 OBJECTIVES = ("memory", "throughput")
@@ -85,6 +96,11 @@ MAX_SLOWDOWN = 1000.0
 the cost model's exact range (``cost_model.MAX_ITERATION_NS``)."""
 MAX_BUDGET_NS = 2**62
 """Longest iteration a min_throughput may allow, ns (with the global batch: its lower bound)."""
+MAX_CAPACITY_FACTOR = 1024.0
+"""Largest ``TrainingConfig.moe_capacity_factor`` (each expert takes at most this many times its
+balanced share of the tokens; real runs use 1 to 2)."""
+MOE_DROPLESS = "dropless"
+"""``TrainingConfig.moe_capacity_factor`` of a dropless router (the worst case it can reach)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -232,6 +248,17 @@ class TrainingConfig:
     sequence split over c GPUs, pp x tp x cp x dp GPUs); (1, 2, 4) lets the search choose, one
     value pins it. c must divide the graph's sequence length
     (``cost_model.check_context_parallel``)."""
+    ep: tuple[int, ...] | None = None
+    """Candidate expert-parallel degrees (Megatron's ``--expert-model-parallel-size``); each
+    config takes those that divide its dp (the experts are sharded within the data-parallel
+    ranks). None (auto): every ep dividing both the graph's routed experts and dp on a
+    mixture-of-experts graph, 1 on a dense one (``candidates.expert_parallel_degrees``)."""
+    moe_capacity_factor: float | str = 1.0
+    """Routing factor f of the routed experts' activations and all-to-alls (``cost_model``):
+    a float c >= 1, each expert takes at most c times its balanced share of the tokens (Megatron's
+    ``--moe-expert-capacity-factor`` with ``--moe-pad-expert-input-to-capacity``: padded to c,
+    so f = c; 1.0, the default, is a balanced routing), or "dropless": the most a dropless
+    router can send one GPU, f = ep min(k, E / ep) / k (``cost_model.routing_factor``)."""
     min_throughput: float | None = None
     """Samples/s the plan must reach; overrides max_slowdown when set."""
     max_slowdown: float | None = 1.25
@@ -250,11 +277,13 @@ class TrainingConfig:
     parsing sets this); False (megatron-core's ``TransformerConfig`` default) keeps the outputs of
     a stage's in-flight micro-batches until their backward. The torch runtime ignores it (it
     keeps them)."""
-    sequence_parallel: str = "off"
+    sequence_parallel: str | None = None
     """Megatron's sequence parallelism (Korthikanti et al. 2022) for the candidates with tp > 1:
     off (none), on (every such candidate; a pinned tp of 1 is an error) or auto (the same
     candidates without that error: SP whenever tp > 1, as Megatron-LM recommends). It splits the
-    activations TP leaves replicated, so it never costs memory; "off" keeps plans as they were."""
+    activations TP leaves replicated, so it never costs memory. None: the runtime's
+    (:func:`default_sequence_parallel`: auto on megatron, off on torch), resolved when the config
+    is made like ``grad_lifetime``."""
     memory_objective: str = "utilization"
     """Heterogeneous clusters only: utilization (minimise max stage peak / its group's capacity,
     in parts per million, rounded up) or absolute (max stage peak, bytes). A homogeneous cluster
@@ -294,6 +323,28 @@ class TrainingConfig:
         return step_temporary_bytes_per_param(
             self.precision or DEFAULT_PRECISION, self.optimizer, self.optimizer_impl
         )
+
+    def _check_experts(self) -> None:
+        """ep: None or a non-empty tuple of degrees; moe_capacity_factor: "dropless" or a
+        number in 1..MAX_CAPACITY_FACTOR."""
+        _require(
+            self.ep is None
+            or (
+                isinstance(self.ep, tuple)
+                and bool(self.ep)
+                and all(_is_int(e) and 1 <= e <= MAX_DEGREE for e in self.ep)
+            ),
+            f"ep must be None (auto) or integers in 1..{_count(MAX_DEGREE)}, got {quote(self.ep)}",
+        )
+        factor = self.moe_capacity_factor
+        if factor != MOE_DROPLESS:
+            _require(
+                isinstance(factor, numbers.Real)
+                and not isinstance(factor, bool)
+                and 1 <= factor <= MAX_CAPACITY_FACTOR,
+                f"moe_capacity_factor must be a number in 1..{MAX_CAPACITY_FACTOR:g} or "
+                f'"dropless", got {quote(factor)}',
+            )
 
     @property
     def memory_reserve(self) -> MemoryReserve:
@@ -352,6 +403,8 @@ class TrainingConfig:
             f"deallocate_pipeline_outputs must be True or False, got "
             f"{quote(self.deallocate_pipeline_outputs)}",
         )
+        if self.sequence_parallel is None:
+            object.__setattr__(self, "sequence_parallel", default_sequence_parallel(self.runtime))
         _require(
             self.sequence_parallel in SEQUENCE_PARALLEL_CHOICES,
             f"sequence_parallel must be one of {SEQUENCE_PARALLEL_CHOICES}, got "
@@ -402,6 +455,7 @@ class TrainingConfig:
         for name in ("pp", "tp", "dp"):
             if getattr(self, name) is not None:
                 _integer(name, getattr(self, name), 1, MAX_DEGREE)
+        self._check_experts()
         if self.min_throughput is not None:
             _real("min_throughput", self.min_throughput, 0, None, low_open=True)
             # the iteration it allows, B / min_throughput, from 1 ns to 2^62 ns

@@ -42,7 +42,10 @@ def random_case(seed: int):
     cluster = Cluster(num_gpus=config.num_gpus)
     # the options the problem's costs were built with, admitting its schedule and recompute
     training = TrainingConfig(
-        global_batch=config.global_batch, schedule=config.schedule, recompute=config.recompute
+        global_batch=config.global_batch,
+        schedule=config.schedule,
+        recompute=config.recompute,
+        sequence_parallel="on" if config.sp else "off",
     )
     return graph, problem, cluster, training
 

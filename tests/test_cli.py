@@ -322,6 +322,7 @@ def test_runtime_torch_counts_a_receive_buffer_per_micro_batch(run_cli, tmp_path
     for runtime in ("megatron", "torch"):
         out = tmp_path / f"{runtime}.json"
         args = ("--gpus", "8", "--global-batch", "32", "--pp", "4", "--tp", "2")
+        args += ("--sequence-parallel", "off")  # whole boundary tensors
         code, text, _ = run_cli(
             plan_main, GPT_1_3B, *args, "--runtime", runtime, "--json", str(out)
         )
@@ -362,7 +363,8 @@ def test_runtime_sets_gradient_bytes_and_megatron_may_keep_sent_outputs(run_cli,
     """--runtime megatron counts fp32 gradients (2,4,12), torch bf16 ones (2,2,12), unless
     --bytes-per-param says otherwise; --no-deallocate-pipeline-outputs keeps a non-last megatron
     stage's k_s sent outputs (S_s = 1 + k_s), and the torch runtime ignores it."""
-    args = ("--gpus", "8", "--global-batch", "32", "--pp", "4", "--tp", "2", "--quiet")
+    args = ("--gpus", "8", "--global-batch", "32", "--pp", "4", "--tp", "2")
+    args += ("--sequence-parallel", "off", "--quiet")  # whole boundary tensors
 
     def planned(*flags: str) -> dict:
         out = tmp_path / "plan.json"
@@ -483,7 +485,8 @@ def test_plan_and_sweep_flags_make_the_training_options(parser):
     assert kept.deallocate_pipeline_outputs is False
     given = training_from_args(parse([*base, "--bytes-per-param", "4,4,8"]))
     assert (given.weight_bytes_per_param, given.grad_bytes_per_param) == (4, 4)
-    assert default.sequence_parallel == "off"
+    # SP by default where the engine runs it (specs.default_sequence_parallel)
+    assert default.sequence_parallel == "auto" and torch.sequence_parallel == "auto"
     assert training_from_args(parse([*base, "--sequence-parallel", "auto"])).sequence_parallel == (
         "auto"
     )

@@ -241,7 +241,8 @@ def test_every_backend_finds_the_same_cp_plan(backend):
 
 
 def heavy_graph():
-    """cp_graph with 2 MB of replicated activations per block: context parallelism pays."""
+    """cp_graph with 2 MB of replicated activations per block: context parallelism pays (the
+    tests plan it without sequence parallelism, which would split them over tp as well)."""
     doc = cp_graph(blocks=6)
     for layer in doc["layers"][1:-1]:
         layer["activation_bytes"] = 2_000_000
@@ -252,7 +253,9 @@ def heavy_graph():
 def test_pareto_front_and_heterogeneous_clusters_take_cp():
     from solver.pareto import pareto_front, pareto_to_dict
 
-    training = TrainingConfig(global_batch=8, cp=(1, 2, 4), max_slowdown=None)
+    training = TrainingConfig(
+        global_batch=8, cp=(1, 2, 4), max_slowdown=None, sequence_parallel="off"
+    )
     front = pareto_front(heavy_graph(), Cluster(num_gpus=4), training, time_limit_s=30)
     configs = [point["config"] for point in pareto_to_dict(front)["points"]]
     assert configs[0]["cp"] == 4  # the smallest peak splits every sequence over 4 GPUs
@@ -303,7 +306,9 @@ def test_sweep_rows_have_a_cp_column(tmp_path):
     assert ROW_KEYS.index("cp") == ROW_KEYS.index("tp") + 1
     options = PointOptions(
         graph=heavy_graph(),
-        training=TrainingConfig(global_batch=8, cp=(1, 2), max_slowdown=None),
+        training=TrainingConfig(
+            global_batch=8, cp=(1, 2), max_slowdown=None, sequence_parallel="off"
+        ),
         cluster=Cluster(num_gpus=4),
         time_limit_s=30,
     )

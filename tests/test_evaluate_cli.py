@@ -43,8 +43,8 @@ def test_evaluate_with_recompute_set_equals_stage_costs(chain_file, tmp_path, ru
     recomputed_positions = sorted(rng.sample(range(10), 4))
     spec = ",".join(graph.names[i] if rng.random() < 0.5 else str(i) for i in recomputed_positions)
     counts = [3, 2, 5]
-    config = ParallelConfig(
-        pp=3, tp=2, dp=2, micro_batch=1, num_microbatches=4, recompute="selective"
+    config = ParallelConfig(  # SP: the megatron runtime's default with tp > 1
+        pp=3, tp=2, dp=2, micro_batch=1, num_microbatches=4, recompute="selective", sp=True
     )
     out = tmp_path / "e.json"
     argv = [path, "--pp", "3", "--tp", "2", "--dp", "2", "--global-batch", "8"]
@@ -194,8 +194,8 @@ def test_selective_on_a_heterogeneous_cluster(run_cli):
     code, out, _ = run_cli(evaluate_main, *argv)
     assert code == 0
     graph = load_graph(GPT_1_3B)
-    config = ParallelConfig(
-        pp=4, tp=8, dp=1, micro_batch=1, num_microbatches=64, recompute="selective"
+    config = ParallelConfig(  # SP: the megatron runtime's default with tp > 1
+        pp=4, tp=8, dp=1, micro_batch=1, num_microbatches=64, recompute="selective", sp=True
     )
     expected = evaluate(
         graph,

@@ -41,6 +41,9 @@ LLAMA = dict(
 T5 = dict(num_layers=2, num_decoder_layers=2, d_model=64, d_kv=16, d_ff=128, num_heads=4)
 MODELS = {"gpt2": GPT2, "llama-2-7b": LLAMA, "t5-base": {**T5, "vocab_size": 128}}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FLASH_RNG = {"fp32": 0, "bf16": 24 // BATCH}
+"""Per sample: the flash kernel's rng_state and unused tensors (``cuda_attention.py``), 24 bytes
+per attention call, in bf16 (fp32 attention runs the memory-efficient kernel)."""
 
 
 @contextlib.contextmanager
@@ -168,11 +171,13 @@ def test_gpt2_block_saves_the_closed_form(dtype):
     2 e s), the fused qkv 3 e sh (q, k, v are views of it), log-sum-exp 4 as (fp32), attention
     output e sh, 1-byte dropout mask sh, residual e sh, LayerNorm 2 e sh + 2 e s, the MLP's
     4h-wide fc output, tanh-GELU's three intermediates and its output 5 * 4 e sh, the second
-    dropout mask sh. No s x s tensor: attention dropout regenerates its mask in the kernel."""
+    dropout mask sh. No s x s tensor: attention dropout regenerates its mask in the kernel. In
+    bf16 the flash kernel's rng_state and unused tensors, 24 bytes per call (fp32 runs the
+    memory-efficient kernel: not modelled)."""
     e = {"fp32": 4, "bf16": 2}[dtype]
     s, h, a = SEQ, GPT2["n_embd"], GPT2["n_head"]
     graph, _, _ = profiled_and_measured("gpt2", DTYPES[dtype])
-    closed_form = (8 * e + 20 * e + 2) * s * h + 4 * a * s + 4 * e * s
+    closed_form = (8 * e + 20 * e + 2) * s * h + 4 * a * s + 4 * e * s + FLASH_RNG[dtype]
     assert _block(graph, "transformer.h.1") == closed_form  # fp32 234,496; bf16 119,552
 
 
@@ -182,13 +187,15 @@ def test_llama_block_saves_the_closed_form(dtype):
     in fp32 (4 sh: a copy in bf16, the input itself in fp32), rsqrt 4 s, the normalised input in the
     input dtype e sh (for the weight's gradient) and its output e sh; rotated q e sh, rotated k and
     v e s kv each (grouped heads go to SDPA as they are: ``enable_gqa``, no repeat_kv copy);
-    log-sum-exp 4 as, attention output e sh; SwiGLU gate, up, silu and product 4 e sf."""
+    log-sum-exp 4 as, attention output e sh; SwiGLU gate, up, silu and product 4 e sf; in bf16
+    the flash kernel's 24 bytes of RNG state per call."""
     e = {"fp32": 4, "bf16": 2}[dtype]
     s, h, a, f = SEQ, LLAMA["hidden_size"], LLAMA["num_attention_heads"], LLAMA["intermediate_size"]
     kv = LLAMA["num_key_value_heads"] * h // a
     graph, _, _ = profiled_and_measured("llama-2-7b", DTYPES[dtype])
     norm = 4 * s * h + 4 * s + 2 * e * s * h
     closed_form = 2 * norm + 2 * e * s * h + 2 * e * s * kv + 4 * a * s + 4 * e * s * f
+    closed_form += FLASH_RNG[dtype]
     assert _block(graph, "model.layers.1") == closed_form
 
 
@@ -237,7 +244,8 @@ def _shape_into(shapes: list):
 
 
 def test_attention_dropout_keeps_no_mask():
-    """A fused kernel with dropout saves q, k, v, its output and the log-sum-exp, as without."""
+    """A fused kernel with dropout saves q, k, v, its output and the log-sum-exp, as without, and
+    the flash kernel's RNG state (``rng_state``, ``unused``), which it keeps at dropout 0 too."""
     q, k, v = (torch.randn(2, 4, 32, 16, dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
     shapes = []
 
@@ -248,7 +256,9 @@ def test_attention_dropout_keeps_no_mask():
     with CudaLikeAttention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
     assert sorted(shapes, key=str) == sorted(
-        [((2, 4, 32, 16), torch.bfloat16)] * 4 + [((2, 4, 32), torch.float32)], key=str
+        [((2, 4, 32, 16), torch.bfloat16)] * 4
+        + [((2, 4, 32), torch.float32), ((2,), torch.uint64), ((), torch.uint64)],
+        key=str,
     )
 
 

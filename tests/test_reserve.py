@@ -62,7 +62,9 @@ def test_default_is_1_gib_plus_5_percent():
 def _evaluation(capacity, reserve):
     graph = load_graph(GPT_1_3B)
     config = ParallelConfig(pp=4, tp=2, dp=1, micro_batch=1, num_microbatches=64)
-    training = TrainingConfig(global_batch=64, micro_batch_sizes=(1,), reserve=reserve)
+    training = TrainingConfig(
+        global_batch=64, micro_batch_sizes=(1,), reserve=reserve, sequence_parallel="off"
+    )
     return evaluate(
         graph, config, [6, 7, 7, 6], cluster=Cluster(num_gpus=8, gpu_memory_bytes=capacity),
         training=training,
@@ -88,11 +90,11 @@ def test_plan_that_fits_by_a_known_margin_becomes_infeasible():
     every plan too big, and the message names usable, capacity and reserve."""
     graph = load_graph(GPT_1_3B)
     cluster = Cluster(num_gpus=8, gpu_memory_bytes=SMALLEST_PEAK)
-    training = TrainingConfig(global_batch=64, max_slowdown=None, reserve=MemoryReserve())
-    assert plan(graph, cluster, training, time_limit_s=30).peak_bytes == SMALLEST_PEAK
-    tight = TrainingConfig(
-        global_batch=64, max_slowdown=None, reserve=MemoryReserve(fixed_bytes=GIB)
+    training = TrainingConfig(
+        global_batch=64, max_slowdown=None, reserve=MemoryReserve(), sequence_parallel="off"
     )
+    assert plan(graph, cluster, training, time_limit_s=30).peak_bytes == SMALLEST_PEAK
+    tight = dataclasses.replace(training, reserve=MemoryReserve(fixed_bytes=GIB))
     with pytest.raises(InfeasibleError) as error:
         plan(graph, cluster, tight, time_limit_s=30, suggest_gpus=False)
     message = str(error.value)
@@ -140,6 +142,7 @@ def test_cli_reserve_makes_the_quick_plan_infeasible(run_cli):
     """gpt-1.3b on 8 x 10 GiB: fits with --reserve 0 (peak 5.98 GiB), and with --reserve 40%
     (6 GiB usable, 99.7% full), not with --reserve 50% (5 GiB usable): exit 3 naming it."""
     args = (GPT_1_3B, "--gpus", "8", "--gpu-memory", "10GiB", "--global-batch", "64")
+    args += ("--sequence-parallel", "off")
     code, stdout, _ = run_cli(plan_main, *args, "--reserve", "0")
     assert code == 0 and "peak: 5.98 GiB per GPU (59.8% of 10.00 GiB (no reserve); fits)" in stdout
     code, stdout, _ = run_cli(plan_main, *args, "--reserve", "40%")

@@ -185,6 +185,7 @@ def evaluated(graph, split, **config) -> dict:
         recompute=parallel.recompute,
         schedule=parallel.schedule,
         virtual_stages=(parallel.virtual_stages,),
+        sequence_parallel="on" if parallel.sp else "off",
         max_slowdown=None,
         **FP32,
     )

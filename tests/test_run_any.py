@@ -187,7 +187,9 @@ def test_bad_model_is_one_line_before_any_process(gpt2_plan, model, overrides, m
 def test_traced_runs_refuse_tensor_parallel_plans():
     graph = export_graph(GPT2, dtype="fp32", seq=SEQ, overrides=GPT2_TINY)
     config = ParallelConfig(pp=1, tp=2, dp=1, micro_batch=1, num_microbatches=2)
-    training = TrainingConfig(global_batch=2, micro_batch_sizes=(1,), **BYTES["fp32"])
+    training = TrainingConfig(
+        global_batch=2, micro_batch_sizes=(1,), sequence_parallel="off", **BYTES["fp32"]
+    )
     plan_dict = evaluation_to_dict(evaluate(graph, config, [8], training=training))
     with pytest.raises(InputError, match=r"plan config: tp=2: traced models run with tp=1"):
         run_plan(GPT2, plan_dict, overrides=GPT2_TINY, seq=SEQ)

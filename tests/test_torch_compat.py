@@ -131,6 +131,14 @@ def _cpu_flash_attention():
     assert compat.cpu_flash_attention in _sdpa_on_cpu(), "SDPA on CPU runs another kernel"
 
 
+def _cuda_flash_attention():
+    q = torch.empty(SHAPE, dtype=torch.bfloat16, device="meta")
+    out, logsumexp, *_, rng_state, unused, _ = compat.cuda_flash_attention(q, q, q, 0.1, True)
+    assert out.shape == SHAPE and logsumexp.shape == SHAPE[:3]
+    assert logsumexp.dtype == torch.float32
+    assert (rng_state.shape, unused.shape) == ((2,), ()), "the flash kernel's RNG state changed"
+
+
 def _cpu_flash_attention_backward():
     assert compat.cpu_flash_attention_backward in _sdpa_on_cpu(), "SDPA on CPU runs another kernel"
 
@@ -249,6 +257,7 @@ CANARIES = {
     "torch.utils.flop_counter.flop_registry": _flop_registry,
     "torch.utils.flop_counter.sdpa_flop_count": _sdpa_flop_count,
     "torch.utils.flop_counter.sdpa_backward_flop_count": _sdpa_backward_flop_count,
+    "torch.ops.aten._scaled_dot_product_flash_attention": _cuda_flash_attention,
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu": _cpu_flash_attention,
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward": (
         _cpu_flash_attention_backward

@@ -32,6 +32,7 @@ from solver.specs import (
     GRAD_BYTES_PER_PARAM,
     GRAD_LIFETIMES,
     MAX_BYTES_PER_PARAM,
+    MAX_CAPACITY_FACTOR,
     MAX_DEGREE,
     MAX_GLOBAL_BATCH,
     MAX_GPU_MEMORY_BYTES,
@@ -41,6 +42,7 @@ from solver.specs import (
     MAX_VIRTUAL_STAGES,
     MEMORY_MODELS,
     MEMORY_OBJECTIVES,
+    MOE_DROPLESS,
     RECOMPUTE_CHOICES,
     RUNTIMES,
     SCHEDULES,
@@ -179,6 +181,27 @@ def slowdown(text: str) -> float | None:
     return value
 
 
+def expert_degrees(text: str) -> list[int] | None:
+    """--ep: 'auto' (None: every ep dividing the experts and dp on an MoE graph, 1 on a dense
+    one) or comma-separated degrees."""
+    if text.strip().lower() == "auto":
+        return None
+    return int_list_in(1, MAX_DEGREE)(text)
+
+
+def capacity_factor(text: str) -> float | str:
+    """--moe-capacity-factor: 'dropless' or a number in [1, MAX_CAPACITY_FACTOR]."""
+    if text.strip().lower() == MOE_DROPLESS:
+        return MOE_DROPLESS
+    value = _float(text)
+    if not 1 <= value <= MAX_CAPACITY_FACTOR:
+        raise argparse.ArgumentTypeError(
+            f"must be a number in [1, {MAX_CAPACITY_FACTOR:g}] (each expert takes at most that "
+            f"many times its balanced share of the tokens) or 'dropless', got {quote(text)}"
+        )
+    return value
+
+
 def memory_size(text: str) -> int:
     try:
         return parse_bytes(text, what="size", maximum=MAX_GPU_MEMORY_BYTES)
@@ -306,7 +329,7 @@ def add_cluster_options(parser: argparse.ArgumentParser, *, memory_list: bool = 
 def add_training_options(parser: argparse.ArgumentParser, *, batch_required: bool = True) -> None:
     """--global-batch, --schedule, --runtime, --deallocate-pipeline-outputs, --precision,
     --optimizer, --bytes-per-param, --reserve, --calibration, --memory-model,
-    --sequence-parallel, --cp."""
+    --sequence-parallel, --cp, --ep, --moe-capacity-factor."""
     training = parser.add_argument_group("training")
     training.add_argument(
         "--global-batch",
@@ -421,10 +444,11 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
     training.add_argument(
         "--sequence-parallel",
         choices=SEQUENCE_PARALLEL_CHOICES,
-        default="off",
+        default=None,
         help="Megatron's sequence parallelism with tp > 1 (activations TP leaves replicated and "
-        "the tensors sent between stages split over the tp ranks too): off (default), on "
-        "(every config with tp > 1; a pinned --tp 1 is an error) or auto (SP whenever tp > 1)",
+        "the tensors sent between stages split over the tp ranks too): off, on (every config "
+        "with tp > 1; a pinned --tp 1 is an error) or auto (SP whenever tp > 1); default: auto "
+        "with --runtime megatron, off with --runtime torch (its engine runs no SP)",
     )
     training.add_argument(
         "--cp",
@@ -434,6 +458,30 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
         help="context-parallel degree (Megatron's --context-parallel-size: each sequence split "
         "over C GPUs, ring attention; pp x tp x cp x dp GPUs); solver.plan and solver.sweep "
         "search a list such as 1,2,4; C must divide the graph's seq_len (default 1)",
+    )
+    add_expert_options(training)
+
+
+def add_expert_options(group) -> None:
+    """--ep and --moe-capacity-factor (mixture-of-experts graphs)."""
+    group.add_argument(
+        "--ep",
+        type=expert_degrees,
+        default=None,
+        metavar="E1,E2|auto",
+        help="expert-parallel degrees (Megatron's --expert-model-parallel-size: the routed "
+        "experts sharded over ep of the data-parallel ranks, ep | dp and ep | experts); auto "
+        "(default): every such ep on a mixture-of-experts graph, 1 on a dense one",
+    )
+    group.add_argument(
+        "--moe-capacity-factor",
+        type=capacity_factor,
+        default=1.0,
+        metavar="FLOAT|dropless",
+        help="routed tokens one GPU's experts hold, as a multiple of the balanced share: a "
+        "capacity factor c (Megatron's --moe-expert-capacity-factor c with padding to "
+        "capacity; default 1.0, a balanced routing) or dropless: the worst case a dropless "
+        "router reaches, ep * min(k, E/ep) / k (docs/cost-model.md)",
     )
 
 
@@ -649,6 +697,8 @@ FLAG_OF_FIELD = {
     "micro_batch_sizes": "--micro-batch",
     "virtual_stages": "--virtual-stages",
     "cp": "--cp",
+    "ep": "--ep",
+    "moe_capacity_factor": "--moe-capacity-factor",
     "min_throughput": "--min-throughput",
     "max_slowdown": "--max-slowdown",
 }
@@ -692,6 +742,8 @@ def _training_from_args(args: argparse.Namespace) -> TrainingConfig:
         memory_model=args.memory_model,
         sequence_parallel=args.sequence_parallel,
         cp=tuple(args.cp),
+        ep=None if args.ep is None else tuple(args.ep),
+        moe_capacity_factor=args.moe_capacity_factor,
         pp=args.pp,
         tp=args.tp,
         dp=args.dp,

@@ -26,7 +26,14 @@ from solver.cli.common import (
 from solver.cli.terminal import interrupted
 from solver.errors import InputError, PlannerError, StalePlanError
 from solver.graph import load_graph
-from solver.specs import RECOMPUTE_MODES, ZERO_STAGES, Cluster, ParallelConfig, TrainingConfig
+from solver.specs import (
+    RECOMPUTE_MODES,
+    ZERO_STAGES,
+    Cluster,
+    ParallelConfig,
+    TrainingConfig,
+    default_sequence_parallel,
+)
 
 REQUIRED = ("graph", "pp", "split", "global_batch")
 """Required unless --plan gives them."""
@@ -211,9 +218,34 @@ def _config_from_args(args: argparse.Namespace) -> ParallelConfig:
         recompute=args.recompute,
         schedule=args.schedule,
         virtual_stages=args.virtual_stages[0],
-        # auto: SP exactly when tp > 1, as the search's candidates
-        sp=args.sequence_parallel == "on" or (args.sequence_parallel == "auto" and args.tp > 1),
+        sp=_sequence_parallel(args, args.tp),
+        ep=_expert_degree(args),
     )
+
+
+def _sequence_parallel(args: argparse.Namespace, tp: int) -> bool:
+    """Whether the config runs SP: --sequence-parallel, or the runtime's default
+    (``specs.default_sequence_parallel``); auto: exactly when tp > 1, as the search's
+    candidates."""
+    choice = args.sequence_parallel or default_sequence_parallel(args.runtime)
+    return choice == "on" or (choice == "auto" and tp > 1)
+
+
+def _expert_degree(args: argparse.Namespace) -> int:
+    """evaluate checks one layout: --ep takes one degree (auto: 1, no expert parallelism)."""
+    if args.ep is None:
+        return 1
+    if len(args.ep) != 1:
+        raise InputError(
+            f"--ep {','.join(map(str, args.ep))}: evaluate takes one value (the expert-parallel "
+            "degree of the layout)"
+        )
+    if args.dp % args.ep[0]:
+        raise InputError(
+            f"--ep {args.ep[0]} does not divide --dp {args.dp}: the experts are sharded within "
+            "the data-parallel ranks; pick an --ep that divides the data-parallel degree"
+        )
+    return args.ep[0]
 
 
 def _check_cluster(args: argparse.Namespace, config: ParallelConfig, cluster: Cluster) -> None:
@@ -259,6 +291,7 @@ def _training_from_args(args: argparse.Namespace, config: ParallelConfig) -> Tra
         grad_lifetime=args.grad_lifetime,
         optimizer_impl=args.optimizer_impl,
         memory_model=args.memory_model,
+        moe_capacity_factor=args.moe_capacity_factor,
         calibration=calibration,
         **precision_words(args, calibration),
         **bytes_per_param(args),

@@ -24,6 +24,7 @@ ROW_KEYS = (
     "tp",
     "cp",
     "dp",
+    "ep",
     "micro_batch",
     "num_microbatches",
     "zero",
@@ -42,11 +43,12 @@ ROW_KEYS = (
 """The columns of a sweep row, in CSV order (``solver.plots.plot_sweep`` reads them).
 ``reserve_bytes``: the memory per GPU the job never gets (``TrainingConfig.memory_reserve``);
 ``usable_bytes`` = gpu_memory_bytes - reserve_bytes, what a plan's peak must fit in. ``cp``: the
-context-parallel degree (pp x tp x cp x dp = gpus)."""
+context-parallel degree (pp x tp x cp x dp = gpus). ``ep``: the expert-parallel degree (1 on a
+dense graph)."""
 
 
-OPTIONAL_KEYS = ("reserve_bytes", "usable_bytes", "cp")
-"""Columns a sweep CSV written before the reserve (or context parallelism) lacks (read as
+OPTIONAL_KEYS = ("reserve_bytes", "usable_bytes", "cp", "ep")
+"""Columns a sweep CSV written before the reserve (or context or expert parallelism) lacks (read as
 blanks)."""
 
 
@@ -65,6 +67,7 @@ _INT = (
     "tp",
     "cp",
     "dp",
+    "ep",
     "micro_batch",
     "num_microbatches",
     "zero",

@@ -17,6 +17,7 @@ from typing import Any
 from solver.candidates import candidate_configs
 from solver.errors import InfeasibleError, InputError, NoSolutionError
 from solver.graph import LayerGraph
+from solver.moe import num_routed_experts
 from solver.planner import Plan, plan
 from solver.report import finite_or_none
 from solver.specs import Cluster, TrainingConfig
@@ -80,6 +81,7 @@ def solve_point(
             "throughput": finite_or_none(result.throughput),
             "gap": result.solver.gap,
             "fits": result.evaluation.fits,
+            "ep": config.ep,
         }
         for name, baseline in result.baselines.items():
             row[f"{name}_peak_bytes"] = baseline.peak_bytes
@@ -179,7 +181,14 @@ def _longest_first(points: list[tuple[int, int]], options: PointOptions) -> list
     def size(point: tuple[int, int]) -> int:
         cluster = dataclasses.replace(options.cluster, num_gpus=point[0])
         try:
-            return len(candidate_configs(options.graph.num_layers, cluster, options.training))
+            return len(
+                candidate_configs(
+                    options.graph.num_layers,
+                    cluster,
+                    options.training,
+                    num_experts=num_routed_experts(options.graph),
+                )
+            )
         except InputError:
             return 0
 
