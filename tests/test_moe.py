@@ -331,6 +331,18 @@ def test_profile_moe_tiny_expert_fields_byte_exact():
     }
 
 
+@pytest.mark.parametrize(("mlp", "kept"), [("gelu", 3), ("relu", 2)])
+def test_profile_gelu_and_relu_experts_save_what_megatron_cores_mlp_saves(mlp, kept):
+    """megatron-core's expert MLP without a fused weighted activation: act(fc1) then
+    ``* per_token_scale`` (MLP.forward). GeLU keeps its input, the multiplication its output
+    (and the weights), fc2 the product: 3 E C f d; ReLU's input is its output: 2 E C f d."""
+    _, layers = profile("moe-tiny", mlp=mlp)
+    rows = E * CAPACITY
+    swiglu = D * rows * 3 * F_WIDTH  # fc1 output (2f) and fc2 input (f)
+    expected = zoo_expert_saved_bytes() - swiglu + kept * D * rows * F_WIDTH
+    assert layers["layers.0"].expert_activation_bytes * BATCH == expected
+
+
 def test_profile_moe_tp_split_of_the_rest_of_the_block():
     """DeepSeek-like moe-tiny: block 0 dense, block 1 MoE with one shared expert of the dense
     MLP's width. Attention and the shared expert split as a dense block's attention and MLP;
