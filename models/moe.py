@@ -39,10 +39,23 @@ element; the expert terms scale with E C = T k at CF 1):
     T E         bool capacity map (probs * map)
     8 E C x 2   int64 token indices of the permutation, and of the permuted probabilities
     d E C h     permuted tokens (fc1's input: what the dispatch all-to-all sends)
-    d E C 2f    fc1 output, SwiGLU's only saved tensor (GeLU: d E C f, and fc2's input d E C f)
-    d E C f     fc2's input (SwiGLU)
-    d E C h     expert outputs (what the combine all-to-all sends), saved by the weighting
-    d E C       permuted probabilities
+    d E C 2f    fc1 output, saved by the weighted SwiGLU (GeLU: d E C f, the activation's input,
+                and d E C f, its output, saved by the weighting; ReLU: only its output, d E C f)
+    d E C       permuted probabilities, saved by the weighted activation
+    d E C f     fc2's input: the weighted activation
+
+The routing weights are multiplied into the activation, before fc2, as Megatron-core's experts
+do (``megatron/core/transformer/mlp.py`` ``MLP.forward(per_token_scale=...)``, which
+``SequentialMLP`` calls, and ``TEGroupedMLP.forward``'s ``bias_act_func`` in
+``megatron/core/transformer/moe/experts.py``): for SwiGLU the fused
+``weighted_bias_swiglu_impl`` (``megatron/core/fusions/fused_bias_swiglu.py``,
+``WeightedSwiGLUFunction``: :class:`_WeightedSwiGLU` here) saves only its input and the
+weights; for GeLU and ReLU the activation is followed by a plain multiplication, as that
+``MLP.forward`` does. So the experts' outputs (d E C h, what the combine all-to-all sends) are
+not saved; a bias of fc2 is weighted too (``output += output_bias * per_token_scale``), so the
+sum over k of weight * expert(token) is unchanged. transformers' MoE models (the ``hf:``
+exports, ``weighted_activation=None``) weight the experts' outputs after fc2, as transformers
+does, and save them (d E C h).
 
 The router saves its input (shared with the shared experts), the top-k indices (8 T k) and the
 fp32 softmax (4 T k, or 4 T E with pre-softmax).
@@ -60,7 +73,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common import MLP, Dropout, _SwiGLU
+from models.common import MLP, Dropout
+
+WeightedActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(fc1's output (E, C, out), permuted probabilities (E, C, 1)) -> weighted activation
+(E, C, f)."""
 
 
 def expert_capacity(tokens: int, *, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -88,19 +105,25 @@ def capacity_experts_forward(
     *,
     fc1_weight: torch.Tensor,
     fc2_weight: torch.Tensor,
-    activation: Callable[[torch.Tensor], torch.Tensor],
     capacity_factor: float,
+    activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
     fc1_bias: torch.Tensor | None = None,
     fc2_bias: torch.Tensor | None = None,
     out_in: bool = False,
+    weighted_activation: WeightedActivation | None = None,
 ) -> torch.Tensor:
     """Routed experts of (T, h) tokens, each routed to the ``top_k_index`` experts with weights
     ``top_k_weights`` (T, k): sum over k of weight * expert(token), with Megatron's
     drop-and-pad dispatch (module docstring). Weights as Megatron's GroupedMLP stores them,
     ``fc1_weight`` (E, h, out) and ``fc2_weight`` (E, f, h), or with ``out_in`` as
     transformers' fused experts do, (E, out, h) and (E, h, f) (:func:`expert_matmul`);
-    ``activation`` maps fc1's output (E, C, out) to (E, C, f). Returns (T, h) in ``hidden``'s
-    dtype."""
+    ``weighted_activation`` (Megatron-core's experts, the zoo's; module docstring) maps fc1's
+    output (E, C, out) and the routing weights (E, C, 1) to the weighted activation (E, C, f),
+    fc2's input; or ``activation`` (transformers') maps fc1's output to (E, C, f) and the
+    experts' outputs are weighted after fc2. Exactly one of the two is given. Returns (T, h) in
+    ``hidden``'s dtype."""
+    if (activation is None) == (weighted_activation is None):
+        raise TypeError("capacity_experts_forward: give one of activation, weighted_activation")
     tokens, hidden_size = hidden.shape
     num_experts, top_k = fc1_weight.shape[0], top_k_index.shape[-1]
     capacity = expert_capacity(
@@ -129,10 +152,17 @@ def capacity_experts_forward(
     permuted_probs = probs.T.contiguous().view(-1).index_select(0, probs_index)
     permuted = hidden.index_select(0, sorted_indices).view(num_experts, capacity, hidden_size)
     # the experts: two batched matmuls (GroupedMLP)
-    x = activation(expert_matmul(permuted, fc1_weight, fc1_bias, out_in=out_in))
-    out = expert_matmul(x, fc2_weight, fc2_bias, out_in=out_in)
-    # unpermute: weight, then scatter-add back to the tokens
-    out = out.reshape(num_experts * capacity, hidden_size) * permuted_probs.unsqueeze(-1)
+    x = expert_matmul(permuted, fc1_weight, fc1_bias, out_in=out_in)
+    if weighted_activation is not None:  # Megatron-core: weight inside the activation
+        weights = permuted_probs.view(num_experts, capacity, 1)
+        out = expert_matmul(weighted_activation(x, weights), fc2_weight, out_in=out_in)
+        if fc2_bias is not None:  # MLP.forward: output += output_bias * per_token_scale
+            out = out + fc2_bias.unsqueeze(1) * weights
+        out = out.reshape(num_experts * capacity, hidden_size)
+    else:  # transformers: weight the experts' outputs
+        out = expert_matmul(activation(x), fc2_weight, fc2_bias, out_in=out_in)
+        out = out.reshape(num_experts * capacity, hidden_size) * permuted_probs.unsqueeze(-1)
+    # unpermute: scatter-add back to the tokens
     combined = torch.zeros(tokens, hidden_size, dtype=out.dtype, device=hidden.device)
     combined = combined.scatter_add(0, sorted_indices.unsqueeze(1).expand(-1, hidden_size), out)
     return combined.to(hidden.dtype)
@@ -159,10 +189,51 @@ def expert_matmul(
     return out if bias is None else out + bias.unsqueeze(1)
 
 
-def _activation(kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
+class _WeightedSwiGLU(torch.autograd.Function):
+    """silu(gate) * up * weights of the fused [gate, up] projection x (..., 2f) and per-row
+    routing weights (..., 1), keeping only x and the weights for the backward: Megatron-core's
+    ``WeightedSwiGLUFunction`` (``megatron/core/fusions/fused_bias_swiglu.py``, reached through
+    ``weighted_bias_swiglu_impl``), which its experts run with ``--swiglu`` and
+    ``bias_activation_fusion``. The weights' gradient is summed over the row, as
+    ``weighted_swiglu_back`` does.
+
+    Megatron compiles ``weighted_swiglu`` and ``weighted_swiglu_back`` (``jit_fuser``: one
+    fused kernel each on a GPU), so they allocate only their results: (..., f) forward;
+    (..., 2f) and (..., 1) backward. This one allocates the same, computing in place in its
+    results (eager elementwise ops would add up to three (..., f) temporaries, E C f d each
+    for the experts)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weights)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up).mul_(weights)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, weights = ctx.saved_tensors
+        gate, up = x.chunk(2, dim=-1)
+        grad_x = torch.empty_like(x)
+        grad_gate, grad_up = grad_x.chunk(2, dim=-1)
+        # weights: sum over the row of swiglu(x) * grad (grad_up holds swiglu(x) meanwhile)
+        torch.ops.aten.silu.out(gate, out=grad_up).mul_(up)
+        grad_weights = torch.matmul(grad_up.unsqueeze(-2), grad.unsqueeze(-1)).squeeze(-1)
+        # up: grad * weights * silu(gate)
+        torch.ops.aten.silu.out(gate, out=grad_up).mul_(grad).mul_(weights)
+        # gate: grad * weights * up * silu'(gate)
+        torch.mul(grad, weights, out=grad_gate).mul_(up)
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
+        return grad_x, grad_weights.to(weights.dtype)
+
+
+def weighted_activation(kind: str) -> WeightedActivation:
+    """Megatron-core's expert activation with the routing weights multiplied in (module
+    docstring): the fused weighted SwiGLU, or GeLU/ReLU followed by ``* weights`` (which saves
+    the activation's output and the weights, as ``MLP.forward`` does unfused)."""
     if kind == "swiglu":
-        return _SwiGLU.apply  # Megatron's fused SwiGLU: keeps only fc1's output
-    return F.relu if kind == "relu" else F.gelu
+        return _WeightedSwiGLU.apply
+    activation = F.relu if kind == "relu" else F.gelu
+    return lambda x, weights: (activation(x) * weights).to(x.dtype)
 
 
 class Router(nn.Module):
@@ -218,7 +289,7 @@ class Experts(nn.Module):
             fc2_weight=self.fc2_weight,
             fc1_bias=self.fc1_bias,
             fc2_bias=self.fc2_bias,
-            activation=_activation(self.kind),
+            weighted_activation=weighted_activation(self.kind),
             capacity_factor=self.capacity_factor,
         )
 

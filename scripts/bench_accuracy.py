@@ -208,6 +208,14 @@ def moe_section(rows: list[dict]) -> list[str]:
         "SequentialMLP experts, E/ep experts per rank; profiling/megatron_moe.py). Target for "
         "the analytic model: median 2%, max 5%.",
         "",
+        "Engine difference (docs/running.md): without a GPU there is no grouped GEMM "
+        "(TransformerEngine's TEGroupedMLP, or GroupedMLP's CUDA-only grouped_gemm), so the "
+        "engine runs SequentialMLP, whose MoE layer peaks in the forward at the concatenation "
+        "of the experts' outputs, 4 E C h d (E experts, C tokens each, h hidden, d bytes); the "
+        "plan counts the batched experts of a GPU run, whose peak is the weighted SwiGLU's "
+        "backward, E C (2f + 1) d (f expert width). Here f = 2h: the two differ by E C d "
+        "(5 KiB per micro-batch of 2 at capacity factor 1.25).",
+        "",
         f"Over {len(rows)} ranks of {len(MOE_LAYOUTS)} plans: analytic model {spread(errors)}.",
         "",
         *markdown_table(rows, list(rows[0])),

@@ -188,7 +188,7 @@ def test_megatron_routing_and_padded_dispatch_give_the_zoo_blocks_output(pre_sof
     dispatcher chains them, equal ``models.moe``'s routed experts, with tokens dropped."""
     from megatron.core.transformer.moe import moe_utils
 
-    from models.moe import _activation, capacity_experts_forward, route
+    from models.moe import capacity_experts_forward, route, weighted_activation
 
     tokens, hidden, ffn, num_experts, top_k, factor = 16, 8, 6, 4, 2, 1.0
     generator = torch.Generator().manual_seed(0)
@@ -205,7 +205,7 @@ def test_megatron_routing_and_padded_dispatch_give_the_zoo_blocks_output(pre_sof
         weights,
         fc1_weight=fc1.transpose(1, 2),  # the zoo's (GroupedMLP's) (E, in, out) layout
         fc2_weight=fc2.transpose(1, 2),
-        activation=_activation("swiglu"),
+        weighted_activation=weighted_activation("swiglu"),
         capacity_factor=factor,
     )
 

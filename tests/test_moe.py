@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 import models  # noqa: E402
-from models.moe import MoE, expert_capacity  # noqa: E402
+from models.moe import MoE, _WeightedSwiGLU, capacity_experts_forward, expert_capacity  # noqa: E402
 from profiling._torch_compat import FakeTensorMode  # noqa: E402
 
 
@@ -158,6 +158,128 @@ def test_moe_runs_on_meta_and_under_fake_tensors():
         model(*spec.example_inputs(2, None)).backward()
 
 
+# -- the weighting inside the activation, as megatron-core does ------------------------------
+
+
+def weighted_after_fc2(experts, hidden, indices, weights):
+    """The same experts weighting their outputs after fc2 (transformers' order, the zoo's
+    before megatron-core's weighted activation): the reference for the math."""
+    from models.common import _SwiGLU
+
+    activation = {"swiglu": _SwiGLU.apply, "gelu": F.gelu, "relu": F.relu}[experts.kind]
+    return capacity_experts_forward(
+        hidden,
+        indices,
+        weights,
+        fc1_weight=experts.fc1_weight,
+        fc2_weight=experts.fc2_weight,
+        fc1_bias=experts.fc1_bias,
+        fc2_bias=experts.fc2_bias,
+        activation=activation,
+        capacity_factor=experts.capacity_factor,
+    )
+
+
+@pytest.mark.parametrize(
+    ("mlp", "bias", "capacity_factor"),
+    [("swiglu", False, 1.0), ("swiglu", True, 2.0), ("gelu", True, 1.0), ("relu", False, 1.25)],
+)
+def test_weighted_activation_equals_weighting_after_fc2(mlp, bias, capacity_factor):
+    """Output and every gradient (input, router, expert weights and biases) of the zoo block
+    equal those of weighting the experts' outputs after fc2, dropping and padding included
+    (capacity factor 1 with a random routing drops tokens)."""
+    config = models.get("moe-tiny", mlp=mlp, bias=bias, capacity_factor=capacity_factor).config
+    torch.manual_seed(0)
+    moe = MoE(config).double()
+    x = torch.randn(24, config.hidden, dtype=torch.float64, requires_grad=True)
+    results = []
+    for forward in (moe.experts, lambda *a: weighted_after_fc2(moe.experts, *a)):
+        weights, indices = moe.router(x)
+        out = forward(x, indices, weights)
+        grads = torch.autograd.grad(
+            out.sin().sum(), [x, *moe.router.parameters(), *moe.experts.parameters()]
+        )
+        results.append((out, grads))
+    (out, grads), (ref_out, ref_grads) = results
+    assert out.abs().sum() > 0
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    for grad, ref in zip(grads, ref_grads, strict=True):
+        assert ref.abs().sum() > 0
+        torch.testing.assert_close(grad, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_weighted_swiglu_saves_its_input_and_the_weights():
+    """megatron-core's WeightedSwiGLUFunction saves (input, weights), and nothing else; its
+    gradients pass gradcheck (the weights' gradient is summed over the row)."""
+    x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    weights = torch.rand(3, 5, 1, dtype=torch.float64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = _WeightedSwiGLU.apply(x, weights)
+    assert [t.data_ptr() for t in saved] == [x.data_ptr(), weights.data_ptr()]
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(out, F.silu(gate) * up * weights)
+    assert torch.autograd.gradcheck(_WeightedSwiGLU.apply, (x, weights))
+
+
+class NewStorages(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records (op, bytes) of every storage an op returns that no earlier op saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.new = set(), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat = torch.utils._pytree.tree_flatten
+        for t in flat((args, kwargs or {}))[0]:
+            if isinstance(t, torch.Tensor):
+                self.seen.add(t.untyped_storage().data_ptr())
+        out = func(*args, **(kwargs or {}))
+        for t in flat(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.seen:
+                self.seen.add(t.untyped_storage().data_ptr())
+                self.new.append((func.__name__, t.untyped_storage().nbytes()))
+        return out
+
+
+def test_weighted_swiglu_allocates_only_its_results():
+    """As megatron-core's compiled (fused) weighted_swiglu and weighted_swiglu_back on a GPU:
+    the forward allocates its (E, C, f) result, the backward the (E, C, 2f) input gradient and
+    the (E, C, 1) weights' gradient, nothing else (fp32: E 4, C 6, f 8)."""
+    x = torch.randn(4, 6, 16, requires_grad=True)
+    weights = torch.rand(4, 6, 1, requires_grad=True)
+    grad = torch.randn(4, 6, 8)
+    forward, backward = NewStorages(), NewStorages()
+    with forward:
+        out = _WeightedSwiGLU.apply(x, weights)
+    with backward:
+        out.backward(grad)
+    assert forward.new == [("silu.default", 4 * 4 * 6 * 8)]
+    assert sorted(nbytes for _, nbytes in backward.new) == [4 * 4 * 6, 4 * 4 * 6 * 16]
+
+
+def test_bf16_weighted_swiglu_matches_megatron_core(monkeypatch):
+    """The same bf16 output and gradients as megatron-core's own weighted_bias_swiglu_impl
+    (its jit_fuser functions run uncompiled, as the megatron engine runs them on the CPU)."""
+    fused = pytest.importorskip("megatron.core.fusions.fused_bias_swiglu")
+    for name, value in list(vars(fused).items()):
+        if callable(original := getattr(value, "_torchdynamo_orig_callable", None)):
+            monkeypatch.setattr(fused, name, original)
+    torch.manual_seed(0)
+    x = torch.randn(64, 32, dtype=torch.bfloat16)
+    weights = torch.rand(64, 1, dtype=torch.bfloat16)
+    grad = torch.randn(64, 16, dtype=torch.bfloat16)
+    results = []
+    for apply in (_WeightedSwiGLU.apply, lambda a, w: fused.weighted_bias_swiglu_impl(a, None, w)):
+        a, w = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = apply(a, w)
+        out.backward(grad)
+        results.append((out, a.grad, w.grad))
+    for got, want in zip(*results, strict=True):
+        assert got.dtype == want.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+
+
 # -- the profiler's expert fields ------------------------------------------------------------
 
 BATCH, SEQ, D = 2, 16, 2  # moe-tiny profiled in bf16: T = 32 tokens per micro-batch
@@ -168,17 +290,18 @@ CAPACITY = 16  # ceil(32 x 2 / 4): balanced, E C = T k
 def zoo_expert_saved_bytes(
     *, tokens=TOKENS, capacity=CAPACITY, experts=E, hidden=H, f=F_WIDTH, d=D
 ) -> int:
-    """Hand count of what the zoo's routed SwiGLU experts save (models/moe.py), batch total."""
+    """Hand count of what the zoo's routed SwiGLU experts save (models/moe.py), batch total:
+    what megatron-core's experts save (the weighted SwiGLU keeps fc1's output and the
+    probabilities; the experts' outputs are not saved)."""
     rows = experts * capacity
     return (
         8 * capacity * experts * (capacity < tokens)  # int64 indices of the capacity top-k
         + tokens * experts  # bool capacity map
         + 2 * 8 * rows  # int64 permutation indices, and those of the permuted probabilities
         + d * rows * hidden  # permuted tokens (fc1's input)
-        + d * rows * 2 * f  # fc1 output (SwiGLU's only saved tensor)
-        + d * rows * f  # fc2 input
-        + d * rows * hidden  # expert outputs (saved by the weighting)
-        + d * rows  # permuted probabilities
+        + d * rows * 2 * f  # fc1 output (saved by the weighted SwiGLU)
+        + d * rows  # permuted probabilities (saved by the weighted SwiGLU)
+        + d * rows * f  # fc2 input: the weighted activation
     )
 
 
@@ -193,7 +316,12 @@ def test_profile_moe_tiny_expert_fields_byte_exact():
     graph, layers = profile("moe-tiny")
     block = layers["layers.0"]
     assert block.expert_params == E * 3 * H * F_WIDTH == 24_576
-    assert block.expert_activation_bytes * BATCH == zoo_expert_saved_bytes() == 34_560
+    assert block.expert_activation_bytes * BATCH == zoo_expert_saved_bytes() == 30_464
+    # the backward's extra peak: the weighted SwiGLU's input gradient (E C 2f d) and weights'
+    # gradient (E C d), all that megatron-core's fused weighted_swiglu_back allocates; at the
+    # weight gradients, the gradient of fc2's output (E C h d)
+    assert block.transient_bytes * BATCH == E * CAPACITY * (2 * F_WIDTH + 1) * D == 16_512
+    assert block.weight_grad_transient_bytes * BATCH == E * CAPACITY * H * D == 4_096
     # dispatch + combine all-to-all, forward + backward: 4 E C h d per micro-batch
     assert block.ep_comm_bytes * BATCH == 4 * E * CAPACITY * H * D == 16_384
     assert layers["layers.1"].expert_activation_bytes == block.expert_activation_bytes
@@ -205,6 +333,18 @@ def test_profile_moe_tiny_expert_fields_byte_exact():
         "capacity_factor": 1.0,
         "expert_fields": None,
     }
+
+
+@pytest.mark.parametrize(("mlp", "kept"), [("gelu", 3), ("relu", 2)])
+def test_profile_gelu_and_relu_experts_save_what_megatron_cores_mlp_saves(mlp, kept):
+    """megatron-core's expert MLP without a fused weighted activation: act(fc1) then
+    ``* per_token_scale`` (MLP.forward). GeLU keeps its input, the multiplication its output
+    (and the weights), fc2 the product: 3 E C f d; ReLU's input is its output: 2 E C f d."""
+    _, layers = profile("moe-tiny", mlp=mlp)
+    rows = E * CAPACITY
+    swiglu = D * rows * 3 * F_WIDTH  # fc1 output (2f) and fc2 input (f)
+    expected = zoo_expert_saved_bytes() - swiglu + kept * D * rows * F_WIDTH
+    assert layers["layers.0"].expert_activation_bytes * BATCH == expected
 
 
 def test_profile_moe_tp_split_of_the_rest_of_the_block():
@@ -272,7 +412,8 @@ def test_hf_moe_configs_are_bundled():
 
 
 def test_hf_mixtral_profiles_through_the_capacity_dispatch():
-    """Mixtral's experts run the zoo's dispatch with transformers' weights and gate: the gate
+    """Mixtral's experts run the zoo's dispatch with transformers' weights and gate, weighting
+    the experts' outputs after fc2 as transformers does (so they are saved, E C h); the gate
     keeps act(gate) beside its input (the zoo's fused SwiGLU keeps only the input), and the
     router's weights are fp32 (so are the permuted probabilities); the rest is byte for byte
     the zoo's hand count."""
@@ -282,7 +423,8 @@ def test_hf_mixtral_profiles_through_the_capacity_dispatch():
     rows = E * CAPACITY
     assert block.expert_params == E * 3 * H * F_WIDTH
     assert block.ep_comm_bytes * BATCH == 4 * rows * H * D
-    extra = D * rows * F_WIDTH + (4 - D) * rows  # act(gate) kept; fp32 permuted probabilities
+    # expert outputs saved by the weighting; act(gate) kept; fp32 permuted probabilities
+    extra = D * rows * H + D * rows * F_WIDTH + (4 - D) * rows
     assert block.expert_activation_bytes * BATCH == zoo_expert_saved_bytes() + extra == 42_880
     assert graph.meta["moe"]["num_experts"] == E and graph.meta["moe"]["top_k"] == 2
     assert graph.meta["training_settings"]["experts_implementation"].startswith("capacity")
@@ -382,8 +524,8 @@ def test_fake_profile_equals_real_cpu_run(name):
     [("mixtral-8x7b", 8, 2, 4096, 14336, 0), ("deepseek-moe-16b", 64, 6, 2048, 1408, 1)],
 )
 def test_zoo_moe_full_size_expert_fields(name, experts, top_k, hidden, f, first_moe):
-    """Seq 4096, batch 1, bf16: Mixtral C = 1024 (839,106,560 saved bytes per block),
-    DeepSeek-MoE C = 384 (409,845,760)."""
+    """Seq 4096, batch 1, bf16: Mixtral C = 1024 (771,997,696 saved bytes per block),
+    DeepSeek-MoE C = 384 (309,182,464)."""
     from profiling.export import export_graph
 
     graph = export_graph(name, batch=1)
@@ -392,7 +534,7 @@ def test_zoo_moe_full_size_expert_fields(name, experts, top_k, hidden, f, first_
     saved = zoo_expert_saved_bytes(
         tokens=4096, capacity=capacity, experts=experts, hidden=hidden, f=f
     )
-    assert saved == {"mixtral-8x7b": 839_106_560, "deepseek-moe-16b": 409_845_760}[name]
+    assert saved == {"mixtral-8x7b": 771_997_696, "deepseek-moe-16b": 309_182_464}[name]
     for block in blocks[first_moe:]:
         assert block.expert_params == experts * 3 * hidden * f
         assert block.expert_activation_bytes == saved
