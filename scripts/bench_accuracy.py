@@ -190,13 +190,6 @@ def moe_rows(progress) -> list[dict]:
     return rows
 
 
-def planner_has_expert_parallelism() -> bool:
-    """Whether the planner takes ``TrainingConfig.ep`` (the MoE rows need it)."""
-    from solver import TrainingConfig
-
-    return "ep" in TrainingConfig.__dataclass_fields__
-
-
 def moe_section(rows: list[dict]) -> list[str]:
     errors = [row["analytic_pct"] for row in rows]
     print(f"megatron-core MoE: analytic {spread(errors)}")
@@ -360,6 +353,23 @@ def section(title: str, overrides, layouts, calibration, results, targets: str) 
     ]
 
 
+def write_part(path: Path, title: str, flag: str, section_lines: list[str]) -> None:
+    """One part of the benchmark (``flag`` runs only it) as its own Markdown file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [
+        f"# Accuracy benchmark: {title}",
+        "",
+        f"Command: `python scripts/bench_accuracy.py {flag}` (the same rows are in "
+        "bench_accuracy.md)  ",
+        f"Machine: {platform.machine()}, Python {platform.python_version()}, run "
+        f"{time.strftime('%Y-%m-%d')}; gloo on CPU, exact live-tensor accounting (the last of "
+        "2 iterations measured).",
+        "",
+        *section_lines,
+    ]
+    path.write_text("\n".join(lines))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks")
@@ -376,37 +386,20 @@ def main() -> int:
     args = parser.parse_args()
     progress = lambda text: print(text, flush=True)  # noqa: E731
     if args.only_moe:
-        if not planner_has_expert_parallelism():
-            print("--only-moe: this planner has no expert parallelism (TrainingConfig.ep)")
-            return 2
-        args.out.mkdir(parents=True, exist_ok=True)
-        lines = [
-            "# Accuracy benchmark: megatron-core MoE rows",
-            "",
-            "Command: `python scripts/bench_accuracy.py --only-moe` (the same rows are in "
-            "bench_accuracy.md)  ",
-            f"Machine: {platform.machine()}, Python {platform.python_version()}, run "
-            f"{time.strftime('%Y-%m-%d')}; gloo on CPU, exact live-tensor accounting (the last of "
-            "2 iterations measured).",
-            "",
-            *moe_section(moe_rows(progress)),
-        ]
-        (args.out / "bench_accuracy_moe.md").write_text("\n".join(lines))
+        write_part(
+            args.out / "bench_accuracy_moe.md",
+            "megatron-core MoE rows",
+            "--only-moe",
+            moe_section(moe_rows(progress)),
+        )
         return 0
     if args.hf_only:
-        args.out.mkdir(parents=True, exist_ok=True)
-        lines = [
-            "# Accuracy benchmark: HF rows",
-            "",
-            "Command: `python scripts/bench_accuracy.py --hf-only` (the same rows close "
-            "bench_accuracy.md)  ",
-            f"Machine: {platform.machine()}, Python {platform.python_version()}, run "
-            f"{time.strftime('%Y-%m-%d')}; gloo on CPU, exact live-tensor accounting (the last of "
-            "2 iterations measured).",
-            "",
-            *hf_section(hf_rows(progress)),
-        ]
-        (args.out / "bench_accuracy_hf.md").write_text("\n".join(lines))
+        write_part(
+            args.out / "bench_accuracy_hf.md",
+            "HF rows",
+            "--hf-only",
+            hf_section(hf_rows(progress)),
+        )
         return 0
     torch_fit, torch_results = calibrate(
         "gpt-tiny", OVERRIDES, LAYOUTS, timeout_s=300, progress=progress
@@ -444,7 +437,7 @@ def main() -> int:
             megatron_results,
             "median 2%, max 5%",
         ),
-        *(moe_section(moe_rows(progress)) if planner_has_expert_parallelism() else []),
+        *moe_section(moe_rows(progress)),
         *hf_section(hf_rows(progress)),
     ]
     (args.out / "bench_accuracy.md").write_text("\n".join(lines))

@@ -447,8 +447,8 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
         default=None,
         help="Megatron's sequence parallelism with tp > 1 (activations TP leaves replicated and "
         "the tensors sent between stages split over the tp ranks too): off, on (every config "
-        "with tp > 1; a pinned --tp 1 is an error) or auto (SP whenever tp > 1); default: auto "
-        "with --runtime megatron, off with --runtime torch (its engine runs no SP)",
+        "with tp > 1; a pinned --tp 1 is an error) or auto (SP whenever tp > 1, as Megatron-LM "
+        "and torchtitan run it); default auto",
     )
     training.add_argument(
         "--cp",
