@@ -11,7 +11,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import models  # noqa: E402
 from models.moe import MoE, _WeightedSwiGLU, capacity_experts_forward, expert_capacity  # noqa: E402
-from profiling._torch_compat import FakeTensorMode  # noqa: E402
+from profiling._torch_compat import FakeTensorMode, TorchDispatchMode, tree_flatten  # noqa: E402
 
 
 def numel(module: torch.nn.Module) -> int:
@@ -222,7 +222,7 @@ def test_weighted_swiglu_saves_its_input_and_the_weights():
     assert torch.autograd.gradcheck(_WeightedSwiGLU.apply, (x, weights))
 
 
-class NewStorages(torch.utils._python_dispatch.TorchDispatchMode):
+class NewStorages(TorchDispatchMode):
     """Records (op, bytes) of every storage an op returns that no earlier op saw."""
 
     def __init__(self):
@@ -230,12 +230,11 @@ class NewStorages(torch.utils._python_dispatch.TorchDispatchMode):
         self.seen, self.new = set(), []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        flat = torch.utils._pytree.tree_flatten
-        for t in flat((args, kwargs or {}))[0]:
+        for t in tree_flatten((args, kwargs or {}))[0]:
             if isinstance(t, torch.Tensor):
                 self.seen.add(t.untyped_storage().data_ptr())
         out = func(*args, **(kwargs or {}))
-        for t in flat(out)[0]:
+        for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.seen:
                 self.seen.add(t.untyped_storage().data_ptr())
                 self.new.append((func.__name__, t.untyped_storage().nbytes()))
