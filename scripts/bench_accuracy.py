@@ -175,19 +175,27 @@ def moe_rows(progress) -> list[dict]:
             measured = report.measured_breakdown
             rows.append(
                 {
-                    "layout": label,
-                    "split": split_text,
-                    "rank": report.rank,
-                    "stage": report.stage,
-                    "measured_kib": round(report.measured_peak_bytes / 1024, 1),
-                    "analytic_kib": round(report.predicted_peak_bytes / 1024, 1),
-                    "analytic_pct": round(report.error_pct, 1),
+                    **report_row(label, split_text, report),
                     "params_kib": round(measured["params"] / 1024, 1),
                     "activations_kib": round(measured["activations"] / 1024, 1),
                     "other_kib": round(measured["other"] / 1024, 1),
                 }
             )
     return rows
+
+
+def report_row(label: str, split_text: str, report) -> dict:
+    """The table columns every engine run gives: layout, rank, measured and predicted peak
+    (KiB) and the analytic error (%)."""
+    return {
+        "layout": label,
+        "split": split_text,
+        "rank": report.rank,
+        "stage": report.stage,
+        "measured_kib": round(report.measured_peak_bytes / 1024, 1),
+        "analytic_kib": round(report.predicted_peak_bytes / 1024, 1),
+        "analytic_pct": round(report.error_pct, 1),
+    }
 
 
 def moe_section(rows: list[dict]) -> list[str]:
@@ -275,17 +283,7 @@ def hf_rows(progress) -> list[dict]:
         for report in run_plan(
             name, document, iterations=2, overrides=overrides, seq=HF_SEQ, timeout_s=600
         ):
-            rows.append(
-                {
-                    "layout": label,
-                    "split": split_text,
-                    "rank": report.rank,
-                    "stage": report.stage,
-                    "measured_kib": round(report.measured_peak_bytes / 1024, 1),
-                    "analytic_kib": round(report.predicted_peak_bytes / 1024, 1),
-                    "analytic_pct": round(report.error_pct, 1),
-                }
-            )
+            rows.append(report_row(label, split_text, report))
     return rows
 
 
