@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from solver.backends import resolve_backend, solve
+from solver.backends.dag import dag_fits_graph, topological_split
 from solver.backends.problem import (
     INFEASIBLE,
     OBJECTIVE_MEMORY,
@@ -256,12 +257,15 @@ class _Search:
         self.chain = bool(entries) and entries[0].costs.is_chain()
         self.placed = bool(entries) and entries[0].placement is not None
         self.requested_backend = backend
+        # the exact DP over ideals applies to this graph (config-independent)
+        self.dag_fits = bool(entries) and not self.chain and dag_fits_graph(entries[0].costs)
         self.backend = resolve_backend(
             backend,
             self.chain,
             heterogeneous=self.placed,
             selective=any(e.costs.selective for e in entries),
             interleaved=any(e.costs.config.virtual_stages > 1 for e in entries),
+            dag_fits=self.dag_fits,
         )
         self.viable = [e for e in entries if self._within_limits(e)]
         self.viable.sort(key=lambda e: (self.bound_of(e), e.order))
@@ -295,6 +299,7 @@ class _Search:
             heterogeneous=self.placed,
             selective=entry.costs.selective,
             interleaved=entry.costs.config.virtual_stages > 1,
+            dag_fits=self.dag_fits,
         )
 
     def incumbent(self) -> int | None:
@@ -395,6 +400,14 @@ class _Search:
             # the best all-off / all-on split (a placed problem builds its own start,
             # solver.backends.placement_start)
             return uniform_recompute_hint(problem, self.deadline)
+        if self.backend_of(entry) == "cpsat" and not (
+            self.chain or self.placed or problem.selective
+        ):
+            # a DAG too wide for the exact DP: the best split along the layer order as a start
+            found = topological_split(
+                problem, time_limit_s=max(self.deadline.remaining() / 10, 0.01)
+            )
+            return (found.stage_of_layer, None) if found.has_solution else (None, None)
         return None, None
 
     def retry_open(self) -> None:
