@@ -400,10 +400,10 @@ class _Search:
             # the best all-off / all-on split (a placed problem builds its own start,
             # solver.backends.placement_start)
             return uniform_recompute_hint(problem, self.deadline)
-        if self.backend_of(entry) == "cpsat" and not (
-            self.chain or self.placed or problem.selective
-        ):
-            # a DAG too wide for the exact DP: the best split along the layer order as a start
+        wide_dag = not (self.chain or self.placed or problem.selective)
+        if wide_dag and self.requested_backend == "auto" and self.backend_of(entry) == "cpsat":
+            # auto on a DAG too wide for the exact DP (CP-SAT): the best split along the layer
+            # order as a start (--backend cpsat runs CP-SAT alone)
             found = topological_split(
                 problem, time_limit_s=max(self.deadline.remaining() / 10, 0.01)
             )

@@ -14,6 +14,7 @@ import networkx as nx
 import numpy as np
 import pytest
 
+from solver import search as search_module
 from solver.backends import resolve_backend
 from solver.backends.brute_force import solve_brute_force
 from solver.backends.chain import solve_chain
@@ -293,3 +294,27 @@ def test_backend_selection():
     ):
         with pytest.raises(InputError, match=words):
             resolve_backend("dag", False, **{flag: True})
+
+
+def test_plan_on_a_wide_dag_uses_cpsat_from_the_topological_split(monkeypatch):
+    """auto on a DAG beyond the ideal cap: CP-SAT, started from the prefix DP's split; a
+    forced --backend dag is refused in one line."""
+    graph = wide_graph(13)
+    cluster = Cluster(num_gpus=2, gpu_memory_bytes=80 * GIB)
+    training = TrainingConfig(global_batch=4, micro_batch_sizes=(1,), max_slowdown=None)
+    starts = []
+
+    def recorded(problem, *, time_limit_s):
+        found = topological_split(problem, time_limit_s=time_limit_s)
+        starts.append(found)
+        return found
+
+    monkeypatch.setattr(search_module, "topological_split", recorded)
+    result = plan(graph, cluster, training, time_limit_s=30, suggest_gpus=False)
+    assert result.solver.backend == "cpsat" and result.solver.status == OPTIMAL
+    # one stage: the only split; pp > 1: a split along the layer order, not proven
+    assert starts and {found.status for found in starts} <= {OPTIMAL, FEASIBLE}
+    assert any(found.status == FEASIBLE for found in starts)
+    assert result.solver.objective <= min(f.objective for f in starts if f.has_solution)
+    with pytest.raises(InputError, match="--backend dag: this graph has more than 4096 ideals"):
+        plan(graph, cluster, training, backend="dag", time_limit_s=30, suggest_gpus=False)

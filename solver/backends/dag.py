@@ -93,11 +93,13 @@ def solve_dag(problem: StageProblem, *, time_limit_s: float | None = None) -> St
 def topological_split(problem: StageProblem, *, time_limit_s: float) -> StageSolution:
     """The best split whose stages are consecutive runs of the layer order (a topological
     order), under the problem's constraints and objective: the DP over the prefixes. OPTIMAL
-    when the prefixes are all the ideals (the graph is a chain), else FEASIBLE (bound 0: not
-    proven) or UNKNOWN when no prefix split satisfies the constraints."""
+    when the prefixes are all the ideals (the graph is a chain) or there is one stage, else
+    FEASIBLE (bound 0: not proven) or UNKNOWN when no prefix split satisfies the
+    constraints."""
     _check_applies(problem)
     structure = _structure(problem.costs, prefixes=True)
-    return _run(problem, structure, time_limit_s, proven=structure.all_ideals)
+    single = problem.num_stages == 1  # one split only: every layer on stage 0
+    return _run(problem, structure, time_limit_s, proven=structure.all_ideals or single)
 
 
 def _check_applies(problem: StageProblem) -> None:
