@@ -21,6 +21,7 @@ from solver.backends.chain import solve_chain
 from solver.backends.cpsat import solve_cpsat
 from solver.backends.dag import (
     MAX_IDEALS,
+    _run,
     _structure,
     dag_applies,
     dag_fits_graph,
@@ -234,6 +235,30 @@ def test_t5_plan_matches_cpsat():
     assert reference.solver.status == OPTIMAL
     assert ours.solver.objective == reference.solver.objective
     assert ours.config == reference.config
+
+
+def test_optimum_along_the_layer_order_when_one_ties():
+    """T5 configs: the value is the raw DP's; when the best split along the layer order reaches
+    it, that split is returned (what pipeline() split points cut); otherwise the DAG optimum is
+    strictly smaller and some stage is not a run of the order."""
+    graph = load_graph(T5_DAG)
+    ordered_ties = strict = 0
+    for pp, runtime in ((2, "megatron"), (3, "torch"), (4, "megatron"), (6, "torch")):
+        config = ParallelConfig(pp=pp, tp=1, dp=1, micro_batch=1, num_microbatches=4)
+        problem = StageProblem(costs=costs_for(graph, config, runtime=runtime))
+        raw = _run(problem, _structure(problem.costs), None, proven=True)
+        found = solve_dag(problem)
+        along = topological_split(problem, time_limit_s=None)
+        assert found.status == OPTIMAL and found.objective == raw.objective == found.bound
+        assert problem.objective_value(found.stage_of_layer) == found.objective
+        ordered = bool((np.diff(found.stage_of_layer) >= 0).all())
+        if along.objective == found.objective:
+            assert ordered
+            ordered_ties += not bool((np.diff(raw.stage_of_layer) >= 0).all())
+        else:
+            assert along.objective > found.objective and not ordered
+            strict += 1
+    assert ordered_ties and strict  # both cases occur among these configs
 
 
 # -- the prefix fallback -----------------------------------------------------------------------
