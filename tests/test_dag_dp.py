@@ -280,6 +280,31 @@ def test_topological_split_on_a_wide_dag_is_a_valid_feasible_split():
     assert (np.diff(stages) >= 0).all()  # consecutive runs of the layer order
 
 
+@pytest.mark.slow  # ~0.5 s validating the 520-layer graph
+def test_too_many_layers_for_either_structure():
+    """520 layers with one skip edge: 521 ideals but 135,460 pairs x 520 layers over the cap,
+    for the exact DP and the prefix DP alike: auto leaves it to CP-SAT (without a start), the
+    prefix DP says UNKNOWN."""
+    names = [f"l{i}" for i in range(520)]
+    edges = [{"src": a, "dst": b, "bytes": 10} for a, b in zip(names[:-1], names[1:], strict=True)]
+    graph = graph_from_dict(
+        {
+            "format": "layer-graph",
+            "version": 1,
+            "model": "long",
+            "layers": [
+                {"name": name, "params": 10, "activation_bytes": 10, "output_bytes": 10}
+                for name in names
+            ],
+            "edges": [*edges, {"src": names[0], "dst": names[-1], "bytes": 10}],
+        }
+    )
+    costs = costs_for(graph, ParallelConfig(pp=4, tp=1, dp=1, micro_batch=1, num_microbatches=4))
+    assert not dag_fits_graph(costs)
+    found = topological_split(StageProblem(costs=costs), time_limit_s=10)
+    assert found.status == UNKNOWN and not found.has_solution
+
+
 def test_topological_split_is_optimal_on_a_chain():
     rng = random.Random(76000)
     graph = random_chain(rng, 9)

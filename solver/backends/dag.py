@@ -125,10 +125,20 @@ def topological_split(problem: StageProblem, *, time_limit_s: float | None) -> S
     """The best split whose stages are consecutive runs of the layer order (a topological
     order), under the problem's constraints and objective: the DP over the prefixes. OPTIMAL
     when the prefixes are all the ideals (the graph is a chain) or there is one stage, else
-    FEASIBLE (bound 0: not proven) or UNKNOWN when no prefix split satisfies the
-    constraints."""
+    FEASIBLE (bound 0: not proven) or UNKNOWN when no prefix split satisfies the constraints,
+    or when the layers are too many for the DP's pairs x layers cap (``MAX_PAIR_CELLS``: about
+    500 layers; the chain backend plans long chains)."""
     _check_applies(problem)
     structure = _structure(problem.costs, prefixes=True)
+    if structure is None:  # (L + 1) L / 2 intervals x L layers over MAX_PAIR_CELLS: L > ~500
+        return StageSolution(
+            status=UNKNOWN,
+            stage_of_layer=None,
+            objective=None,
+            bound=0,
+            wall_s=0.0,
+            backend=BACKEND,
+        )
     single = problem.num_stages == 1  # one split only: every layer on stage 0
     return _run(problem, structure, time_limit_s, proven=structure.all_ideals or single)
 
@@ -274,24 +284,25 @@ def enumerate_ideals(
                 return None
         frontier = grown
     ideals = sorted(seen, key=lambda bits: (bits.bit_count(), bits))
-    layers = np.arange(num_layers)
-    return np.array([[(bits >> i) & 1 for i in layers] for bits in ideals], dtype=bool).reshape(
-        len(ideals), num_layers
-    )
+    width = (num_layers + 7) // 8
+    raw = np.frombuffer(b"".join(bits.to_bytes(width, "little") for bits in ideals), np.uint8)
+    bits = np.unpackbits(raw.reshape(len(ideals), width), axis=1, bitorder="little")
+    return bits[:, :num_layers].astype(bool)
 
 
 def _build_structure(costs: LayerCosts, members: np.ndarray, all_ideals: bool) -> _Structure | None:
     num_ideals, num_layers = members.shape
     # J < I strictly: J's members are all in I and I is larger (rows are sorted by size)
     sizes = members.sum(axis=1)
-    pairs_low, pairs_high = [], []
+    pairs_low, pairs_high, num_pairs = [], [], 0
     packed = np.packbits(members, axis=1)
     for i in range(1, num_ideals):
         inside = ~np.any(packed[:i] & ~packed[i], axis=1) & (sizes[:i] < sizes[i])
         below = np.flatnonzero(inside)
         pairs_low.append(below)
         pairs_high.append(np.full(len(below), i))
-        if sum(len(p) for p in pairs_low) * num_layers > MAX_PAIR_CELLS:
+        num_pairs += len(below)
+        if num_pairs * num_layers > MAX_PAIR_CELLS:
             return None
     low = np.concatenate(pairs_low).astype(np.int64)
     high = np.concatenate(pairs_high).astype(np.int64)
