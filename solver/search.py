@@ -257,8 +257,13 @@ class _Search:
         self.chain = bool(entries) and entries[0].costs.is_chain()
         self.placed = bool(entries) and entries[0].placement is not None
         self.requested_backend = backend
-        # the exact DP over ideals applies to this graph (config-independent)
-        self.dag_fits = bool(entries) and not self.chain and dag_fits_graph(entries[0].costs)
+        # auto: the exact DP over ideals applies to this graph (config-independent)
+        self.dag_fits = (
+            bool(entries)
+            and backend == "auto"
+            and not (self.chain or self.placed)
+            and dag_fits_graph(entries[0].costs)
+        )
         self.backend = resolve_backend(
             backend,
             self.chain,

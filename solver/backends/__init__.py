@@ -20,7 +20,7 @@ def resolve_backend(
 ) -> str:
     """'auto' is the exact chain algorithm on chain graphs, the exact DP over ideals
     (``backends.dag``) on DAGs whose ideals are within its caps (``dag_fits``:
-    ``backends.dag.dag_applies`` of the graph's coefficients), else CP-SAT. It is CP-SAT on a
+    ``backends.dag.dag_fits_graph`` of the graph's coefficients), else CP-SAT. It is CP-SAT on a
     heterogeneous cluster too (stages also choose a node group,
     ``solver.backends.formulation``: the chain
     algorithm has a single capacity and one time per layer), and whenever the recomputed layers

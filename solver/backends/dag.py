@@ -89,7 +89,8 @@ def solve_dag(problem: StageProblem, *, time_limit_s: float | None = None) -> St
     if structure is None:
         raise InputError(
             f"--backend dag: this graph has more than {MAX_IDEALS} ideals (down-closed layer "
-            "sets), too wide for the exact DP: use --backend auto or cpsat"
+            f"sets) or more than {MAX_PAIR_CELLS} (ideal pair, layer) cells, too many for the "
+            "exact DP: use --backend auto or cpsat"
         )
     solution = _run(problem, structure, time_limit_s, proven=True)
     return _prefer_layer_order(problem, solution, time_limit_s)
@@ -266,20 +267,24 @@ def enumerate_ideals(
     breadth-first search adding one layer whose predecessors are all in; None when there are
     more than ``limit``."""
     predecessors = [0] * num_layers
+    successors: list[list[int]] = [[] for _ in range(num_layers)]
     for u, v in zip(edge_src, edge_dst, strict=True):
         predecessors[v] |= 1 << u
+        successors[u].append(v)
+    # each frontier ideal with the layers it can take next (all predecessors in)
+    first = [layer for layer in range(num_layers) if predecessors[layer] == 0]
     seen = {0}
-    frontier = [0]
+    frontier = [(0, first)]
     while frontier:
         grown = []
-        for ideal in frontier:
-            for layer in range(num_layers):
-                bit = 1 << layer
-                if not ideal & bit and predecessors[layer] & ~ideal == 0:
-                    bigger = ideal | bit
-                    if bigger not in seen:
-                        seen.add(bigger)
-                        grown.append(bigger)
+        for ideal, addable in frontier:
+            for layer in addable:
+                bigger = ideal | (1 << layer)
+                if bigger in seen:
+                    continue
+                seen.add(bigger)
+                opened = [v for v in successors[layer] if predecessors[v] & ~bigger == 0]
+                grown.append((bigger, [x for x in addable if x != layer] + sorted(set(opened))))
             if limit is not None and len(seen) > limit:
                 return None
         frontier = grown
