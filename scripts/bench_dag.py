@@ -162,9 +162,12 @@ def headline_rows(out_dir: str | Path = ROOT / "benchmarks") -> list[dict]:
     for row in rows:
         if (int(row["gpus"]), int(row["global batch"])) != HEADLINE:
             continue
-        result = f"{row['status']} in {row['wall s']} s (exit {row['exit']}), gap {row['gap %']}%"
+        result = f"{row['status']} in {row['wall s']} s (exit {row['exit']})"
         if row["status"] != "no plan":
-            result += f", {row['config']}, peak {row['peak GiB']} GiB"
+            result += (
+                f", gap {row['gap %']}%, {row['config']}, peak {row['peak GiB']} GiB; "
+                f"solver {row['solver']}"
+            )
         found.append(
             {
                 "point": f"2. T5-11B on 256 GPUs, batch 4096 ({row['backend']} backend)",
