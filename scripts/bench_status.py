@@ -12,6 +12,12 @@
    ``--virtual-stages 1,2,4`` (said "time limit reached" when it was not): status, gap, wall time,
    whether the time limit was reached, each search's time and proof, and the notes.
 
+3. The cost of the incumbent pass (quick splits of every config before any exact solve): the
+   examples' GPT-3 175B chain on 64..4096 GPUs with default flags, ``--virtual-stages 1,2,4``
+   and ``--recompute auto``, and T5-11B on 64..1024 GPUs, each at ``--time-limit 10``: the pass's
+   wall time (both searches) against the searches' (from the plan JSON's ``solver.searches``).
+   Plain chain configs skip the pass (the chain algorithm is exact in milliseconds).
+
 Each run records its wall time from start to exit (interpreter start and graph reading
 included). Writes benchmarks/bench_status.md and .csv; :func:`headline_rows` reads the .csv back
 for ``scripts/bench_search.py``.
@@ -44,6 +50,7 @@ MODELS = {
 }
 """Zoo presets planned with default flags -> global batch (the model's published one or so)."""
 GPUS = (64, 256, 1024)
+EXAMPLE = ROOT / "examples" / "gpt3-175b.json"
 CASES = (
     ("T5-11B, 256 GPUs, default limit", "t5-11b", ("--gpus", "256", "--global-batch", "4096")),
     (
@@ -58,6 +65,13 @@ CASES = (
     ),
 )
 """(name, model, solver.plan flags) of the issue's cases (80 GiB GPUs)."""
+COST_GPUS = (64, 256, 1024, 4096)
+COST_OPTIONS = {
+    "default": (),
+    "--virtual-stages 1,2,4": ("--virtual-stages", "1,2,4"),
+    "--recompute auto": ("--recompute", "auto"),
+}
+COST_COLUMNS = ["case", "exit", "wall_s", "search_s", "incumbent_s", "incumbent_pct", "seeded"]
 COLUMNS = [
     "case",
     "exit",
@@ -92,7 +106,14 @@ def run_plan(graph: Path, flags: tuple[str, ...]) -> dict:
         row = {"exit": done.returncode, "wall_s": round(wall, 1)}
         if done.returncode == 0:
             solver = json.loads(out.read_text())["solver"]
+            searches = solver.get("searches", [])
+            search_s = sum(s["wall_s"] for s in searches)
+            incumbent_s = sum(s["incumbent_s"] for s in searches)
             row |= {
+                "search_s": round(search_s, 2),
+                "incumbent_s": round(incumbent_s, 3),
+                "incumbent_pct": round(100 * incumbent_s / search_s, 1) if search_s else 0.0,
+                "seeded": "+".join(str(s["configs_with_incumbent"]) for s in searches),
                 "status": solver["status"],
                 "gap_pct": round(100 * solver["gap"], 2),
                 "time_limit_reached": solver.get("time_limit_reached"),
@@ -158,12 +179,14 @@ def main() -> int:
     parser.add_argument("--gpus", default=",".join(map(str, GPUS)), help="GPU counts")
     parser.add_argument("--graphs", default=str(Path(tempfile.gettempdir()) / "bench_status"))
     parser.add_argument("--no-cases", action="store_true", help="skip the issue's cases")
+    parser.add_argument("--no-zoo", action="store_true", help="skip the zoo runs")
+    parser.add_argument("--no-cost", action="store_true", help="skip the pass-cost runs")
     parser.add_argument("--out", default=str(ROOT / "benchmarks"))
     args = parser.parse_args()
     graphs = Path(args.graphs)
     graphs.mkdir(parents=True, exist_ok=True)
     rows = []
-    for model in args.models.split(","):
+    for model in [] if args.no_zoo else args.models.split(","):
         graph = profile(model, graphs)
         for gpus in args.gpus.split(","):
             flags = ("--gpus", gpus, "--global-batch", str(MODELS[model]))
@@ -174,9 +197,22 @@ def main() -> int:
         row = {"part": "case", "case": name} | run_plan(profile(model, graphs), flags)
         print(row, flush=True)
         rows.append(row)
+    cost_cases = [
+        (f"gpt3-175b (examples/), {gpus} GPUs, {option}", EXAMPLE, gpus, 1536, flags)
+        for option, flags in COST_OPTIONS.items()
+        for gpus in COST_GPUS
+    ] + [
+        (f"t5-11b, {gpus} GPUs, default", profile("t5-11b", graphs), gpus, 4096, ())
+        for gpus in COST_GPUS[:3]
+    ]
+    for name, graph, gpus, batch, flags in () if args.no_cost else cost_cases:
+        flags = ("--gpus", str(gpus), "--global-batch", str(batch), "--time-limit", "10", *flags)
+        row = {"part": "cost", "case": name} | run_plan(graph, flags)
+        print(row, flush=True)
+        rows.append(row)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    fields = ["part", *COLUMNS, "command"]
+    fields = ["part", *COLUMNS, *COST_COLUMNS[3:], "command"]
     with (out / "bench_status.csv").open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
@@ -201,6 +237,13 @@ def main() -> int:
         "## The issue's cases",
         "",
         *markdown_table([r for r in rows if r["part"] == "case"], [*COLUMNS, "command"]),
+        "",
+        "## 3. Cost of the incumbent pass (--time-limit 10)",
+        "",
+        "search_s: both searches' wall time; incumbent_s: their incumbent passes; seeded: configs "
+        "given a quick split in each search (fastest plan + smallest peak).",
+        "",
+        *markdown_table([r for r in rows if r["part"] == "cost"], COST_COLUMNS),
         "",
     ]
     write_report(out, "bench_status.md", lines)

@@ -320,6 +320,7 @@ class _Search:
         self.open_bounds: dict[int, int] = {}  # entry order -> lower bound of a config not proven
         self.shared: list[tuple[ConfigEntry, StageProblem]] = []  # solves given a share of time
         self.closed: set[int] = set()  # entry orders whose incumbent meets their bound
+        self.visited: set[int] = set()  # entry orders solved exactly by the incumbent pass
         self.incumbents = 0
         self.incumbent_s = 0.0
         self.started = time.perf_counter()
@@ -398,17 +399,31 @@ class _Search:
         baseline splits are always tried (a few cost-model evaluations per config, so a plan
         exists even when the deadline has passed); the timed methods share
         :data:`INCUMBENT_SHARE` of the time left. The chain algorithm's configs are exact in
-        milliseconds and need no start: they are seeded only when the deadline cuts them off
-        (:meth:`_seed_cut_off`)."""
+        milliseconds and need no start: alone, they are seeded only when the deadline cuts them
+        off (:meth:`_seed_cut_off`); next to CP-SAT configs (an interleaved search keeps the
+        plain configs of a chain on the chain algorithm) they are solved here, exactly, so that
+        their optima prune the CP-SAT configs and stand if those take all the time."""
         started = time.perf_counter()
         end = started + INCUMBENT_SHARE * self.deadline.remaining()
-        exact = [e for e in self.viable if self.backend_of(e) != "chain"]
-        for index, entry in enumerate(exact):
+        chain = {e.order for e in self.viable if self.backend_of(e) == "chain"}
+        if len(chain) == len(self.viable):
+            return
+        to_seed, exact_s = len(self.viable) - len(chain), 0.0
+        for index, entry in enumerate(self.viable):
             best_value = self.incumbent()
             if best_value is not None and self.bound_of(entry) > best_value:
                 break
-            self._seed(entry, max(0.0, end - time.perf_counter()) / (len(exact) - index))
-        self.incumbent_s = time.perf_counter() - started
+            if entry.order in chain:
+                if not self.deadline.expired():
+                    solving = time.perf_counter()
+                    self._solve_config(entry, still_to_visit=len(self.viable) - index)
+                    self.visited.add(entry.order)
+                    self._report(len(self.visited))
+                    exact_s += time.perf_counter() - solving
+                continue
+            self._seed(entry, max(0.0, end - time.perf_counter()) / max(to_seed, 1))
+            to_seed -= 1
+        self.incumbent_s = time.perf_counter() - started - exact_s  # the quick splits only
 
     def _seed(self, entry: ConfigEntry, time_limit_s: float) -> None:
         """Record the entry's incumbent, if any quick split is allowed; close it when optimal."""
@@ -450,14 +465,14 @@ class _Search:
             if best_value is not None and self.bound_of(entry) > best_value:
                 self.pruned += len(self.viable) - index
                 return
-            if entry.order in self.closed:
+            if entry.order in self.closed or entry.order in self.visited:
                 continue
             if self.deadline.expired():
                 self.time_limit_reached = True
                 self.open_bounds.update(
                     (e.order, self.bound_of(e))
                     for e in self.viable[index:]
-                    if e.order not in self.closed
+                    if e.order not in self.closed and e.order not in self.visited
                 )
                 return
             self._solve_config(entry, still_to_visit=len(self.viable) - index)

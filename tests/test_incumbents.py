@@ -22,7 +22,6 @@ from solver.cost_model import iteration_time_ns, stage_costs
 from solver.errors import NoSolutionError
 from solver.incumbents import QUICK_METHODS, incumbent
 from solver.planner import _PlanningCall, _solver_report, plan
-from solver.reserve import MemoryReserve
 from solver.search import Deadline, build_entries, search
 from tests.random_graphs import random_chain, random_dag
 
@@ -181,13 +180,12 @@ def test_exit_4_only_when_no_quick_split_fits_in_time(monkeypatch):
         for split in e.splits.values()
     )
     assert quick > optimum  # the baseline splits all break the capacity below
-    reserve = {"memory_reserve": MemoryReserve()}  # no reserve: the whole capacity is usable
-    cluster = dataclasses.replace(CLUSTER, gpu_memory_bytes=optimum)
-    proven = plan(graph, cluster, TrainingConfig(**pinned, **reserve), time_limit_s=30)
+    cluster = dataclasses.replace(CLUSTER, gpu_memory_bytes=optimum)  # the API keeps no reserve
+    proven = plan(graph, cluster, TrainingConfig(**pinned), time_limit_s=30)
     assert proven.solver.status == OPTIMAL and proven.peak_bytes == optimum
     _expire_after_bounding(monkeypatch)
     with pytest.raises(NoSolutionError, match="no quick split of any config fits") as caught:
-        plan(graph, cluster, TrainingConfig(**pinned, **reserve))
+        plan(graph, cluster, TrainingConfig(**pinned))
     assert caught.value.exit_code == 4
 
 
