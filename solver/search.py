@@ -534,8 +534,9 @@ class _Search:
             return entry.start, None
         if problem.selective and self.chain and not self.placed:
             # the best all-off / all-on split (a placed problem builds its own start,
-            # solver.backends.placement_start)
-            return None, None  # its uniform-recompute splits were tried: none is allowed
+            # solver.backends.placement_start), with the time left: the incumbent pass tried
+            # it within its share of the time and found none allowed
+            return uniform_recompute_hint(problem, self.deadline)
         return None, None
 
     def retry_open(self) -> None:
