@@ -42,6 +42,11 @@ def _plain(problem: StageProblem) -> bool:
     return problem.placement is None and not problem.selective
 
 
+def one_chunk_per_rank(problem: StageProblem) -> bool:
+    """Plain (:func:`_plain`) and not interleaved: each rank holds one contiguous stage."""
+    return _plain(problem) and problem.costs.config.virtual_stages == 1
+
+
 def _selective_chain(problem: StageProblem) -> bool:
     return problem.placement is None and problem.selective and problem.costs.is_chain()
 
@@ -113,8 +118,10 @@ QUICK_METHODS: list[QuickMethod] = [
     QuickMethod(name="placement-start", split=placed_start_split, applies=_placed),
 ]
 """The quick methods tried after the baseline splits, in order (each within its share of the
-incumbent pass's time). A method for plain DAG configs is one line:
-``QuickMethod(name="topological", split=topological_split)``."""
+incumbent pass's time), on the configs CP-SAT or MILP would solve (``search._Search``). A method
+is one line, e.g. an exact DP over a topological order for DAG configs of one chunk per rank:
+``QuickMethod(name="topological", split=topological_split, applies=one_chunk_per_rank)``
+(``applies`` defaults to every homogeneous config with fixed recomputation)."""
 
 
 @dataclass(kw_only=True)
@@ -216,6 +223,7 @@ __all__ = [
     "QuickMethod",
     "QuickSplit",
     "incumbent",
+    "one_chunk_per_rank",
     "placed_start_split",
     "uniform_recompute_split",
 ]
