@@ -20,7 +20,7 @@ from solver.backends.problem import (
 )
 from solver.cost_model import iteration_time_ns, stage_costs
 from solver.errors import NoSolutionError
-from solver.incumbents import QUICK_METHODS, incumbent
+from solver.incumbents import QUICK_METHODS, QuickMethod, incumbent, one_chunk_per_rank
 from solver.planner import _PlanningCall, _solver_report, plan
 from solver.search import Deadline, build_entries, search
 from tests.random_graphs import random_chain, random_dag
@@ -118,7 +118,7 @@ def _expire_after_bounding(monkeypatch):
 
 
 def test_a_search_cut_before_any_solve_returns_its_best_quick_split():
-    graph = random_dag(random.Random(3), 8)
+    graph = random_dag(random.Random(3), 6)
     entries = _entries(graph)
     result = search(
         entries,
@@ -233,3 +233,31 @@ def test_unproven_fastest_plan_search_is_named_with_a_zero_gap():
     assert "left 2 configs open (each stopped at its share of the time limit (60 s)" in note
     assert "which was not reached" in note and "budget itself is not proven" in note
     assert not note.startswith("time limit reached")
+
+
+def test_a_plugged_quick_method_is_used_and_checked():
+    """A method of the list (here the brute force, exact on small graphs) lifts the incumbent
+    to the optimum where the baseline splits miss it; a method whose split breaks the capacity
+    is ignored."""
+    graph = random_dag(random.Random(6), 8)  # its even and parameter splits miss the optimum
+    (entry,) = _entries(graph, pp=4, tp=1, micro_batch_sizes=(1,))
+    problem = StageProblem(costs=entry.costs)
+    best = solve_brute_force(problem)
+    assert min(problem.objective_value(split) for split in entry.splits.values()) > best.objective
+    exact = QuickMethod(
+        name="exact",
+        split=lambda problem, *, time_limit_s: solve_brute_force(problem),
+        applies=one_chunk_per_rank,
+    )
+    found = incumbent(
+        problem, entry.splits, bound=entry.memory_bound, time_limit_s=5, methods=[exact]
+    )
+    assert found.backend == "exact" and found.objective == best.objective
+    even = dataclasses.replace(best, stage_of_layer=entry.splits["even"])
+    over = QuickMethod(name="over", split=lambda problem, *, time_limit_s: even)
+    tight = dataclasses.replace(problem, capacity_bytes=best.objective)
+    assert incumbent(tight, {}, bound=entry.memory_bound, time_limit_s=5, methods=[over]) is None
+    loose = incumbent(problem, {}, bound=entry.memory_bound, time_limit_s=5, methods=[over])
+    assert loose.backend == "over" and loose.objective == problem.objective_value(
+        even.stage_of_layer
+    )
