@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from solver.backends.dag import topological_split
 from solver.backends.problem import FEASIBLE, OPTIMAL, StageProblem, StageSolution
 
 QuickSplit = Callable[..., StageSolution]
@@ -114,14 +115,16 @@ class QuickMethod:
 
 
 QUICK_METHODS: list[QuickMethod] = [
+    QuickMethod(name="topological", split=topological_split, applies=one_chunk_per_rank),
     QuickMethod(name="uniform-recompute", split=uniform_recompute_split, applies=_selective_chain),
     QuickMethod(name="placement-start", split=placed_start_split, applies=_placed),
 ]
 """The quick methods tried after the baseline splits, in order (each within its share of the
-incumbent pass's time), on the configs CP-SAT or MILP would solve (``search._Search``). A method
-is one line, e.g. an exact DP over a topological order for DAG configs of one chunk per rank:
-``QuickMethod(name="topological", split=topological_split, applies=one_chunk_per_rank)``
-(``applies`` defaults to every homogeneous config with fixed recomputation)."""
+incumbent pass's time), on the configs CP-SAT or MILP would solve (``search._Search``): the
+exact DP over the prefixes of the layer order (``backends.dag.topological_split``: the best
+split whose stages are runs of a topological order, relays and direct sends costed), the best
+uniform recomputation of a selective chain, a heterogeneous cluster's complete start. ``applies``
+defaults to every homogeneous config with fixed recomputation."""
 
 
 @dataclass(kw_only=True)

@@ -485,7 +485,8 @@ def _unproven_notes(
             )
     if reached and not any(s.time_limit_reached for s in searches) and not notes:
         notes.append("time limit reached: best plan found, not proven optimal")
-    if result.solution is not None and result.solution.backend in QUICK_SPLITS:
+    quick = result.solution is not None and result.solution.backend in QUICK_SPLITS
+    if quick and not result.proven:  # in a proven search the quick split is an optimum
         notes.append(
             f"the best split found is the quick {result.solution.backend} split of its config "
             "(the incumbent pass): no exact solve improved it in time"

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from solver.backends import resolve_backend, solve
-from solver.backends.dag import dag_fits_graph, topological_split
+from solver.backends.dag import dag_fits_graph
 from solver.backends.problem import (
     INFEASIBLE,
     OBJECTIVE_MEMORY,
@@ -547,14 +547,6 @@ class _Search:
             # solver.backends.placement_start), with the time left: the incumbent pass tried
             # it within its share of the time and found none allowed
             return uniform_recompute_hint(problem, self.deadline)
-        wide_dag = not (self.chain or self.placed or problem.selective)
-        if wide_dag and self.requested_backend == "auto" and self.backend_of(entry) == "cpsat":
-            # auto on a DAG too wide for the exact DP (CP-SAT): the best split along the layer
-            # order as a start (--backend cpsat runs CP-SAT alone)
-            found = topological_split(
-                problem, time_limit_s=max(self.deadline.remaining() / 10, 0.01)
-            )
-            return (found.stage_of_layer, None) if found.has_solution else (None, None)
         return None, None
 
     def retry_open(self) -> None:

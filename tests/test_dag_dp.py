@@ -14,7 +14,7 @@ import networkx as nx
 import numpy as np
 import pytest
 
-from solver import search as search_module
+from solver import incumbents
 from solver.backends import resolve_backend
 from solver.backends.brute_force import solve_brute_force
 from solver.backends.chain import solve_chain
@@ -359,7 +359,11 @@ def test_plan_on_a_wide_dag_uses_cpsat_from_the_topological_split(monkeypatch):
         starts.append(found)
         return found
 
-    monkeypatch.setattr(search_module, "topological_split", recorded)
+    methods = [
+        dataclasses.replace(m, split=recorded) if m.name == "topological" else m
+        for m in incumbents.QUICK_METHODS
+    ]
+    monkeypatch.setattr(incumbents, "QUICK_METHODS", methods)
     result = plan(graph, cluster, training, time_limit_s=30, suggest_gpus=False)
     assert result.solver.backend == "cpsat" and result.solver.status == OPTIMAL
     # one stage: the only split; pp > 1: a split along the layer order, not proven
