@@ -278,6 +278,11 @@ def search(
     return state.result()
 
 
+DP_BACKENDS = ("chain", "dag")
+"""Backends that solve a config exactly in milliseconds (the dynamic programs over a chain's
+intervals and a DAG's ideals): their configs skip the quick splits of the incumbent pass."""
+
+
 class _Search:
     """The state of one :func:`search`: the configs to visit (lowest bound first), the best
     solution found for each, the lower bounds of the configs not proven yet, and the solves
@@ -408,14 +413,14 @@ class _Search:
         config whose split meets its bound is closed (optimal) with no exact solve. The
         baseline splits are always tried (a few cost-model evaluations per config, so a plan
         exists even when the deadline has passed); the timed methods share
-        :data:`INCUMBENT_SHARE` of the time left. The chain algorithm's configs are exact in
-        milliseconds and need no start: alone, they are seeded only when the deadline cuts them
+        :data:`INCUMBENT_SHARE` of the time left. The configs of the dynamic programs
+        (:data:`DP_BACKENDS`) are exact in milliseconds and need no start: alone, they are seeded only when the deadline cuts them
         off (:meth:`_seed_cut_off`); next to CP-SAT configs (an interleaved search keeps the
         plain configs of a chain on the chain algorithm) they are solved here, exactly, so that
         their optima prune the CP-SAT configs and stand if those take all the time."""
         started = time.perf_counter()
         end = started + INCUMBENT_SHARE * self.deadline.remaining()
-        chain = {e.order for e in self.viable if self.backend_of(e) == "chain"}
+        chain = {e.order for e in self.viable if self.backend_of(e) in DP_BACKENDS}
         if len(chain) == len(self.viable):
             return
         to_seed, exact_s = len(self.viable) - len(chain), 0.0
