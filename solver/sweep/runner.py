@@ -27,6 +27,10 @@ from solver.workers import exit_with_parent, stop_pool
 log = logging.getLogger(__name__)
 
 
+EXECUTORS = ("local", "ray")
+"""Where a sweep's points run: ``local`` worker processes, or ``ray`` tasks (``[ray]`` extra)."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class PointOptions:
     """What every point of a study shares (sent once to each worker)."""
@@ -44,10 +48,7 @@ def solve_point(
 ) -> tuple[dict, Plan | None]:
     """The row of one point, and its plan when one was found."""
     started = time.perf_counter()
-    row: dict[str, Any] = dict.fromkeys(ROW_KEYS)
-    row |= {"gpus": gpus, "gpu_memory_bytes": gpu_memory_bytes, "config": "", "detail": ""}
-    reserved = options.training.memory_reserve.bytes_for(gpu_memory_bytes)
-    row |= {"reserve_bytes": reserved, "usable_bytes": gpu_memory_bytes - reserved}
+    row = empty_row(options, gpus, gpu_memory_bytes)
     result = None
     try:
         cluster = dataclasses.replace(
@@ -90,6 +91,16 @@ def solve_point(
     return row, result
 
 
+def empty_row(options: PointOptions, gpus: int, gpu_memory_bytes: int) -> dict[str, Any]:
+    """A point's row before it is solved: the point, its reserve and usable memory (bytes), the
+    rest None (``config`` and ``detail`` empty)."""
+    row: dict[str, Any] = dict.fromkeys(ROW_KEYS)
+    row |= {"gpus": gpus, "gpu_memory_bytes": gpu_memory_bytes, "config": "", "detail": ""}
+    reserved = options.training.memory_reserve.bytes_for(gpu_memory_bytes)
+    row |= {"reserve_bytes": reserved, "usable_bytes": gpu_memory_bytes - reserved}
+    return row
+
+
 def sweep(
     graph: LayerGraph,
     gpus: Sequence[int],
@@ -102,6 +113,8 @@ def sweep(
     on_row: Callable[[dict], None] | None = None,
     backend: str = "auto",
     time_limit_s: float | None = 60.0,
+    executor: str = "local",
+    ray_address: str | None = None,
 ) -> list[dict]:
     """One row per (gpus, gpu_memory) point, in point order (GPU counts outer, memory inner).
 
@@ -110,7 +123,18 @@ def sweep(
     core; 1 runs them here, one by one); ``on_row(row)`` is called in this process as each row
     completes (completion order), so a caller can write rows as they come and keep them when
     interrupted. Duplicate points are solved once.
+
+    ``executor="ray"`` solves each point as one Ray task instead (``solver.sweep.ray_executor``):
+    on the Ray instance this process is already connected to, else on the cluster at
+    ``ray_address`` (``"auto"``: the one running on this machine), else on a local instance
+    started with ``workers`` CPUs (default: every core) and shut down at the end. The rows are
+    the same as the local executor's but for ``wall_s``; a task whose worker crashed or raised is
+    retried, and a point that fails for good is an ERROR row that says why.
     """
+    if executor not in EXECUTORS:
+        raise InputError(f"executor: unknown {executor!r}; use one of {', '.join(EXECUTORS)}")
+    if ray_address is not None and executor != "ray":
+        raise InputError("ray_address goes with executor='ray' (--ray-address: --executor ray)")
     points = sweep_points(gpus, gpu_memory)
     options = PointOptions(
         graph=graph,
@@ -130,7 +154,14 @@ def sweep(
             on_row(row)
 
     try:
-        _run(points, options, workers, done)
+        if executor == "ray":
+            from solver.sweep.ray_executor import run_on_ray  # imports ray: only when asked
+
+            run_on_ray(
+                _longest_first(points, options), options, done, address=ray_address, cpus=workers
+            )
+        else:
+            _run(points, options, workers, done)
     finally:
         if bar is not None:
             bar.close()
