@@ -12,10 +12,14 @@ Ray is the optional ``[ray]`` extra and is imported only here, only when a sweep
   :data:`MAX_RETRIES` times (Ray's ``max_retries`` and ``retry_exceptions``); a point that fails
   for good is an ERROR row whose ``detail`` says why, and the other points go on;
 - rows reach ``done`` as tasks finish (the caller writes them and draws the progress bar); on
-  Ctrl-C (or any error) the tasks not finished are cancelled (their workers killed) and the
-  rows already handed over stay written;
-- a local instance this module started is shut down at the end; an instance the process was
-  already connected to (``ray.init`` by the caller) is used and left running.
+  Ctrl-C (or any error) the rows already handed over stay written and the connection this
+  module made is closed, which ends the tasks not finished: Ray kills a job's workers when its
+  driver disconnects, and a local instance shuts down. ``ray.cancel`` is not used: in Ray 2.60
+  it races with a task that is finishing and aborts the driver ("Check failed: it !=
+  submissible_tasks_.end() Tried to complete task that was not pending", ray-project/ray#54846);
+- an instance the process was already connected to (``ray.init`` by the caller, as the tests
+  do) is used and left running; after Ctrl-C its tasks not finished run to their end (each is
+  one bounded ``plan`` call) and their rows are dropped.
 
 Test hook: :data:`FAULT_ENV` makes chosen points' tasks fail on purpose (their worker process
 exits, or the task raises) for a set number of attempts; it injects failures into the real
@@ -103,10 +107,8 @@ def import_ray() -> Any:
     """The ray module; InputError naming the extra when it is not installed."""
     try:
         import ray
-    except ImportError as error:
-        raise InputError(
-            f"--executor ray: ray is not installed ({error}); {INSTALL_HINT}"
-        ) from None
+    except ImportError:
+        raise InputError(f"--executor ray: ray is not installed; {INSTALL_HINT}") from None
     return ray
 
 
@@ -134,9 +136,10 @@ def check_address(address: str) -> None:
 
 @contextmanager
 def ray_session(address: str | None, cpus: int | None) -> Iterator[Any]:
-    """The ray module, connected: to the instance this process already joined, else to
-    ``address``, else to a new local instance with ``cpus`` CPUs (default: every core), which is
-    shut down on exit. InputError when ray is missing or the cluster cannot be reached."""
+    """The ray module, connected: to the instance this process already joined (left as it is),
+    else to ``address``, else to a new local instance with ``cpus`` CPUs (default: every core);
+    a connection made here is closed on exit (a local instance shut down). InputError when ray
+    is missing or the cluster cannot be reached."""
     ray = import_ray()
     if ray.is_initialized():
         yield ray
@@ -189,9 +192,8 @@ def run_on_ray(
                         row = _failed_row(options, point, error, attempts=1 + max_retries)
                     done(row)
         except BaseException:  # Ctrl-C included: the rows done were handed to ``done`` already
-            for ref in pending:
-                ray.cancel(ref, force=True)
-            raise
+            log.debug("sweep stopped with %d points not finished", len(pending))
+            raise  # ray_session disconnects, which ends them (see the module docstring)
 
 
 def _solve_task(
