@@ -7,7 +7,7 @@ Ray is the optional ``[ray]`` extra and is imported only here, only when a sweep
 
 - the study's options (graph included) are stored once with ``ray.put`` and every task gets the
   reference (Ray fetches the object once per node); a task returns the row of
-  :func:`solver.sweep.runner.solve_point`, so the rows are the local executor's (but ``wall_s``);
+  :func:`solver.sweep.point.solve_point`, so the rows are the local executor's (but ``wall_s``);
 - a task whose worker process dies (killed, out of memory) or that raises is run again, up to
   :data:`MAX_RETRIES` times (Ray's ``max_retries`` and ``retry_exceptions``); a point that fails
   for good is an ERROR row whose ``detail`` says why, and the other points go on;
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from solver.errors import InputError
-from solver.sweep.runner import PointOptions, empty_row, solve_point
+from solver.sweep.point import PointOptions, empty_row, solve_point
 
 log = logging.getLogger(__name__)
 
