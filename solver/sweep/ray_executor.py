@@ -149,12 +149,18 @@ def ray_session(address: str | None, cpus: int | None) -> Iterator[Any]:
         try:
             ray.init(address=address, logging_level=logging.WARNING)
         except ConnectionError as error:  # "auto" with no cluster on this machine
+            found = (
+                "no Ray cluster runs on this machine"
+                if address == "auto"
+                else " ".join(str(error).split())
+            )
             raise InputError(
-                f"--ray-address {address}: {' '.join(str(error).split())}; start one with "
-                "'ray start --head', or leave out --ray-address to start a local instance"
+                f"--ray-address {address}: {found}; start one with 'ray start --head', give "
+                "its HOST:PORT, or leave out --ray-address to start a local instance"
             ) from None
     else:
         ray.init(
+            address="local",  # a new instance, whatever RAY_ADDRESS says
             num_cpus=cpus or os.cpu_count() or 1,
             include_dashboard=False,
             logging_level=logging.WARNING,
