@@ -16,7 +16,8 @@ Ray is the optional ``[ray]`` extra and is imported only here, only when a sweep
   module made is closed, which ends the tasks not finished: Ray kills a job's workers when its
   driver disconnects, and a local instance shuts down. ``ray.cancel`` is not used: in Ray 2.60
   it races with a task that is finishing and aborts the driver ("Check failed: it !=
-  submissible_tasks_.end() Tried to complete task that was not pending", ray-project/ray#54846);
+  submissible_tasks_.end() Tried to complete task that was not pending", seen here 1 run in
+  ~5; the race of ray-project/ray#54798, also #54846);
 - an instance the process was already connected to (``ray.init`` by the caller, as the tests
   do) is used and left running; after Ctrl-C its tasks not finished run to their end (each is
   one bounded ``plan`` call) and their rows are dropped.
