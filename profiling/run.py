@@ -364,6 +364,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+RANK_PRELOAD = ("profiling.rank_preload",)
+"""The modules the ranks' fork server imports once (``profiling.rank_preload``)."""
+
+
+def _rank_context():
+    """The multiprocessing context the ranks start from: a fork server (one per launching
+    process, started on first use) that has imported :data:`RANK_PRELOAD`. A fork of that clean
+    server, not of this process: no threads, CUDA state or open files of the caller are copied
+    (what ``spawn`` guarantees), and the imports are paid once per launcher rather than once per
+    rank. The ranks are the fork server's children: ``_stop`` ends them by pid."""
+    context = torch.multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(RANK_PRELOAD))
+    return context
+
+
 def _stop(processes: list) -> None:
     for process in processes:
         if process.is_alive():
@@ -462,7 +477,7 @@ def run_plan(
             plan.training is None or plan.training.deallocate_pipeline_outputs
         ),
     )
-    context = torch.multiprocessing.get_context("spawn")
+    context = _rank_context()
     directory = Path(tempfile.mkdtemp(prefix="memplan-run-"))
     processes = []
     try:

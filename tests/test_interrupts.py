@@ -255,6 +255,12 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _grandchildren(pid: int) -> list[int]:
+    """Live children of ``pid``'s children: the ranks of ``profiling.run``, which start from its
+    fork server (a child of ``pid``)."""
+    return [grandchild for child in _children(pid) for grandchild in _children(child)]
+
+
 def _alive(pid: int) -> bool:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -476,8 +482,8 @@ def test_validate_stops_its_ranks_on_ctrl_c(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    _wait_for(lambda: len(_children(process.pid)) >= 2, 60, "the ranks")
-    ranks = _children(process.pid)
+    _wait_for(lambda: len(_grandchildren(process.pid)) >= 2, 60, "the ranks")
+    ranks = _grandchildren(process.pid)
     time.sleep(1.0)
     code, took = _interrupt_and_wait(process)
     assert code == INTERRUPTED and took < STOP_S
