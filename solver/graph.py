@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from importlib import resources
@@ -18,6 +19,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+import fastjsonschema
 import jsonschema
 import networkx as nx
 
@@ -315,7 +317,52 @@ def graph_from_dict(document: Any, *, origin: str = "<dict>") -> LayerGraph:
     )
 
 
+DRAFT_7_KEYWORDS = frozenset(
+    {
+        "$defs", "$id", "$ref", "$schema", "additionalProperties", "const", "description",
+        "enum", "items", "maxLength", "minItems", "minLength", "minimum", "properties",
+        "required", "title", "type",
+    }
+)  # fmt: skip
+"""Keywords that mean the same in draft 7 (the newest fastjsonschema compiles) as in the
+schema's draft 2020-12 ("items" with one schema, "$ref" to a JSON pointer; a "$ref"'s sibling
+"description" only annotates)."""
+
+
+def _keywords(node: Any) -> set[str]:
+    """Every keyword of a schema (the keys of its schema objects, not of "properties")."""
+    if not isinstance(node, dict):
+        return set()
+    found = set(node)
+    for key, value in node.items():
+        if key in ("properties", "$defs"):
+            found |= set().union(*map(_keywords, value.values()))
+        elif key in ("items", "additionalProperties"):
+            found |= _keywords(value)
+    return found
+
+
+@cache
+def _fast_check() -> Callable[[Any], Any] | None:
+    """fastjsonschema's compiled check of the schema (generated Python: about 0.8 ms for 200
+    layers where jsonschema takes 15-40 ms), or None when the schema uses a keyword outside
+    :data:`DRAFT_7_KEYWORDS`."""
+    if not _keywords(schema()) <= DRAFT_7_KEYWORDS:
+        return None
+    return fastjsonschema.compile(schema())
+
+
 def _check_schema(document: Any, origin: str) -> None:
+    """The document is schema-valid, or InputError naming the field (jsonschema's best match).
+    A document the compiled check passes is valid; jsonschema decides, and names the error,
+    only for the others."""
+    fast = _fast_check()
+    if fast is not None:
+        try:
+            fast(document)
+            return
+        except Exception:  # noqa: BLE001  an invalid document, or a value it cannot check
+            pass
     validator = jsonschema.Draft202012Validator(schema())
     errors = sorted(validator.iter_errors(document), key=lambda e: list(e.absolute_path))
     if not errors:

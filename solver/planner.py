@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, UTILIZATION
 from solver.baselines import BASELINES
+from solver.cost_model import LayerCosts, iteration_time_ns, stage_costs
 from solver.engine_exports import build_exports
 from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate_assignment, prepare_training
@@ -228,6 +229,10 @@ def _throughput_limit(call: _PlanningCall) -> _ThroughputLimit:
         limit.budget_ns = math.floor(training.global_batch * 1e9 / training.min_throughput)
         limit.required = training.min_throughput
     slowdown_only = training.min_throughput is None and training.max_slowdown is not None
+    if slowdown_only and all(
+        entry.placement is None and _time_invariant(entry.costs) for entry in call.entries
+    ):
+        return limit  # every plan takes 0 ns: a slowdown of the fastest one limits nothing
     if training.objective == "throughput" or slowdown_only:
         # only the last search spends the time left on configs that did not close
         last = training.objective == "throughput"
@@ -258,46 +263,86 @@ def _break_ties(
     """Among configs tied on the primary objective, the best on the secondary one (then the
     earliest in candidate order). Each tie is re-solved for its best secondary value while
     keeping the primary optimum as a hard limit (with selective recomputation this also drops
-    recomputed layers the peak does not need). Ties the time limit leaves no time for keep
-    their split and rank after the re-solved ones; the notes say so."""
+    recomputed layers the peak does not need); the re-solved split replaces the one found only
+    when it is strictly better on the secondary objective. A tie whose split already reaches
+    its config's lower bound on the secondary objective (every split of a config whose costs
+    take no time: :func:`_time_invariant`) is not re-solved: no split could beat it, so the
+    re-solve would keep it. Ties the time limit leaves no time for keep their split and rank
+    after the re-solved ones; the notes say so."""
     limits = _secondary_limits(call, result, budget_ns=budget_ns)
-    best_key, best, refined_count = None, None, 0
+    best_key, best, settled_count = None, None, 0
     for index, (entry, solution) in enumerate(result.ties):
+        found = _Choice(
+            entry, solution.stage_of_layer, solution.recomputed, solution.group_of_stage
+        )
         if call.deadline.expired():
             key = (math.inf, entry.order)
             if best is None or key < best_key:
-                best_key = key
-                best = _Choice(
-                    entry, solution.stage_of_layer, solution.recomputed, solution.group_of_stage
-                )
+                best_key, best = key, found
             continue
+        settled_count += 1
         if call.progress is not None:
             call.progress("ties", index, len(result.ties), "")
-        refined_count += 1
-        refined = refine(
-            entry,
-            **limits,
-            backend=result.backend,
-            deadline=call.deadline,
-            hint=solution.stage_of_layer,
-            hint_recomputed=solution.recomputed,
-            hint_groups=solution.group_of_stage,
-            num_workers=call.num_workers,
-        )
-        chosen = refined if refined is not None else solution
-        key = (refined.objective if refined is not None else math.inf, entry.order)
+        value = _secondary_value(call, entry, solution)
+        if value is None or value > _secondary_bound(call, entry):
+            refined = refine(
+                entry,
+                **limits,
+                backend=result.backend,
+                deadline=call.deadline,
+                hint=solution.stage_of_layer,
+                hint_recomputed=solution.recomputed,
+                hint_groups=solution.group_of_stage,
+                num_workers=call.num_workers,
+            )
+            if refined is not None and (value is None or refined.objective < value):
+                value = refined.objective
+                found = _Choice(
+                    entry, refined.stage_of_layer, refined.recomputed, refined.group_of_stage
+                )
+        key = (math.inf if value is None else value, entry.order)
         if best is None or key < best_key:
-            best_key = key
-            best = _Choice(entry, chosen.stage_of_layer, chosen.recomputed, chosen.group_of_stage)
+            best_key, best = key, found
     notes = []
-    if refined_count < len(result.ties):
+    if settled_count < len(result.ties):
         secondary = "throughput" if call.training.objective == "memory" else "peak"
         notes.append(
-            f"time limit reached before tie-breaking: {refined_count} of {len(result.ties)} "
+            f"time limit reached before tie-breaking: {settled_count} of {len(result.ties)} "
             f"configs tied on the optimum were re-solved for the best {secondary}; the others "
             "keep the split found and rank after them"
         )
     return best, notes
+
+
+def _time_invariant(costs: LayerCosts) -> bool:
+    """Every split of this config takes 0 ns (no layer has a compute, recompute or data-parallel
+    sync time: statistics without FLOPs or times), so the time model cannot tell splits apart."""
+    return not (
+        costs.time_ns.any()
+        or costs.dp_sync_ns.any()
+        or (costs.recompute_time_ns is not None and costs.recompute_time_ns.any())
+    )
+
+
+def _secondary_value(call: _PlanningCall, entry: ConfigEntry, solution) -> int | None:
+    """The secondary objective of the split the primary search found: its iteration (ns) under
+    the memory objective, its largest peak (bytes) under the throughput objective; None where
+    the re-solve may also change what the split does not say (a heterogeneous cluster's
+    placement, selective recomputation's recomputed layers), which always re-solves."""
+    costs = entry.costs
+    if entry.placement is not None or costs.selective:
+        return None
+    if call.training.objective == "memory" and _time_invariant(costs):
+        return 0
+    stages = stage_costs(costs, solution.stage_of_layer)
+    if call.training.objective == "memory":
+        return iteration_time_ns(costs, stages)
+    return max(stage.peak_bytes for stage in stages)
+
+
+def _secondary_bound(call: _PlanningCall, entry: ConfigEntry) -> int:
+    """No split of the entry's config is better on the secondary objective than this."""
+    return entry.time_bound if call.training.objective == "memory" else entry.memory_bound
 
 
 def _secondary_limits(
