@@ -7,6 +7,7 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -46,15 +47,29 @@ class Plan:
 
     evaluation: Evaluation
     solver: SolverReport
-    exports: dict[str, Any]
-    baselines: dict[str, Evaluation] = field(default_factory=dict)
-    """The same config split the usual ways (even, parameters), for comparison: same ZeRO stage
-    and recompute mode, the plan's recomputed layers under selective recomputation, the plan's
-    stage groups on a heterogeneous cluster."""
+    make_exports: Callable[[], dict[str, Any]] = field(repr=False, compare=False)
+    """Builds :attr:`exports` when first read."""
+    make_baselines: Callable[[], dict[str, Evaluation]] = field(
+        default=dict, repr=False, compare=False
+    )
+    """Builds :attr:`baselines` when first read."""
     required_throughput: float | None = None
     """The throughput constraint that was applied (samples/s), if any."""
     fastest_throughput: float | None = None
     """Throughput of the fastest plan that fits in memory, when it was computed."""
+
+    @functools.cached_property
+    def exports(self) -> dict[str, Any]:
+        """The plan for each engine (``solver.engine_exports.build_exports``), built when first
+        read: a millisecond or two that an in-process caller wanting only the split skips."""
+        return self.make_exports()
+
+    @functools.cached_property
+    def baselines(self) -> dict[str, Evaluation]:
+        """The same config split the usual ways (even, parameters), for comparison: same ZeRO
+        stage and recompute mode, the plan's recomputed layers under selective recomputation,
+        the plan's stage groups on a heterogeneous cluster; evaluated when first read."""
+        return self.make_baselines()
 
     @property
     def config(self):
@@ -402,31 +417,59 @@ def _build_plan(
     return Plan(
         evaluation=evaluation,
         solver=report,
-        exports=build_exports(
+        make_exports=functools.partial(_plan_exports, call.graph, call.training, evaluation),
+        make_baselines=functools.partial(
+            _baseline_evaluations,
             call.graph,
-            choice.entry.costs.config,
-            evaluation.virtual_stage_layer_names(),
-            recomputed=evaluation.virtual_stage_recomputed_names(),
-            moe_capacity_factor=call.training.moe_capacity_factor,
+            choice.entry.costs,
+            cluster=call.cluster,
+            training=call.training,
+            recomputed=choice.recomputed,
+            placed=placed,
         ),
-        # like with like: the plan's config (ZeRO stage, recompute mode, schedule), and under
-        # selective recomputation the plan's recomputed layers (a flag per layer, so it
-        # applies to any split), and on a heterogeneous cluster the plan's stage groups
-        baselines={
-            name: evaluate_assignment(
-                call.graph,
-                choice.entry.costs,
-                split_of(call.graph, choice.entry.costs.num_stages),
-                cluster=call.cluster,
-                training=call.training,
-                recomputed=choice.recomputed,
-                **placed,
-            )
-            for name, split_of in BASELINES.items()
-        },
         required_throughput=limit.required,
         fastest_throughput=limit.fastest_throughput(call.training.global_batch),
     )
+
+
+def _plan_exports(
+    graph: LayerGraph, training: TrainingConfig, evaluation: Evaluation
+) -> dict[str, Any]:
+    """The engine exports of an evaluated plan (``Plan.exports``)."""
+    return build_exports(
+        graph,
+        evaluation.config,
+        evaluation.virtual_stage_layer_names(),
+        recomputed=evaluation.virtual_stage_recomputed_names(),
+        moe_capacity_factor=training.moe_capacity_factor,
+    )
+
+
+def _baseline_evaluations(
+    graph: LayerGraph,
+    costs: LayerCosts,
+    *,
+    cluster: Cluster,
+    training: TrainingConfig,
+    recomputed: list[bool] | None,
+    placed: dict[str, Any],
+) -> dict[str, Evaluation]:
+    """The usual splits of the plan's config (``Plan.baselines``), like with like: the plan's
+    config (ZeRO stage, recompute mode, schedule), and under selective recomputation the plan's
+    recomputed layers (a flag per layer, so it applies to any split), and on a heterogeneous
+    cluster the plan's stage groups."""
+    return {
+        name: evaluate_assignment(
+            graph,
+            costs,
+            split_of(graph, costs.num_stages),
+            cluster=cluster,
+            training=training,
+            recomputed=recomputed,
+            **placed,
+        )
+        for name, split_of in BASELINES.items()
+    }
 
 
 def _solver_report(
