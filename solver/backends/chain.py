@@ -24,7 +24,8 @@ Algorithm (exact; numpy vectorised over layers, Python loops over stages only):
    pairs that the relaxation allows under a trial bound U (greedy forward and backward reach
    bound the stage ends, prefix-sum searches the starts). The DP is exact inside the band, so a
    value <= U is the optimum; otherwise U rises (relative slack 1/64, 1/16, 1/4, 1, then the
-   incumbent). The band holds about L x (layers per stage) x (1 + slack x p) pairs.
+   incumbent). The band holds about L x (layers per stage) x (1 + slack x p) pairs. A small
+   chain (p L^2 / 2 <= ``DIRECT_BAND_PAIRS``) takes U = the incumbent at once.
 3. Coupled iteration budget / time objective: best-first branch and bound over alpha =
    max_s AR_s, whose candidates are the interval sums of dp_sync_ns (ranges are snapped to them
    and bisected). Memory: a range [a, b] is bounded by the stage problem with AR <= b and
@@ -63,6 +64,10 @@ PROBES_PER_ROUND = 64
 BAND_STEPS = (6, 4, 2, 0, None)
 """Trial bounds of the DP: lower + lower >> step (a relative slack), then the incumbent value;
 the band, hence the DP's work, grows with the slack above the optimum."""
+DIRECT_BAND_PAIRS = 2**20
+"""A chain with at most this many (stage, start, end) triples, p L^2 / 2, goes straight to the
+DP at the incumbent value: even a band of every pair costs less than the Python overhead of the
+three or four narrower rounds (one numpy pass per stage each) that usually precede it there."""
 
 PEAK, TIME, SYNC = "peak", "time", "sync"
 
@@ -449,7 +454,8 @@ class _Chain:
         best = (value, greedy) if value is not None and value <= ceiling else None
         # T_s <= total time always; a peak can exceed the relaxation's top, so use the ceiling
         upper = best[0] if best else min(ceiling, self.exact_top(limits))
-        for step in BAND_STEPS:
+        small = self.num_stages * self.num_layers**2 // 2 <= DIRECT_BAND_PAIRS
+        for step in (None,) if small else BAND_STEPS:
             if best is not None and offer is not None:
                 offer(best[1])
             if on_lower is not None:
