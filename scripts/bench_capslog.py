@@ -392,7 +392,7 @@ def write(rows: list[dict], out_dir: Path, capslog_source: str, repeats: int) ->
         "are medians of interleaved repeats, wall and CPU time of this process. CAPSlog: "
         f"{capslog_source}, loaded at run time.",
         "",
-        "Ours = `graph_from_dict` + `plan()` in process, `memory_model=\"empirical\"`, pinned to "
+        'Ours = `graph_from_dict` + `plan()` in process, `memory_model="empirical"`, pinned to '
         "pp = G, tp 1, dp 1, micro-batch 1, G micro-batches. CAPSlog = "
         "`find_balanced_partitioning(stats, L, G, predictor)`: `bs_tb` (binary search over "
         "`fill_first`, then its tie-breaking; its recommendation, the `capslog_*` columns) and "
