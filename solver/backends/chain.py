@@ -369,12 +369,21 @@ class _Chain:
 
     def relaxed_minimum(self, limits: _Limits, floor: int, ceiling: int) -> int | None:
         """Smallest bound in [floor, ceiling] at which the relaxation has a split (k-ary search)."""
+        found = self.relaxed_range(limits, floor, ceiling)
+        return None if found is None else found[0]
+
+    def relaxed_range(
+        self, limits: _Limits, floor: int, ceiling: int, *, slack_shift: int | None = None
+    ) -> tuple[int, int] | None:
+        """(low, high) in [floor, ceiling]: the relaxation has no split below low and one at
+        high (None: none up to ceiling); the k-ary search runs to low == high, the smallest such
+        bound, or with ``slack_shift`` stops once high - low <= low >> slack_shift."""
         if floor > ceiling:
             return None
         low, high = floor, min(ceiling, max(floor, self.relaxed_top(limits)))
         if not self.reach_forward(limits, np.array([high]))[0][0]:
             return None  # the relaxation is the same at every bound >= relaxed_top
-        while low < high:
+        while low < high and (slack_shift is None or high - low > low >> slack_shift):
             self.check_time()
             probes = sorted(
                 {low + (high - low) * t // PROBES_PER_ROUND for t in range(PROBES_PER_ROUND)}
@@ -387,7 +396,7 @@ class _Chain:
                 first = int(passing[0])
                 high = probes[first]
                 low = probes[first - 1] + 1 if first > 0 else low
-        return low
+        return low, high
 
     def relaxed_top(self, limits: _Limits) -> int:
         """A bound above every stage's relaxed quantity: the bound itself never binds there."""
@@ -444,17 +453,22 @@ class _Chain:
         split has a value <= ceiling. ``offer`` sees valid splits found on the way and
         ``on_lower`` the lower bounds proven on the way (both for a time-limited caller).
         """
-        lower = self.relaxed_minimum(limits, floor, ceiling)
-        if lower is None:
+        # a small chain goes straight to the DP at the incumbent (DIRECT_BAND_PAIRS), which
+        # needs only a near-minimal bound for the greedy incumbent, not the exact minimum
+        small = self.num_stages * self.num_layers**2 // 2 <= DIRECT_BAND_PAIRS
+        found = self.relaxed_range(
+            limits, floor, ceiling, slack_shift=BAND_STEPS[0] if small else None
+        )
+        if found is None:
             return None
-        greedy = self.greedy_split(limits, lower)
+        lower, passing = found
+        greedy = self.greedy_split(limits, passing)
         if limits.kind != PEAK and limits.cap_bytes is None:
             return lower, greedy  # every constraint is a monotone sum: greedy is optimal
         value = self.stage_value(limits, greedy)
         best = (value, greedy) if value is not None and value <= ceiling else None
         # T_s <= total time always; a peak can exceed the relaxation's top, so use the ceiling
         upper = best[0] if best else min(ceiling, self.exact_top(limits))
-        small = self.num_stages * self.num_layers**2 // 2 <= DIRECT_BAND_PAIRS
         for step in (None,) if small else BAND_STEPS:
             if best is not None and offer is not None:
                 offer(best[1])
