@@ -358,14 +358,19 @@ def evaluate_assignment(
     recomputed: list[bool] | None = None,
     group_costs: list[LayerCosts] | None = None,
     group_of_stage: list[int] | None = None,
+    stages: list[StageCost] | None = None,
 ) -> Evaluation:
     """Evaluation from precomputed coefficients (the planner's path); on a heterogeneous
-    cluster, stage s uses ``group_costs[group_of_stage[s]]`` (its group's times)."""
+    cluster, stage s uses ``group_costs[group_of_stage[s]]`` (its group's times). ``stages``:
+    ``stage_costs(costs, stage_of_layer)`` when the caller has it already (a backend's
+    solution without recomputed layers or placement)."""
     if not costs.selective:
         recomputed = None
     elif recomputed is None:
         recomputed = [False] * costs.num_layers
-    if group_of_stage is None:
+    if stages is not None:
+        assert recomputed is None and group_of_stage is None, "stages of a plain split only"
+    elif group_of_stage is None:
         stages = stage_costs(costs, stage_of_layer, recomputed)
     else:
         stages = placed_stage_costs(group_costs, stage_of_layer, group_of_stage, recomputed)

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, UTILIZATION
 from solver.baselines import BASELINES
-from solver.cost_model import LayerCosts, iteration_time_ns, stage_costs
+from solver.cost_model import LayerCosts, StageCost, iteration_time_ns, stage_costs
 from solver.engine_exports import build_exports
 from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate_assignment, prepare_training
@@ -270,6 +270,8 @@ class _Choice(NamedTuple):
     """Recompute flag of each layer (selective recomputation only)."""
     groups: list[int] | None
     """Node group of each stage (heterogeneous clusters only)."""
+    stages: list[StageCost] | None = None
+    """The split's stage costs when the backend computed them (``StageSolution.stages``)."""
 
 
 def _break_ties(
@@ -288,7 +290,11 @@ def _break_ties(
     best_key, best, settled_count = None, None, 0
     for index, (entry, solution) in enumerate(result.ties):
         found = _Choice(
-            entry, solution.stage_of_layer, solution.recomputed, solution.group_of_stage
+            entry,
+            solution.stage_of_layer,
+            solution.recomputed,
+            solution.group_of_stage,
+            solution.stages,
         )
         if call.deadline.expired():
             key = (math.inf, entry.order)
@@ -313,7 +319,11 @@ def _break_ties(
             if refined is not None and (value is None or refined.objective < value):
                 value = refined.objective
                 found = _Choice(
-                    entry, refined.stage_of_layer, refined.recomputed, refined.group_of_stage
+                    entry,
+                    refined.stage_of_layer,
+                    refined.recomputed,
+                    refined.group_of_stage,
+                    refined.stages,
                 )
         key = (math.inf if value is None else value, entry.order)
         if best is None or key < best_key:
@@ -349,7 +359,7 @@ def _secondary_value(call: _PlanningCall, entry: ConfigEntry, solution) -> int |
         return None
     if call.training.objective == "memory" and _time_invariant(costs):
         return 0
-    stages = stage_costs(costs, solution.stage_of_layer)
+    stages = solution.stages or stage_costs(costs, solution.stage_of_layer)
     if call.training.objective == "memory":
         return iteration_time_ns(costs, stages)
     return max(stage.peak_bytes for stage in stages)
@@ -402,6 +412,7 @@ def _build_plan(
         if choice.entry.placement is None
         else {"group_costs": choice.entry.placement.group_costs, "group_of_stage": choice.groups}
     )
+    reuse = choice.entry.placement is None and not choice.entry.costs.selective
     evaluation = evaluate_assignment(
         call.graph,
         choice.entry.costs,
@@ -409,6 +420,7 @@ def _build_plan(
         cluster=call.cluster,
         training=call.training,
         recomputed=choice.recomputed,
+        stages=choice.stages if reuse else None,
         **placed,
     )
     report = _solver_report(

@@ -721,7 +721,8 @@ class _Search:
                 backend=BACKEND,
             )
         stage_of_layer = self.chain.stage_of_layer(self.best_starts)
-        objective = problem.objective_value(stage_of_layer)
+        stages = problem.stages(stage_of_layer)
+        objective = problem.objective_of(stages)
         assert objective == self.best_value, (objective, self.best_value)
         status = FEASIBLE if timed_out else OPTIMAL
         bound = min(self.lower, objective) if timed_out else objective
@@ -732,6 +733,7 @@ class _Search:
             bound=bound,
             wall_s=wall_s,
             backend=BACKEND,
+            stages=stages,
         )
 
 

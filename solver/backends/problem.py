@@ -136,6 +136,12 @@ class StageProblem:
         stages = self.stages(stage_of_layer, recomputed, group_of_stage)
         return self.memory_value(stages, group_of_stage), iteration_time_ns(self.costs, stages)
 
+    def objective_of(self, stages: list[StageCost], group_of_stage: list[int] | None = None) -> int:
+        """The objective of a split from its :meth:`stages`."""
+        if self.objective == OBJECTIVE_MEMORY:
+            return self.memory_value(stages, group_of_stage)
+        return iteration_time_ns(self.costs, stages)
+
     def objective_value(
         self,
         stage_of_layer: list[int] | np.ndarray,
@@ -227,6 +233,9 @@ class StageSolution:
     """Node group of each stage (heterogeneous problems only)."""
     recomputed: list[bool] | None = None
     """Under "selective": which layers recompute (a flag per layer); None otherwise."""
+    stages: list[StageCost] | None = None
+    """The cost model's per-stage costs of the split (``StageProblem.stages``) when the backend
+    computed them for ``objective``: the planner's evaluation of the split reuses them."""
 
     @property
     def has_solution(self) -> bool:
