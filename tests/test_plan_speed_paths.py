@@ -303,3 +303,44 @@ def test_exports_and_baselines_are_built_when_read_as_they_were_eagerly():
         assert result.baselines[name].stage_of_layer == expected.stage_of_layer
         assert result.baselines[name].peak_bytes == expected.peak_bytes
         assert result.baselines[name].iteration_ns == expected.iteration_ns
+
+
+def bench_capslog(monkeypatch):
+    """scripts/bench_capslog.py as a module (scripts/ on the path for its ``tables`` import)."""
+    import importlib.util
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))
+    spec = importlib.util.spec_from_file_location("bench_capslog", scripts / "bench_capslog.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_capslog_oracle_is_the_brute_force_optimum_and_the_plan_s_peak(monkeypatch):
+    bench = bench_capslog(monkeypatch)
+    rng = random.Random(9)
+    for _ in range(8):
+        stages = rng.randint(1, 4)
+        isolated, added = bench.draw_statistics(rng.randint(stages, 9), rng)
+        layers = len(isolated)
+        brute = min(
+            bench.split_peak(isolated, added, [b - a for a, b in itertools.pairwise(cuts)])
+            for middle in itertools.combinations(range(1, layers), stages - 1)
+            for cuts in [(0, *middle, layers)]
+        )
+        assert bench.optimum(isolated, added, stages) == brute
+        counts, peak, _, _ = bench.run_ours(bench.layer_graph_document(isolated, added), stages)
+        assert peak == brute == bench.split_peak(isolated, added, counts)
+
+
+def test_bench_capslog_runs_capslog_s_own_code_when_its_snapshot_is_here(monkeypatch, tmp_path):
+    bench = bench_capslog(monkeypatch)
+    if not bench.CAPSLOG_GIT.exists():
+        pytest.skip(f"no CAPSlog snapshot at {bench.CAPSLOG_GIT}")
+    capslog = bench.load_capslog(bench.extract_capslog(bench.CAPSLOG_GIT, tmp_path))
+    isolated, added = bench.draw_statistics(12, random.Random(4))
+    row = bench.measure_case(capslog, isolated, added, 4, repeats=1)
+    assert row["exact"] is True
+    assert row["capslog_over_optimum_pct"] >= 0 and row["bs_over_optimum_pct"] >= 0
