@@ -344,3 +344,22 @@ def test_bench_capslog_runs_capslog_s_own_code_when_its_snapshot_is_here(monkeyp
     row = bench.measure_case(capslog, isolated, added, 4, repeats=1)
     assert row["exact"] is True
     assert row["capslog_over_optimum_pct"] >= 0 and row["bs_over_optimum_pct"] >= 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_banded_peak_dp_still_matches_brute_force_where_the_dense_dp_now_runs(monkeypatch, seed):
+    """Chains of <= DENSE_DP_MAX_LAYERS layers solve their peak problems with the dense DP; the
+    banded DP (longer chains) keeps its brute-force check on the same small chains, and both
+    give the same optimum."""
+    import solver.backends.chain as chain
+    from tests.random_graphs import random_chain, random_problem
+    from tests.test_chain import assert_same_optimum, limit_variants
+
+    rng = random.Random(seed)
+    problem = random_problem(rng, random_chain(rng, rng.randint(2, 6)))
+    dense = [chain.solve_chain(variant) for variant in limit_variants(problem)]
+    monkeypatch.setattr(chain, "DENSE_DP_MAX_LAYERS", 0)
+    for variant, first in zip(limit_variants(problem), dense, strict=True):
+        assert_same_optimum(variant)
+        banded = chain.solve_chain(variant)
+        assert (banded.status, banded.objective) == (first.status, first.objective)
