@@ -68,9 +68,11 @@ the band, hence the DP's work, grows with the slack above the optimum."""
 DENSE_DP_MAX_LAYERS = 96
 """A chain of at most this many layers has its peak problem (no time limit per stage) solved by
 the DP over every (start, end) pair (``_Chain.dense_peak_dp``): no relaxation, no band, one
-numpy pass over an L x L table per stage; below about 100 layers that beats the relaxation's
-searches and the band's per-stage bookkeeping at every stage count (measured 1.1-2.3x at 24-96
-layers x 8-32 stages), above it the band's smaller tables win."""
+numpy pass over an L x L table per stage (stages with the same coefficients share their peaks);
+up to about 100 layers that beats the relaxation's searches and the band's per-stage
+bookkeeping at every stage count (measured 1.2-2.5x faster at 24-96 layers x 8-32 stages; even
+at 128, slower at 200), above it the band's smaller tables win. The split can differ from the
+band's when the band's greedy incumbent is already optimal (it keeps that one): same peak."""
 DIRECT_BAND_PAIRS = 2**20
 """A chain with at most this many (stage, start, end) triples, p L^2 / 2, goes straight to the
 DP at the incumbent value: even a band of every pair costs less than the Python overhead of the
@@ -503,19 +505,23 @@ class _Chain:
         no split exists. Ties go to the smallest start of each stage, from the last stage back,
         as in :meth:`banded_dp` (whose band holds every pair of such a split): the same split."""
         num_layers, num_stages = self.num_layers, self.num_stages
-        all_starts, all_ends = np.triu_indices(num_layers)  # every stage i..j, i <= j
+        # every stage i..j, i <= j; a start i < s has f_{s-1}(i - 1) = INF (s stages need s
+        # layers), an end leaving too few layers for the later stages is never reached back
+        starts, ends = np.triu_indices(num_layers)
+        table = np.full((num_layers, num_layers), INF, dtype=np.int64)  # [start, end]
         reached = np.full(num_layers + 1, INF, dtype=np.int64)  # f_{s-1}(i - 1) by start i
         reached[0] = 0
+        peaks: dict[tuple[int, ...], np.ndarray] = {}  # stages with equal coefficients share
         choices = []
         for s in range(num_stages):
             self.check_time()
-            # stages before s and after s need a layer each
-            room = (all_starts >= s) & (all_ends <= num_layers - num_stages + s)
-            starts, ends = all_starts[room], all_ends[room]
-            table = np.full((num_layers, num_layers), INF, dtype=np.int64)
-            table[starts, ends] = np.maximum(reached[starts], self.peaks(s, starts, ends))
+            key = self._peak_key(s)
+            if key not in peaks:
+                peaks[key] = self.peaks(s, starts, ends)
+            table[starts, ends] = np.maximum(reached[starts], peaks[key])
             choices.append(table.argmin(axis=0))  # the first, smallest start of the minimum
-            reached = np.concatenate(([INF], table.min(axis=0)))
+            reached[1:] = table.min(axis=0)
+            reached[0] = INF
         value = int(reached[num_layers])
         if value >= INF:
             return None
@@ -525,6 +531,21 @@ class _Chain:
             split[s] = choices[s][end]
             end = split[s] - 1
         return value, split
+
+    def _peak_key(self, stage: int) -> tuple[int, ...]:
+        """What :meth:`peaks` reads of a stage: two stages with the same key have the same
+        peak_s(i, j) for every pair (k_s only matters with stored bytes)."""
+        stored = bool(self.stored_prefix[-1])
+        return (
+            int(self.in_flight[stage]) if stored else 0,
+            int(self.receive_copies[stage]),
+            int(self.send_copies[stage]),
+            int(self.late[stage]),
+            int(self.after_receive[stage]),
+            int(self.after_send[stage]),
+            int(self.step_receive[stage]),
+            int(self.step_send[stage]),
+        )
 
     def banded_dp(self, limits: _Limits, bound: int) -> tuple[int, np.ndarray] | None:
         """Min-max DP over the splits whose every stage passes the relaxation at ``bound``.
