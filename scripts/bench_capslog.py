@@ -305,7 +305,7 @@ def summary(rows: list[dict]) -> dict:
     def column(name: str) -> list[float]:
         return [row[name] for row in rows]
 
-    return {
+    total = {
         "cases": len(rows),
         "ours_exact": sum(row["exact"] for row in rows),
         "median_ratio": statistics.median(column("capslog_ratio")),
@@ -322,6 +322,7 @@ def summary(rows: list[dict]) -> dict:
         "median_capslog_ms": statistics.median(column("capslog_ms")),
         "median_bs_ms": statistics.median(column("bs_ms")),
     }
+    return {key: round(value, 3) for key, value in total.items()}
 
 
 def headline_text(total: dict) -> str:
