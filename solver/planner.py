@@ -359,10 +359,27 @@ def _secondary_value(call: _PlanningCall, entry: ConfigEntry, solution) -> int |
         return None
     if call.training.objective == "memory" and _time_invariant(costs):
         return 0
-    stages = solution.stages or stage_costs(costs, solution.stage_of_layer)
+    stages = _matching_stages(entry, solution.stage_of_layer, solution.stages)
+    if stages is None:
+        stages = stage_costs(costs, solution.stage_of_layer)
     if call.training.objective == "memory":
         return iteration_time_ns(costs, stages)
     return max(stage.peak_bytes for stage in stages)
+
+
+def _matching_stages(
+    entry: ConfigEntry, split: list[int], stages: list[StageCost] | None
+) -> list[StageCost] | None:
+    """``stages`` when they are the cost model's stage costs of ``split`` on the entry's own
+    coefficients (a backend's ``StageSolution.stages``: a plain config, each stage holding
+    exactly its layers of the split), else None: the caller evaluates the split itself."""
+    if stages is None or entry.placement is not None or entry.costs.selective:
+        return None
+    if len(stages) != entry.costs.num_stages or sum(len(s.layers) for s in stages) != len(split):
+        return None
+    if any(split[layer] != stage.index for stage in stages for layer in stage.layers):
+        return None
+    return stages
 
 
 def _secondary_bound(call: _PlanningCall, entry: ConfigEntry) -> int:
@@ -412,7 +429,6 @@ def _build_plan(
         if choice.entry.placement is None
         else {"group_costs": choice.entry.placement.group_costs, "group_of_stage": choice.groups}
     )
-    reuse = choice.entry.placement is None and not choice.entry.costs.selective
     evaluation = evaluate_assignment(
         call.graph,
         choice.entry.costs,
@@ -420,7 +436,7 @@ def _build_plan(
         cluster=call.cluster,
         training=call.training,
         recomputed=choice.recomputed,
-        stages=choice.stages if reuse else None,
+        stages=_matching_stages(choice.entry, choice.split, choice.stages),
         **placed,
     )
     report = _solver_report(

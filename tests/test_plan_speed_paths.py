@@ -363,3 +363,26 @@ def test_banded_peak_dp_still_matches_brute_force_where_the_dense_dp_now_runs(mo
         assert_same_optimum(variant)
         banded = chain.solve_chain(variant)
         assert (banded.status, banded.objective) == (first.status, first.objective)
+
+
+def test_a_solution_s_stage_costs_are_reused_only_for_its_own_split():
+    from solver.backends.chain import solve_chain
+    from solver.backends.problem import StageProblem
+
+    graph = graph_from_dict(statistics_document(random.Random(8), 9, timed=True))
+    cluster = Cluster(num_gpus=3, gpu_memory_bytes=HUGE)
+    entry = build_entries(graph, cluster, prepare_training(graph, cluster, pinned(3)))[0]
+    solution = solve_chain(StageProblem(costs=entry.costs))
+    own = planner._matching_stages(entry, solution.stage_of_layer, solution.stages)
+    assert own is solution.stages
+    assert [s.peak_bytes for s in own] == [
+        s.peak_bytes for s in stage_costs(entry.costs, solution.stage_of_layer)
+    ]
+    layers = len(solution.stage_of_layer)
+    other = next(  # another split of the same config
+        split
+        for split in ([0, 1] + [2] * (layers - 2), [0, 0, 1] + [2] * (layers - 3))
+        if split != solution.stage_of_layer
+    )
+    assert other != solution.stage_of_layer
+    assert planner._matching_stages(entry, other, solution.stages) is None
