@@ -1,6 +1,6 @@
 """Our exact planner vs CAPSlog's own recommendation code, on CAPSlog's statistics.
 
-    python scripts/bench_capslog.py [--capslog PATH] [--repeats 5] [--out benchmarks]
+    python scripts/bench_capslog.py [--capslog PATH] [--repeats 9] [--out benchmarks]
 
 CAPSlog (henkdr/CAPSlog, ``capslog/calc_mem_stats.py``) recommends a pipeline split from two
 per-layer statistics, ``mem_isolated`` (a stage's peak when the layer starts it) and
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--capslog", type=Path, help="CAPSlog's capslog/ folder")
     parser.add_argument("--capslog-git", type=Path, default=CAPSLOG_GIT)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks")
     args = parser.parse_args(argv)
     try:
