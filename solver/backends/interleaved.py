@@ -1,0 +1,288 @@
+"""Interleaved chains by chunk sizes: a lower bound on the optimum and a split to start from.
+
+The problem (``formulation.py``, "interleaving"): a chain of L layers is cut into J = p v
+contiguous, non-empty virtual stages; virtual stage j runs on rank j mod p as its chunk j div p,
+and a rank's peak and time sum its v chunks (one memory row per in-flight vector). A split of a
+chain is nothing but its chunk sizes k_0 .. k_{J-1} (each >= 1, summing to L): virtual stage j
+holds the layers [k_0 + ... + k_{j-1}, k_0 + ... + k_j).
+
+The relaxation forgets where a virtual stage starts and keeps only its size. Virtual stage j of
+size k holds some window [s, s + k) of the chain with j <= s and s + k <= L - (J - 1 - j) (the
+stages before and after it are non-empty), s = 0 for j = 0 and s + k = L for j = J - 1. Each of its
+aggregates (states, stored bytes per micro-batch, bytes received, bytes sent, largest transient,
+optimizer-step temporary, time, gradient sync) is at least its least value over those windows,
+made non-decreasing in k by a suffix minimum (which only lowers it). Every row of a rank's peak
+and of the iteration time has non-negative coefficients on these aggregates, so each row is at
+least the same row at the least values: a function of the rank's v chunk sizes alone,
+``rank value``. The relaxation chooses each rank's chunk sizes, all of them summing to L, to
+minimise the largest rank value; its optimum is a lower bound on the true one, found exactly by
+a bottleneck dynamic program over ranks whose state is the number of layers placed so far:
+
+  B_0(0) = -inf,   B_{r+1}(t) = min over the rank's size vectors k (|k| = k_0 + ... + k_{v-1})
+                                of max(B_r(t - |k|), value_r(k)),      bound = B_p(L)
+
+The limits apply per rank, as necessary conditions: value_r(k) <= capacity, and the iteration
+m max_r T_r + (p - 1) max_j Tc_j + max_r AR_r (``LayerCosts.iteration_ns``) at least
+m T_r + (p - 1) max(theta, own chunks' times) + AR_r, where theta is a lower bound on the slowest
+chunk: the program runs once per level theta (each chunk's least time no more than the level's top,
+the rank rows with its bottom; a split falls in the level of its slowest chunk's least time), and
+the bound is the least over levels. The time objective minimises that same rank expression.
+
+The sizes the program picks are a split: evaluated with the cost model, it is feasible or not,
+and its objective is an upper bound when it is. Where the layers of the middle of the chain are
+alike (a transformer's blocks between an embedding and a head), every window of a size costs the
+same, the relaxation is exact, and the two meet: the split is proven optimal without a solver.
+Elsewhere the bound goes to the solver as a cut and the split as its start.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from solver.backends.problem import OBJECTIVE_MEMORY, StageProblem
+
+MAX_SIZE_VECTORS = 200_000
+"""Per rank, the most chunk-size vectors the program enumerates; beyond it (many chunks per rank
+on a long chain) there is no bound (None)."""
+MAX_LEVELS = 48
+"""Slowest-chunk levels the program runs at most (distinct least chunk times are bucketed)."""
+
+
+@dataclass(kw_only=True)
+class ChunkSizeBound:
+    """What the relaxation of the module docstring proves and proposes."""
+
+    lower_bound: int | None
+    """No split has a smaller objective (bytes or ns); None: no split satisfies the limits (the
+    relaxation is infeasible, so the problem is)."""
+    split: list[int] | None
+    """Stage of each layer from the program's chunk sizes (None when infeasible); it need not
+    satisfy the limits unless the relaxation is exact."""
+
+
+def applies(problem: StageProblem) -> bool:
+    """The relaxation describes interleaved chains with fixed per-layer costs on one group."""
+    costs = problem.costs
+    return (
+        costs.config.virtual_stages > 1
+        and problem.placement is None
+        and not problem.selective
+        and costs.is_chain()
+        and not any(costs.first_backward_peak)
+    )
+
+
+def chunk_size_bound(problem: StageProblem) -> ChunkSizeBound | None:
+    """The relaxation's bound and split, or None where it does not apply (``applies``) or would
+    enumerate too many size vectors."""
+    if not applies(problem):
+        return None
+    return _ChunkSizes(problem).solve()
+
+
+class _ChunkSizes:
+    """Least window aggregates per (virtual stage, size), rank values per size vector, the DP."""
+
+    def __init__(self, problem: StageProblem) -> None:
+        self.problem = problem
+        costs = self.costs = problem.costs
+        self.num_layers, self.num_stages = costs.num_layers, costs.num_stages
+        self.num_ranks, self.num_chunks = costs.num_ranks, costs.config.virtual_stages
+        self.largest = self.num_layers - self.num_stages + 1
+        """Largest size a virtual stage can have (every other one holds a layer)."""
+        edge = np.zeros(self.num_layers + 1, dtype=np.int64)
+        edge[1 : self.num_layers] = costs.edge_bytes  # edge[s]: bytes from layer s - 1 into s
+        self.least = {
+            "state": self._least_sums(costs.state_bytes),
+            "stored": self._least_sums(costs.stored_bytes),
+            "time": self._least_sums(costs.time_ns),
+            "sync": self._least_sums(costs.dp_sync_ns),
+            "into": self._least_windows(lambda k: edge[: self.num_layers - k + 1]),
+            "out": self._least_windows(lambda k: edge[k:]),
+            "transient": self._least_windows(
+                lambda k: sliding_window_view(costs.transient_bytes, k).max(axis=1)
+            ),
+        }
+        if costs.step_bytes is not None:
+            self.least["step"] = self._least_sums(costs.step_bytes)
+
+    # -- least aggregates ---------------------------------------------------------------------
+
+    def _least_sums(self, per_layer: np.ndarray) -> np.ndarray:
+        prefix = np.concatenate([[0], np.cumsum(per_layer.astype(np.int64))])
+        return self._least_windows(lambda k: prefix[k:] - prefix[:-k])
+
+    def _least_windows(self, window_values) -> np.ndarray:
+        """[j, k]: the least value of a window of size k virtual stage j can hold
+        (``window_values(k)[s]``: the window [s, s + k)), suffix-minimised over k; index 0 unused."""
+        num_layers, num_stages = self.num_layers, self.num_stages
+        least = np.zeros((num_stages, self.largest + 1), dtype=np.int64)
+        for k in range(1, self.largest + 1):
+            values = np.asarray(window_values(k), dtype=np.int64)  # s = 0 .. L - k
+            width = num_layers - num_stages + 2 - k  # starts j .. L - (J - 1 - j) - k
+            middle = sliding_window_view(values, width).min(axis=1)  # index j
+            least[:, k] = middle[:num_stages]
+            least[0, k] = values[0]
+            least[num_stages - 1, k] = values[num_layers - k]
+        # suffix minimum over k: a lower bound that never decreases with the size
+        least[:, 1:] = np.minimum.accumulate(least[:, :0:-1], axis=1)[:, ::-1]
+        return least
+
+    # -- per rank -----------------------------------------------------------------------------
+
+    def _size_vectors(self) -> np.ndarray | None:
+        """Every (k_0 .. k_{v-1}) a rank can take: sizes >= 1, total <= L - (p - 1) v."""
+        v, total = self.num_chunks, self.num_layers - (self.num_ranks - 1) * self.num_chunks
+        if math.comb(total, v) > MAX_SIZE_VECTORS:
+            return None
+        sizes = np.arange(1, total + 1, dtype=np.int64)[:, None]
+        for used in range(1, v):  # append a chunk: at least 1, leaving 1 for each one after it
+            room = total - (v - used - 1) - sizes.sum(axis=1)  # largest size the next can take
+            counts = np.maximum(room, 0)
+            head = np.repeat(sizes, counts, axis=0)
+            starts = np.cumsum(counts) - counts
+            tail = np.arange(int(counts.sum())) - np.repeat(starts, counts) + 1
+            sizes = np.concatenate([head, tail[:, None]], axis=1)
+        return sizes
+
+    def _rank_terms(self, rank: int, sizes: np.ndarray) -> dict[str, np.ndarray]:
+        """Per size vector the rank can take within the limits at some level: its sizes, total,
+        time, sync, slowest chunk's least time and least peak over its rows (vectors out of the
+        limits are dropped as soon as a cheap part of them shows it)."""
+        costs, problem = self.costs, self.problem
+        stages = costs.stages_of_rank(rank)
+
+        def get(name: str, kept: np.ndarray) -> list[np.ndarray]:
+            return [self.least[name][j, kept[:, c]] for c, j in enumerate(stages)]
+
+        times = get("time", sizes)
+        terms = {
+            "sizes": sizes,
+            "time": sum(times),
+            "sync": sum(get("sync", sizes)),
+            "chunk": np.max(times, axis=0),
+        }
+        if problem.iteration_budget_ns is not None:  # at the lowest level (bottom 0)
+            fastest = costs.iteration_ns(terms["time"], terms["chunk"], terms["sync"])
+            terms = _where(terms, fastest <= problem.iteration_budget_ns)
+        sizes = terms["sizes"]
+        base = sum(get("state", sizes)) + costs.constant_bytes
+        peak = base + np.max(get("transient", sizes), axis=0)
+        if problem.capacity_bytes is not None:  # states and transient alone
+            keep = peak <= problem.capacity_bytes
+            terms, base, peak, sizes = _where(terms, keep), base[keep], peak[keep], sizes[keep]
+        stored, into, out = get("stored", sizes), get("into", sizes), get("out", sizes)
+        rows = set(zip(costs.in_flight_vectors[rank], costs.backwards_done[rank], strict=True))
+        in_flight = peak
+        for vector, done in sorted(rows):
+            row = peak.copy()
+            for c, j in enumerate(stages):
+                receive, send = costs.copies_at(j, vector[c], done[c])
+                row += vector[c] * stored[c] + receive * into[c] + send * out[c]
+            in_flight = np.maximum(in_flight, row)
+        if costs.step_bytes is not None:  # the optimizer step: every state, the temporary,
+            row = base + sum(get("step", sizes))  # buffers at 0 held
+            for c, j in enumerate(stages):
+                receive, send = costs.copies_at(j, 0, 0)
+                row += receive * into[c] + send * out[c]
+            in_flight = np.maximum(in_flight, row)
+        terms["peak"] = in_flight
+        if problem.capacity_bytes is not None:
+            terms = _where(terms, in_flight <= problem.capacity_bytes)
+        terms["total"] = terms["sizes"].sum(axis=1)
+        return terms
+
+    def _levels(self, terms: list[dict[str, np.ndarray]]) -> list[tuple[int, int]]:
+        """(bottom, top) of each slowest-chunk level: [(0, inf)] when time does not matter."""
+        problem = self.problem
+        if problem.objective == OBJECTIVE_MEMORY and problem.iteration_budget_ns is None:
+            return [(0, np.iinfo(np.int64).max)]
+        values = np.unique(np.concatenate([t["chunk"] for t in terms]))
+        if not len(values):
+            return []
+        if len(values) <= MAX_LEVELS:
+            return [(int(x), int(x)) for x in values]
+        edges = np.array_split(values, MAX_LEVELS)
+        return [(int(part[0]), int(part[-1])) for part in edges]
+
+    # -- the program --------------------------------------------------------------------------
+
+    def solve(self) -> ChunkSizeBound | None:
+        sizes = self._size_vectors()
+        if sizes is None:
+            return None
+        terms = [self._rank_terms(r, sizes) for r in range(self.num_ranks)]
+        best: tuple[int, list[np.ndarray]] | None = None
+        for bottom, top in self._levels(terms):
+            found = self._program(terms, bottom, top)
+            if found is not None and (best is None or found[0] < best[0]):
+                best = found
+        if best is None:
+            return ChunkSizeBound(lower_bound=None, split=None)
+        value, chosen = best
+        counts = np.stack(chosen)  # [rank, chunk]
+        per_stage = counts.T.reshape(-1)  # virtual stage j = chunk * p + rank
+        split = np.repeat(np.arange(self.num_stages), per_stage).tolist()
+        return ChunkSizeBound(lower_bound=int(value), split=split)
+
+    def _program(self, terms, bottom: int, top: int):
+        """B_p(L) at one level, with the chosen size vector of each rank; None: infeasible."""
+        problem, costs = self.problem, self.costs
+        num_layers, inf = self.num_layers, np.iinfo(np.int64).max
+        # best[r][t]: least rank value of a vector of total t; pick[r][t]: its index
+        best, pick = [], []
+        for rank_terms in terms:
+            chunk, totals = rank_terms["chunk"], rank_terms["total"]
+            iteration = costs.iteration_ns(
+                rank_terms["time"], np.maximum(chunk, bottom), rank_terms["sync"]
+            )
+            keep = chunk <= top
+            if problem.capacity_bytes is not None:
+                keep &= rank_terms["peak"] <= problem.capacity_bytes
+            if problem.iteration_budget_ns is not None:
+                keep &= iteration <= problem.iteration_budget_ns
+            value = rank_terms["peak"] if problem.objective == OBJECTIVE_MEMORY else iteration
+            value = np.where(keep, value, inf)
+            order = np.lexsort((value, totals))  # by total, then value: first of each total
+            first = np.unique(totals[order], return_index=True)[1]
+            table = np.full(num_layers + 1, inf, dtype=np.int64)
+            index = np.full(num_layers + 1, -1, dtype=np.int64)
+            table[totals[order[first]]] = value[order[first]]
+            index[totals[order[first]]] = order[first]
+            best.append(table)
+            pick.append(index)
+        low = np.iinfo(np.int64).min
+        reach = np.full(num_layers + 1, inf, dtype=np.int64)
+        reach[0] = low
+        came = []
+        for table in best:
+            nxt = np.full(num_layers + 1, inf, dtype=np.int64)
+            step = np.zeros(num_layers + 1, dtype=np.int64)
+            for total in np.flatnonzero(table < inf).tolist():
+                candidate = np.maximum(reach[: num_layers + 1 - total], table[total])
+                candidate[reach[: num_layers + 1 - total] == inf] = inf
+                better = candidate < nxt[total:]
+                nxt[total:][better] = candidate[better]
+                step[total:][better] = total
+            reach = nxt
+            came.append(step)
+        if reach[num_layers] == inf:
+            return None
+        chosen, t = [], num_layers
+        for rank in range(self.num_ranks - 1, -1, -1):
+            total = int(came[rank][t])
+            chosen.append(terms[rank]["sizes"][pick[rank][total]])
+            t -= total
+        assert t == 0
+        return int(reach[num_layers]), chosen[::-1]
+
+
+def _where(terms: dict[str, np.ndarray], keep: np.ndarray) -> dict[str, np.ndarray]:
+    return {name: values[keep] for name, values in terms.items()}
+
+
+__all__ = ["ChunkSizeBound", "applies", "chunk_size_bound"]
