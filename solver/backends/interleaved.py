@@ -37,6 +37,7 @@ Elsewhere the bound goes to the solver as a cut and the split as its start.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -149,6 +150,22 @@ class _ChunkSizes:
             sizes = np.concatenate([head, tail[:, None]], axis=1)
         return sizes
 
+    def _possible_totals(self) -> np.ndarray:
+        """[t]: a rank may hold t layers, as far as the t layers with the least states (time,
+        sync) show: any t layers hold at least their sum."""
+        costs, problem = self.costs, self.problem
+        possible = np.ones(self.num_layers + 1, dtype=bool)
+
+        def least(per_layer: np.ndarray) -> np.ndarray:
+            return np.concatenate([[0], np.cumsum(np.sort(per_layer.astype(np.int64)))])
+
+        if problem.capacity_bytes is not None:
+            possible &= least(costs.state_bytes) + costs.constant_bytes <= problem.capacity_bytes
+        if problem.iteration_budget_ns is not None:
+            slowest = costs.iteration_ns(least(costs.time_ns), 0, least(costs.dp_sync_ns))
+            possible &= slowest <= problem.iteration_budget_ns
+        return possible
+
     def _rank_terms(self, rank: int, sizes: np.ndarray) -> dict[str, np.ndarray]:
         """Per size vector the rank can take within the limits at some level: its sizes, total,
         time, sync, slowest chunk's least time and least peak over its rows (vectors out of the
@@ -164,14 +181,14 @@ class _ChunkSizes:
             "sizes": sizes,
             "time": sum(times),
             "sync": sum(get("sync", sizes)),
-            "chunk": np.max(times, axis=0),
+            "chunk": functools.reduce(np.maximum, times),
         }
         if problem.iteration_budget_ns is not None:  # at the lowest level (bottom 0)
             fastest = costs.iteration_ns(terms["time"], terms["chunk"], terms["sync"])
             terms = _where(terms, fastest <= problem.iteration_budget_ns)
         sizes = terms["sizes"]
         base = sum(get("state", sizes)) + costs.constant_bytes
-        peak = base + np.max(get("transient", sizes), axis=0)
+        peak = base + functools.reduce(np.maximum, get("transient", sizes))
         if problem.capacity_bytes is not None:  # states and transient alone
             keep = peak <= problem.capacity_bytes
             terms, base, peak, sizes = _where(terms, keep), base[keep], peak[keep], sizes[keep]
@@ -215,6 +232,7 @@ class _ChunkSizes:
         sizes = self._size_vectors()
         if sizes is None:
             return None
+        sizes = sizes[self._possible_totals()[sizes.sum(axis=1)]]
         terms = [self._rank_terms(r, sizes) for r in range(self.num_ranks)]
         best: tuple[int, list[np.ndarray]] | None = None
         for bottom, top in self._levels(terms):
