@@ -38,6 +38,7 @@ Elsewhere the bound goes to the solver as a cut and the split as its start.
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -49,8 +50,8 @@ from solver.backends.problem import OBJECTIVE_MEMORY, StageProblem
 MAX_SIZE_VECTORS = 200_000
 """Per rank, the most chunk-size vectors the program enumerates; beyond it (many chunks per rank
 on a long chain) there is no bound (None)."""
-MAX_LEVELS = 48
-"""Slowest-chunk levels the program runs at most (distinct least chunk times are bucketed)."""
+MAX_PROGRAMS = 400
+"""Boxes of levels the search runs the program on at most; the boxes left keep their bounds."""
 
 
 @dataclass(kw_only=True)
@@ -213,90 +214,139 @@ class _ChunkSizes:
         terms["total"] = terms["sizes"].sum(axis=1)
         return terms
 
-    def _levels(self, terms: list[dict[str, np.ndarray]]) -> list[tuple[int, int]]:
-        """(bottom, top) of each slowest-chunk level: [(0, inf)] when time does not matter."""
-        problem = self.problem
-        if problem.objective == OBJECTIVE_MEMORY and problem.iteration_budget_ns is None:
-            return [(0, np.iinfo(np.int64).max)]
-        values = np.unique(np.concatenate([t["chunk"] for t in terms]))
-        if not len(values):
-            return []
-        if len(values) <= MAX_LEVELS:
-            return [(int(x), int(x)) for x in values]
-        edges = np.array_split(values, MAX_LEVELS)
-        return [(int(part[0]), int(part[-1])) for part in edges]
-
-    # -- the program --------------------------------------------------------------------------
+    # -- the program over boxes of levels ------------------------------------------------------
 
     def solve(self) -> ChunkSizeBound | None:
+        """Best-first over boxes of (slowest chunk, largest sync) levels (module docstring),
+        each box one program; a box is dropped when its bound reaches the best split found or
+        its own split meets its bound, else bisected, down to single levels."""
         sizes = self._size_vectors()
         if sizes is None:
             return None
         sizes = sizes[self._possible_totals()[sizes.sum(axis=1)]]
-        terms = [self._rank_terms(r, sizes) for r in range(self.num_ranks)]
-        best: tuple[int, list[np.ndarray]] | None = None
-        for bottom, top in self._levels(terms):
-            found = self._program(terms, bottom, top)
-            if found is not None and (best is None or found[0] < best[0]):
-                best = found
-        if best is None:
+        sizes = sizes[np.argsort(sizes.sum(axis=1), kind="stable")]  # grouped by total
+        self.terms = [self._rank_terms(r, sizes) for r in range(self.num_ranks)]
+        if self._time_matters():
+            chunk = np.unique(np.concatenate([t["chunk"] for t in self.terms]))
+            sync = np.unique(np.concatenate([t["sync"] for t in self.terms]))
+        else:  # one box, no time rows
+            chunk = sync = np.array([0], dtype=np.int64)
+        if not len(chunk):
             return ChunkSizeBound(lower_bound=None, split=None)
-        value, chosen = best
-        counts = np.stack(chosen)  # [rank, chunk]
-        per_stage = counts.T.reshape(-1)  # virtual stage j = chunk * p + rank
-        split = np.repeat(np.arange(self.num_stages), per_stage).tolist()
-        return ChunkSizeBound(lower_bound=int(value), split=split)
+        self.levels = (chunk, sync)
+        self.evaluated: dict[tuple[int, ...], int | None] = {}
+        best_value, best_split = None, None
+        boxes = [(-math.inf, 0, len(chunk) - 1, 0, len(sync) - 1)]
+        open_bounds = []  # boxes left unresolved: single levels, or the budget ran out
+        for _ in range(MAX_PROGRAMS):
+            if not boxes:
+                break
+            _, *box = heapq.heappop(boxes)
+            found = self._program(*box)
+            if found is None:
+                continue  # no split in this box
+            bound, split = found
+            value = self._evaluate(split)
+            if value is not None and (best_value is None or value < best_value):
+                best_value, best_split = value, split
+            if best_value is not None and bound >= best_value:
+                continue
+            if value == bound:
+                continue
+            lo_c, hi_c, lo_s, hi_s = box
+            if hi_c - lo_c >= hi_s - lo_s and hi_c > lo_c:
+                mid = (lo_c + hi_c) // 2
+                halves = [(lo_c, mid, lo_s, hi_s), (mid + 1, hi_c, lo_s, hi_s)]
+            elif hi_s > lo_s:
+                mid = (lo_s + hi_s) // 2
+                halves = [(lo_c, hi_c, lo_s, mid), (lo_c, hi_c, mid + 1, hi_s)]
+            else:
+                open_bounds.append((bound, split))
+                continue
+            for half in halves:
+                heapq.heappush(boxes, (bound, *half))
+        open_bounds += [(bound, None) for bound, *_ in boxes]
+        bounds = [bound for bound, _ in open_bounds if best_value is None or bound < best_value]
+        if best_value is None and not open_bounds:
+            return ChunkSizeBound(lower_bound=None, split=None)
+        lower = min(bounds, default=best_value)
+        if best_split is None:  # a split to start from, even if out of the limits
+            best_split = next((split for _, split in open_bounds if split is not None), None)
+        return ChunkSizeBound(lower_bound=int(lower), split=best_split)
 
-    def _program(self, terms, bottom: int, top: int):
-        """B_p(L) at one level, with the chosen size vector of each rank; None: infeasible."""
-        problem, costs = self.problem, self.costs
-        num_layers, inf = self.num_layers, np.iinfo(np.int64).max
-        # best[r][t]: least rank value of a vector of total t; pick[r][t]: its index
-        best, pick = [], []
-        for rank_terms in terms:
-            chunk, totals = rank_terms["chunk"], rank_terms["total"]
-            iteration = costs.iteration_ns(
-                rank_terms["time"], np.maximum(chunk, bottom), rank_terms["sync"]
-            )
-            keep = chunk <= top
-            if problem.capacity_bytes is not None:
-                keep &= rank_terms["peak"] <= problem.capacity_bytes
-            if problem.iteration_budget_ns is not None:
-                keep &= iteration <= problem.iteration_budget_ns
-            value = rank_terms["peak"] if problem.objective == OBJECTIVE_MEMORY else iteration
-            value = np.where(keep, value, inf)
-            order = np.lexsort((value, totals))  # by total, then value: first of each total
-            first = np.unique(totals[order], return_index=True)[1]
-            table = np.full(num_layers + 1, inf, dtype=np.int64)
-            index = np.full(num_layers + 1, -1, dtype=np.int64)
-            table[totals[order[first]]] = value[order[first]]
-            index[totals[order[first]]] = order[first]
-            best.append(table)
-            pick.append(index)
-        low = np.iinfo(np.int64).min
-        reach = np.full(num_layers + 1, inf, dtype=np.int64)
-        reach[0] = low
+    def _time_matters(self) -> bool:
+        problem = self.problem
+        return problem.objective != OBJECTIVE_MEMORY or problem.iteration_budget_ns is not None
+
+    def _evaluate(self, split: list[int]) -> int | None:
+        """The split's objective from the cost model, None when it breaks a limit."""
+        key = tuple(split)
+        if key not in self.evaluated:
+            problem = self.problem
+            ok = problem.violation(split) is None
+            self.evaluated[key] = problem.objective_value(split) if ok else None
+        return self.evaluated[key]
+
+    def _program(self, lo_c: int, hi_c: int, lo_s: int, hi_s: int):
+        """(bound, split) of the box of slowest-chunk levels lo_c..hi_c and largest-sync levels
+        lo_s..hi_s; None: no split in the box."""
+        problem, costs, inf = self.problem, self.costs, np.iinfo(np.int64).max
+        chunk_levels, sync_levels = self.levels
+        tables, choices = [], []
+        for terms in self.terms:
+            value = terms["peak"]
+            if self._time_matters():
+                iteration = costs.iteration_ns(
+                    terms["time"],
+                    np.maximum(terms["chunk"], chunk_levels[lo_c]),
+                    np.maximum(terms["sync"], sync_levels[lo_s]),
+                )
+                keep = (terms["chunk"] <= chunk_levels[hi_c]) & (terms["sync"] <= sync_levels[hi_s])
+                if problem.iteration_budget_ns is not None:
+                    keep &= iteration <= problem.iteration_budget_ns
+                if problem.objective != OBJECTIVE_MEMORY:
+                    value = iteration
+                value = np.where(keep, value, inf)
+            tables.append(self._least_per_total(terms, value))
+            choices.append(value)
+        reach = np.full(self.num_layers + 1, inf, dtype=np.int64)
+        reach[0] = np.iinfo(np.int64).min
         came = []
-        for table in best:
-            nxt = np.full(num_layers + 1, inf, dtype=np.int64)
-            step = np.zeros(num_layers + 1, dtype=np.int64)
-            for total in np.flatnonzero(table < inf).tolist():
-                candidate = np.maximum(reach[: num_layers + 1 - total], table[total])
-                candidate[reach[: num_layers + 1 - total] == inf] = inf
-                better = candidate < nxt[total:]
-                nxt[total:][better] = candidate[better]
-                step[total:][better] = total
-            reach = nxt
-            came.append(step)
-        if reach[num_layers] == inf:
+        t = np.arange(self.num_layers + 1)
+        for totals, least in tables:
+            if not len(totals):
+                return None  # a rank with no vector within the limits
+            # nxt[t] = min over a rank total a of max(reach[t - a], least[a])
+            before = t[None, :] - totals[:, None]
+            candidate = np.maximum(
+                np.where(before >= 0, reach[np.maximum(before, 0)], inf), least[:, None]
+            )
+            pick = candidate.argmin(axis=0)
+            reach = candidate[pick, t]
+            came.append(totals[pick])
+        if reach[-1] == inf:
             return None
-        chosen, t = [], num_layers
+        counts, left = [], self.num_layers
         for rank in range(self.num_ranks - 1, -1, -1):
-            total = int(came[rank][t])
-            chosen.append(terms[rank]["sizes"][pick[rank][total]])
-            t -= total
-        assert t == 0
-        return int(reach[num_layers]), chosen[::-1]
+            total = int(came[rank][left])
+            terms, value = self.terms[rank], choices[rank]
+            index = np.flatnonzero(terms["total"] == total)
+            counts.append(terms["sizes"][index[np.argmin(value[index])]])
+            left -= total
+        per_stage = np.stack(counts[::-1]).T.reshape(-1)  # virtual stage j = chunk * p + rank
+        split = np.repeat(np.arange(self.num_stages), per_stage).tolist()
+        return int(reach[-1]), split
+
+    def _least_per_total(self, terms, value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(totals, least value of a vector of each total) of one rank, inf-valued ones
+        dropped (the vectors are grouped by total)."""
+        totals = terms["total"]
+        if not len(totals):
+            return totals, totals
+        starts = np.flatnonzero(np.r_[True, totals[1:] != totals[:-1]])
+        least = np.minimum.reduceat(value, starts)
+        finite = least < np.iinfo(np.int64).max
+        return totals[starts][finite], least[finite]
 
 
 def _where(terms: dict[str, np.ndarray], keep: np.ndarray) -> dict[str, np.ndarray]:
