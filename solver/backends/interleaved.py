@@ -119,8 +119,9 @@ class _ChunkSizes:
         return self._least_windows(lambda k: prefix[k:] - prefix[:-k])
 
     def _least_windows(self, window_values) -> np.ndarray:
-        """[j, k]: the least value of a window of size k virtual stage j can hold
-        (``window_values(k)[s]``: the window [s, s + k)), suffix-minimised over k; index 0 unused."""
+        """[j, k]: the least value of a window of size k that virtual stage j can hold
+        (``window_values(k)[s]``: the window [s, s + k)), suffix-minimised over k (k = 0
+        unused)."""
         num_layers, num_stages = self.num_layers, self.num_stages
         least = np.zeros((num_stages, self.largest + 1), dtype=np.int64)
         for k in range(1, self.largest + 1):
