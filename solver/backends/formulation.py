@@ -178,6 +178,11 @@ takes about half of that (CP-SAT: 1.4 s for 1.2 million constraints built in 29 
 the solver's own time limit, so with less the solve would overrun the limit and find nothing."""
 
 
+CHUNK_SIZE_SHARE = 0.25
+"""Share of a solve's time limit the chunk-size relaxation of an interleaved chain may take
+before its box search stops (``solver.backends.interleaved``; milliseconds on a GPT-3 shape)."""
+
+
 class BuildTimeUp(Exception):
     """The time limit ran out while the model was being built (``PrefixFormulation.stop_at``)."""
 
@@ -263,7 +268,8 @@ class PrefixFormulation(abc.ABC):
             )
         limit = options.get("time_limit_s")
         presolve = Presolve.of(problem)
-        sizes = chunk_size_bound(problem)  # interleaved chains (solver.backends.interleaved)
+        # interleaved chains (solver.backends.interleaved), in at most a quarter of the limit
+        sizes = chunk_size_bound(problem, time_limit_s=CHUNK_SIZE_SHARE * (limit or math.inf))
         if sizes is not None:
             closed = _closed_by_chunk_sizes(problem, sizes, cls.backend_of(options))
             if closed is not None:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,12 +79,15 @@ def applies(problem: StageProblem) -> bool:
     )
 
 
-def chunk_size_bound(problem: StageProblem) -> ChunkSizeBound | None:
+def chunk_size_bound(
+    problem: StageProblem, *, time_limit_s: float = math.inf
+) -> ChunkSizeBound | None:
     """The relaxation's bound and split, or None where it does not apply (``applies``) or would
-    enumerate too many size vectors."""
+    enumerate too many size vectors. Past ``time_limit_s`` no box is bisected any more: those
+    left keep their bounds (the least of them is the bound returned)."""
     if not applies(problem):
         return None
-    return _ChunkSizes(problem).solve()
+    return _ChunkSizes(problem).solve(stop_at=time.perf_counter() + time_limit_s)
 
 
 class _ChunkSizes:
@@ -217,7 +221,7 @@ class _ChunkSizes:
 
     # -- the program over boxes of levels ------------------------------------------------------
 
-    def solve(self) -> ChunkSizeBound | None:
+    def solve(self, stop_at: float = math.inf) -> ChunkSizeBound | None:
         """Best-first over boxes of (slowest chunk, largest sync) levels (module docstring),
         each box one program; a box is dropped when its bound reaches the best split found or
         its own split meets its bound, else bisected, down to single levels."""
@@ -239,8 +243,8 @@ class _ChunkSizes:
         best_value, best_split = None, None
         boxes = [(-math.inf, 0, len(chunk) - 1, 0, len(sync) - 1)]
         open_bounds = []  # boxes left unresolved: single levels, or the budget ran out
-        for _ in range(MAX_PROGRAMS):
-            if not boxes:
+        for run in range(MAX_PROGRAMS):
+            if not boxes or (run and time.perf_counter() > stop_at):
                 break
             _, *box = heapq.heappop(boxes)
             found = self._program(*box)
