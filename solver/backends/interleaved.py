@@ -240,7 +240,7 @@ class _ChunkSizes:
             return ChunkSizeBound(lower_bound=None, split=None)
         self.levels = (chunk, sync)
         self.evaluated: dict[tuple[int, ...], int | None] = {}
-        best_value, best_split = None, None
+        best_value, best_split, fallback = None, None, None
         boxes = [(-math.inf, 0, len(chunk) - 1, 0, len(sync) - 1)]
         open_bounds = []  # boxes left unresolved: single levels, or the budget ran out
         for run in range(MAX_PROGRAMS):
@@ -251,6 +251,7 @@ class _ChunkSizes:
             if found is None:
                 continue  # no split in this box
             bound, split = found
+            fallback = fallback or split
             value = self._evaluate(split)
             if value is not None and (best_value is None or value < best_value):
                 best_value, best_split = value, split
@@ -276,7 +277,7 @@ class _ChunkSizes:
             return ChunkSizeBound(lower_bound=None, split=None)
         lower = min(bounds, default=best_value)
         if best_split is None:  # a split to start from, even if out of the limits
-            best_split = next((split for _, split in open_bounds if split is not None), None)
+            best_split = fallback
         return ChunkSizeBound(lower_bound=int(lower), split=best_split)
 
     def _time_matters(self) -> bool:
