@@ -174,9 +174,11 @@ def main() -> int:
                 continue
             graph = graph_path(kind, zoo)
             for code, checkout in codes:
-                row = run_point(checkout, kind, gpus, flags, graph, args.time_limit)
-                rows.append({"code": code} | row)
-                print(" | ".join(str(row.get(c, "")) for c in ["code", *COLUMNS]), flush=True)
+                row = {"code": code} | run_point(
+                    checkout, kind, gpus, flags, graph, args.time_limit
+                )
+                rows.append(row)
+                print(" | ".join(str(row.get(c, "")) for c in COLUMNS), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "bench_interleaved_scale.csv", "w", newline="") as handle:

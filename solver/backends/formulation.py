@@ -65,7 +65,12 @@ rank r instead of per stage, one memory row per in-flight vector n of the rank
 
 Without interleaving each rank is one stage with one vector (k_s), Tc = T, and the rows are the
 ones above. The chain algorithm does not solve interleaved problems (a rank's chunks are not
-contiguous); CP-SAT and MILP do, and agree with brute force (tests/test_interleaved.py).
+contiguous); CP-SAT and MILP do, and agree with brute force (tests/test_interleaved.py). On an
+interleaved chain :meth:`PrefixFormulation.solve_problem` first runs the chunk-size relaxation
+(``solver.backends.interleaved``): INFEASIBLE when it has no split, OPTIMAL when its split meets
+its bound (alike middle layers: a transformer), else its bound raises the peak's lower bound (or
+cuts the iteration, ``_add_iteration_bound``) and its split is the start when better than the
+hint (tests/test_interleaved_fast.py).
 
 Selective recomputation (``costs.selective``): rc[l] in {0, 1} marks layer l recomputed, and
 z[l][s] = x[l][s] rc[l] (z <= x, z <= rc, z >= x + rc - 1: exact at integer x, rc, no big-M).
