@@ -141,9 +141,13 @@ class _ChunkSizes:
 
     # -- per rank -----------------------------------------------------------------------------
 
-    def _size_vectors(self) -> np.ndarray | None:
-        """Every (k_0 .. k_{v-1}) a rank can take: sizes >= 1, total <= L - (p - 1) v."""
+    def _size_vectors(self, most: int | None = None) -> np.ndarray | None:
+        """Every (k_0 .. k_{v-1}) a rank can take: sizes >= 1, total <= L - (p - 1) v (and
+        <= ``most``)."""
         v, total = self.num_chunks, self.num_layers - (self.num_ranks - 1) * self.num_chunks
+        total = total if most is None else min(total, most)
+        if total < v:
+            return np.zeros((0, v), dtype=np.int64)
         if math.comb(total, v) > MAX_SIZE_VECTORS:
             return None
         sizes = np.arange(1, total + 1, dtype=np.int64)[:, None]
@@ -225,10 +229,11 @@ class _ChunkSizes:
         """Best-first over boxes of (slowest chunk, largest sync) levels (module docstring),
         each box one program; a box is dropped when its bound reaches the best split found or
         its own split meets its bound, else bisected, down to single levels."""
-        sizes = self._size_vectors()
+        # the totals within the limits are 0..most (least sums grow with the count)
+        most = int(np.flatnonzero(self._possible_totals()).max())
+        sizes = self._size_vectors(most)
         if sizes is None:
             return None
-        sizes = sizes[self._possible_totals()[sizes.sum(axis=1)]]
         sizes = sizes[np.argsort(sizes.sum(axis=1), kind="stable")]  # grouped by total
         self.terms = [self._rank_terms(r, sizes) for r in range(self.num_ranks)]
         if self._time_matters():
