@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -15,7 +16,7 @@ from solver.plan_file import EVALUATION_FORMAT, PLAN_FORMAT, PLAN_VERSION, load_
 from solver.planner import Plan
 from solver.precision import describe as describe_precision
 from solver.reserve import usable_text
-from solver.specs import MOE_DROPLESS, Cluster, TrainingConfig
+from solver.specs import MOE_DROPLESS, Cluster, SearchStatus, TrainingConfig
 from solver.units import format_bytes, format_throughput
 
 
@@ -238,6 +239,19 @@ def _baseline_basis(ours: Evaluation, baseline: Evaluation) -> str:
     return basis
 
 
+def _search_text(search: SearchStatus) -> str:
+    """One search of the solver line: its name and role, time, quick splits, proof."""
+    role = "" if search.role == "answer" else f" (for the {search.role})"
+    proof = "proven" if search.proven else f"NOT proven, {search.configs_open} configs open"
+    if search.time_limit_reached:
+        proof += ", time limit reached"
+    return (
+        f"{search.name}{role} {search.wall_s:.2f} s ({search.incumbent_s:.2f} s quick splits: "
+        f"{search.configs_with_incumbent} configs, {search.configs_closed_by_incumbent} closed), "
+        f"{proof}"
+    )
+
+
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
     """The plan JSON (format "plan", version 2; docs/plan.md, solver/plan.schema.json)."""
     report = plan.solver
@@ -255,6 +269,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "configs_solved": report.configs_solved,
         "configs_pruned": report.configs_pruned,
         "notes": report.notes,
+        "time_limit_reached": report.time_limit_reached,
+        "searches": [dataclasses.asdict(search) for search in report.searches],
     }
     document["required_throughput"] = plan.required_throughput
     document["fastest_throughput"] = plan.fastest_throughput
@@ -444,6 +460,8 @@ def format_plan(plan: Plan) -> str:
         f", bound {report.bound} {unit}, {report.wall_s:.2f} s; configs: {report.configs_total} "
         f"total, {report.configs_solved} solved, {report.configs_pruned} pruned by bounds"
     )
+    if report.searches:
+        lines.append("searches: " + "; ".join(_search_text(s) for s in report.searches))
     lines.extend(f"note: {note}" for note in report.notes)
     split_spec = plan.exports.get("torch_pipelining", {}).get("split_spec")
     if split_spec:

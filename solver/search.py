@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from solver.backends import resolve_backend, solve
+from solver.backends.dag import dag_fits_graph
 from solver.backends.problem import (
     INFEASIBLE,
     OBJECTIVE_MEMORY,
@@ -35,7 +36,7 @@ from solver.backends.problem import (
     StageProblem,
     StageSolution,
 )
-from solver.baselines import even_split
+from solver.baselines import BASELINES
 from solver.candidates import (
     candidate_configs,
     memory_lower_bound,
@@ -45,11 +46,16 @@ from solver.candidates import (
 from solver.cost_model import LayerCosts, layer_costs, utilization_ppm
 from solver.errors import NoSolutionError
 from solver.graph import LayerGraph
+from solver.incumbents import incumbent
 from solver.moe import num_routed_experts
 from solver.specs import Cluster, TrainingConfig
 from solver.units import format_bytes
 
 log = logging.getLogger(__name__)
+
+INCUMBENT_SHARE = 0.2
+"""At most this fraction of the time left goes to the timed quick methods of the incumbent pass
+(``solver.incumbents.QUICK_METHODS``), shared equally by the configs still to seed."""
 
 
 @dataclass(kw_only=True)
@@ -70,6 +76,9 @@ class ConfigEntry:
     start: list[int] | None = None
     """A split the solver starts from (interleaved configs: Megatron's even split of the
     virtual stages), or None."""
+    splits: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    """The baseline splits of the config's (virtual) stages by name (``baselines.BASELINES``):
+    candidates of the incumbent pass (``solver.incumbents``)."""
 
     @property
     def peak_lower_bound(self) -> int:
@@ -91,6 +100,19 @@ class SearchResult:
     solved: int
     pruned: int
     backend: str
+    incumbents: int = 0
+    """Configs the incumbent pass gave a feasible split (``solver.incumbents``)."""
+    closed_by_incumbent: int = 0
+    """Of those, configs whose quick split met their lower bound: optimal, no exact solve."""
+    incumbent_s: float = 0.0
+    """Wall time of the incumbent pass (s)."""
+    wall_s: float = 0.0
+    """Wall time of the whole search (s)."""
+    open_configs: int = 0
+    """Configs left open with a bound below the best value: why ``proven`` is False."""
+    time_limit_reached: bool = False
+    """The planning call's deadline passed during this search (else every open config stopped
+    at its share of the time, :meth:`_Search._solve_config`)."""
 
     @property
     def value(self) -> int | None:
@@ -134,6 +156,7 @@ def build_entries(
     """Every candidate config with its coefficients and bounds; NoSolutionError when the
     ``deadline`` passes first."""
     entries = []
+    splits_of = _BaselineSplits(graph)
     configs = candidate_configs(
         graph.num_layers, cluster, training, num_experts=num_routed_experts(graph)
     )
@@ -144,19 +167,41 @@ def build_entries(
                 f"{len(configs)}); raise --time-limit, or pin --pp/--tp/--dp"
             )
         if cluster.is_heterogeneous:
-            entries.append(_placed_entry(order, graph, config, cluster, training))
+            entry = _placed_entry(order, graph, config, cluster, training)
+            entry.splits = splits_of(entry.costs.num_stages)
+            entries.append(entry)
             continue
         costs = layer_costs(graph, config, cluster, training)
+        splits = splits_of(costs.num_stages)
         entries.append(
             ConfigEntry(
                 order=order,
                 costs=costs,
                 memory_bound=memory_lower_bound(costs),
                 time_bound=time_lower_bound(costs),
-                start=(even_split(graph, costs.num_stages) if config.virtual_stages > 1 else None),
+                start=splits["even"] if config.virtual_stages > 1 else None,
+                splits=splits,
             )
         )
     return entries
+
+
+class _BaselineSplits:
+    """``baselines.BASELINES`` of a graph by stage count, each computed once (many configs
+    share a pipeline depth)."""
+
+    def __init__(self, graph: LayerGraph) -> None:
+        self.graph = graph
+        self.cache: dict[int, dict[str, list[int]]] = {}
+
+    def __call__(self, num_stages: int) -> dict[str, list[int]]:
+        if num_stages not in self.cache:
+            self.cache[num_stages] = (
+                {name: split(self.graph, num_stages) for name, split in BASELINES.items()}
+                if num_stages <= self.graph.num_layers
+                else {}
+            )
+        return self.cache[num_stages]
 
 
 def _placed_entry(order, graph, config, cluster, training) -> ConfigEntry:
@@ -210,7 +255,11 @@ def search(
     limit applies to heterogeneous entries only). With ``retry_open`` the time left once every
     config was visited goes to the time-shared configs that did not close
     (:meth:`_Search.retry_open`): for the last search of a planning call, which may use the
-    whole deadline. ``progress`` hears of every config solved."""
+    whole deadline. ``progress`` hears of every config solved.
+
+    Before any exact solve every config that may hold the optimum gets an incumbent from quick
+    methods (:meth:`_Search.seed_incumbents`): the search returns the best of them when the time
+    runs out before an exact solve finds better."""
     state = _Search(
         entries,
         objective=objective,
@@ -222,10 +271,16 @@ def search(
         utilization_limit_ppm=utilization_limit_ppm,
         progress=progress,
     )
+    state.seed_incumbents()
     state.visit_in_bound_order()
     if retry_open:
         state.retry_open()
     return state.result()
+
+
+DP_BACKENDS = ("chain", "dag")
+"""Backends that solve a config exactly in milliseconds (the dynamic programs over a chain's
+intervals and a DAG's ideals): their configs skip the quick splits of the incumbent pass."""
 
 
 class _Search:
@@ -256,12 +311,20 @@ class _Search:
         self.chain = bool(entries) and entries[0].costs.is_chain()
         self.placed = bool(entries) and entries[0].placement is not None
         self.requested_backend = backend
+        # auto: the exact DP over ideals applies to this graph (config-independent)
+        self.dag_fits = (
+            bool(entries)
+            and backend == "auto"
+            and not (self.chain or self.placed)
+            and dag_fits_graph(entries[0].costs)
+        )
         self.backend = resolve_backend(
             backend,
             self.chain,
             heterogeneous=self.placed,
             selective=any(e.costs.selective for e in entries),
             interleaved=any(e.costs.config.virtual_stages > 1 for e in entries),
+            dag_fits=self.dag_fits,
         )
         self.viable = [e for e in entries if self._within_limits(e)]
         self.viable.sort(key=lambda e: (self.bound_of(e), e.order))
@@ -270,6 +333,12 @@ class _Search:
         self.results: dict[int, tuple[ConfigEntry, StageSolution]] = {}  # by entry order
         self.open_bounds: dict[int, int] = {}  # entry order -> lower bound of a config not proven
         self.shared: list[tuple[ConfigEntry, StageProblem]] = []  # solves given a share of time
+        self.closed: set[int] = set()  # entry orders whose incumbent meets their bound
+        self.visited: set[int] = set()  # entry orders solved exactly by the incumbent pass
+        self.incumbents = 0
+        self.incumbent_s = 0.0
+        self.started = time.perf_counter()
+        self.time_limit_reached = False
 
     def bound_of(self, entry: ConfigEntry) -> int:
         """The entry's lower bound on the objective searched."""
@@ -295,6 +364,7 @@ class _Search:
             heterogeneous=self.placed,
             selective=entry.costs.selective,
             interleaved=entry.costs.config.virtual_stages > 1,
+            dag_fits=self.dag_fits,
         )
 
     def incumbent(self) -> int | None:
@@ -336,16 +406,90 @@ class _Search:
         ):
             self.results[entry.order] = (entry, solution)
 
+    def seed_incumbents(self) -> None:
+        """Give every config that may hold the optimum (lowest bound first, until a bound
+        exceeds the best incumbent) and that CP-SAT or MILP would solve the best split of the
+        quick methods of ``solver.incumbents`` within the capacity and the iteration budget. A
+        config whose split meets its bound is closed (optimal) with no exact solve. The
+        baseline splits are always tried (a few cost-model evaluations per config, so a plan
+        exists even when the deadline has passed); the timed methods share
+        :data:`INCUMBENT_SHARE` of the time left. The configs of the dynamic programs
+        (:data:`DP_BACKENDS`) are exact in milliseconds and need no start: alone, they are
+        seeded only when the deadline cuts them off (:meth:`_seed_cut_off`); next to CP-SAT
+        configs (an interleaved search keeps the plain configs of a chain on the chain
+        algorithm) they are solved here, exactly, so that their optima prune the CP-SAT
+        configs and stand if those take all the time."""
+        started = time.perf_counter()
+        end = started + INCUMBENT_SHARE * self.deadline.remaining()
+        chain = {e.order for e in self.viable if self.backend_of(e) in DP_BACKENDS}
+        if len(chain) == len(self.viable):
+            return
+        to_seed, exact_s = len(self.viable) - len(chain), 0.0
+        for index, entry in enumerate(self.viable):
+            best_value = self.incumbent()
+            if best_value is not None and self.bound_of(entry) > best_value:
+                break
+            if entry.order in chain:
+                if not self.deadline.expired():
+                    solving = time.perf_counter()
+                    self._solve_config(entry, still_to_visit=len(self.viable) - index)
+                    self.visited.add(entry.order)
+                    self._report(len(self.visited))
+                    exact_s += time.perf_counter() - solving
+                continue
+            self._seed(entry, max(0.0, end - time.perf_counter()) / max(to_seed, 1))
+            to_seed -= 1
+        self.incumbent_s = time.perf_counter() - started - exact_s  # the quick splits only
+
+    def _seed(self, entry: ConfigEntry, time_limit_s: float) -> None:
+        """Record the entry's incumbent, if any quick split is allowed; close it when optimal."""
+        solution = incumbent(
+            self._problem(entry),
+            entry.splits,
+            bound=self.bound_of(entry),
+            time_limit_s=time_limit_s,
+        )
+        if solution is None:
+            return
+        self.incumbents += 1
+        previous = self.results.get(entry.order)
+        if previous is None or solution.objective < previous[1].objective:
+            self.results[entry.order] = (entry, solution)
+        if solution.status == OPTIMAL:
+            self.closed.add(entry.order)
+            self.open_bounds.pop(entry.order, None)
+
+    def _seed_cut_off(self) -> None:
+        """The deadline passed: the configs still open with no split (those the chain algorithm
+        did not reach) get the baseline splits, so that the best of them stands."""
+        started = time.perf_counter()
+        for entry in self.viable:
+            best_value = self.incumbent()
+            if best_value is not None and self.bound_of(entry) > best_value:
+                break
+            if entry.order in self.open_bounds and entry.order not in self.results:
+                self._seed(entry, 0.0)
+        self.incumbent_s += time.perf_counter() - started
+
     def visit_in_bound_order(self) -> None:
-        """Solve the configs lowest bound first until a bound exceeds the incumbent (the rest
-        are pruned) or the time runs out (the rest stay open at their bounds)."""
+        """Solve the configs lowest bound first, each from its incumbent, until a bound exceeds
+        the best value found (the rest are pruned) or the time runs out (the rest stay open at
+        their bounds, their incumbents standing). Configs closed by their incumbent need no
+        solve."""
         for index, entry in enumerate(self.viable):
             best_value = self.incumbent()
             if best_value is not None and self.bound_of(entry) > best_value:
                 self.pruned += len(self.viable) - index
                 return
+            if entry.order in self.closed or entry.order in self.visited:
+                continue
             if self.deadline.expired():
-                self.open_bounds.update((e.order, self.bound_of(e)) for e in self.viable[index:])
+                self.time_limit_reached = True
+                self.open_bounds.update(
+                    (e.order, self.bound_of(e))
+                    for e in self.viable[index:]
+                    if e.order not in self.closed and e.order not in self.visited
+                )
                 return
             self._solve_config(entry, still_to_visit=len(self.viable) - index)
             self._report(index + 1)
@@ -371,29 +515,43 @@ class _Search:
         if share:
             time_limit_s /= still_to_visit
         hint, hint_recomputed = self._start(entry, problem)
+        seeded = self.results.get(entry.order)
         solution = solve(
             problem,
             self.backend_of(entry),
             time_limit_s=max(time_limit_s, 0.01),
             hint=hint,
             hint_recomputed=hint_recomputed,
+            hint_groups=None if seeded is None else seeded[1].group_of_stage,
             num_workers=self.num_workers,
         )
         self.record(entry, solution)
+        self._note_deadline(entry, whole=not share or still_to_visit == 1)
         if share and entry.order in self.open_bounds:
             self.shared.append((entry, problem))
+
+    def _note_deadline(self, entry: ConfigEntry, *, whole: bool) -> None:
+        """A solve given the whole time left that did not close its config ran to the
+        deadline: the time limit was reached (a solve stopped at its share was not)."""
+        if whole and entry.order in self.open_bounds:
+            self.time_limit_reached = True
 
     def _start(
         self, entry: ConfigEntry, problem: StageProblem
     ) -> tuple[list[int] | None, list[bool] | None]:
         """The split (and recompute flags) a solve starts from, so that one stopped by its
-        time limit is never worse than it; (None, None) for none."""
+        time limit is never worse than it: the config's incumbent; without one (no quick split
+        is allowed) a known layout to repair, or (None, None)."""
+        seeded = self.results.get(entry.order)
+        if seeded is not None:
+            return seeded[1].stage_of_layer, seeded[1].recomputed
         if entry.costs.config.virtual_stages > 1:
             # Megatron's own layout (equal layers per virtual stage)
             return entry.start, None
         if problem.selective and self.chain and not self.placed:
             # the best all-off / all-on split (a placed problem builds its own start,
-            # solver.backends.placement_start)
+            # solver.backends.placement_start), with the time left: the incumbent pass tried
+            # it within its share of the time and found none allowed
             return uniform_recompute_hint(problem, self.deadline)
         return None, None
 
@@ -432,11 +590,14 @@ class _Search:
             num_workers=self.num_workers,
         )
         self.record(entry, solution, retry=True)
+        self._note_deadline(entry, whole=still_to_retry == 1)
 
     def result(self) -> SearchResult:
         """The best config, ties in visit order, and the proven bound: a config still open
         whose bound is at least the incumbent cannot beat it, so the optimum is proven when no
         other config is open."""
+        if self.deadline.expired():
+            self._seed_cut_off()
         best_value = self.incumbent()
         still_open = [b for b in self.open_bounds.values() if best_value is None or b < best_value]
         ties = [
@@ -445,6 +606,8 @@ class _Search:
             if e.order in self.results and self.results[e.order][1].objective == best_value
         ]
         bounds = [*([] if best_value is None else [best_value]), *self.open_bounds.values()]
+        if still_open and self.deadline.expired():
+            self.time_limit_reached = True
         return SearchResult(
             entry=ties[0][0] if ties else None,
             solution=ties[0][1] if ties else None,
@@ -454,6 +617,12 @@ class _Search:
             solved=self.solved,
             pruned=self.pruned,
             backend=self.backend,
+            incumbents=self.incumbents,
+            closed_by_incumbent=len(self.closed),
+            incumbent_s=self.incumbent_s,
+            wall_s=time.perf_counter() - self.started,
+            open_configs=len(still_open),
+            time_limit_reached=self.time_limit_reached,
         )
 
 

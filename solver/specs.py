@@ -595,6 +595,31 @@ class ParallelConfig:
 
 
 @dataclass(kw_only=True)
+class SearchStatus:
+    """One search over the configs of a planning call (``solver.search.search``)."""
+
+    name: str
+    """"fastest plan" (objective time) or "smallest peak" (objective memory)."""
+    role: str
+    """What it was for: "answer" (the plan's objective) or "max-slowdown budget" (the fastest
+    plan that sets the iteration budget of the smallest-peak search)."""
+    wall_s: float
+    """Wall time of the search, incumbent pass included (s)."""
+    incumbent_s: float
+    """Wall time of its incumbent pass (quick splits of every config, s)."""
+    proven: bool
+    """Every config solved to optimality, closed by its quick split, or pruned by bounds."""
+    time_limit_reached: bool
+    """The planning call's time limit passed during this search."""
+    configs_open: int = 0
+    """Configs left open with a lower bound below the best value found (why not proven)."""
+    configs_with_incumbent: int = 0
+    """Configs the incumbent pass gave a feasible quick split."""
+    configs_closed_by_incumbent: int = 0
+    """Configs whose quick split met their lower bound (optimal without an exact solve)."""
+
+
+@dataclass(kw_only=True)
 class SolverReport:
     """How a plan was found: backend, status, objective and proven bound, wall time."""
 
@@ -608,6 +633,10 @@ class SolverReport:
     configs_solved: int = 0
     configs_pruned: int = 0
     notes: list[str] = field(default_factory=list)
+    time_limit_reached: bool = False
+    """The time limit passed before planning ended (a search or the tie-break was cut)."""
+    searches: list[SearchStatus] = field(default_factory=list)
+    """Each search that ran, in order, with its time and proof status."""
 
     @property
     def gap(self) -> float:

@@ -1,11 +1,12 @@
-"""One entry point for the per-config solvers: chain algorithm, CP-SAT, MILP."""
+"""One entry point for the per-config solvers: chain algorithm, DAG dynamic program, CP-SAT,
+MILP."""
 
 from __future__ import annotations
 
 from solver.backends.problem import StageProblem, StageSolution
 from solver.errors import InputError
 
-BACKENDS = ("auto", "cpsat", "milp", "chain")
+BACKENDS = ("auto", "cpsat", "milp", "chain", "dag")
 
 
 def resolve_backend(
@@ -15,8 +16,11 @@ def resolve_backend(
     heterogeneous: bool = False,
     selective: bool = False,
     interleaved: bool = False,
+    dag_fits: bool = False,
 ) -> str:
-    """'auto' is the exact chain algorithm on chain graphs and CP-SAT on DAGs. It is CP-SAT on a
+    """'auto' is the exact chain algorithm on chain graphs, the exact DP over ideals
+    (``backends.dag``) on DAGs whose ideals are within its caps (``dag_fits``:
+    ``backends.dag.dag_fits_graph`` of the graph's coefficients), else CP-SAT. It is CP-SAT on a
     heterogeneous cluster too (stages also choose a node group,
     ``solver.backends.formulation``: the chain
     algorithm has a single capacity and one time per layer), and whenever the recomputed layers
@@ -26,9 +30,16 @@ def resolve_backend(
     algorithm's contiguous-stage recursion does not describe."""
     if backend not in BACKENDS:
         raise InputError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    plain = not (heterogeneous or selective or interleaved)
     if backend == "auto":
-        chain = graph_is_chain and not (heterogeneous or selective or interleaved)
-        return "chain" if chain else "cpsat"
+        if plain and graph_is_chain:
+            return "chain"
+        return "dag" if plain and dag_fits else "cpsat"
+    if backend == "dag":
+        from solver.backends.dag import check_plain
+
+        check_plain(heterogeneous=heterogeneous, selective=selective, interleaved=interleaved)
+        return backend
     if backend == "chain" and heterogeneous:
         raise InputError(
             "--backend chain does not place stages on node groups; on a heterogeneous cluster "
@@ -69,6 +80,10 @@ def solve(
         from solver.backends.chain import solve_chain
 
         return solve_chain(problem, time_limit_s=time_limit_s)
+    if backend == "dag":
+        from solver.backends.dag import solve_dag
+
+        return solve_dag(problem, time_limit_s=time_limit_s)
     if backend == "cpsat":
         from solver.backends.cpsat import solve_cpsat
 

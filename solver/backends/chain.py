@@ -279,6 +279,16 @@ class _Chain:
         sync = self.sync_prefix[ends + 1] - self.sync_prefix[starts]
         return int(peak.max()), int(busy.max()), int(sync.max())
 
+    def stage_of_layer(self, starts: np.ndarray) -> list[int]:
+        """The stage of each layer of a split given by its stage starts."""
+        lengths = np.diff(np.append(starts, self.num_layers))
+        return np.repeat(np.arange(self.num_stages), lengths).tolist()
+
+    @property
+    def total_sync_ns(self) -> int:
+        """Sum of dp_sync_ns over every layer (the largest any stage can have), ns."""
+        return int(self.sync_prefix[-1])
+
     def interval_sum_at_most(self, value: int) -> int:
         """Largest sum of dp_sync_ns over a non-empty interval that is <= value (or -1)."""
         starts = np.arange(self.num_layers)
@@ -551,7 +561,13 @@ class _Chain:
 
 
 class _Search:
-    """The outer search for one problem: incumbent, proven lower bound, branch and bound."""
+    """The outer search for one problem: incumbent, proven lower bound, branch and bound.
+
+    Generic over its splitter (``chain``): ``_Chain`` here, ``backends.dag._DagSplitter`` on
+    DAGs. A splitter offers ``measure(split)``, ``minimise(limits, ...)``,
+    ``relaxed_minimum``, ``interval_sum_at_least/at_most``, ``pipeline_factor``,
+    ``total_sync_ns``, ``check_time`` and ``stage_of_layer(split)``; a split is whatever its
+    ``minimise`` returns (stage starts for the chain)."""
 
     def __init__(self, problem: StageProblem, chain: _Chain) -> None:
         self.problem = problem
@@ -640,7 +656,7 @@ class _Search:
         factor, cap = chain.pipeline_factor, problem.capacity_bytes
         budget = INF if problem.iteration_budget_ns is None else problem.iteration_budget_ns
         alpha_min, busy_min = self._alpha_bounds()
-        root = self._alpha_range(alpha_min, int(chain.sync_prefix[-1]))
+        root = self._alpha_range(alpha_min, chain.total_sync_ns)
         heap = [] if root is None else [(factor * busy_min + root[0], *root)]
         for bound, low, high in _best_first(heap, self):
             allowed = budget if self.best_value is None else min(budget, self.best_value - 1)
@@ -684,8 +700,7 @@ class _Search:
                 wall_s=wall_s,
                 backend=BACKEND,
             )
-        lengths = np.diff(np.append(self.best_starts, problem.num_layers))
-        stage_of_layer = np.repeat(np.arange(problem.num_stages), lengths).tolist()
+        stage_of_layer = self.chain.stage_of_layer(self.best_starts)
         objective = problem.objective_value(stage_of_layer)
         assert objective == self.best_value, (objective, self.best_value)
         status = FEASIBLE if timed_out else OPTIMAL

@@ -672,9 +672,10 @@ def add_plan_options(parser: argparse.ArgumentParser, *, cpsat_workers: bool = T
     solver = parser.add_argument_group("solver")
     solver.add_argument(
         "--backend",
-        choices=["auto", "cpsat", "milp", "chain"],
+        choices=["auto", "cpsat", "milp", "chain", "dag"],
         default="auto",
-        help="auto: exact chain algorithm on chains, CP-SAT on DAGs",
+        help="auto: exact chain algorithm on chains, exact DP over ideals on DAGs (dag), "
+        "CP-SAT on DAGs too wide for it and on interleaved, selective or heterogeneous plans",
     )
     solver.add_argument(
         "--time-limit",

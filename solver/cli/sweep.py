@@ -2,6 +2,7 @@
 
     python -m solver.sweep GRAPH.json --gpus 64,128,256 --gpu-memory 40GiB,80GiB \\
         --global-batch 1536 --out sweep.csv [--plot sweep.png] [--workers N]
+        [--executor ray [--ray-address HOST:PORT|auto]]
     python -m solver.sweep GRAPH.json --find min-gpus --gpus auto --gpu-memory 80GiB ...
     python -m solver.sweep --find max-scale --model gpt3-175b --scale layers --gpus 64 ...
 
@@ -24,6 +25,7 @@ from solver.cli.terminal import interrupted
 from solver.errors import InputError, PlannerError
 from solver.graph import load_graph
 from solver.sweep import (
+    EXECUTORS,
     SCALES,
     CsvRows,
     max_scale,
@@ -84,7 +86,23 @@ def sweep_parser() -> argparse.ArgumentParser:
         help="--find max-scale: sizes to search (default: 1 step .. 16x the preset's)",
     )
     study.add_argument(
-        "--workers", type=common.positive_int, help="processes (default: every core; 1: in-process)"
+        "--workers",
+        type=common.positive_int,
+        help="processes (default: every core; 1: in-process); --executor ray: the local Ray "
+        "instance's CPUs",
+    )
+    study.add_argument(
+        "--executor",
+        choices=list(EXECUTORS),
+        default="local",
+        help="sweep: where the points run: local worker processes (default), or one Ray task "
+        "per point (needs the ray extra: pip install -e '.[ray]')",
+    )
+    study.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="--executor ray: the cluster to run on, HOST:PORT of its head node or auto (the one "
+        "started on this machine with 'ray start --head'); default: start a local instance",
     )
     output = parser.add_argument_group("output")
     output.add_argument("--out", metavar="CSV", help="sweep: write one row per point")
@@ -122,6 +140,8 @@ def sweep_main(argv: list[str] | None = None) -> int:
             on_row=None if writer is None else writer.append,
             backend=args.backend,
             time_limit_s=args.time_limit,
+            executor=args.executor,
+            ray_address=args.ray_address,
         )
         if writer is not None:
             writer.finish(rows)
@@ -166,6 +186,19 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InputError("--json goes with --find; a sweep writes --out CSV")
     if args.find == "max-scale" and len(args.gpus) != 1:
         raise InputError("--find max-scale: give one GPU count (--gpus N)")
+    if args.executor == "ray":
+        if args.find is not None:
+            raise InputError(
+                f"--executor ray runs sweeps; --find {args.find} solves on local workers "
+                "(leave out --executor)"
+            )
+        from solver.sweep.ray_executor import check_address, import_ray
+
+        import_ray()
+        if args.ray_address is not None:
+            check_address(args.ray_address)
+    elif args.ray_address is not None:
+        raise InputError("--ray-address goes with --executor ray")
     common.check_outputs(args)  # --json, --out, --plot: before any graph is read or solved
 
 
@@ -307,7 +340,7 @@ def format_rows(rows: list[dict]) -> str:
             number(row["throughput"], ".4g"),
             size(row["even_peak_bytes"]),
             size(row["parameters_peak_bytes"]),
-            number(row["wall_s"], ".2f") + " s",
+            "-" if row["wall_s"] is None else f"{row['wall_s']:.2f} s",
         ]
         for row in rows
     ]

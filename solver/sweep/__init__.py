@@ -23,11 +23,13 @@ What is reused across points, and what is not:
   too. Building a count's configs and bounds again is about 5% of a point (GPT-3 175B: 10-40 ms
   of 0.1-1 s), not worth a cache that would bypass ``plan()``.
 
-``python -m solver.sweep``: solver/cli/sweep.py. Modules: ``runner`` (the points), ``rows`` (CSV),
-``studies`` (smallest cluster, largest model)."""
+``python -m solver.sweep``: solver/cli/sweep.py. Modules: ``point`` (one point's row),
+``runner`` (the points, on local worker processes), ``ray_executor`` (the points as Ray tasks:
+``sweep(..., executor="ray")``, the optional ``[ray]`` extra, imported only then), ``rows``
+(CSV), ``studies`` (smallest cluster, largest model)."""
 
 from solver.sweep.rows import ROW_KEYS, STATUSES, CsvRows, check_output_path, fits, read_rows
-from solver.sweep.runner import PointOptions, solve_point, sweep, sweep_points
+from solver.sweep.runner import EXECUTORS, PointOptions, solve_point, sweep, sweep_points
 from solver.sweep.studies import (
     SCALES,
     MaxScaleResult,
@@ -38,6 +40,7 @@ from solver.sweep.studies import (
 )
 
 __all__ = [
+    "EXECUTORS",
     "ROW_KEYS",
     "SCALES",
     "STATUSES",

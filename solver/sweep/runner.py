@@ -1,5 +1,6 @@
 """Solve a grid of (gpus, gpu_memory) points, one :func:`solver.plan` call each, on worker
-processes: :func:`sweep`, and :func:`solve_point` for one point's row."""
+processes or as Ray tasks: :func:`sweep`; a point's row is :func:`solver.sweep.point.solve_point`
+(also importable from here)."""
 
 from __future__ import annotations
 
@@ -8,86 +9,22 @@ import logging
 import os
 import signal
 import sys
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import dataclass
-from typing import Any
 
 from solver.candidates import candidate_configs
-from solver.errors import InfeasibleError, InputError, NoSolutionError
+from solver.errors import InputError
 from solver.graph import LayerGraph
 from solver.moe import num_routed_experts
-from solver.planner import Plan, plan
-from solver.report import finite_or_none
 from solver.specs import Cluster, TrainingConfig
-from solver.sweep.rows import ROW_KEYS
+from solver.sweep.point import PointOptions, solve_point
 from solver.workers import exit_with_parent, stop_pool
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(kw_only=True, frozen=True)
-class PointOptions:
-    """What every point of a study shares (sent once to each worker)."""
-
-    graph: LayerGraph
-    training: TrainingConfig
-    cluster: Cluster
-    """Template: every field but num_gpus and gpu_memory_bytes applies to every point."""
-    backend: str = "auto"
-    time_limit_s: float | None = 60.0
-
-
-def solve_point(
-    options: PointOptions, gpus: int, gpu_memory_bytes: int
-) -> tuple[dict, Plan | None]:
-    """The row of one point, and its plan when one was found."""
-    started = time.perf_counter()
-    row: dict[str, Any] = dict.fromkeys(ROW_KEYS)
-    row |= {"gpus": gpus, "gpu_memory_bytes": gpu_memory_bytes, "config": "", "detail": ""}
-    reserved = options.training.memory_reserve.bytes_for(gpu_memory_bytes)
-    row |= {"reserve_bytes": reserved, "usable_bytes": gpu_memory_bytes - reserved}
-    result = None
-    try:
-        cluster = dataclasses.replace(
-            options.cluster, num_gpus=gpus, gpu_memory_bytes=gpu_memory_bytes
-        )
-        result = plan(
-            options.graph,
-            cluster,
-            options.training,
-            backend=options.backend,
-            time_limit_s=options.time_limit_s,
-            suggest_gpus=False,  # a study searches the counts itself
-        )
-    except InfeasibleError as error:
-        row |= {"status": "INFEASIBLE", "fits": False, "peak_bytes": error.best_peak_bytes}
-        row["detail"] = _one_line(error)
-    except NoSolutionError as error:
-        row |= {"status": "NO_SOLUTION", "detail": _one_line(error)}
-    except InputError as error:
-        row |= {"status": "ERROR", "detail": _one_line(error)}
-    else:
-        config = result.config
-        row |= {
-            "status": result.solver.status,
-            "config": config.label(),
-            **{k: getattr(config, k) for k in ("pp", "tp", "cp", "dp", "micro_batch")},
-            "num_microbatches": config.num_microbatches,
-            "zero": config.zero,
-            "recompute": config.recompute,
-            "peak_bytes": result.peak_bytes,
-            "throughput": finite_or_none(result.throughput),
-            "gap": result.solver.gap,
-            "fits": result.evaluation.fits,
-            "ep": config.ep,
-        }
-        for name, baseline in result.baselines.items():
-            row[f"{name}_peak_bytes"] = baseline.peak_bytes
-            row[f"{name}_throughput"] = finite_or_none(baseline.throughput)
-    row["wall_s"] = time.perf_counter() - started
-    return row, result
+EXECUTORS = ("local", "ray")
+"""Where a sweep's points run: ``local`` worker processes, or ``ray`` tasks (``[ray]`` extra)."""
 
 
 def sweep(
@@ -102,6 +39,8 @@ def sweep(
     on_row: Callable[[dict], None] | None = None,
     backend: str = "auto",
     time_limit_s: float | None = 60.0,
+    executor: str = "local",
+    ray_address: str | None = None,
 ) -> list[dict]:
     """One row per (gpus, gpu_memory) point, in point order (GPU counts outer, memory inner).
 
@@ -110,7 +49,18 @@ def sweep(
     core; 1 runs them here, one by one); ``on_row(row)`` is called in this process as each row
     completes (completion order), so a caller can write rows as they come and keep them when
     interrupted. Duplicate points are solved once.
+
+    ``executor="ray"`` solves each point as one Ray task instead (``solver.sweep.ray_executor``):
+    on the Ray instance this process is already connected to, else on the cluster at
+    ``ray_address`` (``"auto"``: the one running on this machine), else on a local instance
+    started with ``workers`` CPUs (default: every core) and shut down at the end. The rows are
+    the same as the local executor's but for ``wall_s``; a task whose worker crashed or raised is
+    retried, and a point that fails for good is an ERROR row that says why.
     """
+    if executor not in EXECUTORS:
+        raise InputError(f"executor: unknown {executor!r}; use one of {', '.join(EXECUTORS)}")
+    if ray_address is not None and executor != "ray":
+        raise InputError("ray_address goes with executor='ray' (--ray-address: --executor ray)")
     points = sweep_points(gpus, gpu_memory)
     options = PointOptions(
         graph=graph,
@@ -130,7 +80,14 @@ def sweep(
             on_row(row)
 
     try:
-        _run(points, options, workers, done)
+        if executor == "ray":
+            from solver.sweep.ray_executor import run_on_ray  # imports ray: only when asked
+
+            run_on_ray(
+                _longest_first(points, options), options, done, address=ray_address, cpus=workers
+            )
+        else:
+            _run(points, options, workers, done)
     finally:
         if bar is not None:
             bar.close()
@@ -226,7 +183,3 @@ def progress_bar(total: int | None, *, desc: str = "sweep", unit: str = "point")
         file=sys.stderr,
         disable=not sys.stderr.isatty(),
     )
-
-
-def _one_line(error: Exception) -> str:
-    return " ".join(str(error).split())

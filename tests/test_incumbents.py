@@ -1,0 +1,263 @@
+"""Incumbents and honest status (issue 17, points 1 and 3): every config gets a valid quick split
+before any exact solve, a search cut by its time limit still returns a plan, exit 4 only when no
+quick split fits in time, and the notes say which search was not proven and why."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from solver import Cluster, TrainingConfig
+from solver.backends.brute_force import solve_brute_force
+from solver.backends.problem import (
+    FEASIBLE,
+    OBJECTIVE_MEMORY,
+    OBJECTIVE_TIME,
+    OPTIMAL,
+    StageProblem,
+)
+from solver.cost_model import iteration_time_ns, stage_costs
+from solver.errors import NoSolutionError
+from solver.incumbents import QUICK_METHODS, QuickMethod, incumbent, one_chunk_per_rank
+from solver.planner import _PlanningCall, _solver_report, plan
+from solver.search import Deadline, build_entries, search
+from tests.random_graphs import random_chain, random_dag
+
+CLUSTER = Cluster(num_gpus=8, gpus_per_node=2)
+
+
+def _entries(graph, **training_options):
+    options = {"global_batch": 16, "max_slowdown": None} | training_options
+    return build_entries(graph, CLUSTER, TrainingConfig(**options))
+
+
+def _cost_model_value(problem: StageProblem, solution) -> int:
+    """The objective of a solution recomputed from ``cost_model.stage_costs`` directly."""
+    flags = solution.recomputed if problem.selective else None
+    stages = stage_costs(problem.costs, solution.stage_of_layer, flags)
+    if problem.objective == OBJECTIVE_MEMORY:
+        return max(stage.peak_bytes for stage in stages)
+    return iteration_time_ns(problem.costs, stages)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("objective", [OBJECTIVE_MEMORY, OBJECTIVE_TIME])
+def test_every_config_gets_a_valid_quick_split_equal_to_the_cost_model(seed, objective):
+    """DAGs, interleaved and selective configs: a split every config accepts, its objective
+    recomputed by the cost model, no better than the brute-force optimum, no worse than the
+    even split, OPTIMAL exactly when it meets the config's bound."""
+    rng = random.Random(1700 + seed)
+    graph = (random_dag if seed % 2 else random_chain)(rng, 7)
+    options = [{}, {"virtual_stages": (1, 2)}, {"recompute": "selective"}][seed % 3]
+    entries = _entries(graph, **options)
+    assert entries
+    for entry in entries:
+        problem = StageProblem(costs=entry.costs, objective=objective)
+        bound = entry.memory_bound if objective == OBJECTIVE_MEMORY else entry.time_bound
+        solution = incumbent(problem, entry.splits, bound=bound, time_limit_s=5.0)
+        assert solution is not None, entry.costs.config.label()
+        assert problem.violation(solution.stage_of_layer, solution.recomputed) is None
+        assert solution.objective == _cost_model_value(problem, solution)
+        even = problem.objective_value(entry.splits["even"])
+        assert solution.objective <= even
+        assert solution.bound == min(bound, solution.objective)
+        assert (solution.status == OPTIMAL) == (solution.objective <= bound)
+        if problem.num_layers <= 7 and not problem.selective:
+            assert solve_brute_force(problem).objective <= solution.objective
+
+
+def test_quick_splits_respect_capacity_and_budget():
+    """A split over the capacity or the iteration budget is no incumbent: with the capacity at
+    the optimum (below the even split) only a split at the optimum may be returned."""
+    rng = random.Random(17)
+    graph = random_dag(rng, 8)
+    for entry in _entries(graph, pp=4):
+        loose = StageProblem(costs=entry.costs)
+        optimum = solve_brute_force(loose).objective
+        even = loose.objective_value(entry.splits["even"])
+        tight = dataclasses.replace(loose, capacity_bytes=optimum)
+        found = incumbent(tight, entry.splits, bound=entry.memory_bound, time_limit_s=1.0)
+        assert found is None or found.objective == optimum
+        if even > optimum and loose.objective_value(entry.splits["parameters"]) > optimum:
+            assert found is None
+        iteration = loose.measure(entry.splits["even"])[1]
+        timed = dataclasses.replace(loose, iteration_budget_ns=iteration - 1)
+        found = incumbent(timed, entry.splits, bound=entry.memory_bound, time_limit_s=1.0)
+        assert found is None or timed.violation(found.stage_of_layer) is None
+
+
+def test_selective_chain_tries_the_uniform_recompute_optima():
+    """The quick method for selective chains is the better of the exact chain optima with no
+    layer and with every layer recomputed: never worse than either baseline split."""
+    assert "uniform-recompute" in [method.name for method in QUICK_METHODS]
+    graph = random_chain(random.Random(5), 8)
+    for entry in _entries(graph, recompute="selective", pp=4):
+        problem = StageProblem(costs=entry.costs)
+        with_methods = incumbent(problem, entry.splits, bound=entry.memory_bound, time_limit_s=5.0)
+        splits_only = incumbent(
+            problem, entry.splits, bound=entry.memory_bound, time_limit_s=5.0, methods=[]
+        )
+        assert with_methods.objective <= splits_only.objective
+
+
+def _expire_after_bounding(monkeypatch):
+    """The planning call's deadline passes as soon as every config is bounded: no exact solve
+    gets any time (what a large DAG at a short --time-limit meets)."""
+    import solver.planner
+
+    real = solver.planner.build_entries
+
+    def bound_then_expire(graph, cluster, training, *, deadline):
+        entries = real(graph, cluster, training, deadline=deadline)
+        deadline.end = 0.0
+        return entries
+
+    monkeypatch.setattr(solver.planner, "build_entries", bound_then_expire)
+
+
+def test_a_search_cut_before_any_solve_returns_its_best_quick_split():
+    graph = random_dag(random.Random(3), 6)
+    entries = _entries(graph)
+    result = search(
+        entries,
+        objective=OBJECTIVE_MEMORY,
+        capacity_bytes=None,
+        iteration_budget_ns=None,
+        backend="cpsat",
+        deadline=Deadline(end=0.0),
+    )
+    assert result.entry is not None and result.solved == 0
+    assert result.incumbents >= 1 and result.time_limit_reached
+    assert not result.proven or result.open_configs == 0
+    problem = StageProblem(costs=result.entry.costs)
+    assert result.value == _cost_model_value(problem, result.solution)
+    assert result.bound <= result.value
+    full = search(
+        entries,
+        objective=OBJECTIVE_MEMORY,
+        capacity_bytes=None,
+        iteration_budget_ns=None,
+        backend="cpsat",
+        deadline=Deadline.after(30),
+    )
+    assert full.proven and result.bound <= full.value <= result.value
+    assert full.incumbent_s < full.wall_s
+
+
+def test_plan_cut_by_the_time_limit_is_a_feasible_plan_with_honest_notes(monkeypatch):
+    """Before issue 17 this raised NoSolutionError (exit 4): no exact solve had time."""
+    from solver.report import plan_to_dict
+
+    _expire_after_bounding(monkeypatch)
+    graph = random_dag(random.Random(4), 8)
+    result = plan(graph, CLUSTER, TrainingConfig(global_batch=16), backend="cpsat")
+    report = result.solver
+    assert report.status == FEASIBLE and report.time_limit_reached
+    assert report.notes[0].startswith("time limit reached: best plan found, not proven optimal")
+    assert [s.name for s in report.searches] == ["fastest plan", "smallest peak"]
+    assert [s.role for s in report.searches] == ["max-slowdown budget", "answer"]
+    assert all(s.configs_with_incumbent for s in report.searches)
+    answer = report.searches[-1]
+    assert answer.time_limit_reached and not answer.proven and answer.configs_open
+    assert any("quick" in note for note in report.notes)
+    assert report.bound <= result.peak_bytes == report.objective
+    document = plan_to_dict(result)["solver"]
+    assert document["time_limit_reached"] and len(document["searches"]) == 2
+
+
+def test_exit_4_only_when_no_quick_split_fits_in_time(monkeypatch):
+    """The capacity is the optimum and every baseline split needs more: with no time for an
+    exact solve nothing is found (exit 4); with time, the optimum is proven."""
+    graph = random_chain(random.Random(6), 8)
+    pinned = {"global_batch": 16, "pp": 4, "tp": 1, "max_slowdown": None}
+    entries = _entries(graph, **pinned)
+    optimum = min(solve_brute_force(StageProblem(costs=e.costs)).objective for e in entries)
+    quick = min(
+        StageProblem(costs=e.costs).objective_value(split)
+        for e in entries
+        for split in e.splits.values()
+    )
+    assert quick > optimum  # the baseline splits all break the capacity below
+    cluster = dataclasses.replace(CLUSTER, gpu_memory_bytes=optimum)  # the API keeps no reserve
+    proven = plan(graph, cluster, TrainingConfig(**pinned), time_limit_s=30)
+    assert proven.solver.status == OPTIMAL and proven.peak_bytes == optimum
+    _expire_after_bounding(monkeypatch)
+    with pytest.raises(NoSolutionError, match="no quick split of any config fits") as caught:
+        plan(graph, cluster, TrainingConfig(**pinned))
+    assert caught.value.exit_code == 4
+
+
+def test_a_proven_plan_has_no_notes_and_every_search_proven():
+    graph = random_chain(random.Random(1), 8)
+    result = plan(graph, CLUSTER, TrainingConfig(global_batch=16), time_limit_s=30)
+    report = result.solver
+    assert report.status == OPTIMAL and report.notes == [] and not report.time_limit_reached
+    assert [s.proven for s in report.searches] == [True, True]
+    assert all(not s.time_limit_reached and s.configs_open == 0 for s in report.searches)
+
+
+def test_unproven_fastest_plan_search_is_named_with_a_zero_gap():
+    """The smallest-peak search is proven (0% gap) but the fastest-plan search behind the
+    --max-slowdown budget left configs open at their share of the time limit, which was not
+    reached: the plan is FEASIBLE, the note names that search and does not claim the time
+    limit."""
+    graph = random_dag(random.Random(2), 8)
+    training = TrainingConfig(global_batch=16)
+    entries = build_entries(graph, CLUSTER, training)
+    common = {"capacity_bytes": None, "backend": "cpsat", "deadline": Deadline.after(30)}
+    fastest = search(entries, objective=OBJECTIVE_TIME, iteration_budget_ns=None, **common)
+    budget = int(1.25 * fastest.value)
+    smallest = search(entries, objective=OBJECTIVE_MEMORY, iteration_budget_ns=budget, **common)
+    assert fastest.proven and smallest.proven
+    # the fastest-plan search as a share-limited interleaved search ends: two configs open
+    unproven = dataclasses.replace(fastest, proven=False, open_configs=2)
+    call = _PlanningCall(
+        graph=graph,
+        cluster=CLUSTER,
+        training=training,
+        entries=entries,
+        backend="cpsat",
+        deadline=Deadline.after(30),
+        num_workers=1,
+        time_limit_s=60.0,
+        searches=[(OBJECTIVE_TIME, unproven), (OBJECTIVE_MEMORY, smallest)],
+    )
+    report = _solver_report(
+        smallest, proven=False, configs_total=len(entries), started=0, call=call
+    )
+    assert report.status == FEASIBLE and report.gap == 0.0 and not report.time_limit_reached
+    (note,) = report.notes
+    assert note.startswith("the fastest plan search behind the --max-slowdown budget (1.25 x")
+    assert "left 2 configs open (each stopped at its share of the time limit (60 s)" in note
+    assert "which was not reached" in note and "budget itself is not proven" in note
+    assert not note.startswith("time limit reached")
+
+
+def test_a_plugged_quick_method_is_used_and_checked():
+    """A method of the list (here the brute force, exact on small graphs) lifts the incumbent
+    to the optimum where the baseline splits miss it; a method whose split breaks the capacity
+    is ignored."""
+    graph = random_dag(random.Random(6), 8)  # its even and parameter splits miss the optimum
+    (entry,) = _entries(graph, pp=4, tp=1, micro_batch_sizes=(1,))
+    problem = StageProblem(costs=entry.costs)
+    best = solve_brute_force(problem)
+    assert min(problem.objective_value(split) for split in entry.splits.values()) > best.objective
+    exact = QuickMethod(
+        name="exact",
+        split=lambda problem, *, time_limit_s: solve_brute_force(problem),
+        applies=one_chunk_per_rank,
+    )
+    found = incumbent(
+        problem, entry.splits, bound=entry.memory_bound, time_limit_s=5, methods=[exact]
+    )
+    assert found.backend == "exact" and found.objective == best.objective
+    even = dataclasses.replace(best, stage_of_layer=entry.splits["even"])
+    over = QuickMethod(name="over", split=lambda problem, *, time_limit_s: even)
+    tight = dataclasses.replace(problem, capacity_bytes=best.objective)
+    assert incumbent(tight, {}, bound=entry.memory_bound, time_limit_s=5, methods=[over]) is None
+    loose = incumbent(problem, {}, bound=entry.memory_bound, time_limit_s=5, methods=[over])
+    assert loose.backend == "over" and loose.objective == problem.objective_value(
+        even.stage_of_layer
+    )
