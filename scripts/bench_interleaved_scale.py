@@ -22,6 +22,7 @@ import csv
 import json
 import os
 import platform
+import re
 import resource
 import shlex
 import subprocess
@@ -132,23 +133,22 @@ def headline_rows(csv_path: Path | None = None) -> list[dict]:
         rows = [row for row in csv.DictReader(handle) if row["code"] == "after"]
     kind, gpus, flags = HEADLINE
     head = next(r for r in rows if (r["graph"], int(r["gpus"]), r["flags"]) == (kind, gpus, flags))
-    pinned = [r for r in rows if r["flags"].startswith("--pp 16 --virtual-stages")]
-    slowest = max(pinned, key=lambda r: float(r["wall s"]))
+    pinned = [
+        r
+        for r in rows
+        if r["graph"] == "zoo" and re.fullmatch(r"--pp 16 --virtual-stages \d", r["flags"])
+    ]
+    slowest = max(pinned, key=lambda r: float(r["cpu s"]))
+    proven = sum(r["status"] == "OPTIMAL" for r in pinned)
     return [
         {
             "point": "5. interleaved at scale (GPT-3 175B, pp 16, v 2-4)",
             "command": command(kind, gpus, flags, "gpt3.json")
             + "  (scripts/bench_interleaved_scale.py)",
             "result": (
-                f"{head['status']}, gap {head['gap %']}%, {head['wall s']} s wall; pp 16 with "
-                f"v 2, 3, 4 on 128 and 256 GPUs: all {len(pinned)} "
-                + (
-                    "OPTIMAL"
-                    if all(r["status"] == "OPTIMAL" for r in pinned)
-                    else "not all OPTIMAL"
-                )
-                + f", slowest {slowest['wall s']} s ({slowest['gpus']} GPUs "
-                + f"{slowest['flags']})"
+                f"{head['status']}, gap {head['gap %']}%, {head['cpu s']} s CPU "
+                f"({head['wall s']} s wall, shared machine); pp 16 with v 2, 3, 4 on 128 and "
+                f"256 GPUs: {proven} of {len(pinned)} OPTIMAL, at most {slowest['cpu s']} s CPU"
             ),
         }
     ]
