@@ -31,6 +31,7 @@ from solver.baselines import even_split
 from solver.cost_model import layer_costs
 from solver.graph import graph_from_dict, load_graph
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
+from tests.conftest import slow_params
 from tests.random_graphs import random_chain, random_layer
 
 BACKENDS = {"cpsat": solve_cpsat, "milp": solve_milp}
@@ -81,12 +82,29 @@ def _every_split(num_layers: int, num_stages: int):
         yield np.repeat(np.arange(num_stages), sizes).tolist()
 
 
+_MEASURED: dict[int, tuple[object, list[tuple[int, int]]]] = {}
+
+
+def _measures(costs) -> list[tuple[int, int]]:
+    """(largest peak, iteration ns) of every split of the config, from the cost model (kept
+    per costs object, which the cache holds so that its id is not reused: every problem of a
+    test shares them)."""
+    cached = _MEASURED.get(id(costs))
+    if cached is None or cached[0] is not costs:
+        free = StageProblem(costs=costs)
+        splits = _every_split(costs.num_layers, costs.num_stages)
+        cached = _MEASURED[id(costs)] = (costs, [free.measure(split) for split in splits])
+    return cached[1]
+
+
 def _oracle(problem: StageProblem) -> int | None:
-    """The optimum by enumeration, None when no split is within the limits."""
+    """The optimum by enumeration, None when no split is within the limits (every split of
+    ``_every_split`` is in order and has no empty stage: only the limits can rule it out)."""
+    capacity, budget = problem.capacity_bytes, problem.iteration_budget_ns
     values = [
-        problem.objective_value(split)
-        for split in _every_split(problem.num_layers, problem.num_stages)
-        if problem.violation(split) is None
+        peak if problem.objective == OBJECTIVE_MEMORY else iteration
+        for peak, iteration in _measures(problem.costs)
+        if (capacity is None or peak <= capacity) and (budget is None or iteration <= budget)
     ]
     return min(values, default=None)
 
@@ -95,10 +113,7 @@ def _limited(costs, seed: int) -> list[StageProblem]:
     """Memory and time objectives, without limits and with a capacity and a budget between the
     extremes (some of them infeasible)."""
     free = StageProblem(costs=costs, objective=OBJECTIVE_MEMORY)
-    peaks, times = zip(
-        *(free.measure(split) for split in _every_split(costs.num_layers, costs.num_stages)),
-        strict=True,
-    )
+    peaks, times = zip(*_measures(costs), strict=True)
     rng = random.Random(seed)
     capacity = rng.randint(min(peaks), max(peaks))
     budget = rng.randint(min(times), max(times))
@@ -157,14 +172,14 @@ def test_alike_middle_layers_make_the_bound_the_optimum(seed):
             assert problem.objective_value(bound.split) == optimum
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", slow_params(range(8), 0, 1, 7))
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_solvers_with_the_relaxation_equal_brute_force(seed, backend):
     """Closed by the relaxation (alike layers) or cut and started by it (random layers): the
     answer is still the optimum, proven."""
     for uniform in (True, False):
         costs = _costs(seed, uniform=uniform)
-        for problem in _limited(costs, seed)[::2]:
+        for problem in _limited(costs, seed)[2:4]:  # budgeted memory, capacity-bound time
             optimum = _oracle(problem)
             solution = BACKENDS[backend](problem, time_limit_s=30, hint=None)
             if optimum is None:
