@@ -224,15 +224,13 @@ def in_flight_vectors(
     stage with g = p (Korthikanti et al. 2022, section 4.2.3), against p without interleaving.
     """
     moments = schedule_moments(num_microbatches, num_ranks, num_chunks, rank, group)
-    held = [n for n, _ in moments]
-
-    def dominated(vector: tuple[int, ...]) -> bool:
-        return any(
-            other != vector and all(a >= b for a, b in zip(other, vector, strict=True))
-            for other in held
-        )
-
-    return [vector for vector in held if not dominated(vector)]
+    held = [n for n, _ in moments]  # distinct vectors
+    # [i, j]: vector i >= vector j in every chunk (i != j: distinct, so then it dominates j)
+    counts = np.array(held, dtype=np.int64).reshape(len(held), num_chunks)
+    at_least = np.all(counts[:, None, :] >= counts[None, :, :], axis=2)
+    np.fill_diagonal(at_least, False)
+    dominated = at_least.any(axis=0)
+    return [vector for vector, drop in zip(held, dominated.tolist(), strict=True) if not drop]
 
 
 def schedule_moments(

@@ -65,7 +65,12 @@ rank r instead of per stage, one memory row per in-flight vector n of the rank
 
 Without interleaving each rank is one stage with one vector (k_s), Tc = T, and the rows are the
 ones above. The chain algorithm does not solve interleaved problems (a rank's chunks are not
-contiguous); CP-SAT and MILP do, and agree with brute force (tests/test_interleaved.py).
+contiguous); CP-SAT and MILP do, and agree with brute force (tests/test_interleaved.py). On an
+interleaved chain :meth:`PrefixFormulation.solve_problem` first runs the chunk-size relaxation
+(``solver.backends.interleaved``): INFEASIBLE when it has no split, OPTIMAL when its split meets
+its bound (alike middle layers: a transformer), else its bound raises the peak's lower bound (or
+cuts the iteration, ``_add_iteration_bound``) and its split is the start when better than the
+hint (tests/test_interleaved_fast.py).
 
 Selective recomputation (``costs.selective``): rc[l] in {0, 1} marks layer l recomputed, and
 z[l][s] = x[l][s] rc[l] (z <= x, z <= rc, z >= x + rc - 1: exact at integer x, rc, no big-M).
@@ -119,10 +124,13 @@ from typing import Any
 
 import numpy as np
 
+from solver.backends.interleaved import ChunkSizeBound, chunk_size_bound
 from solver.backends.presolve import Presolve, check_hint, keep_hint_if_better, make_solution
 from solver.backends.problem import (
+    INFEASIBLE,
     OBJECTIVE_MEMORY,
     OBJECTIVE_TIME,
+    OPTIMAL,
     UNKNOWN,
     UTILIZATION,
     StageProblem,
@@ -173,6 +181,11 @@ LOAD_SHARE = 0.1
 """A model is solved only with at least this fraction of its build time left: loading it alone
 takes about half of that (CP-SAT: 1.4 s for 1.2 million constraints built in 29 s), whatever
 the solver's own time limit, so with less the solve would overrun the limit and find nothing."""
+
+
+CHUNK_SIZE_SHARE = 0.25
+"""Share of a solve's time limit the chunk-size relaxation of an interleaved chain may take
+before its box search stops (``solver.backends.interleaved``; milliseconds on a GPT-3 shape)."""
 
 
 class BuildTimeUp(Exception):
@@ -260,6 +273,15 @@ class PrefixFormulation(abc.ABC):
             )
         limit = options.get("time_limit_s")
         presolve = Presolve.of(problem)
+        # interleaved chains (solver.backends.interleaved), in at most a quarter of the limit
+        sizes = chunk_size_bound(problem, time_limit_s=CHUNK_SIZE_SHARE * (limit or math.inf))
+        if sizes is not None:
+            closed = _closed_by_chunk_sizes(problem, sizes, cls.backend_of(options))
+            if closed is not None:
+                closed.wall_s = time.perf_counter() - start
+                return closed
+            presolve.raise_objective_bound(problem, sizes.lower_bound)
+            hint = _better_start(problem, hint, sizes.split)
         try:
             built = time.perf_counter()
             formulation = cls(
@@ -832,6 +854,7 @@ class PrefixFormulation(abc.ABC):
         if self.needs_time:
             self._add_stage_time()
             self._add_iteration_budget()
+            self._add_iteration_bound()
 
     def _add_stage_ranges(self) -> None:
         """y[l][s] = 0 for s < first_l;  y[l][s] = 1 for s >= last_l."""
@@ -1044,6 +1067,14 @@ class PrefixFormulation(abc.ABC):
         if self.problem.iteration_budget_ns is not None:
             self._add(self._iteration() <= self._ns(self.problem.iteration_budget_ns), "budget")
 
+    def _add_iteration_bound(self) -> None:
+        """F T + AR >= the presolve's lower bound on the iteration (time objective; a cut that
+        the LP relaxation does not see by itself, e.g. the chunk-size bound of
+        ``solver.backends.interleaved``)."""
+        bound = self.presolve.iteration_lb_ns
+        if self.problem.objective == OBJECTIVE_TIME and bound:
+            self._add(self._iteration() >= self._ns(bound), "iteration_bound")
+
     def _set_objective(self) -> None:
         """min peak ("memory") or min F T + AR ("time")."""
         if self.problem.objective == OBJECTIVE_MEMORY:
@@ -1198,6 +1229,37 @@ class PrefixFormulation(abc.ABC):
         if self.vars.utilization is not None:
             utilization = self.problem.memory_value(stages, group_of_stage)
             self._hint(self.vars.utilization, min(utilization, PPM))
+
+
+def _closed_by_chunk_sizes(
+    problem: StageProblem, sizes: ChunkSizeBound, backend: str
+) -> StageSolution | None:
+    """The solution when the chunk-size relaxation settles the problem: INFEASIBLE when it has
+    no split within the limits, OPTIMAL when its split is feasible and meets its bound; else
+    None."""
+    if sizes.lower_bound is None:
+        return make_solution(INFEASIBLE, backend, bound=0)
+    if problem.violation(sizes.split) is not None:
+        return None
+    value = problem.objective_value(sizes.split)
+    if value > sizes.lower_bound:
+        return None
+    assert value == sizes.lower_bound, f"chunk-size bound {sizes.lower_bound} > value {value}"
+    return make_solution(
+        OPTIMAL, backend, bound=value, split=[int(s) for s in sizes.split], objective=value
+    )
+
+
+def _better_start(
+    problem: StageProblem, hint: list[int] | None, split: list[int] | None
+) -> list[int] | None:
+    """Of the hint and the chunk-size split, the one within the limits with the smaller
+    objective (the hint when neither is within them)."""
+    if split is None or problem.violation(split) is not None:
+        return hint
+    if hint is None or problem.violation(hint) is not None:
+        return split
+    return split if problem.objective_value(split) < problem.objective_value(hint) else hint
 
 
 def _placement_hint(

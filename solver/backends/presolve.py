@@ -52,6 +52,8 @@ class Presolve:
     """Lower bound on max_j T_j over (virtual) stages; stage_time_lb_ns without interleaving."""
     sync_lb_ns: int
     """Lower bound on max_s AR_s."""
+    iteration_lb_ns: int = 0
+    """Lower bound on the iteration time from elsewhere (``raise_objective_bound``), ns."""
 
     @classmethod
     def of(cls, problem: StageProblem) -> Presolve:
@@ -119,9 +121,21 @@ class Presolve:
             if placement is not None and placement.memory_objective == UTILIZATION:
                 return utilization_ppm(self.peak_lb_bytes, max(placement.capacity_bytes))
             return self.peak_lb_bytes
-        return problem.costs.iteration_ns(
-            self.stage_time_lb_ns, self.chunk_time_lb_ns, self.sync_lb_ns
+        return max(
+            self.iteration_lb_ns,
+            problem.costs.iteration_ns(
+                self.stage_time_lb_ns, self.chunk_time_lb_ns, self.sync_lb_ns
+            ),
         )
+
+    def raise_objective_bound(self, problem: StageProblem, bound: int) -> None:
+        """Take a proven lower bound on the objective (bytes for memory without a placement,
+        ns for time): the peak's lower bound, or a cut on the iteration."""
+        assert problem.placement is None, "a bound in bytes or ns, not utilization"
+        if problem.objective == OBJECTIVE_MEMORY:
+            self.peak_lb_bytes = max(self.peak_lb_bytes, min(int(bound), self.peak_ub_bytes))
+        else:
+            self.iteration_lb_ns = max(self.iteration_lb_ns, int(bound))
 
     def can_hold(self, layer: int, stage: int) -> bool:
         return self.first_stage[layer] <= stage <= self.last_stage[layer]

@@ -1,0 +1,367 @@
+"""Interleaved chains by chunk sizes: a lower bound on the optimum and a split to start from.
+
+The problem (``formulation.py``, "interleaving"): a chain of L layers is cut into J = p v
+contiguous, non-empty virtual stages; virtual stage j runs on rank j mod p as its chunk j div p,
+and a rank's peak and time sum its v chunks (one memory row per in-flight vector). A split of a
+chain is nothing but its chunk sizes k_0 .. k_{J-1} (each >= 1, summing to L): virtual stage j
+holds the layers [k_0 + ... + k_{j-1}, k_0 + ... + k_j).
+
+The relaxation forgets where a virtual stage starts and keeps only its size. Virtual stage j of
+size k holds some window [s, s + k) of the chain with j <= s and s + k <= L - (J - 1 - j) (the
+stages before and after it are non-empty), s = 0 for j = 0 and s + k = L for j = J - 1. Each of its
+aggregates (states, stored bytes per micro-batch, bytes received, bytes sent, largest transient,
+optimizer-step temporary, time, gradient sync) is at least its least value over those windows,
+made non-decreasing in k by a suffix minimum (which only lowers it). Every row of a rank's peak
+and of the iteration time has non-negative coefficients on these aggregates, so each row is at
+least the same row at the least values: a function of the rank's v chunk sizes alone,
+``rank value``. The relaxation chooses each rank's chunk sizes, all of them summing to L, to
+minimise the largest rank value; its optimum is a lower bound on the true one, found exactly by
+a bottleneck dynamic program over ranks whose state is the number of layers placed so far:
+
+  B_0(0) = -inf,   B_{r+1}(t) = min over the rank's size vectors k (|k| = k_0 + ... + k_{v-1})
+                                of max(B_r(t - |k|), value_r(k)),      bound = B_p(L)
+
+The limits apply per rank, as necessary conditions: value_r(k) <= capacity, and the iteration
+m max_r T_r + (p - 1) max_j Tc_j + max_r AR_r (``LayerCosts.iteration_ns``) at least
+m T_r + (p - 1) max(theta, own chunks' times) + AR_r, where theta is a lower bound on the slowest
+chunk: the program runs once per level theta (each chunk's least time no more than the level's top,
+the rank rows with its bottom; a split falls in the level of its slowest chunk's least time), and
+the bound is the least over levels. The time objective minimises that same rank expression.
+
+The sizes the program picks are a split: evaluated with the cost model, it is feasible or not,
+and its objective is an upper bound when it is. Where the layers of the middle of the chain are
+alike (a transformer's blocks between an embedding and a head), every window of a size costs the
+same, the relaxation is exact, and the two meet: the split is proven optimal without a solver.
+Elsewhere the bound goes to the solver as a cut and the split as its start.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from solver.backends.problem import OBJECTIVE_MEMORY, StageProblem
+
+MAX_SIZE_VECTORS = 200_000
+"""Per rank, the most chunk-size vectors the program enumerates; beyond it (many chunks per rank
+on a long chain) there is no bound (None)."""
+MAX_PROGRAMS = 400
+"""Boxes of levels the search runs the program on at most; the boxes left keep their bounds."""
+
+
+@dataclass(kw_only=True)
+class ChunkSizeBound:
+    """What the relaxation of the module docstring proves and proposes."""
+
+    lower_bound: int | None
+    """No split has a smaller objective (bytes or ns); None: no split satisfies the limits (the
+    relaxation is infeasible, so the problem is)."""
+    split: list[int] | None
+    """Stage of each layer from the program's chunk sizes (None when infeasible); it need not
+    satisfy the limits unless the relaxation is exact."""
+
+
+def applies(problem: StageProblem) -> bool:
+    """The relaxation describes interleaved chains with fixed per-layer costs on one group."""
+    costs = problem.costs
+    return (
+        costs.config.virtual_stages > 1
+        and problem.placement is None
+        and not problem.selective
+        and costs.is_chain()
+        and not any(costs.first_backward_peak)
+    )
+
+
+def chunk_size_bound(
+    problem: StageProblem, *, time_limit_s: float = math.inf
+) -> ChunkSizeBound | None:
+    """The relaxation's bound and split, or None where it does not apply (``applies``) or would
+    enumerate too many size vectors. Past ``time_limit_s`` no box is bisected any more: those
+    left keep their bounds (the least of them is the bound returned)."""
+    if not applies(problem):
+        return None
+    return _ChunkSizes(problem).solve(stop_at=time.perf_counter() + time_limit_s)
+
+
+class _ChunkSizes:
+    """Least window aggregates per (virtual stage, size), rank values per size vector, the DP."""
+
+    def __init__(self, problem: StageProblem) -> None:
+        self.problem = problem
+        costs = self.costs = problem.costs
+        self.num_layers, self.num_stages = costs.num_layers, costs.num_stages
+        self.num_ranks, self.num_chunks = costs.num_ranks, costs.config.virtual_stages
+        self.largest = self.num_layers - self.num_stages + 1
+        """Largest size a virtual stage can have (every other one holds a layer)."""
+        edge = np.zeros(self.num_layers + 1, dtype=np.int64)
+        edge[1 : self.num_layers] = costs.edge_bytes  # edge[s]: bytes from layer s - 1 into s
+        self.least = {
+            "state": self._least_sums(costs.state_bytes),
+            "stored": self._least_sums(costs.stored_bytes),
+            "time": self._least_sums(costs.time_ns),
+            "sync": self._least_sums(costs.dp_sync_ns),
+            "into": self._least_windows(lambda k: edge[: self.num_layers - k + 1]),
+            "out": self._least_windows(lambda k: edge[k:]),
+            "transient": self._least_windows(
+                lambda k: sliding_window_view(costs.transient_bytes, k).max(axis=1)
+            ),
+        }
+        if costs.step_bytes is not None:
+            self.least["step"] = self._least_sums(costs.step_bytes)
+
+    # -- least aggregates ---------------------------------------------------------------------
+
+    def _least_sums(self, per_layer: np.ndarray) -> np.ndarray:
+        prefix = np.concatenate([[0], np.cumsum(per_layer.astype(np.int64))])
+        return self._least_windows(lambda k: prefix[k:] - prefix[:-k])
+
+    def _least_windows(self, window_values) -> np.ndarray:
+        """[j, k]: the least value of a window of size k that virtual stage j can hold
+        (``window_values(k)[s]``: the window [s, s + k)), suffix-minimised over k (k = 0
+        unused)."""
+        num_layers, num_stages = self.num_layers, self.num_stages
+        least = np.zeros((num_stages, self.largest + 1), dtype=np.int64)
+        for k in range(1, self.largest + 1):
+            values = np.asarray(window_values(k), dtype=np.int64)  # s = 0 .. L - k
+            width = num_layers - num_stages + 2 - k  # starts j .. L - (J - 1 - j) - k
+            middle = sliding_window_view(values, width).min(axis=1)  # index j
+            least[:, k] = middle[:num_stages]
+            least[0, k] = values[0]
+            least[num_stages - 1, k] = values[num_layers - k]
+        # suffix minimum over k: a lower bound that never decreases with the size
+        least[:, 1:] = np.minimum.accumulate(least[:, :0:-1], axis=1)[:, ::-1]
+        return least
+
+    # -- per rank -----------------------------------------------------------------------------
+
+    def _size_vectors(self, most: int | None = None) -> np.ndarray | None:
+        """Every (k_0 .. k_{v-1}) a rank can take: sizes >= 1, total <= L - (p - 1) v (and
+        <= ``most``)."""
+        v, total = self.num_chunks, self.num_layers - (self.num_ranks - 1) * self.num_chunks
+        total = total if most is None else min(total, most)
+        if total < v:
+            return np.zeros((0, v), dtype=np.int64)
+        if math.comb(total, v) > MAX_SIZE_VECTORS:
+            return None
+        sizes = np.arange(1, total + 1, dtype=np.int64)[:, None]
+        for used in range(1, v):  # append a chunk: at least 1, leaving 1 for each one after it
+            room = total - (v - used - 1) - sizes.sum(axis=1)  # largest size the next can take
+            counts = np.maximum(room, 0)
+            head = np.repeat(sizes, counts, axis=0)
+            starts = np.cumsum(counts) - counts
+            tail = np.arange(int(counts.sum())) - np.repeat(starts, counts) + 1
+            sizes = np.concatenate([head, tail[:, None]], axis=1)
+        return sizes
+
+    def _possible_totals(self) -> np.ndarray:
+        """[t]: a rank may hold t layers, as far as the t layers with the least states (time,
+        sync) show: any t layers hold at least their sum."""
+        costs, problem = self.costs, self.problem
+        possible = np.ones(self.num_layers + 1, dtype=bool)
+
+        def least(per_layer: np.ndarray) -> np.ndarray:
+            return np.concatenate([[0], np.cumsum(np.sort(per_layer.astype(np.int64)))])
+
+        if problem.capacity_bytes is not None:
+            possible &= least(costs.state_bytes) + costs.constant_bytes <= problem.capacity_bytes
+        if problem.iteration_budget_ns is not None:
+            slowest = costs.iteration_ns(least(costs.time_ns), 0, least(costs.dp_sync_ns))
+            possible &= slowest <= problem.iteration_budget_ns
+        return possible
+
+    def _rank_terms(self, rank: int, sizes: np.ndarray) -> dict[str, np.ndarray]:
+        """Per size vector the rank can take within the limits at some level: its sizes, total,
+        time, sync, slowest chunk's least time and least peak over its rows (vectors out of the
+        limits are dropped as soon as a cheap part of them shows it)."""
+        costs, problem = self.costs, self.problem
+        stages = costs.stages_of_rank(rank)
+
+        def get(name: str, kept: np.ndarray) -> list[np.ndarray]:
+            return [self.least[name][j, kept[:, c]] for c, j in enumerate(stages)]
+
+        times = get("time", sizes)
+        terms = {
+            "sizes": sizes,
+            "time": sum(times),
+            "sync": sum(get("sync", sizes)),
+            "chunk": functools.reduce(np.maximum, times),
+        }
+        if problem.iteration_budget_ns is not None:  # at the lowest level (bottom 0)
+            fastest = costs.iteration_ns(terms["time"], terms["chunk"], terms["sync"])
+            terms = _where(terms, fastest <= problem.iteration_budget_ns)
+        sizes = terms["sizes"]
+        base = sum(get("state", sizes)) + costs.constant_bytes
+        peak = base + functools.reduce(np.maximum, get("transient", sizes))
+        if problem.capacity_bytes is not None:  # states and transient alone
+            keep = peak <= problem.capacity_bytes
+            terms, base, peak, sizes = _where(terms, keep), base[keep], peak[keep], sizes[keep]
+        stored, into, out = get("stored", sizes), get("into", sizes), get("out", sizes)
+        rows = set(zip(costs.in_flight_vectors[rank], costs.backwards_done[rank], strict=True))
+        in_flight = peak
+        for vector, done in sorted(rows):
+            row = peak.copy()
+            for c, j in enumerate(stages):
+                receive, send = costs.copies_at(j, vector[c], done[c])
+                row += vector[c] * stored[c] + receive * into[c] + send * out[c]
+            in_flight = np.maximum(in_flight, row)
+        if costs.step_bytes is not None:  # the optimizer step: every state, the temporary,
+            row = base + sum(get("step", sizes))  # buffers at 0 held
+            for c, j in enumerate(stages):
+                receive, send = costs.copies_at(j, 0, 0)
+                row += receive * into[c] + send * out[c]
+            in_flight = np.maximum(in_flight, row)
+        terms["peak"] = in_flight
+        if problem.capacity_bytes is not None:
+            terms = _where(terms, in_flight <= problem.capacity_bytes)
+        terms["total"] = terms["sizes"].sum(axis=1)
+        return terms
+
+    # -- the program over boxes of levels ------------------------------------------------------
+
+    def solve(self, stop_at: float = math.inf) -> ChunkSizeBound | None:
+        """Best-first over boxes of (slowest chunk, largest sync) levels (module docstring),
+        each box one program; a box is dropped when its bound reaches the best split found or
+        its own split meets its bound, else bisected, down to single levels."""
+        # the totals within the limits are 0..most (least sums grow with the count)
+        most = int(np.flatnonzero(self._possible_totals()).max())
+        sizes = self._size_vectors(most)
+        if sizes is None:
+            return None
+        sizes = sizes[np.argsort(sizes.sum(axis=1), kind="stable")]  # grouped by total
+        self.terms = [self._rank_terms(r, sizes) for r in range(self.num_ranks)]
+        if self._time_matters():
+            chunk = np.unique(np.concatenate([t["chunk"] for t in self.terms]))
+            sync = np.unique(np.concatenate([t["sync"] for t in self.terms]))
+        else:  # one box, no time rows
+            chunk = sync = np.array([0], dtype=np.int64)
+        if not len(chunk):
+            return ChunkSizeBound(lower_bound=None, split=None)
+        self.levels = (chunk, sync)
+        self.evaluated: dict[tuple[int, ...], int | None] = {}
+        best_value, best_split, fallback = None, None, None
+        boxes = [(-math.inf, 0, len(chunk) - 1, 0, len(sync) - 1)]
+        open_bounds = []  # boxes left unresolved: single levels, or the budget ran out
+        for run in range(MAX_PROGRAMS):
+            if not boxes or (run and time.perf_counter() > stop_at):
+                break
+            _, *box = heapq.heappop(boxes)
+            found = self._program(*box)
+            if found is None:
+                continue  # no split in this box
+            bound, split = found
+            fallback = fallback or split
+            value = self._evaluate(split)
+            if value is not None and (best_value is None or value < best_value):
+                best_value, best_split = value, split
+            if best_value is not None and bound >= best_value:
+                continue
+            if value == bound:
+                continue
+            lo_c, hi_c, lo_s, hi_s = box
+            if hi_c - lo_c >= hi_s - lo_s and hi_c > lo_c:
+                mid = (lo_c + hi_c) // 2
+                halves = [(lo_c, mid, lo_s, hi_s), (mid + 1, hi_c, lo_s, hi_s)]
+            elif hi_s > lo_s:
+                mid = (lo_s + hi_s) // 2
+                halves = [(lo_c, hi_c, lo_s, mid), (lo_c, hi_c, mid + 1, hi_s)]
+            else:
+                open_bounds.append((bound, split))
+                continue
+            for half in halves:
+                heapq.heappush(boxes, (bound, *half))
+        open_bounds += [(bound, None) for bound, *_ in boxes]
+        bounds = [bound for bound, _ in open_bounds if best_value is None or bound < best_value]
+        if best_value is None and not open_bounds:
+            return ChunkSizeBound(lower_bound=None, split=None)
+        lower = min(bounds, default=best_value)
+        if best_split is None:  # a split to start from, even if out of the limits
+            best_split = fallback
+        return ChunkSizeBound(lower_bound=int(lower), split=best_split)
+
+    def _time_matters(self) -> bool:
+        problem = self.problem
+        return problem.objective != OBJECTIVE_MEMORY or problem.iteration_budget_ns is not None
+
+    def _evaluate(self, split: list[int]) -> int | None:
+        """The split's objective from the cost model, None when it breaks a limit."""
+        key = tuple(split)
+        if key not in self.evaluated:
+            problem = self.problem
+            ok = problem.violation(split) is None
+            self.evaluated[key] = problem.objective_value(split) if ok else None
+        return self.evaluated[key]
+
+    def _program(self, lo_c: int, hi_c: int, lo_s: int, hi_s: int):
+        """(bound, split) of the box of slowest-chunk levels lo_c..hi_c and largest-sync levels
+        lo_s..hi_s; None: no split in the box."""
+        problem, costs, inf = self.problem, self.costs, np.iinfo(np.int64).max
+        chunk_levels, sync_levels = self.levels
+        tables, choices = [], []
+        for terms in self.terms:
+            value = terms["peak"]
+            if self._time_matters():
+                iteration = costs.iteration_ns(
+                    terms["time"],
+                    np.maximum(terms["chunk"], chunk_levels[lo_c]),
+                    np.maximum(terms["sync"], sync_levels[lo_s]),
+                )
+                keep = (terms["chunk"] <= chunk_levels[hi_c]) & (terms["sync"] <= sync_levels[hi_s])
+                if problem.iteration_budget_ns is not None:
+                    keep &= iteration <= problem.iteration_budget_ns
+                if problem.objective != OBJECTIVE_MEMORY:
+                    value = iteration
+                value = np.where(keep, value, inf)
+            tables.append(self._least_per_total(terms, value))
+            choices.append(value)
+        reach = np.full(self.num_layers + 1, inf, dtype=np.int64)
+        reach[0] = np.iinfo(np.int64).min
+        came = []
+        t = np.arange(self.num_layers + 1)
+        for totals, least in tables:
+            if not len(totals):
+                return None  # a rank with no vector within the limits
+            # nxt[t] = min over a rank total a of max(reach[t - a], least[a])
+            before = t[None, :] - totals[:, None]
+            candidate = np.maximum(
+                np.where(before >= 0, reach[np.maximum(before, 0)], inf), least[:, None]
+            )
+            pick = candidate.argmin(axis=0)
+            reach = candidate[pick, t]
+            came.append(totals[pick])
+        if reach[-1] == inf:
+            return None
+        counts, left = [], self.num_layers
+        for rank in range(self.num_ranks - 1, -1, -1):
+            total = int(came[rank][left])
+            terms, value = self.terms[rank], choices[rank]
+            index = np.flatnonzero(terms["total"] == total)
+            counts.append(terms["sizes"][index[np.argmin(value[index])]])
+            left -= total
+        per_stage = np.stack(counts[::-1]).T.reshape(-1)  # virtual stage j = chunk * p + rank
+        split = np.repeat(np.arange(self.num_stages), per_stage).tolist()
+        return int(reach[-1]), split
+
+    def _least_per_total(self, terms, value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(totals, least value of a vector of each total) of one rank, inf-valued ones
+        dropped (the vectors are grouped by total)."""
+        totals = terms["total"]
+        if not len(totals):
+            return totals, totals
+        starts = np.flatnonzero(np.r_[True, totals[1:] != totals[:-1]])
+        least = np.minimum.reduceat(value, starts)
+        finite = least < np.iinfo(np.int64).max
+        return totals[starts][finite], least[finite]
+
+
+def _where(terms: dict[str, np.ndarray], keep: np.ndarray) -> dict[str, np.ndarray]:
+    return {name: values[keep] for name, values in terms.items()}
+
+
+__all__ = ["ChunkSizeBound", "applies", "chunk_size_bound"]
