@@ -129,7 +129,11 @@ def simulate_schedule(
                 free[r] = end
                 done[r].append((action, start, end))
                 sends = (
-                    [(c, transfer_ns[(j, c)]) for c in range(j + 1, num_stages) if (j, c) in transfer_ns]
+                    [
+                        (c, transfer_ns[(j, c)])
+                        for c in range(j + 1, num_stages)
+                        if (j, c) in transfer_ns
+                    ]
                     if action.kind == "F"
                     else [(a, gradient_ns[(j, a)]) for a in range(j) if (j, a) in gradient_ns]
                 )
@@ -197,7 +201,9 @@ def stage_transfer_bytes(
     return forward, backward
 
 
-def pipeline_link_gb_per_s(config: ParallelConfig, cluster: Cluster) -> dict[tuple[int, int], float]:
+def pipeline_link_gb_per_s(
+    config: ParallelConfig, cluster: Cluster
+) -> dict[tuple[int, int], float]:
     """Bandwidth (GB/s == bytes/ns) of every directed link between pipeline ranks: Megatron's
     rank order tp-cp-ep-dp-pp puts rank x's GPUs at global ranks x t c d + (0 .. t c d - 1), and
     a GPU sends to the GPU t c d ranks further; intra-node when both are in one node of
