@@ -133,6 +133,9 @@ Time (integer nanoseconds, rounded up per layer so that every backend sums the s
          experts' gradients over their d_e = d c / ep expert-data-parallel ranks (c = cp, below),
          2 (d_e - 1)/d_e
   iteration = (m + p - 1) max_s T_s + max_s AR_s;  throughput = B / iteration (samples/s)
+  forward_l = the forward's share of a layer's time (``_forward_ns``), backward_l = time_l -
+         forward_l (a recomputed layer's includes its second forward): what the schedule
+         simulation (``solver.schedule_time``) runs per action; not used by the formula
 
 Context parallelism (``ParallelConfig.cp`` = c; Megatron-LM's ``--context-parallel-size``, ring
 attention as TransformerEngine's ``AttnFuncWithCPAndKVP2P`` runs it): a stage runs on t c d GPUs;
