@@ -97,14 +97,25 @@ def simulate_schedule(
     for j in range(num_stages - 1):  # the neighbours always feed each other
         transfer_ns.setdefault((j, j + 1), 0)
         gradient_ns.setdefault((j + 1, j), 0)
-    sources = {j: sorted(a for a, c in transfer_ns if c == j) for j in range(num_stages)}
-    grad_sources = {j: sorted(c for c, a in gradient_ns if a == j) for j in range(num_stages)}
+    # per (kind, stage): the stages whose transfers it waits for, and those it sends to (ns)
+    waits = {("F", j): [a for a, c in sorted(transfer_ns) if c == j] for j in range(num_stages)}
+    waits |= {("B", j): [c for c, a in sorted(gradient_ns) if a == j] for j in range(num_stages)}
+    sends = {
+        ("F", j): [(c, int(x)) for (a, c), x in sorted(transfer_ns.items()) if a == j]
+        for j in range(num_stages)
+    }
+    sends |= {
+        ("B", j): [(a, int(x)) for (c, a), x in sorted(gradient_ns.items()) if c == j]
+        for j in range(num_stages)
+    }
+    duration = {("F", j): int(forward_ns[j]) + microbatch_overhead_ns for j in range(num_stages)}
+    duration |= {("B", j): int(backward_ns[j]) for j in range(num_stages)}
     lists = [schedule_actions(m, p, v, r, group, schedule) for r in range(p)]
-    ended: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro-batch) -> end
+    forwarded: set[tuple[int, int]] = set()  # (stage, micro-batch) whose forward has run
     arrival: dict[tuple[str, int, int, int], int] = {}  # (kind, from, to, micro-batch) -> ns
     link_free: dict[tuple[int, int], int] = {}
     free = [0] * p
-    done = [[] for _ in range(p)]
+    done: list[list[tuple[ScheduleAction, int, int]]] = [[] for _ in range(p)]
     position = [0] * p
     remaining = sum(len(actions) for actions in lists)
     while remaining:
@@ -112,36 +123,21 @@ def simulate_schedule(
         for r in range(p):
             while position[r] < len(lists[r]):
                 action = lists[r][position[r]]
-                j = action.chunk * p + r
-                i = action.microbatch
-                if action.kind == "F":
-                    needed = [("F", a, j, i) for a in sources[j]]
-                    duration = int(forward_ns[j]) + microbatch_overhead_ns
-                else:
-                    needed = [("B", c, j, i) for c in grad_sources[j]]
-                    assert ("F", j, i) in ended, f"backward before forward: {action} on rank {r}"
-                    duration = int(backward_ns[j])
-                if any(key not in arrival for key in needed):
-                    break
-                start = max([free[r]] + [arrival[key] for key in needed])
-                end = start + duration
-                ended[(action.kind, j, i)] = end
-                free[r] = end
+                kind, j, i = action.kind, action.chunk * p + r, action.microbatch
+                needed = [arrival.get((kind, a, j, i)) for a in waits[(kind, j)]]
+                if None in needed:
+                    break  # an input has not been sent yet: another rank first
+                if kind == "B":
+                    assert (j, i) in forwarded, f"backward before forward: {action} on rank {r}"
+                start = max([free[r], *needed])
+                end = free[r] = start + duration[(kind, j)]
+                if kind == "F":
+                    forwarded.add((j, i))
                 done[r].append((action, start, end))
-                sends = (
-                    [
-                        (c, transfer_ns[(j, c)])
-                        for c in range(j + 1, num_stages)
-                        if (j, c) in transfer_ns
-                    ]
-                    if action.kind == "F"
-                    else [(a, gradient_ns[(j, a)]) for a in range(j) if (j, a) in gradient_ns]
-                )
-                for target, ns in sends:
+                for target, ns in sends[(kind, j)]:  # FIFO on the directed link
                     link = (r, target % p)
-                    begin = max(end, link_free.get(link, 0))
-                    link_free[link] = begin + int(ns)
-                    arrival[(action.kind, j, target, i)] = begin + int(ns)
+                    link_free[link] = max(end, link_free.get(link, 0)) + ns
+                    arrival[(kind, j, target, i)] = link_free[link]
                 position[r] += 1
                 remaining -= 1
                 progressed = True

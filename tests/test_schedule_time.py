@@ -502,3 +502,27 @@ def test_pipeline_links_follow_megatrons_rank_order():
         ParallelConfig(pp=2, tp=8, dp=1, micro_batch=1, num_microbatches=2), cluster
     )
     assert wide == {(0, 1): 25.0, (1, 0): 25.0}
+
+
+@pytest.mark.parametrize("runtime", ["megatron", "torch"])
+def test_interleaved_layout_from_the_cost_model(runtime):
+    """8 equal layers on p 2, v 2 (virtual stage j holds layers 2j, 2j + 1; chunk j // p of rank
+    j % p), m 4: equal chunks, so the simulation equals the cost model's interleaved formula
+    m T_r + (p - 1) T_j; with recompute every backward also runs the forward again."""
+    graph = _chain([1.0] * 8)
+    stage_of = [0, 0, 1, 1, 2, 2, 3, 3]
+    for recompute, chunk_ns in (("none", 6_000_000), ("full", 8_000_000)):
+        config = ParallelConfig(
+            pp=2,
+            tp=1,
+            dp=1,
+            micro_batch=1,
+            num_microbatches=4,
+            virtual_stages=2,
+            recompute=recompute,
+        )
+        training = TrainingConfig(global_batch=4, virtual_stages=(2,), runtime=runtime)
+        costs = layer_costs(graph, config, Cluster(num_gpus=2), training)
+        formula = iteration_time_ns(costs, stage_costs(costs, stage_of))
+        assert formula == 4 * 2 * chunk_ns + chunk_ns
+        assert simulated_iteration_ns(costs, stage_of) == formula
