@@ -133,6 +133,9 @@ Time (integer nanoseconds, rounded up per layer so that every backend sums the s
          experts' gradients over their d_e = d c / ep expert-data-parallel ranks (c = cp, below),
          2 (d_e - 1)/d_e
   iteration = (m + p - 1) max_s T_s + max_s AR_s;  throughput = B / iteration (samples/s)
+  forward_l = the forward's share of a layer's time (``_forward_ns``), backward_l = time_l -
+         forward_l (a recomputed layer's includes its second forward): what the schedule
+         simulation (``solver.schedule_time``) runs per action; not used by the formula
 
 Context parallelism (``ParallelConfig.cp`` = c; Megatron-LM's ``--context-parallel-size``, ring
 attention as TransformerEngine's ``AttnFuncWithCPAndKVP2P`` runs it): a stage runs on t c d GPUs;
@@ -170,6 +173,7 @@ import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 
@@ -233,14 +237,40 @@ def in_flight_vectors(
     return [vector for vector, drop in zip(held, dominated.tolist(), strict=True) if not drop]
 
 
-def schedule_moments(
-    num_microbatches: int, num_ranks: int, num_chunks: int, rank: int, group: int | None = None
-) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Every moment of rank r's schedule just after a forward or a backward, as (n, B): the
-    micro-batches each chunk holds and the backwards each chunk has done (the order of
-    ``in_flight_vectors``). B only grows, so for each distinct n only the latest moment is kept;
-    largest n first."""
+class ScheduleAction(NamedTuple):
+    """One step of a pipeline rank's schedule: a forward ("F") or a full backward ("B") of
+    micro-batch ``microbatch`` through the rank's chunk ``chunk`` (virtual stage chunk p + r)."""
+
+    kind: str
+    chunk: int
+    microbatch: int
+
+
+def schedule_actions(
+    num_microbatches: int,
+    num_ranks: int,
+    num_chunks: int,
+    rank: int,
+    group: int | None = None,
+    schedule: str = "1f1b",
+) -> list[ScheduleAction]:
+    """Rank r's forwards and backwards in the order it runs them (idle steps left out).
+
+    GPipe (torch ``ScheduleGPipe``): the m forwards, then the m backwards, both in micro-batch
+    order. 1F1B (torch ``Schedule1F1B``, megatron-core
+    ``forward_backward_pipelining_without_interleaving``): min(m, p - 1 - r) warm-up forwards,
+    then one forward and one backward per step, then the remaining backwards. Interleaved 1F1B
+    (v > 1; torch ``ScheduleInterleaved1F1B``, megatron-core
+    ``forward_backward_pipelining_with_interleaving``): forwards visit the chunks in rounds of
+    ``group`` micro-batches (default p; ``interleaved_schedule_groups``), backwards in the same
+    order with the chunks reversed, after W_r = min(m v, (v - 1) g + 2 (p - 1 - r)) warm-up
+    forwards (``in_flight_vectors``). Each chunk takes its micro-batches in order."""
     m, p, v = num_microbatches, num_ranks, num_chunks
+    if schedule == "gpipe":
+        assert v == 1, "GPipe runs one chunk per rank"
+        return [ScheduleAction("F", 0, i) for i in range(m)] + [
+            ScheduleAction("B", 0, i) for i in range(m)
+        ]
     g = p if group is None else group
     order = [
         chunk for start in range(0, m, g) for chunk in range(v) for _ in range(min(g, m - start))
@@ -249,18 +279,18 @@ def schedule_moments(
     # without interleaving (v = 1) rank r runs p - 1 - r warm-up forwards (plain 1F1B)
     ahead = (v - 1) * g + 2 * (p - 1 - rank) if v > 1 else p - 1 - rank
     warmup = min(total, ahead)
-    held, done = [0] * v, [0] * v
-    latest: dict[tuple[int, ...], tuple[int, ...]] = {}
+    forwards, backwards = [0] * v, [0] * v
+    actions: list[ScheduleAction] = []
 
     def forward(step: int) -> None:
-        held[order[step]] += 1
-        latest[tuple(held)] = tuple(done)
+        chunk = order[step]
+        actions.append(ScheduleAction("F", chunk, forwards[chunk]))
+        forwards[chunk] += 1
 
     def backward(step: int) -> None:
         chunk = v - 1 - order[step]
-        held[chunk] -= 1
-        done[chunk] += 1
-        latest[tuple(held)] = tuple(done)
+        actions.append(ScheduleAction("B", chunk, backwards[chunk]))
+        backwards[chunk] += 1
 
     for step in range(warmup):
         forward(step)
@@ -269,6 +299,26 @@ def schedule_moments(
         backward(k)
     for k in range(total - warmup, total):
         backward(k)
+    return actions
+
+
+def schedule_moments(
+    num_microbatches: int, num_ranks: int, num_chunks: int, rank: int, group: int | None = None
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Every moment of rank r's schedule just after a forward or a backward, as (n, B): the
+    micro-batches each chunk holds and the backwards each chunk has done (the order of
+    ``schedule_actions``, replayed). B only grows, so for each distinct n only the latest
+    moment is kept; largest n first."""
+    v = num_chunks
+    held, done = [0] * v, [0] * v
+    latest: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for action in schedule_actions(num_microbatches, num_ranks, v, rank, group):
+        if action.kind == "F":
+            held[action.chunk] += 1
+        else:
+            held[action.chunk] -= 1
+            done[action.chunk] += 1
+        latest[tuple(held)] = tuple(done)
     return sorted(latest.items(), reverse=True)
 
 
@@ -425,6 +475,10 @@ class LayerCosts:
     """The optimizer step's temporary per GPU, bytes (``optimizer_step_bytes``: a foreach Adam's
     square root of ``exp_avg_sq``, sharded like the optimizer state); None: no temporary (fused,
     or an optimizer without one), and no optimizer-step moment."""
+    forward_ns: np.ndarray | None = None
+    """The forward's part of ``time_ns`` per micro-batch, ns, the same in both recompute states
+    (``_time_ns``); the rest is the backward (``backward_ns``). None: time_ns // 3 (a backward
+    of twice the forward's FLOPs, the model's default)."""
 
     def __post_init__(self) -> None:
         if self.edge_tensor is None:
@@ -448,6 +502,8 @@ class LayerCosts:
             self.recompute_transient_bytes = self.transient_bytes
         if self.recompute_time_ns is None:
             self.recompute_time_ns = self.time_ns
+        if self.forward_ns is None:
+            self.forward_ns = self.time_ns // 3
 
     def copies_at(self, stage: int, held: int, done: int = 0) -> tuple[int, int]:
         """(R_j, S_j) of (virtual) stage j while it holds ``held`` micro-batches in flight and
@@ -608,6 +664,27 @@ class LayerCosts:
             pick(self.time_ns, self.recompute_time_ns),
         )
 
+    @property
+    def backward_ns(self) -> np.ndarray:
+        """The backward of each layer per micro-batch, ns: time_ns - forward_ns, so that
+        forward_ns + backward_ns == time_ns exactly (the forward's rounding is in here)."""
+        return self.time_ns - self.forward_ns
+
+    @property
+    def recompute_backward_ns(self) -> np.ndarray:
+        """The backward of a recomputed layer per micro-batch, ns: its forward runs again right
+        before it, recompute_time_ns - forward_ns."""
+        return self.recompute_time_ns - self.forward_ns
+
+    def forward_backward_ns(
+        self, recomputed: list[bool] | np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) ns per layer and micro-batch with the given layers recomputed
+        (``recompute_mask``): a recomputed layer's backward includes its second forward. They
+        sum to ``coefficients``' time_ns."""
+        mask = self.recompute_mask(recomputed)
+        return self.forward_ns, np.where(mask, self.recompute_backward_ns, self.backward_ns)
+
     def coefficients(self, recomputed: list[bool] | np.ndarray | None) -> tuple[np.ndarray, ...]:
         """(stored_bytes, transient_bytes, time_ns) per layer with the given layers recomputed."""
         if not self.selective:
@@ -734,6 +811,7 @@ def layer_costs(
         held_output = b * unsaved_output_bytes(graph)
         stored = tuple(np.concatenate([kept[:-1], kept[-1:] + held_output]) for kept in stored)
     time_ns = _time_ns(cols, config, cluster, factor)
+    forward_ns = np.minimum(_forward_ns(cols, config, cluster, factor), time_ns[0])
     recomputable = recomputable_layers(graph, training.runtime)
     stored, transient, time_ns = (
         (kept, np.where(recomputable, recomputed, kept))
@@ -754,6 +832,7 @@ def layer_costs(
         recompute_stored_bytes=scaled(stored[1], "activations"),
         recompute_transient_bytes=scaled(transient[1], "transient"),
         recompute_time_ns=_as_int(time_ns[1]),
+        forward_ns=_as_int(forward_ns),
         recomputable=recomputable,
         dp_sync_ns=_as_int(_dp_sync_ns(params, config, cluster, training)),
         edge_src=cols["edge_src"],
@@ -1186,6 +1265,26 @@ def _time_ns(
     )
 
 
+def _forward_ns(
+    cols: dict[str, np.ndarray], config: ParallelConfig, cluster: Cluster, factor: Fraction
+) -> np.ndarray:
+    """The forward's part of every layer's kept time per micro-batch (``_time_ns`` index 0),
+    rounded up: its compute (fwd_ms measured, else fwd_flops), half of the TP all-reduce bytes
+    (tp_comm_bytes counts forward plus backward: Megatron's row-parallel layers all-reduce their
+    outputs in the forward, the column-parallel ones their input gradients in the backward, as
+    many), one of the three ring-attention passes and half of the all-to-alls (dispatch and
+    combine once each way). ``LayerCosts.backward_ns`` is the rest."""
+    t, b, c = config.tp, config.micro_batch, config.cp
+    rate_per_ms = cluster.gpu_flops * cluster.flops_efficiency / 1e3
+    fwd_ms = np.where(cols["measured"], cols["fwd_ms"], cols["fwd_flops"] / rate_per_ms)
+    tp_comm_ns = b * cols["tp_comm_bytes"] * 2 * (t - 1) / (t * c) / cluster.intra_node_gb_per_s
+    ring_pass_ns = ring_attention_pass_ns(cols["attention_kv_bytes"], config, cluster)
+    all_to_all_ns = expert_all_to_all_ns(cols, config, cluster, factor)
+    return np.ceil(
+        b * fwd_ms / (t * c) * NS_PER_MS + tp_comm_ns / 2 + ring_pass_ns + all_to_all_ns / 2
+    )
+
+
 def expert_all_to_all_ns(
     cols: dict[str, np.ndarray], config: ParallelConfig, cluster: Cluster, factor: Fraction
 ) -> np.ndarray:
@@ -1339,6 +1438,7 @@ def empirical_layer_costs(
         stored_bytes=zeros,
         transient_bytes=zeros,
         time_ns=costs.time_ns,
+        forward_ns=costs.forward_ns,
         dp_sync_ns=costs.dp_sync_ns,
         edge_src=np.arange(len(layers) - 1, dtype=np.int64),
         edge_dst=np.arange(1, len(layers), dtype=np.int64),

@@ -1,0 +1,291 @@
+"""Iteration time of a layout by simulating its pipeline schedule, action by action.
+
+The bubble formula ``(m + p - 1) max_s T_s`` (``LayerCosts.iteration_ns``) charges every stage the
+slowest stage's time in every slot; on an uneven split the faster stages finish their slots
+early and the real schedule is shorter. Here each pipeline rank runs its own list of forwards and
+backwards (``cost_model.schedule_actions``: torch's ``Schedule1F1B`` / ``ScheduleGPipe`` /
+``ScheduleInterleaved1F1B`` order, and megatron-core's, the same one the memory model replays)
+and the iteration is the time its last rank finishes (docs/cost-model.md, "Iteration time by
+schedule simulation").
+
+Event rules (all times integer ns, per micro-batch):
+  F(j, i), the forward of micro-batch i through virtual stage j, starts when its rank has ended
+  its previous action and every input has arrived: F(a, i) ended + the transfer a -> j, for the
+  previous stage a = j - 1 and every other stage a that sends j a tensor (the torch runtime's
+  direct sends).
+  B(j, i), its backward (the recompute forward of a recomputed layer runs right before it, inside
+  B), starts when the rank is free, F(j, i) has run, and the gradients have arrived: B(c, i)
+  ended + the transfer c -> j for the next stage c = j + 1 and every other stage c that j sent to.
+  A transfer occupies its directed rank-to-rank link: it starts when the sending action ends and
+  the link has finished the sender's earlier transfers on it (FIFO); a send does not block the
+  sending rank (asynchronous p2p).
+  Rank r ends at its last backward + its data-parallel gradient sync AR_r (``dp_overlap="none"``:
+  started after the last backward, as Megatron-LM's ``finalize_model_grads`` runs after the
+  schedule without --overlap-grad-reduce) or at max(end of last backward, start of last
+  backward + AR_r) (``"last_backward"``: torch DDP's and megatron's --overlap-grad-reduce bucket
+  all-reduces launched during the last micro-batch's backward, ideally overlapped), + its
+  optimizer step. The iteration is the latest rank end.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from solver.cost_model import (
+    LayerCosts,
+    ScheduleAction,
+    interleaved_schedule_groups,
+    schedule_actions,
+)
+from solver.specs import Cluster, ParallelConfig
+
+DP_OVERLAPS = ("none", "last_backward")
+"""When a rank's data-parallel gradient sync runs (``simulate_schedule``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timeline:
+    """The simulated schedule of one iteration; times in ns from its start."""
+
+    makespan_ns: int
+    """The iteration: the latest rank end."""
+    busy_ns: list[int]
+    """Per rank: time spent in forwards and backwards (overheads included)."""
+    tail_ns: list[int]
+    """Per rank: from its last backward's end to its own end (exposed sync + optimizer step)."""
+    idle_ns: list[int]
+    """Per rank: makespan - busy - tail (pipeline bubbles and waiting for the slowest rank)."""
+    actions: list[list[tuple[ScheduleAction, int, int]]]
+    """Per rank, its actions in order as (action, start, end)."""
+
+
+def simulate_schedule(
+    *,
+    schedule: str,
+    num_microbatches: int,
+    num_ranks: int,
+    forward_ns: Sequence[int],
+    backward_ns: Sequence[int],
+    group: int | None = None,
+    transfer_ns: Mapping[tuple[int, int], int] | None = None,
+    gradient_ns: Mapping[tuple[int, int], int] | None = None,
+    dp_sync_ns: Sequence[int] | None = None,
+    dp_overlap: str = "none",
+    microbatch_overhead_ns: int = 0,
+    optimizer_step_ns: int | Sequence[int] = 0,
+) -> Timeline:
+    """Simulate one iteration (module docstring for the rules).
+
+    ``forward_ns`` / ``backward_ns``: per virtual stage j = chunk p + rank (p v of them), per
+    micro-batch, ns; backward includes the recompute forward. ``transfer_ns[(a, c)]``: an
+    activation transfer from stage a to stage c > a per micro-batch; ``gradient_ns[(c, a)]``:
+    the gradient transfer back (missing pairs: 0; the neighbours j -> j + 1 are always
+    dependencies). ``group``: interleaved rounds (default p). ``dp_sync_ns``: AR_r per rank.
+    ``microbatch_overhead_ns``: added to every forward (one per micro-batch and virtual stage).
+    ``optimizer_step_ns``: per rank, or one for all."""
+    p, m = num_ranks, num_microbatches
+    num_stages = len(forward_ns)
+    assert num_stages == len(backward_ns) and num_stages % p == 0, "a time per virtual stage"
+    assert dp_overlap in DP_OVERLAPS, dp_overlap
+    v = num_stages // p
+    transfer_ns = dict(transfer_ns or {})
+    gradient_ns = dict(gradient_ns or {})
+    for j in range(num_stages - 1):  # the neighbours always feed each other
+        transfer_ns.setdefault((j, j + 1), 0)
+        gradient_ns.setdefault((j + 1, j), 0)
+    # per (kind, stage): the stages whose transfers it waits for, and those it sends to (ns)
+    waits = {("F", j): [a for a, c in sorted(transfer_ns) if c == j] for j in range(num_stages)}
+    waits |= {("B", j): [c for c, a in sorted(gradient_ns) if a == j] for j in range(num_stages)}
+    sends = {
+        ("F", j): [(c, int(x)) for (a, c), x in sorted(transfer_ns.items()) if a == j]
+        for j in range(num_stages)
+    }
+    sends |= {
+        ("B", j): [(a, int(x)) for (c, a), x in sorted(gradient_ns.items()) if c == j]
+        for j in range(num_stages)
+    }
+    duration = {("F", j): int(forward_ns[j]) + microbatch_overhead_ns for j in range(num_stages)}
+    duration |= {("B", j): int(backward_ns[j]) for j in range(num_stages)}
+    lists = [schedule_actions(m, p, v, r, group, schedule) for r in range(p)]
+    forwarded: set[tuple[int, int]] = set()  # (stage, micro-batch) whose forward has run
+    arrival: dict[tuple[str, int, int, int], int] = {}  # (kind, from, to, micro-batch) -> ns
+    link_free: dict[tuple[int, int], int] = {}
+    free = [0] * p
+    done: list[list[tuple[ScheduleAction, int, int]]] = [[] for _ in range(p)]
+    position = [0] * p
+    remaining = sum(len(actions) for actions in lists)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            while position[r] < len(lists[r]):
+                action = lists[r][position[r]]
+                kind, j, i = action.kind, action.chunk * p + r, action.microbatch
+                needed = [arrival.get((kind, a, j, i)) for a in waits[(kind, j)]]
+                if None in needed:
+                    break  # an input has not been sent yet: another rank first
+                if kind == "B":
+                    assert (j, i) in forwarded, f"backward before forward: {action} on rank {r}"
+                start = max([free[r], *needed])
+                end = free[r] = start + duration[(kind, j)]
+                if kind == "F":
+                    forwarded.add((j, i))
+                done[r].append((action, start, end))
+                for target, ns in sends[(kind, j)]:  # FIFO on the directed link
+                    link = (r, target % p)
+                    link_free[link] = max(end, link_free.get(link, 0)) + ns
+                    arrival[(kind, j, target, i)] = link_free[link]
+                position[r] += 1
+                remaining -= 1
+                progressed = True
+        assert progressed, "the schedule deadlocks"
+    sync = [0] * p if dp_sync_ns is None else [int(x) for x in dp_sync_ns]
+    step = (
+        [int(optimizer_step_ns)] * p
+        if isinstance(optimizer_step_ns, int | np.integer)
+        else [int(x) for x in optimizer_step_ns]
+    )
+    rank_end = []
+    for r in range(p):
+        _, last_start, last_end = done[r][-1]
+        if dp_overlap == "none":
+            synced = last_end + sync[r]
+        else:
+            synced = max(last_end, last_start + sync[r])
+        rank_end.append(synced + step[r])
+    makespan = max(rank_end)
+    busy = [sum(end - start for _, start, end in actions) for actions in done]
+    tail = [rank_end[r] - done[r][-1][2] for r in range(p)]
+    return Timeline(
+        makespan_ns=makespan,
+        busy_ns=busy,
+        tail_ns=tail,
+        idle_ns=[makespan - busy[r] - tail[r] for r in range(p)],
+        actions=done,
+    )
+
+
+def stage_transfer_bytes(
+    costs: LayerCosts, stage_of: np.ndarray
+) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int]]:
+    """(activations {(a, c): bytes}, gradients {(c, a): bytes}) per micro-batch between
+    (virtual) stages, each tensor once per pair (``LayerCosts.tensor_groups``). Neighbour p2p
+    (megatron): a tensor made on stage a whose farthest consumer is on c crosses every boundary
+    k -> k + 1 in between (relays, ``cost_model.boundary_bytes``); direct sends (torch): it goes
+    from a to each consuming stage. Its gradient comes back the same way if it requires grad
+    (``Edge.requires_grad``)."""
+    forward: dict[tuple[int, int], int] = {}
+    backward: dict[tuple[int, int], int] = {}
+    producer, consumer = stage_of[costs.edge_src], stage_of[costs.edge_dst]
+    for edges, size in costs.tensor_groups:
+        made = int(producer[edges[0]])
+        readers = sorted({int(s) for s in consumer[edges].tolist() if s > made})
+        if not readers or not size:
+            continue
+        if costs.direct_sends:
+            pairs = [(made, s) for s in readers]
+        else:
+            pairs = [(k, k + 1) for k in range(made, readers[-1])]
+        grad = costs.edge_requires_grad is None or bool(costs.edge_requires_grad[edges[0]])
+        for a, c in pairs:
+            forward[(a, c)] = forward.get((a, c), 0) + size
+            if grad:
+                backward[(c, a)] = backward.get((c, a), 0) + size
+    return forward, backward
+
+
+def pipeline_link_gb_per_s(
+    config: ParallelConfig, cluster: Cluster
+) -> dict[tuple[int, int], float]:
+    """Bandwidth (GB/s == bytes/ns) of every directed link between pipeline ranks: Megatron's
+    rank order tp-cp-ep-dp-pp puts rank x's GPUs at global ranks x t c d + (0 .. t c d - 1), and
+    a GPU sends to the GPU t c d ranks further; intra-node when both are in one node of
+    ``cluster.gpus_per_node`` (every pair, as the blocks align to nodes when t c d divides it),
+    else inter-node."""
+    p, width = config.pp, config.tp * config.cp * config.dp
+    node = cluster.gpus_per_node
+
+    def same_node(x: int, y: int) -> bool:
+        return all((x * width + k) // node == (y * width + k) // node for k in range(width))
+
+    return {
+        (x, y): cluster.intra_node_gb_per_s if same_node(x, y) else cluster.inter_node_gb_per_s
+        for x in range(p)
+        for y in range(p)
+        if x != y
+    }
+
+
+def schedule_timeline(
+    costs: LayerCosts,
+    stage_of_layer: Sequence[int] | np.ndarray,
+    recomputed: Sequence[bool] | np.ndarray | None = None,
+    *,
+    link_gb_per_s: float | Mapping[tuple[int, int], float] | None = None,
+    dp_overlap: str = "none",
+    microbatch_overhead_ns: int = 0,
+    optimizer_step_ns: int | Sequence[int] = 0,
+) -> Timeline:
+    """The simulated schedule of an assignment (layer position -> virtual stage) under ``costs``:
+    per-stage forward and backward from ``LayerCosts.forward_backward_ns`` (recompute set
+    applied), transfers = ceil(bytes / bandwidth) (``stage_transfer_bytes``; ``link_gb_per_s``
+    one for every link, or per directed rank pair as ``pipeline_link_gb_per_s`` gives; None: no
+    transfer time; 0 between chunks of one rank), AR_r = the rank's summed ``dp_sync_ns``."""
+    config = costs.config
+    p, m, n = config.pp, config.num_microbatches, costs.num_stages
+    stage_of = np.asarray(stage_of_layer, dtype=np.int64)
+    forward, backward = costs.forward_backward_ns(recomputed)
+    forward_stage, backward_stage, sync_stage = (
+        _per_stage(values, stage_of, n) for values in (forward, backward, costs.dp_sync_ns)
+    )
+    sync = [sum(sync_stage[j] for j in costs.stages_of_rank(r)) for r in range(p)]
+    activations, gradients = stage_transfer_bytes(costs, stage_of)
+
+    def ns(pairs: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]:
+        out = {}
+        for (a, c), size in pairs.items():
+            link = (a % p, c % p)
+            if link_gb_per_s is None or link[0] == link[1]:
+                out[(a, c)] = 0
+                continue
+            rate = link_gb_per_s if isinstance(link_gb_per_s, float | int) else link_gb_per_s[link]
+            out[(a, c)] = math.ceil(size / rate)
+        return out
+
+    group = interleaved_schedule_groups(costs.runtime, m, p) if config.virtual_stages > 1 else None
+    return simulate_schedule(
+        schedule=config.schedule,
+        num_microbatches=m,
+        num_ranks=p,
+        forward_ns=forward_stage,
+        backward_ns=backward_stage,
+        group=group,
+        transfer_ns=ns(activations),
+        gradient_ns=ns(gradients),
+        dp_sync_ns=sync,
+        dp_overlap=dp_overlap,
+        microbatch_overhead_ns=microbatch_overhead_ns,
+        optimizer_step_ns=optimizer_step_ns,
+    )
+
+
+def simulated_iteration_ns(
+    costs: LayerCosts,
+    stage_of_layer: Sequence[int] | np.ndarray,
+    recomputed: Sequence[bool] | np.ndarray | None = None,
+    **options,
+) -> int:
+    """The iteration time of an assignment by schedule simulation, ns (``schedule_timeline``'s
+    makespan; ``options`` are its keywords)."""
+    return schedule_timeline(costs, stage_of_layer, recomputed, **options).makespan_ns
+
+
+def _per_stage(values: np.ndarray, stage_of: np.ndarray, num_stages: int) -> list[int]:
+    """Exact integer sums per stage."""
+    total = [0] * num_stages
+    for value, stage in zip(np.asarray(values).tolist(), stage_of.tolist(), strict=True):
+        total[stage] += int(value)
+    return total
