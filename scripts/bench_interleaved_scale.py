@@ -125,10 +125,10 @@ def zoo_profile(folder: str) -> str:
     return str(path)
 
 
-def headline_rows(csv_path: Path | None = None) -> list[dict]:
+def headline_rows(out_dir: str | Path = ROOT / "benchmarks") -> list[dict]:
     """Issue 17 point 5 (GPT-3 175B, --virtual-stages 1,2,4 on 128 GPUs; and the worst pp 16
-    v 2-4 point) from benchmarks/bench_interleaved_scale.csv, after the change."""
-    path = csv_path or ROOT / "benchmarks" / "bench_interleaved_scale.csv"
+    v 2-4 point) from ``out_dir``/bench_interleaved_scale.csv, after the change."""
+    path = Path(out_dir) / "bench_interleaved_scale.csv"
     with open(path, newline="") as handle:
         rows = [row for row in csv.DictReader(handle) if row["code"] == "after"]
     kind, gpus, flags = HEADLINE
