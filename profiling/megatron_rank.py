@@ -300,7 +300,7 @@ def _train_and_measure(spec, job: RunJob, place, settings, dtype, tconfig, chunk
 
         return step
 
-    step_ms, step_instrumentation = clean_steps(prepare, job, place, tracker)
+    step_ms, step_cpu_ms, step_instrumentation = clean_steps(prepare, job, place, tracker)
     return Measured(
         peak_bytes=peak_bytes,
         breakdown=breakdown,
@@ -309,6 +309,7 @@ def _train_and_measure(spec, job: RunJob, place, settings, dtype, tconfig, chunk
         cuda_peak=None,
         grads=grads,
         step_ms=step_ms,
+        step_cpu_ms=step_cpu_ms,
         step_instrumentation=step_instrumentation,
     )
 

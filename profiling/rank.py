@@ -74,6 +74,10 @@ class RankReport:
     ``step_iterations=0``."""
     threads: int | None = None
     """``torch.get_num_threads()`` the rank ran with (``RunJob.threads``)."""
+    step_cpu_ms: list[float] = field(default_factory=list)
+    """This rank's CPU time (``time.process_time``: all its threads, gloo's included) in each
+    clean iteration: next to ``step_ms`` it tells waiting (on peers, or for a CPU on a shared
+    machine) from work."""
     step_instrumentation: list[str] = field(default_factory=list)
     """What of the tracker was found installed around the clean iterations, or
     ``"tracker counted N tensors"`` if it counted any during them: empty when they were clean
@@ -281,6 +285,7 @@ class Measured:
     cuda_peak: int | None
     grads: dict[str, torch.Tensor] | None
     step_ms: list[float] = field(default_factory=list)
+    step_cpu_ms: list[float] = field(default_factory=list)
     step_instrumentation: list[str] = field(default_factory=list)
 
 
@@ -516,7 +521,7 @@ def _loss_parallel(sharded_logits: bool):
 
 def clean_steps(
     prepare: Callable[[int], Callable[[], None]], job: RunJob, place: _Place, tracker
-) -> tuple[list[float], list[str]]:
+) -> tuple[list[float], list[float], list[str]]:
     """Time ``job.step_iterations`` training steps with the memory instrumentation off.
 
     Call after the instrumented iterations, outside the tracker's mode: the tracker is closed
@@ -526,12 +531,14 @@ def clean_steps(
     gradients) and returns the step (schedule + optimizer); every rank enters it after a barrier
     (and a CUDA synchronise), and the step time is the slowest rank's (an all-reduce of the
     max), so it is the pipeline's wall time, not one stage's share. Returns the step times (ms,
-    the same on every rank) and what was found instrumented around them (empty: clean)."""
+    the same on every rank), this rank's CPU time in each (``time.process_time``, ms) and what
+    was found instrumented around them (empty: clean)."""
     import torch.distributed as dist
 
     tracker.close()
     cuda = place.device.type == "cuda"
     step_ms: list[float] = []
+    cpu_ms: list[float] = []
     found: list[str] = []
     for k in range(job.step_iterations):
         step = prepare(job.iterations + k)
@@ -540,18 +547,19 @@ def clean_steps(
         if cuda:
             torch.cuda.synchronize(place.device)
         dist.barrier()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         step()
         if cuda:
             torch.cuda.synchronize(place.device)
         elapsed = torch.tensor([(time.perf_counter() - started) * 1e3], dtype=torch.float64)
+        cpu_ms.append((time.process_time() - cpu_started) * 1e3)
         found += [name for name in tracker.active_instrumentation() if name not in found]
         if tracker.num_tracked != tracked:
             found.append(f"tracker counted {tracker.num_tracked - tracked} tensors")
         elapsed = elapsed.to(place.device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         step_ms.append(float(elapsed.item()))
-    return step_ms, found
+    return step_ms, cpu_ms, found
 
 
 def _gradients(chunks: list[_Chunk], orders: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -619,7 +627,7 @@ def _train_and_measure(
 
         return step
 
-    step_ms, step_instrumentation = clean_steps(prepare, job, place, tracker)
+    step_ms, step_cpu_ms, step_instrumentation = clean_steps(prepare, job, place, tracker)
     return Measured(
         peak_bytes=peak_bytes,
         breakdown=breakdown,
@@ -628,6 +636,7 @@ def _train_and_measure(
         cuda_peak=cuda_peak,
         grads=grads,
         step_ms=step_ms,
+        step_cpu_ms=step_cpu_ms,
         step_instrumentation=step_instrumentation,
     )
 
@@ -660,6 +669,7 @@ def rank_report(place: _Place, job: RunJob, measured: Measured) -> RankReport:
         error_pct=100.0 * (predicted - peak_bytes) / peak_bytes if predicted else None,
         iteration_ms=measured.iteration_ms,
         step_ms=measured.step_ms,
+        step_cpu_ms=measured.step_cpu_ms,
         threads=torch.get_num_threads(),
         step_instrumentation=measured.step_instrumentation,
         cuda_max_allocated_bytes=measured.cuda_peak,

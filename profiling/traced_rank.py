@@ -446,7 +446,7 @@ def traced_rank_main(rank: int, job: RunJob) -> RankReport:
         )
         tracker.track_optimizer(optimizer)
         measured = _iterate(schedule, optimizer, stage, spec, traced, job, place, tracker, owners)
-    measured.step_ms, measured.step_instrumentation = _clean_steps(
+    measured.step_ms, measured.step_cpu_ms, measured.step_instrumentation = _clean_steps(
         schedule, optimizer, spec, traced, job, place, tracker
     )
     return rank_report(place, job, measured)

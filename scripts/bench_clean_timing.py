@@ -6,8 +6,9 @@ Profiles gpt-tiny at 6 layers x 256 hidden (4 heads, seq 128, vocabulary 2048, f
 5.8M parameters) on the CPU with ``profiling.export --device cpu --threads T`` (T = cpu_count //
 2: the threads a rank of a 2-rank run gets), plans a few layouts of pp 1-2 for the torch runtime
 (the planner's split with pinned degrees, or a given split through ``solver.evaluate``) and runs
-each ``--repeats`` times with ``profiling.run.run_plan`` (2 instrumented iterations, then
-``--step-iterations`` clean ones; each rank runs with the graph's recorded thread count). Per
+them ``--repeats`` times, round robin, with ``profiling.run.run_plan`` (2 instrumented
+iterations, then ``--step-iterations`` clean ones; each rank runs with the graph's recorded
+thread count). Per
 layout it writes the plan's ``iteration_ms``, the instrumented iteration (the slowest rank's last
 one, live-tensor tracker on: what ``profiling.validate`` reported as ``iter_ms`` before) and the
 clean step (``step_ms``: tracker off, barrier, the slowest rank's; median over the clean
@@ -58,6 +59,8 @@ COLUMNS = [
     "instrumented_ms",
     "step_ms",
     "step_spread_ms",
+    "busiest_rank_cpu_ms",
+    "ranks_cpu_sum_ms",
     "plan_vs_instrumented_pct",
     "plan_vs_step_pct",
     "tracker_share_pct",
@@ -87,22 +90,28 @@ def _plan_document(graph, pp: int, m: int, schedule: str, split: list[int] | Non
     return evaluation_to_dict(evaluate(graph, config, split, training=training))
 
 
-def measure(layout, graph, repeats: int, step_iterations: int) -> dict:
-    """Run one layout ``repeats`` times; the medians over the repeats."""
+def run_once(document: dict, step_iterations: int) -> tuple[float, float, list[float], set[int]]:
+    """One run of a plan: the slowest rank's last instrumented iteration, the clean step time
+    (median over the clean iterations of the slowest rank's), each rank's CPU time in a clean
+    step (median) and the ranks' thread counts."""
     from profiling.run import run_plan, step_ms
 
-    name, pp, m, schedule, split = layout
-    document = _plan_document(graph, pp, m, schedule, split)
-    instrumented, steps, threads = [], [], set()
-    for _ in range(repeats):
-        reports = run_plan(
-            "gpt-tiny", document, overrides=OVERRIDES, step_iterations=step_iterations
-        )
-        instrumented.append(max(r.iteration_ms[-1] for r in reports))
-        steps.append(step_ms(reports))
-        threads |= {r.threads for r in reports}
+    reports = run_plan("gpt-tiny", document, overrides=OVERRIDES, step_iterations=step_iterations)
+    cpu = [statistics.median(r.step_cpu_ms) for r in reports]
+    threads = {r.threads for r in reports}
+    return max(r.iteration_ms[-1] for r in reports), step_ms(reports), cpu, threads
+
+
+def summarise(layout, document: dict, runs: list[tuple[float, float, set[int]]]) -> dict:
+    """The medians over the repeats of one layout, and the plan's errors against them."""
+    instrumented = [run[0] for run in runs]
+    steps = [run[1] for run in runs]
+    busiest = statistics.median(max(run[2]) for run in runs)
+    cpu_sum = statistics.median(sum(run[2]) for run in runs)
+    threads = set().union(*(run[3] for run in runs))
     plan_ms = document["iteration_ms"]
     inst, step = statistics.median(instrumented), statistics.median(steps)
+    name, pp = layout[0], layout[1]
     return {
         "layout": name,
         "ranks": pp,
@@ -111,6 +120,8 @@ def measure(layout, graph, repeats: int, step_iterations: int) -> dict:
         "instrumented_ms": round(inst, 1),
         "step_ms": round(step, 1),
         "step_spread_ms": round(max(steps) - min(steps), 1),
+        "busiest_rank_cpu_ms": round(busiest, 1),
+        "ranks_cpu_sum_ms": round(cpu_sum, 1),
         "plan_vs_instrumented_pct": round(100 * (plan_ms - inst) / inst, 1),
         "plan_vs_step_pct": round(100 * (plan_ms - step) / step, 1),
         "tracker_share_pct": round(100 * (inst - step) / inst, 1),
@@ -119,7 +130,7 @@ def measure(layout, graph, repeats: int, step_iterations: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--step-iterations", type=int, default=3)
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // 2))
     parser.add_argument("--out", default=str(ROOT / "benchmarks"))
@@ -135,10 +146,13 @@ def main(argv: list[str] | None = None) -> int:
             "gpt-tiny", dtype="fp32", device="cpu", overrides=OVERRIDES, threads=args.threads
         ).save(path)
         graph = load_graph(path)  # the plans record the file: the ranks take its threads
-        rows = []
-        for layout in LAYOUTS:
-            rows.append(measure(layout, graph, args.repeats, args.step_iterations))
-            print(rows[-1], flush=True)
+        documents = [_plan_document(graph, *layout[1:]) for layout in LAYOUTS]
+        runs: list[list] = [[] for _ in LAYOUTS]
+        for repeat in range(args.repeats):  # round robin: a busy spell hits every layout
+            for index, document in enumerate(documents):
+                runs[index].append(run_once(document, args.step_iterations))
+            print(f"repeat {repeat + 1}/{args.repeats} done", flush=True)
+        rows = [summarise(*row) for row in zip(LAYOUTS, documents, runs, strict=True)]
     elapsed = time.perf_counter() - started
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -161,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         "gpt-tiny 6 layers x 256 hidden, seq 128, vocab 2048, fp32, micro-batch 1, torch runtime. "
         "`instrumented_ms`: the slowest rank's last instrumented iteration (live-tensor tracker "
         "on); `step_ms`: the clean step (tracker off, barrier, slowest rank), median of the "
-        "repeats' medians; `step_spread_ms`: max - min over the repeats; `plan_vs_*_pct`: "
+        "repeats' medians (the layouts run round robin); `step_spread_ms`: max - min over the "
+        "repeats; `busiest_rank_cpu_ms`: the CPU time (`time.process_time`, all threads) of the "
+        "busiest rank in a clean step, median; `ranks_cpu_sum_ms`: the ranks' CPU times summed "
+        "(a step time near it, above the busiest rank's, means the ranks did not run in "
+        "parallel: no free core); `plan_vs_*_pct`: "
         "100 (plan - measured) / measured; `tracker_share_pct`: 100 (instrumented - step) / "
         "instrumented.",
         "",

@@ -222,6 +222,7 @@ def _assert_clean(reports, *, iterations: int, threads: int) -> None:
         assert report.step_instrumentation == [], report.step_instrumentation
         assert report.threads == threads
         assert len(report.step_ms) == iterations and all(t > 0 for t in report.step_ms)
+        assert len(report.step_cpu_ms) == iterations and all(t > 0 for t in report.step_cpu_ms)
         assert report.step_ms == reports[0].step_ms  # the slowest rank's, on every rank
 
 
@@ -244,6 +245,7 @@ def test_validate_times_a_clean_step_with_the_graphs_threads(tmp_path, capsys, g
     for rank in ranks:
         assert rank["threads"] == 1 and rank["step_instrumentation"] == []
         assert len(rank["step_ms"]) == 2 and rank["step_ms"] == ranks[0]["step_ms"]
+        assert len(rank["step_cpu_ms"]) == 2
     assert document["step_ms"] == pytest.approx(statistics.median(ranks[0]["step_ms"]))
     assert "step_ms threads" in printed and "1 threads per rank" in printed
 
