@@ -520,14 +520,17 @@ def run_plan(
     _check_device(device, world)
     if engine == "megatron" and device != "cpu":
         raise InputError("engine megatron runs on device cpu here (gloo); use --device cpu")
-    threads_per_rank, _ = rank_threads(plan, device, threads)
-    if threads_per_rank * world > (os.cpu_count() or 1):
+    threads_per_rank, threads_from = rank_threads(plan, device, threads)
+    cpus = os.cpu_count() or 1
+    if device == "cpu" and threads_per_rank * world > cpus:
         logger.warning(
-            "%d ranks x %d threads on %d CPUs: oversubscribed, step times will be slower than "
-            "the plan's",
+            "%d ranks x %d threads (%s) on %d CPUs: oversubscribed, the step time will exceed "
+            "the plan's; profile with --threads %d (profiling.export) or run with --threads",
             world,
             threads_per_rank,
-            os.cpu_count(),
+            threads_from,
+            cpus,
+            max(1, cpus // world),
         )
     job = RunJob(
         preset=model,
