@@ -25,6 +25,7 @@ from typing import Any
 from solver.cli.common import (
     OneLineErrorParser,
     check_outputs,
+    int_in,
     positive_int,
     print_error,
     write_json,
@@ -35,6 +36,10 @@ from solver.graph import LayerGraph
 from solver.units import format_bytes
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+MAX_THREADS = 4096
+"""Most CPU threads (``--threads`` here and in profiling.run / validate; the graph schema's
+``meta.timing.threads``)."""
 
 
 def resolve_spec(name: str, overrides: dict[str, Any]):
@@ -127,9 +132,9 @@ def export_graph(
     from profiling.profile import profile_module
 
     if threads is not None and (
-        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+        isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS
     ):
-        raise InputError(f"threads must be an integer >= 1, got {threads!r}")
+        raise InputError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
     spec = resolve_spec(name, overrides or {})
     torch_dtype = getattr(torch, DTYPES[dtype])
     if device == "cuda" and not torch.cuda.is_available():
@@ -278,7 +283,7 @@ def parser() -> argparse.ArgumentParser:
     )
     result.add_argument(
         "--threads",
-        type=positive_int,
+        type=int_in(1, MAX_THREADS),
         help="CPU threads to time the layers with (default: torch's, all cores); recorded in "
         "the graph's meta.timing.threads, and profiling.run gives each rank as many",
     )

@@ -114,7 +114,7 @@ from typing import Any
 import torch
 
 import models
-from profiling.export import resolve_spec
+from profiling.export import MAX_THREADS, resolve_spec
 from profiling.parallelize import (
     tensor_parallel_pairs,
     vocabulary_parallel_paths,
@@ -401,8 +401,10 @@ def rank_threads(
     from solver.graph import timing_of
 
     if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise InputError(f"threads must be an integer >= 1, got {threads!r}")
+        if isinstance(threads, bool) or not isinstance(threads, int):
+            raise InputError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
+        if not 1 <= threads <= MAX_THREADS:
+            raise InputError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
         return threads, "given"
     graph = recorded_graph(plan)
     timing = timing_of(graph) if graph is not None else None

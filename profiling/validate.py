@@ -19,7 +19,7 @@ import argparse
 import sys
 from dataclasses import asdict
 
-from profiling.export import parse_overrides
+from profiling.export import MAX_THREADS, parse_overrides
 from solver.cli.common import (
     OneLineErrorParser,
     check_outputs,
@@ -83,7 +83,7 @@ def parser() -> argparse.ArgumentParser:
     )
     result.add_argument(
         "--threads",
-        type=positive_int,
+        type=int_in(1, MAX_THREADS),
         help="CPU threads per rank (default: the count the plan's graph timed its layers with, "
         "meta.timing.threads, when its file is readable; else cpu_count // ranks)",
     )

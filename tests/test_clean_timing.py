@@ -132,9 +132,10 @@ def test_graph_meta_timing_round_trips_and_is_checked(graphs):
     document = copy.deepcopy(graphs[0]["meta"].to_dict())  # to_dict shares meta
     document["meta"]["timing"] = {"device": "cpu", "threads": 3}
     assert timing_of(graph_from_dict(document))["threads"] == 3
-    document["meta"]["timing"] = {"device": "cpu", "threads": 0}
-    with pytest.raises(InputError, match=r"meta\.timing\.threads"):
-        graph_from_dict(document)
+    for threads in (0, 4097):  # 1..4096 (profiling.export.MAX_THREADS)
+        document["meta"]["timing"] = {"device": "cpu", "threads": threads}
+        with pytest.raises(InputError, match=r"meta\.timing\.threads"):
+            graph_from_dict(document)
     document["meta"]["timing"] = {"device": "cpu"}
     with pytest.raises(InputError, match="threads"):
         graph_from_dict(document)
@@ -150,7 +151,7 @@ def test_rank_threads_given_then_graph_then_cores(tmp_path, graphs):
     assert rank_threads(plan_file, "cuda")[0] == cores
     (tmp_path / "graph.json").unlink()  # the graph gone: the cores' share
     assert rank_threads(plan_file, "cpu")[0] == cores
-    with pytest.raises(InputError, match="threads must be an integer >= 1"):
+    with pytest.raises(InputError, match=r"threads must be an integer in 1\.\.4096"):
         rank_threads(plan_file, "cpu", 0)
 
 
@@ -167,6 +168,7 @@ def test_bad_thread_and_step_options_exit_2(tmp_path, capsys, graphs):
     runs = [
         (export.main, ["gpt-tiny", "--device", "cpu", "--threads", "0"]),
         (validate.main, [str(plan_path), "--model", "gpt-tiny", "--threads", "0"]),
+        (validate.main, [str(plan_path), "--model", "gpt-tiny", "--threads", "4097"]),
         (validate.main, [str(plan_path), "--model", "gpt-tiny", "--step-iterations", "-1"]),
     ]
     for main, argv in runs:
