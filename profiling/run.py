@@ -75,13 +75,14 @@ every iteration and the last iteration's peak is reported, with the plan's
 ``torch.cuda.max_memory_allocated`` over the last iteration is reported as well.
 
 Time: ``RankReport.iteration_ms`` is each instrumented iteration's wall time on the rank (the
-tracker slows it, 30-45% on gpt-tiny on a CPU); after them ``step_iterations`` clean iterations
-run with the tracker closed (no dispatch mode, saved-tensor or gradient hooks, no storage
-tagging), each started on every rank after a barrier, and ``RankReport.step_ms`` is the slowest
-rank's time of each (:func:`profiling.rank.clean_steps`): the step time to compare with the
-plan's ``iteration_ms``. Each rank runs with ``threads`` CPU threads (:func:`rank_threads`: the
-count the graph's layer times were measured with, ``meta.timing.threads``, when the plan's graph
-file records it; else ``cpu_count // world``), reported as ``RankReport.threads``.
+tracker takes 21-30% of it on gpt-tiny on a CPU, benchmarks/bench_clean_timing.md); after
+them ``step_iterations`` clean iterations run with the tracker closed (no dispatch mode,
+saved-tensor or gradient hooks, no storage tagging), each started on every rank after a
+barrier, and ``RankReport.step_ms`` is the slowest rank's time of each
+(:func:`profiling.rank.clean_steps`): the step time to compare with the plan's
+``iteration_ms``. Each rank runs with ``threads`` CPU threads (:func:`rank_threads`: the count
+the graph's layer times were measured with, ``meta.timing.threads``, when the plan's graph file
+records it; else ``cpu_count // world``), reported as ``RankReport.threads``.
 
 Not supported (``InputError``): tied weights split across (virtual) stages, a tied embedding and
 head with a vocabulary-parallel table, ZeRO-1 with tp > 1 and dp > 1, sequence parallelism
@@ -401,9 +402,11 @@ def rank_threads(
     from solver.graph import timing_of
 
     if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, int):
-            raise InputError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
-        if not 1 <= threads <= MAX_THREADS:
+        if (
+            isinstance(threads, bool)
+            or not isinstance(threads, int)
+            or not 1 <= threads <= MAX_THREADS
+        ):
             raise InputError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
         return threads, "given"
     graph = recorded_graph(plan)
