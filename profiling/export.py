@@ -25,6 +25,7 @@ from typing import Any
 from solver.cli.common import (
     OneLineErrorParser,
     check_outputs,
+    int_in,
     positive_int,
     print_error,
     write_json,
@@ -35,6 +36,10 @@ from solver.graph import LayerGraph
 from solver.units import format_bytes
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+MAX_THREADS = 4096
+"""Most CPU threads (``--threads`` here and in profiling.run / validate; the graph schema's
+``meta.timing.threads``)."""
 
 
 def resolve_spec(name: str, overrides: dict[str, Any]):
@@ -116,13 +121,20 @@ def export_graph(
     layers: list[str] | None = None,
     overrides: dict[str, Any] | None = None,
     progress=None,
+    threads: int | None = None,
 ) -> LayerGraph:
-    """Profile a preset / hf: model / factory into a layer graph (the CLI's work, as an API)."""
+    """Profile a preset / hf: model / factory into a layer graph (the CLI's work, as an API).
+    ``threads``: CPU threads to time the layers with (``torch.set_num_threads`` for the
+    profile, restored after; default: the process's), recorded in ``meta.timing.threads``."""
     import torch
 
     from profiling.layers import default_layer_paths
     from profiling.profile import profile_module
 
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS
+    ):
+        raise InputError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
     spec = resolve_spec(name, overrides or {})
     torch_dtype = getattr(torch, DTYPES[dtype])
     if device == "cuda" and not torch.cuda.is_available():
@@ -131,7 +143,10 @@ def export_graph(
         )
     build_device = "meta" if device == "meta" else device
     previous = torch.get_default_dtype()
+    previous_threads = torch.get_num_threads()
     torch.set_default_dtype(torch_dtype)
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
         with torch.device(build_device):
             module = spec.build()
@@ -164,6 +179,7 @@ def export_graph(
         return graph
     finally:
         torch.set_default_dtype(previous)
+        torch.set_num_threads(previous_threads)
 
 
 def format_summary(graph: LayerGraph) -> str:
@@ -266,6 +282,12 @@ def parser() -> argparse.ArgumentParser:
         "run with per-layer times",
     )
     result.add_argument(
+        "--threads",
+        type=int_in(1, MAX_THREADS),
+        help="CPU threads to time the layers with (default: torch's, all cores); recorded in "
+        "the graph's meta.timing.threads, and profiling.run gives each rank as many",
+    )
+    result.add_argument(
         "--layers",
         help="comma-separated module paths (default: the repeated "
         "blocks plus the parts around them)",
@@ -306,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                 layers=args.layers.split(",") if args.layers else None,
                 overrides=parse_overrides(args.set),
                 progress=progress,
+                threads=args.threads,
             )
         if args.out:
             write_json(args.out, graph.to_dict(), protect=[], flag="--out")

@@ -11,8 +11,9 @@ contiguous gradient buffer, fp32 ``main_grad`` with bf16 as Megatron-LM's
 optimizer with ``--use-distributed-optimizer``), ``finalize_model_grads`` and
 ``get_forward_backward_func`` (1F1B, or interleaved 1F1B with virtual stages). The live-tensor
 tracker (:class:`profiling.memory.LiveTensorTracker`) counts from before the wrappers on; the last
-iteration's peak is reported next to the plan's prediction. CUDA assumptions are bypassed by
-:mod:`profiling.megatron_cpu` only.
+iteration's peak is reported next to the plan's prediction, and ``step_iterations`` more steps
+are timed with it switched off (:func:`profiling.rank.clean_steps`). CUDA assumptions are
+bypassed by :mod:`profiling.megatron_cpu` only.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from profiling.rank import (
     RankReport,
     RunJob,
     batch_for_iteration,
+    clean_steps,
     inject_fault,
     join_process_group,
     model_spec,
@@ -277,6 +279,28 @@ def _train_and_measure(spec, job: RunJob, place, settings, dtype, tconfig, chunk
         # measurement
         gated = spec.config.mlp == "swiglu"
         grads = _full_gradients(wrapped, settings, gated) if job.capture_grads else None
+
+    def prepare(iteration: int):
+        data = [iter(_micro_batches(spec, job, place, iteration, c)) for c in chunks]
+        for ddp in wrapped:
+            ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+
+        def step() -> None:
+            forward_backward(
+                forward_step_func=_forward_step,
+                data_iterator=data if interleaved else data[0],
+                model=wrapped if interleaved else wrapped[0],
+                num_microbatches=config.num_microbatches,
+                seq_length=job.seq or spec.seq_len,
+                micro_batch_size=config.micro_batch,
+                forward_only=False,
+            )
+            optimizer.step()
+
+        return step
+
+    step_ms, step_cpu_ms, step_instrumentation = clean_steps(prepare, job, place, tracker)
     return Measured(
         peak_bytes=peak_bytes,
         breakdown=breakdown,
@@ -284,6 +308,9 @@ def _train_and_measure(spec, job: RunJob, place, settings, dtype, tconfig, chunk
         losses=losses,
         cuda_peak=None,
         grads=grads,
+        step_ms=step_ms,
+        step_cpu_ms=step_cpu_ms,
+        step_instrumentation=step_instrumentation,
     )
 
 

@@ -63,6 +63,11 @@ class LiveTensorTracker(TorchDispatchMode):
         self.current_bytes = 0
         self.peak_bytes = 0
         self.peak_breakdown = dict(self.current)
+        self.num_tracked = 0
+        """Calls of :meth:`track` so far (whatever called it: the mode, a hook, the caller)."""
+        self._handles: dict[str, list] = {"gradient hooks": [], "optimizer hooks": []}
+        self._entered = False
+        self._saving = False
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -78,6 +83,7 @@ class LiveTensorTracker(TorchDispatchMode):
             tensor = local_shard(tensor)  # a shard: count the local storage
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
             return
+        self.num_tracked += 1
         storage = tensor.untyped_storage()
         key = storage_key(storage)
         nbytes = storage.nbytes()
@@ -119,9 +125,10 @@ class LiveTensorTracker(TorchDispatchMode):
         """Tag each parameter's ``.grad`` as ``grads`` whenever it has been accumulated."""
         for param in module.parameters():
             if param.requires_grad:
-                param.register_post_accumulate_grad_hook(
+                handle = param.register_post_accumulate_grad_hook(
                     lambda p: self.track(p.grad, "grads") if p.grad is not None else None
                 )
+                self._handles["gradient hooks"].append(handle)
 
     def track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Tag the optimizer's state tensors as ``optimizer`` after every step."""
@@ -131,7 +138,7 @@ class LiveTensorTracker(TorchDispatchMode):
                 for value in state.values():
                     self.track(value, "optimizer")
 
-        optimizer.register_step_post_hook(tag_states)
+        self._handles["optimizer hooks"].append(optimizer.register_step_post_hook(tag_states))
 
     @contextlib.contextmanager
     def saved_tensors(self) -> Iterator[None]:
@@ -142,7 +149,43 @@ class LiveTensorTracker(TorchDispatchMode):
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            yield
+            self._saving = True
+            try:
+                yield
+            finally:
+                self._saving = False
+
+    # -- switching it off -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop counting for good (after the mode was exited): remove the gradient and optimizer
+        hooks and forget the live storages, whose weak-reference callbacks go with them. The peak
+        read so far stays. What a clean, uninstrumented timing runs after
+        (``profiling.rank.clean_steps``)."""
+        for handles in self._handles.values():
+            for handle in handles:
+                handle.remove()
+            handles.clear()
+        self._live.clear()
+
+    def active_instrumentation(self) -> list[str]:
+        """What of this tracker is installed now: its dispatch mode, its saved-tensor hooks, its
+        storage-resize patch, gradient or optimizer hooks still registered (empty after
+        :meth:`close` outside the mode)."""
+        found = [
+            name
+            for name, on in (
+                ("dispatch mode", self._entered),
+                ("saved-tensor hooks", self._saving),
+                ("storage resize patch", hasattr(torch.UntypedStorage.resize_, "__wrapped__")),
+            )
+            if on
+        ]
+        for name, handles in self._handles.items():
+            installed = [h for h in handles if (hooks := h.hooks_dict_ref()) and h.id in hooks]
+            if installed:
+                found.append(f"{name} ({len(installed)})")
+        return found
 
     # -- the mode ---------------------------------------------------------------------------
 
@@ -150,10 +193,12 @@ class LiveTensorTracker(TorchDispatchMode):
         # FSDP2 frees and re-allocates unsharded parameters with ``UntypedStorage.resize_``,
         # which no dispatch mode sees (MemTracker patches it the same way).
         self._unpatch_resize = patch_storage_resize(self._resized)
+        self._entered = True
         return super().__enter__()
 
     def __exit__(self, *args) -> None:
         self._unpatch_resize()
+        self._entered = False
         super().__exit__(*args)
 
     def _resized(self, storage: torch.UntypedStorage) -> None:

@@ -57,7 +57,8 @@ such as a causal mask; profile with batch 1 to count those in full):
   only) and ``meta["moe"]``: the routed experts, by the module-name rule of ``experts.py``.
 - ``fwd_ms``, ``bwd_ms`` (``mode="real"`` only, ``timing.py``): the median over three timed runs
   after one warm-up, per sample; CUDA events on a GPU, ``perf_counter`` on the CPU. The forward is
-  split at the layers' forward hooks; the backward at autograd-node pre-hooks.
+  split at the layers' forward hooks; the backward at autograd-node pre-hooks. ``meta["timing"]``
+  records how: the device type and ``torch.get_num_threads()`` (``timing.timing_meta``).
 
 **Owners** (see ``dataflow.py``): glue code outside every selected layer (an embedding sum and its
 dropout in the root's forward, a loss computed after the head) is charged to the layer that
@@ -113,7 +114,7 @@ from profiling.experts import ExpertTracker
 from profiling.graph_builder import build_graph
 from profiling.layers import default_layer_paths
 from profiling.tensor_parallel import TensorParallelTracker, is_linear
-from profiling.timing import time_layers
+from profiling.timing import time_layers, timing_meta
 from solver.errors import InputError
 from solver.graph import LayerGraph
 
@@ -164,8 +165,9 @@ def profile_module(
         tracer, split, experts = _trace(
             module, state, inputs, selection, fake_mode, say, cuda_like, model_name
         )
-        timings = None
+        timings, timing = None, {}
         if mode == "real":
+            timing = {"timing": timing_meta(device)}
             timings = time_layers(
                 selection,
                 lambda: _loss(torch.func.functional_call(module, state.tensors, inputs), "model"),
@@ -192,6 +194,7 @@ def profile_module(
             "profile_batch": batch,
             "dropout": "cuda-like native_dropout" if cuda_like else "device default",
         }
+        | timing
         | dict(meta or {}),
     )
     say("done")

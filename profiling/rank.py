@@ -1,8 +1,9 @@
 """One rank of a plan's real run (the child process of :func:`profiling.run.run_plan`): join
 the ``(pp, dp, tp)`` mesh, build this rank's chunks of the model, apply its tensor and data
 parallelism, train ``iterations`` steps with torch.distributed.pipelining and Adam, and report
-the live-tensor peak of the last one next to the plan's prediction. How the run works as a
-whole: :mod:`profiling.run`."""
+the live-tensor peak of the last one next to the plan's prediction; then time
+``step_iterations`` more steps with the memory instrumentation off (:func:`clean_steps`). How
+the run works as a whole: :mod:`profiling.run`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -63,7 +65,23 @@ class RankReport:
     error_pct: float | None
     """100 * (predicted - measured) / measured: negative when the plan under-predicts."""
     iteration_ms: list[float]
-    """Wall time of each iteration on this rank (schedule step + optimizer step)."""
+    """Wall time of each instrumented iteration on this rank (schedule step + optimizer step,
+    with the live-tensor tracker counting)."""
+    step_ms: list[float] = field(default_factory=list)
+    """Each clean timed iteration after the instrumented ones (no tracker, no saved-tensor hooks,
+    no storage tagging; all ranks start it after a barrier): the slowest rank's wall time of
+    schedule step + optimizer step, the same on every rank (:func:`clean_steps`). Empty with
+    ``step_iterations=0``."""
+    threads: int | None = None
+    """``torch.get_num_threads()`` the rank ran with (``RunJob.threads``)."""
+    step_cpu_ms: list[float] = field(default_factory=list)
+    """This rank's CPU time (``time.process_time``: all its threads, gloo's included) in each
+    clean iteration: next to ``step_ms`` it tells waiting (on peers, or for a CPU on a shared
+    machine) from work."""
+    step_instrumentation: list[str] = field(default_factory=list)
+    """What of the tracker was found installed around the clean iterations, or
+    ``"tracker counted N tensors"`` if it counted any during them: empty when they were clean
+    (:meth:`profiling.memory.LiveTensorTracker.active_instrumentation`)."""
     cuda_max_allocated_bytes: int | None = None
     """``device="cuda"``: ``torch.cuda.max_memory_allocated`` over the last iteration (reset at
     its start), next to the tracker's count; None on CPU."""
@@ -98,6 +116,11 @@ class RunJob:
     traced: bool = False
     """torch engine on a model that is not a zoo preset (``preset`` is then ``hf:NAME`` or
     ``package.module:factory``): cut by tracing, :mod:`profiling.traced_rank`."""
+    threads: int | None = None
+    """CPU threads per rank (``torch.set_num_threads``); None: ``cpu_count // world`` (at
+    least 1). :func:`profiling.run.rank_threads` chooses it."""
+    step_iterations: int = 1
+    """Clean timed iterations after the measured ones (:func:`clean_steps`)."""
 
 
 def grad_lifetime(plan: PlanFile) -> str:
@@ -261,6 +284,9 @@ class Measured:
     losses: list[float]
     cuda_peak: int | None
     grads: dict[str, torch.Tensor] | None
+    step_ms: list[float] = field(default_factory=list)
+    step_cpu_ms: list[float] = field(default_factory=list)
+    step_instrumentation: list[str] = field(default_factory=list)
 
 
 def place_rank(rank: int, job: RunJob) -> _Place:
@@ -268,7 +294,7 @@ def place_rank(rank: int, job: RunJob) -> _Place:
     config = job.plan.config
     replica, tp_rank = divmod(rank, config.tp)
     stage, dp_rank = divmod(replica, config.dp)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.num_gpus))
+    torch.set_num_threads(job.threads or max(1, (os.cpu_count() or 1) // config.num_gpus))
     cuda = job.device == "cuda"
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
@@ -423,6 +449,25 @@ def _schedule(
     )
 
 
+def _step_inputs(
+    spec: models.ModelSpec, job: RunJob, place: _Place, iteration: int
+) -> tuple[tuple, dict[str, Any], list[torch.Tensor]]:
+    """The schedule's arguments for ``iteration`` on this rank: the input ids (first stage), the
+    targets and the list the losses go to (last stage)."""
+    config = job.plan.config
+    rows = config.micro_batch * config.num_microbatches
+    ids, targets = batch_for_iteration(
+        spec, batch=rows * config.dp, seq=job.seq, seed=job.seed, iteration=iteration
+    )
+    local = slice(place.dp_rank * rows, (place.dp_rank + 1) * rows)
+    args = (ids[local].to(place.device, copy=True),) if place.first else ()
+    kwargs: dict[str, Any] = {}
+    step_losses: list[torch.Tensor] = []
+    if place.last:
+        kwargs = {"target": targets[local].to(place.device, copy=True), "losses": step_losses}
+    return args, kwargs, step_losses
+
+
 def _iterate(
     schedule,
     optimizer,
@@ -436,24 +481,12 @@ def _iterate(
 ) -> tuple[list[float], list[float], int | None]:
     """Run ``job.iterations`` steps (schedule, then optimizer), resetting the peaks at the start
     of each. Returns the iteration times (ms), the losses (last rank) and the last CUDA peak."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    config, device, cuda = job.plan.config, place.device, place.device.type == "cuda"
+    device, cuda = place.device, place.device.type == "cuda"
     losses: list[float] = []
     iteration_ms: list[float] = []
     cuda_peak: int | None = None
-    rows = config.micro_batch * config.num_microbatches
     for iteration in range(job.iterations):
-        ids, targets = batch_for_iteration(
-            spec, batch=rows * config.dp, seq=job.seq, seed=job.seed, iteration=iteration
-        )
-        local = slice(place.dp_rank * rows, (place.dp_rank + 1) * rows)
-        args = (ids[local].to(device, copy=True),) if place.first else ()
-        kwargs: dict[str, Any] = {}
-        step_losses: list[torch.Tensor] = []
-        if place.last:
-            kwargs = {"target": targets[local].to(device, copy=True), "losses": step_losses}
-        del ids, targets
+        args, kwargs, step_losses = _step_inputs(spec, job, place, iteration)
         # the plan's gradient lifetime: step frees every gradient (torch's default), persistent
         # keeps them as buffers (DDP keeps its buckets either way; the cost model knows)
         optimizer.zero_grad(set_to_none=grad_lifetime(job.plan) == "step")
@@ -463,10 +496,7 @@ def _iterate(
             torch.cuda.reset_peak_memory_stats(device)
         started = time.perf_counter()
         inject_fault(job, place)
-        with (
-            tracker.saved_tensors(),
-            loss_parallel() if sharded_logits else contextlib.nullcontext(),
-        ):
+        with tracker.saved_tensors(), _loss_parallel(sharded_logits):
             schedule.step(*args, **kwargs, return_outputs=False)
         for param in params:  # FSDP2 sets sharded grads without hooks
             if param.grad is not None:
@@ -480,6 +510,56 @@ def _iterate(
             losses.append(float(torch.stack([_full(x) for x in step_losses]).detach().mean()))
         del args, kwargs, step_losses
     return iteration_ms, losses, cuda_peak
+
+
+def _loss_parallel(sharded_logits: bool):
+    """``loss_parallel()`` for a vocabulary-parallel head's sharded logits, else nothing."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel() if sharded_logits else contextlib.nullcontext()
+
+
+def clean_steps(
+    prepare: Callable[[int], Callable[[], None]], job: RunJob, place: _Place, tracker
+) -> tuple[list[float], list[float], list[str]]:
+    """Time ``job.step_iterations`` training steps with the memory instrumentation off.
+
+    Call after the instrumented iterations, outside the tracker's mode: the tracker is closed
+    first (:meth:`profiling.memory.LiveTensorTracker.close`: no gradient or optimizer hooks, no
+    weak references on storages), and nothing runs under saved-tensor hooks. For iteration
+    ``job.iterations + k``, ``prepare(iteration)`` does the untimed work (inputs, zeroing the
+    gradients) and returns the step (schedule + optimizer); every rank enters it after a barrier
+    (and a CUDA synchronise), and the step time is the slowest rank's (an all-reduce of the
+    max), so it is the pipeline's wall time, not one stage's share. Returns the step times (ms,
+    the same on every rank), this rank's CPU time in each (``time.process_time``, ms) and what
+    was found instrumented around them (empty: clean)."""
+    import torch.distributed as dist
+
+    tracker.close()
+    cuda = place.device.type == "cuda"
+    step_ms: list[float] = []
+    cpu_ms: list[float] = []
+    found: list[str] = []
+    for k in range(job.step_iterations):
+        step = prepare(job.iterations + k)
+        found += [name for name in tracker.active_instrumentation() if name not in found]
+        tracked = tracker.num_tracked
+        if cuda:
+            torch.cuda.synchronize(place.device)
+        dist.barrier()
+        started, cpu_started = time.perf_counter(), time.process_time()
+        step()
+        if cuda:
+            torch.cuda.synchronize(place.device)
+        elapsed = torch.tensor([(time.perf_counter() - started) * 1e3], dtype=torch.float64)
+        cpu_ms.append((time.process_time() - cpu_started) * 1e3)
+        found += [name for name in tracker.active_instrumentation() if name not in found]
+        if tracker.num_tracked != tracked:
+            found.append(f"tracker counted {tracker.num_tracked - tracked} tensors")
+        elapsed = elapsed.to(place.device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        step_ms.append(float(elapsed.item()))
+    return step_ms, cpu_ms, found
 
 
 def _gradients(chunks: list[_Chunk], orders: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -535,6 +615,19 @@ def _train_and_measure(
         )
         peak_bytes, breakdown = tracker.peak_bytes, dict(tracker.peak_breakdown)
         grads = _gradients(chunks, orders) if job.capture_grads else None
+
+    def prepare(iteration: int) -> Callable[[], None]:
+        args, kwargs, _ = _step_inputs(spec, job, place, iteration)
+        optimizer.zero_grad(set_to_none=grad_lifetime(job.plan) == "step")
+
+        def step() -> None:
+            with _loss_parallel(sharded_logits):
+                schedule.step(*args, **kwargs, return_outputs=False)
+            optimizer.step()
+
+        return step
+
+    step_ms, step_cpu_ms, step_instrumentation = clean_steps(prepare, job, place, tracker)
     return Measured(
         peak_bytes=peak_bytes,
         breakdown=breakdown,
@@ -542,6 +635,9 @@ def _train_and_measure(
         losses=losses,
         cuda_peak=cuda_peak,
         grads=grads,
+        step_ms=step_ms,
+        step_cpu_ms=step_cpu_ms,
+        step_instrumentation=step_instrumentation,
     )
 
 
@@ -572,6 +668,10 @@ def rank_report(place: _Place, job: RunJob, measured: Measured) -> RankReport:
         predicted_breakdown=dict(stage.breakdown),
         error_pct=100.0 * (predicted - peak_bytes) / peak_bytes if predicted else None,
         iteration_ms=measured.iteration_ms,
+        step_ms=measured.step_ms,
+        step_cpu_ms=measured.step_cpu_ms,
+        threads=torch.get_num_threads(),
+        step_instrumentation=measured.step_instrumentation,
         cuda_max_allocated_bytes=measured.cuda_peak,
         losses=measured.losses,
         grads=measured.grads,

@@ -74,6 +74,16 @@ every iteration and the last iteration's peak is reported, with the plan's
 ``grads`` only after the backward, so at a peak inside it they count as ``other``. On CUDA,
 ``torch.cuda.max_memory_allocated`` over the last iteration is reported as well.
 
+Time: ``RankReport.iteration_ms`` is each instrumented iteration's wall time on the rank (the
+tracker takes 21-30% of it on gpt-tiny on a CPU, benchmarks/bench_clean_timing.md); after
+them ``step_iterations`` clean iterations run with the tracker closed (no dispatch mode,
+saved-tensor or gradient hooks, no storage tagging), each started on every rank after a
+barrier, and ``RankReport.step_ms`` is the slowest rank's time of each
+(:func:`profiling.rank.clean_steps`): the step time to compare with the plan's
+``iteration_ms``. Each rank runs with ``threads`` CPU threads (:func:`rank_threads`: the count
+the graph's layer times were measured with, ``meta.timing.threads``, when the plan's graph file
+records it; else ``cpu_count // world``), reported as ``RankReport.threads``.
+
 Not supported (``InputError``): tied weights split across (virtual) stages, a tied embedding and
 head with a vocabulary-parallel table, ZeRO-1 with tp > 1 and dp > 1, sequence parallelism
 (``config.sp``) on a model other than the GPT/Llama presets or with a sequence tp does not
@@ -90,11 +100,13 @@ numbers in a different order).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import multiprocessing.connection
 import os
 import shutil
 import socket
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -103,7 +115,7 @@ from typing import Any
 import torch
 
 import models
-from profiling.export import resolve_spec
+from profiling.export import MAX_THREADS, resolve_spec
 from profiling.parallelize import (
     tensor_parallel_pairs,
     vocabulary_parallel_paths,
@@ -128,6 +140,8 @@ ENGINES = ("torch", "megatron")
 RECOMPUTE = ("none", "full")
 """The recompute modes (of ``solver.specs.RECOMPUTE_MODES``) this executor runs."""
 DEVICES = ("cpu", "cuda")
+
+logger = logging.getLogger(__name__)
 
 
 # -- what this executor runs (parent) ----------------------------------------------------------
@@ -358,6 +372,51 @@ def _check_device(device: str, world: int) -> None:
 # -- the launcher (parent) ---------------------------------------------------------------------
 
 
+def recorded_graph(plan: PlanFile):
+    """The graph file the plan records (``graph.path`` as given, else beside the plan), when it
+    is there, loads, and is still the plan's graph (same sha256); else None."""
+    from solver.graph import load_graph
+
+    record = plan.graph
+    if record is None or not record.path:
+        return None
+    path = Path(record.path)
+    if not path.is_absolute() and not path.is_file() and plan.source:
+        path = Path(plan.source).parent / path
+    try:
+        if not path.is_file():
+            return None
+        graph = load_graph(path)
+    except (PlannerError, OSError, ValueError):
+        return None
+    return graph if graph.sha256() == record.sha256 else None
+
+
+def rank_threads(
+    plan: PlanFile, device: str = "cpu", threads: int | None = None
+) -> tuple[int, str]:
+    """The CPU threads each rank runs with, and where the count comes from: ``threads`` when
+    given; else the count the plan's graph measured its layer times with
+    (``meta.timing.threads`` of :func:`recorded_graph`, timed on the same device type), so that
+    the plan and the run time the same thing; else ``cpu_count // world`` (at least 1)."""
+    from solver.graph import timing_of
+
+    if threads is not None:
+        if (
+            isinstance(threads, bool)
+            or not isinstance(threads, int)
+            or not 1 <= threads <= MAX_THREADS
+        ):
+            raise InputError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
+        return threads, "given"
+    graph = recorded_graph(plan)
+    timing = timing_of(graph) if graph is not None else None
+    if timing is not None and timing.get("device", "cpu").split(":")[0] == device:
+        return timing["threads"], f"{plan.graph.path}: meta.timing.threads"
+    world = plan.config.num_gpus
+    return max(1, (os.cpu_count() or 1) // world), f"cpu_count {os.cpu_count()} // world {world}"
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("localhost", 0))
@@ -429,6 +488,8 @@ def run_plan(
     max_processes: int | None = None,
     device: str = "cpu",
     engine: str = "torch",
+    threads: int | None = None,
+    step_iterations: int = 1,
     _fault: tuple[int, str] | None = None,
 ) -> list[RankReport]:
     """Train ``iterations`` steps of ``model`` with ``plan`` on ``pp * dp * tp`` local processes.
@@ -441,7 +502,10 @@ def run_plan(
     :class:`solver.plan_file.PlanFile`), checked by :func:`solver.plan_file.load_plan`.
     Returns one ``RankReport`` per rank, in rank order. ``seq`` defaults to the model's
     ``seq_len``; ``max_processes`` to ``max(4, 2 * cpu_count)``. ``device``: ``"cpu"`` (gloo) or
-    ``"cuda"`` (NCCL, rank r on ``cuda:{r % device_count}``, one GPU per rank). Raises
+    ``"cuda"`` (NCCL, rank r on ``cuda:{r % device_count}``, one GPU per rank). ``threads``:
+    CPU threads per rank (default :func:`rank_threads`: the graph's recorded count, else
+    ``cpu_count // world``). ``step_iterations``: clean timed iterations after the measured ones
+    (``RankReport.step_ms``; 0: none). Raises
     ``InputError`` for a plan this executor cannot run on the model or device, and ``RunError``
     when a rank fails or the run
     takes longer than ``timeout_s`` (every process is stopped first). ``_fault`` is a test hook:
@@ -451,6 +515,8 @@ def run_plan(
     overrides = dict(overrides or {})
     if iterations < 1:
         raise InputError(f"iterations must be >= 1, got {iterations}")
+    if step_iterations < 0:
+        raise InputError(f"step_iterations must be >= 0, got {step_iterations}")
     plan = load_plan(plan)
     spec, traced = resolve_model(model, overrides)
     limit = max_processes or max(4, 2 * (os.cpu_count() or 1))
@@ -459,6 +525,18 @@ def run_plan(
     _check_device(device, world)
     if engine == "megatron" and device != "cpu":
         raise InputError("engine megatron runs on device cpu here (gloo); use --device cpu")
+    threads_per_rank, threads_from = rank_threads(plan, device, threads)
+    cpus = os.cpu_count() or 1
+    if device == "cpu" and threads_per_rank * world > cpus:
+        logger.warning(
+            "%d ranks x %d threads (%s) on %d CPUs: oversubscribed, the step time will exceed "
+            "the plan's; profile with --threads %d (profiling.export) or run with --threads",
+            world,
+            threads_per_rank,
+            threads_from,
+            cpus,
+            max(1, cpus // world),
+        )
     job = RunJob(
         preset=model,
         overrides=overrides,
@@ -473,6 +551,8 @@ def run_plan(
         fault=_fault,
         engine=engine,
         traced=traced,
+        threads=threads_per_rank,
+        step_iterations=step_iterations,
         deallocate_pipeline_outputs=(
             plan.training is None or plan.training.deallocate_pipeline_outputs
         ),
@@ -527,27 +607,40 @@ def run_plan(
 
 def format_reports(reports: list[RankReport]) -> str:
     """Text table: rank, stage, dp and tp rank, measured, predicted, error % and the measured
-    breakdown (MiB); on CUDA also ``torch.cuda.max_memory_allocated`` (``cuda_MiB``)."""
+    breakdown (MiB), the last instrumented iteration's time (``iter_ms``), the median clean step
+    time (``step_ms``, the slowest rank's) and the rank's threads; on CUDA also
+    ``torch.cuda.max_memory_allocated`` (``cuda_MiB``)."""
     mib = 2**20
     cuda = any(r.cuda_max_allocated_bytes is not None for r in reports)
     lines = [
         "rank stage dp tp  measured_MiB predicted_MiB  error_%   "
-        "params   grads  optimizer activations  other  iter_ms" + ("  cuda_MiB" if cuda else "")
+        "params   grads  optimizer activations  other  iter_ms  step_ms threads"
+        + ("  cuda_MiB" if cuda else "")
     ]
     for r in reports:
         b = r.measured_breakdown
         predicted = "-" if r.predicted_peak_bytes is None else f"{r.predicted_peak_bytes / mib:.3f}"
         error = "-" if r.error_pct is None else f"{r.error_pct:+.1f}"
         iteration = r.iteration_ms[-1] if r.iteration_ms else math.nan
+        step = statistics.median(r.step_ms) if r.step_ms else math.nan
+        threads = "-" if r.threads is None else str(r.threads)
         line = (
             f"{r.rank:4d} {r.stage:5d} {r.dp_rank:2d} {r.tp_rank:2d} "
             f"{r.measured_peak_bytes / mib:13.3f} "
             f"{predicted:>13} {error:>8} {b['params'] / mib:8.3f} {b['grads'] / mib:7.3f} "
             f"{b['optimizer'] / mib:10.3f} {b['activations'] / mib:11.3f} "
-            f"{b['other'] / mib:6.3f} {iteration:8.1f}"
+            f"{b['other'] / mib:6.3f} {iteration:8.1f} {step:8.1f} {threads:>7}"
         )
         if cuda:
             allocated = r.cuda_max_allocated_bytes
             line += f" {allocated / mib:9.3f}" if allocated is not None else f" {'-':>9}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def step_ms(reports: list[RankReport]) -> float | None:
+    """The run's clean step time: the median over the clean iterations of the slowest rank's
+    time (ms); None without clean iterations."""
+    count = min((len(r.step_ms) for r in reports), default=0)
+    times = [max(r.step_ms[k] for r in reports) for k in range(count)]
+    return statistics.median(times) if times else None

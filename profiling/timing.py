@@ -9,6 +9,10 @@ the layer that finished last, glue before the first layer to the first layer, as
 ``dataflow.py``); the **backward** at pre-hooks on the autograd nodes, each node owned by the
 layer whose forward made it (glue nodes as in the forward). Timestamps are CUDA events on a GPU
 and ``time.perf_counter`` on the CPU. The caller divides by the batch size for ms per sample.
+
+The runs use the process's ``torch.get_num_threads()`` CPU threads; :func:`timing_meta` is what
+the graph records of them (``meta.timing``), so that a real run of a plan gives each rank the
+same count (``profiling.run.rank_threads``).
 """
 
 from __future__ import annotations
@@ -100,6 +104,12 @@ class _LayerTimer:
             elapsed = start.elapsed_time(end) if self.cuda else (end - start) * 1000.0
             (fwd if phase == "fwd" else bwd)[owner] += elapsed
         return fwd, bwd
+
+
+def timing_meta(device: torch.device) -> dict[str, Any]:
+    """How :func:`time_layers` times on ``device`` now, for the graph's ``meta.timing``: the
+    device type, ``torch.get_num_threads()`` and the timed runs per layer."""
+    return {"device": device.type, "threads": torch.get_num_threads(), "timed_runs": TIMED_RUNS}
 
 
 def time_layers(

@@ -65,6 +65,7 @@ from profiling.rank import (
     RankReport,
     RunJob,
     batch_for_iteration,
+    clean_steps,
     init_mesh,
     inject_fault,
     optimizer_impl,
@@ -320,25 +321,12 @@ def _recompute_layers(stage_module: nn.Module, layers: list[str]) -> None:
 
 def _iterate(schedule, optimizer, stage, spec, traced, job, place, tracker, owners) -> Measured:
     """Run ``job.iterations`` steps; the live-tensor peak of the last one."""
-    config = job.plan.config
-    rows = config.micro_batch * config.num_microbatches
-    local = slice(place.dp_rank * rows, (place.dp_rank + 1) * rows)
     step_lifetime = getattr(job.plan.training, "grad_lifetime", "persistent") == "step"
     cuda = place.device.type == "cuda"
     losses, iteration_ms, cuda_peak = [], [], None
     for iteration in range(job.iterations):
-        example = batch_for_iteration(
-            spec, batch=rows * config.dp, seq=job.seq, seed=job.seed, iteration=iteration
-        )
-        example = tuple(tensor[local] for tensor in example)  # this replica's rows
-        inputs = traced.model_inputs(example) if place.first else ()
-        args = tuple(x.to(place.device) for x in inputs)
-        kwargs: dict[str, Any] = {}
-        step_losses: list[torch.Tensor] = []
-        if place.last:
-            target = traced.target(example) if traced.target else torch.zeros(rows)
-            kwargs = {"target": target.to(place.device), "losses": step_losses}
-        del example
+        args, kwargs = _step_inputs(spec, traced, job, place, iteration)
+        step_losses: list[torch.Tensor] = kwargs.get("losses", [])
         optimizer.zero_grad(set_to_none=step_lifetime)
         tracker.reset_peak()
         if cuda:
@@ -372,6 +360,43 @@ def _iterate(schedule, optimizer, stage, spec, traced, job, place, tracker, owne
         cuda_peak=cuda_peak,
         grads=grads,
     )
+
+
+def _step_inputs(spec, traced, job: RunJob, place, iteration: int) -> tuple[tuple, dict]:
+    """The schedule's arguments for ``iteration`` on this rank (model inputs on the first stage,
+    targets and the loss list on the last)."""
+    config = job.plan.config
+    rows = config.micro_batch * config.num_microbatches
+    local = slice(place.dp_rank * rows, (place.dp_rank + 1) * rows)
+    example = batch_for_iteration(
+        spec, batch=rows * config.dp, seq=job.seq, seed=job.seed, iteration=iteration
+    )
+    example = tuple(tensor[local] for tensor in example)  # this replica's rows
+    inputs = traced.model_inputs(example) if place.first else ()
+    args = tuple(x.to(place.device) for x in inputs)
+    kwargs: dict[str, Any] = {}
+    if place.last:
+        target = traced.target(example) if traced.target else torch.zeros(rows)
+        kwargs = {"target": target.to(place.device), "losses": []}
+    return args, kwargs
+
+
+def _clean_steps(schedule, optimizer, spec, traced, job: RunJob, place, tracker):
+    """The clean timed iterations (:func:`profiling.rank.clean_steps`) of a traced stage."""
+    step_lifetime = getattr(job.plan.training, "grad_lifetime", "persistent") == "step"
+
+    def prepare(iteration: int):
+        args, kwargs = _step_inputs(spec, traced, job, place, iteration)
+        optimizer.zero_grad(set_to_none=step_lifetime)
+
+        def step() -> None:
+            with cuda_like_kernels(place.device.type == "cpu"):
+                schedule.step(*args, **kwargs, return_outputs=False)
+            optimizer.step()
+
+        return step
+
+    return clean_steps(prepare, job, place, tracker)
 
 
 def traced_rank_main(rank: int, job: RunJob) -> RankReport:
@@ -421,6 +446,9 @@ def traced_rank_main(rank: int, job: RunJob) -> RankReport:
         )
         tracker.track_optimizer(optimizer)
         measured = _iterate(schedule, optimizer, stage, spec, traced, job, place, tracker, owners)
+    measured.step_ms, measured.step_cpu_ms, measured.step_instrumentation = _clean_steps(
+        schedule, optimizer, spec, traced, job, place, tracker
+    )
     return rank_report(place, job, measured)
 
 

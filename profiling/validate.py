@@ -4,7 +4,11 @@ Runs the plan on this machine with ``profiling.run.run_plan`` (pp * dp * tp proc
 CPU, or NCCL with one GPU per rank with ``--device cuda``; the plan must be small enough to fit)
 on torch.distributed.pipelining, or on megatron-core with ``--engine megatron``,
 prints predicted, measured and error % rank by rank, and exits non-zero when any rank's absolute
-error exceeds ``--tolerance`` percent.
+error exceeds ``--tolerance`` percent. Time: each rank's last instrumented iteration
+(``iter_ms``, with the live-tensor tracker counting) and the clean step time (``step_ms``: the
+slowest rank's, tracker off, median of ``--step-iterations``), next to the plan's
+``iteration_ms``; ranks run with ``--threads`` CPU threads (default: the graph's
+``meta.timing.threads``, else ``cpu_count // world``).
 Exit codes: 0 within tolerance, 2 bad input (a bad --json path: before the run), 5 a rank failed
 or timed out, 6 error above tolerance, 7 --json could not be written.
 """
@@ -15,10 +19,11 @@ import argparse
 import sys
 from dataclasses import asdict
 
-from profiling.export import parse_overrides
+from profiling.export import MAX_THREADS, parse_overrides
 from solver.cli.common import (
     OneLineErrorParser,
     check_outputs,
+    int_in,
     number_in,
     positive_int,
     print_error,
@@ -70,6 +75,19 @@ def parser() -> argparse.ArgumentParser:
         "optimizer state exists from the first step on)",
     )
     result.add_argument(
+        "--step-iterations",
+        type=int_in(0, 1000),
+        default=1,
+        help="clean timed iterations after the measured ones, memory instrumentation off "
+        "(default 1; 0: none): step_ms, the slowest rank's time, median over them",
+    )
+    result.add_argument(
+        "--threads",
+        type=int_in(1, MAX_THREADS),
+        help="CPU threads per rank (default: the count the plan's graph timed its layers with, "
+        "meta.timing.threads, when its file is readable; else cpu_count // ranks)",
+    )
+    result.add_argument(
         "--tolerance",
         type=number_in(0, 1e6, unit=" percent"),
         default=10.0,
@@ -102,11 +120,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        from profiling.run import format_reports, run_plan
+        from profiling.run import format_reports, rank_threads, run_plan, step_ms
 
         check_outputs(args)  # --json, before the run
         plan = load_plan(args.plan)  # checked (docs/plan.md): a PlanFile
         exported = _export_settings(plan)
+        threads, threads_from = rank_threads(plan, args.device, args.threads)
         overrides = parse_overrides(args.set) if args.set else exported.get("overrides", {})
         reports = run_plan(
             args.model,
@@ -117,13 +136,17 @@ def main(argv: list[str] | None = None) -> int:
             timeout_s=args.timeout,
             device=args.device,
             engine=args.engine,
+            threads=threads,
+            step_iterations=args.step_iterations,
         )
         print(format_reports(reports))
+        timing = _timing(reports, plan.iteration_ms, threads, threads_from, step_ms(reports))
+        print(_format_timing(timing))
         if args.json:
             rows = [{k: v for k, v in asdict(r).items() if k != "grads"} for r in reports]
             write_json(
                 args.json,
-                {"plan": args.plan, "model": args.model, "ranks": rows},
+                {"plan": args.plan, "model": args.model} | timing | {"ranks": rows},
                 protect=[args.plan],
             )
         worst = max((abs(r.error_pct) for r in reports if r.error_pct is not None), default=0.0)
@@ -146,20 +169,40 @@ def main(argv: list[str] | None = None) -> int:
 def _export_settings(plan) -> dict:
     """``overrides`` and ``seq_len`` from the meta of the graph file the plan records, when that
     file is there and still the plan's graph; else nothing (the run takes the model's own)."""
-    from pathlib import Path
+    from profiling.run import recorded_graph
 
-    from solver.graph import load_graph
-
-    record = plan.graph
-    if record is None or not record.path or not Path(record.path).is_file():
-        return {}
-    try:
-        graph = load_graph(record.path)
-    except (PlannerError, OSError, ValueError):
-        return {}
-    if graph.sha256() != record.sha256:
+    graph = recorded_graph(plan)
+    if graph is None:
         return {}
     return {key: graph.meta[key] for key in ("overrides", "seq_len") if graph.meta.get(key)}
+
+
+def _timing(reports, plan_ms: float, threads: int, threads_from: str, step: float | None) -> dict:
+    """The run's times (the JSON's top-level keys): the clean step time ``step_ms`` (slowest
+    rank, median over the clean iterations; None without them), the slowest rank's last
+    instrumented iteration ``iteration_ms``, the plan's ``plan_iteration_ms``, and the threads
+    per rank with where that count came from."""
+    instrumented = [r.iteration_ms[-1] for r in reports if r.iteration_ms]
+    return {
+        "step_ms": step,
+        "iteration_ms": max(instrumented) if instrumented else None,
+        "plan_iteration_ms": plan_ms,
+        "threads": threads,
+        "threads_from": threads_from,
+    }
+
+
+def _format_timing(timing: dict) -> str:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f} ms"
+
+    plan_ms, step = timing["plan_iteration_ms"], timing["step_ms"]
+    versus = f" ({100 * (plan_ms - step) / step:+.1f}% plan vs step)" if step else ""
+    return (
+        f"time: step {ms(step)} (clean, slowest rank), instrumented iteration "
+        f"{ms(timing['iteration_ms'])}, plan {ms(plan_ms)}{versus}; "
+        f"{timing['threads']} threads per rank ({timing['threads_from']})"
+    )
 
 
 def _runtime_note(path: str, runtime: str, engine: str) -> None:

@@ -262,6 +262,14 @@ class LayerGraph:
         return None if self.source.startswith("<") else self.source
 
 
+def timing_of(graph: LayerGraph) -> dict[str, Any] | None:
+    """``meta.timing`` (checked by the schema): how the layer times were measured, with
+    ``threads`` (``torch.get_num_threads()`` then) and ``device``; None when the graph does not
+    say (a fake-tensor profile, a hand-written or older graph)."""
+    timing = graph.meta.get("timing")
+    return dict(timing) if isinstance(timing, dict) else None
+
+
 @cache
 def schema() -> dict[str, Any]:
     """The v1 JSON Schema (``solver/layer_graph.schema.json``)."""

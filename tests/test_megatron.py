@@ -309,7 +309,7 @@ def test_validate_cli_runs_the_megatron_engine(run_cli, write_json):
     )
     assert code == 0, err
     assert "all ranks within 5%" in out
-    assert len(out.splitlines()) == 6  # header, four ranks, verdict
+    assert len(out.splitlines()) == 7  # header, four ranks, times, verdict
 
 
 @pytest.mark.slow
