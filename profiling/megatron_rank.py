@@ -252,24 +252,35 @@ def _train_and_measure(spec, job: RunJob, place, settings, dtype, tconfig, chunk
         tconfig.finalize_model_grads_func = finalize_model_grads
         forward_backward = get_forward_backward_func()
         interleaved = len(wrapped) > 1
-        for iteration in range(job.iterations):
+
+        def zeroed_batches(iteration: int) -> list:
+            """The iteration's micro-batch iterators (one per chunk), gradients zeroed."""
             data = [iter(_micro_batches(spec, job, place, iteration, c)) for c in chunks]
             for ddp in wrapped:
                 ddp.zero_grad_buffer()
             optimizer.zero_grad()
+            return data
+
+        def schedule(data: list) -> list:
+            """One pass of megatron-core's pipeline schedule over the micro-batches; the last
+            pipeline rank gets the losses."""
+            return forward_backward(
+                forward_step_func=_forward_step,
+                data_iterator=data if interleaved else data[0],
+                model=wrapped if interleaved else wrapped[0],
+                num_microbatches=config.num_microbatches,
+                seq_length=job.seq or spec.seq_len,
+                micro_batch_size=config.micro_batch,
+                forward_only=False,
+            )
+
+        for iteration in range(job.iterations):
+            data = zeroed_batches(iteration)
             tracker.reset_peak()
             started = time.perf_counter()
             inject_fault(job, place)
             with tracker.saved_tensors():
-                step_losses = forward_backward(
-                    forward_step_func=_forward_step,
-                    data_iterator=data if interleaved else data[0],
-                    model=wrapped if interleaved else wrapped[0],
-                    num_microbatches=config.num_microbatches,
-                    seq_length=job.seq or spec.seq_len,
-                    micro_batch_size=config.micro_batch,
-                    forward_only=False,
-                )
+                step_losses = schedule(data)
             optimizer.step()
             iteration_ms.append((time.perf_counter() - started) * 1e3)
             if step_losses:  # the last pipeline rank
@@ -281,21 +292,10 @@ def _train_and_measure(spec, job: RunJob, place, settings, dtype, tconfig, chunk
         grads = _full_gradients(wrapped, settings, gated) if job.capture_grads else None
 
     def prepare(iteration: int):
-        data = [iter(_micro_batches(spec, job, place, iteration, c)) for c in chunks]
-        for ddp in wrapped:
-            ddp.zero_grad_buffer()
-        optimizer.zero_grad()
+        data = zeroed_batches(iteration)
 
         def step() -> None:
-            forward_backward(
-                forward_step_func=_forward_step,
-                data_iterator=data if interleaved else data[0],
-                model=wrapped if interleaved else wrapped[0],
-                num_microbatches=config.num_microbatches,
-                seq_length=job.seq or spec.seq_len,
-                micro_batch_size=config.micro_batch,
-                forward_only=False,
-            )
+            schedule(data)
             optimizer.step()
 
         return step

@@ -328,7 +328,7 @@ def graph_from_dict(document: Any, *, origin: str = "<dict>") -> LayerGraph:
 DRAFT_7_KEYWORDS = frozenset(
     {
         "$defs", "$id", "$ref", "$schema", "additionalProperties", "const", "description",
-        "enum", "items", "maxLength", "minItems", "minLength", "minimum", "properties",
+        "enum", "items", "maxLength", "maximum", "minItems", "minLength", "minimum", "properties",
         "required", "title", "type",
     }
 )  # fmt: skip

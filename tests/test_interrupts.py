@@ -349,24 +349,27 @@ def _read_until(fd: int, marker: bytes | None, timeout_s: float) -> bytes:
 def test_plan_on_a_pipe_prints_no_progress_and_stops_on_ctrl_c(tmp_path):
     process = subprocess.Popen(
         [PYTHON, "-m", "solver.plan", _dag(tmp_path), "--gpus", "64", "--global-batch", "256"]
-        + ["--time-limit", "120"],
+        + ["--time-limit", "120", "--backend", "cpsat"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    time.sleep(4.0)  # past the imports: the search of the first config runs for minutes
+    # past the imports: CP-SAT's search of the first config runs for minutes (auto would solve
+    # this DAG with the dynamic program in seconds)
+    time.sleep(4.0)
     code, took = _interrupt_and_wait(process)
     assert code == INTERRUPTED and took < STOP_S
     assert process.stderr.read() == b"interrupted\n" and process.stdout.read() == b""
 
 
 def _sweep(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
-    """A sweep of a 302-layer DAG: 1 and 2 GPUs solve in about a second, 64 and 128 GPUs take
-    minutes; three workers, so the quick points finish while the slow ones run."""
+    """A sweep of a 302-layer DAG with CP-SAT: 1 and 2 GPUs solve in about a second, 64 and 128
+    GPUs take minutes; three workers, so the quick points finish while the slow ones run."""
     out = tmp_path / "sweep.csv"
     process = subprocess.Popen(
         [PYTHON, "-m", "solver.sweep", _dag(tmp_path), "--gpus", "1,2,64,128"]
         + ["--global-batch", "256", "--time-limit", "120", "--workers", "3", "--out", str(out)]
+        + ["--backend", "cpsat"]
         + list(extra),
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -411,7 +414,7 @@ def test_killed_sweep_leaves_no_worker(tmp_path):
 def test_min_gpus_search_stops_on_ctrl_c(tmp_path):
     process = subprocess.Popen(
         [PYTHON, "-m", "solver.sweep", _dag(tmp_path), "--find", "min-gpus", "--gpus", "64,128"]
-        + ["--global-batch", "256", "--time-limit", "120", "--workers", "2"],
+        + ["--global-batch", "256", "--time-limit", "120", "--workers", "2", "--backend", "cpsat"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -299,25 +299,27 @@ def test_action_order_is_torchs(name, schedule):
 
 
 def test_interleaved_action_order_is_torchs():
-    """``ScheduleInterleaved1F1B._calculate_single_rank_operations`` (torch 2.13) against
-    ``schedule_actions`` with torch's rounds (``interleaved_schedule_groups``)."""
-    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-    calculate = schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations
+    """``ScheduleInterleaved1F1B._calculate_single_rank_operations`` (torch 2.13, through
+    ``profiling._torch_compat.interleaved_1f1b_actions``) against ``schedule_actions`` with
+    torch's rounds (``interleaved_schedule_groups``); each (kind, stage)'s micro-batches are
+    numbered in the order the schedule runs them."""
+    compat = pytest.importorskip("profiling._torch_compat")
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B"}
     for p in (2, 3, 4):
         for v in (2, 3):
             for m in range(p, 3 * p + 1):
-                rounds = max(1, m // p)
-                if m % rounds:
+                if m % max(1, m // p):
                     continue  # torch refuses these
-                schedule = SimpleNamespace(
-                    n_local_stages=v,
-                    microbatches_per_round=m // rounds,
-                    pp_group_size=p,
-                    _n_microbatches=m,
-                )
                 group = interleaved_schedule_groups("torch", m, p)
                 for rank in range(p):
-                    theirs = _torch_actions({rank: calculate(schedule, rank)}, rank)
+                    counts: dict[tuple[str, int], int] = {}
+                    theirs = []
+                    for stage, name in compat.interleaved_1f1b_actions(m, p, v, rank):
+                        if name not in kinds:
+                            continue
+                        key = (kinds[name], stage)
+                        theirs.append((*key, counts.get(key, 0)))
+                        counts[key] = theirs[-1][2] + 1
                     assert _ours(m, p, v, rank, group) == theirs, (p, v, m, rank)
 
 
