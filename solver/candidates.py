@@ -31,7 +31,7 @@ import math
 
 import numpy as np
 
-from solver.cost_model import LayerCosts
+from solver.cost_model import LayerCosts, iteration_floor_ns
 from solver.errors import InputError
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
@@ -383,13 +383,5 @@ def memory_lower_bound(costs: LayerCosts) -> int:
 
 
 def time_lower_bound(costs: LayerCosts) -> int:
-    """An iteration time (ns) no split of this config can beat: (m + p - 1) max(T) + max(AR),
-    each maximum at least the largest layer and the even share of the total (per rank, and per
-    virtual stage for the fill and drain term with interleaving)."""
-    p = costs.num_ranks
-    _, _, time_ns = costs.bounding_coefficients(np.minimum)
-    largest = int(time_ns.max())
-    slowest = max(largest, -(-int(time_ns.sum()) // p))
-    chunk = max(largest, -(-int(time_ns.sum()) // costs.num_stages))
-    sync = max(int(costs.dp_sync_ns.max()), -(-int(costs.dp_sync_ns.sum()) // p))
-    return costs.iteration_ns(slowest, chunk, sync)
+    """An iteration bound (ns) no split of this config can beat (``iteration_floor_ns``)."""
+    return iteration_floor_ns(costs)

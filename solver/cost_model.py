@@ -179,7 +179,7 @@ import numpy as np
 
 from solver.calibration import Calibration
 from solver.errors import InputError
-from solver.graph import INTEGER_FIELDS, LayerGraph
+from solver.graph import INTEGER_FIELDS, LayerGraph, timing_of
 from solver.moe import RoutedExperts, check_expert_degree, routed_experts
 from solver.specs import MOE_DROPLESS, Cluster, ParallelConfig, TrainingConfig
 
@@ -479,6 +479,17 @@ class LayerCosts:
     """The forward's part of ``time_ns`` per micro-batch, ns, the same in both recompute states
     (``_time_ns``); the rest is the backward (``backward_ns``). None: time_ns // 3 (a backward
     of twice the forward's FLOPs, the model's default)."""
+    optimizer_step_ns: np.ndarray | None = None
+    """The optimizer step over each layer's parameters on one GPU (its ZeRO shard), ns per
+    iteration (``_optimizer_step_ns``); None: no step time."""
+    microbatch_overhead_ns: int = 0
+    """The pipeline runtime's own time per micro-batch and (virtual) stage, ns (profiled:
+    ``meta.timing.microbatch_overhead_ns``): charged once per forward action."""
+    link_gb_per_s: dict[tuple[int, int], float] | None = None
+    """Bandwidth of each directed link between pipeline ranks, GB/s == bytes/ns
+    (``pipeline_link_gb_per_s``); None: transfers take no time."""
+    p2p_latency_ns: int = 0
+    """Added to every pipeline transfer between two ranks, ns (``Cluster.p2p_latency_us``)."""
 
     def __post_init__(self) -> None:
         if self.edge_tensor is None:
@@ -504,6 +515,8 @@ class LayerCosts:
             self.recompute_time_ns = self.time_ns
         if self.forward_ns is None:
             self.forward_ns = self.time_ns // 3
+        if self.optimizer_step_ns is None:
+            self.optimizer_step_ns = np.zeros(len(self.time_ns), dtype=np.int64)
 
     def copies_at(self, stage: int, held: int, done: int = 0) -> tuple[int, int]:
         """(R_j, S_j) of (virtual) stage j while it holds ``held`` micro-batches in flight and
@@ -665,6 +678,12 @@ class LayerCosts:
         )
 
     @property
+    def tail_ns(self) -> np.ndarray:
+        """What each layer adds to its rank's work after the rank's last backward, ns per
+        iteration: its data-parallel gradient sync plus its optimizer step."""
+        return self.dp_sync_ns + self.optimizer_step_ns
+
+    @property
     def backward_ns(self) -> np.ndarray:
         """The backward of each layer per micro-batch, ns: time_ns - forward_ns, so that
         forward_ns + backward_ns == time_ns exactly (the forward's rounding is in here)."""
@@ -725,24 +744,6 @@ class LayerCosts:
         """Weights + gradients (+ gradient buffers) + optimizer per GPU, bytes."""
         states = self.weight_bytes + self.grad_bytes + self.optimizer_bytes
         return states if self.grad_buffer_bytes is None else states + self.grad_buffer_bytes
-
-    @property
-    def pipeline_factor(self) -> int:
-        """m + p - 1: slots of the slowest stage in one step (fill, steady state, drain); with
-        interleaving an upper bound on the factors of ``iteration_ns``."""
-        return self.config.num_microbatches + self.config.pp - 1
-
-    def iteration_ns(self, slowest_rank_ns: int, slowest_chunk_ns: int, slowest_sync_ns: int):
-        """m max_r T_r + (p - 1) max_j T_j + max_r AR_r: every rank runs m micro-batches of all
-        its chunks; the fill and drain take p - 1 slots of the slowest chunk (one stage's time
-        without interleaving, so (m + p - 1) max_s T_s). Works on numbers and model
-        expressions alike."""
-        config = self.config
-        return (
-            config.num_microbatches * slowest_rank_ns
-            + (config.pp - 1) * slowest_chunk_ns
-            + slowest_sync_ns
-        )
 
     def is_chain(self) -> bool:
         """Layer i feeds layer i + 1 only, each boundary with the plain copies
@@ -854,6 +855,12 @@ def layer_costs(
         grad_lifetime=training.grad_lifetime,
         grad_buffer_bytes=ddp_bucket_bytes(config, training, scaled(grad, "grads")),
         step_bytes=optimizer_step_bytes(params, config, training, scaled),
+        optimizer_step_ns=_as_int(
+            _optimizer_step_ns(params, config, cluster, training, timing_of(graph))
+        ),
+        microbatch_overhead_ns=_microbatch_overhead_ns(graph),
+        link_gb_per_s=pipeline_link_gb_per_s(config, cluster),
+        p2p_latency_ns=math.ceil(cluster.p2p_latency_us * 1000),
     )
     if training.memory_model == "empirical":
         _check_empirical_options(config, calibration)
@@ -1331,6 +1338,63 @@ def _dp_sync_ns(
     return np.ceil(dense + expert)
 
 
+def _optimizer_step_ns(
+    params: ParamShares,
+    config: ParallelConfig,
+    cluster: Cluster,
+    training: TrainingConfig,
+    timing: dict | None,
+) -> np.ndarray:
+    """The optimizer step over each layer's parameters on one GPU, ns per iteration: the
+    parameters it steps (its ZeRO shard from stage 1, ``ParamShares.sharded``) times the
+    profiled ``meta.timing.optimizer_step_ns_per_param`` when the graph has it, else times the
+    bytes an element-wise step moves per parameter over the GPU's memory bandwidth: it reads
+    and writes the optimizer state (master weights and moments, 2 o), reads the gradient (g)
+    and writes the weight (w) (``Cluster.memory_gb_per_s``; a memory-bound kernel)."""
+    stepped = params.sharded(1, config, config.zero >= 1)
+    measured = None if timing is None else timing.get("optimizer_step_ns_per_param")
+    if measured is not None:
+        return np.ceil(stepped * float(measured))
+    moved = (
+        2 * training.optimizer_bytes_per_param
+        + training.grad_bytes_per_param
+        + training.weight_bytes_per_param
+    )
+    return np.ceil(stepped * moved / cluster.memory_gb_per_s)
+
+
+def _microbatch_overhead_ns(graph: LayerGraph) -> int:
+    """The pipeline runtime's own time per micro-batch and stage, ns: the graph's profiled
+    ``meta.timing.microbatch_overhead_ns``, else 0."""
+    timing = timing_of(graph)
+    measured = None if timing is None else timing.get("microbatch_overhead_ns")
+    return 0 if measured is None else math.ceil(float(measured))
+
+
+def pipeline_link_gb_per_s(
+    config: ParallelConfig, cluster: Cluster
+) -> dict[tuple[int, int], float]:
+    """Bandwidth (GB/s == bytes/ns) of every directed link between pipeline ranks: Megatron's
+    rank order tp-cp-ep-dp-pp puts rank x's GPUs at global ranks x t c d + (0 .. t c d - 1), and
+    a GPU sends to the GPU t c d ranks further; intra-node when both are in one node of
+    ``cluster.gpus_per_node`` (every pair, as the blocks align to nodes when t c d divides it),
+    else inter-node."""
+    p, width = config.pp, config.tp * config.cp * config.dp
+    node = cluster.gpus_per_node
+
+    def same_node(x: int, y: int) -> bool:
+        if width >= node:  # distinct blocks are at least a node apart
+            return False
+        return all((x * width + k) // node == (y * width + k) // node for k in range(width))
+
+    return {
+        (x, y): cluster.intra_node_gb_per_s if same_node(x, y) else cluster.inter_node_gb_per_s
+        for x in range(p)
+        for y in range(p)
+        if x != y
+    }
+
+
 def _as_int(values) -> np.ndarray:
     return np.asarray(values, dtype=np.int64)
 
@@ -1631,6 +1695,11 @@ class StageCost:
     index + p, ...); [layers] without."""
     chunk_time_ns: list[int] = field(default_factory=list)
     """Per micro-batch time of each chunk, ns ([time_ns] without interleaving)."""
+    chunk_forward_ns: list[int] = field(default_factory=list)
+    """The forward's part of each chunk's ``chunk_time_ns``, ns (the rest is its backward,
+    recompute included)."""
+    optimizer_step_ns: int = 0
+    """The optimizer step over the rank's parameters, ns per iteration."""
     moment: str = "forward"
     """The moment of the schedule that sets the peak (``MOMENTS``): forward (after a forward,
     k_s micro-batches held), first backward or after first backward (``first_backward_moments``),
@@ -1677,7 +1746,7 @@ def stage_costs(
     num_stages = costs.num_stages
     into, out_of, relayed = boundary_bytes(costs, stage_of)
     adjust = direct_buffer_adjustments(costs, stage_of)
-    weight, grad, optimizer, stored, time_ns, sync_ns = (
+    weight, grad, optimizer, stored, time_ns, forward_ns, sync_ns, step_ns = (
         _per_stage_sum(values, stage_of, num_stages)
         for values in (
             costs.weight_bytes,
@@ -1685,7 +1754,9 @@ def stage_costs(
             costs.optimizer_bytes,
             stored_per_layer,
             time_per_layer,
+            costs.forward_ns,
             costs.dp_sync_ns,
+            costs.optimizer_step_ns,
         )
     )
     if costs.grad_buffer_bytes is not None:  # DDP's buckets, beside .grad all step
@@ -1744,6 +1815,8 @@ def stage_costs(
                 constant_bytes=costs.constant_bytes,
                 chunks=chunks,
                 chunk_time_ns=[int(time_ns[j]) for j in own],
+                chunk_forward_ns=[int(forward_ns[j]) for j in own],
+                optimizer_step_ns=int(step_ns[own].sum()),
                 moment=moment,
             )
         )
@@ -1996,15 +2069,55 @@ def placed_stage_costs(
     return [per_group[k][s] for s, k in enumerate(group_of_stage)]
 
 
-def iteration_time_ns(costs: LayerCosts, stages: list[StageCost]) -> int:
-    """(m + p - 1) * slowest stage micro-batch time + slowest data-parallel sync; with
-    interleaving m * slowest rank + (p - 1) * slowest chunk + slowest sync
-    (``LayerCosts.iteration_ns``)."""
-    return costs.iteration_ns(
-        max(s.time_ns for s in stages),
-        max(max(s.chunk_time_ns) for s in stages),
-        max(s.dp_sync_ns for s in stages),
-    )
+def iteration_bound_ns(costs: LayerCosts, stages: list[StageCost]) -> int:
+    """A lower bound on the simulated iteration of these stages (``solver.schedule_time``), ns:
+    what every backend constrains and minimises (module docstring, "Iteration bound").
+
+    Rank r (stages in rank order) cannot start before micro-batch 0 has run forward through the
+    virtual stages 0 .. r-1 (F_<r); it then runs m micro-batches of all its chunks, m T_r with
+    T_r = its layers' times + v h (h: ``microbatch_overhead_ns``); after its last backward that
+    micro-batch still runs backward through the virtual stages below (B_<r) and the rank syncs
+    its gradients and steps its optimizer (its tail, ``LayerCosts.tail_ns``). Hence
+      iteration >= max_r max(F_<r + B_<r + m T_r,  F_<r + m T_r + tail_r),
+    on any schedule (1F1B, GPipe, interleaved) and any transfer times (they only delay). On an
+    even split without data parallelism it is the bubble formula (m + p - 1) T."""
+    m, h = costs.config.num_microbatches, costs.microbatch_overhead_ns
+    bound = before_forward = before_backward = 0
+    for stage in stages:
+        busy = m * (stage.time_ns + len(stage.chunk_time_ns) * h)
+        tail = stage.dp_sync_ns + stage.optimizer_step_ns
+        bound = max(bound, before_forward + before_backward + busy, before_forward + busy + tail)
+        first_forward = stage.chunk_forward_ns[0] if stage.chunk_forward_ns else 0
+        before_forward += first_forward + h
+        before_backward += stage.chunk_time_ns[0] - first_forward
+    return bound
+
+
+def iteration_floor_ns(
+    costs: LayerCosts, time_ns: np.ndarray | None = None, tail_ns: np.ndarray | None = None
+) -> int:
+    """An ``iteration_bound_ns`` no split of this config can beat, ns, from the layers' times
+    alone (``time_ns``: per layer and micro-batch, default each layer's faster recompute state;
+    ``tail_ns``: default ``LayerCosts.tail_ns``); each term below carries the m v h overhead.
+
+    - the rank holding layer l: m time_l + tail_l;
+    - without interleaving, a weighted sum of the ranks' first terms T_<r + m T_r with weights
+      w_r = (1 - 1/m)^(p-1-r) / m counts every layer's time c = 1 times, and the weights sum to
+      W = 1 - (1 - 1/m)^p, so their largest is >= sum_l time_l / W (an even split of a
+      continuous chain meets it);
+    - with interleaving, each rank's m T_r: at least m sum_l time_l / p."""
+    config = costs.config
+    m, p, v = config.num_microbatches, config.pp, config.virtual_stages
+    if time_ns is None:
+        time_ns = costs.bounding_coefficients(np.minimum)[2]
+    tail_ns = costs.tail_ns if tail_ns is None else tail_ns
+    total = int(np.sum(time_ns))
+    if v == 1:  # total / W = total m^p / (m^p - (m-1)^p), floored (exact integers)
+        spread = total * m**p // (m**p - (m - 1) ** p)
+    else:
+        spread = -(-m * total // p)
+    single = int(np.max(m * np.asarray(time_ns, dtype=np.int64) + tail_ns, initial=0))
+    return max(spread, single) + m * v * costs.microbatch_overhead_ns
 
 
 def throughput(global_batch: int, iteration_ns: int) -> float:

@@ -10,7 +10,6 @@ from solver.candidates import check_interleaving, interleaving_fits, sequence_pa
 from solver.cost_model import (
     LayerCosts,
     StageCost,
-    iteration_time_ns,
     layer_costs,
     placed_stage_costs,
     stage_costs,
@@ -22,6 +21,7 @@ from solver.graph import LayerGraph
 from solver.moe import check_expert_degree
 from solver.precision import for_graph
 from solver.reserve import check_usable
+from solver.schedule_time import stages_timeline
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
 
@@ -36,6 +36,9 @@ class Evaluation:
     stage_of_layer: list[int]
     stages: list[StageCost]
     iteration_ns: int
+    """The simulated iteration (``solver.schedule_time``): its pipeline schedule run action by
+    action with the stages' forward and backward times, the transfers, the data-parallel
+    sync and the optimizer step."""
     group_of_stage: list[int] | None = None
     """Node group of each stage on a heterogeneous cluster (index into ``cluster.groups``)."""
     recomputed: list[bool] | None = None
@@ -381,7 +384,7 @@ def evaluate_assignment(
         training=training,
         stage_of_layer=list(stage_of_layer),
         stages=stages,
-        iteration_ns=iteration_time_ns(costs, stages),
+        iteration_ns=stages_timeline(costs, stages, stage_of_layer).makespan_ns,
         group_of_stage=None if group_of_stage is None else list(group_of_stage),
         recomputed=None if recomputed is None else [bool(flag) for flag in recomputed],
     )

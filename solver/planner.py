@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, UTILIZATION
 from solver.baselines import BASELINES
-from solver.cost_model import LayerCosts, StageCost, iteration_time_ns, stage_costs
+from solver.cost_model import LayerCosts, StageCost, iteration_bound_ns, stage_costs
 from solver.engine_exports import build_exports
 from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate_assignment, prepare_training
@@ -136,15 +136,113 @@ def plan(
     )
     limit = _throughput_limit(call)
     if training.objective == "memory":
-        result = call.best(OBJECTIVE_MEMORY, budget_ns=limit.budget_ns, retry_open=True)
+        result, choice, notes = _within_budget(call, limit)
     else:
         result = limit.fastest
-    choice, notes = _break_ties(call, result, budget_ns=limit.budget_ns)
+        choice, notes = _break_ties(call, result, budget_ns=limit.budget_ns)
     # a throughput budget taken from an unproven fastest plan is not proven either
-    proven = result.proven and (limit.fastest is None or limit.fastest.proven)
+    proven = result.proven and (limit.fastest is None or limit.fastest.proven) and not notes
     plan = _build_plan(call, choice, result, limit, proven=proven, started=started)
     plan.solver.notes += notes
     return plan
+
+
+MAX_BUDGET_ROUNDS = 8
+"""Searches at most for a plan whose simulated iteration meets the throughput budget
+(``_within_budget``)."""
+
+
+def _within_budget(
+    call: _PlanningCall, limit: _ThroughputLimit
+) -> tuple[SearchResult, _Choice, list[str]]:
+    """The smallest-peak plan whose simulated iteration (``solver.schedule_time``) is within the
+    budget, with notes when it is not proven.
+
+    Every backend holds the iteration *bound* (``cost_model.iteration_bound_ns``, never above
+    the simulation) within the budget, so its optimum is a lower bound, and it is the answer when
+    its simulated schedule meets the budget too (the common case: proven). Otherwise its
+    schedule's own extra time, simulated minus bound, comes off the budget and the search runs
+    again (at most ``MAX_BUDGET_ROUNDS`` times, every round excluding the plan before); the
+    first round's peak stays the proven lower bound. With --max-slowdown the fastest plan always
+    meets the budget and is the last resort."""
+    budget = limit.budget_ns
+    first = result = call.best(OBJECTIVE_MEMORY, budget_ns=budget, retry_open=True)
+    choice, notes = _break_ties(call, result, budget_ns=budget)
+    if budget is None:
+        return result, choice, notes
+    rounds = 0
+    while True:
+        simulated, bound = _choice_times(call, choice)
+        if simulated <= budget:
+            break
+        rounds += 1
+        search_budget = budget - (simulated - bound)
+        found = None
+        if rounds <= MAX_BUDGET_ROUNDS and search_budget >= 0:
+            try:
+                found = call.best(OBJECTIVE_MEMORY, budget_ns=search_budget, retry_open=True)
+            except InfeasibleError:
+                pass
+        if found is None:
+            result, choice = _fastest_within(call, limit, budget)
+            break
+        result = found
+        choice, notes = _break_ties(call, result, budget_ns=search_budget)
+    if rounds:
+        result = dataclasses.replace(result, bound=min(first.bound, result.bound), proven=False)
+        notes.append(
+            f"the smallest-peak plan under the iteration bound took longer than the budget "
+            f"({budget / 1e6:.4g} ms) in its simulated schedule; {rounds} more search"
+            f"{'es' * (rounds > 1)} with the budget lowered by each plan's simulated extra time "
+            f"found this one: not proven optimal (the peak's lower bound is the first search's "
+            f"optimum, {format_bytes(first.value)})"
+        )
+    return result, choice, notes
+
+
+def _fastest_within(
+    call: _PlanningCall, limit: _ThroughputLimit, budget: int
+) -> tuple[SearchResult, _Choice]:
+    """The fastest plan when its simulated iteration meets the budget (always, with
+    --max-slowdown: the budget is a multiple of it), else InfeasibleError."""
+    if limit.fastest is None:
+        limit.fastest = call.best(OBJECTIVE_TIME, budget_ns=budget, retry_open=False)
+        limit.fastest_ns = _simulated_ns(call, limit.fastest)
+    if limit.fastest_ns > budget:
+        raise call.throughput_unmet(budget)
+    choice, _ = _break_ties(call, limit.fastest, budget_ns=budget)
+    return limit.fastest, choice
+
+
+def _choice_times(call: _PlanningCall, choice: _Choice) -> tuple[int, int]:
+    """(simulated iteration, iteration bound) of a chosen split, ns."""
+    evaluation = _evaluate_choice(call, choice)
+    return evaluation.iteration_ns, iteration_bound_ns(choice.entry.costs, evaluation.stages)
+
+
+def _evaluate_choice(call: _PlanningCall, choice: _Choice) -> Evaluation:
+    """The chosen split evaluated by the cost model (its simulated iteration included)."""
+    return _evaluate(call.graph, call.cluster, call.training, choice)
+
+
+def _evaluate(
+    graph: LayerGraph, cluster: Cluster, training: TrainingConfig, choice: _Choice
+) -> Evaluation:
+    placed = (
+        {}
+        if choice.entry.placement is None
+        else {"group_costs": choice.entry.placement.group_costs, "group_of_stage": choice.groups}
+    )
+    return evaluate_assignment(
+        graph,
+        choice.entry.costs,
+        choice.split,
+        cluster=cluster,
+        training=training,
+        recomputed=choice.recomputed,
+        stages=_matching_stages(choice.entry, choice.split, choice.stages),
+        **placed,
+    )
 
 
 @dataclass(kw_only=True)
@@ -195,6 +293,21 @@ class _PlanningCall:
             raise self._no_plan(result, budget_ns)
         return result
 
+    def throughput_unmet(self, budget_ns: int) -> PlannerError:
+        """No plan's simulated iteration meets the budget (``_within_budget``)."""
+        if not self.explain:
+            return InfeasibleError("no plan meets the throughput constraint")
+        return explain_infeasible(
+            self.graph,
+            self.cluster,
+            self.training,
+            self.entries,
+            self.backend,
+            budget_ns,
+            deadline=self.deadline,
+            suggest_gpus=self.suggest_gpus,
+        )
+
     def _no_plan(self, result: SearchResult, budget_ns: int | None) -> PlannerError:
         """NoSolutionError when the time ran out first, else the infeasibility explanation."""
         if not result.proven:
@@ -226,12 +339,33 @@ class _ThroughputLimit:
     required: float | None = None
     """The same in samples/s, as reported; None also when the fastest plan takes 0 ns."""
     fastest: SearchResult | None = None
-    """The fastest plan that fits, when it was searched."""
+    """The fastest plan that fits (the least iteration bound), when it was searched."""
+    fastest_ns: int | None = None
+    """Its simulated iteration, ns: what --max-slowdown multiplies."""
 
     def fastest_throughput(self, global_batch: int) -> float | None:
-        if self.fastest is None or not self.fastest.value:  # None, or 0 ns: no FLOPs or times
+        if not self.fastest_ns:  # None, or 0 ns: no FLOPs or times
             return None
-        return global_batch * 1e9 / self.fastest.value
+        return global_batch * 1e9 / self.fastest_ns
+
+
+def _simulated_ns(call: _PlanningCall, result: SearchResult) -> int:
+    """The simulated iteration of a search's best split, ns (``solver.schedule_time``)."""
+    return _result_simulated_ns(call.graph, call.cluster, call.training, result)
+
+
+def _result_simulated_ns(
+    graph: LayerGraph, cluster: Cluster, training: TrainingConfig, result: SearchResult
+) -> int:
+    solution = result.solution
+    choice = _Choice(
+        result.entry,
+        solution.stage_of_layer,
+        solution.recomputed,
+        solution.group_of_stage,
+        solution.stages,
+    )
+    return _evaluate(graph, cluster, training, choice).iteration_ns
 
 
 def _throughput_limit(call: _PlanningCall) -> _ThroughputLimit:
@@ -252,8 +386,9 @@ def _throughput_limit(call: _PlanningCall) -> _ThroughputLimit:
         # only the last search spends the time left on configs that did not close
         last = training.objective == "throughput"
         limit.fastest = call.best(OBJECTIVE_TIME, budget_ns=limit.budget_ns, retry_open=last)
+        limit.fastest_ns = _simulated_ns(call, limit.fastest)
         if training.objective == "memory" and training.min_throughput is None:
-            limit.budget_ns = math.floor(training.max_slowdown * limit.fastest.value)
+            limit.budget_ns = math.floor(training.max_slowdown * limit.fastest_ns)
             # a graph without FLOPs or times runs in 0 ns: no throughput to require
             limit.required = (
                 training.global_batch * 1e9 / limit.budget_ns if limit.budget_ns else None
@@ -316,15 +451,21 @@ def _break_ties(
                 hint_groups=solution.group_of_stage,
                 num_workers=call.num_workers,
             )
-            if refined is not None and (value is None or refined.objective < value):
-                value = refined.objective
-                found = _Choice(
+            if refined is not None:
+                candidate = _Choice(
                     entry,
                     refined.stage_of_layer,
                     refined.recomputed,
                     refined.group_of_stage,
                     refined.stages,
                 )
+                # the memory objective's secondary is the simulated iteration
+                if call.training.objective == "memory":
+                    refined_value = _choice_times(call, candidate)[0]
+                else:
+                    refined_value = refined.objective
+                if value is None or refined_value < value:
+                    value, found = refined_value, candidate
         key = (math.inf if value is None else value, entry.order)
         if best is None or key < best_key:
             best_key, best = key, found
@@ -340,11 +481,14 @@ def _break_ties(
 
 
 def _time_invariant(costs: LayerCosts) -> bool:
-    """Every split of this config takes 0 ns (no layer has a compute, recompute or data-parallel
-    sync time: statistics without FLOPs or times), so the time model cannot tell splits apart."""
+    """Every split of this config takes no compute time (no layer has a compute, recompute,
+    data-parallel sync or optimizer time, and no per-micro-batch overhead: statistics without
+    FLOPs or times; at most the transfers take time), so the time model cannot tell splits
+    apart."""
     return not (
         costs.time_ns.any()
-        or costs.dp_sync_ns.any()
+        or costs.tail_ns.any()
+        or costs.microbatch_overhead_ns
         or (costs.recompute_time_ns is not None and costs.recompute_time_ns.any())
     )
 
@@ -359,11 +503,11 @@ def _secondary_value(call: _PlanningCall, entry: ConfigEntry, solution) -> int |
         return None
     if call.training.objective == "memory" and _time_invariant(costs):
         return 0
+    if call.training.objective == "memory":
+        return _choice_times(call, _Choice(entry, solution.stage_of_layer, None, None))[0]
     stages = _matching_stages(entry, solution.stage_of_layer, solution.stages)
     if stages is None:
         stages = stage_costs(costs, solution.stage_of_layer)
-    if call.training.objective == "memory":
-        return iteration_time_ns(costs, stages)
     return max(stage.peak_bytes for stage in stages)
 
 
@@ -429,16 +573,7 @@ def _build_plan(
         if choice.entry.placement is None
         else {"group_costs": choice.entry.placement.group_costs, "group_of_stage": choice.groups}
     )
-    evaluation = evaluate_assignment(
-        call.graph,
-        choice.entry.costs,
-        choice.split,
-        cluster=call.cluster,
-        training=call.training,
-        recomputed=choice.recomputed,
-        stages=_matching_stages(choice.entry, choice.split, choice.stages),
-        **placed,
-    )
+    evaluation = _evaluate_choice(call, choice)
     report = _solver_report(
         result, proven=proven, configs_total=len(call.entries), started=started, call=call
     )
@@ -660,7 +795,14 @@ def explain_infeasible(
         else None
     )
     if throughput_unmet:
-        return _throughput_unmet(cluster, training, fastest, budget_ns, counts, best_peak=best_peak)
+        reached_ns = (
+            None
+            if fastest.value is None
+            else _result_simulated_ns(graph, cluster, training, fastest)
+        )
+        return _throughput_unmet(
+            cluster, training, fastest, reached_ns, budget_ns, counts, best_peak=best_peak
+        )
     return _memory_exceeded(cluster, training, entries, unconstrained, counts, best_peak)
 
 
@@ -674,17 +816,19 @@ def _throughput_unmet(
     cluster: Cluster,
     training: TrainingConfig,
     fastest: SearchResult,
+    reached_ns: int | None,
     budget_ns: int,
     counts: GpuCountAdvice | None,
     *,
     best_peak: int,
 ) -> InfeasibleError:
-    """Some plan fits in memory, but none reaches the required throughput."""
+    """Some plan fits in memory, but none reaches the required throughput (``reached_ns``: the
+    fastest plan's simulated iteration)."""
     reached = (
         "no plan was found in time"
-        if fastest.value is None
+        if reached_ns is None
         else f"the fastest plan that fits reaches "
-        f"{training.global_batch * 1e9 / fastest.value:.4g} samples/s "
+        f"{training.global_batch * 1e9 / reached_ns:.4g} samples/s "
         f"({fastest.entry.costs.config.label()})"
     )
     required = training.global_batch * 1e9 / budget_ns

@@ -38,10 +38,11 @@ import numpy as np
 from solver.cost_model import (
     LayerCosts,
     ScheduleAction,
+    StageCost,
     interleaved_schedule_groups,
     schedule_actions,
+    stage_costs,
 )
-from solver.specs import Cluster, ParallelConfig
 
 DP_OVERLAPS = ("none", "last_backward")
 """When a rank's data-parallel gradient sync runs (``simulate_schedule``)."""
@@ -197,52 +198,59 @@ def stage_transfer_bytes(
     return forward, backward
 
 
-def pipeline_link_gb_per_s(
-    config: ParallelConfig, cluster: Cluster
-) -> dict[tuple[int, int], float]:
-    """Bandwidth (GB/s == bytes/ns) of every directed link between pipeline ranks: Megatron's
-    rank order tp-cp-ep-dp-pp puts rank x's GPUs at global ranks x t c d + (0 .. t c d - 1), and
-    a GPU sends to the GPU t c d ranks further; intra-node when both are in one node of
-    ``cluster.gpus_per_node`` (every pair, as the blocks align to nodes when t c d divides it),
-    else inter-node."""
-    p, width = config.pp, config.tp * config.cp * config.dp
-    node = cluster.gpus_per_node
-
-    def same_node(x: int, y: int) -> bool:
-        return all((x * width + k) // node == (y * width + k) // node for k in range(width))
-
-    return {
-        (x, y): cluster.intra_node_gb_per_s if same_node(x, y) else cluster.inter_node_gb_per_s
-        for x in range(p)
-        for y in range(p)
-        if x != y
-    }
+FROM_COSTS = object()
+"""``schedule_timeline``'s default for a term: the one ``LayerCosts`` carries."""
 
 
 def schedule_timeline(
     costs: LayerCosts,
     stage_of_layer: Sequence[int] | np.ndarray,
     recomputed: Sequence[bool] | np.ndarray | None = None,
-    *,
-    link_gb_per_s: float | Mapping[tuple[int, int], float] | None = None,
-    dp_overlap: str = "none",
-    microbatch_overhead_ns: int = 0,
-    optimizer_step_ns: int | Sequence[int] = 0,
+    **options,
 ) -> Timeline:
-    """The simulated schedule of an assignment (layer position -> virtual stage) under ``costs``:
-    per-stage forward and backward from ``LayerCosts.forward_backward_ns`` (recompute set
-    applied), transfers = ceil(bytes / bandwidth) (``stage_transfer_bytes``; ``link_gb_per_s``
-    one for every link, or per directed rank pair as ``pipeline_link_gb_per_s`` gives; None: no
-    transfer time; 0 between chunks of one rank), AR_r = the rank's summed ``dp_sync_ns``."""
+    """The simulated schedule of an assignment (layer position -> virtual stage) under ``costs``
+    with the layers ``recomputed`` (selective): :func:`stages_timeline` of its stage costs."""
+    stages = stage_costs(costs, stage_of_layer, recomputed)
+    return stages_timeline(costs, stages, stage_of_layer, **options)
+
+
+def stages_timeline(
+    costs: LayerCosts,
+    stages: Sequence[StageCost],
+    stage_of_layer: Sequence[int] | np.ndarray,
+    *,
+    link_gb_per_s: float | Mapping[tuple[int, int], float] | None = FROM_COSTS,
+    p2p_latency_ns: int = FROM_COSTS,
+    dp_overlap: str = "none",
+    microbatch_overhead_ns: int = FROM_COSTS,
+    optimizer_step_ns: int | Sequence[int] = FROM_COSTS,
+) -> Timeline:
+    """The simulated schedule of a split from its stage costs (one per rank, in rank order;
+    a heterogeneous cluster's with their groups' times): virtual stage j = chunk c p + r runs
+    rank r's ``chunk_forward_ns[c]`` forward and the rest of ``chunk_time_ns[c]`` backward
+    (recompute included), AR_r and the optimizer step are the rank's ``dp_sync_ns`` and
+    ``optimizer_step_ns``, transfers = latency + ceil(bytes / bandwidth)
+    (``stage_transfer_bytes``; ``link_gb_per_s`` one for every link, or per directed rank pair
+    as ``cost_model.pipeline_link_gb_per_s`` gives; None: no transfer time; none between chunks
+    of one rank). Every term not given is the one ``costs`` and ``stages`` carry
+    (``FROM_COSTS``)."""
     config = costs.config
     p, m, n = config.pp, config.num_microbatches, costs.num_stages
-    stage_of = np.asarray(stage_of_layer, dtype=np.int64)
-    forward, backward = costs.forward_backward_ns(recomputed)
-    forward_stage, backward_stage, sync_stage = (
-        _per_stage(values, stage_of, n) for values in (forward, backward, costs.dp_sync_ns)
-    )
-    sync = [sum(sync_stage[j] for j in costs.stages_of_rank(r)) for r in range(p)]
-    activations, gradients = stage_transfer_bytes(costs, stage_of)
+    if link_gb_per_s is FROM_COSTS:
+        link_gb_per_s = costs.link_gb_per_s
+    if p2p_latency_ns is FROM_COSTS:
+        p2p_latency_ns = costs.p2p_latency_ns
+    if microbatch_overhead_ns is FROM_COSTS:
+        microbatch_overhead_ns = costs.microbatch_overhead_ns
+    if optimizer_step_ns is FROM_COSTS:
+        optimizer_step_ns = [stage.optimizer_step_ns for stage in stages]
+    forward_stage, backward_stage = [0] * n, [0] * n
+    for r, stage in enumerate(stages):
+        for c, (time_ns, forward_ns) in enumerate(
+            zip(stage.chunk_time_ns, stage.chunk_forward_ns, strict=True)
+        ):
+            forward_stage[c * p + r], backward_stage[c * p + r] = forward_ns, time_ns - forward_ns
+    activations, gradients = stage_transfer_bytes(costs, np.asarray(stage_of_layer, dtype=np.int64))
 
     def ns(pairs: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]:
         out = {}
@@ -252,7 +260,7 @@ def schedule_timeline(
                 out[(a, c)] = 0
                 continue
             rate = link_gb_per_s if isinstance(link_gb_per_s, float | int) else link_gb_per_s[link]
-            out[(a, c)] = math.ceil(size / rate)
+            out[(a, c)] = p2p_latency_ns + math.ceil(size / rate)
         return out
 
     group = interleaved_schedule_groups(costs.runtime, m, p) if config.virtual_stages > 1 else None
@@ -265,7 +273,7 @@ def schedule_timeline(
         group=group,
         transfer_ns=ns(activations),
         gradient_ns=ns(gradients),
-        dp_sync_ns=sync,
+        dp_sync_ns=[stage.dp_sync_ns for stage in stages],
         dp_overlap=dp_overlap,
         microbatch_overhead_ns=microbatch_overhead_ns,
         optimizer_step_ns=optimizer_step_ns,
@@ -281,11 +289,3 @@ def simulated_iteration_ns(
     """The iteration time of an assignment by schedule simulation, ns (``schedule_timeline``'s
     makespan; ``options`` are its keywords)."""
     return schedule_timeline(costs, stage_of_layer, recomputed, **options).makespan_ns
-
-
-def _per_stage(values: np.ndarray, stage_of: np.ndarray, num_stages: int) -> list[int]:
-    """Exact integer sums per stage."""
-    total = [0] * num_stages
-    for value, stage in zip(np.asarray(values).tolist(), stage_of.tolist(), strict=True):
-        total[stage] += int(value)
-    return total

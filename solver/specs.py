@@ -84,6 +84,8 @@ GPU_TFLOPS_RANGE = (1e-6, 1e6)
 """Peak TFLOP/s per GPU: 1 MFLOP/s to 1 EFLOP/s."""
 GB_PER_S_RANGE = (1e-3, 1e6)
 """Link bandwidth per GPU, GB/s: 1 MB/s to 1 PB/s."""
+MAX_P2P_LATENCY_US = 1e6
+"""Latency of one pipeline send, us: at most a second."""
 MAX_GLOBAL_BATCH = 2**24
 """Samples per step (also bounds micro-batch sizes and dp * b * m of a config)."""
 MAX_DEGREE = 2**24
@@ -123,6 +125,10 @@ class NodeGroup:
     """Per-GPU, per-direction bandwidth inside a node, GB/s."""
     inter_node_gb_per_s: float = 50.0
     """Per-GPU, per-direction bandwidth across nodes, GB/s."""
+    memory_gb_per_s: float = 3350.0
+    """GPU memory bandwidth, GB/s."""
+    p2p_latency_us: float = 0.0
+    """Latency of one pipeline send, us."""
 
     def __post_init__(self) -> None:
         _require(
@@ -160,6 +166,13 @@ class Cluster:
     """Per-GPU, per-direction bandwidth inside a node, GB/s (NVLink 4: 900 GB/s bidirectional)."""
     inter_node_gb_per_s: float = 50.0
     """Per-GPU, per-direction bandwidth across nodes, GB/s (400 Gb/s InfiniBand)."""
+    memory_gb_per_s: float = 3350.0
+    """GPU memory (HBM) bandwidth, GB/s (H100 SXM: 3.35 TB/s): the optimizer step's time when
+    the graph has no profiled one (``cost_model._optimizer_step_ns``)."""
+    p2p_latency_us: float = 0.0
+    """Latency of one pipeline send between two ranks, us, added to its bytes / bandwidth in the
+    schedule simulation (``solver.schedule_time``); 0 by default (NCCL within a node: ~10 us,
+    negligible beside a stage's milliseconds; gloo on CPU: hundreds of us, measure it)."""
     groups: tuple[NodeGroup, ...] = ()
     """Node groups of a heterogeneous cluster (empty: homogeneous)."""
 
@@ -178,6 +191,8 @@ class Cluster:
             flops_efficiency=spec.flops_efficiency,
             intra_node_gb_per_s=spec.intra_node_gb_per_s,
             inter_node_gb_per_s=spec.inter_node_gb_per_s,
+            memory_gb_per_s=spec.memory_gb_per_s,
+            p2p_latency_us=spec.p2p_latency_us,
         )
 
     def __post_init__(self) -> None:
@@ -703,5 +718,6 @@ def _check_hardware(spec: Cluster | NodeGroup) -> None:
     low, high = GPU_TFLOPS_RANGE
     _real("gpu_flops", spec.gpu_flops, low * 1e12, high * 1e12)
     _real("flops_efficiency", spec.flops_efficiency, 0, 1, low_open=True)
-    for name in ("intra_node_gb_per_s", "inter_node_gb_per_s"):
+    for name in ("intra_node_gb_per_s", "inter_node_gb_per_s", "memory_gb_per_s"):
         _real(name, getattr(spec, name), *GB_PER_S_RANGE)
+    _real("p2p_latency_us", spec.p2p_latency_us, 0, MAX_P2P_LATENCY_US)

@@ -24,12 +24,14 @@ from solver.cost_model import (
     in_flight_microbatches,
     in_flight_vectors,
     interleaved_schedule_groups,
+    iteration_bound_ns,
     layer_costs,
     stage_costs,
 )
 from solver.errors import InputError
 from solver.evaluation import evaluate
 from solver.planner import plan
+from solver.schedule_time import simulated_iteration_ns
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from tests.conftest import MIXED_CLUSTER, gpt_chain, slow_params
 from tests.random_graphs import random_chain, random_dag
@@ -136,10 +138,11 @@ def test_first_rank_activations_grow_by_korthikanti_factor(p, v):
     ratio = ours[0].activation_bytes / base[0].activation_bytes
     assert ratio == pytest.approx(1 + (p - 1) / (p * v))
     # fill and drain take p - 1 chunk slots: (m + (p - 1) / v) stage times (Narayanan et al.)
-    iteration = layer_costs(graph, interleaved, cluster, training).iteration_ns(
-        ours[0].time_ns, ours[0].chunk_time_ns[0], 0
-    )
-    assert iteration == m * ours[0].time_ns + (p - 1) * ours[0].time_ns // v
+    # the simulated schedule and the iteration bound (no transfer time) agree on it
+    costs = layer_costs(graph, interleaved, cluster, training)
+    narayanan = m * ours[0].time_ns + (p - 1) * ours[0].time_ns // v
+    assert iteration_bound_ns(costs, ours) == narayanan
+    assert simulated_iteration_ns(costs, even, link_gb_per_s=None) == narayanan
 
 
 def _random_interleaved(seed: int, selective: bool = False, **training_options):

@@ -161,11 +161,15 @@ def test_bound_never_above_the_optimum(seed):
 @pytest.mark.parametrize("seed", range(16))
 def test_alike_middle_layers_make_the_bound_the_optimum(seed):
     """Embedding, identical blocks, head: every window of a size costs the same, so the
-    relaxation is exact and its split optimal (what GPT-3 175B relies on)."""
+    relaxation of the memory objective is exact and its split optimal (what GPT-3 175B relies
+    on). The time rows leave out the ranks before each rank (its predecessors' first chunks):
+    a bound there, not the optimum."""
     costs = _costs(seed, uniform=True)
     for problem in _limited(costs, seed):
         bound = chunk_size_bound(problem)
         optimum = _check_against_oracle(problem, bound)
+        if problem.objective == OBJECTIVE_TIME or problem.iteration_budget_ns is not None:
+            continue
         assert bound.lower_bound == optimum
         if optimum is not None:
             assert problem.violation(bound.split) is None
@@ -226,8 +230,9 @@ def test_applies_to_interleaved_chains_with_fixed_costs_only():
 @pytest.mark.parametrize("v", [2, 3, 4])
 def test_gpt3_175b_pp16_closes_in_a_fraction_of_a_second(v):
     """examples/gpt3-175b.json (96 identical blocks between embedding and head) at pp 16 tp 8
-    m 1536 within 75 GiB: the relaxation's split meets its bound, under a throughput budget
-    too, and beats Megatron's even split of the virtual stages."""
+    m 1536 within 75 GiB: the relaxation's split meets its bound for the peak, under a
+    throughput budget too, and beats Megatron's even split of the virtual stages; for the time
+    its bound (without the ranks before each rank) is within 0.2% of its split's."""
     graph = load_graph("examples/gpt3-175b.json")
     config = ParallelConfig(
         pp=16, tp=8, dp=1, micro_batch=1, num_microbatches=1536, sp=True, virtual_stages=v
@@ -243,10 +248,14 @@ def test_gpt3_175b_pp16_closes_in_a_fraction_of_a_second(v):
         bound = chunk_size_bound(problem)
         assert time.process_time() - started < 2.0
         assert problem.violation(bound.split) is None
-        assert problem.objective_value(bound.split) == bound.lower_bound
-        assert bound.lower_bound <= problem.objective_value(even)
-        if problem is fastest:  # the planner's default throughput limit: 1.25 x the fastest
-            budget = int(1.25 * bound.lower_bound)
+        if problem is fastest:
+            value = problem.objective_value(bound.split)
+            assert bound.lower_bound <= value <= 1.002 * bound.lower_bound
+            assert value <= problem.objective_value(even)
+            budget = int(1.25 * value)  # the planner's default throughput limit
+        else:
+            assert problem.objective_value(bound.split) == bound.lower_bound
+            assert bound.lower_bound <= problem.objective_value(even)
     budgeted = StageProblem(costs=costs, capacity_bytes=usable, iteration_budget_ns=budget)
     solution = solve_cpsat(budgeted, time_limit_s=5)
     assert solution.status == OPTIMAL

@@ -10,16 +10,18 @@ For stage s = layers i..j (0-based, inclusive) ``cost_model.stage_costs`` reduce
   monotone relaxation counts the states without gradients (a lower bound of during(j))
   with an optimizer-step temporary (``LayerCosts.step_bytes``) also the step moment
   sum (state + step)[i..j] + R0_s e[i-1] + S0_s e[j] (``cost_model.optimizer_step_moment``)
-  T(i, j) = sum time_ns[i..j],  AR(i, j) = sum dp_sync_ns[i..j],
-  iteration = F max_s T_s + max_s AR_s  with F = m + p - 1.
+  time(s; i, j) = the iteration bound's term of stage s (``cost_model.iteration_bound_ns``):
+      max(m pT[j+1] - (m-1) pT[i],  (m pT + pX)[j+1] - (m pT + pX - pF)[i]) + (s + m) h
+  with the prefix sums pT of time_ns, pF of forward_ns, pX of the tail (dp sync + optimizer
+  step) and the per-micro-batch overhead h; the iteration bound is max_s time(s; i_s, j_s).
 
 Algorithm (exact; numpy vectorised over layers, Python loops over stages only):
-1. Min-max stage problem: minimise max_s c_s, with c = peak, T or AR, under per-stage limits
-   (peak <= cap, T <= tau, AR <= alpha). The sums are monotone in the interval; edges and the
-   transient term are not. Bounding those below (smallest edge, smallest transient) and letting
-   stages be empty gives a relaxation that greedy solves; a k-ary search on its bound gives a
-   lower bound and, after cutting stages to fill the empty ones, an incumbent split. Without a
-   capacity, T and AR do not depend on s and the relaxation is exact.
+1. Min-max stage problem: minimise max_s c_s, with c = peak or time, under per-stage limits
+   (peak <= cap, time <= budget). Each rule U[j+1] - V[i] (U, V non-decreasing prefix sums) is
+   monotone in the interval (a sub-interval never exceeds it); edges and the transient term
+   are not. Bounding those below (smallest edge, smallest transient) and letting stages be
+   empty gives a relaxation that greedy solves; a k-ary search on its bound gives a lower bound
+   and, after cutting stages to fill the empty ones, an incumbent split.
 2. From there a banded min-max DP f_s(j) = min_i max(f_{s-1}(i-1), c_s(i, j)) over the (i, j)
    pairs that the relaxation allows under a trial bound U (greedy forward and backward reach
    bound the stage ends, prefix-sum searches the starts). The DP is exact inside the band, so a
@@ -27,19 +29,14 @@ Algorithm (exact; numpy vectorised over layers, Python loops over stages only):
    incumbent). The band holds about L x (layers per stage) x (1 + slack x p) pairs. A small
    chain (p L^2 / 2 <= ``DIRECT_BAND_PAIRS``) takes U = the incumbent at once; the peak problem
    of a short one (L <= ``DENSE_DP_MAX_LAYERS``) is the same DP over every pair.
-3. Coupled iteration budget / time objective: best-first branch and bound over alpha =
-   max_s AR_s, whose candidates are the interval sums of dp_sync_ns (ranges are snapped to them
-   and bisected). Memory: a range [a, b] is bounded by the stage problem with AR <= b and
-   T <= (budget - a) // F; its split settles the range when it meets the budget. Time: [a, b] is
-   bounded by F G(b) + a, G(b) = min T_max under AR <= b; the least AR_max A among splits with
-   T_max = G(b) settles [A, b], and alphas below A need T_max > G(b).
+3. The iteration bound is a max of per-stage terms, so an iteration budget is one more
+   per-stage limit and the time objective one more min-max stage problem: both are step 1-2.
 """
 
 from __future__ import annotations
 
-import heapq
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,7 +75,7 @@ DIRECT_BAND_PAIRS = 2**20
 DP at the incumbent value: even a band of every pair costs less than the Python overhead of the
 three or four narrower rounds (one numpy pass per stage each) that usually precede it there."""
 
-PEAK, TIME, SYNC = "peak", "time", "sync"
+PEAK, TIME = "peak", "time"
 
 
 def is_chain_problem(problem: StageProblem) -> bool:
@@ -117,13 +114,11 @@ class _Limits:
     """A min-max stage problem: minimise max_s (kind of stage s) under per-stage limits."""
 
     kind: str
-    """peak (bytes), time (T_s, ns) or sync (AR_s, ns)."""
+    """peak (bytes) or time (the stage's term of the iteration bound, ns)."""
     cap_bytes: int | None = None
     """peak_s <= cap (kind time; for kind peak the caller folds it into the ceiling)."""
-    tau_ns: int | None = None
-    """T_s <= tau."""
-    alpha_ns: int | None = None
-    """AR_s <= alpha."""
+    budget_ns: int | None = None
+    """time_s <= budget: the iteration bound within the budget (kind peak)."""
 
 
 class _TimeUp(Exception):
@@ -136,20 +131,20 @@ class _Chain:
     def __init__(self, costs: LayerCosts, deadline: float | None) -> None:
         self.num_layers = costs.num_layers
         self.num_stages = costs.num_stages
-        self.pipeline_factor = costs.pipeline_factor
         self.in_flight = np.asarray(costs.in_flight, dtype=np.int64)
         self.deadline = deadline
         prefix = lambda values: np.concatenate(([0], np.cumsum(values, dtype=np.int64)))  # noqa: E731
         self.state_prefix = prefix(costs.state_bytes)
         self.stored_prefix = prefix(costs.stored_bytes)
-        self.time_prefix = prefix(costs.time_ns)
-        self.sync_prefix = prefix(costs.dp_sync_ns)
+        self.time_rules, self.time_offsets = _time_rules(costs, prefix)
         for name in (
             "state_bytes",
             "stored_bytes",
             "transient_bytes",
             "time_ns",
-            "dp_sync_ns",
+            "forward_ns",
+            "backward_ns",
+            "tail_ns",
             "edge_bytes",
         ):
             if np.any(getattr(costs, name) < 0):  # the prefix-sum searches need monotone sums
@@ -285,61 +280,47 @@ class _Chain:
         persistent = value + self.transient(starts, ends)
         return np.where(late, np.maximum(during, after), persistent) + self.constant_bytes
 
-    def measure(self, starts: np.ndarray) -> tuple[int, int, int]:
-        """(max peak bytes, max T_s ns, max AR_s ns) of a split given by its stage starts."""
+    def times(self, stage: int | np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """time(s; i, j) of the module docstring, ns; ``stage`` is one index or one per pair."""
+        value = np.max([end[ends + 1] - start[starts] for end, start in self.time_rules], axis=0)
+        return value + self.time_offsets[stage]
+
+    def measure(self, starts: np.ndarray) -> tuple[int, int]:
+        """(max peak bytes, iteration bound ns) of a split given by its stage starts."""
         ends = np.append(starts[1:] - 1, self.num_layers - 1)
-        peak = self.peaks(np.arange(self.num_stages), starts, ends)
-        busy = self.time_prefix[ends + 1] - self.time_prefix[starts]
-        sync = self.sync_prefix[ends + 1] - self.sync_prefix[starts]
-        return int(peak.max()), int(busy.max()), int(sync.max())
+        stages = np.arange(self.num_stages)
+        peak = self.peaks(stages, starts, ends)
+        return int(peak.max()), int(self.times(stages, starts, ends).max())
 
     def stage_of_layer(self, starts: np.ndarray) -> list[int]:
         """The stage of each layer of a split given by its stage starts."""
         lengths = np.diff(np.append(starts, self.num_layers))
         return np.repeat(np.arange(self.num_stages), lengths).tolist()
 
-    @property
-    def total_sync_ns(self) -> int:
-        """Sum of dp_sync_ns over every layer (the largest any stage can have), ns."""
-        return int(self.sync_prefix[-1])
-
-    def interval_sum_at_most(self, value: int) -> int:
-        """Largest sum of dp_sync_ns over a non-empty interval that is <= value (or -1)."""
-        starts = np.arange(self.num_layers)
-        stop = np.searchsorted(self.sync_prefix, self.sync_prefix[starts] + value, "right") - 1
-        ok = stop > starts
-        sums = self.sync_prefix[stop[ok]] - self.sync_prefix[starts[ok]]
-        return int(sums.max()) if len(sums) else -1
-
-    def interval_sum_at_least(self, value: int) -> int:
-        """Smallest sum of dp_sync_ns over a non-empty interval that is >= value (or INF)."""
-        starts = np.arange(self.num_layers)
-        stop = np.searchsorted(self.sync_prefix, self.sync_prefix[starts] + value, "left")
-        stop = np.maximum(stop, starts + 1)
-        ok = stop <= self.num_layers
-        sums = self.sync_prefix[stop[ok]] - self.sync_prefix[starts[ok]]
-        return int(sums.min()) if len(sums) else INF
-
     # -- monotone relaxation ---------------------------------------------------------------
 
-    def stage_rules(self, limits: _Limits) -> list[list[tuple[np.ndarray, int, bool]]]:
-        """Per stage, (prefix sums, offset, scaled) rules of the monotone relaxation: stage i..j
-        passes at a bound iff prefix[j+1] - prefix[i] <= (bound + offset if scaled else offset)
-        for each rule. It relaxes 'stage quantity <= bound and the per-stage limits'."""
+    def stage_rules(self, limits: _Limits) -> list[list[tuple[np.ndarray, np.ndarray, int, bool]]]:
+        """Per stage, (end sums U, start sums V, offset, scaled) rules of the monotone
+        relaxation: stage i..j passes at a bound iff U[j+1] - V[i] <= (bound + offset if scaled
+        else offset) for each rule (U, V non-decreasing). It relaxes 'stage quantity <= bound
+        and the per-stage limits'."""
         if self._rules is not None and self._rules[0] == limits:
             return self._rules[1]
         rules = []
         for s in range(self.num_stages):
             floor = self.boundary_floor(s)
             memory = self.memory_prefix(s)
-            quantity = {PEAK: memory, TIME: self.time_prefix, SYNC: self.sync_prefix}
-            stage = [(quantity[limits.kind], -floor if limits.kind == PEAK else 0, True)]
+            offset = int(self.time_offsets[s])
+            if limits.kind == PEAK:
+                stage = [(memory, memory, -floor, True)]
+            else:
+                stage = [(end, start, -offset, True) for end, start in self.time_rules]
             if limits.cap_bytes is not None and limits.kind != PEAK:
-                stage.append((memory, limits.cap_bytes - floor, False))
-            if limits.tau_ns is not None:
-                stage.append((self.time_prefix, limits.tau_ns, False))
-            if limits.alpha_ns is not None:
-                stage.append((self.sync_prefix, limits.alpha_ns, False))
+                stage.append((memory, memory, limits.cap_bytes - floor, False))
+            if limits.budget_ns is not None:
+                stage += [
+                    (end, start, limits.budget_ns - offset, False) for end, start in self.time_rules
+                ]
             rules.append(stage)
         self._rules = (limits, rules)
         return rules
@@ -357,9 +338,9 @@ class _Chain:
         ends = np.empty((num_stages, len(bounds)), dtype=np.int64)
         for s, rules in enumerate(self.stage_rules(limits)):
             stop = num_layers - (num_stages - 1 - s)
-            for prefix, offset, scaled in rules:
-                target = prefix[position] + (bounds + offset if scaled else offset)
-                stop = np.minimum(stop, prefix.searchsorted(target, "right") - 1)
+            for end, start, offset, scaled in rules:
+                target = start[position] + (bounds + offset if scaled else offset)
+                stop = np.minimum(stop, end.searchsorted(target, "right") - 1)
             position = np.maximum(position, stop)
             ends[s] = position - 1
         return position == num_layers, ends
@@ -370,9 +351,9 @@ class _Chain:
         stop = self.num_layers  # first layer after stage s
         for s in reversed(range(self.num_stages)):
             first = s
-            for prefix, offset, scaled in self.stage_rules(limits)[s]:
-                target = prefix[stop] - (bound + offset if scaled else offset)
-                first = max(first, int(prefix.searchsorted(target, "left")))
+            for end, start, offset, scaled in self.stage_rules(limits)[s]:
+                target = end[stop] - (bound + offset if scaled else offset)
+                first = max(first, int(start.searchsorted(target, "left")))
             starts[s] = stop = min(first, stop)
         return starts if starts[0] == 0 else None
 
@@ -410,9 +391,7 @@ class _Chain:
     def relaxed_top(self, limits: _Limits) -> int:
         """A bound above every stage's relaxed quantity: the bound itself never binds there."""
         if limits.kind == TIME:
-            return int(self.time_prefix[-1])
-        if limits.kind == SYNC:
-            return int(self.sync_prefix[-1])
+            return max(int(end[-1]) for end, _ in self.time_rules) + int(self.time_offsets.max())
         return max(
             int(self.memory_prefix(s)[-1]) + self.boundary_floor(s) for s in range(self.num_stages)
         )
@@ -424,8 +403,8 @@ class _Chain:
     def greedy_split(self, limits: _Limits, bound: int) -> np.ndarray:
         """Stage starts of a split made from the relaxation's greedy split at ``bound``.
 
-        Empty stages are filled by cutting the non-empty ones; the pieces pass the relaxation
-        when stage costs do not depend on s (T and AR), not always otherwise.
+        Empty stages are filled by cutting the non-empty ones; the pieces need not pass the
+        relaxation (stage costs depend on s and on where a stage starts).
         """
         _, ends = self.reach_forward(limits, np.array([bound]))
         cuts = ends[:-1, 0] + 1  # first layer after each stage but the last
@@ -440,12 +419,14 @@ class _Chain:
 
     def stage_value(self, limits: _Limits, starts: np.ndarray) -> int | None:
         """max_s of the minimised quantity for a split, or None when it breaks the cap."""
-        peak, busy, sync = self.measure(starts)
+        peak, bound = self.measure(starts)
+        if limits.budget_ns is not None and bound > limits.budget_ns:
+            return None
         if limits.kind == PEAK:
             return peak
         if limits.cap_bytes is not None and peak > limits.cap_bytes:
             return None
-        return busy if limits.kind == TIME else sync
+        return bound
 
     def minimise(
         self,
@@ -475,11 +456,9 @@ class _Chain:
             return None
         lower, passing = found
         greedy = self.greedy_split(limits, passing)
-        if limits.kind != PEAK and limits.cap_bytes is None:
-            return lower, greedy  # every constraint is a monotone sum: greedy is optimal
         value = self.stage_value(limits, greedy)
         best = (value, greedy) if value is not None and value <= ceiling else None
-        # T_s <= total time always; a peak can exceed the relaxation's top, so use the ceiling
+        # a time never exceeds the relaxation's top; a peak can, so use the ceiling
         upper = best[0] if best else min(ceiling, self.exact_top(limits))
         for step in (None,) if small else BAND_STEPS:
             if best is not None and offer is not None:
@@ -591,9 +570,9 @@ class _Chain:
     def first_starts(self, stage: int, limits: _Limits, bound: int, ends: np.ndarray) -> np.ndarray:
         """Smallest start of stage ``stage`` ending at each of ``ends`` under the relaxation."""
         first = np.zeros(len(ends), dtype=np.int64)
-        for prefix, offset, scaled in self.stage_rules(limits)[stage]:
+        for end, start, offset, scaled in self.stage_rules(limits)[stage]:
             limit = bound + offset if scaled else offset
-            first = np.maximum(first, prefix.searchsorted(prefix[ends + 1] - limit, "left"))
+            first = np.maximum(first, start.searchsorted(end[ends + 1] - limit, "left"))
         return first
 
     def _stage_step(
@@ -630,24 +609,26 @@ class _Chain:
     def _interval_cost(
         self, stage: int, limits: _Limits, starts: np.ndarray, ends: np.ndarray
     ) -> np.ndarray:
-        """c_s(i, j): peak bytes, or T or AR ns (INF where the peak breaks the cap)."""
+        """c_s(i, j): peak bytes or time ns (INF where the peak breaks the cap or the time the
+        budget)."""
         if limits.kind == PEAK:
-            return self.peaks(stage, starts, ends)
-        prefix = self.time_prefix if limits.kind == TIME else self.sync_prefix
-        value = prefix[ends + 1] - prefix[starts]
-        if limits.cap_bytes is None:
-            return value
-        return np.where(self.peaks(stage, starts, ends) > limits.cap_bytes, INF, value)
+            value = self.peaks(stage, starts, ends)
+        else:
+            value = self.times(stage, starts, ends)
+            if limits.cap_bytes is not None:
+                value = np.where(self.peaks(stage, starts, ends) > limits.cap_bytes, INF, value)
+        if limits.budget_ns is not None:
+            value = np.where(self.times(stage, starts, ends) > limits.budget_ns, INF, value)
+        return value
 
 
 class _Search:
     """The outer search for one problem: incumbent, proven lower bound, branch and bound.
 
     Generic over its splitter (``chain``): ``_Chain`` here, ``backends.dag._DagSplitter`` on
-    DAGs. A splitter offers ``measure(split)``, ``minimise(limits, ...)``,
-    ``relaxed_minimum``, ``interval_sum_at_least/at_most``, ``pipeline_factor``,
-    ``total_sync_ns``, ``check_time`` and ``stage_of_layer(split)``; a split is whatever its
-    ``minimise`` returns (stage starts for the chain)."""
+    DAGs. A splitter offers ``measure(split)`` (max peak, iteration bound),
+    ``minimise(limits, ...)``, ``check_time`` and ``stage_of_layer(split)``; a split is
+    whatever its ``minimise`` returns (stage starts for the chain)."""
 
     def __init__(self, problem: StageProblem, chain: _Chain) -> None:
         self.problem = problem
@@ -660,18 +641,14 @@ class _Search:
         if self.problem.num_stages > self.problem.num_layers:
             return  # some stage would be empty
         if self.problem.objective == OBJECTIVE_MEMORY:
-            if self.problem.iteration_budget_ns is None:
-                self._memory_without_budget()
-            else:
-                self._memory_with_budget()
+            self._memory()
         else:
             self._time()
 
     def offer(self, starts: np.ndarray) -> None:
         """Keep ``starts`` when it satisfies every constraint and beats the incumbent."""
         problem, chain = self.problem, self.chain
-        peak, busy, sync = chain.measure(starts)
-        iteration = chain.pipeline_factor * busy + sync
+        peak, iteration = chain.measure(starts)
         if problem.capacity_bytes is not None and peak > problem.capacity_bytes:
             return
         if problem.iteration_budget_ns is not None and iteration > problem.iteration_budget_ns:
@@ -683,90 +660,28 @@ class _Search:
     def raise_lower(self, value: int) -> None:
         self.lower = max(self.lower, value)
 
-    def _memory_without_budget(self) -> None:
+    def _memory(self) -> None:
+        """The smallest largest peak with the iteration bound within the budget."""
         ceiling = INF if self.problem.capacity_bytes is None else self.problem.capacity_bytes
+        limits = _Limits(kind=PEAK, budget_ns=self.problem.iteration_budget_ns)
         found = self.chain.minimise(
-            _Limits(kind=PEAK), ceiling=ceiling, offer=self.offer, on_lower=self.raise_lower
+            limits, ceiling=ceiling, offer=self.offer, on_lower=self.raise_lower
         )
         if found is not None:
             self.offer(found[1])
             self.lower = found[0]
 
-    def _alpha_range(self, low: int, high: int) -> tuple[int, int] | None:
-        """[low, high] shrunk to the interval sums of dp_sync_ns it contains (None if none)."""
-        low = self.chain.interval_sum_at_least(low)
-        high = self.chain.interval_sum_at_most(high)
-        return (low, high) if low <= high else None
-
-    def _alpha_bounds(self) -> tuple[int, int]:
-        """(min possible max_s AR_s, min possible max_s T_s) over all splits, ns."""
-        chain = self.chain
-        alpha = chain.relaxed_minimum(_Limits(kind=SYNC), 0, INF)
-        busy = chain.relaxed_minimum(_Limits(kind=TIME), 0, INF)
-        assert alpha is not None and busy is not None  # p <= L: some split exists
-        return alpha, busy
-
-    def _memory_with_budget(self) -> None:
-        """Branch and bound over alpha: node [a, b] relaxes to AR <= b, T <= (budget - a) // F."""
-        problem, chain = self.problem, self.chain
-        budget, factor = problem.iteration_budget_ns, chain.pipeline_factor
-        cap = INF if problem.capacity_bytes is None else problem.capacity_bytes
-        alpha_min, busy_min = self._alpha_bounds()
-        root = self._alpha_range(alpha_min, budget - factor * busy_min)
-        heap = [] if root is None else [(0, *root)]
-        for bound, low, high in _best_first(heap, self):
-            ceiling = cap if self.best_value is None else min(cap, self.best_value - 1)
-            limits = _Limits(kind=PEAK, tau_ns=(budget - low) // factor, alpha_ns=high)
-            found = chain.minimise(limits, floor=bound, ceiling=ceiling, offer=self.offer)
-            if found is None:
-                continue
-            value, starts = found
-            self.offer(starts)
-            _, busy, sync = chain.measure(starts)
-            if factor * busy + sync > budget:  # low < high: at one alpha the relaxation is exact
-                self._bisect(heap, low, high, base=value)
-
     def _time(self) -> None:
-        """Branch and bound over alpha: node [a, b] is bounded by F G(b) + a.
-
-        G(b) = min T_max under AR_s <= b; then the least AR_max with T_max = G(b), A, settles
-        every alpha in [A, b], and alphas below A need T_max > G(b).
-        """
-        problem, chain = self.problem, self.chain
-        factor, cap = chain.pipeline_factor, problem.capacity_bytes
-        budget = INF if problem.iteration_budget_ns is None else problem.iteration_budget_ns
-        alpha_min, busy_min = self._alpha_bounds()
-        root = self._alpha_range(alpha_min, chain.total_sync_ns)
-        heap = [] if root is None else [(factor * busy_min + root[0], *root)]
-        for bound, low, high in _best_first(heap, self):
-            allowed = budget if self.best_value is None else min(budget, self.best_value - 1)
-            if bound > allowed:
-                break
-            limits = _Limits(kind=TIME, cap_bytes=cap, alpha_ns=high)
-            found = chain.minimise(
-                limits,
-                floor=(bound - low) // factor,
-                ceiling=(allowed - low) // factor,
-                offer=self.offer,
-            )
-            if found is None:
-                continue
-            busy = found[0]
-            limits = _Limits(kind=SYNC, cap_bytes=cap, tau_ns=busy)
-            refined = chain.minimise(limits, ceiling=high, offer=self.offer)
-            assert refined is not None  # the split behind G(b) has AR <= b
-            sync, starts = refined
-            self.offer(starts)
-            rest = self._alpha_range(low, sync - 1)
-            if rest is not None:
-                self._bisect(heap, *rest, base=factor * (busy + 1), alpha_weight=1)
-
-    def _bisect(self, heap: list, low: int, high: int, *, base: int, alpha_weight: int = 0) -> None:
-        """Push both halves of [low, high], bounded by base + alpha_weight x smallest alpha."""
-        middle = (low + high) // 2
-        for half in (self._alpha_range(low, middle), self._alpha_range(middle + 1, high)):
-            if half is not None:
-                heapq.heappush(heap, (base + alpha_weight * half[0], *half))
+        """The smallest iteration bound with every peak within the capacity."""
+        problem = self.problem
+        ceiling = INF if problem.iteration_budget_ns is None else problem.iteration_budget_ns
+        limits = _Limits(kind=TIME, cap_bytes=problem.capacity_bytes)
+        found = self.chain.minimise(
+            limits, ceiling=ceiling, offer=self.offer, on_lower=self.raise_lower
+        )
+        if found is not None:
+            self.offer(found[1])
+            self.lower = found[0]
 
     def solution(self, timed_out: bool, wall_s: float) -> StageSolution:
         problem = self.problem
@@ -797,17 +712,20 @@ class _Search:
         )
 
 
-def _best_first(heap: list, search: _Search) -> Iterator[tuple[int, int, int]]:
-    """Pop alpha ranges by bound until none can beat the incumbent; keeps search.lower."""
-    while heap:
-        search.chain.check_time()
-        bound, low, high = heapq.heappop(heap)
-        search.lower = bound
-        if search.best_value is not None and bound >= search.best_value:
-            break
-        yield bound, low, high
-    if search.best_value is not None:
-        search.lower = search.best_value
+def _time_rules(
+    costs: LayerCosts, prefix
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
+    """The iteration bound's per-stage terms (module docstring) as (U, V) prefix-sum pairs,
+    time(s; i, j) = max over pairs of U[j+1] - V[i], + offsets[s] = (s + m) h."""
+    m, h = costs.config.num_microbatches, costs.microbatch_overhead_ns
+    busy = m * prefix(costs.time_ns)
+    tail = prefix(costs.tail_ns)
+    rules = [
+        (busy, busy - prefix(costs.time_ns)),  # before: every forward and backward below
+        (busy + tail, busy + tail - prefix(costs.forward_ns)),  # before: the forwards; + tail
+    ]
+    offsets = (np.arange(costs.num_stages, dtype=np.int64) + m) * h
+    return rules, offsets
 
 
 def _sparse_max_table(values: np.ndarray) -> np.ndarray:

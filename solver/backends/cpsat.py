@@ -64,9 +64,13 @@ class CpSatFormulation(PrefixFormulation):
         iteration_ub = 0  # on the slowest group: every group's time rows are in the model
         for costs in group_costs:
             _, _, time_ub = costs.bounding_coefficients(np.maximum)
+            config = costs.config
             iteration_ub = max(
                 iteration_ub,
-                costs.pipeline_factor * int(time_ub.sum()) + int(costs.dp_sync_ns.sum()),
+                (config.num_microbatches + 1) * int(time_ub.sum())
+                + int(costs.tail_ns.sum())
+                + (config.num_microbatches * config.virtual_stages + config.pp)
+                * costs.microbatch_overhead_ns,
             )
         ranges = [("stage peak", pre.peak_ub_bytes), ("iteration", iteration_ub)]
         if placement is not None and placement.memory_objective == UTILIZATION:

@@ -7,7 +7,9 @@ Every term of a stage's peak in ``cost_model.stage_costs`` depends only on the p
 stage index s (homogeneous cluster, no selective recomputation):
 
   layer sums over A = I \\ J        weights, gradients, optimizer, DDP buckets, stored, step
-                                    temporary, time, dp sync: sum(I) - sum(J) of per-ideal sums
+                                    temporary, time, tail: sum(I) - sum(J) of per-ideal sums
+  the iteration bound's term        max(T(J) + m T_A, F(J) + m T_A + tail_A) + (s + m) h
+  (``iteration_bound_ns``)          (T, F: per-ideal sums of time and forward time)
   max transient over A             a pairs x layers membership matrix
   megatron boundaries              into = sum n_t [producer in J, a consumer outside J]
   (``boundary_bytes``)             out  = sum n_t [producer in I, a consumer outside I]
@@ -25,7 +27,7 @@ pass over every (J, I) pair per stage. The pair structure (ideals, memberships, 
 each pair receives, sends, relays) depends on the graph only and is cached per graph, so the
 configs of one search share it; each config computes its s-independent pair costs once.
 
-The constrained and coupled problems (capacity, iteration budget, time objective) reuse the chain
+The constrained problems (capacity, iteration budget, time objective) reuse the chain
 backend's outer search (``backends.chain._Search``): this module supplies the same "splitter"
 interface as the chain's ``_Chain`` with the DP as its exact min-max stage solver.
 
@@ -44,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.backends.chain import INF, PEAK, SYNC, TIME, _Limits, _Search, _TimeUp
+from solver.backends.chain import INF, PEAK, _Limits, _Search, _TimeUp
 from solver.backends.problem import FEASIBLE, UNKNOWN, StageProblem, StageSolution
 from solver.cost_model import LayerCosts
 from solver.errors import InputError
@@ -403,9 +405,8 @@ def _masked_max(
 
 class _DagSplitter:
     """The min-max stage solver over ideal pairs, with the interface ``chain._Search`` uses
-    (``measure``, ``minimise``, ``relaxed_minimum``, ``interval_sum_at_least/at_most``,
-    ``pipeline_factor``, ``check_time``, ``stage_of_layer``, ``total_sync_ns``). A split is an
-    array of pair indices, one per stage."""
+    (``measure``, ``minimise``, ``check_time``, ``stage_of_layer``). A split is an array of
+    pair indices, one per stage."""
 
     def __init__(self, costs: LayerCosts, structure: _Structure, deadline: float | None) -> None:
         self.costs = costs
@@ -413,7 +414,6 @@ class _DagSplitter:
         self.deadline = deadline
         self.num_stages = costs.num_stages
         self.num_layers = costs.num_layers
-        self.pipeline_factor = costs.pipeline_factor
         st = structure
         num_pairs = len(st.low)
         members = st.members.astype(np.int64)
@@ -429,8 +429,16 @@ class _DagSplitter:
         self.held_bytes = pair_sum(held)  # weights, optimizer state, DDP buckets: always
         self.grad_bytes = pair_sum(costs.grad_bytes)
         self.stored_bytes = pair_sum(costs.stored_bytes)
-        self.time_ns = pair_sum(costs.time_ns)
-        self.sync_ns = pair_sum(costs.dp_sync_ns)
+        # the iteration bound's term of a stage (cost_model.iteration_bound_ns) on pair (J, I):
+        # max(T(J) + m T, F(J) + m T + tail) + (s + m) h, T = T(I) - T(J) the stage's time
+        per_ideal = lambda values: members @ np.asarray(values, dtype=np.int64)  # noqa: E731
+        m = costs.config.num_microbatches
+        busy = m * pair_sum(costs.time_ns)
+        self.times_ns = np.maximum(
+            per_ideal(costs.time_ns)[st.low] + busy,
+            per_ideal(costs.forward_ns)[st.low] + busy + pair_sum(costs.tail_ns),
+        )
+        self.time_offsets = (np.arange(self.num_stages) + m) * costs.microbatch_overhead_ns
         self.step_bytes = None if costs.step_bytes is None else pair_sum(costs.step_bytes)
         transient = np.asarray(costs.transient_bytes, dtype=np.int64)
         self.transient = _masked_max(st.stage_members, transient)
@@ -457,8 +465,6 @@ class _DagSplitter:
                 transient,
                 cumulative=np.asarray(costs.stored_bytes - costs.grad_bytes, dtype=np.int64),
             )
-        self.sync_values = np.unique(self.sync_ns)
-        self.total_sync_ns = int(np.sum(costs.dp_sync_ns))
         self._peaks: dict[int, np.ndarray] = {}
 
     def _direct_adjustments(
@@ -520,10 +526,14 @@ class _DagSplitter:
             self._peaks[stage] = value
         return value
 
-    def measure(self, split: np.ndarray) -> tuple[int, int, int]:
-        """(max peak bytes, max T_s ns, max AR_s ns) of a split (a pair index per stage)."""
+    def times(self, stage: int) -> np.ndarray:
+        """The iteration bound's term of every pair as stage ``stage``, ns."""
+        return self.times_ns + self.time_offsets[stage]
+
+    def measure(self, split: np.ndarray) -> tuple[int, int]:
+        """(max peak bytes, iteration bound ns) of a split (a pair index per stage)."""
         peak = max(int(self.peaks(s)[pair]) for s, pair in enumerate(split))
-        return peak, int(self.time_ns[split].max()), int(self.sync_ns[split].max())
+        return peak, max(int(self.times(s)[pair]) for s, pair in enumerate(split))
 
     def stage_of_layer(self, split: np.ndarray) -> list[int]:
         """The stage of each layer."""
@@ -532,22 +542,7 @@ class _DagSplitter:
             stage_of[self.structure.stage_members[pair]] = s
         return stage_of.tolist()
 
-    def interval_sum_at_most(self, value: int) -> int:
-        """Largest stage dp_sync_ns sum of any pair that is <= value (or -1)."""
-        index = np.searchsorted(self.sync_values, value, "right") - 1
-        return int(self.sync_values[index]) if index >= 0 else -1
-
-    def interval_sum_at_least(self, value: int) -> int:
-        """Smallest stage dp_sync_ns sum of any pair that is >= value (or INF)."""
-        index = np.searchsorted(self.sync_values, value, "left")
-        return int(self.sync_values[index]) if index < len(self.sync_values) else INF
-
     # -- exact min-max stage problem -------------------------------------------------------
-
-    def relaxed_minimum(self, limits: _Limits, floor: int, ceiling: int) -> int | None:
-        """The exact minimum in [floor, ceiling] (the DP needs no relaxation), or None."""
-        found = self.minimise(limits, floor=floor, ceiling=ceiling)
-        return None if found is None else found[0]
 
     def minimise(
         self,
@@ -561,16 +556,13 @@ class _DagSplitter:
         """Exact min over splits of max_s quantity under the limits, among values <= ceiling:
         (value, split) or None. ``floor``, ``offer`` and ``on_lower`` are the chain's interface
         (the DP is exact in one pass, so it needs none of them)."""
-        allowed = np.ones(len(self.time_ns), dtype=bool)
-        if limits.tau_ns is not None:
-            allowed &= self.time_ns <= limits.tau_ns
-        if limits.alpha_ns is not None:
-            allowed &= self.sync_ns <= limits.alpha_ns
-        quantity = {TIME: self.time_ns, SYNC: self.sync_ns}.get(limits.kind)
 
         def stage_cost(stage: int) -> np.ndarray:
-            value = self.peaks(stage) if limits.kind == PEAK else quantity
-            ok = allowed & (value <= ceiling)
+            times = self.times(stage)
+            value = self.peaks(stage) if limits.kind == PEAK else times
+            ok = value <= ceiling
+            if limits.budget_ns is not None:
+                ok &= times <= limits.budget_ns
             if limits.kind != PEAK and limits.cap_bytes is not None:
                 ok &= self.peaks(stage) <= limits.cap_bytes
             return np.where(ok, value, INF)

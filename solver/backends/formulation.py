@@ -24,9 +24,13 @@ The formulation (``cpsat.py`` and ``milp.py`` build it through :class:`PrefixFor
   memory       peak >= sum_l (state_l + k_s stored_l) x[l][s]
                        + sum_T eb_T (R_s ct[T][s-1] + S_s ct[T][s]) + k_s sum_T eb_T r[T][s] + tr[s]
                (R_s, S_s: boundary copies of the cost model; a relayed edge is received and sent)
-  time         T >= sum_l time_l x[l][s],  AR >= sum_l sync_l x[l][s]
-  limits       peak <= capacity;  F T + AR <= budget      (F = m + p - 1)
-  objective    min peak ("memory") or min F T + AR ("time")
+  time         Ts[s] >= sum_l time_l x[l][s],  Fs[s] >= sum_l forward_l x[l][s],
+               X[r] >= sum_l tail_l x[l][s] over the rank's stages s    (tail: sync + step)
+  iteration    I >= sum_{j<r} (Ts[j] + h) + m (sum_{s of r} Ts[s] + v h)
+               I >= sum_{j<r} (Fs[j] + h) + m (sum_{s of r} Ts[s] + v h) + X[r]   (every rank r)
+               (``cost_model.iteration_bound_ns``; h: the micro-batch overhead)
+  limits       peak <= capacity;  I <= budget
+  objective    min peak ("memory") or min I ("time")
 
 Heterogeneous clusters (``problem.placement``: node groups k with capacity C_k, n_k stages each and
 their own per-layer times time_l^k, sync_l^k) add, and use instead of the memory and time rows:
@@ -39,8 +43,8 @@ their own per-layer times time_l^k, sync_l^k) add, and use instead of the memory
   capacity     P[s][k] <= C_k g[s][k]
   objective    utilization (integer ppm U):  10^6 P[s][k] <= C_k U
                absolute:                     peak >= P[s][k]
-  time         T >= sum_l time_l^k x[l][s] - M^k (1 - g[s][k]),  M^k = sum_l time_l^k
-               (AR likewise with sync_l^k)
+  time         Ts[s] >= sum_l time_l^k x[l][s] - M^k (1 - g[s][k]),  M^k = sum_l time_l^k
+               (Fs and X likewise with forward_l^k and tail_l^k)
 
 P is the disaggregated (convex-hull) form of "P_s <= C_k(s)": no big-M in the memory rows, so the
 LP relaxation stays tight and the coefficients small (HiGHS's presolve declared a feasible big-M
@@ -59,12 +63,11 @@ rank r instead of per stage, one memory row per in-flight vector n of the rank
   memory       peak >= sum_c [ S_c + n_c A_c + R(n_c) In_c + S(n_c) Out_c ] + tr[r]
                (c for s_c = r + c p; R, S: ``LayerCosts.copies_at``), for every n in N_r
   transient    tr[r] >= transient_l x[l][s_c]           for every chunk c of r
-  time         T >= sum_c sum_l time_l x[l][s_c],  Tc >= sum_l time_l x[l][s]   (every s)
-               AR >= sum_c sum_l sync_l x[l][s_c]
-  iteration    m T + (p - 1) Tc + AR                    (``LayerCosts.iteration_ns``)
+  time         the rows above, per virtual stage (Ts, Fs) and per rank (X, I): the virtual
+               stages j < r before rank r are its predecessors' first chunks
 
-Without interleaving each rank is one stage with one vector (k_s), Tc = T, and the rows are the
-ones above. The chain algorithm does not solve interleaved problems (a rank's chunks are not
+Without interleaving each rank is one stage with one vector (k_s), and the rows are the ones
+above. The chain algorithm does not solve interleaved problems (a rank's chunks are not
 contiguous); CP-SAT and MILP do, and agree with brute force (tests/test_interleaved.py). On an
 interleaved chain :meth:`PrefixFormulation.solve_problem` first runs the chunk-size relaxation
 (``solver.backends.interleaved``): INFEASIBLE when it has no split, OPTIMAL when its split meets
@@ -77,7 +80,7 @@ z[l][s] = x[l][s] rc[l] (z <= x, z <= rc, z >= x + rc - 1: exact at integer x, r
 With d_l the recomputed state's coefficient minus the kept one's (stored, transient, time):
   memory       ... + k_s sum_l d_stored_l z[l][s]
   transient    tr[s] >= transient_l x[l][s] + d_transient_l z[l][s]
-  time         T >= sum_l time_l x[l][s] + d_time_l z[l][s]
+  time         Ts[s] >= sum_l time_l x[l][s] + d_time_l z[l][s]
 so "none" (rc = 0) and "full" (rc = 1) are both feasible choices of the same model. With a
 placement the same z terms enter the placed memory rows (``_stage_bytes`` is shared) and every
 group's time rows: T >= sum_l time_l^k x[l][s] + d_time_l^k z[l][s] - M^k (1 - g[s][k]), with
@@ -141,6 +144,7 @@ from solver.cost_model import (
     LayerCosts,
     boundary_bytes,
     direct_buffer_adjustments,
+    iteration_bound_ns,
     stage_buffer_bytes,
     stage_costs,
 )
@@ -157,11 +161,14 @@ class PrefixVariables:
     transient: list[Any] = field(default_factory=list)
     """tr[r] per rank (per stage without interleaving)."""
     peak: Any = None
-    slowest_stage_ns: Any = None
-    """T: the slowest rank's time per micro-batch (all its chunks)."""
-    slowest_chunk_ns: Any = None
-    """Tc: the slowest virtual stage's time per micro-batch (interleaving only)."""
-    slowest_sync_ns: Any = None
+    stage_time: list[Any] = field(default_factory=list)
+    """Ts[j]: virtual stage j's time per micro-batch, ns."""
+    stage_forward: list[Any] = field(default_factory=list)
+    """Fs[j]: its forward's part, ns."""
+    rank_tail: list[Any] = field(default_factory=list)
+    """X[r]: rank r's gradient sync + optimizer step, ns per iteration."""
+    iteration: Any = None
+    """I: the iteration bound, ns."""
     group: list[list[Any]] = field(default_factory=list)
     """group[s][k] = g[s][k] (placement only)."""
     stage_peak: list[list[Any]] = field(default_factory=list)
@@ -742,13 +749,8 @@ class PrefixFormulation(abc.ABC):
         return self._sum(terms)
 
     def _iteration(self):
-        """m T + (p - 1) Tc + AR (``LayerCosts.iteration_ns``; Tc = T without interleaving)."""
-        chunk = self.vars.slowest_chunk_ns
-        return self.costs.iteration_ns(
-            self.vars.slowest_stage_ns,
-            self.vars.slowest_stage_ns if chunk is None else chunk,
-            self.vars.slowest_sync_ns,
-        )
+        """I, the iteration bound (``cost_model.iteration_bound_ns``)."""
+        return self.vars.iteration
 
     # -- model -----------------------------------------------------------------------------------
 
@@ -799,21 +801,27 @@ class PrefixFormulation(abc.ABC):
         if self.needs_time:
             group_costs = [costs] if self.placement is None else self.placement.group_costs
             slowest = max(int(c.bounding_coefficients(np.maximum)[2].sum()) for c in group_costs)
-            sync = max(int(c.dp_sync_ns.sum()) for c in group_costs)
-            self.vars.slowest_stage_ns = self._new_var(
-                self._ns(pre.stage_time_lb_ns),
-                self._ns(max(pre.stage_time_lb_ns, slowest, int(time_ub.sum()))),
-                "T",
+            forward = max(int(c.forward_ns.sum()) for c in group_costs)
+            tail = max(int(c.tail_ns.sum()) for c in group_costs)
+            config, h = costs.config, costs.microbatch_overhead_ns
+            top = (
+                (config.num_microbatches + 1) * slowest
+                + tail
+                + (config.num_microbatches * config.virtual_stages + p) * h
             )
-            self.vars.slowest_sync_ns = self._new_var(
-                self._ns(pre.sync_lb_ns), self._ns(max(pre.sync_lb_ns, sync)), "AR"
+            self.vars.stage_time = [
+                self._new_var(0, self._ns(slowest), f"Ts_s{s}") for s in range(p)
+            ]
+            self.vars.stage_forward = [
+                self._new_var(0, self._ns(forward), f"Fs_s{s}") for s in range(p)
+            ]
+            self.vars.rank_tail = [
+                self._new_var(0, self._ns(tail), f"X_r{r}") for r in range(costs.num_ranks)
+            ]
+            lower = max(pre.iteration_lb_ns, pre.iteration_floor_ns)
+            self.vars.iteration = self._new_var(
+                self._ns(min(lower, top)), self._ns(top), "iteration"
             )
-            if costs.config.virtual_stages > 1:
-                self.vars.slowest_chunk_ns = self._new_var(
-                    self._ns(pre.chunk_time_lb_ns),
-                    self._ns(max(pre.chunk_time_lb_ns, int(time_ub.sum()))),
-                    "Tc",
-                )
 
     def _build_placement_variables(self) -> None:
         """g[s][k], P[s][k] and U (utilization objective) or peak (absolute, already built)."""
@@ -1023,52 +1031,70 @@ class PrefixFormulation(abc.ABC):
             self._add(self.vars.utilization <= problem.utilization_limit_ppm, "utilization_limit")
 
     def _add_stage_time(self) -> None:
-        """T >= sum_l time_l x[l][s];  AR >= sum_l sync_l x[l][s]; with a placement, per group:
-        T >= sum_l time_l^k x[l][s] - M^k (1 - g[s][k]) (AR likewise)."""
+        """Ts[s] >= sum_l time_l x[l][s], Fs[s] >= sum_l forward_l x[l][s], X[r] >= the rank's
+        tail sums; with a placement, per group k, each less M^k (1 - g[s][k]); then the
+        iteration rows (module docstring)."""
         if self.placement is not None:
             self._add_placed_stage_time()
-            return
-        costs = self.costs
-        recomputed = costs.recompute_time_ns if self.problem.selective else None
-        for r in range(costs.num_ranks):
-            self._tick()
-            own = costs.stages_of_rank(r)
-            times = [self._stage_sum(costs.time_ns, s, recomputed) for s in own]
-            self._add(self.vars.slowest_stage_ns >= self._sum(times), f"time_s{r}")
-            syncs = [self._stage_sum(costs.dp_sync_ns, s) for s in own]
-            self._add(self.vars.slowest_sync_ns >= self._sum(syncs), f"sync_s{r}")
-            if self.vars.slowest_chunk_ns is not None:
-                for s, chunk_time in zip(own, times, strict=True):
-                    self._add(self.vars.slowest_chunk_ns >= chunk_time, f"chunk_time_v{s}")
+        else:
+            costs = self.costs
+            recomputed = costs.recompute_time_ns if self.problem.selective else None
+            for s in range(self.problem.num_stages):
+                self._tick()
+                time_ns = self._stage_sum(costs.time_ns, s, recomputed)
+                self._add(self.vars.stage_time[s] >= time_ns, f"time_s{s}")
+                forward = self._stage_sum(costs.forward_ns, s)
+                self._add(self.vars.stage_forward[s] >= forward, f"forward_s{s}")
+            for r in range(costs.num_ranks):
+                tails = [self._stage_sum(costs.tail_ns, s) for s in costs.stages_of_rank(r)]
+                self._add(self.vars.rank_tail[r] >= self._sum(tails), f"tail_r{r}")
+        self._add_iteration_rows()
 
     def _add_placed_stage_time(self) -> None:
-        """T >= sum_l time_l^k x[l][s] (+ d_time_l^k z[l][s]) - M^k (1 - g[s][k]);  AR likewise
-        (M^k: all of group k, each layer at its slower state)."""
+        """Ts[s] >= sum_l time_l^k x[l][s] (+ d_time_l^k z[l][s]) - M^k (1 - g[s][k]); Fs and X
+        likewise (M^k: all of group k, each layer at its slower state; one stage per rank)."""
         for k, costs in enumerate(self.placement.group_costs):
             recomputed = costs.recompute_time_ns if self.problem.selective else None
             _, _, time_ub = costs.bounding_coefficients(np.maximum)
-            slowest, sync = int(time_ub.sum()), int(costs.dp_sync_ns.sum())
+            rows = (
+                ("time", self.vars.stage_time, costs.time_ns, recomputed, int(time_ub.sum())),
+                ("forward", self.vars.stage_forward, costs.forward_ns, None, None),
+                ("tail", self.vars.rank_tail, costs.tail_ns, None, None),
+            )
             for s, groups in enumerate(self.vars.group):
                 self._tick()
                 off = 1 - groups[k]
-                self._add(
-                    self.vars.slowest_stage_ns
-                    >= self._stage_sum(costs.time_ns, s, recomputed) - self._ns(slowest) * off,
-                    f"time_s{s}_k{k}",
-                )
-                self._add(
-                    self.vars.slowest_sync_ns
-                    >= self._stage_sum(costs.dp_sync_ns, s) - self._ns(sync) * off,
-                    f"sync_s{s}_k{k}",
-                )
+                for name, variables, per_layer, recompute, top in rows:
+                    top = int(per_layer.sum()) if top is None else top
+                    self._add(
+                        variables[s]
+                        >= self._stage_sum(per_layer, s, recompute) - self._ns(top) * off,
+                        f"{name}_s{s}_k{k}",
+                    )
+
+    def _add_iteration_rows(self) -> None:
+        """I >= both terms of every rank (module docstring, "iteration")."""
+        costs, v = self.costs, self.costs.config.virtual_stages
+        m, h = costs.config.num_microbatches, self._ns(costs.microbatch_overhead_ns)
+        for r in range(costs.num_ranks):
+            self._tick()
+            busy = m * self._sum([self.vars.stage_time[s] for s in costs.stages_of_rank(r)])
+            busy = busy + m * v * h + r * h
+            before = self._sum(self.vars.stage_time[:r])
+            before_forward = self._sum(self.vars.stage_forward[:r])
+            self._add(self.vars.iteration >= before + busy, f"iteration_r{r}")
+            self._add(
+                self.vars.iteration >= before_forward + busy + self.vars.rank_tail[r],
+                f"iteration_tail_r{r}",
+            )
 
     def _add_iteration_budget(self) -> None:
-        """F T + AR <= iteration_budget_ns."""
+        """I <= iteration_budget_ns."""
         if self.problem.iteration_budget_ns is not None:
             self._add(self._iteration() <= self._ns(self.problem.iteration_budget_ns), "budget")
 
     def _add_iteration_bound(self) -> None:
-        """F T + AR >= the presolve's lower bound on the iteration (time objective; a cut that
+        """I >= the presolve's lower bound on the iteration (time objective; a cut that
         the LP relaxation does not see by itself, e.g. the chunk-size bound of
         ``solver.backends.interleaved``)."""
         bound = self.presolve.iteration_lb_ns
@@ -1076,7 +1102,7 @@ class PrefixFormulation(abc.ABC):
             self._add(self._iteration() >= self._ns(bound), "iteration_bound")
 
     def _set_objective(self) -> None:
-        """min peak ("memory") or min F T + AR ("time")."""
+        """min peak ("memory") or min I ("time")."""
         if self.problem.objective == OBJECTIVE_MEMORY:
             utilization = self.vars.utilization
             self._minimize(self.vars.peak if utilization is None else utilization)
@@ -1138,12 +1164,18 @@ class PrefixFormulation(abc.ABC):
             self._hint(self.vars.peak, self._bytes(max(st.peak_bytes for st in stages)))
         self._hint_parts(stage_of_layer, recomputed)
         self._hint_first_backward(stage_of_layer, recomputed, stages)
-        if self.vars.slowest_stage_ns is not None:
-            self._hint(self.vars.slowest_stage_ns, self._ns(max(st.time_ns for st in stages)))
-            if self.vars.slowest_chunk_ns is not None:
-                slowest_chunk = max(max(st.chunk_time_ns) for st in stages)
-                self._hint(self.vars.slowest_chunk_ns, self._ns(slowest_chunk))
-            self._hint(self.vars.slowest_sync_ns, self._ns(max(st.dp_sync_ns for st in stages)))
+        if self.vars.iteration is not None:
+            p = self.costs.num_ranks
+            for r, stage in enumerate(stages):
+                for c, (time_ns, forward) in enumerate(
+                    zip(stage.chunk_time_ns, stage.chunk_forward_ns, strict=True)
+                ):
+                    self._hint(self.vars.stage_time[c * p + r], self._ns(time_ns))
+                    self._hint(self.vars.stage_forward[c * p + r], self._ns(forward))
+                self._hint(
+                    self.vars.rank_tail[r], self._ns(stage.dp_sync_ns + stage.optimizer_step_ns)
+                )
+            self._hint(self.vars.iteration, self._ns(iteration_bound_ns(self.costs, stages)))
 
     def _tensor_spans(self, stage_of_layer: list[int]) -> tuple[list[int], list[int]]:
         """Per tensor, its producer's stage and its farthest consumer's stage in a split."""

@@ -10,9 +10,10 @@ The relaxation forgets where a virtual stage starts and keeps only its size. Vir
 size k holds some window [s, s + k) of the chain with j <= s and s + k <= L - (J - 1 - j) (the
 stages before and after it are non-empty), s = 0 for j = 0 and s + k = L for j = J - 1. Each of its
 aggregates (states, stored bytes per micro-batch, bytes received, bytes sent, largest transient,
-optimizer-step temporary, time, gradient sync) is at least its least value over those windows,
-made non-decreasing in k by a suffix minimum (which only lowers it). Every row of a rank's peak
-and of the iteration time has non-negative coefficients on these aggregates, so each row is at
+optimizer-step temporary, time, tail: gradient sync + optimizer step) is at least its least value
+over those windows, made non-decreasing in k by a suffix minimum (which only lowers it). Every
+row of a rank's peak and of the iteration time has non-negative coefficients on these
+aggregates, so each row is at
 least the same row at the least values: a function of the rank's v chunk sizes alone,
 ``rank value``. The relaxation chooses each rank's chunk sizes, all of them summing to L, to
 minimise the largest rank value; its optimum is a lower bound on the true one, found exactly by
@@ -22,11 +23,9 @@ a bottleneck dynamic program over ranks whose state is the number of layers plac
                                 of max(B_r(t - |k|), value_r(k)),      bound = B_p(L)
 
 The limits apply per rank, as necessary conditions: value_r(k) <= capacity, and the iteration
-m max_r T_r + (p - 1) max_j Tc_j + max_r AR_r (``LayerCosts.iteration_ns``) at least
-m T_r + (p - 1) max(theta, own chunks' times) + AR_r, where theta is a lower bound on the slowest
-chunk: the program runs once per level theta (each chunk's least time no more than the level's top,
-the rank rows with its bottom; a split falls in the level of its slowest chunk's least time), and
-the bound is the least over levels. The time objective minimises that same rank expression.
+bound (``cost_model.iteration_bound_ns``) at least m (T_r + v h) + tail_r, rank r's own term
+without the micro-batch that reaches it through the ranks before (which the sizes alone do not
+say). The time objective minimises the largest such rank term.
 
 The sizes the program picks are a split: evaluated with the cost model, it is feasible or not,
 and its objective is an upper bound when it is. Where the layers of the middle of the chain are
@@ -106,7 +105,7 @@ class _ChunkSizes:
             "state": self._least_sums(costs.state_bytes),
             "stored": self._least_sums(costs.stored_bytes),
             "time": self._least_sums(costs.time_ns),
-            "sync": self._least_sums(costs.dp_sync_ns),
+            "sync": self._least_sums(costs.tail_ns),
             "into": self._least_windows(lambda k: edge[: self.num_layers - k + 1]),
             "out": self._least_windows(lambda k: edge[k:]),
             "transient": self._least_windows(
@@ -172,7 +171,7 @@ class _ChunkSizes:
         if problem.capacity_bytes is not None:
             possible &= least(costs.state_bytes) + costs.constant_bytes <= problem.capacity_bytes
         if problem.iteration_budget_ns is not None:
-            slowest = costs.iteration_ns(least(costs.time_ns), 0, least(costs.dp_sync_ns))
+            slowest = self._rank_iteration(least(costs.time_ns), least(costs.tail_ns))
             possible &= slowest <= problem.iteration_budget_ns
         return possible
 
@@ -193,8 +192,8 @@ class _ChunkSizes:
             "sync": sum(get("sync", sizes)),
             "chunk": functools.reduce(np.maximum, times),
         }
-        if problem.iteration_budget_ns is not None:  # at the lowest level (bottom 0)
-            fastest = costs.iteration_ns(terms["time"], terms["chunk"], terms["sync"])
+        if problem.iteration_budget_ns is not None:
+            fastest = self._rank_iteration(terms["time"], terms["sync"])
             terms = _where(terms, fastest <= problem.iteration_budget_ns)
         sizes = terms["sizes"]
         base = sum(get("state", sizes)) + costs.constant_bytes
@@ -236,12 +235,9 @@ class _ChunkSizes:
             return None
         sizes = sizes[np.argsort(sizes.sum(axis=1), kind="stable")]  # grouped by total
         self.terms = [self._rank_terms(r, sizes) for r in range(self.num_ranks)]
-        if self._time_matters():
-            chunk = np.unique(np.concatenate([t["chunk"] for t in self.terms]))
-            sync = np.unique(np.concatenate([t["sync"] for t in self.terms]))
-        else:  # one box, no time rows
-            chunk = sync = np.array([0], dtype=np.int64)
-        if not len(chunk):
+        # one box: the rank terms of the iteration bound need no levels
+        chunk = sync = np.array([0], dtype=np.int64)
+        if self._time_matters() and not any(len(t["time"]) for t in self.terms):
             return ChunkSizeBound(lower_bound=None, split=None)
         self.levels = (chunk, sync)
         self.evaluated: dict[tuple[int, ...], int | None] = {}
@@ -285,6 +281,12 @@ class _ChunkSizes:
             best_split = fallback
         return ChunkSizeBound(lower_bound=int(lower), split=best_split)
 
+    def _rank_iteration(self, time_ns: np.ndarray, tail_ns: np.ndarray) -> np.ndarray:
+        """m (T_r + v h) + tail_r: a rank's least term of the iteration bound, ns."""
+        config = self.costs.config
+        overhead = config.virtual_stages * self.costs.microbatch_overhead_ns
+        return config.num_microbatches * (time_ns + overhead) + tail_ns
+
     def _time_matters(self) -> bool:
         problem = self.problem
         return problem.objective != OBJECTIVE_MEMORY or problem.iteration_budget_ns is not None
@@ -301,18 +303,13 @@ class _ChunkSizes:
     def _program(self, lo_c: int, hi_c: int, lo_s: int, hi_s: int):
         """(bound, split) of the box of slowest-chunk levels lo_c..hi_c and largest-sync levels
         lo_s..hi_s; None: no split in the box."""
-        problem, costs, inf = self.problem, self.costs, np.iinfo(np.int64).max
-        chunk_levels, sync_levels = self.levels
+        problem, inf = self.problem, np.iinfo(np.int64).max
         tables, choices = [], []
         for terms in self.terms:
             value = terms["peak"]
             if self._time_matters():
-                iteration = costs.iteration_ns(
-                    terms["time"],
-                    np.maximum(terms["chunk"], chunk_levels[lo_c]),
-                    np.maximum(terms["sync"], sync_levels[lo_s]),
-                )
-                keep = (terms["chunk"] <= chunk_levels[hi_c]) & (terms["sync"] <= sync_levels[hi_s])
+                iteration = self._rank_iteration(terms["time"], terms["sync"])
+                keep = np.ones(len(iteration), dtype=bool)
                 if problem.iteration_budget_ns is not None:
                     keep &= iteration <= problem.iteration_budget_ns
                 if problem.objective != OBJECTIVE_MEMORY:

@@ -27,7 +27,7 @@ from solver.backends.problem import (
     StageProblem,
     StageSolution,
 )
-from solver.cost_model import LayerCosts, utilization_ppm
+from solver.cost_model import LayerCosts, iteration_floor_ns, utilization_ppm
 from solver.errors import InputError
 
 
@@ -46,14 +46,11 @@ class Presolve:
     peak_ub_bytes: int
     """Upper bound on any stage peak (every layer, edge and relay counted at the largest k;
     no relay with direct sends)."""
-    stage_time_lb_ns: int
-    """Lower bound on max_r T_r (the slowest rank, all its chunks)."""
-    chunk_time_lb_ns: int
-    """Lower bound on max_j T_j over (virtual) stages; stage_time_lb_ns without interleaving."""
-    sync_lb_ns: int
-    """Lower bound on max_s AR_s."""
+    iteration_floor_ns: int
+    """Lower bound on the iteration bound (``cost_model.iteration_floor_ns``; a layer's time on
+    its fastest group), ns."""
     iteration_lb_ns: int = 0
-    """Lower bound on the iteration time from elsewhere (``raise_objective_bound``), ns."""
+    """Lower bound on the iteration bound from elsewhere (``raise_objective_bound``), ns."""
 
     @classmethod
     def of(cls, problem: StageProblem) -> Presolve:
@@ -82,10 +79,10 @@ class Presolve:
         receive_copies = max(costs.receive_copies)
         if not costs.plain_boundaries:  # a tensor no layer of s counts takes all m buffers
             receive_copies = max(receive_copies, costs.config.num_microbatches)
-        time_ns, sync_ns = costs.time_ns, costs.dp_sync_ns
+        time_ns, tail_ns = costs.time_ns, costs.tail_ns
         if problem.placement is not None:  # a layer's time on its fastest group
             time_ns = np.min([c.time_ns for c in problem.placement.group_costs], axis=0)
-            sync_ns = np.min([c.dp_sync_ns for c in problem.placement.group_costs], axis=0)
+            tail_ns = np.min([c.tail_ns for c in problem.placement.group_costs], axis=0)
         return cls(
             first_stage=first,
             last_stage=last,
@@ -104,14 +101,7 @@ class Presolve:
                 + (0 if costs.step_bytes is None else costs.step_bytes.sum())
                 + (receive_copies + max(costs.send_copies) + relay_copies) * edge_total
             ),
-            stage_time_lb_ns=max(int(time_ns.max(initial=0)), _ceil_div(int(time_ns.sum()), ranks)),
-            chunk_time_lb_ns=max(
-                int(time_ns.max(initial=0)), _ceil_div(int(time_ns.sum()), num_stages)
-            ),
-            sync_lb_ns=max(
-                int(sync_ns.max(initial=0)),
-                _ceil_div(int(sync_ns.sum()), ranks),
-            ),
+            iteration_floor_ns=iteration_floor_ns(costs, time_ns, tail_ns),
         )
 
     def objective_lower_bound(self, problem: StageProblem) -> int:
@@ -121,12 +111,7 @@ class Presolve:
             if placement is not None and placement.memory_objective == UTILIZATION:
                 return utilization_ppm(self.peak_lb_bytes, max(placement.capacity_bytes))
             return self.peak_lb_bytes
-        return max(
-            self.iteration_lb_ns,
-            problem.costs.iteration_ns(
-                self.stage_time_lb_ns, self.chunk_time_lb_ns, self.sync_lb_ns
-            ),
-        )
+        return max(self.iteration_lb_ns, self.iteration_floor_ns)
 
     def raise_objective_bound(self, problem: StageProblem, bound: int) -> None:
         """Take a proven lower bound on the objective (bytes for memory without a placement,

@@ -30,7 +30,7 @@ import numpy as np
 from solver.cost_model import (
     LayerCosts,
     StageCost,
-    iteration_time_ns,
+    iteration_bound_ns,
     placed_stage_costs,
     stage_costs,
     utilization_ppm,
@@ -134,13 +134,13 @@ class StageProblem:
         flags under "selective", each stage's group with a placement), from the cost model: the
         memory objective is the max stage peak in bytes unless a placement asks for utilization."""
         stages = self.stages(stage_of_layer, recomputed, group_of_stage)
-        return self.memory_value(stages, group_of_stage), iteration_time_ns(self.costs, stages)
+        return self.memory_value(stages, group_of_stage), iteration_bound_ns(self.costs, stages)
 
     def objective_of(self, stages: list[StageCost], group_of_stage: list[int] | None = None) -> int:
         """The objective of a split from its :meth:`stages`."""
         if self.objective == OBJECTIVE_MEMORY:
             return self.memory_value(stages, group_of_stage)
-        return iteration_time_ns(self.costs, stages)
+        return iteration_bound_ns(self.costs, stages)
 
     def objective_value(
         self,
@@ -183,7 +183,7 @@ class StageProblem:
                 return reason
         stages = self.stages(stage_of, recomputed, group_of_stage)
         peak = max(s.peak_bytes for s in stages)
-        iteration = iteration_time_ns(costs, stages)
+        iteration = iteration_bound_ns(costs, stages)
         if self.capacity_bytes is not None and peak > self.capacity_bytes:
             return f"peak {peak} B > capacity {self.capacity_bytes} B"
         if placement is not None:
