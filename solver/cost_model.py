@@ -2075,18 +2075,24 @@ def iteration_bound_ns(costs: LayerCosts, stages: list[StageCost]) -> int:
 
     Rank r (stages in rank order) cannot start before micro-batch 0 has run forward through the
     virtual stages 0 .. r-1 (F_<r); it then runs m micro-batches of all its chunks, m T_r with
-    T_r = its layers' times + v h (h: ``microbatch_overhead_ns``); after its last backward that
-    micro-batch still runs backward through the virtual stages below (B_<r) and the rank syncs
-    its gradients and steps its optimizer (its tail, ``LayerCosts.tail_ns``). Hence
-      iteration >= max_r max(F_<r + B_<r + m T_r,  F_<r + m T_r + tail_r),
+    T_r = its layers' times + v h (h: ``microbatch_overhead_ns``); it then syncs its gradients
+    and steps its optimizer (its tail X_r, ``LayerCosts.tail_ns``), while the micro-batch of its
+    last backward still runs backward through the virtual stages below (B_<r), after which rank
+    0 does its own tail X_0. Hence
+      iteration >= max_r max(F_<r + B_<r + m T_r + X_0,  F_<r + m T_r + X_r),
     on any schedule (1F1B, GPipe, interleaved) and any transfer times (they only delay). On an
-    even split without data parallelism it is the bubble formula (m + p - 1) T."""
+    even split without data parallelism it is the bubble formula (m + p - 1) T + X."""
     m, h = costs.config.num_microbatches, costs.microbatch_overhead_ns
     bound = before_forward = before_backward = 0
+    first_tail = stages[0].dp_sync_ns + stages[0].optimizer_step_ns
     for stage in stages:
         busy = m * (stage.time_ns + len(stage.chunk_time_ns) * h)
         tail = stage.dp_sync_ns + stage.optimizer_step_ns
-        bound = max(bound, before_forward + before_backward + busy, before_forward + busy + tail)
+        bound = max(
+            bound,
+            before_forward + before_backward + busy + first_tail,
+            before_forward + busy + tail,
+        )
         first_forward = stage.chunk_forward_ns[0] if stage.chunk_forward_ns else 0
         before_forward += first_forward + h
         before_backward += stage.chunk_time_ns[0] - first_forward

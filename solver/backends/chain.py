@@ -11,9 +11,10 @@ For stage s = layers i..j (0-based, inclusive) ``cost_model.stage_costs`` reduce
   with an optimizer-step temporary (``LayerCosts.step_bytes``) also the step moment
   sum (state + step)[i..j] + R0_s e[i-1] + S0_s e[j] (``cost_model.optimizer_step_moment``)
   time(s; i, j) = the iteration bound's term of stage s (``cost_model.iteration_bound_ns``):
-      max(m pT[j+1] - (m-1) pT[i],  (m pT + pX)[j+1] - (m pT + pX - pF)[i]) + (s + m) h
+      max(m pT[j+1] - (m-1) pT[i] + X_0,  (m pT + pX)[j+1] - (m pT + pX - pF)[i]) + (s + m) h
   with the prefix sums pT of time_ns, pF of forward_ns, pX of the tail (dp sync + optimizer
-  step) and the per-micro-batch overhead h; the iteration bound is max_s time(s; i_s, j_s).
+  step), X_0 the first stage's tail and the per-micro-batch overhead h; the iteration bound is
+  max_s time(s; i_s, j_s).
 
 Algorithm (exact; numpy vectorised over layers, Python loops over stages only):
 1. Min-max stage problem: minimise max_s c_s, with c = peak or time, under per-stage limits
@@ -29,14 +30,19 @@ Algorithm (exact; numpy vectorised over layers, Python loops over stages only):
    incumbent). The band holds about L x (layers per stage) x (1 + slack x p) pairs. A small
    chain (p L^2 / 2 <= ``DIRECT_BAND_PAIRS``) takes U = the incumbent at once; the peak problem
    of a short one (L <= ``DENSE_DP_MAX_LAYERS``) is the same DP over every pair.
-3. The iteration bound is a max of per-stage terms, so an iteration budget is one more
-   per-stage limit and the time objective one more min-max stage problem: both are step 1-2.
+3. The iteration bound is a max of per-stage terms but for X_0, which couples every stage to
+   the first: best-first branch and bound over X_0, whose candidates are the first stage's
+   possible tails (ranges are snapped to them and bisected). A range [a, b] relaxes to "X_0 <= b
+   on the first stage, X_0 = a in every stage's term": per-stage limits, so steps 1-2 solve it;
+   its split settles the range when its true bound meets the budget (memory) or equals the
+   range's value (time), as it always does at a single candidate.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,6 +125,10 @@ class _Limits:
     """peak_s <= cap (kind time; for kind peak the caller folds it into the ceiling)."""
     budget_ns: int | None = None
     """time_s <= budget: the iteration bound within the budget (kind peak)."""
+    first_tail_ns: int = 0
+    """X_0 as every stage's time term takes it (a lower bound on the first stage's tail)."""
+    first_tail_max_ns: int | None = None
+    """The first stage's tail <= this."""
 
 
 class _TimeUp(Exception):
@@ -137,6 +147,7 @@ class _Chain:
         self.state_prefix = prefix(costs.state_bytes)
         self.stored_prefix = prefix(costs.stored_bytes)
         self.time_rules, self.time_offsets = _time_rules(costs, prefix)
+        self.tail_prefix = prefix(costs.tail_ns)
         for name in (
             "state_bytes",
             "stored_bytes",
@@ -280,17 +291,29 @@ class _Chain:
         persistent = value + self.transient(starts, ends)
         return np.where(late, np.maximum(during, after), persistent) + self.constant_bytes
 
-    def times(self, stage: int | np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        """time(s; i, j) of the module docstring, ns; ``stage`` is one index or one per pair."""
-        value = np.max([end[ends + 1] - start[starts] for end, start in self.time_rules], axis=0)
+    def times(
+        self, stage: int | np.ndarray, starts: np.ndarray, ends: np.ndarray, first_tail: int
+    ) -> np.ndarray:
+        """time(s; i, j) of the module docstring with X_0 = ``first_tail``, ns; ``stage`` is one
+        index or one per pair."""
+        (end, start), (end_tail, start_tail) = self.time_rules
+        value = np.maximum(
+            end[ends + 1] - start[starts] + first_tail,
+            end_tail[ends + 1] - start_tail[starts],
+        )
         return value + self.time_offsets[stage]
+
+    def first_tails(self) -> np.ndarray:
+        """The tails the first stage can have (it ends at layer 0 .. L - p), sorted, ns."""
+        return np.unique(self.tail_prefix[1 : self.num_layers - self.num_stages + 2])
 
     def measure(self, starts: np.ndarray) -> tuple[int, int]:
         """(max peak bytes, iteration bound ns) of a split given by its stage starts."""
         ends = np.append(starts[1:] - 1, self.num_layers - 1)
         stages = np.arange(self.num_stages)
         peak = self.peaks(stages, starts, ends)
-        return int(peak.max()), int(self.times(stages, starts, ends).max())
+        first_tail = int(self.tail_prefix[ends[0] + 1])
+        return int(peak.max()), int(self.times(stages, starts, ends, first_tail).max())
 
     def stage_of_layer(self, starts: np.ndarray) -> list[int]:
         """The stage of each layer of a split given by its stage starts."""
@@ -310,17 +333,24 @@ class _Chain:
         for s in range(self.num_stages):
             floor = self.boundary_floor(s)
             memory = self.memory_prefix(s)
-            offset = int(self.time_offsets[s])
+            # the first rule carries X_0 (its lower bound), the second the stage's own tail
+            offsets = [
+                int(self.time_offsets[s]) + limits.first_tail_ns,
+                int(self.time_offsets[s]),
+            ]
+            timed = list(zip(self.time_rules, offsets, strict=True))
             if limits.kind == PEAK:
                 stage = [(memory, memory, -floor, True)]
             else:
-                stage = [(end, start, -offset, True) for end, start in self.time_rules]
+                stage = [(end, start, -offset, True) for (end, start), offset in timed]
             if limits.cap_bytes is not None and limits.kind != PEAK:
                 stage.append((memory, memory, limits.cap_bytes - floor, False))
             if limits.budget_ns is not None:
                 stage += [
-                    (end, start, limits.budget_ns - offset, False) for end, start in self.time_rules
+                    (end, start, limits.budget_ns - offset, False) for (end, start), offset in timed
                 ]
+            if s == 0 and limits.first_tail_max_ns is not None:
+                stage.append((self.tail_prefix, self.tail_prefix, limits.first_tail_max_ns, False))
             rules.append(stage)
         self._rules = (limits, rules)
         return rules
@@ -391,7 +421,8 @@ class _Chain:
     def relaxed_top(self, limits: _Limits) -> int:
         """A bound above every stage's relaxed quantity: the bound itself never binds there."""
         if limits.kind == TIME:
-            return max(int(end[-1]) for end, _ in self.time_rules) + int(self.time_offsets.max())
+            top = max(int(end[-1]) for end, _ in self.time_rules) + int(self.time_offsets.max())
+            return top + limits.first_tail_ns
         return max(
             int(self.memory_prefix(s)[-1]) + self.boundary_floor(s) for s in range(self.num_stages)
         )
@@ -611,14 +642,18 @@ class _Chain:
     ) -> np.ndarray:
         """c_s(i, j): peak bytes or time ns (INF where the peak breaks the cap or the time the
         budget)."""
+        times = self.times(stage, starts, ends, limits.first_tail_ns)
         if limits.kind == PEAK:
             value = self.peaks(stage, starts, ends)
         else:
-            value = self.times(stage, starts, ends)
+            value = times
             if limits.cap_bytes is not None:
                 value = np.where(self.peaks(stage, starts, ends) > limits.cap_bytes, INF, value)
         if limits.budget_ns is not None:
-            value = np.where(self.times(stage, starts, ends) > limits.budget_ns, INF, value)
+            value = np.where(times > limits.budget_ns, INF, value)
+        if stage == 0 and limits.first_tail_max_ns is not None:
+            tail = self.tail_prefix[ends + 1] - self.tail_prefix[starts]
+            value = np.where(tail > limits.first_tail_max_ns, INF, value)
         return value
 
 
@@ -627,8 +662,8 @@ class _Search:
 
     Generic over its splitter (``chain``): ``_Chain`` here, ``backends.dag._DagSplitter`` on
     DAGs. A splitter offers ``measure(split)`` (max peak, iteration bound),
-    ``minimise(limits, ...)``, ``check_time`` and ``stage_of_layer(split)``; a split is
-    whatever its ``minimise`` returns (stage starts for the chain)."""
+    ``minimise(limits, ...)``, ``first_tails()``, ``check_time`` and ``stage_of_layer(split)``;
+    a split is whatever its ``minimise`` returns (stage starts for the chain)."""
 
     def __init__(self, problem: StageProblem, chain: _Chain) -> None:
         self.problem = problem
@@ -661,27 +696,61 @@ class _Search:
         self.lower = max(self.lower, value)
 
     def _memory(self) -> None:
-        """The smallest largest peak with the iteration bound within the budget."""
-        ceiling = INF if self.problem.capacity_bytes is None else self.problem.capacity_bytes
-        limits = _Limits(kind=PEAK, budget_ns=self.problem.iteration_budget_ns)
-        found = self.chain.minimise(
-            limits, ceiling=ceiling, offer=self.offer, on_lower=self.raise_lower
-        )
-        if found is not None:
-            self.offer(found[1])
-            self.lower = found[0]
+        """The smallest largest peak with the iteration bound within the budget: without a
+        budget one stage problem, with one the branch and bound over X_0."""
+        problem, chain = self.problem, self.chain
+        cap = INF if problem.capacity_bytes is None else problem.capacity_bytes
+        budget = problem.iteration_budget_ns
+        if budget is None:
+            found = chain.minimise(
+                _Limits(kind=PEAK), ceiling=cap, offer=self.offer, on_lower=self.raise_lower
+            )
+            if found is not None:
+                self.offer(found[1])
+                self.lower = found[0]
+            return
+        tails = chain.first_tails()
+        heap = [(0, 0, len(tails) - 1)]
+        for bound, low, high in _best_first(heap, self):
+            ceiling = cap if self.best_value is None else min(cap, self.best_value - 1)
+            limits = _Limits(
+                kind=PEAK,
+                budget_ns=budget,
+                first_tail_ns=int(tails[low]),
+                first_tail_max_ns=int(tails[high]),
+            )
+            found = chain.minimise(limits, floor=bound, ceiling=ceiling, offer=self.offer)
+            if found is None:
+                continue
+            value, split = found
+            self.offer(split)
+            if chain.measure(split)[1] > budget:  # low < high: at one tail the relaxation holds
+                _bisect(heap, low, high, base=value)
 
     def _time(self) -> None:
-        """The smallest iteration bound with every peak within the capacity."""
-        problem = self.problem
-        ceiling = INF if problem.iteration_budget_ns is None else problem.iteration_budget_ns
-        limits = _Limits(kind=TIME, cap_bytes=problem.capacity_bytes)
-        found = self.chain.minimise(
-            limits, ceiling=ceiling, offer=self.offer, on_lower=self.raise_lower
-        )
-        if found is not None:
-            self.offer(found[1])
-            self.lower = found[0]
+        """The smallest iteration bound with every peak within the capacity: branch and bound
+        over X_0, a range bounded by its relaxation's optimum."""
+        problem, chain = self.problem, self.chain
+        budget = INF if problem.iteration_budget_ns is None else problem.iteration_budget_ns
+        tails = chain.first_tails()
+        heap = [(0, 0, len(tails) - 1)]
+        for bound, low, high in _best_first(heap, self):
+            allowed = budget if self.best_value is None else min(budget, self.best_value - 1)
+            if bound > allowed:
+                break
+            limits = _Limits(
+                kind=TIME,
+                cap_bytes=problem.capacity_bytes,
+                first_tail_ns=int(tails[low]),
+                first_tail_max_ns=int(tails[high]),
+            )
+            found = chain.minimise(limits, floor=bound, ceiling=allowed, offer=self.offer)
+            if found is None:
+                continue
+            value, split = found
+            self.offer(split)
+            if chain.measure(split)[1] > value:  # low < high: at one tail the relaxation holds
+                _bisect(heap, low, high, base=value)
 
     def solution(self, timed_out: bool, wall_s: float) -> StageSolution:
         problem = self.problem
@@ -712,6 +781,27 @@ class _Search:
         )
 
 
+def _best_first(heap: list, search: _Search) -> Iterator[tuple[int, int, int]]:
+    """Pop ranges of X_0 candidates by bound until none can beat the incumbent; keeps
+    search.lower."""
+    while heap:
+        search.chain.check_time()
+        bound, low, high = heapq.heappop(heap)
+        search.lower = bound
+        if search.best_value is not None and bound >= search.best_value:
+            break
+        yield bound, low, high
+    if search.best_value is not None:
+        search.lower = search.best_value
+
+
+def _bisect(heap: list, low: int, high: int, *, base: int) -> None:
+    """Push both halves of the candidate range [low, high] (indices), bounded by ``base``."""
+    middle = (low + high) // 2
+    heapq.heappush(heap, (base, low, middle))
+    heapq.heappush(heap, (base, middle + 1, high))
+
+
 def _time_rules(
     costs: LayerCosts, prefix
 ) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
@@ -721,7 +811,7 @@ def _time_rules(
     busy = m * prefix(costs.time_ns)
     tail = prefix(costs.tail_ns)
     rules = [
-        (busy, busy - prefix(costs.time_ns)),  # before: every forward and backward below
+        (busy, busy - prefix(costs.time_ns)),  # before: every forward and backward; + X_0
         (busy + tail, busy + tail - prefix(costs.forward_ns)),  # before: the forwards; + tail
     ]
     offsets = (np.arange(costs.num_stages, dtype=np.int64) + m) * h

@@ -8,7 +8,7 @@ stage index s (homogeneous cluster, no selective recomputation):
 
   layer sums over A = I \\ J        weights, gradients, optimizer, DDP buckets, stored, step
                                     temporary, time, tail: sum(I) - sum(J) of per-ideal sums
-  the iteration bound's term        max(T(J) + m T_A, F(J) + m T_A + tail_A) + (s + m) h
+  the iteration bound's term        max(T(J) + m T_A + X_0, F(J) + m T_A + tail_A) + (s + m) h
   (``iteration_bound_ns``)          (T, F: per-ideal sums of time and forward time)
   max transient over A             a pairs x layers membership matrix
   megatron boundaries              into = sum n_t [producer in J, a consumer outside J]
@@ -405,8 +405,8 @@ def _masked_max(
 
 class _DagSplitter:
     """The min-max stage solver over ideal pairs, with the interface ``chain._Search`` uses
-    (``measure``, ``minimise``, ``check_time``, ``stage_of_layer``). A split is an array of
-    pair indices, one per stage."""
+    (``measure``, ``minimise``, ``first_tails``, ``check_time``, ``stage_of_layer``). A split
+    is an array of pair indices, one per stage."""
 
     def __init__(self, costs: LayerCosts, structure: _Structure, deadline: float | None) -> None:
         self.costs = costs
@@ -430,14 +430,14 @@ class _DagSplitter:
         self.grad_bytes = pair_sum(costs.grad_bytes)
         self.stored_bytes = pair_sum(costs.stored_bytes)
         # the iteration bound's term of a stage (cost_model.iteration_bound_ns) on pair (J, I):
-        # max(T(J) + m T, F(J) + m T + tail) + (s + m) h, T = T(I) - T(J) the stage's time
+        # max(T(J) + m T + X_0, F(J) + m T + tail) + (s + m) h, T = T(I) - T(J) the stage's
+        # time, X_0 the first stage's tail
         per_ideal = lambda values: members @ np.asarray(values, dtype=np.int64)  # noqa: E731
         m = costs.config.num_microbatches
         busy = m * pair_sum(costs.time_ns)
-        self.times_ns = np.maximum(
-            per_ideal(costs.time_ns)[st.low] + busy,
-            per_ideal(costs.forward_ns)[st.low] + busy + pair_sum(costs.tail_ns),
-        )
+        self.tail_ns = pair_sum(costs.tail_ns)
+        self.before_ns = per_ideal(costs.time_ns)[st.low] + busy
+        self.own_tail_ns = per_ideal(costs.forward_ns)[st.low] + busy + self.tail_ns
         self.time_offsets = (np.arange(self.num_stages) + m) * costs.microbatch_overhead_ns
         self.step_bytes = None if costs.step_bytes is None else pair_sum(costs.step_bytes)
         transient = np.asarray(costs.transient_bytes, dtype=np.int64)
@@ -526,14 +526,21 @@ class _DagSplitter:
             self._peaks[stage] = value
         return value
 
-    def times(self, stage: int) -> np.ndarray:
-        """The iteration bound's term of every pair as stage ``stage``, ns."""
-        return self.times_ns + self.time_offsets[stage]
+    def times(self, stage: int, first_tail: int) -> np.ndarray:
+        """The iteration bound's term of every pair as stage ``stage`` with X_0 = ``first_tail``,
+        ns."""
+        value = np.maximum(self.before_ns + first_tail, self.own_tail_ns)
+        return value + self.time_offsets[stage]
+
+    def first_tails(self) -> np.ndarray:
+        """The tails the first stage can have (its pairs start at the empty ideal), sorted, ns."""
+        return np.unique(self.tail_ns[self.structure.low == 0])
 
     def measure(self, split: np.ndarray) -> tuple[int, int]:
         """(max peak bytes, iteration bound ns) of a split (a pair index per stage)."""
         peak = max(int(self.peaks(s)[pair]) for s, pair in enumerate(split))
-        return peak, max(int(self.times(s)[pair]) for s, pair in enumerate(split))
+        first_tail = int(self.tail_ns[split[0]])
+        return peak, max(int(self.times(s, first_tail)[pair]) for s, pair in enumerate(split))
 
     def stage_of_layer(self, split: np.ndarray) -> list[int]:
         """The stage of each layer."""
@@ -558,11 +565,13 @@ class _DagSplitter:
         (the DP is exact in one pass, so it needs none of them)."""
 
         def stage_cost(stage: int) -> np.ndarray:
-            times = self.times(stage)
+            times = self.times(stage, limits.first_tail_ns)
             value = self.peaks(stage) if limits.kind == PEAK else times
             ok = value <= ceiling
             if limits.budget_ns is not None:
                 ok &= times <= limits.budget_ns
+            if stage == 0 and limits.first_tail_max_ns is not None:
+                ok &= self.tail_ns <= limits.first_tail_max_ns
             if limits.kind != PEAK and limits.cap_bytes is not None:
                 ok &= self.peaks(stage) <= limits.cap_bytes
             return np.where(ok, value, INF)

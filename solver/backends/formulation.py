@@ -26,7 +26,7 @@ The formulation (``cpsat.py`` and ``milp.py`` build it through :class:`PrefixFor
                (R_s, S_s: boundary copies of the cost model; a relayed edge is received and sent)
   time         Ts[s] >= sum_l time_l x[l][s],  Fs[s] >= sum_l forward_l x[l][s],
                X[r] >= sum_l tail_l x[l][s] over the rank's stages s    (tail: sync + step)
-  iteration    I >= sum_{j<r} (Ts[j] + h) + m (sum_{s of r} Ts[s] + v h)
+  iteration    I >= sum_{j<r} (Ts[j] + h) + m (sum_{s of r} Ts[s] + v h) + X[0]
                I >= sum_{j<r} (Fs[j] + h) + m (sum_{s of r} Ts[s] + v h) + X[r]   (every rank r)
                (``cost_model.iteration_bound_ns``; h: the micro-batch overhead)
   limits       peak <= capacity;  I <= budget
@@ -1082,7 +1082,8 @@ class PrefixFormulation(abc.ABC):
             busy = busy + m * v * h + r * h
             before = self._sum(self.vars.stage_time[:r])
             before_forward = self._sum(self.vars.stage_forward[:r])
-            self._add(self.vars.iteration >= before + busy, f"iteration_r{r}")
+            first_tail = self.vars.rank_tail[0]
+            self._add(self.vars.iteration >= before + busy + first_tail, f"iteration_r{r}")
             self._add(
                 self.vars.iteration >= before_forward + busy + self.vars.rank_tail[r],
                 f"iteration_tail_r{r}",
