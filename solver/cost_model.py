@@ -678,6 +678,19 @@ class LayerCosts:
         )
 
     @property
+    def has_compute_time(self) -> bool:
+        """Some layer has a compute, recompute or data-parallel sync time, or the runtime a
+        per-micro-batch overhead. Without any (statistics without FLOPs or times) the time
+        model has nothing to say: an iteration takes 0 ns, optimizer step and transfers
+        included."""
+        return bool(
+            self.time_ns.any()
+            or self.dp_sync_ns.any()
+            or self.microbatch_overhead_ns
+            or (self.recompute_time_ns is not None and self.recompute_time_ns.any())
+        )
+
+    @property
     def tail_ns(self) -> np.ndarray:
         """What each layer adds to its rank's work after the rank's last backward, ns per
         iteration: its data-parallel gradient sync plus its optimizer step."""
@@ -862,6 +875,8 @@ def layer_costs(
         link_gb_per_s=pipeline_link_gb_per_s(config, cluster),
         p2p_latency_ns=math.ceil(cluster.p2p_latency_us * 1000),
     )
+    if not costs.has_compute_time:  # no time model: the optimizer step alone says nothing
+        costs.optimizer_step_ns = np.zeros(len(costs.time_ns), dtype=np.int64)
     if training.memory_model == "empirical":
         _check_empirical_options(config, calibration)
         return empirical_layer_costs(graph, config, costs)

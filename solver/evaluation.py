@@ -384,7 +384,11 @@ def evaluate_assignment(
         training=training,
         stage_of_layer=list(stage_of_layer),
         stages=stages,
-        iteration_ns=stages_timeline(costs, stages, stage_of_layer).makespan_ns,
+        iteration_ns=(
+            stages_timeline(costs, stages, stage_of_layer).makespan_ns
+            if costs.has_compute_time
+            else 0
+        ),
         group_of_stage=None if group_of_stage is None else list(group_of_stage),
         recomputed=None if recomputed is None else [bool(flag) for flag in recomputed],
     )

@@ -57,6 +57,10 @@ class Plan:
     """The throughput constraint that was applied (samples/s), if any."""
     fastest_throughput: float | None = None
     """Throughput of the fastest plan that fits in memory, when it was computed."""
+    iteration_budget_ns: int | None = None
+    """The longest simulated iteration the plan was allowed (the throughput constraint), ns."""
+    fastest_iteration_ns: int | None = None
+    """The simulated iteration of the fastest plan that fits, when it was searched, ns."""
 
     @functools.cached_property
     def exports(self) -> dict[str, Any]:
@@ -451,21 +455,15 @@ def _break_ties(
                 hint_groups=solution.group_of_stage,
                 num_workers=call.num_workers,
             )
-            if refined is not None:
-                candidate = _Choice(
+            if refined is not None and (value is None or refined.objective < value):
+                value = refined.objective
+                found = _Choice(
                     entry,
                     refined.stage_of_layer,
                     refined.recomputed,
                     refined.group_of_stage,
                     refined.stages,
                 )
-                # the memory objective's secondary is the simulated iteration
-                if call.training.objective == "memory":
-                    refined_value = _choice_times(call, candidate)[0]
-                else:
-                    refined_value = refined.objective
-                if value is None or refined_value < value:
-                    value, found = refined_value, candidate
         key = (math.inf if value is None else value, entry.order)
         if best is None or key < best_key:
             best_key, best = key, found
@@ -481,20 +479,13 @@ def _break_ties(
 
 
 def _time_invariant(costs: LayerCosts) -> bool:
-    """Every split of this config takes no compute time (no layer has a compute, recompute,
-    data-parallel sync or optimizer time, and no per-micro-batch overhead: statistics without
-    FLOPs or times; at most the transfers take time), so the time model cannot tell splits
-    apart."""
-    return not (
-        costs.time_ns.any()
-        or costs.tail_ns.any()
-        or costs.microbatch_overhead_ns
-        or (costs.recompute_time_ns is not None and costs.recompute_time_ns.any())
-    )
+    """Every split of this config takes 0 ns (``LayerCosts.has_compute_time``), so the time
+    model cannot tell splits apart."""
+    return not costs.has_compute_time
 
 
 def _secondary_value(call: _PlanningCall, entry: ConfigEntry, solution) -> int | None:
-    """The secondary objective of the split the primary search found: its iteration (ns) under
+    """The secondary objective of the split the primary search found: its iteration bound (ns) under
     the memory objective, its largest peak (bytes) under the throughput objective; None where
     the re-solve may also change what the split does not say (a heterogeneous cluster's
     placement, selective recomputation's recomputed layers), which always re-solves."""
@@ -503,11 +494,11 @@ def _secondary_value(call: _PlanningCall, entry: ConfigEntry, solution) -> int |
         return None
     if call.training.objective == "memory" and _time_invariant(costs):
         return 0
-    if call.training.objective == "memory":
-        return _choice_times(call, _Choice(entry, solution.stage_of_layer, None, None))[0]
     stages = _matching_stages(entry, solution.stage_of_layer, solution.stages)
     if stages is None:
         stages = stage_costs(costs, solution.stage_of_layer)
+    if call.training.objective == "memory":
+        return iteration_bound_ns(costs, stages)
     return max(stage.peak_bytes for stage in stages)
 
 
@@ -592,6 +583,8 @@ def _build_plan(
         ),
         required_throughput=limit.required,
         fastest_throughput=limit.fastest_throughput(call.training.global_batch),
+        iteration_budget_ns=limit.budget_ns,
+        fastest_iteration_ns=limit.fastest_ns,
     )
 
 
@@ -798,7 +791,7 @@ def explain_infeasible(
         reached_ns = (
             None
             if fastest.value is None
-            else _result_simulated_ns(graph, cluster, training, fastest)
+            else _result_simulated_ns(graph, cluster, training, fastest) or None
         )
         return _throughput_unmet(
             cluster, training, fastest, reached_ns, budget_ns, counts, best_peak=best_peak

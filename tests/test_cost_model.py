@@ -10,13 +10,14 @@ from solver.calibration import Calibration
 from solver.cost_model import (
     boundary_copies,
     in_flight_microbatches,
-    iteration_time_ns,
+    iteration_bound_ns,
     layer_costs,
     stage_costs,
     throughput,
 )
 from solver.errors import InputError
 from solver.graph import graph_from_dict
+from solver.schedule_time import simulated_iteration_ns
 from solver.specs import GRAD_BYTES_PER_PARAM, Cluster, ParallelConfig, TrainingConfig
 
 # a -> b -> c -> d plus a skip edge a -> d (relayed through the middle stage below)
@@ -281,10 +282,17 @@ def test_times_by_hand():
     # data-parallel sync of a: 2 (d-1)/d * P' g = 1400 B at 450 GB/s (t d = 4 <= 8 per node)
     assert costs.dp_sync_ns[0] == 4  # ceil(1400 / 450)
     stages = stage_costs(costs, SPLIT)
-    slowest = max(s.time_ns for s in stages)
-    assert iteration_time_ns(costs, stages) == (4 + 3 - 1) * slowest + max(
-        s.dp_sync_ns for s in stages
+    # m = 4: rank r waits for the forwards (and, at the end, the backwards) of the ranks before
+    # it, runs 4 micro-batches, then rank 0 (or r itself) syncs and steps
+    tails = [s.dp_sync_ns + s.optimizer_step_ns for s in stages]
+    before = [sum(s.time_ns for s in stages[:r]) for r in range(3)]
+    before_forward = [sum(s.chunk_forward_ns[0] for s in stages[:r]) for r in range(3)]
+    expected = max(
+        max(before[r] + 4 * s.time_ns + tails[0], before_forward[r] + 4 * s.time_ns + tails[r])
+        for r, s in enumerate(stages)
     )
+    assert iteration_bound_ns(costs, stages) == expected
+    assert expected <= simulated_iteration_ns(costs, SPLIT)
     assert throughput(16, 2_000_000_000) == 8.0
 
 

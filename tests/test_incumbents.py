@@ -18,7 +18,7 @@ from solver.backends.problem import (
     OPTIMAL,
     StageProblem,
 )
-from solver.cost_model import iteration_time_ns, stage_costs
+from solver.cost_model import iteration_bound_ns, stage_costs
 from solver.errors import NoSolutionError
 from solver.incumbents import QUICK_METHODS, QuickMethod, incumbent, one_chunk_per_rank
 from solver.planner import _PlanningCall, _solver_report, plan
@@ -39,7 +39,7 @@ def _cost_model_value(problem: StageProblem, solution) -> int:
     stages = stage_costs(problem.costs, solution.stage_of_layer, flags)
     if problem.objective == OBJECTIVE_MEMORY:
         return max(stage.peak_bytes for stage in stages)
-    return iteration_time_ns(problem.costs, stages)
+    return iteration_bound_ns(problem.costs, stages)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -155,7 +155,10 @@ def test_plan_cut_by_the_time_limit_is_a_feasible_plan_with_honest_notes(monkeyp
     result = plan(graph, CLUSTER, TrainingConfig(global_batch=16), backend="cpsat")
     report = result.solver
     assert report.status == FEASIBLE and report.time_limit_reached
-    assert report.notes[0].startswith("time limit reached: best plan found, not proven optimal")
+    assert any(
+        note.startswith("time limit reached: best plan found, not proven optimal")
+        for note in report.notes
+    )
     assert [s.name for s in report.searches] == ["fastest plan", "smallest peak"]
     assert [s.role for s in report.searches] == ["max-slowdown budget", "answer"]
     assert all(s.configs_with_incumbent for s in report.searches)

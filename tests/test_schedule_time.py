@@ -8,6 +8,7 @@ boundary bytes and times.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -17,14 +18,14 @@ import pytest
 from solver.cost_model import (
     boundary_bytes,
     interleaved_schedule_groups,
-    iteration_time_ns,
+    iteration_bound_ns,
     layer_costs,
+    pipeline_link_gb_per_s,
     schedule_actions,
     stage_costs,
 )
 from solver.graph import graph_from_dict
 from solver.schedule_time import (
-    pipeline_link_gb_per_s,
     schedule_timeline,
     simulate_schedule,
     simulated_iteration_ns,
@@ -363,11 +364,15 @@ def _chain(times_ms: list[float], *, output_bytes: int = 64):
 
 
 def _costs(graph, *, recompute="none", **config):
+    """The cost model's coefficients without optimizer step or transfer time (the hand-worked
+    schedules below count compute and sync only; tests that want them set them)."""
     config = ParallelConfig(
         **({"tp": 1, "dp": 1, "micro_batch": 1, "recompute": recompute} | config)
     )
     training = TrainingConfig(global_batch=config.num_microbatches * config.dp)
-    return layer_costs(graph, config, Cluster(num_gpus=config.pp * config.dp), training)
+    costs = layer_costs(graph, config, Cluster(num_gpus=config.pp * config.dp), training)
+    no_step = np.zeros(costs.num_layers, dtype=np.int64)
+    return dataclasses.replace(costs, optimizer_step_ns=no_step, link_gb_per_s=None)
 
 
 def test_forward_and_backward_sum_to_the_layer_time(gpt_graph):
@@ -399,18 +404,23 @@ def test_forward_and_backward_sum_to_the_layer_time(gpt_graph):
 
 def test_chain_even_split_equals_formula_and_uneven_is_below():
     """8 equal layers, pp 4, m 8: the even split (2 each) gives exactly the planner's
-    (m + p - 1) max_s T_s (``iteration_time_ns``); the split 1-3-2-2 is slower by the formula
-    (max 3 layers) and the simulation charges less than it."""
+    (m + p - 1) max_s T_s, and so does the iteration bound; the split 1-3-2-2 is slower by the
+    formula (max 3 layers) and the simulation charges less than it, more than the bound."""
     graph = _chain([1.0] * 8)
     costs = _costs(graph, pp=4, num_microbatches=8)
+
+    def formula(split):
+        return 11 * max(stage.time_ns for stage in stage_costs(costs, split))
+
     even = [0, 0, 1, 1, 2, 2, 3, 3]
-    assert simulated_iteration_ns(costs, even) == iteration_time_ns(costs, stage_costs(costs, even))
-    assert simulated_iteration_ns(costs, even) == 11 * 6_000_000
+    assert simulated_iteration_ns(costs, even) == formula(even) == 11 * 6_000_000
+    assert iteration_bound_ns(costs, stage_costs(costs, even)) == formula(even)
     uneven = [0, 1, 1, 1, 2, 2, 3, 3]
-    formula = iteration_time_ns(costs, stage_costs(costs, uneven))
-    assert formula == 11 * 9_000_000
+    assert formula(uneven) == 11 * 9_000_000
     simulated = simulated_iteration_ns(costs, uneven)
-    assert 8 * 9_000_000 + 3_000_000 <= simulated < formula
+    bound = iteration_bound_ns(costs, stage_costs(costs, uneven))
+    assert bound == 3_000_000 + 8 * 9_000_000  # rank 1: stage 0 first, then 8 x its own
+    assert bound <= simulated < formula(uneven)
 
 
 def test_transfers_follow_the_boundary_bytes():
@@ -488,7 +498,9 @@ def test_timeline_sync_is_the_rank_sum_of_dp_sync():
     stage_of = [0, 0, 1, 1]
     assert costs.dp_sync_ns.sum() > 0
     timeline = schedule_timeline(costs, stage_of)
-    assert timeline.makespan_ns == iteration_time_ns(costs, stage_costs(costs, stage_of))
+    stages = stage_costs(costs, stage_of)
+    formula = 5 * max(s.time_ns for s in stages) + max(s.dp_sync_ns for s in stages)
+    assert timeline.makespan_ns == formula == iteration_bound_ns(costs, stages)
 
 
 def test_pipeline_links_follow_megatrons_rank_order():
@@ -525,6 +537,9 @@ def test_interleaved_layout_from_the_cost_model(runtime):
         )
         training = TrainingConfig(global_batch=4, virtual_stages=(2,), runtime=runtime)
         costs = layer_costs(graph, config, Cluster(num_gpus=2), training)
-        formula = iteration_time_ns(costs, stage_costs(costs, stage_of))
-        assert formula == 4 * 2 * chunk_ns + chunk_ns
+        costs = dataclasses.replace(
+            costs, optimizer_step_ns=np.zeros(8, dtype=np.int64), link_gb_per_s=None
+        )
+        formula = 4 * 2 * chunk_ns + chunk_ns
+        assert iteration_bound_ns(costs, stage_costs(costs, stage_of)) == formula
         assert simulated_iteration_ns(costs, stage_of) == formula
