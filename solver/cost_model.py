@@ -2084,33 +2084,87 @@ def placed_stage_costs(
     return [per_group[k][s] for s, k in enumerate(group_of_stage)]
 
 
+class BoundTerm(NamedTuple):
+    """One lower bound on the iteration through one rank (``bound_terms``), ns: m T_r (the
+    rank's m micro-batches of every chunk, T_r with its v h overhead) plus, each with its
+    coefficient here,
+      before_time T_<r and before_forward F_<r (the first chunks of the ranks before: forward
+      and backward of one micro-batch, or its forward only), own_forward F_r (its forward per
+      micro-batch, overhead included), own_tail X_r, after_time T_>r (one micro-batch through
+      the ranks after), first_tail X_0 (rank 0's tail), and constant_ns (the overheads h of
+      the forwards before and after: T_<r, F_<r and T_>r are the layers' times alone)."""
+
+    before_time: int
+    before_forward: int
+    own_forward: int
+    own_tail: int
+    after_time: int
+    first_tail: int
+    constant_ns: int
+
+
+def bound_terms(costs: LayerCosts) -> list[list[BoundTerm]]:
+    """The terms of the iteration bound of each rank (``iteration_bound_ns``).
+
+    Rank r's first action waits for micro-batch 0's forward through the virtual stages before
+    it (F_<r). Its first backward, after c_r forwards (``schedule_actions``: p - r with 1F1B,
+    m with GPipe), waits for that micro-batch's forward and backward through the ranks after it
+    (F_r + T_>r); the rest of its m micro-batches follow, so its last action ends at least
+    F_<r + m T_r + max(0, F_r + T_>r - c_r F_r). After it the rank syncs and steps (X_r),
+    while that micro-batch still runs backward through the virtual stages before (B_<r) and
+    then rank 0 syncs and steps (X_0). The four combinations are the terms; with interleaving
+    only the two without the first backward's wait (the chunk of the first backward is not
+    the first one)."""
+    config, h = costs.config, costs.microbatch_overhead_ns
+    m, p, v = config.num_microbatches, config.pp, config.virtual_stages
+    terms = []
+    for r in range(p):
+        # r h: the overhead of one forward on each virtual stage before
+        rank = [
+            BoundTerm(1, 0, 0, 0, 0, 1, r * h),  # T_<r + m T_r + X_0
+            BoundTerm(0, 1, 0, 1, 0, 0, r * h),  # F_<r + m T_r + X_r
+        ]
+        if v == 1:
+            actions = schedule_actions(m, p, 1, r, None, config.schedule)
+            first = next(i for i, action in enumerate(actions) if action.kind == "B")
+            waited = 1 - first  # F_r + T_>r - c_r F_r, c_r = forwards before the first backward
+            after = (p - 1 - r) * h  # the overhead of the forwards after
+            rank += [
+                BoundTerm(1, 0, waited, 0, 1, 1, r * h + after),
+                BoundTerm(0, 1, waited, 1, 1, 0, r * h + after),
+            ]
+        terms.append(rank)
+    return terms
+
+
 def iteration_bound_ns(costs: LayerCosts, stages: list[StageCost]) -> int:
     """A lower bound on the simulated iteration of these stages (``solver.schedule_time``), ns:
-    what every backend constrains and minimises (module docstring, "Iteration bound").
-
-    Rank r (stages in rank order) cannot start before micro-batch 0 has run forward through the
-    virtual stages 0 .. r-1 (F_<r); it then runs m micro-batches of all its chunks, m T_r with
-    T_r = its layers' times + v h (h: ``microbatch_overhead_ns``); it then syncs its gradients
-    and steps its optimizer (its tail X_r, ``LayerCosts.tail_ns``), while the micro-batch of its
-    last backward still runs backward through the virtual stages below (B_<r), after which rank
-    0 does its own tail X_0. Hence
-      iteration >= max_r max(F_<r + B_<r + m T_r + X_0,  F_<r + m T_r + X_r),
-    on any schedule (1F1B, GPipe, interleaved) and any transfer times (they only delay). On an
-    even split without data parallelism it is the bubble formula (m + p - 1) T + X."""
+    the largest ``bound_terms`` term of any rank, on any schedule (1F1B, GPipe, interleaved)
+    and any transfer times (they only delay): what every backend constrains and minimises
+    (module docstring, "Iteration bound"). On an even split without data parallelism it is the
+    bubble formula (m + p - 1) T."""
     m, h = costs.config.num_microbatches, costs.microbatch_overhead_ns
-    bound = before_forward = before_backward = 0
+    total = sum(stage.time_ns for stage in stages)  # overheads: in the terms' constants
     first_tail = stages[0].dp_sync_ns + stages[0].optimizer_step_ns
-    for stage in stages:
-        busy = m * (stage.time_ns + len(stage.chunk_time_ns) * h)
-        tail = stage.dp_sync_ns + stage.optimizer_step_ns
-        bound = max(
-            bound,
-            before_forward + before_backward + busy + first_tail,
-            before_forward + busy + tail,
-        )
-        first_forward = stage.chunk_forward_ns[0] if stage.chunk_forward_ns else 0
-        before_forward += first_forward + h
-        before_backward += stage.chunk_time_ns[0] - first_forward
+    bound = before_time = before_forward = 0
+    for stage, terms in zip(stages, bound_terms(costs), strict=True):
+        own = stage.time_ns + len(stage.chunk_time_ns) * h
+        forward = sum(stage.chunk_forward_ns) + len(stage.chunk_time_ns) * h
+        values = {
+            "before_time": before_time,
+            "before_forward": before_forward,
+            "own_forward": forward,
+            "own_tail": stage.dp_sync_ns + stage.optimizer_step_ns,
+            "after_time": total - before_time - stage.time_ns,
+            "first_tail": first_tail,
+        }
+        for term in terms:
+            value = m * own + term.constant_ns
+            value += sum(getattr(term, name) * amount for name, amount in values.items())
+            bound = max(bound, value)
+        # chunk 0 of this rank is virtual stage r, before every later rank's chunk 0
+        before_time += stage.chunk_time_ns[0]
+        before_forward += stage.chunk_forward_ns[0] if stage.chunk_forward_ns else 0
     return bound
 
 

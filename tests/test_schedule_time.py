@@ -419,7 +419,9 @@ def test_chain_even_split_equals_formula_and_uneven_is_below():
     assert formula(uneven) == 11 * 9_000_000
     simulated = simulated_iteration_ns(costs, uneven)
     bound = iteration_bound_ns(costs, stage_costs(costs, uneven))
-    assert bound == 3_000_000 + 8 * 9_000_000  # rank 1: stage 0 first, then 8 x its own
+    # rank 1: stage 0 first (3 ms), then 8 x its own 9 ms, and its first backward waits for
+    # micro-batch 0 through ranks 2 and 3 (3 + 6 + 6 ms) where its 3 warm-up forwards take 9
+    assert bound == 3_000_000 + 8 * 9_000_000 + 6_000_000
     assert bound <= simulated < formula(uneven)
 
 

@@ -56,7 +56,7 @@ from solver.backends.problem import (
     StageProblem,
     StageSolution,
 )
-from solver.cost_model import LayerCosts
+from solver.cost_model import LayerCosts, bound_terms
 from solver.errors import InputError
 
 BACKEND = "chain"
@@ -146,7 +146,7 @@ class _Chain:
         prefix = lambda values: np.concatenate(([0], np.cumsum(values, dtype=np.int64)))  # noqa: E731
         self.state_prefix = prefix(costs.state_bytes)
         self.stored_prefix = prefix(costs.stored_bytes)
-        self.time_rules, self.time_offsets = _time_rules(costs, prefix)
+        self.time_rules = _time_rules(costs, prefix)
         self.tail_prefix = prefix(costs.tail_ns)
         for name in (
             "state_bytes",
@@ -296,12 +296,19 @@ class _Chain:
     ) -> np.ndarray:
         """time(s; i, j) of the module docstring with X_0 = ``first_tail``, ns; ``stage`` is one
         index or one per pair."""
-        (end, start), (end_tail, start_tail) = self.time_rules
-        value = np.maximum(
-            end[ends + 1] - start[starts] + first_tail,
-            end_tail[ends + 1] - start_tail[starts],
+        if np.ndim(stage):  # one stage per pair
+            value = np.empty(len(starts), dtype=np.int64)
+            for s in np.unique(stage):
+                own = stage == s
+                value[own] = self.times(int(s), starts[own], ends[own], first_tail)
+            return value
+        return np.max(
+            [
+                end[ends + 1] - start[starts] + offset + with_first * first_tail
+                for end, start, offset, with_first in self.time_rules[stage]
+            ],
+            axis=0,
         )
-        return value + self.time_offsets[stage]
 
     def first_tails(self) -> np.ndarray:
         """The tails the first stage can have (it ends at layer 0 .. L - p), sorted, ns."""
@@ -333,21 +340,20 @@ class _Chain:
         for s in range(self.num_stages):
             floor = self.boundary_floor(s)
             memory = self.memory_prefix(s)
-            # the first rule carries X_0 (its lower bound), the second the stage's own tail
-            offsets = [
-                int(self.time_offsets[s]) + limits.first_tail_ns,
-                int(self.time_offsets[s]),
+            # the terms with X_0 take its lower bound
+            timed = [
+                (end, start, offset + with_first * limits.first_tail_ns)
+                for end, start, offset, with_first in self.time_rules[s]
             ]
-            timed = list(zip(self.time_rules, offsets, strict=True))
             if limits.kind == PEAK:
                 stage = [(memory, memory, -floor, True)]
             else:
-                stage = [(end, start, -offset, True) for (end, start), offset in timed]
+                stage = [(end, start, -offset, True) for end, start, offset in timed]
             if limits.cap_bytes is not None and limits.kind != PEAK:
                 stage.append((memory, memory, limits.cap_bytes - floor, False))
             if limits.budget_ns is not None:
                 stage += [
-                    (end, start, limits.budget_ns - offset, False) for (end, start), offset in timed
+                    (end, start, limits.budget_ns - offset, False) for end, start, offset in timed
                 ]
             if s == 0 and limits.first_tail_max_ns is not None:
                 stage.append((self.tail_prefix, self.tail_prefix, limits.first_tail_max_ns, False))
@@ -421,8 +427,11 @@ class _Chain:
     def relaxed_top(self, limits: _Limits) -> int:
         """A bound above every stage's relaxed quantity: the bound itself never binds there."""
         if limits.kind == TIME:
-            top = max(int(end[-1]) for end, _ in self.time_rules) + int(self.time_offsets.max())
-            return top + limits.first_tail_ns
+            return max(
+                int(end[-1] - start[0]) + offset + with_first * limits.first_tail_ns
+                for rules in self.time_rules
+                for end, start, offset, with_first in rules
+            )
         return max(
             int(self.memory_prefix(s)[-1]) + self.boundary_floor(s) for s in range(self.num_stages)
         )
@@ -802,20 +811,26 @@ def _bisect(heap: list, low: int, high: int, *, base: int) -> None:
     heapq.heappush(heap, (base, middle + 1, high))
 
 
-def _time_rules(
-    costs: LayerCosts, prefix
-) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
-    """The iteration bound's per-stage terms (module docstring) as (U, V) prefix-sum pairs,
-    time(s; i, j) = max over pairs of U[j+1] - V[i], + offsets[s] = (s + m) h."""
+def _time_rules(costs: LayerCosts, prefix) -> list[list[tuple[np.ndarray, np.ndarray, int, int]]]:
+    """Per stage, the iteration bound's terms (``cost_model.bound_terms``) as (U, V, offset,
+    with X_0): the term of stage i..j is U[j+1] - V[i] + offset (+ X_0). A term
+    m (T + h) + bt T_<r + bf F_<r + e (F + h) + x X + g T_>r + const, with T_>r the total time
+    less pT[j+1], is U = (m - g) pT + e pF + x pX and V = (m - bt) pT + (e - bf) pF + x pX,
+    both non-decreasing as m T_l >= c F_l (c <= m forwards before the first backward)."""
     m, h = costs.config.num_microbatches, costs.microbatch_overhead_ns
-    busy = m * prefix(costs.time_ns)
-    tail = prefix(costs.tail_ns)
-    rules = [
-        (busy, busy - prefix(costs.time_ns)),  # before: every forward and backward; + X_0
-        (busy + tail, busy + tail - prefix(costs.forward_ns)),  # before: the forwards; + tail
-    ]
-    offsets = (np.arange(costs.num_stages, dtype=np.int64) + m) * h
-    return rules, offsets
+    time, forward, tail = (prefix(v) for v in (costs.time_ns, costs.forward_ns, costs.tail_ns))
+    total = int(time[-1])
+    rules = []
+    for terms in bound_terms(costs):
+        stage = []
+        for t in terms:
+            end = (m - t.after_time) * time + t.own_forward * forward + t.own_tail * tail
+            start = (m - t.before_time) * time + (t.own_forward - t.before_forward) * forward
+            start = start + t.own_tail * tail
+            offset = t.after_time * total + (m + t.own_forward) * h + t.constant_ns
+            stage.append((end, start, offset, t.first_tail))
+        rules.append(stage)
+    return rules
 
 
 def _sparse_max_table(values: np.ndarray) -> np.ndarray:

@@ -68,8 +68,8 @@ class CpSatFormulation(PrefixFormulation):
             iteration_ub = max(
                 iteration_ub,
                 (config.num_microbatches + 1) * int(time_ub.sum())
-                + int(costs.tail_ns.sum())
-                + (config.num_microbatches * config.virtual_stages + config.pp)
+                + 2 * int(costs.tail_ns.sum())
+                + (config.num_microbatches * config.virtual_stages + config.pp + 1)
                 * costs.microbatch_overhead_ns,
             )
         ranges = [("stage peak", pre.peak_ub_bytes), ("iteration", iteration_ub)]

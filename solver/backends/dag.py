@@ -48,7 +48,7 @@ import numpy as np
 
 from solver.backends.chain import INF, PEAK, _Limits, _Search, _TimeUp
 from solver.backends.problem import FEASIBLE, UNKNOWN, StageProblem, StageSolution
-from solver.cost_model import LayerCosts
+from solver.cost_model import LayerCosts, bound_terms
 from solver.errors import InputError
 
 BACKEND = "dag"
@@ -345,6 +345,40 @@ def _build_structure(costs: LayerCosts, members: np.ndarray, all_ideals: bool) -
     )
 
 
+class _PairTimes:
+    """The iteration bound's terms (``cost_model.bound_terms``) of every pair (J, I) as stage s:
+    m (T_A + h) + bt T(J) + bf F(J) + e (F_A + h) + x X_A + g (T_all - T(I)) + const, the
+    ranks before holding J and those after all but I. The parts without e are kept per kind of
+    term; the stage's e and constant are added when asked (a few vectors, not p x 4)."""
+
+    def __init__(self, costs: LayerCosts, members: np.ndarray, st, pair_sum) -> None:
+        m, h = costs.config.num_microbatches, costs.microbatch_overhead_ns
+        time = members @ np.asarray(costs.time_ns, dtype=np.int64)  # per ideal
+        forward = members @ np.asarray(costs.forward_ns, dtype=np.int64)
+        own_tail, total = pair_sum(costs.tail_ns), int(np.sum(costs.time_ns))
+        self.terms = bound_terms(costs)
+        self.own_forward = pair_sum(costs.forward_ns) + h
+        self.base: dict[tuple[int, int, int, int], np.ndarray] = {}
+        busy = m * (pair_sum(costs.time_ns) + h)
+        for t in {term for terms in self.terms for term in terms}:
+            key = (t.before_time, t.before_forward, t.own_tail, t.after_time)
+            if key not in self.base:
+                value = busy + t.before_time * time[st.low] + t.before_forward * forward[st.low]
+                value = value + t.own_tail * own_tail + t.after_time * (total - time[st.high])
+                self.base[key] = value
+
+    def __call__(self, stage: int, first_tail: int) -> np.ndarray:
+        """The largest term of every pair as stage ``stage`` with X_0 = ``first_tail``, ns."""
+        values = []
+        for t in self.terms[stage]:
+            value = self.base[(t.before_time, t.before_forward, t.own_tail, t.after_time)]
+            value = value + t.constant_ns + t.first_tail * first_tail
+            if t.own_forward:
+                value = value + t.own_forward * self.own_forward
+            values.append(value)
+        return np.max(values, axis=0)
+
+
 def _columns(columns: list[np.ndarray], num_rows: int) -> np.ndarray:
     """bool (rows, len(columns)) from per-column vectors (an empty matrix for none)."""
     if not columns:
@@ -429,16 +463,10 @@ class _DagSplitter:
         self.held_bytes = pair_sum(held)  # weights, optimizer state, DDP buckets: always
         self.grad_bytes = pair_sum(costs.grad_bytes)
         self.stored_bytes = pair_sum(costs.stored_bytes)
-        # the iteration bound's term of a stage (cost_model.iteration_bound_ns) on pair (J, I):
-        # max(T(J) + m T + X_0, F(J) + m T + tail) + (s + m) h, T = T(I) - T(J) the stage's
-        # time, X_0 the first stage's tail
-        per_ideal = lambda values: members @ np.asarray(values, dtype=np.int64)  # noqa: E731
-        m = costs.config.num_microbatches
-        busy = m * pair_sum(costs.time_ns)
+        # the iteration bound's terms of a stage (cost_model.bound_terms) on pair (J, I): the
+        # ranks before hold J, those after all but I
         self.tail_ns = pair_sum(costs.tail_ns)
-        self.before_ns = per_ideal(costs.time_ns)[st.low] + busy
-        self.own_tail_ns = per_ideal(costs.forward_ns)[st.low] + busy + self.tail_ns
-        self.time_offsets = (np.arange(self.num_stages) + m) * costs.microbatch_overhead_ns
+        self.pair_times = _PairTimes(costs, members, st, pair_sum)
         self.step_bytes = None if costs.step_bytes is None else pair_sum(costs.step_bytes)
         transient = np.asarray(costs.transient_bytes, dtype=np.int64)
         self.transient = _masked_max(st.stage_members, transient)
@@ -529,8 +557,7 @@ class _DagSplitter:
     def times(self, stage: int, first_tail: int) -> np.ndarray:
         """The iteration bound's term of every pair as stage ``stage`` with X_0 = ``first_tail``,
         ns."""
-        value = np.maximum(self.before_ns + first_tail, self.own_tail_ns)
-        return value + self.time_offsets[stage]
+        return self.pair_times(stage, first_tail)
 
     def first_tails(self) -> np.ndarray:
         """The tails the first stage can have (its pairs start at the empty ideal), sorted, ns."""

@@ -24,11 +24,11 @@ The formulation (``cpsat.py`` and ``milp.py`` build it through :class:`PrefixFor
   memory       peak >= sum_l (state_l + k_s stored_l) x[l][s]
                        + sum_T eb_T (R_s ct[T][s-1] + S_s ct[T][s]) + k_s sum_T eb_T r[T][s] + tr[s]
                (R_s, S_s: boundary copies of the cost model; a relayed edge is received and sent)
-  time         Ts[s] >= sum_l time_l x[l][s],  Fs[s] >= sum_l forward_l x[l][s],
+  time         Ts[s] >= sum_l time_l x[l][s],  Fs[s] = sum_l forward_l x[l][s],
                X[r] >= sum_l tail_l x[l][s] over the rank's stages s    (tail: sync + step)
-  iteration    I >= sum_{j<r} (Ts[j] + h) + m (sum_{s of r} Ts[s] + v h) + X[0]
-               I >= sum_{j<r} (Fs[j] + h) + m (sum_{s of r} Ts[s] + v h) + X[r]   (every rank r)
-               (``cost_model.iteration_bound_ns``; h: the micro-batch overhead)
+  iteration    I >= each term of ``cost_model.bound_terms`` (every rank r), e.g.
+               sum_{j<r} Ts[j] + m (sum_{s of r} Ts[s] + v h) + X[0] + r h
+               (h: the micro-batch overhead; Fs is exact as a term may subtract it)
   limits       peak <= capacity;  I <= budget
   objective    min peak ("memory") or min I ("time")
 
@@ -44,7 +44,7 @@ their own per-layer times time_l^k, sync_l^k) add, and use instead of the memory
   objective    utilization (integer ppm U):  10^6 P[s][k] <= C_k U
                absolute:                     peak >= P[s][k]
   time         Ts[s] >= sum_l time_l^k x[l][s] - M^k (1 - g[s][k]),  M^k = sum_l time_l^k
-               (Fs and X likewise with forward_l^k and tail_l^k)
+               (X likewise with tail_l^k; Fs also <= its sum + M^k (1 - g[s][k]))
 
 P is the disaggregated (convex-hull) form of "P_s <= C_k(s)": no big-M in the memory rows, so the
 LP relaxation stays tight and the coefficients small (HiGHS's presolve declared a feasible big-M
@@ -142,6 +142,7 @@ from solver.backends.problem import (
 from solver.cost_model import (
     PPM,
     LayerCosts,
+    bound_terms,
     boundary_bytes,
     direct_buffer_adjustments,
     iteration_bound_ns,
@@ -804,10 +805,11 @@ class PrefixFormulation(abc.ABC):
             forward = max(int(c.forward_ns.sum()) for c in group_costs)
             tail = max(int(c.tail_ns.sum()) for c in group_costs)
             config, h = costs.config, costs.microbatch_overhead_ns
+            # every term: at most m + 1 times all layers, two tails and every overhead
             top = (
                 (config.num_microbatches + 1) * slowest
-                + tail
-                + (config.num_microbatches * config.virtual_stages + p) * h
+                + 2 * tail
+                + (config.num_microbatches * config.virtual_stages + p + 1) * h
             )
             self.vars.stage_time = [
                 self._new_var(0, self._ns(slowest), f"Ts_s{s}") for s in range(p)
@@ -1044,7 +1046,7 @@ class PrefixFormulation(abc.ABC):
                 time_ns = self._stage_sum(costs.time_ns, s, recomputed)
                 self._add(self.vars.stage_time[s] >= time_ns, f"time_s{s}")
                 forward = self._stage_sum(costs.forward_ns, s)
-                self._add(self.vars.stage_forward[s] >= forward, f"forward_s{s}")
+                self._add(self.vars.stage_forward[s] == forward, f"forward_s{s}")
             for r in range(costs.num_ranks):
                 tails = [self._stage_sum(costs.tail_ns, s) for s in costs.stages_of_rank(r)]
                 self._add(self.vars.rank_tail[r] >= self._sum(tails), f"tail_r{r}")
@@ -1066,28 +1068,37 @@ class PrefixFormulation(abc.ABC):
                 off = 1 - groups[k]
                 for name, variables, per_layer, recompute, top in rows:
                     top = int(per_layer.sum()) if top is None else top
-                    self._add(
-                        variables[s]
-                        >= self._stage_sum(per_layer, s, recompute) - self._ns(top) * off,
-                        f"{name}_s{s}_k{k}",
-                    )
+                    total = self._stage_sum(per_layer, s, recompute)
+                    self._add(variables[s] >= total - self._ns(top) * off, f"{name}_s{s}_k{k}")
+                    if name == "forward":  # exact: a bound term may subtract it
+                        slowest = max(int(c.forward_ns.sum()) for c in self.placement.group_costs)
+                        self._add(
+                            variables[s] <= total + self._ns(slowest) * off, f"fmax_s{s}_k{k}"
+                        )
 
     def _add_iteration_rows(self) -> None:
-        """I >= both terms of every rank (module docstring, "iteration")."""
+        """I >= every term of every rank (module docstring, "iteration")."""
         costs, v = self.costs, self.costs.config.virtual_stages
-        m, h = costs.config.num_microbatches, self._ns(costs.microbatch_overhead_ns)
-        for r in range(costs.num_ranks):
+        m, h = costs.config.num_microbatches, costs.microbatch_overhead_ns
+        times, forwards = self.vars.stage_time, self.vars.stage_forward
+        for r, terms in enumerate(bound_terms(costs)):
             self._tick()
-            busy = m * self._sum([self.vars.stage_time[s] for s in costs.stages_of_rank(r)])
-            busy = busy + m * v * h + r * h
-            before = self._sum(self.vars.stage_time[:r])
-            before_forward = self._sum(self.vars.stage_forward[:r])
-            first_tail = self.vars.rank_tail[0]
-            self._add(self.vars.iteration >= before + busy + first_tail, f"iteration_r{r}")
-            self._add(
-                self.vars.iteration >= before_forward + busy + self.vars.rank_tail[r],
-                f"iteration_tail_r{r}",
-            )
+            own = costs.stages_of_rank(r)
+            parts = {
+                "before_time": self._sum(times[:r]),
+                "before_forward": self._sum(forwards[:r]),
+                "own_forward": self._sum([forwards[s] for s in own]) + self._ns(v * h),
+                "own_tail": self.vars.rank_tail[r],
+                "after_time": self._sum(times[r + 1 : costs.num_ranks]),
+                "first_tail": self.vars.rank_tail[0],
+            }
+            busy = m * self._sum([times[s] for s in own]) + self._ns(m * v * h)
+            for k, term in enumerate(terms):
+                expression = busy + self._ns(term.constant_ns)
+                for name, part in parts.items():
+                    if getattr(term, name):
+                        expression = expression + getattr(term, name) * part
+                self._add(self.vars.iteration >= expression, f"iteration_r{r}_t{k}")
 
     def _add_iteration_budget(self) -> None:
         """I <= iteration_budget_ns."""
