@@ -21,6 +21,7 @@ from solver.specs import (
     MAX_DEGREE,
     MAX_GPU_MEMORY_BYTES,
     MAX_GPUS_PER_NODE,
+    MAX_P2P_LATENCY_US,
     Cluster,
     NodeGroup,
 )
@@ -47,6 +48,8 @@ GROUP_SCHEMA = {
         "flops_efficiency": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
         "intra_node_gb_per_s": _GB_PER_S,
         "inter_node_gb_per_s": _GB_PER_S,
+        "memory_gb_per_s": _GB_PER_S,
+        "p2p_latency_us": {"type": "number", "minimum": 0, "maximum": MAX_P2P_LATENCY_US},
     },
 }
 """A group's fields and their ranges (``solver.specs``: 1 MFLOP/s to 1 EFLOP/s, 1 MB/s to 1 PB/s,
@@ -92,6 +95,8 @@ def cluster_from_dict(document: Any, *, origin: str = "<dict>") -> Cluster:
                 flops_efficiency=float(item.get("flops_efficiency", 0.5)),
                 intra_node_gb_per_s=float(item.get("intra_node_gb_per_s", 450.0)),
                 inter_node_gb_per_s=float(item.get("inter_node_gb_per_s", 50.0)),
+                memory_gb_per_s=float(item.get("memory_gb_per_s", 3350.0)),
+                p2p_latency_us=float(item.get("p2p_latency_us", 0.0)),
             )
         except InputError as error:  # NaN from a dict (a file has none: read_json)
             raise InputError(f"{where}: {error}") from None
@@ -113,6 +118,8 @@ def cluster_from_dict(document: Any, *, origin: str = "<dict>") -> Cluster:
             flops_efficiency=group.flops_efficiency,
             intra_node_gb_per_s=group.intra_node_gb_per_s,
             inter_node_gb_per_s=group.inter_node_gb_per_s,
+            memory_gb_per_s=group.memory_gb_per_s,
+            p2p_latency_us=group.p2p_latency_us,
         )
     return Cluster(
         num_gpus=sum(group.num_gpus for group in groups),
@@ -122,6 +129,8 @@ def cluster_from_dict(document: Any, *, origin: str = "<dict>") -> Cluster:
         flops_efficiency=min(group.flops_efficiency for group in groups),
         intra_node_gb_per_s=min(group.intra_node_gb_per_s for group in groups),
         inter_node_gb_per_s=min(group.inter_node_gb_per_s for group in groups),
+        memory_gb_per_s=min(group.memory_gb_per_s for group in groups),
+        p2p_latency_us=max(group.p2p_latency_us for group in groups),
         groups=tuple(groups),
     )
 

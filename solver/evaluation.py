@@ -10,6 +10,7 @@ from solver.candidates import check_interleaving, interleaving_fits, sequence_pa
 from solver.cost_model import (
     LayerCosts,
     StageCost,
+    iteration_bound_ns,
     layer_costs,
     placed_stage_costs,
     stage_costs,
@@ -39,6 +40,9 @@ class Evaluation:
     """The simulated iteration (``solver.schedule_time``): its pipeline schedule run action by
     action with the stages' forward and backward times, the transfers, the data-parallel
     sync and the optimizer step."""
+    iteration_bound_ns: int = 0
+    """The iteration bound the solvers search with (``cost_model.iteration_bound_ns``), never
+    above ``iteration_ns``."""
     group_of_stage: list[int] | None = None
     """Node group of each stage on a heterogeneous cluster (index into ``cluster.groups``)."""
     recomputed: list[bool] | None = None
@@ -389,6 +393,7 @@ def evaluate_assignment(
             if costs.has_compute_time
             else 0
         ),
+        iteration_bound_ns=iteration_bound_ns(costs, stages) if costs.has_compute_time else 0,
         group_of_stage=None if group_of_stage is None else list(group_of_stage),
         recomputed=None if recomputed is None else [bool(flag) for flag in recomputed],
     )

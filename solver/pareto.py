@@ -3,6 +3,10 @@
 A plan is non-dominated when no other plan (any config, any split) that fits the GPU memory has a
 smaller or equal largest peak and a shorter or equal iteration, one of the two strictly. The
 global batch is fixed, so higher throughput is the same as a shorter iteration (integer ns).
+The iteration the walk is exact on is the solvers' iteration bound
+(``cost_model.iteration_bound_ns``); every point also carries its simulated iteration (its
+throughput), which is at least the bound and may order two points differently by a few
+percent.
 
 Method (epsilon constraint, exact with the existing backends): ``lexicographic(level)`` is the
 fastest plan whose peak is <= level, and among those the one with the smallest peak; it is
@@ -14,8 +18,9 @@ more than ``max_points`` points the walk stops and the front is sampled instead 
 non-dominated; ``complete`` is then False). Each lexicographic step is two config searches
 (``solver.search``), which prune configs by their lower bounds.
 
-``TrainingConfig.min_throughput`` applies as a floor; ``max_slowdown`` and ``objective`` do not
-(the front shows the whole trade-off they pick a point on).
+``TrainingConfig.min_throughput`` applies as a floor (on the bound in the walk, then on each
+point's simulated iteration: a point that misses it is left out); ``max_slowdown`` and
+``objective`` do not (the front shows the whole trade-off they pick a point on).
 
 On a heterogeneous cluster (two or more node groups) every plan also places each stage on a
 group, and the memory axis is what ``TrainingConfig.memory_objective`` says: the largest
@@ -75,7 +80,8 @@ class ParetoFront:
 class _Point:
     memory: int
     """Peak bytes, or largest utilization (ppm)."""
-    iteration_ns: int
+    bound_ns: int
+    """The iteration bound: the axis the walk is exact on."""
     evaluation: Evaluation
 
 
@@ -120,6 +126,8 @@ def pareto_front(
     if first is None:
         raise walk.no_plan(time_limit_s)
     points, complete = walk.points_from(first, max_points)
+    if walk.budget_ns is not None:  # the floor holds the bound; a point must meet it simulated
+        points = [p for p in points if p.evaluation.iteration_ns <= walk.budget_ns]
     front = _non_dominated(points)
     return ParetoFront(
         points=[p.evaluation for p in front],
@@ -206,7 +214,9 @@ class _FrontWalk:
             recomputed=solution.recomputed,
             **placed,
         )
-        return _Point(memory_value(evaluation, self.unit), evaluation.iteration_ns, evaluation)
+        return _Point(
+            memory_value(evaluation, self.unit), evaluation.iteration_bound_ns, evaluation
+        )
 
     def no_plan(self, time_limit_s: float | None) -> PlannerError:
         """Why not even the fastest plan was found: the time limit, or nothing fits."""
@@ -271,8 +281,8 @@ class _FrontWalk:
 def _non_dominated(points: list[_Point]) -> list[_Point]:
     """Distinct non-dominated points, smallest memory first (the first plan of a tied pair)."""
     front: list[_Point] = []
-    for candidate in sorted(points, key=lambda p: (p.memory, p.iteration_ns)):
-        if not front or candidate.iteration_ns < front[-1].iteration_ns:
+    for candidate in sorted(points, key=lambda p: (p.memory, p.bound_ns)):
+        if not front or candidate.bound_ns < front[-1].bound_ns:
             front.append(candidate)
     return front
 

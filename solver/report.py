@@ -66,7 +66,9 @@ def evaluation_fields(evaluation: Evaluation) -> dict[str, Any]:
                     }
                 ),
                 "time_ms": stage.time_ns / 1e6,
+                "forward_ms": sum(stage.chunk_forward_ns) / 1e6,
                 "dp_sync_ms": stage.dp_sync_ns / 1e6,
+                "optimizer_step_ms": stage.optimizer_step_ns / 1e6,
             }
             for stage, usable in zip(evaluation.stages, evaluation.usable_bytes, strict=True)
         ],
@@ -74,6 +76,7 @@ def evaluation_fields(evaluation: Evaluation) -> dict[str, Any]:
         "peak_bytes": evaluation.peak_bytes,
         "fits": evaluation.fits,
         "iteration_ms": evaluation.iteration_ns / 1e6,
+        "iteration_bound_ms": evaluation.iteration_bound_ns / 1e6,
         "throughput": finite_or_none(evaluation.throughput),
         "calibration": calibration_to_dict(evaluation),
     }
@@ -92,6 +95,8 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
         "flops_efficiency": cluster.flops_efficiency,
         "intra_node_gb_per_s": cluster.intra_node_gb_per_s,
         "inter_node_gb_per_s": cluster.inter_node_gb_per_s,
+        "memory_gb_per_s": cluster.memory_gb_per_s,
+        "p2p_latency_us": cluster.p2p_latency_us,
     }
     if cluster.groups:
         document["groups"] = [
@@ -104,6 +109,8 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
                 "flops_efficiency": g.flops_efficiency,
                 "intra_node_gb_per_s": g.intra_node_gb_per_s,
                 "inter_node_gb_per_s": g.inter_node_gb_per_s,
+                "memory_gb_per_s": g.memory_gb_per_s,
+                "p2p_latency_us": g.p2p_latency_us,
             }
             for g in cluster.groups
         ]

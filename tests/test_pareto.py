@@ -16,6 +16,7 @@ from solver.backends.problem import StageProblem
 from solver.cli import plan_main
 from solver.errors import InfeasibleError, InputError
 from solver.pareto import dominated, pareto_front
+from solver.schedule_time import stages_timeline
 from solver.search import build_entries
 from tests.conftest import GPT_1_3B, MIXED_CLUSTER, cluster_group, cluster_of
 from tests.random_graphs import random_chain, random_dag
@@ -45,7 +46,7 @@ def tiny_case(seed: int, make_graph, num_layers: int):
 
 def check_points(front, graph, cluster, training) -> None:
     """Points fit, are pairwise non-dominated, and solver.evaluate recomputes their numbers."""
-    pairs = [(p.peak_bytes, p.throughput) for p in front.points]
+    pairs = [(p.peak_bytes, -p.iteration_bound_ns) for p in front.points]  # exact axis
     assert all(not dominated(a, b) for a in pairs for b in pairs)
     assert pairs == sorted(pairs) and len(set(pairs)) == len(pairs)
     for point in front.points:
@@ -64,7 +65,7 @@ def test_front_equals_brute_force_on_tiny_chains(seed):
     check_points(front, graph, cluster, TRAINING)
     assert front.complete and front.proven
     expected = brute_force_front(graph, cluster, TRAINING)
-    assert {(p.peak_bytes, p.iteration_ns) for p in front.points} == expected
+    assert {(p.peak_bytes, p.iteration_bound_ns) for p in front.points} == expected
 
 
 def test_front_equals_brute_force_on_a_tiny_dag():
@@ -73,7 +74,7 @@ def test_front_equals_brute_force_on_a_tiny_dag():
     front = pareto_front(graph, cluster, TRAINING, max_points=None)
     check_points(front, graph, cluster, TRAINING)
     expected = brute_force_front(graph, cluster, TRAINING)
-    assert {(p.peak_bytes, p.iteration_ns) for p in front.points} == expected
+    assert {(p.peak_bytes, p.iteration_bound_ns) for p in front.points} == expected
 
 
 def test_bounded_front_keeps_both_ends_and_only_front_points():
@@ -82,7 +83,7 @@ def test_bounded_front_keeps_both_ends_and_only_front_points():
     assert len(expected) > 3, "the case must have a front longer than the bound"
     front = pareto_front(graph, cluster, TRAINING, max_points=3)
     check_points(front, graph, cluster, TRAINING)
-    found = [(p.peak_bytes, p.iteration_ns) for p in front.points]
+    found = [(p.peak_bytes, p.iteration_bound_ns) for p in front.points]
     assert not front.complete and 2 <= len(found) <= 3
     assert set(found) <= expected
     assert found[0] == min(expected) and found[-1] == min(expected, key=lambda v: (v[1], v[0]))
@@ -140,8 +141,9 @@ def _two_groups(small_bytes: int, large_bytes: int) -> Cluster:
 
 
 def placed_brute_force_front(graph, cluster, training) -> set[tuple[int, int]]:
-    """Non-dominated (memory objective, iteration ns) over every config, split and assignment
-    of stages to groups that fits every group's capacity (and the throughput floor)."""
+    """Non-dominated (memory objective, iteration bound ns) over every config, split and
+    assignment of stages to groups that fits every group's capacity (and whose simulated
+    iteration meets the throughput floor)."""
     budget = (
         None
         if training.min_throughput is None
@@ -163,7 +165,13 @@ def placed_brute_force_front(graph, cluster, training) -> set[tuple[int, int]]:
             if len(set(stage_of)) < p or any(stage_of[u] > stage_of[v] for u, v in edges):
                 continue  # an empty stage or an edge backwards: no grouping makes it valid
             for groups in groupings:
-                if problem.violation(stage_of, None, groups) is None:
+                if problem.violation(stage_of, None, groups) is not None:
+                    continue
+                stages = problem.stages(stage_of, None, groups)
+                if (
+                    budget is None
+                    or stages_timeline(entry.costs, stages, stage_of).makespan_ns <= budget
+                ):
                     values.add(problem.measure(stage_of, None, groups))
     return {v for v in values if not any(w != v and w[0] <= v[0] and w[1] <= v[1] for w in values)}
 
@@ -185,7 +193,7 @@ def check_placed_points(front, graph, cluster, training) -> None:
     another on (memory axis, iteration)."""
     unit = "ppm" if training.memory_objective == "utilization" else "bytes"
     assert front.memory_unit == unit
-    pairs = [(m, p.iteration_ns) for m, p in zip(front.memory, front.points, strict=True)]
+    pairs = [(m, p.iteration_bound_ns) for m, p in zip(front.memory, front.points, strict=True)]
     assert pairs == sorted(pairs) and all(a[1] > b[1] for a, b in itertools.pairwise(pairs))
     for memory, point in zip(front.memory, front.points, strict=True):
         assert point.group_of_stage is not None and len(point.group_of_stage) == point.config.pp
@@ -215,7 +223,7 @@ def test_heterogeneous_front_equals_brute_force_on_tiny_chains(seed, memory_obje
     front = pareto_front(graph, cluster, training, max_points=None)
     assert front.complete and front.proven
     check_placed_points(front, graph, cluster, training)
-    found = {(m, p.iteration_ns) for m, p in zip(front.memory, front.points, strict=True)}
+    found = {(m, p.iteration_bound_ns) for m, p in zip(front.memory, front.points, strict=True)}
     assert found == expected
 
 
@@ -225,7 +233,7 @@ def test_heterogeneous_front_equals_brute_force_on_a_tiny_dag(memory_objective):
     assert not build_entries(graph, cluster, training)[0].costs.is_chain()
     front = pareto_front(graph, cluster, training, max_points=None)
     check_placed_points(front, graph, cluster, training)
-    found = {(m, p.iteration_ns) for m, p in zip(front.memory, front.points, strict=True)}
+    found = {(m, p.iteration_bound_ns) for m, p in zip(front.memory, front.points, strict=True)}
     assert found == placed_brute_force_front(graph, cluster, training)
 
 
@@ -235,16 +243,16 @@ def test_heterogeneous_front_with_a_floor_and_a_bound():
     ends and only front points."""
     graph, cluster, training = hetero_case(1, random_chain, 6, "utilization")
     full = pareto_front(graph, cluster, training, max_points=None)
-    pairs = [(m, p.iteration_ns) for m, p in zip(full.memory, full.points, strict=True)]
+    pairs = [(m, p.iteration_bound_ns) for m, p in zip(full.memory, full.points, strict=True)]
     assert len(pairs) > 3, "the case must have a front longer than the bound"
     sampled = pareto_front(graph, cluster, training, max_points=3)
-    found = [(m, p.iteration_ns) for m, p in zip(sampled.memory, sampled.points, strict=True)]
+    found = [(m, p.iteration_bound_ns) for m, p in zip(sampled.memory, sampled.points, strict=True)]
     assert not sampled.complete and 2 <= len(found) <= 3
     assert set(found) <= set(pairs) and found[0] == pairs[0] and found[-1] == pairs[-1]
     floor = full.points[len(pairs) // 2].throughput
     floored = dataclasses.replace(training, min_throughput=floor)
     front = pareto_front(graph, cluster, floored, max_points=None)
-    kept = [(m, p.iteration_ns) for m, p in zip(front.memory, front.points, strict=True)]
+    kept = [(m, p.iteration_bound_ns) for m, p in zip(front.memory, front.points, strict=True)]
     assert kept == [
         pair for pair, p in zip(pairs, full.points, strict=True) if p.throughput >= floor
     ]

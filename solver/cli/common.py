@@ -38,6 +38,7 @@ from solver.specs import (
     MAX_GPU_MEMORY_BYTES,
     MAX_GPUS,
     MAX_GPUS_PER_NODE,
+    MAX_P2P_LATENCY_US,
     MAX_SLOWDOWN,
     MAX_VIRTUAL_STAGES,
     MEMORY_MODELS,
@@ -242,6 +243,8 @@ CLUSTER_FLAGS = (
     "flops_efficiency",
     "intra_node_gbps",
     "inter_node_gbps",
+    "memory_gbps",
+    "p2p_latency_us",
 )
 """Destinations of the flags a cluster file replaces."""
 
@@ -323,6 +326,20 @@ def add_cluster_options(parser: argparse.ArgumentParser, *, memory_list: bool = 
         type=number_in(*GB_PER_S_RANGE, unit=" GB/s"),
         default=50.0,
         help="per-GPU inter-node bandwidth, GB/s (default 50)",
+    )
+    cluster.add_argument(
+        "--memory-gbps",
+        type=number_in(*GB_PER_S_RANGE, unit=" GB/s"),
+        default=3350.0,
+        help="GPU memory bandwidth, GB/s: the optimizer step's time when the graph has no "
+        "profiled one (default 3350, H100 SXM)",
+    )
+    cluster.add_argument(
+        "--p2p-latency-us",
+        type=number_in(0, MAX_P2P_LATENCY_US, unit=" us"),
+        default=0.0,
+        help="latency of one pipeline send between stages, us, added to its bytes / bandwidth "
+        "(default 0)",
     )
 
 
@@ -500,6 +517,8 @@ def cluster_from_flags(
         flops_efficiency=min(args.flops_efficiency, 1.0),
         intra_node_gb_per_s=args.intra_node_gbps,
         inter_node_gb_per_s=args.inter_node_gbps,
+        memory_gb_per_s=args.memory_gbps,
+        p2p_latency_us=args.p2p_latency_us,
     )
 
 
