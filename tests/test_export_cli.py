@@ -35,7 +35,11 @@ def test_tiny_preset_exports_and_plans(preset, tmp_path, capsys):
         Cluster(num_gpus=4, gpus_per_node=2, gpu_memory_bytes=2**30),
         TrainingConfig(global_batch=8),
     )
-    assert result.solver.status == "OPTIMAL" and result.peak_bytes > 0
+    # t5-tiny's stages take a few ns, less than their transfers, which the solvers' bound
+    # leaves out: the simulated schedule can miss the budget and the plan then says so
+    proven = result.solver.status == "OPTIMAL"
+    assert proven or any("simulated schedule" in note for note in result.solver.notes)
+    assert result.peak_bytes > 0 and result.evaluation.iteration_ns <= result.iteration_budget_ns
     assert plan_main([str(out), "--gpus", "2", "--global-batch", "4", "--quiet"]) == 0
 
 
