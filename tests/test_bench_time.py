@@ -24,10 +24,11 @@ def test_fit_link_recovers_latency_and_bandwidth():
     assert gb_per_s == pytest.approx(2.0)
 
 
-def test_fit_link_least_squares_and_clamps_a_negative_latency():
-    # points (0 B, 1 s), (1 B, 2 s), (2 B, 4 s): slope 1.5 s/B, intercept 7/3 - 1.5 = 0.8333 s
+def test_fit_link_is_theil_sen_and_clamps_a_negative_latency():
+    # points (0 B, 1 s), (1 B, 2 s), (2 B, 4 s): pairwise slopes 1, 1.5, 3 -> 1.5 s/B;
+    # intercepts 1, 0.5, 1 -> 1 s
     latency_us, gb_per_s = fit_link([0, 1, 2], [1.0, 2.0, 4.0])
-    assert latency_us == pytest.approx(0.8333333e6)
+    assert latency_us == pytest.approx(1e6)
     assert gb_per_s == pytest.approx(1 / 1.5 / 1e9)
     latency_us, _ = fit_link([1000, 2000], [0.5e-6, 1.5e-6])  # intercept -0.5 us
     assert latency_us == 0.0
@@ -35,6 +36,15 @@ def test_fit_link_least_squares_and_clamps_a_negative_latency():
         fit_link([1000, 1000], [1e-6, 2e-6])
     with pytest.raises(ValueError):
         fit_link([1000, 2000], [2e-6, 1e-6])
+
+
+def test_fit_link_ignores_one_slow_size():
+    sizes = [16384, 65536, 131072, 262144, 524288]
+    seconds = [80e-6 + size / 4e9 for size in sizes]
+    seconds[2] *= 2  # a rank waited for a CPU at 128 KiB
+    latency_us, gb_per_s = fit_link(sizes, seconds)
+    assert latency_us == pytest.approx(80.0)
+    assert gb_per_s == pytest.approx(4.0)
 
 
 def test_error_statistics():
