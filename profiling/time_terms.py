@@ -31,14 +31,15 @@ batch, ``stage_backward``'s ``autograd.backward`` call, the loss bookkeeping, Py
 the proxy's slope is 0.2 ms above a plain forward + backward loop on the 2-layer x 32 preset
 (1.47 vs 1.24 ms) and about 1 ms on 6 layers x 256 hidden, seq 128 (63 vs 62 ms). The slope of
 ``run_plan`` pp 1 at m = 1, 2, 3 (clean steps) was 58.8 ms per micro-batch on 6 x 256, at or
-below the proxy's. Both are *below* the summed profiled layer times (65.5 ms there; 2.5 ms on the
-2-layer preset): ``timing.py``'s timer runs Python inside the timed intervals (a pre-hook on every
-autograd node in the backward, the forward hooks' stamps), about 1.3 ms per pass on 2 layers and
-4-7 ms on 6. So on the CPU the recorded overhead is 0 or a few ms, inside the noise; the 10 ms per
-micro-batch that issue 18 saw above the layer sum came from timing the layers with 2 threads and
-running the ranks with 1 (profile and run with the same threads: ``meta.timing.threads``). The
-term stays for devices where a micro-batch's fixed launch and Python cost does not shrink with
-the layers (a GPU).
+below the proxy's. Both are *below* the summed profiled layer times (65.5 ms there; 2.5 ms on
+the 2-layer preset): ``timing.py``'s timer runs Python inside the timed intervals (a pre-hook on
+every autograd node in the backward, the forward hooks' stamps), and the summed layer times of
+``time_layers`` were 0.7-1.3 ms (40-100%) above an unhooked forward + backward of the same batch
+in the same process on 2 layers, 3-5 ms (5-8%) on 6. So on the CPU the recorded overhead is 0 or
+a few ms, inside the noise. The 10 ms per micro-batch that issue 18 saw above the layer sum came
+from timing the layers with 2 threads and running the ranks with 1 (profile and run with the
+same threads: ``meta.timing.threads``). The term stays for devices where a micro-batch's fixed
+launch and Python cost does not shrink with the layers (a GPU).
 
 When the proxy cannot run (a process group already initialised in this process, inputs that are
 not all batch-major tensors, a stage that fails under the pipeline runtime) the overhead is left
