@@ -21,9 +21,9 @@ costs beyond the profiled layer times when torch.distributed.pipelining runs it,
 ``PipelineStage`` of a world-1 gloo group (an in-memory ``HashStore``) run by ``Schedule1F1B``
 (the schedule class the ranks use; at one stage every schedule runs F, B per micro-batch), with
 the profile's batch as the micro-batch, at m = 1, 2 and 3 micro-batches, round robin
-(``TIMED_STEPS`` rounds after one warm-up step); the least-squares slope of the median step time
-over m, less the sum of the layers' forward + backward times of the same batch, at least 0. The
-optimizer is not in these steps (it runs once per step, not per micro-batch).
+(``MICROBATCH_ROUNDS`` rounds after one warm-up step); the least-squares slope of the median
+step time over m, less the sum of the layers' forward + backward times of the same batch, at
+least 0. The optimizer is not in these steps (it runs once per step, not per micro-batch).
 
 What it finds (gpt-tiny, fp32, batch 1, 1 thread, a 2-core CPU shared with other jobs, so a few
 percent of noise on every number): the pipeline runtime's own per-micro-batch work (splitting the
@@ -36,10 +36,12 @@ the 2-layer preset): ``timing.py``'s timer runs Python inside the timed interval
 every autograd node in the backward, the forward hooks' stamps), and the summed layer times of
 ``time_layers`` were 0.7-1.3 ms (40-100%) above an unhooked forward + backward of the same batch
 in the same process on 2 layers, 3-5 ms (5-8%) on 6. So on the CPU the recorded overhead is 0 or
-a few ms, inside the noise. The 10 ms per micro-batch that issue 18 saw above the layer sum came
-from timing the layers with 2 threads and running the ranks with 1 (profile and run with the
-same threads: ``meta.timing.threads``). The term stays for devices where a micro-batch's fixed
-launch and Python cost does not shrink with the layers (a GPU).
+a few ms, inside the noise, and a busy machine moves it (0 to 9 ms on 6 x 256 in four profiles
+at load 1-2.5). The 10 ms per micro-batch that issue 18 saw above a 44.3 ms layer sum did not
+come back with the profile and the ranks both at 1 thread (the layers sum to 59-66 ms then, above
+the measured slope); a layer sum that low is a profile timed with more threads than the ranks
+ran with, which ``meta.timing.threads`` now prevents. The term stays for devices where a
+micro-batch's fixed launch and Python cost does not shrink with the layers (a GPU).
 
 When the proxy cannot run (a process group already initialised in this process, inputs that are
 not all batch-major tensors, a stage that fails under the pipeline runtime) the overhead is left
@@ -60,8 +62,10 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 TIMED_STEPS = 3
-"""Timed optimizer steps, and timed rounds of the micro-batch proxy, after one warm-up; the median
-is kept."""
+"""Timed optimizer steps after one warm-up; the median is kept."""
+MICROBATCH_ROUNDS = 5
+"""Timed rounds of the micro-batch proxy (each runs every count of ``MICROBATCH_COUNTS``) after one
+warm-up step; each count keeps its median."""
 MICROBATCH_COUNTS = (1, 2, 3)
 """Micro-batch counts of the overhead proxy (the slope is fitted over them)."""
 MAX_OPTIMIZER_ELEMENTS = 2**27
@@ -161,7 +165,8 @@ def microbatch_step_ms(
             schedules[m] = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda out, _t: out.sum())
         batches = {m: tuple(torch.cat([x] * m) for x in inputs) for m in MICROBATCH_COUNTS}
         targets = {m: torch.zeros(m, device=device) for m in MICROBATCH_COUNTS}
-        order = [MICROBATCH_COUNTS[0]] + [m for _ in range(TIMED_STEPS) for m in MICROBATCH_COUNTS]
+        rounds = range(MICROBATCH_ROUNDS)
+        order = [MICROBATCH_COUNTS[0]] + [m for _ in rounds for m in MICROBATCH_COUNTS]
         for k, m in enumerate(order):
             _synchronize(device)
             started = time.perf_counter()

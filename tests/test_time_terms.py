@@ -17,7 +17,8 @@ import torch
 
 import models
 from profiling.export import export_graph
-from profiling.time_terms import microbatch_overhead_ns, slope
+from profiling.rank import LEARNING_RATE
+from profiling.time_terms import ADAM_LEARNING_RATE, microbatch_overhead_ns, slope
 from solver.errors import InputError
 from solver.graph import graph_from_dict, timing_of
 
@@ -71,6 +72,10 @@ def test_optimizer_rate_matches_a_direct_timing(profiled):
     assert params == sum(layer.params for layer in profiled[0].layers)
     predicted_ms = rate * params / 1e6
     assert direct_ms / 3 <= predicted_ms <= 3 * direct_ms, (predicted_ms, direct_ms)
+
+
+def test_optimizer_is_the_ranks_adam():
+    assert ADAM_LEARNING_RATE == LEARNING_RATE
 
 
 def test_fake_profile_records_no_terms(profiled):
