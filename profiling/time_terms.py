@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 
 TIMED_STEPS = 3
 """Timed optimizer steps after one warm-up; the median is kept."""
-MICROBATCH_ROUNDS = 5
+MICROBATCH_ROUNDS = 3
 """Timed rounds of the micro-batch proxy (each runs every count of ``MICROBATCH_COUNTS``) after one
 warm-up step; each count keeps its median."""
 MICROBATCH_COUNTS = (1, 2, 3)
