@@ -194,6 +194,9 @@ def microbatch_overhead_ns(
     run here (module docstring)."""
     import torch.distributed as dist
 
+    if not dist.is_available():
+        logger.info("micro-batch overhead not measured: torch.distributed is not available")
+        return None
     if dist.is_initialized():
         logger.info("micro-batch overhead not measured: a process group is already initialised")
         return None
