@@ -1,6 +1,7 @@
 """Predicted vs measured step time: the plan's ``iteration_ms`` against clean real runs.
 
     python scripts/bench_time.py [--quick] [--repeats 5] [--step-iterations 3] [--out benchmarks]
+                                 [--plans DIR]
 
 Profiles gpt-tiny at 6 layers x 256 hidden (``bench_clean_timing.OVERRIDES``: 4 heads, seq 128,
 vocabulary 2048, fp32, dropout 0; 5.8M parameters; 6-10 ms per layer per sample on this CPU) with
@@ -347,6 +348,20 @@ def summary(rows: list[dict]) -> dict[str, str]:
     }
 
 
+def _write_plans(folder: Path, graph_path: Path, layouts: list[Layout], documents) -> None:
+    """The graph and one plan document per layout (``<layout name>.json``, spaces as ``_``),
+    the plans pointing at the copied graph."""
+    folder.mkdir(parents=True, exist_ok=True)
+    graph_copy = folder / graph_path.name
+    graph_copy.write_text(graph_path.read_text())
+    for layout, document in zip(layouts, documents, strict=True):
+        document = json.loads(json.dumps(document))
+        if isinstance(document.get("graph"), dict) and "path" in document["graph"]:
+            document["graph"]["path"] = str(graph_copy)
+        name = layout.name.replace(" ", "_").replace("+", "-")
+        (folder / f"{name}.json").write_text(json.dumps(document, indent=1))
+
+
 def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -357,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="runs per layout (default 5)")
     parser.add_argument("--step-iterations", type=int, default=3)
     parser.add_argument("--out", default=str(ROOT / "benchmarks"))
+    parser.add_argument(
+        "--plans",
+        default=None,
+        help="also write the graph and each layout's plan JSON here (for profiling.validate)",
+    )
     args = parser.parse_args(argv)
     from profiling.export import export_graph
     from solver.graph import load_graph, timing_of
@@ -378,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
             evaluation_of(graph, lay, link_cluster(lay.pp, latency_us, gb_per_s)) for lay in layouts
         ]
         documents = [evaluation_to_dict(e) for e in evaluations]
+        if args.plans:
+            _write_plans(Path(args.plans), path, layouts, documents)
         steps: list[list[float]] = [[] for _ in layouts]
         for repeat in range(repeats):
             for index, document in enumerate(documents):
