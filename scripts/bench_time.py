@@ -17,12 +17,13 @@ with and without full recompute, 2-8 micro-batches of one sample, torch runtime)
 ``solver.evaluate`` of the fixed split on that cluster (``evaluation_to_dict``: a plan document
 ``profiling.run`` reads), and the prediction is its ``iteration_ns``, as the solver computes it.
 Every layout runs ``--repeats`` times, round robin (a busy spell hits every layout), through
-``profiling.run.run_plan`` with 1 thread per rank, one instrumented iteration and
-``--step-iterations`` clean ones (tracker off, barrier, the slowest rank's;
-``profiling.run.step_ms``: their median). Per layout: predicted ms, measured ms (median over the
-repeats) and spread (max - min), error % = 100 (predicted - measured) / measured; then median and
-max |error|, even vs uneven medians, and the pairwise ranking agreement over the pairs whose
-measured times differ by more than the sum of their spreads (:func:`ranking_agreement`).
+``profiling.run.run_plan`` (``bench_clean_timing.run_once``: 1 thread per rank, the graph's
+``meta.timing.threads``; two instrumented iterations, then ``--step-iterations`` clean ones:
+tracker off, barrier, the slowest rank's; ``profiling.run.step_ms``: their median). Per
+layout: predicted ms, measured ms (median over the repeats) and spread (max - min), error % =
+100 (predicted - measured) / measured, the busiest rank's CPU time; then median and max |error|,
+even vs uneven medians, and the pairwise ranking agreement over the pairs whose measured times
+differ by more than the sum of their spreads (:func:`ranking_agreement`).
 Writes benchmarks/bench_time.md and .csv; :func:`headline_rows` gives issue 18's point-4 rows.
 """
 
@@ -46,7 +47,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_clean_timing import FP32, OVERRIDES  # noqa: E402  (scripts/ is sys.path[0])
+from bench_clean_timing import FP32, OVERRIDES, run_once  # noqa: E402  (scripts/ on sys.path)
 from tables import markdown_table, write_report  # noqa: E402
 
 COMMAND = "python scripts/bench_time.py"
@@ -112,6 +113,7 @@ COLUMNS = [
     "measured_ms",
     "spread_ms",
     "error_pct",
+    "busiest_rank_cpu_ms",
 ]
 
 
@@ -288,23 +290,11 @@ def split_label(evaluation) -> str:
     return "-".join(str(counts[j]) for j in sorted(counts))
 
 
-def measure_step(document: dict, step_iterations: int) -> float:
-    """One run of a plan: its clean step time (ms)."""
-    from profiling.run import run_plan, step_ms
-
-    reports = run_plan(
-        "gpt-tiny",
-        document,
-        overrides=OVERRIDES,
-        iterations=1,
-        threads=THREADS,
-        step_iterations=step_iterations,
-    )
-    return step_ms(reports)
-
-
-def layout_row(layout: Layout, evaluation, steps: list[float]) -> dict:
+def layout_row(layout: Layout, evaluation, runs: list[tuple]) -> dict:
+    """One layout's row from its runs (``bench_clean_timing.run_once``'s tuples: instrumented
+    ms, clean step ms, each rank's CPU ms in a clean step, threads)."""
     predicted = evaluation.iteration_ns / 1e6
+    steps = [run[1] for run in runs]
     measured = statistics.median(steps)
     return {
         "layout": layout.name,
@@ -319,6 +309,7 @@ def layout_row(layout: Layout, evaluation, steps: list[float]) -> dict:
         "measured_ms": round(measured, 1),
         "spread_ms": round(max(steps) - min(steps), 1),
         "error_pct": round(error_pct(predicted, measured), 1),
+        "busiest_rank_cpu_ms": round(statistics.median(max(run[2]) for run in runs), 1),
     }
 
 
@@ -400,12 +391,12 @@ def main(argv: list[str] | None = None) -> int:
         documents = [evaluation_to_dict(e) for e in evaluations]
         if args.plans:
             _write_plans(Path(args.plans), path, layouts, documents)
-        steps: list[list[float]] = [[] for _ in layouts]
+        runs: list[list[tuple]] = [[] for _ in layouts]
         for repeat in range(repeats):
             for index, document in enumerate(documents):
-                steps[index].append(measure_step(document, args.step_iterations))
+                runs[index].append(run_once(document, args.step_iterations))
             print(f"repeat {repeat + 1}/{repeats} done", flush=True)
-        rows = [layout_row(*row) for row in zip(layouts, evaluations, steps, strict=True)]
+        rows = [layout_row(*row) for row in zip(layouts, evaluations, runs, strict=True)]
     elapsed, load_after = time.perf_counter() - started, _load()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -442,7 +433,9 @@ def main(argv: list[str] | None = None) -> int:
         "`measured_ms`: `profiling.run.step_ms` (tracker off, slowest rank, median of the clean "
         "iterations), median over the repeats; `spread_ms`: max - min over the repeats; "
         "`error_pct`: 100 (predicted - measured) / measured; `split`: layers per (virtual) stage "
-        "(embedding, 6 blocks, head: 8 layers).",
+        "(embedding, 6 blocks, head: 8 layers); `busiest_rank_cpu_ms`: the CPU time "
+        "(`time.process_time`) of the busiest rank in a clean step, median: a step far above "
+        "it waited, on a peer or for a CPU of this shared machine.",
         "",
         *markdown_table(rows, COLUMNS),
         "",
