@@ -39,8 +39,9 @@ in the same process on 2 layers, 3-5 ms (5-8%) on 6. So on the CPU the recorded 
 a few ms, inside the noise, and a busy machine moves it (0 to 9 ms on 6 x 256 in four profiles
 at load 1-2.5). The 10 ms per micro-batch that issue 18 saw above a 44.3 ms layer sum did not
 come back with the profile and the ranks both at 1 thread (the layers sum to 59-66 ms then, above
-the measured slope); a layer sum that low is a profile timed with more threads than the ranks
-ran with, which ``meta.timing.threads`` now prevents. The term stays for devices where a
+the measured slope); a layer sum that low fits a profile timed with 2 threads (1 thread is
+20-50% slower per sample here, issue 18) under ranks that ran with 1, which
+``meta.timing.threads`` now prevents. The term stays for devices where a
 micro-batch's fixed launch and Python cost does not shrink with the layers (a GPU).
 
 When the proxy cannot run (a process group already initialised in this process, inputs that are
