@@ -441,7 +441,9 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"|error|: {stats['error']}; by split: {stats['even']}. Ranking: the prediction orders "
         f"{stats['ranking']} of the pairs whose measured times differ by more than the sum of "
-        "their spreads.",
+        "their spreads. A pp 2 run needs both cores of this machine: while other jobs run (load "
+        "above 1) its ranks wait for a CPU, and its `measured_ms` rises far above "
+        "`busiest_rank_cpu_ms` plus the pipeline's own waits; run it on a quiet machine.",
     ]
     write_report(out, "bench_time.md", lines)
     return 0
