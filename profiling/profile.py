@@ -58,7 +58,11 @@ such as a causal mask; profile with batch 1 to count those in full):
 - ``fwd_ms``, ``bwd_ms`` (``mode="real"`` only, ``timing.py``): the median over three timed runs
   after one warm-up, per sample; CUDA events on a GPU, ``perf_counter`` on the CPU. The forward is
   split at the layers' forward hooks; the backward at autograd-node pre-hooks. ``meta["timing"]``
-  records how: the device type and ``torch.get_num_threads()`` (``timing.timing_meta``).
+  records how: the device type and ``torch.get_num_threads()`` (``timing.timing_meta``), and
+  two step-time terms measured with the same threads (``time_terms.py``):
+  ``optimizer_step_ns_per_param`` (one Adam step, ns per parameter element) and
+  ``microbatch_overhead_ns`` (what the pipeline runtime adds per micro-batch beyond the layer
+  times).
 
 **Owners** (see ``dataflow.py``): glue code outside every selected layer (an embedding sum and its
 dropout in the root's forward, a loss computed after the head) is charged to the layer that
@@ -114,6 +118,7 @@ from profiling.experts import ExpertTracker
 from profiling.graph_builder import build_graph
 from profiling.layers import default_layer_paths
 from profiling.tensor_parallel import TensorParallelTracker, is_linear
+from profiling.time_terms import measure_time_terms
 from profiling.timing import time_layers, timing_meta
 from solver.errors import InputError
 from solver.graph import LayerGraph
@@ -168,13 +173,27 @@ def profile_module(
         timings, timing = None, {}
         if mode == "real":
             timing = {"timing": timing_meta(device)}
+            params = [tensor for _, _, tensor in state.params]
+
+            def run_loss(*args):
+                return _loss(torch.func.functional_call(module, state.tensors, args), "model")
+
             timings = time_layers(
                 selection,
-                lambda: _loss(torch.func.functional_call(module, state.tensors, inputs), "model"),
-                [tensor for _, _, tensor in state.params],
+                lambda: run_loss(*inputs),
+                params,
                 device=device,
                 progress=say,
                 cuda_like=cuda_like,
+            )
+            say("timing the optimizer step and the per-micro-batch overhead")
+            timing["timing"] |= measure_time_terms(
+                run_loss,
+                inputs,
+                params,
+                layer_ms=sum(timings[0]) + sum(timings[1]),
+                device=device,
+                context=lambda: cuda_like_kernels(cuda_like),
             )
     graph = build_graph(
         selection,

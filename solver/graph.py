@@ -264,8 +264,12 @@ class LayerGraph:
 
 def timing_of(graph: LayerGraph) -> dict[str, Any] | None:
     """``meta.timing`` (checked by the schema): how the layer times were measured, with
-    ``threads`` (``torch.get_num_threads()`` then) and ``device``; None when the graph does not
-    say (a fake-tensor profile, a hand-written or older graph)."""
+    ``threads`` (``torch.get_num_threads()`` then) and ``device``, and the step-time terms a real
+    profile measured with them (``profiling.time_terms``): ``optimizer_step_ns_per_param`` (one
+    Adam step, ns per parameter element; float) and ``microbatch_overhead_ns`` (ns per
+    micro-batch per pipeline stage beyond the layer times, >= 0; float; absent when it could not
+    be measured). None when the graph does not say (a fake-tensor profile, a hand-written or
+    older graph); a graph profiled before these terms existed has ``meta.timing`` without them."""
     timing = graph.meta.get("timing")
     return dict(timing) if isinstance(timing, dict) else None
 

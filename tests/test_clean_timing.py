@@ -122,7 +122,8 @@ def test_hooks_left_installed_are_counted():
 def test_cpu_profile_records_its_thread_count_and_restores_torchs(graphs):
     (timed, fake), (before, after) = (graphs[0]["cpu"], graphs[0]["meta"]), graphs[1]
     assert after == before
-    assert timed.meta["timing"] == {"device": "cpu", "threads": 1, "timed_runs": 3}
+    recorded = {k: timed.meta["timing"][k] for k in ("device", "threads", "timed_runs")}
+    assert recorded == {"device": "cpu", "threads": 1, "timed_runs": 3}  # + the time terms
     assert timing_of(timed) == timed.meta["timing"]
     assert all(layer.fwd_ms is not None for layer in timed.layers)
     assert "timing" not in fake.meta and timing_of(fake) is None  # no times, nothing recorded
