@@ -181,7 +181,7 @@ def microbatch_step_ms(
     return {m: statistics.median(values) for m, values in times.items()}
 
 
-def microbatch_overhead_ns(
+def runtime_terms(
     run_loss: Callable[..., torch.Tensor],
     inputs: tuple,
     params: list[torch.Tensor],
@@ -189,10 +189,16 @@ def microbatch_overhead_ns(
     layer_ms: float,
     device: torch.device,
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-) -> float | None:
-    """ns per micro-batch beyond ``layer_ms`` (the layers' forward + backward ms of ``inputs``'
-    batch): max(0, slope of :func:`microbatch_step_ms` - layer_ms); None when the proxy cannot
-    run here (module docstring)."""
+) -> dict[str, float] | None:
+    """The runtime's terms from the proxy's step times at m = 1, 2, 3 (least-squares line
+    a + b m, ms; ``layer_ms``: the layers' summed forward + backward of ``inputs``' batch):
+      microbatch_overhead_ns  max(0, b - layer_ms): the runtime's own work per micro-batch;
+      layer_time_scale        min(1, b / layer_ms): where the hooked layer timer's sum is above
+                              the unhooked step's slope (module docstring), the factor that
+                              brings the layer times down to it (``profile_module`` applies it);
+      step_overhead_ns        max(0, a): what a step costs beside its micro-batches and the
+                              optimizer (the schedule's setup, clearing the gradients).
+    None when the proxy cannot run here (module docstring)."""
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -215,8 +221,14 @@ def microbatch_overhead_ns(
     except Exception as error:  # the pipeline runtime refused this model: no term, say why
         logger.info("micro-batch overhead not measured: %s: %s", type(error).__name__, error)
         return None
-    per_microbatch = slope(list(medians), list(medians.values()))
-    return max(0.0, per_microbatch - layer_ms) * 1e6
+    counts, times = list(medians), list(medians.values())
+    per_microbatch = slope(counts, times)
+    intercept = statistics.fmean(times) - per_microbatch * statistics.fmean(counts)
+    return {
+        "microbatch_overhead_ns": max(0.0, per_microbatch - layer_ms) * 1e6,
+        "layer_time_scale": min(1.0, per_microbatch / layer_ms) if layer_ms > 0 else 1.0,
+        "step_overhead_ns": max(0.0, intercept) * 1e6,
+    }
 
 
 def measure_time_terms(
@@ -228,12 +240,12 @@ def measure_time_terms(
     device: torch.device,
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> dict[str, float]:
-    """``meta.timing``'s ``optimizer_step_ns_per_param`` and (when measured)
-    ``microbatch_overhead_ns``, with the process's current threads."""
+    """``meta.timing``'s ``optimizer_step_ns_per_param`` and (when measured) the runtime's
+    terms (:func:`runtime_terms`), with the process's current threads."""
     terms = {"optimizer_step_ns_per_param": optimizer_step_ns_per_param(params, device=device)}
-    overhead = microbatch_overhead_ns(
+    runtime = runtime_terms(
         run_loss, inputs, params, layer_ms=layer_ms, device=device, context=context
     )
-    if overhead is not None:
-        terms["microbatch_overhead_ns"] = overhead
+    if runtime is not None:
+        terms |= runtime
     return terms

@@ -485,6 +485,9 @@ class LayerCosts:
     microbatch_overhead_ns: int = 0
     """The pipeline runtime's own time per micro-batch and (virtual) stage, ns (profiled:
     ``meta.timing.microbatch_overhead_ns``): charged once per forward action."""
+    step_overhead_ns: int = 0
+    """The runtime's own time per step and rank beside its micro-batches and optimizer step, ns
+    (profiled: ``meta.timing.step_overhead_ns``): part of every rank's tail."""
     link_gb_per_s: dict[tuple[int, int], float] | None = None
     """Bandwidth of each directed link between pipeline ranks, GB/s == bytes/ns
     (``pipeline_link_gb_per_s``); None: transfers take no time."""
@@ -871,7 +874,8 @@ def layer_costs(
         optimizer_step_ns=_as_int(
             _optimizer_step_ns(params, config, cluster, training, timing_of(graph))
         ),
-        microbatch_overhead_ns=_microbatch_overhead_ns(graph),
+        microbatch_overhead_ns=_profiled_ns(graph, "microbatch_overhead_ns"),
+        step_overhead_ns=_profiled_ns(graph, "step_overhead_ns"),
         link_gb_per_s=pipeline_link_gb_per_s(config, cluster),
         p2p_latency_ns=math.ceil(cluster.p2p_latency_us * 1000),
     )
@@ -1378,11 +1382,11 @@ def _optimizer_step_ns(
     return np.ceil(stepped * moved / cluster.memory_gb_per_s)
 
 
-def _microbatch_overhead_ns(graph: LayerGraph) -> int:
-    """The pipeline runtime's own time per micro-batch and stage, ns: the graph's profiled
-    ``meta.timing.microbatch_overhead_ns``, else 0."""
+def _profiled_ns(graph: LayerGraph, name: str) -> int:
+    """A runtime term the graph's profile measured (``meta.timing``'s ``microbatch_overhead_ns``
+    or ``step_overhead_ns``), ns rounded up, else 0."""
     timing = timing_of(graph)
-    measured = None if timing is None else timing.get("microbatch_overhead_ns")
+    measured = None if timing is None else timing.get(name)
     return 0 if measured is None else math.ceil(float(measured))
 
 
@@ -2119,10 +2123,12 @@ def bound_terms(costs: LayerCosts) -> list[list[BoundTerm]]:
     m, p, v = config.num_microbatches, config.pp, config.virtual_stages
     terms = []
     for r in range(p):
-        # r h: the overhead of one forward on each virtual stage before
+        # r h: the overhead of one forward on each virtual stage before; every term ends with
+        # a rank's tail, its step overhead included
+        before = r * h + costs.step_overhead_ns
         rank = [
-            BoundTerm(1, 0, 0, 0, 0, 1, r * h),  # T_<r + m T_r + X_0
-            BoundTerm(0, 1, 0, 1, 0, 0, r * h),  # F_<r + m T_r + X_r
+            BoundTerm(1, 0, 0, 0, 0, 1, before),  # T_<r + m T_r + X_0
+            BoundTerm(0, 1, 0, 1, 0, 0, before),  # F_<r + m T_r + X_r
         ]
         if v == 1:
             actions = schedule_actions(m, p, 1, r, None, config.schedule)
@@ -2130,8 +2136,8 @@ def bound_terms(costs: LayerCosts) -> list[list[BoundTerm]]:
             waited = 1 - first  # F_r + T_>r - c_r F_r, c_r = forwards before the first backward
             after = (p - 1 - r) * h  # the overhead of the forwards after
             rank += [
-                BoundTerm(1, 0, waited, 0, 1, 1, r * h + after),
-                BoundTerm(0, 1, waited, 1, 1, 0, r * h + after),
+                BoundTerm(1, 0, waited, 0, 1, 1, before + after),
+                BoundTerm(0, 1, waited, 1, 1, 0, before + after),
             ]
         terms.append(rank)
     return terms
@@ -2192,7 +2198,7 @@ def iteration_floor_ns(
     else:
         spread = -(-m * total // p)
     single = int(np.max(m * np.asarray(time_ns, dtype=np.int64) + tail_ns, initial=0))
-    return max(spread, single) + m * v * costs.microbatch_overhead_ns
+    return max(spread, single) + m * v * costs.microbatch_overhead_ns + costs.step_overhead_ns
 
 
 def throughput(global_batch: int, iteration_ns: int) -> float:

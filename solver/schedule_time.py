@@ -242,8 +242,8 @@ def stages_timeline(
         p2p_latency_ns = costs.p2p_latency_ns
     if microbatch_overhead_ns is FROM_COSTS:
         microbatch_overhead_ns = costs.microbatch_overhead_ns
-    if optimizer_step_ns is FROM_COSTS:
-        optimizer_step_ns = [stage.optimizer_step_ns for stage in stages]
+    if optimizer_step_ns is FROM_COSTS:  # with the runtime's own step work
+        optimizer_step_ns = [stage.optimizer_step_ns + costs.step_overhead_ns for stage in stages]
     forward_stage, backward_stage = [0] * n, [0] * n
     for r, stage in enumerate(stages):
         for c, (time_ns, forward_ns) in enumerate(

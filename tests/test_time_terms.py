@@ -18,7 +18,7 @@ import torch
 import models
 from profiling.export import export_graph
 from profiling.rank import LEARNING_RATE
-from profiling.time_terms import ADAM_LEARNING_RATE, microbatch_overhead_ns, slope
+from profiling.time_terms import ADAM_LEARNING_RATE, runtime_terms, slope
 from solver.errors import InputError
 from solver.graph import graph_from_dict, timing_of
 
@@ -64,6 +64,10 @@ def test_real_profile_records_both_terms(profiled):
     assert isinstance(overhead, float) and math.isfinite(overhead) and overhead >= 0
     assert overhead < 1e9  # under a second per micro-batch of a 32k-parameter model
     assert timing["threads"] == 1
+    # the layer times come down to the unhooked step's slope (never up); a step's fixed cost
+    scale, step = timing["layer_time_scale"], timing["step_overhead_ns"]
+    assert 0 < scale <= 1 and (scale == 1 or overhead == 0)
+    assert math.isfinite(step) and 0 <= step < 1e9
 
 
 def test_optimizer_rate_matches_a_direct_timing(profiled):
@@ -109,4 +113,4 @@ def test_overhead_not_measured_for_inputs_that_are_not_batch_tensors():
 
     cpu = torch.device("cpu")
     for inputs in ((), (torch.ones(2, 3), 5), (torch.ones(2, 3), torch.ones(3, 3))):
-        assert microbatch_overhead_ns(run_loss, inputs, [], layer_ms=1.0, device=cpu) is None
+        assert runtime_terms(run_loss, inputs, [], layer_ms=1.0, device=cpu) is None

@@ -283,9 +283,10 @@ class _ChunkSizes:
 
     def _rank_iteration(self, time_ns: np.ndarray, tail_ns: np.ndarray) -> np.ndarray:
         """m (T_r + v h) + tail_r: a rank's least term of the iteration bound, ns."""
-        config = self.costs.config
-        overhead = config.virtual_stages * self.costs.microbatch_overhead_ns
-        return config.num_microbatches * (time_ns + overhead) + tail_ns
+        costs = self.costs
+        overhead = costs.config.virtual_stages * costs.microbatch_overhead_ns
+        busy = costs.config.num_microbatches * (time_ns + overhead)
+        return busy + tail_ns + costs.step_overhead_ns
 
     def _time_matters(self) -> bool:
         problem = self.problem
