@@ -132,10 +132,14 @@ Time (integer nanoseconds, rounded up per layer so that every backend sums the s
          over the intra-node bandwidth when t d <= gpus_per_node, else inter-node; the routed
          experts' gradients over their d_e = d c / ep expert-data-parallel ranks (c = cp, below),
          2 (d_e - 1)/d_e
-  iteration = (m + p - 1) max_s T_s + max_s AR_s;  throughput = B / iteration (samples/s)
   forward_l = the forward's share of a layer's time (``_forward_ns``), backward_l = time_l -
-         forward_l (a recomputed layer's includes its second forward): what the schedule
-         simulation (``solver.schedule_time``) runs per action; not used by the formula
+         forward_l (a recomputed layer's includes its second forward)
+  step_l = the optimizer step over the layer's stepped parameters (``_optimizer_step_ns``);
+         X_r = AR_r + sum step_l + the profiled per-step overhead: rank r's tail
+  iteration = the simulated schedule (``solver.schedule_time``: each rank's forwards and
+         backwards in the runtime's order, transfers, tails); throughput = B / iteration
+  iteration bound = max over ranks of ``bound_terms`` (``iteration_bound_ns``): the lower bound
+         on it that every backend constrains and minimises (docs/cost-model.md, "Time")
 
 Context parallelism (``ParallelConfig.cp`` = c; Megatron-LM's ``--context-parallel-size``, ring
 attention as TransformerEngine's ``AttnFuncWithCPAndKVP2P`` runs it): a stage runs on t c d GPUs;
