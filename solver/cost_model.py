@@ -250,6 +250,17 @@ class ScheduleAction(NamedTuple):
     microbatch: int
 
 
+def forwards_before_first_backward(
+    num_microbatches: int, num_ranks: int, rank: int, schedule: str
+) -> int:
+    """c_r: the forwards rank r runs before its first backward without interleaving
+    (``schedule_actions``' order): all m with GPipe; with 1F1B its p - 1 - r warm-up forwards
+    and the first steady one, at most m."""
+    if schedule == "gpipe":
+        return num_microbatches
+    return min(num_microbatches, num_ranks - rank)
+
+
 def schedule_actions(
     num_microbatches: int,
     num_ranks: int,
@@ -497,6 +508,10 @@ class LayerCosts:
     (``pipeline_link_gb_per_s``); None: transfers take no time."""
     p2p_latency_ns: int = 0
     """Added to every pipeline transfer between two ranks, ns (``Cluster.p2p_latency_us``)."""
+    dp_overlap: str = "none"
+    """When a rank's data-parallel gradient sync runs (``schedule_time.DP_OVERLAPS``,
+    ``dp_overlap_of``): after its last backward ("none"), or launched during it
+    ("last_backward")."""
 
     def __post_init__(self) -> None:
         if self.edge_tensor is None:
@@ -684,6 +699,11 @@ class LayerCosts:
             pick(self.time_ns, self.recompute_time_ns),
         )
 
+    def stage_tail_ns(self, stage: StageCost) -> int:
+        """``tail_ns`` summed over a stage's layers, from its stage costs, ns."""
+        sync = stage.dp_sync_ns if self.dp_overlap == "none" else 0
+        return sync + stage.optimizer_step_ns
+
     @property
     def has_compute_time(self) -> bool:
         """Some layer has a compute, recompute or data-parallel sync time, or the runtime a
@@ -699,9 +719,12 @@ class LayerCosts:
 
     @property
     def tail_ns(self) -> np.ndarray:
-        """What each layer adds to its rank's work after the rank's last backward, ns per
-        iteration: its data-parallel gradient sync plus its optimizer step."""
-        return self.dp_sync_ns + self.optimizer_step_ns
+        """What each layer surely adds to its rank's work after the rank's last backward, ns per
+        iteration: its optimizer step, and its data-parallel gradient sync unless that overlaps
+        the last backward (``dp_overlap``)."""
+        if self.dp_overlap == "none":
+            return self.dp_sync_ns + self.optimizer_step_ns
+        return self.optimizer_step_ns
 
     @property
     def backward_ns(self) -> np.ndarray:
@@ -882,6 +905,7 @@ def layer_costs(
         step_overhead_ns=_profiled_ns(graph, "step_overhead_ns"),
         link_gb_per_s=pipeline_link_gb_per_s(config, cluster),
         p2p_latency_ns=math.ceil(cluster.p2p_latency_us * 1000),
+        dp_overlap=dp_overlap_of(config, training),
     )
     if not costs.has_compute_time:  # no time model: the optimizer step alone says nothing
         costs.optimizer_step_ns = np.zeros(len(costs.time_ns), dtype=np.int64)
@@ -921,6 +945,18 @@ def ddp_bucket_bytes(
         if config.dp * config.cp > 1 and config.zero <= 1:
             return grad.copy()
     return None
+
+
+def dp_overlap_of(config: ParallelConfig, training: TrainingConfig) -> str:
+    """When the runtime syncs a rank's gradients: torch DDP (the torch runtime at dp > 1 and
+    ZeRO 0 or 1, what ``profiling.run`` builds) launches its bucket all-reduces during the last
+    micro-batch's backward (``PipelineStage.backward_maybe_with_nosync``): "last_backward";
+    FSDP under pipelining reduces after the schedule (``perform_reduce_grad``), and megatron-core
+    without ``--overlap-grad-reduce`` (its default) in ``finalize_model_grads`` after it:
+    "none"."""
+    if training.runtime == "torch" and config.zero <= 1:
+        return "last_backward"
+    return "none"
 
 
 MAX_EXACT_BYTES = 2**62
@@ -2135,9 +2171,8 @@ def bound_terms(costs: LayerCosts) -> list[list[BoundTerm]]:
             BoundTerm(0, 1, 0, 1, 0, 0, before),  # F_<r + m T_r + X_r
         ]
         if v == 1:
-            actions = schedule_actions(m, p, 1, r, None, config.schedule)
-            first = next(i for i, action in enumerate(actions) if action.kind == "B")
-            waited = 1 - first  # F_r + T_>r - c_r F_r, c_r = forwards before the first backward
+            # F_r + T_>r - c_r F_r, c_r = the forwards before the first backward
+            waited = 1 - forwards_before_first_backward(m, p, r, config.schedule)
             after = (p - 1 - r) * h  # the overhead of the forwards after
             rank += [
                 BoundTerm(1, 0, waited, 0, 1, 1, before + after),
@@ -2155,7 +2190,7 @@ def iteration_bound_ns(costs: LayerCosts, stages: list[StageCost]) -> int:
     bubble formula (m + p - 1) T."""
     m, h = costs.config.num_microbatches, costs.microbatch_overhead_ns
     total = sum(stage.time_ns for stage in stages)  # overheads: in the terms' constants
-    first_tail = stages[0].dp_sync_ns + stages[0].optimizer_step_ns
+    first_tail = costs.stage_tail_ns(stages[0])
     bound = before_time = before_forward = 0
     for stage, terms in zip(stages, bound_terms(costs), strict=True):
         own = stage.time_ns + len(stage.chunk_time_ns) * h
@@ -2164,7 +2199,7 @@ def iteration_bound_ns(costs: LayerCosts, stages: list[StageCost]) -> int:
             "before_time": before_time,
             "before_forward": before_forward,
             "own_forward": forward,
-            "own_tail": stage.dp_sync_ns + stage.optimizer_step_ns,
+            "own_tail": costs.stage_tail_ns(stage),
             "after_time": total - before_time - stage.time_ns,
             "first_tail": first_tail,
         }

@@ -22,7 +22,7 @@ from solver.graph import LayerGraph
 from solver.moe import check_expert_degree
 from solver.precision import for_graph
 from solver.reserve import check_usable
-from solver.schedule_time import stages_timeline
+from solver.schedule_time import stages_iteration_ns
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
 
@@ -389,9 +389,7 @@ def evaluate_assignment(
         stage_of_layer=list(stage_of_layer),
         stages=stages,
         iteration_ns=(
-            stages_timeline(costs, stages, stage_of_layer).makespan_ns
-            if costs.has_compute_time
-            else 0
+            stages_iteration_ns(costs, stages, stage_of_layer) if costs.has_compute_time else 0
         ),
         iteration_bound_ns=iteration_bound_ns(costs, stages) if costs.has_compute_time else 0,
         group_of_stage=None if group_of_stage is None else list(group_of_stage),

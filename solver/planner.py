@@ -145,7 +145,7 @@ def plan(
         result = limit.fastest
         choice, notes = _break_ties(call, result, budget_ns=limit.budget_ns)
     # a throughput budget taken from an unproven fastest plan is not proven either
-    proven = result.proven and (limit.fastest is None or limit.fastest.proven) and not notes
+    proven = result.proven and (limit.fastest is None or limit.fastest.proven)
     plan = _build_plan(call, choice, result, limit, proven=proven, started=started)
     plan.solver.notes += notes
     return plan
@@ -225,13 +225,23 @@ def _choice_times(call: _PlanningCall, choice: _Choice) -> tuple[int, int]:
 
 
 def _evaluate_choice(call: _PlanningCall, choice: _Choice) -> Evaluation:
-    """The chosen split evaluated by the cost model (its simulated iteration included)."""
-    return _evaluate(call.graph, call.cluster, call.training, choice)
+    """The chosen split evaluated by the cost model (its simulated iteration included), once
+    per call: the budget check and the plan share it."""
+    key = (
+        choice.entry.order,
+        tuple(choice.split),
+        None if choice.recomputed is None else tuple(choice.recomputed),
+        None if choice.groups is None else tuple(choice.groups),
+    )
+    if key not in call.evaluations:
+        call.evaluations[key] = _evaluate(call.graph, call.cluster, call.training, choice)
+    return call.evaluations[key]
 
 
 def _evaluate(
     graph: LayerGraph, cluster: Cluster, training: TrainingConfig, choice: _Choice
 ) -> Evaluation:
+    """``choice`` evaluated by the cost model: its stages, simulated iteration and bound."""
     placed = (
         {}
         if choice.entry.placement is None
@@ -268,6 +278,8 @@ class _PlanningCall:
     """False for the probes of that search: an InfeasibleError without an explanation."""
     searches: list[tuple[str, SearchResult]] = field(default_factory=list)
     """(objective, result) of each search run, in order (the report's ``searches``)."""
+    evaluations: dict[tuple, Evaluation] = field(default_factory=dict)
+    """Splits evaluated so far (``_evaluate_choice``)."""
 
     @property
     def capacity_bytes(self) -> int | None:
@@ -355,21 +367,19 @@ class _ThroughputLimit:
 
 def _simulated_ns(call: _PlanningCall, result: SearchResult) -> int:
     """The simulated iteration of a search's best split, ns (``solver.schedule_time``)."""
-    return _result_simulated_ns(call.graph, call.cluster, call.training, result)
+    return _evaluate_choice(call, _result_choice(result)).iteration_ns
 
 
-def _result_simulated_ns(
-    graph: LayerGraph, cluster: Cluster, training: TrainingConfig, result: SearchResult
-) -> int:
+def _result_choice(result: SearchResult) -> _Choice:
+    """A search's best split as a choice."""
     solution = result.solution
-    choice = _Choice(
+    return _Choice(
         result.entry,
         solution.stage_of_layer,
         solution.recomputed,
         solution.group_of_stage,
         solution.stages,
     )
-    return _evaluate(graph, cluster, training, choice).iteration_ns
 
 
 def _throughput_limit(call: _PlanningCall) -> _ThroughputLimit:
@@ -791,7 +801,7 @@ def explain_infeasible(
         reached_ns = (
             None
             if fastest.value is None
-            else _result_simulated_ns(graph, cluster, training, fastest) or None
+            else _evaluate(graph, cluster, training, _result_choice(fastest)).iteration_ns or None
         )
         return _throughput_unmet(
             cluster, training, fastest, reached_ns, budget_ns, counts, best_peak=best_peak

@@ -98,49 +98,61 @@ def simulate_schedule(
     for j in range(num_stages - 1):  # the neighbours always feed each other
         transfer_ns.setdefault((j, j + 1), 0)
         gradient_ns.setdefault((j + 1, j), 0)
-    # per (kind, stage): the stages whose transfers it waits for, and those it sends to (ns)
-    waits = {("F", j): [a for a, c in sorted(transfer_ns) if c == j] for j in range(num_stages)}
-    waits |= {("B", j): [c for c, a in sorted(gradient_ns) if a == j] for j in range(num_stages)}
-    sends = {
-        ("F", j): [(c, int(x)) for (a, c), x in sorted(transfer_ns.items()) if a == j]
+    # arrival[(kind, a, j)][i]: when micro-batch i's transfer of that kind from stage a reaches
+    # stage j (None: not sent yet); each action waits for its own and sends to its targets
+    arrival = {("F", a, c): [None] * m for a, c in transfer_ns}
+    arrival |= {("B", c, a): [None] * m for c, a in gradient_ns}
+    waits = {
+        (kind, j): [times for (k, _, target), times in arrival.items() if k == kind and target == j]
+        for kind in "FB"
         for j in range(num_stages)
     }
-    sends |= {
-        ("B", j): [(a, int(x)) for (c, a), x in sorted(gradient_ns.items()) if c == j]
-        for j in range(num_stages)
-    }
+    link_index: dict[tuple[int, int], int] = {}
+    sends: dict[tuple[str, int], list[tuple[list, int, int]]] = {}
+    for kind, pairs in (("F", transfer_ns), ("B", gradient_ns)):
+        for (a, c), ns in sorted(pairs.items()):
+            link = link_index.setdefault((a % p, c % p), len(link_index))
+            sends.setdefault((kind, a), []).append((arrival[(kind, a, c)], link, int(ns)))
     duration = {("F", j): int(forward_ns[j]) + microbatch_overhead_ns for j in range(num_stages)}
     duration |= {("B", j): int(backward_ns[j]) for j in range(num_stages)}
-    lists = [schedule_actions(m, p, v, r, group, schedule) for r in range(p)]
-    forwarded: set[tuple[int, int]] = set()  # (stage, micro-batch) whose forward has run
-    arrival: dict[tuple[str, int, int, int], int] = {}  # (kind, from, to, micro-batch) -> ns
-    link_free: dict[tuple[int, int], int] = {}
+    # per rank: (action, micro-batch, duration, arrivals to wait for, sends) in its order
+    lists = []
+    for r in range(p):
+        steps = []
+        for action in schedule_actions(m, p, v, r, group, schedule):
+            key = (action.kind, action.chunk * p + r)
+            steps.append((action, action.microbatch, duration[key], waits[key], sends.get(key, ())))
+        lists.append(steps)
+    link_free = [0] * len(link_index)
     free = [0] * p
     done: list[list[tuple[ScheduleAction, int, int]]] = [[] for _ in range(p)]
     position = [0] * p
-    remaining = sum(len(actions) for actions in lists)
+    remaining = sum(len(steps) for steps in lists)
     while remaining:
         progressed = False
         for r in range(p):
-            while position[r] < len(lists[r]):
-                action = lists[r][position[r]]
-                kind, j, i = action.kind, action.chunk * p + r, action.microbatch
-                needed = [arrival.get((kind, a, j, i)) for a in waits[(kind, j)]]
-                if None in needed:
-                    break  # an input has not been sent yet: another rank first
-                if kind == "B":
-                    assert (j, i) in forwarded, f"backward before forward: {action} on rank {r}"
-                start = max([free[r], *needed])
-                end = free[r] = start + duration[(kind, j)]
-                if kind == "F":
-                    forwarded.add((j, i))
-                done[r].append((action, start, end))
-                for target, ns in sends[(kind, j)]:  # FIFO on the directed link
-                    link = (r, target % p)
-                    link_free[link] = max(end, link_free.get(link, 0)) + ns
-                    arrival[(kind, j, target, i)] = link_free[link]
-                position[r] += 1
-                remaining -= 1
+            steps, pos, now, ran = lists[r], position[r], free[r], done[r]
+            while pos < len(steps):
+                action, i, length, waited, targets = steps[pos]
+                start = now
+                for times in waited:
+                    arrived = times[i]
+                    if arrived is None:
+                        break  # an input has not been sent yet: another rank first
+                    if arrived > start:
+                        start = arrived
+                else:
+                    now = end = start + length
+                    ran.append((action, start, end))
+                    for times, link, ns in targets:  # FIFO on the directed link
+                        sent = link_free[link]
+                        times[i] = link_free[link] = (end if end > sent else sent) + ns
+                    pos += 1
+                    continue
+                break
+            if pos != position[r]:
+                remaining -= pos - position[r]
+                position[r], free[r] = pos, now
                 progressed = True
         assert progressed, "the schedule deadlocks"
     sync = [0] * p if dp_sync_ns is None else [int(x) for x in dp_sync_ns]
@@ -218,15 +230,34 @@ def stages_timeline(
     costs: LayerCosts,
     stages: Sequence[StageCost],
     stage_of_layer: Sequence[int] | np.ndarray,
+    **options,
+) -> Timeline:
+    """The simulated schedule of a split from its stage costs (``schedule_inputs``)."""
+    return simulate_schedule(**schedule_inputs(costs, stages, stage_of_layer, **options))
+
+
+def stages_iteration_ns(
+    costs: LayerCosts,
+    stages: Sequence[StageCost],
+    stage_of_layer: Sequence[int] | np.ndarray,
+) -> int:
+    """The simulated iteration of a split, ns: ``stages_timeline``'s makespan."""
+    return simulate_schedule(**schedule_inputs(costs, stages, stage_of_layer)).makespan_ns
+
+
+def schedule_inputs(
+    costs: LayerCosts,
+    stages: Sequence[StageCost],
+    stage_of_layer: Sequence[int] | np.ndarray,
     *,
     link_gb_per_s: float | Mapping[tuple[int, int], float] | None = FROM_COSTS,
     p2p_latency_ns: int = FROM_COSTS,
-    dp_overlap: str = "none",
+    dp_overlap: str = FROM_COSTS,
     microbatch_overhead_ns: int = FROM_COSTS,
     optimizer_step_ns: int | Sequence[int] = FROM_COSTS,
-) -> Timeline:
-    """The simulated schedule of a split from its stage costs (one per rank, in rank order;
-    a heterogeneous cluster's with their groups' times): virtual stage j = chunk c p + r runs
+) -> dict:
+    """``simulate_schedule``'s keywords for a split from its stage costs (one per rank, in rank
+    order; a heterogeneous cluster's with their groups' times): virtual stage j = chunk c p + r runs
     rank r's ``chunk_forward_ns[c]`` forward and the rest of ``chunk_time_ns[c]`` backward
     (recompute included), AR_r and the optimizer step are the rank's ``dp_sync_ns`` and
     ``optimizer_step_ns``, transfers = latency + ceil(bytes / bandwidth)
@@ -242,6 +273,8 @@ def stages_timeline(
         p2p_latency_ns = costs.p2p_latency_ns
     if microbatch_overhead_ns is FROM_COSTS:
         microbatch_overhead_ns = costs.microbatch_overhead_ns
+    if dp_overlap is FROM_COSTS:
+        dp_overlap = costs.dp_overlap
     if optimizer_step_ns is FROM_COSTS:  # with the runtime's own step work
         optimizer_step_ns = [stage.optimizer_step_ns + costs.step_overhead_ns for stage in stages]
     forward_stage, backward_stage = [0] * n, [0] * n
@@ -264,20 +297,20 @@ def stages_timeline(
         return out
 
     group = interleaved_schedule_groups(costs.runtime, m, p) if config.virtual_stages > 1 else None
-    return simulate_schedule(
-        schedule=config.schedule,
-        num_microbatches=m,
-        num_ranks=p,
-        forward_ns=forward_stage,
-        backward_ns=backward_stage,
-        group=group,
-        transfer_ns=ns(activations),
-        gradient_ns=ns(gradients),
-        dp_sync_ns=[stage.dp_sync_ns for stage in stages],
-        dp_overlap=dp_overlap,
-        microbatch_overhead_ns=microbatch_overhead_ns,
-        optimizer_step_ns=optimizer_step_ns,
-    )
+    return {
+        "schedule": config.schedule,
+        "num_microbatches": m,
+        "num_ranks": p,
+        "forward_ns": forward_stage,
+        "backward_ns": backward_stage,
+        "group": group,
+        "transfer_ns": ns(activations),
+        "gradient_ns": ns(gradients),
+        "dp_sync_ns": [stage.dp_sync_ns for stage in stages],
+        "dp_overlap": dp_overlap,
+        "microbatch_overhead_ns": microbatch_overhead_ns,
+        "optimizer_step_ns": optimizer_step_ns,
+    }
 
 
 def simulated_iteration_ns(

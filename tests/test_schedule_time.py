@@ -17,6 +17,7 @@ import pytest
 
 from solver.cost_model import (
     boundary_bytes,
+    forwards_before_first_backward,
     interleaved_schedule_groups,
     iteration_bound_ns,
     layer_costs,
@@ -545,3 +546,14 @@ def test_interleaved_layout_from_the_cost_model(runtime):
         formula = 4 * 2 * chunk_ns + chunk_ns
         assert iteration_bound_ns(costs, stage_costs(costs, stage_of)) == formula
         assert simulated_iteration_ns(costs, stage_of) == formula
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_forwards_before_the_first_backward_follow_the_action_lists(schedule):
+    """The bound's c_r (``forwards_before_first_backward``) is what each rank's own list of
+    actions runs before its first backward, for every rank and short and long pipelines."""
+    for p, m in ((1, 1), (2, 1), (3, 2), (4, 4), (4, 9), (6, 3)):
+        for r in range(p):
+            actions = schedule_actions(m, p, 1, r, None, schedule)
+            first = next(k for k, action in enumerate(actions) if action.kind == "B")
+            assert forwards_before_first_backward(m, p, r, schedule) == first

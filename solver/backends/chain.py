@@ -147,6 +147,15 @@ class _Chain:
         self.state_prefix = prefix(costs.state_bytes)
         self.stored_prefix = prefix(costs.stored_bytes)
         self.time_rules = _time_rules(costs, prefix)
+        # the same as arrays [term, stage, position] (every stage has the same kinds of terms)
+        self._time_end = np.array([[e for e, _, _, _ in rules] for rules in self.time_rules])
+        self._time_start = np.array([[b for _, b, _, _ in rules] for rules in self.time_rules])
+        self._time_offset = np.array([[o for _, _, o, _ in rules] for rules in self.time_rules])
+        self._time_first = np.array([f for _, _, _, f in self.time_rules[0]], dtype=np.int64)
+        self._time_end, self._time_start = (
+            np.moveaxis(a, 1, 0) for a in (self._time_end, self._time_start)
+        )
+        self._time_offset = self._time_offset.T
         self.tail_prefix = prefix(costs.tail_ns)
         for name in (
             "state_bytes",
@@ -296,19 +305,14 @@ class _Chain:
     ) -> np.ndarray:
         """time(s; i, j) of the module docstring with X_0 = ``first_tail``, ns; ``stage`` is one
         index or one per pair."""
-        if np.ndim(stage):  # one stage per pair
-            value = np.empty(len(starts), dtype=np.int64)
-            for s in np.unique(stage):
-                own = stage == s
-                value[own] = self.times(int(s), starts[own], ends[own], first_tail)
-            return value
-        return np.max(
-            [
-                end[ends + 1] - start[starts] + offset + with_first * first_tail
-                for end, start, offset, with_first in self.time_rules[stage]
-            ],
-            axis=0,
+        stage = np.broadcast_to(stage, np.shape(starts))
+        value = (
+            self._time_end[:, stage, ends + 1]
+            - self._time_start[:, stage, starts]
+            + self._time_offset[:, stage]
+            + (self._time_first * first_tail)[:, None]
         )
+        return value.max(axis=0)
 
     def first_tails(self) -> np.ndarray:
         """The tails the first stage can have (it ends at layer 0 .. L - p), sorted, ns."""

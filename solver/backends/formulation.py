@@ -1184,9 +1184,7 @@ class PrefixFormulation(abc.ABC):
                 ):
                     self._hint(self.vars.stage_time[c * p + r], self._ns(time_ns))
                     self._hint(self.vars.stage_forward[c * p + r], self._ns(forward))
-                self._hint(
-                    self.vars.rank_tail[r], self._ns(stage.dp_sync_ns + stage.optimizer_step_ns)
-                )
+                self._hint(self.vars.rank_tail[r], self._ns(self.costs.stage_tail_ns(stage)))
             self._hint(self.vars.iteration, self._ns(iteration_bound_ns(self.costs, stages)))
 
     def _tensor_spans(self, stage_of_layer: list[int]) -> tuple[list[int], list[int]]:
