@@ -261,6 +261,17 @@ def forwards_before_first_backward(
     return min(num_microbatches, num_ranks - rank)
 
 
+def backwards_after_last_forward(
+    num_microbatches: int, num_ranks: int, rank: int, schedule: str
+) -> int:
+    """d_r: the backwards rank r runs after its last forward without interleaving
+    (``schedule_actions``' order): all m with GPipe; with 1F1B the last steady one and its
+    cool-down, as many as its warm-up forwards plus one, at most m."""
+    if schedule == "gpipe":
+        return num_microbatches
+    return min(num_microbatches, num_ranks - rank)
+
+
 def schedule_actions(
     num_microbatches: int,
     num_ranks: int,
@@ -2129,9 +2140,9 @@ def placed_stage_costs(
 
 
 class BoundTerm(NamedTuple):
-    """One lower bound on the iteration through one rank (``bound_terms``), ns: m T_r (the
-    rank's m micro-batches of every chunk, T_r with its v h overhead) plus, each with its
-    coefficient here,
+    """One lower bound on the iteration through one rank (``bound_terms``), ns: (m + own_time)
+    T_r (the rank's m micro-batches of every chunk, T_r with its v h overhead) plus, each with
+    its coefficient here,
       before_time T_<r and before_forward F_<r (the first chunks of the ranks before: forward
       and backward of one micro-batch, or its forward only), own_forward F_r (its forward per
       micro-batch, overhead included), own_tail X_r, after_time T_>r (one micro-batch through
@@ -2145,20 +2156,26 @@ class BoundTerm(NamedTuple):
     after_time: int
     first_tail: int
     constant_ns: int
+    own_time: int = 0
 
 
 def bound_terms(costs: LayerCosts) -> list[list[BoundTerm]]:
-    """The terms of the iteration bound of each rank (``iteration_bound_ns``).
+    """The terms of the iteration bound of each rank (``iteration_bound_ns``); every rank has
+    as many (the chain backend stacks them).
 
     Rank r's first action waits for micro-batch 0's forward through the virtual stages before
-    it (F_<r). Its first backward, after c_r forwards (``schedule_actions``: p - r with 1F1B,
-    m with GPipe), waits for that micro-batch's forward and backward through the ranks after it
-    (F_r + T_>r); the rest of its m micro-batches follow, so its last action ends at least
-    F_<r + m T_r + max(0, F_r + T_>r - c_r F_r). After it the rank syncs and steps (X_r),
-    while that micro-batch still runs backward through the virtual stages before (B_<r) and
-    then rank 0 syncs and steps (X_0). The four combinations are the terms; with interleaving
-    only the two without the first backward's wait (the chunk of the first backward is not
-    the first one)."""
+    it (F_<r). It then runs m micro-batches, m T_r, and waits twice more:
+      E_r = max(0, F_r + T_>r - c_r F_r): its first backward, after its c_r first forwards
+            (``forwards_before_first_backward``), waits for micro-batch 0 through the ranks
+            after it and back;
+      D_r = max(0, T_>r - (d_r - 1) B_r): its last backward, d_r backwards after its last
+            forward (``backwards_after_last_forward``), waits for micro-batch m - 1 the same way
+            while it runs the d_r - 1 others.
+    With 1F1B and m > c_r the two waits are apart (the first backward comes before the last
+    forward) and add up; else only the larger counts. After its last backward the rank syncs
+    and steps (X_r), while that micro-batch still runs backward through the virtual stages
+    before (B_<r) and then rank 0 syncs and steps (X_0). The terms are these combinations; with
+    interleaving only the two without waits."""
     config, h = costs.config, costs.microbatch_overhead_ns
     m, p, v = config.num_microbatches, config.pp, config.virtual_stages
     terms = []
@@ -2166,17 +2183,21 @@ def bound_terms(costs: LayerCosts) -> list[list[BoundTerm]]:
         # r h: the overhead of one forward on each virtual stage before; every term ends with
         # a rank's tail, its step overhead included
         before = r * h + costs.step_overhead_ns
-        rank = [
-            BoundTerm(1, 0, 0, 0, 0, 1, before),  # T_<r + m T_r + X_0
-            BoundTerm(0, 1, 0, 1, 0, 0, before),  # F_<r + m T_r + X_r
-        ]
+        waits = [(0, 0, 0, 0)]  # (own_time, own_forward, after_time, overhead) of the waits
         if v == 1:
-            # F_r + T_>r - c_r F_r, c_r = the forwards before the first backward
-            waited = 1 - forwards_before_first_backward(m, p, r, config.schedule)
+            c = forwards_before_first_backward(m, p, r, config.schedule)
+            d = backwards_after_last_forward(m, p, r, config.schedule)
             after = (p - 1 - r) * h  # the overhead of the forwards after
-            rank += [
-                BoundTerm(1, 0, waited, 0, 1, 1, before + after),
-                BoundTerm(0, 1, waited, 1, 1, 0, before + after),
+            first = (0, 1 - c, 1, after)  # E_r = F_r + T_>r - c_r F_r
+            last = (1 - d, d - 1, 1, after)  # D_r = T_>r - (d_r - 1) (T_r - F_r)
+            both = (1 - d, d - c, 2, 2 * after) if config.schedule == "1f1b" and m > c else first
+            waits += [first, last, both]
+        rank = []
+        for own_time, own_forward, after_time, overhead in waits:
+            constant = before + overhead
+            rank += [  # ... + X_0 after the backwards before; + X_r
+                BoundTerm(1, 0, own_forward, 0, after_time, 1, constant, own_time),
+                BoundTerm(0, 1, own_forward, 1, after_time, 0, constant, own_time),
             ]
         terms.append(rank)
     return terms
@@ -2204,7 +2225,7 @@ def iteration_bound_ns(costs: LayerCosts, stages: list[StageCost]) -> int:
             "first_tail": first_tail,
         }
         for term in terms:
-            value = m * own + term.constant_ns
+            value = (m + term.own_time) * own + term.constant_ns
             value += sum(getattr(term, name) * amount for name, amount in values.items())
             bound = max(bound, value)
         # chunk 0 of this rank is virtual stage r, before every later rank's chunk 0

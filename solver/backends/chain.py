@@ -818,9 +818,10 @@ def _bisect(heap: list, low: int, high: int, *, base: int) -> None:
 def _time_rules(costs: LayerCosts, prefix) -> list[list[tuple[np.ndarray, np.ndarray, int, int]]]:
     """Per stage, the iteration bound's terms (``cost_model.bound_terms``) as (U, V, offset,
     with X_0): the term of stage i..j is U[j+1] - V[i] + offset (+ X_0). A term
-    m (T + h) + bt T_<r + bf F_<r + e (F + h) + x X + g T_>r + const, with T_>r the total time
-    less pT[j+1], is U = (m - g) pT + e pF + x pX and V = (m - bt) pT + (e - bf) pF + x pX,
-    both non-decreasing as m T_l >= c F_l (c <= m forwards before the first backward)."""
+    (m + a) (T + h) + bt T_<r + bf F_<r + e (F + h) + x X + g T_>r + const, with T_>r the
+    total time less pT[j+1], is U = (m + a - g) pT + e pF + x pX and
+    V = (m + a - bt) pT + (e - bf) pF + x pX, both non-decreasing (per layer T_l >= F_l and the
+    waits' coefficients leave at least as many micro-batches as they take away; tested)."""
     m, h = costs.config.num_microbatches, costs.microbatch_overhead_ns
     time, forward, tail = (prefix(v) for v in (costs.time_ns, costs.forward_ns, costs.tail_ns))
     total = int(time[-1])
@@ -828,10 +829,12 @@ def _time_rules(costs: LayerCosts, prefix) -> list[list[tuple[np.ndarray, np.nda
     for terms in bound_terms(costs):
         stage = []
         for t in terms:
-            end = (m - t.after_time) * time + t.own_forward * forward + t.own_tail * tail
-            start = (m - t.before_time) * time + (t.own_forward - t.before_forward) * forward
+            busy = m + t.own_time
+            end = (busy - t.after_time) * time + t.own_forward * forward + t.own_tail * tail
+            start = (busy - t.before_time) * time + (t.own_forward - t.before_forward) * forward
             start = start + t.own_tail * tail
-            offset = t.after_time * total + (m + t.own_forward) * h + t.constant_ns
+            assert np.all(np.diff(end) >= 0) and np.all(np.diff(start) >= 0), t
+            offset = t.after_time * total + (busy + t.own_forward) * h + t.constant_ns
             stage.append((end, start, offset, t.first_tail))
         rules.append(stage)
     return rules

@@ -48,7 +48,7 @@ import numpy as np
 
 from solver.backends.chain import INF, PEAK, _Limits, _Search, _TimeUp
 from solver.backends.problem import FEASIBLE, UNKNOWN, StageProblem, StageSolution
-from solver.cost_model import LayerCosts, bound_terms
+from solver.cost_model import BoundTerm, LayerCosts, bound_terms
 from solver.errors import InputError
 
 BACKEND = "dag"
@@ -347,7 +347,7 @@ def _build_structure(costs: LayerCosts, members: np.ndarray, all_ideals: bool) -
 
 class _PairTimes:
     """The iteration bound's terms (``cost_model.bound_terms``) of every pair (J, I) as stage s:
-    m (T_A + h) + bt T(J) + bf F(J) + e (F_A + h) + x X_A + g (T_all - T(I)) + const, the
+    (m + a) (T_A + h) + bt T(J) + bf F(J) + e (F_A + h) + x X_A + g (T_all - T(I)) + const, the
     ranks before holding J and those after all but I. The parts without e are kept per kind of
     term; the stage's e and constant are added when asked (a few vectors, not p x 4)."""
 
@@ -358,12 +358,13 @@ class _PairTimes:
         own_tail, total = pair_sum(costs.tail_ns), int(np.sum(costs.time_ns))
         self.terms = bound_terms(costs)
         self.own_forward = pair_sum(costs.forward_ns) + h
-        self.base: dict[tuple[int, int, int, int], np.ndarray] = {}
-        busy = m * (pair_sum(costs.time_ns) + h)
+        self.base: dict[tuple[int, ...], np.ndarray] = {}
+        own_time = pair_sum(costs.time_ns) + h
         for t in {term for terms in self.terms for term in terms}:
-            key = (t.before_time, t.before_forward, t.own_tail, t.after_time)
+            key = _base_key(t)
             if key not in self.base:
-                value = busy + t.before_time * time[st.low] + t.before_forward * forward[st.low]
+                value = (m + t.own_time) * own_time
+                value = value + t.before_time * time[st.low] + t.before_forward * forward[st.low]
                 value = value + t.own_tail * own_tail + t.after_time * (total - time[st.high])
                 self.base[key] = value
 
@@ -371,12 +372,17 @@ class _PairTimes:
         """The largest term of every pair as stage ``stage`` with X_0 = ``first_tail``, ns."""
         values = []
         for t in self.terms[stage]:
-            value = self.base[(t.before_time, t.before_forward, t.own_tail, t.after_time)]
+            value = self.base[_base_key(t)]
             value = value + t.constant_ns + t.first_tail * first_tail
             if t.own_forward:
                 value = value + t.own_forward * self.own_forward
             values.append(value)
         return np.max(values, axis=0)
+
+
+def _base_key(term: BoundTerm) -> tuple[int, ...]:
+    """What of a term ``_PairTimes`` keeps per pair (all but own_forward, constant, X_0)."""
+    return (term.before_time, term.before_forward, term.own_tail, term.after_time, term.own_time)
 
 
 def _columns(columns: list[np.ndarray], num_rows: int) -> np.ndarray:

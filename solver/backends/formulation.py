@@ -1092,9 +1092,10 @@ class PrefixFormulation(abc.ABC):
                 "after_time": self._sum(times[r + 1 : costs.num_ranks]),
                 "first_tail": self.vars.rank_tail[0],
             }
-            busy = m * self._sum([times[s] for s in own]) + self._ns(m * v * h)
+            own_time = self._sum([times[s] for s in own])
             for k, term in enumerate(terms):
-                expression = busy + self._ns(term.constant_ns)
+                busy = m + term.own_time
+                expression = busy * own_time + self._ns(busy * v * h + term.constant_ns)
                 for name, part in parts.items():
                     if getattr(term, name):
                         expression = expression + getattr(term, name) * part
