@@ -174,6 +174,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import cached_property
@@ -514,9 +515,9 @@ class LayerCosts:
     step_overhead_ns: int = 0
     """The runtime's own time per step and rank beside its micro-batches and optimizer step, ns
     (profiled: ``meta.timing.step_overhead_ns``): part of every rank's tail."""
-    link_gb_per_s: dict[tuple[int, int], float] | None = None
-    """Bandwidth of each directed link between pipeline ranks, GB/s == bytes/ns
-    (``pipeline_link_gb_per_s``); None: transfers take no time."""
+    link_gb_per_s: Mapping[tuple[int, int], float] | PipelineLinks | None = None
+    """Bandwidth of each directed link between pipeline ranks, GB/s == bytes/ns, looked up as
+    ``links[(x, y)]`` (``pipeline_links``); None: transfers take no time."""
     p2p_latency_ns: int = 0
     """Added to every pipeline transfer between two ranks, ns (``Cluster.p2p_latency_us``)."""
     dp_overlap: str = "none"
@@ -914,7 +915,7 @@ def layer_costs(
         ),
         microbatch_overhead_ns=_profiled_ns(graph, "microbatch_overhead_ns"),
         step_overhead_ns=_profiled_ns(graph, "step_overhead_ns"),
-        link_gb_per_s=pipeline_link_gb_per_s(config, cluster),
+        link_gb_per_s=pipeline_links(config, cluster),
         p2p_latency_ns=math.ceil(cluster.p2p_latency_us * 1000),
         dp_overlap=dp_overlap_of(config, training),
     )
@@ -1441,28 +1442,52 @@ def _profiled_ns(graph: LayerGraph, name: str) -> int:
     return 0 if measured is None else math.ceil(float(measured))
 
 
+@dataclass(frozen=True)
+class PipelineLinks:
+    """Bandwidth (GB/s == bytes/ns) of the directed link between two pipeline ranks, looked up
+    as ``links[(x, y)]``: Megatron's rank order tp-cp-ep-dp-pp puts rank x's GPUs at global
+    ranks x w + (0 .. w - 1), w = t c d, and a GPU sends to the GPU w ranks further; intra-node
+    when both blocks are in one node of ``gpus_per_node`` (each block inside a node: w divides
+    into it without straddling), else inter-node. O(1) per lookup: configs are built by the
+    thousand, links are read only when a schedule is simulated."""
+
+    width: int
+    gpus_per_node: int
+    intra_node_gb_per_s: float
+    inter_node_gb_per_s: float
+
+    def same_node(self, x: int, y: int) -> bool:
+        w, node = self.width, self.gpus_per_node
+        if w >= node:  # distinct blocks are at least a node apart
+            return False
+        first, last = x * w, x * w + w - 1
+        other = y * w
+        return first // node == last // node == other // node == (other + w - 1) // node
+
+    def __getitem__(self, link: tuple[int, int]) -> float:
+        x, y = link
+        if self.same_node(x, y):
+            return self.intra_node_gb_per_s
+        return self.inter_node_gb_per_s
+
+
+def pipeline_links(config: ParallelConfig, cluster: Cluster) -> PipelineLinks:
+    """The links between the pipeline ranks of ``config`` on ``cluster`` (``PipelineLinks``)."""
+    return PipelineLinks(
+        width=config.tp * config.cp * config.dp,
+        gpus_per_node=cluster.gpus_per_node,
+        intra_node_gb_per_s=cluster.intra_node_gb_per_s,
+        inter_node_gb_per_s=cluster.inter_node_gb_per_s,
+    )
+
+
 def pipeline_link_gb_per_s(
     config: ParallelConfig, cluster: Cluster
 ) -> dict[tuple[int, int], float]:
-    """Bandwidth (GB/s == bytes/ns) of every directed link between pipeline ranks: Megatron's
-    rank order tp-cp-ep-dp-pp puts rank x's GPUs at global ranks x t c d + (0 .. t c d - 1), and
-    a GPU sends to the GPU t c d ranks further; intra-node when both are in one node of
-    ``cluster.gpus_per_node`` (every pair, as the blocks align to nodes when t c d divides it),
-    else inter-node."""
-    p, width = config.pp, config.tp * config.cp * config.dp
-    node = cluster.gpus_per_node
-
-    def same_node(x: int, y: int) -> bool:
-        if width >= node:  # distinct blocks are at least a node apart
-            return False
-        return all((x * width + k) // node == (y * width + k) // node for k in range(width))
-
-    return {
-        (x, y): cluster.intra_node_gb_per_s if same_node(x, y) else cluster.inter_node_gb_per_s
-        for x in range(p)
-        for y in range(p)
-        if x != y
-    }
+    """Every directed link between pipeline ranks and its bandwidth, GB/s (``PipelineLinks``)."""
+    links = pipeline_links(config, cluster)
+    p = config.pp
+    return {(x, y): links[(x, y)] for x in range(p) for y in range(p) if x != y}
 
 
 def _as_int(values) -> np.ndarray:

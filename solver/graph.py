@@ -332,8 +332,8 @@ def graph_from_dict(document: Any, *, origin: str = "<dict>") -> LayerGraph:
 DRAFT_7_KEYWORDS = frozenset(
     {
         "$defs", "$id", "$ref", "$schema", "additionalProperties", "const", "description",
-        "enum", "items", "maxLength", "maximum", "minItems", "minLength", "minimum", "properties",
-        "required", "title", "type",
+        "enum", "exclusiveMinimum", "items", "maxLength", "maximum", "minItems", "minLength",
+        "minimum", "properties", "required", "title", "type",
     }
 )  # fmt: skip
 """Keywords that mean the same in draft 7 (the newest fastjsonschema compiles) as in the
