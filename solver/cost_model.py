@@ -177,7 +177,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -273,6 +273,7 @@ def backwards_after_last_forward(
     return min(num_microbatches, num_ranks - rank)
 
 
+@lru_cache(maxsize=512)
 def schedule_actions(
     num_microbatches: int,
     num_ranks: int,
@@ -280,7 +281,7 @@ def schedule_actions(
     rank: int,
     group: int | None = None,
     schedule: str = "1f1b",
-) -> list[ScheduleAction]:
+) -> tuple[ScheduleAction, ...]:
     """Rank r's forwards and backwards in the order it runs them (idle steps left out).
 
     GPipe (torch ``ScheduleGPipe``): the m forwards, then the m backwards, both in micro-batch
@@ -295,9 +296,9 @@ def schedule_actions(
     m, p, v = num_microbatches, num_ranks, num_chunks
     if schedule == "gpipe":
         assert v == 1, "GPipe runs one chunk per rank"
-        return [ScheduleAction("F", 0, i) for i in range(m)] + [
+        return tuple(ScheduleAction("F", 0, i) for i in range(m)) + tuple(
             ScheduleAction("B", 0, i) for i in range(m)
-        ]
+        )
     g = p if group is None else group
     order = [
         chunk for start in range(0, m, g) for chunk in range(v) for _ in range(min(g, m - start))
@@ -326,7 +327,7 @@ def schedule_actions(
         backward(k)
     for k in range(total - warmup, total):
         backward(k)
-    return actions
+    return tuple(actions)
 
 
 def schedule_moments(

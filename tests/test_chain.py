@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from solver.backends.brute_force import solve_brute_force
-from solver.backends.chain import is_chain_problem, solve_chain
+from solver.backends.chain import _time_rules, is_chain_problem, solve_chain
 from solver.backends.problem import (
     FEASIBLE,
     INFEASIBLE,
@@ -290,3 +290,30 @@ def test_large_chain_budget_is_respected() -> None:
     assert solution.status == OPTIMAL
     assert problem.violation(solution.stage_of_layer) is None
     assert free.objective <= solution.objective
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_time_rules_are_non_decreasing_prefix_sums(schedule):
+    """The chain's relaxation needs every term's U and V non-decreasing along the chain
+    (``_time_rules``): random layer times and forward shares, every pipeline depth and micro-batch
+    count, 1F1B and GPipe."""
+    rng = random.Random(5)
+    for _ in range(20):
+        layers = rng.randint(3, 12)
+        pp = rng.randint(1, min(layers, 6))
+        m = rng.randint(1, 12)
+        config = ParallelConfig(
+            pp=pp, tp=1, dp=1, micro_batch=1, num_microbatches=m, schedule=schedule
+        )
+        graph = random_chain(rng, layers)
+        costs = layer_costs(graph, config, Cluster(num_gpus=pp), TrainingConfig(global_batch=m))
+        time_ns = np.array([rng.randint(0, 1000) for _ in range(layers)], dtype=np.int64)
+        costs = dataclasses.replace(
+            costs,
+            time_ns=time_ns,
+            forward_ns=np.array([rng.randint(0, int(t)) for t in time_ns], dtype=np.int64),
+            optimizer_step_ns=np.array([rng.randint(0, 50) for _ in range(layers)]),
+        )
+        prefix = lambda values: np.concatenate(([0], np.cumsum(values, dtype=np.int64)))  # noqa: E731
+        end, start, _, _ = _time_rules(costs, prefix)
+        assert np.all(np.diff(end, axis=-1) >= 0) and np.all(np.diff(start, axis=-1) >= 0)

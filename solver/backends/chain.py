@@ -56,7 +56,7 @@ from solver.backends.problem import (
     StageProblem,
     StageSolution,
 )
-from solver.cost_model import LayerCosts, bound_terms
+from solver.cost_model import BoundTerm, LayerCosts, bound_terms
 from solver.errors import InputError
 
 BACKEND = "chain"
@@ -146,16 +146,15 @@ class _Chain:
         prefix = lambda values: np.concatenate(([0], np.cumsum(values, dtype=np.int64)))  # noqa: E731
         self.state_prefix = prefix(costs.state_bytes)
         self.stored_prefix = prefix(costs.stored_bytes)
-        self.time_rules = _time_rules(costs, prefix)
-        # the same as arrays [term, stage, position] (every stage has the same kinds of terms)
-        self._time_end = np.array([[e for e, _, _, _ in rules] for rules in self.time_rules])
-        self._time_start = np.array([[b for _, b, _, _ in rules] for rules in self.time_rules])
-        self._time_offset = np.array([[o for _, _, o, _ in rules] for rules in self.time_rules])
-        self._time_first = np.array([f for _, _, _, f in self.time_rules[0]], dtype=np.int64)
-        self._time_end, self._time_start = (
-            np.moveaxis(a, 1, 0) for a in (self._time_end, self._time_start)
+        # the bound's terms [term, stage, position] (every stage has as many)
+        self._time_end, self._time_start, self._time_offset, self._time_first = _time_rules(
+            costs, prefix
         )
-        self._time_offset = self._time_offset.T
+        # per stage, its distinct terms (the relaxation's rules need each once)
+        self._time_terms = [
+            [k for k, term in enumerate(terms) if term not in terms[:k]]
+            for terms in bound_terms(costs)
+        ]
         self.tail_prefix = prefix(costs.tail_ns)
         for name in (
             "state_bytes",
@@ -346,8 +345,12 @@ class _Chain:
             memory = self.memory_prefix(s)
             # the terms with X_0 take its lower bound
             timed = [
-                (end, start, offset + with_first * limits.first_tail_ns)
-                for end, start, offset, with_first in self.time_rules[s]
+                (
+                    self._time_end[k, s],
+                    self._time_start[k, s],
+                    int(self._time_offset[k, s] + self._time_first[k] * limits.first_tail_ns),
+                )
+                for k in self._time_terms[s]
             ]
             if limits.kind == PEAK:
                 stage = [(memory, memory, -floor, True)]
@@ -431,11 +434,8 @@ class _Chain:
     def relaxed_top(self, limits: _Limits) -> int:
         """A bound above every stage's relaxed quantity: the bound itself never binds there."""
         if limits.kind == TIME:
-            return max(
-                int(end[-1] - start[0]) + offset + with_first * limits.first_tail_ns
-                for rules in self.time_rules
-                for end, start, offset, with_first in rules
-            )
+            top = self._time_end[:, :, -1] - self._time_start[:, :, 0] + self._time_offset
+            return int(top.max() + self._time_first.max() * limits.first_tail_ns)
         return max(
             int(self.memory_prefix(s)[-1]) + self.boundary_floor(s) for s in range(self.num_stages)
         )
@@ -815,29 +815,27 @@ def _bisect(heap: list, low: int, high: int, *, base: int) -> None:
     heapq.heappush(heap, (base, middle + 1, high))
 
 
-def _time_rules(costs: LayerCosts, prefix) -> list[list[tuple[np.ndarray, np.ndarray, int, int]]]:
-    """Per stage, the iteration bound's terms (``cost_model.bound_terms``) as (U, V, offset,
-    with X_0): the term of stage i..j is U[j+1] - V[i] + offset (+ X_0). A term
+def _time_rules(costs: LayerCosts, prefix) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The iteration bound's terms (``cost_model.bound_terms``) of every stage as arrays
+    (U [term, stage, position], V likewise, offset [term, stage], with X_0 [term]): the term of
+    stage s on layers i..j is U[., s, j+1] - V[., s, i] + offset (+ X_0). A term
     (m + a) (T + h) + bt T_<r + bf F_<r + e (F + h) + x X + g T_>r + const, with T_>r the
     total time less pT[j+1], is U = (m + a - g) pT + e pF + x pX and
-    V = (m + a - bt) pT + (e - bf) pF + x pX, both non-decreasing (per layer T_l >= F_l and the
-    waits' coefficients leave at least as many micro-batches as they take away; tested)."""
+    V = (m + a - bt) pT + (e - bf) pF + x pX, both non-decreasing (per layer T_l >= F_l, and
+    the waits' coefficients leave at least as many micro-batches as they take away;
+    tests/test_chain.py checks it)."""
     m, h = costs.config.num_microbatches, costs.microbatch_overhead_ns
     time, forward, tail = (prefix(v) for v in (costs.time_ns, costs.forward_ns, costs.tail_ns))
     total = int(time[-1])
-    rules = []
-    for terms in bound_terms(costs):
-        stage = []
-        for t in terms:
-            busy = m + t.own_time
-            end = (busy - t.after_time) * time + t.own_forward * forward + t.own_tail * tail
-            start = (busy - t.before_time) * time + (t.own_forward - t.before_forward) * forward
-            start = start + t.own_tail * tail
-            assert np.all(np.diff(end) >= 0) and np.all(np.diff(start) >= 0), t
-            offset = t.after_time * total + (busy + t.own_forward) * h + t.constant_ns
-            stage.append((end, start, offset, t.first_tail))
-        rules.append(stage)
-    return rules
+    terms = np.array(bound_terms(costs), dtype=np.int64)  # [stage, term, field]
+    field = {name: terms[:, :, k].T[:, :, None] for k, name in enumerate(BoundTerm._fields)}
+    busy = m + field["own_time"]
+    own_forward, own_tail = field["own_forward"], field["own_tail"]
+    end = (busy - field["after_time"]) * time + own_forward * forward + own_tail * tail
+    start = (busy - field["before_time"]) * time + (own_forward - field["before_forward"]) * forward
+    start = start + own_tail * tail
+    offset = field["after_time"] * total + (busy + own_forward) * h + field["constant_ns"]
+    return end, start, offset[:, :, 0], field["first_tail"][:, 0, 0]
 
 
 def _sparse_max_table(values: np.ndarray) -> np.ndarray:
