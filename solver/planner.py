@@ -313,6 +313,10 @@ class _PlanningCall:
         """No plan's simulated iteration meets the budget (``_within_budget``)."""
         if not self.explain:
             return InfeasibleError("no plan meets the throughput constraint")
+        return self._explanation(budget_ns)
+
+    def _explanation(self, budget_ns: int | None) -> InfeasibleError:
+        """``explain_infeasible`` for this call."""
         return explain_infeasible(
             self.graph,
             self.cluster,
@@ -334,16 +338,7 @@ class _PlanningCall:
             )
         if not self.explain:
             return InfeasibleError("no plan fits")
-        return explain_infeasible(
-            self.graph,
-            self.cluster,
-            self.training,
-            self.entries,
-            self.backend,
-            budget_ns,
-            deadline=self.deadline,
-            suggest_gpus=self.suggest_gpus,
-        )
+        return self._explanation(budget_ns)
 
 
 @dataclass(kw_only=True)

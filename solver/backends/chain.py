@@ -10,11 +10,11 @@ For stage s = layers i..j (0-based, inclusive) ``cost_model.stage_costs`` reduce
   monotone relaxation counts the states without gradients (a lower bound of during(j))
   with an optimizer-step temporary (``LayerCosts.step_bytes``) also the step moment
   sum (state + step)[i..j] + R0_s e[i-1] + S0_s e[j] (``cost_model.optimizer_step_moment``)
-  time(s; i, j) = the iteration bound's term of stage s (``cost_model.iteration_bound_ns``):
-      max(m pT[j+1] - (m-1) pT[i] + X_0,  (m pT + pX)[j+1] - (m pT + pX - pF)[i]) + (s + m) h
-  with the prefix sums pT of time_ns, pF of forward_ns, pX of the tail (dp sync + optimizer
-  step), X_0 the first stage's tail and the per-micro-batch overhead h; the iteration bound is
-  max_s time(s; i_s, j_s).
+  time(s; i, j) = the largest of stage s's terms of the iteration bound
+      (``cost_model.bound_terms``), each U[j+1] - V[i] + offset (+ X_0) with U, V non-decreasing
+      combinations of the prefix sums of time_ns, forward_ns and the tail (dp sync + optimizer
+      step) (``_time_rules``); X_0 is the first stage's tail; the iteration bound is
+      max_s time(s; i_s, j_s).
 
 Algorithm (exact; numpy vectorised over layers, Python loops over stages only):
 1. Min-max stage problem: minimise max_s c_s, with c = peak or time, under per-stage limits

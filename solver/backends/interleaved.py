@@ -105,7 +105,7 @@ class _ChunkSizes:
             "state": self._least_sums(costs.state_bytes),
             "stored": self._least_sums(costs.stored_bytes),
             "time": self._least_sums(costs.time_ns),
-            "sync": self._least_sums(costs.tail_ns),
+            "tail": self._least_sums(costs.tail_ns),
             "into": self._least_windows(lambda k: edge[: self.num_layers - k + 1]),
             "out": self._least_windows(lambda k: edge[k:]),
             "transient": self._least_windows(
@@ -161,7 +161,7 @@ class _ChunkSizes:
 
     def _possible_totals(self) -> np.ndarray:
         """[t]: a rank may hold t layers, as far as the t layers with the least states (time,
-        sync) show: any t layers hold at least their sum."""
+        tail) show: any t layers hold at least their sum."""
         costs, problem = self.costs, self.problem
         possible = np.ones(self.num_layers + 1, dtype=bool)
 
@@ -177,7 +177,7 @@ class _ChunkSizes:
 
     def _rank_terms(self, rank: int, sizes: np.ndarray) -> dict[str, np.ndarray]:
         """Per size vector the rank can take within the limits at some level: its sizes, total,
-        time, sync, slowest chunk's least time and least peak over its rows (vectors out of the
+        time, tail, slowest chunk's least time and least peak over its rows (vectors out of the
         limits are dropped as soon as a cheap part of them shows it)."""
         costs, problem = self.costs, self.problem
         stages = costs.stages_of_rank(rank)
@@ -189,11 +189,11 @@ class _ChunkSizes:
         terms = {
             "sizes": sizes,
             "time": sum(times),
-            "sync": sum(get("sync", sizes)),
+            "tail": sum(get("tail", sizes)),
             "chunk": functools.reduce(np.maximum, times),
         }
         if problem.iteration_budget_ns is not None:
-            fastest = self._rank_iteration(terms["time"], terms["sync"])
+            fastest = self._rank_iteration(terms["time"], terms["tail"])
             terms = _where(terms, fastest <= problem.iteration_budget_ns)
         sizes = terms["sizes"]
         base = sum(get("state", sizes)) + costs.constant_bytes
@@ -309,7 +309,7 @@ class _ChunkSizes:
         for terms in self.terms:
             value = terms["peak"]
             if self._time_matters():
-                iteration = self._rank_iteration(terms["time"], terms["sync"])
+                iteration = self._rank_iteration(terms["time"], terms["tail"])
                 keep = np.ones(len(iteration), dtype=bool)
                 if problem.iteration_budget_ns is not None:
                     keep &= iteration <= problem.iteration_budget_ns
