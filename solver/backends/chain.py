@@ -35,7 +35,8 @@ Algorithm (exact; numpy vectorised over layers, Python loops over stages only):
    possible tails (ranges are snapped to them and bisected). A range [a, b] relaxes to "X_0 <= b
    on the first stage, X_0 = a in every stage's term": per-stage limits, so steps 1-2 solve it;
    its split settles the range when its true bound meets the budget (memory) or equals the
-   range's value (time), as it always does at a single candidate.
+   range's value (time), as it always does at a single candidate; otherwise the range is split
+   at that split's own X_0 (which the upper part then values exactly).
 """
 
 from __future__ import annotations
@@ -316,6 +317,11 @@ class _Chain:
     def first_tails(self) -> np.ndarray:
         """The tails the first stage can have (it ends at layer 0 .. L - p), sorted, ns."""
         return np.unique(self.tail_prefix[1 : self.num_layers - self.num_stages + 2])
+
+    def first_tail(self, starts: np.ndarray) -> int:
+        """The first stage's tail in a split given by its stage starts, ns."""
+        end = int(starts[1]) if len(starts) > 1 else self.num_layers
+        return int(self.tail_prefix[end])
 
     def measure(self, starts: np.ndarray) -> tuple[int, int]:
         """(max peak bytes, iteration bound ns) of a split given by its stage starts."""
@@ -675,7 +681,8 @@ class _Search:
 
     Generic over its splitter (``chain``): ``_Chain`` here, ``backends.dag._DagSplitter`` on
     DAGs. A splitter offers ``measure(split)`` (max peak, iteration bound),
-    ``minimise(limits, ...)``, ``first_tails()``, ``check_time`` and ``stage_of_layer(split)``;
+    ``minimise(limits, ...)``, ``first_tails()``, ``first_tail(split)``, ``check_time`` and
+    ``stage_of_layer(split)``;
     a split is whatever its ``minimise`` returns (stage starts for the chain)."""
 
     def __init__(self, problem: StageProblem, chain: _Chain) -> None:
@@ -737,8 +744,8 @@ class _Search:
                 continue
             value, split = found
             self.offer(split)
-            if chain.measure(split)[1] > budget:  # low < high: at one tail the relaxation holds
-                _bisect(heap, low, high, base=value)
+            if chain.measure(split)[1] > budget:  # its X_0 is above tails[low]: re-split
+                _split_range(heap, tails, low, high, chain.first_tail(split), base=value)
 
     def _time(self) -> None:
         """The smallest iteration bound with every peak within the capacity: branch and bound
@@ -762,8 +769,8 @@ class _Search:
                 continue
             value, split = found
             self.offer(split)
-            if chain.measure(split)[1] > value:  # low < high: at one tail the relaxation holds
-                _bisect(heap, low, high, base=value)
+            if chain.measure(split)[1] > value:  # its X_0 is above tails[low]: re-split
+                _split_range(heap, tails, low, high, chain.first_tail(split), base=value)
 
     def solution(self, timed_out: bool, wall_s: float) -> StageSolution:
         problem = self.problem
@@ -808,11 +815,16 @@ def _best_first(heap: list, search: _Search) -> Iterator[tuple[int, int, int]]:
         search.lower = search.best_value
 
 
-def _bisect(heap: list, low: int, high: int, *, base: int) -> None:
-    """Push both halves of the candidate range [low, high] (indices), bounded by ``base``."""
-    middle = (low + high) // 2
-    heapq.heappush(heap, (base, low, middle))
-    heapq.heappush(heap, (base, middle + 1, high))
+def _split_range(
+    heap: list, tails: np.ndarray, low: int, high: int, tail: int, *, base: int
+) -> None:
+    """Push the candidate range [low, high] (indices of ``tails``) split at the found split's
+    own first tail (above tails[low]: the range's relaxation took X_0 lower than it is), both
+    parts bounded by ``base``: the upper part's relaxation values that split exactly, the lower
+    one excludes it."""
+    at = min(max(int(np.searchsorted(tails, tail)), low + 1), high)
+    heapq.heappush(heap, (base, low, at - 1))
+    heapq.heappush(heap, (base, at, high))
 
 
 def _time_rules(costs: LayerCosts, prefix) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -445,8 +445,8 @@ def _masked_max(
 
 class _DagSplitter:
     """The min-max stage solver over ideal pairs, with the interface ``chain._Search`` uses
-    (``measure``, ``minimise``, ``first_tails``, ``check_time``, ``stage_of_layer``). A split
-    is an array of pair indices, one per stage."""
+    (``measure``, ``minimise``, ``first_tails``, ``first_tail``, ``check_time``,
+    ``stage_of_layer``). A split is an array of pair indices, one per stage."""
 
     def __init__(self, costs: LayerCosts, structure: _Structure, deadline: float | None) -> None:
         self.costs = costs
@@ -568,6 +568,10 @@ class _DagSplitter:
     def first_tails(self) -> np.ndarray:
         """The tails the first stage can have (its pairs start at the empty ideal), sorted, ns."""
         return np.unique(self.tail_ns[self.structure.low == 0])
+
+    def first_tail(self, split: np.ndarray) -> int:
+        """The first stage's tail in a split, ns."""
+        return int(self.tail_ns[split[0]])
 
     def measure(self, split: np.ndarray) -> tuple[int, int]:
         """(max peak bytes, iteration bound ns) of a split (a pair index per stage)."""
