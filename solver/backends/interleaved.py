@@ -37,9 +37,7 @@ Elsewhere the bound goes to the solver as a cut and the split as its start.
 from __future__ import annotations
 
 import functools
-import heapq
 import math
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,8 +48,6 @@ from solver.backends.problem import OBJECTIVE_MEMORY, StageProblem
 MAX_SIZE_VECTORS = 200_000
 """Per rank, the most chunk-size vectors the program enumerates; beyond it (many chunks per rank
 on a long chain) there is no bound (None)."""
-MAX_PROGRAMS = 400
-"""Boxes of levels the search runs the program on at most; the boxes left keep their bounds."""
 
 
 @dataclass(kw_only=True)
@@ -82,11 +78,12 @@ def chunk_size_bound(
     problem: StageProblem, *, time_limit_s: float = math.inf
 ) -> ChunkSizeBound | None:
     """The relaxation's bound and split, or None where it does not apply (``applies``) or would
-    enumerate too many size vectors. Past ``time_limit_s`` no box is bisected any more: those
-    left keep their bounds (the least of them is the bound returned)."""
+    enumerate too many size vectors. One program (``time_limit_s`` is accepted for the callers
+    that share a deadline; the program is not cut short)."""
+    del time_limit_s
     if not applies(problem):
         return None
-    return _ChunkSizes(problem).solve(stop_at=time.perf_counter() + time_limit_s)
+    return _ChunkSizes(problem).solve()
 
 
 class _ChunkSizes:
@@ -176,21 +173,19 @@ class _ChunkSizes:
         return possible
 
     def _rank_terms(self, rank: int, sizes: np.ndarray) -> dict[str, np.ndarray]:
-        """Per size vector the rank can take within the limits at some level: its sizes, total,
-        time, tail, slowest chunk's least time and least peak over its rows (vectors out of the
-        limits are dropped as soon as a cheap part of them shows it)."""
+        """Per size vector the rank can take within the limits: its sizes, total, time, tail and
+        least peak over its rows (vectors out of the limits are dropped as soon as a cheap part
+        of them shows it)."""
         costs, problem = self.costs, self.problem
         stages = costs.stages_of_rank(rank)
 
         def get(name: str, kept: np.ndarray) -> list[np.ndarray]:
             return [self.least[name][j, kept[:, c]] for c, j in enumerate(stages)]
 
-        times = get("time", sizes)
         terms = {
             "sizes": sizes,
-            "time": sum(times),
+            "time": sum(get("time", sizes)),
             "tail": sum(get("tail", sizes)),
-            "chunk": functools.reduce(np.maximum, times),
         }
         if problem.iteration_budget_ns is not None:
             fastest = self._rank_iteration(terms["time"], terms["tail"])
@@ -222,12 +217,11 @@ class _ChunkSizes:
         terms["total"] = terms["sizes"].sum(axis=1)
         return terms
 
-    # -- the program over boxes of levels ------------------------------------------------------
+    # -- the program ----------------------------------------------------------------------------
 
-    def solve(self, stop_at: float = math.inf) -> ChunkSizeBound | None:
-        """Best-first over boxes of (slowest chunk, largest sync) levels (module docstring),
-        each box one program; a box is dropped when its bound reaches the best split found or
-        its own split meets its bound, else bisected, down to single levels."""
+    def solve(self) -> ChunkSizeBound | None:
+        """The bottleneck program of the module docstring, once: its optimum is the bound and
+        its sizes the split (None: too many size vectors)."""
         # the totals within the limits are 0..most (least sums grow with the count)
         most = int(np.flatnonzero(self._possible_totals()).max())
         sizes = self._size_vectors(most)
@@ -235,51 +229,11 @@ class _ChunkSizes:
             return None
         sizes = sizes[np.argsort(sizes.sum(axis=1), kind="stable")]  # grouped by total
         self.terms = [self._rank_terms(r, sizes) for r in range(self.num_ranks)]
-        # one box: the rank terms of the iteration bound need no levels
-        chunk = sync = np.array([0], dtype=np.int64)
-        if self._time_matters() and not any(len(t["time"]) for t in self.terms):
+        found = self._program()
+        if found is None:
             return ChunkSizeBound(lower_bound=None, split=None)
-        self.levels = (chunk, sync)
-        self.evaluated: dict[tuple[int, ...], int | None] = {}
-        best_value, best_split, fallback = None, None, None
-        boxes = [(-math.inf, 0, len(chunk) - 1, 0, len(sync) - 1)]
-        open_bounds = []  # boxes left unresolved: single levels, or the budget ran out
-        for run in range(MAX_PROGRAMS):
-            if not boxes or (run and time.perf_counter() > stop_at):
-                break
-            _, *box = heapq.heappop(boxes)
-            found = self._program(*box)
-            if found is None:
-                continue  # no split in this box
-            bound, split = found
-            fallback = fallback or split
-            value = self._evaluate(split)
-            if value is not None and (best_value is None or value < best_value):
-                best_value, best_split = value, split
-            if best_value is not None and bound >= best_value:
-                continue
-            if value == bound:
-                continue
-            lo_c, hi_c, lo_s, hi_s = box
-            if hi_c - lo_c >= hi_s - lo_s and hi_c > lo_c:
-                mid = (lo_c + hi_c) // 2
-                halves = [(lo_c, mid, lo_s, hi_s), (mid + 1, hi_c, lo_s, hi_s)]
-            elif hi_s > lo_s:
-                mid = (lo_s + hi_s) // 2
-                halves = [(lo_c, hi_c, lo_s, mid), (lo_c, hi_c, mid + 1, hi_s)]
-            else:
-                open_bounds.append((bound, split))
-                continue
-            for half in halves:
-                heapq.heappush(boxes, (bound, *half))
-        open_bounds += [(bound, None) for bound, *_ in boxes]
-        bounds = [bound for bound, _ in open_bounds if best_value is None or bound < best_value]
-        if best_value is None and not open_bounds:
-            return ChunkSizeBound(lower_bound=None, split=None)
-        lower = min(bounds, default=best_value)
-        if best_split is None:  # a split to start from, even if out of the limits
-            best_split = fallback
-        return ChunkSizeBound(lower_bound=int(lower), split=best_split)
+        bound, split = found
+        return ChunkSizeBound(lower_bound=bound, split=split)
 
     def _rank_iteration(self, time_ns: np.ndarray, tail_ns: np.ndarray) -> np.ndarray:
         """m (T_r + v h) + tail_r: a rank's least term of the iteration bound, ns."""
@@ -292,18 +246,8 @@ class _ChunkSizes:
         problem = self.problem
         return problem.objective != OBJECTIVE_MEMORY or problem.iteration_budget_ns is not None
 
-    def _evaluate(self, split: list[int]) -> int | None:
-        """The split's objective from the cost model, None when it breaks a limit."""
-        key = tuple(split)
-        if key not in self.evaluated:
-            problem = self.problem
-            ok = problem.violation(split) is None
-            self.evaluated[key] = problem.objective_value(split) if ok else None
-        return self.evaluated[key]
-
-    def _program(self, lo_c: int, hi_c: int, lo_s: int, hi_s: int):
-        """(bound, split) of the box of slowest-chunk levels lo_c..hi_c and largest-sync levels
-        lo_s..hi_s; None: no split in the box."""
+    def _program(self) -> tuple[int, list[int]] | None:
+        """(bound, split) of the bottleneck program over ranks; None: no split."""
         problem, inf = self.problem, np.iinfo(np.int64).max
         tables, choices = [], []
         for terms in self.terms:
