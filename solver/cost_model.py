@@ -256,18 +256,8 @@ def forwards_before_first_backward(
 ) -> int:
     """c_r: the forwards rank r runs before its first backward without interleaving
     (``schedule_actions``' order): all m with GPipe; with 1F1B its p - 1 - r warm-up forwards
-    and the first steady one, at most m."""
-    if schedule == "gpipe":
-        return num_microbatches
-    return min(num_microbatches, num_ranks - rank)
-
-
-def backwards_after_last_forward(
-    num_microbatches: int, num_ranks: int, rank: int, schedule: str
-) -> int:
-    """d_r: the backwards rank r runs after its last forward without interleaving
-    (``schedule_actions``' order): all m with GPipe; with 1F1B the last steady one and its
-    cool-down, as many as its warm-up forwards plus one, at most m."""
+    and the first steady one, at most m. It is also d_r, the backwards after its last forward:
+    GPipe's m; 1F1B's last steady one and its cool-down, as many as its warm-up plus one."""
     if schedule == "gpipe":
         return num_microbatches
     return min(num_microbatches, num_ranks - rank)
@@ -2194,8 +2184,8 @@ def bound_terms(costs: LayerCosts) -> list[list[BoundTerm]]:
       E_r = max(0, F_r + T_>r - c_r F_r): its first backward, after its c_r first forwards
             (``forwards_before_first_backward``), waits for micro-batch 0 through the ranks
             after it and back;
-      D_r = max(0, T_>r - (d_r - 1) B_r): its last backward, d_r backwards after its last
-            forward (``backwards_after_last_forward``), waits for micro-batch m - 1 the same way
+      D_r = max(0, T_>r - (d_r - 1) B_r): its last backward, d_r = c_r backwards after its last
+            forward (``forwards_before_first_backward``), waits for micro-batch m - 1 the same way
             while it runs the d_r - 1 others.
     With 1F1B and m > c_r the two waits are apart (the first backward comes before the last
     forward) and add up; else only the larger counts. After its last backward the rank syncs
@@ -2211,8 +2201,7 @@ def bound_terms(costs: LayerCosts) -> list[list[BoundTerm]]:
         before = r * h + costs.step_overhead_ns
         waits = [(0, 0, 0, 0)]  # (own_time, own_forward, after_time, overhead) of the waits
         if v == 1:
-            c = forwards_before_first_backward(m, p, r, config.schedule)
-            d = backwards_after_last_forward(m, p, r, config.schedule)
+            c = d = forwards_before_first_backward(m, p, r, config.schedule)
             after = (p - 1 - r) * h  # the overhead of the forwards after
             first = (0, 1 - c, 1, after)  # E_r = F_r + T_>r - c_r F_r
             last = (1 - d, d - 1, 1, after)  # D_r = T_>r - (d_r - 1) (T_r - F_r)

@@ -221,7 +221,7 @@ def _fastest_within(
 def _choice_times(call: _PlanningCall, choice: _Choice) -> tuple[int, int]:
     """(simulated iteration, iteration bound) of a chosen split, ns."""
     evaluation = _evaluate_choice(call, choice)
-    return evaluation.iteration_ns, iteration_bound_ns(choice.entry.costs, evaluation.stages)
+    return evaluation.iteration_ns, evaluation.iteration_bound_ns
 
 
 def _evaluate_choice(call: _PlanningCall, choice: _Choice) -> Evaluation:

@@ -1,8 +1,9 @@
-"""Iteration time of a layout by simulating its pipeline schedule, action by action.
+"""Iteration time of a layout by simulating its pipeline schedule, action by action: what every
+plan reports (``evaluation.Evaluation.iteration_ns``).
 
-The bubble formula ``(m + p - 1) max_s T_s`` (``LayerCosts.iteration_ns``) charges every stage the
-slowest stage's time in every slot; on an uneven split the faster stages finish their slots
-early and the real schedule is shorter. Here each pipeline rank runs its own list of forwards and
+The bubble formula ``(m + p - 1) max_s T_s`` charges every stage the slowest stage's time in every
+slot; on an uneven split the faster stages finish their slots early and the real schedule is
+shorter. Here each pipeline rank runs its own list of forwards and
 backwards (``cost_model.schedule_actions``: torch's ``Schedule1F1B`` / ``ScheduleGPipe`` /
 ``ScheduleInterleaved1F1B`` order, and megatron-core's, the same one the memory model replays)
 and the iteration is the time its last rank finishes (docs/cost-model.md, "Iteration time by
@@ -23,8 +24,9 @@ Event rules (all times integer ns, per micro-batch):
   started after the last backward, as Megatron-LM's ``finalize_model_grads`` runs after the
   schedule without --overlap-grad-reduce) or at max(end of last backward, start of last
   backward + AR_r) (``"last_backward"``: torch DDP's and megatron's --overlap-grad-reduce bucket
-  all-reduces launched during the last micro-batch's backward, ideally overlapped), + its
-  optimizer step. The iteration is the latest rank end.
+  all-reduces launched during the last micro-batch's backward, ideally overlapped;
+  ``cost_model.dp_overlap_of`` says which the runtime does), + its optimizer step and the
+  runtime's per-step work. The iteration is the latest rank end.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from solver.backends.problem import (
     UNKNOWN,
     StageProblem,
 )
-from solver.cost_model import LayerCosts, in_flight_microbatches, layer_costs
+from solver.cost_model import LayerCosts, bound_terms, in_flight_microbatches, layer_costs
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from tests.random_graphs import random_chain, random_dag, random_problem
 
@@ -315,5 +315,5 @@ def test_time_rules_are_non_decreasing_prefix_sums(schedule):
             optimizer_step_ns=np.array([rng.randint(0, 50) for _ in range(layers)]),
         )
         prefix = lambda values: np.concatenate(([0], np.cumsum(values, dtype=np.int64)))  # noqa: E731
-        end, start, _, _ = _time_rules(costs, prefix)
+        end, start, _, _ = _time_rules(costs, bound_terms(costs), prefix)
         assert np.all(np.diff(end, axis=-1) >= 0) and np.all(np.diff(start, axis=-1) >= 0)

@@ -207,7 +207,7 @@ def test_gpipe_can_exceed_the_formula_when_forward_and_backward_bottlenecks_diff
 
 def test_interleaved_equal_chunks_equal_the_formula_and_uneven_ones_can_exceed_it():
     """Equal chunks, m a multiple of p: exactly m v (F + B) + (p - 1)(F + B), the interleaved
-    formula (``LayerCosts.iteration_ns``). Uneven chunks can exceed it: p 2, v 2, m 2,
+    formula m T_r + (p - 1) T_j. Uneven chunks can exceed it: p 2, v 2, m 2,
     F 1 everywhere, B (2, 1, 1, 2) for virtual stages 0..3 (T_r = 5 on both ranks, formula
     2 x 5 + 3 = 13):
 

@@ -148,13 +148,13 @@ class _Chain:
         self.state_prefix = prefix(costs.state_bytes)
         self.stored_prefix = prefix(costs.stored_bytes)
         # the bound's terms [term, stage, position] (every stage has as many)
+        terms = bound_terms(costs)
         self._time_end, self._time_start, self._time_offset, self._time_first = _time_rules(
-            costs, prefix
+            costs, terms, prefix
         )
         # per stage, its distinct terms (the relaxation's rules need each once)
         self._time_terms = [
-            [k for k, term in enumerate(terms) if term not in terms[:k]]
-            for terms in bound_terms(costs)
+            [k for k, term in enumerate(rank) if term not in rank[:k]] for rank in terms
         ]
         self.tail_prefix = prefix(costs.tail_ns)
         for name in (
@@ -827,8 +827,10 @@ def _split_range(
     heapq.heappush(heap, (base, at, high))
 
 
-def _time_rules(costs: LayerCosts, prefix) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The iteration bound's terms (``cost_model.bound_terms``) of every stage as arrays
+def _time_rules(
+    costs: LayerCosts, terms: list[list[BoundTerm]], prefix
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The iteration bound's terms (``terms``, ``cost_model.bound_terms``) of every stage as arrays
     (U [term, stage, position], V likewise, offset [term, stage], with X_0 [term]): the term of
     stage s on layers i..j is U[., s, j+1] - V[., s, i] + offset (+ X_0). A term
     (m + a) (T + h) + bt T_<r + bf F_<r + e (F + h) + x X + g T_>r + const, with T_>r the
@@ -839,7 +841,7 @@ def _time_rules(costs: LayerCosts, prefix) -> tuple[np.ndarray, np.ndarray, np.n
     m, h = costs.config.num_microbatches, costs.microbatch_overhead_ns
     time, forward, tail = (prefix(v) for v in (costs.time_ns, costs.forward_ns, costs.tail_ns))
     total = int(time[-1])
-    terms = np.array(bound_terms(costs), dtype=np.int64)  # [stage, term, field]
+    terms = np.array(terms, dtype=np.int64)  # [stage, term, field]
     field = {name: terms[:, :, k].T[:, :, None] for k, name in enumerate(BoundTerm._fields)}
     busy = m + field["own_time"]
     own_forward, own_tail = field["own_forward"], field["own_tail"]
