@@ -13,12 +13,12 @@ forward and backward in milliseconds, for tests.
 
 **Attention and dropout as trained.** The LLM presets (``gpt2-*``, ``gpt3-*``, ``llama2-*``) run
 ``attention="sdpa"``: ``F.scaled_dot_product_attention``, which a GPU runs on the flash kernel (no
-``s x s`` tensor is kept; ``profiling/cuda_attention.py`` lists what it saves), as Megatron-LM
+``s x s`` tensor is kept; ``profiling/trace/cuda_attention.py`` lists what it saves), as Megatron-LM
 (``--attention-backend auto``), torchtitan and HuggingFace train them today. ``--set
 attention=explicit`` (``get(name, attention="explicit")``) keeps the written-out attention whose
 saved tensors Korthikanti et al. 2022 count (scores, softmax, dropout mask). Dropout follows each
 model's published training setup: GPT-2 0.1 (OpenAI's released config,
-``profiling/hf_configs/gpt2.json``: ``attn_pdrop``, ``embd_pdrop``, ``resid_pdrop`` 0.1); GPT-3
+``profiling/hf/configs/gpt2.json``: ``attn_pdrop``, ``embd_pdrop``, ``resid_pdrop`` 0.1); GPT-3
 0.1 (the paper gives none; Megatron-LM's GPT-3 175B recipe,
 ``examples/gpt3/train_gpt3_175b_distributed.sh``, keeps Megatron's defaults, attention and hidden
 dropout 0.1); Llama 2 0 (Meta's reference model has no dropout layer). BERT, T5 and ViT keep the
@@ -83,7 +83,8 @@ class ModelSpec:
     take no sequence length (ValueError)."""
     layers: list[str] | None
     """Default layer granularity: module paths in execution order (embedding, blocks, head; for
-    T5 the DAG's parts in a valid topological order). None: ``profiling.layers`` picks them."""
+    T5 the DAG's parts in a valid topological order). None: ``profiling.trace.layers`` picks
+    them."""
     seq_len: int | None
     """Default sequence length (None for image models)."""
     loss_outside: Callable[[nn.Module], LossOutside] | None = None

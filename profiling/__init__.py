@@ -1,7 +1,7 @@
 """Profiling: PyTorch model -> layer graph (docs/profiling.md).
 
     python -m profiling.export gpt3-175b --out graph.json        # fake tensors, any size
-    from profiling.profile import profile_module                  # any nn.Module
+    from profiling.trace.profile import profile_module                  # any nn.Module
 
 Modules: ``profile`` (one traced forward + backward), ``dataflow`` (storage provenance, live
 memory), ``tensor_parallel`` (Megatron split rule), ``timing`` (real-mode per-layer times),

@@ -28,39 +28,39 @@ CHECKED_ON = "2.13.0"
 PRIVATE_APIS: dict[str, tuple[str, str]] = {
     "torch._C._current_autograd_node": (
         "charge each backward op to the layer whose autograd node runs it",
-        "profiling/dataflow.py",
+        "profiling/trace/dataflow.py",
     ),
     "torch.utils._python_dispatch.TorchDispatchMode": (
         "see every aten op (dataflow tracing, live-memory accounting)",
-        "profiling/dataflow.py, profiling/memory.py",
+        "profiling/trace/dataflow.py, profiling/trace/memory.py",
     ),
     "torch.utils._pytree.tree_map": (
         "make fake copies of nested example inputs",
-        "profiling/profile.py",
+        "profiling/trace/profile.py",
     ),
     "torch.utils._pytree.tree_leaves": (
         "find the tensors in a layer's nested inputs and outputs",
-        "profiling/dataflow.py",
+        "profiling/trace/dataflow.py",
     ),
     "torch.utils._pytree.tree_flatten": (
         "find the tensors an op returns",
-        "profiling/memory.py",
+        "profiling/trace/memory.py",
     ),
     "torch._subclasses.fake_tensor.FakeTensorMode": (
         "run models of any size without memory or compute (fake tensors)",
-        "profiling/profile.py, profiling/run.py",
+        "profiling/trace/profile.py, profiling/run.py",
     ),
     "torch.utils.flop_counter.flop_registry": (
         "count each op's FLOPs with torch's own formulas",
-        "profiling/dataflow.py",
+        "profiling/trace/dataflow.py",
     ),
     "torch.utils.flop_counter.sdpa_flop_count": (
         "count the FLOPs of the CPU flash-attention forward",
-        "profiling/dataflow.py",
+        "profiling/trace/dataflow.py",
     ),
     "torch.utils.flop_counter.sdpa_backward_flop_count": (
         "count the FLOPs of the CPU flash-attention backward",
-        "profiling/dataflow.py",
+        "profiling/trace/dataflow.py",
     ),
     "torch.ops.aten._scaled_dot_product_flash_attention": (
         "the CUDA flash kernel's outputs (its meta kernel), against which the CUDA-like "
@@ -70,44 +70,44 @@ PRIVATE_APIS: dict[str, tuple[str, str]] = {
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu": (
         "recognise the attention kernel SDPA runs on CPU (FLOPs), and run it where a GPU runs "
         "its memory-efficient kernel with a learned bias",
-        "profiling/dataflow.py, profiling/cuda_attention.py",
+        "profiling/trace/dataflow.py, profiling/trace/cuda_attention.py",
     ),
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward": (
         "recognise the attention backward kernel SDPA runs on CPU (FLOPs), and run it for a "
         "learned bias",
-        "profiling/dataflow.py, profiling/cuda_attention.py",
+        "profiling/trace/dataflow.py, profiling/trace/cuda_attention.py",
     ),
     "torch.distributed.tensor.DTensor._local_tensor": (
         "count the storage of a DTensor's local shard",
-        "profiling/memory.py",
+        "profiling/trace/memory.py",
     ),
     "torch.distributed.pipelining.stage._PipelineStage": (
         "a traced pipeline stage whose constant boundary tensors carry no gradient",
-        "profiling/traced_boundaries.py",
+        "profiling/executors/traced_boundaries.py",
     ),
     "torch.distributed.pipelining._IR._modify_graph_op_device": (
         "move a traced stage's device constants to the rank's device, as build_stage does",
-        "profiling/traced_boundaries.py",
+        "profiling/executors/traced_boundaries.py",
     ),
     "torch.UntypedStorage._cdata": (
         "key live storages by the C++ storage behind them",
-        "profiling/memory.py",
+        "profiling/trace/memory.py",
     ),
     "torch.UntypedStorage.resize_": (
         "see FSDP2 free and re-allocate unsharded parameters (patched: no dispatch mode sees it)",
-        "profiling/memory.py",
+        "profiling/trace/memory.py",
     ),
     "torch.distributed._composable.replicate_with_fsdp.replicate": (
         "run data parallelism over tensor-parallel (DTensor) parameters, which DDP does not take",
-        "profiling/parallelize.py",
+        "profiling/executors/parallelize.py",
     ),
     "torch.nn.parallel.DistributedDataParallel.reducer._push_all_rebuilt_params": (
         "fix DDP's bucket order before the pipeline's no_sync micro-batches",
-        "profiling/parallelize.py",
+        "profiling/executors/parallelize.py",
     ),
     "torch.nn.parallel.DistributedDataParallel.reducer._rebuild_buckets": (
         "fix DDP's bucket order before the pipeline's no_sync micro-batches",
-        "profiling/parallelize.py",
+        "profiling/executors/parallelize.py",
     ),
     "torch.distributed._tools.mem_tracker.MemTracker": (
         "cross-check LiveTensorTracker's peak against torch's own tracker",

@@ -37,7 +37,7 @@ from solver.calibration import (
 from solver.cli.common import OneLineErrorParser, number_in, positive_int, print_error
 from solver.cli.terminal import interrupted
 from solver.errors import InputError, PlannerError
-from solver.output_file import check_output
+from solver.files.output_file import check_output
 from solver.specs import TrainingConfig
 
 SMALL_GPT = {
@@ -164,7 +164,7 @@ def calibrate(
     from profiling.export import export_graph
     from profiling.run import run_plan
     from solver import Cluster, plan
-    from solver.report import plan_to_dict
+    from solver.report.plan_report import plan_to_dict
 
     layouts = [_layout(item) for item in configs]
     if not layouts:

@@ -2,7 +2,7 @@
 
 MODEL is a zoo preset (``models.presets()``), ``hf:NAME`` (a transformers model built as trained
 from a config: a local directory or config.json, a bundled name, or ORG/NAME from the HF cache or
-the Hub; ``profiling.hf_config``) or ``package.module:factory`` (a function returning a
+the Hub; ``profiling.hf.config``) or ``package.module:factory`` (a function returning a
 ``models.ModelSpec``). The default ``--device meta`` profiles with fake tensors: no memory, no
 GPU, any size. ``--device cpu|cuda`` runs real tensors and also measures per-layer times.
 Errors: one line on stderr, exit code 2 (a bad --out path: before profiling), 7 when --out could
@@ -47,7 +47,7 @@ def resolve_spec(name: str, overrides: dict[str, Any]):
     import models
 
     if name.startswith("hf:"):
-        from profiling.hf import hf_spec
+        from profiling.hf.models import hf_spec
 
         return hf_spec(name[3:], overrides)
     if ":" in name:
@@ -128,8 +128,8 @@ def export_graph(
     profile, restored after; default: the process's), recorded in ``meta.timing.threads``."""
     import torch
 
-    from profiling.layers import default_layer_paths
-    from profiling.profile import profile_module
+    from profiling.trace.layers import default_layer_paths
+    from profiling.trace.profile import profile_module
 
     if threads is not None and (
         isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS

@@ -7,11 +7,12 @@
         print(r.rank, r.stage, r.measured_peak_bytes, r.predicted_peak_bytes, r.error_pct)
 
 The plan (a path, a parsed dict or a ``PlanFile``) is read and checked by
-``solver.plan_file.load_plan`` (docs/plan.md); ``run_plan`` then refuses what this executor
+``solver.files.plan_file.load_plan`` (docs/plan.md); ``run_plan`` then refuses what this executor
 cannot run (``_check_runnable``) before spawning anything.
 
-This module checks the plan and launches the ranks; what each rank does is :mod:`profiling.rank`
-(``engine="torch"``, described below) or :mod:`profiling.megatron_rank` (``engine="megatron"``:
+This module checks the plan and launches the ranks; what each rank does is
+:mod:`profiling.executors.base`
+(``engine="torch"``, described below) or :mod:`profiling.executors.megatron` (``engine="megatron"``:
 megatron-core runs the plan's own Megatron export, on CPU over gloo; docs/running.md).
 ``run_plan`` spawns ``pp * dp * tp`` processes (gloo on CPU, or NCCL with one GPU per rank for
 ``device="cuda"``), builds on each the full model from the same seed (so every weight equals the
@@ -39,12 +40,12 @@ Tensor parallelism (``tp > 1``, ``torch.distributed.tensor.parallel``): Megatron
 self-attention (fused ``qkv`` column-parallel with its rows regrouped so that each TP rank holds
 whole heads of q, k and v, ``proj`` row-parallel, the module's head counts set to the local ones)
 and MLP (``fc1`` column-parallel, gate and up regrouped for SwiGLU; ``fc2`` row-parallel).
-Vocabularies of at least ``profiling.tensor_parallel.VOCAB_PARALLEL_MIN_ROWS`` rows are split by
-rows: the token embedding row-parallel, the LM head column-parallel with its logits left sharded
+Vocabularies of at least ``profiling.trace.tensor_parallel.VOCAB_PARALLEL_MIN_ROWS`` rows are split
+by rows: the token embedding row-parallel, the LM head column-parallel with its logits left sharded
 and the cross-entropy run under ``loss_parallel``. Norms, position tables and smaller
 vocabularies stay replicated. This is the split the cost model assumes (``tp_params``): on
 gpt-tiny the measured weights equal the prediction to the byte (tests). See
-``profiling.parallelize``.
+``profiling.executors.parallelize``.
 
 Data parallelism over ``dp > 1`` by ZeRO stage: 0 DDP; 1 DDP + ``ZeroRedundancyOptimizer`` (Adam
 state sharded); 2 FSDP2 ``fully_shard(reshard_after_forward=False)`` (gradients and Adam state
@@ -67,7 +68,8 @@ with ``return_outputs=False`` (else the last stage keeps every micro-batch's out
 persist between steps (``zero_grad(set_to_none=False)``, as Megatron's and DeepSpeed's buffers do)
 and DDP keeps them in its buckets (``gradient_as_bucket_view``: no second copy).
 
-Memory: ``profiling.memory.LiveTensorTracker`` (exact live storage bytes) is active from before
+Memory: ``profiling.trace.memory.LiveTensorTracker`` (exact live storage bytes) is active from
+before
 the parallel wrappers, the stage and the optimizer are built; its peak is reset at the start of
 every iteration and the last iteration's peak is reported, with the plan's
 ``stages[i].peak_bytes`` next to it. Gradients that FSDP2 (or ``replicate``) writes are tagged
@@ -79,7 +81,7 @@ tracker takes 21-30% of it on gpt-tiny on a CPU, benchmarks/bench_clean_timing.m
 them ``step_iterations`` clean iterations run with the tracker closed (no dispatch mode,
 saved-tensor or gradient hooks, no storage tagging), each started on every rank after a
 barrier, and ``RankReport.step_ms`` is the slowest rank's time of each
-(:func:`profiling.rank.clean_steps`): the step time to compare with the plan's
+(:func:`profiling.executors.base.clean_steps`): the step time to compare with the plan's
 ``iteration_ms``. Each rank runs with ``threads`` CPU threads (:func:`rank_threads`: the count
 the graph's layer times were measured with, ``meta.timing.threads``, when the plan's graph file
 records it; else ``cpu_count // world``), reported as ``RankReport.threads``.
@@ -91,7 +93,7 @@ divide. For a zoo
 preset the model's layers must form a chain (each takes the previous one's output, the last takes
 ``(hidden, targets)``: the GPT/Llama presets); a DAG preset such as t5-tiny fails inside the
 ranks, which ``run_plan`` reports as ``RunError``. Any other model (``hf:NAME``,
-``package.module:factory``, T5 included) is cut by tracing: :mod:`profiling.traced_rank`
+``package.module:factory``, T5 included) is cut by tracing: :mod:`profiling.executors.traced`
 (docs/running.md). Use dropout 0 for runs compared with a single process
 or with predictions (the CPU dropout kernels differ from GPU ones, and dropout masks draw random
 numbers in a different order).
@@ -115,28 +117,28 @@ from typing import Any
 import torch
 
 import models
-from profiling.export import MAX_THREADS, resolve_spec
-from profiling.parallelize import (
-    tensor_parallel_pairs,
-    vocabulary_parallel_paths,
-    vocabulary_sizes,
-)
-from profiling.rank import (
+from profiling.executors.base import (
     RankReport,
     RunJob,
     model_spec,
     rank_worker,
 )
-from profiling.traced_rank import check_traced_plan
+from profiling.executors.parallelize import (
+    tensor_parallel_pairs,
+    vocabulary_parallel_paths,
+    vocabulary_sizes,
+)
+from profiling.executors.traced import check_traced_plan
+from profiling.export import MAX_THREADS, resolve_spec
 from solver.errors import InputError, PlannerError, RunError, quote
-from solver.plan_file import PlanFile, load_plan
+from solver.files.plan_file import PlanFile, load_plan
 from solver.specs import SCHEDULES as SCHEDULES  # re-exported: the names profiling.run had
 from solver.specs import ZERO_STAGES as ZERO_STAGES
 from solver.specs import ParallelConfig
 
 ENGINES = ("torch", "megatron")
-"""torch: torch.distributed.pipelining (:mod:`profiling.rank`); megatron: megatron-core
-(:mod:`profiling.megatron_rank`)."""
+"""torch: torch.distributed.pipelining (:mod:`profiling.executors.base`); megatron: megatron-core
+(:mod:`profiling.executors.megatron`)."""
 RECOMPUTE = ("none", "full")
 """The recompute modes (of ``solver.specs.RECOMPUTE_MODES``) this executor runs."""
 DEVICES = ("cpu", "cuda")
@@ -157,7 +159,7 @@ def _check_runnable(
 ) -> None:
     """InputError naming the field, unless ``engine`` can run the (checked) plan on ``spec``:
     the plan's model and layers, few enough processes, and what the engine supports. ``traced``:
-    a model that is not a zoo preset (:func:`profiling.traced_rank.check_traced_plan`)."""
+    a model that is not a zoo preset (:func:`profiling.executors.traced.check_traced_plan`)."""
     config = plan.config
     pp, tp, dp = config.pp, config.tp, config.dp
     if engine not in ENGINES:
@@ -229,8 +231,8 @@ def _check_torch(spec: models.ModelSpec, config: ParallelConfig) -> None:
 
 def _check_sequence_parallel(spec: models.ModelSpec, tp: int) -> None:
     """What the torch engine's sequence parallelism runs: a dense GPT/Llama preset (a chain of
-    embedding, blocks and LM head, ``profiling.parallelize.apply_sequence_parallel``) whose
-    sequence the tp ranks split evenly."""
+    embedding, blocks and LM head, ``profiling.executors.parallelize.apply_sequence_parallel``)
+    whose sequence the tp ranks split evenly."""
     config = spec.config
     if not isinstance(config, models.gpt.GPTConfig):
         raise InputError(
@@ -254,13 +256,13 @@ def _check_megatron(spec: models.ModelSpec, plan: PlanFile) -> None:
     with a Megatron export that Megatron can take, a GPT/Llama preset whose heads, KV heads,
     vocabulary and MLP width the TP degree divides, 1F1B, ZeRO 0 or 1 (the distributed
     optimizer), and bf16 or fp32 weights."""
-    from profiling.megatron_model import (
+    from profiling.executors.megatron import plan_dtype_of
+    from profiling.executors.megatron_model import (
         check_model,
         megatron_settings,
         require_megatron,
         transformer_config,
     )
-    from profiling.megatron_rank import plan_dtype_of
 
     config = plan.config
     require_megatron()
@@ -351,7 +353,7 @@ def _check_interleaving(config: ParallelConfig) -> None:
 def virtual_stage_layers(plan: dict[str, Any] | PlanFile) -> list[list[str]]:
     """The layer names of each (virtual) stage in pipeline order: with v chunks per rank,
     virtual stage j is chunk j // pp of rank j % pp (``stages[r].chunks``); else
-    ``stages[r].layers`` (:attr:`solver.plan_file.PlanFile.virtual_stage_layers`)."""
+    ``stages[r].layers`` (:attr:`solver.files.plan_file.PlanFile.virtual_stage_layers`)."""
     return load_plan(plan).virtual_stage_layers
 
 
@@ -423,8 +425,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-RANK_PRELOAD = ("profiling.rank_preload",)
-"""The modules the ranks' fork server imports once (``profiling.rank_preload``)."""
+RANK_PRELOAD = ("profiling.executors.preload",)
+"""The modules the ranks' fork server imports once (``profiling.executors.preload``)."""
 
 
 def _rank_context():
@@ -494,12 +496,12 @@ def run_plan(
 ) -> list[RankReport]:
     """Train ``iterations`` steps of ``model`` with ``plan`` on ``pp * dp * tp`` local processes.
 
-    ``model``: a zoo preset (cut by hand, :mod:`profiling.rank`), or ``hf:NAME`` or
+    ``model``: a zoo preset (cut by hand, :mod:`profiling.executors.base`), or ``hf:NAME`` or
     ``package.module:factory`` (cut by tracing with ``torch.distributed.pipelining.pipeline`` at
-    the plan's layers, :mod:`profiling.traced_rank`); ``overrides`` are its ``--set`` fields.
+    the plan's layers, :mod:`profiling.executors.traced`); ``overrides`` are its ``--set`` fields.
 
     ``plan``: a plan or evaluation document (a path, a parsed dict or a
-    :class:`solver.plan_file.PlanFile`), checked by :func:`solver.plan_file.load_plan`.
+    :class:`solver.files.plan_file.PlanFile`), checked by :func:`solver.files.plan_file.load_plan`.
     Returns one ``RankReport`` per rank, in rank order. ``seq`` defaults to the model's
     ``seq_len``; ``max_processes`` to ``max(4, 2 * cpu_count)``. ``device``: ``"cpu"`` (gloo) or
     ``"cuda"`` (NCCL, rank r on ``cuda:{r % device_count}``, one GPU per rank). ``threads``:

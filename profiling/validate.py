@@ -31,7 +31,7 @@ from solver.cli.common import (
 )
 from solver.cli.terminal import interrupted
 from solver.errors import PlannerError
-from solver.plan_file import load_plan
+from solver.files.plan_file import load_plan
 
 TOLERANCE_EXCEEDED = 6
 MAX_TIMEOUT_S = 7 * 24 * 3600.0

@@ -142,7 +142,7 @@ def moe_rows(progress) -> list[dict]:
     from profiling.export import export_graph
     from profiling.run import run_plan
     from solver import Cluster, TrainingConfig, plan
-    from solver.report import plan_to_dict
+    from solver.report.plan_report import plan_to_dict
 
     graph = export_graph("moe-tiny", dtype="fp32", overrides=MOE_OVERRIDES)
     rows = []
@@ -206,7 +206,8 @@ def moe_section(rows: list[dict]) -> list[str]:
         "",
         f"moe-tiny {MOE_OVERRIDES}, fp32 with Adam (4, 4, 8 bytes per parameter), global batch "
         "16 in micro-batches of 2; megatron-core's MoELayer (all-to-all dispatcher over gloo, "
-        "SequentialMLP experts, E/ep experts per rank; profiling/megatron_moe.py). Target for "
+        "SequentialMLP experts, E/ep experts per rank; profiling/executors/megatron_moe.py). "
+        "Target for "
         "the analytic model: median 2%, max 5%.",
         "",
         "Engine difference (docs/running.md): without a GPU there is no grouped GEMM "
@@ -244,7 +245,7 @@ HF_LAYOUTS = [
     ("t5", 3, [5, 3, 2], "1f1b", "bf16"),
 ]
 """HF rows: 35 ranks, global batch 8 in micro-batches of 1 (m = 8), traced and run by
-``profiling.run.run_plan`` (profiling/traced_rank.py)."""
+``profiling.run.run_plan`` (profiling/executors/traced.py)."""
 
 
 def hf_rows(progress) -> list[dict]:
@@ -252,7 +253,7 @@ def hf_rows(progress) -> list[dict]:
     from profiling.export import export_graph
     from profiling.run import run_plan
     from solver import ParallelConfig, TrainingConfig, evaluate, plan
-    from solver.report import evaluation_to_dict, plan_to_dict
+    from solver.report.plan_report import evaluation_to_dict, plan_to_dict
     from solver.specs import Cluster
 
     rows = []
@@ -297,7 +298,7 @@ def hf_section(rows: list[dict]) -> list[str]:
         "`HF_MODELS`), seq 64, global batch 8 in 8 micro-batches, foreach Adam; `--precision fp32` "
         "(4, 4, 8 bytes per parameter) and `bf16` (pure bf16: 2, 2, 4, torch's Adam keeps its "
         "state in the weights' dtype); cut by `pipeline()` at the plan's layers "
-        "(profiling/traced_rank.py). Target for the analytic model: median 2%, max 5%.",
+        "(profiling/executors/traced.py). Target for the analytic model: median 2%, max 5%.",
         "",
         f"Over {len(rows)} ranks of {len(HF_LAYOUTS)} plans: analytic model {spread(errors)}.",
         "",

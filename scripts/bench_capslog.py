@@ -20,7 +20,7 @@ as in ``scripts/bench_empirical.py``: ``mem_added`` uniform in 1..100 MB, ``mem_
 surplus is the same for every layer). L = 24..200 layers, G = 8, 16, 32 stages (G <= L), two
 draws each.
 
-Ours: ``solver.graph.graph_from_dict`` + ``solver.planner.plan`` in process, with
+Ours: ``solver.graph.graph_from_dict`` + ``solver.search.planner.plan`` in process, with
 ``memory_model="empirical"`` (a stage's peak = mem_isolated of its first layer + mem_added of
 the others: the model CAPSlog predicts with), pinned to pp = G, tp 1, dp 1, micro-batch 1,
 G micro-batches, other options default. Each time is the median of ``--repeats`` runs (wall
@@ -59,7 +59,7 @@ from tables import markdown_table, write_report  # noqa: E402  (scripts/ is on s
 
 from solver import Cluster, TrainingConfig  # noqa: E402
 from solver.graph import graph_from_dict  # noqa: E402
-from solver.planner import plan  # noqa: E402
+from solver.search.planner import plan  # noqa: E402
 
 COMMAND = "python scripts/bench_capslog.py"
 CAPSLOG_GIT = Path("/work/.mirror/henkdr+CAPSlog/repo")

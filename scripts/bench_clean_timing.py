@@ -70,7 +70,7 @@ COLUMNS = [
 def _plan_document(graph, pp: int, m: int, schedule: str, split: list[int] | None) -> dict:
     """The plan (or evaluation) document of one layout, micro-batch 1, torch runtime."""
     from solver import Cluster, ParallelConfig, TrainingConfig, evaluate, plan
-    from solver.report import evaluation_to_dict, plan_to_dict
+    from solver.report.plan_report import evaluation_to_dict, plan_to_dict
 
     training = TrainingConfig(
         global_batch=m,

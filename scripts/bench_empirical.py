@@ -4,7 +4,7 @@
 
 Both plan with the same model, ``memory_model="empirical"`` (a stage holds mem_isolated of its
 first layer + mem_added of the others, docs/cost-model.md): our exact chain solver, and
-``solver.baselines.capslog_split`` (binary search on a threshold over the fill-first greedy).
+``solver.report.baselines.capslog_split`` (binary search on a threshold over the fill-first greedy).
 
 - random statistics: 200 chains of 24-96 layers, 4-16 stages, mem_added uniform, the first-layer
   surplus mem_isolated - mem_added uniform in [0, 2 x mean added] (the greedy is exact only when
@@ -35,9 +35,9 @@ from tables import markdown_table  # noqa: E402  (scripts/ is on sys.path when r
 from solver import Cluster, TrainingConfig  # noqa: E402
 from solver.backends.chain import solve_chain  # noqa: E402
 from solver.backends.problem import StageProblem  # noqa: E402
-from solver.baselines import capslog_split  # noqa: E402
-from solver.cost_model import layer_costs, stage_costs  # noqa: E402
+from solver.costs import layer_costs, stage_costs  # noqa: E402
 from solver.graph import LayerGraph, graph_from_dict, load_graph  # noqa: E402
+from solver.report.baselines import capslog_split  # noqa: E402
 from solver.specs import ParallelConfig  # noqa: E402
 
 CLUSTER = Cluster(num_gpus=1, gpu_memory_bytes=2**50)

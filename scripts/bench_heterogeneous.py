@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 from tables import markdown_table, write_report  # noqa: E402  (scripts/ is sys.path[0] when run as a script)
 
 from solver import InfeasibleError, TrainingConfig, load_graph, plan  # noqa: E402
-from solver.cluster_file import cluster_from_dict  # noqa: E402
 from solver.errors import NoSolutionError  # noqa: E402
+from solver.files.cluster_file import cluster_from_dict  # noqa: E402
 
 GIB = 2**30
 CASES = ((128, 512), (256, 512), (512, 2048))

@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 from tables import markdown_table, write_report  # noqa: E402  (scripts/ is sys.path[0] when run as a script)
 
 from solver import Cluster, InfeasibleError, TrainingConfig, load_graph, plan  # noqa: E402
-from solver.cost_model import routing_factor  # noqa: E402
-from solver.moe import routed_experts  # noqa: E402
+from solver.costs import routing_factor  # noqa: E402
+from solver.costs.moe import routed_experts  # noqa: E402
 from solver.reserve import DEFAULT_RESERVE  # noqa: E402
 
 GIB = 2**30

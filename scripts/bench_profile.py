@@ -32,7 +32,7 @@ TARGETS = ("gpt3-175b", "llama2-70b")
 def cases() -> list[tuple[str, list[str]]]:
     """Every zoo preset but the tiny ones (tests cover those), plus the bundled hf: configs."""
     import models
-    from profiling.hf import bundled_configs
+    from profiling.hf.models import bundled_configs
 
     zoo = [(name, []) for name in models.presets() if not name.endswith("-tiny")]
     return zoo + [(f"hf:{name}", []) for name in bundled_configs()]

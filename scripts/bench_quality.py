@@ -4,8 +4,8 @@
 
 For each case (a zoo preset profiled with fake tensors, bf16, batch 1; a cluster; a global batch)
 ``solver.plan`` runs with its default options (max slowdown 1.25, ZeRO 0, micro-batch 1/2/4, no
-recompute), then every partitioner of ``solver.baselines.PARTITIONERS`` splits the SAME config
-(pp, tp, dp, micro-batch), and the cost model evaluates each split: peak, whether it fits,
+recompute), then every partitioner of ``solver.report.baselines.PARTITIONERS`` splits the SAME
+config (pp, tp, dp, micro-batch), and the cost model evaluates each split: peak, whether it fits,
 throughput, and our reduction of the peak in %. Then the largest GPT-3-shaped model (hidden
 12288, 96 heads, sequence 2048) that fits on 64 x 80 GiB GPUs, by binary search on the block count,
 for our plan and for the best config of each chain partitioner (mCAP's "1.55x larger models").
@@ -34,17 +34,17 @@ from tables import markdown_table, write_report  # noqa: E402  (scripts/ is sys.
 from solver import Cluster, InfeasibleError, TrainingConfig, graph_from_dict, load_graph, plan  # noqa: E402
 from solver.backends import resolve_backend, solve  # noqa: E402
 from solver.backends.problem import StageProblem  # noqa: E402
-from solver.baselines import (  # noqa: E402
+from solver.costs import layer_costs, stage_costs  # noqa: E402
+from solver.evaluation import evaluate_assignment, evaluate_partitioners  # noqa: E402
+from solver.report.baselines import (  # noqa: E402
     PARTITIONER_SOURCES,
     PARTITIONERS,
     even_split,
     parameter_balanced_split,
     uniform_split,
 )
-from solver.cost_model import layer_costs, stage_costs  # noqa: E402
-from solver.evaluation import evaluate_assignment, evaluate_partitioners  # noqa: E402
-from solver.report import meets_throughput  # noqa: E402
-from solver.search import build_entries  # noqa: E402
+from solver.report.plan_report import meets_throughput  # noqa: E402
+from solver.search.config_search import build_entries  # noqa: E402
 
 GIB = 2**30
 TARGETS = {"even": 30.0, "parameters": 20.0}
@@ -261,7 +261,7 @@ def recompute_rows(graphs: GraphCache) -> list[dict]:
 
 def mixed_cluster_rows(graphs: GraphCache) -> list[dict]:
     """GPT-3 175B on a 40/80 GiB mix (absolute peak and max utilization) vs all 40 GiB."""
-    from solver.cluster_file import cluster_from_dict
+    from solver.files.cluster_file import cluster_from_dict
 
     graph = graphs.get("gpt3-175b")
     training = TrainingConfig(global_batch=256)

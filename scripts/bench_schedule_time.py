@@ -7,7 +7,7 @@ no p2p time): an embedding (forward 0.3 ms), 16 blocks (1 ms) and an LM head wit
 (1.5 ms), backward twice the forward. For pp 2, 3, 4, m 4 and 8, 1F1B and GPipe, Megatron's
 even split and two uneven ones (front stages lighter, as the memory-optimal plans make them),
 it compares ``solver.evaluate``'s ``iteration_ms`` (the bubble formula (m + p - 1) max_s T_s)
-with ``solver.schedule_time.simulated_iteration_ns`` (the schedule's own order of forwards and
+with ``solver.costs.schedule_time.simulated_iteration_ns`` (the schedule's own order of forwards and
 backwards, event by event), and, in a second table, interleaved 1F1B (v 2) against its formula
 m max_r T_r + (p - 1) max_j T_j. ``--torch`` also runs torch's own ``Schedule1F1B`` /
 ``ScheduleGPipe`` over gloo on this machine with stages that sleep known forward and backward
@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT))
 from tables import markdown_table, write_report  # noqa: E402  (scripts/ is sys.path[0] when run as a script)
 
 from solver import Cluster, ParallelConfig, TrainingConfig, evaluate  # noqa: E402
-from solver.cost_model import layer_costs  # noqa: E402
+from solver.costs import layer_costs  # noqa: E402
+from solver.costs.schedule_time import schedule_timeline, simulate_schedule  # noqa: E402
 from solver.graph import graph_from_dict  # noqa: E402
-from solver.schedule_time import schedule_timeline, simulate_schedule  # noqa: E402
 
 COMMAND = "python scripts/bench_schedule_time.py"
 FORWARD_MS = [0.3] + [1.0] * 16 + [1.5]
@@ -295,7 +295,8 @@ def main() -> int:
         "16 blocks 1 ms, head + loss 1.5 ms (forward; backward twice that), tp 1, dp 1,",
         "micro-batch 1. *formula*: `solver.evaluate`'s `iteration_ms`, (m + p - 1) max_s T_s",
         "(interleaved: m max_r T_r + (p - 1) max_j T_j). *simulated*:",
-        "`solver.schedule_time.simulated_iteration_ns`, the schedule's own order of forwards and",
+        "`solver.costs.schedule_time.simulated_iteration_ns`, the schedule's own order of forwards "
+        "and",
         'backwards run event by event (docs/cost-model.md, "Iteration time by schedule',
         'simulation"). *formula above %*: (formula - simulated) / simulated. *bubble sim %*: the',
         "ranks' idle share of the simulated iteration.",

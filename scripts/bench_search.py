@@ -6,8 +6,8 @@ hybrid searches.
 1. Per-config solves (memory objective, no constraint; pp = stages, tp 1, dp 2, b 1, m = 4 p,
    1F1B) on GPT-style chains and on chains with random per-layer statistics, 12..2000 layers x
    4..128 stages: wall time of ``solver.backends.chain.solve_chain`` (exact), of
-   ``solver.baselines.capslog_split`` (threshold search + fill-first greedy) with its peak over
-   the optimum, and of a brute-force enumeration of every contiguous split (mCAP's exhaustive
+   ``solver.report.baselines.capslog_split`` (threshold search + fill-first greedy) with its peak
+   over the optimum, and of a brute-force enumeration of every contiguous split (mCAP's exhaustive
    search; vectorised numpy, run only where it has at most ``BRUTE_FORCE_MAX`` splits, about 20 s
    here, otherwise its time is extrapolated from the measured rate and marked as an estimate).
 2. Full hybrid searches (``solver.plan``, default options: every pp x tp x dp, micro-batch 1/2/4)
@@ -45,9 +45,9 @@ from tables import markdown_table, write_report  # noqa: E402
 from solver import Cluster, InfeasibleError, ParallelConfig, TrainingConfig, plan  # noqa: E402
 from solver.backends.chain import solve_chain  # noqa: E402
 from solver.backends.problem import StageProblem  # noqa: E402
-from solver.baselines import capslog_split  # noqa: E402
-from solver.cost_model import LayerCosts, layer_costs, stage_costs  # noqa: E402
+from solver.costs import LayerCosts, layer_costs, stage_costs  # noqa: E402
 from solver.graph import graph_from_dict  # noqa: E402
+from solver.report.baselines import capslog_split  # noqa: E402
 
 GIB = 2**30
 BRUTE_FORCE_MAX = 5_000_000

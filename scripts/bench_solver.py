@@ -28,8 +28,8 @@ from tables import markdown_table, write_report  # noqa: E402
 from solver import Cluster, InfeasibleError, ParallelConfig, TrainingConfig, plan  # noqa: E402
 from solver.backends.chain import solve_chain  # noqa: E402
 from solver.backends.problem import StageProblem  # noqa: E402
-from solver.cost_model import layer_costs  # noqa: E402
-from solver.report import meets_throughput  # noqa: E402
+from solver.costs import layer_costs  # noqa: E402
+from solver.report.plan_report import meets_throughput  # noqa: E402
 
 GIB = 2**30
 # total layers (blocks + embedding + head) -> hidden size, heads: realistic shapes per depth

@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from profiling.export import export_graph
     from solver.graph import load_graph, timing_of
-    from solver.report import evaluation_to_dict
+    from solver.report.plan_report import evaluation_to_dict
 
     repeats = args.repeats or (2 if args.quick else 5)
     layouts = [lay for lay in LAYOUTS if not args.quick or lay.name in QUICK]

@@ -51,7 +51,7 @@ TINY = {
 
 def spec_of(name: str, tiny: bool):
     import models
-    from profiling.hf import hf_spec
+    from profiling.hf.models import hf_spec
 
     kind, overrides, batch, seq = CASES[name]
     overrides = {**overrides, **(TINY[name] if tiny else {})}
@@ -63,9 +63,9 @@ def spec_of(name: str, tiny: bool):
 def check(name: str, device, tiny: bool) -> dict:
     import torch
 
-    from profiling.cuda_attention import cuda_like_kernels
-    from profiling.memory import LiveTensorTracker
-    from profiling.profile import profile_module
+    from profiling.trace.cuda_attention import cuda_like_kernels
+    from profiling.trace.memory import LiveTensorTracker
+    from profiling.trace.profile import profile_module
     from solver import Cluster, ParallelConfig, TrainingConfig, evaluate
 
     spec, batch, seq = spec_of(name, tiny)

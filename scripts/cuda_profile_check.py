@@ -54,7 +54,7 @@ def check(name: str, overrides: dict, batch: int, device) -> dict:
     import torch
 
     import models
-    from profiling.profile import profile_module
+    from profiling.trace.profile import profile_module
     from solver import Cluster, ParallelConfig, TrainingConfig, evaluate
 
     spec = models.get(name, **overrides)

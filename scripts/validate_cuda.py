@@ -61,7 +61,7 @@ def main() -> int:
     from profiling.export import export_graph
     from profiling.run import run_plan
     from solver import Cluster, plan
-    from solver.report import plan_to_dict
+    from solver.report.plan_report import plan_to_dict
 
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():

@@ -11,14 +11,14 @@
 The solver never imports torch.
 """
 
-from solver.cluster_file import load_cluster
 from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate
+from solver.files.cluster_file import load_cluster
+from solver.files.plan_file import PlanFile, evaluate_plan, load_plan
 from solver.graph import Edge, Layer, LayerGraph, graph_from_dict, load_graph
-from solver.plan_file import PlanFile, evaluate_plan, load_plan
-from solver.planner import Plan, plan
 from solver.precision import OPTIMIZERS, PRECISIONS
 from solver.reserve import DEFAULT_RESERVE, MemoryReserve, default_reserve, parse_reserve
+from solver.search.planner import Plan, plan
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Statistical calibration of the memory cost model against measured peaks (as in CAPTURE).
 
-The analytic model (``solver.cost_model``) predicts a stage's peak as the sum of six components,
+The analytic model (``solver.costs``) predicts a stage's peak as the sum of six components,
 ``StageCost.breakdown()``: weights, grads, optimizer, activations, buffers, transient. A
 :class:`Calibration` multiplies each component by a scale and adds a per-GPU constant:
 
@@ -8,7 +8,7 @@ The analytic model (``solver.cost_model``) predicts a stage's peak as the sum of
 
 Each scaled component is rounded up on its own (exactly: the float scale is converted to a
 fraction first), so a calibration with every scale 1 and constant 0 gives the analytic peak to the
-byte. ``solver.cost_model`` applies the same scales to its per-layer coefficients (rounding up per
+byte. ``solver.costs`` applies the same scales to its per-layer coefficients (rounding up per
 layer), so its stage totals may exceed :meth:`Calibration.apply` of the analytic breakdown by less
 than one byte per layer per component.
 
@@ -33,8 +33,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from solver.errors import InputError, quote
-from solver.jsonfile import read_json
-from solver.output_file import check_output, write_json_file
+from solver.files.jsonfile import read_json
+from solver.files.output_file import check_output, write_json_file
 
 COMPONENTS = ("weights", "grads", "optimizer", "activations", "buffers", "transient")
 """The keys of ``StageCost.breakdown()``; a calibration scales each one."""
@@ -162,7 +162,8 @@ class Calibration:
 def write_calibration(
     path: str | Path, calibration: Calibration, *, force: bool = False, flag: str = ""
 ) -> None:
-    """Write ``calibration.to_dict()`` as JSON by the one writing path (``solver.output_file``:
+    """Write ``calibration.to_dict()`` as JSON by the one writing path
+    (``solver.files.output_file``:
     atomic for a regular file); refuse to replace an existing regular file unless ``force``.
     ``flag`` ('--out') starts the messages."""
     destination = check_output(path, flag=flag)

@@ -25,7 +25,7 @@ class InfeasibleError(PlannerError):
     """No configuration fits the constraints. Exit code 3.
 
     ``best_peak_bytes`` is the smallest peak found (or a lower bound) and ``suggested_gpus`` the
-    smallest GPU count that fits (``solver.planner.smallest_fitting_gpus``; when its search
+    smallest GPU count that fits (``solver.search.planner.smallest_fitting_gpus``; when its search
     stopped at the time limit, the smallest count it found to fit; None when none was).
     """
 
@@ -73,7 +73,7 @@ class RunError(PlannerError):
 class OutputError(PlannerError):
     """An output file could not be written after the work was done (a full disk, ``/dev/full``,
     an I/O error); an existing file is left as it was and no temporary file remains
-    (``solver.output_file``). A bad output path found before the work is an ``InputError``.
+    (``solver.files.output_file``). A bad output path found before the work is an ``InputError``.
     Exit code 7."""
 
     exit_code = 7

@@ -5,9 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from solver.baselines import BASELINES, PARTITIONERS, counts_to_assignment
-from solver.candidates import check_interleaving, interleaving_fits, sequence_parallel
-from solver.cost_model import (
+from solver.costs import (
     LayerCosts,
     StageCost,
     iteration_bound_ns,
@@ -17,12 +15,14 @@ from solver.cost_model import (
     throughput,
     utilization_ppm,
 )
+from solver.costs.moe import check_expert_degree
+from solver.costs.schedule_time import stages_iteration_ns
 from solver.errors import InputError
 from solver.graph import LayerGraph
-from solver.moe import check_expert_degree
 from solver.precision import for_graph
+from solver.report.baselines import BASELINES, PARTITIONERS, counts_to_assignment
 from solver.reserve import check_usable
-from solver.schedule_time import stages_iteration_ns
+from solver.search.candidates import check_interleaving, interleaving_fits, sequence_parallel
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
 
@@ -37,7 +37,7 @@ class Evaluation:
     stage_of_layer: list[int]
     stages: list[StageCost]
     iteration_ns: int
-    """The simulated iteration (``solver.schedule_time``): its pipeline schedule run action by
+    """The simulated iteration (``solver.costs.schedule_time``): its pipeline schedule run action by
     action with the stages' forward and backward times, the transfers, the data-parallel
     sync and the optimizer step."""
     iteration_bound_ns: int = 0

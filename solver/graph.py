@@ -24,7 +24,7 @@ import jsonschema
 import networkx as nx
 
 from solver.errors import InputError, quote
-from solver.jsonfile import check_name, read_json, schema_message
+from solver.files.jsonfile import check_name, read_json, schema_message
 
 INTEGER_FIELDS = (
     "params",
@@ -245,8 +245,8 @@ class LayerGraph:
         return document
 
     def save(self, path: str | Path) -> None:
-        """Write ``to_dict()`` as JSON by the one writing path (solver.output_file)."""
-        from solver.output_file import write_json_file
+        """Write ``to_dict()`` as JSON by the one writing path (solver.files.output_file)."""
+        from solver.files.output_file import write_json_file
 
         write_json_file(path, self.to_dict())
 
@@ -265,8 +265,8 @@ class LayerGraph:
 def timing_of(graph: LayerGraph) -> dict[str, Any] | None:
     """``meta.timing`` (checked by the schema): how the layer times were measured, with
     ``threads`` (``torch.get_num_threads()`` then) and ``device``, and the step-time terms a real
-    profile measured with them (``profiling.time_terms``): ``optimizer_step_ns_per_param`` (one
-    Adam step, ns per parameter element; float) and ``microbatch_overhead_ns`` (ns per
+    profile measured with them (``profiling.trace.time_terms``): ``optimizer_step_ns_per_param``
+    (one Adam step, ns per parameter element; float) and ``microbatch_overhead_ns`` (ns per
     micro-batch per pipeline stage beyond the layer times, >= 0; float; absent when it could not
     be measured). None when the graph does not say (a fake-tensor profile, a hand-written or
     older graph); a graph profiled before these terms existed has ``meta.timing`` without them."""

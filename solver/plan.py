@@ -1,12 +1,12 @@
 """``python -m solver.plan GRAPH.json --gpus N --global-batch B ...``: see solver/cli/plan.py.
 
-Imported, this module calls :func:`solver.planner.plan` (``solver.plan`` is also the API
+Imported, this module calls :func:`solver.search.planner.plan` (``solver.plan`` is also the API
 function; see solver/cli/entry.py)."""
 
 from solver.cli.entry import make_callable
 from solver.cli.plan import plan_main
 from solver.cli.terminal import exit_process
-from solver.planner import plan
+from solver.search.planner import plan
 
 make_callable(__name__, plan)
 

@@ -7,7 +7,7 @@ reports a peak, a time or a split inconsistent with the cost model is caught.
 from __future__ import annotations
 
 from solver.evaluation import evaluate
-from solver.planner import Plan
+from solver.search.planner import Plan
 
 
 def check_plan(plan: Plan) -> list[str]:

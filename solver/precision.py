@@ -26,8 +26,8 @@ Sources, word by word:
 - **fp32**: weights, gradients and every optimizer state in fp32, no master copy. torch.optim's
   Adam/AdamW create ``exp_avg`` and ``exp_avg_sq`` with ``torch.zeros_like(param)`` (the
   parameter's dtype), SGD with momentum one ``momentum_buffer``, plain SGD none. Measured: the
-  torch executor (``profiling.rank``: its model is built in torch's default dtype, fp32, and
-  trained with ``torch.optim.Adam``) and the megatron executor's fp32 runs hold 4 + 4 + 8
+  torch executor (``profiling.executors.base``: its model is built in torch's default dtype, fp32,
+  and trained with ``torch.optim.Adam``) and the megatron executor's fp32 runs hold 4 + 4 + 8
   (``tests/test_megatron.py``).
 - **bf16** (pure bf16, no master copy): the same torch optimizers on bf16 parameters keep their
   states in bf16 (``zeros_like``); what ``scripts/cuda_memory_check.py`` measures (2, 2, 4 with
@@ -39,7 +39,7 @@ Sources, word by word:
   (``Float16OptimizerWithFloat16Params``, or the distributed optimizer) keeps an fp32 master copy
   and fp32 moments (4 + 4 m). Megatron-LM's distributed-optimizer guide
   (``docs/api-guide/dist_optimizer.md``) gives 18 bytes (6 + 12/d sharded) for Adam; the megatron
-  executor (``profiling.megatron_rank``: ``Float16Module``, ``grad_reduce_in_fp32``,
+  executor (``profiling.executors.megatron``: ``Float16Module``, ``grad_reduce_in_fp32``,
   ``get_megatron_optimizer(bf16=True)``) measures exactly 2 + 4 + 12.
 - **bf16-mixed on torch**: the ZeRO paper's mixed-precision Adam (Rajbhandari et al. 2020,
   section 3.1: "2Ψ + 2Ψ + 12Ψ"): 16-bit weights and gradients, an fp32 master copy and fp32

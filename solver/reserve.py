@@ -1,6 +1,6 @@
 """Usable GPU memory: the capacity less what a GPU never gives the training job.
 
-A stage's peak (``solver.cost_model``) counts the tensors the job allocates. The GPU also holds
+A stage's peak (``solver.costs``) counts the tensors the job allocates. The GPU also holds
 memory the cost model does not see, so the memory a plan may fill is
 
     usable = capacity - reserve,  reserve = fixed_bytes + ceil(fraction * capacity)

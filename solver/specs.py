@@ -14,7 +14,7 @@ from typing import Any
 
 from solver.calibration import Calibration
 from solver.errors import InputError, quote
-from solver.jsonfile import check_name
+from solver.files.jsonfile import check_name
 from solver.precision import (
     BYTE_FIELDS,
     DEFAULT_OPTIMIZER_IMPL,
@@ -107,7 +107,8 @@ MOE_DROPLESS = "dropless"
 
 @dataclass(kw_only=True, frozen=True)
 class NodeGroup:
-    """Identical nodes of a heterogeneous cluster (``solver.cluster_file``, docs/cluster.md)."""
+    """Identical nodes of a heterogeneous cluster (``solver.files.cluster_file``,
+    docs/cluster.md)."""
 
     name: str
     """Shown in plans (e.g. "a100-40g")."""
@@ -171,7 +172,7 @@ class Cluster:
     the graph has no profiled one (``cost_model._optimizer_step_ns``)."""
     p2p_latency_us: float = 0.0
     """Latency of one pipeline send between two ranks, us, added to its bytes / bandwidth in the
-    schedule simulation (``solver.schedule_time``); 0 by default (NCCL within a node: ~10 us,
+    schedule simulation (``solver.costs.schedule_time``); 0 by default (NCCL within a node: ~10 us,
     negligible beside a stage's milliseconds; gloo on CPU: hundreds of us, measure it)."""
     groups: tuple[NodeGroup, ...] = ()
     """Node groups of a heterogeneous cluster (empty: homogeneous)."""
@@ -611,7 +612,7 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class SearchStatus:
-    """One search over the configs of a planning call (``solver.search.search``)."""
+    """One search over the configs of a planning call (``solver.search.config_search.search``)."""
 
     name: str
     """"fastest plan" (objective time) or "smallest peak" (objective memory)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from solver.cluster_file import cluster_from_dict
+from solver.files.cluster_file import cluster_from_dict
 from solver.graph import LayerGraph, graph_from_dict, load_graph
 from solver.specs import Cluster
 
@@ -178,7 +178,7 @@ def assert_placed_backends_match_brute_force(group_costs: list, rng) -> None:
     from solver.backends.cpsat import solve_cpsat
     from solver.backends.milp import solve_milp
     from solver.backends.problem import ABSOLUTE, Placement, StageProblem
-    from solver.cost_model import stage_costs
+    from solver.costs import stage_costs
 
     costs = group_costs[0]
     layers, pp = len(costs.weight_bytes), costs.config.pp

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from solver.backends.problem import OBJECTIVE_MEMORY, StageProblem
-from solver.cost_model import layer_costs
+from solver.costs import layer_costs
 from solver.graph import LayerGraph, graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import models
-from profiling.hf import hf_spec
+from profiling.hf.models import hf_spec
 
 TINY_HF_MODELS = {
     "gpt2": (

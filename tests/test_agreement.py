@@ -13,7 +13,7 @@ from solver.backends.chain import solve_chain
 from solver.backends.cpsat import solve_cpsat
 from solver.backends.milp import solve_milp
 from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, StageProblem
-from solver.cost_model import layer_costs
+from solver.costs import layer_costs
 from solver.specs import Cluster, TrainingConfig
 from tests.random_graphs import random_chain, random_config, random_dag, random_problem
 

@@ -14,7 +14,9 @@ from solver import Cluster, ParallelConfig, TrainingConfig, evaluate, graph_from
 from solver.backends import resolve_backend, solve
 from solver.backends.brute_force import solve_brute_force
 from solver.backends.problem import OBJECTIVE_TIME, StageProblem
-from solver.baselines import (
+from solver.costs import iteration_bound_ns, layer_costs, stage_costs
+from solver.evaluation import evaluate_partitioners, resolve_split
+from solver.report.baselines import (
     PARTITIONERS,
     capslog_split,
     capslog_statistics,
@@ -23,9 +25,7 @@ from solver.baselines import (
     min_max_blocks,
     uniform_split,
 )
-from solver.cost_model import iteration_bound_ns, layer_costs, stage_costs
-from solver.evaluation import evaluate_partitioners, resolve_split
-from solver.planner import plan
+from solver.search.planner import plan
 from solver.specs import RUNTIMES
 from tests.random_graphs import random_chain, random_config, random_dag, random_problem
 

@@ -15,7 +15,7 @@ import pytest
 
 from solver.backends.cpsat import CpSatFormulation
 from solver.backends.problem import OBJECTIVE_MEMORY, StageProblem
-from solver.cost_model import layer_costs, stage_costs
+from solver.costs import layer_costs, stage_costs
 from solver.errors import InputError
 from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
@@ -110,7 +110,7 @@ def test_t5_like_split_by_hand():
 def test_optimizer_step_keeps_no_gradient_buffers_of_a_constant():
     """At the optimizer step nothing is held: R0 = S0 = m, less the m gradient buffers of the
     constant (``optimizer_step_moment``)."""
-    from solver.cost_model import boundary_bytes, direct_buffer_adjustments, stage_buffer_bytes
+    from solver.costs import boundary_bytes, direct_buffer_adjustments, stage_buffer_bytes
 
     costs = costs_of(graph_of(EDGES), GPIPE)
     split = np.array([0, 0, 1])

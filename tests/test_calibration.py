@@ -23,7 +23,7 @@ from solver.calibration import (
 )
 from solver.cli import evaluate_main, plan_main
 from solver.errors import InputError
-from solver.report import plan_to_dict
+from solver.report.plan_report import plan_to_dict
 from tests.conftest import GPT_1_3B
 
 TRUE_STATES, TRUE_ACTIVATIONS, TRUE_BUFFERS, TRUE_CONSTANT = 1.07, 0.83, 1.9, 123_457

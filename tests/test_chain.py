@@ -20,7 +20,7 @@ from solver.backends.problem import (
     UNKNOWN,
     StageProblem,
 )
-from solver.cost_model import LayerCosts, bound_terms, in_flight_microbatches, layer_costs
+from solver.costs import LayerCosts, bound_terms, in_flight_microbatches, layer_costs
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from tests.random_graphs import random_chain, random_dag, random_problem
 

@@ -21,15 +21,15 @@ import pytest
 import torch
 
 from profiling import export, validate
+from profiling.executors.base import RankReport
 from profiling.export import export_graph
-from profiling.memory import CATEGORIES, LiveTensorTracker
-from profiling.rank import RankReport
 from profiling.run import format_reports, rank_threads, run_plan, step_ms
+from profiling.trace.memory import CATEGORIES, LiveTensorTracker
 from solver import Cluster, TrainingConfig, plan
 from solver.errors import InputError
+from solver.files.plan_file import load_plan
 from solver.graph import graph_from_dict, load_graph, timing_of
-from solver.plan_file import load_plan
-from solver.report import plan_to_dict
+from solver.report.plan_report import plan_to_dict
 
 GPT = {"layers": 4, "hidden": 32, "heads": 4, "seq_len": 16, "vocab_size": 96, "dropout": 0.0}
 FP32 = dict(weight_bytes_per_param=4, grad_bytes_per_param=4, optimizer_bytes_per_param=8)

@@ -15,17 +15,17 @@ import numpy as np
 import pytest
 
 from solver import Cluster, TrainingConfig, graph_from_dict, load_plan, plan
-from solver.candidates import candidate_configs, stages_per_group
 from solver.cli.evaluate import evaluate_main
 from solver.cli.plan import plan_main
-from solver.cost_model import (
+from solver.costs import (
     NS_PER_MS,
     check_context_parallel,
     layer_costs,
     ring_attention_bytes,
 )
 from solver.errors import InputError
-from solver.plan_file import evaluate_plan
+from solver.files.plan_file import evaluate_plan
+from solver.search.candidates import candidate_configs, stages_per_group
 from solver.specs import ParallelConfig
 from solver.sweep.rows import ROW_KEYS, read_rows
 from tests.conftest import cluster_group, cluster_of
@@ -251,7 +251,7 @@ def heavy_graph():
 
 
 def test_pareto_front_and_heterogeneous_clusters_take_cp():
-    from solver.pareto import pareto_front, pareto_to_dict
+    from solver.search.pareto import pareto_front, pareto_to_dict
 
     training = TrainingConfig(
         global_batch=8, cp=(1, 2, 4), max_slowdown=None, sequence_parallel="off"

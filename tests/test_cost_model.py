@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from solver.calibration import Calibration
-from solver.cost_model import (
+from solver.costs import (
     boundary_copies,
     in_flight_microbatches,
     iteration_bound_ns,
@@ -15,9 +15,9 @@ from solver.cost_model import (
     stage_costs,
     throughput,
 )
+from solver.costs.schedule_time import simulated_iteration_ns
 from solver.errors import InputError
 from solver.graph import graph_from_dict
-from solver.schedule_time import simulated_iteration_ns
 from solver.specs import GRAD_BYTES_PER_PARAM, Cluster, ParallelConfig, TrainingConfig
 
 # a -> b -> c -> d plus a skip edge a -> d (relayed through the middle stage below)

@@ -14,7 +14,6 @@ import networkx as nx
 import numpy as np
 import pytest
 
-from solver import incumbents
 from solver.backends import resolve_backend
 from solver.backends.brute_force import solve_brute_force
 from solver.backends.chain import solve_chain
@@ -38,10 +37,11 @@ from solver.backends.problem import (
     UNKNOWN,
     StageProblem,
 )
-from solver.cost_model import layer_costs
+from solver.costs import layer_costs
 from solver.errors import InputError
 from solver.graph import graph_from_dict, load_graph
-from solver.planner import plan
+from solver.search import incumbents
+from solver.search.planner import plan
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from tests.conftest import T5_DAG
 from tests.random_graphs import random_chain, random_config, random_dag, random_layer

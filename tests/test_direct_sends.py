@@ -15,7 +15,7 @@ import pytest
 from solver.backends.brute_force import solve_brute_force
 from solver.backends.cpsat import CpSatFormulation
 from solver.backends.problem import OBJECTIVE_MEMORY, StageProblem
-from solver.cost_model import boundary_bytes, layer_costs, stage_costs
+from solver.costs import boundary_bytes, layer_costs, stage_costs
 from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from tests.conftest import assert_backends_match_brute_force, t5_like_graph
@@ -188,7 +188,7 @@ def test_traced_t5_with_a_skipped_stage_matches_direct_sends():
     from profiling.export import export_graph
     from profiling.run import run_plan
     from solver import evaluate
-    from solver.report import evaluation_to_dict
+    from solver.report.plan_report import evaluation_to_dict
 
     name, seq = "tests.run_any_factories:t5_untied", 64
     overrides = {"num_layers": 2, "num_decoder_layers": 2, "d_model": 64, "d_ff": 128}

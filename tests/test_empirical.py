@@ -13,7 +13,7 @@ from solver import Cluster, TrainingConfig, evaluate, plan
 from solver.backends import solve
 from solver.backends.brute_force import solve_brute_force
 from solver.backends.problem import StageProblem
-from solver.cost_model import layer_costs, stage_costs
+from solver.costs import layer_costs, stage_costs
 from solver.errors import InputError
 from solver.graph import graph_from_dict
 from solver.specs import ParallelConfig

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from solver.cli import evaluate_main, plan_main
-from solver.cost_model import layer_costs, stage_costs
+from solver.costs import layer_costs, stage_costs
 from solver.evaluation import recompute_flags
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from tests.conftest import GPT_1_3B, MIXED_CLUSTER, activation_heavy_chain
@@ -168,8 +168,8 @@ def test_plan_recompute_auto_round_trips_through_evaluate(tmp_path, run_cli):
 def test_selective_on_a_heterogeneous_cluster(run_cli):
     """--cluster with --stage-groups and a recompute set: the peak is the cost model's, on each
     stage's group, and the recomputed column comes last, as in the header."""
-    from solver.cluster_file import load_cluster
     from solver.evaluation import evaluate
+    from solver.files.cluster_file import load_cluster
     from solver.graph import load_graph
 
     argv = [

@@ -12,15 +12,15 @@ import pytest
 
 from solver.backends.brute_force import solve_brute_force
 from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, StageProblem
-from solver.candidates import (
+from solver.costs import expert_all_to_all_ns, layer_costs, routing_factor
+from solver.errors import InputError
+from solver.graph import graph_from_dict
+from solver.search.candidates import (
     candidate_configs,
     expert_parallel_degrees,
     memory_lower_bound,
     time_lower_bound,
 )
-from solver.cost_model import expert_all_to_all_ns, layer_costs, routing_factor
-from solver.errors import InputError
-from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from tests.conftest import GPT_1_3B, assert_backends_match_brute_force, solve_everywhere
 
@@ -181,7 +181,7 @@ def test_dense_graph_costs_unchanged_by_the_expert_terms():
 
 def test_all_to_all_zero_without_expert_parallelism():
     graph = moe_graph()
-    from solver.cost_model import _graph_columns
+    from solver.costs import _graph_columns
 
     assert not expert_all_to_all_ns(_graph_columns(graph), config_of(ep=1), CLUSTER, 1).any()
 
@@ -260,7 +260,7 @@ def test_plan_api_picks_expert_parallelism():
     """With dp 8 pinned the memory-optimal plan shards the experts over all 8 ranks (auto
     searches ep 1, 2, 4, 8); pinned --ep 1 holds every expert: 2 x 8,000 more parameters of 18
     bytes per MoE block (7,000 more per GPU at ep 8) on the one stage."""
-    from solver.planner import plan
+    from solver.search.planner import plan
 
     graph = moe_graph(blocks=2)
     cluster = Cluster(num_gpus=8, gpu_memory_bytes=2**30)
@@ -392,7 +392,7 @@ def test_profiled_capacity_factor_and_extra_meta_keys():
     ],
 )
 def test_megatron_export_expert_flags(factor, extra, warned):
-    from solver.engine_exports import megatron_export
+    from solver.exports.engines import megatron_export
 
     graph = moe_graph(blocks=2)
     config = ParallelConfig(pp=2, tp=1, dp=4, ep=4, micro_batch=1, num_microbatches=2)

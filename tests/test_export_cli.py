@@ -12,7 +12,7 @@ import torch
 
 import models
 from profiling.export import export_graph, main
-from profiling.profile import profile_module
+from profiling.trace.profile import profile_module
 from solver import Cluster, TrainingConfig, load_graph, plan
 from solver.cli import plan_main
 from tests.conftest import ROOT, slow_params

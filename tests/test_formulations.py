@@ -26,7 +26,7 @@ from solver.backends.problem import (
     StageProblem,
     StageSolution,
 )
-from solver.cost_model import LayerCosts, in_flight_microbatches, layer_costs, stage_costs
+from solver.costs import LayerCosts, in_flight_microbatches, layer_costs, stage_costs
 from solver.errors import InputError
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from tests.random_graphs import random_chain, random_dag, random_problem

@@ -1,4 +1,4 @@
-"""The smallest GPU count that fits (solver/gpu_counts.py) and exit 3's GPU count advice.
+"""The smallest GPU count that fits (solver/search/gpu_counts.py) and exit 3's GPU count advice.
 
 Oracle for the search: a scan of every count with the same ``fits``. Oracle for the advice:
 ``solver.sweep.min_gpus`` (``--find min-gpus --gpus auto``), which runs the same search with
@@ -12,17 +12,17 @@ import random
 
 import pytest
 
-from solver import planner
 from solver.errors import InfeasibleError
-from solver.gpu_counts import (
+from solver.graph import load_graph
+from solver.search import planner
+from solver.search.config_search import Deadline
+from solver.search.gpu_counts import (
     CountSearch,
     GpuCountAdvice,
     smallest_fitting_count,
     valid_gpu_counts,
 )
-from solver.graph import load_graph
-from solver.planner import plan
-from solver.search import Deadline
+from solver.search.planner import plan
 from solver.specs import Cluster, TrainingConfig
 from solver.sweep import min_gpus
 from tests.conftest import EXAMPLES, cluster_group, cluster_of

@@ -15,7 +15,7 @@ import pytest
 
 from solver.backends.brute_force import solve_brute_force
 from solver.backends.problem import StageProblem
-from solver.cost_model import boundary_bytes, layer_costs, stage_costs
+from solver.costs import boundary_bytes, layer_costs, stage_costs
 from solver.errors import InputError
 from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
@@ -401,8 +401,8 @@ def test_t5_encoder_output_is_one_tensor():
 
 def test_plans_written_before_the_field_load_as_persistent():
     from solver import evaluate
-    from solver.plan_file import load_plan
-    from solver.report import evaluation_to_dict
+    from solver.files.plan_file import load_plan
+    from solver.report.plan_report import evaluation_to_dict
 
     config = ParallelConfig(pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=2, schedule="gpipe")
     training = TrainingConfig(
@@ -458,7 +458,7 @@ def test_executor_runs_the_plan_lifetime_and_matches_it(lifetime):
     from profiling.export import export_graph
     from profiling.run import run_plan
     from solver import plan
-    from solver.report import plan_to_dict
+    from solver.report.plan_report import plan_to_dict
 
     graph = export_graph("gpt-tiny", dtype="fp32", overrides=SMALL_GPT)
     errors = []

@@ -27,14 +27,14 @@ from solver.backends.problem import (
     StageProblem,
 )
 from solver.cli import evaluate_main, plan_main
-from solver.cluster_file import load_cluster
-from solver.cost_model import layer_costs, stage_costs, utilization_ppm
+from solver.costs import layer_costs, stage_costs, utilization_ppm
 from solver.errors import InfeasibleError, InputError
+from solver.files.cluster_file import load_cluster
 from solver.graph import graph_from_dict
 from solver.plan_check import check_plan
-from solver.planner import plan
-from solver.report import plan_to_dict
-from solver.search import build_entries
+from solver.report.plan_report import plan_to_dict
+from solver.search.config_search import build_entries
+from solver.search.planner import plan
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from tests.conftest import GPT_1_3B, MIXED_CLUSTER, cluster_group, cluster_of
 from tests.random_graphs import random_chain, random_config, random_dag

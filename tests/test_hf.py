@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from profiling.export import export_graph, main  # noqa: E402
-from profiling.hf import hf_spec  # noqa: E402
+from profiling.hf.models import hf_spec  # noqa: E402
 from solver.graph import load_graph  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
 

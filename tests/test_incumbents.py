@@ -18,11 +18,11 @@ from solver.backends.problem import (
     OPTIMAL,
     StageProblem,
 )
-from solver.cost_model import iteration_bound_ns, stage_costs
+from solver.costs import iteration_bound_ns, stage_costs
 from solver.errors import NoSolutionError
-from solver.incumbents import QUICK_METHODS, QuickMethod, incumbent, one_chunk_per_rank
-from solver.planner import _PlanningCall, _solver_report, plan
-from solver.search import Deadline, build_entries, search
+from solver.search.config_search import Deadline, build_entries, search
+from solver.search.incumbents import QUICK_METHODS, QuickMethod, incumbent, one_chunk_per_rank
+from solver.search.planner import _PlanningCall, _solver_report, plan
 from tests.random_graphs import random_chain, random_dag
 
 CLUSTER = Cluster(num_gpus=8, gpus_per_node=2)
@@ -105,16 +105,16 @@ def test_selective_chain_tries_the_uniform_recompute_optima():
 def _expire_after_bounding(monkeypatch):
     """The planning call's deadline passes as soon as every config is bounded: no exact solve
     gets any time (what a large DAG at a short --time-limit meets)."""
-    import solver.planner
+    import solver.search.planner
 
-    real = solver.planner.build_entries
+    real = solver.search.planner.build_entries
 
     def bound_then_expire(graph, cluster, training, *, deadline):
         entries = real(graph, cluster, training, deadline=deadline)
         deadline.end = 0.0
         return entries
 
-    monkeypatch.setattr(solver.planner, "build_entries", bound_then_expire)
+    monkeypatch.setattr(solver.search.planner, "build_entries", bound_then_expire)
 
 
 def test_a_search_cut_before_any_solve_returns_its_best_quick_split():
@@ -148,7 +148,7 @@ def test_a_search_cut_before_any_solve_returns_its_best_quick_split():
 
 def test_plan_cut_by_the_time_limit_is_a_feasible_plan_with_honest_notes(monkeypatch):
     """Before issue 17 this raised NoSolutionError (exit 4): no exact solve had time."""
-    from solver.report import plan_to_dict
+    from solver.report.plan_report import plan_to_dict
 
     _expire_after_bounding(monkeypatch)
     graph = random_dag(random.Random(4), 8)

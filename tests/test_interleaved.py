@@ -18,9 +18,8 @@ from solver.backends.brute_force import solve_brute_force
 from solver.backends.cpsat import solve_cpsat
 from solver.backends.milp import solve_milp
 from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, StageProblem
-from solver.candidates import memory_lower_bound, time_lower_bound
 from solver.cli import evaluate_main, plan_main
-from solver.cost_model import (
+from solver.costs import (
     in_flight_microbatches,
     in_flight_vectors,
     interleaved_schedule_groups,
@@ -28,10 +27,11 @@ from solver.cost_model import (
     layer_costs,
     stage_costs,
 )
+from solver.costs.schedule_time import simulated_iteration_ns
 from solver.errors import InputError
 from solver.evaluation import evaluate
-from solver.planner import plan
-from solver.schedule_time import simulated_iteration_ns
+from solver.search.candidates import memory_lower_bound, time_lower_bound
+from solver.search.planner import plan
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from tests.conftest import MIXED_CLUSTER, gpt_chain, slow_params
 from tests.random_graphs import random_chain, random_dag

@@ -27,9 +27,9 @@ from solver.backends.problem import (
     OPTIMAL,
     StageProblem,
 )
-from solver.baselines import even_split
-from solver.cost_model import layer_costs
+from solver.costs import layer_costs
 from solver.graph import graph_from_dict, load_graph
+from solver.report.baselines import even_split
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from tests.conftest import slow_params
 from tests.random_graphs import random_chain, random_layer

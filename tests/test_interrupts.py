@@ -28,14 +28,14 @@ import pytest
 from solver import Cluster, TrainingConfig
 from solver.backends.cpsat import solve_cpsat
 from solver.backends.problem import FEASIBLE, UNKNOWN, StageProblem
-from solver.candidates import MAX_CONFIG_LAYERS, candidate_configs, divisors
 from solver.cli import evaluate_main, plan_main
 from solver.cli.terminal import INTERRUPTED, SearchProgress, shows_progress
-from solver.cost_model import layer_costs
+from solver.costs import layer_costs
 from solver.errors import InputError
 from solver.plan_check import check_plan
-from solver.planner import plan
-from solver.search import Deadline
+from solver.search.candidates import MAX_CONFIG_LAYERS, candidate_configs, divisors
+from solver.search.config_search import Deadline
+from solver.search.planner import plan
 from solver.specs import ParallelConfig
 from solver.sweep.runner import progress_bar
 from tests.conftest import GPT_1_3B, ROOT, gpt_chain
@@ -137,16 +137,16 @@ class _SpentAfterSearch(Deadline):
 
 
 def test_tie_breaking_is_skipped_with_a_note_when_the_time_is_up(monkeypatch):
-    import solver.planner
+    import solver.search.planner
 
-    deadline, search = _SpentAfterSearch(end=0), solver.planner.search
+    deadline, search = _SpentAfterSearch(end=0), solver.search.planner.search
 
     def search_then_spend(*args, **kwargs):
         result = search(*args, **kwargs)
         deadline.spent = True
         return result
 
-    monkeypatch.setattr(solver.planner, "search", search_then_spend)
+    monkeypatch.setattr(solver.search.planner, "search", search_then_spend)
     graph = gpt_chain(6)
     cluster = Cluster(num_gpus=4, gpus_per_node=4)
     training = TrainingConfig(global_batch=8, max_slowdown=None)  # one search, then ties
@@ -189,7 +189,7 @@ def _interrupt(*args, **kwargs):
 
 
 def test_plan_and_evaluate_return_130_with_one_line(run_cli, monkeypatch):
-    monkeypatch.setattr("solver.planner.plan", _interrupt)
+    monkeypatch.setattr("solver.search.planner.plan", _interrupt)
     code, _, err = run_cli(plan_main, GPT_1_3B, "--gpus", "8", "--global-batch", "64")
     assert (code, err) == (INTERRUPTED, "interrupted\n")
     monkeypatch.setattr("solver.cli.evaluate._evaluate_split", _interrupt)

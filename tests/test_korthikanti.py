@@ -15,7 +15,7 @@ Selective recomputation drops exactly the attention core's ``5as^2 b`` bytes (sc
 dropout mask, dropped probabilities), which a flash kernel never stores: its rows are the zoo
 block with ``attention="sdpa"``, the others ``attention="explicit"``. The block is the
 ``gpt3-175b`` preset's (h 12288, 96 heads, s 2048, bf16, dropout 0.1), profiled under fake tensors
-by ``profiling.export``; the bytes are ``solver.cost_model.layer_costs``' stored bytes of the
+by ``profiling.export``; the bytes are ``solver.costs.layer_costs``' stored bytes of the
 block per micro-batch on the megatron runtime, t = 8. The paper leaves out small terms, each
 named here with its exact size per sample:
 
@@ -43,9 +43,9 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 from profiling._torch_compat import FakeTensorMode, cuda_flash_attention  # noqa: E402
-from profiling.cuda_attention import CudaLikeAttention  # noqa: E402
 from profiling.export import export_graph  # noqa: E402
-from solver.cost_model import layer_costs  # noqa: E402
+from profiling.trace.cuda_attention import CudaLikeAttention  # noqa: E402
+from solver.costs import layer_costs  # noqa: E402
 from solver.specs import Cluster, ParallelConfig, TrainingConfig  # noqa: E402
 
 S, H, A = 2048, 12288, 96  # GPT-3 175B (Brown et al. 2020, table 2.1)

@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from profiling import validate
+from profiling.executors.megatron_model import megatron_settings, require_megatron
 from profiling.export import export_graph
-from profiling.megatron_model import megatron_settings, require_megatron
 from profiling.run import format_reports, run_plan
 from solver import Cluster, ParallelConfig, TrainingConfig, evaluate, plan
-from solver.engine_exports import build_exports
 from solver.errors import InputError
-from solver.plan_file import load_plan
-from solver.report import evaluation_to_dict, plan_to_dict
+from solver.exports.engines import build_exports
+from solver.files.plan_file import load_plan
+from solver.report.plan_report import evaluation_to_dict, plan_to_dict
 
 pytest.importorskip("megatron.core", reason="megatron-core is the [megatron] extra")
 
@@ -345,7 +345,7 @@ def test_the_export_is_read_as_megatron_lm_reads_it(pipeline_plan):
 def test_sequence_parallel_is_read_from_the_export_and_marks_the_norms():
     from types import SimpleNamespace
 
-    from profiling.megatron_model import TorchNorm
+    from profiling.executors.megatron_model import TorchNorm
 
     chosen = megatron_plan("gpt-tiny", GPT, tp=2, sequence_parallel="on")
     assert megatron_settings(load_plan(chosen)).sequence_parallel

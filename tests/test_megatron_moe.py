@@ -1,4 +1,4 @@
-"""Mixture of experts on the megatron engine (profiling/megatron_moe.py): megatron-core's
+"""Mixture of experts on the megatron engine (profiling/executors/megatron_moe.py): megatron-core's
 MoELayer with expert parallelism over gloo, built from the plan's Megatron export.
 
 The distributed runs (two ranks, dp 2 with ep 2: each rank holds 2 of the 4 experts, tokens
@@ -18,14 +18,14 @@ import pytest
 import torch
 
 import models
+from profiling.executors.megatron_model import megatron_settings, transformer_config
+from profiling.executors.megatron_moe import moe_settings, parse_layer_freq
 from profiling.export import export_graph
-from profiling.megatron_model import megatron_settings, transformer_config
-from profiling.megatron_moe import moe_settings, parse_layer_freq
 from profiling.run import run_plan
 from solver import Cluster, TrainingConfig, plan
 from solver.errors import InputError
-from solver.plan_file import load_plan
-from solver.report import plan_to_dict
+from solver.files.plan_file import load_plan
+from solver.report.plan_report import plan_to_dict
 
 pytest.importorskip("megatron.core", reason="megatron-core is the [megatron] extra")
 
@@ -163,8 +163,8 @@ def test_expert_parallel_run_has_the_single_process_gradients_and_the_zoo_parame
 @pytest.mark.distributed
 def test_dropless_expert_parallel_run_has_the_single_process_gradients():
     """Without a capacity Megatron's router is dropless: the all-to-all's splits come from the
-    routing (bypass 9 of profiling/megatron_cpu.py hands them over as host numbers), and the
-    ep 2 run still trains the single-process model."""
+    routing (bypass 9 of profiling/executors/megatron_cpu.py hands them over as host numbers), and
+    the ep 2 run still trains the single-process model."""
     single_plan = moe_plan(MOE, capacity="dropless")
     (single,) = run_plan(
         "moe-tiny", single_plan, overrides=MOE, engine="megatron", capture_grads=True

@@ -405,7 +405,7 @@ TINY_HF = {
 
 
 def test_hf_moe_configs_are_bundled():
-    from profiling.hf_config import bundled_configs
+    from profiling.hf.config import bundled_configs
 
     assert {"mixtral-8x7b", "qwen1.5-moe-a2.7b"} <= set(bundled_configs())
 
@@ -450,7 +450,7 @@ def test_capacity_experts_equal_transformers_eager_without_drops():
     """With capacity factor E / k nothing is dropped: transformers' Mixtral block computes the
     same output and gradients through the capacity dispatch as through its own eager loop."""
     transformers = pytest.importorskip("transformers")
-    from profiling._transformers_compat import use_capacity_experts
+    from profiling.hf._transformers_compat import use_capacity_experts
 
     config = transformers.MixtralConfig(
         **TINY_HF["mixtral-8x7b"], experts_implementation="eager", use_cache=False
@@ -548,7 +548,7 @@ def test_expert_weight_gradients_come_in_the_parameters_layout():
     Before, bmm with transposed (E, out, in) weights added a 64 KiB fp32 copy to the profiled
     weight-gradient transient of moe-tiny's blocks and the executor over-predicted by 6-8%."""
     transformers = pytest.importorskip("transformers")
-    from profiling._transformers_compat import use_capacity_experts
+    from profiling.hf._transformers_compat import use_capacity_experts
 
     spec = models.get("moe-tiny")
     zoo = spec.build()

@@ -12,11 +12,11 @@ import pytest
 
 from solver.backends.brute_force import solve_brute_force
 from solver.backends.problem import StageProblem
-from solver.candidates import memory_lower_bound
-from solver.cost_model import layer_costs, stage_costs
+from solver.costs import layer_costs, stage_costs
 from solver.errors import InputError
 from solver.graph import graph_from_dict
 from solver.precision import step_temporary_bytes_per_param
+from solver.search.candidates import memory_lower_bound
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from tests.conftest import assert_placed_backends_match_brute_force, solve_everywhere
 from tests.random_graphs import random_chain, random_config, random_dag
@@ -205,8 +205,8 @@ def test_placed_problems_agree_with_the_step_moment(seed):
 
 def test_plan_documents_record_the_implementation_and_the_moment():
     from solver import evaluate
-    from solver.plan_file import load_plan
-    from solver.report import evaluation_to_dict, format_evaluation
+    from solver.files.plan_file import load_plan
+    from solver.report.plan_report import evaluation_to_dict, format_evaluation
 
     config = ParallelConfig(pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=2)
     training = dataclasses.replace(training_for(config), micro_batch_sizes=(1,), max_slowdown=None)
@@ -260,7 +260,7 @@ def test_executor_step_moment_matches_the_prediction():
     from profiling.export import export_graph
     from profiling.run import run_plan
     from solver import evaluate
-    from solver.report import evaluation_to_dict
+    from solver.report.plan_report import evaluation_to_dict
 
     overrides = dict(SMALL_GPT, vocab_size=8192, seq_len=8)
     graph = export_graph("gpt-tiny", dtype="fp32", overrides=overrides)

@@ -1,5 +1,5 @@
-"""The one writing path (``solver.output_file``, docs/planning.md#output-files) on special output
-paths made in ``tmp_path``: a FIFO, links, private character devices like /dev/null and
+"""The one writing path (``solver.files.output_file``, docs/planning.md#output-files) on special
+output paths made in ``tmp_path``: a FIFO, links, private character devices like /dev/null and
 /dev/full (``os.mknod``, where permitted), folders, a full disk; the umask; and every CLI's
 writing flag on them (exit code, one line on stderr, nothing replaced, no temporary file left).
 System paths (/dev/*) are never touched."""
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from solver import output_file
 from solver.cli import evaluate_main, plan_main
 from solver.cli.sweep import sweep_main
 from solver.errors import InputError, OutputError
-from solver.output_file import check_output, write_json_file, write_output
+from solver.files import output_file
+from solver.files.output_file import check_output, write_json_file, write_output
 from solver.sweep import CsvRows, read_rows
 from solver.sweep.rows import ROW_KEYS
 from tests.conftest import GPT_1_3B

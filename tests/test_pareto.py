@@ -14,10 +14,10 @@ import pytest
 from solver import Cluster, TrainingConfig, evaluate
 from solver.backends.problem import StageProblem
 from solver.cli import plan_main
+from solver.costs.schedule_time import stages_timeline
 from solver.errors import InfeasibleError, InputError
-from solver.pareto import dominated, pareto_front
-from solver.schedule_time import stages_timeline
-from solver.search import build_entries
+from solver.search.config_search import build_entries
+from solver.search.pareto import dominated, pareto_front
 from tests.conftest import GPT_1_3B, MIXED_CLUSTER, cluster_group, cluster_of
 from tests.random_graphs import random_chain, random_dag
 

@@ -33,11 +33,11 @@ from solver.backends.problem import (
     Placement,
     StageProblem,
 )
-from solver.cost_model import layer_costs
+from solver.costs import layer_costs
 from solver.errors import InputError
 from solver.evaluation import evaluate
 from solver.plan_check import check_plan
-from solver.planner import plan
+from solver.search.planner import plan
 from solver.specs import Cluster, TrainingConfig
 from tests.conftest import cluster_group, cluster_of
 from tests.random_graphs import random_chain, random_config, random_dag
@@ -283,7 +283,7 @@ def test_plan_json_lists_recomputed_layers_per_group(tmp_path):
     training = TrainingConfig(global_batch=8, pp=2, max_slowdown=None, recompute="auto")
     reference = plan(graph, _cluster(2**36, 2**36), dataclasses.replace(training, recompute="none"))
     result = plan(graph, _cluster(int(reference.peak_bytes * 0.7), 2**36), training)
-    from solver.report import plan_to_dict
+    from solver.report.plan_report import plan_to_dict
 
     document = json.loads(json.dumps(plan_to_dict(result)))
     assert document["config"]["recompute"] == "selective"

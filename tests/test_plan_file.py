@@ -17,9 +17,9 @@ from solver import ParallelConfig, TrainingConfig, evaluate, load_plan
 from solver.calibration import Calibration, write_calibration
 from solver.cli import evaluate_main, plan_main
 from solver.errors import InputError
+from solver.files.plan_file import PLAN_VERSION, evaluate_plan, plan_differences
 from solver.graph import load_graph
-from solver.plan_file import PLAN_VERSION, evaluate_plan, plan_differences
-from solver.report import checked
+from solver.report.plan_report import checked
 from tests.test_empirical import statistics_graph
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,14 +19,14 @@ import random
 import jsonschema
 import pytest
 
-import solver.planner as planner
+import solver.search.planner as planner
 from solver import Cluster, TrainingConfig, plan
-from solver.cost_model import iteration_bound_ns, layer_costs, stage_costs
-from solver.engine_exports import build_exports
+from solver.costs import iteration_bound_ns, layer_costs, stage_costs
 from solver.errors import InputError
 from solver.evaluation import evaluate_assignment, prepare_training
+from solver.exports.engines import build_exports
 from solver.graph import _check_schema, _fast_check, graph_from_dict, schema
-from solver.search import build_entries
+from solver.search.config_search import build_entries
 
 HUGE = 2**50
 

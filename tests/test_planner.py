@@ -11,11 +11,11 @@ import pytest
 
 from solver import Cluster, TrainingConfig, plan
 from solver.backends.problem import StageProblem
-from solver.candidates import candidate_configs
-from solver.cost_model import iteration_bound_ns, layer_costs, stage_costs
+from solver.costs import iteration_bound_ns, layer_costs, stage_costs
+from solver.costs.schedule_time import stages_timeline
 from solver.errors import InfeasibleError, InputError
 from solver.plan_check import check_plan
-from solver.schedule_time import stages_timeline
+from solver.search.candidates import candidate_configs
 from tests.conftest import slow_params
 from tests.random_graphs import random_chain, random_dag
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-import solver.plots
+import solver.report.plots
 from solver import Cluster, TrainingConfig, plan
 from solver.cli import evaluate_main, plan_main
 from solver.errors import InputError
-from solver.plots import check_plot_path, plot_pareto, plot_plan, plot_sweep
+from solver.report.plots import check_plot_path, plot_pareto, plot_plan, plot_sweep
 from tests.conftest import GPT_1_3B, ROOT
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -38,7 +38,7 @@ def small_plan(gpt_graph):
 def captured_figure(monkeypatch) -> list:
     """Replace the file writer: keep the figure for inspection, write nothing."""
     figures = []
-    monkeypatch.setattr(solver.plots, "_save", lambda figure, target: figures.append(figure))
+    monkeypatch.setattr(solver.report.plots, "_save", lambda figure, target: figures.append(figure))
     return figures
 
 
@@ -188,7 +188,7 @@ def test_cli_bad_plot_path_is_one_line_exit_2_before_solving(
     def fail(*args, **kwargs):
         raise AssertionError("solved before checking --plot")
 
-    monkeypatch.setattr("solver.planner.plan", fail)
+    monkeypatch.setattr("solver.search.planner.plan", fail)
     monkeypatch.setattr("solver.evaluation.evaluate", fail)
     args = PLAN_ARGS if main is plan_main else (*EVALUATE_ARGS, "--split", "even")
     code, out, err = run_cli(main, GPT_1_3B, *args, "--plot", str(tmp_path / name))
@@ -216,5 +216,8 @@ def test_cli_never_overwrites_the_graph(run_cli, tmp_path):
 
 @pytest.mark.slow
 def test_importing_solver_does_not_import_matplotlib():
-    code = "import sys, solver, solver.cli, solver.plots; assert 'matplotlib' not in sys.modules"
+    code = (
+        "import sys, solver, solver.cli, solver.report.plots; "
+        "assert 'matplotlib' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

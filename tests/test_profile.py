@@ -1,4 +1,5 @@
-"""Tests for profiling.profile.profile_module: fake vs real, closed forms, dataflow edges, errors.
+"""Tests for profiling.trace.profile.profile_module: fake vs real, closed forms, dataflow edges,
+errors.
 
 Models are defined here (small, CPU). Sizes in the comments: s sequence, h hidden, a heads,
 b batch, V vocabulary; bytes are per sample.
@@ -17,8 +18,8 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from profiling.profile import profile_module  # noqa: E402
-from profiling.tensor_parallel import VOCAB_PARALLEL_MIN_ROWS  # noqa: E402
+from profiling.trace.profile import profile_module  # noqa: E402
+from profiling.trace.tensor_parallel import VOCAB_PARALLEL_MIN_ROWS  # noqa: E402
 from solver.errors import InputError  # noqa: E402
 from solver.graph import load_graph  # noqa: E402
 

@@ -6,8 +6,8 @@ encoder-decoder) from transformers, in fp32 and bf16, with transformers' default
 one (``--device meta``); the measurement runs the same model on real CPU tensors, once, and sums
 per layer the distinct storages that autograd saves (``saved_tensors_hooks``) while the layer's
 forward runs (glue code outside every layer goes to the layer that ran last, as in
-``profiling/profile.py``). Both run attention as a GPU's fused kernels do
-(``profiling/cuda_attention.py``). Closed forms per block name every saved storage.
+``profiling/trace/profile.py``). Both run attention as a GPU's fused kernels do
+(``profiling/trace/cuda_attention.py``). Closed forms per block name every saved storage.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ pytest.importorskip("transformers")
 
 import torch.nn.functional as F  # noqa: E402
 
-from profiling.cuda_attention import CudaLikeAttention, cuda_like_kernels  # noqa: E402
-from profiling.hf import hf_spec  # noqa: E402
-from profiling.layers import default_layer_paths  # noqa: E402
-from profiling.profile import profile_module  # noqa: E402
+from profiling.hf.models import hf_spec  # noqa: E402
+from profiling.trace.cuda_attention import CudaLikeAttention, cuda_like_kernels  # noqa: E402
+from profiling.trace.layers import default_layer_paths  # noqa: E402
+from profiling.trace.profile import profile_module  # noqa: E402
 
 BATCH, SEQ = 2, 32
 GPT2 = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)

@@ -21,16 +21,16 @@ from solver.backends.cpsat import solve_cpsat
 from solver.backends.milp import solve_milp
 from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, StageProblem
 from solver.cli import plan_main
-from solver.cost_model import layer_costs, stage_costs
-from solver.engine_exports import build_exports
+from solver.costs import layer_costs, stage_costs
 from solver.errors import InfeasibleError, InputError
 from solver.evaluation import evaluate
+from solver.exports.engines import build_exports
+from solver.files.plan_file import load_plan
 from solver.graph import LayerGraph
 from solver.plan_check import check_plan
-from solver.plan_file import load_plan
-from solver.planner import plan
-from solver.report import format_plan, plan_to_dict
-from solver.search import Deadline, uniform_recompute_hint
+from solver.report.plan_report import format_plan, plan_to_dict
+from solver.search.config_search import Deadline, uniform_recompute_hint
+from solver.search.planner import plan
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from solver.sweep import PointOptions, solve_point
 from tests.conftest import activation_heavy_chain, gpt_chain

@@ -15,10 +15,10 @@ from solver.cli.plan import plan_main
 from solver.cli.sweep import sweep_main
 from solver.errors import InfeasibleError, InputError
 from solver.evaluation import evaluate
+from solver.files.plan_file import evaluate_plan, load_plan
 from solver.graph import load_graph
-from solver.plan_file import evaluate_plan, load_plan
-from solver.planner import plan
 from solver.reserve import DEFAULT_RESERVE, MemoryReserve, default_reserve, parse_reserve
+from solver.search.planner import plan
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from tests.conftest import GPT_1_3B, MIXED_CLUSTER
 
@@ -225,7 +225,7 @@ def test_bad_reserve_exits_2_with_one_line(run_cli, value, words):
 def test_plans_with_a_reserve_stay_within_usable_memory(run_cli, tmp_path):
     """A homogeneous and a heterogeneous plan under the default reserve: every stage's peak is
     at most its usable memory, and the plan checker (solver.plan_check) agrees."""
-    from solver.cluster_file import load_cluster
+    from solver.files.cluster_file import load_cluster
     from solver.plan_check import check_plan
 
     graph = load_graph(GPT_1_3B)

@@ -17,15 +17,15 @@ import pytest
 import torch
 
 import models
+from profiling.executors.base import LEARNING_RATE, RankReport, batch_for_iteration, build_model
+from profiling.executors.parallelize import shard_order
 from profiling.export import export_graph
-from profiling.memory import CATEGORIES, LiveTensorTracker
-from profiling.parallelize import shard_order
-from profiling.rank import LEARNING_RATE, RankReport, batch_for_iteration, build_model
 from profiling.run import RunError, format_reports, run_plan
-from profiling.tensor_parallel import VOCAB_PARALLEL_MIN_ROWS
+from profiling.trace.memory import CATEGORIES, LiveTensorTracker
+from profiling.trace.tensor_parallel import VOCAB_PARALLEL_MIN_ROWS
 from solver import Cluster, ParallelConfig, TrainingConfig, evaluate, plan
 from solver.errors import InputError
-from solver.report import evaluation_to_dict, plan_to_dict
+from solver.report.plan_report import evaluation_to_dict, plan_to_dict
 
 OVERRIDES = {"layers": 4, "dropout": 0.0}
 FP32 = dict(weight_bytes_per_param=4, grad_bytes_per_param=4, optimizer_bytes_per_param=8)

@@ -1,10 +1,10 @@
 """profiling.run on models that are not zoo presets: HF GPT-2, Llama (GQA) and T5, and a user
 factory, cut by ``torch.distributed.pipelining.pipeline`` at the plan's layers
-(profiling/traced_rank.py). Gradients after one step equal a single-process run of the same model
-on the same global batch; every rank reports its measured and predicted peak; bad input is one
+(profiling/executors/traced.py). Gradients after one step equal a single-process run of the same
+model on the same global batch; every rank reports its measured and predicted peak; bad input is one
 line.
 
-GPT-2 and Llama come through the HF front door (``hf:NAME``: ``profiling.hf.hf_spec``, whose
+GPT-2 and Llama come through the HF front door (``hf:NAME``: ``profiling.hf.models.hf_spec``, whose
 ``loss_outside`` puts the loss in the schedule's ``loss_fn``); T5 through a user factory that
 unties its embeddings (``tests.run_any_factories:t5_untied``).
 """
@@ -16,14 +16,14 @@ import json
 import pytest
 import torch
 
+from profiling.executors.base import batch_for_iteration
+from profiling.executors.traced import build_model
 from profiling.export import export_graph
-from profiling.rank import batch_for_iteration
 from profiling.run import format_reports, run_plan
-from profiling.traced_rank import build_model
 from profiling.validate import main as validate_main
 from solver import Cluster, ParallelConfig, TrainingConfig, evaluate, plan
 from solver.errors import InputError
-from solver.report import evaluation_to_dict, plan_to_dict
+from solver.report.plan_report import evaluation_to_dict, plan_to_dict
 from tests.run_any_factories import TINY_HF_MODELS
 
 GPT2, GPT2_TINY = TINY_HF_MODELS["gpt2"]

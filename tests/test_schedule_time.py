@@ -1,4 +1,4 @@
-"""The schedule simulation for time (solver/schedule_time.py).
+"""The schedule simulation for time (solver/costs/schedule_time.py).
 
 Oracles: hand-worked timelines (in the docstrings), the bubble formula (m + p - 1) max_s T_s
 where it is exact (equal stages), path lower bounds, torch's own action lists
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from solver.cost_model import (
+from solver.costs import (
     boundary_bytes,
     forwards_before_first_backward,
     interleaved_schedule_groups,
@@ -25,13 +25,13 @@ from solver.cost_model import (
     schedule_actions,
     stage_costs,
 )
-from solver.graph import graph_from_dict
-from solver.schedule_time import (
+from solver.costs.schedule_time import (
     schedule_timeline,
     simulate_schedule,
     simulated_iteration_ns,
     stage_transfer_bytes,
 )
+from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from tests.conftest import t5_like_graph
 

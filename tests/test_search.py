@@ -10,10 +10,10 @@ import pytest
 from solver import Cluster, TrainingConfig
 from solver.backends.brute_force import solve_brute_force
 from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, StageProblem
-from solver.candidates import candidate_configs, memory_lower_bound, time_lower_bound
 from solver.errors import InputError, NoSolutionError
-from solver.planner import plan
-from solver.search import Deadline, build_entries, search
+from solver.search.candidates import candidate_configs, memory_lower_bound, time_lower_bound
+from solver.search.config_search import Deadline, build_entries, search
+from solver.search.planner import plan
 from tests.random_graphs import random_chain, random_dag, random_problem
 
 
@@ -91,17 +91,17 @@ class OneSolveDeadline(Deadline):
 @pytest.fixture
 def one_solve_deadline(monkeypatch) -> OneSolveDeadline:
     """A OneSolveDeadline that the search's first solve spends."""
-    import solver.search
+    import solver.search.config_search
 
     deadline = OneSolveDeadline(end=0)
-    solve = solver.search.solve
+    solve = solver.search.config_search.solve
 
     def solve_and_spend(*args, **kwargs):
         solution = solve(*args, **kwargs)
         deadline.spent = True
         return solution
 
-    monkeypatch.setattr(solver.search, "solve", solve_and_spend)
+    monkeypatch.setattr(solver.search.config_search, "solve", solve_and_spend)
     return deadline
 
 
@@ -144,10 +144,10 @@ def test_no_plan_before_the_time_limit_is_exit_code_4():
 
 
 def test_plan_cut_by_the_time_limit_is_marked_not_proven(monkeypatch, one_solve_deadline):
-    from solver.report import format_plan, plan_to_dict
+    from solver.report.plan_report import format_plan, plan_to_dict
 
     graph = random_chain(random.Random(1), 8)
-    monkeypatch.setattr("solver.planner.Deadline.after", lambda seconds: one_solve_deadline)
+    monkeypatch.setattr("solver.search.planner.Deadline.after", lambda seconds: one_solve_deadline)
     result = plan(
         graph,
         Cluster(num_gpus=8, gpus_per_node=2),

@@ -1,5 +1,5 @@
 """The step-time terms a real profile records in ``meta.timing`` (issue 18, point 2):
-``optimizer_step_ns_per_param`` and ``microbatch_overhead_ns`` (``profiling.time_terms``).
+``optimizer_step_ns_per_param`` and ``microbatch_overhead_ns`` (``profiling.trace.time_terms``).
 
 gpt-tiny (2 layers x 32 hidden) profiled on the CPU in this process with 1 thread takes about a
 second; the optimizer rate is checked against a direct timing of Adam over the model's own
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import models
+from profiling.executors.base import LEARNING_RATE
 from profiling.export import export_graph
-from profiling.rank import LEARNING_RATE
-from profiling.time_terms import ADAM_LEARNING_RATE, runtime_terms, slope
+from profiling.trace.time_terms import ADAM_LEARNING_RATE, runtime_terms, slope
 from solver.errors import InputError
 from solver.graph import graph_from_dict, timing_of
 
@@ -60,7 +60,7 @@ def test_real_profile_records_both_terms(profiled):
     rate, overhead = timing["optimizer_step_ns_per_param"], timing["microbatch_overhead_ns"]
     assert isinstance(rate, float) and math.isfinite(rate) and rate > 0
     # max(0, slope - layer sum): 0 when the timer's own hook cost in the layer times exceeds the
-    # runtime's per-micro-batch work (tiny models on a CPU; profiling.time_terms)
+    # runtime's per-micro-batch work (tiny models on a CPU; profiling.trace.time_terms)
     assert isinstance(overhead, float) and math.isfinite(overhead) and overhead >= 0
     assert overhead < 1e9  # under a second per micro-batch of a 32k-parameter model
     assert timing["threads"] == 1

@@ -22,8 +22,8 @@ import pytest
 
 from profiling.export import export_graph
 from solver import ParallelConfig, TrainingConfig, evaluate
-from solver.cost_model import layer_costs
-from solver.engine_exports import TORCH_SEQUENCE_PARALLEL_SNIPPET
+from solver.costs import layer_costs
+from solver.exports.engines import TORCH_SEQUENCE_PARALLEL_SNIPPET
 from solver.graph import LayerGraph
 from solver.specs import Cluster
 
@@ -112,7 +112,7 @@ def test_pp2_tp2_sp_run_matches_single_process_and_its_plan(graph):
     1.5%: the rest is the [s, s] causal mask, built whole on every rank). Without the gathered
     inputs the plan would under-predict stage 0's activations by 11%."""
     from profiling.run import format_reports, run_plan
-    from solver.report import evaluation_to_dict
+    from solver.report.plan_report import evaluation_to_dict
     from tests.test_run import assert_matches_reference
 
     parallel = ParallelConfig(pp=2, tp=2, dp=1, micro_batch=1, num_microbatches=4, sp=True)

@@ -1,4 +1,4 @@
-"""The torchtitan export (solver.torchtitan_export): degrees, the FSDP2 mapping of ZeRO, the
+"""The torchtitan export (solver.exports.torchtitan): degrees, the FSDP2 mapping of ZeRO, the
 per-stage module names, batches, activation checkpointing, and the TOML and CLI forms checked
 against torchtitan's own config fields.
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from solver.engine_exports import build_exports
+from solver.exports.engines import build_exports
 from solver.graph import load_graph
 from solver.specs import ParallelConfig
 

@@ -9,7 +9,7 @@ import pytest
 from profiling.export import export_graph
 from profiling.validate import TOLERANCE_EXCEEDED, main
 from solver import Cluster, TrainingConfig, plan
-from solver.report import plan_to_dict
+from solver.report.plan_report import plan_to_dict
 
 
 def write_plan(tmp_path, runtime="torch"):

@@ -57,7 +57,7 @@ from solver.backends.problem import (
     StageProblem,
     StageSolution,
 )
-from solver.cost_model import BoundTerm, LayerCosts, bound_terms
+from solver.costs import BoundTerm, LayerCosts, bound_terms
 from solver.errors import InputError
 
 BACKEND = "chain"

@@ -34,7 +34,7 @@ from solver.backends.problem import (
     StageSolution,
 )
 from solver.backends.stoppable import run_stoppable
-from solver.cost_model import PPM
+from solver.costs import PPM
 from solver.errors import InputError
 
 logger = logging.getLogger(__name__)

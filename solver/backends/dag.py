@@ -48,7 +48,7 @@ import numpy as np
 
 from solver.backends.chain import INF, PEAK, _Limits, _Search, _TimeUp
 from solver.backends.problem import FEASIBLE, UNKNOWN, StageProblem, StageSolution
-from solver.cost_model import BoundTerm, LayerCosts, bound_terms
+from solver.costs import BoundTerm, LayerCosts, bound_terms
 from solver.errors import InputError
 
 BACKEND = "dag"

@@ -38,8 +38,8 @@ their own per-layer times time_l^k, sync_l^k) add, and use instead of the memory
   g[s][k] in {0, 1}                  stage s runs on group k
   P[s][k] >= 0                       peak of stage s if it runs on group k, else 0
   one group    sum_k g[s][k] = 1
-  group sizes  sum_s g[s][k] = n_k                         every GPU is used (solver.candidates)
-  memory       sum_k P[s][k] >= (stage peak expression above)
+  group sizes  sum_s g[s][k] = n_k                         every GPU is used
+  (solver.search.candidates) memory       sum_k P[s][k] >= (stage peak expression above)
   capacity     P[s][k] <= C_k g[s][k]
   objective    utilization (integer ppm U):  10^6 P[s][k] <= C_k U
                absolute:                     peak >= P[s][k]
@@ -139,7 +139,7 @@ from solver.backends.problem import (
     StageProblem,
     StageSolution,
 )
-from solver.cost_model import (
+from solver.costs import (
     PPM,
     LayerCosts,
     bound_terms,

@@ -36,7 +36,7 @@ import time
 import numpy as np
 
 from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, StageProblem
-from solver.cost_model import LayerCosts, stage_costs
+from solver.costs import LayerCosts, stage_costs
 
 Start = tuple[list[int], list[int], list[bool] | None]
 """(stage of each layer, group of each stage, recompute flags or None)."""

@@ -27,7 +27,7 @@ from solver.backends.problem import (
     StageProblem,
     StageSolution,
 )
-from solver.cost_model import LayerCosts, iteration_floor_ns, utilization_ppm
+from solver.costs import LayerCosts, iteration_floor_ns, utilization_ppm
 from solver.errors import InputError
 
 

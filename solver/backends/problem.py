@@ -10,7 +10,8 @@ the iteration time (objective "time"). Under ``recompute="selective"`` a solutio
 which layers are recomputed (``StageSolution.recomputed``), chosen jointly with the split.
 
 Heterogeneous clusters add a :class:`Placement`: each stage also chooses a node group k(s), group k
-hosts exactly ``stages_per_group[k]`` stages (every GPU is used; see ``solver.candidates``), every
+hosts exactly ``stages_per_group[k]`` stages (every GPU is used; see ``solver.search.candidates``),
+every
 stage peak <= the capacity of its group, times come from the group's coefficients, and "memory"
 means the largest utilization (ppm, ``cost_model.utilization_ppm``) or the largest peak (bytes).
 A solution then carries ``group_of_stage`` too, and under selective recomputation its recompute
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.cost_model import (
+from solver.costs import (
     LayerCosts,
     StageCost,
     iteration_bound_ns,

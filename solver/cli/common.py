@@ -1,6 +1,6 @@
 """What the CLIs share: the one-line-error parser, argument types, the cluster and training
-flags, checking and writing outputs (``check_outputs``, ``write_json``: solver.output_file) and
-``print_output``.
+flags, checking and writing outputs (``check_outputs``, ``write_json``: solver.files.output_file)
+and ``print_output``.
 
 The CLIs only parse, call the API, print and write JSON. Errors: one line on stderr, exit code
 2 (bad input, a bad output path included), 3 (infeasible), 4 (time limit without a solution),
@@ -269,7 +269,7 @@ def cluster_from_args(
         if num_gpus is None:
             raise InputError("give --gpus N or --cluster FILE")
         return cluster_from_flags(args, num_gpus)
-    from solver.cluster_file import load_cluster
+    from solver.files.cluster_file import load_cluster
 
     given = [
         "--" + name.replace("_", "-")
@@ -568,7 +568,7 @@ def add_plot_option(parser: argparse.ArgumentParser, *, drawing: str) -> None:
     parser.add_argument(
         "--plot",
         metavar="FILE",
-        help=f"also draw {drawing} (.png, .pdf or .svg; solver/plots.py)",
+        help=f"also draw {drawing} (.png, .pdf or .svg; solver/report/plots.py)",
     )
 
 
@@ -578,10 +578,11 @@ OUTPUT_FLAGS = (("json", "--json"), ("out", "--out"), ("plot", "--plot"))
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Fail on a bad output path before any work (InputError, exit 2, one line): every given
-    --json, --out and --plot (solver.output_file.check_output: a folder, a missing or read-only
+    --json, --out and --plot (solver.files.output_file.check_output: a folder, a missing or
+    read-only
     folder, no permission, an input file, the same file as another output; --plot also needs
     .png, .pdf or .svg)."""
-    from solver.output_file import check_output
+    from solver.files.output_file import check_output
 
     checked = []
     for name, flag in OUTPUT_FLAGS:
@@ -589,7 +590,7 @@ def check_outputs(args: argparse.Namespace) -> None:
         if path is None:
             continue
         if name == "plot":
-            from solver.plots import check_plot_extension
+            from solver.report.plots import check_plot_extension
 
             check_plot_extension(path)
         checked.append(check_output(path, flag=flag, protect=input_files(args), others=checked))
@@ -608,11 +609,11 @@ def zero_stages(text: str) -> tuple[int, ...]:
 def write_json(
     path: str, document: dict[str, Any], *, protect: list[str], flag: str = "--json"
 ) -> None:
-    """Write ``document`` by the one writing path (solver.output_file: atomic for a regular
+    """Write ``document`` by the one writing path (solver.files.output_file: atomic for a regular
     file, written through for a device, a FIFO or a link's target); a bad path is an
     InputError (exit 2), a failed write an OutputError (exit 7) that leaves an existing file
     as it was. ``protect``: the input files it must not be."""
-    from solver.output_file import write_json_file
+    from solver.files.output_file import write_json_file
 
     write_json_file(path, document, flag=flag, protect=protect)
 

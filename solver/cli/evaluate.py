@@ -1,6 +1,6 @@
 """``python -m solver.evaluate``: parse, call :func:`solver.evaluation.evaluate` on a given
-config and split (or :func:`solver.plan_file.evaluate_plan` on a plan file, ``--plan``), print the
-per-stage table, write its JSON and plot."""
+config and split (or :func:`solver.files.plan_file.evaluate_plan` on a plan file, ``--plan``),
+print the per-stage table, write its JSON and plot."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
 
 def _evaluate_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """--plan: evaluate the plan's own layout; StalePlanError when its numbers differ."""
-    from solver.plan_file import evaluate_plan, load_plan, plan_differences
+    from solver.files.plan_file import evaluate_plan, load_plan, plan_differences
 
     given = [
         "--" + dest.replace("_", "-")
@@ -158,7 +158,7 @@ def _evaluate_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 def _output(args: argparse.Namespace, result: Any, title: str) -> None:
     """--json, --plot and the table (unless --quiet)."""
-    from solver.report import evaluation_to_dict, format_evaluation
+    from solver.report.plan_report import evaluation_to_dict, format_evaluation
 
     if args.json:
         write_json(args.json, evaluation_to_dict(result), protect=input_files(args))
@@ -339,7 +339,7 @@ def _recompute_layers(args: argparse.Namespace, graph: Any) -> list[bool] | None
 def _plot_evaluation(result: Any, path: str) -> None:
     """The evaluated split next to the even split of the same config (alone when it is even)."""
     from solver.evaluation import evaluate
-    from solver.plots import plot_plan
+    from solver.report.plots import plot_plan
 
     even = evaluate(
         result.graph,

@@ -1,4 +1,4 @@
-"""``python -m solver.plan``: parse, call :func:`solver.planner.plan` (or the Pareto front),
+"""``python -m solver.plan``: parse, call :func:`solver.search.planner.plan` (or the Pareto front),
 print the plan, write its JSON and plot."""
 
 from __future__ import annotations
@@ -74,9 +74,9 @@ def plan_main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     progress = SearchProgress(enabled=shows_progress(args.quiet))
     try:
-        from solver.planner import plan
-        from solver.report import format_plan, plan_to_dict
-        from solver.search import Deadline
+        from solver.report.plan_report import format_plan, plan_to_dict
+        from solver.search.config_search import Deadline
+        from solver.search.planner import plan
 
         # --time-limit covers the whole command: reading the graph included
         deadline = Deadline(end=started + args.time_limit)
@@ -103,7 +103,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         if args.json:
             write_json(args.json, plan_to_dict(result), protect=input_files(args))
         if args.plot:
-            from solver.plots import plot_plan
+            from solver.report.plots import plot_plan
 
             plot_plan(result.evaluation, args.plot, baseline=result.baselines.get("even"))
         if not args.quiet:
@@ -126,7 +126,7 @@ def _pareto(
     deadline: Any,
 ) -> None:
     """solver.plan --pareto: the front as a table, --json document and --plot picture."""
-    from solver.pareto import format_pareto, pareto_front, pareto_to_dict
+    from solver.search.pareto import format_pareto, pareto_front, pareto_to_dict
 
     front = pareto_front(
         graph,
@@ -141,7 +141,7 @@ def _pareto(
     if args.json:
         write_json(args.json, pareto_to_dict(front), protect=input_files(args))
     if args.plot:
-        from solver.plots import plot_pareto
+        from solver.report.plots import plot_pareto
 
         groups = [(g.name, g.gpu_memory_bytes) for g in cluster.groups]
         plot_pareto(

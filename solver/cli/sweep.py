@@ -146,7 +146,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
         if writer is not None:
             writer.finish(rows)
         if args.plot:
-            from solver.plots import plot_sweep
+            from solver.report.plots import plot_sweep
 
             plot_sweep(rows, args.plot, title=_title(graph.model, training))
         if not args.quiet:
@@ -221,7 +221,7 @@ def _title(model: str, training: Any) -> str:
 
 
 def _min_gpus(args: argparse.Namespace) -> int:
-    from solver.report import format_plan, plan_to_dict
+    from solver.report.plan_report import format_plan, plan_to_dict
 
     graph = load_graph(args.graph)
     training = _training(args)
@@ -260,7 +260,7 @@ def _min_gpus(args: argparse.Namespace) -> int:
 
 def _max_scale(args: argparse.Namespace) -> int:
     from profiling.presets import preset_graph_of, preset_scale  # profiles: needs torch
-    from solver.report import format_plan, plan_to_dict
+    from solver.report.plan_report import format_plan, plan_to_dict
 
     current, step = preset_scale(args.model, args.scale)
     low, high = args.range if args.range else (step, 16 * current)

@@ -40,7 +40,8 @@ def shows_progress(quiet: bool) -> bool:
 
 
 class SearchProgress:
-    """A ``solver.search.Progress`` that draws one tqdm bar per search step on stderr: configs
+    """A ``solver.search.config_search.Progress`` that draws one tqdm bar per search step on
+    stderr: configs
     visited / total and the incumbent. The bar appears only after a second (short plans print
     nothing) and is erased when the step ends."""
 

@@ -10,8 +10,8 @@ from typing import Any
 
 from solver.errors import InfeasibleError, InputError, NoSolutionError
 from solver.graph import LayerGraph
-from solver.planner import Plan, plan
-from solver.report import finite_or_none
+from solver.report.plan_report import finite_or_none
+from solver.search.planner import Plan, plan
 from solver.specs import Cluster, TrainingConfig
 from solver.sweep.rows import ROW_KEYS
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from solver.errors import InputError, OutputError
-from solver.output_file import OutputFile, check_output
+from solver.files.output_file import OutputFile, check_output
 
 ROW_KEYS = (
     "gpus",
@@ -40,7 +40,7 @@ ROW_KEYS = (
     "parameters_throughput",
     "detail",
 )
-"""The columns of a sweep row, in CSV order (``solver.plots.plot_sweep`` reads them).
+"""The columns of a sweep row, in CSV order (``solver.report.plots.plot_sweep`` reads them).
 ``reserve_bytes``: the memory per GPU the job never gets (``TrainingConfig.memory_reserve``);
 ``usable_bytes`` = gpu_memory_bytes - reserve_bytes, what a plan's peak must fit in. ``cp``: the
 context-parallel degree (pp x tp x cp x dp = gpus). ``ep``: the expert-parallel degree (1 on a
@@ -85,7 +85,7 @@ class CsvRows:
 
     ``append`` each row as it completes; ``finish(rows)`` writes every row in point order;
     ``close()`` without ``finish`` keeps the rows appended so far. The file goes through the one
-    writing path (``solver.output_file``):
+    writing path (``solver.files.output_file``):
 
     - to a regular file (or a new path) the rows stream into a temporary file next to it; ``finish``
       rewrites it in point order and renames it over the path; ``close`` after an interrupt
@@ -201,7 +201,7 @@ def _typed(cells: dict[str, str]) -> dict:
 
 
 def check_output_path(path: str | os.PathLike, *, flag: str, protect: Sequence[str] = ()) -> Path:
-    """An output path the one writing path accepts (``solver.output_file.check_output``); a
+    """An output path the one writing path accepts (``solver.files.output_file.check_output``); a
     folder, a missing or read-only folder, no permission or an input file is an InputError."""
     return check_output(path, flag=flag, protect=protect).path
 

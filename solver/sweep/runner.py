@@ -12,10 +12,10 @@ import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-from solver.candidates import candidate_configs
+from solver.costs.moe import num_routed_experts
 from solver.errors import InputError
 from solver.graph import LayerGraph
-from solver.moe import num_routed_experts
+from solver.search.candidates import candidate_configs
 from solver.specs import Cluster, TrainingConfig
 from solver.sweep.point import PointOptions, solve_point
 from solver.workers import exit_with_parent, stop_pool

@@ -1,5 +1,5 @@
 """Questions answered by searching over points: the smallest GPU count that fits
-(:func:`min_gpus`; the search itself is :mod:`solver.gpu_counts`, shared with the planner's
+(:func:`min_gpus`; the search itself is :mod:`solver.search.gpu_counts`, shared with the planner's
 infeasibility message) and the largest model size that fits (:func:`max_scale`)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from solver.errors import InputError
-from solver.gpu_counts import memory_may_fit, smallest_fitting_count, valid_gpu_counts
 from solver.graph import LayerGraph
-from solver.planner import Plan
+from solver.search.gpu_counts import memory_may_fit, smallest_fitting_count, valid_gpu_counts
+from solver.search.planner import Plan
 from solver.specs import Cluster, TrainingConfig
 from solver.sweep.rows import fits
 from solver.sweep.runner import PointOptions, progress_bar, solve_point, sweep, sweep_points
@@ -52,7 +52,7 @@ def min_gpus(
 
     With ``candidates``, they are solved in increasing order, ``workers`` at a time, until one
     fits. Without, the candidates are every count some config can use (:func:`valid_gpu_counts`,
-    up to ``max_gpus``) and the search is :func:`solver.gpu_counts.smallest_fitting_count`:
+    up to ``max_gpus``) and the search is :func:`solver.search.gpu_counts.smallest_fitting_count`:
     binary search as if "fits" were monotone, then every smaller count, first by its configs'
     memory lower bounds (no solve), then by an exact solve, ``workers`` at a time (the same
     search gives the GPU count of ``solver.plan``'s infeasibility message).

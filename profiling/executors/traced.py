@@ -1,0 +1,496 @@
+"""One rank of a plan's real run on any profiled model (``hf:NAME``, ``package.module:factory``),
+cut by tracing: what :func:`profiling.run.run_plan` runs for a model that is not a zoo preset.
+
+The rank builds the whole model from the seed (in bf16 when the plan keeps 2 weight bytes per
+parameter, else fp32), traces it with ``torch.distributed.pipelining.pipeline(module,
+mb_args=one micro-batch, split_spec={first layer of each stage j > 0: SplitPoint.BEGINNING})``
+(exactly what the plan's torch export tells users, ``solver.exports.engines``), builds its stage
+with ``pipe.build_stage(stage, device, group)`` and trains with ``Schedule1F1B`` /
+``ScheduleGPipe`` and Adam (``profiling.executors.parallelize.build_optimizer`` with the plan's
+``optimizer_impl``: foreach by default on the torch runtime, whose step temporary the plan
+counts).
+
+What is traced and where the loss runs (:func:`traceable`): with ``spec.loss_outside``
+(``models.registry.LossOutside``: an HF model, say) the module returns the logits, the last stage
+computes ``loss_fn(output, target)`` in the schedule's ``loss_fn`` and the targets go to
+``schedule.step`` on the last rank; a spec without one traces ``build()`` itself, whose forward
+returns the loss, and ``loss_fn`` is that output.
+
+Inputs used after the first stage: the traced stages receive only activations, and pipelining
+gives the model's inputs to the first stage alone (a later stage that reads one fails with
+``PipeliningMetadataError``). That happens to the targets of a model that computes its own loss
+and to T5's ``decoder_input_ids`` when the encoder is split. Such a module is traced again behind
+a copy of its inputs (:func:`_copy_inputs_first`): the copies are made on the first stage and
+sent, like activations, to the stages that read them (``b * s`` int64 per micro-batch: the only
+bytes this adds, a receive buffer per micro-batch on the reading stage).
+
+Masks and attention as an eager GPU run has them: tracing runs under
+``_transformers_compat.traced_run_masks`` (transformers would otherwise materialise the causal
+mask for the exported program, send it to every stage and hand SDPA an explicit mask, with K/V
+copies per head on grouped-query models), and on a CPU the training step runs under
+``cuda_attention.cuda_like_kernels`` (SDPA on the fused kernels a GPU picks, e.g. for T5's learned
+position bias, instead of the CPU math fallback): what the profile counts.
+
+Recompute ``"full"``: every planned layer's traced submodule runs under non-reentrant
+``torch.utils.checkpoint`` (its forward is replaced on the traced stage, names unchanged).
+Gradients persist between steps (``zero_grad(set_to_none=False)``) unless the plan's training
+section says ``grad_lifetime: "step"`` (then ``set_to_none=True``). Data parallelism
+(dp > 1, ZeRO 0): DDP over each stage's traced module (gradients in its buckets, synced on the
+last micro-batch). Supported: pp >= 1, dp >= 1 with ZeRO 0, tp = 1, no sequence parallelism,
+recompute none or full, 1F1B or GPipe, fp32 or bf16
+(:func:`check_traced_plan` says what else is refused, in the parent, before any process starts).
+Memory is measured as for the zoo path (``profiling.trace.memory.LiveTensorTracker``, from the built
+stage on).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import models
+from profiling.executors.base import (
+    LEARNING_RATE,
+    Measured,
+    RankReport,
+    RunJob,
+    batch_for_iteration,
+    clean_steps,
+    init_mesh,
+    inject_fault,
+    optimizer_impl,
+    place_rank,
+    rank_report,
+)
+from profiling.executors.parallelize import build_optimizer
+from profiling.executors.traced_boundaries import (
+    check_no_gradient_skips,
+    constant_aware_stage,
+    make_boundaries_contiguous,
+)
+from profiling.trace.cuda_attention import cuda_like_kernels
+from solver.errors import InputError
+from solver.files.plan_file import PlanFile
+
+DTYPES = {2: torch.bfloat16, 4: torch.float32}
+"""Weights' dtype by the plan's weight bytes per parameter."""
+
+
+# -- what is traced ----------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class Traceable:
+    """What the pipeline traces, what it is fed and how its loss is computed."""
+
+    module: nn.Module
+    """The module ``pipeline()`` traces (shares the built model's parameters)."""
+    model_inputs: Callable[[tuple], tuple]
+    """``spec.example_inputs(...)`` tuple -> the module's positional inputs."""
+    target: Callable[[tuple], torch.Tensor] | None
+    """Example tuple -> the target given to ``loss_fn``; None: the module returns the loss."""
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """``loss_fn(last stage output, target micro-batch)`` -> scalar loss."""
+
+
+def _output_is_loss(output: torch.Tensor, _target: Any) -> torch.Tensor:
+    return output
+
+
+def traceable(spec: models.ModelSpec, model: nn.Module) -> Traceable:
+    """The spec's ``loss_outside`` applied to ``model``, or the model itself returning its loss."""
+    make = getattr(spec, "loss_outside", None)
+    if make is None:
+        return Traceable(module=model, model_inputs=tuple, target=None, loss_fn=_output_is_loss)
+    outside = make(model)
+    return Traceable(
+        module=outside.module,
+        model_inputs=outside.model_inputs,
+        target=outside.target,
+        loss_fn=outside.loss_fn,
+    )
+
+
+def plan_dtype(plan: PlanFile) -> torch.dtype:
+    """bf16 for a plan with 2 weight bytes per parameter, fp32 for 4; InputError otherwise, and
+    when the plan's optimizer state is not in the weights' dtype (a mixed precision's fp32
+    master copy and moments): traced runs train with torch.optim, whose states follow the
+    weights (``--precision fp32`` or ``bf16``)."""
+    from solver.precision import MOMENTS
+
+    training = plan.training
+    weight_bytes = training.weight_bytes_per_param if training is not None else 4
+    if weight_bytes not in DTYPES:
+        raise InputError(
+            f"{plan.source}: weight_bytes_per_param {weight_bytes}: traced runs train bf16 (2) or "
+            "fp32 (4) weights; plan with --precision bf16 or fp32"
+        )
+    if training is not None:
+        states = weight_bytes * MOMENTS[training.optimizer]
+        if training.optimizer_bytes_per_param != states or training.optimizer != "adam":
+            raise InputError(
+                f"{plan.source}: training: {training.optimizer} with "
+                f"{training.optimizer_bytes_per_param} optimizer bytes per parameter: traced runs "
+                f"train torch.optim.Adam, whose states take {states} bytes per parameter in the "
+                "weights' dtype; plan with --precision fp32 or bf16 and --optimizer adam"
+            )
+    return DTYPES[weight_bytes]
+
+
+def build_model(spec: models.ModelSpec, seed: int, dtype: torch.dtype) -> nn.Module:
+    """The full model with weights from ``seed`` (built in fp32, then cast to ``dtype``): what
+    every rank and a single-process reference build. A failing ``build()`` is an InputError."""
+    torch.manual_seed(seed)
+    try:
+        model = spec.build()
+    except Exception as error:  # the user's code: one line, not a traceback
+        raise InputError(
+            f"model {spec.name}: build() failed: {type(error).__name__}: {error}"
+        ) from None
+    return model.to(dtype)
+
+
+# -- checks before any process starts (parent) -------------------------------------------------
+
+
+def check_traced_plan(spec: models.ModelSpec, plan: PlanFile) -> None:
+    """InputError naming the field unless a traced run can take ``plan`` on ``spec``: tp 1, no
+    sequence parallelism, no interleaving, ZeRO 0 over dp > 1, recompute none or full, bf16 or
+    fp32 weights, every planned layer a module of the model, every parameter inside a planned
+    layer and no parameter shared by layers of two stages (tied weights)."""
+    config = plan.config
+    problems = (
+        (config.tp > 1, f"tp={config.tp}: traced models run with tp=1; plan with --tp 1"),
+        (config.sp, "sp=true: traced models run without sequence parallelism"),
+        (
+            config.virtual_stages > 1,
+            f"virtual_stages={config.virtual_stages}: traced models run one stage per rank; "
+            "plan with --virtual-stages 1",
+        ),
+        (
+            config.dp > 1 and config.zero != 0,
+            f"zero={config.zero} with dp={config.dp}: traced models run data parallelism with "
+            "DDP (zero 0); plan with --zero 0",
+        ),
+        (
+            config.recompute not in ("none", "full"),
+            f"recompute={config.recompute!r}: traced models run recompute none or full",
+        ),
+    )
+    for failed, problem in problems:
+        if failed:
+            raise InputError(f"plan config: {problem}")
+    plan_dtype(plan)
+    with torch.device("meta"):  # shapes only
+        model = build_model(spec, 0, torch.float32)
+    stages = plan.virtual_stage_layers
+    modules = dict(model.named_modules())
+    missing = [name for layers in stages for name in layers if name not in modules]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        shown = ", ".join(missing[:5]) + more
+        raise InputError(
+            f"{plan.source}: layer(s) {shown} are not modules of {spec.name}; plan for this "
+            f"model's graph (python -m profiling.export {spec.name})"
+        )
+    _check_parameter_owners(model, stages, plan.source)
+
+
+def _check_parameter_owners(model: nn.Module, stages: list[list[str]], source: str) -> None:
+    """Every parameter lies in a planned layer, and only in layers of one stage."""
+    stage_of: dict[int, tuple[int, str]] = {}
+    for stage, layers in enumerate(stages):
+        for layer in layers:
+            for name, param in model.get_submodule(layer).named_parameters():
+                owner = stage_of.setdefault(id(param), (stage, layer))
+                if owner[0] != stage:
+                    raise InputError(
+                        f"{source}: layers {owner[1]} (stage {owner[0]}) and {layer} (stage "
+                        f"{stage}) share the parameter {layer}.{name} (tied weights); plan them "
+                        "on one stage, or untie them (HF causal LMs: --set "
+                        "tie_word_embeddings=false when exporting and running)"
+                    )
+    loose = [name for name, param in model.named_parameters() if id(param) not in stage_of]
+    if loose:
+        raise InputError(
+            f"{source}: parameters outside every planned layer: {', '.join(loose[:5])}; export "
+            "the graph with layers that cover the whole model"
+        )
+
+
+# -- tracing (rank) ----------------------------------------------------------------------------
+
+
+def _copy_inputs_first(module: nn.Module) -> nn.Module:
+    """``module`` (same submodules, same names) whose forward first copies its inputs, so that
+    the copies are made on the first stage and sent to whichever stage reads them."""
+    base = type(module)
+
+    def forward(self, *inputs):
+        return base.forward(self, *(x.clone() for x in inputs))
+
+    routed = copy.copy(module)  # shares _modules and _parameters
+    routed.__class__ = type(base.__name__, (base,), {"forward": forward})
+    return routed
+
+
+def _inputs_read_late(pipe) -> list[str]:
+    """Names of the model inputs that a stage after the first reads (pipelining gives inputs
+    to the first stage only)."""
+    stage_nodes = [node for node in pipe.split_gm.graph.nodes if node.op == "call_module"]
+    return [
+        node.name
+        for node in pipe.split_gm.graph.nodes
+        if node.op == "placeholder" and any(user in stage_nodes[1:] for user in node.users)
+    ]
+
+
+def trace(
+    spec: models.ModelSpec, make: Callable[[], Traceable], stages: list[list[str]], example: tuple
+):
+    """``pipeline()`` of ``make()``'s module with the plan's split points, and that Traceable.
+    When a later stage reads a model input, a fresh ``make()`` is traced again behind
+    :func:`_copy_inputs_first` (``pipeline()`` patches the split modules' forwards and moves the
+    parameters: a module is traced once)."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    from profiling.hf._transformers_compat import traced_run_masks
+
+    split_spec = {layers[0]: SplitPoint.BEGINNING for layers in stages[1:]}
+
+    def run(module: nn.Module, mb_args: tuple):
+        try:
+            with traced_run_masks():  # no causal mask where an eager run skips it
+                return pipeline(module, mb_args=mb_args, split_spec=split_spec)
+        except Exception as error:  # export's own message (the innermost) says which op
+            while error.__cause__ is not None:
+                error = error.__cause__
+            message = " ".join(str(error).split())[:300]
+            raise InputError(
+                f"model {spec.name}: torch.distributed.pipelining.pipeline() cannot trace it "
+                f"({type(error).__name__}: {message})"
+            ) from None
+
+    traced = make()
+    owners = _planned_owners(traced.module, stages)
+    pipe = run(traced.module, traced.model_inputs(example))
+    if _inputs_read_late(pipe):
+        traced = make()
+        owners = _planned_owners(traced.module, stages)
+        pipe = run(_copy_inputs_first(traced.module), traced.model_inputs(example))
+    if pipe.num_stages != len(stages):
+        raise InputError(
+            f"model {spec.name}: tracing with split points {list(split_spec)} gave "
+            f"{pipe.num_stages} stages, the plan has {len(stages)}; a split layer must run once, "
+            "at the top of the forward's order"
+        )
+    return pipe, traced, owners
+
+
+def _planned_owners(module: nn.Module, stages: list[list[str]]) -> dict[int, tuple[int, str]]:
+    """``id(parameter) -> (planned stage, parameter name)``, taken before tracing moves them."""
+    names = {id(param): name for name, param in module.named_parameters()}
+    return {
+        id(param): (stage, names[id(param)])
+        for stage, layers in enumerate(stages)
+        for layer in layers
+        for param in module.get_submodule(layer).parameters()
+    }
+
+
+def _recompute_layers(stage_module: nn.Module, layers: list[str]) -> None:
+    """Run every planned layer of the traced stage under non-reentrant checkpoint."""
+    for layer in layers:
+        try:
+            submodule = stage_module.get_submodule(layer)
+        except AttributeError:
+            continue  # a layer without its own call in the traced graph (e.g. a tied alias)
+        submodule.forward = functools.partial(checkpoint, submodule.forward, use_reentrant=False)
+
+
+# -- training (rank) ---------------------------------------------------------------------------
+
+
+def _iterate(schedule, optimizer, stage, spec, traced, job, place, tracker, owners) -> Measured:
+    """Run ``job.iterations`` steps; the live-tensor peak of the last one."""
+    step_lifetime = getattr(job.plan.training, "grad_lifetime", "persistent") == "step"
+    cuda = place.device.type == "cuda"
+    losses, iteration_ms, cuda_peak = [], [], None
+    for iteration in range(job.iterations):
+        args, kwargs = _step_inputs(spec, traced, job, place, iteration)
+        step_losses: list[torch.Tensor] = kwargs.get("losses", [])
+        optimizer.zero_grad(set_to_none=step_lifetime)
+        tracker.reset_peak()
+        if cuda:
+            torch.cuda.synchronize(place.device)
+            torch.cuda.reset_peak_memory_stats(place.device)
+        started = time.perf_counter()
+        inject_fault(job, place)
+        # on a CPU, attention runs the fused kernels a GPU runs (what the profile counts)
+        with tracker.saved_tensors(), cuda_like_kernels(place.device.type == "cpu"):
+            schedule.step(*args, **kwargs, return_outputs=False)
+        optimizer.step()
+        if cuda:
+            torch.cuda.synchronize(place.device)
+            cuda_peak = torch.cuda.max_memory_allocated(place.device)
+        iteration_ms.append((time.perf_counter() - started) * 1e3)
+        if place.last:
+            losses.append(float(torch.stack(step_losses).detach().float().mean()))
+        del args, kwargs, step_losses
+    grads = None
+    if job.capture_grads:
+        grads = {  # by the full model's parameter names (a tied alias traces under another)
+            owners.get(id(param), (0, name))[1]: param.grad.detach().cpu().clone()
+            for name, param in stage.submod.named_parameters()
+            if param.grad is not None
+        }
+    return Measured(
+        peak_bytes=tracker.peak_bytes,
+        breakdown=dict(tracker.peak_breakdown),
+        iteration_ms=iteration_ms,
+        losses=losses,
+        cuda_peak=cuda_peak,
+        grads=grads,
+    )
+
+
+def _step_inputs(spec, traced, job: RunJob, place, iteration: int) -> tuple[tuple, dict]:
+    """The schedule's arguments for ``iteration`` on this rank (model inputs on the first stage,
+    targets and the loss list on the last)."""
+    config = job.plan.config
+    rows = config.micro_batch * config.num_microbatches
+    local = slice(place.dp_rank * rows, (place.dp_rank + 1) * rows)
+    example = batch_for_iteration(
+        spec, batch=rows * config.dp, seq=job.seq, seed=job.seed, iteration=iteration
+    )
+    example = tuple(tensor[local] for tensor in example)  # this replica's rows
+    inputs = traced.model_inputs(example) if place.first else ()
+    args = tuple(x.to(place.device) for x in inputs)
+    kwargs: dict[str, Any] = {}
+    if place.last:
+        target = traced.target(example) if traced.target else torch.zeros(rows)
+        kwargs = {"target": target.to(place.device), "losses": []}
+    return args, kwargs
+
+
+def _clean_steps(schedule, optimizer, spec, traced, job: RunJob, place, tracker):
+    """The clean timed iterations (:func:`profiling.executors.base.clean_steps`) of a traced
+    stage."""
+    step_lifetime = getattr(job.plan.training, "grad_lifetime", "persistent") == "step"
+
+    def prepare(iteration: int):
+        args, kwargs = _step_inputs(spec, traced, job, place, iteration)
+        optimizer.zero_grad(set_to_none=step_lifetime)
+
+        def step() -> None:
+            with cuda_like_kernels(place.device.type == "cpu"):
+                schedule.step(*args, **kwargs, return_outputs=False)
+            optimizer.step()
+
+        return step
+
+    return clean_steps(prepare, job, place, tracker)
+
+
+def traced_rank_main(rank: int, job: RunJob) -> RankReport:
+    """One rank: build and trace the model, keep its stage, train and measure, and report next
+    to the plan's prediction for its stage."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    from profiling.export import resolve_spec
+    from profiling.trace.memory import LiveTensorTracker
+
+    place = place_rank(rank, job)
+    mesh = init_mesh(place, job)
+    config = job.plan.config
+    spec = resolve_spec(job.preset, job.overrides)
+    dtype = plan_dtype(job.plan)
+    stages = job.plan.virtual_stage_layers
+    example = batch_for_iteration(
+        spec, batch=config.micro_batch, seq=job.seq, seed=job.seed, iteration=0
+    )
+    pipe, traced, owners = trace(
+        spec, lambda: traceable(spec, build_model(spec, job.seed, dtype)), stages, example
+    )
+    stage_module = pipe.get_stage_module(place.stage)
+    _check_traced_stage(stage_module, owners, place.stage, job.plan.source)
+    if config.recompute == "full":
+        _recompute_layers(stage_module, stages[place.stage])
+    make_boundaries_contiguous(pipe)
+    check_no_gradient_skips(pipe, spec.name)
+    stage = constant_aware_stage(pipe, place.stage, place.device, mesh["pp"].get_group())
+    del pipe, traced.module, example  # the other stages' modules go with the pipe
+    tracker = LiveTensorTracker()
+    tracker.track_module(stage.submod)
+    with tracker:
+        tracker.track_grads(stage.submod)
+        if config.dp > 1:
+            _data_parallel(stage, mesh, place.device)
+        schedule_class = Schedule1F1B if config.schedule == "1f1b" else ScheduleGPipe
+        schedule = schedule_class(
+            stage, n_microbatches=config.num_microbatches, loss_fn=traced.loss_fn
+        )
+        optimizer = build_optimizer(
+            list(stage.submod.parameters()),
+            mesh,
+            config.zero,
+            lr=LEARNING_RATE,
+            impl=optimizer_impl(job.plan),
+        )
+        tracker.track_optimizer(optimizer)
+        measured = _iterate(schedule, optimizer, stage, spec, traced, job, place, tracker, owners)
+    measured.step_ms, measured.step_cpu_ms, measured.step_instrumentation = _clean_steps(
+        schedule, optimizer, spec, traced, job, place, tracker
+    )
+    return rank_report(place, job, measured)
+
+
+def _data_parallel(stage, mesh, device: torch.device) -> None:
+    """Wrap the stage's traced module in DDP over ``mesh["dp"]`` (gradients in its buckets, the
+    buckets fixed now, as on the zoo path: profiling.executors.parallelize.apply_data_parallel); the
+    pipeline then syncs gradients on the last micro-batch only (its ``no_sync`` handling)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from profiling._torch_compat import rebuild_ddp_buckets
+
+    traced = stage.submod
+    wrapped = DistributedDataParallel(
+        traced,
+        process_group=mesh["dp"].get_group(),
+        device_ids=[device] if device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+    )
+    rebuild_ddp_buckets(wrapped)
+    wrapped.graph = traced.graph  # the traced frontend reads its stage's fx graph from submod
+    stage.submod = wrapped
+
+
+def _check_traced_stage(
+    stage_module: nn.Module, owners: dict[int, tuple[int, str]], stage: int, source: str
+) -> None:
+    """The traced stage holds the parameters of exactly its planned layers: else the plan's layer
+    order is not the order the model's forward runs them in."""
+    held = {id(param) for param in stage_module.parameters()}
+    planned = {key for key, (owner, _) in owners.items() if owner == stage}
+    extra = sorted(owners[key][1] for key in held - planned if key in owners)
+    absent = sorted(owners[key][1] for key in planned - held)
+    if extra or absent:
+        detail = (
+            f"also holds {', '.join(extra[:3])} (planned on other stages)"
+            if extra
+            else f"lacks {', '.join(absent[:3])} (the forward runs it on another stage)"
+        )
+        raise InputError(
+            f"{source}: stage {stage}, traced at its split points, {detail}: "
+            "torch.distributed.pipelining cuts the forward in the order it runs, so each stage "
+            "must hold layers the forward runs one after another; re-plan with the layers in "
+            "that order (e.g. python -m solver.evaluate --split with layer counts)"
+        )

@@ -1,0 +1,326 @@
+"""Iteration time of a layout by simulating its pipeline schedule, action by action: what every
+plan reports (``evaluation.Evaluation.iteration_ns``).
+
+The bubble formula ``(m + p - 1) max_s T_s`` charges every stage the slowest stage's time in every
+slot; on an uneven split the faster stages finish their slots early and the real schedule is
+shorter. Here each pipeline rank runs its own list of forwards and
+backwards (``cost_model.schedule_actions``: torch's ``Schedule1F1B`` / ``ScheduleGPipe`` /
+``ScheduleInterleaved1F1B`` order, and megatron-core's, the same one the memory model replays)
+and the iteration is the time its last rank finishes (docs/cost-model.md, "Iteration time by
+schedule simulation").
+
+Event rules (all times integer ns, per micro-batch):
+  F(j, i), the forward of micro-batch i through virtual stage j, starts when its rank has ended
+  its previous action and every input has arrived: F(a, i) ended + the transfer a -> j, for the
+  previous stage a = j - 1 and every other stage a that sends j a tensor (the torch runtime's
+  direct sends).
+  B(j, i), its backward (the recompute forward of a recomputed layer runs right before it, inside
+  B), starts when the rank is free, F(j, i) has run, and the gradients have arrived: B(c, i)
+  ended + the transfer c -> j for the next stage c = j + 1 and every other stage c that j sent to.
+  A transfer occupies its directed rank-to-rank link: it starts when the sending action ends and
+  the link has finished the sender's earlier transfers on it (FIFO); a send does not block the
+  sending rank (asynchronous p2p).
+  Rank r ends at its last backward + its data-parallel gradient sync AR_r (``dp_overlap="none"``:
+  started after the last backward, as Megatron-LM's ``finalize_model_grads`` runs after the
+  schedule without --overlap-grad-reduce) or at max(end of last backward, start of last
+  backward + AR_r) (``"last_backward"``: torch DDP's and megatron's --overlap-grad-reduce bucket
+  all-reduces launched during the last micro-batch's backward, ideally overlapped;
+  ``cost_model.dp_overlap_of`` says which the runtime does), + its optimizer step and the
+  runtime's per-step work. The iteration is the latest rank end.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from solver.costs import (
+    LayerCosts,
+    ScheduleAction,
+    StageCost,
+    interleaved_schedule_groups,
+    schedule_actions,
+    stage_costs,
+)
+
+DP_OVERLAPS = ("none", "last_backward")
+"""When a rank's data-parallel gradient sync runs (``simulate_schedule``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timeline:
+    """The simulated schedule of one iteration; times in ns from its start."""
+
+    makespan_ns: int
+    """The iteration: the latest rank end."""
+    busy_ns: list[int]
+    """Per rank: time spent in forwards and backwards (overheads included)."""
+    tail_ns: list[int]
+    """Per rank: from its last backward's end to its own end (exposed sync + optimizer step)."""
+    idle_ns: list[int]
+    """Per rank: makespan - busy - tail (pipeline bubbles and waiting for the slowest rank)."""
+    actions: list[list[tuple[ScheduleAction, int, int]]]
+    """Per rank, its actions in order as (action, start, end)."""
+
+
+def simulate_schedule(
+    *,
+    schedule: str,
+    num_microbatches: int,
+    num_ranks: int,
+    forward_ns: Sequence[int],
+    backward_ns: Sequence[int],
+    group: int | None = None,
+    transfer_ns: Mapping[tuple[int, int], int] | None = None,
+    gradient_ns: Mapping[tuple[int, int], int] | None = None,
+    dp_sync_ns: Sequence[int] | None = None,
+    dp_overlap: str = "none",
+    microbatch_overhead_ns: int = 0,
+    optimizer_step_ns: int | Sequence[int] = 0,
+) -> Timeline:
+    """Simulate one iteration (module docstring for the rules).
+
+    ``forward_ns`` / ``backward_ns``: per virtual stage j = chunk p + rank (p v of them), per
+    micro-batch, ns; backward includes the recompute forward. ``transfer_ns[(a, c)]``: an
+    activation transfer from stage a to stage c > a per micro-batch; ``gradient_ns[(c, a)]``:
+    the gradient transfer back (missing pairs: 0; the neighbours j -> j + 1 are always
+    dependencies). ``group``: interleaved rounds (default p). ``dp_sync_ns``: AR_r per rank.
+    ``microbatch_overhead_ns``: added to every forward (one per micro-batch and virtual stage).
+    ``optimizer_step_ns``: per rank, or one for all."""
+    p, m = num_ranks, num_microbatches
+    num_stages = len(forward_ns)
+    assert num_stages == len(backward_ns) and num_stages % p == 0, "a time per virtual stage"
+    assert dp_overlap in DP_OVERLAPS, dp_overlap
+    v = num_stages // p
+    transfer_ns = dict(transfer_ns or {})
+    gradient_ns = dict(gradient_ns or {})
+    for j in range(num_stages - 1):  # the neighbours always feed each other
+        transfer_ns.setdefault((j, j + 1), 0)
+        gradient_ns.setdefault((j + 1, j), 0)
+    # arrival[(kind, a, j)][i]: when micro-batch i's transfer of that kind from stage a reaches
+    # stage j (None: not sent yet); each action waits for its own and sends to its targets
+    arrival = {("F", a, c): [None] * m for a, c in transfer_ns}
+    arrival |= {("B", c, a): [None] * m for c, a in gradient_ns}
+    waits = {
+        (kind, j): [times for (k, _, target), times in arrival.items() if k == kind and target == j]
+        for kind in "FB"
+        for j in range(num_stages)
+    }
+    link_index: dict[tuple[int, int], int] = {}
+    sends: dict[tuple[str, int], list[tuple[list, int, int]]] = {}
+    for kind, pairs in (("F", transfer_ns), ("B", gradient_ns)):
+        for (a, c), ns in sorted(pairs.items()):
+            link = link_index.setdefault((a % p, c % p), len(link_index))
+            sends.setdefault((kind, a), []).append((arrival[(kind, a, c)], link, int(ns)))
+    duration = {("F", j): int(forward_ns[j]) + microbatch_overhead_ns for j in range(num_stages)}
+    duration |= {("B", j): int(backward_ns[j]) for j in range(num_stages)}
+    # per rank: (action, micro-batch, duration, arrivals to wait for, sends) in its order
+    lists = []
+    for r in range(p):
+        steps = []
+        for action in schedule_actions(m, p, v, r, group, schedule):
+            key = (action.kind, action.chunk * p + r)
+            steps.append((action, action.microbatch, duration[key], waits[key], sends.get(key, ())))
+        lists.append(steps)
+    link_free = [0] * len(link_index)
+    free = [0] * p
+    done: list[list[tuple[ScheduleAction, int, int]]] = [[] for _ in range(p)]
+    position = [0] * p
+    remaining = sum(len(steps) for steps in lists)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            steps, pos, now, ran = lists[r], position[r], free[r], done[r]
+            while pos < len(steps):
+                action, i, length, waited, targets = steps[pos]
+                start = now
+                for times in waited:
+                    arrived = times[i]
+                    if arrived is None:
+                        break  # an input has not been sent yet: another rank first
+                    if arrived > start:
+                        start = arrived
+                else:
+                    now = end = start + length
+                    ran.append((action, start, end))
+                    for times, link, ns in targets:  # FIFO on the directed link
+                        sent = link_free[link]
+                        times[i] = link_free[link] = (end if end > sent else sent) + ns
+                    pos += 1
+                    continue
+                break
+            if pos != position[r]:
+                remaining -= pos - position[r]
+                position[r], free[r] = pos, now
+                progressed = True
+        assert progressed, "the schedule deadlocks"
+    sync = [0] * p if dp_sync_ns is None else [int(x) for x in dp_sync_ns]
+    step = (
+        [int(optimizer_step_ns)] * p
+        if isinstance(optimizer_step_ns, int | np.integer)
+        else [int(x) for x in optimizer_step_ns]
+    )
+    rank_end = []
+    for r in range(p):
+        _, last_start, last_end = done[r][-1]
+        if dp_overlap == "none":
+            synced = last_end + sync[r]
+        else:
+            synced = max(last_end, last_start + sync[r])
+        rank_end.append(synced + step[r])
+    makespan = max(rank_end)
+    busy = [sum(end - start for _, start, end in actions) for actions in done]
+    tail = [rank_end[r] - done[r][-1][2] for r in range(p)]
+    return Timeline(
+        makespan_ns=makespan,
+        busy_ns=busy,
+        tail_ns=tail,
+        idle_ns=[makespan - busy[r] - tail[r] for r in range(p)],
+        actions=done,
+    )
+
+
+def stage_transfer_bytes(
+    costs: LayerCosts, stage_of: np.ndarray
+) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int]]:
+    """(activations {(a, c): bytes}, gradients {(c, a): bytes}) per micro-batch between
+    (virtual) stages, each tensor once per pair (``LayerCosts.tensor_groups``). Neighbour p2p
+    (megatron): a tensor made on stage a whose farthest consumer is on c crosses every boundary
+    k -> k + 1 in between (relays, ``cost_model.boundary_bytes``); direct sends (torch): it goes
+    from a to each consuming stage. Its gradient comes back the same way if it requires grad
+    (``Edge.requires_grad``)."""
+    forward: dict[tuple[int, int], int] = {}
+    backward: dict[tuple[int, int], int] = {}
+    producer, consumer = stage_of[costs.edge_src], stage_of[costs.edge_dst]
+    for edges, size in costs.tensor_groups:
+        made = int(producer[edges[0]])
+        readers = sorted({int(s) for s in consumer[edges].tolist() if s > made})
+        if not readers or not size:
+            continue
+        if costs.direct_sends:
+            pairs = [(made, s) for s in readers]
+        else:
+            pairs = [(k, k + 1) for k in range(made, readers[-1])]
+        grad = costs.edge_requires_grad is None or bool(costs.edge_requires_grad[edges[0]])
+        for a, c in pairs:
+            forward[(a, c)] = forward.get((a, c), 0) + size
+            if grad:
+                backward[(c, a)] = backward.get((c, a), 0) + size
+    return forward, backward
+
+
+FROM_COSTS = object()
+"""``schedule_timeline``'s default for a term: the one ``LayerCosts`` carries."""
+
+
+def schedule_timeline(
+    costs: LayerCosts,
+    stage_of_layer: Sequence[int] | np.ndarray,
+    recomputed: Sequence[bool] | np.ndarray | None = None,
+    **options,
+) -> Timeline:
+    """The simulated schedule of an assignment (layer position -> virtual stage) under ``costs``
+    with the layers ``recomputed`` (selective): :func:`stages_timeline` of its stage costs."""
+    stages = stage_costs(costs, stage_of_layer, recomputed)
+    return stages_timeline(costs, stages, stage_of_layer, **options)
+
+
+def stages_timeline(
+    costs: LayerCosts,
+    stages: Sequence[StageCost],
+    stage_of_layer: Sequence[int] | np.ndarray,
+    **options,
+) -> Timeline:
+    """The simulated schedule of a split from its stage costs (``schedule_inputs``)."""
+    return simulate_schedule(**schedule_inputs(costs, stages, stage_of_layer, **options))
+
+
+def stages_iteration_ns(
+    costs: LayerCosts,
+    stages: Sequence[StageCost],
+    stage_of_layer: Sequence[int] | np.ndarray,
+) -> int:
+    """The simulated iteration of a split, ns: ``stages_timeline``'s makespan."""
+    return simulate_schedule(**schedule_inputs(costs, stages, stage_of_layer)).makespan_ns
+
+
+def schedule_inputs(
+    costs: LayerCosts,
+    stages: Sequence[StageCost],
+    stage_of_layer: Sequence[int] | np.ndarray,
+    *,
+    link_gb_per_s: float | Mapping[tuple[int, int], float] | None = FROM_COSTS,
+    p2p_latency_ns: int = FROM_COSTS,
+    dp_overlap: str = FROM_COSTS,
+    microbatch_overhead_ns: int = FROM_COSTS,
+    optimizer_step_ns: int | Sequence[int] = FROM_COSTS,
+) -> dict:
+    """``simulate_schedule``'s keywords for a split from its stage costs (one per rank, in rank
+    order; a heterogeneous cluster's with their groups' times): virtual stage j = chunk c p + r runs
+    rank r's ``chunk_forward_ns[c]`` forward and the rest of ``chunk_time_ns[c]`` backward
+    (recompute included), AR_r and the optimizer step are the rank's ``dp_sync_ns`` and
+    ``optimizer_step_ns``, transfers = latency + ceil(bytes / bandwidth)
+    (``stage_transfer_bytes``; ``link_gb_per_s`` one for every link, or per directed rank pair
+    as ``cost_model.pipeline_link_gb_per_s`` gives; None: no transfer time; none between chunks
+    of one rank). Every term not given is the one ``costs`` and ``stages`` carry
+    (``FROM_COSTS``)."""
+    config = costs.config
+    p, m, n = config.pp, config.num_microbatches, costs.num_stages
+    if link_gb_per_s is FROM_COSTS:
+        link_gb_per_s = costs.link_gb_per_s
+    if p2p_latency_ns is FROM_COSTS:
+        p2p_latency_ns = costs.p2p_latency_ns
+    if microbatch_overhead_ns is FROM_COSTS:
+        microbatch_overhead_ns = costs.microbatch_overhead_ns
+    if dp_overlap is FROM_COSTS:
+        dp_overlap = costs.dp_overlap
+    if optimizer_step_ns is FROM_COSTS:  # with the runtime's own step work
+        optimizer_step_ns = [stage.optimizer_step_ns + costs.step_overhead_ns for stage in stages]
+    forward_stage, backward_stage = [0] * n, [0] * n
+    for r, stage in enumerate(stages):
+        for c, (time_ns, forward_ns) in enumerate(
+            zip(stage.chunk_time_ns, stage.chunk_forward_ns, strict=True)
+        ):
+            forward_stage[c * p + r], backward_stage[c * p + r] = forward_ns, time_ns - forward_ns
+    activations, gradients = stage_transfer_bytes(costs, np.asarray(stage_of_layer, dtype=np.int64))
+
+    def ns(pairs: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]:
+        out = {}
+        for (a, c), size in pairs.items():
+            link = (a % p, c % p)
+            if link_gb_per_s is None or link[0] == link[1]:
+                out[(a, c)] = 0
+                continue
+            rate = link_gb_per_s if isinstance(link_gb_per_s, float | int) else link_gb_per_s[link]
+            out[(a, c)] = p2p_latency_ns + math.ceil(size / rate)
+        return out
+
+    group = interleaved_schedule_groups(costs.runtime, m, p) if config.virtual_stages > 1 else None
+    return {
+        "schedule": config.schedule,
+        "num_microbatches": m,
+        "num_ranks": p,
+        "forward_ns": forward_stage,
+        "backward_ns": backward_stage,
+        "group": group,
+        "transfer_ns": ns(activations),
+        "gradient_ns": ns(gradients),
+        "dp_sync_ns": [stage.dp_sync_ns for stage in stages],
+        "dp_overlap": dp_overlap,
+        "microbatch_overhead_ns": microbatch_overhead_ns,
+        "optimizer_step_ns": optimizer_step_ns,
+    }
+
+
+def simulated_iteration_ns(
+    costs: LayerCosts,
+    stage_of_layer: Sequence[int] | np.ndarray,
+    recomputed: Sequence[bool] | np.ndarray | None = None,
+    **options,
+) -> int:
+    """The iteration time of an assignment by schedule simulation, ns (``schedule_timeline``'s
+    makespan; ``options`` are its keywords)."""
+    return schedule_timeline(costs, stage_of_layer, recomputed, **options).makespan_ns

@@ -1,0 +1,288 @@
+"""The plan as a torchtitan job configuration (``plan.exports["torchtitan"]``).
+
+torchtitan 0.1 and 0.2 read a TOML job file (``--job.config_file``; the dataclasses of
+``torchtitan/config/job_config.py``, read from 0.2.2's wheel); 0.3.0 dropped job files for Python
+config functions (``--module M --config C``) with ``--section.field value`` overrides checked
+by tyro against ``torchtitan/config/configs.py``. The export gives both: ``toml`` (the fragment
+for 0.2) and ``args`` (the overrides for 0.3), from one set of values.
+
+Data parallelism in torchtitan is FSDP2 (``fully_shard``): DDP (``data_parallel_replicate_degree``
+alone) runs only when data parallelism is the only axis (llama3 ``parallelize``: "DDP has not
+supported > 1D parallelism"), and there is no ZeRO-1 (optimizer-only sharding). The mapping:
+
+==========================  ==============================================================
+plan                        torchtitan
+==========================  ==============================================================
+dp = 1                      shard 1, replicate 1
+zero 3                      shard dp, ``fsdp_reshard_after_forward = "always"`` (ZeRO-3; the
+                            default keeps a stage's parameters gathered under pipelining)
+zero 0, dp the only axis    replicate dp (DDP), when ep = 1
+otherwise (zero 0, 1, 2)    shard dp, ``"never"``: parameters stay gathered from forward to
+                            backward, gradients and optimizer states sharded (ZeRO-2 memory,
+                            no more than planned)
+==========================  ==============================================================
+
+Pure functions, no torch; facts about torchtitan sit next to the code that uses them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from solver.graph import LayerGraph
+from solver.specs import ParallelConfig
+
+# torchtitan's pipelining schedules are torch's, named without "Schedule"
+# (torch.distributed.pipelining.schedules.get_schedule_class).
+SCHEDULE = {"1f1b": "1F1B", "gpipe": "GPipe"}
+
+# torchtitan's decoder models (llama3, llama4, qwen3, deepseek_v3) name their modules
+# tok_embeddings, layers.<i>, norm, output (models/llama3/model/model.py).
+EMBEDDING_FQN, NORM_FQN, OUTPUT_FQN = "tok_embeddings", "norm", "output"
+
+
+def torchtitan_export(
+    graph: LayerGraph,
+    config: ParallelConfig,
+    stages: list[list[str]],
+    *,
+    recomputed: list[list[str]] | None = None,
+) -> dict[str, Any]:
+    """torchtitan settings for the plan: the values per section, the TOML fragment (0.2), the
+    CLI overrides (0.3), the per-stage module names, warnings and a note.
+
+    ``stages`` are the (virtual) stages in pipeline order, each in graph list order, as
+    :func:`solver.exports.engines.build_exports` checked them.
+    """
+    warnings: list[str] = []
+    parallelism = _parallelism(config, warnings)
+    if config.pp > 1:
+        parts, renamed = _module_fqns(graph, stages)
+        parallelism["module_fqns_per_model_part"] = parts
+        if not renamed:
+            warnings.append(
+                "module names: the layers are not embedding, blocks and head in this order, so "
+                "module_fqns_per_model_part lists the graph's layer names; they must be the "
+                "FQNs of the modules torchtitan builds"
+            )
+    training = _training(graph, config)
+    checkpoint, comment = _activation_checkpoint(config, recomputed)
+    sections = {
+        "parallelism": parallelism,
+        "training": training,
+        "activation_checkpoint": checkpoint,
+    }
+    if config.tp > 1 and not config.sp:
+        warnings.append(
+            f"sp off with tp={config.tp}: torchtitan 0.2's tensor parallelism always adds "
+            "sequence parallelism (models/llama3/infra/parallelize.py, apply_tp), which the "
+            "TOML cannot turn off; 0.3 takes --parallelism.enable_sequence_parallel false"
+        )
+    comments = {"activation_checkpoint": comment} if comment else {}
+    if config.tp > 1:
+        comments["parallelism"] = (
+            "sequence parallelism comes with tensor parallelism (SequenceParallel on the norms)"
+        )
+    return {
+        **sections,
+        "toml": to_toml(sections, comments=comments),
+        "args": _args_0_3(sections, config),
+        "warnings": warnings,
+        "note": _note(config),
+    }
+
+
+def _parallelism(config: ParallelConfig, warnings: list[str]) -> dict[str, Any]:
+    """The ``[parallelism]`` values: degrees, data-parallel mapping (module docstring), schedule."""
+    dp, ep, cp = config.dp, config.ep, config.cp
+    only_dp = config.pp == config.tp == cp == 1
+    replicate, shard, reshard = 1, 1, None
+    if dp > 1 and config.zero == 0 and only_dp and ep == 1:
+        replicate = dp
+    elif dp > 1 and config.zero == 3:
+        shard, reshard = dp, "always"
+    elif dp > 1:
+        shard, reshard = dp, "never"
+        if config.zero < 2:
+            warnings.append(
+                f"ZeRO {config.zero}: torchtitan's data parallelism is FSDP2 (DDP only without "
+                "other axes, no optimizer-only sharding); fully_shard with "
+                "reshard_after_forward never shards gradients and optimizer states over "
+                f"dp={dp}, less memory than planned"
+            )
+    elif cp > 1:
+        # fully_shard runs over dp_shard x cp whenever cp > 1 (ParallelDims.fsdp_enabled)
+        reshard = "always" if config.zero == 3 else "never"
+    values: dict[str, Any] = {
+        "pipeline_parallel_degree": config.pp,
+        "tensor_parallel_degree": config.tp,
+        "context_parallel_degree": cp,
+        "expert_parallel_degree": ep,
+        "data_parallel_replicate_degree": replicate,
+        "data_parallel_shard_degree": shard,
+    }
+    if reshard is not None:
+        values["fsdp_reshard_after_forward"] = reshard
+    if ep > 1:
+        # ParallelDims._validate (0.2): etp is tp or 1; etp = tp keeps the experts split over
+        # tp as Megatron does (expert_tensor_parallel_size defaults to tp), and then ep must
+        # divide dp_shard * cp, which ep | dp gives.
+        values["expert_tensor_parallel_degree"] = config.tp
+    values["enable_async_tensor_parallel"] = False
+    values["pipeline_parallel_schedule"] = (
+        "Interleaved1F1B" if config.virtual_stages > 1 else SCHEDULE[config.schedule]
+    )
+    values["pipeline_parallel_microbatch_size"] = config.micro_batch
+    return values
+
+
+def _training(graph: LayerGraph, config: ParallelConfig) -> dict[str, Any]:
+    """``[training]``: the batch per data-parallel rank and step, the global batch, seq_len.
+
+    With pipelining torchtitan splits ``local_batch_size`` into local_batch_size /
+    pipeline_parallel_microbatch_size micro-batches (pipeline_parallel.build_pipeline_schedule),
+    so one step holds the plan's m micro-batches; without it a forward takes the whole local
+    batch, so the local batch is the micro-batch and torchtitan accumulates global / (b dp) = m
+    of them (its gradient accumulation steps).
+    """
+    local = config.micro_batch * (config.num_microbatches if config.pp > 1 else 1)
+    values = {"local_batch_size": local, "global_batch_size": config.global_batch}
+    seq_len = graph.meta.get("seq_len")
+    if isinstance(seq_len, int) and seq_len > 0:
+        values["seq_len"] = seq_len
+    return values
+
+
+def _activation_checkpoint(
+    config: ParallelConfig, recomputed: list[list[str]] | None
+) -> tuple[dict[str, Any], str | None]:
+    """``[activation_checkpoint]`` mode and, for a per-layer selection, the comment saying why
+    it is "full".
+
+    torchtitan's "selective" is per op (``selective_ac_option = "op"``) or every n-th block
+    (an integer); neither names the layers the plan chose, so a selective plan runs "full":
+    every block recomputed, no more memory than planned and more time (a selection of no
+    layer runs "none").
+    """
+    if config.recompute == "none":
+        return {"mode": "none"}, None
+    if config.recompute == "full":
+        return {"mode": "full"}, None
+    chosen = [name for names in recomputed or [] for name in names]
+    if not chosen:
+        return {"mode": "none"}, None
+    comment = (
+        "the plan recomputes chosen layers ("
+        + ", ".join(chosen[:8])
+        + (" ..." if len(chosen) > 8 else "")
+        + "); torchtitan's selective mode is per op or every n-th block, so this runs full"
+    )
+    return {"mode": "full"}, comment
+
+
+def _module_fqns(graph: LayerGraph, stages: list[list[str]]) -> tuple[list[list[str]], bool]:
+    """Per (virtual) stage the module names torchtitan's ``pipeline_module_split`` keeps, and
+    whether the layers were renamed to torchtitan's decoder FQNs.
+
+    The graph's embedding, blocks and head become ``tok_embeddings``, ``layers.<k>`` (k the
+    block's position among the blocks) and ``norm`` + ``output`` (torchtitan's final norm sits
+    with the output layer; a separate final-norm layer of kind "other" after the last block is
+    ``norm``). Any other shape keeps the graph's names.
+    """
+    roles = [layer.role for layer in graph.layers]
+    blocks = [i for i, role in enumerate(roles) if role == "block"]
+    shape_ok = (
+        roles.count("embedding") == 1
+        and roles[0] == "embedding"
+        and roles.count("head") == 1
+        and roles[-1] == "head"
+        and blocks == list(range(1, 1 + len(blocks)))
+        and all(role == "other" for role in roles[1 + len(blocks) : -1])
+        and len(roles) - len(blocks) - 2 <= 1
+    )
+    if not shape_ok:
+        return [list(stage) for stage in stages], False
+    final_norm = len(roles) - len(blocks) == 3
+    names: dict[str, list[str]] = {}
+    for k, i in enumerate(blocks):
+        names[graph.layers[i].name] = [f"layers.{k}"]
+    names[graph.layers[0].name] = [EMBEDDING_FQN]
+    if final_norm:
+        names[graph.layers[-2].name] = [NORM_FQN]
+        names[graph.layers[-1].name] = [OUTPUT_FQN]
+    else:
+        names[graph.layers[-1].name] = [NORM_FQN, OUTPUT_FQN]
+    return [[fqn for name in stage for fqn in names[name]] for stage in stages], True
+
+
+def _args_0_3(sections: dict[str, dict[str, Any]], config: ParallelConfig) -> list[str]:
+    """The same values as torchtitan 0.3 CLI overrides, as its tyro parser reads them
+    (``ConfigManager``): ``--section.field value``, a boolean as ``--section.field`` or
+    ``--section.no_field``, a list of module lists as one comma-joined token per stage.
+
+    0.3 renamed nothing in these sections but moved ``enable_async_tensor_parallel`` to
+    ``[compile]``, dropped ``expert_tensor_parallel_degree`` (EP borrows from FSDP and TP,
+    ParallelismConfig.expert_parallel_degree) and added ``enable_sequence_parallel``;
+    activation checkpointing became part of the model's Python config, so it is not here.
+    """
+    values = {
+        f"{section}.{key}": value
+        for section in ("parallelism", "training")
+        for key, value in sections[section].items()
+        if key not in ("enable_async_tensor_parallel", "expert_tensor_parallel_degree")
+    }
+    if config.tp > 1:
+        values["parallelism.enable_sequence_parallel"] = config.sp
+    values["compile.enable_async_tensor_parallel"] = False
+    args = []
+    for name, value in values.items():
+        if isinstance(value, bool):
+            section, key = name.split(".")
+            args.append(f"--{name}" if value else f"--{section}.no_{key}")
+        elif isinstance(value, list):
+            args += [f"--{name}", *(",".join(part) for part in value)]
+        else:
+            args += [f"--{name}", str(value)]
+    return args
+
+
+def to_toml(sections: dict[str, dict[str, Any]], *, comments: dict[str, str] | None = None) -> str:
+    """A TOML document of the sections (ints, bools, strings, lists of them), with a comment
+    line at the head of a section where ``comments`` has one."""
+    lines = []
+    for section, values in sections.items():
+        if lines:
+            lines.append("")
+        lines.append(f"[{section}]")
+        if comments and section in comments:
+            lines.append(f"# {comments[section]}")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    """One TOML value: bool, int or str (basic string, escaped), or a list of them."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{escaped}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def _note(config: ParallelConfig) -> str:
+    """How to run the export, and what torchtitan adds that the plan does not count."""
+    return (
+        "torchtitan 0.2: save 'toml' and merge it into the model's job file (or pass the keys as "
+        "--section.key overrides with --job.config_file); 0.3: append 'args' to "
+        "'--module M --config C'. Run on pp*tp*cp*dp = "
+        f"{config.num_gpus} GPUs. module_fqns_per_model_part gives each (virtual) stage its "
+        "modules (torchtitan places virtual stage j on pipeline rank j mod pp, the plan's "
+        "order). Data parallelism maps to FSDP2 as the torchtitan_export docstring says. "
+        "Eager tensor parallelism with sequence parallelism saves each column-parallel "
+        "Linear's all-gathered [b, s, h] input (plan with --runtime torch to count it)."
+    )

@@ -1,0 +1,387 @@
+"""Valid parallel configurations (pp, tp, cp, dp, micro-batch, ZeRO, recompute) and their lower
+bounds.
+
+Rules: pp * tp * cp * dp = number of GPUs; tp divides gpus_per_node (tensor parallelism stays
+inside a node); pp <= number of layers (every stage holds a layer); dp * micro_batch divides the
+global batch (m = B / (dp b) micro-batches per step). ZeRO stages only differ when dp * cp > 1
+(they shard over both), so with dp = cp = 1 only the smallest requested stage is kept. Expert
+parallelism: ep | dp, from ``TrainingConfig.ep`` or, auto, every ep dividing dp and the graph's
+routed experts (``expert_parallel_degrees``). Sequence parallelism
+(``TrainingConfig.sequence_parallel`` on or auto) goes with every tp > 1 (it only splits
+activations further, and its communication costs what TP's all-reduces cost), never with tp = 1.
+
+Context parallelism (``TrainingConfig.cp``, candidate degrees c): pp * tp * cp * dp = GPUs, each
+c of the list that divides gpus / (pp tp). Megatron-LM orders ranks tp fastest, then cp
+(``--rank-order tp-cp-ep-dp-pp``), so a stage's tp * cp GPUs are consecutive: one node's when
+tp * cp divides gpus_per_node. That is not required (Llama 3 405B trained its 131K-token stage
+with tp 8 and cp 16, the cp ring across nodes; Dubey et al. 2024): the cost model takes the
+intra-node bandwidth for the K/V ring when tp * cp divides gpus_per_node and the inter-node one
+otherwise (``cost_model.ring_bytes_per_ns``), and the search weighs that.
+
+Heterogeneous clusters (``Cluster.groups``): every stage runs on tp * cp * dp GPUs of one node
+group, and every GPU is used, so tp divides every group's GPUs per node (``Cluster.gpus_per_node``
+is their gcd) and tp * cp * dp divides every group's GPU count; group k then hosts exactly
+gpus_k / (tp cp dp) stages (``stages_per_group``), which sum to pp. ``--recompute auto`` is
+selective there too (the placed formulation takes the recompute decision).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from solver.costs import LayerCosts, iteration_floor_ns
+from solver.errors import InputError
+from solver.specs import Cluster, ParallelConfig, TrainingConfig
+
+MAX_CONFIG_LAYERS = 2**23
+"""Most (candidate config x layer) pairs a search may hold: every config keeps per-layer
+coefficients (about 100 bytes a layer, ``cost_model.LayerCosts``), so this keeps them under
+about 1 GiB; a larger search is an InputError that says how to narrow it."""
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n >= 1, ascending, from its prime factors (fast for any 64-bit n: a GPU
+    count of 1,000,000,007 is not a loop to n)."""
+    result = [1]
+    for prime, power in _prime_factors(n).items():
+        result = [d * prime**k for d in result for k in range(power + 1)]
+    return sorted(result)
+
+
+def _prime_factors(n: int) -> dict[int, int]:
+    """{prime: exponent} of n >= 1: trial division by small primes, then Miller-Rabin and
+    Pollard-Brent rho for what is left (each step O(n^(1/4)))."""
+    if n < 1:
+        raise ValueError(f"divisors of {n}: need n >= 1")
+    factors: dict[int, int] = {}
+    for prime in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):
+        while n % prime == 0:
+            factors[prime] = factors.get(prime, 0) + 1
+            n //= prime
+    stack = [n] if n > 1 else []
+    while stack:
+        m = stack.pop()
+        if _is_prime(m):
+            factors[m] = factors.get(m, 0) + 1
+            continue
+        d = _pollard_brent(m)
+        stack += [d, m // d]
+    return factors
+
+
+def _is_prime(n: int) -> bool:
+    """Miller-Rabin with the first 12 prime bases: exact below 3.3e24 (n has no factor <= 37)."""
+    if n < 2:
+        return False
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    for base in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):
+        if base % n == 0:
+            return True
+        x = pow(base, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def _pollard_brent(n: int) -> int:
+    """A non-trivial factor of the odd composite n (Brent's cycle finding, batched gcds)."""
+    for c in range(1, n):
+        y, m, g, r, q = 2, 128, 1, 1, 1
+        x = ys = y
+        while g == 1:
+            x = y
+            for _ in range(r):
+                y = (y * y + c) % n
+            k = 0
+            while k < r and g == 1:
+                ys = y
+                for _ in range(min(m, r - k)):
+                    y = (y * y + c) % n
+                    q = q * abs(x - y) % n
+                g = math.gcd(q, n)
+                k += m
+            r *= 2
+        if g == n:  # the batch overshot: step one by one
+            g = 1
+            while g == 1:
+                ys = (ys * ys + c) % n
+                g = math.gcd(abs(x - ys), n)
+        if g != n:
+            return g
+    raise AssertionError(f"no factor found for {n}")
+
+
+def check_pinned_degrees(cluster: Cluster, training: TrainingConfig) -> None:
+    """Explain, with the numbers, why pinned pp/tp/dp (and one cp above 1) cannot work on this
+    cluster."""
+    pinned_cp = training.cp[0] if len(training.cp) == 1 and training.cp[0] > 1 else None
+    pins = {
+        "pp": training.pp,
+        "tp": training.tp,
+        "cp": pinned_cp,  # one context-parallel degree above 1 is a pin too
+        "dp": training.dp,
+    }
+    given = {name: value for name, value in pins.items() if value is not None}
+    all_pinned = all(pins[name] is not None for name in ("pp", "tp", "dp"))
+    product = math.prod(given.values())
+    text = " * ".join(f"{name}({value})" for name, value in given.items())
+    if all_pinned and product != cluster.num_gpus:
+        raise InputError(
+            f"pinned config {text} = {product} != gpus({cluster.num_gpus}); "
+            "pin degrees whose product is the GPU count, or pin fewer of them"
+        )
+    if given and cluster.num_gpus % product:
+        raise InputError(f"pinned {text} = {product} does not divide gpus({cluster.num_gpus})")
+    tp = given.get("tp")
+    if tp is not None and cluster.gpus_per_node % tp:
+        raise InputError(
+            f"pinned tp({tp}) does not divide gpus_per_node"
+            f"({cluster.gpus_per_node}); tensor parallelism stays inside a node"
+        )
+
+
+def candidate_configs(
+    num_layers: int,
+    cluster: Cluster,
+    training: TrainingConfig,
+    *,
+    num_experts: int | None = None,
+) -> list[ParallelConfig]:
+    """Every valid config, in a fixed order (deterministic search). ``num_experts``: the
+    graph's routed experts E (``moe.routed_experts``), None for a dense graph; it gives the
+    expert-parallel degrees (``expert_parallel_degrees``)."""
+    check_pinned_degrees(cluster, training)
+    check_pinned_expert_degrees(training)
+    # auto = selective: with a free choice per layer, "none" (no layer) and "full" (every layer)
+    # are feasible choices of the same config, so its optimum is never worse than either (on a
+    # heterogeneous cluster too); the empirical model measures one setting per run, so there
+    # auto searches none and full
+    recompute_modes = (training.recompute,)
+    if training.recompute == "auto":
+        uniform_only = training.memory_model == "empirical"
+        recompute_modes = ("none", "full") if uniform_only else ("selective",)
+    virtual_stages = sorted(set(training.virtual_stages))
+    if virtual_stages != [1]:
+        check_interleaving(cluster, training)
+    cp_degrees = sorted(set(training.cp))
+    if training.memory_model == "empirical" and cp_degrees != [1]:
+        raise InputError(
+            f"--cp {','.join(map(str, training.cp))} with the empirical memory model: the "
+            "statistics are measured on whole sequences of one pipeline; use --cp 1 or "
+            "--memory-model analytic"
+        )
+    configs: list[ParallelConfig] = []
+    most = MAX_CONFIG_LAYERS // (num_layers * max(1, len(cluster.groups)))
+    for pp in divisors(cluster.num_gpus):
+        if pp > num_layers:
+            break  # ascending: every larger pp has an empty stage
+        if training.pp not in (None, pp):
+            continue
+        # tensor parallelism stays inside a node: tp | gcd(gpus / pp, gpus per node)
+        for tp, cp in _tensor_and_context_degrees(cluster.num_gpus // pp, cluster, cp_degrees):
+            if training.tp not in (None, tp):
+                continue
+            dp = cluster.num_gpus // (pp * tp * cp)
+            if training.dp not in (None, dp):
+                continue
+            width = tp * cp * dp  # the GPUs of one stage
+            if cluster.is_heterogeneous and any(g.num_gpus % width for g in cluster.groups):
+                continue  # a stage's GPUs come from one group, and all GPUs are used
+            if training.memory_model == "empirical" and tp * dp > 1:
+                continue  # the statistics describe one pipeline (CAPSlog): tp = dp = 1
+            zero_stages = (
+                sorted(set(training.zero_stages)) if dp * cp > 1 else [min(training.zero_stages)]
+            )
+            for micro_batch in sorted(set(training.micro_batch_sizes)):
+                if training.global_batch % (dp * micro_batch):
+                    continue
+                m = training.global_batch // (dp * micro_batch)
+                for zero in zero_stages:
+                    for recompute in recompute_modes:
+                        for virtual in virtual_stages:
+                            if virtual > 1 and not interleaving_fits(num_layers, pp, m, virtual):
+                                continue
+                            for ep in expert_parallel_degrees(training, dp, num_experts):
+                                if len(configs) >= most:
+                                    raise InputError(_too_many_configs(num_layers, most, training))
+                                configs.append(
+                                    ParallelConfig(
+                                        pp=pp,
+                                        tp=tp,
+                                        cp=cp,
+                                        dp=dp,
+                                        micro_batch=micro_batch,
+                                        num_microbatches=m,
+                                        zero=zero,
+                                        recompute=recompute,
+                                        schedule=training.schedule,
+                                        virtual_stages=virtual,
+                                        sp=sequence_parallel(training, tp),
+                                        ep=ep,
+                                    )
+                                )
+    if not configs:
+        raise InputError(_why_no_config(num_layers, cluster, training))
+    return configs
+
+
+def _tensor_and_context_degrees(
+    stage_gpus: int, cluster: Cluster, cp_degrees: list[int]
+) -> list[tuple[int, int]]:
+    """(tp, cp) pairs for a pipeline stage of ``stage_gpus`` = tp cp dp GPUs, tp ascending then
+    cp: tp | gcd(stage GPUs, GPUs per node) (tensor parallelism stays inside a node), cp one of
+    the candidate degrees dividing stage_gpus / tp (it may cross nodes: module docstring)."""
+    return [
+        (tp, cp)
+        for tp in divisors(math.gcd(stage_gpus, cluster.gpus_per_node))
+        for cp in cp_degrees
+        if (stage_gpus // tp) % cp == 0
+    ]
+
+
+def sequence_parallel(training: TrainingConfig, tp: int) -> bool:
+    """Whether a candidate with tensor-parallel degree ``tp`` uses sequence parallelism: with
+    "on" or "auto" exactly when tp > 1 (SP splits over the TP ranks; Megatron-LM recommends it
+    whenever tp > 1), with "off" never. The option defaults to auto on the megatron runtime and
+    off on the torch runtime (``specs.default_sequence_parallel``)."""
+    return training.sequence_parallel != "off" and tp > 1
+
+
+def check_pinned_expert_degrees(training: TrainingConfig) -> None:
+    """With dp pinned, at least one requested ep must divide it (the experts are sharded within
+    the data-parallel ranks)."""
+    if training.ep is None or training.dp is None:
+        return
+    if all(training.dp % e for e in training.ep):
+        asked = ",".join(map(str, training.ep))
+        raise InputError(
+            f"--ep {asked} does not divide the pinned dp({training.dp}): the experts are sharded "
+            "within the data-parallel ranks; pick an --ep that divides --dp"
+        )
+
+
+def expert_parallel_degrees(
+    training: TrainingConfig, dp: int, num_experts: int | None
+) -> list[int]:
+    """The expert-parallel degrees of a candidate with data-parallel degree ``dp``, ascending:
+    those of ``training.ep`` that divide dp (Megatron shards the experts within the
+    data-parallel ranks), or with ep auto (None) every divisor of dp that divides the graph's
+    ``num_experts`` routed experts, and 1 on a dense graph (None). Whether a requested ep fits
+    the graph is ``moe.check_expert_degree``'s (in ``evaluation.prepare_training``)."""
+    if training.ep is None:
+        if num_experts is None:
+            return [1]
+        return [e for e in divisors(dp) if num_experts % e == 0]
+    return sorted({e for e in training.ep if dp % e == 0})
+
+
+def interleaving_fits(num_layers: int, pp: int, num_microbatches: int, virtual: int) -> bool:
+    """Interleaved 1F1B with v chunks per rank: at least two ranks, a layer per virtual stage
+    (p v <= layers) and m a multiple of p (Megatron-core's default micro-batch group of p
+    must divide m: ``forward_backward_pipelining_with_interleaving``)."""
+    return pp >= 2 and pp * virtual <= num_layers and num_microbatches % pp == 0
+
+
+def check_interleaving(cluster: Cluster, training: TrainingConfig) -> None:
+    """Interleaved stages are modelled for the analytic memory model on homogeneous clusters;
+    anything else is a one-line error."""
+    asked = ",".join(str(v) for v in training.virtual_stages)
+    if training.memory_model != "analytic":
+        raise InputError(
+            f"--virtual-stages {asked}: the empirical statistics describe contiguous stages; "
+            "use --memory-model analytic or --virtual-stages 1"
+        )
+    if cluster.is_heterogeneous:
+        raise InputError(
+            f"--virtual-stages {asked}: interleaved stages on a heterogeneous cluster are not "
+            "supported; use --virtual-stages 1 with --cluster"
+        )
+
+
+def stages_per_group(cluster: Cluster, config: ParallelConfig) -> list[int]:
+    """Stages each group of a heterogeneous cluster hosts: gpus_k / (tp cp dp)."""
+    width = config.tp * config.cp * config.dp
+    return [group.num_gpus // width for group in cluster.groups]
+
+
+def _too_many_configs(num_layers: int, most: int, training: TrainingConfig) -> str:
+    lists = (
+        f"micro-batch sizes {len(training.micro_batch_sizes)}, ZeRO stages "
+        f"{len(training.zero_stages)}, virtual stages {len(training.virtual_stages)}, cp degrees "
+        f"{len(training.cp)}, ep degrees "
+        + ("auto" if training.ep is None else str(len(training.ep)))
+    )
+    return (
+        f"more than {most} candidate configs for {num_layers} layers (the search keeps per-layer "
+        f"costs of each, at most {MAX_CONFIG_LAYERS} configs x layers; {lists}): pin --pp, --tp "
+        "or --dp, or give fewer --micro-batch / --zero / --virtual-stages / --cp / --ep values"
+    )
+
+
+def _why_no_config(num_layers: int, cluster: Cluster, training: TrainingConfig) -> str:
+    batch = training.global_batch
+    if cluster.is_heterogeneous:
+        sizes = ", ".join(f"{g.name}: {g.num_gpus}" for g in cluster.groups)
+        return (
+            f"no valid parallel config for the cluster's groups ({sizes} GPUs), {num_layers} "
+            f"layers, global batch {batch}, micro-batch sizes {list(training.micro_batch_sizes)}: "
+            f"need tp | gpus per node ({cluster.gpus_per_node}), tp * dp | every group's GPUs, "
+            "pp <= layers and dp * micro_batch | global batch; try other group sizes or a global "
+            "batch that is a multiple of the GPU count"
+        )
+    interleaved = (
+        ", and with --virtual-stages v > 1: pp >= 2, pp * v <= layers and pp | micro-batches"
+        if min(training.virtual_stages) > 1
+        else ""
+    )
+    if training.ep is not None:
+        interleaved += (
+            f", and with --ep {','.join(map(str, training.ep))}: dp divisible by one of them "
+            "(the experts are sharded within the data-parallel ranks)"
+        )
+    return (
+        f"no valid parallel config for {cluster.num_gpus} GPUs ({cluster.gpus_per_node} per node), "
+        f"{num_layers} layers, global batch {batch}, micro-batch sizes "
+        f"{list(training.micro_batch_sizes)}: need pp <= layers, tp | gpus_per_node and "
+        f"dp * micro_batch | global batch{interleaved}; try a global batch that is a multiple of "
+        "the GPU count, micro-batch 1, or fewer pinned degrees"
+    )
+
+
+def memory_lower_bound(costs: LayerCosts) -> int:
+    """A peak no split of this config can beat (bytes per GPU).
+
+    Every layer sits in some stage, whose peak is at least the layer's states (without its
+    gradients where a peak can come before them, ``LayerCosts.state_lower_bytes``), k_min stored
+    micro-batches and its transient; and the p stage peaks together hold every layer's states and
+    at least k_min stored micro-batches of each, so the largest is >= their sum / p; likewise
+    with every state and the step temporary at the optimizer step. Plus a
+    calibration's constant, which every stage carries.
+    """
+    k_min = min(costs.in_flight)
+    stored, transient, _ = costs.bounding_coefficients(np.minimum)
+    per_layer = costs.state_lower_bytes + k_min * stored
+    single = int((per_layer + transient).max())
+    # with interleaving the p ranks together hold least_held micro-batches of every chunk
+    spread_layer = costs.state_lower_bytes + costs.least_held * stored
+    spread = -(-int(spread_layer.sum()) // costs.num_ranks)
+    if costs.step_bytes is not None:  # the optimizer step: every state and the step temporary
+        at_step = costs.state_bytes + costs.step_bytes
+        single = max(single, int(at_step.max()))
+        spread = max(spread, -(-int(at_step.sum()) // costs.num_ranks))
+    return costs.constant_bytes + max(single, spread)
+
+
+def time_lower_bound(costs: LayerCosts) -> int:
+    """An iteration bound (ns) no split of this config can beat (``iteration_floor_ns``)."""
+    return iteration_floor_ns(costs)
