@@ -34,8 +34,7 @@ from solver.calibration import (
     leave_one_out,
     write_calibration,
 )
-from solver.cli.common import OneLineErrorParser, number_in, positive_int, print_error
-from solver.cli.terminal import interrupted
+from solver.console import OneLineErrorParser, interrupted, number_in, positive_int, print_error
 from solver.errors import InputError, PlannerError
 from solver.files.output_file import check_output
 from solver.specs import TrainingConfig

@@ -22,15 +22,15 @@ import time
 import types
 from typing import Any
 
-from solver.cli.common import (
+from solver.console import (
     OneLineErrorParser,
     check_outputs,
     int_in,
+    interrupted,
     positive_int,
     print_error,
     write_json,
 )
-from solver.cli.terminal import interrupted
 from solver.errors import InputError, PlannerError, quote
 from solver.graph import LayerGraph
 from solver.units import format_bytes

@@ -20,16 +20,16 @@ import sys
 from dataclasses import asdict
 
 from profiling.export import MAX_THREADS, parse_overrides
-from solver.cli.common import (
+from solver.console import (
     OneLineErrorParser,
     check_outputs,
     int_in,
+    interrupted,
     number_in,
     positive_int,
     print_error,
     write_json,
 )
-from solver.cli.terminal import interrupted
 from solver.errors import PlannerError
 from solver.files.plan_file import load_plan
 

@@ -109,7 +109,7 @@ def quote(value: object, limit: int = QUOTE_CHARS, *, bare: bool = False) -> str
 def one_line(message: str, limit: int = MESSAGE_CHARS) -> str:
     """``message`` as one printable line of at most ``limit`` characters (plus a marker when
     cut): control characters (newlines, tabs, escape sequences) escaped, lone surrogates escaped.
-    The last guard of every CLI's error line (``solver.cli.common.print_error``)."""
+    The last guard of every CLI's error line (``solver.console.print_error``)."""
     head = message[: limit + 1]  # escaping only lengthens the text
     text = "".join(char if char.isprintable() else _escape(char) for char in head)
     if len(text) > limit:

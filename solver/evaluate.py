@@ -6,7 +6,7 @@ API function; see solver/cli/entry.py)."""
 
 from solver.cli.entry import make_callable
 from solver.cli.evaluate import evaluate_main
-from solver.cli.terminal import exit_process
+from solver.console import exit_process
 from solver.evaluation import evaluate
 
 make_callable(__name__, evaluate)

@@ -5,7 +5,7 @@ function; see solver/cli/entry.py)."""
 
 from solver.cli.entry import make_callable
 from solver.cli.plan import plan_main
-from solver.cli.terminal import exit_process
+from solver.console import exit_process
 from solver.search.planner import plan
 
 make_callable(__name__, plan)

@@ -29,7 +29,8 @@ from solver import Cluster, TrainingConfig
 from solver.backends.cpsat import solve_cpsat
 from solver.backends.problem import FEASIBLE, UNKNOWN, StageProblem
 from solver.cli import evaluate_main, plan_main
-from solver.cli.terminal import INTERRUPTED, SearchProgress, shows_progress
+from solver.cli.progress import SearchProgress
+from solver.console import INTERRUPTED, shows_progress
 from solver.costs import layer_costs
 from solver.errors import InputError
 from solver.plan_check import check_plan

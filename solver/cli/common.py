@@ -1,22 +1,25 @@
-"""What the CLIs share: the one-line-error parser, argument types, the cluster and training
-flags, checking and writing outputs (``check_outputs``, ``write_json``: solver.files.output_file)
-and ``print_output``.
+"""The option groups the solver's CLIs share: graph and cluster, training, search space and
+solver, and turning them into a ``Cluster`` and a ``TrainingConfig``.
 
-The CLIs only parse, call the API, print and write JSON. Errors: one line on stderr, exit code
-2 (bad input, a bad output path included), 3 (infeasible), 4 (time limit without a solution),
-7 (an output could not be written after the work); never a traceback.
+The CLIs only parse, call the API, print and write JSON; the plumbing every CLI of the project
+shares (parser, argument types, errors, outputs, Ctrl-C) is ``solver/console.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import os
-import sys
 from typing import Any
 
 from solver.calibration import Calibration, load_calibration
-from solver.errors import InputError, one_line, quote
+from solver.console import (
+    float_or_nan,
+    format_count,
+    int_in,
+    int_list_in,
+    number_in,
+    positive_float,
+)
+from solver.errors import InputError, quote
 from solver.precision import (
     BYTE_FIELDS,
     DEFAULT_OPTIMIZER_IMPL,
@@ -58,123 +61,10 @@ MAX_WORKERS = 256
 """Most CP-SAT worker threads --workers takes."""
 
 
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse that reports a bad argument in one line with exit code 2 (no usage dump)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(one_line(f"{self.prog}: error: {message} (see --help)") + "\n")
-        raise SystemExit(2)
-
-
-def print_error(error: BaseException | str) -> None:
-    """A CLI's error: ``error: <message>`` as one line on stderr, at most a few hundred
-    characters, control characters escaped (``solver.errors.one_line``), whatever it quotes."""
-    sys.stderr.write(one_line(f"error: {error}") + "\n")
-    sys.stderr.flush()
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {quote(text)}"
-        ) from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return values
-
-
-def int_list_in(low: int, high: int):
-    """An argparse type: comma-separated integers, each in low..high."""
-
-    def parse(text: str) -> list[int]:
-        values = int_list(text)
-        bad = [value for value in values if not low <= value <= high]
-        if bad:
-            raise argparse.ArgumentTypeError(
-                f"each value must be in {low}..{_count(high)}, got {quote(bad[0])}"
-            )
-        return values
-
-    return parse
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive integer, got {quote(text)}"
-        ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {quote(value)}")
-    return value
-
-
-def int_in(low: int, high: int):
-    """An argparse type: an integer in low..high."""
-
-    def parse(text: str) -> int:
-        value = positive_int(text) if low == 1 else _integer(text)
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(
-                f"must be in {low}..{_count(high)}, got {quote(value)}"
-            )
-        return value
-
-    return parse
-
-
-def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {quote(text)}") from None
-
-
-def _count(value: int) -> str:
-    """2^24 rather than 16777216."""
-    if value >= 2**16 and value & (value - 1) == 0:
-        return f"2^{value.bit_length() - 1}"
-    return str(value)
-
-
-def _float(text: str) -> float:
-    """The number of ``text``, NaN when it is none (then every range check fails)."""
-    try:
-        return float(text)
-    except ValueError:
-        return math.nan
-
-
-def positive_float(text: str) -> float:
-    """A finite number > 0 (NaN, inf and 1e400 are errors)."""
-    value = _float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {quote(text)}")
-    return value
-
-
-def number_in(low: float, high: float, *, low_open: bool = False, unit: str = ""):
-    """An argparse type: a finite number in [low, high] ((low, high] with ``low_open``)."""
-
-    def parse(text: str) -> float:
-        value = _float(text)
-        if not ((value > low if low_open else value >= low) and value <= high):
-            bracket = "(" if low_open else "["
-            raise argparse.ArgumentTypeError(
-                f"must be a number in {bracket}{low:g}, {high:g}]{unit}, got {quote(text)}"
-            )
-        return value
-
-    return parse
-
-
 def slowdown(text: str) -> float | None:
     if text.lower() == "none":
         return None
-    value = _float(text)
+    value = float_or_nan(text)
     if not 1 <= value <= MAX_SLOWDOWN:
         raise argparse.ArgumentTypeError(
             f"must be >= 1 (a number in [1, {MAX_SLOWDOWN:g}]) or 'none', got {quote(text)}"
@@ -194,7 +84,7 @@ def capacity_factor(text: str) -> float | str:
     """--moe-capacity-factor: 'dropless' or a number in [1, MAX_CAPACITY_FACTOR]."""
     if text.strip().lower() == MOE_DROPLESS:
         return MOE_DROPLESS
-    value = _float(text)
+    value = float_or_nan(text)
     if not 1 <= value <= MAX_CAPACITY_FACTOR:
         raise argparse.ArgumentTypeError(
             f"must be a number in [1, {MAX_CAPACITY_FACTOR:g}] (each expert takes at most that "
@@ -508,7 +398,9 @@ def cluster_from_flags(
     """The Cluster of the flags (each flag's type checked its range; the GPU count is checked
     here, and named --gpus)."""
     if num_gpus > MAX_GPUS:
-        raise InputError(f"{num_gpus} GPUs (--gpus, or pp x tp x dp): at most {_count(MAX_GPUS)}")
+        raise InputError(
+            f"{num_gpus} GPUs (--gpus, or pp x tp x dp): at most {format_count(MAX_GPUS)}"
+        )
     return Cluster(
         num_gpus=num_gpus,
         gpu_memory_bytes=args.gpu_memory if gpu_memory_bytes is None else gpu_memory_bytes,
@@ -556,13 +448,6 @@ def bytes_per_param(args: argparse.Namespace) -> dict[str, int | None]:
     return {"weight_bytes_per_param": w, "grad_bytes_per_param": g, "optimizer_bytes_per_param": o}
 
 
-def input_files(args: argparse.Namespace) -> list[str]:
-    """Files the CLI reads (no output may replace them): the graph, --calibration, --cluster
-    and --plan, where given."""
-    names = ("graph", "calibration", "cluster", "plan")
-    return [getattr(args, name) for name in names if getattr(args, name, None)]
-
-
 def add_plot_option(parser: argparse.ArgumentParser, *, drawing: str) -> None:
     """--plot FILE; ``drawing`` says what this CLI draws."""
     parser.add_argument(
@@ -570,30 +455,6 @@ def add_plot_option(parser: argparse.ArgumentParser, *, drawing: str) -> None:
         metavar="FILE",
         help=f"also draw {drawing} (.png, .pdf or .svg; solver/report/plots.py)",
     )
-
-
-OUTPUT_FLAGS = (("json", "--json"), ("out", "--out"), ("plot", "--plot"))
-"""(argument, flag) of the outputs a CLI may have, in the order they are checked."""
-
-
-def check_outputs(args: argparse.Namespace) -> None:
-    """Fail on a bad output path before any work (InputError, exit 2, one line): every given
-    --json, --out and --plot (solver.files.output_file.check_output: a folder, a missing or
-    read-only
-    folder, no permission, an input file, the same file as another output; --plot also needs
-    .png, .pdf or .svg)."""
-    from solver.files.output_file import check_output
-
-    checked = []
-    for name, flag in OUTPUT_FLAGS:
-        path = getattr(args, name, None)
-        if path is None:
-            continue
-        if name == "plot":
-            from solver.report.plots import check_plot_extension
-
-            check_plot_extension(path)
-        checked.append(check_output(path, flag=flag, protect=input_files(args), others=checked))
 
 
 def calibration_from_args(args: argparse.Namespace) -> Calibration | None:
@@ -604,31 +465,6 @@ def zero_stages(text: str) -> tuple[int, ...]:
     if text == "auto":
         return ZERO_STAGES
     return (int(text),)
-
-
-def write_json(
-    path: str, document: dict[str, Any], *, protect: list[str], flag: str = "--json"
-) -> None:
-    """Write ``document`` by the one writing path (solver.files.output_file: atomic for a regular
-    file, written through for a device, a FIFO or a link's target); a bad path is an
-    InputError (exit 2), a failed write an OutputError (exit 7) that leaves an existing file
-    as it was. ``protect``: the input files it must not be."""
-    from solver.files.output_file import write_json_file
-
-    write_json_file(path, document, flag=flag, protect=protect)
-
-
-def print_output(text: str) -> None:
-    """Print, tolerating a closed pipe (``... | head``) and a stdout that cannot encode a name
-    (``PYTHONIOENCODING=ascii``: such characters are written as backslash escapes)."""
-    try:
-        try:
-            print(text, flush=True)
-        except UnicodeEncodeError:
-            encoding = sys.stdout.encoding or "ascii"
-            print(text.encode(encoding, "backslashreplace").decode(encoding), flush=True)
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def add_plan_options(parser: argparse.ArgumentParser, *, cpsat_workers: bool = True) -> None:

@@ -9,21 +9,23 @@ import dataclasses
 from typing import Any
 
 from solver.cli.common import (
-    OneLineErrorParser,
     add_graph_and_cluster,
     add_plot_option,
     bytes_per_param,
     calibration_from_args,
-    check_outputs,
     cluster_from_args,
-    input_files,
-    positive_int,
     precision_words,
+)
+from solver.console import (
+    OneLineErrorParser,
+    check_outputs,
+    input_files,
+    interrupted,
+    positive_int,
     print_error,
     print_output,
     write_json,
 )
-from solver.cli.terminal import interrupted
 from solver.errors import InputError, PlannerError, StalePlanError
 from solver.graph import load_graph
 from solver.specs import (

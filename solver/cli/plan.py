@@ -9,20 +9,24 @@ import time
 from typing import Any
 
 from solver.cli.common import (
-    OneLineErrorParser,
     add_graph_and_cluster,
     add_plan_options,
     add_plot_option,
-    check_outputs,
     cluster_from_args,
+    training_from_args,
+)
+from solver.cli.progress import SearchProgress
+from solver.console import (
+    OneLineErrorParser,
+    check_outputs,
     input_files,
+    interrupted,
     positive_int,
     print_error,
     print_output,
-    training_from_args,
+    shows_progress,
     write_json,
 )
-from solver.cli.terminal import SearchProgress, interrupted, shows_progress
 from solver.errors import InputError, PlannerError
 from solver.graph import load_graph
 from solver.specs import Cluster, TrainingConfig

@@ -20,8 +20,9 @@ import argparse
 import logging
 from typing import Any
 
+from solver import console
 from solver.cli import common
-from solver.cli.terminal import interrupted
+from solver.console import interrupted
 from solver.errors import InputError, PlannerError
 from solver.graph import load_graph
 from solver.sweep import (
@@ -44,7 +45,7 @@ def gpu_list(text: str) -> list[int] | str:
         raise argparse.ArgumentTypeError(
             f"empty item in {text!r}; write comma-separated GPU counts like 8,16,32"
         )
-    return [common.positive_int(part) for part in parts]
+    return [console.positive_int(part) for part in parts]
 
 
 def size_range(text: str) -> tuple[int, int]:
@@ -52,14 +53,14 @@ def size_range(text: str) -> tuple[int, int]:
     low, sep, high = text.partition(":")
     if not sep:
         raise argparse.ArgumentTypeError(f"expected LO:HI, e.g. 24:192, got {text!r}")
-    low_value, high_value = common.positive_int(low), common.positive_int(high)
+    low_value, high_value = console.positive_int(low), console.positive_int(high)
     if low_value > high_value:
         raise argparse.ArgumentTypeError(f"LO must be <= HI, got {text!r}")
     return low_value, high_value
 
 
 def sweep_parser() -> argparse.ArgumentParser:
-    parser = common.OneLineErrorParser(
+    parser = console.OneLineErrorParser(
         prog="python -m solver.sweep",
         description="What-if studies: the memory-optimal plan at every (GPU count, GPU memory) "
         "point, the smallest GPU count that fits, or the largest model of a preset that fits.",
@@ -76,7 +77,7 @@ def sweep_parser() -> argparse.ArgumentParser:
     )
     study = parser.add_argument_group("study")
     study.add_argument("--find", choices=["min-gpus", "max-scale"], help="instead of a sweep")
-    study.add_argument("--max-gpus", type=common.positive_int, help="--gpus auto: largest count")
+    study.add_argument("--max-gpus", type=console.positive_int, help="--gpus auto: largest count")
     study.add_argument("--model", metavar="PRESET", help="--find max-scale: zoo preset")
     study.add_argument("--scale", choices=list(SCALES), help="--find max-scale: what grows")
     study.add_argument(
@@ -87,7 +88,7 @@ def sweep_parser() -> argparse.ArgumentParser:
     )
     study.add_argument(
         "--workers",
-        type=common.positive_int,
+        type=console.positive_int,
         help="processes (default: every core; 1: in-process); --executor ray: the local Ray "
         "instance's CPUs",
     )
@@ -150,11 +151,11 @@ def sweep_main(argv: list[str] | None = None) -> int:
 
             plot_sweep(rows, args.plot, title=_title(graph.model, training))
         if not args.quiet:
-            common.print_output(format_rows(rows))
+            console.print_output(format_rows(rows))
         if all(row["status"] == "ERROR" for row in rows):
             raise InputError(f"no point can be solved; first: {rows[0]['detail']}")
     except PlannerError as error:
-        common.print_error(error)
+        console.print_error(error)
         return error.exit_code
     except KeyboardInterrupt:
         return interrupted("" if writer is None else writer.close())
@@ -199,7 +200,7 @@ def _check_args(args: argparse.Namespace) -> None:
             check_address(args.ray_address)
     elif args.ray_address is not None:
         raise InputError("--ray-address goes with --executor ray")
-    common.check_outputs(args)  # --json, --out, --plot: before any graph is read or solved
+    console.check_outputs(args)  # --json, --out, --plot: before any graph is read or solved
 
 
 def _inputs(args: argparse.Namespace) -> list[str]:
@@ -249,9 +250,9 @@ def _min_gpus(args: argparse.Namespace) -> int:
         detail = next((r["detail"] for r in reversed(result.rows) if r["detail"]), "")
         raise _infeasible(f"no GPU count fits ({searched}; {solved}): {detail}")
     if args.json:
-        common.write_json(args.json, plan_to_dict(result.plan), protect=_inputs(args))
+        console.write_json(args.json, plan_to_dict(result.plan), protect=_inputs(args))
     if not args.quiet:
-        common.print_output(
+        console.print_output(
             f"smallest GPU count that fits {format_bytes(memory)} per GPU: {result.gpus} "
             f"({searched}; {solved})\n" + format_plan(result.plan)
         )
@@ -286,14 +287,14 @@ def _max_scale(args: argparse.Namespace) -> int:
             f"not fit on {where}: {result.too_big_detail}"
         )
     if args.json:
-        common.write_json(args.json, plan_to_dict(result.plan), protect=_inputs(args))
+        console.write_json(args.json, plan_to_dict(result.plan), protect=_inputs(args))
     if not args.quiet:
         above = (
             f"the top of the range ({sizes[-1]}) fits"
             if result.too_big is None
             else f"{args.scale}={result.too_big} does not fit: {result.too_big_detail}"
         )
-        common.print_output(
+        console.print_output(
             f"largest {args.model} that fits on {where}: {args.scale}={result.size} (preset: "
             f"{current}; {len(result.rows)} sizes profiled and planned); {above}\n"
             + format_plan(result.plan)

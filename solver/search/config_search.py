@@ -143,7 +143,7 @@ class Deadline:
 Progress = Callable[[str, int, int, str], None]
 """``progress(step, visited, total, best)``: a search ``step`` (e.g. "smallest peak") has
 visited ``visited`` of its ``total`` configs; ``best`` describes the incumbent ("" for none).
-Called after every config solved, for a display (``solver.cli.terminal.SearchProgress``)."""
+Called after every config solved, for a display (``solver.cli.progress.SearchProgress``)."""
 
 
 def build_entries(

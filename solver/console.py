@@ -1,0 +1,218 @@
+"""Command-line plumbing every CLI of the project shares, solver's and profiling's: the
+one-line-error parser and argument types, error and output printing, checking and writing output
+files (by the one writing path, ``solver.files.output_file``), and the exit after Ctrl-C (130).
+
+Errors: one line on stderr, exit code 2 (bad input, a bad output path included), 3 (infeasible),
+4 (time limit without a solution), 7 (an output could not be written after the work); never a
+traceback. The solver's own option groups (cluster, training, search) are in ``solver/cli/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from typing import Any, NoReturn
+
+from solver.errors import one_line, quote
+
+INTERRUPTED = 130
+"""Exit code after Ctrl-C: 128 + SIGINT, as a shell reports a process killed by it."""
+
+
+def interrupted(detail: str = "") -> int:
+    """Ctrl-C: one line on stderr, and the exit code to return."""
+    sys.stderr.write(f"interrupted{detail}\n")
+    return INTERRUPTED
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a ``python -m`` CLI with ``code``. After a Ctrl-C (:data:`INTERRUPTED`) the process ends
+    with ``os._exit`` once the standard streams are flushed: a native solver stopped mid-solve may
+    still have threads running (CP-SAT's workers, HiGHS's scheduler), and the C++ runtime's static
+    destructors would abort under them at a normal exit ("terminate called without an active
+    exception": exit -6 instead of 130, about one Ctrl-C in ten on a large DAG search)."""
+    if code == INTERRUPTED:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    sys.exit(code)
+
+
+def shows_progress(quiet: bool) -> bool:
+    """A progress display goes to stderr only when it is a terminal (never into a log file or
+    a pipe) and the user did not ask for quiet."""
+    return not quiet and sys.stderr.isatty()
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line with exit code 2 (no usage dump)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(one_line(f"{self.prog}: error: {message} (see --help)") + "\n")
+        raise SystemExit(2)
+
+
+def print_error(error: BaseException | str) -> None:
+    """A CLI's error: ``error: <message>`` as one line on stderr, at most a few hundred
+    characters, control characters escaped (``solver.errors.one_line``), whatever it quotes."""
+    sys.stderr.write(one_line(f"error: {error}") + "\n")
+    sys.stderr.flush()
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {quote(text)}"
+        ) from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def int_list_in(low: int, high: int):
+    """An argparse type: comma-separated integers, each in low..high."""
+
+    def parse(text: str) -> list[int]:
+        values = int_list(text)
+        bad = [value for value in values if not low <= value <= high]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"each value must be in {low}..{format_count(high)}, got {quote(bad[0])}"
+            )
+        return values
+
+    return parse
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer, got {quote(text)}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {quote(value)}")
+    return value
+
+
+def int_in(low: int, high: int):
+    """An argparse type: an integer in low..high."""
+
+    def parse(text: str) -> int:
+        value = positive_int(text) if low == 1 else _integer(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"must be in {low}..{format_count(high)}, got {quote(value)}"
+            )
+        return value
+
+    return parse
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {quote(text)}") from None
+
+
+def format_count(value: int) -> str:
+    """2^24 rather than 16777216."""
+    if value >= 2**16 and value & (value - 1) == 0:
+        return f"2^{value.bit_length() - 1}"
+    return str(value)
+
+
+def float_or_nan(text: str) -> float:
+    """The number of ``text``, NaN when it is none (then every range check fails)."""
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (NaN, inf and 1e400 are errors)."""
+    value = float_or_nan(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {quote(text)}")
+    return value
+
+
+def number_in(low: float, high: float, *, low_open: bool = False, unit: str = ""):
+    """An argparse type: a finite number in [low, high] ((low, high] with ``low_open``)."""
+
+    def parse(text: str) -> float:
+        value = float_or_nan(text)
+        if not ((value > low if low_open else value >= low) and value <= high):
+            bracket = "(" if low_open else "["
+            raise argparse.ArgumentTypeError(
+                f"must be a number in {bracket}{low:g}, {high:g}]{unit}, got {quote(text)}"
+            )
+        return value
+
+    return parse
+
+
+def input_files(args: argparse.Namespace) -> list[str]:
+    """Files the CLI reads (no output may replace them): the graph, --calibration, --cluster
+    and --plan, where given."""
+    names = ("graph", "calibration", "cluster", "plan")
+    return [getattr(args, name) for name in names if getattr(args, name, None)]
+
+
+OUTPUT_FLAGS = (("json", "--json"), ("out", "--out"), ("plot", "--plot"))
+"""(argument, flag) of the outputs a CLI may have, in the order they are checked."""
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Fail on a bad output path before any work (InputError, exit 2, one line): every given
+    --json, --out and --plot (solver.files.output_file.check_output: a folder, a missing or
+    read-only
+    folder, no permission, an input file, the same file as another output; --plot also needs
+    .png, .pdf or .svg)."""
+    from solver.files.output_file import check_output
+
+    checked = []
+    for name, flag in OUTPUT_FLAGS:
+        path = getattr(args, name, None)
+        if path is None:
+            continue
+        if name == "plot":
+            from solver.report.plots import check_plot_extension
+
+            check_plot_extension(path)
+        checked.append(check_output(path, flag=flag, protect=input_files(args), others=checked))
+
+
+def write_json(
+    path: str, document: dict[str, Any], *, protect: list[str], flag: str = "--json"
+) -> None:
+    """Write ``document`` by the one writing path (solver.files.output_file: atomic for a regular
+    file, written through for a device, a FIFO or a link's target); a bad path is an
+    InputError (exit 2), a failed write an OutputError (exit 7) that leaves an existing file
+    as it was. ``protect``: the input files it must not be."""
+    from solver.files.output_file import write_json_file
+
+    write_json_file(path, document, flag=flag, protect=protect)
+
+
+def print_output(text: str) -> None:
+    """Print, tolerating a closed pipe (``... | head``) and a stdout that cannot encode a name
+    (``PYTHONIOENCODING=ascii``: such characters are written as backslash escapes)."""
+    try:
+        try:
+            print(text, flush=True)
+        except UnicodeEncodeError:
+            encoding = sys.stdout.encoding or "ascii"
+            print(text.encode(encoding, "backslashreplace").decode(encoding), flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
