@@ -88,7 +88,7 @@ def git_commit(root: Path = ROOT) -> str:
 @dataclass
 class Run:
     """One run of a script: the exact command line that started it, the commit, its clock and
-    the machine's 1-minute load average when it started."""
+    the machine's load averages when it started."""
 
     script: str
     """The script's path relative to the repository root, e.g. "scripts/bench_solver.py"."""
@@ -97,6 +97,9 @@ class Run:
     commit: str
     clock: Stopwatch = field(default_factory=lambda: Stopwatch())
     load_before: float = field(default_factory=lambda: load_average())
+    """The 1-minute load average when the run started."""
+    loads_before: str = field(default_factory=lambda: load_averages())
+    """The 1-, 5- and 15-minute load averages when the run started."""
 
     @classmethod
     def start(cls, script_file: str | Path, argv: Sequence[str] | None = None) -> Run:
