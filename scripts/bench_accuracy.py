@@ -30,7 +30,6 @@ import harness
 from harness import markdown_table
 
 from profiling.calibrate import SMALL_GPT, Layout, calibrate
-from tests.run_any_factories import TINY_HF_MODELS
 
 OVERRIDES = SMALL_GPT
 LAYOUTS = [
@@ -219,8 +218,16 @@ def moe_section(rows: list[dict]) -> list[str]:
 
 
 HF_SEQ = 64
-HF_MODELS = TINY_HF_MODELS
-"""Tiny HF configs (``tests/run_any_factories.py``, shared with the traced-run tests), seq 64."""
+
+
+def hf_models() -> dict[str, tuple[str, dict]]:
+    """Tiny HF configs (``tests/run_any_factories.py``, shared with the traced-run tests), seq 64;
+    imported when the HF rows run (the factories import torch)."""
+    from tests.run_any_factories import TINY_HF_MODELS
+
+    return TINY_HF_MODELS
+
+
 HF_LAYOUTS = [
     # (model, pp, split: layers per stage or None for the planner's, schedule, dtype)
     ("gpt2", 2, None, "1f1b", "fp32"),
@@ -251,7 +258,7 @@ def hf_rows(progress) -> list[dict]:
 
     rows = []
     for key, pp, split, schedule, dtype in HF_LAYOUTS:
-        name, overrides = HF_MODELS[key]
+        name, overrides = hf_models()[key]
         graph = export_graph(name, dtype=dtype, seq=HF_SEQ, overrides=overrides)
         training = TrainingConfig(
             global_batch=8,
@@ -288,7 +295,7 @@ def hf_section(rows: list[dict]) -> list[str]:
         "## HuggingFace models traced by torch.distributed.pipelining (`--model hf:...`)",
         "",
         "GPT-2, Llama with GQA and T5 (untied) from tiny configs (scripts/bench_accuracy.py "
-        "`HF_MODELS`), seq 64, global batch 8 in 8 micro-batches, foreach Adam; `--precision fp32` "
+        "`hf_models`), seq 64, global batch 8 in 8 micro-batches, foreach Adam; `--precision fp32` "
         "(4, 4, 8 bytes per parameter) and `bf16` (pure bf16: 2, 2, 4, torch's Adam keeps its "
         "state in the weights' dtype); cut by `pipeline()` at the plan's layers "
         "(profiling/executors/traced.py). Target for the analytic model: median 2%, max 5%.",
