@@ -56,7 +56,7 @@ def parser(doc: str | None, *, out: Path | None = BENCHMARKS, quick: str | None 
     """An ``ArgumentParser`` described by the first line of ``doc`` (the script's docstring) with
     the flags scripts share: ``--out`` (a folder, default ``out``; none when ``out`` is None) and,
     when ``quick`` is given, ``--quick`` (``quick`` is its help: what the smoke run keeps)."""
-    made = argparse.ArgumentParser(description=(doc or "").splitlines()[0] if doc else None)
+    made = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
     if out is not None:
         made.add_argument("--out", type=Path, default=out, help=f"output folder (default {out})")
     if quick is not None:
