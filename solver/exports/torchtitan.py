@@ -52,7 +52,7 @@ def torchtitan_export(
     CLI overrides (0.3), the per-stage module names, warnings and a note.
 
     ``stages`` are the (virtual) stages in pipeline order, each in graph list order, as
-    :func:`solver.exports.engines.build_exports` checked them.
+    :func:`solver.exports.build_exports` checked them.
     """
     warnings: list[str] = []
     parallelism = _parallelism(config, warnings)
