@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from solver.parallel import export_name
 from solver.specs import ParallelConfig
+
+TOPOLOGY = ("pp", "tp", "dp")
+"""The degrees ``PipeModelDataParallelTopology`` takes, in its argument order."""
 
 
 def deepspeed_export(
@@ -83,10 +87,12 @@ def _deepspeed_warnings(
             "the counts below are per virtual stage. Use Megatron-LM or torch pipelining."
         )
     if config.tp > 1:
+        names = {key: export_name("deepspeed", key) for key in TOPOLOGY}
+        topology = ", ".join(f"{names[key]}={getattr(config, key)}" for key in TOPOLOGY)
         warnings.append(
             f"tp={config.tp}: PipelineModule does not split layers itself; use tensor-parallel "
-            "layers (e.g. Megatron-DeepSpeed) and pass topology=PipeModelDataParallelTopology("
-            f"num_pp={config.pp}, num_mp={config.tp}, num_dp={config.dp})"
+            f"layers (e.g. Megatron-DeepSpeed) and pass topology=PipeModelDataParallelTopology("
+            f"{topology})"
             + (", with Megatron-DeepSpeed's --sequence-parallel." if config.sp else ".")
         )
     if config.cp > 1:

@@ -12,12 +12,18 @@ from typing import Any
 
 from solver.costs.moe import routed_experts
 from solver.graph import LayerGraph
+from solver.parallel import export_name
 from solver.specs import MOE_DROPLESS, ParallelConfig
 
 # Megatron layout letters (megatron/core/transformer/pipeline_parallel_layer_layout.py,
 # PipelineParallelLayerLayout.parse_str_to_list): E = embedding, t = transformer (decoder) layer,
 # L = loss (final norm + output layer + loss), m = MTP layer; "|" separates stages.
 MEGATRON_LETTER = {"embedding": "E", "block": "t", "head": "L"}
+
+
+def _flag(key: str) -> str:
+    """Megatron-LM's flag for parallel dimension ``key`` (``solver.parallel.DIMENSIONS``)."""
+    return export_name("megatron", key)
 
 
 def megatron_export(
@@ -47,9 +53,9 @@ def megatron_export(
         config, blocks, stage_letters, layout_valid=layout_valid
     )
     args = [
-        "--pipeline-model-parallel-size",
+        _flag("pp"),
         str(config.pp),
-        "--tensor-model-parallel-size",
+        _flag("tp"),
         str(config.tp),
         "--num-layers",
         str(num_layers),
@@ -68,12 +74,12 @@ def megatron_export(
     if config.sp:
         # megatron/training/arguments.py: "Enable sequence parallel optimization"; it needs
         # --tensor-model-parallel-size > 1
-        args.append("--sequence-parallel")
+        args.append(_flag("sp"))
     if config.cp > 1:
         # megatron/training/arguments.py: "Degree of context parallelism"; Megatron's data
         # parallel size is world / (tp cp pp), and its distributed optimizer and gradient
         # all-reduce span dp x cp (the cost model's sharding_degree)
-        args += ["--context-parallel-size", str(config.cp)]
+        args += [_flag("cp"), str(config.cp)]
     expert_args, expert_warning = _megatron_expert_args(graph, config, moe_capacity_factor)
     args += expert_args
     if expert_warning is not None:
@@ -130,7 +136,7 @@ def _megatron_expert_args(
         str(experts.num_experts),
         "--moe-router-topk",
         str(experts.top_k),
-        "--expert-model-parallel-size",
+        _flag("ep"),
         str(config.ep),
         "--moe-token-dispatcher-type",
         "alltoall",
@@ -191,7 +197,7 @@ def _megatron_split_args(
     if config.virtual_stages > 1 and method == "even":
         # megatron/training/arguments.py: "Number of virtual pipeline stages per pipeline
         # parallelism rank"
-        args += ["--num-virtual-stages-per-pipeline-rank", str(config.virtual_stages)]
+        args += [_flag("virtual_stages"), str(config.virtual_stages)]
     return args
 
 

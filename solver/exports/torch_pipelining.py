@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from solver.parallel import TORCH_MESH_ORDER, export_name
 from solver.specs import ParallelConfig
 
 
@@ -117,15 +118,17 @@ def _torch_context_parallel(config: ParallelConfig) -> dict[str, Any]:
     patches ``F.scaled_dot_product_attention`` with ring attention over the mesh it is given
     and shards the listed buffers along their sequence dimension in place, for the forward and
     backward run inside it."""
+    mesh_dims = tuple(export_name("torch", key) for key in TORCH_MESH_ORDER)
+    mesh_shape = config.dims.mesh_shape(TORCH_MESH_ORDER)
     return {
         "degree": config.cp,
-        "mesh_dims": ["pp", "dp", "cp", "tp"],
-        "mesh_shape": [config.pp, config.dp, config.cp, config.tp],
+        "mesh_dims": list(mesh_dims),
+        "mesh_shape": mesh_shape,
         "snippet": (
             "from torch.distributed.device_mesh import init_device_mesh; "
             "from torch.distributed.tensor.experimental import context_parallel; "
-            f"mesh = init_device_mesh('cuda', ({config.pp}, {config.dp}, {config.cp}, "
-            f"{config.tp}), mesh_dim_names=('pp', 'dp', 'cp', 'tp')); "
+            f"mesh = init_device_mesh('cuda', ({', '.join(map(str, mesh_shape))}), "
+            f"mesh_dim_names={mesh_dims!r}); "
             "with context_parallel(mesh['cp'], buffers=[input_ids, labels], "
             "buffer_seq_dims=[1, 1], no_restore_buffers={input_ids, labels}): "
             "loss = stage_or_model(input_ids, labels); loss.backward()"
