@@ -15,7 +15,7 @@ from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, U
 from solver.costs import LayerCosts, StageCost, iteration_bound_ns, stage_costs
 from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate_assignment, prepare_training
-from solver.exports.engines import build_exports
+from solver.exports import build_exports
 from solver.graph import LayerGraph
 from solver.report.baselines import BASELINES
 from solver.reserve import usable_text
@@ -64,7 +64,7 @@ class Plan:
 
     @functools.cached_property
     def exports(self) -> dict[str, Any]:
-        """The plan for each engine (``solver.exports.engines.build_exports``), built when first
+        """The plan for each engine (``solver.exports.build_exports``), built when first
         read: a millisecond or two that an in-process caller wanting only the split skips."""
         return self.make_exports()
 
