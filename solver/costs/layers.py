@@ -101,12 +101,14 @@ def layer_costs(
         in_flight=in_flight,
     )
     held = max(sum(vector) for rank in vectors for vector in rank)
-    check_exact_range(graph, config, cluster, training, held, receive_copies, send_copies)
+    factor = routing_factor(graph, config, training)
+    check_exact_range(
+        graph, config, cluster, training, held, receive_copies, send_copies, factor=factor
+    )
     b = config.micro_batch
     cols = graph_columns(graph)
     if config.cp > 1:
         check_context_parallel(graph, config.cp, training.memory_model)
-    factor = routing_factor(graph, config, training)
     params = ParamShares.of(cols, config)
     saved, edge_bytes = _saved_and_edge_bytes(cols, config, training, factor)
     weight, grad, optimizer = model_state_bytes(params, config, training)

@@ -4,6 +4,8 @@ docs/layer-graph.md, "Limits")."""
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from solver.costs.experts import routing_factor
 from solver.costs.graph_inputs import graph_totals
 from solver.costs.units import NS_PER_MS
@@ -31,6 +33,8 @@ def check_exact_range(
     held: int,
     receive_copies: list[int],
     send_copies: list[int],
+    *,
+    factor: Fraction | None = None,
 ) -> None:
     """InputError unless every int64 product and sum of ``layer_costs`` and ``stage_costs`` for
     this config stays exact: upper bounds (every layer on one stage, every micro-batch in flight
@@ -38,7 +42,8 @@ def check_exact_range(
     at most :data:`MAX_EXACT_BYTES`, and of the iteration at most :data:`MAX_ITERATION_NS`.
     Computed in floats from the graph's totals, O(1) per config; the limits have a factor 2 of
     headroom over int64, far more than the floats' rounding. Real models are orders of magnitude
-    below both (GPT-3 175B: stage peaks near 2^36 bytes, iterations near 2^44 ns)."""
+    below both (GPT-3 175B: stage peaks near 2^36 bytes, iterations near 2^44 ns). ``factor``:
+    the routing factor when the caller has it (``experts.routing_factor``, computed otherwise)."""
     totals = graph_totals(graph)
     t, b, m, p, v = (
         config.tp,
@@ -56,7 +61,9 @@ def check_exact_range(
     scale = max(1.0, *calibration.scales.values()) if calibration else 1.0
     constant = abs(calibration.constant_bytes) if calibration else 0
     layers = graph.num_layers
-    factor = float(routing_factor(graph, config, training))
+    if factor is None:
+        factor = routing_factor(graph, config, training)
+    factor = float(factor)
     # a layer's largest intermediate: t P w before the division by t d, b t (A + T), ...
     largest_product = totals["largest"] * t * max(b, w, g, o, 1) * 2
     memory = (
