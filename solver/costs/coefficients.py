@@ -28,8 +28,73 @@ from solver.costs.times import PipelineLinks, TimeViews
 from solver.specs import ParallelConfig
 
 
+class RecomputeStates:
+    """The recompute views of ``LayerCosts`` (mixed into it): each layer's coefficients with or
+    without recomputation, for a given recompute set, and their bounds over every set."""
+
+    @property
+    def selective(self) -> bool:
+        """Recomputation is a per-layer decision (config.recompute == "selective"): the plain
+        coefficients are a layer's without recomputation, the ``recompute_*`` ones with it."""
+        return self.config.recompute == "selective"
+
+    def uniform(self, recompute: bool) -> LayerCosts:
+        """These coefficients with no layer (False) or every layer (True) recomputed, as a plain
+        "none" / "full" config (what the chain algorithm takes); themselves unless selective."""
+        if not self.selective:
+            return self
+        stored, transient, time_ns = self.coefficients([recompute] * self.num_layers)
+        return dataclasses.replace(
+            self,
+            config=dataclasses.replace(self.config, recompute="full" if recompute else "none"),
+            stored_bytes=stored,
+            transient_bytes=transient,
+            time_ns=time_ns,
+            recompute_stored_bytes=None,
+            recompute_transient_bytes=None,
+            recompute_time_ns=None,
+        )
+
+    def recompute_mask(self, recomputed: list[bool] | np.ndarray | None) -> np.ndarray:
+        """Which layers are recomputed: every recomputable one under "full", none under "none",
+        the given recomputable ones (default none) under "selective"."""
+        n = self.num_layers
+        recomputable = np.ones(n, dtype=bool) if self.recomputable is None else self.recomputable
+        if self.config.recompute == "full":
+            return recomputable.copy()
+        if recomputed is None or not self.selective:
+            assert recomputed is None or not np.any(recomputed), "recompute set without selective"
+            return np.zeros(n, dtype=bool)
+        mask = np.asarray(recomputed, dtype=bool)
+        assert mask.shape == (n,), f"{mask.shape} recompute flags for {n} layers"
+        return mask & recomputable
+
+    def bounding_coefficients(self, pick=np.minimum) -> tuple[np.ndarray, ...]:
+        """(stored_bytes, transient_bytes, time_ns) per layer, the smaller (``np.minimum``) or
+        larger (``np.maximum``) of the two states under "selective": bounds over every
+        recompute set."""
+        if not self.selective:
+            return self.stored_bytes, self.transient_bytes, self.time_ns
+        return (
+            pick(self.stored_bytes, self.recompute_stored_bytes),
+            pick(self.transient_bytes, self.recompute_transient_bytes),
+            pick(self.time_ns, self.recompute_time_ns),
+        )
+
+    def coefficients(self, recomputed: list[bool] | np.ndarray | None) -> tuple[np.ndarray, ...]:
+        """(stored_bytes, transient_bytes, time_ns) per layer with the given layers recomputed."""
+        if not self.selective:
+            return self.stored_bytes, self.transient_bytes, self.time_ns
+        mask = self.recompute_mask(recomputed)
+        return (
+            np.where(mask, self.recompute_stored_bytes, self.stored_bytes),
+            np.where(mask, self.recompute_transient_bytes, self.transient_bytes),
+            np.where(mask, self.recompute_time_ns, self.time_ns),
+        )
+
+
 @dataclass(kw_only=True)
-class LayerCosts(BoundaryTensors, TimeViews):
+class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
     """Per-layer integer coefficients of one config (arrays indexed by topological position)."""
 
     config: ParallelConfig
@@ -182,66 +247,6 @@ class LayerCosts(BoundaryTensors, TimeViews):
         if any(self.first_backward_peak):
             return self.state_bytes - self.grad_bytes
         return self.state_bytes
-
-    @property
-    def selective(self) -> bool:
-        """Recomputation is a per-layer decision (config.recompute == "selective"): the plain
-        coefficients are a layer's without recomputation, the ``recompute_*`` ones with it."""
-        return self.config.recompute == "selective"
-
-    def uniform(self, recompute: bool) -> LayerCosts:
-        """These coefficients with no layer (False) or every layer (True) recomputed, as a plain
-        "none" / "full" config (what the chain algorithm takes); themselves unless selective."""
-        if not self.selective:
-            return self
-        stored, transient, time_ns = self.coefficients([recompute] * self.num_layers)
-        return dataclasses.replace(
-            self,
-            config=dataclasses.replace(self.config, recompute="full" if recompute else "none"),
-            stored_bytes=stored,
-            transient_bytes=transient,
-            time_ns=time_ns,
-            recompute_stored_bytes=None,
-            recompute_transient_bytes=None,
-            recompute_time_ns=None,
-        )
-
-    def recompute_mask(self, recomputed: list[bool] | np.ndarray | None) -> np.ndarray:
-        """Which layers are recomputed: every recomputable one under "full", none under "none",
-        the given recomputable ones (default none) under "selective"."""
-        n = self.num_layers
-        recomputable = np.ones(n, dtype=bool) if self.recomputable is None else self.recomputable
-        if self.config.recompute == "full":
-            return recomputable.copy()
-        if recomputed is None or not self.selective:
-            assert recomputed is None or not np.any(recomputed), "recompute set without selective"
-            return np.zeros(n, dtype=bool)
-        mask = np.asarray(recomputed, dtype=bool)
-        assert mask.shape == (n,), f"{mask.shape} recompute flags for {n} layers"
-        return mask & recomputable
-
-    def bounding_coefficients(self, pick=np.minimum) -> tuple[np.ndarray, ...]:
-        """(stored_bytes, transient_bytes, time_ns) per layer, the smaller (``np.minimum``) or
-        larger (``np.maximum``) of the two states under "selective": bounds over every
-        recompute set."""
-        if not self.selective:
-            return self.stored_bytes, self.transient_bytes, self.time_ns
-        return (
-            pick(self.stored_bytes, self.recompute_stored_bytes),
-            pick(self.transient_bytes, self.recompute_transient_bytes),
-            pick(self.time_ns, self.recompute_time_ns),
-        )
-
-    def coefficients(self, recomputed: list[bool] | np.ndarray | None) -> tuple[np.ndarray, ...]:
-        """(stored_bytes, transient_bytes, time_ns) per layer with the given layers recomputed."""
-        if not self.selective:
-            return self.stored_bytes, self.transient_bytes, self.time_ns
-        mask = self.recompute_mask(recomputed)
-        return (
-            np.where(mask, self.recompute_stored_bytes, self.stored_bytes),
-            np.where(mask, self.recompute_transient_bytes, self.transient_bytes),
-            np.where(mask, self.recompute_time_ns, self.time_ns),
-        )
 
     @property
     def num_layers(self) -> int:
