@@ -181,7 +181,7 @@ def test_dense_graph_costs_unchanged_by_the_expert_terms():
 
 def test_all_to_all_zero_without_expert_parallelism():
     graph = moe_graph()
-    from solver.costs import _graph_columns
+    from solver.costs import graph_columns as _graph_columns
 
     assert not expert_all_to_all_ns(_graph_columns(graph), config_of(ep=1), CLUSTER, 1).any()
 

@@ -5,7 +5,7 @@ says in its meta what the router does (``profiling.export`` writes it)::
 
     "meta": {"moe": {"num_experts": 8, "top_k": 2, "shared_experts": 0, "capacity_factor": 1.0}}
 
-The cost model needs E and k for the dropless routing factor (``cost_model.routing_factor``) and
+The cost model needs E and k for the dropless routing factor (``solver.costs.routing_factor``) and
 the search needs E for the expert-parallel degrees it may try (ep | E). ``capacity_factor``
 (optional, default 1.0) is the capacity the graph's expert fields were profiled at (the zoo's
 drop-and-pad dispatch: C = ceil(c T k / E) tokens per expert); the routing factor is taken

@@ -4,7 +4,7 @@ plan reports (``evaluation.Evaluation.iteration_ns``).
 The bubble formula ``(m + p - 1) max_s T_s`` charges every stage the slowest stage's time in every
 slot; on an uneven split the faster stages finish their slots early and the real schedule is
 shorter. Here each pipeline rank runs its own list of forwards and
-backwards (``cost_model.schedule_actions``: torch's ``Schedule1F1B`` / ``ScheduleGPipe`` /
+backwards (``solver.costs.schedule_actions``: torch's ``Schedule1F1B`` / ``ScheduleGPipe`` /
 ``ScheduleInterleaved1F1B`` order, and megatron-core's, the same one the memory model replays)
 and the iteration is the time its last rank finishes (docs/cost-model.md, "Iteration time by
 schedule simulation").
@@ -25,7 +25,7 @@ Event rules (all times integer ns, per micro-batch):
   schedule without --overlap-grad-reduce) or at max(end of last backward, start of last
   backward + AR_r) (``"last_backward"``: torch DDP's and megatron's --overlap-grad-reduce bucket
   all-reduces launched during the last micro-batch's backward, ideally overlapped;
-  ``cost_model.dp_overlap_of`` says which the runtime does), + its optimizer step and the
+  ``solver.costs.dp_overlap_of`` says which the runtime does), + its optimizer step and the
   runtime's per-step work. The iteration is the latest rank end.
 """
 
@@ -37,14 +37,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.costs import (
-    LayerCosts,
-    ScheduleAction,
-    StageCost,
-    interleaved_schedule_groups,
-    schedule_actions,
-    stage_costs,
-)
+from solver.costs.coefficients import LayerCosts
+from solver.costs.schedule import ScheduleAction, interleaved_schedule_groups, schedule_actions
+from solver.costs.stage_cost import StageCost
+from solver.costs.stages import stage_costs
 
 DP_OVERLAPS = ("none", "last_backward")
 """When a rank's data-parallel gradient sync runs (``simulate_schedule``)."""
@@ -94,6 +90,51 @@ def simulate_schedule(
     num_stages = len(forward_ns)
     assert num_stages == len(backward_ns) and num_stages % p == 0, "a time per virtual stage"
     assert dp_overlap in DP_OVERLAPS, dp_overlap
+    steps, num_links = _rank_steps(
+        schedule=schedule,
+        m=m,
+        p=p,
+        forward_ns=forward_ns,
+        backward_ns=backward_ns,
+        group=group,
+        transfer_ns=transfer_ns,
+        gradient_ns=gradient_ns,
+        microbatch_overhead_ns=microbatch_overhead_ns,
+    )
+    done = _run(steps, num_links)
+    rank_end = _rank_ends(done, dp_sync_ns, dp_overlap, optimizer_step_ns)
+    makespan = max(rank_end)
+    busy = [sum(end - start for _, start, end in actions) for actions in done]
+    tail = [rank_end[r] - done[r][-1][2] for r in range(p)]
+    return Timeline(
+        makespan_ns=makespan,
+        busy_ns=busy,
+        tail_ns=tail,
+        idle_ns=[makespan - busy[r] - tail[r] for r in range(p)],
+        actions=done,
+    )
+
+
+Step = tuple[ScheduleAction, int, int, list[list], Sequence[tuple[list, int, int]]]
+"""One action of a rank as ``_run`` takes it: (action, micro-batch, duration ns, the arrival
+lists it waits on, its sends as (arrival list, link, transfer ns))."""
+
+
+def _rank_steps(
+    *,
+    schedule: str,
+    m: int,
+    p: int,
+    forward_ns: Sequence[int],
+    backward_ns: Sequence[int],
+    group: int | None,
+    transfer_ns: Mapping[tuple[int, int], int] | None,
+    gradient_ns: Mapping[tuple[int, int], int] | None,
+    microbatch_overhead_ns: int,
+) -> tuple[list[list[Step]], int]:
+    """(each rank's steps in its order, the number of directed links): ``simulate_schedule``'s
+    actions with their durations, the transfers each waits for and those it sends."""
+    num_stages = len(forward_ns)
     v = num_stages // p
     transfer_ns = dict(transfer_ns or {})
     gradient_ns = dict(gradient_ns or {})
@@ -125,7 +166,14 @@ def simulate_schedule(
             key = (action.kind, action.chunk * p + r)
             steps.append((action, action.microbatch, duration[key], waits[key], sends.get(key, ())))
         lists.append(steps)
-    link_free = [0] * len(link_index)
+    return lists, len(link_index)
+
+
+def _run(lists: list[list[Step]], num_links: int) -> list[list[tuple[ScheduleAction, int, int]]]:
+    """Run every rank's steps, each as soon as its rank is free and its inputs have arrived;
+    per rank its actions as (action, start, end), ns."""
+    p = len(lists)
+    link_free = [0] * num_links
     free = [0] * p
     done: list[list[tuple[ScheduleAction, int, int]]] = [[] for _ in range(p)]
     position = [0] * p
@@ -157,6 +205,18 @@ def simulate_schedule(
                 position[r], free[r] = pos, now
                 progressed = True
         assert progressed, "the schedule deadlocks"
+    return done
+
+
+def _rank_ends(
+    done: list[list[tuple[ScheduleAction, int, int]]],
+    dp_sync_ns: Sequence[int] | None,
+    dp_overlap: str,
+    optimizer_step_ns: int | Sequence[int],
+) -> list[int]:
+    """When each rank ends: its last backward, its gradient sync AR_r (after it, or from its
+    start with ``dp_overlap`` "last_backward") and its optimizer step, ns."""
+    p = len(done)
     sync = [0] * p if dp_sync_ns is None else [int(x) for x in dp_sync_ns]
     step = (
         [int(optimizer_step_ns)] * p
@@ -171,16 +231,7 @@ def simulate_schedule(
         else:
             synced = max(last_end, last_start + sync[r])
         rank_end.append(synced + step[r])
-    makespan = max(rank_end)
-    busy = [sum(end - start for _, start, end in actions) for actions in done]
-    tail = [rank_end[r] - done[r][-1][2] for r in range(p)]
-    return Timeline(
-        makespan_ns=makespan,
-        busy_ns=busy,
-        tail_ns=tail,
-        idle_ns=[makespan - busy[r] - tail[r] for r in range(p)],
-        actions=done,
-    )
+    return rank_end
 
 
 def stage_transfer_bytes(
@@ -189,7 +240,7 @@ def stage_transfer_bytes(
     """(activations {(a, c): bytes}, gradients {(c, a): bytes}) per micro-batch between
     (virtual) stages, each tensor once per pair (``LayerCosts.tensor_groups``). Neighbour p2p
     (megatron): a tensor made on stage a whose farthest consumer is on c crosses every boundary
-    k -> k + 1 in between (relays, ``cost_model.boundary_bytes``); direct sends (torch): it goes
+    k -> k + 1 in between (relays, ``solver.costs.boundary_bytes``); direct sends (torch): it goes
     from a to each consuming stage. Its gradient comes back the same way if it requires grad
     (``Edge.requires_grad``)."""
     forward: dict[tuple[int, int], int] = {}
@@ -264,7 +315,7 @@ def schedule_inputs(
     (recompute included), AR_r and the optimizer step are the rank's ``dp_sync_ns`` and
     ``optimizer_step_ns``, transfers = latency + ceil(bytes / bandwidth)
     (``stage_transfer_bytes``; ``link_gb_per_s`` one for every link, or per directed rank pair
-    as ``cost_model.pipeline_link_gb_per_s`` gives; None: no transfer time; none between chunks
+    as ``solver.costs.pipeline_link_gb_per_s`` gives; None: no transfer time; none between chunks
     of one rank). Every term not given is the one ``costs`` and ``stages`` carry
     (``FROM_COSTS``)."""
     config = costs.config

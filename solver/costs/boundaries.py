@@ -1,0 +1,232 @@
+"""The tensors that cross stage boundaries and the buffers a runtime keeps for them, per
+(virtual) stage and micro-batch.
+
+  relay     = b bytes of every edge u->v with stage(u) < s < stage(v)  (passed along by stage s;
+              megatron runtime: p2p between neighbours only. The torch runtime sends each
+              tensor straight to every consuming stage: no relay, ``direct_boundary_bytes``)
+  buffers_s = R_s b (bytes of edges entering s) + S_s b (bytes of edges leaving s)
+              (a relayed edge does both), with the copies R_s, S_s the pipeline runtime keeps
+              (``schedule.boundary_copies``, ``BoundaryTensors.copies_at``), + the torch
+              runtime's per-tensor adjustments (``direct_buffer_adjustments``)
+  edges naming one tensor (Edge.tensor) count once per stage: it crosses every boundary from its
+              producer's stage to its farthest consumer's (``boundary_bytes``); on the torch
+              runtime it goes from its producer's stage to each consuming stage
+
+With sequence parallelism an edge carries ceil(b bytes / t) per micro-batch, / c more with
+context parallelism. docs/cost-model.md, "Boundary buffers" and "Runtime torch: direct sends".
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import numpy as np
+
+from solver.costs.schedule import boundary_copies
+
+
+class BoundaryTensors:
+    """The boundary-tensor views of ``LayerCosts`` (mixed into it; they read its ``edge_*``
+    fields, runtime and copies): which tensors cross a boundary, their roles, the copies kept.
+    The functions of this module take a ``LayerCosts``, typed by this base class of it (the
+    coefficients module imports this one)."""
+
+    def copies_at(self, stage: int, held: int, done: int = 0) -> tuple[int, int]:
+        """(R_j, S_j) of (virtual) stage j while it holds ``held`` micro-batches in flight and
+        has done ``done`` backwards.
+
+        Without interleaving the stage's constants (``boundary_copies`` at held = k_s).
+        megatron: (1, 1) inside the pipeline, or (1, 1 + held) without
+        ``deallocate_pipeline_outputs``: the sent outputs of the ``held`` in-flight micro-batches
+        stay alive until their backward. torch: each PipelineStage allocates a receive buffer per
+        micro-batch for the run (m on a non-first stage, of which the ``held`` in-flight ones are
+        its saved inputs, already in the activations) and m gradient receive buffers plus the
+        outputs of its ``held`` in-flight micro-batches (on a non-last stage): (m - held,
+        m + held). With interleaving torch's runtime schedule (``_PipelineScheduleRuntime``)
+        waits on its sends only at the end of the step, so every output sent and every input
+        gradient sent back stays alive until then: (m - held + done, m + held + done)
+        (measured, ``benchmarks/bench_accuracy.md``)."""
+        if self.config.virtual_stages == 1:
+            if held == self.in_flight[stage]:
+                return self.receive_copies[stage], self.send_copies[stage]
+            return boundary_copies(  # a later moment of the schedule (first_backward_peak)
+                self.runtime,
+                self.config.schedule,
+                self.config.num_microbatches,
+                self.num_stages,
+                stage,
+                deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
+                held=held,
+            )
+        m, last = self.config.num_microbatches, self.num_stages - 1
+        if self.runtime == "megatron":
+            if self.deallocate_pipeline_outputs:
+                return self.receive_copies[stage], self.send_copies[stage]
+            return self.receive_copies[stage], (0 if stage == last else 1 + held)
+        return (
+            (0 if stage == 0 else m - held + done),
+            (0 if stage == last else m + held + done),
+        )
+
+    @property
+    def direct_sends(self) -> bool:
+        """Each boundary tensor goes straight from its producer's stage to every consuming
+        stage, nothing relayed (torch.distributed.pipelining; ``direct_boundary_bytes``); False:
+        from neighbour to neighbour (Megatron-LM's and DeepSpeed's p2p, ``boundary_bytes``)."""
+        return self.runtime == "torch"
+
+    @cached_property
+    def tensor_groups(self) -> list[tuple[list[int], int]]:
+        """(edges, bytes per micro-batch) of every tensor that edges carry, in order of first
+        edge; one edge each unless the graph names a tensor sent to several consumers."""
+        groups: dict[int, list[int]] = {}
+        for edge, tensor in enumerate(self.edge_tensor.tolist()):
+            groups.setdefault(tensor, []).append(edge)
+        return [(edges, int(self.edge_bytes[edges[0]])) for edges in groups.values()]
+
+    @cached_property
+    def tensor_roles(self) -> list[tuple[bool, bool, list[int]]]:
+        """Parallel to ``tensor_groups``: (requires grad, whether its consumers' saving is known,
+        the layers whose stored bytes count its storage) of every tensor, for the torch
+        runtime's buffers (``direct_buffer_adjustments``)."""
+        roles = []
+        for edges, _ in self.tensor_groups:
+            grad = self.edge_requires_grad is None or bool(self.edge_requires_grad[edges[0]])
+            known = self.edge_saved is not None and bool((self.edge_saved[edges] >= 0).any())
+            charged = set()
+            if self.edge_charged is not None:
+                charged = {int(self.edge_dst[e]) for e in edges if self.edge_charged[e]}
+            if self.edge_src_charged is not None and self.edge_src_charged[edges[0]]:
+                charged.add(int(self.edge_src[edges[0]]))
+            roles.append((grad, known, sorted(charged)))
+        return roles
+
+    @cached_property
+    def plain_boundaries(self) -> bool:
+        """Every tensor requires grad and goes to one consumer whose stored bytes count it (or
+        its saving is unknown), so each boundary takes today's R_s and S_s copies and no
+        adjustment (``direct_buffer_adjustments``): what the chain methods assume."""
+        return not self.direct_sends or all(
+            grad
+            and (
+                not known
+                or charged
+                == [int(self.edge_dst[edges[0]])]
+                == [int(self.edge_dst[e]) for e in edges]
+            )
+            for (edges, _), (grad, known, charged) in zip(
+                self.tensor_groups, self.tensor_roles, strict=True
+            )
+        )
+
+
+def boundary_bytes(
+    costs: BoundaryTensors, stage_of: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(into, out_of, relayed) per (virtual) stage, per micro-batch: the bytes a stage
+    receives, the bytes it sends, and those it relays, each tensor counted once per stage
+    (``LayerCosts.tensor_groups``). A tensor made on stage a whose farthest consumer is on
+    stage c > a crosses every boundary between them: a sends it, c receives it, and every stage
+    in between receives it, keeps it in flight and sends it on (relay), whatever it consumes
+    itself. With ``LayerCosts.direct_sends`` (the torch runtime) nothing is relayed
+    (:func:`direct_boundary_bytes`)."""
+    if costs.direct_sends:
+        return direct_boundary_bytes(costs, stage_of)
+    num_stages = costs.num_stages
+    sent = np.zeros(num_stages, dtype=np.int64)
+    received = np.zeros(num_stages, dtype=np.int64)
+    relayed = np.zeros(num_stages, dtype=np.int64)
+    producer, consumer = stage_of[costs.edge_src], stage_of[costs.edge_dst]
+    for edges, size in costs.tensor_groups:
+        made, farthest = int(producer[edges[0]]), int(consumer[edges].max())
+        if farthest == made or not size:
+            continue
+        sent[made] += size
+        received[farthest] += size
+        relayed[made + 1 : farthest] += size
+    return received + relayed, sent + relayed, relayed
+
+
+def direct_boundary_bytes(
+    costs: BoundaryTensors, stage_of: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(into, out_of, relayed = 0) per (virtual) stage, per micro-batch, when each tensor goes
+    straight from its producer's stage to every stage that consumes it, as
+    torch.distributed.pipelining sends it: a ``PipelineStage`` maps each output to all its
+    destination stages (``act_send_info``) and a consumer stage allocates its receive buffers
+    for it (``args_recv_info``); no stage in between sees it. Per tensor t and stage s:
+
+      receive(t, s) = stage(producer) < s and some consumer of t is on s
+      send(t, s)    = stage(producer) = s and some consumer of t is after s
+
+    each counted once per stage however many of its layers read t."""
+    num_stages = costs.num_stages
+    sent = np.zeros(num_stages, dtype=np.int64)
+    received = np.zeros(num_stages, dtype=np.int64)
+    producer, consumer = stage_of[costs.edge_src], stage_of[costs.edge_dst]
+    for edges, size in costs.tensor_groups:
+        made = int(producer[edges[0]])
+        readers = {int(s) for s in consumer[edges].tolist() if s > made}
+        if not readers or not size:
+            continue
+        sent[made] += size
+        for s in readers:
+            received[s] += size
+    return received, sent, np.zeros(num_stages, dtype=np.int64)
+
+
+def direct_buffer_adjustments(
+    costs: BoundaryTensors, stage_of: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(per held micro-batch, per micro-batch of the run) bytes per (virtual) stage that the
+    torch runtime's buffers differ from R_s into + S_s out_of (``boundary_copies``), from what
+    the graph says of each tensor (``LayerCosts.tensor_roles``; zeros on the megatron runtime
+    and for graphs without these fields). Per tensor t of size n and stage s:
+
+      received, saving known, no layer of s counts t   + held n  (R = m: every receive buffer
+                                                                 holds t, none is a stored input)
+      sent, a layer of s counts t                       - held n  (the held outputs are stored)
+      sent, t does not require grad                     - m n     (no gradient receive buffers)
+
+    (docs/cost-model.md, "Runtime torch: direct sends")."""
+    num_stages = costs.num_stages
+    per_held = np.zeros(num_stages, dtype=np.int64)
+    no_grad = np.zeros(num_stages, dtype=np.int64)
+    if not costs.direct_sends or costs.plain_boundaries:
+        return per_held, no_grad
+    producer, consumer = stage_of[costs.edge_src], stage_of[costs.edge_dst]
+    roles = costs.tensor_roles
+    for (edges, size), (grad, known, charged) in zip(costs.tensor_groups, roles, strict=True):
+        made = int(producer[edges[0]])
+        readers = {int(s) for s in consumer[edges].tolist() if s > made}
+        if not readers or not size:
+            continue
+        counted = {int(stage_of[layer]) for layer in charged}
+        if made in counted:
+            per_held[made] -= size
+        if not grad:
+            no_grad[made] += size
+        for s in readers:
+            if known and s not in counted:
+                per_held[s] += size
+    return per_held, no_grad
+
+
+def stage_buffer_bytes(
+    costs: BoundaryTensors,
+    stage: int,
+    held: int,
+    done: int,
+    into: np.ndarray,
+    out_of: np.ndarray,
+    adjust: tuple[np.ndarray, np.ndarray] | None = None,
+) -> int:
+    """Boundary buffers of (virtual) stage j holding ``held`` micro-batches after ``done``
+    backwards, bytes: R into + S out_of (``LayerCosts.copies_at``) plus the torch runtime's
+    per-tensor adjustments (``direct_buffer_adjustments``; None: none)."""
+    receive, send = costs.copies_at(stage, held, done)
+    total = int(receive * into[stage] + send * out_of[stage])
+    if adjust is not None:
+        per_held, no_grad = adjust
+        total += held * int(per_held[stage]) - costs.config.num_microbatches * int(no_grad[stage])
+    return total

@@ -1,0 +1,293 @@
+"""The per-layer integer coefficients of one config (:class:`LayerCosts`): what every backend,
+the baselines, the evaluation and the reports read. ``layers.layer_costs`` computes them;
+``stages.stage_costs`` sums them over an assignment. The boundary tensors' views are
+``boundaries.BoundaryTensors``, the time views ``times.TimeViews``.
+
+Recomputation (``ParallelConfig.recompute``): "none" recomputes no layer, "full" every layer,
+"selective" the layers a solver chooses; :class:`LayerCosts` carries both states of every layer
+(``stored_bytes`` / ``recompute_stored_bytes``, and likewise transient and time) and
+``stage_costs`` takes the chosen set. Only recomputable layers are recomputed
+(``LayerCosts.recomputable``): on the megatron runtime the transformer blocks (Megatron-LM's
+``--recompute-granularity full`` checkpoints the layers of its TransformerBlock, never the
+embedding or the output layer and loss; measured, tests/test_megatron.py); on the torch runtime
+every layer. A layer that cannot be recomputed has the same coefficients in both states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from solver.costs.boundaries import BoundaryTensors
+from solver.costs.schedule import stage_boundary_copies
+from solver.costs.times import PipelineLinks, TimeViews
+from solver.specs import ParallelConfig
+
+
+class RecomputeStates:
+    """The recompute views of ``LayerCosts`` (mixed into it): each layer's coefficients with or
+    without recomputation, for a given recompute set, and their bounds over every set."""
+
+    @property
+    def selective(self) -> bool:
+        """Recomputation is a per-layer decision (config.recompute == "selective"): the plain
+        coefficients are a layer's without recomputation, the ``recompute_*`` ones with it."""
+        return self.config.recompute == "selective"
+
+    def uniform(self, recompute: bool) -> LayerCosts:
+        """These coefficients with no layer (False) or every layer (True) recomputed, as a plain
+        "none" / "full" config (what the chain algorithm takes); themselves unless selective."""
+        if not self.selective:
+            return self
+        stored, transient, time_ns = self.coefficients([recompute] * self.num_layers)
+        return dataclasses.replace(
+            self,
+            config=dataclasses.replace(self.config, recompute="full" if recompute else "none"),
+            stored_bytes=stored,
+            transient_bytes=transient,
+            time_ns=time_ns,
+            recompute_stored_bytes=None,
+            recompute_transient_bytes=None,
+            recompute_time_ns=None,
+        )
+
+    def recompute_mask(self, recomputed: list[bool] | np.ndarray | None) -> np.ndarray:
+        """Which layers are recomputed: every recomputable one under "full", none under "none",
+        the given recomputable ones (default none) under "selective"."""
+        n = self.num_layers
+        recomputable = np.ones(n, dtype=bool) if self.recomputable is None else self.recomputable
+        if self.config.recompute == "full":
+            return recomputable.copy()
+        if recomputed is None or not self.selective:
+            assert recomputed is None or not np.any(recomputed), "recompute set without selective"
+            return np.zeros(n, dtype=bool)
+        mask = np.asarray(recomputed, dtype=bool)
+        assert mask.shape == (n,), f"{mask.shape} recompute flags for {n} layers"
+        return mask & recomputable
+
+    def bounding_coefficients(self, pick=np.minimum) -> tuple[np.ndarray, ...]:
+        """(stored_bytes, transient_bytes, time_ns) per layer, the smaller (``np.minimum``) or
+        larger (``np.maximum``) of the two states under "selective": bounds over every
+        recompute set."""
+        if not self.selective:
+            return self.stored_bytes, self.transient_bytes, self.time_ns
+        return (
+            pick(self.stored_bytes, self.recompute_stored_bytes),
+            pick(self.transient_bytes, self.recompute_transient_bytes),
+            pick(self.time_ns, self.recompute_time_ns),
+        )
+
+    def coefficients(self, recomputed: list[bool] | np.ndarray | None) -> tuple[np.ndarray, ...]:
+        """(stored_bytes, transient_bytes, time_ns) per layer with the given layers recomputed."""
+        if not self.selective:
+            return self.stored_bytes, self.transient_bytes, self.time_ns
+        mask = self.recompute_mask(recomputed)
+        return (
+            np.where(mask, self.recompute_stored_bytes, self.stored_bytes),
+            np.where(mask, self.recompute_transient_bytes, self.transient_bytes),
+            np.where(mask, self.recompute_time_ns, self.time_ns),
+        )
+
+
+@dataclass(kw_only=True)
+class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
+    """Per-layer integer coefficients of one config (arrays indexed by topological position)."""
+
+    config: ParallelConfig
+    weight_bytes: np.ndarray
+    """Weights per GPU, bytes."""
+    grad_bytes: np.ndarray
+    """Gradients per GPU, bytes."""
+    optimizer_bytes: np.ndarray
+    """Optimizer state per GPU, bytes."""
+    stored_bytes: np.ndarray
+    """Activations kept per in-flight micro-batch per GPU, bytes."""
+    transient_bytes: np.ndarray
+    """Extra peak while the layer runs, per micro-batch per GPU, bytes."""
+    time_ns: np.ndarray
+    """Forward + backward (+ recompute) time per micro-batch, ns."""
+    dp_sync_ns: np.ndarray
+    """Data-parallel gradient synchronisation time per step, ns."""
+    edge_src: np.ndarray
+    """Edge source positions."""
+    edge_dst: np.ndarray
+    """Edge destination positions."""
+    edge_bytes: np.ndarray
+    """Bytes an edge carries per micro-batch per GPU (b bytes, / t with sequence parallelism)."""
+    edge_tensor: np.ndarray | None = None
+    """The tensor each edge carries, as an index (edges of one tensor share it: the graph's
+    ``Edge.tensor``); None: a tensor per edge. A stage receives, sends and relays each tensor
+    once (``boundary_bytes``, ``tensor_groups``)."""
+    edge_requires_grad: np.ndarray | None = None
+    """Per edge, the tensor requires grad when sent (``Edge.requires_grad``); None: all do."""
+    edge_saved: np.ndarray | None = None
+    """Per edge: 1 the consumer saves the tensor, 0 it does not, -1 unknown (``Edge.saved``);
+    None: all unknown."""
+    edge_charged: np.ndarray | None = None
+    """Per edge, the consumer's stored bytes count the tensor's storage (``Edge.charged``);
+    None: none."""
+    edge_src_charged: np.ndarray | None = None
+    """Per edge, the producer's stored bytes count the tensor's storage (``Edge.src_charged``);
+    None: none."""
+    in_flight: list[int]
+    """k_j for each (virtual) stage j: the most micro-batches whose activations it holds at once
+    (``in_flight_vectors``; k_s of ``schedule`` without interleaving)."""
+    in_flight_vectors: list[list[tuple[int, ...]]] = field(default_factory=list)
+    """For each rank r, the vectors (n_0 .. n_{v-1}) of micro-batches held per chunk at the
+    moments that can be its peak (``in_flight_vectors``); [(k_r,)] without interleaving (the
+    default, from ``in_flight``)."""
+    backwards_done: list[list[tuple[int, ...]]] = field(default_factory=list)
+    """Parallel to ``in_flight_vectors``: backwards each chunk has done at that moment (only
+    the torch runtime's interleaved buffers depend on it; zeros by default)."""
+    receive_copies: list[int] = field(default_factory=list)
+    """R_s for each stage: copies of a received edge's bytes (``boundary_copies``; the megatron
+    runtime's when not given). With interleaving on the torch runtime they depend on the
+    in-flight vector (``copies_at``) and these are their largest values (for bounds)."""
+    send_copies: list[int] = field(default_factory=list)
+    """S_s for each stage: copies of a sent edge's bytes."""
+    runtime: str = "megatron"
+    """The pipeline runtime whose buffers ``copies_at`` describes; torch also sends each
+    boundary tensor straight to its consumers (``direct_sends``)."""
+    deallocate_pipeline_outputs: bool = True
+    """megatron runtime: sent outputs are freed at once (``TrainingConfig``'s field of that
+    name); False keeps those of the in-flight micro-batches (``copies_at``)."""
+    constant_bytes: int = 0
+    """Added to every stage's peak (a calibration's constant per GPU), bytes."""
+    recompute_stored_bytes: np.ndarray | None = None
+    """stored_bytes of a recomputed layer (b output_bytes); None: the same as stored_bytes."""
+    recompute_transient_bytes: np.ndarray | None = None
+    """transient_bytes of a recomputed layer (its saved tensors re-materialised too)."""
+    recompute_time_ns: np.ndarray | None = None
+    """time_ns of a recomputed layer (the forward runs twice)."""
+    recomputable: np.ndarray | None = None
+    """Which layers the runtime can recompute (``recomputable_layers``); None: every layer."""
+    grad_lifetime: str = "persistent"
+    """When the ``.grad`` gradients (``grad_bytes``) exist: persistent (all step) or step (from
+    each layer's first backward of the step; ``first_backward_peak``)."""
+    grad_buffer_bytes: np.ndarray | None = None
+    """Gradient buffers kept for the whole run beside ``.grad``, per GPU, bytes: DDP's buckets
+    when ``zero_grad(set_to_none=True)`` frees ``.grad`` (``ddp_bucket_bytes``); None: none.
+    Part of ``state_bytes`` and of a stage's ``grad_bytes``."""
+    step_bytes: np.ndarray | None = None
+    """The optimizer step's temporary per GPU, bytes (``optimizer_step_bytes``: a foreach Adam's
+    square root of ``exp_avg_sq``, sharded like the optimizer state); None: no temporary (fused,
+    or an optimizer without one), and no optimizer-step moment."""
+    forward_ns: np.ndarray | None = None
+    """The forward's part of ``time_ns`` per micro-batch, ns, the same in both recompute states
+    (``layer_time_ns``); the rest is the backward (``backward_ns``). None: time_ns // 3 (a backward
+    of twice the forward's FLOPs, the model's default)."""
+    optimizer_step_ns: np.ndarray | None = None
+    """The optimizer step over each layer's parameters on one GPU (its ZeRO shard), ns per
+    iteration (``layer_optimizer_step_ns``); None: no step time."""
+    microbatch_overhead_ns: int = 0
+    """The pipeline runtime's own time per micro-batch and (virtual) stage, ns (profiled:
+    ``meta.timing.microbatch_overhead_ns``): charged once per forward action."""
+    step_overhead_ns: int = 0
+    """The runtime's own time per step and rank beside its micro-batches and optimizer step, ns
+    (profiled: ``meta.timing.step_overhead_ns``): part of every rank's tail."""
+    link_gb_per_s: Mapping[tuple[int, int], float] | PipelineLinks | None = None
+    """Bandwidth of each directed link between pipeline ranks, GB/s == bytes/ns, looked up as
+    ``links[(x, y)]`` (``pipeline_links``); None: transfers take no time."""
+    p2p_latency_ns: int = 0
+    """Added to every pipeline transfer between two ranks, ns (``Cluster.p2p_latency_us``)."""
+    dp_overlap: str = "none"
+    """When a rank's data-parallel gradient sync runs (``schedule_time.DP_OVERLAPS``,
+    ``dp_overlap_of``): after its last backward ("none"), or launched during it
+    ("last_backward")."""
+
+    def __post_init__(self) -> None:
+        if self.edge_tensor is None:
+            self.edge_tensor = np.arange(len(self.edge_src), dtype=np.int64)
+        if not self.in_flight_vectors:
+            self.in_flight_vectors = [[(k,)] for k in self.in_flight]
+        if not self.backwards_done:
+            self.backwards_done = [
+                [(0,) * len(vector) for vector in vectors] for vectors in self.in_flight_vectors
+            ]
+        if not self.receive_copies and not self.send_copies:
+            self.receive_copies, self.send_copies = stage_boundary_copies(
+                "megatron",
+                self.config,
+                deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
+                in_flight=self.in_flight,
+            )
+        if self.recompute_stored_bytes is None:
+            self.recompute_stored_bytes = self.stored_bytes
+        if self.recompute_transient_bytes is None:
+            self.recompute_transient_bytes = self.transient_bytes
+        if self.recompute_time_ns is None:
+            self.recompute_time_ns = self.time_ns
+        if self.forward_ns is None:
+            self.forward_ns = self.time_ns // 3
+        if self.optimizer_step_ns is None:
+            self.optimizer_step_ns = np.zeros(len(self.time_ns), dtype=np.int64)
+
+    @cached_property
+    def first_backward_peak(self) -> list[bool]:
+        """Per (virtual) stage: its gradients appear during its first backward and no forward
+        follows it, so its peak is one of the moments of ``first_backward_moments`` rather than
+        the persistent one. True where the gradient lifetime is "step" and every forward of the
+        step runs before the stage's first backward: GPipe, or 1F1B with m <= p - s (k_s = m).
+        Under 1F1B with m > p - s a forward follows the first backward, holding k_s micro-batches
+        and every gradient: the persistent moment, exactly. Interleaved stages keep the
+        persistent moment (an upper bound: fewer gradients never take memory)."""
+        m = self.config.num_microbatches
+        late = self.grad_lifetime == "step" and self.config.virtual_stages == 1
+        return [late and k == m for k in self.in_flight]
+
+    @cached_property
+    def state_lower_bytes(self) -> np.ndarray:
+        """Per layer, states a stage holding it keeps at its peak at least: the weights and
+        optimizer state, plus the gradients unless some stage's peak can come before them
+        (``first_backward_peak``), bytes (for lower bounds)."""
+        if any(self.first_backward_peak):
+            return self.state_bytes - self.grad_bytes
+        return self.state_bytes
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.weight_bytes)
+
+    @property
+    def num_stages(self) -> int:
+        """Stages a layer can be assigned to: p v virtual stages (p without interleaving)."""
+        return self.config.pp * self.config.virtual_stages
+
+    @property
+    def num_ranks(self) -> int:
+        """Pipeline ranks p (GPUs along the pipeline); virtual stage j runs on rank j mod p."""
+        return self.config.pp
+
+    def stages_of_rank(self, rank: int) -> list[int]:
+        """Virtual stages of rank r, chunk order: r, r + p, ..., r + (v - 1) p."""
+        return list(range(rank, self.num_stages, self.num_ranks))
+
+    @property
+    def least_held(self) -> int:
+        """A count every rank holds of each of its chunks at one of its peaks: max over its
+        vectors of the smallest entry, minimised over ranks (k_min without interleaving)."""
+        return min(max(min(vector) for vector in vectors) for vectors in self.in_flight_vectors)
+
+    @cached_property
+    def state_bytes(self) -> np.ndarray:
+        """Weights + gradients (+ gradient buffers) + optimizer per GPU, bytes."""
+        states = self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+        return states if self.grad_buffer_bytes is None else states + self.grad_buffer_bytes
+
+    def is_chain(self) -> bool:
+        """Layer i feeds layer i + 1 only, each boundary with the plain copies
+        (``plain_boundaries``): the chain methods (``backends.chain``, ``capslog_statistics``)
+        apply."""
+        n = self.num_layers
+        return (
+            self.plain_boundaries
+            and len(self.edge_src) == n - 1
+            and bool(
+                np.all(self.edge_src == np.arange(n - 1))
+                and np.all(self.edge_dst == np.arange(1, n))
+            )
+        )

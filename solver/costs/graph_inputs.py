@@ -1,0 +1,174 @@
+"""Everything the cost model reads from a layer graph, in one place: the per-layer fields as
+arrays (``graph_columns``), their sums for the range check (``graph_totals``), the edges' tensors,
+what the profile measured of the runtime (``profiled_ns``, ``optimizer_step_ns_per_param``), the
+model output no op saves (``unsaved_output_bytes``) and which layers a runtime recomputes
+(``recomputable_layers``). The router (``meta.moe``) is ``solver.costs.moe``'s; the empirical
+statistics are ``empirical``'s. ``solver.graph`` stays the format alone. Arrays are cached on the
+graph object.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from solver.errors import InputError
+from solver.graph import INTEGER_FIELDS, LayerGraph, timing_of
+
+
+def graph_columns(graph: LayerGraph) -> dict[str, np.ndarray]:
+    """The graph's per-layer fields as numpy arrays (cached on the graph object)."""
+    cached = getattr(graph, "_columns", None)
+    if cached is not None:
+        return cached
+    layers = graph.layers
+    ints = lambda key: np.array([getattr(x, key) for x in layers], dtype=np.int64)  # noqa: E731
+    measured = np.array([x.fwd_ms is not None and x.bwd_ms is not None for x in layers])
+    position = graph.index()
+    cols = {key: ints(key) for key in INTEGER_FIELDS}
+    cols["weight_grad_transient_bytes"] = np.array(
+        [
+            x.transient_bytes
+            if x.weight_grad_transient_bytes is None
+            else x.weight_grad_transient_bytes
+            for x in layers
+        ],
+        dtype=np.int64,
+    )
+    cols.update(
+        measured=measured,
+        fwd_ms=np.array([x.fwd_ms or 0.0 for x in layers]),
+        bwd_ms=np.array([x.bwd_ms or 0.0 for x in layers]),
+        fwd_flops=np.array([x.fwd_flops for x in layers], dtype=float),
+        bwd_flops=np.array(
+            [2 * x.fwd_flops if x.bwd_flops is None else x.bwd_flops for x in layers], dtype=float
+        ),
+        edge_src=np.array([position[e.src] for e in graph.edges], dtype=np.int64),
+        edge_dst=np.array([position[e.dst] for e in graph.edges], dtype=np.int64),
+        edge_bytes=np.array([e.bytes for e in graph.edges], dtype=np.int64),
+        edge_tensor=_edge_tensors(graph),
+        edge_requires_grad=np.array([e.requires_grad for e in graph.edges], dtype=bool),
+        edge_saved=np.array(
+            [-1 if e.saved is None else int(e.saved) for e in graph.edges], dtype=np.int64
+        ),
+        edge_charged=np.array([e.charged for e in graph.edges], dtype=bool),
+        edge_src_charged=np.array([e.src_charged for e in graph.edges], dtype=bool),
+    )
+    graph._columns = cols
+    return cols
+
+
+def _edge_tensors(graph: LayerGraph) -> np.ndarray:
+    """An index per edge: edges naming one tensor (``Edge.tensor``) share it, others get their
+    own."""
+    index: dict[str, int] = {}
+    tensors = []
+    for position, edge in enumerate(graph.edges):
+        key = f"#{position}" if edge.tensor is None else edge.tensor
+        tensors.append(index.setdefault(key, len(index)))
+    return np.array(tensors, dtype=np.int64)
+
+
+def graph_totals(graph: LayerGraph) -> dict[str, float]:
+    """Sums and maxima of a graph's fields (floats: no overflow) for ``check_exact_range``
+    (cached on the graph object)."""
+    cached = getattr(graph, "_totals", None)
+    if cached is not None:
+        return cached
+    layers = graph.layers
+    fields = (
+        "params",
+        "activation_bytes",
+        "output_bytes",
+        "tp_comm_bytes",
+        "attention_kv_bytes",
+        "expert_activation_bytes",
+        "ep_comm_bytes",
+    )
+    totals = {key: float(sum(getattr(layer, key) for layer in layers)) for key in fields}
+    totals["edges"] = float(sum(edge.bytes for edge in graph.edges))
+    totals["largest"] = float(
+        max(
+            max(
+                layer.params,
+                layer.activation_bytes + layer.transient_bytes,
+                layer.output_bytes,
+                layer.largest_param,
+                layer.largest_tp_param,
+            )
+            for layer in layers
+        )
+    )
+    totals["largest"] = max([totals["largest"], *(float(edge.bytes) for edge in graph.edges)])
+    totals["empirical"] = float(
+        sum((layer.mem_isolated or 0) + (layer.mem_added or 0) for layer in layers)
+    )
+    # per sample, with a recomputed forward: measured ms, and FLOPs (divided by the rate later)
+    totals["ms"] = float(sum(2 * (layer.fwd_ms or 0.0) + (layer.bwd_ms or 0.0) for layer in layers))
+    totals["flops"] = float(
+        sum(
+            2 * layer.fwd_flops
+            + (2 * layer.fwd_flops if layer.bwd_flops is None else layer.bwd_flops)
+            for layer in layers
+        )
+    )
+    graph._totals = totals
+    return totals
+
+
+def unsaved_output_bytes(graph: LayerGraph) -> int:
+    """Bytes per sample of the model's output (its last layer's) that no op saves for backward:
+    the graph's ``meta["unsaved_output_bytes"]`` (``profiling.export`` writes it; 0 when absent,
+    as in graphs written before it). HuggingFace's ``lm_head`` returns the logits, which the
+    linear does not save: all of them; the zoo's head returns the loss: 4 bytes."""
+    value = graph.meta.get("unsaved_output_bytes", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 2**50:
+        raise InputError(
+            f"{graph.source}: $.meta.unsaved_output_bytes: {value!r} is not a byte count in "
+            "0..2^50; give the per-sample bytes of the last layer's output no op saves, or "
+            "remove the field"
+        )
+    return value
+
+
+def recomputable_layers(graph: LayerGraph, runtime: str) -> np.ndarray:
+    """Which layers ``runtime`` recomputes under recomputation: megatron the transformer blocks
+    (``Layer.role == "block"``), torch every layer."""
+    if runtime == "torch":
+        return np.ones(len(graph.layers), dtype=bool)
+    return np.array([layer.role == "block" for layer in graph.layers], dtype=bool)
+
+
+def profiled_ns(graph: LayerGraph, name: str) -> int:
+    """A runtime term the graph's profile measured (``meta.timing``'s ``microbatch_overhead_ns``
+    or ``step_overhead_ns``), ns rounded up, else 0."""
+    timing = timing_of(graph)
+    measured = None if timing is None else timing.get(name)
+    return 0 if measured is None else math.ceil(float(measured))
+
+
+class ProfiledTimes(NamedTuple):
+    """The runtime terms a real profile measured (``meta.timing``, ``solver.graph.timing_of``;
+    ``profiling.trace.time_terms``)."""
+
+    optimizer_step_ns_per_param: float | None
+    """One optimizer step, ns per parameter element; None: not measured (the model then takes
+    the bytes a step moves over the memory bandwidth, ``times.layer_optimizer_step_ns``)."""
+    microbatch_overhead_ns: int
+    """The runtime's own time per micro-batch and (virtual) stage, ns (0: not measured)."""
+    step_overhead_ns: int
+    """The runtime's own time per step and rank, ns (0: not measured)."""
+
+
+def profiled_times(graph: LayerGraph) -> ProfiledTimes:
+    """The runtime terms of the graph's profile (``ProfiledTimes``)."""
+    timing = timing_of(graph)
+    return ProfiledTimes(
+        optimizer_step_ns_per_param=(
+            None if timing is None else timing.get("optimizer_step_ns_per_param")
+        ),
+        microbatch_overhead_ns=profiled_ns(graph, "microbatch_overhead_ns"),
+        step_overhead_ns=profiled_ns(graph, "step_overhead_ns"),
+    )

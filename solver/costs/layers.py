@@ -1,0 +1,264 @@
+"""Per-layer coefficients of one config: :func:`layer_costs` reads the graph's columns
+(``graph_inputs``) and builds the :class:`~solver.costs.coefficients.LayerCosts` every backend
+uses, from the model states (``states``), the activations below, the time terms (``times``) and
+the MoE and CP terms (``experts``, ``context_parallel``).
+
+Notation: config (p, t, d), micro-batch b, m micro-batches per step, bytes per parameter (w, g,
+o), ZeRO stage z.
+
+  A'_l = (activation_bytes - expert_activation_bytes - tp_activation_bytes) + tp_act / t
+         + X'_l / b                                                  saved bytes per sample per GPU
+         (X'_l the routed experts' part, ``experts.expert_stored_bytes``)
+  A'_l = activation_bytes / t  with sequence parallelism (config.sp; Korthikanti et al. 2022,
+         sbh(34/t + 5as/(ht)) against sbh(10 + 24/t + 5as/(ht))): the parts TP leaves replicated
+         (norm inputs, dropout masks, residuals) are split along the sequence over the t ranks too;
+         so are the tensors sent between stages, [s/t, b, h]: an edge carries ceil(b bytes / t) per
+         micro-batch, and a recomputed layer keeps ceil(b output_bytes / t);
+         + (t-1)/t sp_gathered_bytes on the torch runtime, whose eager autograd saves the
+         gathered input of each column-parallel Linear where Megatron saves its shard
+  stored_l  = b A'_l, or b output_bytes_l when l is recomputed         per micro-batch, rounded up
+  torch runtime: the last layer's stored bytes += b unsaved_output_bytes (graph meta): a
+              pipeline's loss_fn keeps the model's output per in-flight micro-batch
+  gtemp_l   = w max(largest_param_l, largest_tp_param_l / t): a weight gradient is computed in
+              the weights' dtype into a temporary and added to the persistent gradient (.grad,
+              or Megatron's fp32 main_grad) while backward accumulates; a largest_param larger
+              than the layer's dense replicated parameters is a routed-expert tensor, held
+              / (t ep) (``experts.largest_local_param``)
+  gather_l  = 2 w P'_l with ZeRO-3, else 0: the running layer's weights are gathered and the next
+              layer's prefetched (FSDP), each freed again after use
+  trans_l   = max(b transient_l, b weight_grad_transient_l + gtemp_l) + gather_l: the
+              weight-gradient temporary joins what is live when the weight gradients are made
+              (weight_grad_transient_bytes), not the layer's peak, so a loss whose fp32 logits
+              are freed by then does not count both (a graph without the field takes
+              weight_grad_transient = transient: the sum); for a recomputed layer b A'_l joins
+              both terms: the layer being recomputed re-materialises its saved tensors while it
+              runs
+
+With context parallelism every per-sample term is / c (``context_parallel``). Calibrated
+(``TrainingConfig.calibration``, fitted by ``python -m profiling.calibrate``): each per-layer
+coefficient is multiplied by its component's scale and rounded up (weights, grads, optimizer,
+stored activations, transient; the edge bytes take the buffers scale, relays included), and the
+calibration's constant is added to every stage's peak. Without one, the formulas hold exactly.
+Empirical statistics replace the memory terms (``empirical``). docs/cost-model.md, "Memory of one
+stage".
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+
+from solver.calibration import Calibration
+from solver.costs.coefficients import LayerCosts
+from solver.costs.context_parallel import (
+    check_context_parallel,
+    ring_attention_bytes,
+    sequence_split,
+)
+from solver.costs.empirical import check_empirical_options, empirical_layer_costs
+from solver.costs.experts import expert_stored_bytes, largest_local_param, routing_factor
+from solver.costs.graph_inputs import (
+    graph_columns,
+    profiled_times,
+    recomputable_layers,
+    unsaved_output_bytes,
+)
+from solver.costs.ranges import check_exact_range
+from solver.costs.schedule import in_flight_counts, stage_boundary_copies
+from solver.costs.states import (
+    ParamShares,
+    ddp_bucket_bytes,
+    model_state_bytes,
+    optimizer_step_bytes,
+)
+from solver.costs.times import (
+    dp_overlap_of,
+    layer_dp_sync_ns,
+    layer_forward_ns,
+    layer_optimizer_step_ns,
+    layer_time_ns,
+    pipeline_links,
+)
+from solver.costs.units import as_int, ceil_div
+from solver.graph import LayerGraph
+from solver.specs import Cluster, ParallelConfig, TrainingConfig
+
+
+def layer_costs(
+    graph: LayerGraph, config: ParallelConfig, cluster: Cluster, training: TrainingConfig
+) -> LayerCosts:
+    """Coefficients of every layer for ``config`` (see the module docstring for the formulas).
+
+    Vectorised over layers; integer terms use exact integer arithmetic (ceil of a ratio of ints).
+    """
+    in_flight, vectors, dones = in_flight_counts(config, training)
+    receive_copies, send_copies = stage_boundary_copies(
+        training.runtime,
+        config,
+        deallocate_pipeline_outputs=training.deallocate_pipeline_outputs,
+        in_flight=in_flight,
+    )
+    held = max(sum(vector) for rank in vectors for vector in rank)
+    factor = routing_factor(graph, config, training)
+    check_exact_range(
+        graph, config, cluster, training, held, receive_copies, send_copies, factor=factor
+    )
+    b = config.micro_batch
+    cols = graph_columns(graph)
+    if config.cp > 1:
+        check_context_parallel(graph, config.cp, training.memory_model)
+    params = ParamShares.of(cols, config)
+    saved, edge_bytes = _saved_and_edge_bytes(cols, config, training, factor)
+    weight, grad, optimizer = model_state_bytes(params, config, training)
+    stored, transient = _activation_bytes(cols, params, saved, config, training)
+    if training.runtime == "torch":
+        # torch.distributed.pipelining's loss_fn(output, target) runs outside the model: the
+        # last stage keeps each in-flight micro-batch's output until its backward, beside what
+        # the loss saves; the part no op saved is not in the graph's activation_bytes
+        held_output = b * unsaved_output_bytes(graph)
+        stored = tuple(np.concatenate([kept[:-1], kept[-1:] + held_output]) for kept in stored)
+    profiled = profiled_times(graph)
+    time_ns = layer_time_ns(cols, config, cluster, factor)
+    forward_ns = np.minimum(layer_forward_ns(cols, config, cluster, factor), time_ns[0])
+    recomputable = recomputable_layers(graph, training.runtime)
+    stored, transient, time_ns = (
+        (kept, np.where(recomputable, recomputed, kept))
+        for kept, recomputed in (stored, transient, time_ns)
+    )
+    # "none" and "selective" take the kept state as the plain coefficients, "full" the other
+    state = int(config.recompute == "full")
+    calibration = training.calibration
+    scaled = _calibrated(calibration)
+    costs = LayerCosts(
+        config=config,
+        weight_bytes=scaled(weight, "weights"),
+        grad_bytes=scaled(grad, "grads"),
+        optimizer_bytes=scaled(optimizer, "optimizer"),
+        stored_bytes=scaled(stored[state], "activations"),
+        transient_bytes=scaled(transient[state], "transient"),
+        time_ns=as_int(time_ns[state]),
+        recompute_stored_bytes=scaled(stored[1], "activations"),
+        recompute_transient_bytes=scaled(transient[1], "transient"),
+        recompute_time_ns=as_int(time_ns[1]),
+        forward_ns=as_int(forward_ns),
+        recomputable=recomputable,
+        dp_sync_ns=as_int(layer_dp_sync_ns(params, config, cluster, training)),
+        edge_src=cols["edge_src"],
+        edge_dst=cols["edge_dst"],
+        edge_bytes=scaled(edge_bytes, "buffers"),
+        edge_tensor=cols["edge_tensor"],
+        edge_requires_grad=cols["edge_requires_grad"],
+        edge_saved=cols["edge_saved"],
+        edge_charged=cols["edge_charged"],
+        edge_src_charged=cols["edge_src_charged"],
+        constant_bytes=0 if calibration is None else calibration.constant_bytes,
+        in_flight=in_flight,
+        in_flight_vectors=vectors,
+        backwards_done=dones,
+        receive_copies=receive_copies,
+        send_copies=send_copies,
+        runtime=training.runtime,
+        deallocate_pipeline_outputs=training.deallocate_pipeline_outputs,
+        grad_lifetime=training.grad_lifetime,
+        grad_buffer_bytes=ddp_bucket_bytes(config, training, scaled(grad, "grads")),
+        step_bytes=optimizer_step_bytes(params, config, training, scaled),
+        optimizer_step_ns=as_int(
+            layer_optimizer_step_ns(
+                params, config, cluster, training, profiled.optimizer_step_ns_per_param
+            )
+        ),
+        microbatch_overhead_ns=profiled.microbatch_overhead_ns,
+        step_overhead_ns=profiled.step_overhead_ns,
+        link_gb_per_s=pipeline_links(config, cluster),
+        p2p_latency_ns=math.ceil(cluster.p2p_latency_us * 1000),
+        dp_overlap=dp_overlap_of(config, training),
+    )
+    if not costs.has_compute_time:  # no time model: the optimizer step alone says nothing
+        costs.optimizer_step_ns = np.zeros(len(costs.time_ns), dtype=np.int64)
+    if training.memory_model == "empirical":
+        check_empirical_options(config, calibration)
+        return empirical_layer_costs(graph, config, costs)
+    return costs
+
+
+def _saved_and_edge_bytes(
+    cols: dict[str, np.ndarray], config: ParallelConfig, training: TrainingConfig, factor: Fraction
+) -> tuple[np.ndarray, np.ndarray]:
+    """(b A'_l, rounded up, / c with context parallelism; the bytes each edge carries) per GPU
+    and micro-batch (module docstring, A'_l), with the routed experts' part at routing factor
+    ``factor`` (``experts.expert_stored_bytes``)."""
+    t, b = config.tp, config.micro_batch
+    # t * A'_l is an integer: ceil(b t A' / (t c)) is then exact. The routed experts' part is
+    # apart (expert_stored_bytes): it scales with the routing factor
+    dense_activation_bytes = cols["activation_bytes"] - cols["expert_activation_bytes"]
+    saved_times_t = (dense_activation_bytes - cols["tp_activation_bytes"]) * t + cols[
+        "tp_activation_bytes"
+    ]
+    edge_bytes = b * cols["edge_bytes"]
+    if config.sp:
+        # sequence parallelism splits every saved tensor along the sequence or, where TP
+        # already splits it, along heads/width: A'_l = activation_bytes / t (Korthikanti et al.
+        # 2022, section 4.2.2); a stage sends [s/t, b, h]
+        saved_times_t = dense_activation_bytes
+        if training.runtime == "torch":
+            # eager torch (torch.distributed.tensor.parallel, profiling.executors.parallelize)
+            # saves the all-gathered [b, s, h] input of each column-parallel Linear and LM head,
+            # not its [b, s/t, h] shard: (t-1)/t of sp_gathered_bytes more per GPU, measured to
+            # the byte on gpt-tiny (tests/test_torch_sp.py)
+            saved_times_t = saved_times_t + (t - 1) * cols["sp_gathered_bytes"]
+    # a stage sends [s/(t c), b, h] with sequence parallelism, [s/c, b, h] without
+    edge_bytes = ceil_div(edge_bytes, sequence_split(config))
+    saved = ceil_div(b * saved_times_t, t * config.cp) + expert_stored_bytes(cols, config, factor)
+    return saved, edge_bytes
+
+
+def _activation_bytes(
+    cols: dict[str, np.ndarray],
+    params: ParamShares,
+    saved: np.ndarray,
+    config: ParallelConfig,
+    training: TrainingConfig,
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """(stored_l, transient) bytes of every layer per micro-batch, each in both states: kept
+    (index 0) and recomputed (index 1: only the output is stored, the saved tensors come back
+    while the layer recomputes). ``saved``: b A'_l per GPU, bytes per micro-batch (rounded
+    up; / c with context parallelism). Transient is max(b transient_bytes_l, b
+    weight_grad_transient_bytes_l + gtemp_l) + gather_l (module docstring)."""
+    t, b, c = config.tp, config.micro_batch, config.cp
+    w = training.weight_bytes_per_param
+    grad_temporary = w * np.maximum(
+        largest_local_param(cols, config), ceil_div(cols["largest_tp_param"], t)
+    )
+    # a recomputed layer keeps its output, the next layer's input: [s/t, b, h] with sequence
+    # parallelism; context parallelism holds s/c of every sequence: every term per sample / c
+    kept_output = ceil_div(b * cols["output_bytes"], sequence_split(config))
+    stored = (saved, kept_output)
+    gather = 2 * params.bytes_per_gpu(w, 1, 1) if config.zero >= 3 else 0
+
+    def transient(bytes_per_sample: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Kept, recomputed (the recomputed layer's saved tensors come back while it runs)."""
+        kept = ceil_div(b * bytes_per_sample, c)
+        return (kept, kept + saved)
+
+    # the weight-gradient temporary joins what is live when the weight gradients are made; ring
+    # attention's K/V buffers join the layer's own peak (its attention runs then)
+    ring = ring_attention_bytes(cols["attention_kv_bytes"], config)
+    anytime = tuple(peak + ring for peak in transient(cols["transient_bytes"]))
+    at_weight_grad = transient(cols["weight_grad_transient_bytes"])
+    peaks = tuple(
+        np.maximum(peak, beside + grad_temporary) + gather
+        for peak, beside in zip(anytime, at_weight_grad, strict=True)
+    )
+    return stored, peaks
+
+
+def _calibrated(calibration: Calibration | None):
+    """values, component -> int64 coefficients scaled by the calibration's factor for that
+    component, each rounded up (unchanged without a calibration)."""
+    if calibration is None:
+        return lambda values, component: as_int(values)
+    return lambda values, component: as_int(
+        np.ceil(np.asarray(values, dtype=float) * calibration.scale(component))
+    )

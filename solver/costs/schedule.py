@@ -1,0 +1,300 @@
+"""The pipeline schedule as the memory model sees it: each rank's order of forwards and
+backwards, the micro-batches it holds at the moments that can be its peak, and the copies of each
+boundary tensor the runtime keeps then.
+
+Notation: p pipeline ranks (stages s = 0..p-1), m micro-batches per step, v model chunks per rank
+(interleaved 1F1B: p v virtual stages, virtual stage j on rank j mod p), g the micro-batches a rank
+forwards through one chunk before the next (``interleaved_schedule_groups``).
+
+  k_s       = min(m, p - s) under 1F1B, m under GPipe                  micro-batches in flight
+              (``in_flight_microbatches``; with interleaving the vectors (n_0 .. n_{v-1}) held per
+              chunk at each possible peak, ``in_flight_vectors``)
+  c_r = d_r = the forwards before rank r's first backward, the backwards after its last forward
+              (``forwards_before_first_backward``)
+  R_s, S_s  = copies of each received and each sent boundary tensor stage s keeps
+              (``boundary_copies``):
+              megatron  R_s = 1 (s > 0), S_s = 1 (s < p - 1): the next input's and the next
+                        gradient's receive buffers; sent outputs are freed at once
+                        (deallocate_pipeline_outputs, as Megatron-LM sets it) and the in-flight
+                        inputs are the stage's saved input, already in its activations. Without
+                        deallocate_pipeline_outputs (megatron-core's TransformerConfig default)
+                        S_s = 1 + k_s: the outputs of the k_s in-flight micro-batches stay alive
+                        until their backward
+              torch     R_s = m - k_s (s > 0): torch.distributed.pipelining allocates a receive
+                        buffer per micro-batch and keeps them for the run (the k_s in flight are
+                        the saved inputs); S_s = m + k_s (s < p - 1): m gradient receive buffers
+                        and the outputs of the k_s in-flight micro-batches, held until their
+                        backward
+
+The buffers' bytes are ``boundaries.stage_buffer_bytes``; the time of the same order is
+``schedule_time`` (docs/cost-model.md, "In-flight micro-batches" and "Boundary buffers").
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+import numpy as np
+
+from solver.errors import InputError
+from solver.specs import ParallelConfig, TrainingConfig
+
+
+def in_flight_microbatches(
+    schedule: str, num_microbatches: int, num_stages: int, stage: int
+) -> int:
+    """k_s: micro-batches whose activations stage s holds at its peak (s is 0-based).
+
+    1F1B: stage s runs p - s warm-up forwards before its first backward (Narayanan et al. 2021).
+    GPipe: all m forwards run before any backward.
+    """
+    if schedule == "gpipe":
+        return num_microbatches
+    return min(num_microbatches, num_stages - stage)
+
+
+def interleaved_schedule_groups(runtime: str, num_microbatches: int, num_ranks: int) -> int:
+    """Micro-batches a rank forwards through one chunk before moving to its next chunk.
+
+    megatron: ``microbatch_group_size_per_vp_stage``, default p (it must divide m then);
+    torch: ``ScheduleInterleaved1F1B.microbatches_per_round`` = m // max(1, m // p)."""
+    if runtime == "torch":
+        return num_microbatches // max(1, num_microbatches // num_ranks)
+    return num_ranks
+
+
+def in_flight_vectors(
+    num_microbatches: int, num_ranks: int, num_chunks: int, rank: int, group: int | None = None
+) -> list[tuple[int, ...]]:
+    """Micro-batches of each of rank r's v chunks whose activations are held, at every moment
+    that can be the rank's activation peak, as the maximal such vectors (n_0 .. n_{v-1}).
+
+    Interleaved 1F1B (Narayanan et al. 2021; Megatron-core ``get_schedule_table`` and
+    ``get_pp_rank_microbatches``, torch ``ScheduleInterleaved1F1B``): forwards visit the chunks
+    in rounds of ``group`` micro-batches (chunk 0 for micro-batches 0..g-1, chunk 1 for the same,
+    ..., then chunk 0 for g..2g-1), backwards in the same order with the chunks reversed. Rank r
+    runs W_r = min(m v, (v - 1) g + 2 (p - 1 - r)) warm-up forwards, then one forward and one
+    backward per step, then the remaining backwards. Activations grow only with a forward, so the
+    peaks are just after each forward; dominated vectors are dropped (activations are >= 0).
+
+    With equal chunks the largest total is W_r + 1 units of one chunk: rank 0 holds
+    (v - 1) g + 2 p - 1 chunk-micro-batches, i.e. p (1 + (p - 1) / (p v)) micro-batches of a
+    stage with g = p (Korthikanti et al. 2022, section 4.2.3), against p without interleaving.
+    """
+    moments = schedule_moments(num_microbatches, num_ranks, num_chunks, rank, group)
+    held = [n for n, _ in moments]  # distinct vectors
+    # [i, j]: vector i >= vector j in every chunk (i != j: distinct, so then it dominates j)
+    counts = np.array(held, dtype=np.int64).reshape(len(held), num_chunks)
+    at_least = np.all(counts[:, None, :] >= counts[None, :, :], axis=2)
+    np.fill_diagonal(at_least, False)
+    dominated = at_least.any(axis=0)
+    return [vector for vector, drop in zip(held, dominated.tolist(), strict=True) if not drop]
+
+
+class ScheduleAction(NamedTuple):
+    """One step of a pipeline rank's schedule: a forward ("F") or a full backward ("B") of
+    micro-batch ``microbatch`` through the rank's chunk ``chunk`` (virtual stage chunk p + r)."""
+
+    kind: str
+    chunk: int
+    microbatch: int
+
+
+def forwards_before_first_backward(
+    num_microbatches: int, num_ranks: int, rank: int, schedule: str
+) -> int:
+    """c_r: the forwards rank r runs before its first backward without interleaving
+    (``schedule_actions``' order): all m with GPipe; with 1F1B its p - 1 - r warm-up forwards
+    and the first steady one, at most m. It is also d_r, the backwards after its last forward:
+    GPipe's m; 1F1B's last steady one and its cool-down, as many as its warm-up plus one."""
+    if schedule == "gpipe":
+        return num_microbatches
+    return min(num_microbatches, num_ranks - rank)
+
+
+@lru_cache(maxsize=512)
+def schedule_actions(
+    num_microbatches: int,
+    num_ranks: int,
+    num_chunks: int,
+    rank: int,
+    group: int | None = None,
+    schedule: str = "1f1b",
+) -> tuple[ScheduleAction, ...]:
+    """Rank r's forwards and backwards in the order it runs them (idle steps left out).
+
+    GPipe (torch ``ScheduleGPipe``): the m forwards, then the m backwards, both in micro-batch
+    order. 1F1B (torch ``Schedule1F1B``, megatron-core
+    ``forward_backward_pipelining_without_interleaving``): min(m, p - 1 - r) warm-up forwards,
+    then one forward and one backward per step, then the remaining backwards. Interleaved 1F1B
+    (v > 1; torch ``ScheduleInterleaved1F1B``, megatron-core
+    ``forward_backward_pipelining_with_interleaving``): forwards visit the chunks in rounds of
+    ``group`` micro-batches (default p; ``interleaved_schedule_groups``), backwards in the same
+    order with the chunks reversed, after W_r = min(m v, (v - 1) g + 2 (p - 1 - r)) warm-up
+    forwards (``in_flight_vectors``). Each chunk takes its micro-batches in order."""
+    m, p, v = num_microbatches, num_ranks, num_chunks
+    if schedule == "gpipe":
+        assert v == 1, "GPipe runs one chunk per rank"
+        return tuple(ScheduleAction("F", 0, i) for i in range(m)) + tuple(
+            ScheduleAction("B", 0, i) for i in range(m)
+        )
+    g = p if group is None else group
+    order = [
+        chunk for start in range(0, m, g) for chunk in range(v) for _ in range(min(g, m - start))
+    ]
+    total = m * v
+    # without interleaving (v = 1) rank r runs p - 1 - r warm-up forwards (plain 1F1B)
+    ahead = (v - 1) * g + 2 * (p - 1 - rank) if v > 1 else p - 1 - rank
+    warmup = min(total, ahead)
+    forwards, backwards = [0] * v, [0] * v
+    actions: list[ScheduleAction] = []
+
+    def forward(step: int) -> None:
+        chunk = order[step]
+        actions.append(ScheduleAction("F", chunk, forwards[chunk]))
+        forwards[chunk] += 1
+
+    def backward(step: int) -> None:
+        chunk = v - 1 - order[step]
+        actions.append(ScheduleAction("B", chunk, backwards[chunk]))
+        backwards[chunk] += 1
+
+    for step in range(warmup):
+        forward(step)
+    for k in range(total - warmup):
+        forward(warmup + k)
+        backward(k)
+    for k in range(total - warmup, total):
+        backward(k)
+    return tuple(actions)
+
+
+def schedule_moments(
+    num_microbatches: int, num_ranks: int, num_chunks: int, rank: int, group: int | None = None
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Every moment of rank r's schedule just after a forward or a backward, as (n, B): the
+    micro-batches each chunk holds and the backwards each chunk has done (the order of
+    ``schedule_actions``, replayed). B only grows, so for each distinct n only the latest
+    moment is kept; largest n first."""
+    v = num_chunks
+    held, done = [0] * v, [0] * v
+    latest: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for action in schedule_actions(num_microbatches, num_ranks, v, rank, group):
+        if action.kind == "F":
+            held[action.chunk] += 1
+        else:
+            held[action.chunk] -= 1
+            done[action.chunk] += 1
+        latest[tuple(held)] = tuple(done)
+    return sorted(latest.items(), reverse=True)
+
+
+def in_flight_counts(config: ParallelConfig, training: TrainingConfig):
+    """(k_j per virtual stage, in-flight vectors per rank, backwards done at each) of
+    ``config``: on the torch runtime with interleaving every moment of the schedule (its
+    buffers grow with the backwards done, and shrink with the held inputs), else the maximal
+    vectors."""
+    p, v, m = config.pp, config.virtual_stages, config.num_microbatches
+    if v == 1:
+        in_flight = [in_flight_microbatches(config.schedule, m, p, s) for s in range(p)]
+        return in_flight, [[(k,)] for k in in_flight], [[(0,)] for _ in in_flight]
+    if training.memory_model != "analytic":
+        raise InputError(
+            "memory model empirical: the statistics describe contiguous stages; interleaved "
+            "stages (--virtual-stages > 1) need the analytic model"
+        )
+    group = interleaved_schedule_groups(training.runtime, m, p)
+    if training.runtime == "torch":
+        moments = [_undominated_moments(schedule_moments(m, p, v, r, group)) for r in range(p)]
+        vectors = [[n for n, _ in rank] for rank in moments]
+        dones = [[done for _, done in rank] for rank in moments]
+    else:
+        vectors = [in_flight_vectors(m, p, v, r, group) for r in range(p)]
+        dones = [[(0,) * v for _ in rank] for rank in vectors]
+    in_flight = [max(vector[j // p] for vector in vectors[j % p]) for j in range(p * v)]
+    return in_flight, vectors, dones
+
+
+def _undominated_moments(moments):
+    """Drop a moment (n, B) when another has, for every chunk, n' >= n, B' - n' >= B - n and
+    B' + n' >= B + n: the coefficients of a chunk's kept, received and sent bytes on the torch
+    runtime with interleaving (n, m - n + B, m + n + B, ``LayerCosts.copies_at``) are then all
+    at least as large, so its memory is too, whatever the split."""
+    held = np.array([n for n, _ in moments], dtype=np.int64)
+    done = np.array([b for _, b in moments], dtype=np.int64)
+    keys = np.concatenate([held, done - held, done + held], axis=1)
+    at_least = np.all(keys[:, None, :] >= keys[None, :, :], axis=2)  # [j, i]: j >= i everywhere
+    differs = np.any(keys[:, None, :] != keys[None, :, :], axis=2)
+    dominated = np.any(at_least & differs, axis=0)
+    return [moment for moment, drop in zip(moments, dominated.tolist(), strict=True) if not drop]
+
+
+def boundary_copies(
+    runtime: str,
+    schedule: str,
+    num_microbatches: int,
+    num_stages: int,
+    stage: int,
+    *,
+    deallocate_pipeline_outputs: bool = True,
+    held: int | None = None,
+) -> tuple[int, int]:
+    """(R_s, S_s): copies of each received and each sent boundary tensor stage s holds at its peak.
+
+    megatron: one buffer for the next input (s > 0) and one for the next gradient (s < p - 1).
+    With ``deallocate_pipeline_outputs`` (Megatron-LM's argument parsing sets it) a sent output's
+    data is freed at once; without it (megatron-core's ``TransformerConfig`` default) the outputs
+    of the k_s in-flight micro-batches stay alive until their backward: S_s = 1 + k_s (measured on
+    megatron-core 0.16.1, ../shared/reference/runtime-memory-facts.md).
+    torch: torch.distributed.pipelining allocates a receive buffer per micro-batch (activations on
+    every non-first stage, gradients on every non-last one) and keeps them for the run, and a stage
+    keeps the outputs of its in-flight micro-batches until their backward (measured,
+    ``benchmarks/bench_accuracy.md``); ``deallocate_pipeline_outputs`` does not apply. In both, the
+    in-flight inputs are what the stage's first layer saves, so they are part of the stage's
+    activations. ``held``: k_s (default: the schedule's, :func:`in_flight_microbatches`; with
+    interleaving the virtual stage's count at the moment).
+    """
+    first, last = stage == 0, stage == num_stages - 1
+    k = held
+    if k is None:
+        k = in_flight_microbatches(schedule, num_microbatches, num_stages, stage)
+    if runtime == "megatron":
+        kept_outputs = 0 if deallocate_pipeline_outputs else k
+        return int(not first), (0 if last else 1 + kept_outputs)
+    return (0 if first else num_microbatches - k), (0 if last else num_microbatches + k)
+
+
+def stage_boundary_copies(
+    runtime: str,
+    config: ParallelConfig,
+    *,
+    deallocate_pipeline_outputs: bool = True,
+    in_flight: list[int] | None = None,
+) -> tuple[list[int], list[int]]:
+    """([R_j], [S_j]) of every (virtual) stage of ``config`` under ``runtime``; with v chunks per
+    rank each of the p v virtual stages keeps its own buffers. With interleaving on the torch
+    runtime, and on the megatron runtime without ``deallocate_pipeline_outputs``, the copies
+    follow the schedule (``LayerCosts.copies_at``); these are their largest values (for bounds),
+    from ``in_flight`` (the most micro-batches each virtual stage holds, ``LayerCosts.in_flight``;
+    needed in that megatron case)."""
+    num_stages = config.pp * config.virtual_stages
+    m = config.num_microbatches
+    if runtime == "torch" and config.virtual_stages > 1:
+        # held + done <= m, so R <= 2 m and S <= 2 m
+        return [0] + [2 * m] * (num_stages - 1), [2 * m] * (num_stages - 1) + [0]
+    if config.virtual_stages > 1 and not deallocate_pipeline_outputs:
+        assert in_flight is not None, "interleaved megatron copies without deallocation need k_j"
+    copies = [
+        boundary_copies(
+            runtime,
+            config.schedule,
+            m,
+            num_stages,
+            j,
+            deallocate_pipeline_outputs=deallocate_pipeline_outputs,
+            held=None if in_flight is None else in_flight[j],
+        )
+        for j in range(num_stages)
+    ]
+    return [receive for receive, _ in copies], [send for _, send in copies]

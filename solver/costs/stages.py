@@ -1,0 +1,263 @@
+"""Stage totals and peak moments: the exact per-GPU cost of each stage of an assignment
+(``stage_costs``), from the per-layer coefficients (``coefficients.LayerCosts``).
+
+Memory of stage s (bytes per GPU), with k_s in flight (``schedule``), stored_l per layer
+(``layers``), the relays and buffers (``boundaries``) and the states (``states``):
+  acts_s    = k_s (sum_l stored_l + sum relay)
+  trans_s   = max_l trans_l (``layers``)
+  peak_s    = states_s + acts_s + buffers_s + trans_s (+ a calibration's constant)
+  grad lifetime "step" (``TrainingConfig.grad_lifetime``; torch's zero_grad(set_to_none=True)),
+              on a stage whose forwards all precede its first backward (GPipe, 1F1B with
+              m <= p - s; ``LayerCosts.first_backward_peak``), layers l in forward order:
+              peak_s = weights + optimizer + max(max_l during(l), after) with
+              during(l) = (k-1)(stored_s + relay_s) + relay_s + stored(<= l) + grads(> l)
+                          + trans_l + buffers(k),
+              after     = (k-1)(stored_s + relay_s) + grads_s + trans_s + buffers(k-1)
+              (``first_backward_moments``)
+  optimizer step (with a step temporary, ``states.optimizer_step_bytes``): after the schedule no
+              activation is held and every gradient exists:
+              peak_s = max(the moments above, states_s + sum_l step_l + buffers(0 held))
+              (``optimizer_step_moment``; torch: the m receive buffers of each direction)
+
+Heterogeneous clusters (``Cluster.groups``): stage s runs on the t c d GPUs of one node group
+k(s). Memory does not depend on the GPU type; the times use group k(s)'s
+(``placed_stage_costs``), and the utilization of stage s is peak_s / capacity_k(s), counted in
+parts per million, rounded up (``utilization_ppm``), so that every backend compares the same
+integers. docs/cost-model.md, "Memory of one stage".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from solver.costs.boundaries import (
+    boundary_bytes,
+    direct_buffer_adjustments,
+    stage_buffer_bytes,
+)
+from solver.costs.coefficients import LayerCosts
+from solver.costs.stage_cost import StageCost
+
+
+def stage_costs(
+    costs: LayerCosts,
+    stage_of_layer: list[int] | np.ndarray,
+    recomputed: list[bool] | np.ndarray | None = None,
+) -> list[StageCost]:
+    """Exact per-stage costs of an assignment (layer position -> stage index); ``recomputed``
+    (a flag per layer) says which layers recompute under the "selective" mode."""
+    stage_of = np.asarray(stage_of_layer, dtype=np.int64)
+    mask = costs.recompute_mask(recomputed)
+    stored_per_layer, transient_per_layer, time_per_layer = costs.coefficients(mask)
+    num_stages = costs.num_stages
+    into, out_of, relayed = boundary_bytes(costs, stage_of)
+    adjust = direct_buffer_adjustments(costs, stage_of)
+    weight, grad, optimizer, stored, time_ns, forward_ns, sync_ns, step_ns = (
+        _per_stage_sum(values, stage_of, num_stages)
+        for values in (
+            costs.weight_bytes,
+            costs.grad_bytes,
+            costs.optimizer_bytes,
+            stored_per_layer,
+            time_per_layer,
+            costs.forward_ns,
+            costs.dp_sync_ns,
+            costs.optimizer_step_ns,
+        )
+    )
+    if costs.grad_buffer_bytes is not None:  # DDP's buckets, beside .grad all step
+        buckets = _per_stage_sum(costs.grad_buffer_bytes, stage_of, num_stages)
+    else:
+        buckets = np.zeros(num_stages, dtype=np.int64)
+    transient = np.zeros(num_stages, dtype=np.int64)
+    np.maximum.at(transient, stage_of, transient_per_layer)
+    members = np.argsort(stage_of, kind="stable")
+    bounds = np.searchsorted(stage_of[members], np.arange(num_stages + 1))
+    kept = stored + relayed  # per micro-batch kept by each virtual stage
+    stages = []
+    for rank in range(len(costs.in_flight_vectors)):
+        own = costs.stages_of_rank(rank)
+        chunks = [members[bounds[j] : bounds[j + 1]].tolist() for j in own]
+        layers = [layer for chunk in chunks for layer in chunk]
+        grads, largest = int(grad[own].sum()), int(transient[own].max())
+        activations, buffers, vector = _rank_peak_moment(costs, rank, kept, into, out_of, adjust)
+        moment = "forward"
+        if costs.config.virtual_stages == 1 and costs.first_backward_peak[rank]:
+            moments = first_backward_moments(
+                costs,
+                rank,
+                chunks[0],
+                stored_per_layer,
+                transient_per_layer,
+                int(relayed[rank]),
+                into,
+                out_of,
+                adjust,
+            )
+            best = max(range(len(moments)), key=lambda i: sum(moments[i]))
+            grads, activations, buffers, largest = moments[best]
+            moment = "after first backward" if best == len(moments) - 1 else "first backward"
+        grads += int(buckets[own].sum())
+        if costs.step_bytes is not None:
+            step = optimizer_step_moment(costs, rank, stage_of, into, out_of, adjust)
+            all_grads = int(grad[own].sum()) + int(buckets[own].sum())
+            if sum(step) + all_grads > grads + activations + buffers + largest:
+                buffers, largest = step
+                grads, activations, vector, moment = all_grads, 0, (0,), "optimizer step"
+        stages.append(
+            StageCost(
+                index=rank,
+                layers=layers,
+                recomputed=[layer for layer in layers if mask[layer]],
+                weight_bytes=int(weight[own].sum()),
+                grad_bytes=grads,
+                optimizer_bytes=int(optimizer[own].sum()),
+                activation_bytes=activations,
+                buffer_bytes=buffers,
+                transient_bytes=largest,
+                in_flight=sum(vector),
+                time_ns=int(time_ns[own].sum()),
+                dp_sync_ns=int(sync_ns[own].sum()),
+                constant_bytes=costs.constant_bytes,
+                chunks=chunks,
+                chunk_time_ns=[int(time_ns[j]) for j in own],
+                chunk_forward_ns=[int(forward_ns[j]) for j in own],
+                optimizer_step_ns=int(step_ns[own].sum()),
+                moment=moment,
+            )
+        )
+    return stages
+
+
+def optimizer_step_moment(
+    costs: LayerCosts,
+    rank: int,
+    stage_of: np.ndarray,
+    into: np.ndarray,
+    out_of: np.ndarray,
+    adjust: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[int, int]:
+    """(buffers, step temporary) bytes of rank r at its optimizer step, beside its weights, every
+    gradient and its optimizer state: the schedule has finished, so no micro-batch is held and
+    no relayed tensor either, and the step makes its temporary (``LayerCosts.step_bytes``: a
+    foreach Adam's ``torch._foreach_sqrt(exp_avg_sqs)`` over all the rank's parameters at once).
+    The buffers are those the runtime keeps with 0 held (``LayerCosts.copies_at``): on the torch
+    runtime the m receive buffers of each direction that every PipelineStage keeps for the run
+    (the outputs it held until their backward are gone, and so are an interleaved schedule's
+    pending sends, waited on at the end of ``step()``); megatron's one buffer per direction.
+    ``stage_of``: the (virtual) stage of each layer; ``into``, ``out_of``: per (virtual) stage,
+    per micro-batch (``boundary_bytes``); ``adjust``: ``direct_buffer_adjustments``."""
+    own = costs.stages_of_rank(rank)
+    buffers = sum(stage_buffer_bytes(costs, stage, 0, 0, into, out_of, adjust) for stage in own)
+    step = int(costs.step_bytes[np.isin(stage_of, own)].sum())
+    return buffers, step
+
+
+def first_backward_moments(
+    costs: LayerCosts,
+    stage: int,
+    layers: list[int],
+    stored: np.ndarray,
+    transient: np.ndarray,
+    relayed: int,
+    into: np.ndarray,
+    out_of: np.ndarray,
+    adjust: tuple[np.ndarray, np.ndarray] | None = None,
+) -> list[tuple[int, int, int, int]]:
+    """(gradients, activations, buffers, transient) bytes of a stage whose gradients appear at
+    its first backward (``LayerCosts.first_backward_peak``: step lifetime, every forward before
+    it), at the moments that bound its peak. ``layers``: the stage's layer positions in forward
+    order; ``stored``, ``transient``: per layer per micro-batch (recompute set applied).
+
+    During the first backward, while layer l runs its backward (the stage's layers in reverse):
+    the k - 1 other in-flight micro-batches keep everything, the current one its relayed tensors
+    and the stored bytes of layers up to l (autograd frees a node's saved tensors once its
+    backward has run), the layers after l have their gradients, and l has its transient, whose
+    weight-gradient temporary is now the first of l's gradients being made (there is no
+    ``.grad`` to add it to yet):
+
+        during(l) = (k - 1) (stored_s + relay_s) + relay_s + stored(<= l) + grads(> l)
+                    + transient_l + buffers at k held
+
+    during(last layer) is the start of the first backward: every activation and no gradient.
+    After the first backward every gradient exists and at most k - 1 micro-batches are held (the
+    later backwards free more; a safe bound):
+
+        after = (k - 1) (stored_s + relay_s) + grads_s + max transient_s + buffers at k - 1 held
+
+    Measured on gpt-tiny (fp32, gloo, ``profiling.run``): a 1F1B stage with m = p peaks in its
+    last block's backward at its first weight gradient, with no gradient accumulated yet, within
+    0.2% of during(l). With the states (weights, optimizer) the largest moment is the stage's
+    peak, at most the persistent one (k held with every gradient)."""
+    k = costs.in_flight[stage]
+    grads = costs.grad_bytes[layers]
+    stored_here = stored[layers]
+    total_stored, total_grads = int(stored_here.sum()), int(grads.sum())
+    before = np.cumsum(stored_here)  # stored(<= l)
+    later = total_grads - np.cumsum(grads)  # grads(> l)
+    buffers_k = stage_buffer_bytes(costs, stage, k, 0, into, out_of, adjust)
+    held = (k - 1) * (total_stored + relayed)
+    moments = [
+        (int(g), held + relayed + int(a), buffers_k, int(t))
+        for g, a, t in zip(later, before, transient[layers], strict=True)
+    ]
+    after_buffers = stage_buffer_bytes(costs, stage, k - 1, 0, into, out_of, adjust)
+    moments.append((total_grads, held, after_buffers, int(transient[layers].max(initial=0))))
+    return moments
+
+
+def _per_stage_sum(values: np.ndarray, stage_of: np.ndarray, num_stages: int) -> np.ndarray:
+    """Exact int64 sums (np.bincount would go through float64)."""
+    total = np.zeros(num_stages, dtype=np.int64)
+    np.add.at(total, stage_of, values)
+    return total
+
+
+def _rank_peak_moment(
+    costs: LayerCosts,
+    rank: int,
+    kept: np.ndarray,
+    into: np.ndarray,
+    out_of: np.ndarray,
+    adjust: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[int, int, tuple[int, ...]]:
+    """(activations, buffers, in-flight vector) at the moment of the rank's schedule with the
+    most activations + buffers (buffers depend on the moment only on the torch runtime with
+    interleaving; ties: the larger vector)."""
+    own = costs.stages_of_rank(rank)
+    moments = []
+    for vector, dones in zip(
+        costs.in_flight_vectors[rank], costs.backwards_done[rank], strict=True
+    ):
+        activations = int(sum(n * kept[j] for n, j in zip(vector, own, strict=True)))
+        buffers = sum(
+            stage_buffer_bytes(costs, stage, held, done, into, out_of, adjust)
+            for held, done, stage in zip(vector, dones, own, strict=True)
+        )
+        moments.append((activations + buffers, activations, buffers, vector))
+    _, activations, buffers, vector = max(moments)
+    return activations, buffers, vector
+
+
+PPM = 1_000_000
+"""Utilization unit: parts per million of a GPU's capacity."""
+
+
+def utilization_ppm(peak_bytes: int, capacity_bytes: int) -> int:
+    """ceil(10^6 peak / capacity): a stage's share of its GPU memory, in parts per million."""
+    return -(-PPM * int(peak_bytes) // int(capacity_bytes))
+
+
+def placed_stage_costs(
+    group_costs: list[LayerCosts],
+    stage_of_layer: list[int] | np.ndarray,
+    group_of_stage: list[int],
+    recomputed: list[bool] | np.ndarray | None = None,
+) -> list[StageCost]:
+    """Exact per-stage costs when stage s runs on group ``group_of_stage[s]``: ``group_costs[k]``
+    are the coefficients with group k's cluster (equal memory, group-specific times, recomputed
+    layers' times included)."""
+    per_group = {
+        k: stage_costs(group_costs[k], stage_of_layer, recomputed) for k in set(group_of_stage)
+    }
+    return [per_group[k][s] for s, k in enumerate(group_of_stage)]

@@ -1,0 +1,140 @@
+"""Model states per GPU: parameters, gradients, optimizer state, the optimizer step's temporary.
+
+Notation: config (p, t, d), ZeRO stage z, bytes per parameter (w, g, o) (default 2, 4, 12 on the
+megatron runtime: bf16 weights, fp32 gradient accumulation (Megatron's ``main_grad``), fp32 Adam
+master + 2 moments; 2, 2, 12 on the torch runtime: bf16 gradients; ZeRO paper;
+``specs.GRAD_BYTES_PER_PARAM``).
+
+  P'_l = (params - tp_params - expert_params) + tp_params / t + expert_params / (t ep)
+         parameters held per GPU: the routed experts are sharded over ep ranks (Megatron's
+         expert parallelism, within the data-parallel ranks) and each expert split over t
+         (expert tensor parallelism = tp, Megatron's default; ``ParamShares``)
+  states_s  = sum_l P'_l (w / d[z>=3] + g / d[z>=2] + o / d[z>=1])  each term rounded up per layer
+              (the expert part of P'_l sharded over the d c / ep expert-data-parallel ranks
+              instead of d c: Megatron's distributed optimizer keeps the expert parameters'
+              states on ``intra_expt_dp_group``)
+              (+ w P'_l / d with ZeRO-2 on the torch runtime: FSDP2 keeps the sharded parameters
+              next to the gathered ones)
+  DDP on torch with the "step" gradient lifetime keeps its buckets beside the fresh .grad all
+              step: + g P'_l per layer (``ddp_bucket_bytes``)
+  step_l    = ceil(P'_l u / d[z>=1]) the optimizer step's temporary (``optimizer_step_bytes``;
+              ``TrainingConfig.optimizer_impl`` foreach, torch's default on a GPU: Adam's
+              ``_multi_tensor_adam`` makes sqrt(exp_avg_sq) of every parameter at once; u the
+              bytes of one state element, ``solver.precision.step_temporary_bytes_per_param``:
+              4 fp32 states, 0 fused), sharded like the optimizer state
+
+With context parallelism d -> d c (``context_parallel.sharding_degree``). docs/cost-model.md,
+"Model states".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from solver.costs.context_parallel import sharding_degree
+from solver.costs.units import ceil_div
+from solver.specs import ParallelConfig, TrainingConfig
+
+
+@dataclass(frozen=True)
+class ParamShares:
+    """A layer's parameters per GPU in two parts that shard differently (module docstring,
+    P'_l): the dense ones, P'_dense = (params - tp_params - expert_params) + tp_params / t,
+    held as ``dense_times_t`` = t P'_dense (an integer); and the routed experts',
+    expert_params / (t ep): Megatron shards the experts over ep ranks and splits each expert
+    over the expert tensor-parallel group, whose size is tp by default
+    (``ModelParallelConfig.expert_tensor_parallel_size`` None -> tensor_model_parallel_size)."""
+
+    dense_times_t: np.ndarray
+    """t P'_dense of every layer (parameters)."""
+    expert: np.ndarray
+    """expert_params of every layer, before the division by t ep (parameters)."""
+    tp: int
+    ep: int
+
+    @classmethod
+    def of(cls, cols: dict[str, np.ndarray], config: ParallelConfig) -> ParamShares:
+        t = config.tp
+        dense = cols["params"] - cols["tp_params"] - cols["expert_params"]
+        return cls(
+            dense_times_t=dense * t + cols["tp_params"],
+            expert=cols["expert_params"],
+            tp=t,
+            ep=config.ep,
+        )
+
+    def bytes_per_gpu(self, per_param: int, dense_shards: int, expert_shards: int) -> np.ndarray:
+        """ceil(P'_dense x / n_dense) + ceil(P'_expert x / n_expert) of every layer: ``per_param``
+        bytes of each parameter, the dense part sharded over ``dense_shards`` ranks and the
+        experts' over ``expert_shards`` (each term rounded up)."""
+        dense = ceil_div(self.dense_times_t * per_param, self.tp * dense_shards)
+        return dense + ceil_div(self.expert * per_param, self.tp * self.ep * expert_shards)
+
+    def sharded(self, per_param: int, config: ParallelConfig, sharded: bool) -> np.ndarray:
+        """``bytes_per_gpu`` with the dense part over the d c data-parallel ranks
+        (``sharding_degree``) and the experts over the d c / ep expert-data-parallel ranks when
+        ``sharded`` (ZeRO / Megatron's distributed optimizer: ``_get_param_groups_and_buffers``
+        builds the expert parameters' optimizer over ``intra_expt_dp_group``, world / (pp tp
+        ep) ranks), else unsharded."""
+        if not sharded:
+            return self.bytes_per_gpu(per_param, 1, 1)
+        shards = sharding_degree(config)
+        return self.bytes_per_gpu(per_param, shards, shards // config.ep)
+
+
+def model_state_bytes(
+    params: ParamShares, config: ParallelConfig, training: TrainingConfig
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Weights, gradients and optimizer state per GPU of every layer (the terms of states_s in
+    the module docstring): tp splits the tp parameters, t ep the routed experts'; ZeRO stage z
+    shards the optimizer state (z >= 1), gradients (z >= 2) and weights (z = 3) over dp x cp
+    (``sharding_degree``; the experts' over dp x cp / ep)."""
+    d, z = sharding_degree(config), config.zero
+    w, g, o = (
+        training.weight_bytes_per_param,
+        training.grad_bytes_per_param,
+        training.optimizer_bytes_per_param,
+    )
+    weight = params.sharded(w, config, z >= 3)
+    if z == 2 and d > 1 and training.runtime == "torch":
+        # FSDP2 keeps the sharded parameters next to the gathered ones
+        weight = weight + params.sharded(w, config, True)
+    grad = params.sharded(g, config, z >= 2)
+    optimizer = params.sharded(o, config, z >= 1)
+    return weight, grad, optimizer
+
+
+def optimizer_step_bytes(
+    params: ParamShares, config: ParallelConfig, training: TrainingConfig, scaled
+) -> np.ndarray | None:
+    """The optimizer step's temporary of every layer per GPU, bytes, or None without one:
+    ceil(P'_l u / d[z>=1]) with u = ``TrainingConfig.optimizer_step_bytes_per_param`` (a foreach
+    Adam's square root of ``exp_avg_sq``, one state element per parameter). It is made from the
+    optimizer's own states, so it is split like them: over tp, and over dp from ZeRO 1 (each
+    rank steps its shard: ``ZeroRedundancyOptimizer``'s local optimizer, FSDP2's DTensor
+    shards; over dp x cp with context parallelism, ``sharding_degree``; the routed experts'
+    over dp x cp / ep). ``scaled``: ``_calibrated``'s function (a calibration scales it with
+    the transients)."""
+    per_param = training.optimizer_step_bytes_per_param
+    if not per_param:
+        return None
+    return scaled(params.sharded(per_param, config, config.zero >= 1), "transient")
+
+
+def ddp_bucket_bytes(
+    config: ParallelConfig, training: TrainingConfig, grad: np.ndarray
+) -> np.ndarray | None:
+    """DDP's gradient buckets beside ``.grad`` (per layer, bytes), or None. On the torch runtime
+    DDP (dp > 1, ZeRO 0 or 1; ``profiling.run`` builds it with ``gradient_as_bucket_view``)
+    allocates its buckets when it is built and keeps them; ``.grad`` is a view of them only
+    until ``zero_grad(set_to_none=True)`` frees it: the next backward makes fresh gradients,
+    which live beside the buckets until the step ends (torch's DDP docs: "the bucket view alias
+    is destroyed every iteration"; measured: +1 gradient copy, -15% under-predicted without
+    it). So with the step lifetime the buckets are a persistent second copy; with persistent
+    gradients ``.grad`` stays the bucket view."""
+    if training.runtime == "torch" and training.grad_lifetime == "step":
+        if config.dp * config.cp > 1 and config.zero <= 1:
+            return grad.copy()
+    return None
