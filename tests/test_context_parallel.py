@@ -19,12 +19,12 @@ from solver.cli.evaluate import evaluate_main
 from solver.cli.plan import plan_main
 from solver.costs import (
     NS_PER_MS,
-    check_context_parallel,
     layer_costs,
     ring_attention_bytes,
 )
 from solver.errors import InputError
 from solver.files.plan_file import evaluate_plan
+from solver.parallel import check_context_parallel
 from solver.search.candidates import candidate_configs, stages_per_group
 from solver.specs import ParallelConfig
 from solver.sweep.rows import ROW_KEYS, read_rows

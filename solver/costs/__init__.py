@@ -37,12 +37,9 @@ from solver.costs.bounds import BoundTerm, bound_terms, iteration_bound_ns, iter
 from solver.costs.coefficients import LayerCosts
 from solver.costs.context_parallel import (
     RING_BACKWARD_CHUNKS,
-    check_context_parallel,
     ring_attention_bytes,
     ring_attention_pass_ns,
     ring_bytes_per_ns,
-    sequence_split,
-    sharding_degree,
 )
 from solver.costs.empirical import empirical_layer_costs
 from solver.costs.experts import (
@@ -121,7 +118,6 @@ __all__ = [
     "bound_terms",
     "boundary_bytes",
     "boundary_copies",
-    "check_context_parallel",
     "check_exact_range",
     "check_expert_degree",
     "ddp_bucket_bytes",
@@ -155,8 +151,6 @@ __all__ = [
     "schedule_actions",
     "schedule_moments",
     "schedule_timeline",
-    "sequence_split",
-    "sharding_degree",
     "simulate_schedule",
     "simulated_iteration_ns",
     "stage_boundary_copies",

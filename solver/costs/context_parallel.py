@@ -3,7 +3,7 @@ ring attention as TransformerEngine's ``AttnFuncWithCPAndKVP2P`` runs it): a sta
 GPUs; each GPU holds s/c tokens of every sequence of its micro-batch, so
 
   stored_l  = ceil(b A'_l / c) (ceil(b t A'_l / (t c)) exactly), recomputed ceil(b output_l / c)
-              (/ (t c) with sequence parallelism: ``sequence_split``)
+              (/ (t c) with sequence parallelism: ``ParallelDims.sequence_split``)
   edges     = ceil(b bytes / c) ([s/c, b, h]; / (t c) with sequence parallelism)
   transient = ceil(b transient_l / c) (and the recomputed layer's re-materialised A'_l / c)
               + ring_l = max(c, 4) ceil(b attention_kv_bytes_l / (t c)) for c > 1: the K/V
@@ -12,14 +12,16 @@ GPUs; each GPU holds s/c tokens of every sequence of its micro-batch, so
               received) (``ring_attention_bytes``)
   states    parameters, gradients and optimizer state are replicated over cp; ZeRO shards them,
               and the gradient sync runs, over the d c ranks of Megatron's data-parallel group
-              with context parallelism: d -> d c in states_s, step_l, AR_s (``sharding_degree``)
+              with context parallelism: d -> d c in states_s, step_l, AR_s
+            (``ParallelDims.sharding_degree``)
   time      b compute / (t c), TP all-reduces of b tp_comm_bytes / c, + 3 ring passes (4
               recomputed), one pass (c-1)/c b attention_kv_bytes_l / t bytes over the intra-node
               bandwidth when t c divides the GPUs per node (Megatron's rank order tp-cp-...:
               consecutive ranks), else inter-node; not overlapped (``ring_attention_pass_ns``)
 
 A graph planned with c > 1 needs ``attention_kv_bytes`` on some layer, c | ``meta.seq_len`` and
-the analytic model (``check_context_parallel``). docs/cost-model.md, "Context parallelism".
+the analytic model (``solver.parallel.check_context_parallel``). docs/cost-model.md, "Context
+parallelism".
 """
 
 from __future__ import annotations
@@ -27,8 +29,6 @@ from __future__ import annotations
 import numpy as np
 
 from solver.costs.units import ceil_div
-from solver.errors import InputError
-from solver.graph import LayerGraph
 from solver.specs import Cluster, ParallelConfig
 
 RING_BACKWARD_CHUNKS = 4
@@ -37,21 +37,6 @@ runs: TransformerEngine's ``AttnFuncWithCPAndKVP2P.backward`` (Megatron-LM's CP 
 ``cp_comm_type="p2p"``, context_parallel.py at TE d0067d0) allocates ``p2p_comm_buffers`` as
 two tensors of shape (2, *kv.shape): the K/V being used and its dK/dV, and the K/V and dK/dV
 being received."""
-
-
-def sequence_split(config: ParallelConfig) -> int:
-    """Parts a tensor laid out [s, b, h] is split into along the sequence: c (context
-    parallelism), times t with sequence parallelism."""
-    return config.cp * (config.tp if config.sp else 1)
-
-
-def sharding_degree(config: ParallelConfig) -> int:
-    """GPUs that hold the same parameters of a stage and sum their gradients: d c. The cp ranks
-    keep full copies (context parallelism splits activations only), and Megatron-LM syncs
-    gradients and shards its distributed optimizer over the data-parallel group *with* context
-    parallelism (``parallel_state.get_data_parallel_group(with_context_parallel=True)``), so
-    ZeRO stages and the gradient sync span d c ranks."""
-    return config.dp * config.cp
 
 
 def ring_attention_bytes(attention_kv_bytes: np.ndarray, config: ParallelConfig) -> np.ndarray:
@@ -96,31 +81,3 @@ def ring_attention_pass_ns(
         return np.zeros(len(attention_kv_bytes))
     moved = config.micro_batch * attention_kv_bytes * (c - 1) / (c * config.tp)
     return moved / ring_bytes_per_ns(config, cluster)
-
-
-def check_context_parallel(graph: LayerGraph, cp: int, memory_model: str = "analytic") -> None:
-    """InputError (one line, with the fix) unless the graph can be planned with context-parallel
-    degree ``cp`` > 1: the analytic memory model, cp dividing the graph's sequence length
-    (``meta["seq_len"]``, what ``profiling.export`` records; not checked when absent) and an
-    ``attention_kv_bytes`` on some layer (graphs exported before the field lack it: without it
-    the K/V exchange would silently cost nothing)."""
-    if cp == 1:
-        return
-    if memory_model == "empirical":
-        raise InputError(
-            f"memory model empirical with cp({cp}): the statistics are measured on whole "
-            "sequences of one pipeline; use --cp 1 or --memory-model analytic"
-        )
-    seq_len = graph.meta.get("seq_len")
-    if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len % cp:
-        raise InputError(
-            f"{graph.source}: cp({cp}) does not divide the sequence length {seq_len} "
-            "($.meta.seq_len); context parallelism gives each GPU s/cp tokens: pick a --cp that "
-            "divides it or re-export with --seq a multiple of it"
-        )
-    if not any(layer.attention_kv_bytes for layer in graph.layers):
-        raise InputError(
-            f"{graph.source}: cp({cp}) needs attention_kv_bytes, which no layer has (a graph "
-            "exported before the field); re-export the graph with this version's "
-            "python -m profiling.export, or use --cp 1"
-        )

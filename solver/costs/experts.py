@@ -26,7 +26,6 @@ from fractions import Fraction
 
 import numpy as np
 
-from solver.costs.context_parallel import sequence_split
 from solver.costs.moe import RoutedExperts, check_expert_degree, routed_experts
 from solver.costs.units import ceil_div
 from solver.graph import LayerGraph
@@ -107,7 +106,7 @@ def expert_all_to_all_ns(
         else cluster.inter_node_gb_per_s
     )
     sent = b * cols["ep_comm_bytes"] * float(factor) * (e - 1) / e
-    return sent / sequence_split(config) / bytes_per_ns
+    return sent / config.dims.sequence_split / bytes_per_ns
 
 
 def largest_local_param(cols: dict[str, np.ndarray], config: ParallelConfig) -> np.ndarray:

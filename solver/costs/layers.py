@@ -53,9 +53,7 @@ import numpy as np
 from solver.calibration import Calibration
 from solver.costs.coefficients import LayerCosts
 from solver.costs.context_parallel import (
-    check_context_parallel,
     ring_attention_bytes,
-    sequence_split,
 )
 from solver.costs.empirical import check_empirical_options, empirical_layer_costs
 from solver.costs.experts import expert_stored_bytes, largest_local_param, routing_factor
@@ -83,6 +81,7 @@ from solver.costs.times import (
 )
 from solver.costs.units import as_int, ceil_div
 from solver.graph import LayerGraph
+from solver.parallel import check_context_parallel
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
 
@@ -209,7 +208,7 @@ def _saved_and_edge_bytes(
             # the byte on gpt-tiny (tests/test_torch_sp.py)
             saved_times_t = saved_times_t + (t - 1) * cols["sp_gathered_bytes"]
     # a stage sends [s/(t c), b, h] with sequence parallelism, [s/c, b, h] without
-    edge_bytes = ceil_div(edge_bytes, sequence_split(config))
+    edge_bytes = ceil_div(edge_bytes, config.dims.sequence_split)
     saved = ceil_div(b * saved_times_t, t * config.cp) + expert_stored_bytes(cols, config, factor)
     return saved, edge_bytes
 
@@ -233,7 +232,7 @@ def _activation_bytes(
     )
     # a recomputed layer keeps its output, the next layer's input: [s/t, b, h] with sequence
     # parallelism; context parallelism holds s/c of every sequence: every term per sample / c
-    kept_output = ceil_div(b * cols["output_bytes"], sequence_split(config))
+    kept_output = ceil_div(b * cols["output_bytes"], config.dims.sequence_split)
     stored = (saved, kept_output)
     gather = 2 * params.bytes_per_gpu(w, 1, 1) if config.zero >= 3 else 0
 

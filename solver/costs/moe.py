@@ -18,15 +18,11 @@ from dataclasses import dataclass
 
 from solver.errors import InputError
 from solver.graph import LayerGraph
+from solver.parallel import check_expert_degree as check_expert_degree_of
 
 MOE_META_KEYS = ("num_experts", "top_k", "shared_experts", "capacity_factor")
 """Keys of ``meta.moe`` the planner reads (shared_experts optional, default 0; capacity_factor
 optional, default 1.0)."""
-
-DENSE_GRAPH = (
-    "the graph has no routed experts (expert_params 0 on every layer); re-export it or drop --ep"
-)
-"""The fix for an expert-parallel degree above 1 on a dense graph."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,16 +89,7 @@ def num_routed_experts(graph: LayerGraph) -> int | None:
 
 
 def check_expert_degree(graph: LayerGraph, ep: int, *, flag: str = "--ep") -> None:
-    """InputError unless expert-parallel degree ``ep`` fits the graph: 1 on any graph; above 1
-    only on a graph with routed experts, and dividing their number (each rank holds E / ep)."""
-    if ep == 1:
-        return
-    experts = routed_experts(graph)
-    if experts is None:
-        raise InputError(f"{flag} {ep}: {graph.source}: {DENSE_GRAPH}")
-    if experts.num_experts % ep:
-        raise InputError(
-            f"{flag} {ep}: does not divide the {experts.num_experts} routed experts of "
-            f"{graph.source} (each expert-parallel rank holds E / ep of them); pick an {flag} "
-            f"that divides {experts.num_experts}"
-        )
+    """InputError unless expert-parallel degree ``ep`` fits the graph's routed experts
+    (``solver.parallel.check_expert_degree``: 1 on any graph; above 1 only on a graph with routed
+    experts, and dividing their number)."""
+    check_expert_degree_of(ep, num_routed_experts(graph), graph.source, flag=flag)

@@ -23,7 +23,7 @@ master + 2 moments; 2, 2, 12 on the torch runtime: bf16 gradients; ZeRO paper;
               bytes of one state element, ``solver.precision.step_temporary_bytes_per_param``:
               4 fp32 states, 0 fused), sharded like the optimizer state
 
-With context parallelism d -> d c (``context_parallel.sharding_degree``). docs/cost-model.md,
+With context parallelism d -> d c (``ParallelDims.sharding_degree``). docs/cost-model.md,
 "Model states".
 """
 
@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.costs.context_parallel import sharding_degree
 from solver.costs.units import ceil_div
 from solver.specs import ParallelConfig, TrainingConfig
 
@@ -80,7 +79,7 @@ class ParamShares:
         ep) ranks), else unsharded."""
         if not sharded:
             return self.bytes_per_gpu(per_param, 1, 1)
-        shards = sharding_degree(config)
+        shards = config.dims.sharding_degree
         return self.bytes_per_gpu(per_param, shards, shards // config.ep)
 
 
@@ -91,7 +90,7 @@ def model_state_bytes(
     the module docstring): tp splits the tp parameters, t ep the routed experts'; ZeRO stage z
     shards the optimizer state (z >= 1), gradients (z >= 2) and weights (z = 3) over dp x cp
     (``sharding_degree``; the experts' over dp x cp / ep)."""
-    d, z = sharding_degree(config), config.zero
+    d, z = config.dims.sharding_degree, config.zero
     w, g, o = (
         training.weight_bytes_per_param,
         training.grad_bytes_per_param,

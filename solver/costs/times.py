@@ -37,7 +37,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from solver.costs.context_parallel import ring_attention_pass_ns, sharding_degree
+from solver.costs.context_parallel import ring_attention_pass_ns
 from solver.costs.experts import expert_all_to_all_ns
 from solver.costs.stage_cost import StageCost
 from solver.costs.states import ParamShares
@@ -107,7 +107,7 @@ def layer_dp_sync_ns(
     group is dp x cp (d -> d c: the cp ranks hold the same parameters and their gradients are
     summed too, Megatron's ``with_context_parallel`` data parallel group; the experts' d c / ep,
     Megatron's expert-data-parallel group of world / (pp tp ep) ranks)."""
-    t, d, e = config.tp, sharding_degree(config), config.ep
+    t, d, e = config.tp, config.dims.sharding_degree, config.ep
     d_expert = d // e
     sync_bytes_per_ns = (
         cluster.intra_node_gb_per_s
