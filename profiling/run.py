@@ -11,9 +11,9 @@ The plan (a path, a parsed dict or a ``PlanFile``) is read and checked by
 cannot run (``_check_runnable``) before spawning anything.
 
 This module checks the plan and launches the ranks; what each rank does is
-:mod:`profiling.executors.base`
-(``engine="torch"``, described below) or :mod:`profiling.executors.megatron` (``engine="megatron"``:
-megatron-core runs the plan's own Megatron export, on CPU over gloo; docs/running.md).
+:mod:`profiling.executors.torch_zoo` (``engine="torch"`` on a zoo model, described below) or
+:mod:`profiling.executors.megatron` (``engine="megatron"``: megatron-core runs the plan's own
+Megatron export, on CPU over gloo; docs/running.md); :mod:`profiling.executors.dispatch` picks.
 ``run_plan`` spawns ``pp * dp * tp`` processes (gloo on CPU, or NCCL with one GPU per rank for
 ``device="cuda"``), builds on each the full model from the same seed (so every weight equals the
 single-process model's), keeps the layers of its plan stage, and trains ``iterations`` steps with
@@ -117,12 +117,8 @@ from typing import Any
 import torch
 
 import models
-from profiling.executors.base import (
-    RankReport,
-    RunJob,
-    model_spec,
-    rank_worker,
-)
+from profiling.executors.base import RankReport, RunJob, model_spec
+from profiling.executors.dispatch import rank_worker
 from profiling.executors.parallelize import (
     tensor_parallel_pairs,
     vocabulary_parallel_paths,
@@ -137,8 +133,8 @@ from solver.specs import ZERO_STAGES as ZERO_STAGES
 from solver.specs import ParallelConfig
 
 ENGINES = ("torch", "megatron")
-"""torch: torch.distributed.pipelining (:mod:`profiling.executors.base`); megatron: megatron-core
-(:mod:`profiling.executors.megatron`)."""
+"""torch: torch.distributed.pipelining (:mod:`profiling.executors.torch_zoo`); megatron:
+megatron-core (:mod:`profiling.executors.megatron`)."""
 RECOMPUTE = ("none", "full")
 """The recompute modes (of ``solver.specs.RECOMPUTE_MODES``) this executor runs."""
 DEVICES = ("cpu", "cuda")
@@ -496,7 +492,7 @@ def run_plan(
 ) -> list[RankReport]:
     """Train ``iterations`` steps of ``model`` with ``plan`` on ``pp * dp * tp`` local processes.
 
-    ``model``: a zoo preset (cut by hand, :mod:`profiling.executors.base`), or ``hf:NAME`` or
+    ``model``: a zoo preset (cut by hand, :mod:`profiling.executors.torch_zoo`), or ``hf:NAME`` or
     ``package.module:factory`` (cut by tracing with ``torch.distributed.pipelining.pipeline`` at
     the plan's layers, :mod:`profiling.executors.traced`); ``overrides`` are its ``--set`` fields.
 

@@ -31,12 +31,12 @@ from profiling.executors.base import (
     RankReport,
     RunJob,
     batch_for_iteration,
-    clean_steps,
     inject_fault,
     join_process_group,
     model_spec,
     place_rank,
     rank_report,
+    with_clean_steps,
 )
 from profiling.executors.megatron_cpu import megatron_on_cpu, quiet_fallback_warnings
 from profiling.executors.megatron_model import (
@@ -286,11 +286,14 @@ def _train_and_measure(spec, job: RunJob, place, settings, dtype, tconfig, chunk
             iteration_ms.append((time.perf_counter() - started) * 1e3)
             if step_losses:  # the last pipeline rank
                 losses.append(float(torch.stack([x["loss"] for x in step_losses]).mean()))
-        peak_bytes, breakdown = tracker.peak_bytes, dict(tracker.peak_breakdown)
+        measured = Measured.at_peak(
+            tracker, iteration_ms=iteration_ms, losses=losses, cuda_peak=None
+        )
         # the main gradients outlive the step (zeroed at the next one): gathered after the
         # measurement
         gated = spec.config.mlp == "swiglu"
-        grads = _full_gradients(wrapped, settings, gated) if job.capture_grads else None
+        if job.capture_grads:
+            measured.grads = _full_gradients(wrapped, settings, gated)
 
     def prepare(iteration: int):
         data = zeroed_batches(iteration)
@@ -301,18 +304,7 @@ def _train_and_measure(spec, job: RunJob, place, settings, dtype, tconfig, chunk
 
         return step
 
-    step_ms, step_cpu_ms, step_instrumentation = clean_steps(prepare, job, place, tracker)
-    return Measured(
-        peak_bytes=peak_bytes,
-        breakdown=breakdown,
-        iteration_ms=iteration_ms,
-        losses=losses,
-        cuda_peak=None,
-        grads=grads,
-        step_ms=step_ms,
-        step_cpu_ms=step_cpu_ms,
-        step_instrumentation=step_instrumentation,
-    )
+    return with_clean_steps(measured, prepare, job, place, tracker)
 
 
 def megatron_rank_main(rank: int, job: RunJob) -> RankReport:

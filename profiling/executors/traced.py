@@ -63,12 +63,12 @@ from profiling.executors.base import (
     RankReport,
     RunJob,
     batch_for_iteration,
-    clean_steps,
     init_mesh,
     inject_fault,
     optimizer_impl,
     place_rank,
     rank_report,
+    with_clean_steps,
 )
 from profiling.executors.parallelize import build_optimizer
 from profiling.executors.traced_boundaries import (
@@ -352,13 +352,8 @@ def _iterate(schedule, optimizer, stage, spec, traced, job, place, tracker, owne
             for name, param in stage.submod.named_parameters()
             if param.grad is not None
         }
-    return Measured(
-        peak_bytes=tracker.peak_bytes,
-        breakdown=dict(tracker.peak_breakdown),
-        iteration_ms=iteration_ms,
-        losses=losses,
-        cuda_peak=cuda_peak,
-        grads=grads,
+    return Measured.at_peak(
+        tracker, iteration_ms=iteration_ms, losses=losses, cuda_peak=cuda_peak, grads=grads
     )
 
 
@@ -381,9 +376,9 @@ def _step_inputs(spec, traced, job: RunJob, place, iteration: int) -> tuple[tupl
     return args, kwargs
 
 
-def _clean_steps(schedule, optimizer, spec, traced, job: RunJob, place, tracker):
-    """The clean timed iterations (:func:`profiling.executors.base.clean_steps`) of a traced
-    stage."""
+def _with_clean_steps(measured, schedule, optimizer, spec, traced, job: RunJob, place, tracker):
+    """``measured`` with the clean timed iterations
+    (:func:`profiling.executors.base.clean_steps`) of a traced stage."""
     step_lifetime = getattr(job.plan.training, "grad_lifetime", "persistent") == "step"
 
     def prepare(iteration: int):
@@ -397,7 +392,7 @@ def _clean_steps(schedule, optimizer, spec, traced, job: RunJob, place, tracker)
 
         return step
 
-    return clean_steps(prepare, job, place, tracker)
+    return with_clean_steps(measured, prepare, job, place, tracker)
 
 
 def traced_rank_main(rank: int, job: RunJob) -> RankReport:
@@ -447,9 +442,7 @@ def traced_rank_main(rank: int, job: RunJob) -> RankReport:
         )
         tracker.track_optimizer(optimizer)
         measured = _iterate(schedule, optimizer, stage, spec, traced, job, place, tracker, owners)
-    measured.step_ms, measured.step_cpu_ms, measured.step_instrumentation = _clean_steps(
-        schedule, optimizer, spec, traced, job, place, tracker
-    )
+    measured = _with_clean_steps(measured, schedule, optimizer, spec, traced, job, place, tracker)
     return rank_report(place, job, measured)
 
 
