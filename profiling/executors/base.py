@@ -122,6 +122,24 @@ def optimizer_impl(plan: PlanFile) -> str:
     return "fused" if plan.training is None else plan.training.optimizer_impl
 
 
+WEIGHT_DTYPES = {2: torch.bfloat16, 4: torch.float32}
+"""Weights' dtype by the plan's weight bytes per parameter (the megatron and traced executors)."""
+
+
+def weight_dtype(plan: PlanFile, *, runs: str, advice: str) -> tuple[int, torch.dtype]:
+    """(weight bytes per parameter, dtype): bf16 for a plan with 2, fp32 for 4 (and for a plan
+    without training options); else InputError "``runs`` bf16 (2) or fp32 (4) weights;
+    ``advice``"."""
+    training = plan.training
+    weight_bytes = training.weight_bytes_per_param if training is not None else 4
+    if weight_bytes not in WEIGHT_DTYPES:
+        raise InputError(
+            f"{plan.source}: weight_bytes_per_param {weight_bytes}: {runs} bf16 (2) or fp32 (4) "
+            f"weights; {advice}"
+        )
+    return weight_bytes, WEIGHT_DTYPES[weight_bytes]
+
+
 def model_spec(preset: str, overrides: dict[str, Any]) -> models.ModelSpec:
     """The zoo model ``preset`` with ``overrides``; InputError if unknown or without layers."""
     try:

@@ -36,6 +36,7 @@ from profiling.executors.base import (
     model_spec,
     place_rank,
     rank_report,
+    weight_dtype,
     with_clean_steps,
 )
 from profiling.executors.megatron_cpu import megatron_on_cpu, quiet_fallback_warnings
@@ -51,20 +52,15 @@ from profiling.trace.memory import LiveTensorTracker
 from solver.errors import InputError
 from solver.files.plan_file import PlanFile
 
-DTYPES = {2: torch.bfloat16, 4: torch.float32}
-"""Weights' dtype by the plan's weight bytes per parameter."""
-
 
 def plan_dtype_of(plan: PlanFile) -> torch.dtype:
     """bf16 for a plan with 2 weight bytes per parameter, fp32 for 4."""
-    training = plan.training
-    weight_bytes = training.weight_bytes_per_param if training is not None else 4
-    if weight_bytes not in DTYPES:
-        raise InputError(
-            f"{plan.source}: weight_bytes_per_param {weight_bytes}: the megatron engine "
-            "runs bf16 (2) or fp32 (4) weights; plan with --bytes-per-param 2,4,12 or 4,4,8"
-        )
-    return DTYPES[weight_bytes]
+    _, dtype = weight_dtype(
+        plan,
+        runs="the megatron engine runs",
+        advice="plan with --bytes-per-param 2,4,12 or 4,4,8",
+    )
+    return dtype
 
 
 def _check_layers(chunks, job: RunJob, stage: int) -> None:

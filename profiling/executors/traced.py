@@ -68,6 +68,7 @@ from profiling.executors.base import (
     optimizer_impl,
     place_rank,
     rank_report,
+    weight_dtype,
     with_clean_steps,
 )
 from profiling.executors.parallelize import build_optimizer
@@ -79,10 +80,6 @@ from profiling.executors.traced_boundaries import (
 from profiling.trace.cuda_attention import cuda_like_kernels
 from solver.errors import InputError
 from solver.files.plan_file import PlanFile
-
-DTYPES = {2: torch.bfloat16, 4: torch.float32}
-"""Weights' dtype by the plan's weight bytes per parameter."""
-
 
 # -- what is traced ----------------------------------------------------------------------------
 
@@ -127,12 +124,9 @@ def plan_dtype(plan: PlanFile) -> torch.dtype:
     from solver.precision import MOMENTS
 
     training = plan.training
-    weight_bytes = training.weight_bytes_per_param if training is not None else 4
-    if weight_bytes not in DTYPES:
-        raise InputError(
-            f"{plan.source}: weight_bytes_per_param {weight_bytes}: traced runs train bf16 (2) or "
-            "fp32 (4) weights; plan with --precision bf16 or fp32"
-        )
+    weight_bytes, dtype = weight_dtype(
+        plan, runs="traced runs train", advice="plan with --precision bf16 or fp32"
+    )
     if training is not None:
         states = weight_bytes * MOMENTS[training.optimizer]
         if training.optimizer_bytes_per_param != states or training.optimizer != "adam":
@@ -142,7 +136,7 @@ def plan_dtype(plan: PlanFile) -> torch.dtype:
                 f"train torch.optim.Adam, whose states take {states} bytes per parameter in the "
                 "weights' dtype; plan with --precision fp32 or bf16 and --optimizer adam"
             )
-    return DTYPES[weight_bytes]
+    return dtype
 
 
 def build_model(spec: models.ModelSpec, seed: int, dtype: torch.dtype) -> nn.Module:
