@@ -279,3 +279,19 @@ def test_the_installed_zoo_graph_source_is_profiling_presets():
     from solver.cli.sweep import graph_source
 
     assert graph_source().__name__ == "profiling.presets"
+
+
+def test_import_profiling_is_cheap_and_names_the_public_api():
+    """``import profiling`` needs no torch; its public names load their modules on first use."""
+    result = _run_without_torch(
+        "import profiling\n"
+        "assert sorted(profiling.__all__) == "
+        "['export_graph', 'format_reports', 'profile_module', 'run_plan']\n"
+    )
+    assert result.returncode == 0, result.stderr
+    import profiling
+    from profiling.run import run_plan
+
+    assert profiling.run_plan is run_plan
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        profiling.nope  # noqa: B018
