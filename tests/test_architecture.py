@@ -273,12 +273,13 @@ def test_max_scale_without_a_graph_source_is_one_input_error(monkeypatch):
     assert "memplan.graph_sources" in message and "pip install -e '.[profiling]'" in message
 
 
-def test_the_installed_zoo_graph_source_is_profiling_presets():
-    """Fails until the project is (re)installed (pip install -e .): the entry point lives in the
-    installed metadata."""
-    from solver.cli.sweep import graph_source
+def test_pyproject_declares_the_zoo_graph_source():
+    """The entry point ``--find max-scale`` looks up (installed by pip install -e .)."""
+    tomllib = pytest.importorskip("tomllib")
+    from solver.cli.sweep import GRAPH_SOURCES
 
-    assert graph_source().__name__ == "profiling.presets"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"][GRAPH_SOURCES] == {"zoo": "profiling.presets"}
 
 
 def test_import_profiling_is_cheap_and_names_the_public_api():
