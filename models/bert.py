@@ -24,9 +24,7 @@ from models.common import (
     MLP,
     Attention,
     Dropout,
-    check_choice,
-    check_dropout,
-    check_positive,
+    check_config,
 )
 
 
@@ -56,21 +54,20 @@ class BERTConfig:
     """The MLM decoder reuses the token embedding weight (BERT does)."""
 
     def __post_init__(self) -> None:
-        name = type(self).__name__
-        check_positive(
-            name,
-            vocab_size=self.vocab_size,
-            seq_len=self.seq_len,
-            type_vocab_size=self.type_vocab_size,
-            layers=self.layers,
-            hidden=self.hidden,
-            heads=self.heads,
-            ffn_hidden=self.ffn_hidden,
+        check_config(
+            self,
+            positive=(
+                "vocab_size",
+                "seq_len",
+                "type_vocab_size",
+                "layers",
+                "hidden",
+                "heads",
+                "ffn_hidden",
+            ),
+            choices={"attention": ATTENTIONS},
+            divisible=(("hidden", "heads"),),
         )
-        check_choice(name, "attention", self.attention, ATTENTIONS)
-        check_dropout(name, self.dropout)
-        if self.hidden % self.heads:
-            raise ValueError(f"{name}: hidden ({self.hidden}) % heads ({self.heads}) != 0")
 
 
 class Embedding(nn.Module):

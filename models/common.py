@@ -24,6 +24,7 @@ Dropout masks are bool (one byte per element) on every device: see ``dropout``.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,29 @@ def check_positive(owner: str, **values: int | None) -> None:
 def check_dropout(owner: str, dropout: float) -> None:
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"{owner}.dropout = {dropout!r}; expected 0 <= dropout < 1")
+
+
+def check_config(
+    config: Any,
+    *,
+    positive: tuple[str, ...],
+    choices: dict[str, tuple[str, ...]],
+    divisible: tuple[tuple[str, str], ...] = (),
+) -> None:
+    """The checks every model family's config runs in ``__post_init__``, in this order, each a
+    ValueError naming the config class and the field: the ``positive`` integer fields (None
+    allowed: a default), each field of ``choices`` among its valid values, the dropout
+    probability, and each ``(a, b)`` of ``divisible`` with ``a % b == 0``."""
+    owner = type(config).__name__
+    check_positive(owner, **{field: getattr(config, field) for field in positive})
+    for field, valid in choices.items():
+        check_choice(owner, field, getattr(config, field), valid)
+    check_dropout(owner, config.dropout)
+    for a, b in divisible:
+        if getattr(config, a) % getattr(config, b):
+            raise ValueError(
+                f"{owner}: {a} ({getattr(config, a)}) % {b} ({getattr(config, b)}) != 0"
+            )
 
 
 def dropout(x: torch.Tensor, p: float, *, training: bool = True) -> torch.Tensor:

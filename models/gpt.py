@@ -29,8 +29,7 @@ from models.common import (
     Attention,
     Dropout,
     LMHead,
-    check_choice,
-    check_dropout,
+    check_config,
     check_positive,
     make_norm,
 )
@@ -98,21 +97,24 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         name = type(self).__name__
-        check_positive(
-            name,
-            vocab_size=self.vocab_size,
-            seq_len=self.seq_len,
-            layers=self.layers,
-            hidden=self.hidden,
-            heads=self.heads,
-            kv_heads=self.kv_heads,
-            ffn_hidden=self.ffn_hidden,
+        check_config(
+            self,
+            positive=(
+                "vocab_size",
+                "seq_len",
+                "layers",
+                "hidden",
+                "heads",
+                "kv_heads",
+                "ffn_hidden",
+            ),
+            choices={
+                "norm": NORMS,
+                "mlp": MLPS,
+                "positions": ("learned", "rotary"),
+                "attention": ATTENTIONS,
+            },
         )
-        check_choice(name, "norm", self.norm, NORMS)
-        check_choice(name, "mlp", self.mlp, MLPS)
-        check_choice(name, "positions", self.positions, ("learned", "rotary"))
-        check_choice(name, "attention", self.attention, ATTENTIONS)
-        check_dropout(name, self.dropout)
         if self.num_experts:
             check_positive(name, num_experts=self.num_experts, top_k=self.top_k)
             check_positive(name, expert_ffn_hidden=self.expert_ffn_hidden)

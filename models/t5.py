@@ -37,9 +37,7 @@ from models.common import (
     Attention,
     Dropout,
     LMHead,
-    check_choice,
-    check_dropout,
-    check_positive,
+    check_config,
 )
 
 
@@ -73,23 +71,22 @@ class T5Config:
     """The LM head reuses the shared token table (T5 v1.0; v1.1 unties it)."""
 
     def __post_init__(self) -> None:
-        name = type(self).__name__
-        check_positive(
-            name,
-            vocab_size=self.vocab_size,
-            seq_len=self.seq_len,
-            layers=self.layers,
-            decoder_layers=self.decoder_layers,
-            hidden=self.hidden,
-            heads=self.heads,
-            head_dim=self.head_dim,
-            ffn_hidden=self.ffn_hidden,
+        check_config(
+            self,
+            positive=(
+                "vocab_size",
+                "seq_len",
+                "layers",
+                "decoder_layers",
+                "hidden",
+                "heads",
+                "head_dim",
+                "ffn_hidden",
+            ),
+            choices={"mlp": MLPS, "attention": ATTENTIONS},
+            # an explicit head_dim (d_kv) frees the width from the head count
+            divisible=(("hidden", "heads"),) if self.head_dim is None else (),
         )
-        check_choice(name, "mlp", self.mlp, MLPS)
-        check_choice(name, "attention", self.attention, ATTENTIONS)
-        check_dropout(name, self.dropout)
-        if self.head_dim is None and self.hidden % self.heads:
-            raise ValueError(f"{name}: hidden ({self.hidden}) % heads ({self.heads}) != 0")
 
     @property
     def num_decoder_layers(self) -> int:

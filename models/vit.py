@@ -23,9 +23,7 @@ from models.common import (
     MLP,
     Attention,
     Dropout,
-    check_choice,
-    check_dropout,
-    check_positive,
+    check_config,
 )
 
 
@@ -55,26 +53,21 @@ class ViTConfig:
     """Attention kernel: "explicit" (written out) or "sdpa"."""
 
     def __post_init__(self) -> None:
-        name = type(self).__name__
-        check_positive(
-            name,
-            image_size=self.image_size,
-            patch_size=self.patch_size,
-            channels=self.channels,
-            layers=self.layers,
-            hidden=self.hidden,
-            heads=self.heads,
-            mlp_hidden=self.mlp_hidden,
-            num_classes=self.num_classes,
+        check_config(
+            self,
+            positive=(
+                "image_size",
+                "patch_size",
+                "channels",
+                "layers",
+                "hidden",
+                "heads",
+                "mlp_hidden",
+                "num_classes",
+            ),
+            choices={"attention": ATTENTIONS},
+            divisible=(("image_size", "patch_size"), ("hidden", "heads")),
         )
-        check_choice(name, "attention", self.attention, ATTENTIONS)
-        check_dropout(name, self.dropout)
-        if self.image_size % self.patch_size:
-            raise ValueError(
-                f"{name}: image_size ({self.image_size}) % patch_size ({self.patch_size}) != 0"
-            )
-        if self.hidden % self.heads:
-            raise ValueError(f"{name}: hidden ({self.hidden}) % heads ({self.heads}) != 0")
 
     @property
     def num_patches(self) -> int:

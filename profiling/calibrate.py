@@ -37,6 +37,7 @@ from solver.calibration import (
 from solver.console import OneLineErrorParser, interrupted, number_in, positive_int, print_error
 from solver.errors import InputError, PlannerError
 from solver.files.output_file import check_output
+from solver.graph import LayerGraph
 from solver.specs import TrainingConfig
 
 SMALL_GPT = {
@@ -161,9 +162,6 @@ def calibrate(
     import torch
 
     from profiling.export import export_graph
-    from profiling.run import run_plan
-    from solver import Cluster, plan
-    from solver.report.plan_report import plan_to_dict
 
     layouts = [_layout(item) for item in configs]
     if not layouts:
@@ -173,50 +171,20 @@ def calibrate(
         raise InputError(f"calibrate: configuration labels must be unique, got {labels}")
     overrides = dict(overrides or {})
     graph = export_graph(preset, dtype="fp32", overrides=overrides)
-    samples: list[Sample] = []
-    runs: list[tuple[Layout, str, Any]] = []
-    described = []
-    for layout in layouts:
-        cluster = Cluster(num_gpus=layout.num_gpus, gpus_per_node=layout.num_gpus)
-        chosen = plan(graph, cluster, layout.training())
-        split = _split_text(chosen)
-        if progress:
-            progress(f"running {layout.label} ({chosen.config.num_gpus} ranks, split {split})")
-        reports = run_plan(
-            preset,
-            plan_to_dict(chosen),
-            iterations=iterations,
-            overrides=overrides,
-            timeout_s=timeout_s,
-            seed=seed,
-            engine=layout.engine,
-        )
-        for report in reports:
-            samples.append(
-                Sample(report.predicted_breakdown, report.measured_peak_bytes, layout.label)
-            )
-            runs.append((layout, split, report))
-        described.append({"label": layout.label, "config": chosen.config.to_dict(), "split": split})
-
+    samples, runs, described = _run_layouts(
+        preset,
+        graph,
+        layouts,
+        overrides,
+        iterations=iterations,
+        timeout_s=timeout_s,
+        seed=seed,
+        progress=progress,
+    )
     calibration = fit_calibration(samples)
     loo = leave_one_out(samples) if len(layouts) > 1 else {}
     held_out = {label: held.calibration for label, held in loo.items()}
-    rows = [
-        CalibrationRow(
-            config=layout.label,
-            split=split,
-            rank=report.rank,
-            stage=report.stage,
-            predicted_breakdown=dict(report.predicted_breakdown),
-            analytic_bytes=sum(report.predicted_breakdown.values()),
-            calibrated_bytes=calibration.apply(report.predicted_breakdown),
-            loo_bytes=(
-                held_out[layout.label].apply(report.predicted_breakdown) if held_out else None
-            ),
-            measured_bytes=report.measured_peak_bytes,
-        )
-        for layout, split, report in runs
-    ]
+    rows = _rows(runs, calibration, held_out)
     calibration.meta.update(
         model=preset,
         graph_model=graph.model,
@@ -245,6 +213,73 @@ def calibrate(
         date=time.strftime("%Y-%m-%d"),
     )
     return calibration, rows
+
+
+def _run_layouts(
+    preset: str,
+    graph: LayerGraph,
+    layouts: list[Layout],
+    overrides: dict[str, Any],
+    *,
+    iterations: int,
+    timeout_s: float,
+    seed: int,
+    progress: Callable[[str], None] | None,
+) -> tuple[list[Sample], list[tuple[Layout, str, Any]], list[dict[str, Any]]]:
+    """Plan and run each layout on ``graph``: a sample per rank, (layout, split text, report)
+    per rank, and each layout's description for the calibration's ``meta.configs``."""
+    from profiling.run import run_plan
+    from solver import Cluster, plan
+    from solver.report.plan_report import plan_to_dict
+
+    samples: list[Sample] = []
+    runs: list[tuple[Layout, str, Any]] = []
+    described = []
+    for layout in layouts:
+        cluster = Cluster(num_gpus=layout.num_gpus, gpus_per_node=layout.num_gpus)
+        chosen = plan(graph, cluster, layout.training())
+        split = _split_text(chosen)
+        if progress:
+            progress(f"running {layout.label} ({chosen.config.num_gpus} ranks, split {split})")
+        reports = run_plan(
+            preset,
+            plan_to_dict(chosen),
+            iterations=iterations,
+            overrides=overrides,
+            timeout_s=timeout_s,
+            seed=seed,
+            engine=layout.engine,
+        )
+        for report in reports:
+            samples.append(
+                Sample(report.predicted_breakdown, report.measured_peak_bytes, layout.label)
+            )
+            runs.append((layout, split, report))
+        described.append({"label": layout.label, "config": chosen.config.to_dict(), "split": split})
+    return samples, runs, described
+
+
+def _rows(
+    runs: list[tuple[Layout, str, Any]], calibration: Calibration, held_out: dict[str, Calibration]
+) -> list[CalibrationRow]:
+    """One row per rank run: the analytic, calibrated and held-out predictions (bytes) next to
+    the measured peak."""
+    return [
+        CalibrationRow(
+            config=layout.label,
+            split=split,
+            rank=report.rank,
+            stage=report.stage,
+            predicted_breakdown=dict(report.predicted_breakdown),
+            analytic_bytes=sum(report.predicted_breakdown.values()),
+            calibrated_bytes=calibration.apply(report.predicted_breakdown),
+            loo_bytes=(
+                held_out[layout.label].apply(report.predicted_breakdown) if held_out else None
+            ),
+            measured_bytes=report.measured_peak_bytes,
+        )
+        for layout, split, report in runs
+    ]
 
 
 def _layout(item: Layout | tuple) -> Layout:

@@ -1,5 +1,9 @@
 """Zoo presets at other sizes, for ``python -m solver.sweep --find max-scale``: a function from
-a size (layers or hidden) to the preset's layer graph, profiled under fake tensors."""
+a size (layers or hidden) to the preset's layer graph, profiled under fake tensors.
+
+The sweep CLI finds this module as the ``zoo`` entry point of the ``memplan.graph_sources``
+group (pyproject.toml; ``solver.cli.sweep.GRAPH_SOURCES``): the module is the source, its
+:func:`preset_scale` and :func:`preset_graph_of` what the CLI calls."""
 
 from __future__ import annotations
 

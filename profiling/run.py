@@ -11,9 +11,9 @@ The plan (a path, a parsed dict or a ``PlanFile``) is read and checked by
 cannot run (``_check_runnable``) before spawning anything.
 
 This module checks the plan and launches the ranks; what each rank does is
-:mod:`profiling.executors.base`
-(``engine="torch"``, described below) or :mod:`profiling.executors.megatron` (``engine="megatron"``:
-megatron-core runs the plan's own Megatron export, on CPU over gloo; docs/running.md).
+:mod:`profiling.executors.torch_zoo` (``engine="torch"`` on a zoo model, described below) or
+:mod:`profiling.executors.megatron` (``engine="megatron"``: megatron-core runs the plan's own
+Megatron export, on CPU over gloo; docs/running.md); :mod:`profiling.executors.dispatch` picks.
 ``run_plan`` spawns ``pp * dp * tp`` processes (gloo on CPU, or NCCL with one GPU per rank for
 ``device="cuda"``), builds on each the full model from the same seed (so every weight equals the
 single-process model's), keeps the layers of its plan stage, and trains ``iterations`` steps with
@@ -117,12 +117,8 @@ from typing import Any
 import torch
 
 import models
-from profiling.executors.base import (
-    RankReport,
-    RunJob,
-    model_spec,
-    rank_worker,
-)
+from profiling.executors.base import RankReport, RunJob, model_spec
+from profiling.executors.dispatch import rank_worker
 from profiling.executors.parallelize import (
     tensor_parallel_pairs,
     vocabulary_parallel_paths,
@@ -137,8 +133,8 @@ from solver.specs import ZERO_STAGES as ZERO_STAGES
 from solver.specs import ParallelConfig
 
 ENGINES = ("torch", "megatron")
-"""torch: torch.distributed.pipelining (:mod:`profiling.executors.base`); megatron: megatron-core
-(:mod:`profiling.executors.megatron`)."""
+"""torch: torch.distributed.pipelining (:mod:`profiling.executors.torch_zoo`); megatron:
+megatron-core (:mod:`profiling.executors.megatron`)."""
 RECOMPUTE = ("none", "full")
 """The recompute modes (of ``solver.specs.RECOMPUTE_MODES``) this executor runs."""
 DEVICES = ("cpu", "cuda")
@@ -496,7 +492,7 @@ def run_plan(
 ) -> list[RankReport]:
     """Train ``iterations`` steps of ``model`` with ``plan`` on ``pp * dp * tp`` local processes.
 
-    ``model``: a zoo preset (cut by hand, :mod:`profiling.executors.base`), or ``hf:NAME`` or
+    ``model``: a zoo preset (cut by hand, :mod:`profiling.executors.torch_zoo`), or ``hf:NAME`` or
     ``package.module:factory`` (cut by tracing with ``torch.distributed.pipelining.pipeline`` at
     the plan's layers, :mod:`profiling.executors.traced`); ``overrides`` are its ``--set`` fields.
 
@@ -528,17 +524,7 @@ def run_plan(
     if engine == "megatron" and device != "cpu":
         raise InputError("engine megatron runs on device cpu here (gloo); use --device cpu")
     threads_per_rank, threads_from = rank_threads(plan, device, threads)
-    cpus = os.cpu_count() or 1
-    if device == "cpu" and threads_per_rank * world > cpus:
-        logger.warning(
-            "%d ranks x %d threads (%s) on %d CPUs: oversubscribed, the step time will exceed "
-            "the plan's; profile with --threads %d (profiling.export) or run with --threads",
-            world,
-            threads_per_rank,
-            threads_from,
-            cpus,
-            max(1, cpus // world),
-        )
+    _warn_if_oversubscribed(device, world, threads_per_rank, threads_from)
     job = RunJob(
         preset=model,
         overrides=overrides,
@@ -559,6 +545,31 @@ def run_plan(
             plan.training is None or plan.training.deallocate_pipeline_outputs
         ),
     )
+    return _run_ranks(job, world)
+
+
+def _warn_if_oversubscribed(
+    device: str, world: int, threads_per_rank: int, threads_from: str
+) -> None:
+    """Log a warning when ``world`` ranks of ``threads_per_rank`` CPU threads each outnumber the
+    CPUs (``threads_from`` says where the count came from)."""
+    cpus = os.cpu_count() or 1
+    if device == "cpu" and threads_per_rank * world > cpus:
+        logger.warning(
+            "%d ranks x %d threads (%s) on %d CPUs: oversubscribed, the step time will exceed "
+            "the plan's; profile with --threads %d (profiling.export) or run with --threads",
+            world,
+            threads_per_rank,
+            threads_from,
+            cpus,
+            max(1, cpus // world),
+        )
+
+
+def _run_ranks(job: RunJob, world: int) -> list[RankReport]:
+    """Start ``world`` rank processes on ``job`` (:func:`profiling.executors.dispatch.rank_worker`),
+    wait for them, and read their reports; every process is stopped and the result folder
+    removed on the way out, whatever happens."""
     context = _rank_context()
     directory = Path(tempfile.mkdtemp(prefix="memplan-run-"))
     processes = []
@@ -570,34 +581,7 @@ def run_plan(
             process.daemon = True  # never outlive the parent
             process.start()
             processes.append(process)
-        pids = [process.pid for process in processes]
-        deadline = time.monotonic() + timeout_s
-        while True:
-            codes = [process.exitcode for process in processes]
-            failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
-            if failed:
-                time.sleep(0.2)  # let the first failure's traceback land
-                _stop(processes)
-                bad_input = sorted(directory.glob("rank*.input"))
-                if bad_input:
-                    raise InputError(bad_input[0].read_text())
-                detail = _first_error(directory) or f"exit codes {codes}"
-                raise RunError(f"rank(s) {failed} failed; all ranks stopped. {detail}", pids=pids)
-            if all(code == 0 for code in codes):
-                break
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                _stop(processes)
-                running = [rank for rank, code in enumerate(codes) if code is None]
-                raise RunError(
-                    f"timed out after {timeout_s:g} s with ranks {running} still running; "
-                    "all ranks stopped",
-                    pids=pids,
-                )
-            multiprocessing.connection.wait(
-                [process.sentinel for process in processes if process.exitcode is None],
-                timeout=min(remaining, 0.5),
-            )
+        _wait_for_ranks(processes, directory, job.timeout_s)
         return [
             torch.load(directory / f"rank{rank}.pt", weights_only=False) for rank in range(world)
         ]
@@ -605,6 +589,40 @@ def run_plan(
         _stop(processes)
         with contextlib.suppress(OSError):
             shutil.rmtree(directory)
+
+
+def _wait_for_ranks(processes: list, directory: Path, timeout_s: float) -> None:
+    """Return when every rank has exited 0. InputError with the first rank's one-line
+    ``rank*.input`` when one found the plan or model wrong; RunError with the first failure's
+    traceback when one failed, or when ``timeout_s`` passed (every process stopped first)."""
+    pids = [process.pid for process in processes]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [process.exitcode for process in processes]
+        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            time.sleep(0.2)  # let the first failure's traceback land
+            _stop(processes)
+            bad_input = sorted(directory.glob("rank*.input"))
+            if bad_input:
+                raise InputError(bad_input[0].read_text())
+            detail = _first_error(directory) or f"exit codes {codes}"
+            raise RunError(f"rank(s) {failed} failed; all ranks stopped. {detail}", pids=pids)
+        if all(code == 0 for code in codes):
+            break
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            _stop(processes)
+            running = [rank for rank, code in enumerate(codes) if code is None]
+            raise RunError(
+                f"timed out after {timeout_s:g} s with ranks {running} still running; "
+                "all ranks stopped",
+                pids=pids,
+            )
+        multiprocessing.connection.wait(
+            [process.sentinel for process in processes if process.exitcode is None],
+            timeout=min(remaining, 0.5),
+        )
 
 
 def format_reports(reports: list[RankReport]) -> str:

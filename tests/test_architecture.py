@@ -1,9 +1,10 @@
-"""The shape of the solver package: no import cycle, no torch, the entry points that run without it.
+"""The shape of the packages: no import cycle, no torch in the solver, the entry points that run
+without it; profiling's layering (the executors' dispatcher, no solver.cli).
 
 The solver needs no torch (README): ``import solver`` and every ``python -m solver.*`` CLI must
-work where torch is not installed; only ``solver/cli/`` may reach for ``profiling`` (lazily, for
-``--find max-scale``). The import graph is read from the source with ``ast``, function-level
-imports included, so a lazy import cannot hide a cycle.
+work where torch is not installed, and nothing in solver/ imports ``profiling`` (``--find
+max-scale`` finds its graph source through an entry point). The import graph is read from the
+source with ``ast``, function-level imports included, so a lazy import cannot hide a cycle.
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ def _module_name(path: Path) -> str:
 SOLVER_FILES = {_module_name(path): path for path in sorted(SOLVER_DIR.rglob("*.py"))}
 
 
-def _imports(module: str, path: Path) -> list[tuple[str, bool]]:
+def _imports(
+    module: str, path: Path, known: dict[str, Path] = SOLVER_FILES
+) -> list[tuple[str, bool]]:
     """(imported module name, inside a function?) for every import statement of a module.
-    ``from pkg import name`` names ``pkg.name`` when that is a module, else ``pkg``; relative
-    imports are resolved against the module's package."""
+    ``from pkg import name`` names ``pkg.name`` when that is a module of ``known``, else ``pkg``;
+    relative imports are resolved against the module's package."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: list[tuple[str, bool]] = []
 
@@ -53,7 +56,7 @@ def _imports(module: str, path: Path) -> list[tuple[str, bool]]:
                 base = f"{anchor}.{base}" if base else anchor
             for alias in node.names:
                 submodule = f"{base}.{alias.name}"
-                found.append((submodule if submodule in SOLVER_FILES else base, in_function))
+                found.append((submodule if submodule in known else base, in_function))
         for child in ast.iter_child_nodes(node):
             visit(child, in_function or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef))
 
@@ -174,3 +177,122 @@ def test_solver_plan_and_solver_evaluate_are_the_api_functions():
     )
     assert isinstance(evaluation, solver.Evaluation)
     assert evaluation.peak_bytes == result.peak_bytes
+
+
+# -- profiling and models ----------------------------------------------------------------------
+
+PROFILING_FILES = {
+    _module_name(path): path
+    for package in ("profiling", "models")
+    for path in sorted((ROOT / package).rglob("*.py"))
+}
+EXECUTORS = "profiling.executors"
+
+
+def _import_graph(files: dict[str, Path]) -> nx.DiGraph:
+    """module -> module it imports (module level or in a function), within ``files``."""
+    graph = nx.DiGraph()
+    graph.add_nodes_from(files)
+    for module, path in files.items():
+        for target, _ in _imports(module, path, files):
+            if target in files and target != module:
+                graph.add_edge(module, target)
+    return graph
+
+
+def test_profiling_and_models_have_no_import_cycle():
+    """Lazy imports count: the executors' dispatcher is apart from the executors it picks."""
+    graph = _import_graph(PROFILING_FILES)
+    assert graph.number_of_edges() > len(PROFILING_FILES) // 2  # the walk did find the imports
+    cycles = [" -> ".join([*c, c[0]]) for c in itertools.islice(nx.simple_cycles(graph), 20)]
+    assert not cycles, "import cycles in profiling/, models/:\n" + "\n".join(sorted(cycles))
+
+
+def test_the_dispatcher_imports_every_executor_and_none_imports_it():
+    graph = _import_graph(PROFILING_FILES)
+    dispatch = f"{EXECUTORS}.dispatch"
+    executors = {f"{EXECUTORS}.{name}" for name in ("torch_zoo", "traced", "megatron")}
+    assert executors <= set(graph.successors(dispatch))
+    importers = set(graph.predecessors(dispatch))
+    assert importers <= {"profiling.run", f"{EXECUTORS}.preload"}, importers
+    # the fork server's preload reaches every module a rank runs (profiling.run.RANK_PRELOAD)
+    ranks_run = nx.descendants(graph, dispatch) | {dispatch}
+    assert ranks_run <= nx.descendants(graph, f"{EXECUTORS}.preload")
+
+
+def test_profiling_never_imports_the_solvers_cli():
+    """profiling's CLIs share solver.console with the solver's; solver.cli is the solver's own."""
+    offences = [
+        f"{path.relative_to(ROOT)} imports {target}"
+        for module, path in PROFILING_FILES.items()
+        for target, _ in _imports(module, path, PROFILING_FILES)
+        if target == "solver.cli" or target.startswith("solver.cli.")
+    ]
+    assert not offences, "\n".join(offences)
+
+
+def test_the_solver_never_imports_profiling_even_lazily():
+    """``--find max-scale`` finds its graph source through an entry point (GRAPH_SOURCES)."""
+    offences = [
+        f"{path.relative_to(ROOT)} imports {target}"
+        for module, path in SOLVER_FILES.items()
+        for target, _ in _imports(module, path)
+        if target.partition(".")[0] == "profiling"
+    ]
+    assert not offences, "\n".join(offences)
+
+
+def test_max_scale_loads_its_graph_source_from_the_entry_point_group(monkeypatch):
+    from importlib.metadata import EntryPoint
+
+    import profiling.presets
+    from solver.cli import sweep as sweep_cli
+
+    zoo = EntryPoint(name="zoo", value="profiling.presets", group=sweep_cli.GRAPH_SOURCES)
+    other = EntryPoint(name="other", value="no.such.module", group=sweep_cli.GRAPH_SOURCES)
+    asked = []
+
+    def entry_points(*, group):
+        asked.append(group)
+        return [other, zoo]
+
+    monkeypatch.setattr(sweep_cli, "entry_points", entry_points)
+    assert sweep_cli.graph_source() is profiling.presets
+    assert asked == ["memplan.graph_sources"]
+
+
+def test_max_scale_without_a_graph_source_is_one_input_error(monkeypatch):
+    from solver.cli import sweep as sweep_cli
+    from solver.errors import InputError
+
+    monkeypatch.setattr(sweep_cli, "entry_points", lambda *, group: [])
+    with pytest.raises(InputError) as error:
+        sweep_cli.graph_source()
+    message = str(error.value)
+    assert "\n" not in message and "needs torch" in message
+    assert "memplan.graph_sources" in message and "pip install -e '.[profiling]'" in message
+
+
+def test_pyproject_declares_the_zoo_graph_source():
+    """The entry point ``--find max-scale`` looks up (installed by pip install -e .)."""
+    tomllib = pytest.importorskip("tomllib")
+    from solver.cli.sweep import GRAPH_SOURCES
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"][GRAPH_SOURCES] == {"zoo": "profiling.presets"}
+
+
+def test_import_profiling_is_cheap_and_names_the_public_api():
+    """``import profiling`` needs no torch; its public names load their modules on first use."""
+    result = _run_without_torch(
+        "import profiling\n"
+        "assert sorted(profiling.__all__) == "
+        "['export_graph', 'format_reports', 'profile_module', 'run_plan']\n"
+    )
+    assert result.returncode == 0, result.stderr
+    import profiling
+    from profiling.run import run_plan
+
+    assert profiling.run_plan is run_plan
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        profiling.nope  # noqa: B018

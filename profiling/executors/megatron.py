@@ -31,12 +31,13 @@ from profiling.executors.base import (
     RankReport,
     RunJob,
     batch_for_iteration,
-    clean_steps,
     inject_fault,
     join_process_group,
     model_spec,
     place_rank,
     rank_report,
+    weight_dtype,
+    with_clean_steps,
 )
 from profiling.executors.megatron_cpu import megatron_on_cpu, quiet_fallback_warnings
 from profiling.executors.megatron_model import (
@@ -51,20 +52,15 @@ from profiling.trace.memory import LiveTensorTracker
 from solver.errors import InputError
 from solver.files.plan_file import PlanFile
 
-DTYPES = {2: torch.bfloat16, 4: torch.float32}
-"""Weights' dtype by the plan's weight bytes per parameter."""
-
 
 def plan_dtype_of(plan: PlanFile) -> torch.dtype:
     """bf16 for a plan with 2 weight bytes per parameter, fp32 for 4."""
-    training = plan.training
-    weight_bytes = training.weight_bytes_per_param if training is not None else 4
-    if weight_bytes not in DTYPES:
-        raise InputError(
-            f"{plan.source}: weight_bytes_per_param {weight_bytes}: the megatron engine "
-            "runs bf16 (2) or fp32 (4) weights; plan with --bytes-per-param 2,4,12 or 4,4,8"
-        )
-    return DTYPES[weight_bytes]
+    _, dtype = weight_dtype(
+        plan,
+        runs="the megatron engine runs",
+        advice="plan with --bytes-per-param 2,4,12 or 4,4,8",
+    )
+    return dtype
 
 
 def _check_layers(chunks, job: RunJob, stage: int) -> None:
@@ -286,11 +282,14 @@ def _train_and_measure(spec, job: RunJob, place, settings, dtype, tconfig, chunk
             iteration_ms.append((time.perf_counter() - started) * 1e3)
             if step_losses:  # the last pipeline rank
                 losses.append(float(torch.stack([x["loss"] for x in step_losses]).mean()))
-        peak_bytes, breakdown = tracker.peak_bytes, dict(tracker.peak_breakdown)
+        measured = Measured.at_peak(
+            tracker, iteration_ms=iteration_ms, losses=losses, cuda_peak=None
+        )
         # the main gradients outlive the step (zeroed at the next one): gathered after the
         # measurement
         gated = spec.config.mlp == "swiglu"
-        grads = _full_gradients(wrapped, settings, gated) if job.capture_grads else None
+        if job.capture_grads:
+            measured.grads = _full_gradients(wrapped, settings, gated)
 
     def prepare(iteration: int):
         data = zeroed_batches(iteration)
@@ -301,18 +300,7 @@ def _train_and_measure(spec, job: RunJob, place, settings, dtype, tconfig, chunk
 
         return step
 
-    step_ms, step_cpu_ms, step_instrumentation = clean_steps(prepare, job, place, tracker)
-    return Measured(
-        peak_bytes=peak_bytes,
-        breakdown=breakdown,
-        iteration_ms=iteration_ms,
-        losses=losses,
-        cuda_peak=None,
-        grads=grads,
-        step_ms=step_ms,
-        step_cpu_ms=step_cpu_ms,
-        step_instrumentation=step_instrumentation,
-    )
+    return with_clean_steps(measured, prepare, job, place, tracker)
 
 
 def megatron_rank_main(rank: int, job: RunJob) -> RankReport:

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-import profiling.executors.base  # noqa: F401
-import profiling.executors.megatron  # noqa: F401
-import profiling.executors.traced  # noqa: F401
+import profiling.executors.dispatch  # noqa: F401  (the rank entry point and every executor)
 from profiling.executors.megatron_cpu import quiet_fallback_warnings
 
 quiet_fallback_warnings()

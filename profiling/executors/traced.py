@@ -63,12 +63,13 @@ from profiling.executors.base import (
     RankReport,
     RunJob,
     batch_for_iteration,
-    clean_steps,
     init_mesh,
     inject_fault,
     optimizer_impl,
     place_rank,
     rank_report,
+    weight_dtype,
+    with_clean_steps,
 )
 from profiling.executors.parallelize import build_optimizer
 from profiling.executors.traced_boundaries import (
@@ -79,10 +80,6 @@ from profiling.executors.traced_boundaries import (
 from profiling.trace.cuda_attention import cuda_like_kernels
 from solver.errors import InputError
 from solver.files.plan_file import PlanFile
-
-DTYPES = {2: torch.bfloat16, 4: torch.float32}
-"""Weights' dtype by the plan's weight bytes per parameter."""
-
 
 # -- what is traced ----------------------------------------------------------------------------
 
@@ -127,12 +124,9 @@ def plan_dtype(plan: PlanFile) -> torch.dtype:
     from solver.precision import MOMENTS
 
     training = plan.training
-    weight_bytes = training.weight_bytes_per_param if training is not None else 4
-    if weight_bytes not in DTYPES:
-        raise InputError(
-            f"{plan.source}: weight_bytes_per_param {weight_bytes}: traced runs train bf16 (2) or "
-            "fp32 (4) weights; plan with --precision bf16 or fp32"
-        )
+    weight_bytes, dtype = weight_dtype(
+        plan, runs="traced runs train", advice="plan with --precision bf16 or fp32"
+    )
     if training is not None:
         states = weight_bytes * MOMENTS[training.optimizer]
         if training.optimizer_bytes_per_param != states or training.optimizer != "adam":
@@ -142,7 +136,7 @@ def plan_dtype(plan: PlanFile) -> torch.dtype:
                 f"train torch.optim.Adam, whose states take {states} bytes per parameter in the "
                 "weights' dtype; plan with --precision fp32 or bf16 and --optimizer adam"
             )
-    return DTYPES[weight_bytes]
+    return dtype
 
 
 def build_model(spec: models.ModelSpec, seed: int, dtype: torch.dtype) -> nn.Module:
@@ -352,13 +346,8 @@ def _iterate(schedule, optimizer, stage, spec, traced, job, place, tracker, owne
             for name, param in stage.submod.named_parameters()
             if param.grad is not None
         }
-    return Measured(
-        peak_bytes=tracker.peak_bytes,
-        breakdown=dict(tracker.peak_breakdown),
-        iteration_ms=iteration_ms,
-        losses=losses,
-        cuda_peak=cuda_peak,
-        grads=grads,
+    return Measured.at_peak(
+        tracker, iteration_ms=iteration_ms, losses=losses, cuda_peak=cuda_peak, grads=grads
     )
 
 
@@ -381,9 +370,9 @@ def _step_inputs(spec, traced, job: RunJob, place, iteration: int) -> tuple[tupl
     return args, kwargs
 
 
-def _clean_steps(schedule, optimizer, spec, traced, job: RunJob, place, tracker):
-    """The clean timed iterations (:func:`profiling.executors.base.clean_steps`) of a traced
-    stage."""
+def _with_clean_steps(measured, schedule, optimizer, spec, traced, job: RunJob, place, tracker):
+    """``measured`` with the clean timed iterations
+    (:func:`profiling.executors.base.clean_steps`) of a traced stage."""
     step_lifetime = getattr(job.plan.training, "grad_lifetime", "persistent") == "step"
 
     def prepare(iteration: int):
@@ -397,7 +386,7 @@ def _clean_steps(schedule, optimizer, spec, traced, job: RunJob, place, tracker)
 
         return step
 
-    return clean_steps(prepare, job, place, tracker)
+    return with_clean_steps(measured, prepare, job, place, tracker)
 
 
 def traced_rank_main(rank: int, job: RunJob) -> RankReport:
@@ -447,9 +436,7 @@ def traced_rank_main(rank: int, job: RunJob) -> RankReport:
         )
         tracker.track_optimizer(optimizer)
         measured = _iterate(schedule, optimizer, stage, spec, traced, job, place, tracker, owners)
-    measured.step_ms, measured.step_cpu_ms, measured.step_instrumentation = _clean_steps(
-        schedule, optimizer, spec, traced, job, place, tracker
-    )
+    measured = _with_clean_steps(measured, schedule, optimizer, spec, traced, job, place, tracker)
     return rank_report(place, job, measured)
 
 

@@ -11,6 +11,7 @@ rules are described in ``profile.py``'s docstring.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +42,27 @@ def _graph_order(selection, tracer: Tracer) -> list[int]:
     return order
 
 
+@dataclass(kw_only=True)
+class _ParamCounts:
+    """Parameters per layer (by position in ``selection``), each counted once: in the first layer
+    (graph order) that owns it, or else the layer that first used it."""
+
+    params: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    """Elements per layer."""
+    tp_params: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    """Elements per layer that tensor parallelism splits."""
+    expert_params: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    """Elements per layer of routed experts (not split by TP)."""
+    largest: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    """Elements of the layer's largest replicated parameter tensor."""
+    largest_tp: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    """Elements of the layer's largest TP-split parameter tensor."""
+    shared: list[dict[str, Any]] = field(default_factory=list)
+    """Parameters owned by several layers (meta ``shared_params``)."""
+    unused: list[str] = field(default_factory=list)
+    """Parameters no layer owns or used (meta ``unused_params``)."""
+
+
 def build_graph(
     selection: list[tuple[str, nn.Module]],
     tracer: Tracer,
@@ -60,15 +82,56 @@ def build_graph(
         tracer.layers[tracer.first_layer].absorb(tracer.layers.pop(PENDING))
     order = _graph_order(selection, tracer)
     position = {i: k for k, i in enumerate(order)}
+    counts = _count_params(selection, tracer, split, run_params, order, names)
+    items = _layer_items(
+        selection,
+        tracer,
+        split,
+        counts,
+        order,
+        names,
+        batch=batch,
+        timings=timings,
+        experts=experts,
+    )
+    edges = _edges(tracer, order, position, names, batch, model_name)
+    chain = [
+        {"src": a["name"], "dst": b["name"], "bytes": a["output_bytes"]}
+        for a, b in zip(items, items[1:], strict=False)
+    ]
+    extra = _graph_meta(tracer, split, counts, order, names, batch=batch, experts=experts)
+    document: dict[str, Any] = {
+        "format": "layer-graph",
+        "version": 1,
+        "model": model_name,
+        "meta": extra | meta,
+        "layers": items,
+    }
+    # a chain whose tensors each need grad and are counted by their consumer is the implied
+    # chain: the cost model treats its edges as those of a graph without the fields
+    plain = all(edge.get("charged") and set(edge) <= _PLAIN_KEYS for edge in edges)
+    if not plain or sorted(map(_edge_key, edges)) != sorted(map(_edge_key, chain)):
+        document["edges"] = edges
+    return graph_from_dict(document, origin=f"profile of {model_name}")
 
-    # Parameters: each counted once, in the first layer (graph order) that owns it.
+
+def _count_params(
+    selection: list[tuple[str, nn.Module]],
+    tracer: Tracer,
+    split: TensorParallelSplit,
+    run_params: list[tuple[str, nn.Parameter, torch.Tensor]],
+    order: list[int],
+    names: list[str],
+) -> _ParamCounts:
+    """Parameters: each counted once, in the first layer (graph order) that owns it."""
     owners: dict[int, list[int]] = defaultdict(list)
     for i in order:
         for param in selection[i][1].parameters():
             owners[id(param)].append(i)
-    params, tp_params, expert_params = defaultdict(int), defaultdict(int), defaultdict(int)
-    largest, largest_tp = defaultdict(int), defaultdict(int)  # one tensor's elements, per layer
-    shared, unused = [], []
+    counts = _ParamCounts()
+    params, tp_params, expert_params = counts.params, counts.tp_params, counts.expert_params
+    largest, largest_tp = counts.largest, counts.largest_tp  # one tensor's elements, per layer
+    shared, unused = counts.shared, counts.unused
     used_by = {
         id(original): tracer.resolve(record.first_user)
         for _, original, tensor in run_params
@@ -98,7 +161,24 @@ def build_graph(
                     "shared_with": [names[j] for j in layers[1:]],
                 }
             )
+    return counts
 
+
+def _layer_items(
+    selection: list[tuple[str, nn.Module]],
+    tracer: Tracer,
+    split: TensorParallelSplit,
+    counts: _ParamCounts,
+    order: list[int],
+    names: list[str],
+    *,
+    batch: int,
+    timings: tuple[list[float], list[float]] | None,
+    experts: ExpertTracker | None,
+) -> list[dict[str, Any]]:
+    """The graph's ``layers`` entries in graph order, per-sample (bytes rounded up)."""
+    params, tp_params, expert_params = counts.params, counts.tp_params, counts.expert_params
+    largest, largest_tp = counts.largest, counts.largest_tp
     transients = tracer.transient_peaks
     kv_reads: dict[int, int] = defaultdict(int)  # owner -> k + v bytes its attention read
     for owner, nbytes in getattr(tracer, "attention_kv_bytes", {}).items():
@@ -149,12 +229,21 @@ def build_graph(
             item["fwd_ms"] = timings[0][i] / batch
             item["bwd_ms"] = timings[1][i] / batch
         items.append(item)
+    return items
 
-    edges = _edges(tracer, order, position, names, batch, model_name)
-    chain = [
-        {"src": a["name"], "dst": b["name"], "bytes": a["output_bytes"]}
-        for a, b in zip(items, items[1:], strict=False)
-    ]
+
+def _graph_meta(
+    tracer: Tracer,
+    split: TensorParallelSplit,
+    counts: _ParamCounts,
+    order: list[int],
+    names: list[str],
+    *,
+    batch: int,
+    experts: ExpertTracker | None,
+) -> dict[str, Any]:
+    """What the trace adds to the graph's ``meta`` (before the caller's ``meta``)."""
+    shared, unused = counts.shared, counts.unused
     extra: dict[str, Any] = {}
     glue = {names[i]: _ceil_div(r.glue_saved_bytes, batch) for i, r in tracer.layers.items()}
     if any(glue.values()):
@@ -173,19 +262,7 @@ def build_graph(
         extra["tp_roles"] = dict(sorted(split.roles.items()))
     if experts is not None and experts.moe is not None:
         extra["moe"] = experts.moe
-    document: dict[str, Any] = {
-        "format": "layer-graph",
-        "version": 1,
-        "model": model_name,
-        "meta": extra | meta,
-        "layers": items,
-    }
-    # a chain whose tensors each need grad and are counted by their consumer is the implied
-    # chain: the cost model treats its edges as those of a graph without the fields
-    plain = all(edge.get("charged") and set(edge) <= _PLAIN_KEYS for edge in edges)
-    if not plain or sorted(map(_edge_key, edges)) != sorted(map(_edge_key, chain)):
-        document["edges"] = edges
-    return graph_from_dict(document, origin=f"profile of {model_name}")
+    return extra
 
 
 def _edges(

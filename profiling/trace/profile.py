@@ -172,32 +172,7 @@ def profile_module(
         )
         timings, timing = None, {}
         if mode == "real":
-            timing = {"timing": timing_meta(device)}
-            params = [tensor for _, _, tensor in state.params]
-
-            def run_loss(*args):
-                return _loss(torch.func.functional_call(module, state.tensors, args), "model")
-
-            timings = time_layers(
-                selection,
-                lambda: run_loss(*inputs),
-                params,
-                device=device,
-                progress=say,
-                cuda_like=cuda_like,
-            )
-            say("timing the optimizer step and the per-micro-batch overhead")
-            timing["timing"] |= measure_time_terms(
-                run_loss,
-                inputs,
-                params,
-                layer_ms=sum(timings[0]) + sum(timings[1]),
-                device=device,
-                context=lambda: cuda_like_kernels(cuda_like),
-            )
-            # the hooked timer's own cost, taken out pro rata (time_terms.runtime_terms)
-            scale = timing["timing"].get("layer_time_scale", 1.0)
-            timings = tuple([t * scale for t in times] for times in timings)
+            timings, timing = _time_real(module, state, inputs, selection, device, say, cuda_like)
     graph = build_graph(
         selection,
         tracer,
@@ -221,6 +196,47 @@ def profile_module(
     )
     say("done")
     return graph
+
+
+def _time_real(
+    module: nn.Module,
+    state: _State,
+    inputs: tuple,
+    selection: list[tuple[str, nn.Module]],
+    device: torch.device,
+    say: Callable[[str], None],
+    cuda_like: bool,
+) -> tuple[tuple[list[float], list[float]], dict[str, Any]]:
+    """Real mode: the per-layer (forward ms, backward ms) per batch, scaled for the hooked
+    timer's own cost, and the graph's ``meta.timing`` (the optimizer step and per-micro-batch
+    overhead, :func:`profiling.trace.time_terms.measure_time_terms`)."""
+    timing = {"timing": timing_meta(device)}
+    params = [tensor for _, _, tensor in state.params]
+
+    def run_loss(*args):
+        return _loss(torch.func.functional_call(module, state.tensors, args), "model")
+
+    timings = time_layers(
+        selection,
+        lambda: run_loss(*inputs),
+        params,
+        device=device,
+        progress=say,
+        cuda_like=cuda_like,
+    )
+    say("timing the optimizer step and the per-micro-batch overhead")
+    timing["timing"] |= measure_time_terms(
+        run_loss,
+        inputs,
+        params,
+        layer_ms=sum(timings[0]) + sum(timings[1]),
+        device=device,
+        context=lambda: cuda_like_kernels(cuda_like),
+    )
+    # the hooked timer's own cost, taken out pro rata (time_terms.runtime_terms)
+    scale = timing["timing"].get("layer_time_scale", 1.0)
+    timings = tuple([t * scale for t in times] for times in timings)
+    return timings, timing
 
 
 # -- layer selection ----------------------------------------------------------------------------
@@ -363,9 +379,69 @@ def _loss(out: Any, model_name: str) -> torch.Tensor:
     return total
 
 
+class _ModuleHooks:
+    """Forward pre- and post-hooks on every module: they keep the stack of running modules and,
+    in the forward, tell the tracer where each selected layer starts and ends and the TP and
+    expert trackers about every Linear, Embedding and expert module."""
+
+    def __init__(
+        self,
+        *,
+        stack: list[nn.Module],
+        selection: list[tuple[str, nn.Module]],
+        tracer: Tracer,
+        tp: TensorParallelTracker,
+        experts: ExpertTracker,
+        model_name: str,
+    ) -> None:
+        self.stack = stack
+        self.names = [path for path, _ in selection]
+        self.index_of = {id(m): i for i, (_, m) in enumerate(selection)}
+        self.tracer, self.tp, self.experts = tracer, tp, experts
+        self.model_name = model_name
+
+    def install(self, modules) -> list:
+        """Register both hooks on every module; returns the handles to remove."""
+        handles = []
+        for mod in modules:
+            handles.append(mod.register_forward_pre_hook(self.pre, with_kwargs=True))
+            handles.append(mod.register_forward_hook(self.post, with_kwargs=True))
+        return handles
+
+    def pre(self, mod, args, kwargs):
+        self.stack.append(mod)
+        if self.tracer.phase != "fwd":
+            return
+        index = self.index_of.get(id(mod))
+        if index is not None:
+            if self.tracer.active is not None:
+                raise InputError(
+                    f"{self.model_name}: layer {self.names[index]!r} runs inside layer "
+                    f"{self.names[self.tracer.active]!r}; select modules that do not call each "
+                    "other"
+                )
+            self.tracer.layer_enter(index, args, kwargs)
+        self.experts.enter(mod)
+        if is_linear(mod):
+            self.tp.linear_enter(mod, args, kwargs)
+
+    def post(self, mod, args, kwargs, output):
+        while self.stack and self.stack.pop() is not mod:  # re-synchronise after an exception
+            pass
+        if self.tracer.phase != "fwd":
+            return
+        self.experts.exit(mod, args, kwargs)
+        if is_linear(mod):
+            self.tp.linear_exit(mod, output)
+        elif isinstance(mod, nn.Embedding):
+            self.tp.embedding_exit(mod, output)
+        index = self.index_of.get(id(mod))
+        if index is not None and self.tracer.active == index:
+            self.tp.layer_outputs(self.tracer.layer_exit(index, output))
+
+
 def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_name):
     names = [path for path, _ in selection]
-    index_of = {id(m): i for i, (_, m) in enumerate(selection)}
     paths = {m: path for path, m in module.named_modules()}
     stack: list[nn.Module] = []
     tracer = Tracer(names, where=lambda: list(stack), progress=say)
@@ -378,40 +454,15 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
     for tensor in tensors_in(inputs):
         tracer.register(tensor, "input")
 
-    def pre(mod, args, kwargs):
-        stack.append(mod)
-        if tracer.phase != "fwd":
-            return
-        index = index_of.get(id(mod))
-        if index is not None:
-            if tracer.active is not None:
-                raise InputError(
-                    f"{model_name}: layer {names[index]!r} runs inside layer "
-                    f"{names[tracer.active]!r}; select modules that do not call each other"
-                )
-            tracer.layer_enter(index, args, kwargs)
-        experts.enter(mod)
-        if is_linear(mod):
-            tp.linear_enter(mod, args, kwargs)
-
-    def post(mod, args, kwargs, output):
-        while stack and stack.pop() is not mod:  # re-synchronise after a caught exception
-            pass
-        if tracer.phase != "fwd":
-            return
-        experts.exit(mod, args, kwargs)
-        if is_linear(mod):
-            tp.linear_exit(mod, output)
-        elif isinstance(mod, nn.Embedding):
-            tp.embedding_exit(mod, output)
-        index = index_of.get(id(mod))
-        if index is not None and tracer.active == index:
-            tp.layer_outputs(tracer.layer_exit(index, output))
-
-    handles = []
-    for mod in paths:
-        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(mod.register_forward_hook(post, with_kwargs=True))
+    hooks = _ModuleHooks(
+        stack=stack,
+        selection=selection,
+        tracer=tracer,
+        tp=tp,
+        experts=experts,
+        model_name=model_name,
+    )
+    handles = hooks.install(paths)
     fake = fake_mode if fake_mode is not None else contextlib.nullcontext()
     masks = real_run_masks() if fake_mode is not None else contextlib.nullcontext()
     step = "forward"

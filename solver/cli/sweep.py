@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from importlib.metadata import entry_points
 from typing import Any
 
 from solver import console
@@ -259,11 +260,31 @@ def _min_gpus(args: argparse.Namespace) -> int:
     return 0
 
 
+GRAPH_SOURCES = "memplan.graph_sources"
+"""Entry-point group of what ``--find max-scale`` builds its graphs from: a module (or object)
+with ``preset_scale(model, scale) -> (current size, step)`` and ``preset_graph_of(model, scale)
+-> (size -> LayerGraph)``. pyproject.toml installs ``zoo = "profiling.presets"`` (the zoo
+presets, profiled under fake tensors: needs torch), so the solver imports nothing of profiling."""
+
+
+def graph_source(name: str = "zoo"):
+    """The installed graph source ``name`` of :data:`GRAPH_SOURCES`, loaded; InputError when it
+    is not installed."""
+    found = [point for point in entry_points(group=GRAPH_SOURCES) if point.name == name]
+    if not found:
+        raise InputError(
+            f"--find max-scale profiles the model and needs torch and the profiling package "
+            f"(no {GRAPH_SOURCES} entry point {name!r} is installed); install them with "
+            "pip install -e '.[profiling]'"
+        )
+    return found[0].load()
+
+
 def _max_scale(args: argparse.Namespace) -> int:
-    from profiling.presets import preset_graph_of, preset_scale  # profiles: needs torch
     from solver.report.plan_report import format_plan, plan_to_dict
 
-    current, step = preset_scale(args.model, args.scale)
+    source = graph_source()  # profiles: needs torch
+    current, step = source.preset_scale(args.model, args.scale)
     low, high = args.range if args.range else (step, 16 * current)
     sizes = [size for size in range(low, high + 1) if size % step == 0]
     if not sizes:
@@ -271,7 +292,7 @@ def _max_scale(args: argparse.Namespace) -> int:
     start = min(range(len(sizes)), key=lambda i: abs(sizes[i] - current)) if not args.range else 0
     training = _training(args)
     result = max_scale(
-        preset_graph_of(args.model, args.scale),
+        source.preset_graph_of(args.model, args.scale),
         sizes,
         common.cluster_from_flags(args, args.gpus[0], args.gpu_memory[0]),
         training,
