@@ -41,7 +41,7 @@ class Evaluation:
     action with the stages' forward and backward times, the transfers, the data-parallel
     sync and the optimizer step."""
     iteration_bound_ns: int = 0
-    """The iteration bound the solvers search with (``cost_model.iteration_bound_ns``), never
+    """The iteration bound the solvers search with (``costs.iteration_bound_ns``), never
     above ``iteration_ns``."""
     group_of_stage: list[int] | None = None
     """Node group of each stage on a heterogeneous cluster (index into ``cluster.groups``)."""
@@ -452,7 +452,7 @@ def evaluate_partitioners(
     names: tuple[str, ...] | None = None,
 ):
     """name -> Evaluation of each partitioner's split of the config of ``costs`` (exact costs
-    from ``cost_model.stage_costs``, as for a plan); the throughput-first split fits in
+    from ``costs.stage_costs``, as for a plan); the throughput-first split fits in
     the usable memory (``cluster.gpu_memory_bytes`` - the reserve) when any split does."""
     return {
         name: evaluate_assignment(

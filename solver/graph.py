@@ -47,7 +47,7 @@ INTEGER_FIELDS = (
 MAX_COUNT = 2**48
 """Largest parameter count or byte figure of one layer (or edge), per sample: 2^48 = 256 TiB
 (2.8e14 parameters). With it, and the bounds on the training options (``solver.specs``), every
-int64 sum of the cost model stays exact; ``cost_model.check_exact_range`` checks the products of
+int64 sum of the cost model stays exact; ``costs.check_exact_range`` checks the products of
 each config (docs/layer-graph.md, "Limits")."""
 MAX_FLOPS = 1e21
 """Largest FLOPs of one layer per sample (a GPT-3 175B block: 7e12)."""

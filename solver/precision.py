@@ -26,8 +26,8 @@ Sources, word by word:
 - **fp32**: weights, gradients and every optimizer state in fp32, no master copy. torch.optim's
   Adam/AdamW create ``exp_avg`` and ``exp_avg_sq`` with ``torch.zeros_like(param)`` (the
   parameter's dtype), SGD with momentum one ``momentum_buffer``, plain SGD none. Measured: the
-  torch executor (``profiling.executors.base``: its model is built in torch's default dtype, fp32,
-  and trained with ``torch.optim.Adam``) and the megatron executor's fp32 runs hold 4 + 4 + 8
+  torch executor (``profiling.executors.torch_zoo``: its model is built in torch's default dtype,
+  fp32, and trained with ``torch.optim.Adam``) and the megatron executor's fp32 runs hold 4 + 4 + 8
   (``tests/test_megatron.py``).
 - **bf16** (pure bf16, no master copy): the same torch optimizers on bf16 parameters keep their
   states in bf16 (``zeros_like``); what ``scripts/cuda_memory_check.py`` measures (2, 2, 4 with

@@ -105,7 +105,7 @@ MAX_BYTES_PER_PARAM = 256
 """Bytes per parameter for weights, gradients or optimizer state (fp32 Adam: 12)."""
 MAX_SLOWDOWN = 1000.0
 """Largest max_slowdown (use None for no limit): 1000 times the fastest iteration stays inside
-the cost model's exact range (``cost_model.MAX_ITERATION_NS``)."""
+the cost model's exact range (``costs.MAX_ITERATION_NS``)."""
 MAX_BUDGET_NS = 2**62
 """Longest iteration a min_throughput may allow, ns (with the global batch: its lower bound)."""
 MAX_CAPACITY_FACTOR = 1024.0
@@ -179,7 +179,7 @@ class Cluster:
     """Per-GPU, per-direction bandwidth across nodes, GB/s (400 Gb/s InfiniBand)."""
     memory_gb_per_s: float = 3350.0
     """GPU memory (HBM) bandwidth, GB/s (H100 SXM: 3.35 TB/s): the optimizer step's time when
-    the graph has no profiled one (``cost_model._optimizer_step_ns``)."""
+    the graph has no profiled one (``costs._optimizer_step_ns``)."""
     p2p_latency_us: float = 0.0
     """Latency of one pipeline send between two ranks, us, added to its bytes / bandwidth in the
     schedule simulation (``solver.costs.schedule_time``); 0 by default (NCCL within a node: ~10 us,
@@ -280,11 +280,11 @@ class TrainingConfig:
     ranks). None (auto): every ep dividing both the graph's routed experts and dp on a
     mixture-of-experts graph, 1 on a dense one (``candidates.expert_parallel_degrees``)."""
     moe_capacity_factor: float | str = 1.0
-    """Routing factor f of the routed experts' activations and all-to-alls (``cost_model``):
+    """Routing factor f of the routed experts' activations and all-to-alls (``solver.costs``):
     a float c >= 1, each expert takes at most c times its balanced share of the tokens (Megatron's
     ``--moe-expert-capacity-factor`` with ``--moe-pad-expert-input-to-capacity``: padded to c,
     so f = c; 1.0, the default, is a balanced routing), or "dropless": the most a dropless
-    router can send one GPU, f = ep min(k, E / ep) / k (``cost_model.routing_factor``)."""
+    router can send one GPU, f = ep min(k, E / ep) / k (``costs.routing_factor``)."""
     min_throughput: float | None = None
     """Samples/s the plan must reach; overrides max_slowdown when set."""
     max_slowdown: float | None = 1.25

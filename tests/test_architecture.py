@@ -76,15 +76,14 @@ def test_the_solver_package_has_no_import_cycle():
     assert not cycles, "import cycles in solver/:\n" + "\n".join(sorted(cycles, key=len))
 
 
-def test_the_solver_never_imports_torch_and_profiles_only_lazily_from_its_clis():
-    """No ``profiling``/``models`` import at module level anywhere in solver/; inside a function
-    only in solver/cli/ (optional torch features); torch itself never."""
+def test_the_solver_never_imports_torch_profiling_or_models_even_lazily():
+    """Not at module level, not inside a function: ``--find max-scale`` finds its graph source
+    through an entry point (``GRAPH_SOURCES``), and nothing else in solver/ needs torch."""
     offences = []
     for module, path in SOLVER_FILES.items():
         for target, in_function in _imports(module, path):
             top = target.partition(".")[0]
-            lazy_allowed = in_function and module.startswith("solver.cli.")
-            if top in TORCH_PACKAGES or (top in TORCH_USERS and not lazy_allowed):
+            if top in TORCH_PACKAGES or top in TORCH_USERS:
                 where = "in a function" if in_function else "at module level"
                 offences.append(f"{path.relative_to(ROOT)} imports {target} {where}")
     assert not offences, "\n".join(offences)
@@ -231,17 +230,6 @@ def test_profiling_never_imports_the_solvers_cli():
     assert not offences, "\n".join(offences)
 
 
-def test_the_solver_never_imports_profiling_even_lazily():
-    """``--find max-scale`` finds its graph source through an entry point (GRAPH_SOURCES)."""
-    offences = [
-        f"{path.relative_to(ROOT)} imports {target}"
-        for module, path in SOLVER_FILES.items()
-        for target, _ in _imports(module, path)
-        if target.partition(".")[0] == "profiling"
-    ]
-    assert not offences, "\n".join(offences)
-
-
 def test_max_scale_loads_its_graph_source_from_the_entry_point_group(monkeypatch):
     from importlib.metadata import EntryPoint
 
@@ -296,3 +284,35 @@ def test_import_profiling_is_cheap_and_names_the_public_api():
     assert profiling.run_plan is run_plan
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         profiling.nope  # noqa: B018
+
+
+# -- sizes: a module a reader can hold, functions a reader can follow ------------------------
+
+MAX_MODULE_LINES = 800
+MAX_FUNCTION_LINES = 100
+
+
+def _python_files(*packages: str) -> list[Path]:
+    return [path for package in packages for path in sorted((ROOT / package).rglob("*.py"))]
+
+
+def test_no_module_of_solver_or_profiling_is_over_800_lines():
+    long = [
+        f"{path.relative_to(ROOT)}: {lines} lines"
+        for path in _python_files("solver", "profiling")
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not long, "split these by concern (docs/architecture.md):\n" + "\n".join(long)
+
+
+def test_no_function_is_over_100_lines():
+    """Every function and method of the product, the zoo and the benchmarks (decorators and
+    docstring included)."""
+    long = []
+    for path in _python_files("solver", "profiling", "models", "scripts"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines}")
+    assert not long, "split these where a reader gains:\n" + "\n".join(long)

@@ -1,5 +1,5 @@
 """What the graph says of each boundary tensor changes the torch runtime's buffers
-(``cost_model.direct_buffer_adjustments``): a tensor that needs no gradient gets no gradient
+(``costs.direct_buffer_adjustments``): a tensor that needs no gradient gets no gradient
 receive buffers at its sender, a received tensor no layer of the stage counts in its stored
 bytes takes all m receive buffers, and a sent tensor a layer of the sender counts is not held
 again. By hand on a T5-like graph (the HF T5 4|3|3 misses), every backend against brute force,

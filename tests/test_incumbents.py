@@ -34,7 +34,7 @@ def _entries(graph, **training_options):
 
 
 def _cost_model_value(problem: StageProblem, solution) -> int:
-    """The objective of a solution recomputed from ``cost_model.stage_costs`` directly."""
+    """The objective of a solution recomputed from ``costs.stage_costs`` directly."""
     flags = solution.recomputed if problem.selective else None
     stages = stage_costs(problem.costs, solution.stage_of_layer, flags)
     if problem.objective == OBJECTIVE_MEMORY:

@@ -1,5 +1,5 @@
 """The zoo's GPT and Llama presets as megatron-core ``GPTModel`` chunks, set up from a plan's own
-Megatron export (``plan.exports["megatron"]``, :mod:`solver.exports.engines`).
+Megatron export (``plan.exports["megatron"]``, :mod:`solver.exports.megatron`).
 
 ``megatron_settings`` reads the export's Megatron-LM arguments the way Megatron-LM's argument
 parsing does (``--pipeline-model-parallel-layout``, ``--decoder-first/last-pipeline-num-layers``,

@@ -198,7 +198,7 @@ def apply_sequence_parallel(
     model: nn.Module, layers: list[str], tp_mesh: DeviceMesh, vocab_sizes: set[int]
 ) -> None:
     """Sequence parallelism on top of the tensor-parallel split, as torchtitan's Llama
-    ``apply_tp`` does (and ``solver.exports.engines``' snippet says): every norm
+    ``apply_tp`` does (and ``solver.exports.torch_pipelining``' snippet says): every norm
     ``SequenceParallel()`` (its [b, s/t, h] shard in, a Shard(1) DTensor out), the sequence
     gathered in front of each self-attention and MLP (``PrepareModuleInput``, Shard(1) ->
     Replicate), the row-parallel outputs reduce-scattered (``apply_tensor_parallel``), the LM

@@ -4,8 +4,8 @@ cut by tracing: what :func:`profiling.run.run_plan` runs for a model that is not
 The rank builds the whole model from the seed (in bf16 when the plan keeps 2 weight bytes per
 parameter, else fp32), traces it with ``torch.distributed.pipelining.pipeline(module,
 mb_args=one micro-batch, split_spec={first layer of each stage j > 0: SplitPoint.BEGINNING})``
-(exactly what the plan's torch export tells users, ``solver.exports.engines``), builds its stage
-with ``pipe.build_stage(stage, device, group)`` and trains with ``Schedule1F1B`` /
+(exactly what the plan's torch export tells users, ``solver.exports.torch_pipelining``), builds its
+stage with ``pipe.build_stage(stage, device, group)`` and trains with ``Schedule1F1B`` /
 ``ScheduleGPipe`` and Adam (``profiling.executors.parallelize.build_optimizer`` with the plan's
 ``optimizer_impl``: foreach by default on the torch runtime, whose step temporary the plan
 counts).

@@ -280,7 +280,7 @@ def _edges(
     sent (``requires_grad``, written when False), whether ``dst`` saves it for backward
     (``saved``) and whether ``dst``'s ``activation_bytes`` already count its storage
     (``charged``: dst saved it first, written when True) or ``src``'s do (``src_charged``);
-    ``cost_model.direct_boundary_bytes``
+    ``costs.direct_boundary_bytes``
     uses them for the torch runtime's buffers."""
     found: list[tuple[int, int, int, int]] = []  # (src, dst, uid, bytes)
     for dst in order:

@@ -1,17 +1,17 @@
 """Exact fast path for chain graphs: every stage holds a contiguous run of layers.
 
-For stage s = layers i..j (0-based, inclusive) ``cost_model.stage_costs`` reduces on a chain to
+For stage s = layers i..j (0-based, inclusive) ``costs.stage_costs`` reduces on a chain to
   peak_s(i, j) = sum state[i..j] + k_s sum stored[i..j] + R_s e[i-1] + S_s e[j]
                  + max transient[i..j]                  (a chain relays no edge)
   (R_s, S_s: the cost model's boundary copies, 0 on the first / last stage)
   on a stage whose gradients appear at its first backward (``LayerCosts.first_backward_peak``)
-  instead max(during, after) of ``cost_model.first_backward_moments``: max_l during(l) is a range
+  instead max(during, after) of ``costs.first_backward_moments``: max_l during(l) is a range
   maximum of stored_prefix[l+1] - grad_prefix[l+1] + transient_l (sparse table), and the
   monotone relaxation counts the states without gradients (a lower bound of during(j))
   with an optimizer-step temporary (``LayerCosts.step_bytes``) also the step moment
-  sum (state + step)[i..j] + R0_s e[i-1] + S0_s e[j] (``cost_model.optimizer_step_moment``)
+  sum (state + step)[i..j] + R0_s e[i-1] + S0_s e[j] (``costs.optimizer_step_moment``)
   time(s; i, j) = the largest of stage s's terms of the iteration bound
-      (``cost_model.bound_terms``), each U[j+1] - V[i] + offset (+ X_0) with U, V non-decreasing
+      (``costs.bound_terms``), each U[j+1] - V[i] + offset (+ X_0) with U, V non-decreasing
       combinations of the prefix sums of time_ns, forward_ns and the tail (dp sync + optimizer
       step) (``_time_rules``); X_0 is the first stage's tail; the iteration bound is
       max_s time(s; i_s, j_s).
@@ -183,7 +183,7 @@ class _Chain:
         self._log2 = np.floor(np.log2(np.arange(1, self.num_layers + 1))).astype(np.int64)
         self._memory_prefix: dict[tuple[int, bool], np.ndarray] = {}
         self._rules: tuple[_Limits, list] | None = None
-        # stages whose gradients appear at the first backward (cost_model.first_backward_moments)
+        # stages whose gradients appear at the first backward (costs.first_backward_moments)
         self.late = np.asarray(costs.first_backward_peak, dtype=bool)
         self.grad_prefix = prefix(costs.grad_bytes)
         self.ungraded_prefix = self.state_prefix - self.grad_prefix
@@ -273,7 +273,7 @@ class _Chain:
         late = self.late[stage]
         if not np.any(late):
             return value + self.transient(starts, ends) + self.constant_bytes
-        # cost_model.first_backward_moments on a chain (no relays): during the first backward
+        # costs.first_backward_moments on a chain (no relays): during the first backward
         # the largest of stored(i..l) + grads(l+1..j) + transient_l over l, beside the states
         # without gradients and k - 1 whole micro-batches; after it every gradient, k - 1 held
         starts, ends = np.broadcast_arrays(starts, ends)
@@ -830,7 +830,7 @@ def _split_range(
 def _time_rules(
     costs: LayerCosts, terms: list[list[BoundTerm]], prefix
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The iteration bound's terms (``terms``, ``cost_model.bound_terms``) of every stage as arrays
+    """The iteration bound's terms (``terms``, ``costs.bound_terms``) of every stage as arrays
     (U [term, stage, position], V likewise, offset [term, stage], with X_0 [term]): the term of
     stage s on layers i..j is U[., s, j+1] - V[., s, i] + offset (+ X_0). A term
     (m + a) (T + h) + bt T_<r + bf F_<r + e (F + h) + x X + g T_>r + const, with T_>r the

@@ -3,7 +3,7 @@
 An ideal is a down-closed set of layers (every predecessor of a member is a member). A valid
 split of a non-interleaved problem (``StageProblem.violation``: every edge goes forward, no stage
 empty) is a chain of ideals  empty = I_0 < I_1 < ... < I_p = all layers,  stage s = I_{s+1} \\ I_s.
-Every term of a stage's peak in ``cost_model.stage_costs`` depends only on the pair (J, I) and the
+Every term of a stage's peak in ``costs.stage_costs`` depends only on the pair (J, I) and the
 stage index s (homogeneous cluster, no selective recomputation):
 
   layer sums over A = I \\ J        weights, gradients, optimizer, DDP buckets, stored, step
@@ -346,7 +346,7 @@ def _build_structure(costs: LayerCosts, members: np.ndarray, all_ideals: bool) -
 
 
 class _PairTimes:
-    """The iteration bound's terms (``cost_model.bound_terms``) of every pair (J, I) as stage s:
+    """The iteration bound's terms (``costs.bound_terms``) of every pair (J, I) as stage s:
     (m + a) (T_A + h) + bt T(J) + bf F(J) + e (F_A + h) + x X_A + g (T_all - T(I)) + const, the
     ranks before holding J and those after all but I. The parts without e are kept per kind of
     term; the stage's e and constant are added when asked (a few vectors, not p x 4)."""
@@ -469,7 +469,7 @@ class _DagSplitter:
         self.held_bytes = pair_sum(held)  # weights, optimizer state, DDP buckets: always
         self.grad_bytes = pair_sum(costs.grad_bytes)
         self.stored_bytes = pair_sum(costs.stored_bytes)
-        # the iteration bound's terms of a stage (cost_model.bound_terms) on pair (J, I): the
+        # the iteration bound's terms of a stage (costs.bound_terms) on pair (J, I): the
         # ranks before hold J, those after all but I
         self.tail_ns = pair_sum(costs.tail_ns)
         self.pair_times = _PairTimes(costs, members, st, pair_sum)

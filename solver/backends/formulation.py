@@ -26,7 +26,7 @@ The formulation (``cpsat.py`` and ``milp.py`` build it through :class:`PrefixFor
                (R_s, S_s: boundary copies of the cost model; a relayed edge is received and sent)
   time         Ts[s] >= sum_l time_l x[l][s],  Fs[s] = sum_l forward_l x[l][s],
                X[r] >= sum_l tail_l x[l][s] over the rank's stages s    (tail: sync + step)
-  iteration    I >= each term of ``cost_model.bound_terms`` (every rank r), e.g.
+  iteration    I >= each term of ``costs.bound_terms`` (every rank r), e.g.
                sum_{j<r} Ts[j] + m (sum_{s of r} Ts[s] + v h) + X[0] + r h
                (h: the micro-batch overhead; Fs is exact as a term may subtract it)
   limits       peak <= capacity;  I <= budget
@@ -50,7 +50,7 @@ P is the disaggregated (convex-hull) form of "P_s <= C_k(s)": no big-M in the me
 LP relaxation stays tight and the coefficients small (HiGHS's presolve declared a feasible big-M
 version infeasible). The time rows are exact: with g[s][k] = 0 their right-hand side is at most 0.
 U is an integer, so its optimum is max_s ceil(10^6 peak_s / C_k(s)),
-``cost_model.utilization_ppm`` exactly. Without a placement none of this exists and the model is
+``costs.utilization_ppm`` exactly. Without a placement none of this exists and the model is
 the one above, unchanged.
 
 Interleaving (``config.virtual_stages`` v > 1): the stages s above are the p v virtual stages, and
@@ -90,13 +90,13 @@ Gradients that appear at the first backward (``LayerCosts.first_backward_peak``,
 the stage's memory rows are ``_first_backward_rows``: B_s >= the stage without transient at k-1
 held (relays and buffers at k), D[l][s] >= D[l'][s] + (stored_l - grad_l) x[l][s] (+ d z), and
 peak >= B_s + D[l][s] + transient_l x[l][s] per layer, plus the 'after' row at k - 1 held
-(``cost_model.first_backward_moments``).
+(``costs.first_backward_moments``).
 
 The optimizer step (``LayerCosts.step_bytes``, a foreach Adam's temporary): one more row per
 rank, ``_optimizer_step_row``:
   peak >= sum_l (state_l + step_l) x[l][s] + sum_T eb_T (R0_s ct[T][s-1] + S0_s ct[T][s])
 (R0, S0: the copies with nothing held, ``LayerCosts.copies_at(s, 0)``; the sum over the rank's
-chunks with interleaving; ``cost_model.optimizer_step_moment``).
+chunks with interleaving; ``costs.optimizer_step_moment``).
 
 The buffer term is exact: an edge leaving s crosses s | s+1 only, one entering s crosses s-1 | s
 only, and a relayed one crosses both ((R_s + S_s) eb_e). Prefix variables make all of this linear
@@ -547,7 +547,7 @@ class PrefixFormulation(abc.ABC):
         return rows + self._optimizer_step_rows(stage)
 
     def _optimizer_step_rows(self, rank: int) -> list:
-        """[peak of rank r at its optimizer step] (``cost_model.optimizer_step_moment``), or []
+        """[peak of rank r at its optimizer step] (``costs.optimizer_step_moment``), or []
         without a step temporary:
 
           sum_c [ sum_l (state_l + step_l) x[l][s_c] + R0 In_c + S0 Out_c ] (+ constant)
@@ -570,7 +570,7 @@ class PrefixFormulation(abc.ABC):
 
     def _buffer_terms(self, stage: int, held: int, done: int) -> list:
         """Boundary buffers of stage s holding ``held`` micro-batches after ``done`` backwards
-        (``cost_model.stage_buffer_bytes``), per tensor T of n bytes:
+        (``costs.stage_buffer_bytes``), per tensor T of n bytes:
 
           (R + held [saving of T known]) n rv[T][s] + (S - m [T needs no grad]) n sd[T][s]
           - held n w[T][s]                        (w: a layer of s counts T, ``_counted_here``)
@@ -626,7 +626,7 @@ class PrefixFormulation(abc.ABC):
         return counted
 
     def _first_backward_rows(self, stage: int) -> list:
-        """``cost_model.first_backward_moments`` as rows, with k = k_s (= m) and, per layer l
+        """``costs.first_backward_moments`` as rows, with k = k_s (= m) and, per layer l
         that can sit on s in forward order, a running sum D[l][s]:
 
           B_s     >= states_s + (k-1) stored_s + k relay_s + buffers_s(k)      (no transient)
@@ -750,7 +750,7 @@ class PrefixFormulation(abc.ABC):
         return self._sum(terms)
 
     def _iteration(self):
-        """I, the iteration bound (``cost_model.iteration_bound_ns``)."""
+        """I, the iteration bound (``costs.iteration_bound_ns``)."""
         return self.vars.iteration
 
     # -- model -----------------------------------------------------------------------------------

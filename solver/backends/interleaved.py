@@ -23,7 +23,7 @@ a bottleneck dynamic program over ranks whose state is the number of layers plac
                                 of max(B_r(t - |k|), value_r(k)),      bound = B_p(L)
 
 The limits apply per rank, as necessary conditions: value_r(k) <= capacity, and the iteration
-bound (``cost_model.iteration_bound_ns``) at least m (T_r + v h) + tail_r, rank r's own term
+bound (``costs.iteration_bound_ns``) at least m (T_r + v h) + tail_r, rank r's own term
 without the micro-batch that reaches it through the ranks before (which the sizes alone do not
 say). The time objective minimises the largest such rank term.
 

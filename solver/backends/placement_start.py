@@ -15,7 +15,7 @@ The start is built in a fraction of a second:
    recomputation each of these with no layer and with every layer recomputed (both are choices
    of the selective problem). On a DAG, contiguous runs of the topological order balanced by
    model states plus stored activations (positions are topological, so precedence holds).
-2. Groups. Stage peaks do not depend on the group (``cost_model``), so for one split the largest
+2. Groups. Stage peaks do not depend on the group (``solver.costs``), so for one split the largest
    utilization max_s peak_s / C_k(s) is smallest when the heaviest stages go to the largest GPUs
    (exchange argument: swapping a heavier stage on a smaller GPU with a lighter one on a larger
    GPU does not raise either ratio above the heavier stage's old one), respecting each group's

@@ -47,7 +47,7 @@ class Presolve:
     """Upper bound on any stage peak (every layer, edge and relay counted at the largest k;
     no relay with direct sends)."""
     iteration_floor_ns: int
-    """Lower bound on the iteration bound (``cost_model.iteration_floor_ns``; a layer's time on
+    """Lower bound on the iteration bound (``costs.iteration_floor_ns``; a layer's time on
     its fastest group), ns."""
     iteration_lb_ns: int = 0
     """Lower bound on the iteration bound from elsewhere (``raise_objective_bound``), ns."""

@@ -1,7 +1,7 @@
 """The per-config partitioning problem every backend solves, and what a backend returns.
 
 Data flows one way: graph -> candidate config -> :class:`StageProblem` (cost coefficients from
-``cost_model``) -> a backend (chain, CP-SAT, MILP) -> :class:`StageSolution` -> plan.
+``solver.costs``) -> a backend (chain, CP-SAT, MILP) -> :class:`StageSolution` -> plan.
 
 The problem: assign each layer a stage 0..p-1 so that for every edge u->v stage(u) <= stage(v),
 every stage is non-empty, every stage peak <= ``capacity_bytes`` (when set) and the iteration time
@@ -13,13 +13,13 @@ Heterogeneous clusters add a :class:`Placement`: each stage also chooses a node 
 hosts exactly ``stages_per_group[k]`` stages (every GPU is used; see ``solver.search.candidates``),
 every
 stage peak <= the capacity of its group, times come from the group's coefficients, and "memory"
-means the largest utilization (ppm, ``cost_model.utilization_ppm``) or the largest peak (bytes).
+means the largest utilization (ppm, ``costs.utilization_ppm``) or the largest peak (bytes).
 A solution then carries ``group_of_stage`` too, and under selective recomputation its recompute
 flags (a recomputed layer's time on each group from that group's coefficients).
 
 Interleaving (``config.virtual_stages`` v > 1): the stages are the p v virtual stages (every one
 non-empty, edges never going back), virtual stage j runs on rank j mod p, and peaks and times are
-per rank (``cost_model.stage_costs`` returns one :class:`StageCost` per rank, with its chunks).
+per rank (``costs.stage_costs`` returns one :class:`StageCost` per rank, with its chunks).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every baseline returns a stage index per layer and treats the layer list as a ch
 order), as those runtimes do, so its stages are contiguous runs of the list; the throughput-first
 planner is the exception: it is our own solver with the time objective, so it respects the data
 flow of a DAG like our plans do (contiguous on chains). The resulting split is evaluated exactly
-with ``cost_model.stage_costs`` like any plan (``evaluation.evaluate_partitioners``).
+with ``costs.stage_costs`` like any plan (``evaluation.evaluate_partitioners``).
 
 - even: Megatron-LM's default. Transformer blocks are divided evenly over the stages; the embedding
   joins the first stage and the head the last (Megatron builds them on the first/last pipeline
@@ -200,11 +200,11 @@ def capslog_statistics(costs: LayerCosts) -> tuple[np.ndarray, np.ndarray]:
         + costs.constant_bytes
     )
     late = np.asarray(costs.first_backward_peak, dtype=bool)
-    if late.any():  # step gradients: cost_model.first_backward_moments of one and two layers
+    if late.any():  # step gradients: costs.first_backward_moments of one and two layers
         first_isolated, first_pair = _first_backward_statistics(costs, edge_in, edge_out)
         isolated = np.where(late[:, None], first_isolated, isolated)
         pair = np.where(late[:, None], first_pair, pair)
-    if costs.step_bytes is not None:  # cost_model.optimizer_step_moment of one and two layers
+    if costs.step_bytes is not None:  # costs.optimizer_step_moment of one and two layers
         at_step = np.array([costs.copies_at(s, 0) for s in range(costs.num_stages)])
         body = costs.state_bytes + costs.step_bytes
         step_isolated = (
@@ -230,7 +230,7 @@ def _first_backward_statistics(
     costs: LayerCosts, edge_in: np.ndarray, edge_out: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Peaks of one- and two-layer stages whose gradients appear at their first backward
-    (``cost_model.first_backward_moments`` on a chain: the largest of during(l) over its layers
+    (``costs.first_backward_moments`` on a chain: the largest of during(l) over its layers
     and after), in the layout of ``capslog_statistics``."""
     k = np.asarray(costs.in_flight, dtype=np.int64)[:, None]
     copies = np.array([costs.copies_at(s, int(n)) for s, n in enumerate(costs.in_flight)])

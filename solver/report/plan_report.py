@@ -152,7 +152,7 @@ def _optimizer_step_text(evaluation: Evaluation) -> str:
 
 def _experts_text(evaluation: Evaluation) -> str:
     """A mixture-of-experts graph's line: experts per GPU and the routing factor used
-    (``cost_model.routing_factor``); "" for a dense graph."""
+    (``costs.routing_factor``); "" for a dense graph."""
     experts = routed_experts(evaluation.graph)
     if experts is None:
         return ""

@@ -16,7 +16,7 @@ c of the list that divides gpus / (pp tp). Megatron-LM orders ranks tp fastest, 
 tp * cp divides gpus_per_node. That is not required (Llama 3 405B trained its 131K-token stage
 with tp 8 and cp 16, the cp ring across nodes; Dubey et al. 2024): the cost model takes the
 intra-node bandwidth for the K/V ring when tp * cp divides gpus_per_node and the inter-node one
-otherwise (``cost_model.ring_bytes_per_ns``), and the search weighs that.
+otherwise (``costs.ring_bytes_per_ns``), and the search weighs that.
 
 Heterogeneous clusters (``Cluster.groups``): every stage runs on tp * cp * dp GPUs of one node
 group, and every GPU is used, so tp divides every group's GPUs per node (``Cluster.gpus_per_node``
@@ -39,7 +39,7 @@ from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
 MAX_CONFIG_LAYERS = 2**23
 """Most (candidate config x layer) pairs a search may hold: every config keeps per-layer
-coefficients (about 100 bytes a layer, ``cost_model.LayerCosts``), so this keeps them under
+coefficients (about 100 bytes a layer, ``costs.LayerCosts``), so this keeps them under
 about 1 GiB; a larger search is an InputError that says how to narrow it."""
 
 

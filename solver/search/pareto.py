@@ -4,7 +4,7 @@ A plan is non-dominated when no other plan (any config, any split) that fits the
 smaller or equal largest peak and a shorter or equal iteration, one of the two strictly. The
 global batch is fixed, so higher throughput is the same as a shorter iteration (integer ns).
 The iteration the walk is exact on is the solvers' iteration bound
-(``cost_model.iteration_bound_ns``); every point also carries its simulated iteration (its
+(``costs.iteration_bound_ns``); every point also carries its simulated iteration (its
 throughput), which is at least the bound and may order two points differently by a few
 percent.
 

@@ -162,7 +162,7 @@ def _within_budget(
     """The smallest-peak plan whose simulated iteration (``solver.costs.schedule_time``) is within
     the budget, with notes when it is not proven.
 
-    Every backend holds the iteration *bound* (``cost_model.iteration_bound_ns``, never above
+    Every backend holds the iteration *bound* (``costs.iteration_bound_ns``, never above
     the simulation) within the budget, so its optimum is a lower bound, and it is the answer when
     its simulated schedule meets the budget too (the common case: proven). Otherwise its
     schedule's own extra time, simulated minus bound, comes off the budget and the search runs
