@@ -98,14 +98,20 @@ class FormulationHints:
             here = any(stage_of_layer[c] == s for c in self.costs.tensor_roles[t][2])
             self._hint(variable, int(crosses and here))
 
+    def _split_sums(self, stage_of_layer: list[int], recomputed: list[bool] | None) -> tuple:
+        """What the hints of a split's sums read: the stage of each layer (an array), each
+        layer's stored bytes (with the split's recompute flags under selective) and the bytes
+        into, out of and relayed by each stage (``cost_model.boundary_bytes``)."""
+        stage_of = np.asarray(stage_of_layer)
+        stored, _, _ = self.costs.coefficients(recomputed if self.problem.selective else None)
+        return (stage_of, stored, *boundary_bytes(self.costs, stage_of))
+
     def _hint_parts(self, stage_of_layer: list[int], recomputed: list[bool] | None) -> None:
         """The exact sums of ``_stage_parts`` for a split (interleaving only)."""
         if not self._parts:
             return
         costs = self.costs
-        stage_of = np.asarray(stage_of_layer)
-        stored, _, _ = costs.coefficients(recomputed if self.problem.selective else None)
-        into, out_of, relayed = boundary_bytes(costs, stage_of)
+        stage_of, stored, into, out_of, relayed = self._split_sums(stage_of_layer, recomputed)
         for stage, (states, kept, received, sent) in self._parts.items():
             here = stage_of == stage
             self._hint(states, self._bytes(int(costs.state_bytes[here].sum())))
@@ -120,9 +126,7 @@ class FormulationHints:
         if not self._first_backward:
             return
         costs = self.costs
-        stage_of = np.asarray(stage_of_layer)
-        stored, _, _ = costs.coefficients(recomputed if self.problem.selective else None)
-        into, out_of, relayed = boundary_bytes(costs, stage_of)
+        stage_of, stored, into, out_of, relayed = self._split_sums(stage_of_layer, recomputed)
         adjust = direct_buffer_adjustments(costs, stage_of)
         for stage, (base, runnings) in self._first_backward.items():
             k = costs.in_flight[stage]
