@@ -23,21 +23,13 @@ max <= 5%).
 
 from __future__ import annotations
 
-import argparse
-import csv
-import platform
 import statistics
-import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
+from harness import markdown_table
 
-from tables import markdown_table  # noqa: E402  (scripts/ is on sys.path when run as a script)
-
-from profiling.calibrate import SMALL_GPT, Layout, calibrate  # noqa: E402
-from tests.run_any_factories import TINY_HF_MODELS  # noqa: E402
+from profiling.calibrate import SMALL_GPT, Layout, calibrate
 
 OVERRIDES = SMALL_GPT
 LAYOUTS = [
@@ -226,8 +218,16 @@ def moe_section(rows: list[dict]) -> list[str]:
 
 
 HF_SEQ = 64
-HF_MODELS = TINY_HF_MODELS
-"""Tiny HF configs (``tests/run_any_factories.py``, shared with the traced-run tests), seq 64."""
+
+
+def hf_models() -> dict[str, tuple[str, dict]]:
+    """Tiny HF configs (``tests/run_any_factories.py``, shared with the traced-run tests), seq 64;
+    imported when the HF rows run (the factories import torch)."""
+    from tests.run_any_factories import TINY_HF_MODELS
+
+    return TINY_HF_MODELS
+
+
 HF_LAYOUTS = [
     # (model, pp, split: layers per stage or None for the planner's, schedule, dtype)
     ("gpt2", 2, None, "1f1b", "fp32"),
@@ -258,7 +258,7 @@ def hf_rows(progress) -> list[dict]:
 
     rows = []
     for key, pp, split, schedule, dtype in HF_LAYOUTS:
-        name, overrides = HF_MODELS[key]
+        name, overrides = hf_models()[key]
         graph = export_graph(name, dtype=dtype, seq=HF_SEQ, overrides=overrides)
         training = TrainingConfig(
             global_batch=8,
@@ -295,7 +295,7 @@ def hf_section(rows: list[dict]) -> list[str]:
         "## HuggingFace models traced by torch.distributed.pipelining (`--model hf:...`)",
         "",
         "GPT-2, Llama with GQA and T5 (untied) from tiny configs (scripts/bench_accuracy.py "
-        "`HF_MODELS`), seq 64, global batch 8 in 8 micro-batches, foreach Adam; `--precision fp32` "
+        "`hf_models`), seq 64, global batch 8 in 8 micro-batches, foreach Adam; `--precision fp32` "
         "(4, 4, 8 bytes per parameter) and `bf16` (pure bf16: 2, 2, 4, torch's Adam keeps its "
         "state in the weights' dtype); cut by `pipeline()` at the plan's layers "
         "(profiling/executors/traced.py). Target for the analytic model: median 2%, max 5%.",
@@ -352,26 +352,23 @@ def section(title: str, overrides, layouts, calibration, results, targets: str) 
     ]
 
 
-def write_part(path: Path, title: str, flag: str, section_lines: list[str]) -> None:
-    """One part of the benchmark (``flag`` runs only it) as its own Markdown file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def write_part(path: Path, title: str, run: harness.Run, section_lines: list[str]) -> None:
+    """One part of the benchmark (``run``'s flag runs only it) as its own Markdown file."""
     lines = [
         f"# Accuracy benchmark: {title}",
         "",
-        f"Command: `python scripts/bench_accuracy.py {flag}` (the same rows are in "
-        "bench_accuracy.md)  ",
-        f"Machine: {platform.machine()}, Python {platform.python_version()}, run "
-        f"{time.strftime('%Y-%m-%d')}; gloo on CPU, exact live-tensor accounting (the last of "
+        f"Command: {run.command_text} (the same rows are in bench_accuracy.md)  ",
+        f"Machine: {harness.architecture()}, Python {harness.python_version()}, run "
+        f"{harness.today()}; gloo on CPU, exact live-tensor accounting (the last of "
         "2 iterations measured).",
         "",
         *section_lines,
     ]
-    path.write_text("\n".join(lines))
+    harness.write_report(path.parent, path.name, lines)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks")
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser(__doc__)
     parser.add_argument(
         "--only-moe",
         action="store_true",
@@ -382,13 +379,14 @@ def main() -> int:
         action="store_true",
         help="run only the HF rows (about 10 minutes) and write bench_accuracy_hf.md",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    run = harness.Run.start(__file__, argv)
     progress = lambda text: print(text, flush=True)  # noqa: E731
     if args.only_moe:
         write_part(
             args.out / "bench_accuracy_moe.md",
             "megatron-core MoE rows",
-            "--only-moe",
+            run,
             moe_section(moe_rows(progress)),
         )
         return 0
@@ -396,7 +394,7 @@ def main() -> int:
         write_part(
             args.out / "bench_accuracy_hf.md",
             "HF rows",
-            "--hf-only",
+            run,
             hf_section(hf_rows(progress)),
         )
         return 0
@@ -406,18 +404,14 @@ def main() -> int:
     megatron_fit, megatron_results = calibrate(
         "gpt-tiny", MEGATRON_OVERRIDES, MEGATRON_LAYOUTS, timeout_s=300, progress=progress
     )
-    args.out.mkdir(parents=True, exist_ok=True)
     rows = table_rows(torch_results) + table_rows(megatron_results)
-    with open(args.out / "bench_accuracy.csv", "w", newline="") as stream:
-        writer = csv.DictWriter(stream, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    harness.write_csv(args.out / "bench_accuracy.csv", rows, list(rows[0]))
     lines = [
         "# Accuracy benchmark: predicted vs measured per-rank peak",
         "",
-        "Command: `python scripts/bench_accuracy.py`  ",
-        f"Machine: {platform.machine()}, Python {platform.python_version()}, run "
-        f"{time.strftime('%Y-%m-%d')}; gloo on CPU, exact live-tensor accounting (every storage "
+        f"Command: {run.command_text}  ",
+        f"Machine: {harness.architecture()}, Python {harness.python_version()}, run "
+        f"{harness.today()}; gloo on CPU, exact live-tensor accounting (every storage "
         "counted once, from before the wrappers on; the last of 2 iterations measured).",
         "",
         *section(
@@ -439,7 +433,7 @@ def main() -> int:
         *moe_section(moe_rows(progress)),
         *hf_section(hf_rows(progress)),
     ]
-    (args.out / "bench_accuracy.md").write_text("\n".join(lines))
+    harness.write_report(args.out, "bench_accuracy.md", lines)
     return 0
 
 

@@ -33,33 +33,26 @@ Writes benchmarks/bench_capslog.md and .csv; :func:`headline_rows` gives the sum
 
 from __future__ import annotations
 
-import argparse
 import ast
 import contextlib
-import csv
 import importlib.util
 import io
-import platform
 import random
 import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 from types import ModuleType
 
+import harness
 import numpy as np
+from harness import ROOT, markdown_table
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tables import markdown_table, write_report  # noqa: E402  (scripts/ is on sys.path)
-
-from solver import Cluster, TrainingConfig  # noqa: E402
-from solver.graph import graph_from_dict  # noqa: E402
-from solver.search.planner import plan  # noqa: E402
+from solver import Cluster, TrainingConfig
+from solver.graph import graph_from_dict
+from solver.search.planner import plan
 
 COMMAND = "python scripts/bench_capslog.py"
 CAPSLOG_GIT = Path("/work/.mirror/henkdr+CAPSlog/repo")
@@ -142,10 +135,9 @@ def run_capslog(capslog: ModuleType, isolated, added, stages: int, predictor: st
     ``find_balanced_partitioning`` as CAPSlog's ``main`` calls it, its printout parsed."""
     stats = capslog_statistics(isolated, added)
     printed = io.StringIO()
-    wall, cpu = time.perf_counter(), time.process_time()
-    with contextlib.redirect_stdout(printed):
+    with harness.Stopwatch() as clock, contextlib.redirect_stdout(printed):
         capslog.find_balanced_partitioning(stats, len(isolated), stages, predictor)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    wall, cpu = clock.wall_s, clock.cpu_s
     lines = printed.getvalue().splitlines()
     split = ast.literal_eval(_after(lines, "Best found partitioning:"))
     predicted = ast.literal_eval(_after(lines, "Predicted memory usage (bytes):"))
@@ -187,9 +179,9 @@ def run_ours(document: dict, stages: int):
         dp=1,
         memory_model="empirical",
     )
-    wall, cpu = time.perf_counter(), time.process_time()
-    result = plan(graph_from_dict(document), cluster, training)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    with harness.Stopwatch() as clock:
+        result = plan(graph_from_dict(document), cluster, training)
+    wall, cpu = clock.wall_s, clock.cpu_s
     assert result.config.num_microbatches == stages
     counts = np.bincount(result.stage_of_layer, minlength=stages).tolist()
     return counts, result.peak_bytes, wall, cpu
@@ -339,9 +331,7 @@ def headline_text(total: dict) -> str:
 def headline_rows(out_dir: str | Path = ROOT / "benchmarks") -> list[dict]:
     """Issue 17 point 4's row for benchmarks/bench_search.md, from bench_capslog.csv (run this
     script first)."""
-    path = Path(out_dir) / "bench_capslog.csv"
-    with open(path, newline="") as stream:
-        rows = [_typed(row) for row in csv.DictReader(stream)]
+    rows = [_typed(row) for row in harness.read_csv(Path(out_dir) / "bench_capslog.csv")]
     return [
         {
             "point": "4. faster than CAPSlog on its own work",
@@ -364,12 +354,8 @@ def _typed(row: dict) -> dict:
     return typed
 
 
-def write(rows: list[dict], out_dir: Path, capslog_source: str, repeats: int) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "bench_capslog.csv", "w", newline="") as stream:
-        writer = csv.DictWriter(stream, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+def write(rows: list[dict], out_dir: Path, capslog_source: str, run: harness.Run) -> None:
+    harness.write_csv(out_dir / "bench_capslog.csv", rows, list(rows[0]))
     total = summary(rows)
     columns = [
         "layers",
@@ -390,9 +376,9 @@ def write(rows: list[dict], out_dir: Path, capslog_source: str, repeats: int) ->
     lines = [
         "# Our planner vs CAPSlog's recommendation code on its statistics",
         "",
-        f"Command: `{COMMAND} --repeats {repeats}`  ",
-        f"Machine: {platform.machine()}, Python {platform.python_version()}, run "
-        f"{time.strftime('%Y-%m-%d')}; a shared 2-core machine (other jobs running), so times "
+        f"Command: {run.command_text}  ",
+        f"Machine: {harness.architecture()}, Python {harness.python_version()}, run "
+        f"{harness.today()}; a shared 2-core machine (other jobs running), so times "
         "are medians of interleaved repeats, wall and CPU time of this process. CAPSlog: "
         f"{capslog_source}, loaded at run time.",
         "",
@@ -414,16 +400,16 @@ def write(rows: list[dict], out_dir: Path, capslog_source: str, repeats: int) ->
         *markdown_table(rows, columns),
         "",
     ]
-    write_report(out_dir, "bench_capslog.md", lines)
+    harness.write_report(out_dir, "bench_capslog.md", lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--capslog", type=Path, help="CAPSlog's capslog/ folder")
     parser.add_argument("--capslog-git", type=Path, default=CAPSLOG_GIT)
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks")
     args = parser.parse_args(argv)
+    run = harness.Run.start(__file__, argv)
     try:
         if args.repeats < 1:
             raise BenchError(f"--repeats {args.repeats}: give 1 or more")
@@ -444,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     except BenchError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    write(rows, args.out, source, args.repeats)
+    write(rows, args.out, source, run)
     print(headline_text(summary(rows)))
     return 0
 

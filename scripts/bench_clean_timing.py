@@ -19,20 +19,12 @@ terms). Writes benchmarks/bench_clean_timing.md and .csv.
 
 from __future__ import annotations
 
-import argparse
-import csv
-import os
-import platform
 import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tables import markdown_table, write_report  # noqa: E402
+import harness
+from harness import markdown_table
 
 OVERRIDES = {
     "layers": 6,
@@ -129,17 +121,15 @@ def summarise(layout, document: dict, runs: list[tuple[float, float, set[int]]])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--step-iterations", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // 2))
-    parser.add_argument("--out", default=str(ROOT / "benchmarks"))
+    parser.add_argument("--threads", type=int, default=max(1, (harness.cores() or 1) // 2))
     args = parser.parse_args(argv)
+    run = harness.Run.start(__file__, argv)
     from profiling.export import export_graph
     from solver.graph import load_graph
 
-    command = "python scripts/bench_clean_timing.py " + " ".join(argv or sys.argv[1:])
-    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "gpt-tiny-6x256.json"
         export_graph(
@@ -153,21 +143,16 @@ def main(argv: list[str] | None = None) -> int:
                 runs[index].append(run_once(document, args.step_iterations))
             print(f"repeat {repeat + 1}/{args.repeats} done", flush=True)
         rows = [summarise(*row) for row in zip(LAYOUTS, documents, runs, strict=True)]
-    elapsed = time.perf_counter() - started
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "bench_clean_timing.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    elapsed = run.elapsed_s
+    harness.write_csv(args.out / "bench_clean_timing.csv", rows, COLUMNS)
     errors = [abs(row["plan_vs_step_pct"]) for row in rows]
     before = [abs(row["plan_vs_instrumented_pct"]) for row in rows]
     lines = [
         "# Clean step timing: plan vs instrumented vs clean measured iteration time",
         "",
-        f"`{command.strip()}`",
+        f"{run.command_text}",
         "",
-        f"{platform.node()}: {os.cpu_count()} CPUs, shared with other jobs while measured; "
+        f"{harness.node()}: {harness.cores()} CPUs, shared with other jobs while measured; "
         f"torch threads per rank {args.threads} (profiled with the same count: "
         f"`meta.timing.threads`); {args.repeats} repeats x {args.step_iterations} clean "
         f"iterations; {elapsed:.0f} s.",
@@ -191,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "here: the remaining gap is its missing terms (optimizer step, p2p, per-micro-batch "
         "overhead; issue 18 points 1-2).",
     ]
-    write_report(out, "bench_clean_timing.md", lines)
+    harness.write_report(args.out, "bench_clean_timing.md", lines)
     return 0
 
 

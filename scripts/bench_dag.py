@@ -16,25 +16,16 @@ t5-11b`` (torch, fake tensors) unless ``--graph`` names one. Writes benchmarks/b
 
 from __future__ import annotations
 
-import argparse
-import csv
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+import harness
+from harness import GIB, ROOT, markdown_table
 
-from tables import markdown_table, write_report  # noqa: E402
-
-GIB = 2**30
 GPU_COUNTS = (64, 256, 1024)
 BATCHES = (1024, 4096)
 BACKENDS = ("auto", "cpsat")
@@ -92,15 +83,9 @@ def run_case(
         out = Path(scratch) / "plan.json"
         for _ in range(repeats):
             out.unlink(missing_ok=True)
-            start = time.perf_counter()
-            done = subprocess.run(
-                [sys.executable, *command, "--json", str(out), "--quiet"],
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-            )
-            walls.append(time.perf_counter() - start)
+            argv = [sys.executable, *command, "--json", str(out), "--quiet"]
+            done = harness.run_process(argv, env=env)
+            walls.append(done.wall_s)
         row = {
             "gpus": gpus,
             "global batch": batch,
@@ -143,23 +128,17 @@ def _contiguous(stage_of_layer: list[int]) -> str:
 
 def export_graph(folder: Path) -> str:
     path = folder / "t5-11b.json"
-    subprocess.run(
-        [sys.executable, "-m", "profiling.export", "t5-11b", "--out", str(path)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
+    done = harness.run_process([sys.executable, "-m", "profiling.export", "t5-11b", "--out", path])
+    if done.returncode != 0:
+        raise SystemExit(f"t5-11b: export failed: {done.stderr.strip()}")
     return str(path)
 
 
 def headline_rows(out_dir: str | Path = ROOT / "benchmarks") -> list[dict]:
     """Issue 17 point 2 (T5-11B on 256 GPUs, batch 4096, default flags): the row of
     bench_dag.csv (run ``python scripts/bench_dag.py`` first)."""
-    path = Path(out_dir) / "bench_dag.csv"
-    with open(path, newline="") as stream:
-        rows = list(csv.DictReader(stream))
     found = []
-    for row in rows:
+    for row in harness.read_csv(Path(out_dir) / "bench_dag.csv"):
         if (int(row["gpus"]), int(row["global batch"])) != HEADLINE:
             continue
         result = f"{row['status']} in {row['wall s']} s (exit {row['exit']})"
@@ -178,16 +157,15 @@ def headline_rows(out_dir: str | Path = ROOT / "benchmarks") -> list[dict]:
     return found
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks")
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser(__doc__)
     parser.add_argument("--graph", help="T5-11B layer graph (default: export it)")
     parser.add_argument("--time-limit", type=float, default=60.0, help="per plan, seconds")
     parser.add_argument(
         "--repeats", type=int, default=3, help="runs of each auto case (median wall time)"
     )
-    args = parser.parse_args()
-    started = time.perf_counter()
+    args = parser.parse_args(argv)
+    run = harness.Run.start(__file__, argv)
     with tempfile.TemporaryDirectory() as scratch:
         graph = args.graph or export_graph(Path(scratch))
         rows = []
@@ -199,24 +177,14 @@ def main() -> int:
                     row = run_case(graph, gpus, batch, backend, args.time_limit, repeats)
                     print(row, flush=True)
                     rows.append(row)
-    total_s = time.perf_counter() - started
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "bench_dag.csv", "w", newline="") as stream:
-        writer = csv.DictWriter(stream, fieldnames=[*COLUMNS, "command"])
-        writer.writeheader()
-        writer.writerows(rows)
-    cores = os.cpu_count()
-    command = "python scripts/bench_dag.py" + (
-        f" --time-limit {args.time_limit:g}" if args.time_limit != 60 else ""
-    )
-    if args.repeats != 3:
-        command += f" --repeats {args.repeats}"
+    harness.write_csv(args.out / "bench_dag.csv", rows, [*COLUMNS, "command"])
     lines = [
         "# T5-11B: the exact DP over ideals against CP-SAT",
         "",
-        f"Command: `{command}` (Python {platform.python_version()}, {platform.machine()}, "
-        f"{cores} cores shared with other jobs; wall time of the whole CLI process, Python's "
-        f"start and imports included, the median of `runs`; time limit {args.time_limit:g} s).",
+        f"Command: {run.command_text} (Python {harness.python_version()}, "
+        f"{harness.architecture()}, {harness.cores()} cores shared with other jobs; wall time of "
+        "the whole CLI process, Python's start and imports included, the median of `runs`; time "
+        f"limit {args.time_limit:g} s).",
         "",
         "T5-11B from `python -m profiling.export t5-11b` (52 layers, 74 edges) on 80 GiB GPUs, "
         "default flags (megatron runtime, 1F1B, ZeRO 0, throughput within 1.25x of the fastest "
@@ -233,7 +201,7 @@ def main() -> int:
         *[f"- `{row['command']}`" for row in rows],
         "",
     ]
-    write_report(args.out, "bench_dag.md", lines, note=f" in {total_s:.0f} s")
+    harness.write_report(args.out, "bench_dag.md", lines, note=f" in {run.elapsed_s:.0f} s")
     return 0
 
 

@@ -18,27 +18,20 @@ Writes benchmarks/bench_empirical.md and .csv: how often the greedy is sub-optim
 
 from __future__ import annotations
 
-import argparse
-import csv
-import platform
 import random
 import statistics
-import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
+from harness import ROOT, markdown_table
 
-from tables import markdown_table  # noqa: E402  (scripts/ is on sys.path when run as a script)
-
-from solver import Cluster, TrainingConfig  # noqa: E402
-from solver.backends.chain import solve_chain  # noqa: E402
-from solver.backends.problem import StageProblem  # noqa: E402
-from solver.costs import layer_costs, stage_costs  # noqa: E402
-from solver.graph import LayerGraph, graph_from_dict, load_graph  # noqa: E402
-from solver.report.baselines import capslog_split  # noqa: E402
-from solver.specs import ParallelConfig  # noqa: E402
+from solver import Cluster, TrainingConfig
+from solver.backends.chain import solve_chain
+from solver.backends.problem import StageProblem
+from solver.costs import layer_costs, stage_costs
+from solver.graph import LayerGraph, graph_from_dict, load_graph
+from solver.report.baselines import capslog_split
+from solver.specs import ParallelConfig
 
 CLUSTER = Cluster(num_gpus=1, gpu_memory_bytes=2**50)
 
@@ -64,12 +57,11 @@ def compare(graph: LayerGraph, pp: int) -> tuple[int, int, float, float]:
     config = ParallelConfig(pp=pp, tp=1, dp=1, micro_batch=1, num_microbatches=pp)
     training = TrainingConfig(global_batch=pp, memory_model="empirical")
     costs = layer_costs(graph, config, CLUSTER, training)
-    started = time.perf_counter()
-    exact = solve_chain(StageProblem(costs=costs), time_limit_s=60)
-    exact_s = time.perf_counter() - started
-    started = time.perf_counter()
-    greedy = capslog_split(costs)
-    greedy_s = time.perf_counter() - started
+    with harness.Stopwatch() as exact_clock:
+        exact = solve_chain(StageProblem(costs=costs), time_limit_s=60)
+    with harness.Stopwatch() as greedy_clock:
+        greedy = capslog_split(costs)
+    exact_s, greedy_s = exact_clock.wall_s, greedy_clock.wall_s
     greedy_peak = max(s.peak_bytes for s in stage_costs(costs, greedy))
     assert greedy_peak >= exact.objective, "the exact optimum is a lower bound"
     return exact.objective, greedy_peak, exact_s, greedy_s
@@ -93,10 +85,12 @@ def realistic_statistics(path: Path, pp: int, rng: random.Random) -> LayerGraph:
     return with_statistics(f"{graph.model} statistics", isolated, added)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks")
-    args = parser.parse_args()
+KINDS = ("random", "gpt3-175b.json", "t5-dag.json")
+
+
+def comparisons() -> list[tuple]:
+    """(statistics, case, layers, stages, exact peak, greedy peak, exact s, greedy s) of the 200
+    random chains, then of 10 draws of each example graph's statistics at pp 4 and 8."""
     rng = random.Random(2024)
     rows = []
     for case in range(200):
@@ -106,53 +100,57 @@ def main() -> int:
         isolated = [a + rng.randint(0, 2 * 505) * 10**5 for a in added]
         exact, greedy, exact_s, greedy_s = compare(with_statistics("random", isolated, added), pp)
         rows.append(("random", case, num_layers, pp, exact, greedy, exact_s, greedy_s))
-    for name in ("gpt3-175b.json", "t5-dag.json"):
+    for name in KINDS[1:]:
         for pp in (4, 8):
             for draw in range(10):
                 graph = realistic_statistics(ROOT / "examples" / name, pp, rng)
                 exact, greedy, exact_s, greedy_s = compare(graph, pp)
                 rows.append((name, draw, graph.num_layers, pp, exact, greedy, exact_s, greedy_s))
-    table = [
-        {
-            "statistics": kind,
-            "case": case,
-            "layers": layers,
-            "stages": pp,
-            "exact_gib": round(exact / 2**30, 3),
-            "capslog_gib": round(greedy / 2**30, 3),
-            "capslog_worse_pct": round(100 * (greedy - exact) / exact, 2),
-            "exact_ms": round(exact_s * 1e3, 2),
-            "capslog_ms": round(greedy_s * 1e3, 2),
-        }
-        for kind, case, layers, pp, exact, greedy, exact_s, greedy_s in rows
-    ]
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "bench_empirical.csv", "w", newline="") as stream:
-        writer = csv.DictWriter(stream, fieldnames=list(table[0]))
-        writer.writeheader()
-        writer.writerows(table)
-    summary = []
-    for kind in ("random", "gpt3-175b.json", "t5-dag.json"):
-        worse = [row["capslog_worse_pct"] for row in table if row["statistics"] == kind]
-        exact_ms = [row["exact_ms"] for row in table if row["statistics"] == kind]
-        greedy_ms = [row["capslog_ms"] for row in table if row["statistics"] == kind]
-        summary.append(
-            {
-                "statistics": kind,
-                "cases": len(worse),
-                "capslog_suboptimal": sum(w > 0 for w in worse),
-                "median_worse_pct": round(statistics.median(worse), 2),
-                "max_worse_pct": round(max(worse), 2),
-                "median_exact_ms": round(statistics.median(exact_ms), 2),
-                "median_capslog_ms": round(statistics.median(greedy_ms), 2),
-            }
-        )
+    return rows
+
+
+def table_row(kind, case, layers, pp, exact, greedy, exact_s, greedy_s) -> dict:
+    return {
+        "statistics": kind,
+        "case": case,
+        "layers": layers,
+        "stages": pp,
+        "exact_gib": round(exact / 2**30, 3),
+        "capslog_gib": round(greedy / 2**30, 3),
+        "capslog_worse_pct": round(100 * (greedy - exact) / exact, 2),
+        "exact_ms": round(exact_s * 1e3, 2),
+        "capslog_ms": round(greedy_s * 1e3, 2),
+    }
+
+
+def summary_row(table: list[dict], kind: str) -> dict:
+    """How often and by how much the greedy misses the optimum on one kind of statistics."""
+    worse = [row["capslog_worse_pct"] for row in table if row["statistics"] == kind]
+    exact_ms = [row["exact_ms"] for row in table if row["statistics"] == kind]
+    greedy_ms = [row["capslog_ms"] for row in table if row["statistics"] == kind]
+    return {
+        "statistics": kind,
+        "cases": len(worse),
+        "capslog_suboptimal": sum(w > 0 for w in worse),
+        "median_worse_pct": round(statistics.median(worse), 2),
+        "max_worse_pct": round(max(worse), 2),
+        "median_exact_ms": round(statistics.median(exact_ms), 2),
+        "median_capslog_ms": round(statistics.median(greedy_ms), 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = harness.parser(__doc__).parse_args(argv)
+    run = harness.Run.start(__file__, argv)
+    table = [table_row(*row) for row in comparisons()]
+    harness.write_csv(args.out / "bench_empirical.csv", table, list(table[0]))
+    summary = [summary_row(table, kind) for kind in KINDS]
     lines = [
         "# Exact optimum vs CAPSlog's greedy on empirical statistics",
         "",
-        "Command: `python scripts/bench_empirical.py`  ",
-        f"Machine: {platform.machine()}, Python {platform.python_version()}, run "
-        f'{time.strftime("%Y-%m-%d")}. Model: `memory_model="empirical"` (mem_isolated of a '
+        f"Command: {run.command_text}  ",
+        f"Machine: {harness.architecture()}, Python {harness.python_version()}, run "
+        f'{harness.today()}. Model: `memory_model="empirical"` (mem_isolated of a '
         "stage's first layer + mem_added of the others) for both; `capslog_worse_pct` = how much "
         "higher the greedy's peak is than the proven optimum.",
         "",
@@ -163,7 +161,7 @@ def main() -> int:
         *markdown_table(table, list(table[0])),
         "",
     ]
-    (args.out / "bench_empirical.md").write_text("\n".join(lines))
+    harness.write_report(args.out, "bench_empirical.md", lines)
     for row in summary:
         print(row)
     return 0

@@ -16,23 +16,15 @@ printing the rows).
 
 from __future__ import annotations
 
-import argparse
-import platform
-import sys
-import time
 from dataclasses import replace
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
+from harness import GIB, ROOT, markdown_table
 
-from tables import markdown_table, write_report  # noqa: E402  (scripts/ is sys.path[0] when run as a script)
+from solver import InfeasibleError, TrainingConfig, load_graph, plan
+from solver.errors import NoSolutionError
+from solver.files.cluster_file import cluster_from_dict
 
-from solver import InfeasibleError, TrainingConfig, load_graph, plan  # noqa: E402
-from solver.errors import NoSolutionError  # noqa: E402
-from solver.files.cluster_file import cluster_from_dict  # noqa: E402
-
-GIB = 2**30
 CASES = ((128, 512), (256, 512), (512, 2048))
 """(GPUs, global batch): half of the GPUs 40 GiB, half 80 GiB."""
 RECOMPUTE_CASES = (512,)
@@ -72,7 +64,7 @@ def all_small(num_gpus: int):
 
 
 def row(label: str, cluster_text: str, run) -> dict:
-    started = time.perf_counter()
+    clock = harness.Stopwatch()
     try:
         result = run()
     except InfeasibleError as error:
@@ -85,7 +77,7 @@ def row(label: str, cluster_text: str, run) -> dict:
             "peak GiB": f">= {error.best_peak_bytes / GIB:.1f}",
             "samples/s": "-",
             "status": "does not fit",
-            "time s": f"{time.perf_counter() - started:.1f}",
+            "time s": f"{clock.wall_s:.1f}",
         }
     except NoSolutionError:
         return {"case": label, "cluster": cluster_text, "status": "time limit, no plan"}
@@ -107,18 +99,18 @@ def row(label: str, cluster_text: str, run) -> dict:
         "samples/s": f"{result.throughput:.3g}",
         "status": result.solver.status,
         "gap": f"{100 * result.solver.gap:.2f}%",
-        "time s": f"{time.perf_counter() - started:.1f}",
+        "time s": f"{clock.wall_s:.1f}",
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(ROOT / "benchmarks"))
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser(__doc__)
     parser.add_argument("--time-limit", type=float, default=120.0)
     parser.add_argument(
         "--gpus", type=int, nargs="*", help="only these cluster sizes; prints, writes nothing"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    run = harness.Run.start(__file__, argv)
     graph = load_graph(ROOT / "examples" / "gpt3-175b.json")
     rows = []
     for num_gpus, batch in CASES:
@@ -159,8 +151,8 @@ def main() -> int:
     text = [
         "# Mixed 40/80 GiB clusters vs all 40 GiB",
         "",
-        "Command: `python scripts/bench_heterogeneous.py` "
-        f"(Python {platform.python_version()}, {platform.machine()}, "
+        f"Command: {run.command_text} "
+        f"(Python {harness.python_version()}, {harness.architecture()}, "
         f"time limit {args.time_limit:.0f} s per plan).",
         "",
         "GPT-3 175B shape (`examples/gpt3-175b.json`, 96 blocks), A100 nodes (8 GPUs, 312 TFLOP/s, "
@@ -186,7 +178,7 @@ def main() -> int:
         "of a shared 2-core machine.",
         "",
     ]
-    write_report(args.out, "bench_heterogeneous.md", text)
+    harness.write_report(args.out, "bench_heterogeneous.md", text)
     return 0
 
 

@@ -14,19 +14,12 @@ benchmarks/bench_interleaved.md.
 
 from __future__ import annotations
 
-import argparse
-import platform
-import sys
-import time
 from dataclasses import replace
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
+from harness import GIB, ROOT, markdown_table
 
-from tables import markdown_table, write_report  # noqa: E402  (scripts/ is sys.path[0] when run as a script)
-
-from solver import (  # noqa: E402
+from solver import (
     Cluster,
     InfeasibleError,
     ParallelConfig,
@@ -36,7 +29,6 @@ from solver import (  # noqa: E402
     plan,
 )
 
-GIB = 2**30
 CASES = (
     # graph file, GPUs, GPU memory (GiB), global batch, pp, tp
     ("gpt-1.3b.json", 8, 40, 64, 4, 2),
@@ -46,83 +38,89 @@ CASES = (
 CHUNKS = (1, 2, 4)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(ROOT / "benchmarks"))
+def chunk_rows(graph, cluster, case: str, pp: int, tp: int, batch: int, v: int, limit_s: float):
+    """The rows of one model, cluster and v: the even split, then the planner's three plans."""
+    gpus = cluster.num_gpus
+    config = ParallelConfig(
+        pp=pp,
+        tp=tp,
+        dp=gpus // (pp * tp),
+        micro_batch=1,
+        num_microbatches=batch // (gpus // (pp * tp)),
+        virtual_stages=v,
+    )
+    base = TrainingConfig(
+        global_batch=batch,
+        micro_batch_sizes=(1,),
+        pp=pp,
+        tp=tp,
+        virtual_stages=(v,),
+        max_slowdown=None,
+    )
+    even = evaluate(graph, config, "even", cluster=cluster, training=base)
+    rows = [
+        {
+            "model, cluster": case,
+            "config": config.label(),
+            "split": "even (Megatron)",
+            "peak GiB": f"{even.peak_bytes / GIB:.2f}",
+            "samples/s": f"{even.throughput:.4g}",
+            "status": "fits" if even.fits else "does not fit",
+            "time s": "-",
+        }
+    ]
+    for label, training in (
+        ("same speed as even", replace(base, min_throughput=even.throughput * 0.999999)),
+        ("fastest that fits", replace(base, objective="throughput")),
+        ("memory-optimal", base),
+    ):
+        rows.append(plan_row(graph, cluster, training, case, config, label, limit_s))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def plan_row(graph, cluster, training, case: str, config, label: str, limit_s: float) -> dict:
+    """The planner's plan for ``training`` as a row (or why none fits)."""
+    clock = harness.Stopwatch()
+    try:
+        result = plan(graph, cluster, training, time_limit_s=limit_s)
+    except InfeasibleError as error:
+        return {
+            "model, cluster": case,
+            "config": config.label(),
+            "split": label,
+            "status": f"none fits ({str(error).split(';')[0]})",
+            "time s": f"{clock.wall_s:.1f}",
+        }
+    gap = f", gap {100 * result.solver.gap:.1f}%" if result.solver.gap else ""
+    return {
+        "model, cluster": case,
+        "config": result.config.label(),
+        "split": label,
+        "peak GiB": f"{result.peak_bytes / GIB:.2f}",
+        "samples/s": f"{result.throughput:.4g}",
+        "status": result.solver.status + gap,
+        "time s": f"{clock.wall_s:.1f}",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser(__doc__)
     parser.add_argument("--time-limit", type=float, default=120.0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    run = harness.Run.start(__file__, argv)
     rows = []
     for name, gpus, memory, batch, pp, tp in CASES:
         graph = load_graph(ROOT / "examples" / name)
         cluster = Cluster(num_gpus=gpus, gpu_memory_bytes=memory * GIB)
+        case = f"{graph.model} {gpus}x{memory}G B{batch}"
         for v in CHUNKS:
-            config = ParallelConfig(
-                pp=pp,
-                tp=tp,
-                dp=gpus // (pp * tp),
-                micro_batch=1,
-                num_microbatches=batch // (gpus // (pp * tp)),
-                virtual_stages=v,
-            )
-            base = TrainingConfig(
-                global_batch=batch,
-                micro_batch_sizes=(1,),
-                pp=pp,
-                tp=tp,
-                virtual_stages=(v,),
-                max_slowdown=None,
-            )
-            even = evaluate(graph, config, "even", cluster=cluster, training=base)
-            case = f"{graph.model} {gpus}x{memory}G B{batch}"
-            rows.append(
-                {
-                    "model, cluster": case,
-                    "config": config.label(),
-                    "split": "even (Megatron)",
-                    "peak GiB": f"{even.peak_bytes / GIB:.2f}",
-                    "samples/s": f"{even.throughput:.4g}",
-                    "status": "fits" if even.fits else "does not fit",
-                    "time s": "-",
-                }
-            )
-            for label, training in (
-                ("same speed as even", replace(base, min_throughput=even.throughput * 0.999999)),
-                ("fastest that fits", replace(base, objective="throughput")),
-                ("memory-optimal", base),
-            ):
-                started = time.perf_counter()
-                try:
-                    result = plan(graph, cluster, training, time_limit_s=args.time_limit)
-                except InfeasibleError as error:
-                    rows.append(
-                        {
-                            "model, cluster": case,
-                            "config": config.label(),
-                            "split": label,
-                            "status": f"none fits ({str(error).split(';')[0]})",
-                            "time s": f"{time.perf_counter() - started:.1f}",
-                        }
-                    )
-                    print(rows[-1], flush=True)
-                    continue
-                gap = f", gap {100 * result.solver.gap:.1f}%" if result.solver.gap else ""
-                rows.append(
-                    {
-                        "model, cluster": case,
-                        "config": result.config.label(),
-                        "split": label,
-                        "peak GiB": f"{result.peak_bytes / GIB:.2f}",
-                        "samples/s": f"{result.throughput:.4g}",
-                        "status": result.solver.status + gap,
-                        "time s": f"{time.perf_counter() - started:.1f}",
-                    }
-                )
-                print(rows[-1], flush=True)
+            rows += chunk_rows(graph, cluster, case, pp, tp, batch, v, args.time_limit)
     text = [
         "# Interleaved 1F1B: Megatron's even split vs the planner's",
         "",
-        "Command: `python scripts/bench_interleaved.py` "
-        f"(Python {platform.python_version()}, {platform.machine()}, "
+        f"Command: {run.command_text} "
+        f"(Python {harness.python_version()}, {harness.architecture()}, "
         f"time limit {args.time_limit:.0f} s per plan).",
         "",
         "Pinned pp, tp, micro-batch 1, ZeRO 0, no recomputation, megatron runtime; v = model "
@@ -138,7 +136,7 @@ def main() -> int:
         *markdown_table(rows, list(rows[0])),
         "",
     ]
-    write_report(args.out, "bench_interleaved.md", text)
+    harness.write_report(args.out, "bench_interleaved.md", text)
     return 0
 
 

@@ -17,26 +17,17 @@ the solver's status, gap and the chosen config's peak. The graph is the zoo's GP
 
 from __future__ import annotations
 
-import argparse
-import csv
 import json
 import os
-import platform
 import re
-import resource
 import shlex
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+import harness
+from harness import GIB, ROOT, markdown_table
 
-from tables import markdown_table, write_report  # noqa: E402
-
-GIB = 2**30
 COMMON = "--gpu-memory 80GiB --global-batch 1536"
 POINTS = (
     # graph ("zoo" profile or the bundled "example"), GPUs, extra flags
@@ -84,14 +75,9 @@ def run_point(checkout: Path, kind: str, gpus: int, flags: str, graph: str, limi
         argv += ["--gpus", str(gpus), *shlex.split(COMMON), *shlex.split(flags)]
         argv += ["--time-limit", str(limit), "--json", str(out), "--quiet"]
         env = os.environ | {"PYTHONPATH": str(checkout)}
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        started = time.perf_counter()
-        done = subprocess.run(argv, cwd=checkout, env=env, capture_output=True, text=True)
-        wall = time.perf_counter() - started
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-        row = {"graph": kind, "gpus": gpus, "flags": flags, "wall s": round(wall, 1)}
-        row["cpu s"] = round(cpu, 1)
+        done = harness.run_process(argv, cwd=checkout, env=env)
+        row = {"graph": kind, "gpus": gpus, "flags": flags, "wall s": round(done.wall_s, 1)}
+        row["cpu s"] = round(done.cpu_s, 1)
         if done.returncode != 0:
             reason = (done.stderr.strip().splitlines() or ["?"])[-1]
             return row | {"status": f"exit {done.returncode}", "config": reason[:90]}
@@ -116,12 +102,10 @@ def zoo_profile(folder: str) -> str:
     """The zoo's GPT-3 175B profile (SDPA), exported once."""
     path = Path(folder) / "gpt3-175b.json"
     if not path.exists():
-        subprocess.run(
-            [sys.executable, "-m", "profiling.export", "gpt3-175b", "--out", str(path)],
-            cwd=ROOT,
-            check=True,
-            env=os.environ | {"PYTHONPATH": str(ROOT)},
-        )
+        export = [sys.executable, "-m", "profiling.export", "gpt3-175b", "--out", str(path)]
+        done = harness.run_process(export, env=os.environ | {"PYTHONPATH": str(ROOT)})
+        if done.returncode != 0:
+            raise SystemExit(f"gpt3-175b: export failed: {done.stderr.strip()}")
     return str(path)
 
 
@@ -129,8 +113,7 @@ def headline_rows(out_dir: str | Path = ROOT / "benchmarks") -> list[dict]:
     """Issue 17 point 5 (GPT-3 175B, --virtual-stages 1,2,4 on 128 GPUs; and the worst pp 16
     v 2-4 point) from ``out_dir``/bench_interleaved_scale.csv, after the change."""
     path = Path(out_dir) / "bench_interleaved_scale.csv"
-    with open(path, newline="") as handle:
-        rows = [row for row in csv.DictReader(handle) if row["code"] == "after"]
+    rows = [row for row in harness.read_csv(path) if row["code"] == "after"]
     kind, gpus, flags = HEADLINE
     head = next(r for r in rows if (r["graph"], int(r["gpus"]), r["flags"]) == (kind, gpus, flags))
     pinned = [
@@ -154,15 +137,15 @@ def headline_rows(out_dir: str | Path = ROOT / "benchmarks") -> list[dict]:
     ]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(ROOT / "benchmarks"))
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser(__doc__)
     parser.add_argument("--after", default=str(ROOT), help="checkout of the code measured")
     parser.add_argument("--before", help="checkout to compare with (e.g. the main branch)")
     parser.add_argument("--graph", help="the zoo's GPT-3 175B profile (default: export it)")
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--only", help="run only the points whose flags contain this")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    run = harness.Run.start(__file__, argv)
     with tempfile.TemporaryDirectory() as tmp:
         zoo = args.graph or zoo_profile(tmp)
         codes = [("after", Path(args.after))]
@@ -179,17 +162,11 @@ def main() -> int:
                 )
                 rows.append(row)
                 print(" | ".join(str(row.get(c, "")) for c in COLUMNS), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "bench_interleaved_scale.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    invocation = "python scripts/bench_interleaved_scale.py " + " ".join(sys.argv[1:])
+    harness.write_csv(args.out / "bench_interleaved_scale.csv", rows, COLUMNS)
     lines = [
         "# Interleaved stages at scale: GPT-3 175B, pp 16, v 2-4",
         "",
-        f"Made by `{invocation.strip()}` on {platform.node()} ({os.cpu_count()} cores, shared "
+        f"Made by {run.command_text} on {harness.node()} ({harness.cores()} cores, shared "
         "with other jobs: wall times are noisy, CPU times less so).",
         "",
         f"Each row: `{command('GRAPH', 'N', 'FLAGS', 'GRAPH')}` with the default flags "
@@ -201,7 +178,7 @@ def main() -> int:
         *markdown_table(rows, COLUMNS),
         "",
     ]
-    write_report(out, "bench_interleaved_scale.md", lines)
+    harness.write_report(args.out, "bench_interleaved_scale.md", lines)
     return 0
 
 

@@ -18,24 +18,16 @@ throughput and fit. Writes benchmarks/bench_moe.md and benchmarks/bench_moe.csv.
 
 from __future__ import annotations
 
-import argparse
-import csv
-import platform
-import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
+from harness import GIB, markdown_table
 
-from tables import markdown_table, write_report  # noqa: E402  (scripts/ is sys.path[0] when run as a script)
+from solver import Cluster, InfeasibleError, TrainingConfig, load_graph, plan
+from solver.costs import routing_factor
+from solver.costs.moe import routed_experts
+from solver.reserve import DEFAULT_RESERVE
 
-from solver import Cluster, InfeasibleError, TrainingConfig, load_graph, plan  # noqa: E402
-from solver.costs import routing_factor  # noqa: E402
-from solver.costs.moe import routed_experts  # noqa: E402
-from solver.reserve import DEFAULT_RESERVE  # noqa: E402
-
-GIB = 2**30
 CASES = (
     # preset, GPUs, GPU memory (GiB), global batch
     ("mixtral-8x7b", 64, 80, 256),
@@ -91,7 +83,7 @@ def run_case(graph, gpus, memory, batch, factor, ep, objective, time_limit) -> d
         "ep": "auto" if ep is None else ep,
         "objective": "memory (<= 1.25x slower)" if objective == "memory" else "throughput",
     }
-    started = time.perf_counter()
+    clock = harness.Stopwatch()
     try:
         result = plan(graph, cluster, training, time_limit_s=time_limit, suggest_gpus=False)
     except InfeasibleError as error:
@@ -100,7 +92,7 @@ def run_case(graph, gpus, memory, batch, factor, ep, objective, time_limit) -> d
             "peak GiB": "" if best is None else f"{best / GIB:.2f}",
             "fits": "no",
             "status": f"none fits ({str(error).split(';')[0]})",
-            "time s": f"{time.perf_counter() - started:.1f}",
+            "time s": f"{clock.wall_s:.1f}",
         }
     even = result.baselines["even"]
     config = result.config
@@ -114,16 +106,16 @@ def run_case(graph, gpus, memory, batch, factor, ep, objective, time_limit) -> d
         "even fits": "yes" if even.fits else "no",
         "f": f"{float(routing_factor(graph, config, training)):.3g}",
         "status": result.solver.status,
-        "time s": f"{time.perf_counter() - started:.1f}",
+        "time s": f"{clock.wall_s:.1f}",
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(ROOT / "benchmarks"))
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser(__doc__)
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--graph-dir", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    run = harness.Run.start(__file__, argv)
     rows, models = [], []
     for preset, gpus, memory, batch in CASES:
         graph = load(preset, args.graph_dir)
@@ -143,17 +135,12 @@ def main() -> int:
                         run_case(graph, gpus, memory, batch, factor, ep, objective, args.time_limit)
                     )
                     print(rows[-1], flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "bench_moe.csv", "w", newline="") as stream:
-        writer = csv.DictWriter(stream, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    harness.write_csv(args.out / "bench_moe.csv", rows, COLUMNS)
     text = [
         "# Mixture of experts: expert-parallel degrees and the even split",
         "",
-        f"Command: `python scripts/bench_moe.py` (Python {platform.python_version()}, "
-        f"{platform.machine()}, time limit {args.time_limit:.0f} s per plan). CSV: "
+        f"Command: {run.command_text} (Python {harness.python_version()}, "
+        f"{harness.architecture()}, time limit {args.time_limit:.0f} s per plan). CSV: "
         "`bench_moe.csv`.",
         "",
         *(f"- {line}" for line in models),
@@ -174,7 +161,7 @@ def main() -> int:
         *markdown_table(rows, list(COLUMNS)),
         "",
     ]
-    write_report(out, "bench_moe.md", text)
+    harness.write_report(args.out, "bench_moe.md", text)
     return 0
 
 

@@ -11,20 +11,14 @@ Writes benchmarks/bench_profile.md and .csv.
 
 from __future__ import annotations
 
-import argparse
-import csv
 import json
-import os
-import platform
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from tables import markdown_table, write_report  # scripts/ is sys.path[0] when run as a script
+import harness
+from harness import markdown_table
 
-ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ("gpt3-175b", "llama2-70b")
 """The presets with a target: under 60 s and 4 GiB each."""
 
@@ -46,106 +40,63 @@ def cluster_for(params: int) -> tuple[int, int]:
     return gpus, 2 * gpus
 
 
-def run_measured(command: list[str]) -> tuple[float, float, subprocess.CompletedProcess]:
-    """(wall seconds, peak RSS GiB of that child alone (os.wait4), result) of one command."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        start = time.perf_counter()
-        child = subprocess.Popen(command, stdout=out, stderr=err, text=True, cwd=ROOT)
-        _, status, usage = os.wait4(child.pid, 0)
-        wall = time.perf_counter() - start
-        child.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        result = subprocess.CompletedProcess(command, child.returncode, out.read(), err.read())
-    return wall, usage.ru_maxrss / 2**20, result  # ru_maxrss is in KiB on Linux
+def profile_row(preset: str, extra: list[str], scratch: Path) -> dict:
+    """Profile ``preset`` in a fresh process (wall time, its own peak RSS), then plan it."""
+    graph_path = scratch / f"{preset.replace(':', '_')}.json"
+    export = [sys.executable, "-m", "profiling.export", preset, *extra, "--no-progress"]
+    profiled = harness.run_process([*export, "--out", str(graph_path)])
+    if profiled.returncode != 0:
+        raise SystemExit(f"{preset}: export failed: {profiled.stderr.strip()}")
+    graph = json.loads(graph_path.read_text())
+    params = sum(layer["params"] for layer in graph["layers"])
+    gpus, batch = cluster_for(params)
+    plan_path = graph_path.with_suffix(".plan.json")
+    planned = harness.run_process(
+        [sys.executable, "-m", "solver.plan", str(graph_path), "--gpus", str(gpus)]
+        + ["--global-batch", str(batch), "--json", str(plan_path), "--quiet"]
+    )
+    plan = json.loads(plan_path.read_text()) if planned.returncode == 0 else None
+    return {
+        "preset": preset + (" (target)" if preset in TARGETS else ""),
+        "layers": len(graph["layers"]),
+        "params_billions": params / 1e9,
+        "seq": graph["meta"]["seq_len"],
+        "profile_wall_s": round(profiled.wall_s, 2),
+        "profile_peak_rss_gib": round(profiled.peak_rss_bytes / 2**30, 3),
+        "plan_gpus": gpus,
+        "plan_wall_s": round(planned.wall_s, 2),
+        "plan": (
+            f"exit {planned.returncode}: {planned.stderr.strip()[:80]}"
+            if plan is None
+            else f"pp{plan['config']['pp']} tp{plan['config']['tp']} "
+            f"dp{plan['config']['dp']}, peak {plan['peak_bytes'] / 2**30:.1f} GiB"
+        ),
+    }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks")
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = harness.parser(__doc__).parse_args(argv)
+    run = harness.Run.start(__file__, argv)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for preset, extra in cases():
-            graph_path = Path(scratch) / f"{preset.replace(':', '_')}.json"
-            wall, rss, result = run_measured(
-                [
-                    sys.executable,
-                    "-m",
-                    "profiling.export",
-                    preset,
-                    *extra,
-                    "--no-progress",
-                    "--out",
-                    str(graph_path),
-                ]
-            )
-            if result.returncode != 0:
-                raise SystemExit(f"{preset}: export failed: {result.stderr.strip()}")
-            graph = json.loads(graph_path.read_text())
-            gpus, batch = cluster_for(sum(layer["params"] for layer in graph["layers"]))
-            start = time.perf_counter()
-            planned = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "solver.plan",
-                    str(graph_path),
-                    "--gpus",
-                    str(gpus),
-                    "--global-batch",
-                    str(batch),
-                    "--json",
-                    str(graph_path.with_suffix(".plan.json")),
-                    "--quiet",
-                ],
-                capture_output=True,
-                text=True,
-                cwd=ROOT,
-            )
-            plan_wall = time.perf_counter() - start
-            plan = (
-                json.loads(graph_path.with_suffix(".plan.json").read_text())
-                if planned.returncode == 0
-                else None
-            )
-            row = {
-                "preset": preset + (" (target)" if preset in TARGETS else ""),
-                "layers": len(graph["layers"]),
-                "params_billions": sum(layer["params"] for layer in graph["layers"]) / 1e9,
-                "seq": graph["meta"]["seq_len"],
-                "profile_wall_s": round(wall, 2),
-                "profile_peak_rss_gib": round(rss, 3),
-                "plan_gpus": gpus,
-                "plan_wall_s": round(plan_wall, 2),
-                "plan": (
-                    f"exit {planned.returncode}: {planned.stderr.strip()[:80]}"
-                    if plan is None
-                    else f"pp{plan['config']['pp']} tp{plan['config']['tp']} "
-                    f"dp{plan['config']['dp']}, peak {plan['peak_bytes'] / 2**30:.1f} GiB"
-                ),
-            }
-            rows.append(row)
-            print(row, flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "bench_profile.csv", "w", newline="") as stream:
-        writer = csv.DictWriter(stream, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+            rows.append(profile_row(preset, extra, Path(scratch)))
+            print(rows[-1], flush=True)
     columns = list(rows[0])
+    harness.write_csv(args.out / "bench_profile.csv", rows, columns)
     lines = [
         "# Profiling benchmark",
         "",
-        "Command: `python scripts/bench_profile.py`  ",
-        f"Machine: {platform.machine()}, {platform.python_version()}, run "
-        f"{time.strftime('%Y-%m-%d')}; fake tensors (--device meta), batch 1, bf16, no GPU. "
+        f"Command: {run.command_text}  ",
+        f"Machine: {harness.architecture()}, {harness.python_version()}, run "
+        f"{harness.today()}; fake tensors (--device meta), batch 1, bf16, no GPU. "
         "Peak RSS is the export process's own (os.wait4 ru_maxrss). Plans: default options, "
         "80 GiB GPUs; plan_wall_s includes the solver's start-up.",
         "",
         *markdown_table(rows, columns),
         "",
     ]
-    write_report(args.out, "bench_profile.md", lines)
+    harness.write_report(args.out, "bench_profile.md", lines)
     return 0
 
 

@@ -14,39 +14,30 @@ Writes benchmarks/bench_quality.md and .csv.
 
 from __future__ import annotations
 
-import argparse
-import csv
 import dataclasses
-import os
-import platform
 import statistics
-import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
+from harness import GIB, markdown_table
 
-from tables import markdown_table, write_report  # noqa: E402  (scripts/ is sys.path[0] when run as a script)
-
-from solver import Cluster, InfeasibleError, TrainingConfig, graph_from_dict, load_graph, plan  # noqa: E402
-from solver.backends import resolve_backend, solve  # noqa: E402
-from solver.backends.problem import StageProblem  # noqa: E402
-from solver.costs import layer_costs, stage_costs  # noqa: E402
-from solver.evaluation import evaluate_assignment, evaluate_partitioners  # noqa: E402
-from solver.report.baselines import (  # noqa: E402
+from solver import Cluster, InfeasibleError, TrainingConfig, graph_from_dict, load_graph, plan
+from solver.backends import resolve_backend, solve
+from solver.backends.problem import StageProblem
+from solver.costs import layer_costs, stage_costs
+from solver.evaluation import evaluate_assignment, evaluate_partitioners
+from solver.report.baselines import (
     PARTITIONER_SOURCES,
     PARTITIONERS,
     even_split,
     parameter_balanced_split,
     uniform_split,
 )
-from solver.report.plan_report import meets_throughput  # noqa: E402
-from solver.search.config_search import build_entries  # noqa: E402
+from solver.report.plan_report import meets_throughput
+from solver.search.config_search import build_entries
 
-GIB = 2**30
 TARGETS = {"even": 30.0, "parameters": 20.0}
 """Target median peak reduction (%) against the even and the parameter-balanced split."""
 
@@ -101,9 +92,9 @@ def run_case(case: Case, graphs: GraphCache) -> tuple[list[dict], dict]:
     graph = graphs.get(case.preset)
     cluster = Cluster(num_gpus=case.gpus, gpu_memory_bytes=case.gpu_gib * GIB)
     training = TrainingConfig(global_batch=case.global_batch)
-    started = time.perf_counter()
-    result = plan(graph, cluster, training)
-    wall = time.perf_counter() - started
+    with harness.Stopwatch() as clock:
+        result = plan(graph, cluster, training)
+    wall = clock.wall_s
     costs = layer_costs(graph, result.config, cluster, training)
     # the same config without the throughput constraint: what the baselines are not held to
     backend = resolve_backend("auto", costs.is_chain())
@@ -238,7 +229,7 @@ def recompute_rows(graphs: GraphCache) -> list[dict]:
         ):
             floor = {"min_throughput": full_throughput} if label != mode else {}
             training = TrainingConfig(global_batch=case.global_batch, recompute=mode, **floor)
-            started = time.perf_counter()
+            clock = harness.Stopwatch()
             result = plan(graph, cluster, training, time_limit_s=60)
             recomputed = sum(len(stage.recomputed) for stage in result.stages)
             if mode == "full":
@@ -253,7 +244,7 @@ def recompute_rows(graphs: GraphCache) -> list[dict]:
                     "throughput": result.throughput,
                     "status": result.solver.status,
                     "gap_pct": 100 * result.solver.gap,
-                    "wall_s": time.perf_counter() - started,
+                    "wall_s": clock.wall_s,
                 }
             )
     return rows
@@ -285,7 +276,7 @@ def mixed_cluster_rows(graphs: GraphCache) -> list[dict]:
         ("40/80 GiB mix, utilization", mixed, {"memory_objective": "utilization"}),
         ("40/80 GiB mix, absolute", mixed, {"memory_objective": "absolute"}),
     ):
-        started = time.perf_counter()
+        clock = harness.Stopwatch()
         try:
             result = plan(graph, cluster, dataclasses.replace(training, **options))
         except InfeasibleError as error:
@@ -300,7 +291,7 @@ def mixed_cluster_rows(graphs: GraphCache) -> list[dict]:
                 "peak_gib": result.peak_bytes / GIB,
                 "max_utilization_pct": utilization,
                 "throughput": result.throughput,
-                "wall_s": time.perf_counter() - started,
+                "wall_s": clock.wall_s,
             }
         )
     return rows
@@ -310,62 +301,46 @@ def _met(value: float, target: float) -> str:
     return "yes" if value >= target else "no"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks")
-    args = parser.parse_args()
-    started, load = time.perf_counter(), os.getloadavg()[0]
+COLUMNS = [
+    "case",
+    "layers",
+    "config",
+    "partitioner",
+    "peak_gib",
+    "fits",
+    "throughput",
+    "meets_constraint",
+    "reduction_pct",
+    "reduction_memory_pct",
+    "plan_wall_s",
+]
+SUMMARY_KEYS = [key for name in PARTITIONERS for key in (name, f"{name}/mem")]
+"""Per-case summary columns: each partitioner's reduction with our plan and our memory optimum."""
+SUMMARY_COLUMNS = ["case", "config", "ours_gib", "ours_memory_gib", *SUMMARY_KEYS]
+
+
+def suite(graphs: GraphCache) -> tuple[list[dict], list[dict]]:
+    """(every row, one summary per case) of the ``CASES``."""
     rows, summaries = [], []
-    with tempfile.TemporaryDirectory() as scratch:
-        graphs = GraphCache(Path(scratch))
-        for case in CASES:
-            case_rows, summary = run_case(case, graphs)
-            rows += case_rows
-            summaries.append(summary)
-            print(
-                f"{summary['case']}: {summary['config']} ours {summary['ours_gib']:.2f} GiB, "
-                + ", ".join(
-                    f"vs {name} {summary[name]:+.1f}% ({summary[name + '/mem']:+.1f}%)"
-                    for name in PARTITIONERS
-                ),
-                flush=True,
-            )
-        largest = largest_models(graphs)
-        for row in largest:
-            print(f"largest GPT-3-shaped model, {row['partitioner']}: {row['blocks']} blocks")
-        recompute = recompute_rows(graphs)
-        for row in recompute:
-            print(row, flush=True)
-        mixed = mixed_cluster_rows(graphs)
-        for row in mixed:
-            print(row, flush=True)
-    keys = [key for name in PARTITIONERS for key in (name, f"{name}/mem")]
-    medians = {key: statistics.median(s[key] for s in summaries) for key in keys}
-    total_s = time.perf_counter() - started
-    args.out.mkdir(parents=True, exist_ok=True)
-    columns = [
-        "case",
-        "layers",
-        "config",
-        "partitioner",
-        "peak_gib",
-        "fits",
-        "throughput",
-        "meets_constraint",
-        "reduction_pct",
-        "reduction_memory_pct",
-        "plan_wall_s",
-    ]
-    with open(args.out / "bench_quality.csv", "w", newline="") as stream:
-        writer = csv.DictWriter(stream, fieldnames=["table", *columns, "blocks", "params_billions"])
-        writer.writeheader()
-        writer.writerows({"table": "suite", **row} for row in rows)
-        writer.writerows(
-            {"table": "largest", **{k: v for k, v in row.items() if k != "ours_over_this"}}
-            for row in largest
+    for case in CASES:
+        case_rows, summary = run_case(case, graphs)
+        rows += case_rows
+        summaries.append(summary)
+        print(
+            f"{summary['case']}: {summary['config']} ours {summary['ours_gib']:.2f} GiB, "
+            + ", ".join(
+                f"vs {name} {summary[name]:+.1f}% ({summary[name + '/mem']:+.1f}%)"
+                for name in PARTITIONERS
+            ),
+            flush=True,
         )
-    summary_cols = ["case", "config", "ours_gib", "ours_memory_gib", *keys]
-    median_rows = [
+    return rows, summaries
+
+
+def median_rows(summaries: list[dict]) -> list[dict]:
+    """Per partitioner: the median, min and max reduction over the suite, against its target."""
+    medians = {key: statistics.median(s[key] for s in summaries) for key in SUMMARY_KEYS}
+    return [
         {
             "partitioner": name,
             "source": PARTITIONER_SOURCES[name],
@@ -382,35 +357,51 @@ def main() -> int:
         }
         for name in PARTITIONERS
     ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = harness.parser(__doc__).parse_args(argv)
+    run = harness.Run.start(__file__, argv)
+    with tempfile.TemporaryDirectory() as scratch:
+        graphs = GraphCache(Path(scratch))
+        rows, summaries = suite(graphs)
+        largest = largest_models(graphs)
+        for row in largest:
+            print(f"largest GPT-3-shaped model, {row['partitioner']}: {row['blocks']} blocks")
+        recompute = recompute_rows(graphs)
+        for row in recompute:
+            print(row, flush=True)
+        mixed = mixed_cluster_rows(graphs)
+        for row in mixed:
+            print(row, flush=True)
+    total_s = run.elapsed_s
+    harness.write_csv(
+        args.out / "bench_quality.csv",
+        [{"table": "suite", **row} for row in rows]
+        + [
+            {"table": "largest", **{k: v for k, v in row.items() if k != "ours_over_this"}}
+            for row in largest
+        ],
+        ["table", *COLUMNS, "blocks", "params_billions"],
+    )
+    medians = median_rows(summaries)
     lines = [
         "# Plan quality against baseline partitioners",
         "",
-        "Command: `python scripts/bench_quality.py`  ",
-        f"Machine: {platform.processor() or platform.machine()}, Python "
-        f"{platform.python_version()}, {os.cpu_count()} cores, load average {load:.1f} at the "
-        f"start (a shared machine), run {time.strftime('%Y-%m-%d')}, {total_s:.0f} s in all "
-        "(profiling included)",
+        f"Command: {run.command_text}  ",
+        f"Machine: {harness.machine()}, Python {harness.python_version()}, {harness.cores()} "
+        f"cores, load average {run.load_before:.1f} at the start (a shared machine), run "
+        f"{harness.today()}, {total_s:.0f} s in all (profiling included)",
         "",
-        "Graphs: zoo presets profiled with fake tensors (`profiling.export.export_graph`, bf16, "
-        "batch 1). Ours: `solver.plan` with default options (max slowdown 1.25 against the "
-        "fastest plan that fits, ZeRO 0, micro-batch 1/2/4, no recompute, megatron runtime). "
-        "Every baseline splits the same config as our plan and is evaluated by the same cost "
-        "model. Reduction = (baseline peak - our peak) / baseline peak, with our plan's peak "
-        "(`*_pct`, `reduction_pct`) and with our memory-only optimum of the same config "
-        "(`ours-memory`: the exact minimum without the throughput constraint, which the baselines "
-        "are not held to either; `*/mem`, `*_memory_only_pct`). A baseline may beat our "
-        "plan's peak when it is slower than the plan's throughput constraint allows "
-        "(`meets_constraint` = no); it never beats the memory-only optimum. "
-        "`met_memory_only` compares the memory-only optimum's median with its target "
-        "(partitioner against partitioner), `met_default_plan` the default plan's.",
+        *SUITE_TEXT,
         "",
         "## Median reduction of the peak per GPU across the suite",
         "",
-        *markdown_table(median_rows, list(median_rows[0]), ".1f"),
+        *markdown_table(medians, list(medians[0]), ".1f"),
         "",
         "## Reduction per case (%)",
         "",
-        *markdown_table(summaries, summary_cols, ".1f"),
+        *markdown_table(summaries, SUMMARY_COLUMNS, ".1f"),
         "",
         "## Largest GPT-3-shaped model on 64 x 80 GiB (global batch 128)",
         "",
@@ -420,14 +411,7 @@ def main() -> int:
         "",
         *markdown_table(largest, list(largest[0]), ".3f"),
         "",
-        "## Selective recomputation vs Megatron's full recomputation",
-        "",
-        "Our plan with `--recompute auto` (the recomputed layers chosen jointly with the split) "
-        "vs `--recompute full` (every layer, Megatron's `--recompute-granularity full`), default "
-        "options otherwise (max slowdown 1.25: each mode's throughput floor is relative to the "
-        "fastest plan that fits in that mode, so plain auto must be faster than full), 60 s "
-        "time limit; `auto at full's throughput` holds auto to the full plan's throughput "
-        "instead (the same floor for both).",
+        *RECOMPUTE_TEXT,
         "",
         *markdown_table(recompute, list(recompute[0]), ".3f"),
         "",
@@ -440,11 +424,37 @@ def main() -> int:
         "",
         "## All rows",
         "",
-        *markdown_table(rows, columns, ".3f"),
+        *markdown_table(rows, COLUMNS, ".3f"),
         "",
     ]
-    write_report(args.out, "bench_quality.md", lines, note=f" in {total_s:.0f} s")
+    harness.write_report(args.out, "bench_quality.md", lines, note=f" in {total_s:.0f} s")
     return 0
+
+
+SUITE_TEXT = [
+    "Graphs: zoo presets profiled with fake tensors (`profiling.export.export_graph`, bf16, "
+    "batch 1). Ours: `solver.plan` with default options (max slowdown 1.25 against the "
+    "fastest plan that fits, ZeRO 0, micro-batch 1/2/4, no recompute, megatron runtime). "
+    "Every baseline splits the same config as our plan and is evaluated by the same cost "
+    "model. Reduction = (baseline peak - our peak) / baseline peak, with our plan's peak "
+    "(`*_pct`, `reduction_pct`) and with our memory-only optimum of the same config "
+    "(`ours-memory`: the exact minimum without the throughput constraint, which the baselines "
+    "are not held to either; `*/mem`, `*_memory_only_pct`). A baseline may beat our "
+    "plan's peak when it is slower than the plan's throughput constraint allows "
+    "(`meets_constraint` = no); it never beats the memory-only optimum. "
+    "`met_memory_only` compares the memory-only optimum's median with its target "
+    "(partitioner against partitioner), `met_default_plan` the default plan's."
+]
+RECOMPUTE_TEXT = [
+    "## Selective recomputation vs Megatron's full recomputation",
+    "",
+    "Our plan with `--recompute auto` (the recomputed layers chosen jointly with the split) "
+    "vs `--recompute full` (every layer, Megatron's `--recompute-granularity full`), default "
+    "options otherwise (max slowdown 1.25: each mode's throughput floor is relative to the "
+    "fastest plan that fits in that mode, so plain auto must be faster than full), 60 s "
+    "time limit; `auto at full's throughput` holds auto to the full plan's throughput "
+    "instead (the same floor for both).",
+]
 
 
 if __name__ == "__main__":

@@ -18,26 +18,21 @@ benchmarks/bench_schedule_time.md and .csv; :func:`headline_rows` gives issue 18
 
 from __future__ import annotations
 
-import argparse
-import csv
 import json
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
+from harness import ROOT, markdown_table
 
-from tables import markdown_table, write_report  # noqa: E402  (scripts/ is sys.path[0] when run as a script)
-
-from solver import Cluster, ParallelConfig, TrainingConfig, evaluate  # noqa: E402
-from solver.costs import layer_costs  # noqa: E402
-from solver.costs.schedule_time import schedule_timeline, simulate_schedule  # noqa: E402
-from solver.graph import graph_from_dict  # noqa: E402
+from solver import Cluster, ParallelConfig, TrainingConfig, evaluate
+from solver.costs import layer_costs
+from solver.costs.schedule_time import schedule_timeline, simulate_schedule
+from solver.graph import graph_from_dict
 
 COMMAND = "python scripts/bench_schedule_time.py"
 FORWARD_MS = [0.3] + [1.0] * 16 + [1.5]
@@ -275,20 +270,20 @@ def torch_rows() -> list[dict]:
     return rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(ROOT / "benchmarks"))
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser(__doc__)
     parser.add_argument(
         "--torch", action="store_true", help="also time torch's schedules with sleeping stages"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    started = harness.Run.start(__file__, argv)
     rows = run()
     measured = torch_rows() if args.torch else []
     stats = summary(rows)
     lines = [
         "# Iteration time: bubble formula vs schedule simulation",
         "",
-        f"Command: `{COMMAND}{' --torch' if args.torch else ''}` (the formula and simulation "
+        f"Command: {started.command_text} (the formula and simulation "
         "tables are deterministic and take seconds; `--torch` runs torch for a few minutes).",
         "",
         "A synthetic chain with known per-sample times and no communication: embedding 0.3 ms,",
@@ -340,18 +335,18 @@ def main() -> int:
             *markdown_table(measured, list(measured[0])),
             "",
         ]
-    write_report(args.out, "bench_schedule_time.md", lines)
-    with open(Path(args.out) / "bench_schedule_time.csv", "w", newline="") as stream:
-        writer = csv.DictWriter(stream, fieldnames=[*COLUMNS, "command"])
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({c: row[c] for c in COLUMNS} | {"command": COMMAND})
+    harness.write_report(args.out, "bench_schedule_time.md", lines)
+    harness.write_csv(
+        args.out / "bench_schedule_time.csv",
+        ({c: row[c] for c in COLUMNS} | {"command": COMMAND} for row in rows),
+        [*COLUMNS, "command"],
+    )
     if measured:
-        with open(Path(args.out) / "bench_schedule_time_torch.csv", "w", newline="") as stream:
-            writer = csv.DictWriter(stream, fieldnames=[*measured[0], "command"])
-            writer.writeheader()
-            for row in measured:
-                writer.writerow(row | {"command": f"{COMMAND} --torch"})
+        harness.write_csv(
+            args.out / "bench_schedule_time_torch.csv",
+            (row | {"command": f"{COMMAND} --torch"} for row in measured),
+            [*measured[0], "command"],
+        )
     return 0
 
 
@@ -362,8 +357,7 @@ def headline_rows(out_dir: str | Path = ROOT / "benchmarks") -> list[dict]:
     path = Path(out_dir) / "bench_schedule_time.csv"
     if not path.exists():
         return []
-    with open(path, newline="") as stream:
-        rows = [r for r in csv.DictReader(stream) if r["v"] == "1"]
+    rows = [r for r in harness.read_csv(path) if r["v"] == "1"]
     result = []
     for even in (True, False):
         values = [
@@ -380,8 +374,7 @@ def headline_rows(out_dir: str | Path = ROOT / "benchmarks") -> list[dict]:
         )
     torch_path = Path(out_dir) / "bench_schedule_time_torch.csv"
     if torch_path.exists():
-        with open(torch_path, newline="") as stream:
-            measured = list(csv.DictReader(stream))
+        measured = harness.read_csv(torch_path)
         simulated = [abs(float(r["simulated error %"])) for r in measured]
         formula = [abs(float(r["formula error %"])) for r in measured]
         result.append(

@@ -21,35 +21,26 @@ Targets: exact >= 10x faster than brute force from 24 layers x 8 stages upward; 
 
 from __future__ import annotations
 
-import argparse
-import csv
 import importlib
 import itertools
 import math
-import os
-import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import harness
 import numpy as np
+from harness import GIB, markdown_table
+from make_examples import gpt
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from solver import Cluster, InfeasibleError, ParallelConfig, TrainingConfig, plan
+from solver.backends.chain import solve_chain
+from solver.backends.problem import StageProblem
+from solver.costs import LayerCosts, layer_costs, stage_costs
+from solver.graph import graph_from_dict
+from solver.report.baselines import capslog_split
 
-from make_examples import gpt  # noqa: E402  (scripts/ is on sys.path when run as a script)
-from tables import markdown_table, write_report  # noqa: E402
-
-from solver import Cluster, InfeasibleError, ParallelConfig, TrainingConfig, plan  # noqa: E402
-from solver.backends.chain import solve_chain  # noqa: E402
-from solver.backends.problem import StageProblem  # noqa: E402
-from solver.costs import LayerCosts, layer_costs, stage_costs  # noqa: E402
-from solver.graph import graph_from_dict  # noqa: E402
-from solver.report.baselines import capslog_split  # noqa: E402
-
-GIB = 2**30
 BRUTE_FORCE_MAX = 5_000_000
 """Contiguous splits the brute force enumerates at most (about 20 s on one core here)."""
 BATCH = 200_000
@@ -184,11 +175,8 @@ def brute_force(costs: LayerCosts) -> tuple[int, float]:
 
 
 def timed(function, repeats: int):
-    walls, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = function()
-        walls.append(time.perf_counter() - start)
+    """(the last result, the median wall seconds) of ``repeats`` calls."""
+    result, walls = harness.repeat(function, repeats)
     return result, statistics.median(walls)
 
 
@@ -224,7 +212,7 @@ def search_row(num_layers: int, num_gpus: int) -> dict:
     graph = gpt_chain(num_layers, hidden, heads)
     training = TrainingConfig(global_batch=max(512, 2 * num_gpus))
     cluster = Cluster(num_gpus=num_gpus, gpu_memory_bytes=80 * GIB)
-    start = time.perf_counter()
+    clock = harness.Stopwatch()
     row = {
         "layers": num_layers,
         "hidden": hidden,
@@ -235,12 +223,12 @@ def search_row(num_layers: int, num_gpus: int) -> dict:
         result = plan(graph, cluster, training, time_limit_s=300)
     except InfeasibleError as error:
         return row | {
-            "wall_s": time.perf_counter() - start,
+            "wall_s": clock.wall_s,
             "status": "INFEASIBLE",
             "peak_gib": error.best_peak_bytes / GIB,
         }
     return row | {
-        "wall_s": time.perf_counter() - start,
+        "wall_s": clock.wall_s,
         "status": result.solver.status,
         "config": result.config.label(),
         "configs": f"{result.solver.configs_total}/{result.solver.configs_solved}/"
@@ -249,19 +237,41 @@ def search_row(num_layers: int, num_gpus: int) -> dict:
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks")
-    args = parser.parse_args()
-    started, load = time.perf_counter(), os.getloadavg()[0]
-    chain_rows, brute_rate = [], []
+CHAIN_COLUMNS = [
+    "graph",
+    "layers",
+    "stages",
+    "splits",
+    "exact_s",
+    "capslog_s",
+    "capslog_over_optimum_pct",
+    "brute_force_s",
+    "brute_force",
+    "brute_over_exact",
+]
+SEARCH_COLUMNS = [
+    "layers",
+    "hidden",
+    "gpus",
+    "global_batch",
+    "wall_s",
+    "status",
+    "config",
+    "configs",
+    "peak_gib",
+]
+
+
+def all_chain_rows() -> list[dict]:
+    """Every ``CHAIN_CASES`` case on a GPT chain and on a random one."""
+    rows, brute_rate = [], []
     for num_layers, stages in CHAIN_CASES:
         for kind, graph in (
             ("gpt", gpt_chain(num_layers)),
             ("random", random_chain(num_layers, seed=num_layers * 1000 + stages)),
         ):
             row = chain_row(kind, graph, stages, brute_rate)
-            chain_rows.append(row)
+            rows.append(row)
             print(
                 f"{kind:6s} {num_layers:5d} x {stages:3d}: exact {row['exact_s'] * 1e3:.1f} ms, "
                 f"capslog {row['capslog_s'] * 1e3:.1f} ms "
@@ -269,62 +279,31 @@ def main() -> int:
                 f"{row['brute_force_s']:.3g} s ({row['brute_force']})",
                 flush=True,
             )
-    search_rows = []
+    return rows
+
+
+def all_search_rows() -> list[dict]:
+    """The full hybrid searches of both chains on every ``SEARCH_GPUS`` count."""
+    rows = []
     for num_layers in SEARCH_SHAPES:
         for num_gpus in SEARCH_GPUS:
             row = search_row(num_layers, num_gpus)
-            search_rows.append(row)
+            rows.append(row)
             print(
                 f"search {num_layers} layers {num_gpus} GPUs: {row['wall_s']:.2f} s "
                 f"{row['status']} {row.get('config', '')}",
                 flush=True,
             )
-    total_s = time.perf_counter() - started
-    args.out.mkdir(parents=True, exist_ok=True)
-    chain_cols = [
-        "graph",
-        "layers",
-        "stages",
-        "splits",
-        "exact_s",
-        "capslog_s",
-        "capslog_over_optimum_pct",
-        "brute_force_s",
-        "brute_force",
-        "brute_over_exact",
-    ]
-    search_cols = [
-        "layers",
-        "hidden",
-        "gpus",
-        "global_batch",
-        "wall_s",
-        "status",
-        "config",
-        "configs",
-        "peak_gib",
-    ]
-    with open(args.out / "bench_search.csv", "w", newline="") as stream:
-        writer = csv.DictWriter(
-            stream, fieldnames=["table", *chain_cols, *search_cols[2:]], extrasaction="ignore"
-        )
-        writer.writeheader()
-        writer.writerows({"table": "chain", **row} for row in chain_rows)
-        writer.writerows({"table": "search", **row} for row in search_rows)
+    return rows
+
+
+def headlines(chain_rows: list[dict], search_rows: list[dict]) -> list[str]:
+    """The targets' lines: exact vs brute force, CAPSlog's excess, the 1000-layer search."""
     measured = [r for r in chain_rows if r["brute_force"].startswith("measured")]
     from_24x8 = [r for r in chain_rows if (r["layers"], r["stages"]) >= (24, 8)]
     greedy = [r["capslog_over_optimum_pct"] for r in chain_rows]
     big = [r for r in search_rows if r["layers"] == 1000 and r["gpus"] == 4096]
-    lines = [
-        "# Search speed and optimality",
-        "",
-        "Command: `python scripts/bench_search.py`  ",
-        f"Machine: {platform.processor() or platform.machine()}, Python "
-        f"{platform.python_version()}, {os.cpu_count()} cores, load average {load:.1f} at the "
-        f"start (a shared machine), run {time.strftime('%Y-%m-%d')}, {total_s:.0f} s in all",
-        "",
-        "## Headlines",
-        "",
+    return [
         f"- Exact vs brute force from 24 layers x 8 stages upward: at least "
         f"{min(r['brute_over_exact'] for r in from_24x8):.0f}x faster (measured brute force: "
         f"{min((r['brute_over_exact'] for r in measured if r in from_24x8), default=math.nan):.0f}x"
@@ -332,6 +311,33 @@ def main() -> int:
         f"- CAPSlog greedy peak above the optimum: median {statistics.median(greedy):.2f}%, "
         f"max {max(greedy):.2f}% over {len(greedy)} chains.",
         f"- 1000-layer full hybrid search on 4096 GPUs: {big[0]['wall_s']:.2f} s (target < 10 s).",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = harness.parser(__doc__).parse_args(argv)
+    run = harness.Run.start(__file__, argv)
+    chain_rows = all_chain_rows()
+    search_rows = all_search_rows()
+    total_s = run.elapsed_s
+    harness.write_csv(
+        args.out / "bench_search.csv",
+        [{"table": "chain", **row} for row in chain_rows]
+        + [{"table": "search", **row} for row in search_rows],
+        ["table", *CHAIN_COLUMNS, *SEARCH_COLUMNS[2:]],
+        extrasaction="ignore",
+    )
+    lines = [
+        "# Search speed and optimality",
+        "",
+        f"Command: {run.command_text}  ",
+        f"Machine: {harness.machine()}, Python {harness.python_version()}, {harness.cores()} "
+        f"cores, load average {run.load_before:.1f} at the start (a shared machine), run "
+        f"{harness.today()}, {total_s:.0f} s in all",
+        "",
+        "## Headlines",
+        "",
+        *headlines(chain_rows, search_rows),
         "",
         "## Issue 17: always an answer, in seconds",
         "",
@@ -346,16 +352,16 @@ def main() -> int:
         f"of them, run up to {BRUTE_FORCE_MAX:.0e} splits, beyond that its time is splits / the "
         "fastest measured rate (an estimate). Times are medians of 3 runs (brute force: 1).",
         "",
-        *markdown_table(chain_rows, chain_cols, ".4g"),
+        *markdown_table(chain_rows, CHAIN_COLUMNS, ".4g"),
         "",
         "## Full hybrid searches (`solver.plan`, default options, 80 GiB GPUs)",
         "",
         "configs = total/solved/pruned.",
         "",
-        *markdown_table(search_rows, search_cols, ".3f"),
+        *markdown_table(search_rows, SEARCH_COLUMNS, ".3f"),
         "",
     ]
-    write_report(args.out, "bench_search.md", lines, note=f" in {total_s:.0f} s")
+    harness.write_report(args.out, "bench_search.md", lines, note=f" in {total_s:.0f} s")
     return 0
 
 

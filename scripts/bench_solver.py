@@ -11,27 +11,19 @@ Targets: 400 layers on 1024 GPUs under 5 s median; 2000 x 128 well under a secon
 
 from __future__ import annotations
 
-import argparse
-import csv
-import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+import harness
+from harness import GIB, markdown_table
+from make_examples import gpt
 
-from make_examples import gpt  # noqa: E402
-from tables import markdown_table, write_report  # noqa: E402
+from solver import Cluster, InfeasibleError, ParallelConfig, TrainingConfig, plan
+from solver.backends.chain import solve_chain
+from solver.backends.problem import StageProblem
+from solver.costs import layer_costs
+from solver.report.plan_report import meets_throughput
 
-from solver import Cluster, InfeasibleError, ParallelConfig, TrainingConfig, plan  # noqa: E402
-from solver.backends.chain import solve_chain  # noqa: E402
-from solver.backends.problem import StageProblem  # noqa: E402
-from solver.costs import layer_costs  # noqa: E402
-from solver.report.plan_report import meets_throughput  # noqa: E402
-
-GIB = 2**30
 # total layers (blocks + embedding + head) -> hidden size, heads: realistic shapes per depth
 SHAPES = {24: (4096, 32), 96: (12288, 96), 400: (4096, 32), 2000: (2048, 16)}
 GPU_COUNTS = (8, 64, 512, 1024, 4096)
@@ -113,11 +105,7 @@ def time_chain_solves(graph, stages: int, repeats: int, with_budget: bool) -> di
         fastest = solve_chain(StageProblem(costs=costs, objective="time"))
         budget = int(fastest.objective * 1.1)
     problem = StageProblem(costs=costs, iteration_budget_ns=budget)
-    walls = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        solution = solve_chain(problem)
-        walls.append(time.perf_counter() - start)
+    solution, walls = harness.repeat(lambda: solve_chain(problem), repeats)
     peak = None if solution.objective is None else solution.objective / GIB
     return {
         "layers": graph.num_layers,
@@ -130,72 +118,78 @@ def time_chain_solves(graph, stages: int, repeats: int, with_budget: bool) -> di
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="24 and 96 layers only")
-    args = parser.parse_args()
-    sizes = (24, 96) if args.quick else tuple(SHAPES)
-    search_rows = []
+SEARCH_COLUMNS = [
+    "layers",
+    "gpus",
+    "global_batch",
+    "wall_s_median",
+    "status",
+    "config",
+    "configs",
+    "peak_gib",
+    "throughput",
+    "even_peak_gib",
+    "params_peak_gib",
+    "vs_even_pct",
+    "vs_params_pct",
+    "even_ok",
+    "params_ok",
+]
+CHAIN_COLUMNS = ["layers", "stages", "budget", "status", "peak_gib", "wall_s_median"]
+
+
+def search_rows(sizes: tuple[int, ...], repeats: int) -> list[dict]:
+    """The full searches of every chain size on every GPU count (2000 layers: one run each)."""
+    rows = []
     for num_layers in sizes:
         graph = chain_graph(num_layers)
         for num_gpus in GPU_COUNTS:
-            repeats = args.repeats if num_layers <= 400 else 1
-            row = time_search(graph, num_gpus, repeats)
-            search_rows.append(row)
+            row = time_search(graph, num_gpus, repeats if num_layers <= 400 else 1)
+            rows.append(row)
             print(
                 f"{num_layers:5d} layers {num_gpus:5d} GPUs: {row['wall_s_median']:.2f} s "
                 f"{row['status']} {row['config']} peak {row['peak_gib']:.2f} GiB "
                 f"vs even {row.get('vs_even_pct', float('nan')):+.1f}%",
                 flush=True,
             )
-    chain_rows = []
-    big = chain_graph(2000 if not args.quick else 96)
+    return rows
+
+
+def chain_rows(num_layers: int) -> list[dict]:
+    """Exact chain solves of one chain into 8, 32 and 128 stages, without and with a budget."""
+    rows = []
+    big = chain_graph(num_layers)
     for stages in (s for s in (8, 32, 128) if s <= big.num_layers):
         for with_budget in (False, True):
             row = time_chain_solves(big, stages, 5, with_budget)
-            chain_rows.append(row)
+            rows.append(row)
             print(
                 f"chain {row['layers']} x {stages} budget {row['budget']}: "
                 f"{row['wall_s_median'] * 1e3:.1f} ms",
                 flush=True,
             )
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = "python scripts/bench_solver.py" + (" --quick" if args.quick else "")
-    search_cols = [
-        "layers",
-        "gpus",
-        "global_batch",
-        "wall_s_median",
-        "status",
-        "config",
-        "configs",
-        "peak_gib",
-        "throughput",
-        "even_peak_gib",
-        "params_peak_gib",
-        "vs_even_pct",
-        "vs_params_pct",
-        "even_ok",
-        "params_ok",
-    ]
-    chain_cols = ["layers", "stages", "budget", "status", "peak_gib", "wall_s_median"]
-    with open(args.out / "bench_solver.csv", "w", newline="") as stream:
-        writer = csv.DictWriter(
-            stream,
-            fieldnames=["table", *search_cols, "repeats", "stages", "budget", "note"],
-            extrasaction="ignore",
-        )
-        writer.writeheader()
-        writer.writerows({"table": "search", **row} for row in search_rows)
-        writer.writerows({"table": "chain", **row} for row in chain_rows)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser(__doc__, quick="24 and 96 layers only")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    run = harness.Run.start(__file__, argv)
+    searches = search_rows((24, 96) if args.quick else tuple(SHAPES), args.repeats)
+    chains = chain_rows(96 if args.quick else 2000)
+    harness.write_csv(
+        args.out / "bench_solver.csv",
+        [{"table": "search", **row} for row in searches]
+        + [{"table": "chain", **row} for row in chains],
+        ["table", *SEARCH_COLUMNS, "repeats", "stages", "budget", "note"],
+        extrasaction="ignore",
+    )
     lines = [
         "# Solver benchmark",
         "",
-        f"Command: `{command}`  ",
-        f"Machine: {platform.processor() or platform.machine()}, Python "
-        f"{platform.python_version()}, run {time.strftime('%Y-%m-%d')}",
+        f"Command: {run.command_text}  ",
+        f"Machine: {harness.machine()}, Python {harness.python_version()}, run {harness.today()}",
         "",
         "## Full config search (80 GiB GPUs, 8 per node, max slowdown 1.25, ZeRO 0, micro-batch "
         "1/2/4)",
@@ -205,14 +199,14 @@ def main() -> int:
         "the throughput constraint (a split that misses the constraint can have a lower peak "
         "than the constrained optimum).",
         "",
-        *markdown_table(search_rows, search_cols, ".3f"),
+        *markdown_table(searches, SEARCH_COLUMNS, ".3f"),
         "",
         "## Per-config exact chain solves (memory objective)",
         "",
-        *markdown_table(chain_rows, chain_cols, ".3f"),
+        *markdown_table(chains, CHAIN_COLUMNS, ".3f"),
         "",
     ]
-    write_report(args.out, "bench_solver.md", lines)
+    harness.write_report(args.out, "bench_solver.md", lines)
     return 0
 
 

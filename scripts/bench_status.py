@@ -25,21 +25,13 @@ for ``scripts/bench_search.py``.
 
 from __future__ import annotations
 
-import argparse
-import csv
 import json
-import os
-import platform
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from tables import markdown_table, write_report  # noqa: E402
+import harness
+from harness import ROOT, markdown_table
 
 MODELS = {
     "gpt3-175b": 1536,
@@ -96,7 +88,9 @@ def profile(model: str, graphs: Path) -> Path:
     path = graphs / f"{model}.json"
     if not path.exists():
         command = [sys.executable, "-m", "profiling.export", model, "--out", str(path)]
-        subprocess.run(command, check=True, cwd=ROOT, capture_output=True, text=True)
+        done = harness.run_process(command)
+        if done.returncode != 0:
+            raise SystemExit(f"{model}: export failed: {done.stderr.strip()}")
     return path
 
 
@@ -107,10 +101,8 @@ def run_plan(graph: Path, flags: tuple[str, ...]) -> dict:
         out = Path(tmp) / "plan.json"
         command = [sys.executable, "-m", "solver.plan", str(graph), "--gpu-memory", "80GiB"]
         command += [*flags, "--json", str(out), "--quiet"]
-        started = time.perf_counter()
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-        wall = time.perf_counter() - started
-        row = {"exit": done.returncode, "wall_s": round(wall, 1)}
+        done = harness.run_process(command)
+        row = {"exit": done.returncode, "wall_s": round(done.wall_s, 1)}
         if done.returncode == 0:
             solver = json.loads(out.read_text())["solver"]
             searches = solver.get("searches", [])
@@ -150,8 +142,7 @@ def headline_rows(out_dir: Path = ROOT / "benchmarks") -> list[dict]:
     path = Path(out_dir) / "bench_status.csv"
     if not path.exists():
         return []
-    with path.open() as handle:
-        rows = list(csv.DictReader(handle))
+    rows = harness.read_csv(path)
     zoo = [r for r in rows if r["part"] == "zoo"]
     exits = {code: sum(r["exit"] == code for r in zoo) for code in ("0", "3", "4")}
     headline = [
@@ -180,31 +171,9 @@ def headline_rows(out_dir: Path = ROOT / "benchmarks") -> list[dict]:
     return headline
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS), help="zoo presets (of MODELS)")
-    parser.add_argument("--gpus", default=",".join(map(str, GPUS)), help="GPU counts")
-    parser.add_argument("--graphs", default=str(Path(tempfile.gettempdir()) / "bench_status"))
-    parser.add_argument("--no-cases", action="store_true", help="skip the issue's cases")
-    parser.add_argument("--no-zoo", action="store_true", help="skip the zoo runs")
-    parser.add_argument("--no-cost", action="store_true", help="skip the pass-cost runs")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks"))
-    args = parser.parse_args()
-    graphs = Path(args.graphs)
-    graphs.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for model in [] if args.no_zoo else args.models.split(","):
-        graph = profile(model, graphs)
-        for gpus in args.gpus.split(","):
-            flags = ("--gpus", gpus, "--global-batch", str(MODELS[model]))
-            row = {"part": "zoo", "case": f"{model}, {gpus} GPUs"} | run_plan(graph, flags)
-            print(row, flush=True)
-            rows.append(row)
-    for name, model, flags in () if args.no_cases else CASES:
-        row = {"part": "case", "case": name} | run_plan(profile(model, graphs), flags)
-        print(row, flush=True)
-        rows.append(row)
-    cost_cases = [
+def cost_cases(graphs: Path) -> list[tuple]:
+    """(name, graph, GPUs, global batch, flags) of the incumbent pass's cost runs."""
+    return [
         (f"gpt3-175b (examples/), {gpus} GPUs, {option}", EXAMPLE, gpus, 1536, flags)
         for option, flags in COST_OPTIONS.items()
         for gpus in COST_GPUS
@@ -212,27 +181,50 @@ def main() -> int:
         (f"t5-11b, {gpus} GPUs, default", profile("t5-11b", graphs), gpus, 4096, ())
         for gpus in COST_GPUS[:3]
     ]
-    for name, graph, gpus, batch, flags in () if args.no_cost else cost_cases:
+
+
+def all_rows(args, graphs: Path) -> list[dict]:
+    """The zoo runs, the issue's cases and the cost runs, as ``args`` selects them."""
+    rows = []
+    for model in [] if args.no_zoo else args.models.split(","):
+        graph = profile(model, graphs)
+        for gpus in args.gpus.split(","):
+            flags = ("--gpus", gpus, "--global-batch", str(MODELS[model]))
+            rows.append({"part": "zoo", "case": f"{model}, {gpus} GPUs"} | run_plan(graph, flags))
+            print(rows[-1], flush=True)
+    for name, model, flags in () if args.no_cases else CASES:
+        rows.append({"part": "case", "case": name} | run_plan(profile(model, graphs), flags))
+        print(rows[-1], flush=True)
+    for name, graph, gpus, batch, flags in () if args.no_cost else cost_cases(graphs):
         flags = ("--gpus", str(gpus), "--global-batch", str(batch), "--time-limit", "10", *flags)
-        row = {"part": "cost", "case": name} | run_plan(graph, flags)
-        print(row, flush=True)
-        rows.append(row)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+        rows.append({"part": "cost", "case": name} | run_plan(graph, flags))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser(__doc__)
+    parser.add_argument("--models", default=",".join(MODELS), help="zoo presets (of MODELS)")
+    parser.add_argument("--gpus", default=",".join(map(str, GPUS)), help="GPU counts")
+    parser.add_argument("--graphs", default=str(Path(tempfile.gettempdir()) / "bench_status"))
+    parser.add_argument("--no-cases", action="store_true", help="skip the issue's cases")
+    parser.add_argument("--no-zoo", action="store_true", help="skip the zoo runs")
+    parser.add_argument("--no-cost", action="store_true", help="skip the pass-cost runs")
+    args = parser.parse_args(argv)
+    run = harness.Run.start(__file__, argv)
+    graphs = Path(args.graphs)
+    graphs.mkdir(parents=True, exist_ok=True)
+    rows = all_rows(args, graphs)
     fields = ["part", *COLUMNS, *COST_COLUMNS[3:], "command"]
-    with (out / "bench_status.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    harness.write_csv(args.out / "bench_status.csv", rows, fields, extrasaction="ignore")
     zoo = [r for r in rows if r["part"] == "zoo"]
-    command = "python scripts/bench_status.py " + " ".join(sys.argv[1:])
     lines = [
         "# A plan whenever one exists, and honest status",
         "",
-        f"Command: `{command.strip()}`",
+        f"Command: {run.command_text}",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs: wall "
-        "times are upper bounds), Python " + platform.python_version() + ".",
+        f"Machine: {harness.architecture()}, {harness.cores()} CPUs (shared with other jobs: "
+        f"wall times are upper bounds), Python {harness.python_version()}.",
         "",
         "## 1. Default flags on the zoo (80 GiB GPUs, 60 s default limit)",
         "",
@@ -253,7 +245,7 @@ def main() -> int:
         *markdown_table([r for r in rows if r["part"] == "cost"], COST_COLUMNS),
         "",
     ]
-    write_report(out, "bench_status.md", lines)
+    harness.write_report(args.out, "bench_status.md", lines)
     return 0
 
 

@@ -21,25 +21,16 @@ benchmarks/bench_sweep_ray.csv (one line per way: median wall, runs, points).
 
 from __future__ import annotations
 
-import argparse
-import csv
 import logging
-import os
-import platform
 import statistics
-import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+import harness
+from harness import GIB, ROOT, markdown_table
 
-from tables import markdown_table, write_report  # noqa: E402
+from solver import Cluster, TrainingConfig, load_graph
+from solver.sweep import sweep
 
-from solver import Cluster, TrainingConfig, load_graph  # noqa: E402
-from solver.sweep import sweep  # noqa: E402
-
-GIB = 2**30
 GPU_COUNTS = (64, 128, 256, 512, 1024, 2048, 4096)
 MEMORY = (80 * GIB,)
 GLOBAL_BATCH = 1536
@@ -58,12 +49,11 @@ def _timeless(rows: list[dict]) -> list[dict]:
 def timed(graph, repeats: int, **how) -> tuple[list[dict], list[float]]:
     """The rows of the sweep and the wall time (s) of each of ``repeats`` runs."""
     training = TrainingConfig(global_batch=GLOBAL_BATCH)
-    walls, rows = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        rows = sweep(graph, GPU_COUNTS, MEMORY, training, Cluster(num_gpus=1), **how)
-        walls.append(time.perf_counter() - start)
-    return rows, walls
+    cluster = Cluster(num_gpus=1)
+    rows, walls = harness.repeat(
+        lambda: sweep(graph, GPU_COUNTS, MEMORY, training, cluster, **how), repeats
+    )
+    return rows or [], walls
 
 
 def measure(workers: int, repeats: int) -> tuple[list[dict], list[dict]]:
@@ -107,8 +97,7 @@ def measure(workers: int, repeats: int) -> tuple[list[dict], list[dict]]:
 
 def headline_rows(out: Path = ROOT / "benchmarks") -> list[dict]:
     """Issue 17's point 6 row for benchmarks/bench_search.md, from the last run's CSV."""
-    with open(out / f"{NAME}.csv", newline="") as handle:
-        timing = {row["key"]: row for row in csv.DictReader(handle)}
+    timing = {row["key"]: row for row in harness.read_csv(Path(out) / f"{NAME}.csv")}
     started, running, local = timing["ray-started"], timing["ray-running"], timing["local"]
     return [
         {
@@ -136,38 +125,27 @@ def display(row: dict) -> dict:
     return {key: "-" if value is None else value for key, value in shown.items()}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks")
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser(__doc__)
     parser.add_argument("--workers", type=int, default=2, help="processes / Ray CPUs")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    load_before = os.getloadavg()[0]
+    args = parser.parse_args(argv)
+    run = harness.Run.start(__file__, argv)
     timing, rows = measure(args.workers, args.repeats)
-    load = max(load_before, os.getloadavg()[0])
+    load = max(run.load_before, harness.load_average())
     for line in timing:
         print(f"{line['way']}: {line['median_wall_s']} s ({line['walls_s']})")
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / f"{NAME}.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(timing[0]))
-        writer.writeheader()
-        writer.writerows(timing)
+    harness.write_csv(args.out / f"{NAME}.csv", timing, list(timing[0]))
     import ray
 
-    command = "python scripts/bench_sweep_ray.py" + "".join(
-        f" --{flag} {value}"
-        for flag, value, default in (("workers", args.workers, 2), ("repeats", args.repeats, 3))
-        if value != default
-    )
     lines = [
         "# Ray sweep benchmark",
         "",
-        f"Command: `{command}`  ",
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores ("
-        f"{len(os.sched_getaffinity(0))} usable by this run), Python "
-        f"{platform.python_version()}, Ray {ray.__version__}, run {time.strftime('%Y-%m-%d')}; "
-        f"1-minute load average {load:.1f} around the runs (the machine was shared with other "
-        "jobs, which slow every way down)",
+        f"Command: {run.command_text}  ",
+        f"Machine: {harness.machine()}, {harness.cores()} cores ({harness.usable_cores()} usable "
+        f"by this run), Python {harness.python_version()}, Ray {ray.__version__}, run "
+        f"{harness.today()}; 1-minute load average {load:.1f} around the runs (the machine was "
+        "shared with other jobs, which slow every way down)",
         "",
         f"examples/gpt3-175b.json at {len(GPU_COUNTS)} GPU counts "
         f"({', '.join(map(str, GPU_COUNTS))}) x 80 GiB = {len(rows)} points; global batch "
@@ -185,7 +163,7 @@ def main() -> int:
         *markdown_table([display(row) for row in rows], list(display(rows[0])), ".3f"),
         "",
     ]
-    write_report(args.out, f"{NAME}.md", lines, note=f" and {NAME}.csv")
+    harness.write_report(args.out, f"{NAME}.md", lines, note=f" and {NAME}.csv")
     return 0
 
 

@@ -29,26 +29,19 @@ Writes benchmarks/bench_time.md and .csv; :func:`headline_rows` gives issue 18's
 
 from __future__ import annotations
 
-import argparse
-import csv
 import dataclasses
 import json
 import os
-import platform
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import harness
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench_clean_timing import FP32, OVERRIDES, run_once  # noqa: E402  (scripts/ on sys.path)
-from tables import markdown_table, write_report  # noqa: E402
+from bench_clean_timing import FP32, OVERRIDES, run_once
+from harness import ROOT, markdown_table
 
 COMMAND = "python scripts/bench_time.py"
 THREADS = 1
@@ -353,30 +346,13 @@ def _write_plans(folder: Path, graph_path: Path, layouts: list[Layout], document
         (folder / f"{name}.json").write_text(json.dumps(document, indent=1))
 
 
-def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 layouts, 2 repeats: a smoke run")
-    parser.add_argument("--repeats", type=int, default=None, help="runs per layout (default 5)")
-    parser.add_argument("--step-iterations", type=int, default=3)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks"))
-    parser.add_argument(
-        "--plans",
-        default=None,
-        help="also write the graph and each layout's plan JSON here (for profiling.validate)",
-    )
-    args = parser.parse_args(argv)
+def measure(args, layouts: list[Layout], repeats: int) -> dict:
+    """Profile gpt-tiny, fit the link, evaluate every layout and run each ``repeats`` times,
+    round robin: the rows, the graph's timing, the link's one-way times and fit."""
     from profiling.export import export_graph
     from solver.graph import load_graph, timing_of
     from solver.report.plan_report import evaluation_to_dict
 
-    repeats = args.repeats or (2 if args.quick else 5)
-    layouts = [lay for lay in LAYOUTS if not args.quick or lay.name in QUICK]
-    command = " ".join([COMMAND, *(argv if argv is not None else sys.argv[1:])])
-    started, load_before = time.perf_counter(), _load()
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "gpt-tiny-6x256.json"
         export_graph(
@@ -397,37 +373,73 @@ def main(argv: list[str] | None = None) -> int:
                 runs[index].append(run_once(document, args.step_iterations))
             print(f"repeat {repeat + 1}/{repeats} done", flush=True)
         rows = [layout_row(*row) for row in zip(layouts, evaluations, runs, strict=True)]
-    elapsed, load_after = time.perf_counter() - started, _load()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "bench_time.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=[*COLUMNS, "command"])
-        writer.writeheader()
-        writer.writerows(row | {"command": command} for row in rows)
-    timing = timing_of(graph) or {}
-    stats = summary(rows)
+    return {
+        "rows": rows,
+        "timing": timing_of(graph) or {},
+        "one_way": one_way,
+        "latency_us": latency_us,
+        "gb_per_s": gb_per_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser(__doc__, quick="4 layouts, 2 repeats: a smoke run")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per layout (default 5)")
+    parser.add_argument("--step-iterations", type=int, default=3)
+    parser.add_argument(
+        "--plans",
+        default=None,
+        help="also write the graph and each layout's plan JSON here (for profiling.validate)",
+    )
+    args = parser.parse_args(argv)
+    run = harness.Run.start(__file__, argv)
+    repeats = args.repeats or (2 if args.quick else 5)
+    layouts = [lay for lay in LAYOUTS if not args.quick or lay.name in QUICK]
+    measured = measure(args, layouts, repeats)
+    rows = measured["rows"]
+    harness.write_csv(
+        args.out / "bench_time.csv",
+        (row | {"command": run.command} for row in rows),
+        [*COLUMNS, "command"],
+    )
+    lines = [
+        "# Step time: predicted (the plan's iteration_ms) vs measured (clean real runs)",
+        "",
+        f"{run.command_text}",
+        "",
+        f"{harness.node()}: {harness.cores()} CPUs, shared with other jobs; load average (1, 5, "
+        f"15 min) {run.loads_before} before, {harness.load_averages()} after; {THREADS} torch "
+        f"thread per rank and in the profile; {repeats} repeats x {args.step_iterations} clean "
+        f"iterations per layout, round robin; {run.elapsed_s:.0f} s.",
+        "",
+        *description(measured),
+        "",
+        *markdown_table(rows, COLUMNS),
+        "",
+        *conclusion(summary(rows)),
+    ]
+    harness.write_report(args.out, "bench_time.md", lines)
+    return 0
+
+
+def description(measured: dict) -> list[str]:
+    """The model, the profile's timing terms, the fitted link and the columns."""
+    timing = measured["timing"]
     per_size = ", ".join(
-        f"{size // 1024} KiB {t * 1e6:.0f} us" for size, t in zip(LINK_SIZES, one_way, strict=True)
+        f"{size // 1024} KiB {t * 1e6:.0f} us"
+        for size, t in zip(LINK_SIZES, measured["one_way"], strict=True)
     )
     given = "`intra_node_gb_per_s` and `p2p_latency_us`"
     if not cluster_takes_latency():
         given = "`intra_node_gb_per_s` (`Cluster` has no `p2p_latency_us` yet)"
-    lines = [
-        "# Step time: predicted (the plan's iteration_ms) vs measured (clean real runs)",
-        "",
-        f"`{command}`",
-        "",
-        f"{platform.node()}: {os.cpu_count()} CPUs, shared with other jobs; load average (1, 5, "
-        f"15 min) {load_before} before, {load_after} after; {THREADS} torch thread per rank and "
-        f"in the profile; {repeats} repeats x {args.step_iterations} clean iterations per "
-        f"layout, round robin; {elapsed:.0f} s.",
-        "",
+    return [
         "gpt-tiny 6 layers x 256 hidden, seq 128, vocab 2048, fp32, dropout 0, micro-batch 1, tp "
         "1, dp 1, torch runtime. Profiled with `--device cpu --threads 1`: "
         f"`optimizer_step_ns_per_param` {timing.get('optimizer_step_ns_per_param', 0):.2f}, "
         f"`microbatch_overhead_ns` {timing.get('microbatch_overhead_ns', 0):.0f}. Link (gloo, "
-        f"two local ranks, one-way time per message: {per_size}): latency {latency_us:.1f} us, "
-        f"bandwidth {gb_per_s:.2f} GB/s, given to the cluster as {given}.",
+        f"two local ranks, one-way time per message: {per_size}): latency "
+        f"{measured['latency_us']:.1f} us, bandwidth {measured['gb_per_s']:.2f} GB/s, given to "
+        f"the cluster as {given}.",
         "",
         "`predicted_ms`: `solver.evaluate(...).iteration_ns` of the fixed split on that cluster; "
         "`measured_ms`: `profiling.run.step_ms` (tracker off, slowest rank, median of the clean "
@@ -436,17 +448,17 @@ def main(argv: list[str] | None = None) -> int:
         "(embedding, 6 blocks, head: 8 layers); `busiest_rank_cpu_ms`: the CPU time "
         "(`time.process_time`) of the busiest rank in a clean step, median: a step far above "
         "it waited, on a peer or for a CPU of this shared machine.",
-        "",
-        *markdown_table(rows, COLUMNS),
-        "",
+    ]
+
+
+def conclusion(stats: dict[str, str]) -> list[str]:
+    return [
         f"|error|: {stats['error']}; by split: {stats['even']}. Ranking: the prediction orders "
         f"{stats['ranking']} of the pairs whose measured times differ by more than the sum of "
         "their spreads. A pp 2 run needs both cores of this machine: while other jobs run (load "
         "above 1) its ranks wait for a CPU, and its `measured_ms` rises far above "
         "`busiest_rank_cpu_ms` plus the pipeline's own waits; run it on a quiet machine.",
     ]
-    write_report(out, "bench_time.md", lines)
-    return 0
 
 
 def headline_rows(out_dir: str | Path = ROOT / "benchmarks") -> list[dict]:
@@ -455,8 +467,7 @@ def headline_rows(out_dir: str | Path = ROOT / "benchmarks") -> list[dict]:
     path = Path(out_dir) / "bench_time.csv"
     if not path.exists():
         return []
-    with open(path, newline="") as stream:
-        rows = list(csv.DictReader(stream))
+    rows = harness.read_csv(path)
     if not rows:
         return []
     stats = summary(rows)

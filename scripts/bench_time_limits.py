@@ -24,20 +24,13 @@ Target: every run returns within its limit + 5 s. Writes benchmarks/bench_time_l
 
 from __future__ import annotations
 
-import argparse
-import os
-import platform
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from make_examples import gpt, t5_dag  # noqa: E402
-from tables import markdown_table, write_report  # noqa: E402
+import harness
+from harness import ROOT, markdown_table
+from make_examples import gpt, t5_dag
 
 SLACK_S = 5.0
 """A run may exceed its time limit by this much (interpreter start, reading, writing)."""
@@ -81,22 +74,14 @@ def run_measured(arguments: tuple[str, ...], limit_s: float) -> dict:
     """Run one case: its wall time, exit code, outcome line and peak resident memory (the
     child's own, ``os.wait4``)."""
     command = [sys.executable, *arguments, *COMMON, "--time-limit", f"{limit_s:g}"]
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        started = time.perf_counter()
-        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=err, text=True)
-        _, status, usage = os.wait4(process.pid, 0)
-        wall = time.perf_counter() - started
-        process.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        outcome = _outcome(out.read(), err.read())
+    done = harness.run_process(command)
     return {
-        "wall_s": round(wall, 1),
-        "over_limit_s": round(wall - limit_s, 1),
-        "within_target": "yes" if wall <= limit_s + SLACK_S else "NO",
-        "exit": process.returncode,
-        "peak_rss_mib": round(usage.ru_maxrss / 1024),  # KiB on Linux
-        "outcome": outcome,
+        "wall_s": round(done.wall_s, 1),
+        "over_limit_s": round(done.wall_s - limit_s, 1),
+        "within_target": "yes" if done.wall_s <= limit_s + SLACK_S else "NO",
+        "exit": done.returncode,
+        "peak_rss_mib": round(done.peak_rss_bytes / 2**20),
+        "outcome": _outcome(done.stdout, done.stderr),
     }
 
 
@@ -125,13 +110,25 @@ def write_graphs(folder: Path) -> tuple[str, str]:
     return str(chain), str(dag)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+COLUMNS = [
+    "case",
+    "time_limit_s",
+    "wall_s",
+    "over_limit_s",
+    "within_target",
+    "exit",
+    "peak_rss_mib",
+    "outcome",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser(__doc__)
     parser.add_argument("--limits", default="10,30", help="time limits to run, seconds")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    run = harness.Run.start(__file__, argv)
     limits = [float(text) for text in args.limits.split(",")]
-    began, loads = time.perf_counter(), [os.getloadavg()[0]]
+    loads = [run.load_before]
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         chain, dag = write_graphs(Path(folder))
@@ -139,34 +136,20 @@ def main() -> int:
             for limit in limits:
                 row = {"case": name, "time_limit_s": f"{limit:g}"}
                 row |= run_measured(arguments, limit)
-                loads.append(os.getloadavg()[0])
+                loads.append(harness.load_average())
                 print(
                     f"{name} @ {limit:g} s: {row['wall_s']} s, exit {row['exit']}: {row['outcome']}"
                 )
                 rows.append(row)
     missed = [r for r in rows if r["within_target"] != "yes"]
-    command = "python scripts/bench_time_limits.py" + (
-        f" --limits {args.limits}" if args.limits != "10,30" else ""
-    )
-    columns = [
-        "case",
-        "time_limit_s",
-        "wall_s",
-        "over_limit_s",
-        "within_target",
-        "exit",
-        "peak_rss_mib",
-        "outcome",
-    ]
     lines = [
         "# Time limits",
         "",
-        f"Command: `{command}`  ",
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}, run {time.strftime('%Y-%m-%d')}, "
-        f"{time.perf_counter() - began:.0f} s in all; 1-minute load average "
-        f"{min(loads):.1f}-{max(loads):.1f} during the runs (a shared machine: other processes "
-        "slow them down)",
+        f"Command: {run.command_text}  ",
+        f"Machine: {harness.machine()}, {harness.cores()} cores, Python "
+        f"{harness.python_version()}, run {harness.today()}, {run.elapsed_s:.0f} s in all; "
+        f"1-minute load average {min(loads):.1f}-{max(loads):.1f} during the runs (a shared "
+        "machine: other processes slow them down)",
         "",
         "Each run is the CLI as a subprocess: wall time from start to exit (interpreter start and "
         "graph reading included), exit code (0 plan, 2 bad input, 3 nothing fits, 4 time limit "
@@ -185,10 +168,10 @@ def main() -> int:
             + "; ".join(f"{r['case']} @ {r['time_limit_s']} s" for r in missed)
         ),
         "",
-        *markdown_table(rows, columns),
+        *markdown_table(rows, COLUMNS),
         "",
     ]
-    write_report(args.out, "bench_time_limits.md", lines)
+    harness.write_report(args.out, "bench_time_limits.md", lines)
     return 0 if not missed else 1
 
 

@@ -23,12 +23,10 @@ tensors, and the breakdown says which kind; requested << allocated means allocat
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import harness
 
 CASES = {
     "llama2-7b": ("zoo", {"layers": 4, "seq_len": 2048}, 1, None),
@@ -125,20 +123,23 @@ def check(name: str, device, tiny: bool) -> dict:
     return row
 
 
-def main() -> int:
-    import torch
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser(__doc__, out=None)
     parser.add_argument("--out", type=Path, default=Path("cuda_gap.json"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a dry run)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    run = harness.Run.start(__file__, argv)
+
+    import torch
+
     rows = []
     for name in args.cases:
         row = check(name, torch.device(args.device), args.tiny)
         rows.append(row)
-        args.out.write_text(json.dumps({"torch": torch.__version__, "cases": rows}, indent=1))
+        document = {"torch": torch.__version__, "command": run.command, "commit": run.commit}
+        args.out.write_text(json.dumps(document | {"cases": rows}, indent=1))
         print(
             f"{name}: predicted {row['predicted_peak_bytes']:,}, tracker "
             f"{row['tracker_peak_bytes']:,}, max_memory_allocated "

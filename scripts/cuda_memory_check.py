@@ -20,14 +20,12 @@ pipeline runs belong to the executor (``profiling.run``, checked by scripts/vali
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
 
 # (name, layers, hidden, heads, seq, vocab, micro_batch, num_microbatches)
 CASES = [
@@ -78,11 +76,12 @@ def build_model(layers: int, hidden: int, heads: int, seq: int, vocab: int, drop
     return GPT()
 
 
-def measure(out: Path, dropout: float) -> int:
+def measure(out: Path, dropout: float, run: harness.Run) -> int:
     import torch
 
     device = torch.device("cuda")
     results = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "cases": []}
+    results |= {"command": run.command, "commit": run.commit}
     for name, layers, hidden, heads, seq, vocab, micro_batch, num_micro in CASES:
         torch.manual_seed(0)
         model = build_model(layers, hidden, heads, seq, vocab, dropout).to(device, torch.bfloat16)
@@ -130,7 +129,6 @@ def measure(out: Path, dropout: float) -> int:
 
 
 def compare(measured_path: Path) -> int:
-    sys.path.insert(0, str(ROOT / "scripts"))
     from make_examples import gpt
 
     from solver import Cluster, ParallelConfig, TrainingConfig, evaluate
@@ -177,17 +175,17 @@ def compare(measured_path: Path) -> int:
     return 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser(__doc__, out=None)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("measure", help="run on a CUDA GPU (needs only torch)")
     run.add_argument("--out", type=Path, default=Path("measured.json"))
     run.add_argument("--dropout", type=float, default=0.1)
     check = sub.add_parser("compare", help="cost-model prediction vs a measured.json")
     check.add_argument("measured", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.command == "measure":
-        return measure(args.out, args.dropout)
+        return measure(args.out, args.dropout, harness.Run.start(__file__, argv))
     return compare(args.measured)
 
 

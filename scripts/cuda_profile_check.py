@@ -15,10 +15,11 @@ For each case (zoo presets, bf16):
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
+
+import harness
 
 CASES = {
     "gpt2-small": ({}, 4),
@@ -111,15 +112,18 @@ def check(name: str, overrides: dict, batch: int, device) -> dict:
     }
 
 
-def main() -> int:
-    import torch
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser(__doc__, out=None)
     parser.add_argument("--out", type=Path, default=Path("cuda_profile.json"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--presets", nargs="*", default=list(CASES))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    run = harness.Run.start(__file__, argv)
+
+    import torch
+
     results = {"torch": torch.__version__, "device": args.device, "cases": []}
+    results |= {"command": run.command, "commit": run.commit}
     if args.device == "cuda":
         results["gpu"] = torch.cuda.get_device_name()
     for name in args.presets:

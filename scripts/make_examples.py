@@ -42,10 +42,12 @@ Head (final LayerNorm + untied LM head + cross-entropy loss):
 
 from __future__ import annotations
 
-import argparse
+from collections.abc import Callable
 from itertools import pairwise
-from pathlib import Path
 from typing import Any
+
+import harness
+from harness import ROOT
 
 from solver.graph import LayerGraph, graph_from_dict
 
@@ -233,50 +235,8 @@ def resnet_skip_dag(*, image: int = 224, classes: int = 21843) -> LayerGraph:
         [(3, 64, 1), (4, 128, 2), (6, 256, 2), (3, 512, 2)], start=1
     ):
         r_in, r = r, r // stride
-        out_channels = 4 * mid
-        out_bytes = BF16 * r * r * out_channels
-        for b in range(num_blocks):
-            c_in, r_block = (channels, r_in) if b == 0 else (out_channels, r)
-            s_ = stride if b == 0 else 1
-            main = conv_units(
-                [
-                    (r_block, r_block, c_in, mid, 1, True),
-                    (r_block, r_block // s_, mid, mid, 3, True),
-                    (r, r, mid, out_channels, 1, False),
-                ]
-            )
-            name = f"conv{stage + 1}.{b}"
-            if b == 0:
-                main_name = add(
-                    {"name": f"{name}.main", "kind": "block", **main, "output_bytes": out_bytes},
-                    previous,
-                )
-                proj = conv_units([(r_block, r, c_in, out_channels, 1, False)])
-                proj_name = add(
-                    {"name": f"{name}.proj", "kind": "other", **proj, "output_bytes": out_bytes},
-                    previous,
-                )
-                # Residual add + ReLU: saves the ReLU output; 2 FLOPs per element.
-                previous = add(
-                    {
-                        "name": f"{name}.add",
-                        "kind": "other",
-                        "params": 0,
-                        "activation_bytes": out_bytes,
-                        "output_bytes": out_bytes,
-                        "fwd_flops": 2 * r * r * out_channels,
-                    },
-                    main_name,
-                    proj_name,
-                )
-            else:
-                # Identity shortcut inside the layer: add + ReLU saves one more map.
-                main["activation_bytes"] += out_bytes
-                main["fwd_flops"] += 2 * r * r * out_channels
-                previous = add(
-                    {"name": name, "kind": "block", **main, "output_bytes": out_bytes}, previous
-                )
-        channels = out_channels
+        previous = _resnet_stage(add, previous, stage, num_blocks, mid, stride, r_in, channels)
+        channels = 4 * mid
         if stage == 2:
             long_skip = previous
     # Head: average-pool conv5 (7x7x2048) and conv3 (28x28x512) to 2560 features, FC to the
@@ -302,6 +262,67 @@ def resnet_skip_dag(*, image: int = 224, classes: int = 21843) -> LayerGraph:
         "profiled_by": PROFILED_BY,
     }
     return _graph("resnet50-skip (closed form)", items, edges=edges, meta=meta)
+
+
+def _resnet_stage(
+    add: Callable[..., str],
+    previous: str,
+    stage: int,
+    num_blocks: int,
+    mid: int,
+    stride: int,
+    r_in: int,
+    channels: int,
+) -> str:
+    """One ResNet stage of ``num_blocks`` bottleneck blocks (width ``mid``, output 4 ``mid``
+    channels, the first block striding from side ``r_in``), each added after ``previous`` by
+    ``add``; the name of the stage's last layer. The first block is split into its main path,
+    its projection shortcut and the residual add (see :func:`resnet_skip_dag`)."""
+    r = r_in // stride
+    out_channels = 4 * mid
+    out_bytes = BF16 * r * r * out_channels
+    for b in range(num_blocks):
+        c_in, r_block = (channels, r_in) if b == 0 else (out_channels, r)
+        s_ = stride if b == 0 else 1
+        main = conv_units(
+            [
+                (r_block, r_block, c_in, mid, 1, True),
+                (r_block, r_block // s_, mid, mid, 3, True),
+                (r, r, mid, out_channels, 1, False),
+            ]
+        )
+        name = f"conv{stage + 1}.{b}"
+        if b == 0:
+            main_name = add(
+                {"name": f"{name}.main", "kind": "block", **main, "output_bytes": out_bytes},
+                previous,
+            )
+            proj = conv_units([(r_block, r, c_in, out_channels, 1, False)])
+            proj_name = add(
+                {"name": f"{name}.proj", "kind": "other", **proj, "output_bytes": out_bytes},
+                previous,
+            )
+            # Residual add + ReLU: saves the ReLU output; 2 FLOPs per element.
+            previous = add(
+                {
+                    "name": f"{name}.add",
+                    "kind": "other",
+                    "params": 0,
+                    "activation_bytes": out_bytes,
+                    "output_bytes": out_bytes,
+                    "fwd_flops": 2 * r * r * out_channels,
+                },
+                main_name,
+                proj_name,
+            )
+        else:
+            # Identity shortcut inside the layer: add + ReLU saves one more map.
+            main["activation_bytes"] += out_bytes
+            main["fwd_flops"] += 2 * r * r * out_channels
+            previous = add(
+                {"name": name, "kind": "block", **main, "output_bytes": out_bytes}, previous
+            )
+    return previous
 
 
 def _graph(
@@ -340,10 +361,8 @@ def build_examples() -> dict[str, LayerGraph]:
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent.parent / "examples")
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = harness.parser(__doc__, out=ROOT / "examples").parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     for filename, graph in build_examples().items():
         graph.save(args.out / filename)

@@ -17,20 +17,14 @@ Takes about 2-3 minutes on one H200 (process start-up and CUDA initialisation do
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
 import statistics
 import sys
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
+from harness import ROOT, markdown_table
 
-from tables import markdown_table  # noqa: E402  (scripts/ is on sys.path when run as a script)
-
-from profiling.calibrate import SMALL_GPT, Layout  # noqa: E402
+from profiling.calibrate import SMALL_GPT, Layout
 
 SEQ = 512
 """Sequence length of the CUDA runs (the preset's own would make gpt2-small's logits dominate)."""
@@ -49,30 +43,29 @@ def pct(predicted: int, measured: int | None) -> float | None:
     return None if not measured else round(100.0 * (predicted - measured) / measured, 2)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "out" / "validate_cuda")
-    parser.add_argument("--model", default="gpt2-small", help="zoo preset (default gpt2-small)")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    args = parser.parse_args()
+def rank_row(layout: Layout, split: str, report) -> dict:
+    """One rank of a run: the plan's peak against the tracker's and CUDA's (MiB, error %)."""
+    predicted = report.predicted_peak_bytes
+    cuda_bytes = report.cuda_max_allocated_bytes
+    return {
+        "layout": layout.label,
+        "split": split,
+        "rank": report.rank,
+        "stage": report.stage,
+        "predicted_mib": round(predicted / 2**20, 2),
+        "tracked_mib": round(report.measured_peak_bytes / 2**20, 2),
+        "cuda_max_allocated_mib": None if cuda_bytes is None else round(cuda_bytes / 2**20, 2),
+        "error_vs_tracked_pct": pct(predicted, report.measured_peak_bytes),
+        "error_vs_cuda_pct": pct(predicted, cuda_bytes),
+    }
 
-    import torch
 
-    from profiling.export import export_graph
+def run_layouts(graph, model: str, overrides: dict, gpus: int, device: str) -> list[dict]:
+    """Plan and run every layout the ``gpus`` can hold; one row per rank."""
     from profiling.run import run_plan
     from solver import Cluster, plan
     from solver.report.plan_report import plan_to_dict
 
-    cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        print("validate_cuda: no CUDA device (use --device cpu for a dry run)", file=sys.stderr)
-        return 2
-    gpus = torch.cuda.device_count() if cuda else 4
-    overrides = {"dropout": 0.0, "seq_len": SEQ} if cuda else dict(SMALL_GPT)
-    model = args.model if cuda else "gpt-tiny"
-    args.out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    graph = export_graph(model, dtype="fp32", overrides=overrides)
     rows = []
     for layout, needs in LAYOUTS:
         if needs > gpus:
@@ -87,62 +80,69 @@ def main() -> int:
             iterations=3,
             overrides=overrides,
             timeout_s=240,
-            device=args.device,
+            device=device,
         )
         for report in reports:
-            predicted = report.predicted_peak_bytes
-            rows.append(
-                {
-                    "layout": layout.label,
-                    "split": split,
-                    "rank": report.rank,
-                    "stage": report.stage,
-                    "predicted_mib": round(predicted / 2**20, 2),
-                    "tracked_mib": round(report.measured_peak_bytes / 2**20, 2),
-                    "cuda_max_allocated_mib": (
-                        None
-                        if report.cuda_max_allocated_bytes is None
-                        else round(report.cuda_max_allocated_bytes / 2**20, 2)
-                    ),
-                    "error_vs_tracked_pct": pct(predicted, report.measured_peak_bytes),
-                    "error_vs_cuda_pct": pct(predicted, report.cuda_max_allocated_bytes),
-                }
-            )
+            rows.append(rank_row(layout, split, report))
             print(rows[-1], flush=True)
-    wall = time.perf_counter() - started
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser(__doc__, out=ROOT / "out" / "validate_cuda")
+    parser.add_argument("--model", default="gpt2-small", help="zoo preset (default gpt2-small)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    args = parser.parse_args(argv)
+    run = harness.Run.start(__file__, argv)
+
+    import torch
+
+    from profiling.export import export_graph
+
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("validate_cuda: no CUDA device (use --device cpu for a dry run)", file=sys.stderr)
+        return 2
+    gpus = torch.cuda.device_count() if cuda else 4
+    overrides = {"dropout": 0.0, "seq_len": SEQ} if cuda else dict(SMALL_GPT)
+    model = args.model if cuda else "gpt-tiny"
+    graph = export_graph(model, dtype="fp32", overrides=overrides)
+    rows = run_layouts(graph, model, overrides, gpus, args.device)
     key = "error_vs_cuda_pct" if cuda else "error_vs_tracked_pct"
     errors = [abs(row[key]) for row in rows if row[key] is not None]
     summary = (
         f"{len(rows)} ranks: median |error| {statistics.median(errors):.1f}%, max "
-        f"{max(errors):.1f}% ({key}); {wall:.0f} s"
+        f"{max(errors):.1f}% ({key}); {run.elapsed_s:.0f} s"
         if errors
         else "no ranks ran"
     )
-    device_name = torch.cuda.get_device_name(0) if cuda else platform.machine()
+    device_name = torch.cuda.get_device_name(0) if cuda else harness.architecture()
     document = {
-        "command": "scripts/validate_cuda.sh " + " ".join(sys.argv[1:]),
+        "command": "scripts/validate_cuda.sh " + " ".join(run.argv),
+        "commit": run.commit,
         "device": device_name,
         "gpus": gpus,
         "torch": torch.__version__,
         "model": model,
         "overrides": overrides,
-        "date": time.strftime("%Y-%m-%d"),
+        "date": harness.today(),
         "summary": summary,
         "rows": rows,
     }
+    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "validate_cuda.json").write_text(json.dumps(document, indent=1) + "\n")
     lines = [
         f"# Predicted vs measured peak on {device_name} ({gpus} GPU(s), torch {torch.__version__})",
         "",
-        f"Command: `{document['command']}`; model {model} {overrides}, fp32 + Adam, "
-        "plans for `--runtime torch`. Negative error = the plan under-predicts.",
+        f"Command: `{document['command']}` (commit {run.commit}); model {model} {overrides}, "
+        "fp32 + Adam, plans for `--runtime torch`. Negative error = the plan under-predicts.",
         "",
         summary,
         "",
         *(markdown_table(rows, list(rows[0])) if rows else []),
         "",
     ]
-    (args.out / "validate_cuda.md").write_text("\n".join(lines))
+    harness.write_report(args.out, "validate_cuda.md", lines)
     print(summary)
     return 0
 

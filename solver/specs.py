@@ -7,14 +7,26 @@ A :class:`ParallelConfig` is one point of the search space; a plan is a config p
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any
 
 from solver.calibration import Calibration
-from solver.errors import InputError, quote
+from solver.checks import check_integer, check_real, count_text, is_int, require
+from solver.errors import quote
 from solver.files.jsonfile import check_name
+from solver.parallel import (
+    MAX_DEGREE,
+    MAX_VIRTUAL_STAGES,  # noqa: F401 (the degrees' limits, listed with the others here)
+    ParallelDims,
+    check_degree,
+    check_degree_choices,
+    check_dims,
+    check_expert_choices,
+    check_pins,
+    check_sequence_parallel_choice,
+)
 from solver.precision import (
     BYTE_FIELDS,
     DEFAULT_OPTIMIZER_IMPL,
@@ -74,6 +86,7 @@ group (utilization) or the largest stage peak in bytes (absolute)."""
 # Ranges of the inputs (docs/layer-graph.md, "Limits"). Far beyond any real cluster or job; they
 # keep the cost model's int64 products exact together with the graph's limits (solver.graph) and
 # make absurd values (1e30 bytes of GPU memory, infinite TFLOP/s) errors instead of answers.
+# The degrees' limits (MAX_DEGREE, MAX_VIRTUAL_STAGES) are solver.parallel's.
 MAX_GPUS = 2**32
 """GPUs in a cluster: refuses absurd counts such as 2^64 (what a large count costs to search is
 the time limit's business)."""
@@ -88,9 +101,6 @@ MAX_P2P_LATENCY_US = 1e6
 """Latency of one pipeline send, us: at most a second."""
 MAX_GLOBAL_BATCH = 2**24
 """Samples per step (also bounds micro-batch sizes and dp * b * m of a config)."""
-MAX_DEGREE = 2**24
-"""Pipeline, tensor- and data-parallel degrees and micro-batch counts."""
-MAX_VIRTUAL_STAGES = 1024
 MAX_BYTES_PER_PARAM = 256
 """Bytes per parameter for weights, gradients or optimizer state (fp32 Adam: 12)."""
 MAX_SLOWDOWN = 1000.0
@@ -132,12 +142,12 @@ class NodeGroup:
     """Latency of one pipeline send, us."""
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             isinstance(self.name, str) and bool(self.name),
             f"name must be a non-empty string, got {quote(self.name)}",
         )
         check_name(self.name, "node group", what="name")
-        _integer("num_nodes", self.num_nodes, 1, MAX_DEGREE)
+        check_integer("num_nodes", self.num_nodes, 1, MAX_DEGREE)
         _check_hardware(self)
 
     @property
@@ -198,12 +208,12 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if self.groups:
-            _require(
+            require(
                 self.num_gpus == sum(g.num_gpus for g in self.groups),
                 f"num_gpus({self.num_gpus}) != GPUs of the groups "
                 f"({sum(g.num_gpus for g in self.groups)})",
             )
-        _integer("num_gpus", self.num_gpus, 1, MAX_GPUS)
+        check_integer("num_gpus", self.num_gpus, 1, MAX_GPUS)
         _check_hardware(self)
 
 
@@ -263,7 +273,7 @@ class TrainingConfig:
     """Candidate context-parallel degrees c (Megatron-LM's ``--context-parallel-size``; each
     sequence split over c GPUs, pp x tp x cp x dp GPUs); (1, 2, 4) lets the search choose, one
     value pins it. c must divide the graph's sequence length
-    (``cost_model.check_context_parallel``)."""
+    (``parallel.check_context_parallel``)."""
     ep: tuple[int, ...] | None = None
     """Candidate expert-parallel degrees (Megatron's ``--expert-model-parallel-size``); each
     config takes those that divide its dp (the experts are sharded within the data-parallel
@@ -340,28 +350,6 @@ class TrainingConfig:
             self.precision or DEFAULT_PRECISION, self.optimizer, self.optimizer_impl
         )
 
-    def _check_experts(self) -> None:
-        """ep: None or a non-empty tuple of degrees; moe_capacity_factor: "dropless" or a
-        number in 1..MAX_CAPACITY_FACTOR."""
-        _require(
-            self.ep is None
-            or (
-                isinstance(self.ep, tuple)
-                and bool(self.ep)
-                and all(_is_int(e) and 1 <= e <= MAX_DEGREE for e in self.ep)
-            ),
-            f"ep must be None (auto) or integers in 1..{_count(MAX_DEGREE)}, got {quote(self.ep)}",
-        )
-        factor = self.moe_capacity_factor
-        if factor != MOE_DROPLESS:
-            _require(
-                isinstance(factor, numbers.Real)
-                and not isinstance(factor, bool)
-                and 1 <= factor <= MAX_CAPACITY_FACTOR,
-                f"moe_capacity_factor must be a number in 1..{MAX_CAPACITY_FACTOR:g} or "
-                f'"dropless", got {quote(factor)}',
-            )
-
     @property
     def memory_reserve(self) -> MemoryReserve:
         """The reserve in force: the given one, else none."""
@@ -372,65 +360,78 @@ class TrainingConfig:
         return self.memory_reserve.usable_bytes(capacity_bytes)
 
     def __post_init__(self) -> None:
-        _integer("global_batch", self.global_batch, 1, MAX_GLOBAL_BATCH)
-        _require(
+        """Check every field in a fixed order (the first problem is the error) and resolve the
+        fields whose None means "the table's" or "the runtime's"."""
+        self._check_search_space()
+        self._check_runtime()
+        self._resolve_bytes_per_param()
+        self._resolve_optimizer_and_gradients()
+        self._check_objectives()
+        for name in ("weight_bytes_per_param", "grad_bytes_per_param", "optimizer_bytes_per_param"):
+            check_integer(name, getattr(self, name), 0, MAX_BYTES_PER_PARAM)
+        check_pins({"pp": self.pp, "tp": self.tp, "dp": self.dp})
+        self._check_experts()
+        self._check_speed_limits()
+        self._check_attachments()
+
+    def _check_search_space(self) -> None:
+        """The batch and the candidate lists: micro-batch sizes, ZeRO stages, recompute,
+        virtual stages, cp degrees, schedule."""
+        check_integer("global_batch", self.global_batch, 1, MAX_GLOBAL_BATCH)
+        require(
             bool(self.micro_batch_sizes)
-            and all(_is_int(b) and 1 <= b <= MAX_GLOBAL_BATCH for b in self.micro_batch_sizes),
-            f"micro_batch_sizes must be integers in 1..{_count(MAX_GLOBAL_BATCH)}, got "
+            and all(is_int(b) and 1 <= b <= MAX_GLOBAL_BATCH for b in self.micro_batch_sizes),
+            f"micro_batch_sizes must be integers in 1..{count_text(MAX_GLOBAL_BATCH)}, got "
             f"{quote(self.micro_batch_sizes)}",
         )
-        _require(
+        require(
             bool(self.zero_stages) and all(z in ZERO_STAGES for z in self.zero_stages),
             f"zero_stages must be within 0..3, got {self.zero_stages}",
         )
-        _require(
+        require(
             self.recompute in RECOMPUTE_CHOICES,
             f"recompute must be one of {RECOMPUTE_CHOICES}, got {quote(self.recompute)}",
         )
-        _require(
-            bool(self.virtual_stages)
-            and all(_is_int(v) and 1 <= v <= MAX_VIRTUAL_STAGES for v in self.virtual_stages),
-            f"virtual_stages must be integers in 1..{MAX_VIRTUAL_STAGES}, got "
-            f"{quote(self.virtual_stages)}",
-        )
-        _require(
-            bool(self.cp) and all(_is_int(c) and 1 <= c <= MAX_DEGREE for c in self.cp),
-            f"cp must be integers in 1..{_count(MAX_DEGREE)}, got {quote(self.cp)}",
-        )
-        _require(
+        check_degree_choices("virtual_stages", self.virtual_stages)
+        check_degree_choices("cp", self.cp)
+        require(
             self.schedule == "1f1b" or self.virtual_stages == (1,),
             f"virtual stages {self.virtual_stages} need the 1f1b schedule (interleaved 1F1B), "
             f"got {quote(self.schedule)}",
         )
-        _require(
+        require(
             self.schedule in SCHEDULES,
             f"schedule must be one of {SCHEDULES}, got {quote(self.schedule)}",
         )
-        _require(
+
+    def _check_runtime(self) -> None:
+        """Memory model, runtime, output deallocation and sequence parallelism (its None
+        resolved to the runtime's default)."""
+        require(
             self.memory_model in MEMORY_MODELS,
             f"memory_model must be one of {MEMORY_MODELS}, got {quote(self.memory_model)}",
         )
-        _require(
+        require(
             self.runtime in RUNTIMES,
             f"runtime must be one of {RUNTIMES}, got {quote(self.runtime)}",
         )
-        _require(
+        require(
             isinstance(self.deallocate_pipeline_outputs, bool),
             f"deallocate_pipeline_outputs must be True or False, got "
             f"{quote(self.deallocate_pipeline_outputs)}",
         )
         if self.sequence_parallel is None:
             object.__setattr__(self, "sequence_parallel", default_sequence_parallel(self.runtime))
-        _require(
+        require(
             self.sequence_parallel in SEQUENCE_PARALLEL_CHOICES,
             f"sequence_parallel must be one of {SEQUENCE_PARALLEL_CHOICES}, got "
             f"{quote(self.sequence_parallel)}",
         )
-        _require(
-            self.sequence_parallel != "on" or self.tp != 1,
-            "--sequence-parallel on with pinned tp(1): sequence parallelism splits over the "
-            "tensor-parallel ranks; pin --tp > 1 or use --sequence-parallel auto or off",
-        )
+        check_sequence_parallel_choice(self.sequence_parallel, self.tp)
+
+    def _resolve_bytes_per_param(self) -> None:
+        """The byte fields left None take the table's value for the precision, optimizer and
+        runtime (``solver.precision``); ``bytes_from_table`` records which did."""
         check_precision_words(self.precision or DEFAULT_PRECISION, self.optimizer)
         table = bytes_per_param(self.precision or DEFAULT_PRECISION, self.optimizer, self.runtime)
         filled = frozenset(name for name in BYTE_FIELDS if getattr(self, name) is None)
@@ -439,60 +440,82 @@ class TrainingConfig:
             if name in filled:
                 object.__setattr__(self, name, value)
         object.__setattr__(self, "bytes_from_table", filled)
+
+    def _resolve_optimizer_and_gradients(self) -> None:
+        """grad_lifetime and optimizer_impl: None is the runtime's default; megatron keeps its
+        gradients persistent."""
         if self.grad_lifetime is None:
             object.__setattr__(self, "grad_lifetime", DEFAULT_GRAD_LIFETIME[self.runtime])
         if self.optimizer_impl is None:
             object.__setattr__(self, "optimizer_impl", DEFAULT_OPTIMIZER_IMPL[self.runtime])
-        _require(
+        require(
             self.optimizer_impl in OPTIMIZER_IMPLS,
             f"optimizer_impl must be one of {OPTIMIZER_IMPLS}, got {quote(self.optimizer_impl)}",
         )
-        _require(
+        require(
             self.grad_lifetime in GRAD_LIFETIMES,
             f"grad_lifetime must be one of {GRAD_LIFETIMES}, got {quote(self.grad_lifetime)}",
         )
-        _require(
+        require(
             self.runtime == "torch" or self.grad_lifetime == "persistent",
             f"grad_lifetime {quote(self.grad_lifetime)} with runtime megatron: megatron-core "
             "keeps gradients in its main_grad buffer for the whole run; use --grad-lifetime "
             "persistent or --runtime torch",
         )
-        _require(
+
+    def _check_objectives(self) -> None:
+        """objective and memory_objective are among their words."""
+        require(
             self.objective in OBJECTIVES,
             f"objective must be one of {OBJECTIVES}, got {quote(self.objective)}",
         )
-        _require(
+        require(
             self.memory_objective in MEMORY_OBJECTIVES,
             f"memory_objective must be one of {MEMORY_OBJECTIVES}, got "
             f"{quote(self.memory_objective)}",
         )
-        for name in ("weight_bytes_per_param", "grad_bytes_per_param", "optimizer_bytes_per_param"):
-            _integer(name, getattr(self, name), 0, MAX_BYTES_PER_PARAM)
-        for name in ("pp", "tp", "dp"):
-            if getattr(self, name) is not None:
-                _integer(name, getattr(self, name), 1, MAX_DEGREE)
-        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """ep: None or a non-empty tuple of degrees; moe_capacity_factor: "dropless" or a
+        number in 1..MAX_CAPACITY_FACTOR."""
+        check_expert_choices(self.ep)
+        factor = self.moe_capacity_factor
+        if factor != MOE_DROPLESS:
+            require(
+                isinstance(factor, numbers.Real)
+                and not isinstance(factor, bool)
+                and 1 <= factor <= MAX_CAPACITY_FACTOR,
+                f"moe_capacity_factor must be a number in 1..{MAX_CAPACITY_FACTOR:g} or "
+                f'"dropless", got {quote(factor)}',
+            )
+
+    def _check_speed_limits(self) -> None:
+        """min_throughput allows an iteration of 1 ns to 2^62 ns; max_slowdown within
+        1..MAX_SLOWDOWN."""
         if self.min_throughput is not None:
-            _real("min_throughput", self.min_throughput, 0, None, low_open=True)
+            check_real("min_throughput", self.min_throughput, 0, None, low_open=True)
             # the iteration it allows, B / min_throughput, from 1 ns to 2^62 ns
             low = self.global_batch * 1e9 / MAX_BUDGET_NS
             high = self.global_batch * 1e9
-            _require(
+            require(
                 low <= self.min_throughput <= high,
                 f"min_throughput must be within {low:.3g}..{high:.3g} samples/s with global_batch "
                 f"{self.global_batch} (an iteration of 1 ns to 2^62 ns), got "
                 f"{self.min_throughput:.4g}",
             )
         if self.max_slowdown is not None:
-            _real(
+            check_real(
                 "max_slowdown", self.max_slowdown, 1, MAX_SLOWDOWN, note="1: only the fastest plans"
             )
-        _require(
+
+    def _check_attachments(self) -> None:
+        """reserve and calibration are of their classes (or None)."""
+        require(
             self.reserve is None or isinstance(self.reserve, MemoryReserve),
             f"reserve must be a solver.reserve.MemoryReserve or None, got "
             f"{type(self.reserve).__name__}",
         )
-        _require(
+        require(
             self.calibration is None or isinstance(self.calibration, Calibration),
             f"calibration must be a solver.calibration.Calibration or None, got "
             f"{type(self.calibration).__name__}",
@@ -545,48 +568,46 @@ class ParallelConfig:
             "num_microbatches",
             "virtual_stages",
         ):
-            value = getattr(self, name)
-            high = MAX_VIRTUAL_STAGES if name == "virtual_stages" else MAX_DEGREE
-            _require(
-                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                f"{name} must be a positive integer, got {quote(value)}",
-            )
-            _integer(name, value, 1, high)
-        _require(
+            check_degree(name, getattr(self, name))
+        require(
             self.dp * self.micro_batch * self.num_microbatches <= MAX_GLOBAL_BATCH,
             f"dp({self.dp}) * micro_batch({self.micro_batch}) * num_microbatches"
             f"({self.num_microbatches}) = {self.dp * self.micro_batch * self.num_microbatches} "
-            f"samples per step, over the limit {_count(MAX_GLOBAL_BATCH)}",
+            f"samples per step, over the limit {count_text(MAX_GLOBAL_BATCH)}",
         )
-        _require(self.zero in ZERO_STAGES, f"zero must be one of 0..3, got {quote(self.zero)}")
-        _require(
+        require(self.zero in ZERO_STAGES, f"zero must be one of 0..3, got {quote(self.zero)}")
+        require(
             self.recompute in RECOMPUTE_MODES,
             f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {quote(self.recompute)}",
         )
-        _require(
+        require(
             self.schedule in SCHEDULES,
             f"schedule must be one of {', '.join(SCHEDULES)}, got {quote(self.schedule)}",
         )
-        _require(
+        require(
             self.virtual_stages == 1 or self.schedule == "1f1b",
             f"virtual_stages={self.virtual_stages} with schedule {quote(self.schedule)}: "
             "interleaved pipelines run 1F1B; use --schedule 1f1b",
         )
-        _require(isinstance(self.sp, bool), f"sp must be true or false, got {quote(self.sp)}")
-        _require(
-            not self.sp or self.tp > 1,
-            f"--sequence-parallel on with tp({self.tp}): sequence parallelism splits over the "
-            "tensor-parallel ranks; use tp > 1 or --sequence-parallel off",
-        )
-        _require(
-            self.dp % self.ep == 0,
-            f"ep({self.ep}) does not divide dp({self.dp}): the experts are sharded within the "
-            "data-parallel ranks; pick an --ep that divides the data-parallel degree",
+        check_dims(self)  # sp only with tp > 1, ep | dp
+
+    @cached_property
+    def dims(self) -> ParallelDims:
+        """The layout's degrees (``solver.parallel``: products, derived groups, rules)."""
+        return ParallelDims(
+            pp=self.pp,
+            tp=self.tp,
+            cp=self.cp,
+            dp=self.dp,
+            ep=self.ep,
+            virtual_stages=self.virtual_stages,
+            sp=self.sp,
         )
 
     @property
     def num_gpus(self) -> int:
-        return self.pp * self.tp * self.cp * self.dp
+        """GPUs the layout uses, pp x tp x cp x dp (``ParallelDims.num_gpus``)."""
+        return self.dims.num_gpus
 
     @property
     def global_batch(self) -> int:
@@ -662,63 +683,13 @@ class SolverReport:
         return max(0.0, (self.objective - self.bound) / self.objective)
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise InputError(message)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _integer(name: str, value: Any, low: int, high: int | None) -> None:
-    """InputError unless ``value`` is an integer in low..high (high None: no upper limit)."""
-    within = _is_int(value) and low <= value and (high is None or value <= high)
-    if not within:
-        accepted = f">= {low}" if high is None else f"in {low}..{_count(high)}"
-        raise InputError(f"{name} must be an integer {accepted}, got {quote(value)}")
-
-
-def _count(value: int) -> str:
-    """A limit as written in the docs: 2^24 rather than 16777216."""
-    if value >= 2**16 and value & (value - 1) == 0:
-        return f"2^{value.bit_length() - 1}"
-    return str(value)
-
-
-def _real(
-    name: str,
-    value: Any,
-    low: float,
-    high: float | None,
-    *,
-    low_open: bool = False,
-    note: str = "",
-) -> None:
-    """InputError unless ``value`` is a finite number in [low, high] ((low, high] with
-    ``low_open``; high None: no upper limit)."""
-    ok = (
-        isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and (value > low if low_open else value >= low)
-        and (high is None or value <= high)
-    )
-    if not ok:
-        bracket = "(" if low_open else "["
-        accepted = f"{bracket}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
-        shown = f"{value:g}" if isinstance(value, float) else quote(value)
-        extra = f" ({note})" if note else ""
-        raise InputError(f"{name} must be a finite number in {accepted}{extra}, got {shown}")
-
-
 def _check_hardware(spec: Cluster | NodeGroup) -> None:
     """The fields a Cluster and a NodeGroup share: within their ranges (module constants)."""
-    _integer("gpu_memory_bytes", spec.gpu_memory_bytes, 1, MAX_GPU_MEMORY_BYTES)
-    _integer("gpus_per_node", spec.gpus_per_node, 1, MAX_GPUS_PER_NODE)
+    check_integer("gpu_memory_bytes", spec.gpu_memory_bytes, 1, MAX_GPU_MEMORY_BYTES)
+    check_integer("gpus_per_node", spec.gpus_per_node, 1, MAX_GPUS_PER_NODE)
     low, high = GPU_TFLOPS_RANGE
-    _real("gpu_flops", spec.gpu_flops, low * 1e12, high * 1e12)
-    _real("flops_efficiency", spec.flops_efficiency, 0, 1, low_open=True)
+    check_real("gpu_flops", spec.gpu_flops, low * 1e12, high * 1e12)
+    check_real("flops_efficiency", spec.flops_efficiency, 0, 1, low_open=True)
     for name in ("intra_node_gb_per_s", "inter_node_gb_per_s", "memory_gb_per_s"):
-        _real(name, getattr(spec, name), *GB_PER_S_RANGE)
-    _real("p2p_latency_us", spec.p2p_latency_us, 0, MAX_P2P_LATENCY_US)
+        check_real(name, getattr(spec, name), *GB_PER_S_RANGE)
+    check_real("p2p_latency_us", spec.p2p_latency_us, 0, MAX_P2P_LATENCY_US)

@@ -392,7 +392,7 @@ def test_profiled_capacity_factor_and_extra_meta_keys():
     ],
 )
 def test_megatron_export_expert_flags(factor, extra, warned):
-    from solver.exports.engines import megatron_export
+    from solver.exports.megatron import megatron_export
 
     graph = moe_graph(blocks=2)
     config = ParallelConfig(pp=2, tp=1, dp=4, ep=4, micro_batch=1, num_microbatches=2)

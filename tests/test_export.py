@@ -8,7 +8,7 @@ import re
 import pytest
 
 from solver.errors import InputError
-from solver.exports.engines import build_exports
+from solver.exports import build_exports
 from solver.graph import LayerGraph, graph_from_dict, load_graph
 from solver.specs import ParallelConfig
 from tests.conftest import EXAMPLES, GPT_1_3B, T5_DAG, gpt_chain

@@ -21,7 +21,7 @@ from profiling.export import export_graph
 from profiling.run import format_reports, run_plan
 from solver import Cluster, ParallelConfig, TrainingConfig, evaluate, plan
 from solver.errors import InputError
-from solver.exports.engines import build_exports
+from solver.exports import build_exports
 from solver.files.plan_file import load_plan
 from solver.report.plan_report import evaluation_to_dict, plan_to_dict
 

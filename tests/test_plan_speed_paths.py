@@ -25,7 +25,7 @@ from solver import Cluster, TrainingConfig, plan
 from solver.costs import iteration_bound_ns, layer_costs, stage_costs
 from solver.errors import InputError
 from solver.evaluation import evaluate_assignment, prepare_training
-from solver.exports.engines import build_exports
+from solver.exports import build_exports
 from solver.graph import _check_schema, _fast_check, graph_from_dict, schema
 from solver.report.baselines import BASELINES
 from solver.search.config_search import build_entries

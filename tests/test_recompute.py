@@ -24,7 +24,7 @@ from solver.cli import plan_main
 from solver.costs import layer_costs, stage_costs
 from solver.errors import InfeasibleError, InputError
 from solver.evaluation import evaluate
-from solver.exports.engines import build_exports
+from solver.exports import build_exports
 from solver.files.plan_file import load_plan
 from solver.graph import LayerGraph
 from solver.plan_check import check_plan

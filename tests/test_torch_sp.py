@@ -23,7 +23,7 @@ import pytest
 from profiling.export import export_graph
 from solver import ParallelConfig, TrainingConfig, evaluate
 from solver.costs import layer_costs
-from solver.exports.engines import TORCH_SEQUENCE_PARALLEL_SNIPPET
+from solver.exports.torch_pipelining import TORCH_SEQUENCE_PARALLEL_SNIPPET
 from solver.graph import LayerGraph
 from solver.specs import Cluster
 

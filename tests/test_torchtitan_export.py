@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from solver.exports.engines import build_exports
+from solver.exports import build_exports
 from solver.graph import load_graph
 from solver.specs import ParallelConfig
 

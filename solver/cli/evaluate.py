@@ -28,6 +28,7 @@ from solver.console import (
 )
 from solver.errors import InputError, PlannerError, StalePlanError
 from solver.graph import load_graph
+from solver.parallel import EXPERTS_WITHIN_DP, tensor_parallel_fits
 from solver.specs import (
     RECOMPUTE_MODES,
     ZERO_STAGES,
@@ -244,8 +245,8 @@ def _expert_degree(args: argparse.Namespace) -> int:
         )
     if args.dp % args.ep[0]:
         raise InputError(
-            f"--ep {args.ep[0]} does not divide --dp {args.dp}: the experts are sharded within "
-            "the data-parallel ranks; pick an --ep that divides the data-parallel degree"
+            f"--ep {args.ep[0]} does not divide --dp {args.dp}: {EXPERTS_WITHIN_DP}; "
+            "pick an --ep that divides the data-parallel degree"
         )
     return args.ep[0]
 
@@ -255,13 +256,10 @@ def _check_cluster(args: argparse.Namespace, config: ParallelConfig, cluster: Cl
     the config's GPU count."""
     if cluster.is_heterogeneous:
         return
-    if args.tp > cluster.gpus_per_node or cluster.gpus_per_node % args.tp:
+    if not tensor_parallel_fits(args.tp, cluster.gpus_per_node):
         raise InputError(f"--tp {args.tp} must divide --gpus-per-node {cluster.gpus_per_node}")
-    if args.cluster is not None and config.num_gpus != cluster.num_gpus:
-        raise InputError(
-            f"pp({args.pp}) * tp({args.tp}) * cp({config.cp}) * dp({args.dp}) = "
-            f"{config.num_gpus} != gpus({cluster.num_gpus}) of --cluster {args.cluster}"
-        )
+    if args.cluster is not None:
+        config.dims.check_gpus(cluster.num_gpus, where=f" of --cluster {args.cluster}")
 
 
 def _split_from_args(args: argparse.Namespace) -> str | list[int]:

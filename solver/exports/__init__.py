@@ -1,2 +1,117 @@
-"""A plan as the settings of the engines people train with: torch pipelining, Megatron-LM,
-DeepSpeed, torchtitan."""
+"""A plan as the settings of the engines people train with, one module each: torch
+pipelining (:mod:`solver.exports.torch_pipelining`), Megatron-LM (:mod:`solver.exports.megatron`),
+DeepSpeed (:mod:`solver.exports.deepspeed`) and torchtitan (:mod:`solver.exports.torchtitan`).
+
+:func:`build_exports` checks the plan's stages once and returns ``plan.exports``, a
+JSON-serialisable dict with one section per engine:
+
+- ``torch_pipelining``: ``split_spec`` for ``torch.distributed.pipelining.pipeline``, the schedule.
+- ``megatron``: Megatron-LM command-line arguments, including the uneven split as
+  ``--decoder-first/last-pipeline-num-layers`` or ``--pipeline-model-parallel-layout``.
+- ``deepspeed``: ``PipelineModule`` layer counts and ``parts`` boundaries, and the config keys.
+- ``torchtitan``: the job-config sections.
+
+The names each engine gives the parallel degrees are :data:`solver.parallel.DIMENSIONS`'s.
+Pure functions: no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from solver.errors import InputError
+from solver.exports.deepspeed import deepspeed_export
+from solver.exports.megatron import megatron_export
+from solver.exports.torch_pipelining import torch_pipelining_export
+from solver.exports.torchtitan import torchtitan_export
+from solver.graph import LayerGraph
+from solver.specs import ParallelConfig
+
+
+def build_exports(
+    graph: LayerGraph,
+    config: ParallelConfig,
+    stage_layers: list[list[str]],
+    *,
+    recomputed: list[list[str]] | None = None,
+    moe_capacity_factor: float | str = 1.0,
+) -> dict[str, Any]:
+    """Settings for torch pipelining, Megatron-LM and DeepSpeed that reproduce the plan.
+
+    ``stage_layers[s]`` holds the names of the layers of stage ``s``; ``recomputed[s]`` those of
+    them that are recomputed (selective recomputation). With interleaving (``virtual_stages`` v >
+    1) the stages are the p v virtual stages in pipeline order, virtual stage j on rank j mod p.
+    Raises :class:`InputError` when the stages do not partition the graph's layers into p v
+    non-empty stages with every edge going to the same or a later stage.
+    """
+    stages = _stages_in_list_order(graph, config, stage_layers)
+    contiguous = [name for stage in stages for name in stage] == graph.names
+    selected = _recomputed_in_list_order(config, stages, recomputed)
+    return {
+        "torch_pipelining": torch_pipelining_export(
+            config, stages, contiguous=contiguous, recomputed=selected
+        ),
+        "megatron": megatron_export(
+            graph, config, stages, recomputed=selected, moe_capacity_factor=moe_capacity_factor
+        ),
+        "deepspeed": deepspeed_export(config, stages, contiguous=contiguous, recomputed=selected),
+        "torchtitan": torchtitan_export(graph, config, stages, recomputed=selected),
+    }
+
+
+def _recomputed_in_list_order(
+    config: ParallelConfig, stages: list[list[str]], recomputed: list[list[str]] | None
+) -> list[list[str]] | None:
+    """Each stage's recomputed layers in graph list order; None unless recompute is selective."""
+    if config.recompute != "selective":
+        return None
+    recomputed = recomputed or [[] for _ in stages]
+    if len(recomputed) != len(stages):
+        raise InputError(f"export: {len(recomputed)} recompute lists for {len(stages)} stages")
+    result = []
+    for s, (stage, names) in enumerate(zip(stages, recomputed, strict=True)):
+        unknown = sorted(set(names) - set(stage))
+        if unknown:
+            raise InputError(f"export: recomputed layer {unknown[0]} is not on stage {s}")
+        result.append([name for name in stage if name in set(names)])
+    return result
+
+
+def _stages_in_list_order(
+    graph: LayerGraph, config: ParallelConfig, stage_layers: list[list[str]]
+) -> list[list[str]]:
+    """Check that the stages partition the layers; each stage's names in graph list order."""
+    num_stages = config.pp * config.virtual_stages
+    if len(stage_layers) != num_stages:
+        per = "" if config.virtual_stages == 1 else f" x {config.virtual_stages} virtual stages"
+        raise InputError(
+            f"export: {len(stage_layers)} stages given but the config has pp={config.pp}{per}; "
+            "give one list of layer names per (virtual) pipeline stage"
+        )
+    position = graph.index()
+    stage_of: dict[str, int] = {}
+    for s, names in enumerate(stage_layers):
+        if not names:
+            raise InputError(f"export: stage {s} is empty; every stage needs at least one layer")
+        for name in names:
+            if name not in position:
+                raise InputError(f"export: stage {s} names unknown layer {name!r}")
+            if name in stage_of:
+                raise InputError(
+                    f"export: layer {name!r} is in stage {stage_of[name]} and in stage {s}; "
+                    "give every layer exactly one stage"
+                )
+            stage_of[name] = s
+    missing = [name for name in graph.names if name not in stage_of]
+    if missing:
+        raise InputError(
+            f"export: {len(missing)} layer(s) in no stage (first: {missing[0]!r}); "
+            "every layer needs a stage"
+        )
+    for edge in graph.edges:
+        if stage_of[edge.src] > stage_of[edge.dst]:
+            raise InputError(
+                f"export: edge {edge.src!r} (stage {stage_of[edge.src]}) -> {edge.dst!r} "
+                f"(stage {stage_of[edge.dst]}) goes backwards; a pipeline only sends forward"
+            )
+    return [sorted(names, key=position.__getitem__) for names in stage_layers]

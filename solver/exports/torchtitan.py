@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from solver.graph import LayerGraph
+from solver.parallel import export_name
 from solver.specs import ParallelConfig
 
 # torchtitan's pipelining schedules are torch's, named without "Schedule"
@@ -52,7 +53,7 @@ def torchtitan_export(
     CLI overrides (0.3), the per-stage module names, warnings and a note.
 
     ``stages`` are the (virtual) stages in pipeline order, each in graph list order, as
-    :func:`solver.exports.engines.build_exports` checked them.
+    :func:`solver.exports.build_exports` checked them.
     """
     warnings: list[str] = []
     parallelism = _parallelism(config, warnings)
@@ -92,6 +93,11 @@ def torchtitan_export(
     }
 
 
+def _key(dimension: str) -> str:
+    """torchtitan's ``[parallelism]`` field for a parallel dimension (``solver.parallel``)."""
+    return export_name("torchtitan", dimension)
+
+
 def _parallelism(config: ParallelConfig, warnings: list[str]) -> dict[str, Any]:
     """The ``[parallelism]`` values: degrees, data-parallel mapping (module docstring), schedule."""
     dp, ep, cp = config.dp, config.ep, config.cp
@@ -114,12 +120,12 @@ def _parallelism(config: ParallelConfig, warnings: list[str]) -> dict[str, Any]:
         # fully_shard runs over dp_shard x cp whenever cp > 1 (ParallelDims.fsdp_enabled)
         reshard = "always" if config.zero == 3 else "never"
     values: dict[str, Any] = {
-        "pipeline_parallel_degree": config.pp,
-        "tensor_parallel_degree": config.tp,
-        "context_parallel_degree": cp,
-        "expert_parallel_degree": ep,
-        "data_parallel_replicate_degree": replicate,
-        "data_parallel_shard_degree": shard,
+        _key("pp"): config.pp,
+        _key("tp"): config.tp,
+        _key("cp"): cp,
+        _key("ep"): ep,
+        _key("dp_replicate"): replicate,
+        _key("dp"): shard,
     }
     if reshard is not None:
         values["fsdp_reshard_after_forward"] = reshard
@@ -127,7 +133,7 @@ def _parallelism(config: ParallelConfig, warnings: list[str]) -> dict[str, Any]:
         # ParallelDims._validate (0.2): etp is tp or 1; etp = tp keeps the experts split over
         # tp as Megatron does (expert_tensor_parallel_size defaults to tp), and then ep must
         # divide dp_shard * cp, which ep | dp gives.
-        values["expert_tensor_parallel_degree"] = config.tp
+        values[_key("etp")] = config.tp
     values["enable_async_tensor_parallel"] = False
     values["pipeline_parallel_schedule"] = (
         "Interleaved1F1B" if config.virtual_stages > 1 else SCHEDULE[config.schedule]
@@ -229,10 +235,10 @@ def _args_0_3(sections: dict[str, dict[str, Any]], config: ParallelConfig) -> li
         f"{section}.{key}": value
         for section in ("parallelism", "training")
         for key, value in sections[section].items()
-        if key not in ("enable_async_tensor_parallel", "expert_tensor_parallel_degree")
+        if key not in ("enable_async_tensor_parallel", _key("etp"))
     }
     if config.tp > 1:
-        values["parallelism.enable_sequence_parallel"] = config.sp
+        values[f"parallelism.{_key('sp')}"] = config.sp
     values["compile.enable_async_tensor_parallel"] = False
     args = []
     for name, value in values.items():

@@ -31,8 +31,10 @@ import math
 
 import numpy as np
 
+from solver import parallel
 from solver.costs import LayerCosts, iteration_floor_ns
 from solver.errors import InputError
+from solver.parallel import interleaving_fits
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
 MAX_CONFIG_LAYERS = 2**23
@@ -123,7 +125,7 @@ def _pollard_brent(n: int) -> int:
 
 def check_pinned_degrees(cluster: Cluster, training: TrainingConfig) -> None:
     """Explain, with the numbers, why pinned pp/tp/dp (and one cp above 1) cannot work on this
-    cluster."""
+    cluster (``parallel.check_pinned_degrees``)."""
     pinned_cp = training.cp[0] if len(training.cp) == 1 and training.cp[0] > 1 else None
     pins = {
         "pp": training.pp,
@@ -131,23 +133,7 @@ def check_pinned_degrees(cluster: Cluster, training: TrainingConfig) -> None:
         "cp": pinned_cp,  # one context-parallel degree above 1 is a pin too
         "dp": training.dp,
     }
-    given = {name: value for name, value in pins.items() if value is not None}
-    all_pinned = all(pins[name] is not None for name in ("pp", "tp", "dp"))
-    product = math.prod(given.values())
-    text = " * ".join(f"{name}({value})" for name, value in given.items())
-    if all_pinned and product != cluster.num_gpus:
-        raise InputError(
-            f"pinned config {text} = {product} != gpus({cluster.num_gpus}); "
-            "pin degrees whose product is the GPU count, or pin fewer of them"
-        )
-    if given and cluster.num_gpus % product:
-        raise InputError(f"pinned {text} = {product} does not divide gpus({cluster.num_gpus})")
-    tp = given.get("tp")
-    if tp is not None and cluster.gpus_per_node % tp:
-        raise InputError(
-            f"pinned tp({tp}) does not divide gpus_per_node"
-            f"({cluster.gpus_per_node}); tensor parallelism stays inside a node"
-        )
+    parallel.check_pinned_degrees(pins, cluster.num_gpus, cluster.gpus_per_node)
 
 
 def candidate_configs(
@@ -263,20 +249,13 @@ def sequence_parallel(training: TrainingConfig, tp: int) -> bool:
     "on" or "auto" exactly when tp > 1 (SP splits over the TP ranks; Megatron-LM recommends it
     whenever tp > 1), with "off" never. The option defaults to auto on the megatron runtime and
     off on the torch runtime (``specs.default_sequence_parallel``)."""
-    return training.sequence_parallel != "off" and tp > 1
+    return parallel.uses_sequence_parallel(training.sequence_parallel, tp)
 
 
 def check_pinned_expert_degrees(training: TrainingConfig) -> None:
     """With dp pinned, at least one requested ep must divide it (the experts are sharded within
     the data-parallel ranks)."""
-    if training.ep is None or training.dp is None:
-        return
-    if all(training.dp % e for e in training.ep):
-        asked = ",".join(map(str, training.ep))
-        raise InputError(
-            f"--ep {asked} does not divide the pinned dp({training.dp}): the experts are sharded "
-            "within the data-parallel ranks; pick an --ep that divides --dp"
-        )
+    parallel.check_pinned_expert_degrees(training.ep, training.dp)
 
 
 def expert_parallel_degrees(
@@ -292,13 +271,6 @@ def expert_parallel_degrees(
             return [1]
         return [e for e in divisors(dp) if num_experts % e == 0]
     return sorted({e for e in training.ep if dp % e == 0})
-
-
-def interleaving_fits(num_layers: int, pp: int, num_microbatches: int, virtual: int) -> bool:
-    """Interleaved 1F1B with v chunks per rank: at least two ranks, a layer per virtual stage
-    (p v <= layers) and m a multiple of p (Megatron-core's default micro-batch group of p
-    must divide m: ``forward_backward_pipelining_with_interleaving``)."""
-    return pp >= 2 and pp * virtual <= num_layers and num_microbatches % pp == 0
 
 
 def check_interleaving(cluster: Cluster, training: TrainingConfig) -> None:

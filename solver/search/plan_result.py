@@ -10,7 +10,7 @@ from typing import Any
 
 from solver.costs import LayerCosts
 from solver.evaluation import Evaluation, evaluate_assignment
-from solver.exports.engines import build_exports
+from solver.exports import build_exports
 from solver.graph import LayerGraph
 from solver.report.baselines import BASELINES
 from solver.specs import Cluster, SolverReport, TrainingConfig
@@ -39,7 +39,7 @@ class Plan:
 
     @functools.cached_property
     def exports(self) -> dict[str, Any]:
-        """The plan for each engine (``solver.exports.engines.build_exports``), built when first
+        """The plan for each engine (``solver.exports.build_exports``), built when first
         read: a millisecond or two that an in-process caller wanting only the split skips."""
         return self.make_exports()
 
