@@ -358,9 +358,9 @@ def test_same_rules_in_both_formulations():
     is written once there, with a one-line formula docstring, and neither backend overrides it."""
     from solver.backends.formulation import PrefixFormulation
 
-    rules = {
+    rules = {  # its own and its mixins' (formulation_rules.py)
         name
-        for name in vars(PrefixFormulation)
+        for name in dir(PrefixFormulation)
         if name.startswith(("_add_", "_build_variables", "_set_objective"))
     }
     assert {"_add_precedence", "_add_relay", "_add_iteration_budget", "_set_objective"} <= rules

@@ -20,12 +20,14 @@ import jsonschema
 import pytest
 
 import solver.search.planner as planner
+import solver.search.ties as ties
 from solver import Cluster, TrainingConfig, plan
 from solver.costs import iteration_bound_ns, layer_costs, stage_costs
 from solver.errors import InputError
 from solver.evaluation import evaluate_assignment, prepare_training
 from solver.exports import build_exports
 from solver.graph import _check_schema, _fast_check, graph_from_dict, schema
+from solver.report.baselines import BASELINES
 from solver.search.config_search import build_entries
 
 HUGE = 2**50
@@ -89,14 +91,14 @@ def test_fast_tie_break_returns_what_re_solving_every_tie_returns(monkeypatch, t
         for d, p in cases
     ]
     resolved = []
-    real_refine = planner.refine
+    real_refine = ties.refine
 
     def counting_refine(*args, **kwargs):
         resolved.append(1)
         return real_refine(*args, **kwargs)
 
-    monkeypatch.setattr(planner, "_secondary_bound", lambda call, entry: -1)  # never settled
-    monkeypatch.setattr(planner, "refine", counting_refine)
+    monkeypatch.setattr(ties, "_secondary_bound", lambda call, entry: -1)  # never settled
+    monkeypatch.setattr(ties, "refine", counting_refine)
     full = [
         plan(graph_from_dict(d), Cluster(num_gpus=p, gpu_memory_bytes=HUGE), pinned(p))
         for d, p in cases
@@ -123,6 +125,7 @@ def test_statistics_without_times_skip_the_fastest_plan_search(monkeypatch):
     unconstrained = plan(graph_from_dict(document), cluster, pinned(4, max_slowdown=None))
     assert plan_summary(fast) == plan_summary(unconstrained)
     monkeypatch.setattr(planner, "_time_invariant", lambda costs: False)
+    monkeypatch.setattr(ties, "_time_invariant", lambda costs: False)
     full = plan(graph_from_dict(document), cluster, pinned(4))
     assert full.peak_bytes == fast.peak_bytes
     assert full.evaluation.iteration_ns == fast.evaluation.iteration_ns == 0
@@ -299,7 +302,7 @@ def test_exports_and_baselines_are_built_when_read_as_they_were_eagerly():
     assert copied.exports == result.exports
     prepared = result.evaluation.training
     costs = build_entries(graph, cluster, prepared)[0].costs
-    for name, split_of in planner.BASELINES.items():
+    for name, split_of in BASELINES.items():
         expected = evaluate_assignment(
             graph, costs, split_of(graph, 3), cluster=cluster, training=prepared
         )
@@ -376,7 +379,7 @@ def test_a_solution_s_stage_costs_are_reused_only_for_its_own_split():
     cluster = Cluster(num_gpus=3, gpu_memory_bytes=HUGE)
     entry = build_entries(graph, cluster, prepare_training(graph, cluster, pinned(3)))[0]
     solution = solve_chain(StageProblem(costs=entry.costs))
-    own = planner._matching_stages(entry, solution.stage_of_layer, solution.stages)
+    own = ties._matching_stages(entry, solution.stage_of_layer, solution.stages)
     assert own is solution.stages
     assert [s.peak_bytes for s in own] == [
         s.peak_bytes for s in stage_costs(entry.costs, solution.stage_of_layer)
@@ -388,4 +391,4 @@ def test_a_solution_s_stage_costs_are_reused_only_for_its_own_split():
         if split != solution.stage_of_layer
     )
     assert other != solution.stage_of_layer
-    assert planner._matching_stages(entry, other, solution.stages) is None
+    assert ties._matching_stages(entry, other, solution.stages) is None

@@ -28,7 +28,7 @@ each pair receives, sends, relays) depends on the graph only and is cached per g
 configs of one search share it; each config computes its s-independent pair costs once.
 
 The constrained problems (capacity, iteration budget, time objective) reuse the chain
-backend's outer search (``backends.chain._Search``): this module supplies the same "splitter"
+backend's outer search (``backends.split_search``): this module supplies the same "splitter"
 interface as the chain's ``_Chain`` with the DP as its exact min-max stage solver.
 
 Beyond ``MAX_IDEALS`` ideals or ``MAX_PAIR_CELLS`` pair cells the exact DP does not apply;
@@ -46,8 +46,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.backends.chain import INF, PEAK, _Limits, _Search, _TimeUp
 from solver.backends.problem import FEASIBLE, UNKNOWN, StageProblem, StageSolution
+from solver.backends.split_search import INF, PEAK, _Limits, _TimeUp, run_search
 from solver.costs import BoundTerm, LayerCosts, bound_terms
 from solver.errors import InputError
 
@@ -177,16 +177,12 @@ def check_plain(*, heterogeneous: bool, selective: bool, interleaved: bool) -> N
 def _run(
     problem: StageProblem, structure: _Structure, time_limit_s: float | None, *, proven: bool
 ) -> StageSolution:
-    start = time.perf_counter()
-    deadline = None if time_limit_s is None else start + time_limit_s
-    search = _Search(problem, _DagSplitter(problem.costs, structure, deadline))
-    timed_out = False
-    try:
-        search.run()
-    except _TimeUp:
-        timed_out = True
-    solution = search.solution(timed_out, time.perf_counter() - start)
-    solution.backend = BACKEND
+    solution = run_search(
+        problem,
+        lambda deadline: _DagSplitter(problem.costs, structure, deadline),
+        time_limit_s=time_limit_s,
+        backend=BACKEND,
+    )
     if not proven:  # an optimum over prefix splits only
         solution.bound = 0
         solution.status = FEASIBLE if solution.has_solution else UNKNOWN
@@ -444,7 +440,7 @@ def _masked_max(
 
 
 class _DagSplitter:
-    """The min-max stage solver over ideal pairs, with the interface ``chain._Search`` uses
+    """The min-max stage solver over ideal pairs, with the interface ``split_search._Search`` uses
     (``measure``, ``minimise``, ``first_tails``, ``first_tail``, ``check_time``,
     ``stage_of_layer``). A split is an array of pair indices, one per stage."""
 

@@ -244,6 +244,13 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
         required=batch_required,
         help="samples per optimizer step",
     )
+    _add_schedule_options(training)
+    _add_memory_options(training)
+    _add_parallel_options(training)
+
+
+def _add_schedule_options(training) -> None:
+    """--schedule, --virtual-stages, --runtime, --deallocate-pipeline-outputs."""
     training.add_argument(
         "--schedule",
         choices=SCHEDULES,
@@ -277,6 +284,11 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
         "micro-batches until their backward (megatron-core's TransformerConfig default). The "
         "torch runtime ignores it",
     )
+
+
+def _add_memory_options(training) -> None:
+    """--precision, --optimizer, --grad-lifetime, --optimizer-impl, --bytes-per-param,
+    --reserve, --calibration, --memory-model: what each parameter and GPU holds."""
     training.add_argument(
         "--precision",
         choices=PRECISIONS,
@@ -348,6 +360,10 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_required: boo
         help="analytic (default: the cost model's terms) or empirical: the graph's per-layer "
         "mem_isolated/mem_added statistics (mCAP/CAPSlog), pipeline-only configs of a chain",
     )
+
+
+def _add_parallel_options(training) -> None:
+    """--sequence-parallel, --cp, --ep, --moe-capacity-factor."""
     training.add_argument(
         "--sequence-parallel",
         choices=SEQUENCE_PARALLEL_CHOICES,

@@ -272,14 +272,7 @@ def _build(document: dict[str, Any], origin: str, kind: str) -> PlanFile:
     cluster = _cluster(document["cluster"], fail)
     stages = tuple(_stage(item, i, config, fail) for i, item in enumerate(document["stages"]))
     _check_stages(document, config, stages, fail)
-    groups = [g["name"] for g in document["cluster"].get("groups", [])]
-    for stage in stages:
-        if (stage.group is None) != (not groups) or (groups and stage.group not in groups):
-            raise fail(
-                f"stages[{stage.index}].group",
-                f"{quote(stage.group)} is not a group of cluster.groups "
-                f"({', '.join(groups) or 'none: a homogeneous cluster'})",
-            )
+    _check_stage_groups(document, stages, fail)
     record = document.get("graph")
     graph = None if record is None else GraphRecord(**record)
     if graph is not None and graph.num_layers != len(document["stage_of_layer"]):
@@ -293,38 +286,7 @@ def _build(document: dict[str, Any], origin: str, kind: str) -> PlanFile:
             scales=calibration["scales"], constant_bytes=calibration["constant_bytes"]
         )
     memory_objective = document.get("memory_objective", "utilization")
-    training = None
-    if "training" in document:
-        try:
-            options = dict(document["training"])
-            # a plan written before the reserve existed was checked against the whole capacity
-            recorded = options.pop("reserve", {"fixed_bytes": 0, "fraction": 0.0})
-            reserve = MemoryReserve(
-                fixed_bytes=recorded["fixed_bytes"],
-                fraction=recorded["fraction"],
-                source=recorded.get("source", "not recorded: none"),
-            )
-            training = TrainingConfig(
-                **{
-                    key: tuple(value) if isinstance(value, list) else value
-                    # plans written before grad_lifetime existed ran with persistent gradients,
-                    # before optimizer_impl without a step temporary, before
-                    # sequence_parallel without SP
-                    for key, value in {
-                        "grad_lifetime": "persistent",
-                        "optimizer_impl": "fused",
-                        "sequence_parallel": "off",
-                        **options,
-                    }.items()
-                },
-                reserve=reserve,
-                runtime=document["runtime"],
-                memory_model=document["memory_model"],
-                memory_objective=memory_objective,
-                calibration=calibration,
-            )
-        except InputError as error:
-            raise fail("training", str(error)) from None
+    training = _training(document, memory_objective, calibration, fail)
     return PlanFile(
         source=origin,
         format=kind,
@@ -344,6 +306,56 @@ def _build(document: dict[str, Any], origin: str, kind: str) -> PlanFile:
         iteration_ms=document["iteration_ms"],
         exports=document.get("exports"),
     )
+
+
+def _check_stage_groups(document: dict[str, Any], stages: tuple, fail) -> None:
+    """Every stage names a group of cluster.groups, and only on a heterogeneous cluster."""
+    groups = [g["name"] for g in document["cluster"].get("groups", [])]
+    for stage in stages:
+        if (stage.group is None) != (not groups) or (groups and stage.group not in groups):
+            raise fail(
+                f"stages[{stage.index}].group",
+                f"{quote(stage.group)} is not a group of cluster.groups "
+                f"({', '.join(groups) or 'none: a homogeneous cluster'})",
+            )
+
+
+def _training(
+    document: dict[str, Any], memory_objective: str, calibration: Calibration | None, fail
+) -> TrainingConfig | None:
+    """The training options of a document that records them (None: an older plan without)."""
+    if "training" not in document:
+        return None
+    try:
+        options = dict(document["training"])
+        # a plan written before the reserve existed was checked against the whole capacity
+        recorded = options.pop("reserve", {"fixed_bytes": 0, "fraction": 0.0})
+        reserve = MemoryReserve(
+            fixed_bytes=recorded["fixed_bytes"],
+            fraction=recorded["fraction"],
+            source=recorded.get("source", "not recorded: none"),
+        )
+        return TrainingConfig(
+            **{
+                key: tuple(value) if isinstance(value, list) else value
+                # plans written before grad_lifetime existed ran with persistent gradients,
+                # before optimizer_impl without a step temporary, before
+                # sequence_parallel without SP
+                for key, value in {
+                    "grad_lifetime": "persistent",
+                    "optimizer_impl": "fused",
+                    "sequence_parallel": "off",
+                    **options,
+                }.items()
+            },
+            reserve=reserve,
+            runtime=document["runtime"],
+            memory_model=document["memory_model"],
+            memory_objective=memory_objective,
+            calibration=calibration,
+        )
+    except InputError as error:
+        raise fail("training", str(error)) from None
 
 
 def _cluster(record: dict[str, Any], fail) -> Cluster | None:

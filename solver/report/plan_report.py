@@ -308,28 +308,47 @@ def objective_unit(evaluation: Evaluation) -> str:
     )
 
 
+BREAKDOWN_COLUMNS = ("weights", "grads", "optimizer", "activations", "buffers", "transient")
+"""The parts of a stage's peak the table shows, in order (``StageCost.breakdown`` keys)."""
+
+
 def format_evaluation(evaluation: Evaluation, title: str) -> str:
     """Text table: config line, one row per stage, peak line."""
     config, cluster = evaluation.config, evaluation.cluster
-    names = evaluation.graph.names
     lines = [
         title,
         f"config: {config.label()}   throughput {format_throughput(evaluation.throughput)} "
         f"(iteration {evaluation.iteration_ns / 1e6:.4g} ms, global batch "
         f"{config.global_batch})",
     ]
-    header = [
-        "stage",
-        "layers",
-        "weights",
-        "grads",
-        "optimizer",
-        "activations",
-        "buffers",
-        "transient",
-        "peak",
-        "time/mb",
-    ]
+    lines += _stage_table(evaluation)
+    lines += _model_lines(evaluation)
+    placed = evaluation.group_of_stage is not None
+    verdict = "fits" if evaluation.fits else "DOES NOT FIT"
+    reserve = evaluation.training.memory_reserve
+    if placed:
+        lines.append(
+            f"peak: {format_bytes(evaluation.peak_bytes)} per GPU; largest utilization "
+            f"{max(evaluation.utilization_ppm) / 1e4:.1f}% of its group's usable memory "
+            f"({verdict}; reserve {reserve.label()} per GPU, {reserve.source})"
+        )
+        return "\n".join(lines)
+    usable = evaluation.usable_bytes[0]
+    share = 100 * evaluation.peak_bytes / usable
+    lines.append(
+        f"peak: {format_bytes(evaluation.peak_bytes)} per GPU ({share:.1f}% of "
+        f"{usable_text(reserve, cluster.gpu_memory_bytes)}; {verdict})"
+    )
+    return "\n".join(lines)
+
+
+def _stage_table(evaluation: Evaluation) -> list[str]:
+    """One line per stage under a header: its layers, the parts of its peak, its peak and time
+    per micro-batch (with a placement its group, capacity and utilization; under selective
+    recomputation its recomputed layers)."""
+    config = evaluation.config
+    names = evaluation.graph.names
+    header = ["stage", "layers", *BREAKDOWN_COLUMNS, "peak", "time/mb"]
     placed = evaluation.group_of_stage is not None
     if placed:
         header[1:1] = ["group"]
@@ -345,17 +364,7 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
             [
                 str(stage.index),
                 _rank_layers(evaluation, stage, names),
-                *(
-                    format_bytes(breakdown[key])
-                    for key in (
-                        "weights",
-                        "grads",
-                        "optimizer",
-                        "activations",
-                        "buffers",
-                        "transient",
-                    )
-                ),
+                *(format_bytes(breakdown[key]) for key in BREAKDOWN_COLUMNS),
                 format_bytes(stage.peak_bytes),
                 f"{stage.time_ns / 1e6:.3g} ms",
             ]
@@ -369,10 +378,16 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
         if selective:  # last, as in the header
             rows[-1].append(_recomputed_text(recomputed[stage.index]))
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        lines.append(
-            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        )
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
+
+
+def _model_lines(evaluation: Evaluation) -> list[str]:
+    """What the memory model assumed beyond the config line: the memory model, the runtime's
+    buffers and gradients, the precision, experts, the optimizer step, a calibration."""
+    lines = []
     if evaluation.training.memory_model == "empirical":
         lines.append(
             "memory model: empirical (weights = sum of mem_added, the first stage's first layer "
@@ -397,22 +412,7 @@ def format_evaluation(evaluation: Evaluation, title: str) -> str:
         lines.append(step_line)
     if evaluation.training.calibration is not None:
         lines.append(f"calibration: {evaluation.training.calibration.summary()}")
-    verdict = "fits" if evaluation.fits else "DOES NOT FIT"
-    reserve = evaluation.training.memory_reserve
-    if placed:
-        lines.append(
-            f"peak: {format_bytes(evaluation.peak_bytes)} per GPU; largest utilization "
-            f"{max(evaluation.utilization_ppm) / 1e4:.1f}% of its group's usable memory "
-            f"({verdict}; reserve {reserve.label()} per GPU, {reserve.source})"
-        )
-        return "\n".join(lines)
-    usable = evaluation.usable_bytes[0]
-    share = 100 * evaluation.peak_bytes / usable
-    lines.append(
-        f"peak: {format_bytes(evaluation.peak_bytes)} per GPU ({share:.1f}% of "
-        f"{usable_text(reserve, cluster.gpu_memory_bytes)}; {verdict})"
-    )
-    return "\n".join(lines)
+    return lines
 
 
 def format_plan(plan: Plan) -> str:

@@ -148,24 +148,7 @@ def candidate_configs(
     expert-parallel degrees (``expert_parallel_degrees``)."""
     check_pinned_degrees(cluster, training)
     check_pinned_expert_degrees(training)
-    # auto = selective: with a free choice per layer, "none" (no layer) and "full" (every layer)
-    # are feasible choices of the same config, so its optimum is never worse than either (on a
-    # heterogeneous cluster too); the empirical model measures one setting per run, so there
-    # auto searches none and full
-    recompute_modes = (training.recompute,)
-    if training.recompute == "auto":
-        uniform_only = training.memory_model == "empirical"
-        recompute_modes = ("none", "full") if uniform_only else ("selective",)
-    virtual_stages = sorted(set(training.virtual_stages))
-    if virtual_stages != [1]:
-        check_interleaving(cluster, training)
-    cp_degrees = sorted(set(training.cp))
-    if training.memory_model == "empirical" and cp_degrees != [1]:
-        raise InputError(
-            f"--cp {','.join(map(str, training.cp))} with the empirical memory model: the "
-            "statistics are measured on whole sequences of one pipeline; use --cp 1 or "
-            "--memory-model analytic"
-        )
+    recompute_modes, virtual_stages, cp_degrees = _searched_settings(cluster, training)
     configs: list[ParallelConfig] = []
     most = MAX_CONFIG_LAYERS // (num_layers * max(1, len(cluster.groups)))
     for pp in divisors(cluster.num_gpus):
@@ -219,6 +202,32 @@ def candidate_configs(
     if not configs:
         raise InputError(_why_no_config(num_layers, cluster, training))
     return configs
+
+
+def _searched_settings(
+    cluster: Cluster, training: TrainingConfig
+) -> tuple[tuple[str, ...], list[int], list[int]]:
+    """The recompute modes, virtual stage counts and context-parallel degrees every config is
+    searched with; raises InputError where the options cannot go together."""
+    # auto = selective: with a free choice per layer, "none" (no layer) and "full" (every layer)
+    # are feasible choices of the same config, so its optimum is never worse than either (on a
+    # heterogeneous cluster too); the empirical model measures one setting per run, so there
+    # auto searches none and full
+    recompute_modes = (training.recompute,)
+    if training.recompute == "auto":
+        uniform_only = training.memory_model == "empirical"
+        recompute_modes = ("none", "full") if uniform_only else ("selective",)
+    virtual_stages = sorted(set(training.virtual_stages))
+    if virtual_stages != [1]:
+        check_interleaving(cluster, training)
+    cp_degrees = sorted(set(training.cp))
+    if training.memory_model == "empirical" and cp_degrees != [1]:
+        raise InputError(
+            f"--cp {','.join(map(str, training.cp))} with the empirical memory model: the "
+            "statistics are measured on whole sequences of one pipeline; use --cp 1 or "
+            "--memory-model analytic"
+        )
+    return recompute_modes, virtual_stages, cp_degrees
 
 
 def _tensor_and_context_degrees(

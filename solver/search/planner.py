@@ -1,4 +1,11 @@
-"""The planning API: graph + cluster + training options -> the memory-optimal :class:`Plan`."""
+"""The planning API: graph + cluster + training options -> the memory-optimal :class:`Plan`.
+
+Here: :func:`plan`, the throughput budget and its re-search loop, and the infeasibility
+explanation with its GPU count probes (a planning call explains itself by planning other counts,
+so they share this module). Beside it: ``plan_result`` (the :class:`Plan`), ``ties`` (the
+tie-break on the secondary objective), ``plan_notes`` (the solver report and its notes),
+``infeasible`` (the messages of an infeasible call).
+"""
 
 from __future__ import annotations
 
@@ -7,25 +14,19 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, UTILIZATION
-from solver.costs import LayerCosts, StageCost, iteration_bound_ns, stage_costs
+from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME
 from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate_assignment, prepare_training
-from solver.exports import build_exports
 from solver.graph import LayerGraph
-from solver.report.baselines import BASELINES
-from solver.reserve import usable_text
 from solver.search.config_search import (
     ConfigEntry,
     Deadline,
     Progress,
     SearchResult,
     build_entries,
-    refine,
     search,
 )
 from solver.search.gpu_counts import (
@@ -34,66 +35,18 @@ from solver.search.gpu_counts import (
     smallest_fitting_count,
     valid_gpu_counts,
 )
-from solver.search.incumbents import QUICK_METHODS
-from solver.specs import Cluster, SearchStatus, SolverReport, TrainingConfig
+from solver.search.infeasible import (
+    _explain_heterogeneous,
+    _memory_exceeded,
+    _throughput_unmet,
+)
+from solver.search.plan_notes import _solver_report
+from solver.search.plan_result import Plan, _baseline_evaluations, _plan_exports
+from solver.search.ties import _break_ties, _Choice, _matching_stages, _time_invariant
+from solver.specs import Cluster, TrainingConfig
 from solver.units import format_bytes
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True)
-class Plan:
-    """A chosen config and split, its exact costs, how it was found, and its exports."""
-
-    evaluation: Evaluation
-    solver: SolverReport
-    make_exports: Callable[[], dict[str, Any]] = field(repr=False, compare=False)
-    """Builds :attr:`exports` when first read."""
-    make_baselines: Callable[[], dict[str, Evaluation]] = field(
-        default=dict, repr=False, compare=False
-    )
-    """Builds :attr:`baselines` when first read."""
-    required_throughput: float | None = None
-    """The throughput constraint that was applied (samples/s), if any."""
-    fastest_throughput: float | None = None
-    """Throughput of the fastest plan that fits in memory, when it was computed."""
-    iteration_budget_ns: int | None = None
-    """The longest simulated iteration the plan was allowed (the throughput constraint), ns."""
-    fastest_iteration_ns: int | None = None
-    """The simulated iteration of the fastest plan that fits, when it was searched, ns."""
-
-    @functools.cached_property
-    def exports(self) -> dict[str, Any]:
-        """The plan for each engine (``solver.exports.build_exports``), built when first
-        read: a millisecond or two that an in-process caller wanting only the split skips."""
-        return self.make_exports()
-
-    @functools.cached_property
-    def baselines(self) -> dict[str, Evaluation]:
-        """The same config split the usual ways (even, parameters), for comparison: same ZeRO
-        stage and recompute mode, the plan's recomputed layers under selective recomputation,
-        the plan's stage groups on a heterogeneous cluster; evaluated when first read."""
-        return self.make_baselines()
-
-    @property
-    def config(self):
-        return self.evaluation.config
-
-    @property
-    def stages(self):
-        return self.evaluation.stages
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.evaluation.peak_bytes
-
-    @property
-    def throughput(self) -> float:
-        return self.evaluation.throughput
-
-    @property
-    def stage_of_layer(self) -> list[int]:
-        return self.evaluation.stage_of_layer
 
 
 def plan(
@@ -405,155 +358,6 @@ def _throughput_limit(call: _PlanningCall) -> _ThroughputLimit:
     return limit
 
 
-class _Choice(NamedTuple):
-    """The chosen config and its split."""
-
-    entry: ConfigEntry
-    split: list[int]
-    recomputed: list[bool] | None
-    """Recompute flag of each layer (selective recomputation only)."""
-    groups: list[int] | None
-    """Node group of each stage (heterogeneous clusters only)."""
-    stages: list[StageCost] | None = None
-    """The split's stage costs when the backend computed them (``StageSolution.stages``)."""
-
-
-def _break_ties(
-    call: _PlanningCall, result: SearchResult, *, budget_ns: int | None
-) -> tuple[_Choice, list[str]]:
-    """Among configs tied on the primary objective, the best on the secondary one (then the
-    earliest in candidate order). Each tie is re-solved for its best secondary value while
-    keeping the primary optimum as a hard limit (with selective recomputation this also drops
-    recomputed layers the peak does not need); the re-solved split replaces the one found only
-    when it is strictly better on the secondary objective. A tie whose split already reaches
-    its config's lower bound on the secondary objective (every split of a config whose costs
-    take no time: :func:`_time_invariant`) is not re-solved: no split could beat it, so the
-    re-solve would keep it. Ties the time limit leaves no time for keep their split and rank
-    after the re-solved ones; the notes say so."""
-    limits = _secondary_limits(call, result, budget_ns=budget_ns)
-    best_key, best, settled_count = None, None, 0
-    for index, (entry, solution) in enumerate(result.ties):
-        found = _Choice(
-            entry,
-            solution.stage_of_layer,
-            solution.recomputed,
-            solution.group_of_stage,
-            solution.stages,
-        )
-        if call.deadline.expired():
-            key = (math.inf, entry.order)
-            if best is None or key < best_key:
-                best_key, best = key, found
-            continue
-        settled_count += 1
-        if call.progress is not None:
-            call.progress("ties", index, len(result.ties), "")
-        value = _secondary_value(call, entry, solution)
-        if value is None or value > _secondary_bound(call, entry):
-            refined = refine(
-                entry,
-                **limits,
-                backend=result.backend,
-                deadline=call.deadline,
-                hint=solution.stage_of_layer,
-                hint_recomputed=solution.recomputed,
-                hint_groups=solution.group_of_stage,
-                num_workers=call.num_workers,
-            )
-            if refined is not None and (value is None or refined.objective < value):
-                value = refined.objective
-                found = _Choice(
-                    entry,
-                    refined.stage_of_layer,
-                    refined.recomputed,
-                    refined.group_of_stage,
-                    refined.stages,
-                )
-        key = (math.inf if value is None else value, entry.order)
-        if best is None or key < best_key:
-            best_key, best = key, found
-    notes = []
-    if settled_count < len(result.ties):
-        secondary = "throughput" if call.training.objective == "memory" else "peak"
-        notes.append(
-            f"time limit reached before tie-breaking: {settled_count} of {len(result.ties)} "
-            f"configs tied on the optimum were re-solved for the best {secondary}; the others "
-            "keep the split found and rank after them"
-        )
-    return best, notes
-
-
-def _time_invariant(costs: LayerCosts) -> bool:
-    """Every split of this config takes 0 ns (``LayerCosts.has_compute_time``), so the time
-    model cannot tell splits apart."""
-    return not costs.has_compute_time
-
-
-def _secondary_value(call: _PlanningCall, entry: ConfigEntry, solution) -> int | None:
-    """The secondary objective of the split the primary search found: its iteration bound (ns) under
-    the memory objective, its largest peak (bytes) under the throughput objective; None where
-    the re-solve may also change what the split does not say (a heterogeneous cluster's
-    placement, selective recomputation's recomputed layers), which always re-solves."""
-    costs = entry.costs
-    if entry.placement is not None or costs.selective:
-        return None
-    if call.training.objective == "memory" and _time_invariant(costs):
-        return 0
-    stages = _matching_stages(entry, solution.stage_of_layer, solution.stages)
-    if stages is None:
-        stages = stage_costs(costs, solution.stage_of_layer)
-    if call.training.objective == "memory":
-        return iteration_bound_ns(costs, stages)
-    return max(stage.peak_bytes for stage in stages)
-
-
-def _matching_stages(
-    entry: ConfigEntry, split: list[int], stages: list[StageCost] | None
-) -> list[StageCost] | None:
-    """``stages`` when they are the cost model's stage costs of ``split`` on the entry's own
-    coefficients (a backend's ``StageSolution.stages``: a plain config, each stage holding
-    exactly its layers of the split), else None: the caller evaluates the split itself."""
-    if stages is None or entry.placement is not None or entry.costs.selective:
-        return None
-    if len(stages) != entry.costs.num_stages or sum(len(s.layers) for s in stages) != len(split):
-        return None
-    if any(split[layer] != stage.index for stage in stages for layer in stage.layers):
-        return None
-    return stages
-
-
-def _secondary_bound(call: _PlanningCall, entry: ConfigEntry) -> int:
-    """No split of the entry's config is better on the secondary objective than this."""
-    return entry.time_bound if call.training.objective == "memory" else entry.memory_bound
-
-
-def _secondary_limits(
-    call: _PlanningCall, result: SearchResult, *, budget_ns: int | None
-) -> dict[str, Any]:
-    """The secondary objective and the limits that hold the primary optimum, as arguments of
-    :func:`solver.search.config_search.refine`: the fastest split at the optimal peak (or the
-    optimal largest
-    utilization of a heterogeneous cluster), or the smallest peak at the fastest iteration."""
-    if call.training.objective != "memory":
-        return {
-            "objective": OBJECTIVE_MEMORY,
-            "capacity_bytes": call.capacity_bytes,
-            "iteration_budget_ns": result.value,
-        }
-    if call.cluster.is_heterogeneous and call.training.memory_objective == UTILIZATION:
-        return {
-            "objective": OBJECTIVE_TIME,
-            "capacity_bytes": None,
-            "iteration_budget_ns": budget_ns,
-            "utilization_limit_ppm": result.value,
-        }
-    return {
-        "objective": OBJECTIVE_TIME,
-        "capacity_bytes": result.value,
-        "iteration_budget_ns": budget_ns,
-    }
-
-
 def _build_plan(
     call: _PlanningCall,
     choice: _Choice,
@@ -592,156 +396,6 @@ def _build_plan(
         iteration_budget_ns=limit.budget_ns,
         fastest_iteration_ns=limit.fastest_ns,
     )
-
-
-def _plan_exports(
-    graph: LayerGraph, training: TrainingConfig, evaluation: Evaluation
-) -> dict[str, Any]:
-    """The engine exports of an evaluated plan (``Plan.exports``)."""
-    return build_exports(
-        graph,
-        evaluation.config,
-        evaluation.virtual_stage_layer_names(),
-        recomputed=evaluation.virtual_stage_recomputed_names(),
-        moe_capacity_factor=training.moe_capacity_factor,
-    )
-
-
-def _baseline_evaluations(
-    graph: LayerGraph,
-    costs: LayerCosts,
-    *,
-    cluster: Cluster,
-    training: TrainingConfig,
-    recomputed: list[bool] | None,
-    placed: dict[str, Any],
-) -> dict[str, Evaluation]:
-    """The usual splits of the plan's config (``Plan.baselines``), like with like: the plan's
-    config (ZeRO stage, recompute mode, schedule), and under selective recomputation the plan's
-    recomputed layers (a flag per layer, so it applies to any split), and on a heterogeneous
-    cluster the plan's stage groups."""
-    return {
-        name: evaluate_assignment(
-            graph,
-            costs,
-            split_of(graph, costs.num_stages),
-            cluster=cluster,
-            training=training,
-            recomputed=recomputed,
-            **placed,
-        )
-        for name, split_of in BASELINES.items()
-    }
-
-
-def _solver_report(
-    result: SearchResult,
-    *,
-    proven: bool,
-    configs_total: int,
-    started: float,
-    call: _PlanningCall | None = None,
-) -> SolverReport:
-    """The report of the answer ``result``, with every search of ``call`` and notes that say
-    why a plan is not proven: which search left configs open, and whether the time limit was
-    reached or each open config stopped at its share of it."""
-    searches = [] if call is None else _search_statuses(call)
-    reached = any(s.time_limit_reached for s in searches) or (
-        call is not None and call.deadline.expired()
-    )
-    report = SolverReport(
-        backend=result.backend,
-        status=OPTIMAL if proven else "FEASIBLE",
-        objective=result.value,
-        bound=result.bound,
-        wall_s=time.perf_counter() - started,
-        configs_total=configs_total,
-        configs_solved=result.solved,
-        configs_pruned=result.pruned,
-        time_limit_reached=reached,
-        searches=searches,
-    )
-    if not proven:
-        report.notes.extend(_unproven_notes(call, result, searches, reached=reached))
-    return report
-
-
-SEARCH_NAMES = {OBJECTIVE_MEMORY: "smallest peak", OBJECTIVE_TIME: "fastest plan"}
-
-
-def _search_statuses(call: _PlanningCall) -> list[SearchStatus]:
-    """Each search of the call as reported: the last one is the answer; an earlier fastest-plan
-    search set the --max-slowdown budget."""
-    statuses = []
-    for index, (objective, result) in enumerate(call.searches):
-        last = index == len(call.searches) - 1
-        statuses.append(
-            SearchStatus(
-                name=SEARCH_NAMES[objective],
-                role="answer" if last else "max-slowdown budget",
-                wall_s=result.wall_s,
-                incumbent_s=result.incumbent_s,
-                proven=result.proven,
-                time_limit_reached=result.time_limit_reached,
-                configs_open=result.open_configs,
-                configs_with_incumbent=result.incumbents,
-                configs_closed_by_incumbent=result.closed_by_incumbent,
-            )
-        )
-    return statuses
-
-
-QUICK_SPLITS = {*BASELINES, *(method.name for method in QUICK_METHODS)}
-"""Names a solution of the incumbent pass carries as its backend (``solver.search.incumbents``)."""
-
-
-def _unproven_notes(
-    call: _PlanningCall | None,
-    result: SearchResult,
-    searches: list[SearchStatus],
-    *,
-    reached: bool,
-) -> list[str]:
-    """Why the plan is not proven: each unproven search, how many configs it left open, and
-    whether the time limit was reached; the quick split the plan came from when no exact solve
-    improved it."""
-    if call is None or not searches:
-        return ["time limit reached: best plan found, not proven optimal"]
-    notes = []
-    limit = "" if call.time_limit_s is None else f" ({call.time_limit_s:g} s)"
-    for status in searches:
-        if status.proven:
-            continue
-        if status.time_limit_reached:
-            why = f"the time limit{limit} was reached"
-        else:
-            why = f"each stopped at its share of the time limit{limit}, which was not reached" + (
-                "; the time left went to the next search" if status.role != "answer" else ""
-            )
-        opened = f"{status.configs_open} config{'s' * (status.configs_open != 1)} open"
-        if status.role == "answer":
-            lead = "time limit reached: " if status.time_limit_reached else ""
-            notes.append(
-                f"{lead}best plan found, not proven optimal: the {status.name} search left "
-                f"{opened} ({why})"
-            )
-        else:
-            slowdown = call.training.max_slowdown
-            notes.append(
-                f"the {status.name} search behind the --max-slowdown budget ({slowdown:g} x its "
-                f"iteration time) left {opened} ({why}), so the budget itself is not proven: a "
-                "faster plan may exist and set a tighter budget; the gap is that of the "
-                f"{searches[-1].name} search under the budget found"
-            )
-    if reached and not any(s.time_limit_reached for s in searches) and not notes:
-        notes.append("time limit reached: best plan found, not proven optimal")
-    quick = result.solution is not None and result.solution.backend in QUICK_SPLITS
-    if quick and not result.proven:  # in a proven search the quick split is an optimum
-        notes.append(
-            f"the best split found is the quick {result.solution.backend} split of its config "
-            "(the incumbent pass): no exact solve improved it in time"
-        )
-    return notes
 
 
 ADVICE_MIN_S = 2.0
@@ -809,120 +463,6 @@ def _advice_deadline(deadline: Deadline | None) -> Deadline:
     if deadline is None:
         return Deadline.after(60.0)
     return Deadline(end=max(deadline.end, time.perf_counter() + ADVICE_MIN_S))
-
-
-def _throughput_unmet(
-    cluster: Cluster,
-    training: TrainingConfig,
-    fastest: SearchResult,
-    reached_ns: int | None,
-    budget_ns: int,
-    counts: GpuCountAdvice | None,
-    *,
-    best_peak: int,
-) -> InfeasibleError:
-    """Some plan fits in memory, but none reaches the required throughput (``reached_ns``: the
-    fastest plan's simulated iteration)."""
-    reached = (
-        "no plan was found in time"
-        if reached_ns is None
-        else f"the fastest plan that fits reaches "
-        f"{training.global_batch * 1e9 / reached_ns:.4g} samples/s "
-        f"({fastest.entry.costs.config.label()})"
-    )
-    required = training.global_batch * 1e9 / budget_ns
-    more = "add GPUs" if counts is None else f"add GPUs; {counts.text('meets it')}"
-    return InfeasibleError(
-        f"throughput constraint cannot be met: {required:.4g} samples/s required, {reached};"
-        f" lower --min-throughput, raise --max-slowdown, or {more}",
-        best_peak_bytes=best_peak,
-        capacity_bytes=training.usable_bytes(cluster.gpu_memory_bytes),
-        suggested_gpus=None if counts is None else counts.gpus,
-    )
-
-
-def _memory_exceeded(
-    cluster: Cluster,
-    training: TrainingConfig,
-    entries: list[ConfigEntry],
-    unconstrained: SearchResult,
-    counts: GpuCountAdvice | None,
-    best_peak: int,
-) -> InfeasibleError:
-    """No plan fits in memory: by how much the best one is over the usable memory (capacity -
-    reserve), and a GPU count that fits."""
-    capacity = training.usable_bytes(cluster.gpu_memory_bytes)
-    over = best_peak - capacity
-    config_text = (
-        "" if unconstrained.entry is None else f" ({unconstrained.entry.costs.config.label()})"
-    )
-    options = _memory_options(training)
-    savers = "".join(f", {option}" for option in options)
-    if counts is None:
-        tail = (
-            "try more GPUs (python -m solver.sweep GRAPH --find min-gpus --gpus auto says how "
-            f"many), larger GPUs{savers}"
-        )
-    elif counts.gpus is None:
-        tail = f"{counts.text('fits')}; use larger GPUs{savers}"
-    else:
-        tail = counts.text("fits") + ("" if not options else f"; or try {' / '.join(options)}")
-    reserve = training.memory_reserve
-    reserved = reserve.bytes_for(cluster.gpu_memory_bytes)
-    if reserved:
-        # needs X of usable Y = capacity Z - reserve R
-        where = "nothing fits in the usable memory"
-        of = (
-            f" of usable {format_bytes(capacity)} per GPU = capacity "
-            f"{format_bytes(cluster.gpu_memory_bytes)} - reserve {format_bytes(reserved)} "
-            f"({reserve.label()})"
-        )
-        tail += "; or a smaller --reserve"
-    else:
-        where, of = f"nothing fits in {format_bytes(capacity)} per GPU (--gpu-memory)", ""
-    needs = f"needs {format_bytes(best_peak)}{config_text}{of}, "
-    if not unconstrained.proven:  # the quick search stopped early: an upper bound only
-        needs = f"is proven over it; the best split found in time {needs}"
-    return InfeasibleError(
-        f"{where}: the best of {len(entries)} configs {needs}"
-        f"{format_bytes(over)} ({100 * over / capacity:.1f}%) over; {tail}",
-        best_peak_bytes=best_peak,
-        capacity_bytes=capacity,
-        suggested_gpus=None if counts is None else counts.gpus,
-    )
-
-
-def _memory_options(training: TrainingConfig) -> list[str]:
-    """The memory savers the search was not already allowed to use."""
-    options = []
-    if set(training.zero_stages) != {0, 1, 2, 3}:
-        options.append("--zero auto")
-    if training.recompute == "none":
-        options.append("--recompute auto")
-    if min(training.micro_batch_sizes) > 1:
-        options.append("a smaller micro-batch")
-    return options
-
-
-def _explain_heterogeneous(
-    cluster: Cluster, training: TrainingConfig, entries: list[ConfigEntry], budget_ns: int | None
-) -> InfeasibleError:
-    """No placement of any config fits the groups' usable memory (or meets the throughput
-    constraint)."""
-    reserve = training.memory_reserve
-    groups = ", ".join(
-        f"{g.name} {usable_text(reserve, g.gpu_memory_bytes)}" for g in cluster.groups
-    )
-    best = min(e.peak_lower_bound for e in entries)
-    constraint = "" if budget_ns is None else " and the throughput constraint"
-    return InfeasibleError(
-        f"no config and placement of stages on the groups ({groups}) satisfies the group "
-        f"capacities{constraint}: {len(entries)} configs solved or bounded (the best lower bound "
-        f"on a stage peak is {format_bytes(best)}); try --zero auto, --recompute auto, a smaller "
-        "micro-batch, --max-slowdown none, or more nodes",
-        best_peak_bytes=best,
-        capacity_bytes=max(training.usable_bytes(g.gpu_memory_bytes) for g in cluster.groups),
-    )
 
 
 def smallest_fitting_gpus(
