@@ -114,3 +114,19 @@ def test_overhead_not_measured_for_inputs_that_are_not_batch_tensors():
     cpu = torch.device("cpu")
     for inputs in ((), (torch.ones(2, 3), 5), (torch.ones(2, 3), torch.ones(3, 3))):
         assert runtime_terms(run_loss, inputs, [], layer_ms=1.0, device=cpu) is None
+
+
+@pytest.mark.parametrize("times", [[3.0, 3.0, 3.0], [3.2, 3.0, 2.9]])
+def test_overhead_not_measured_when_the_steps_do_not_grow_with_the_microbatches(monkeypatch, times):
+    """A slope <= 0 is noise (seen on a loaded machine): no terms, rather than a negative
+    layer_time_scale that the schema refuses."""
+    from profiling.trace import time_terms
+
+    monkeypatch.setattr(
+        time_terms, "microbatch_step_ms", lambda *a, **k: dict(zip([1, 2, 3], times, strict=True))
+    )
+    inputs = (torch.ones(2, 3),)
+    assert (
+        runtime_terms(lambda x: x.sum(), inputs, [], layer_ms=1.0, device=torch.device("cpu"))
+        is None
+    )

@@ -200,7 +200,8 @@ def runtime_terms(
                               brings the layer times down to it (``profile_module`` applies it);
       step_overhead_ns        max(0, a): what a step costs beside its micro-batches and the
                               optimizer (the schedule's setup, clearing the gradients).
-    None when the proxy cannot run here (module docstring)."""
+    None when the proxy cannot run here (module docstring), or when its step times do not grow
+    with m (a slope <= 0 is noise, not a measurement)."""
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -225,6 +226,14 @@ def runtime_terms(
         return None
     counts, times = list(medians), list(medians.values())
     per_microbatch = slope(counts, times)
+    if per_microbatch <= 0:  # more micro-batches did not take longer: noise (a loaded machine)
+        logger.info(
+            "micro-batch overhead not measured: the proxy's step times did not grow with the "
+            "micro-batches (%s ms at m = %s); rerun on a quieter machine",
+            ", ".join(f"{t:.3g}" for t in times),
+            ", ".join(map(str, counts)),
+        )
+        return None
     intercept = statistics.fmean(times) - per_microbatch * statistics.fmean(counts)
     return {
         "microbatch_overhead_ns": max(0.0, per_microbatch - layer_ms) * 1e6,
