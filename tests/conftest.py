@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 
+from solver.costs import LayerCosts, layer_costs
 from solver.files.cluster_file import cluster_from_dict
 from solver.graph import LayerGraph, graph_from_dict, load_graph
-from solver.specs import Cluster
+from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
 # Tests never download: hf: names resolve from local paths, bundled configs and the HF cache only
 # (huggingface_hub reads this when first imported; subprocesses inherit it). Without it, a name
@@ -146,6 +147,43 @@ def write_json(tmp_path) -> Callable[[str, Any], str]:
 def gpt_graph() -> LayerGraph:
     """examples/gpt-1.3b.json, loaded once per run: do not modify it in a test."""
     return load_graph(GPT_1_3B)
+
+
+# -- cost coefficients ---------------------------------------------------------------------------
+
+FP32_ADAM = {"weight_bytes_per_param": 4, "grad_bytes_per_param": 4, "optimizer_bytes_per_param": 8}
+"""fp32 Adam's (w, g, o) bytes per parameter, as TrainingConfig keywords."""
+
+
+def costs_of(
+    graph: LayerGraph | dict,
+    config: ParallelConfig,
+    *,
+    cluster: Cluster | None = None,
+    **training: Any,
+) -> LayerCosts:
+    """``layer_costs`` of ``graph`` (or its document) under ``config`` on ``cluster`` (default:
+    ``config.num_gpus`` GPUs), with ``TrainingConfig(global_batch=config.global_batch,
+    **training)``; the coefficients read only its runtime, bytes per parameter, precision,
+    optimizer, gradient lifetime, deallocation, capacity factor and memory model, not its
+    search lists."""
+    if isinstance(graph, dict):
+        graph = graph_from_dict(graph)
+    options = TrainingConfig(global_batch=config.global_batch, **training)
+    return layer_costs(graph, config, cluster or Cluster(num_gpus=config.num_gpus), options)
+
+
+def fp32_adam_costs(
+    graph: LayerGraph,
+    config: ParallelConfig,
+    *,
+    runtime: str = "torch",
+    lifetime: str = "persistent",
+    **training: Any,
+) -> LayerCosts:
+    """``costs_of`` with fp32 Adam (4, 4, 8 bytes per parameter) on ``runtime``, gradients
+    ``lifetime`` (persistent | step)."""
+    return costs_of(graph, config, runtime=runtime, grad_lifetime=lifetime, **FP32_ADAM, **training)
 
 
 # -- solver oracles ------------------------------------------------------------------------------
