@@ -20,7 +20,7 @@ from solver.errors import InputError
 from solver.graph import graph_from_dict
 from solver.specs import ParallelConfig
 from tests.conftest import assert_backends_match_brute_force, fp32_adam_costs
-from tests.random_graphs import random_config, random_dag
+from tests.random_graphs import random_config, random_dag, short_pipeline
 
 LAYERS = [
     {"name": name, "params": 10, "activation_bytes": 50, "output_bytes": 8}
@@ -164,13 +164,7 @@ def test_backends_agree_with_flagged_tensors(seed, lifetime):
         config = random_config(rng, graph.num_layers)
         if config.pp >= 2:
             break
-    schedule = rng.choice(["gpipe", "1f1b"])
-    config = dataclasses.replace(
-        config,
-        schedule=schedule,
-        num_microbatches=rng.randint(1, 3 if schedule == "gpipe" else config.pp + 1),
-        recompute="selective" if seed % 3 == 2 else rng.choice(["none", "full"]),
-    )
+    config = short_pipeline(rng, config, selective=seed % 3 == 2)
     costs = fp32_adam_costs(graph, config, lifetime=lifetime)
     assert not costs.plain_boundaries
     assert_backends_match_brute_force(StageProblem(costs=costs, objective=OBJECTIVE_MEMORY))

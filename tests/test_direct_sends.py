@@ -19,7 +19,7 @@ from solver.costs import boundary_bytes, stage_costs
 from solver.graph import graph_from_dict
 from solver.specs import ParallelConfig, TrainingConfig
 from tests.conftest import assert_backends_match_brute_force, fp32_adam_costs, t5_like_graph
-from tests.random_graphs import random_config, random_dag
+from tests.random_graphs import one_tensor_per_producer, random_config, random_dag, short_pipeline
 
 T5_LIKE = t5_like_graph()
 GPIPE = ParallelConfig(pp=3, tp=1, dp=1, micro_batch=2, num_microbatches=4, schedule="gpipe")
@@ -90,12 +90,7 @@ def test_chains_are_the_same_on_both_models():
 def named_dag(rng: random.Random, num_layers: int):
     """A random DAG whose producer sends one tensor to all its consumers (``Edge.tensor``), so
     a tensor can be read on several later stages."""
-    document = random_dag(rng, num_layers).to_dict()
-    sizes: dict[str, int] = {}
-    for edge in document["edges"]:
-        edge["bytes"] = sizes.setdefault(edge["src"], edge["bytes"])
-        edge["tensor"] = f"{edge['src']}:0"
-    return graph_from_dict(document)
+    return one_tensor_per_producer(random_dag(rng, num_layers))
 
 
 @pytest.mark.parametrize("lifetime", ["step", "persistent"])
@@ -110,13 +105,7 @@ def test_backends_agree_with_direct_sends(seed, lifetime):
         config = random_config(rng, graph.num_layers)
         if config.pp >= 3:
             break
-    schedule = rng.choice(["gpipe", "1f1b"])
-    config = dataclasses.replace(
-        config,
-        schedule=schedule,
-        num_microbatches=rng.randint(1, 3 if schedule == "gpipe" else config.pp + 1),
-        recompute="selective" if seed % 3 == 2 else rng.choice(["none", "full"]),
-    )
+    config = short_pipeline(rng, config, selective=seed % 3 == 2)
     costs = fp32_adam_costs(graph, config, lifetime=lifetime)
     assert_backends_match_brute_force(StageProblem(costs=costs, objective=OBJECTIVE_MEMORY))
 

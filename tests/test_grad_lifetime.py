@@ -25,7 +25,7 @@ from tests.conftest import (
     solve_everywhere,
     t5_like_graph,
 )
-from tests.random_graphs import random_chain, random_config, random_dag
+from tests.random_graphs import one_tensor_per_producer, random_chain, random_config, random_dag
 
 CLUSTER = Cluster(num_gpus=2)
 
@@ -221,13 +221,8 @@ def test_backends_agree_with_step_gradients(seed):
     rng = random.Random(7000 + seed)
     chain = seed % 3 != 2
     graph = (random_chain if chain else random_dag)(rng, rng.randint(3, 6))
-    if not chain:  # every edge of a producer carries its one output tensor
-        document = graph.to_dict()
-        sizes: dict[str, int] = {}
-        for edge in document["edges"]:
-            edge["bytes"] = sizes.setdefault(edge["src"], edge["bytes"])
-            edge["tensor"] = f"{edge['src']}:0"
-        graph = graph_from_dict(document)
+    if not chain:
+        graph = one_tensor_per_producer(graph)
     config = random_config(rng, graph.num_layers)
     schedule = rng.choice(["gpipe", "1f1b"])
     config = dataclasses.replace(

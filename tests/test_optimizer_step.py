@@ -19,7 +19,7 @@ from solver.precision import step_temporary_bytes_per_param
 from solver.search.candidates import memory_lower_bound
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from tests.conftest import assert_placed_backends_match_brute_force, costs_of, solve_everywhere
-from tests.random_graphs import random_chain, random_config, random_dag
+from tests.random_graphs import one_tensor_per_producer, random_chain, random_config, random_dag
 
 # parameter-heavy layers, bytes per sample: an embedding, a block, a head
 LAYERS = [
@@ -147,13 +147,8 @@ def test_backends_agree_where_the_step_binds(seed):
     interleaved = seed % 8 == 5  # pp 2 x v 2 over 4..6 layers
     size = rng.randint(4, 6) if interleaved else rng.randint(3, 6)
     graph = heavy((random_chain if chain else random_dag)(rng, size), rng)
-    if not chain:  # every edge of a producer carries its one output tensor
-        document = graph.to_dict()
-        sizes: dict[str, int] = {}
-        for edge in document["edges"]:
-            edge["bytes"] = sizes.setdefault(edge["src"], edge["bytes"])
-            edge["tensor"] = f"{edge['src']}:0"
-        graph = graph_from_dict(document)
+    if not chain:
+        graph = one_tensor_per_producer(graph)
     config = random_config(rng, graph.num_layers)
     virtual = 2 if interleaved else 1
     config = dataclasses.replace(

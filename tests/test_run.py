@@ -505,18 +505,15 @@ def test_tracker_counts_states_activations_and_frees():
     assert tracker.peak_bytes > tracker.current_bytes
 
 
-def test_tracker_peak_equals_memtracker_on_a_small_module():
-    """The fast twin of the gpt-tiny cross-check below: a small MLP, forward, backward and an
-    Adam step, twice, measured by LiveTensorTracker and by torch's MemTracker (through
-    ``_torch_compat``): the same peak to the byte, every category summed."""
+def tracked_peaks(model_of, losses, optimizer_options=None) -> tuple[list[int], int]:
+    """Adam steps on ``model_of()``, one per loss function in ``losses`` (model, step -> scalar),
+    measured by LiveTensorTracker and, on a second model of the same seed, by torch's MemTracker
+    (through ``_torch_compat``): ours's peak of each step, and MemTracker's peak of all."""
     from profiling._torch_compat import mem_tracker
 
     def train(tracker, reset) -> list[int]:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)
-        )
-        optimizer = torch.optim.Adam(model.parameters(), foreach=True)
+        model = model_of()
+        optimizer = torch.optim.Adam(model.parameters(), **(optimizer_options or {}))
         if isinstance(tracker, LiveTensorTracker):
             tracker.track_module(model)
             tracker.track_grads(model)
@@ -525,13 +522,11 @@ def test_tracker_peak_equals_memtracker_on_a_small_module():
             tracker.track_external(model, optimizer)
         peaks = []
         with tracker:
-            for _ in range(2):
+            for step, loss_of in enumerate(losses):
                 optimizer.zero_grad(set_to_none=True)
                 reset()
-                x = torch.randn(16, 32)
-                model(x).square().mean().backward()
+                loss_of(model, step).backward()
                 optimizer.step()
-                del x
                 if isinstance(tracker, LiveTensorTracker):
                     peaks.append(tracker.peak_bytes)
         return peaks
@@ -541,7 +536,24 @@ def test_tracker_peak_equals_memtracker_on_a_small_module():
     theirs = mem_tracker()
     train(theirs, theirs.reset_mod_stats)
     (snapshot,) = theirs.get_tracker_snapshot("peak").values()
-    assert max(peaks) == snapshot["Total"]
+    return peaks, snapshot["Total"]
+
+
+def test_tracker_peak_equals_memtracker_on_a_small_module():
+    """The fast twin of the gpt-tiny cross-check below: a small MLP, forward, backward and a
+    foreach Adam step, twice: LiveTensorTracker's peak is MemTracker's to the byte."""
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)
+        )
+
+    def loss(model, step):
+        return model(torch.randn(16, 32)).square().mean()
+
+    peaks, theirs = tracked_peaks(mlp, [loss, loss], {"foreach": True})
+    assert max(peaks) == theirs
     param_bytes = (32 * 64 + 64 + 2 * 64 + 64 * 8 + 8) * 4
     assert max(peaks) >= 4 * param_bytes  # weights, gradients and Adam's two states at least
 
@@ -549,38 +561,12 @@ def test_tracker_peak_equals_memtracker_on_a_small_module():
 @pytest.mark.slow
 def test_tracker_peak_equals_memtracker_on_a_training_step():
     """Cross-check with torch's own MemTracker: the same peak, to the byte, over three steps."""
-    from profiling._torch_compat import mem_tracker
-
     spec = models.get("gpt-tiny", **OVERRIDES)
 
-    def train(tracker, reset) -> list[int]:
-        model = build_model(spec, 0)
-        optimizer = torch.optim.Adam(model.parameters())
-        if isinstance(tracker, LiveTensorTracker):
-            tracker.track_module(model)
-            tracker.track_grads(model)
-            tracker.track_optimizer(optimizer)
-        else:
-            tracker.track_external(model, optimizer)
-        peaks = []
-        with tracker:
-            for iteration in range(3):
-                optimizer.zero_grad(set_to_none=True)
-                reset()
-                ids, targets = batch_for_iteration(
-                    spec, batch=4, seq=None, seed=0, iteration=iteration
-                )
-                model(ids, targets).backward()
-                optimizer.step()
-                del ids, targets
-                if isinstance(tracker, LiveTensorTracker):
-                    peaks.append(tracker.peak_bytes)
-        return peaks
+    def loss(model, step):
+        ids, targets = batch_for_iteration(spec, batch=4, seq=None, seed=0, iteration=step)
+        return model(ids, targets)
 
-    ours = LiveTensorTracker()
-    peaks = train(ours, ours.reset_peak)
-    theirs = mem_tracker()
-    train(theirs, theirs.reset_mod_stats)
-    (snapshot,) = theirs.get_tracker_snapshot("peak").values()
-    assert max(peaks) == snapshot["Total"]
+    peaks, theirs = tracked_peaks(lambda: build_model(spec, 0), [loss] * 3)
+    assert max(peaks) == theirs
     assert peaks[1] == peaks[2] > peaks[0]  # from the second step on, Adam state is live
