@@ -275,3 +275,41 @@ def t5_like_graph(*, named: bool = True) -> LayerGraph:
     return graph_from_dict(
         {"format": "layer-graph", "version": 1, "model": "t5", "layers": layers, "edges": edges}
     )
+
+
+# -- real runs (profiling.run) ---------------------------------------------------------------------
+
+
+def assert_runs_match_reference(reports, loss: float, grads: dict, tolerance: float) -> None:
+    """Every rank of a ``profiling.run`` run (``RankReport``s with captured gradients) holds the
+    single-process reference's gradient of each of its parameters within ``tolerance``
+    (relative norm), every parameter is on some rank, and the mean over the ranks' last losses
+    is the reference ``loss``."""
+    seen = set()
+    for report in reports:
+        assert report.grads, f"rank {report.rank} captured no gradients"
+        for name, grad in report.grads.items():
+            expected = grads[name]
+            error = float((grad - expected).norm() / expected.norm())
+            assert error <= tolerance, f"rank {report.rank} {name}: relative error {error:.3g}"
+            seen.add(name)
+    assert seen == set(grads), f"parameters without a gradient: {set(grads) - seen}"
+    last = [report.losses[-1] for report in reports if report.losses]  # one per replica
+    assert sum(last) / len(last) == pytest.approx(loss, rel=tolerance)
+
+
+def assert_peaks_within(
+    reports, *, under_pct: float, over_pct: float, first_iteration: bool = False
+) -> None:
+    """Every rank's measured peak against its plan's (``RankReport.error_pct``, negative when
+    the plan under-predicts): -``under_pct`` <= error <= ``over_pct``. ``first_iteration``: the
+    run measured its first iteration, before Adam's first step made its state, so a stage whose
+    peak comes before the step measures its prediction less the optimizer state: the upper end
+    is taken from the prediction less the predicted optimizer state there."""
+    for report in reports:
+        predicted, measured = report.predicted_peak_bytes, report.measured_peak_bytes
+        where = f"rank {report.rank} (stage {report.stage}): {report.error_pct:+.1f}%"
+        assert predicted >= measured * (1 - under_pct / 100), where
+        if first_iteration:
+            predicted -= report.predicted_breakdown["optimizer"]
+        assert predicted <= measured * (1 + over_pct / 100), where
