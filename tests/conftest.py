@@ -102,9 +102,13 @@ def cluster_of(*groups: dict) -> Cluster:
 
 
 def slow_params(values: Iterable[Any], *slow: Any) -> list[Any]:
-    """``values`` for ``parametrize``, those in ``slow`` marked slow (the rest stay fast)."""
+    """``values`` for ``parametrize``, those in ``slow`` marked slow (the rest stay fast); a
+    tuple value fills several argument names, as in a plain parametrize list."""
     return [
-        pytest.param(value, marks=pytest.mark.slow) if value in slow else value for value in values
+        pytest.param(*(value if isinstance(value, tuple) else (value,)), marks=pytest.mark.slow)
+        if value in slow
+        else value
+        for value in values
     ]
 
 

@@ -211,6 +211,7 @@ def test_the_formulation_hints_the_counted_indicators_exactly():
         assert solver.objective_value == peak
 
 
+@pytest.mark.slow
 def test_traced_t5_edges_say_which_tensors_need_grad_and_who_counts_them():
     """The profiler's fields on the T5 of ``scripts/bench_accuracy.py`` (fp32, seq 64): the
     zero cross-attention bias needs no grad and its producer counts it; the self-attention

@@ -25,7 +25,7 @@ from solver.search.gpu_counts import (
 from solver.search.planner import plan
 from solver.specs import Cluster, TrainingConfig
 from solver.sweep import min_gpus
-from tests.conftest import EXAMPLES, cluster_group, cluster_of
+from tests.conftest import EXAMPLES, cluster_group, cluster_of, slow_params
 
 GIB = 2**30
 
@@ -144,7 +144,7 @@ def _min_gpus(graph, memory, training) -> int | None:
 
 @pytest.mark.parametrize(
     ("gpus", "memory", "expected"),
-    [(4, 9 * GIB, 6), (3, 7 * GIB, 8)],  # doublings gave 8 and 12
+    slow_params([(4, 9 * GIB, 6), (3, 7 * GIB, 8)], (4, 9 * GIB, 6)),  # doublings gave 8 and 12
 )
 def test_gpt_1_3b_advice_is_the_min_gpus_answer(gpt_graph, gpus, memory, expected):
     training = TrainingConfig(global_batch=64)

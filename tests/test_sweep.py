@@ -146,6 +146,7 @@ def test_min_gpus_equals_a_brute_force_scan(seed, share, min_throughput):
     assert all(row["status"] != "OPTIMAL" for row in listed.rows if row["gpus"] < expected)
 
 
+@pytest.mark.slow
 def test_max_scale_finds_the_boundary_and_the_first_size_that_does_not_fit():
     rng = random.Random(7)
     layer = random_chain(rng, 1).layers[0]
