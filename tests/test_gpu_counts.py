@@ -211,6 +211,7 @@ def test_gpt3_on_8gib_gpus_gets_a_count_where_doublings_found_none(gpt3):
     assert "pp5 tp8 dp12" in str(error)
 
 
+@pytest.mark.slow
 def test_a_short_time_limit_says_where_it_stopped(gpt3, monkeypatch):
     monkeypatch.setattr(planner, "ADVICE_MIN_S", 0.3)
     training = TrainingConfig(global_batch=1536, recompute="full", zero_stages=(0, 1, 2, 3))
@@ -239,6 +240,7 @@ def test_heterogeneous_cluster_gets_no_count(gpt_graph):
     assert "more nodes" in str(caught.value)
 
 
+@pytest.mark.slow
 def test_options_already_searched_are_not_suggested(gpt_graph):
     training = TrainingConfig(global_batch=64, zero_stages=(0, 1, 2, 3), recompute="full")
     message = str(_advice(gpt_graph, 1, 2 * GIB, training))

@@ -18,7 +18,7 @@ from solver.costs.schedule_time import stages_timeline
 from solver.errors import InfeasibleError, InputError
 from solver.search.config_search import build_entries
 from solver.search.pareto import dominated, pareto_front
-from tests.conftest import GPT_1_3B, MIXED_CLUSTER, cluster_group, cluster_of, slow_params
+from tests.conftest import GPT_1_3B, MIXED_CLUSTER, cluster_group, cluster_of
 from tests.random_graphs import random_chain, random_dag
 
 TRAINING = TrainingConfig(global_batch=4, micro_batch_sizes=(1, 2), zero_stages=(0, 3))
@@ -215,13 +215,11 @@ def check_placed_points(front, graph, cluster, training) -> None:
 
 
 TINY_CHAINS = [(seed, objective) for seed in (0, 1, 2) for objective in ("utilization", "absolute")]
-"""(seed, memory objective) cases; (0, absolute) stays in the fast tier, the rest take seconds."""
+"""(seed, memory objective) cases, seconds each: slow."""
 
 
-@pytest.mark.parametrize(
-    ("seed", "memory_objective"),
-    slow_params(TINY_CHAINS, *(case for case in TINY_CHAINS if case != (0, "absolute"))),
-)
+@pytest.mark.slow
+@pytest.mark.parametrize(("seed", "memory_objective"), TINY_CHAINS)
 def test_heterogeneous_front_equals_brute_force_on_tiny_chains(seed, memory_objective):
     graph, cluster, training = hetero_case(seed, random_chain, 5, memory_objective)
     expected = placed_brute_force_front(graph, cluster, training)
@@ -233,9 +231,8 @@ def test_heterogeneous_front_equals_brute_force_on_tiny_chains(seed, memory_obje
     assert found == expected
 
 
-@pytest.mark.parametrize(
-    "memory_objective", slow_params(["utilization", "absolute"], "utilization")
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("memory_objective", ["utilization", "absolute"])
 def test_heterogeneous_front_equals_brute_force_on_a_tiny_dag(memory_objective):
     graph, cluster, training = hetero_case(3, random_dag, 5, memory_objective)
     assert not build_entries(graph, cluster, training)[0].costs.is_chain()
