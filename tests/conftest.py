@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 
+from solver.costs import LayerCosts, layer_costs
 from solver.files.cluster_file import cluster_from_dict
 from solver.graph import LayerGraph, graph_from_dict, load_graph
-from solver.specs import Cluster
+from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
 # Tests never download: hf: names resolve from local paths, bundled configs and the HF cache only
 # (huggingface_hub reads this when first imported; subprocesses inherit it). Without it, a name
@@ -101,9 +102,13 @@ def cluster_of(*groups: dict) -> Cluster:
 
 
 def slow_params(values: Iterable[Any], *slow: Any) -> list[Any]:
-    """``values`` for ``parametrize``, those in ``slow`` marked slow (the rest stay fast)."""
+    """``values`` for ``parametrize``, those in ``slow`` marked slow (the rest stay fast); a
+    tuple value fills several argument names, as in a plain parametrize list."""
     return [
-        pytest.param(value, marks=pytest.mark.slow) if value in slow else value for value in values
+        pytest.param(*(value if isinstance(value, tuple) else (value,)), marks=pytest.mark.slow)
+        if value in slow
+        else value
+        for value in values
     ]
 
 
@@ -146,6 +151,43 @@ def write_json(tmp_path) -> Callable[[str, Any], str]:
 def gpt_graph() -> LayerGraph:
     """examples/gpt-1.3b.json, loaded once per run: do not modify it in a test."""
     return load_graph(GPT_1_3B)
+
+
+# -- cost coefficients ---------------------------------------------------------------------------
+
+FP32_ADAM = {"weight_bytes_per_param": 4, "grad_bytes_per_param": 4, "optimizer_bytes_per_param": 8}
+"""fp32 Adam's (w, g, o) bytes per parameter, as TrainingConfig keywords."""
+
+
+def costs_of(
+    graph: LayerGraph | dict,
+    config: ParallelConfig,
+    *,
+    cluster: Cluster | None = None,
+    **training: Any,
+) -> LayerCosts:
+    """``layer_costs`` of ``graph`` (or its document) under ``config`` on ``cluster`` (default:
+    ``config.num_gpus`` GPUs), with ``TrainingConfig(global_batch=config.global_batch,
+    **training)``; the coefficients read only its runtime, bytes per parameter, precision,
+    optimizer, gradient lifetime, deallocation, capacity factor and memory model, not its
+    search lists."""
+    if isinstance(graph, dict):
+        graph = graph_from_dict(graph)
+    options = TrainingConfig(global_batch=config.global_batch, **training)
+    return layer_costs(graph, config, cluster or Cluster(num_gpus=config.num_gpus), options)
+
+
+def fp32_adam_costs(
+    graph: LayerGraph,
+    config: ParallelConfig,
+    *,
+    runtime: str = "torch",
+    lifetime: str = "persistent",
+    **training: Any,
+) -> LayerCosts:
+    """``costs_of`` with fp32 Adam (4, 4, 8 bytes per parameter) on ``runtime``, gradients
+    ``lifetime`` (persistent | step)."""
+    return costs_of(graph, config, runtime=runtime, grad_lifetime=lifetime, **FP32_ADAM, **training)
 
 
 # -- solver oracles ------------------------------------------------------------------------------
@@ -237,3 +279,41 @@ def t5_like_graph(*, named: bool = True) -> LayerGraph:
     return graph_from_dict(
         {"format": "layer-graph", "version": 1, "model": "t5", "layers": layers, "edges": edges}
     )
+
+
+# -- real runs (profiling.run) ---------------------------------------------------------------------
+
+
+def assert_runs_match_reference(reports, loss: float, grads: dict, tolerance: float) -> None:
+    """Every rank of a ``profiling.run`` run (``RankReport``s with captured gradients) holds the
+    single-process reference's gradient of each of its parameters within ``tolerance``
+    (relative norm), every parameter is on some rank, and the mean over the ranks' last losses
+    is the reference ``loss``."""
+    seen = set()
+    for report in reports:
+        assert report.grads, f"rank {report.rank} captured no gradients"
+        for name, grad in report.grads.items():
+            expected = grads[name]
+            error = float((grad - expected).norm() / expected.norm())
+            assert error <= tolerance, f"rank {report.rank} {name}: relative error {error:.3g}"
+            seen.add(name)
+    assert seen == set(grads), f"parameters without a gradient: {set(grads) - seen}"
+    last = [report.losses[-1] for report in reports if report.losses]  # one per replica
+    assert sum(last) / len(last) == pytest.approx(loss, rel=tolerance)
+
+
+def assert_peaks_within(
+    reports, *, under_pct: float, over_pct: float, first_iteration: bool = False
+) -> None:
+    """Every rank's measured peak against its plan's (``RankReport.error_pct``, negative when
+    the plan under-predicts): -``under_pct`` <= error <= ``over_pct``. ``first_iteration``: the
+    run measured its first iteration, before Adam's first step made its state, so a stage whose
+    peak comes before the step measures its prediction less the optimizer state: the upper end
+    is taken from the prediction less the predicted optimizer state there."""
+    for report in reports:
+        predicted, measured = report.predicted_peak_bytes, report.measured_peak_bytes
+        where = f"rank {report.rank} (stage {report.stage}): {report.error_pct:+.1f}%"
+        assert predicted >= measured * (1 - under_pct / 100), where
+        if first_iteration:
+            predicted -= report.predicted_breakdown["optimizer"]
+        assert predicted <= measured * (1 + over_pct / 100), where

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from solver.backends.problem import OBJECTIVE_MEMORY, StageProblem
@@ -62,6 +63,18 @@ def random_dag(rng: random.Random, num_layers: int) -> LayerGraph:
     )
 
 
+def one_tensor_per_producer(graph: LayerGraph) -> LayerGraph:
+    """``graph`` with every edge of a producer carrying its one output tensor (``Edge.tensor``
+    "<src>:0", the bytes of the producer's first edge), so a tensor can be read on several
+    later stages."""
+    document = graph.to_dict()
+    sizes: dict[str, int] = {}
+    for edge in document["edges"]:
+        edge["bytes"] = sizes.setdefault(edge["src"], edge["bytes"])
+        edge["tensor"] = f"{edge['src']}:0"
+    return graph_from_dict(document)
+
+
 def random_config(rng: random.Random, num_layers: int) -> ParallelConfig:
     pp = rng.randint(1, min(4, num_layers))
     return ParallelConfig(
@@ -73,6 +86,20 @@ def random_config(rng: random.Random, num_layers: int) -> ParallelConfig:
         zero=rng.choice([0, 1, 2, 3]),
         recompute=rng.choice(["none", "none", "full"]),
         schedule=rng.choice(["1f1b", "1f1b", "gpipe"]),
+    )
+
+
+def short_pipeline(
+    rng: random.Random, config: ParallelConfig, *, selective: bool
+) -> ParallelConfig:
+    """``config`` with a random schedule, m around p (1..3 under GPipe, 1..p + 1 under 1F1B) and
+    selective recomputation, or none or full at random."""
+    schedule = rng.choice(["gpipe", "1f1b"])
+    return dataclasses.replace(
+        config,
+        schedule=schedule,
+        num_microbatches=rng.randint(1, 3 if schedule == "gpipe" else config.pp + 1),
+        recompute="selective" if selective else rng.choice(["none", "full"]),
     )
 
 

@@ -15,12 +15,12 @@ import pytest
 
 from solver.backends.cpsat import CpSatFormulation
 from solver.backends.problem import OBJECTIVE_MEMORY, StageProblem
-from solver.costs import layer_costs, stage_costs
+from solver.costs import stage_costs
 from solver.errors import InputError
 from solver.graph import graph_from_dict
-from solver.specs import Cluster, ParallelConfig, TrainingConfig
-from tests.conftest import assert_backends_match_brute_force
-from tests.random_graphs import random_config, random_dag
+from solver.specs import ParallelConfig
+from tests.conftest import assert_backends_match_brute_force, fp32_adam_costs
+from tests.random_graphs import random_config, random_dag, short_pipeline
 
 LAYERS = [
     {"name": name, "params": 10, "activation_bytes": 50, "output_bytes": 8}
@@ -63,20 +63,6 @@ def unflagged(edges):
     return [{key: edge[key] for key in keep if edge.get(key) is not None} for edge in edges]
 
 
-def costs_of(graph, config: ParallelConfig, runtime: str = "torch", lifetime: str = "persistent"):
-    """fp32 Adam (4, 4, 8 bytes per parameter)."""
-    training = TrainingConfig(
-        global_batch=config.global_batch,
-        runtime=runtime,
-        grad_lifetime=lifetime,
-        weight_bytes_per_param=4,
-        grad_bytes_per_param=4,
-        optimizer_bytes_per_param=8,
-        virtual_stages=(config.virtual_stages,),
-    )
-    return layer_costs(graph, config, Cluster(num_gpus=config.num_gpus), training)
-
-
 GPIPE = ParallelConfig(pp=2, tp=1, dp=1, micro_batch=2, num_microbatches=4, schedule="gpipe")
 
 
@@ -90,8 +76,8 @@ def test_t5_like_split_by_hand():
                (R = 0), dec0:1 not saved (R = 4), dec0:2 saved by dec1, counted by dec0 (R = 4)
     """
     split = np.array([0, 0, 1])
-    old = stage_costs(costs_of(graph_of(unflagged(EDGES)), GPIPE), split)
-    new = stage_costs(costs_of(graph_of(EDGES), GPIPE), split)
+    old = stage_costs(fp32_adam_costs(graph_of(unflagged(EDGES)), GPIPE), split)
+    new = stage_costs(fp32_adam_costs(graph_of(EDGES), GPIPE), split)
     b = 2
     assert old[0].buffer_bytes == 8 * b * (8 + 7 + 5 + 3)
     assert old[1].buffer_bytes == 0
@@ -101,7 +87,10 @@ def test_t5_like_split_by_hand():
         assert after.peak_bytes - after.buffer_bytes == before.peak_bytes - before.buffer_bytes
     # the megatron runtime is unchanged
     megatron = [
-        [s.peak_bytes for s in stage_costs(costs_of(graph_of(e), GPIPE, "megatron"), split)]
+        [
+            s.peak_bytes
+            for s in stage_costs(fp32_adam_costs(graph_of(e), GPIPE, runtime="megatron"), split)
+        ]
         for e in (EDGES, unflagged(EDGES))
     ]
     assert megatron[0] == megatron[1]
@@ -112,7 +101,7 @@ def test_optimizer_step_keeps_no_gradient_buffers_of_a_constant():
     constant (``optimizer_step_moment``)."""
     from solver.costs import boundary_bytes, direct_buffer_adjustments, stage_buffer_bytes
 
-    costs = costs_of(graph_of(EDGES), GPIPE)
+    costs = fp32_adam_costs(graph_of(EDGES), GPIPE)
     split = np.array([0, 0, 1])
     into, out_of, _ = boundary_bytes(costs, split)
     adjust = direct_buffer_adjustments(costs, split)
@@ -125,10 +114,10 @@ def test_plain_chains_stay_chains_and_flagged_ones_do_not():
         {"src": "enc", "dst": "dec0", "bytes": 8, "saved": True, "charged": True},
         {"src": "dec0", "dst": "dec1", "bytes": 8, "saved": True, "charged": True},
     ]
-    assert costs_of(graph_of(chain), GPIPE).is_chain()
+    assert fp32_adam_costs(graph_of(chain), GPIPE).is_chain()
     constant = [chain[0], {**chain[1], "requires_grad": False}]
-    assert not costs_of(graph_of(constant), GPIPE).is_chain()
-    assert costs_of(graph_of(constant), GPIPE, "megatron").is_chain()
+    assert not fp32_adam_costs(graph_of(constant), GPIPE).is_chain()
+    assert fp32_adam_costs(graph_of(constant), GPIPE, runtime="megatron").is_chain()
 
 
 def test_graph_fields_round_trip_and_bad_ones_are_refused():
@@ -175,14 +164,8 @@ def test_backends_agree_with_flagged_tensors(seed, lifetime):
         config = random_config(rng, graph.num_layers)
         if config.pp >= 2:
             break
-    schedule = rng.choice(["gpipe", "1f1b"])
-    config = dataclasses.replace(
-        config,
-        schedule=schedule,
-        num_microbatches=rng.randint(1, 3 if schedule == "gpipe" else config.pp + 1),
-        recompute="selective" if seed % 3 == 2 else rng.choice(["none", "full"]),
-    )
-    costs = costs_of(graph, config, "torch", lifetime)
+    config = short_pipeline(rng, config, selective=seed % 3 == 2)
+    costs = fp32_adam_costs(graph, config, lifetime=lifetime)
     assert not costs.plain_boundaries
     assert_backends_match_brute_force(StageProblem(costs=costs, objective=OBJECTIVE_MEMORY))
 
@@ -196,7 +179,7 @@ def test_backends_agree_with_flagged_tensors_interleaved(seed):
     config = ParallelConfig(
         pp=2, tp=1, dp=1, micro_batch=rng.choice([1, 2]), num_microbatches=2, virtual_stages=2
     )
-    costs = costs_of(graph, config, "torch")
+    costs = fp32_adam_costs(graph, config)
     assert_backends_match_brute_force(StageProblem(costs=costs, objective=OBJECTIVE_MEMORY))
 
 
@@ -214,7 +197,7 @@ def test_the_formulation_hints_the_counted_indicators_exactly():
             "edges": [*EDGES, {"src": "dec1", "dst": "head", "bytes": 8}],
         }
     )
-    costs = costs_of(graph, config, "torch", "step")
+    costs = fp32_adam_costs(graph, config, lifetime="step")
     problem = StageProblem(costs=costs, objective=OBJECTIVE_MEMORY)
     for split in ([0, 1, 2, 2], [0, 0, 1, 2], [0, 1, 1, 2], [0, 1, 2, 2]):
         formulation = CpSatFormulation(problem)
@@ -228,6 +211,7 @@ def test_the_formulation_hints_the_counted_indicators_exactly():
         assert solver.objective_value == peak
 
 
+@pytest.mark.slow
 def test_traced_t5_edges_say_which_tensors_need_grad_and_who_counts_them():
     """The profiler's fields on the T5 of ``scripts/bench_accuracy.py`` (fp32, seq 64): the
     zero cross-attention bias needs no grad and its producer counts it; the self-attention
@@ -261,7 +245,8 @@ def test_traced_t5_edges_say_which_tensors_need_grad_and_who_counts_them():
         {**graph.to_dict(), "edges": unflagged([dataclasses.asdict(e) for e in graph.edges])}
     )
     old, new = (
-        [s.peak_bytes for s in stage_costs(costs_of(g, config), split)] for g in (plain, graph)
+        [s.peak_bytes for s in stage_costs(fp32_adam_costs(g, config), split)]
+        for g in (plain, graph)
     )
     moved = 8 * (65536 + 65536 + 16384)
     assert [b - a for a, b in zip(old, new, strict=True)] == [0, -moved, moved]

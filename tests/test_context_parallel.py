@@ -19,7 +19,6 @@ from solver.cli.evaluate import evaluate_main
 from solver.cli.plan import plan_main
 from solver.costs import (
     NS_PER_MS,
-    layer_costs,
     ring_attention_bytes,
 )
 from solver.errors import InputError
@@ -28,7 +27,7 @@ from solver.parallel import check_context_parallel
 from solver.search.candidates import candidate_configs, stages_per_group
 from solver.specs import ParallelConfig
 from solver.sweep.rows import ROW_KEYS, read_rows
-from tests.conftest import cluster_group, cluster_of
+from tests.conftest import cluster_group, cluster_of, costs_of
 
 SEQ_LEN = 16
 KV = 128
@@ -63,17 +62,6 @@ def cp_graph(*, kv: int = KV, seq_len: int | None = SEQ_LEN, blocks: int = 4) ->
 def config(**kw) -> ParallelConfig:
     base = dict(pp=1, tp=1, cp=1, dp=1, micro_batch=2, num_microbatches=1, zero=0)
     return ParallelConfig(**(base | kw))
-
-
-def costs_of(graph_doc: dict, cfg: ParallelConfig, *, cluster: Cluster | None = None):
-    training = TrainingConfig(
-        global_batch=cfg.global_batch,
-        micro_batch_sizes=(cfg.micro_batch,),
-        zero_stages=(cfg.zero,),
-        cp=(cfg.cp,),
-    )
-    cluster = cluster or Cluster(num_gpus=cfg.num_gpus)
-    return layer_costs(graph_from_dict(graph_doc), cfg, cluster, training)
 
 
 # -- cost model: hand counts -------------------------------------------------------------------

@@ -15,27 +15,19 @@ import pytest
 from solver.backends.brute_force import solve_brute_force
 from solver.backends.cpsat import CpSatFormulation
 from solver.backends.problem import OBJECTIVE_MEMORY, StageProblem
-from solver.costs import boundary_bytes, layer_costs, stage_costs
+from solver.costs import boundary_bytes, stage_costs
 from solver.graph import graph_from_dict
-from solver.specs import Cluster, ParallelConfig, TrainingConfig
-from tests.conftest import assert_backends_match_brute_force, t5_like_graph
-from tests.random_graphs import random_config, random_dag
+from solver.specs import ParallelConfig, TrainingConfig
+from tests.conftest import (
+    assert_backends_match_brute_force,
+    fp32_adam_costs,
+    slow_params,
+    t5_like_graph,
+)
+from tests.random_graphs import one_tensor_per_producer, random_config, random_dag, short_pipeline
 
 T5_LIKE = t5_like_graph()
 GPIPE = ParallelConfig(pp=3, tp=1, dp=1, micro_batch=2, num_microbatches=4, schedule="gpipe")
-
-
-def costs_of(graph, config: ParallelConfig, runtime: str, lifetime: str = "persistent"):
-    """fp32 Adam (4, 4, 8 bytes per parameter) on ``runtime``."""
-    training = TrainingConfig(
-        global_batch=config.global_batch,
-        runtime=runtime,
-        grad_lifetime=lifetime,
-        weight_bytes_per_param=4,
-        grad_bytes_per_param=4,
-        optimizer_bytes_per_param=8,
-    )
-    return layer_costs(graph, config, Cluster(num_gpus=config.num_gpus), training)
 
 
 def test_skipping_tensor_goes_straight_to_its_consumer_by_hand():
@@ -44,8 +36,8 @@ def test_skipping_tensor_goes_straight_to_its_consumer_by_hand():
     receives it, keeps it for each in-flight micro-batch and sends it on."""
     split = np.array([0, 1, 2, 2])
     torch_costs, megatron_costs = (
-        costs_of(T5_LIKE, GPIPE, "torch"),
-        costs_of(T5_LIKE, GPIPE, "megatron"),
+        fp32_adam_costs(T5_LIKE, GPIPE),
+        fp32_adam_costs(T5_LIKE, GPIPE, runtime="megatron"),
     )
     assert torch_costs.direct_sends and not megatron_costs.direct_sends
     into, out_of, relayed = boundary_bytes(torch_costs, split)
@@ -73,7 +65,7 @@ def test_tensor_read_on_two_later_stages_is_received_by_each_by_hand():
     stage 1 relays the encoder output to stage 2."""
     config = dataclasses.replace(GPIPE, schedule="1f1b")
     split = np.array([0, 0, 1, 2])
-    costs = costs_of(T5_LIKE, config, "torch")
+    costs = fp32_adam_costs(T5_LIKE, config)
     into, out_of, relayed = boundary_bytes(costs, split)
     assert into.tolist() == [0, 2 * (8 + 6), 2 * (8 + 7)]
     assert out_of.tolist() == [2 * (8 + 6), 2 * 7, 0]
@@ -82,7 +74,9 @@ def test_tensor_read_on_two_later_stages_is_received_by_each_by_hand():
     # S = m + k = 6 copies of the 14 B it sends; stored 2 x 50 per micro-batch
     stage = stage_costs(costs, split)[1]
     assert (stage.activation_bytes, stage.buffer_bytes) == (2 * 100, 2 * 28 + 6 * 14)
-    into, out_of, relayed = boundary_bytes(costs_of(T5_LIKE, config, "megatron"), split)
+    into, out_of, relayed = boundary_bytes(
+        fp32_adam_costs(T5_LIKE, config, runtime="megatron"), split
+    )
     assert into.tolist() == [0, 2 * (8 + 6), 2 * (8 + 7)]
     assert out_of.tolist() == [2 * (8 + 6), 2 * (8 + 7), 0]  # enc sent on by stage 1
     assert relayed.tolist() == [0, 2 * 8, 0]
@@ -93,24 +87,19 @@ def test_chains_are_the_same_on_both_models():
     layers = T5_LIKE.to_dict()["layers"]
     chain = graph_from_dict({"format": "layer-graph", "version": 1, "model": "c", "layers": layers})
     split = np.array([0, 1, 1, 2])
-    direct = boundary_bytes(costs_of(chain, GPIPE, "torch"), split)
-    relayed = boundary_bytes(costs_of(chain, GPIPE, "megatron"), split)
+    direct = boundary_bytes(fp32_adam_costs(chain, GPIPE), split)
+    relayed = boundary_bytes(fp32_adam_costs(chain, GPIPE, runtime="megatron"), split)
     assert [a.tolist() for a in direct] == [a.tolist() for a in relayed]
 
 
 def named_dag(rng: random.Random, num_layers: int):
     """A random DAG whose producer sends one tensor to all its consumers (``Edge.tensor``), so
     a tensor can be read on several later stages."""
-    document = random_dag(rng, num_layers).to_dict()
-    sizes: dict[str, int] = {}
-    for edge in document["edges"]:
-        edge["bytes"] = sizes.setdefault(edge["src"], edge["bytes"])
-        edge["tensor"] = f"{edge['src']}:0"
-    return graph_from_dict(document)
+    return one_tensor_per_producer(random_dag(rng, num_layers))
 
 
 @pytest.mark.parametrize("lifetime", ["step", "persistent"])
-@pytest.mark.parametrize("seed", range(24))
+@pytest.mark.parametrize("seed", slow_params(range(24), 8, 11, 17, 20, 23))
 def test_backends_agree_with_direct_sends(seed, lifetime):
     """torch runtime on DAGs with skipping tensors, GPipe and 1F1B, both gradient lifetimes
     (step: the first-backward rows), a third with selective recomputation: CP-SAT and the MILP
@@ -121,14 +110,8 @@ def test_backends_agree_with_direct_sends(seed, lifetime):
         config = random_config(rng, graph.num_layers)
         if config.pp >= 3:
             break
-    schedule = rng.choice(["gpipe", "1f1b"])
-    config = dataclasses.replace(
-        config,
-        schedule=schedule,
-        num_microbatches=rng.randint(1, 3 if schedule == "gpipe" else config.pp + 1),
-        recompute="selective" if seed % 3 == 2 else rng.choice(["none", "full"]),
-    )
-    costs = costs_of(graph, config, "torch", lifetime)
+    config = short_pipeline(rng, config, selective=seed % 3 == 2)
+    costs = fp32_adam_costs(graph, config, lifetime=lifetime)
     assert_backends_match_brute_force(StageProblem(costs=costs, objective=OBJECTIVE_MEMORY))
 
 
@@ -141,7 +124,7 @@ def test_backends_agree_with_direct_sends_under_a_budget(seed):
         config = random_config(rng, graph.num_layers)
         if config.pp >= 3:
             break
-    costs = costs_of(graph, config, "torch", "step")
+    costs = fp32_adam_costs(graph, config, lifetime="step")
     problem = StageProblem(costs=costs, objective=OBJECTIVE_MEMORY)
     _, slowest = problem.measure(solve_brute_force(problem).stage_of_layer)
     fastest = solve_brute_force(StageProblem(costs=costs, objective="time")).objective
@@ -158,11 +141,13 @@ def test_the_formulation_has_direct_variables_and_hints_them_exactly():
     hint finds it, at that split's peak."""
     from ortools.sat.python import cp_model
 
-    costs = costs_of(T5_LIKE, GPIPE, "torch")
+    costs = fp32_adam_costs(T5_LIKE, GPIPE)
     problem = StageProblem(costs=costs, objective=OBJECTIVE_MEMORY)
     assert not CpSatFormulation(problem).vars.relay
     megatron = CpSatFormulation(
-        StageProblem(costs=costs_of(T5_LIKE, GPIPE, "megatron"), objective=OBJECTIVE_MEMORY)
+        StageProblem(
+            costs=fp32_adam_costs(T5_LIKE, GPIPE, runtime="megatron"), objective=OBJECTIVE_MEMORY
+        )
     )
     assert megatron.vars.relay and not megatron._direct_receives
     for split in ([0, 1, 2, 2], [0, 0, 1, 2], [0, 1, 1, 2], [1, 0, 1, 2]):
@@ -212,5 +197,7 @@ def test_traced_t5_with_a_skipped_stage_matches_direct_sends():
     )
     errors = [report.error_pct for report in reports]
     assert max(abs(e) for e in errors) <= 3.0, errors
-    relayed = stage_costs(costs_of(graph, config, "megatron"), evaluation.stage_of_layer)
+    relayed = stage_costs(
+        fp32_adam_costs(graph, config, runtime="megatron"), evaluation.stage_of_layer
+    )
     assert relayed[1].activation_bytes > evaluation.stages[1].activation_bytes  # what torch skips

@@ -22,7 +22,12 @@ from solver.search.candidates import (
     time_lower_bound,
 )
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
-from tests.conftest import GPT_1_3B, assert_backends_match_brute_force, solve_everywhere
+from tests.conftest import (
+    GPT_1_3B,
+    assert_backends_match_brute_force,
+    costs_of,
+    solve_everywhere,
+)
 
 MOE_BLOCK = {
     "name": "moe0",
@@ -68,9 +73,9 @@ def training_of(config: ParallelConfig, **changes) -> TrainingConfig:
 CLUSTER = Cluster(num_gpus=8, gpus_per_node=8, intra_node_gb_per_s=100.0, inter_node_gb_per_s=10.0)
 
 
-def costs_of(config, cluster=CLUSTER, graph=None, **training):
-    graph = graph or moe_graph()
-    return layer_costs(graph, config, cluster, training_of(config, **training))
+def moe_costs(config, cluster=CLUSTER, graph=None, **training):
+    """``costs_of`` the MoE toy (or ``graph``) on ``cluster``."""
+    return costs_of(graph or moe_graph(), config, cluster=cluster, **training)
 
 
 # -- the cost model by hand ------------------------------------------------------------------
@@ -81,19 +86,19 @@ def test_expert_states_by_hand():
     bf16-mixed megatron (2, 4, 12 bytes), ZeRO-1 over d 4: the dense optimizer state over the 4
     data-parallel ranks (1,200 x 12 / 4), the experts' over the 4 / 2 = 2 expert-data-parallel
     ranks (2,000 x 12 / 2)."""
-    costs = costs_of(config_of())
+    costs = moe_costs(config_of())
     moe = 1
     assert costs.weight_bytes[moe] == 2 * 3_200
     assert costs.grad_bytes[moe] == 4 * 3_200
     assert costs.optimizer_bytes[moe] == 1_200 * 12 // 4 + 2_000 * 12 // 2 == 15_600
     # ep 1: the experts whole on every GPU (split over t only), their states over all 4 ranks
-    dense = costs_of(config_of(ep=1))
+    dense = moe_costs(config_of(ep=1))
     assert dense.weight_bytes[moe] == 2 * (1_200 + 4_000)
     assert dense.optimizer_bytes[moe] == 1_200 * 12 // 4 + 4_000 * 12 // 4
     # ZeRO-1's expert optimizer state is the same at any ep: t ep (d / ep) = t d shards
     assert dense.optimizer_bytes[moe] == costs.optimizer_bytes[moe]
     # ZeRO-3 shards the weights alike and gathers 2 P' (dense whole, experts / (t ep))
-    zero3 = costs_of(config_of(zero=3))
+    zero3 = moe_costs(config_of(zero=3))
     assert zero3.weight_bytes[moe] == 2 * 1_200 // 4 + 2 * 2_000 // 2
     assert zero3.transient_bytes[moe] == 2 * 2 * 3_200
 
@@ -105,19 +110,19 @@ def test_expert_activations_by_hand():
     same at every ep."""
     moe = 1
     for ep in (1, 2, 4):
-        assert costs_of(config_of(ep=ep)).stored_bytes[moe] == 3_000 + 4_200
+        assert moe_costs(config_of(ep=ep)).stored_bytes[moe] == 3_000 + 4_200
     # capacity factor 1.25: ceil(1.25 x 4,200) = 5,250
-    assert costs_of(config_of(), moe_capacity_factor=1.25).stored_bytes[moe] == 3_000 + 5_250
+    assert moe_costs(config_of(), moe_capacity_factor=1.25).stored_bytes[moe] == 3_000 + 5_250
     # dropless at ep 2 (E 8, k 2): f = 2 min(2, 4) / 2 = 2; at ep 4: 4 min(2, 2) / 2 = 4
     dropless = {"moe_capacity_factor": "dropless"}
-    assert costs_of(config_of(), **dropless).stored_bytes[moe] == 3_000 + 2 * 4_200
-    assert costs_of(config_of(ep=4), **dropless).stored_bytes[moe] == 3_000 + 4 * 4_200
+    assert moe_costs(config_of(), **dropless).stored_bytes[moe] == 3_000 + 2 * 4_200
+    assert moe_costs(config_of(ep=4), **dropless).stored_bytes[moe] == 3_000 + 4 * 4_200
     # sequence parallelism splits the dense part (2,000 / 2 per sample); the gathered routed
     # tokens stay whole
-    sp = costs_of(config_of(sp=True))
+    sp = moe_costs(config_of(sp=True))
     assert sp.stored_bytes[moe] == 2 * 1_000 + 4_200
     # a recomputed block re-materialises all of it while it runs
-    full = costs_of(config_of(recompute="full"))
+    full = moe_costs(config_of(recompute="full"))
     assert full.stored_bytes[moe] == 2 * 50
     assert full.transient_bytes[moe] == 3_000 + 4_200
 
@@ -128,15 +133,15 @@ def test_expert_all_to_all_by_hand():
     node) at 10 GB/s: 80 ns; dropless ep 2 (f 2): 16 ns. The layer has no FLOPs, so its time is
     the all-to-all; a recomputed forward sends its half again (x 1.5)."""
     moe = 1
-    assert costs_of(config_of(ep=1)).time_ns[moe] == 0
-    assert costs_of(config_of()).time_ns[moe] == 8
-    assert costs_of(config_of(ep=4)).time_ns[moe] == 12
+    assert moe_costs(config_of(ep=1)).time_ns[moe] == 0
+    assert moe_costs(config_of()).time_ns[moe] == 8
+    assert moe_costs(config_of(ep=4)).time_ns[moe] == 12
     small_nodes = dataclasses.replace(CLUSTER, gpus_per_node=2)
-    assert costs_of(config_of(), cluster=small_nodes).time_ns[moe] == 80
-    assert costs_of(config_of(), moe_capacity_factor="dropless").time_ns[moe] == 16
-    assert costs_of(config_of(recompute="full")).time_ns[moe] == 12
+    assert moe_costs(config_of(), cluster=small_nodes).time_ns[moe] == 80
+    assert moe_costs(config_of(), moe_capacity_factor="dropless").time_ns[moe] == 16
+    assert moe_costs(config_of(recompute="full")).time_ns[moe] == 12
     # sequence parallelism: each TP rank dispatches its s / t tokens
-    assert costs_of(config_of(sp=True)).time_ns[moe] == 4
+    assert moe_costs(config_of(sp=True)).time_ns[moe] == 4
 
 
 def test_expert_gradient_sync_by_hand():
@@ -144,10 +149,10 @@ def test_expert_gradient_sync_by_hand():
     experts' over d / ep = 2 ranks (2 x 1/2 x 2,000 x 4), at 100 GB/s (t d = 8 fits a node):
     (7,200 + 8,000) / 100 = 152 ns; at ep 1 the experts' 4,000 over 4 ranks: 312 ns."""
     moe = 1
-    assert costs_of(config_of()).dp_sync_ns[moe] == 152
-    assert costs_of(config_of(ep=1)).dp_sync_ns[moe] == (7_200 + 2 * 3 / 4 * 4_000 * 4) / 100
+    assert moe_costs(config_of()).dp_sync_ns[moe] == 152
+    assert moe_costs(config_of(ep=1)).dp_sync_ns[moe] == (7_200 + 2 * 3 / 4 * 4_000 * 4) / 100
     # ep = dp: every expert on one rank, no expert gradient to sync
-    assert costs_of(config_of(ep=4)).dp_sync_ns[moe] == 72
+    assert moe_costs(config_of(ep=4)).dp_sync_ns[moe] == 72
 
 
 def test_routing_factor():
@@ -175,7 +180,7 @@ def test_dense_graph_costs_unchanged_by_the_expert_terms():
     keep = ("name", "params", "tp_params", "activation_bytes", "output_bytes")
     layers = [{k: getattr(layer, k) for k in keep} for layer in graph.layers]
     dense = graph_from_dict({"format": "layer-graph", "version": 1, "model": "d", "layers": layers})
-    costs = costs_of(config_of(ep=1), graph=dense)
+    costs = moe_costs(config_of(ep=1), graph=dense)
     assert costs.weight_bytes.tolist() == [2_000, 2 * (8_400 + 800), 2_000]
 
 
@@ -424,7 +429,7 @@ def test_expert_terms_under_context_parallelism():
     document["layers"][0]["attention_kv_bytes"] = 2  # cp needs the field on some layer
     graph = graph_from_dict(document)
     config = config_of(cp=2, dp=2)
-    costs = costs_of(config, graph=graph)
+    costs = moe_costs(config, graph=graph)
     moe = 1
     assert costs.optimizer_bytes[moe] == 1_200 * 12 // 4 + 2_000 * 12 // 2
     assert costs.stored_bytes[moe] == 3_000 // 2 + 4_200 // 2
@@ -443,7 +448,7 @@ def test_expert_weight_gradient_temporary():
     def transient(largest: int, **changes) -> int:
         document = moe_graph().to_dict()
         document["layers"][moe]["largest_param"] = largest
-        return costs_of(config_of(**changes), graph=graph_from_dict(document)).transient_bytes[moe]
+        return moe_costs(config_of(**changes), graph=graph_from_dict(document)).transient_bytes[moe]
 
     assert transient(4_000) == 2 * 1_000
     assert transient(4_000, ep=1) == 2 * 2_000

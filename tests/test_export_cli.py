@@ -15,7 +15,7 @@ from profiling.export import export_graph, main
 from profiling.trace.profile import profile_module
 from solver import Cluster, TrainingConfig, load_graph, plan
 from solver.cli import plan_main
-from tests.conftest import ROOT, slow_params
+from tests.conftest import ROOT
 
 TINY = [name for name in models.presets() if name.endswith("-tiny")]
 
@@ -43,7 +43,8 @@ def test_tiny_preset_exports_and_plans(preset, tmp_path, capsys):
     assert plan_main([str(out), "--gpus", "2", "--global-batch", "4", "--quiet"]) == 0
 
 
-@pytest.mark.parametrize("preset", slow_params(TINY, "resnet-tiny", "t5-tiny"))
+@pytest.mark.slow  # runs every tiny preset for real (test_tiny_preset_exports_and_plans stays)
+@pytest.mark.parametrize("preset", TINY)
 def test_fake_mode_equals_a_real_cpu_run(preset):
     spec = models.get(preset)
     torch.manual_seed(0)

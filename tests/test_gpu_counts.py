@@ -25,7 +25,7 @@ from solver.search.gpu_counts import (
 from solver.search.planner import plan
 from solver.specs import Cluster, TrainingConfig
 from solver.sweep import min_gpus
-from tests.conftest import EXAMPLES, cluster_group, cluster_of
+from tests.conftest import EXAMPLES, cluster_group, cluster_of, slow_params
 
 GIB = 2**30
 
@@ -144,7 +144,7 @@ def _min_gpus(graph, memory, training) -> int | None:
 
 @pytest.mark.parametrize(
     ("gpus", "memory", "expected"),
-    [(4, 9 * GIB, 6), (3, 7 * GIB, 8)],  # doublings gave 8 and 12
+    slow_params([(4, 9 * GIB, 6), (3, 7 * GIB, 8)], (4, 9 * GIB, 6)),  # doublings gave 8 and 12
 )
 def test_gpt_1_3b_advice_is_the_min_gpus_answer(gpt_graph, gpus, memory, expected):
     training = TrainingConfig(global_batch=64)
@@ -211,6 +211,7 @@ def test_gpt3_on_8gib_gpus_gets_a_count_where_doublings_found_none(gpt3):
     assert "pp5 tp8 dp12" in str(error)
 
 
+@pytest.mark.slow
 def test_a_short_time_limit_says_where_it_stopped(gpt3, monkeypatch):
     monkeypatch.setattr(planner, "ADVICE_MIN_S", 0.3)
     training = TrainingConfig(global_batch=1536, recompute="full", zero_stages=(0, 1, 2, 3))
@@ -239,6 +240,7 @@ def test_heterogeneous_cluster_gets_no_count(gpt_graph):
     assert "more nodes" in str(caught.value)
 
 
+@pytest.mark.slow
 def test_options_already_searched_are_not_suggested(gpt_graph):
     training = TrainingConfig(global_batch=64, zero_stages=(0, 1, 2, 3), recompute="full")
     message = str(_advice(gpt_graph, 1, 2 * GIB, training))

@@ -15,16 +15,17 @@ import pytest
 
 from solver.backends.brute_force import solve_brute_force
 from solver.backends.problem import StageProblem
-from solver.costs import boundary_bytes, layer_costs, stage_costs
+from solver.costs import boundary_bytes, stage_costs
 from solver.errors import InputError
 from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from tests.conftest import (
     assert_placed_backends_match_brute_force,
+    fp32_adam_costs,
     solve_everywhere,
     t5_like_graph,
 )
-from tests.random_graphs import random_chain, random_config, random_dag
+from tests.random_graphs import one_tensor_per_producer, random_chain, random_config, random_dag
 
 CLUSTER = Cluster(num_gpus=2)
 
@@ -43,27 +44,6 @@ LAYERS = [
 GRAPH = graph_from_dict({"format": "layer-graph", "version": 1, "model": "toy", "layers": LAYERS})
 
 
-def costs_of(
-    graph,
-    config: ParallelConfig,
-    lifetime: str,
-    runtime: str = "torch",
-    cluster: Cluster | None = None,
-    **options,
-):
-    """Coefficients with fp32 Adam (4, 4, 8 bytes per parameter) and the given lifetime."""
-    training = TrainingConfig(
-        global_batch=config.global_batch,
-        runtime=runtime,
-        grad_lifetime=lifetime,
-        weight_bytes_per_param=4,
-        grad_bytes_per_param=4,
-        optimizer_bytes_per_param=8,
-        **options,
-    )
-    return layer_costs(graph, config, cluster or Cluster(num_gpus=config.num_gpus), training)
-
-
 # -- the moments, by hand --------------------------------------------------------------------------
 
 
@@ -73,8 +53,8 @@ def test_gpipe_stage_peaks_in_its_first_backward_by_hand():
     + the current one's stored bytes up to l + the gradients of the layers after l + l's
     transient, and after = 2 whole + every gradient + the largest transient."""
     config = ParallelConfig(pp=1, tp=1, dp=1, micro_batch=2, num_microbatches=3, schedule="gpipe")
-    step = stage_costs(costs_of(GRAPH, config, "step"), [0, 0, 0])[0]
-    persistent = stage_costs(costs_of(GRAPH, config, "persistent"), [0, 0, 0])[0]
+    step = stage_costs(fp32_adam_costs(GRAPH, config, lifetime="step"), [0, 0, 0])[0]
+    persistent = stage_costs(fp32_adam_costs(GRAPH, config), [0, 0, 0])[0]
     stored = [2 * 10, 2 * 40, 2 * 25]  # b * activation_bytes (no unsaved_output_bytes)
     grads = [4 * 5, 4 * 2, 4 * 15]
     transient = [0, 2 * 6, 2 * 9]
@@ -99,14 +79,14 @@ def test_1f1b_with_more_microbatches_than_stages_keeps_the_persistent_peak():
     and every gradient: the persistent moment, exactly; with m <= p - s the step moments."""
     config = ParallelConfig(pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=4)
     split = [0, 0, 1]
-    step = stage_costs(costs_of(GRAPH, config, "step"), split)
-    persistent = stage_costs(costs_of(GRAPH, config, "persistent"), split)
+    step = stage_costs(fp32_adam_costs(GRAPH, config, lifetime="step"), split)
+    persistent = stage_costs(fp32_adam_costs(GRAPH, config), split)
     assert [s.peak_bytes for s in step] == [s.peak_bytes for s in persistent]
     short = dataclasses.replace(config, num_microbatches=2)  # k_0 = 2 = m, k_1 = 1 < m
-    costs = costs_of(GRAPH, short, "step")
+    costs = fp32_adam_costs(GRAPH, short, lifetime="step")
     assert costs.first_backward_peak == [True, False]
     step = stage_costs(costs, split)
-    persistent = stage_costs(costs_of(GRAPH, short, "persistent"), split)
+    persistent = stage_costs(fp32_adam_costs(GRAPH, short), split)
     assert step[0].peak_bytes < persistent[0].peak_bytes
     assert step[1].peak_bytes == persistent[1].peak_bytes
 
@@ -117,17 +97,17 @@ def test_ddp_buckets_stay_beside_the_fresh_gradients():
     -18.2% on DDP layouts without the buckets). FSDP2 (ZeRO 2/3) and dp = 1 have none."""
     config = ParallelConfig(pp=2, tp=1, dp=2, micro_batch=1, num_microbatches=4)
     split = [0, 0, 1]
-    step = stage_costs(costs_of(GRAPH, config, "step"), split)
-    persistent = stage_costs(costs_of(GRAPH, config, "persistent"), split)
+    step = stage_costs(fp32_adam_costs(GRAPH, config, lifetime="step"), split)
+    persistent = stage_costs(fp32_adam_costs(GRAPH, config), split)
     grads = [4 * (5 + 2), 4 * 15]  # fp32 gradients per stage
     assert [s.grad_bytes for s in persistent] == grads
     assert [s.grad_bytes for s in step] == [2 * g for g in grads]  # 1F1B, m > p: all of them
     assert [s.peak_bytes - p.peak_bytes for s, p in zip(step, persistent, strict=True)] == grads
     for change in ({"zero": 2}, {"dp": 1}):
         other = dataclasses.replace(config, **change)
-        assert costs_of(GRAPH, other, "step").grad_buffer_bytes is None
-    assert costs_of(
-        GRAPH, dataclasses.replace(config, zero=1), "step"
+        assert fp32_adam_costs(GRAPH, other, lifetime="step").grad_buffer_bytes is None
+    assert fp32_adam_costs(
+        GRAPH, dataclasses.replace(config, zero=1), lifetime="step"
     ).grad_buffer_bytes.tolist() == [
         20,
         8,
@@ -215,7 +195,7 @@ def test_step_moments_bound_the_simulated_schedule(seed):
     graph = graph_from_dict(document)
     config = random_config(rng, graph.num_layers)
     config = dataclasses.replace(config, tp=1, dp=1, zero=0, recompute="none")
-    costs = costs_of(graph, config, "step")
+    costs = fp32_adam_costs(graph, config, lifetime="step")
     split = sorted(rng.sample(range(1, graph.num_layers), config.pp - 1))
     stage_of = [sum(layer >= cut for cut in split) for layer in range(graph.num_layers)]
     stages = stage_costs(costs, stage_of)
@@ -241,13 +221,8 @@ def test_backends_agree_with_step_gradients(seed):
     rng = random.Random(7000 + seed)
     chain = seed % 3 != 2
     graph = (random_chain if chain else random_dag)(rng, rng.randint(3, 6))
-    if not chain:  # every edge of a producer carries its one output tensor
-        document = graph.to_dict()
-        sizes: dict[str, int] = {}
-        for edge in document["edges"]:
-            edge["bytes"] = sizes.setdefault(edge["src"], edge["bytes"])
-            edge["tensor"] = f"{edge['src']}:0"
-        graph = graph_from_dict(document)
+    if not chain:
+        graph = one_tensor_per_producer(graph)
     config = random_config(rng, graph.num_layers)
     schedule = rng.choice(["gpipe", "1f1b"])
     config = dataclasses.replace(
@@ -257,7 +232,7 @@ def test_backends_agree_with_step_gradients(seed):
         schedule=schedule,
         recompute="selective" if seed % 4 == 3 else "none",
     )
-    costs = costs_of(graph, config, "step")
+    costs = fp32_adam_costs(graph, config, lifetime="step")
     assert any(costs.first_backward_peak)
     problem = StageProblem(costs=costs)
     oracle = solve_brute_force(problem).objective
@@ -277,20 +252,18 @@ def test_one_tensor_into_several_layers_of_a_stage_is_received_once():
     config = ParallelConfig(pp=3, tp=1, dp=1, micro_batch=2, num_microbatches=4)
     together = np.array([0, 1, 2, 2])
     into, out_of, relayed = boundary_bytes(
-        costs_of(named, config, "persistent", runtime="megatron"), together
+        fp32_adam_costs(named, config, runtime="megatron"), together
     )
     assert into.tolist() == [0, 2 * 8, 2 * (8 + 6)]  # enc relayed by stage 1; once into 2
     assert out_of.tolist() == [2 * 8, 2 * (8 + 6), 0]
     assert relayed.tolist() == [0, 2 * 8, 0]
-    into, _, _ = boundary_bytes(
-        costs_of(unnamed, config, "persistent", runtime="megatron"), together
-    )
+    into, _, _ = boundary_bytes(fp32_adam_costs(unnamed, config, runtime="megatron"), together)
     assert into.tolist() == [0, 2 * 2 * 8, 2 * (8 + 8 + 6)]  # without names: per edge
-    into, _, _ = boundary_bytes(costs_of(unnamed, config, "persistent"), together)
+    into, _, _ = boundary_bytes(fp32_adam_costs(unnamed, config), together)
     assert into.tolist() == [0, 0, 2 * (8 + 8 + 6)]  # torch: straight to stage 2, per edge
     apart = np.array([0, 0, 1, 2])
     into, out_of, relayed = boundary_bytes(
-        costs_of(named, config, "persistent", runtime="megatron"), apart
+        fp32_adam_costs(named, config, runtime="megatron"), apart
     )
     assert into.tolist() == [0, 2 * (8 + 6), 2 * (8 + 7)]
     assert out_of.tolist() == [2 * (8 + 6), 2 * (8 + 7), 0]  # stage 1 sends enc on once
@@ -359,14 +332,14 @@ def test_the_model_output_a_loss_fn_keeps(hf_gpt2):
     assert hf_gpt2.meta["unsaved_output_bytes"] == logits
     config = ParallelConfig(pp=2, tp=1, dp=1, micro_batch=2, num_microbatches=4, schedule="gpipe")
     split = [0, 0, 0, 1, 1, 1]
-    torch_costs = costs_of(hf_gpt2, config, "persistent")
-    megatron_costs = costs_of(hf_gpt2, config, "persistent", runtime="megatron")
+    torch_costs = fp32_adam_costs(hf_gpt2, config)
+    megatron_costs = fp32_adam_costs(hf_gpt2, config, runtime="megatron")
     assert torch_costs.stored_bytes[-1] - megatron_costs.stored_bytes[-1] == 2 * logits
     torch_last = stage_costs(torch_costs, split)[1]
     without = dataclasses.replace(hf_gpt2, meta={**hf_gpt2.meta, "unsaved_output_bytes": 0})
     assert (
         torch_last.activation_bytes
-        - stage_costs(costs_of(without, config, "persistent"), split)[1].activation_bytes
+        - stage_costs(fp32_adam_costs(without, config), split)[1].activation_bytes
         == 4 * 2 * logits  # k = m = 4 micro-batches of b = 2
     )
 
@@ -391,7 +364,7 @@ def test_t5_encoder_output_is_one_tensor():
     assert [e.dst for e in shared] == ["decoder.layers.0", "decoder.layers.1"]
     config = ParallelConfig(pp=3, tp=1, dp=1, micro_batch=1, num_microbatches=3)
     stage_of = np.array([0, 0, 1, 1, 1, 2, 2, 2])
-    into, _, _ = boundary_bytes(costs_of(graph, config, "persistent"), stage_of)
+    into, _, _ = boundary_bytes(fp32_adam_costs(graph, config), stage_of)
     hidden = 16 * 32 * 4
     assert into.tolist() == [0, hidden, 2 * hidden]
 
@@ -492,7 +465,9 @@ def test_placed_problems_agree_with_step_gradients(seed):
             break
     config = dataclasses.replace(config, dp=1, schedule="gpipe")
     group_costs = [
-        costs_of(graph, config, "step", cluster=Cluster(num_gpus=config.num_gpus, gpu_flops=f))
+        fp32_adam_costs(
+            graph, config, lifetime="step", cluster=Cluster(num_gpus=config.num_gpus, gpu_flops=f)
+        )
         for f in (989e12, 312e12)
     ]
     assert all(group_costs[0].first_backward_peak)

@@ -415,6 +415,7 @@ def test_example_cluster_file_loads():
     assert cluster.num_gpus == 32
 
 
+@pytest.mark.slow
 def test_recompute_on_a_heterogeneous_cluster(write_json, tmp_path, run_cli):
     """auto is selective there, like on a homogeneous cluster, and selective is accepted
     (tests/test_placement_selective.py checks the plans)."""

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 from profiling.export import export_graph, main  # noqa: E402
 from profiling.hf.models import hf_spec  # noqa: E402
 from solver.graph import load_graph  # noqa: E402
-from tests.conftest import ROOT  # noqa: E402
+from tests.conftest import ROOT, slow_params  # noqa: E402
 
 TINY = {
     "gpt2": {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 96, "n_positions": 32},
@@ -236,7 +236,7 @@ def test_gpt2_blocks_lose_the_kv_copies_of_the_cache():
     }
 
 
-@pytest.mark.parametrize("name", sorted(TINY))
+@pytest.mark.parametrize("name", slow_params(sorted(TINY), "t5-base"))
 def test_size_overrides_build_no_kv_cache(name, monkeypatch):
     """No DynamicCache is made in the profiled forward (Llama with GQA under eager attention
     saves repeat_kv's copies of K/V either way, so its bytes alone would not show a cache)."""

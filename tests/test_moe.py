@@ -446,6 +446,7 @@ def test_hf_qwen_moe_shared_expert_and_gate():
     assert graph.meta["moe"] == graph.meta["moe"] | {"num_experts": E, "shared_experts": 2}
 
 
+@pytest.mark.slow
 def test_capacity_experts_equal_transformers_eager_without_drops():
     """With capacity factor E / k nothing is dropped: transformers' Mixtral block computes the
     same output and gradients through the capacity dispatch as through its own eager loop."""

@@ -12,14 +12,14 @@ import pytest
 
 from solver.backends.brute_force import solve_brute_force
 from solver.backends.problem import StageProblem
-from solver.costs import layer_costs, stage_costs
+from solver.costs import stage_costs
 from solver.errors import InputError
 from solver.graph import graph_from_dict
 from solver.precision import step_temporary_bytes_per_param
 from solver.search.candidates import memory_lower_bound
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
-from tests.conftest import assert_placed_backends_match_brute_force, solve_everywhere
-from tests.random_graphs import random_chain, random_config, random_dag
+from tests.conftest import assert_placed_backends_match_brute_force, costs_of, solve_everywhere
+from tests.random_graphs import one_tensor_per_producer, random_chain, random_config, random_dag
 
 # parameter-heavy layers, bytes per sample: an embedding, a block, a head
 LAYERS = [
@@ -43,17 +43,10 @@ LAYERS = [
 GRAPH = graph_from_dict({"format": "layer-graph", "version": 1, "model": "toy", "layers": LAYERS})
 
 
-def training_for(config: ParallelConfig, impl: str = "foreach", **options) -> TrainingConfig:
-    """fp32 Adam (4, 4, 8 bytes per parameter; its states fp32) on the torch runtime."""
-    options.setdefault("precision", "fp32")
-    return TrainingConfig(
-        global_batch=config.global_batch, runtime="torch", optimizer_impl=impl, **options
-    )
-
-
-def costs_of(graph, config: ParallelConfig, impl: str = "foreach", cluster=None, **options):
-    cluster = cluster or Cluster(num_gpus=config.num_gpus)
-    return layer_costs(graph, config, cluster, training_for(config, impl, **options))
+def torch_fp32(impl: str = "foreach", **options) -> dict:
+    """TrainingConfig keywords: fp32 Adam (4, 4, 8 bytes per parameter; its states fp32) on the
+    torch runtime, its step ``impl`` (foreach | fused); ``options`` override."""
+    return {"precision": "fp32", "runtime": "torch", "optimizer_impl": impl} | options
 
 
 # -- the temporary, by hand ------------------------------------------------------------------------
@@ -83,12 +76,12 @@ def test_step_temporary_per_layer_is_sharded_like_the_optimizer_state():
     """step_l = ceil(P'_l u / d[z >= 1]): P' = (params - tp_params) + tp_params / t."""
     config = ParallelConfig(pp=1, tp=2, dp=2, micro_batch=1, num_microbatches=1)
     for zero, shards in ((0, 1), (1, 2), (2, 2), (3, 2)):
-        costs = costs_of(GRAPH, dataclasses.replace(config, zero=zero))
+        costs = costs_of(GRAPH, dataclasses.replace(config, zero=zero), **torch_fp32())
         held = [1000, 100 + 200 // 2, 500]  # P'_l with t = 2
         assert costs.step_bytes.tolist() == [-(-4 * p // shards) for p in held]
         assert costs.step_bytes.tolist() == [-(-o // 2) for o in costs.optimizer_bytes.tolist()]
-    assert costs_of(GRAPH, config, "fused").step_bytes is None
-    assert costs_of(GRAPH, config, optimizer="sgd").step_bytes is None
+    assert costs_of(GRAPH, config, **torch_fp32("fused")).step_bytes is None
+    assert costs_of(GRAPH, config, **torch_fp32(optimizer="sgd")).step_bytes is None
 
 
 def test_the_step_sets_the_peak_of_a_parameter_heavy_stage_by_hand():
@@ -97,8 +90,8 @@ def test_the_step_sets_the_peak_of_a_parameter_heavy_stage_by_hand():
     runtime's m gradient receive buffers (no activation: the schedule is over); that beats every
     moment of its schedule. Fused, the same stage peaks in its schedule."""
     config = ParallelConfig(pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=2)
-    foreach = stage_costs(costs_of(GRAPH, config), [0, 1, 1])
-    fused = stage_costs(costs_of(GRAPH, config, "fused"), [0, 1, 1])
+    foreach = stage_costs(costs_of(GRAPH, config, **torch_fp32()), [0, 1, 1])
+    fused = stage_costs(costs_of(GRAPH, config, **torch_fp32("fused")), [0, 1, 1])
     first = foreach[0]
     assert first.moment == "optimizer step"
     assert first.breakdown() == {
@@ -122,7 +115,7 @@ def test_interleaved_rank_sums_its_chunks_at_the_step():
     the temporaries of all its layers, and the receive buffers of every chunk."""
     graph = random_chain(random.Random(3), 4)
     config = ParallelConfig(pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=4, virtual_stages=2)
-    costs = costs_of(graph, config)
+    costs = costs_of(graph, config, **torch_fp32())
     stages = stage_costs(costs, [0, 1, 2, 3])
     for stage in stages:
         states = int(costs.state_bytes[stage.layers].sum())
@@ -154,13 +147,8 @@ def test_backends_agree_where_the_step_binds(seed):
     interleaved = seed % 8 == 5  # pp 2 x v 2 over 4..6 layers
     size = rng.randint(4, 6) if interleaved else rng.randint(3, 6)
     graph = heavy((random_chain if chain else random_dag)(rng, size), rng)
-    if not chain:  # every edge of a producer carries its one output tensor
-        document = graph.to_dict()
-        sizes: dict[str, int] = {}
-        for edge in document["edges"]:
-            edge["bytes"] = sizes.setdefault(edge["src"], edge["bytes"])
-            edge["tensor"] = f"{edge['src']}:0"
-        graph = graph_from_dict(document)
+    if not chain:
+        graph = one_tensor_per_producer(graph)
     config = random_config(rng, graph.num_layers)
     virtual = 2 if interleaved else 1
     config = dataclasses.replace(
@@ -172,7 +160,7 @@ def test_backends_agree_where_the_step_binds(seed):
         schedule="1f1b" if virtual > 1 else config.schedule,
     )
     lifetime = rng.choice(["step", "persistent"])
-    costs = costs_of(graph, config, grad_lifetime=lifetime)
+    costs = costs_of(graph, config, **torch_fp32(grad_lifetime=lifetime))
     problem = StageProblem(costs=costs)
     oracle = solve_brute_force(problem)
     stages = problem.stages(oracle.stage_of_layer, oracle.recomputed)
@@ -194,7 +182,9 @@ def test_placed_problems_agree_with_the_step_moment(seed):
             break
     config = dataclasses.replace(config, dp=1, recompute="none")
     group_costs = [
-        costs_of(graph, config, cluster=Cluster(num_gpus=config.num_gpus, gpu_flops=f))
+        costs_of(
+            graph, config, cluster=Cluster(num_gpus=config.num_gpus, gpu_flops=f), **torch_fp32()
+        )
         for f in (989e12, 312e12)
     ]
     assert_placed_backends_match_brute_force(group_costs, rng)
@@ -209,7 +199,9 @@ def test_plan_documents_record_the_implementation_and_the_moment():
     from solver.report.plan_report import evaluation_to_dict, format_evaluation
 
     config = ParallelConfig(pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=2)
-    training = dataclasses.replace(training_for(config), micro_batch_sizes=(1,), max_slowdown=None)
+    training = TrainingConfig(
+        global_batch=config.global_batch, micro_batch_sizes=(1,), max_slowdown=None, **torch_fp32()
+    )
     evaluation = evaluate(GRAPH, config, [0, 1, 1], training=training)
     document = evaluation_to_dict(evaluation)
     assert document["training"]["optimizer_impl"] == "foreach"

@@ -214,8 +214,12 @@ def check_placed_points(front, graph, cluster, training) -> None:
         assert memory == expected
 
 
-@pytest.mark.parametrize("memory_objective", ["utilization", "absolute"])
-@pytest.mark.parametrize("seed", [0, 1, 2])
+TINY_CHAINS = [(seed, objective) for seed in (0, 1, 2) for objective in ("utilization", "absolute")]
+"""(seed, memory objective) cases, seconds each: slow."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("seed", "memory_objective"), TINY_CHAINS)
 def test_heterogeneous_front_equals_brute_force_on_tiny_chains(seed, memory_objective):
     graph, cluster, training = hetero_case(seed, random_chain, 5, memory_objective)
     expected = placed_brute_force_front(graph, cluster, training)
@@ -227,6 +231,7 @@ def test_heterogeneous_front_equals_brute_force_on_tiny_chains(seed, memory_obje
     assert found == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("memory_objective", ["utilization", "absolute"])
 def test_heterogeneous_front_equals_brute_force_on_a_tiny_dag(memory_objective):
     graph, cluster, training = hetero_case(3, random_dag, 5, memory_objective)
@@ -265,6 +270,7 @@ def test_heterogeneous_nothing_fits_is_infeasible():
         pareto_front(graph, _two_groups(1, 2), TRAINING)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("memory_objective, unit", [("utilization", "ppm"), ("absolute", "bytes")])
 def test_plan_cli_pareto_on_a_heterogeneous_cluster(capsys, tmp_path, memory_objective, unit):
     out, picture = tmp_path / "front.json", tmp_path / "front.png"

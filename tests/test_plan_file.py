@@ -20,6 +20,7 @@ from solver.errors import InputError
 from solver.files.plan_file import PLAN_VERSION, evaluate_plan, plan_differences
 from solver.graph import load_graph
 from solver.report.plan_report import checked
+from tests.conftest import slow_params
 from tests.test_empirical import statistics_graph
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,22 +50,36 @@ KINDS = {
 }
 
 
-@pytest.fixture(scope="module")
-def plans(tmp_path_factory) -> dict[str, Path]:
-    """Plan files of every kind, written by python -m solver.plan --json."""
-    folder = tmp_path_factory.mktemp("plans")
-    calibration = folder / "calibration.json"
-    scales = {"weights": 0.97, "activations": 1.1}
-    write_calibration(calibration, Calibration(scales=scales, constant_bytes=123_456_789))
-    stats = folder / "stats.json"
-    statistics_graph(random.Random(7), 12).save(stats)
-    paths = {}
-    for kind, argv in KINDS.items():
-        path = folder / f"{kind}.json"
-        argv = [arg.format(calibration=calibration, stats=stats) for arg in argv]
+SEARCHED = ("interleaved", "interleaved-outputs-kept", "selective", "heterogeneous")
+"""The kinds whose plan takes seconds to search (the rest take a fraction of one): the tests that
+read them are slow."""
+
+
+class Plans(dict):
+    """Plan files by kind, each written by python -m solver.plan --json when first asked for."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder = folder
+        calibration = folder / "calibration.json"
+        scales = {"weights": 0.97, "activations": 1.1}
+        write_calibration(calibration, Calibration(scales=scales, constant_bytes=123_456_789))
+        stats = folder / "stats.json"
+        statistics_graph(random.Random(7), 12).save(stats)
+        self.formats = {"calibration": calibration, "stats": stats}
+
+    def __missing__(self, kind: str) -> Path:
+        path = self.folder / f"{kind}.json"
+        argv = [arg.format(**self.formats) for arg in KINDS[kind]]
         assert plan_main([*argv, "--json", str(path)]) == 0, kind
-        paths[kind] = path
-    return paths
+        self[kind] = path
+        return path
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory) -> Plans:
+    """Plan files of every kind, written by python -m solver.plan --json (once per module)."""
+    return Plans(tmp_path_factory.mktemp("plans"))
 
 
 def _run(main, argv, capsys) -> tuple[int, str, str]:
@@ -79,7 +94,7 @@ def _run(main, argv, capsys) -> tuple[int, str, str]:
 # -- the schema --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", slow_params(KINDS, *SEARCHED))
 def test_schema_validates_every_kind_of_plan(plans, kind):
     document = json.loads(plans[kind].read_text())
     jsonschema.Draft202012Validator(SCHEMA).validate(document)
@@ -125,6 +140,7 @@ def test_schema_rejects_unknown_fields_and_wrong_types(plans):
 # -- load_plan: the typed view and one-line errors ---------------------------------------------
 
 
+@pytest.mark.slow  # reads a SEARCHED plan
 def test_plan_file_view(plans):
     selective = load_plan(plans["selective"])
     assert selective.config.recompute == "selective" and selective.recomputed_layers
@@ -151,6 +167,7 @@ def test_plan_file_view(plans):
     assert not load_plan(plans["interleaved-outputs-kept"]).training.deallocate_pipeline_outputs
 
 
+@pytest.mark.slow  # reads a SEARCHED plan
 def test_a_version_2_plan_without_deallocate_pipeline_outputs_means_true(plans, tmp_path, capsys):
     """Plans written before the field existed: the sent outputs were freed (as Megatron-LM
     does), and solver.evaluate --plan reproduces them."""
@@ -231,6 +248,7 @@ def test_load_plan_errors_are_one_line(plans, tmp_path, change, message):
     assert text.startswith(f"{path}: ") and message in text and "\n" not in text
 
 
+@pytest.mark.slow  # reads a SEARCHED plan
 def test_interleaved_chunks_must_list_the_stage_layers(plans):
     document = json.loads(plans["interleaved"].read_text())
     document["stages"][1]["chunks"].reverse()
@@ -263,7 +281,7 @@ def test_the_writer_refuses_a_plan_its_reader_rejects(plans):
 # -- evaluate --plan ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", slow_params(KINDS, *SEARCHED))
 def test_evaluate_plan_reproduces_peaks_and_times(plans, kind, tmp_path, capsys):
     out = tmp_path / "again.json"
     code, text, err = _run(evaluate_main, ["--plan", str(plans[kind]), "--json", str(out)], capsys)

@@ -102,6 +102,7 @@ def by_name(graph):
 # -- fake vs real, closed forms ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fake_equals_real_cpu_run():
     torch.manual_seed(0)
     model = GPT(dropout=0.0)
@@ -128,6 +129,7 @@ def test_fake_equals_real_cpu_run():
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_fake_equals_real_with_dropout():
     """With the CUDA-like dropout (a bool mask in both modes) dropout > 0 matches too."""
     model = GPT(dropout=0.1)

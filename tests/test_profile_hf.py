@@ -133,6 +133,7 @@ def profiled_and_measured(name: str, dtype):
     return graph, saved, outputs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", MODELS)
 def test_fake_profile_equals_the_measured_saved_bytes_of_every_layer(name, dtype):
@@ -141,6 +142,7 @@ def test_fake_profile_equals_the_measured_saved_bytes_of_every_layer(name, dtype
     assert {layer.name: layer.output_bytes for layer in graph.layers} == outputs
 
 
+@pytest.mark.slow
 def test_fake_profile_equals_the_real_profile_of_a_grouped_query_model():
     """Under fake tensors transformers would materialise the causal mask the real run skips (and
     repeat K and V for the masked SDPA call); the profiler gives it the real run's answer."""
@@ -199,6 +201,7 @@ def test_llama_block_saves_the_closed_form(dtype):
     assert _block(graph, "model.layers.1") == closed_form
 
 
+@pytest.mark.slow
 def test_no_block_keeps_an_attention_matrix():
     """T5 with its learned relative position bias: what a block saves grows linearly in s except
     for the bias itself (1 x heads x s x s, shared by the batch: under a byte per sample at this

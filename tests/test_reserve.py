@@ -222,6 +222,7 @@ def test_bad_reserve_exits_2_with_one_line(run_cli, value, words):
     assert err.count("\n") == 1 and words in err and "reserve" in err
 
 
+@pytest.mark.slow
 def test_plans_with_a_reserve_stay_within_usable_memory(run_cli, tmp_path):
     """A homogeneous and a heterogeneous plan under the default reserve: every stage's peak is
     at most its usable memory, and the plan checker (solver.plan_check) agrees."""

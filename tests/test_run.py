@@ -26,9 +26,11 @@ from profiling.trace.tensor_parallel import VOCAB_PARALLEL_MIN_ROWS
 from solver import Cluster, ParallelConfig, TrainingConfig, evaluate, plan
 from solver.errors import InputError
 from solver.report.plan_report import evaluation_to_dict, plan_to_dict
+from tests.conftest import FP32_ADAM, assert_peaks_within, assert_runs_match_reference
 
 OVERRIDES = {"layers": 4, "dropout": 0.0}
-FP32 = dict(weight_bytes_per_param=4, grad_bytes_per_param=4, optimizer_bytes_per_param=8)
+TORCH_FP32 = {"runtime": "torch", **FP32_ADAM}
+"""fp32 Adam planned for the torch runtime, the one the torch engine runs (profiling.run)."""
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def planned(graph, *, pp: int, dp: int, micro_batch: int, global_batch: int, sch
         tp=1,
         schedule=schedule,
         max_slowdown=None,
-        **FP32,
+        **TORCH_FP32,
     )
     return plan_to_dict(plan(graph, Cluster(num_gpus=pp * dp, gpu_memory_bytes=2**30), training))
 
@@ -80,21 +82,26 @@ def assert_matches_reference(
     tolerance: float = 1e-6,
 ) -> None:
     loss, grads = reference(global_batch, iterations=iterations, overrides=overrides)
-    seen = set()
-    for report in reports:
-        assert report.grads, f"rank {report.rank} captured no gradients"
-        for name, grad in report.grads.items():
-            expected = grads[name]
-            error = float((grad - expected).norm() / expected.norm())
-            assert error <= tolerance, f"rank {report.rank} {name}: relative error {error:.3g}"
-            seen.add(name)
-    assert seen == set(grads), f"parameters without a gradient: {set(grads) - seen}"
-    last = [r for r in reports if r.losses]
-    measured = sum(r.losses[-1] for r in last) / len(last)  # mean over data-parallel ranks
-    assert measured == pytest.approx(loss, rel=tolerance)
+    assert_runs_match_reference(reports, loss, grads, tolerance)
 
 
-def assert_peaks_reported(reports, plan_dict) -> None:
+WITHIN_PCT = 3.0
+"""How far a rank's measured peak may be from the plan's, either way, in percent: gpt-tiny on the
+torch engine measured median 0.4%, max 2.3% in benchmarks/bench_accuracy.md. A test whose setup
+measured more says why beside its own bound."""
+
+
+def assert_peaks_reported(
+    reports,
+    plan_dict,
+    *,
+    first_iteration: bool,
+    under_pct: float = WITHIN_PCT,
+    over_pct: float = WITHIN_PCT,
+) -> None:
+    """Every rank reports its measured peak, its breakdown and the plan's peak, and the error
+    is within ``under_pct`` below and ``over_pct`` above (``assert_peaks_within``;
+    ``first_iteration``: a one-iteration run)."""
     for report in reports:
         assert report.measured_peak_bytes > 0
         assert sum(report.measured_breakdown.values()) == report.measured_peak_bytes
@@ -105,6 +112,9 @@ def assert_peaks_reported(reports, plan_dict) -> None:
         expected = 100 * (predicted - report.measured_peak_bytes) / report.measured_peak_bytes
         assert report.error_pct == pytest.approx(expected)
     print(format_reports(reports))
+    assert_peaks_within(
+        reports, under_pct=under_pct, over_pct=over_pct, first_iteration=first_iteration
+    )
 
 
 @pytest.mark.slow
@@ -115,7 +125,7 @@ def test_two_stage_1f1b_matches_single_process(graph):
     reports = run_plan("gpt-tiny", plan_dict, iterations=1, overrides=OVERRIDES, capture_grads=True)
     assert [(r.rank, r.stage) for r in reports] == [(0, 0), (1, 1)]
     assert_matches_reference(reports, global_batch=8)
-    assert_peaks_reported(reports, plan_dict)
+    assert_peaks_reported(reports, plan_dict, first_iteration=True)
 
 
 @pytest.mark.slow
@@ -123,14 +133,14 @@ def test_two_stage_1f1b_matches_single_process(graph):
 def test_four_stage_gpipe_uneven_split_matches_single_process(graph):
     config = ParallelConfig(pp=4, tp=1, dp=1, micro_batch=1, num_microbatches=4, schedule="gpipe")
     training = TrainingConfig(
-        global_batch=4, micro_batch_sizes=(1,), schedule="gpipe", max_slowdown=None, **FP32
+        global_batch=4, micro_batch_sizes=(1,), schedule="gpipe", max_slowdown=None, **TORCH_FP32
     )
     # embed + layers.0 | layers.1 | layers.2 + layers.3 | head (a stage with only the loss head)
     plan_dict = evaluation_to_dict(evaluate(graph, config, [2, 1, 2, 1], training=training))
     assert [len(stage["layers"]) for stage in plan_dict["stages"]] == [2, 1, 2, 1]
     reports = run_plan("gpt-tiny", plan_dict, iterations=1, overrides=OVERRIDES, capture_grads=True)
     assert_matches_reference(reports, global_batch=4)
-    assert_peaks_reported(reports, plan_dict)
+    assert_peaks_reported(reports, plan_dict, first_iteration=True)
 
 
 @pytest.mark.slow
@@ -146,7 +156,7 @@ def test_dp2_pp2_runs_and_reports_per_rank_peaks(graph):
     ]
     assert all(len(r.iteration_ms) == 2 for r in reports)
     assert_matches_reference(reports, global_batch=4, iterations=2)
-    assert_peaks_reported(reports, plan_dict)
+    assert_peaks_reported(reports, plan_dict, first_iteration=False)
     # Data-parallel replicas hold the same gradients (DDP averaged them) and the same peak.
     for a, b in ((reports[0], reports[1]), (reports[2], reports[3])):
         assert a.grads.keys() == b.grads.keys()
@@ -161,12 +171,14 @@ def test_dp2_pp2_runs_and_reports_per_rank_peaks(graph):
 def test_zero3_fsdp2_dp2_pp2_matches_single_process(graph):
     config = ParallelConfig(pp=2, tp=1, dp=2, micro_batch=1, num_microbatches=2, zero=3)
     training = TrainingConfig(
-        global_batch=4, micro_batch_sizes=(1,), zero_stages=(3,), max_slowdown=None, **FP32
+        global_batch=4, micro_batch_sizes=(1,), zero_stages=(3,), max_slowdown=None, **TORCH_FP32
     )
     plan_dict = evaluation_to_dict(evaluate(graph, config, [3, 3], training=training))
     reports = run_plan("gpt-tiny", plan_dict, iterations=2, overrides=OVERRIDES, capture_grads=True)
     assert_matches_reference(reports, global_batch=4, iterations=2)
-    assert_peaks_reported(reports, plan_dict)
+    # FSDP2's data-parallel twins measure apart (-5.4% and -3.5% on stage 0, the same
+    # spread as the FSDP2 rows of benchmarks/bench_accuracy.md)
+    assert_peaks_reported(reports, plan_dict, first_iteration=False, under_pct=6.0)
     for report in reports:
         # Weights and Adam state are sharded over dp=2, as the cost model assumes for ZeRO-3
         # (FSDP2 pads odd first dimensions; Adam adds a 4-byte step counter per tensor).
@@ -187,7 +199,7 @@ def evaluated(graph, split, **config) -> dict:
         virtual_stages=(parallel.virtual_stages,),
         sequence_parallel="on" if parallel.sp else "off",
         max_slowdown=None,
-        **FP32,
+        **TORCH_FP32,
     )
     return evaluation_to_dict(evaluate(graph, parallel, split, training=training))
 
@@ -205,7 +217,7 @@ def test_tp2_pp2_matches_single_process(graph):
         (3, 1, 0, 1),
     ]
     assert_matches_reference(reports, global_batch=2, iterations=2)
-    assert_peaks_reported(reports, plan_dict)
+    assert_peaks_reported(reports, plan_dict, first_iteration=False)
     for report in reports:
         # qkv, proj, fc1 and fc2 are split, norms, embedding and head replicated: the cost model's
         # split of the profiled graph (its tp_params), to the byte.
@@ -226,7 +238,9 @@ def test_tp2_vocabulary_parallel_embedding_and_head_match_single_process():
     assert_matches_reference(
         reports, global_batch=2, iterations=2, overrides=overrides, tolerance=5e-6
     )
-    assert_peaks_reported(reports, plan_dict)
+    # measured -8.9%: the vocabulary-parallel embedding and cross-entropy keep more than
+    # the plan counts (grads 3.05 MiB beside 2.05 MiB of weights), not modelled yet
+    assert_peaks_reported(reports, plan_dict, first_iteration=False, under_pct=10.0)
     for report in reports:  # both tables split over tp=2, as the cost model's tp_params say
         assert report.measured_breakdown["params"] == report.predicted_breakdown["weights"]
 
@@ -238,7 +252,7 @@ def test_tp2_dp2_fsdp2_matches_single_process(graph):
     reports = run_plan("gpt-tiny", plan_dict, iterations=2, overrides=OVERRIDES, capture_grads=True)
     assert [(r.dp_rank, r.tp_rank) for r in reports] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert_matches_reference(reports, global_batch=4, iterations=2)
-    assert_peaks_reported(reports, plan_dict)
+    assert_peaks_reported(reports, plan_dict, first_iteration=False)
     for report in reports:  # split over tp, then sharded over dp
         measured, predicted = report.measured_breakdown, report.predicted_breakdown
         assert measured["params"] == pytest.approx(predicted["weights"], rel=0.02)
@@ -254,7 +268,7 @@ def test_zero1_zero2_dp2_match_single_process(graph, zero):
     )
     reports = run_plan("gpt-tiny", plan_dict, iterations=2, overrides=OVERRIDES, capture_grads=True)
     assert_matches_reference(reports, global_batch=4, iterations=2)
-    assert_peaks_reported(reports, plan_dict)
+    assert_peaks_reported(reports, plan_dict, first_iteration=False)
     full = reference(4)[1]
     full_bytes = sum(grad.numel() * grad.element_size() for grad in full.values())
     for report in reports:
@@ -275,12 +289,13 @@ def test_full_recompute_pp2_matches_single_process(graph):
     )
     reports = run_plan("gpt-tiny", plan_dict, iterations=1, overrides=OVERRIDES, capture_grads=True)
     assert_matches_reference(reports, global_batch=4)
-    assert_peaks_reported(reports, plan_dict)
-    baseline = evaluated(graph, [3, 3], pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=4)
+    assert_peaks_reported(reports, plan_dict, first_iteration=True)
     for report in reports:
         # Only layer inputs stay between forward and backward: the saved activations at the peak
-        # are one layer's re-materialised tensors, far below the stage's full set.
-        full_set = baseline["stages"][report.stage]["breakdown"]["activations"]
+        # are one layer's re-materialised tensors, far below what one micro-batch of the stage
+        # saves without recomputation (b = 1).
+        names = set(plan_dict["stages"][report.stage]["layers"])
+        full_set = sum(layer.activation_bytes for layer in graph.layers if layer.name in names)
         assert report.measured_breakdown["activations"] < full_set / 4
 
 
@@ -314,7 +329,7 @@ def test_interleaved_matches_single_process(graph, pp, split, num_microbatches, 
     reports = run_plan("gpt-tiny", plan_dict, iterations=1, overrides=OVERRIDES, capture_grads=True)
     assert [r.layers for r in reports] == [stage["layers"] for stage in plan_dict["stages"]]
     assert_matches_reference(reports, global_batch=num_microbatches)
-    assert_peaks_reported(reports, plan_dict)
+    assert_peaks_reported(reports, plan_dict, first_iteration=True)
 
 
 @pytest.mark.slow
@@ -331,7 +346,9 @@ def test_interleaved_dp2_ddp_per_chunk_matches_single_process(graph):
         (3, 1, 1),
     ]
     assert_matches_reference(reports, global_batch=4, iterations=2)
-    assert_peaks_reported(reports, plan_dict)
+    # measured +12.4% and +13.1%: interleaved ranks keep the persistent moment, an upper
+    # bound, and DDP's buckets beside step gradients (docs/cost-model.md, Gradient lifetime)
+    assert_peaks_reported(reports, plan_dict, first_iteration=False, over_pct=15.0)
     for a, b in ((reports[0], reports[1]), (reports[2], reports[3])):  # DDP averaged each chunk
         for name in a.grads:
             torch.testing.assert_close(a.grads[name], b.grads[name], rtol=0, atol=0)
@@ -505,16 +522,15 @@ def test_tracker_counts_states_activations_and_frees():
     assert tracker.peak_bytes > tracker.current_bytes
 
 
-@pytest.mark.slow
-def test_tracker_peak_equals_memtracker_on_a_training_step():
-    """Cross-check with torch's own MemTracker: the same peak, to the byte, over three steps."""
+def tracked_peaks(model_of, losses, optimizer_options=None) -> tuple[list[int], int]:
+    """Adam steps on ``model_of()``, one per loss function in ``losses`` (model, step -> scalar),
+    measured by LiveTensorTracker and, on a second model of the same seed, by torch's MemTracker
+    (through ``_torch_compat``): ours's peak of each step, and MemTracker's peak of all."""
     from profiling._torch_compat import mem_tracker
 
-    spec = models.get("gpt-tiny", **OVERRIDES)
-
     def train(tracker, reset) -> list[int]:
-        model = build_model(spec, 0)
-        optimizer = torch.optim.Adam(model.parameters())
+        model = model_of()
+        optimizer = torch.optim.Adam(model.parameters(), **(optimizer_options or {}))
         if isinstance(tracker, LiveTensorTracker):
             tracker.track_module(model)
             tracker.track_grads(model)
@@ -523,15 +539,11 @@ def test_tracker_peak_equals_memtracker_on_a_training_step():
             tracker.track_external(model, optimizer)
         peaks = []
         with tracker:
-            for iteration in range(3):
+            for step, loss_of in enumerate(losses):
                 optimizer.zero_grad(set_to_none=True)
                 reset()
-                ids, targets = batch_for_iteration(
-                    spec, batch=4, seq=None, seed=0, iteration=iteration
-                )
-                model(ids, targets).backward()
+                loss_of(model, step).backward()
                 optimizer.step()
-                del ids, targets
                 if isinstance(tracker, LiveTensorTracker):
                     peaks.append(tracker.peak_bytes)
         return peaks
@@ -541,5 +553,37 @@ def test_tracker_peak_equals_memtracker_on_a_training_step():
     theirs = mem_tracker()
     train(theirs, theirs.reset_mod_stats)
     (snapshot,) = theirs.get_tracker_snapshot("peak").values()
-    assert max(peaks) == snapshot["Total"]
+    return peaks, snapshot["Total"]
+
+
+def test_tracker_peak_equals_memtracker_on_a_small_module():
+    """The fast twin of the gpt-tiny cross-check below: a small MLP, forward, backward and a
+    foreach Adam step, twice: LiveTensorTracker's peak is MemTracker's to the byte."""
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)
+        )
+
+    def loss(model, step):
+        return model(torch.randn(16, 32)).square().mean()
+
+    peaks, theirs = tracked_peaks(mlp, [loss, loss], {"foreach": True})
+    assert max(peaks) == theirs
+    param_bytes = (32 * 64 + 64 + 2 * 64 + 64 * 8 + 8) * 4
+    assert max(peaks) >= 4 * param_bytes  # weights, gradients and Adam's two states at least
+
+
+@pytest.mark.slow
+def test_tracker_peak_equals_memtracker_on_a_training_step():
+    """Cross-check with torch's own MemTracker: the same peak, to the byte, over three steps."""
+    spec = models.get("gpt-tiny", **OVERRIDES)
+
+    def loss(model, step):
+        ids, targets = batch_for_iteration(spec, batch=4, seq=None, seed=0, iteration=step)
+        return model(ids, targets)
+
+    peaks, theirs = tracked_peaks(lambda: build_model(spec, 0), [loss] * 3)
+    assert max(peaks) == theirs
     assert peaks[1] == peaks[2] > peaks[0]  # from the second step on, Adam state is live

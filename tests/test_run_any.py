@@ -24,6 +24,7 @@ from profiling.validate import main as validate_main
 from solver import Cluster, ParallelConfig, TrainingConfig, evaluate, plan
 from solver.errors import InputError
 from solver.report.plan_report import evaluation_to_dict, plan_to_dict
+from tests.conftest import assert_peaks_within, assert_runs_match_reference
 from tests.run_any_factories import TINY_HF_MODELS
 
 GPT2, GPT2_TINY = TINY_HF_MODELS["gpt2"]
@@ -98,20 +99,19 @@ def reference_grads(
 
 def assert_matches_reference(reports, name, overrides, global_batch, tolerance=1e-5) -> None:
     loss, grads = reference_grads(name, overrides, global_batch)
-    seen = set()
-    for report in reports:
-        assert report.grads, f"rank {report.rank} captured no gradients"
-        for param, grad in report.grads.items():
-            expected = grads[param]
-            error = float((grad - expected).norm() / expected.norm())
-            assert error <= tolerance, f"rank {report.rank} {param}: relative error {error:.3g}"
-            seen.add(param)
-    assert seen == set(grads), f"parameters without a gradient: {set(grads) - seen}"
-    last = [report.losses[0] for report in reports if report.losses]  # one per replica
-    assert sum(last) / len(last) == pytest.approx(loss, rel=tolerance)
+    assert_runs_match_reference(reports, loss, grads, tolerance)
 
 
-def assert_reported(reports, plan_dict) -> None:
+WITHIN_PCT = 5.0
+"""How far a rank's measured peak may be from the plan's, either way, in percent: the traced
+HF models of benchmarks/bench_accuracy.md measured median 0.5%, max 3.8%."""
+
+
+def assert_reported(
+    reports, plan_dict, *, first_iteration: bool, under_pct: float = WITHIN_PCT
+) -> None:
+    """Every rank reports the plan's peak beside its measured one, within ``under_pct`` below
+    and WITHIN_PCT above (``assert_peaks_within``; ``first_iteration``: a one-iteration run)."""
     for report in reports:
         predicted = plan_dict["stages"][report.stage]["peak_bytes"]
         assert report.predicted_peak_bytes == predicted > 0
@@ -120,6 +120,9 @@ def assert_reported(reports, plan_dict) -> None:
             100 * (predicted - report.measured_peak_bytes) / report.measured_peak_bytes
         )
     print(format_reports(reports))
+    assert_peaks_within(
+        reports, under_pct=under_pct, over_pct=WITHIN_PCT, first_iteration=first_iteration
+    )
 
 
 @pytest.mark.slow
@@ -142,7 +145,7 @@ def test_traced_run_matches_single_process(name, overrides, pp, split):
     )
     assert [(r.rank, r.stage) for r in reports] == [(s, s) for s in range(pp)]
     assert_matches_reference(reports, name, overrides, global_batch=8)
-    assert_reported(reports, plan_dict)
+    assert_reported(reports, plan_dict, first_iteration=True)
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +227,7 @@ def test_traced_uneven_splits_match_single_process(name, overrides, pp, split, s
         name, plan_dict, iterations=1, overrides=overrides, seq=SEQ, capture_grads=True
     )
     assert_matches_reference(reports, name, overrides, global_batch=8)
-    assert_reported(reports, plan_dict)
+    assert_reported(reports, plan_dict, first_iteration=True)
 
 
 @pytest.mark.slow
@@ -254,7 +257,7 @@ def test_traced_bf16_run_keeps_bf16_weights():
         buffers = 8 * 2 if report.stage == 0 else 0
         assert report.measured_breakdown["params"] == weights + buffers
         assert report.measured_breakdown["optimizer"] == pytest.approx(2 * weights, abs=256)
-    assert_reported(reports, plan_dict)
+    assert_reported(reports, plan_dict, first_iteration=False)
 
 
 @pytest.mark.slow
@@ -299,7 +302,7 @@ def test_traced_data_parallel_matches_single_process():
     )
     assert [(r.stage, r.dp_rank) for r in reports] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert_matches_reference(reports, GPT2, GPT2_TINY, global_batch=16)
-    assert_reported(reports, plan_dict)
+    assert_reported(reports, plan_dict, first_iteration=True)
 
 
 @pytest.mark.slow
@@ -316,4 +319,6 @@ def test_factory_returning_its_loss_matches_single_process():
         name, plan_dict, iterations=1, overrides=overrides, seq=SEQ, capture_grads=True
     )
     assert_matches_reference(reports, name, overrides, global_batch=8)
-    assert_reported(reports, plan_dict)
+    # a 12 KiB model: the ~1 KiB the plan leaves out (tensors outside every layer, scalars)
+    # is 8.5% of its peak (measured -8.4% and -8.6%)
+    assert_reported(reports, plan_dict, first_iteration=True, under_pct=10.0)

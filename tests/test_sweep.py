@@ -22,7 +22,7 @@ from solver.sweep import (
     sweep_points,
     valid_gpu_counts,
 )
-from tests.conftest import GPT_1_3B
+from tests.conftest import GPT_1_3B, slow_params
 from tests.random_graphs import random_chain
 
 GIB = 2**30
@@ -79,7 +79,7 @@ def _peak(rows: list[dict]) -> dict[tuple[int, int], int | None]:
     }
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", slow_params([0, 1, 2], 0, 1))
 def test_doubling_gpus_never_raises_the_optimum_without_a_throughput_constraint(seed):
     """What is guaranteed: without a throughput constraint, every config (p, t, d, b, z) of N
     GPUs has the config (p, t, 2d, b, z) on 2N GPUs when 2 d b divides the global batch (here
@@ -124,7 +124,10 @@ def _brute_force_min_gpus(graph, capacity, training, template, limit):
 
 
 @pytest.mark.parametrize(
-    ("seed", "share", "min_throughput"), [(0, 0.3, None), (1, 0.45, None), (2, 0.35, 4000.0)]
+    ("seed", "share", "min_throughput"),
+    slow_params(
+        [(0, 0.3, None), (1, 0.45, None), (2, 0.35, 4000.0)], (0, 0.3, None), (2, 0.35, 4000.0)
+    ),
 )
 def test_min_gpus_equals_a_brute_force_scan(seed, share, min_throughput):
     graph = random_chain(random.Random(seed), 6)
@@ -146,6 +149,7 @@ def test_min_gpus_equals_a_brute_force_scan(seed, share, min_throughput):
     assert all(row["status"] != "OPTIMAL" for row in listed.rows if row["gpus"] < expected)
 
 
+@pytest.mark.slow
 def test_max_scale_finds_the_boundary_and_the_first_size_that_does_not_fit():
     rng = random.Random(7)
     layer = random_chain(rng, 1).layers[0]

@@ -1,0 +1,247 @@
+"""An independent reference of the core memory rules: a stage's peak bytes per GPU, from the
+formulas of docs/cost-model.md and the papers it cites, written apart from ``solver.costs``.
+
+It never imports ``solver.costs``: plain loops over plain ints (``Fraction`` where a rule divides
+and rounds up once), one function per rule, so that a wrong term in the cost model, which every
+backend and brute force share, shows up as a difference here (``tests/test_memory_reference.py``).
+
+What it covers, for a chain of layers cut into p contiguous stages (no MoE, no context
+parallelism, no interleaving, persistent gradients, no calibration):
+
+- model states, (w, g, o) bytes per parameter, tp-split parameters, ZeRO 0-3 over d
+  (Rajbhandari et al. 2020), FSDP2's ZeRO-2 keeping the sharded weights beside the gathered
+  ones on the torch runtime;
+- activations: k_s micro-batches in flight, min(m, p - s) under 1F1B (Narayanan et al. 2021),
+  m under GPipe; tp-split activations, sequence parallelism (Korthikanti et al. 2022, 4.2.2),
+  full recomputation keeping only each recomputable layer's output (its input to the next);
+- boundary buffers: received and sent copies per runtime (megatron: 1 and 1, or 1 + k_s
+  without output deallocation; torch pipelining: m - k_s and m + k_s);
+- the transient of the running layer (its own, its weight-gradient temporary, ZeRO-3's gathered
+  weights, a recomputed layer's re-materialised activations);
+- the optimizer step moment (no micro-batch held, foreach Adam's one state element per
+  parameter).
+
+A layer is a dict with the layer-graph fields (docs/layer-graph.md): params, tp_params,
+activation_bytes, tp_activation_bytes, output_bytes, transient_bytes, largest_param,
+largest_tp_param and kind. All sizes are bytes per GPU; per-sample fields are multiplied by the
+micro-batch size b.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from math import ceil
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """One layout and its training options, the reference's whole input besides the layers."""
+
+    pp: int
+    tp: int
+    dp: int
+    micro_batch: int
+    """b, samples per micro-batch."""
+    num_microbatches: int
+    """m, micro-batches per step per data-parallel replica."""
+    zero: int
+    schedule: str
+    """1f1b | gpipe."""
+    recompute: str
+    """none | full."""
+    sp: bool
+    runtime: str
+    """megatron | torch."""
+    weight_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    """(w, g, o): bytes per parameter."""
+    deallocate_outputs: bool = True
+    """megatron: a sent output is freed at once (False: kept until its backward)."""
+    step_bytes: int = 0
+    """u: bytes per parameter the optimizer step allocates (4 for a foreach Adam with fp32
+    states, 0 fused)."""
+
+
+@dataclass(frozen=True)
+class StagePeak:
+    """The reference's bytes per GPU of one stage at its peak moment."""
+
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    transient: int
+
+    @property
+    def peak(self) -> int:
+        return (
+            self.weights + self.grads + self.optimizer + self.activations + self.buffers
+        ) + self.transient
+
+
+# -- model states --------------------------------------------------------------------------------
+
+
+def params_per_gpu(layer: dict, tp: int) -> Fraction:
+    """P' = (params - tp_params) + tp_params / t: only the tp-split part is divided."""
+    return (layer["params"] - layer["tp_params"]) + Fraction(layer["tp_params"], tp)
+
+
+def state_shards(setup: Setup) -> tuple[int, int, int]:
+    """The divisors of (weights, gradients, optimizer state) under ZeRO z over d ranks:
+    z >= 1 shards the optimizer state, z >= 2 the gradients too, z = 3 the weights too."""
+    d, z = setup.dp, setup.zero
+    return (d if z >= 3 else 1, d if z >= 2 else 1, d if z >= 1 else 1)
+
+
+def layer_states(layer: dict, setup: Setup) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer) bytes of one layer per GPU, each rounded up on its own.
+    FSDP2's ZeRO-2 (torch runtime) keeps the sharded weights beside the gathered ones:
+    w P' (1 + 1/d), the gathered copy and the shard each rounded up; with d = 1 there is
+    nothing to shard and no FSDP (docs/cost-model.md does not say so: the code's reading)."""
+    p = params_per_gpu(layer, setup.tp)
+    w_shard, g_shard, o_shard = state_shards(setup)
+    weights = ceil(setup.weight_bytes * p / w_shard)
+    if setup.runtime == "torch" and setup.zero == 2 and setup.dp > 1:
+        weights = ceil(setup.weight_bytes * p) + ceil(setup.weight_bytes * p / setup.dp)
+    return (
+        weights,
+        ceil(setup.grad_bytes * p / g_shard),
+        ceil(setup.optimizer_bytes * p / o_shard),
+    )
+
+
+# -- activations ---------------------------------------------------------------------------------
+
+
+def in_flight(stage: int, setup: Setup) -> int:
+    """k_s: micro-batches whose forward has run and backward not, at stage s's peak.
+    1F1B runs p - s warm-up forwards, then one forward per backward; GPipe runs all m first."""
+    m, p = setup.num_microbatches, setup.pp
+    return min(m, p - stage) if setup.schedule == "1f1b" else m
+
+
+def recomputable(layer: dict, runtime: str) -> bool:
+    """Megatron-LM checkpoints its transformer blocks only; torch can wrap any layer."""
+    return runtime == "torch" or layer["kind"] == "block"
+
+
+def saved_per_sample(layer: dict, setup: Setup) -> Fraction:
+    """A' per sample per GPU: the tp-split part over t; with sequence parallelism all of it."""
+    t = setup.tp
+    if setup.sp:
+        return Fraction(layer["activation_bytes"], t)
+    split = layer["tp_activation_bytes"]
+    return (layer["activation_bytes"] - split) + Fraction(split, t)
+
+
+def boundary_tensor_bytes(output_bytes: int, setup: Setup) -> int:
+    """One micro-batch of a tensor leaving a layer: b bytes per sample, [s/t, b, h] with SP."""
+    size = setup.micro_batch * output_bytes
+    return ceil(Fraction(size, setup.tp)) if setup.sp else size
+
+
+def stored_bytes(layer: dict, setup: Setup) -> int:
+    """What one micro-batch of the layer keeps for its backward: ceil(b A'), or under full
+    recomputation (of a recomputable layer) only its output, the next layer's input."""
+    if recomputed(layer, setup):
+        return boundary_tensor_bytes(layer["output_bytes"], setup)
+    return ceil(setup.micro_batch * saved_per_sample(layer, setup))
+
+
+def recomputed(layer: dict, setup: Setup) -> bool:
+    return setup.recompute == "full" and recomputable(layer, setup.runtime)
+
+
+# -- boundary buffers ----------------------------------------------------------------------------
+
+
+def boundary_copies(stage: int, held: int, setup: Setup) -> tuple[int, int]:
+    """(R, S): copies of the received and of the sent boundary tensor stage s keeps while
+    ``held`` micro-batches are in flight. The k held inputs are the stage's saved activations.
+    megatron: one receive buffer per direction, plus the held outputs without deallocation.
+    torch pipelining: a receive buffer per micro-batch for the run (m - k idle ones), and the
+    output of each held micro-batch beside the m gradient receive buffers."""
+    m, p = setup.num_microbatches, setup.pp
+    if setup.runtime == "torch":
+        receive, send = m - held, m + held
+    else:
+        receive, send = 1, 1 if setup.deallocate_outputs else 1 + held
+    return (receive if stage > 0 else 0, send if stage < p - 1 else 0)
+
+
+def buffer_bytes(stage: int, held: int, into: int, out: int, setup: Setup) -> int:
+    """R copies of the tensor entering the stage and S of the one leaving it (bytes per
+    micro-batch ``into`` and ``out``)."""
+    receive, send = boundary_copies(stage, held, setup)
+    return receive * into + send * out
+
+
+# -- transients ----------------------------------------------------------------------------------
+
+
+def layer_transient(layer: dict, setup: Setup) -> int:
+    """The extra bytes while the layer runs, on top of what is stored: the larger of its own
+    transient and its weight-gradient moment (the gradient temporary of its largest parameter,
+    in the weights' dtype), plus ZeRO-3's gathered weights (this layer's and the prefetched
+    next, 2 w P'). A recomputed layer re-materialises its saved bytes during its backward."""
+    b, w = setup.micro_batch, setup.weight_bytes
+    extra = ceil(b * saved_per_sample(layer, setup)) if recomputed(layer, setup) else 0
+    own = b * layer["transient_bytes"] + extra
+    grad_temporary = w * max(
+        layer["largest_param"], ceil(Fraction(layer["largest_tp_param"], setup.tp))
+    )
+    weight_grad = b * layer["transient_bytes"] + extra + grad_temporary
+    gather = 2 * ceil(w * params_per_gpu(layer, setup.tp)) if setup.zero == 3 else 0
+    return max(own, weight_grad) + gather
+
+
+def step_temporary(layer: dict, setup: Setup) -> int:
+    """The optimizer step's temporary of one layer: u bytes per parameter, sharded like the
+    optimizer state (over d from ZeRO-1)."""
+    return ceil(setup.step_bytes * params_per_gpu(layer, setup.tp) / state_shards(setup)[2])
+
+
+# -- the stage's peak ----------------------------------------------------------------------------
+
+
+def stage_peaks(layers: list[dict], stage_of_layer: list[int], setup: Setup) -> list[StagePeak]:
+    """Each stage's bytes per GPU at its larger moment: after a forward with k_s micro-batches
+    held, or the optimizer step with none held (every gradient, the step's temporary). A fused
+    step (u = 0) adds no moment: "the stage's peak is its schedule's" (docs/cost-model.md,
+    Optimizer step), though on the torch runtime the end of the schedule holds m buffers of
+    each direction, more than the forward moment's where a stage's input outweighs what it
+    stores (full recomputation of a layer whose input is larger than its outputs)."""
+    peaks = []
+    for stage in range(setup.pp):
+        members = [i for i, s in enumerate(stage_of_layer) if s == stage]
+        first, last = members[0], members[-1]
+        weights = grads = optimizer = stored = transient = step = 0
+        for i in members:
+            w, g, o = layer_states(layers[i], setup)
+            weights, grads, optimizer = weights + w, grads + g, optimizer + o
+            stored += stored_bytes(layers[i], setup)
+            transient = max(transient, layer_transient(layers[i], setup))
+            step += step_temporary(layers[i], setup)
+        into = boundary_tensor_bytes(layers[first - 1]["output_bytes"], setup) if stage else 0
+        out = boundary_tensor_bytes(layers[last]["output_bytes"], setup)
+        held = in_flight(stage, setup)
+        forward = StagePeak(
+            weights,
+            grads,
+            optimizer,
+            held * stored,
+            buffer_bytes(stage, held, into, out, setup),
+            transient,
+        )
+        if not setup.step_bytes:  # a fused step allocates nothing: the schedule's peak
+            peaks.append(forward)
+            continue
+        optimizer_step = StagePeak(
+            weights, grads, optimizer, 0, buffer_bytes(stage, 0, into, out, setup), step
+        )
+        peaks.append(max(forward, optimizer_step, key=lambda moment: moment.peak))
+    return peaks
