@@ -112,6 +112,26 @@ def slow_params(values: Iterable[Any], *slow: Any) -> list[Any]:
     ]
 
 
+# -- the fast tier ---------------------------------------------------------------------------
+
+FAST_CASES_PER_TEST = 1
+"""Cases of one parametrized test the fast tier runs (``pytest -m "not slow"``): the first that
+is not marked slow. The rest are marked ``slow`` at collection, so the full suite (CI) runs every
+case and the inner loop still runs every test function once (docs/testing.md)."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    kept: dict[tuple[str, str], int] = {}
+    for item in items:
+        if getattr(item, "callspec", None) is None or item.get_closest_marker("slow"):
+            continue
+        function = (item.nodeid.partition("::")[0], getattr(item, "originalname", item.name))
+        kept[function] = kept.get(function, 0) + 1
+        if kept[function] > FAST_CASES_PER_TEST:
+            item.add_marker(pytest.mark.slow)
+
+
 # -- fixtures --------------------------------------------------------------------------------
 
 CliRunner = Callable[..., tuple[int, str, str]]

@@ -124,6 +124,7 @@ def _run_module(module: str, argv: list[str]) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_every_solver_module_imports_without_torch():
     names = ["solver"] + [
         info.name for info in pkgutil.walk_packages(solver.__path__, prefix="solver.")
@@ -143,6 +144,7 @@ CLI_RUNS = {  # run from the repository root; {tmp} is the test's tmp_path
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", CLI_RUNS.values(), ids=CLI_RUNS.keys())
 def test_every_solver_cli_runs_without_torch(command, tmp_path):
     module, *args = command.format(tmp=tmp_path).split()
@@ -153,6 +155,7 @@ def test_every_solver_cli_runs_without_torch(command, tmp_path):
         assert len((tmp_path / "sweep.csv").read_text().splitlines()) == 3
 
 
+@pytest.mark.slow
 def test_max_scale_without_torch_exits_2_saying_torch_is_needed():
     argv = ["--find", "max-scale", "--model", "gpt-tiny", "--scale", "layers"]
     result = _run_module("solver.sweep", [*argv, "--gpus", "8", "--global-batch", "8"])
@@ -305,6 +308,7 @@ def test_no_module_of_solver_or_profiling_is_over_800_lines():
     assert not long, "split these by concern (docs/architecture.md):\n" + "\n".join(long)
 
 
+@pytest.mark.slow
 def test_no_function_is_over_100_lines():
     """Every function and method of the product, the zoo and the benchmarks (decorators and
     docstring included)."""

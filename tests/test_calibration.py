@@ -406,6 +406,7 @@ def test_calibrate_end_to_end_on_two_configurations(tmp_path, capsys):
     assert out.read_text() == before
 
 
+@pytest.mark.slow
 def test_interleaved_layout_plans_for_the_torch_runtime_with_chunks_in_the_split():
     layout = calibrate_cli.Layout("pp2 v2 m4", 2, {"pp": 2}, 8, 2, "1f1b", virtual_stages=2)
     training = layout.training()

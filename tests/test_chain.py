@@ -80,6 +80,7 @@ def limit_variants(problem: StageProblem) -> list[StageProblem]:
     return variants
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "seed", slow_params(range(NUM_RANDOM_CHAINS), 2, *range(24, NUM_RANDOM_CHAINS))
 )
@@ -127,6 +128,7 @@ def synthetic_costs(rng: random.Random, num_layers: int, num_stages: int) -> Lay
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(40))
 def test_synthetic_chain_matches_brute_force(seed: int) -> None:
     rng = random.Random(1000 + seed)

@@ -119,6 +119,7 @@ def test_hooks_left_installed_are_counted():
 # -- meta.timing and the thread count ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cpu_profile_records_its_thread_count_and_restores_torchs(graphs):
     (timed, fake), (before, after) = (graphs[0]["cpu"], graphs[0]["meta"]), graphs[1]
     assert after == before

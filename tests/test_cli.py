@@ -359,6 +359,7 @@ def test_a_graph_without_flops_or_times_plans_for_memory_and_says_throughput_n_a
     assert len(baselines) == 2 and all("throughput n/a" in line for line in baselines)
 
 
+@pytest.mark.slow
 def test_runtime_sets_gradient_bytes_and_megatron_may_keep_sent_outputs(run_cli, tmp_path):
     """--runtime megatron counts fp32 gradients (2,4,12), torch bf16 ones (2,2,12), unless
     --bytes-per-param says otherwise; --no-deallocate-pipeline-outputs keeps a non-last megatron

@@ -324,6 +324,7 @@ def test_profiled_attention_kv_bytes_of_a_zoo_block(preset, kv_heads, attention)
     assert [layer.attention_kv_bytes for layer in graph.layers] == [0, expected, expected, 0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("native_gqa", [True, False])
 def test_profiled_attention_kv_bytes_of_an_hf_llama_with_gqa(monkeypatch, native_gqa):
     """HF Llama, 4 heads of 16 and 2 KV heads, bf16, s 32: 2 * 32 * 2 * 16 * 2 bytes per

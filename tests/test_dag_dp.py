@@ -222,6 +222,7 @@ def test_dp_matches_cpsat_on_a_medium_dag():
     assert problem.objective_value(exact.stage_of_layer) == exact.objective
 
 
+@pytest.mark.slow
 def test_t5_plan_matches_cpsat():
     """T5 (an encoder chain, a decoder chain whose every block reads the encoder output, an
     independent decoder embedding) through ``plan``: auto picks the DP, proves CP-SAT's

@@ -64,6 +64,7 @@ def test_fake_mode_equals_a_real_cpu_run(preset):
     assert fake.edges == real.edges
 
 
+@pytest.mark.slow
 def test_dag_models_come_out_as_dags():
     t5 = export_graph("t5-tiny")
     assert not t5.is_chain

@@ -142,6 +142,7 @@ def _min_gpus(graph, memory, training) -> int | None:
     return min_gpus(graph, memory, training, Cluster(num_gpus=1), workers=1).gpus
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("gpus", "memory", "expected"),
     slow_params([(4, 9 * GIB, 6), (3, 7 * GIB, 8)], (4, 9 * GIB, 6)),  # doublings gave 8 and 12
@@ -154,6 +155,7 @@ def test_gpt_1_3b_advice_is_the_min_gpus_answer(gpt_graph, gpus, memory, expecte
     assert "checked as by --find min-gpus" in str(error)
 
 
+@pytest.mark.slow
 def test_advice_keeps_the_throughput_constraint(gpt_graph):
     """An absolute constraint that 6 GPUs meet in memory but not in speed: the advice, like
     min_gpus, is a count that meets both."""
@@ -169,6 +171,7 @@ def test_advice_keeps_the_throughput_constraint(gpt_graph):
     assert fitted.throughput >= training.min_throughput
 
 
+@pytest.mark.slow
 def test_throughput_unmet_advice_is_the_min_gpus_answer(gpt_graph):
     """8 GPUs fit in memory but are far too slow: the count that meets the constraint."""
     memory, training = 8 * GIB, TrainingConfig(global_batch=64, min_throughput=1000)

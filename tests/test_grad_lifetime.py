@@ -304,6 +304,7 @@ def hf_gpt2():
     return export_graph("hf:gpt2", seq=128, dtype="fp32", overrides=overrides)
 
 
+@pytest.mark.slow
 def test_hf_gpt2_edges_are_what_pipeline_sends(hf_gpt2):
     """torch.distributed.pipelining.pipeline() split at every layer (split_gm, torch 2.13):
     wte's stage sends its embedding (65536 B) to wpe's, where the glue inputs_embeds +
@@ -344,6 +345,7 @@ def test_the_model_output_a_loss_fn_keeps(hf_gpt2):
     )
 
 
+@pytest.mark.slow
 def test_zoo_head_returns_the_loss():
     from profiling.calibrate import SMALL_GPT
     from profiling.export import export_graph
@@ -353,6 +355,7 @@ def test_zoo_head_returns_the_loss():
     assert graph.is_chain
 
 
+@pytest.mark.slow
 def test_t5_encoder_output_is_one_tensor():
     """The zoo's t5-tiny (a DAG): the encoder output feeds both decoder blocks as one tensor;
     with both on the last stage, that stage receives it once, as pipeline()'s split_gm does

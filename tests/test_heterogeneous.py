@@ -221,6 +221,7 @@ def test_plan_equals_brute_force_over_every_config(memory_objective):
     assert result.solver.objective == best
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("memory_objective", [UTILIZATION, ABSOLUTE])
 def test_mixed_cluster_never_worse_than_all_small(seed, memory_objective):

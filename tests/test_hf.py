@@ -207,6 +207,7 @@ def test_build_and_forward_of_a_shrunk_config_print_nothing(capfd):
 # -- as trained ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_gpt2_blocks_lose_the_kv_copies_of_the_cache():
     """With use_cache=True each GPT-2 block keeps K and V a second time: the cache's torch.cat
     copies (K and V alone are views of c_attn's output, saved anyway), saved by the attention

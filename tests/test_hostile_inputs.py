@@ -817,6 +817,7 @@ def check_one_line_error(record: dict[str, Any]) -> None:
     assert len(lines[0]) < MAX_LINE, f"{len(lines[0])} characters: {lines[0][:600]!r}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in CASES if c.strict], ids=lambda c: c.id)
 def test_a_hostile_file_is_exit_2_in_one_line(outcome, case):
     for run_id in outcome["runs"][case.id]:
@@ -826,6 +827,7 @@ def test_a_hostile_file_is_exit_2_in_one_line(outcome, case):
         assert "fits" not in record["out"], f"{run_id}: {record['out'][:2000]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in CASES if not c.strict], ids=lambda c: c.id)
 def test_a_flipped_file_is_read_or_refused_in_one_line(outcome, case):
     for run_id in outcome["runs"][case.id]:
@@ -837,10 +839,12 @@ def test_a_flipped_file_is_read_or_refused_in_one_line(outcome, case):
             check_one_line_error(record)
 
 
+@pytest.mark.slow
 def test_no_input_file_is_changed_and_nothing_is_written_beside_them(outcome):
     assert outcome["after"] == outcome["before"]
 
 
+@pytest.mark.slow
 def test_every_cli_ran_and_the_driver_stays_fast(outcome):
     runners = {run_id.partition("/")[2] for run_id in outcome["results"]}
     assert runners == {
@@ -858,6 +862,7 @@ def test_every_cli_ran_and_the_driver_stays_fast(outcome):
     assert slowest[1]["s"] < 20, slowest[0]
 
 
+@pytest.mark.slow
 def test_error_lines_escape_what_they_quote(outcome):
     """A name with ANSI escapes, newlines or a lone surrogate is quoted escaped, and a
     document's top-level list is described, never reprinted."""

@@ -68,6 +68,7 @@ def test_every_config_gets_a_valid_quick_split_equal_to_the_cost_model(seed, obj
             assert solve_brute_force(problem).objective <= solution.objective
 
 
+@pytest.mark.slow
 def test_quick_splits_respect_capacity_and_budget():
     """A split over the capacity or the iteration budget is no incumbent: with the capacity at
     the optimum (below the even split) only a split at the optimum may be returned."""

@@ -227,6 +227,7 @@ def test_applies_to_interleaved_chains_with_fixed_costs_only():
     assert chunk_size_bound(StageProblem(costs=costs(2, "selective"))) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("v", slow_params([2, 3, 4], 3, 4))
 def test_gpt3_175b_pp16_closes_in_a_fraction_of_a_second(v):
     """examples/gpt3-175b.json (96 identical blocks between embedding and head) at pp 16 tp 8

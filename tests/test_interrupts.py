@@ -240,6 +240,7 @@ print(run_stoppable(lambda: 42, stop))
 """
 
 
+@pytest.mark.slow
 def test_a_native_solve_is_stopped_and_the_interrupt_raised():
     """A long native call (here a wait) on run_stoppable's helper thread: Ctrl-C asks it to stop
     and raises in the caller within a poll. In a fresh interpreter: the suite's process has run

@@ -126,6 +126,7 @@ def exact(row: str, attention: str, t: int) -> int:
     return B * (replicated + split // t)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("row", "attention", "tp", "sp", "recompute"),
     ROWS,

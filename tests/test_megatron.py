@@ -397,6 +397,7 @@ def test_a_layout_megatron_core_rejects_is_one_line(pipeline_plan):
         run_plan("gpt-tiny", edited, overrides=GPT, engine="megatron")
 
 
+@pytest.mark.slow
 def test_sequence_parallel_degree_must_divide_the_sequence():
     overrides = {**GPT, "seq_len": 15}
     chosen = megatron_plan("gpt-tiny", overrides, tp=2, sequence_parallel="on")

@@ -266,6 +266,7 @@ def test_moe_flags_are_read_as_megatron_lm_reads_them():
         moe_settings({"--num-experts": "eight"})
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:full scope is deprecated")
 def test_the_export_becomes_megatron_cores_moe_layer():
     """The TransformerConfig megatron-core builds the MoE layers from: the all-to-all dispatcher,
@@ -346,6 +347,7 @@ def test_the_plans_ep_must_be_the_exports(expert_parallel_plan):
         run_plan("moe-tiny", edited, overrides=MOE, engine="megatron")
 
 
+@pytest.mark.slow
 def test_expert_parallel_degree_must_divide_the_experts():
     overrides = {**MOE, "num_experts": 3, "top_k": 1}
     chosen = _edited(

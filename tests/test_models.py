@@ -138,6 +138,7 @@ def test_llama2_70b_shape():
     assert spec.seq_len == 4096
 
 
+@pytest.mark.slow
 def test_every_preset_builds_on_meta():
     for name in models.presets():
         spec, model = meta_model(name)

@@ -146,6 +146,7 @@ def test_capacity_formula():
     assert expert_capacity(10, top_k=2, num_experts=4, capacity_factor=4.0) == 10
 
 
+@pytest.mark.slow
 def test_moe_runs_on_meta_and_under_fake_tensors():
     spec = models.get("moe-tiny")
     with FakeTensorMode():
@@ -311,6 +312,7 @@ def profile(name: str, **overrides):
     return graph, {layer.name: layer for layer in graph.layers}
 
 
+@pytest.mark.slow
 def test_profile_moe_tiny_expert_fields_byte_exact():
     graph, layers = profile("moe-tiny")
     block = layers["layers.0"]
@@ -366,6 +368,7 @@ def test_profile_moe_tp_split_of_the_rest_of_the_block():
     assert graph.meta["moe"]["shared_experts"] == 1
 
 
+@pytest.mark.slow
 def test_profile_expert_fields_follow_the_capacity_factor():
     """capacity_factor 1.5: C = ceil(1.5 x 16) = 24 tokens per expert."""
     _, layers = profile("moe-tiny", capacity_factor=1.5)
@@ -410,6 +413,7 @@ def test_hf_moe_configs_are_bundled():
     assert {"mixtral-8x7b", "qwen1.5-moe-a2.7b"} <= set(bundled_configs())
 
 
+@pytest.mark.slow
 def test_hf_mixtral_profiles_through_the_capacity_dispatch():
     """Mixtral's experts run the zoo's dispatch with transformers' weights and gate, weighting
     the experts' outputs after fc2 as transformers does (so they are saved, E C h); the gate
@@ -430,6 +434,7 @@ def test_hf_mixtral_profiles_through_the_capacity_dispatch():
     assert not [path for path in graph.meta["tp_roles"] if "experts" in path]
 
 
+@pytest.mark.slow
 def test_hf_qwen_moe_shared_expert_and_gate():
     """Qwen-MoE: the shared expert (2 routed experts' width here) splits like a dense MLP, its
     sigmoid gate Linear(h, 1) stays replicated; meta counts it as 2 shared experts."""

@@ -108,6 +108,7 @@ def test_nothing_fits_and_bad_bound_are_typed_errors():
         pareto_front(graph, Cluster(num_gpus=2), TRAINING, max_points=1)
 
 
+@pytest.mark.slow
 def test_plan_cli_pareto_prints_writes_json_and_plots(capsys, tmp_path, gpt_graph):
     out, picture = tmp_path / "front.json", tmp_path / "front.png"
     args = [GPT_1_3B, "--gpus", "8", "--gpu-memory", "40GiB", "--global-batch", "32", "--pareto"]

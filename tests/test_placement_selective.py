@@ -109,6 +109,7 @@ def _check(problem: StageProblem, solution) -> None:
         assert stage.peak_bytes <= problem.placement.capacity_bytes[k]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("seed", slow_params(range(8), 4, 5, 6, 7))
 def test_placed_selective_equals_brute_force(backend, seed):
@@ -151,6 +152,7 @@ def _cluster(small_bytes: int, large_bytes: int, *, tflops: float = 989) -> Clus
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("memory_objective", [UTILIZATION, ABSOLUTE])
 def test_auto_is_selective_on_a_heterogeneous_cluster(memory_objective):
     """recompute auto plans selective, respects every group's capacity and GPU count, and is
@@ -278,6 +280,7 @@ def test_a_given_placement_hint_is_kept(backend):
     assert problem.violation(solution.stage_of_layer, None, solution.group_of_stage) is None
 
 
+@pytest.mark.slow
 def test_plan_json_lists_recomputed_layers_per_group(tmp_path):
     graph = random_chain(random.Random(5), 6)
     training = TrainingConfig(global_batch=8, pp=2, max_slowdown=None, recompute="auto")

@@ -106,6 +106,7 @@ def test_schema_validates_every_kind_of_plan(plans, kind):
     assert plan.graph.sha256 == load_graph(plan.graph.path).sha256()
 
 
+@pytest.mark.slow
 def test_schema_validates_evaluations_and_pareto_fronts(tmp_path, capsys):
     evaluation, front = tmp_path / "evaluation.json", tmp_path / "pareto.json"
     argv = [GPT, "--pp", "4", "--tp", "2", "--global-batch", "32", "--split", "even"]

@@ -47,6 +47,7 @@ def legend_texts(figure) -> set[str]:
     return {text.get_text() for legend in legends if legend for text in legend.get_texts()}
 
 
+@pytest.mark.slow
 def test_plot_plan_with_even_baseline_writes_png(small_plan, tmp_path):
     out = plot_plan(
         small_plan.evaluation, tmp_path / "plan.png", baseline=small_plan.baselines["even"]
@@ -66,6 +67,7 @@ def test_plot_plan_panels_share_scale_and_show_every_component(small_plan, monke
     assert "% less than the even split" in figure._suptitle.get_text()
 
 
+@pytest.mark.slow
 def test_plot_sweep_draws_infeasible_points(monkeypatch, tmp_path):
     rows = [
         sweep_row(64, 80, "OPTIMAL", peak=70, throughput=10.0),
@@ -112,6 +114,7 @@ def test_plot_pareto_writes_png(small_plan, tmp_path):
     assert_png(plot_pareto(points, tmp_path / "front.png", capacity_bytes=40 * GIB))
 
 
+@pytest.mark.slow
 def test_plot_pareto_of_a_heterogeneous_front(small_plan, tmp_path):
     """Utilization on the x axis (from the JSON's max_utilization), or a capacity per group."""
     config = small_plan.config.to_dict()
@@ -152,6 +155,7 @@ PLAN_ARGS = ("--gpus", "8", "--global-batch", "32", "--pp", "4", "--tp", "2", "-
 EVALUATE_ARGS = ("--pp", "4", "--tp", "2", "--global-batch", "32", "--quiet")
 
 
+@pytest.mark.slow
 def test_plan_and_evaluate_cli_write_plots(run_cli, tmp_path):
     plan_png, evaluate_png = tmp_path / "plan.png", tmp_path / "evaluate.png"
     code, _, err = run_cli(plan_main, GPT_1_3B, *PLAN_ARGS, "--plot", str(plan_png))

@@ -139,6 +139,7 @@ def test_plan_without_a_reserve_record_loads_with_none(run_cli, tmp_path):
     assert load_plan(str(old)).training.usable_bytes(80 * GIB) == 80 * GIB
 
 
+@pytest.mark.slow
 def test_cli_reserve_makes_the_quick_plan_infeasible(run_cli):
     """gpt-1.3b on 8 x 10 GiB: fits with --reserve 0 (peak 5.98 GiB), and with --reserve 40%
     (6 GiB usable, 99.7% full), not with --reserve 50% (5 GiB usable): exit 3 naming it."""

@@ -79,6 +79,7 @@ def _peak(rows: list[dict]) -> dict[tuple[int, int], int | None]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", slow_params([0, 1, 2], 0, 1))
 def test_doubling_gpus_never_raises_the_optimum_without_a_throughput_constraint(seed):
     """What is guaranteed: without a throughput constraint, every config (p, t, d, b, z) of N
@@ -123,6 +124,7 @@ def _brute_force_min_gpus(graph, capacity, training, template, limit):
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("seed", "share", "min_throughput"),
     slow_params(
@@ -294,6 +296,7 @@ def test_sweep_points_reject_empty_and_non_integer_lists():
     assert sweep_points([8, 8, 4], [2, 1, 2]) == [(8, 2), (8, 1), (4, 2), (4, 1)]
 
 
+@pytest.mark.slow
 def test_cli_min_gpus_prints_and_writes_the_plan(run_cli, tmp_path):
     out = tmp_path / "plan.json"
     code, text, err = run_cli(
@@ -312,6 +315,7 @@ def test_cli_min_gpus_prints_and_writes_the_plan(run_cli, tmp_path):
     assert code == 3 and "no GPU count fits" in err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch (profiling)")
 def test_cli_max_scale_regenerates_a_preset(run_cli, tmp_path):
     code, text, err = run_cli(
@@ -323,6 +327,7 @@ def test_cli_max_scale_regenerates_a_preset(run_cli, tmp_path):
     assert "the top of the range (6) fits" in text
 
 
+@pytest.mark.slow
 def test_cli_plot_draws_the_sweep(run_cli, tmp_path):
     picture = tmp_path / "sweep.png"
     code, _, err = run_cli(

@@ -369,6 +369,7 @@ torch.UntypedStorage.resize_ = torch.UntypedStorage.resize_
     assert [line for line, _ in _private_uses(text)] == [3, 7, 9, 10]
 
 
+@pytest.mark.slow
 def test_no_private_torch_api_outside_torch_compat():
     compat_file = ROOT / "profiling" / "_torch_compat.py"
     hits = [
