@@ -282,9 +282,14 @@ def _build(document: dict[str, Any], origin: str, kind: str) -> PlanFile:
         )
     calibration = document["calibration"]
     if calibration is not None:
-        calibration = Calibration(
-            scales=calibration["scales"], constant_bytes=calibration["constant_bytes"]
-        )
+        try:
+            calibration = Calibration(
+                scales=calibration["scales"],
+                constant_bytes=calibration["constant_bytes"],
+                source=f"{origin}: calibration",
+            )
+        except InputError as error:
+            raise fail("calibration", str(error).removeprefix("calibration ")) from None
     memory_objective = document.get("memory_objective", "utilization")
     training = _training(document, memory_objective, calibration, fail)
     return PlanFile(
