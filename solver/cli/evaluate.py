@@ -149,7 +149,8 @@ def _evaluate_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         shown = "; ".join(differences[:3]) + ("; ..." if len(differences) > 3 else "")
         raise StalePlanError(
             f"{args.plan}: {len(differences)} number(s) differ from the plan's ({shown}); the "
-            "cost model changed since it was written: re-create it with python -m solver.plan"
+            "plan was edited or the cost model changed since it was written: re-create it with "
+            "python -m solver.plan"
         )
     if not args.quiet:
         print_output(
