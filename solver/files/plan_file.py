@@ -561,6 +561,14 @@ def _plan_graph(plan: PlanFile, graph: str | Path | LayerGraph | None) -> LayerG
             "working directory nor beside the plan); pass the graph: python -m solver.evaluate "
             "--plan PLAN.json GRAPH.json"
         )
+    if not path.is_dir() and not path.is_file():  # a directory: load_graph's own message
+        # a FIFO, a device or a socket the plan names: never opened (a FIFO without a writer
+        # would wait; the user did not name it on this command line)
+        raise InputError(
+            f"{plan.source}: graph.path {quote(plan.graph.path)} is not a regular file (a FIFO, "
+            "device or socket); pass the graph: python -m solver.evaluate --plan PLAN.json "
+            "GRAPH.json"
+        )
     return load_graph(path)
 
 
