@@ -25,6 +25,7 @@ from typing import Any
 from solver.console import (
     OneLineErrorParser,
     check_outputs,
+    comma_items,
     int_in,
     interrupted,
     positive_int,
@@ -289,6 +290,7 @@ def parser() -> argparse.ArgumentParser:
     )
     result.add_argument(
         "--layers",
+        type=comma_items,
         help="comma-separated module paths (default: the repeated "
         "blocks plus the parts around them)",
     )

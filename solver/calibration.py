@@ -57,11 +57,21 @@ resolve; the rest keep the analytic value (scale 1, constant 0) and are listed i
 
 FORMAT = "memplan-calibration"
 VERSION = 1
-MAX_SCALE = 1e6
-"""Largest scale of a component: any fit of real runs is far below; 1e300 would turn every
-coefficient into infinity."""
-MAX_CONSTANT_BYTES = 2**48
-"""Largest constant per GPU, either sign (256 TiB, the graph's limit per layer)."""
+SCALE_RANGE = (0.01, 100.0)
+"""Smallest and largest scale of a component. The analytic components count bytes a run
+allocates (parameters x bytes per parameter, the tensors profiling saw saved), so a scale says
+how far the real run is from those counts: on real runs the model is within a median 0.4% (max
+4.8%), and was within 33% before its runtime terms (docs/cost-model.md, "Calibrated model"). A
+component at under 1% or over 100x of its count is no longer a correction but another run (the
+wrong model, precision or runtime, or a unit error), and a scale of 0 would drop memory the GPU
+holds (every scale 0 once gave a peak of 0 B that "fits")."""
+MIN_SCALE, MAX_SCALE = SCALE_RANGE
+MAX_CONSTANT_BYTES = 2**40
+"""Largest constant per GPU, either sign: 1 TiB, 4x the largest GPU memory of today (288 GB).
+The constant stands for what the model does not see on every GPU (the CUDA context, NCCL and
+cuBLAS buffers, fragmentation: a few GiB). A negative one is further bounded by the plan it is
+applied to: it may take away only from a stage's activations, buffers and transients, never from
+its model states (``check_stage_peaks``)."""
 _RANK_TOLERANCE = 1e-9
 """Singular values below this (relative to the largest, columns normalised) count as zero."""
 
@@ -84,6 +94,8 @@ class Calibration:
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
     """Provenance: model, configurations, fit residuals, leave-one-out errors, torch version,
     date (free-form, JSON-serialisable)."""
+    source: str | None = field(default=None, compare=False, repr=False)
+    """Where it was read from, for messages (the file; not written)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.scales, Mapping):
@@ -102,11 +114,12 @@ class Calibration:
                 isinstance(value, bool)
                 or not isinstance(value, (int, float))
                 or not math.isfinite(value)
-                or not 0 <= value <= MAX_SCALE
+                or not MIN_SCALE <= value <= MAX_SCALE
             ):
                 raise InputError(
-                    f"calibration scales.{name}: {quote(value)} must be a finite number >= 0 "
-                    f"(at most {MAX_SCALE:g})"
+                    f"calibration scales.{name}: {quote(value)} must be a finite number in "
+                    f"[{MIN_SCALE:g}, {MAX_SCALE:g}] (the real run's bytes over the model's for "
+                    "that component)"
                 )
             complete[name] = float(value)
         object.__setattr__(self, "scales", complete)
@@ -118,7 +131,7 @@ class Calibration:
         ):
             raise InputError(
                 f"calibration constant_bytes: {quote(constant)} must be an integer number of "
-                "bytes, at most 2^48 either way"
+                "bytes in -2^40..2^40 (1 TiB either way, more than any GPU holds)"
             )
 
     def __hash__(self) -> int:
@@ -207,7 +220,7 @@ def load_calibration(path: str | Path) -> Calibration:
     if isinstance(constant, float) and constant.is_integer() and abs(constant) <= 2**53:
         constant = int(constant)  # 1e6 is fine; 1.5 is not
     try:
-        return Calibration(scales=scales, constant_bytes=constant, meta=meta)
+        return Calibration(scales=scales, constant_bytes=constant, meta=meta, source=str(path))
     except InputError as error:
         raise InputError(f"{path}: {error}") from None
 
@@ -234,9 +247,11 @@ def fit_calibration(
     """Least-squares calibration from (predicted breakdown, measured peak, group) samples.
 
     Minimises sum_i ((calibrated_i - measured_i) / measured_i)^2, the squared relative error
-    (every rank counts alike whatever its size), over the scales of :data:`PARAMETERS` (>= 0) and
-    the constant (any sign, rounded to whole bytes). Non-negativity: the exact optimum over every
-    subset of scales pinned at 0 (at most 2^3 small solves with ``np.linalg.lstsq``).
+    (every rank counts alike whatever its size), over the scales of :data:`PARAMETERS` (at least
+    :data:`MIN_SCALE`) and the constant (any sign, rounded to whole bytes). The lower bound: the
+    exact optimum over every subset of scales pinned at it (at most 2^3 small solves with
+    ``np.linalg.lstsq``). A fit outside :data:`SCALE_RANGE` or :data:`MAX_CONSTANT_BYTES` is an
+    InputError: the runs do not describe the model.
     Parameters the samples cannot identify keep their analytic values. ``meta`` records the fitted
     and fixed parameters and each sample's residual in percent.
     """
@@ -252,14 +267,20 @@ def fit_calibration(
     columns, names = _design(rows, fit_constant)
     measured = np.array([row.measured_bytes for row in rows], dtype=float)
     chosen = _identifiable(columns, measured)
-    values = _nonnegative_lstsq(columns[:, chosen], measured, [names[i] for i in chosen])
+    values = _bounded_lstsq(columns[:, chosen], measured, [names[i] for i in chosen])
     fitted = dict(zip([names[i] for i in chosen], values, strict=True))
     scales = {
-        component: fitted.get(name, 1.0)
+        component: float(fitted.get(name, 1.0))
         for name, components in PARAMETERS
         for component in components
     }
-    calibration = Calibration(scales=scales, constant_bytes=round(fitted.get("constant", 0.0)))
+    try:
+        calibration = Calibration(scales=scales, constant_bytes=round(fitted.get("constant", 0.0)))
+    except InputError as error:
+        raise InputError(
+            f"calibration fit: {str(error).removeprefix('calibration ')}; the measured peaks do "
+            "not follow the model's (another model, precision or runtime?)"
+        ) from None
     residuals = [
         100.0 * (calibration.apply(row.predicted) - row.measured_bytes) / row.measured_bytes
         for row in rows
@@ -354,27 +375,33 @@ def _identifiable(columns: np.ndarray, measured: np.ndarray) -> list[int]:
     return chosen
 
 
-def _nonnegative_lstsq(columns: np.ndarray, measured: np.ndarray, names: list[str]) -> np.ndarray:
-    """argmin || (X theta - y) / y ||, scales >= 0, by trying every subset pinned at zero."""
+def _bounded_lstsq(columns: np.ndarray, measured: np.ndarray, names: list[str]) -> np.ndarray:
+    """argmin || (X theta - y) / y ||, scales >= MIN_SCALE, by trying every subset of scales
+    pinned at MIN_SCALE (the active sets of the lower bounds)."""
     if not names:
         return np.zeros(0)
     weighted, norms = _weighted(columns, measured)
     target = np.ones(len(measured))  # y / y
+    floor = MIN_SCALE * norms  # the lower bound of each column's weighted coefficient
     bounded = [i for i, name in enumerate(names) if name != "constant"]
     best: tuple[float, np.ndarray] | None = None
     for size in range(len(bounded) + 1):
         for pinned in itertools.combinations(bounded, size):
             free = [i for i in range(len(names)) if i not in pinned]
             theta = np.zeros(len(names))
+            theta[list(pinned)] = floor[list(pinned)]
             if free:
-                solution, *_ = np.linalg.lstsq(weighted[:, free], target, rcond=None)
+                rest = target - weighted[:, list(pinned)] @ theta[list(pinned)]
+                solution, *_ = np.linalg.lstsq(weighted[:, free], rest, rcond=None)
                 theta[free] = solution
-            if any(theta[i] < 0 for i in bounded):
+            if any(theta[i] < floor[i] * (1 - 1e-12) for i in bounded):
                 continue
             residual = float(np.sum((weighted @ theta - target) ** 2))
             if best is None or residual < best[0] - 1e-15:
                 best = (residual, theta)
         if best is not None and size == 0:
             break  # the unconstrained optimum is feasible: it is the answer
-    assert best is not None, "pinning every scale at zero is always feasible"
-    return best[1] / norms
+    assert best is not None, "pinning every scale at its lower bound is always feasible"
+    values = best[1] / norms
+    values[bounded] = np.maximum(values[bounded], MIN_SCALE)  # rounding at the bound
+    return values

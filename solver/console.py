@@ -65,15 +65,32 @@ def print_error(error: BaseException | str) -> None:
 
 
 def int_list(text: str) -> list[int]:
+    """An argparse type: comma-separated integers; an empty item (``1,,2``, ``4,``) is an
+    error, as every comma-list option's."""
+    parts = [part.strip() for part in text.split(",")]
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    if not all(parts):
+        raise argparse.ArgumentTypeError(
+            f"empty item in {quote(text)}; write comma-separated integers like 1,2,4"
+        )
     try:
-        values = [int(part) for part in text.split(",") if part.strip()]
+        values = [int(part) for part in parts]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, got {quote(text)}"
         ) from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one integer")
     return values
+
+
+def comma_items(text: str) -> str:
+    """An argparse type: comma-separated names (module paths, ...) as given, after checking
+    that no item is empty (``a,,b``, ``a,``)."""
+    if not all(part.strip() for part in text.split(",")):
+        raise argparse.ArgumentTypeError(
+            f"empty item in {quote(text)}; write comma-separated names like a,b"
+        )
+    return text
 
 
 def int_list_in(low: int, high: int):

@@ -24,6 +24,7 @@ from solver.report.baselines import BASELINES, PARTITIONERS, counts_to_assignmen
 from solver.reserve import check_usable
 from solver.search.candidates import check_interleaving, interleaving_fits, sequence_parallel
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
+from solver.units import format_bytes
 
 
 @dataclass(kw_only=True)
@@ -88,8 +89,9 @@ class Evaluation:
 
     @property
     def fits(self) -> bool:
-        """Every stage's peak within its usable memory (capacity - reserve)."""
-        return all(
+        """Every stage's peak within its usable memory (capacity - reserve), and the largest
+        peak positive (``check_stage_peaks`` refuses any other; never "fits" on 0 B)."""
+        return self.peak_bytes > 0 and all(
             stage.peak_bytes <= usable
             for stage, usable in zip(self.stages, self.usable_bytes, strict=True)
         )
@@ -381,6 +383,7 @@ def evaluate_assignment(
         stages = stage_costs(costs, stage_of_layer, recomputed)
     else:
         stages = placed_stage_costs(group_costs, stage_of_layer, group_of_stage, recomputed)
+    check_stage_peaks(graph, costs.config, stages, training)
     return Evaluation(
         graph=graph,
         config=costs.config,
@@ -394,6 +397,61 @@ def evaluate_assignment(
         iteration_bound_ns=iteration_bound_ns(costs, stages) if costs.has_compute_time else 0,
         group_of_stage=None if group_of_stage is None else list(group_of_stage),
         recomputed=None if recomputed is None else [bool(flag) for flag in recomputed],
+    )
+
+
+def check_stage_peaks(
+    graph: LayerGraph, config: ParallelConfig, stages: list[StageCost], training: TrainingConfig
+) -> None:
+    """InputError unless every stage's peak holds at least its model states (weights, gradients
+    and optimizer state as the breakdown counts them at the peak: what the GPU must hold) and
+    the largest peak is positive; a calibration's negative constant may not take a stage to 0 B
+    or below. The analytic terms are never negative, so only a calibration (or a corrupt
+    graph) can fail this: the one guard, where every plan's, baseline's and evaluation's
+    peaks are assembled (bytes per GPU)."""
+    low = [
+        stage
+        for stage in stages
+        if stage.peak_bytes < _states(stage) or (stage.peak_bytes <= 0 and stage.constant_bytes < 0)
+    ]
+    if low:
+        raise InputError(_low_peak(graph, config, stages, low[0], training.calibration))
+    if stages and max(stage.peak_bytes for stage in stages) <= 0:
+        raise InputError(
+            f"{graph.source}: {config.label()}: every stage's peak is 0 B or less; the graph's "
+            "layers (and the calibration's scales) must give some memory"
+        )
+
+
+def _states(stage: StageCost) -> int:
+    """The model states of a stage's breakdown at its peak: weights, gradients, optimizer state."""
+    return stage.weight_bytes + stage.grad_bytes + stage.optimizer_bytes
+
+
+def _low_peak(
+    graph: LayerGraph,
+    config: ParallelConfig,
+    stages: list[StageCost],
+    stage: StageCost,
+    calibration,
+) -> str:
+    """The message of a stage peak below its model states (or at 0 B): the calibration's
+    constant and the least every stage of the config admits, or, without one, the graph."""
+    stage_text = f"stage {stage.index} of {config.label()}"
+    if calibration is None or stage.constant_bytes >= 0:
+        return (
+            f"{graph.source}: {stage_text} peaks at {format_bytes(stage.peak_bytes)}, below its "
+            f"model states ({format_bytes(_states(stage))}) or not positive; a layer's memory "
+            "fields must not be negative (re-export the graph)"
+        )
+    # c >= states - (peak - c) on every stage, and > -(peak - c) where the states are 0
+    least = max(_states(s) - (s.peak_bytes - s.constant_bytes) + (not _states(s)) for s in stages)
+    return (
+        f"{calibration.source or 'calibration'}: constant_bytes {stage.constant_bytes} takes "
+        f"{stage_text} to {format_bytes(stage.peak_bytes)}, below its "
+        f"{format_bytes(_states(stage))} of model states; here it must be >= {least} "
+        f"({format_bytes(least)}): a negative constant may only take from activations, buffers "
+        "and transients"
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from profiling.export import export_graph
 from solver import Cluster, TrainingConfig, plan
 from solver.calibration import (
     COMPONENTS,
+    MIN_SCALE,
     Calibration,
     Sample,
     fit_calibration,
@@ -109,7 +111,7 @@ def test_fit_keeps_unidentifiable_parameters_analytic():
     assert "buffers" in fit_calibration(no_buffers).meta["fixed"]
 
 
-def test_fit_never_returns_a_negative_scale():
+def test_fit_keeps_every_scale_at_least_the_minimum():
     # measured falls as activations grow: the unconstrained fit would give activations < 0
     samples = [
         Sample({"weights": 1000, "activations": 100 * k}, 2000 - 50 * k, f"g{k}") for k in range(4)
@@ -122,8 +124,28 @@ def test_fit_never_returns_a_negative_scale():
         rcond=None,
     )
     assert unconstrained[1] < 0
-    assert calibration.scales["activations"] == 0.0
-    assert calibration.scales["weights"] > 0
+    assert calibration.scales["activations"] == MIN_SCALE
+    # the weights scale is the least-squares fit with activations pinned at the bound
+    measured = np.array([2000 - 50 * k for k in range(4)], dtype=float)
+    rest = (measured - MIN_SCALE * 100 * np.arange(4)) / measured
+    (weights,), *_ = np.linalg.lstsq((1000 / measured)[:, None], rest, rcond=None)
+    assert calibration.scales["weights"] == pytest.approx(weights, rel=1e-9)
+
+
+def test_fit_outside_the_ranges_is_an_input_error():
+    """Runs a million times the model's weights, or a constant of an exabyte on every rank:
+    not a calibration of this model, an InputError that says which number and its range."""
+    scaled = [Sample({"weights": 1000 * k}, 1e9 * k, f"g{k}") for k in (1, 2, 3)]
+    with pytest.raises(InputError) as caught:
+        fit_calibration(scaled, fit_constant=False)
+    text = str(caught.value)
+    assert text.startswith("calibration fit: scales.weights: 1000000")
+    assert "must be a finite number in [0.01, 100]" in text and "do not follow the model" in text
+    constant = [
+        Sample({"weights": 1000 * k, "activations": 7 * k**2}, 1e18, f"g{k}") for k in (1, 2, 3)
+    ]
+    with pytest.raises(InputError, match=r"calibration fit: constant_bytes: .* in -2\^40\.\.2\^40"):
+        fit_calibration(constant)
 
 
 def test_fit_rejects_empty_and_non_positive_samples():
@@ -258,7 +280,7 @@ def test_cli_reports_the_calibration(write_json, tmp_path, capsys, main, args):
         (
             '{"format": "memplan-calibration", "version": 1, "scales": {"weights": -1}, '
             '"constant_bytes": 0}',
-            "scales.weights: -1 must be a finite number >= 0",
+            "scales.weights: -1 must be a finite number in [0.01, 100]",
         ),
     ],
     ids=["missing", "not-json", "negative-scale"],
@@ -274,6 +296,51 @@ def test_cli_rejects_a_bad_calibration_file_in_one_line(
     assert message in captured.err and str(path) in captured.err
     assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
     assert captured.out == ""
+
+
+def test_a_negative_constant_may_take_only_what_is_not_model_state(write_json, tmp_path, run_cli):
+    """A constant of -2^40 (within the file's range) would make the peak negative: exit 2 naming
+    the file, the field and the least constant this stage admits; that constant is accepted and
+    leaves the stage exactly its model states, one byte less is refused; plan says the same and
+    never "fits"."""
+    path = write_json("calibration.json", {**valid_document(), "constant_bytes": -(2**40)})
+    code, out, err = run_cli(evaluate_main, *EVALUATE_ARGS, "--calibration", path)
+    assert code == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"error: {path}: constant_bytes -1099511627776 takes stage ")
+    assert "below its" in err and "of model states; here it must be >= " in err
+    least = int(re.search(r"must be >= (-\d+) ", err)[1])
+    assert -(2**40) < least < 0
+    out_json = tmp_path / "result.json"
+    exact = write_json("exact.json", {**valid_document(), "constant_bytes": least})
+    code, out, err = run_cli(
+        evaluate_main, *EVALUATE_ARGS, "--calibration", exact, "--json", str(out_json)
+    )
+    assert code == 0 and err == "" and "fits" in out
+    stages = json.loads(out_json.read_text())["stages"]
+    states = [sum(s["breakdown"][key] for key in ("weights", "grads", "optimizer")) for s in stages]
+    assert all(stage["breakdown"]["constant"] == least for stage in stages)
+    assert any(s["peak_bytes"] == held for s, held in zip(stages, states, strict=True))
+    assert all(s["peak_bytes"] >= held for s, held in zip(stages, states, strict=True))
+    below = write_json("below.json", {**valid_document(), "constant_bytes": least - 1})
+    code, out, err = run_cli(evaluate_main, *EVALUATE_ARGS, "--calibration", below)
+    assert code == 2 and f"here it must be >= {least} " in err
+    code, out, err = run_cli(plan_main, *PLAN_ARGS, "--calibration", path)
+    assert code == 2 and "fits" not in out and err.count("\n") == 1
+    assert f"error: {path}: constant_bytes -1099511627776 takes stage " in err
+
+
+def test_the_api_refuses_a_calibration_that_empties_a_stage():
+    """The same guard for Python callers (no file: the message says "calibration")."""
+    from solver import ParallelConfig, evaluate, load_graph
+
+    graph = load_graph(GPT_1_3B)
+    config = ParallelConfig(pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=4)
+    training = TrainingConfig(global_batch=4, calibration=Calibration(constant_bytes=-(2**40)))
+    with pytest.raises(InputError, match=r"^calibration: constant_bytes -1099511627776 takes"):
+        evaluate(graph, config, "even", training=training)
+    for scales in ({"weights": 0.0}, {"activations": -1.0}, {"grads": 101.0}):
+        with pytest.raises(InputError, match=r"must be a finite number in \[0.01, 100\]"):
+            Calibration(scales=scales)
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ from typing import Any
 import pytest
 
 from solver import Cluster, InputError, TrainingConfig
-from solver.calibration import Calibration
+from solver.calibration import COMPONENTS, Calibration
 from tests.conftest import GPT_1_3B, MIXED_CLUSTER, ROOT, T5_DAG
 
 MAX_LINE = 400
@@ -64,9 +64,12 @@ class Case:
     mutate: Mutation
     clis: tuple[str, ...]
     strict: bool = True
-    """Exit code 2 required (False: a random flip, which may leave the file valid)."""
+    """Exit code ``code`` required (False: a random flip, which may leave the file valid)."""
     extra: tuple[str, ...] = ()
     """Extra flags for every command line of the case."""
+    code: int = 2
+    """The exit code a strict case gives: 2 (bad input), or 6 for a plan whose numbers are
+    consistent in the file but differ from a new evaluation (``solver.evaluate --plan``)."""
 
 
 # -- mutations ---------------------------------------------------------------------------------
@@ -216,6 +219,24 @@ def graph_cases() -> list[Case]:
             )
         )
         cases.append(Case(f"graph-fwd_ms-{name}", "graph", both, GRAPH_CLIS))
+    # the runtime terms a profile measured (meta.timing): ranges, and the iteration they make
+    for field, values in {
+        "optimizer_step_ns_per_param": {"1e300": 1e300, "1e7": 1e7, "zero": 0, "minus1": -1},
+        "microbatch_overhead_ns": {"1e300": 1e300, "1e13": 1e13, "minus1": -1},
+        "step_overhead_ns": {"1e300": 1e300, "1e13": 1e13},
+    }.items():
+        for name, value in values.items():
+            timing = setter(("meta", "timing"), {"threads": 1, field: value})
+            cases.append(Case(f"graph-timing-{field}-{name}", "graph", timing, GRAPH_CLIS))
+    cases.append(
+        Case(
+            "graph-timing-overhead-at-limit-huge-batch",
+            "graph",
+            setter(("meta", "timing"), {"threads": 1, "microbatch_overhead_ns": 1e12}),
+            ("evaluate",),
+            extra=("--global-batch", str(2**24)),
+        )
+    )
     # the empirical statistics (mCAP/CAPSlog) of one layer
     stats = ("layers", LAYER, "mem_isolated")
     cases.append(Case("graph-mem_isolated-2^64", "graph", setter(stats, 2**64), ("evaluate",)))
@@ -429,7 +450,53 @@ def plan_cases() -> list[Case]:
         Case("plan-graph-path-nul", "plan", as_json(_graph_path("graph\x00.json")), PLAN_CLIS),
         Case("plan-graph-path-long", "plan", as_json(_graph_path("g" * 5000)), PLAN_CLIS),
         Case("plan-graph-sha-other", "plan", setter(("graph", "sha256"), "0" * 64), PLAN_CLIS),
+        Case("plan-graph-path-fifo", "plan", as_json(_graph_path("../graph.fifo")), PLAN_CLIS),
+        Case("plan-version-2.0", "plan", setter(("version",), 2.0), PLAN_CLIS + ("validate",)),
+        Case("plan-version-true", "plan", setter(("version",), True), PLAN_CLIS),
+        Case("plan-version-1-with-graph", "plan", setter(("version",), 1), PLAN_CLIS),
+        Case("plan-fits-flipped", "plan", setter(("fits",), False), PLAN_CLIS + ("validate",)),
+        Case(
+            "plan-usable-below-peak",
+            "plan",
+            setter(("stages", 1, "usable_bytes"), 1),
+            PLAN_CLIS,
+        ),
+        Case(
+            "plan-fits-and-usable-edited",
+            "plan",
+            as_json(_does_not_fit),
+            PLAN_CLIS,
+            code=6,
+        ),
+        Case("plan-throughput-edited", "plan", setter(("throughput",), 1e9), PLAN_CLIS, code=6),
+        Case(
+            "plan-moment-edited",
+            "plan",
+            setter(("stages", 0, "peak_moment"), "optimizer step"),
+            PLAN_CLIS,
+            code=6,
+        ),
     ]
+    for name, constant in {"minus-2^40": -(2**40), "minus-2^48": -(2**48)}.items():
+        cases.append(
+            Case(
+                f"plan-calibration-constant-{name}",
+                "plan",
+                setter(
+                    ("calibration",),
+                    {"scales": dict.fromkeys(COMPONENTS, 1.0)} | {"constant_bytes": constant},
+                ),
+                PLAN_CLIS,
+            )
+        )
+    cases.append(
+        Case(
+            "plan-calibration-scales-zero",
+            "plan",
+            setter(("calibration",), {"scales": dict.fromkeys(COMPONENTS, 0), "constant_bytes": 0}),
+            PLAN_CLIS,
+        )
+    )
     return cases
 
 
@@ -512,6 +579,9 @@ def calibration_cases() -> list[Case]:
     for name, value in {
         "1e300": 1e300,
         "1e7": 1e7,
+        "101": 101,
+        "zero": 0,
+        "0.001": 0.001,
         "minus1": -1,
         "string": "x",
         "null": None,
@@ -527,6 +597,11 @@ def calibration_cases() -> list[Case]:
     for name, value in {
         "2^64": 2**64,
         "2^60": 2**60,
+        "2^41": 2**41,
+        "minus-2^41": -(2**41),
+        "minus-2^48": -(2**48),
+        "minus-2^40": -(2**40),  # in the file's range: what the plan's stages admit refuses it
+        "minus-2^35": -(2**35),  # more than a gpt-1.3b stage's activations and buffers
         "1.5": 1.5,
         "1e300": 1e300,
         "string": "100",
@@ -539,6 +614,13 @@ def calibration_cases() -> list[Case]:
                 clis,
             )
         )
+    every_scale = ("scales",)
+    for name, value in {"zero": 0, "minus1": -1, "NaN": math.nan}.items():
+        if name == "NaN":
+            mutate = literal(every_scale, "{" + ", ".join(f'"{c}": NaN' for c in COMPONENTS) + "}")
+        else:
+            mutate = setter(every_scale, dict.fromkeys(COMPONENTS, value))
+        cases.append(Case(f"calibration-every-scale-{name}", "calibration", mutate, clis))
     cases += [
         Case(
             "calibration-unknown-component",
@@ -617,6 +699,12 @@ def _self_loop(document: dict) -> None:
 
 def _stage_layer_ansi(document: dict) -> None:
     document["stages"][0]["layers"][0] = "\x1b[2J\x1b[31mfits"
+
+
+def _does_not_fit(document: dict) -> None:
+    """fits false and stage 1's usable bytes 1: consistent in the file, not with the model."""
+    document["fits"] = False
+    document["stages"][1]["usable_bytes"] = 1
 
 
 def _graph_path(name: str) -> Callable[[dict], None]:
@@ -759,6 +847,7 @@ def outcome(tmp_path_factory) -> dict[str, Any]:
     assert code == 0
     # files a mutated plan's graph.path may point at
     (inputs / "graph.json.gz").write_bytes(gzip.compress(Path(GPT_1_3B).read_bytes(), mtime=0))
+    os.mkfifo(work / "graph.fifo")  # no writer: reading it would wait forever
     document = Calibration(scales={"weights": 1.2}, constant_bytes=100).to_dict()
     bases = {
         "graph": Path(GPT_1_3B).read_bytes(),
@@ -823,8 +912,9 @@ def test_a_hostile_file_is_exit_2_in_one_line(outcome, case):
     for run_id in outcome["runs"][case.id]:
         record = outcome["results"][run_id]
         check_one_line_error(record)
-        assert record["code"] == 2, f"{run_id}: exit {record['code']}: {record['err']!r}"
-        assert "fits" not in record["out"], f"{run_id}: {record['out'][:2000]}"
+        assert record["code"] == case.code, f"{run_id}: exit {record['code']}: {record['err']!r}"
+        if case.code == 2:
+            assert "fits" not in record["out"], f"{run_id}: {record['out'][:2000]}"
 
 
 @pytest.mark.slow
@@ -946,3 +1036,121 @@ def test_python_m_with_ascii_streams(tmp_path):
 def test_the_api_refuses_what_the_flags_refuse(build, message):
     with pytest.raises(InputError, match=re.escape(message)):
         build()
+
+
+# -- the smaller ones: FIFOs, empty list items -------------------------------------------------
+
+
+class _deadline:
+    """SIGALRM after ``seconds`` raises TimeoutError in the test (a read that waits fails the
+    test instead of hanging it)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __enter__(self):
+        import signal
+
+        def expired(signum, frame):
+            raise TimeoutError(f"still waiting after {self.seconds} s")
+
+        self.saved = signal.signal(signal.SIGALRM, expired)
+        signal.setitimer(signal.ITIMER_REAL, self.seconds)
+
+    def __exit__(self, *exc):
+        import signal
+
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, self.saved)
+
+
+def test_a_fifo_without_a_writer_is_refused_at_once(tmp_path, run_cli):
+    """A FIFO given as the graph, or recorded as a plan's graph.path, with no writer: one line
+    and exit 2 at once (it waited forever before); the recorded one is never opened."""
+    from solver.cli.evaluate import evaluate_main
+    from solver.cli.plan import plan_main
+
+    fifo = tmp_path / "graph.fifo"
+    os.mkfifo(fifo)
+    with _deadline(20):
+        code, out, err = run_cli(evaluate_main, str(fifo), *EVALUATE_FLAGS)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"error: {fifo}: a FIFO (named pipe) with no writer, nothing to read")
+    plan_path = tmp_path / "plan.json"
+    assert run_cli(plan_main, GPT_1_3B, *PLAN_FLAGS, "--json", str(plan_path), "--quiet")[0] == 0
+    document = json.loads(plan_path.read_text())
+    document["graph"]["path"] = str(fifo)
+    plan_path.write_text(json.dumps(document))
+    with _deadline(20):
+        code, out, err = run_cli(evaluate_main, "--plan", str(plan_path))
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert f"graph.path '{fifo}' is not a regular file (a FIFO, device or socket)" in err
+
+
+def _unread(descriptor: int) -> int:
+    """Bytes in a pipe not read yet (FIONREAD)."""
+    import fcntl
+    import struct
+    import termios
+
+    return struct.unpack("i", fcntl.ioctl(descriptor, termios.FIONREAD, b"\0" * 4))[0]
+
+
+def test_a_fifo_with_a_writer_is_read(tmp_path, run_cli):
+    """Process substitution (<(cat graph.json)) and a FIFO being written still work."""
+    import threading
+    import time
+
+    from solver.cli.evaluate import evaluate_main
+
+    fifo = tmp_path / "graph.fifo"
+    os.mkfifo(fifo)
+    data = Path(GPT_1_3B).read_bytes()
+    descriptor = os.open(fifo, os.O_RDWR)  # a writer from now on (Linux: never waits)
+
+    def write() -> None:
+        view = memoryview(data)
+        while view:  # waits while the pipe is full, until the reader takes it
+            view = view[os.write(descriptor, view) :]
+        while _unread(descriptor):  # closing before the reader took it all would drop it
+            time.sleep(0.01)
+        os.close(descriptor)  # the reader's end of file
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    with _deadline(20):
+        code, out, err = run_cli(evaluate_main, str(fifo), *EVALUATE_FLAGS)
+    writer.join(5)
+    assert code == 0 and err == "" and "peak:" in out
+
+
+@pytest.mark.parametrize(
+    ("cli", "flags"),
+    [
+        ("plan", ["--virtual-stages", "1,,2"]),
+        ("plan", ["--virtual-stages", "2,"]),
+        ("plan", ["--micro-batch", ",1"]),
+        ("plan", ["--cp", "1,,2"]),
+        ("plan", ["--ep", "1,,2"]),
+        ("plan", ["--bytes-per-param", "2,,4,12"]),
+        ("sweep", ["--gpu-memory", "40GiB,,80GiB"]),
+        ("evaluate", ["--split", "1,,2"]),
+        ("evaluate", ["--virtual-stages", "1,"]),
+    ],
+)
+def test_an_empty_item_of_a_list_option_is_refused(run_cli, cli, flags):
+    """Every comma-list option: an empty item is an error naming the flag, never skipped."""
+    from solver.cli.evaluate import evaluate_main
+    from solver.cli.plan import plan_main
+    from solver.cli.sweep import sweep_main
+
+    main, base = {
+        "plan": (plan_main, [GPT_1_3B, *PLAN_FLAGS]),
+        "sweep": (sweep_main, [GPT_1_3B, *SWEEP_FLAGS]),
+        "evaluate": (evaluate_main, [GPT_1_3B, "--pp", "2", "--global-batch", "8"]),
+    }[cli]
+    if cli == "evaluate" and flags[0] != "--split":
+        base = [*base, "--split", "even"]
+    code, out, err = run_cli(main, *base, *flags)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "empty item" in err and flags[0] in err

@@ -166,6 +166,7 @@ def test_plan_cut_by_the_time_limit_is_a_feasible_plan_with_honest_notes(monkeyp
     answer = report.searches[-1]
     assert answer.time_limit_reached and not answer.proven and answer.configs_open
     assert any("quick" in note for note in report.notes)
+    assert any(note.startswith("the result depends on the time given") for note in report.notes)
     assert report.bound <= result.peak_bytes == report.objective
     document = plan_to_dict(result)["solver"]
     assert document["time_limit_reached"] and len(document["searches"]) == 2
@@ -232,7 +233,9 @@ def test_unproven_fastest_plan_search_is_named_with_a_zero_gap():
         smallest, proven=False, configs_total=len(entries), started=0, call=call
     )
     assert report.status == FEASIBLE and report.gap == 0.0 and not report.time_limit_reached
-    (note,) = report.notes
+    note, depends = report.notes
+    assert depends.startswith("the result depends on the time given: a search stopped at its")
+    assert "may return different plans" in depends and "(--time-limit 120 or more)" in depends
     assert note.startswith("the fastest plan search behind the --max-slowdown budget (1.25 x")
     assert "left 2 configs open (each stopped at its share of the time limit (60 s)" in note
     assert "which was not reached" in note and "budget itself is not proven" in note

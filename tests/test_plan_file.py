@@ -338,6 +338,44 @@ def test_evaluate_plan_reports_numbers_that_changed(plans, tmp_path, capsys):
     assert "stages[0].peak_bytes: plan" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("edit", "code", "message"),
+    [
+        (lambda d: d.update(fits=False), 2, "fits: false, but every stage's peak_bytes is within"),
+        (
+            lambda d: d["stages"][1].update(usable_bytes=1),
+            2,
+            "fits: true, but stages[1].peak_bytes ",
+        ),
+        (
+            lambda d: (d.update(fits=False), d["stages"][1].update(usable_bytes=1)),
+            6,
+            "2 number(s) differ from the plan's (fits: plan false, now true; stages[1].usable",
+        ),
+        (lambda d: d.update(throughput=1e9), 6, "(throughput: plan 1000000000.0, now "),
+        (lambda d: d["stages"][0].update(peak_moment="optimizer step"), 6, "peak_moment: plan"),
+        (lambda d: d.update(version=2.0), 2, "version: 2.0 is not a version this reader knows"),
+        (lambda d: d.update(version=True), 2, "version: true is not a version this reader knows"),
+        (lambda d: d.update(version=1), 2, "version: 1, but the document holds the graph and"),
+    ],
+    ids=["fits", "usable", "fits-and-usable", "throughput", "moment", "v2.0", "vtrue", "v1"],
+)
+def test_an_edited_derived_field_or_version_is_not_accepted(
+    plans, tmp_path, capsys, edit, code, message
+):
+    """A plan is the user's file, the recomputation the truth: fits (or another number derived
+    from the stages) that disagrees with the file's own stages is a bad file (exit 2); one that
+    agrees with them but not with the recomputation is a stale plan (exit 6); a version must be
+    an integer this reader knows, and version 1 never wrote the graph record."""
+    document = json.loads(plans["1f1b"].read_text())
+    edit(document)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(document))
+    result, out, err = _run(evaluate_main, ["--plan", str(path), "--quiet"], capsys)
+    assert result == code and message in err, err
+    assert err.count("\n") == 1 and err.startswith(f"error: {path}: ") and out == ""
+
+
 def test_evaluate_without_plan_still_requires_the_split_flags(capsys):
     code, _, err = _run(evaluate_main, [GPT, "--global-batch", "8"], capsys)
     assert code == 2 and "required: --pp, --split" in err and err.count("\n") == 1

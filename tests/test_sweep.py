@@ -276,6 +276,20 @@ def test_cli_bad_input_is_one_line_with_exit_2(run_cli, args, message):
     assert text == "" and Path(GPT_1_3B).read_bytes() == before
 
 
+def test_cli_every_point_an_error_prints_no_table_and_writes_nothing(run_cli, tmp_path):
+    """Bad input at every point: exit 2 and the one error line; no table on stdout, no CSV (an
+    existing one stays as it was), no plot, nothing left beside them."""
+    out, plot = tmp_path / "s.csv", tmp_path / "s.png"
+    out.write_text("kept\n")
+    code, text, err = run_cli(
+        sweep_main, GPT_1_3B, "--gpus", "3,5", "--pp", "2", "--global-batch", "64",
+        "--out", str(out), "--plot", str(plot), "--workers", "1",
+    )  # fmt: skip
+    assert code == 2 and text == "" and err.count("\n") == 1
+    assert err.startswith("error: no point can be solved; first: pinned pp(2) = 2 does not divide")
+    assert out.read_text() == "kept\n" and sorted(p.name for p in tmp_path.iterdir()) == ["s.csv"]
+
+
 def test_cli_some_error_points_still_exit_0(run_cli, tmp_path):
     out = tmp_path / "s.csv"
     code, _, err = run_cli(

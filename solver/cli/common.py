@@ -103,9 +103,13 @@ def memory_size(text: str) -> int:
 def size_list(text: str) -> list[int]:
     """'40GiB,80GiB' -> sizes in bytes; empty items and bad sizes are errors."""
     parts = [part.strip() for part in text.split(",")]
-    if not text.strip() or any(not part for part in parts):
+    if not text.strip():
         raise argparse.ArgumentTypeError(
             f"expected comma-separated sizes like 40GiB,80GiB, got {quote(text)}"
+        )
+    if any(not part for part in parts):
+        raise argparse.ArgumentTypeError(
+            f"empty item in {quote(text)}; write comma-separated sizes like 40GiB,80GiB"
         )
     return [memory_size(part) for part in parts]
 

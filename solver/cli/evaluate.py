@@ -149,7 +149,8 @@ def _evaluate_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         shown = "; ".join(differences[:3]) + ("; ..." if len(differences) > 3 else "")
         raise StalePlanError(
             f"{args.plan}: {len(differences)} number(s) differ from the plan's ({shown}); the "
-            "cost model changed since it was written: re-create it with python -m solver.plan"
+            "plan was edited or the cost model changed since it was written: re-create it with "
+            "python -m solver.plan"
         )
     if not args.quiet:
         print_output(
@@ -266,6 +267,10 @@ def _split_from_args(args: argparse.Namespace) -> str | list[int]:
     """--split: "even", "parameters", or a list of integers (counts or stage indices)."""
     if args.split in ("even", "parameters"):
         return args.split
+    if not all(part.strip() for part in args.split.split(",")):
+        raise InputError(
+            f"--split {args.split!r}: empty item; write comma-separated integers like 5,7,7,5"
+        )
     try:
         return [int(part) for part in args.split.split(",")]
     except ValueError:
@@ -311,6 +316,11 @@ def _stage_groups(args: argparse.Namespace, cluster: Cluster) -> list[int] | Non
             f"with --stage-groups (names: {', '.join(names)})"
         )
     given = [part.strip() for part in args.stage_groups.split(",")]
+    if not all(given):
+        raise InputError(
+            f"--stage-groups {args.stage_groups!r}: empty item; name one group per stage, "
+            f"comma-separated (names: {', '.join(names)})"
+        )
     unknown = [name for name in given if name not in names]
     if unknown:
         raise InputError(f"--stage-groups: unknown group {unknown[0]!r}; names: {', '.join(names)}")

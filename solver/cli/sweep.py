@@ -145,6 +145,11 @@ def sweep_main(argv: list[str] | None = None) -> int:
             executor=args.executor,
             ray_address=args.ray_address,
         )
+        if all(row["status"] == "ERROR" for row in rows):
+            # bad input at every point: the one error line, no table, CSV or plot of failures
+            if writer is not None:
+                writer.discard()
+            raise InputError(f"no point can be solved; first: {rows[0]['detail']}")
         if writer is not None:
             writer.finish(rows)
         if args.plot:
@@ -153,8 +158,6 @@ def sweep_main(argv: list[str] | None = None) -> int:
             plot_sweep(rows, args.plot, title=_title(graph.model, training))
         if not args.quiet:
             console.print_output(format_rows(rows))
-        if all(row["status"] == "ERROR" for row in rows):
-            raise InputError(f"no point can be solved; first: {rows[0]['detail']}")
     except PlannerError as error:
         console.print_error(error)
         return error.exit_code

@@ -7,7 +7,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from solver.costs.experts import routing_factor
-from solver.costs.graph_inputs import graph_totals
+from solver.costs.graph_inputs import graph_totals, profiled_times
 from solver.costs.units import NS_PER_MS
 from solver.errors import InputError
 from solver.graph import LayerGraph
@@ -93,6 +93,17 @@ def check_exact_range(
     )
     sync_ns = 3 * g * totals["params"] / slowest_link + layers
     iteration = (m + p) * stage_ns + sync_ns
+    # the runtime terms a profile measured (meta.timing) and the optimizer step of every
+    # parameter, checked after the layers' (whose message stays as it was for them alone)
+    profiled = profiled_times(graph)
+    step_per_param = profiled.optimizer_step_ns_per_param or (
+        (2 * o + g + w) / cluster.memory_gb_per_s
+    )
+    runtime_ns = (
+        (m + p) * v * profiled.microbatch_overhead_ns
+        + profiled.step_overhead_ns
+        + step_per_param * totals["params"]
+    )
     where = f"{graph.source}: {config.label()}"
     if max(largest_product, memory) > MAX_EXACT_BYTES:
         raise InputError(
@@ -101,10 +112,11 @@ def check_exact_range(
             "bytes per sample), the batch and the bytes per parameter are implausible together "
             '(docs/layer-graph.md, "Limits")'
         )
-    if not iteration <= MAX_ITERATION_NS:
-        raise InputError(
-            f"{where}: an iteration could take {iteration:.3g} ns ({iteration / 864e11:.3g} "
-            "days), beyond the 2^52 ns (52 days) the cost model computes; check the graph's "
-            "FLOPs and times and the cluster's TFLOP/s and bandwidths (docs/layer-graph.md, "
-            '"Limits")'
-        )
+    for total in (iteration, iteration + runtime_ns):
+        if not total <= MAX_ITERATION_NS:
+            raise InputError(
+                f"{where}: an iteration could take {total:.3g} ns ({total / 864e11:.3g} "
+                "days), beyond the 2^52 ns (52 days) the cost model computes; check the graph's "
+                "FLOPs and times and the cluster's TFLOP/s and bandwidths (docs/layer-graph.md, "
+                '"Limits")'
+            )

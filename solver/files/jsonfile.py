@@ -28,7 +28,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import jsonschema
 
@@ -109,11 +109,16 @@ def _read_bytes(path: str | Path, kind: str, fix: str) -> bytes:
     """At most MAX_FILE_BYTES of ``path``; the first _HEAD_BYTES are checked before the rest is
     read, so a large binary file fails at once."""
     try:
-        with open(path, "rb") as stream:
+        with _open(path) as stream:
             info = os.fstat(stream.fileno())
             if stat.S_ISREG(info.st_mode) and info.st_size > MAX_FILE_BYTES:
                 raise InputError(_too_large(path, info.st_size))
             head = stream.read(_HEAD_BYTES)
+            if not head and stat.S_ISFIFO(info.st_mode):
+                raise InputError(
+                    f"{path}: a FIFO (named pipe) with no writer, nothing to read; start what "
+                    f"writes it first, or pass a regular {kind} file"
+                )
             _check_head(head, path, kind)
             data = head + stream.read(MAX_FILE_BYTES + 1 - len(head))
     except FileNotFoundError:
@@ -131,6 +136,25 @@ def _read_bytes(path: str | Path, kind: str, fix: str) -> bytes:
     if not data.strip():
         raise InputError(f"{path}: the file is empty; {fix}")
     return data
+
+
+def _open(path: str | Path) -> BinaryIO:
+    """``path`` opened for reading without waiting for a writer: a FIFO opens at once (open()
+    would block until something opens it for writing), then reads as usual (blocking), so a
+    FIFO whose writer is there (``<(cat graph.json)``) is read, and one with none reads as empty
+    at once instead of hanging."""
+    nonblocking = getattr(os, "O_NONBLOCK", 0)
+    descriptor = os.open(path, os.O_RDONLY | nonblocking | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if nonblocking:
+            import fcntl  # POSIX, as O_NONBLOCK
+
+            flags = fcntl.fcntl(descriptor, fcntl.F_GETFL)
+            fcntl.fcntl(descriptor, fcntl.F_SETFL, flags & ~nonblocking)
+        return os.fdopen(descriptor, "rb")
+    except BaseException:
+        os.close(descriptor)
+        raise
 
 
 def _too_large(path: str | Path, size: int | None) -> str:

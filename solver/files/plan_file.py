@@ -17,9 +17,10 @@ cluster and training options and evaluates them with ``solver.evaluation.evaluat
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any
 import jsonschema
 
 from solver.calibration import Calibration
+from solver.costs import PPM
 from solver.errors import InputError, quote
 from solver.evaluation import Evaluation, evaluate
 from solver.files.jsonfile import read_json, schema_message
@@ -128,6 +130,12 @@ class PlanFile:
     iteration_ms: float
     exports: dict[str, Any] | None
     """Settings per runtime (torch_pipelining, megatron, deepspeed); None for an evaluation."""
+    fits: bool = True
+    """What the document says: every stage's peak within its usable memory."""
+    derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The numbers the document derives from its stages, config and cluster (fits, throughput,
+    each stage's usable bytes, moment, ...; :data:`DERIVED_FIELDS`), by path, as recorded:
+    :func:`plan_differences` compares them with a new evaluation."""
 
     @property
     def global_batch(self) -> int:
@@ -219,12 +227,26 @@ def _format_of(document: Any, origin: str) -> str:
             "before version 2 have no format: write them again)"
         )
     version = document.get("version")
-    if version not in READABLE_VERSIONS:
+    if type(version) is not int or version not in READABLE_VERSIONS:  # 2.0 and true too
         raise InputError(
-            f"{origin}: version: {quote(version)} is not a version this reader knows "
+            f"{origin}: version: {_shown(version)} is not a version this reader knows "
             f"({', '.join(map(str, READABLE_VERSIONS))}); {_FIX[kind]}, or update memplan"
         )
+    newer = [key for key in ("graph", "training") if key in document]
+    if version == 1 and newer:
+        raise InputError(
+            f"{origin}: version: 1, but the document holds the {' and '.join(newer)} "
+            f"record{'s' * (len(newer) > 1)} only version {PLAN_VERSION} writes (was the version "
+            f"edited?); set it to {PLAN_VERSION} or {_FIX[kind]}"
+        )
     return kind
+
+
+def _shown(value: Any) -> str:
+    """A JSON scalar as JSON (true, 2.0, null), anything else quoted (``errors.quote``)."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return json.dumps(value)
+    return quote(value)
 
 
 _TYPE_WORDS = {"integer": "an integer", "array": "an array", "object": "an object"}
@@ -282,9 +304,14 @@ def _build(document: dict[str, Any], origin: str, kind: str) -> PlanFile:
         )
     calibration = document["calibration"]
     if calibration is not None:
-        calibration = Calibration(
-            scales=calibration["scales"], constant_bytes=calibration["constant_bytes"]
-        )
+        try:
+            calibration = Calibration(
+                scales=calibration["scales"],
+                constant_bytes=calibration["constant_bytes"],
+                source=f"{origin}: calibration",
+            )
+        except InputError as error:
+            raise fail("calibration", str(error).removeprefix("calibration ")) from None
     memory_objective = document.get("memory_objective", "utilization")
     training = _training(document, memory_objective, calibration, fail)
     return PlanFile(
@@ -305,6 +332,8 @@ def _build(document: dict[str, Any], origin: str, kind: str) -> PlanFile:
         peak_bytes=document["peak_bytes"],
         iteration_ms=document["iteration_ms"],
         exports=document.get("exports"),
+        fits=document["fits"],
+        derived=_recorded(document),
     )
 
 
@@ -439,6 +468,27 @@ def _check_stages(
     largest = max(stage.peak_bytes for stage in stages)
     if document["peak_bytes"] != largest:
         raise fail("peak_bytes", f"{document['peak_bytes']} != the largest stage peak {largest}")
+    _check_fits(document, fail)
+
+
+def _check_fits(document: dict[str, Any], fail) -> None:
+    """``fits`` says what the document's own stages say: the largest peak positive and every
+    stage's peak at most its ``usable_bytes`` (when the stages record them)."""
+    records = document["stages"]
+    if not all("usable_bytes" in item for item in records):
+        return  # an older document: evaluate --plan compares fits with the new evaluation
+    over = [item for item in records if item["peak_bytes"] > item["usable_bytes"]]
+    fits = document["peak_bytes"] > 0 and not over
+    if document["fits"] != fits:
+        why = (
+            f"stages[{over[0]['index']}].peak_bytes {over[0]['peak_bytes']} > its usable_bytes "
+            f"{over[0]['usable_bytes']}"
+            if over
+            else f"peak_bytes is {document['peak_bytes']}"
+            if document["peak_bytes"] <= 0
+            else "every stage's peak_bytes is within its usable_bytes"
+        )
+        raise fail("fits", f"{json.dumps(document['fits'])}, but {why} (was it edited?)")
 
 
 # -- evaluating a plan again -------------------------------------------------------------------
@@ -511,6 +561,14 @@ def _plan_graph(plan: PlanFile, graph: str | Path | LayerGraph | None) -> LayerG
             "working directory nor beside the plan); pass the graph: python -m solver.evaluate "
             "--plan PLAN.json GRAPH.json"
         )
+    if not path.is_dir() and not path.is_file():  # a directory: load_graph's own message
+        # a FIFO, a device or a socket the plan names: never opened (a FIFO without a writer
+        # would wait; the user did not name it on this command line)
+        raise InputError(
+            f"{plan.source}: graph.path {quote(plan.graph.path)} is not a regular file (a FIFO, "
+            "device or socket); pass the graph: python -m solver.evaluate --plan PLAN.json "
+            "GRAPH.json"
+        )
     return load_graph(path)
 
 
@@ -541,4 +599,63 @@ def plan_differences(plan: PlanFile, evaluation: Evaluation) -> list[str]:
         problems.append(
             f"iteration_ms: plan {plan.iteration_ms}, now {evaluation.iteration_ns / 1e6}"
         )
+    now = _derived(evaluation)
+    problems += [
+        f"{path}: plan {json.dumps(old)}, now {json.dumps(now[path])}"
+        for path, old in plan.derived.items()
+        if path in now and old != now[path]
+    ]
     return problems
+
+
+DERIVED_FIELDS = ("fits", "throughput", "iteration_bound_ms", "max_utilization")
+"""Top-level numbers a document derives (:func:`plan_differences` compares them)."""
+DERIVED_STAGE_FIELDS = (
+    "usable_bytes",
+    "in_flight_microbatches",
+    "peak_moment",
+    "forward_ms",
+    "dp_sync_ms",
+    "optimizer_step_ms",
+    "chunk_time_ms",
+    "capacity_bytes",
+    "utilization",
+)
+"""Per-stage numbers a document derives."""
+
+
+def _recorded(document: dict[str, Any]) -> dict[str, Any]:
+    """The derived numbers the document records, by path ("fits", "stages[0].usable_bytes")."""
+    recorded = {key: document[key] for key in DERIVED_FIELDS if key in document}
+    for i, item in enumerate(document["stages"]):
+        recorded |= {f"stages[{i}].{key}": item[key] for key in DERIVED_STAGE_FIELDS if key in item}
+    return recorded
+
+
+def _derived(evaluation: Evaluation) -> dict[str, Any]:
+    """The same paths from an evaluation, as ``solver.report.plan_report`` writes them."""
+    throughput = evaluation.throughput
+    derived: dict[str, Any] = {
+        "fits": evaluation.fits,
+        "throughput": None if math.isinf(throughput) else throughput,
+        "iteration_bound_ms": evaluation.iteration_bound_ns / 1e6,
+    }
+    ppm = evaluation.utilization_ppm
+    if evaluation.group_of_stage is not None:
+        derived["max_utilization"] = max(ppm) / PPM
+    for stage, usable, capacity, used in zip(
+        evaluation.stages, evaluation.usable_bytes, evaluation.capacity_bytes, ppm, strict=True
+    ):
+        values = {
+            "usable_bytes": usable,
+            "in_flight_microbatches": stage.in_flight,
+            "peak_moment": stage.moment,
+            "forward_ms": sum(stage.chunk_forward_ns) / 1e6,
+            "dp_sync_ms": stage.dp_sync_ns / 1e6,
+            "optimizer_step_ms": stage.optimizer_step_ns / 1e6,
+            "chunk_time_ms": [t / 1e6 for t in stage.chunk_time_ns],
+        }
+        if evaluation.group_of_stage is not None:
+            values |= {"capacity_bytes": capacity, "utilization": used / PPM}
+        derived |= {f"stages[{stage.index}].{key}": value for key, value in values.items()}
+    return derived

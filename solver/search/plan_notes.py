@@ -94,7 +94,10 @@ def _unproven_notes(
     whether the time limit was reached; the quick split the plan came from when no exact solve
     improved it."""
     if call is None or not searches:
-        return ["time limit reached: best plan found, not proven optimal"]
+        return [
+            "time limit reached: best plan found, not proven optimal",
+            time_dependence_note(None if call is None else call.time_limit_s),
+        ]
     notes = []
     limit = "" if call.time_limit_s is None else f" ({call.time_limit_s:g} s)"
     for status in searches:
@@ -129,4 +132,18 @@ def _unproven_notes(
             f"the best split found is the quick {result.solution.backend} split of its config "
             "(the incumbent pass): no exact solve improved it in time"
         )
+    if notes:
+        notes.append(time_dependence_note(call.time_limit_s))
     return notes
+
+
+def time_dependence_note(time_limit_s: float | None) -> str:
+    """The last note of a plan not proven optimal: every unproven search stopped at the time
+    limit (or its share of it), so the plan depends on the time given and the machine's speed."""
+    longer = "a longer --time-limit" if not time_limit_s else f"--time-limit {2 * time_limit_s:g}"
+    return (
+        "the result depends on the time given: a search stopped at its time limit without "
+        "proving optimality, so runs with the same inputs may return different plans (the "
+        f"machine's speed and load decide how far each gets); give it longer ({longer} or more) "
+        "to prove or improve it"
+    )

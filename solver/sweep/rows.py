@@ -140,6 +140,12 @@ class CsvRows:
             return f"; {self.count} rows not kept: {error}"
         return f"; {self.count} rows kept in {self.path}"
 
+    def discard(self) -> None:
+        """Drop the rows: the temporary file is removed and an existing file stays as it was
+        (to a FIFO or a device, what was streamed is out). Nothing after ``finish``."""
+        if self._open:
+            self._drop()
+
     def _write(self, write) -> None:
         """Run ``write`` and flush; a failure drops the output (OutputError, exit code 7)."""
         try:
