@@ -38,9 +38,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from profiling.guard import short_message
 from profiling.hf._transformers_compat import use_capacity_experts
+from profiling.hf.checks import check_config
 from profiling.hf.config import CONFIG_DIR, bundled_configs, find_config
-from solver.errors import InputError
+from solver.errors import InputError, quote
 
 __all__ = ["CONFIG_DIR", "bundled_configs", "hf_spec", "load_config", "quiet_transformers"]
 
@@ -130,6 +132,15 @@ def _training_config(raw: dict[str, Any], overrides: dict[str, Any], *, source: 
             "need their own code (trust_remote_code) are not built by hf:"
         )
     _check_fields(CONFIG_MAPPING[model_type], raw, overrides, source=source)
+    named = raw.get("architectures")
+    if named is not None and not (
+        isinstance(named, list) and named and all(isinstance(item, str) for item in named)
+    ):
+        raise InputError(
+            f"{source}: architectures: {quote(named, 40)} is not a list of class names; write "
+            'e.g. "architectures": ["GPT2LMHeadModel"], or remove it to build from model_type'
+        )
+    check_config(CONFIG_MAPPING[model_type], raw, overrides, source=source)
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "architectures")}
     fields["use_cache"] = False
     fields["return_dict"] = True
@@ -140,8 +151,11 @@ def _training_config(raw: dict[str, Any], overrides: dict[str, Any], *, source: 
     fields.update(overrides)
     try:
         config = transformers.AutoConfig.for_model(model_type, **fields)
-    except (ValueError, TypeError, KeyError) as error:
-        raise InputError(f"{source}: transformers rejects the config: {error}") from None
+    except Exception as error:  # noqa: BLE001 - any of transformers' own checks: one line
+        raise InputError(
+            f"{source}: transformers rejects the config: {type(error).__name__}: "
+            f"{short_message(error)}"
+        ) from None
     settings = {
         "use_cache": bool(getattr(config, "use_cache", False)),  # ViT has no cache at all
         "return_dict": bool(config.return_dict),
