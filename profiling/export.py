@@ -268,7 +268,7 @@ def check_layer_count(name: str, config: Any, max_layers: int) -> None:
     raise InputError(
         f"{name}: {count:,} blocks to profile ({fields}), over --max-layers {max_layers}: the "
         f"profile takes about {PROFILE_S_PER_LAYER} s and {PROFILE_MB_PER_LAYER} MB per block "
-        f"(about {hours:.3g} h and {count * PROFILE_MB_PER_LAYER / 1024:.3g} GiB here); profile "
+        f"(about {hours:.3g} h and {count * PROFILE_MB_PER_LAYER / 1024:.3g} GiB); profile "
         f"fewer (--set {field}=N) or raise --max-layers"
     )
 
