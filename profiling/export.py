@@ -5,8 +5,11 @@ from a config: a local directory or config.json, a bundled name, or ORG/NAME fro
 the Hub; ``profiling.hf.config``) or ``package.module:factory`` (a function returning a
 ``models.ModelSpec``). The default ``--device meta`` profiles with fake tensors: no memory, no
 GPU, any size. ``--device cpu|cuda`` runs real tensors and also measures per-layer times.
-Errors: one line on stderr, exit code 2 (a bad --out path: before profiling), 7 when --out could
-not be written.
+Errors: one line on stderr, exit code 2 (a bad --out path: before profiling; a config field
+``profiling.hf.checks`` refuses; a config of more than ``--max-layers`` blocks, before building
+it; whatever a factory or the model's code raises, ``sys.exit()`` included:
+``profiling.guard``), 4 at ``--time-limit``, 7 when --out could not be written. The exit is 0
+only when a graph was made.
 """
 
 from __future__ import annotations
