@@ -432,6 +432,29 @@ def test_deep_nesting_is_refused_by_the_shared_reader(write_json, run_cli):
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ('{"model_type": "gpt2", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested deeper"),
+        ('{"model_type": "gpt2", "x": ' + "[" * 100 + "]" * 100 + "}", "deeper than 64 levels"),
+        ('{"model_type": "gpt2", "n_layer": "12"}', "n_layer: a string ('12')"),
+    ],
+)
+def test_a_hostile_cached_config_is_one_line(text, words, tmp_path, monkeypatch, run_cli):
+    """A config.json in the HF cache (read by transformers, then checked as a file would be)."""
+    import huggingface_hub
+
+    snapshot = tmp_path / "models--acme--bad" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(text)
+    (tmp_path / "models--acme--bad" / "refs").mkdir()
+    (tmp_path / "models--acme--bad" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    code, _, err = run_cli(main, "hf:acme/bad", "--no-progress")
+    assert code == 2 and words in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
 @pytest.fixture
 def factories(tmp_path, monkeypatch):
     """The hostile factory modules importable (fresh for each test)."""
