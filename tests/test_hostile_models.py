@@ -412,6 +412,11 @@ def test_refusals_come_before_any_build(outcome):
         (["hf:llama-2-7b", "--set", "num_key_value_heads=5"], "does not divide"),
         (["hf:gpt2", "--set", "n_layer=100000"], "100,000 blocks to profile (n_layer 100,000)"),
         (["gpt-tiny", "--set", "layers=5000"], "5,000 blocks to profile (layers 5,000)"),
+        (["hf:t5-base", "--seq", "1000000000"], "holds 1,000,000,000 elements, over"),
+        (
+            ["hf:vit-base-patch16-224", "--set", "image_size=100000"],
+            "pixel_values of shape (1, 3, 100000, 100000)",
+        ),
     ],
 )
 def test_hostile_hf_values_are_one_line_exit_2(argv, words, run_cli, tmp_path):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import inspect
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -283,13 +284,18 @@ def _spec(name: str, source: str, config, settings: dict, model_class, task: _Ta
         return model.train()
 
     def example_inputs(batch: int, seq: int | None):
+        """The training call's arguments, made as real CPU tensors (the profiler turns them
+        into fake ones); ValueError when they would hold over MAX_INPUT_ELEMENTS."""
         seq = seq or _default_seq(config)
         if task.kind == "image":
             size = config.image_size
+            height, width = (size, size) if isinstance(size, int) else tuple(size)
+            _check_input_size((batch, config.num_channels, height, width), "pixel_values")
             return (
-                torch.randn(batch, config.num_channels, size, size),
+                torch.randn(batch, config.num_channels, height, width),
                 torch.randint(config.num_labels, (batch,)),
             )
+        _check_input_size((batch, seq), "input_ids")
         ids = torch.randint(config.vocab_size, (batch, seq))
         if task.kind == "classification":
             return ids, torch.randint(config.num_labels, (batch,))
@@ -311,6 +317,20 @@ def _spec(name: str, source: str, config, settings: dict, model_class, task: _Ta
             "training_settings": settings,
         },
     )
+
+
+MAX_INPUT_ELEMENTS = 2**28
+"""Most elements of one example input (made in memory, 1-2 GiB): 2^28 tokens is 64 x 4M."""
+
+
+def _check_input_size(shape: tuple[int, ...], what: str) -> None:
+    elements = math.prod(shape)
+    if elements > MAX_INPUT_ELEMENTS:
+        raise ValueError(
+            f"the example {what} of shape {tuple(shape)} holds {elements:,} elements, over "
+            f"{MAX_INPUT_ELEMENTS:,} (2^28; made in memory before profiling): give a smaller "
+            "--batch, --seq or image_size"
+        )
 
 
 def _calls_loss_function(model_class) -> bool:
