@@ -508,12 +508,17 @@ def test_bundled_configs_pass_the_checks():
         check_config(CONFIG_MAPPING[raw["model_type"]], raw, {}, source=name)
     with pytest.raises(InputError, match=r"--set n_layer: a string \('2'\), not an integer; "):
         check_config(CONFIG_MAPPING["gpt2"], {}, {"n_layer": "2"}, source="x")
+    # numbers written as integers (a dropout of 0), -1 token ids, 0 counts: not refused
+    fine = {"hidden_dropout_prob": 0, "pad_token_id": -1, "num_labels": 3, "type_vocab_size": 1}
+    check_config(CONFIG_MAPPING["bert"], {}, fine, source="x")
+    check_config(CONFIG_MAPPING["qwen2_moe"], {}, {"max_window_layers": 0}, source="x")
 
 
 @pytest.mark.slow
 def test_every_default_config_of_transformers_passes_the_checks():
     """No false alarm: the default config of each of transformers' config classes (about 800)
-    passes every check (the rules are generic, not a list of models)."""
+    passes every check (the rules are generic, not a list of models), also with its whole
+    numbers written as JSON integers (``"attention_dropout": 0``)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from profiling.hf.models import quiet_transformers
@@ -527,11 +532,17 @@ def test_every_default_config_of_transformers_passes_the_checks():
             except Exception:  # noqa: BLE001 - a class without usable defaults
                 continue
             checked += 1
-            try:
-                check_config(config_class, raw, {}, source=model_type)
-            except InputError as error:
-                refused.append(str(error))
+            whole = {key: _whole(value) for key, value in raw.items()}  # 0.0 written as 0
+            for document in (raw, whole):
+                try:
+                    check_config(config_class, document, {}, source=model_type)
+                except InputError as error:
+                    refused.append(str(error))
     assert checked > 100 and not refused, refused
+
+
+def _whole(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 # -- real processes ----------------------------------------------------------------------------

@@ -184,8 +184,12 @@ def _check_type(value: Any, declared, name: str, where: str) -> None:
 
 
 def _check_range(name: str, value: int, declared, standard: dict[str, str], where: str) -> None:
-    default = declared[1] if declared else None
+    """Counts and sizes (by name) of integer fields: a field that also takes a float (a dropout
+    written as 0) or a field the class does not declare (but a standard size) is not checked."""
+    kinds, default = declared if declared else (None, None)
     if _TOKEN_ID.search(name) or (isinstance(default, int) and default < 0):
+        return
+    if (kinds and "float" in kinds) or (declared is None and name not in standard.values()):
         return
     if name in standard.values() or _SIZE.search(name):
         low = 0 if default == 0 else 1
