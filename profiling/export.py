@@ -5,8 +5,11 @@ from a config: a local directory or config.json, a bundled name, or ORG/NAME fro
 the Hub; ``profiling.hf.config``) or ``package.module:factory`` (a function returning a
 ``models.ModelSpec``). The default ``--device meta`` profiles with fake tensors: no memory, no
 GPU, any size. ``--device cpu|cuda`` runs real tensors and also measures per-layer times.
-Errors: one line on stderr, exit code 2 (a bad --out path: before profiling), 7 when --out could
-not be written.
+Errors: one line on stderr, exit code 2 (a bad --out path: before profiling; a config field
+``profiling.hf.checks`` refuses; a config of more than ``--max-layers`` blocks, before building
+it; whatever a factory or the model's code raises, ``sys.exit()`` included:
+``profiling.guard``), 4 at ``--time-limit``, 7 when --out could not be written. The exit is 0
+only when a graph was made.
 """
 
 from __future__ import annotations
@@ -16,27 +19,42 @@ import contextlib
 import importlib
 import inspect
 import json
+import logging
 import math
 import sys
 import time
 import types
 from typing import Any
 
+from profiling.guard import time_limit, user_code
 from solver.console import (
     OneLineErrorParser,
     check_outputs,
     comma_items,
     int_in,
     interrupted,
+    positive_float,
     positive_int,
     print_error,
     write_json,
 )
 from solver.errors import InputError, PlannerError, quote
+from solver.files.jsonfile import check_document
 from solver.graph import LayerGraph
 from solver.units import format_bytes
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+MAX_LAYERS = 1024
+"""Default of ``--max-layers``: most blocks a config may ask to profile (GPT-3 has 96, Llama-3
+405B 126; at ``PROFILE_S_PER_LAYER`` about 2 min)."""
+PROFILE_S_PER_LAYER = 0.1
+"""Fake-tensor profiling time per block, seconds (measured on 2 cores: GPT-2 blocks 0.07 s,
+Llama-2-70B 0.13 s, Qwen1.5-MoE 0.2 s, T5 0.47 s)."""
+PROFILE_MB_PER_LAYER = 0.3
+"""Memory the profile takes per block, MB (measured: GPT-2 blocks 0.25 MB)."""
+DEFAULT_TIME_LIMIT_S = 600.0
+"""Default of ``--time-limit``, seconds: the whole export (GPT-3 175B profiles in about 10 s)."""
 
 MAX_THREADS = 4096
 """Most CPU threads (``--threads`` here and in profiling.run / validate; the graph schema's
@@ -44,7 +62,9 @@ MAX_THREADS = 4096
 
 
 def resolve_spec(name: str, overrides: dict[str, Any]):
-    """The ModelSpec named on the command line."""
+    """The ModelSpec named on the command line. A factory runs under
+    :func:`profiling.guard.user_code`: what it raises (its module's SyntaxError or ImportError
+    included) or a ``sys.exit()`` in it is an InputError."""
     import models
 
     if name.startswith("hf:"):
@@ -52,37 +72,62 @@ def resolve_spec(name: str, overrides: dict[str, Any]):
 
         return hf_spec(name[3:], overrides)
     if ":" in name:
-        module_name, _, factory_name = name.partition(":")
-        fix = "give package.module:factory, a function returning a models.ModelSpec"
-        try:
-            factory = getattr(importlib.import_module(module_name), factory_name)
-        except (ImportError, AttributeError, ValueError) as error:
-            raise InputError(
-                f"{name}: cannot import {factory_name} from {module_name} ({error}); {fix}"
-            ) from None
-        if isinstance(factory, types.ModuleType) or not callable(factory):
-            kind = "a module" if isinstance(factory, types.ModuleType) else type(factory).__name__
-            raise InputError(f"{name}: {factory_name} is {kind}, not a function; {fix}")
-        try:
-            inspect.signature(factory).bind(**overrides)
-        except TypeError as error:
-            raise InputError(
-                f"{name}: {factory_name}() cannot be called with the --set fields given "
-                f"({error}); {fix}"
-            ) from None
-        except ValueError:  # no signature to check (a builtin): call it
-            pass
-        spec = factory(**overrides)
-        if not isinstance(spec, models.ModelSpec):
-            raise InputError(
-                f"{name}: {factory_name}() returned {type(spec).__name__}, not a "
-                f"models.ModelSpec; {fix}"
-            )
-        return spec
+        return _factory_spec(name, overrides)
     try:
         return models.get(name, **overrides)
     except ValueError as error:
         raise InputError(f"{name}: {error}") from None
+
+
+def _factory_spec(name: str, overrides: dict[str, Any]):
+    """The ModelSpec ``package.module:factory(**overrides)`` returns."""
+    import models
+
+    module_name, _, factory_name = name.partition(":")
+    fix = "give package.module:factory, a function returning a models.ModelSpec"
+    what = f"factory {name}"
+    with user_code(what):
+        try:
+            module = importlib.import_module(module_name)
+        except (ModuleNotFoundError, ValueError, TypeError) as error:
+            if isinstance(error, ModuleNotFoundError) and not _names_module(error, module_name):
+                raise  # a module the factory's module imports: the factory's own error
+            raise InputError(
+                f"{name}: cannot import {factory_name} from {module_name} ({error}); {fix}"
+            ) from None
+        factory = getattr(module, factory_name, None)
+    if factory is None:
+        raise InputError(
+            f"{name}: cannot import {factory_name} from {module_name} (module {module_name!r} "
+            f"has no attribute {factory_name!r}); {fix}"
+        )
+    if isinstance(factory, types.ModuleType) or not callable(factory):
+        kind = "a module" if isinstance(factory, types.ModuleType) else type(factory).__name__
+        raise InputError(f"{name}: {factory_name} is {kind}, not a function; {fix}")
+    try:
+        inspect.signature(factory).bind(**overrides)
+    except TypeError as error:
+        raise InputError(
+            f"{name}: {factory_name}() cannot be called with the --set fields given "
+            f"({error}); {fix}"
+        ) from None
+    except ValueError:  # no signature to check (a builtin): call it
+        pass
+    with user_code(what):
+        spec = factory(**overrides)
+    if not isinstance(spec, models.ModelSpec):
+        raise InputError(
+            f"{name}: {factory_name}() returned {type(spec).__name__}, not a "
+            f"models.ModelSpec; {fix}"
+        )
+    return spec
+
+
+def _names_module(error: ModuleNotFoundError, module_name: str) -> bool:
+    """Whether the module not found is ``module_name`` or a package above it (a typo on the
+    command line), not a module that ``module_name`` imports."""
+    missing = error.name or ""
+    return module_name == missing or module_name.startswith(missing + ".")
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -98,6 +143,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             overrides[key] = text
         except (RecursionError, ValueError):  # deep nesting, 5000-digit integers
             raise InputError(f"--set {quote(item)}: not a value a model field takes") from None
+    check_document(overrides, "--set")  # nesting at most 64 levels, as in a file
     return overrides
 
 
@@ -123,10 +169,14 @@ def export_graph(
     overrides: dict[str, Any] | None = None,
     progress=None,
     threads: int | None = None,
+    max_layers: int | None = None,
 ) -> LayerGraph:
     """Profile a preset / hf: model / factory into a layer graph (the CLI's work, as an API).
     ``threads``: CPU threads to time the layers with (``torch.set_num_threads`` for the
-    profile, restored after; default: the process's), recorded in ``meta.timing.threads``."""
+    profile, restored after; default: the process's), recorded in ``meta.timing.threads``.
+    ``max_layers``: refuse, before building, a config with more blocks (``--max-layers``; None:
+    no limit). What the model's own code raises while it is built, given its inputs or profiled
+    is an InputError naming the model (and, for hf:, the config fields the message is about)."""
     import torch
 
     from profiling.trace.layers import default_layer_paths
@@ -137,6 +187,9 @@ def export_graph(
     ):
         raise InputError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
     spec = resolve_spec(name, overrides or {})
+    if max_layers is not None:
+        check_layer_count(name, spec.config, max_layers)
+    what, hint = _model_code(name, spec, overrides or {})
     torch_dtype = getattr(torch, DTYPES[dtype])
     if device == "cuda" and not torch.cuda.is_available():
         raise InputError(
@@ -149,38 +202,96 @@ def export_graph(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        with torch.device(build_device):
+        with user_code(f"{what}: building the model", hint), torch.device(build_device):
             module = spec.build()
-        with torch.device("cpu" if device == "meta" else device):
-            try:
-                inputs = spec.example_inputs(batch, seq)
-            except ValueError as error:
-                raise InputError(f"{name}: {error}") from None
-        chosen = layers or spec.layers or default_layer_paths(module)
+        with user_code(f"{what}: making its inputs", hint):
+            with torch.device("cpu" if device == "meta" else device):
+                try:
+                    inputs = spec.example_inputs(batch, seq)
+                except ValueError as error:
+                    raise InputError(f"{name}: {error}") from None
         started = time.perf_counter()
-        graph = profile_module(
-            module,
-            inputs,
-            chosen,
-            model_name=spec.name,
-            mode="fake" if device == "meta" else "real",
-            progress=progress,
-            meta={
-                "batch": batch,
-                "seq_len": seq or spec.seq_len,
-                "dtype": dtype,
-                "device": device,
-                "preset": spec.name,
-                "overrides": overrides or {},
-                "torch": torch.__version__,
-                **spec.meta,
-            },
-        )
+        with user_code(f"{what}: profiling its forward and backward", hint), _quiet_fake_log():
+            graph = profile_module(
+                module,
+                inputs,
+                layers or spec.layers or default_layer_paths(module),
+                model_name=spec.name,
+                mode="fake" if device == "meta" else "real",
+                progress=progress,
+                meta={
+                    "batch": batch,
+                    "seq_len": seq or spec.seq_len,
+                    "dtype": dtype,
+                    "device": device,
+                    "preset": spec.name,
+                    "overrides": overrides or {},
+                    "torch": torch.__version__,
+                    **spec.meta,
+                },
+            )
         graph.meta["profile_s"] = round(time.perf_counter() - started, 3)
         return graph
     finally:
         torch.set_default_dtype(previous)
         torch.set_num_threads(previous_threads)
+
+
+@contextlib.contextmanager
+def _quiet_fake_log():
+    """torch's fake-tensor mode logs the traceback of an op that fails (``failed while attempting
+    to run meta``) before it raises; the profiler turns the error into one line, so the log is
+    dropped while it runs."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _model_code(name: str, spec, overrides: dict[str, Any]):
+    """(what to call the model's code in an error line, a hint naming config fields or None)."""
+    if name.startswith("hf:"):
+        from profiling.hf.checks import field_hint
+
+        return name, lambda error: field_hint(spec.config, str(error), overrides)
+    return (f"factory {name}" if ":" in name else name), None
+
+
+def check_layer_count(name: str, config: Any, max_layers: int) -> None:
+    """InputError when ``config`` asks for more than ``max_layers`` blocks (counted by
+    :func:`planned_layers`): the figure, the time it would take and the flags that change it."""
+    planned = planned_layers(config)
+    if planned is None or planned[0] <= max_layers:
+        return
+    count, fields = planned
+    field = fields.split()[0]
+    hours = count * PROFILE_S_PER_LAYER / 3600
+    raise InputError(
+        f"{name}: {count:,} blocks to profile ({fields}), over --max-layers {max_layers}: the "
+        f"profile takes about {PROFILE_S_PER_LAYER} s and {PROFILE_MB_PER_LAYER} MB per block "
+        f"(about {hours:.3g} h and {count * PROFILE_MB_PER_LAYER / 1024:.3g} GiB); profile "
+        f"fewer (--set {field}=N) or raise --max-layers"
+    )
+
+
+def planned_layers(config: Any) -> tuple[int, str] | None:
+    """(blocks the config builds, the fields counted, e.g. ``n_layer 12``) from its layer counts:
+    ``num_hidden_layers`` (transformers' standard name, GPT-2's ``n_layer``) or ``layers`` (zoo
+    presets), plus the decoder's ``num_decoder_layers`` / ``decoder_layers`` of an
+    encoder-decoder; None when the config names no layer count (a factory's model)."""
+    aliases = dict(getattr(type(config), "attribute_map", {}) or {})
+    total, fields = 0, []
+    for group in (("num_hidden_layers", "layers"), ("num_decoder_layers", "decoder_layers")):
+        for key in group:
+            value = getattr(config, key, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                total += value
+                fields.append(f"{aliases.get(key, key)} {value:,}")
+                break
+    return (total, " + ".join(fields)) if fields else None
 
 
 def format_summary(graph: LayerGraph) -> str:
@@ -306,6 +417,22 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="hf: models: config only, no weights (always so; kept for old command lines)",
     )
+    result.add_argument(
+        "--max-layers",
+        type=int_in(1, 10**6),
+        default=MAX_LAYERS,
+        metavar="N",
+        help=f"refuse, before building it, a config of more than N blocks (default {MAX_LAYERS}; "
+        f"profiling takes about {PROFILE_S_PER_LAYER} s a block)",
+    )
+    result.add_argument(
+        "--time-limit",
+        type=positive_float,
+        default=DEFAULT_TIME_LIMIT_S,
+        metavar="S",
+        help="wall-clock limit of the whole export, seconds, the factory's and model's code "
+        f"included (default {DEFAULT_TIME_LIMIT_S:g}); past it: exit 4, no graph",
+    )
     result.add_argument("--out", help="write the graph JSON here")
     result.add_argument("--summary", action="store_true", help="print the per-layer table")
     result.add_argument(
@@ -320,7 +447,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         check_outputs(args)  # --out, before profiling
-        with progress_bar(not args.no_progress and sys.stderr.isatty()) as progress:
+        with (
+            time_limit(args.time_limit, what=f"profiling {args.model}"),
+            progress_bar(not args.no_progress and sys.stderr.isatty()) as progress,
+        ):
             graph = export_graph(
                 args.model,
                 batch=args.batch,
@@ -331,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
                 overrides=parse_overrides(args.set),
                 progress=progress,
                 threads=args.threads,
+                max_layers=args.max_layers,
             )
         if args.out:
             write_json(args.out, graph.to_dict(), protect=[], flag="--out")

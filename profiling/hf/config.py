@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from solver.errors import InputError
+from solver.files.jsonfile import check_document, read_json
 
 CONFIG_DIR = Path(__file__).with_name("configs")
 """The bundled configs: copies of the Hub's config.json, one file per short name."""
@@ -70,20 +71,14 @@ def find_config(name: str) -> FoundConfig:
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
-    """A config.json as a dict; InputError for unreadable files, invalid JSON or a non-object."""
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as error:
-        raise InputError(f"{path}: cannot read ({error})") from None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise InputError(
-            f"{path}: not valid JSON ({error.msg}, line {error.lineno} column {error.colno})"
-        ) from None
-    if not isinstance(raw, dict):
-        raise InputError(f"{path}: a config.json holds a JSON object, not {type(raw).__name__}")
-    return raw
+    """A config.json as a dict, read by the project's one reading path
+    (``solver.files.jsonfile.read_json``: size, encoding, syntax, nesting at most 64 levels,
+    finite numbers); InputError naming the file otherwise."""
+    return read_json(
+        path,
+        kind="config.json",
+        fix="give a directory written by save_pretrained() or hf:path/to/config.json",
+    )
 
 
 def _looks_like_path(name: str) -> bool:
@@ -112,6 +107,7 @@ def _from_hub(name: str) -> FoundConfig:
     cache = huggingface_hub.constants.HF_HUB_CACHE
     try:
         raw, _ = PreTrainedConfig.get_config_dict(name, local_files_only=True)
+        check_document(raw, f"hf:{name}: the cached config.json in {cache}")
         return FoundConfig(raw=raw, source=f"HF cache {name}")
     except OSError:
         pass  # not cached: the Hub, when online
@@ -119,6 +115,11 @@ def _from_hub(name: str) -> FoundConfig:
         raise InputError(
             f"hf:{name}: the cached config.json in {cache} is not valid JSON "
             f"({error.msg}, line {error.lineno})"
+        ) from None
+    except RecursionError:
+        raise InputError(
+            f"hf:{name}: the cached config.json in {cache} is nested deeper than the JSON reader "
+            "can follow; a config.json nests a few levels"
         ) from None
     if huggingface_hub.constants.HF_HUB_OFFLINE:
         flag = "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"
@@ -129,10 +130,15 @@ def _from_hub(name: str) -> FoundConfig:
         )
     try:
         raw, _ = PreTrainedConfig.get_config_dict(name)
+    except RecursionError:
+        raise InputError(
+            f"hf:{name}: the Hub's config.json is nested deeper than the JSON reader can follow"
+        ) from None
     except OSError as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise InputError(
             f"hf:{name}: no such bundled config or local path, not in the HF cache {cache}, "
             f"and the Hub answered: {first}"
         ) from None
+    check_document(raw, f"hf:{name}: the Hub's config.json")
     return FoundConfig(raw=raw, source=f"Hub {name}")

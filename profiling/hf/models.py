@@ -34,13 +34,16 @@ from __future__ import annotations
 import contextlib
 import difflib
 import inspect
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from profiling.guard import short_message
 from profiling.hf._transformers_compat import use_capacity_experts
+from profiling.hf.checks import check_config
 from profiling.hf.config import CONFIG_DIR, bundled_configs, find_config
-from solver.errors import InputError
+from solver.errors import InputError, quote
 
 __all__ = ["CONFIG_DIR", "bundled_configs", "hf_spec", "load_config", "quiet_transformers"]
 
@@ -130,6 +133,15 @@ def _training_config(raw: dict[str, Any], overrides: dict[str, Any], *, source: 
             "need their own code (trust_remote_code) are not built by hf:"
         )
     _check_fields(CONFIG_MAPPING[model_type], raw, overrides, source=source)
+    named = raw.get("architectures")
+    if named is not None and not (
+        isinstance(named, list) and named and all(isinstance(item, str) for item in named)
+    ):
+        raise InputError(
+            f"{source}: architectures: {quote(named, 40)} is not a list of class names; write "
+            'e.g. "architectures": ["GPT2LMHeadModel"], or remove it to build from model_type'
+        )
+    check_config(CONFIG_MAPPING[model_type], raw, overrides, source=source)
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "architectures")}
     fields["use_cache"] = False
     fields["return_dict"] = True
@@ -140,8 +152,11 @@ def _training_config(raw: dict[str, Any], overrides: dict[str, Any], *, source: 
     fields.update(overrides)
     try:
         config = transformers.AutoConfig.for_model(model_type, **fields)
-    except (ValueError, TypeError, KeyError) as error:
-        raise InputError(f"{source}: transformers rejects the config: {error}") from None
+    except Exception as error:  # noqa: BLE001 - any of transformers' own checks: one line
+        raise InputError(
+            f"{source}: transformers rejects the config: {type(error).__name__}: "
+            f"{short_message(error)}"
+        ) from None
     settings = {
         "use_cache": bool(getattr(config, "use_cache", False)),  # ViT has no cache at all
         "return_dict": bool(config.return_dict),
@@ -269,13 +284,18 @@ def _spec(name: str, source: str, config, settings: dict, model_class, task: _Ta
         return model.train()
 
     def example_inputs(batch: int, seq: int | None):
+        """The training call's arguments, made as real CPU tensors (the profiler turns them
+        into fake ones); ValueError when they would hold over MAX_INPUT_ELEMENTS."""
         seq = seq or _default_seq(config)
         if task.kind == "image":
             size = config.image_size
+            height, width = (size, size) if isinstance(size, int) else tuple(size)
+            _check_input_size((batch, config.num_channels, height, width), "pixel_values")
             return (
-                torch.randn(batch, config.num_channels, size, size),
+                torch.randn(batch, config.num_channels, height, width),
                 torch.randint(config.num_labels, (batch,)),
             )
+        _check_input_size((batch, seq), "input_ids")
         ids = torch.randint(config.vocab_size, (batch, seq))
         if task.kind == "classification":
             return ids, torch.randint(config.num_labels, (batch,))
@@ -297,6 +317,20 @@ def _spec(name: str, source: str, config, settings: dict, model_class, task: _Ta
             "training_settings": settings,
         },
     )
+
+
+MAX_INPUT_ELEMENTS = 2**28
+"""Most elements of one example input (made in memory, 1-2 GiB): 2^28 tokens is 64 x 4M."""
+
+
+def _check_input_size(shape: tuple[int, ...], what: str) -> None:
+    elements = math.prod(shape)
+    if elements > MAX_INPUT_ELEMENTS:
+        raise ValueError(
+            f"the example {what} of shape {tuple(shape)} holds {elements:,} elements, over "
+            f"{MAX_INPUT_ELEMENTS:,} (2^28; made in memory before profiling): give a smaller "
+            "--batch, --seq or image_size"
+        )
 
 
 def _calls_loss_function(model_class) -> bool:

@@ -226,6 +226,12 @@ def _json_type(value: Any) -> str:
     return f"a number ({quote(value)})"
 
 
+def check_document(document: dict[str, Any], where: str | Path) -> None:
+    """Rule 5 of the module docstring for a document read by another reader (a config.json that
+    transformers read from the HF cache): InputError naming ``where``."""
+    _check_values(document, where)
+
+
 def _check_values(document: dict[str, Any], path: str | Path) -> None:
     """Nesting depth, finite numbers and strings without lone surrogates, anywhere."""
     stack: list[tuple[Any, tuple[Any, ...]]] = [(document, ())]
