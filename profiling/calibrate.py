@@ -34,7 +34,14 @@ from solver.calibration import (
     leave_one_out,
     write_calibration,
 )
-from solver.console import OneLineErrorParser, interrupted, number_in, positive_int, print_error
+from solver.console import (
+    OneLineErrorParser,
+    interrupted,
+    number_in,
+    positive_int,
+    print_error,
+    run_main,
+)
 from solver.errors import InputError, PlannerError
 from solver.files.output_file import check_output
 from solver.graph import LayerGraph
@@ -429,4 +436,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -29,6 +29,7 @@ from solver.console import (
     interrupted,
     positive_int,
     print_error,
+    run_main,
     write_json,
 )
 from solver.errors import InputError, PlannerError, quote
@@ -349,4 +350,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -28,6 +28,7 @@ from solver.console import (
     number_in,
     positive_int,
     print_error,
+    run_main,
     write_json,
 )
 from solver.errors import PlannerError
@@ -217,4 +218,4 @@ def _runtime_note(path: str, runtime: str, engine: str) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)
