@@ -67,12 +67,20 @@ def interrupted(detail: str = "") -> int:
     return 128 + signum
 
 
+_received: list[int] = []
+"""The stop signal :func:`install_stop_handlers`' handler received (at most one)."""
+
+
 def stop_signal(error: BaseException | None = None) -> int:
     """The number of the signal behind ``error`` (default: the exception being handled):
-    :class:`Terminated`'s, else SIGINT."""
+    :class:`Terminated`'s; else the SIGTERM or SIGHUP this process received (native code may
+    turn it into a plain KeyboardInterrupt: Ray's ``ray.wait`` does); else SIGINT."""
     if error is None:
         error = sys.exc_info()[1]
-    return getattr(error, "signum", signal.SIGINT)
+    signum = getattr(error, "signum", None)
+    if signum is None:
+        signum = _received[0] if _received else signal.SIGINT
+    return signum
 
 
 def install_stop_handlers() -> None:
@@ -82,18 +90,19 @@ def install_stop_handlers() -> None:
     one's cleanup runs, and end the process at once after that. Main thread only (Python's rule
     for handlers)."""
     owner = os.getpid()
-    received: list[float] = []
+    first: list[float] = []
 
     def handler(signum: int, _frame: Any) -> None:
         if os.getpid() != owner:  # a forked child that kept the handler: die as by default
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        if received:
-            if time.monotonic() - received[0] > STOP_GRACE_S:
+        if first:
+            if time.monotonic() - first[0] > STOP_GRACE_S:
                 os._exit(128 + signum)
             return
-        received.append(time.monotonic())
+        first.append(time.monotonic())
+        _received.append(signum)
         raise Terminated(signum)
 
     for signum in STOP_SIGNALS:

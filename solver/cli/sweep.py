@@ -198,7 +198,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
         import_ray()
         if args.ray_address is not None:
-            check_address(args.ray_address)
+            check_address(args.ray_address, time_limit_s=args.time_limit)
     elif args.ray_address is not None:
         raise InputError("--ray-address goes with --executor ray")
     console.check_outputs(args)  # --json, --out, --plot: before any graph is read or solved
