@@ -40,6 +40,10 @@ from solver.search.planner import plan
 from solver.specs import ParallelConfig
 from solver.sweep.runner import progress_bar
 from tests.conftest import GPT_1_3B, ROOT, gpt_chain
+from tests.processes import alive as _alive
+from tests.processes import children as _children
+from tests.processes import cli_env as _env
+from tests.processes import descendants as _descendants
 from tests.random_graphs import random_chain
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -258,33 +262,10 @@ def test_a_native_solve_is_stopped_and_the_interrupt_raised():
 # -- Ctrl-C and kill on real processes ----------------------------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    """Live (not zombie) child processes of ``pid``, from /proc."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
-
-
 def _grandchildren(pid: int) -> list[int]:
     """Live children of ``pid``'s children: the ranks of ``profiling.run``, which start from its
     fork server (a child of ``pid``)."""
     return [grandchild for child in _children(pid) for grandchild in _children(child)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[0] != "Z"
 
 
 def _wait_for(condition, timeout_s: float, what: str) -> None:
@@ -650,23 +631,6 @@ def test_stop_handlers_raise_once_survive_native_code_and_leave_forked_children_
     assert (done.returncode, done.stderr) == (TERMINATED, "terminated\n")
     done = _run_handlers("fork", None)
     assert (done.returncode, done.stdout, done.stderr) == (0, f"{signal.SIGTERM}\n", "")
-
-
-def _env(**extra: str) -> dict[str, str]:
-    """The environment of a CLI subprocess: this checkout first on the path."""
-    paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths)), **extra}
-
-
-def _descendants(pid: int) -> set[int]:
-    """Live descendants of ``pid``, from /proc."""
-    found, front = set(), [pid]
-    while front:
-        for child in _children(front.pop()):
-            if child not in found:
-                found.add(child)
-                front.append(child)
-    return found
 
 
 def _stop_and_check(
