@@ -12,7 +12,8 @@ sample, so the fit can be redone from the file alone.
 
 From Python (a benchmark): ``calibration, rows = calibrate("gpt-tiny", SMALL_GPT, LAYOUTS[:2])``.
 Exit codes: 0 written, 2 bad input (flags, a bad --out path or an existing --out file without
---force, checked before any run), 5 a run failed, 7 --out could not be written.
+--force, checked before any run), 5 a run failed, 7 --out could not be written; 130, 143, 129
+after Ctrl-C, SIGTERM, SIGHUP (the current run's ranks and their fork server ended first).
 """
 
 from __future__ import annotations

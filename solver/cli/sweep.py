@@ -11,7 +11,7 @@ in solver/cli/common.py build them).
 Only parses, calls solver.sweep, prints and writes; errors are one
 line with exit code 2 (bad input, a bad --out/--json/--plot path: before any work); a sweep whose
 every point is an ERROR row also returns 2; 7: an output could not be written;
-Ctrl-C returns 130 and keeps the CSV rows already written.
+Ctrl-C, SIGTERM and SIGHUP return 130, 143 and 129 and keep the CSV rows already written.
 """
 
 from __future__ import annotations
