@@ -367,10 +367,13 @@ def test_a_ray_client_address_that_is_not_ray_is_exit_2_within_the_bound(run_cli
 
 @pytest.mark.slow
 @needs_proc
-def test_sigterm_on_a_sweep_with_its_own_instance_ends_it_and_ray(tmp_path):
+@pytest.mark.parametrize("when", ["starting", "running"])
+def test_sigterm_on_a_sweep_with_its_own_instance_ends_it_and_ray(tmp_path, when):
     """No --ray-address: the sweep starts a local instance. SIGTERM (to the sweep alone, as
-    ``kill`` sends it) was exit -6 after Ray's C++ "SIGTERM received" stack dump; now 143 with
-    the rows kept, and every process of the instance is ended with it."""
+    ``kill`` sends it) was exit -6 after Ray's C++ "SIGTERM received" stack dump once the
+    instance ran, and exit 15 without a line while ``ray.init`` started it (its own handler);
+    now 143 and one line (the rows done kept), and every process of the instance ends with
+    it."""
     pytest.importorskip("ray")
     out = tmp_path / "sweep.csv"
     process = subprocess.Popen(
@@ -384,16 +387,22 @@ def test_sigterm_on_a_sweep_with_its_own_instance_ends_it_and_ray(tmp_path):
         text=True,
     )
     deadline = time.monotonic() + 120
-    while _rows_streamed(tmp_path) < 1 and time.monotonic() < deadline:
+    while (
+        not descendants(process.pid) if when == "starting" else _rows_streamed(tmp_path) < 1
+    ) and time.monotonic() < deadline:
         time.sleep(0.1)
         assert process.poll() is None, process.communicate()[1]
+    time.sleep(0.3 if when == "starting" else 0)
     family = descendants(process.pid)
     assert family  # Ray's processes
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 143, err[-3000:]
-    rows = read_rows(out)
-    assert err.splitlines()[-1] == f"terminated; {len(rows)} rows kept in {out}"
+    if when == "starting":
+        assert err.splitlines()[-1] == f"terminated; no row done, {out} not written"
+    else:
+        rows = read_rows(out)
+        assert err.splitlines()[-1] == f"terminated; {len(rows)} rows kept in {out}"
     assert "Traceback" not in err and "SIGTERM received" not in err
     deadline = time.monotonic() + 2
     while any(Path(f"/proc/{pid}").exists() for pid in family) and time.monotonic() < deadline:

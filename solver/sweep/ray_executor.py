@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from solver.console import Terminated
 from solver.errors import InputError
 from solver.sweep.point import PointOptions, empty_row, solve_point
 from solver.sweep.ray_address import check_address
@@ -125,6 +126,14 @@ def ray_session(address: str | None, cpus: int | None) -> Iterator[Any]:
     handlers = _python_handlers()
     try:
         _connect(ray, address, cpus)
+    except SystemExit as stop:  # ray.init's SIGTERM handler (sys.exit(15)) ran meanwhile
+        ray.shutdown()
+        if stop.code == signal.SIGTERM and signal.SIGTERM in handlers:
+            raise Terminated(signal.SIGTERM) from None  # the caller's stop, as after ray.init
+        raise
+    except BaseException:  # a local instance half started: stop what it started
+        ray.shutdown()
+        raise
     finally:
         _restore_handlers(handlers)
     try:
