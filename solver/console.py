@@ -31,11 +31,13 @@ INTERRUPTED = 128 + signal.SIGINT
 """Exit code after Ctrl-C (130): 128 + SIGINT, as a shell reports a process killed by it."""
 TERMINATED = 128 + signal.SIGTERM
 """Exit code after SIGTERM (143)."""
-HUNG_UP = 128 + signal.SIGHUP
-"""Exit code after SIGHUP (129), e.g. the terminal closed."""
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+HUNG_UP = 128 + 1
+"""Exit code after SIGHUP (129: 128 + POSIX's SIGHUP), e.g. the terminal closed."""
+STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
 """The signals :func:`run_main` turns into :class:`Terminated` (SIGINT is Python's own
-KeyboardInterrupt)."""
+KeyboardInterrupt); Windows has no SIGHUP."""
 STOP_CODES = (INTERRUPTED, TERMINATED, HUNG_UP)
 STOP_GRACE_S = 5.0
 """After the first SIGTERM or SIGHUP, how long more of them are ignored (the first one's cleanup

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from solver.console import Terminated
+from solver.console import STOP_SIGNALS, Terminated
 from solver.errors import InputError
 from solver.sweep.point import PointOptions, empty_row, solve_point
 from solver.sweep.ray_address import check_address
@@ -167,7 +167,7 @@ def _connect(ray: Any, address: str | None, cpus: int | None) -> None:
         ) from None
 
 
-HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+HANDLED_SIGNALS = (signal.SIGINT, *STOP_SIGNALS)
 """Signals whose Python handlers ``ray.init`` must not take over."""
 
 
