@@ -560,19 +560,24 @@ def test_profiling_clis_return_128_plus_the_signal_with_one_line(
 
 
 def test_every_cli_entry_runs_under_the_stop_handlers():
-    """Each ``python -m`` entry module calls ``solver.console.run_main`` (its handlers, its
-    exit), not ``main()`` bare."""
-    entries = [
+    """Every ``python -m`` entry of solver/ and profiling/ (a module with a ``__main__`` block)
+    calls ``solver.console.run_main`` (its handlers, its exit), not ``main()`` bare."""
+    marker = 'if __name__ == "__main__":'
+    entries = {
+        path.relative_to(ROOT).as_posix(): path.read_text().rsplit(marker, 1)[1].strip()
+        for folder in ("solver", "profiling")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if marker in path.read_text()
+    }
+    assert set(entries) == {
         "solver/plan.py",
         "solver/evaluate.py",
         "solver/sweep/__main__.py",
         "profiling/export.py",
         "profiling/validate.py",
         "profiling/calibrate.py",
-    ]
-    for entry in entries:
-        tail = (ROOT / entry).read_text().rsplit('if __name__ == "__main__":', 1)[1]
-        assert tail.strip().startswith("run_main("), entry
+    }
+    assert all(tail.startswith("run_main(") for tail in entries.values()), entries
 
 
 _HANDLERS = """
