@@ -12,7 +12,8 @@ sample, so the fit can be redone from the file alone.
 
 From Python (a benchmark): ``calibration, rows = calibrate("gpt-tiny", SMALL_GPT, LAYOUTS[:2])``.
 Exit codes: 0 written, 2 bad input (flags, a bad --out path or an existing --out file without
---force, checked before any run), 5 a run failed, 7 --out could not be written.
+--force, checked before any run), 5 a run failed, 7 --out could not be written; 130, 143, 129
+after Ctrl-C, SIGTERM, SIGHUP (the current run's ranks and their fork server ended first).
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ from solver.calibration import (
     leave_one_out,
     write_calibration,
 )
-from solver.console import OneLineErrorParser, interrupted, number_in, positive_int, print_error
+from solver.console import (
+    OneLineErrorParser,
+    interrupted,
+    number_in,
+    positive_int,
+    print_error,
+    run_main,
+)
 from solver.errors import InputError, PlannerError
 from solver.files.output_file import check_output
 from solver.graph import LayerGraph
@@ -429,4 +437,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

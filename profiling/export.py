@@ -36,6 +36,7 @@ from solver.console import (
     positive_float,
     positive_int,
     print_error,
+    run_main,
     write_json,
 )
 from solver.errors import InputError, PlannerError, quote
@@ -482,4 +483,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

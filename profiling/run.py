@@ -119,6 +119,7 @@ import torch
 import models
 from profiling.executors.base import RankReport, RunJob, model_spec
 from profiling.executors.dispatch import rank_worker
+from profiling.executors.fork_server import start_fork_server, stop_fork_server
 from profiling.executors.parallelize import (
     tensor_parallel_pairs,
     vocabulary_parallel_paths,
@@ -569,11 +570,13 @@ def _warn_if_oversubscribed(
 def _run_ranks(job: RunJob, world: int) -> list[RankReport]:
     """Start ``world`` rank processes on ``job`` (:func:`profiling.executors.dispatch.rank_worker`),
     wait for them, and read their reports; every process is stopped and the result folder
-    removed on the way out, whatever happens."""
+    removed on the way out, whatever happens; after a stop signal the fork server too
+    (:mod:`profiling.executors.fork_server`)."""
     context = _rank_context()
     directory = Path(tempfile.mkdtemp(prefix="memplan-run-"))
     processes = []
     try:
+        start_fork_server()
         for rank in range(world):
             process = context.Process(
                 target=rank_worker, args=(rank, job, str(directory)), name=f"memplan-rank{rank}"
@@ -585,6 +588,10 @@ def _run_ranks(job: RunJob, world: int) -> list[RankReport]:
         return [
             torch.load(directory / f"rank{rank}.pt", weights_only=False) for rank in range(world)
         ]
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP (solver.console): end everything now
+        _stop(processes)
+        stop_fork_server()  # it may be importing still, with a rank's start queued
+        raise
     finally:
         _stop(processes)
         with contextlib.suppress(OSError):

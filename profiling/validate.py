@@ -10,7 +10,8 @@ slowest rank's, tracker off, median of ``--step-iterations``), next to the plan'
 ``iteration_ms``; ranks run with ``--threads`` CPU threads (default: the graph's
 ``meta.timing.threads``, else ``cpu_count // world``).
 Exit codes: 0 within tolerance, 2 bad input (a bad --json path: before the run), 5 a rank failed
-or timed out, 6 error above tolerance, 7 --json could not be written.
+or timed out, 6 error above tolerance, 7 --json could not be written; 130, 143, 129 after Ctrl-C,
+SIGTERM, SIGHUP (the ranks, their fork server and the run's files ended or removed first).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from solver.console import (
     number_in,
     positive_int,
     print_error,
+    run_main,
     write_json,
 )
 from solver.errors import PlannerError
@@ -217,4 +219,4 @@ def _runtime_note(path: str, runtime: str, engine: str) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

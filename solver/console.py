@@ -1,10 +1,16 @@
 """Command-line plumbing every CLI of the project shares, solver's and profiling's: the
 one-line-error parser and argument types, error and output printing, checking and writing output
-files (by the one writing path, ``solver.files.output_file``), and the exit after Ctrl-C (130).
+files (by the one writing path, ``solver.files.output_file``), and the stop signals: Ctrl-C
+(SIGINT, exit 130), SIGTERM (143) and SIGHUP (129).
 
 Errors: one line on stderr, exit code 2 (bad input, a bad output path included), 3 (infeasible),
 4 (time limit without a solution), 7 (an output could not be written after the work); never a
 traceback. The solver's own option groups (cluster, training, search) are in ``solver/cli/``.
+
+Signals: :func:`run_main` runs a CLI's ``main`` with SIGTERM and SIGHUP raising
+:class:`Terminated`, a ``KeyboardInterrupt``, so the one ``except KeyboardInterrupt`` path of
+each CLI stops its work, children and temporary files alike for all three; :func:`interrupted`
+prints the line (``interrupted`` or ``terminated``) and returns 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -12,28 +18,121 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
+import threading
+import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from solver.errors import one_line, quote
 
-INTERRUPTED = 130
-"""Exit code after Ctrl-C: 128 + SIGINT, as a shell reports a process killed by it."""
+INTERRUPTED = 128 + signal.SIGINT
+"""Exit code after Ctrl-C (130): 128 + SIGINT, as a shell reports a process killed by it."""
+TERMINATED = 128 + signal.SIGTERM
+"""Exit code after SIGTERM (143)."""
+HUNG_UP = 128 + 1
+"""Exit code after SIGHUP (129: 128 + POSIX's SIGHUP), e.g. the terminal closed."""
+STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
+"""The signals :func:`run_main` turns into :class:`Terminated` (SIGINT is Python's own
+KeyboardInterrupt); Windows has no SIGHUP."""
+STOP_CODES = (INTERRUPTED, TERMINATED, HUNG_UP)
+STOP_GRACE_S = 5.0
+"""After the first SIGTERM or SIGHUP, how long more of them are ignored (the first one's cleanup
+takes a second or two); one after that ends the process at once."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised in the main thread as Ctrl-C raises KeyboardInterrupt, so every
+    ``except KeyboardInterrupt`` (stop the pool, the ranks, the native solve; keep or drop the
+    rows written) handles it the same way. ``signum``: the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def interrupted(detail: str = "") -> int:
-    """Ctrl-C: one line on stderr, and the exit code to return."""
-    sys.stderr.write(f"interrupted{detail}\n")
-    return INTERRUPTED
+    """The stop signal being handled (called in ``except KeyboardInterrupt``): one line on
+    stderr, ``interrupted`` after Ctrl-C, ``terminated`` after SIGTERM or SIGHUP (then
+    ``detail``), and the exit code to return, 128 + the signal's number (130, 143, 129). A stderr
+    that is gone (a closed terminal after SIGHUP) is not an error."""
+    signum = stop_signal()
+    word = "interrupted" if signum == signal.SIGINT else "terminated"
+    try:
+        sys.stderr.write(f"{word}{detail}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    return 128 + signum
+
+
+_received: list[int] = []
+"""The stop signal :func:`install_stop_handlers`' handler received (at most one)."""
+
+
+def stop_signal(error: BaseException | None = None) -> int:
+    """The number of the signal behind ``error`` (default: the exception being handled):
+    :class:`Terminated`'s; else the SIGTERM or SIGHUP this process received (native code may
+    turn it into a plain KeyboardInterrupt: Ray's ``ray.wait`` does); else SIGINT."""
+    if error is None:
+        error = sys.exc_info()[1]
+    signum = getattr(error, "signum", None)
+    if signum is None:
+        signum = _received[0] if _received else signal.SIGINT
+    return signum
+
+
+def install_stop_handlers() -> None:
+    """From now on (in this process, not in its forked children) SIGTERM and SIGHUP raise
+    :class:`Terminated` in the main thread. Only the first does: the ones after it (a supervisor
+    may send SIGTERM and SIGHUP together) are ignored for :data:`STOP_GRACE_S` while the first
+    one's cleanup runs, and end the process at once after that. Main thread only (Python's rule
+    for handlers)."""
+    owner = os.getpid()
+    first: list[float] = []
+
+    def handler(signum: int, _frame: Any) -> None:
+        if os.getpid() != owner:  # a forked child that kept the handler: die as by default
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if first:
+            if time.monotonic() - first[0] > STOP_GRACE_S:
+                os._exit(128 + signum)
+            return
+        first.append(time.monotonic())
+        _received.append(signum)
+        raise Terminated(signum)
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, handler)
+
+
+def run_main(main: Callable[[], int]) -> NoReturn:
+    """A CLI's ``python -m`` entry: ``main()`` with the stop handlers installed, then
+    :func:`exit_process` with its code. A stop signal that reaches here (``main`` handles its own;
+    this is for one during argument parsing) is its one line and code too."""
+    if threading.current_thread() is threading.main_thread():
+        install_stop_handlers()
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        code = interrupted()
+    exit_process(code)
 
 
 def exit_process(code: int) -> NoReturn:
-    """End a ``python -m`` CLI with ``code``. After a Ctrl-C (:data:`INTERRUPTED`) the process ends
-    with ``os._exit`` once the standard streams are flushed: a native solver stopped mid-solve may
-    still have threads running (CP-SAT's workers, HiGHS's scheduler), and the C++ runtime's static
-    destructors would abort under them at a normal exit ("terminate called without an active
-    exception": exit -6 instead of 130, about one Ctrl-C in ten on a large DAG search)."""
-    if code == INTERRUPTED:
+    """End a ``python -m`` CLI with ``code``. After a stop signal (:data:`STOP_CODES`) the process
+    ends with ``os._exit`` once the standard streams are flushed: a native solver stopped
+    mid-solve may still have threads running (CP-SAT's workers, HiGHS's scheduler), and the C++
+    runtime's static destructors would abort under them at a normal exit ("terminate called
+    without an active exception": exit -6 instead of 130, about one Ctrl-C in ten on a large DAG
+    search)."""
+    if code in STOP_CODES:
+        _finish_multiprocessing()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -41,6 +140,22 @@ def exit_process(code: int) -> NoReturn:
                 pass
         os._exit(code)
     sys.exit(code)
+
+
+def _finish_multiprocessing() -> None:
+    """What a normal exit would do for ``multiprocessing`` and ``os._exit`` skips: end the
+    children still registered (none, after a stop: the CLIs stop theirs) and run its finalizers,
+    which remove its temporary folder (``pymp-*``: on Python < 3.12 the ranks' fork server
+    listens on a socket there). ``multiprocessing.util._exit_function`` is the function a normal
+    exit calls (an atexit handler), private but in every CPython 3."""
+    util = sys.modules.get("multiprocessing.util")
+    finish = getattr(util, "_exit_function", None)
+    if finish is None:
+        return
+    try:
+        finish()
+    except Exception:  # noqa: S110  a failed cleanup must not hide the exit code or add a line
+        pass
 
 
 def shows_progress(quiet: bool) -> bool:

@@ -6,10 +6,10 @@ API function; see solver/cli/entry.py)."""
 
 from solver.cli.entry import make_callable
 from solver.cli.evaluate import evaluate_main
-from solver.console import exit_process
+from solver.console import run_main
 from solver.evaluation import evaluate
 
 make_callable(__name__, evaluate)
 
 if __name__ == "__main__":
-    exit_process(evaluate_main())
+    run_main(evaluate_main)

@@ -5,10 +5,10 @@ function; see solver/cli/entry.py)."""
 
 from solver.cli.entry import make_callable
 from solver.cli.plan import plan_main
-from solver.console import exit_process
+from solver.console import run_main
 from solver.search.planner import plan
 
 make_callable(__name__, plan)
 
 if __name__ == "__main__":
-    exit_process(plan_main())
+    run_main(plan_main)

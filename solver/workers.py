@@ -3,7 +3,11 @@
 A parent killed with SIGKILL runs no cleanup: its pool workers would go on solving, orphaned,
 holding the files they inherited (a sweep's CSV). :func:`exit_with_parent`, called first in each
 worker, ends the worker with its parent: on Linux the kernel sends it SIGKILL when the parent
-dies (``prctl(PR_SET_PDEATHSIG)``), and everywhere a daemon thread polls the parent's pid.
+dies (``prctl(PR_SET_PDEATHSIG)``), and everywhere a daemon thread polls the parent's pid. A
+process started through a fork server (``profiling.run``'s ranks) has the server as its parent
+and the process that asked for it as its launcher (``multiprocessing.parent_process()``); the
+thread also ends it when the launcher ends (its sentinel pipe closes), whether or not the server
+does.
 :func:`stop_pool` is the parent's side on Ctrl-C: queued work is cancelled and running workers
 are terminated instead of finishing their point.
 """
@@ -12,6 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -41,17 +47,25 @@ def exit_with_parent(*, use_prctl: bool = True) -> None:
             log.debug("prctl(PR_SET_PDEATHSIG) unavailable: %s", error)
     if parent == 1:  # the parent died before we asked
         os._exit(1)
+    launcher = multiprocessing.parent_process()
     watcher = threading.Thread(
-        target=_watch_parent, args=(parent,), name="memplan-parent-watch", daemon=True
+        target=_watch_parent,
+        args=(parent, None if launcher is None else launcher.sentinel),
+        name="memplan-parent-watch",
+        daemon=True,
     )
     watcher.start()
 
 
-def _watch_parent(parent: int) -> None:
-    """Exit at once (no cleanup: the parent holds the results) when the parent is gone: the
-    process is then re-parented, so its parent pid changes."""
+def _watch_parent(parent: int, launcher_sentinel: int | None) -> None:
+    """Exit at once (no cleanup: the parent holds the results) when the parent is gone (the
+    process is then re-parented, so its parent pid changes) or the launcher is (its sentinel, a
+    pipe only it writes to, reads end of file)."""
     while True:
-        time.sleep(PARENT_POLL_S)
+        if launcher_sentinel is None:
+            time.sleep(PARENT_POLL_S)
+        elif multiprocessing.connection.wait([launcher_sentinel], PARENT_POLL_S):
+            os._exit(1)
         if os.getppid() != parent:
             os._exit(1)
 

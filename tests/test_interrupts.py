@@ -1,6 +1,6 @@
-"""Time limits whatever the input, progress only on a terminal, and Ctrl-C: exit 130 within a
-second or two, one line on stderr, finished work kept, no process left behind (also when the
-parent is killed).
+"""Time limits whatever the input, progress only on a terminal, and the stop signals: Ctrl-C
+(exit 130), SIGTERM (143) and SIGHUP (129) within a second or two, one line on stderr, finished
+work kept, no process or temporary file left behind (also when the parent is killed).
 
 The fast tests call the pieces in-process (divisors, candidate enumeration, a model build cut by
 its time limit, the CLIs' KeyboardInterrupt path, the helper thread of a native solve). The slow
@@ -30,7 +30,7 @@ from solver.backends.cpsat import solve_cpsat
 from solver.backends.problem import FEASIBLE, UNKNOWN, StageProblem
 from solver.cli import evaluate_main, plan_main
 from solver.cli.progress import SearchProgress
-from solver.console import INTERRUPTED, shows_progress
+from solver.console import HUNG_UP, INTERRUPTED, TERMINATED, Terminated, shows_progress
 from solver.costs import layer_costs
 from solver.errors import InputError
 from solver.plan_check import check_plan
@@ -40,6 +40,10 @@ from solver.search.planner import plan
 from solver.specs import ParallelConfig
 from solver.sweep.runner import progress_bar
 from tests.conftest import GPT_1_3B, ROOT, gpt_chain
+from tests.processes import alive as _alive
+from tests.processes import children as _children
+from tests.processes import cli_env as _env
+from tests.processes import descendants as _descendants
 from tests.random_graphs import random_chain
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -258,33 +262,10 @@ def test_a_native_solve_is_stopped_and_the_interrupt_raised():
 # -- Ctrl-C and kill on real processes ----------------------------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    """Live (not zombie) child processes of ``pid``, from /proc."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
-
-
 def _grandchildren(pid: int) -> list[int]:
     """Live children of ``pid``'s children: the ranks of ``profiling.run``, which start from its
     fork server (a child of ``pid``)."""
     return [grandchild for child in _children(pid) for grandchild in _children(child)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[0] != "Z"
 
 
 def _wait_for(condition, timeout_s: float, what: str) -> None:
@@ -380,18 +361,22 @@ def test_plan_on_a_pipe_prints_no_progress_and_stops_on_ctrl_c(tmp_path):
     assert process.stderr.read() == b"interrupted\n" and process.stdout.read() == b""
 
 
-def _sweep(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+def _sweep(
+    tmp_path: Path, *extra: str, gpus: str = "1,2,64,128", workers: int = 3
+) -> tuple[subprocess.Popen, Path]:
     """A sweep of a 302-layer DAG with CP-SAT: 1 and 2 GPUs solve in about a second, 64 and 128
-    GPUs take minutes; three workers, so the quick points finish while the slow ones run."""
+    GPUs take minutes; three workers, so the quick points finish while the slow ones run. In its
+    own process group (a terminal's job)."""
     out = tmp_path / "sweep.csv"
     process = subprocess.Popen(
-        [PYTHON, "-m", "solver.sweep", _dag(tmp_path), "--gpus", "1,2,64,128"]
-        + ["--global-batch", "256", "--time-limit", "120", "--workers", "3", "--out", str(out)]
+        [PYTHON, "-m", "solver.sweep", _dag(tmp_path), "--gpus", gpus, "--global-batch", "256"]
+        + ["--time-limit", "120", "--workers", str(workers), "--out", str(out)]
         + ["--backend", "cpsat"]
         + list(extra),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        start_new_session=True,
     )
     return process, out
 
@@ -511,3 +496,368 @@ def test_validate_stops_its_ranks_on_ctrl_c(tmp_path):
     assert process.stderr.read() == b"interrupted\n"
     # the ranks are stopped before exit; multiprocessing's resource tracker ends on its own
     _wait_for(lambda: not [pid for pid in ranks if _alive(pid)], 1.0, "the ranks to end")
+
+
+# -- SIGTERM and SIGHUP: handled as Ctrl-C is, exit 128 + the signal ------------------------------
+
+STOPS = [
+    pytest.param(signal.SIGTERM, TERMINATED, id="SIGTERM"),
+    pytest.param(signal.SIGHUP, HUNG_UP, id="SIGHUP"),
+]
+"""(signal, exit code): every CLI prints ``terminated`` for both."""
+
+
+def _terminate(signum: int):
+    def stop(*args, **kwargs):
+        raise Terminated(signum)
+
+    return stop
+
+
+@pytest.mark.parametrize("signum, code", STOPS)
+def test_plan_and_evaluate_return_128_plus_the_signal_with_one_line(
+    run_cli, monkeypatch, signum, code
+):
+    monkeypatch.setattr("solver.search.planner.plan", _terminate(signum))
+    assert run_cli(plan_main, GPT_1_3B, "--gpus", "8", "--global-batch", "64") == (
+        code,
+        "",
+        "terminated\n",
+    )
+    monkeypatch.setattr("solver.cli.evaluate._evaluate_split", _terminate(signum))
+    result = run_cli(
+        evaluate_main, GPT_1_3B, "--pp", "2", "--global-batch", "64", "--split", "even"
+    )
+    assert result == (code, "", "terminated\n")
+
+
+@pytest.mark.parametrize("signum, code", STOPS)
+def test_profiling_clis_return_128_plus_the_signal_with_one_line(
+    run_cli, monkeypatch, tmp_path, signum, code
+):
+    from profiling import calibrate, export, validate
+
+    monkeypatch.setattr(export, "export_graph", _terminate(signum))
+    assert run_cli(export.main, "gpt-tiny") == (code, "", "terminated\n")
+    monkeypatch.setattr(calibrate, "calibrate", _terminate(signum))
+    out = tmp_path / "c.json"
+    assert run_cli(calibrate.main, "--model", "gpt-tiny", "--out", str(out)) == (
+        code,
+        "",
+        "terminated\n",
+    )
+    assert not out.exists()
+    plan_path = tmp_path / "plan.json"
+    code_0, _, _ = run_cli(
+        plan_main, GPT_1_3B, "--gpus", "2", "--global-batch", "8", "--json", str(plan_path)
+    )
+    assert code_0 == 0
+    monkeypatch.setattr("profiling.run.run_plan", _terminate(signum))
+    assert run_cli(validate.main, str(plan_path), "--model", "gpt-tiny")[::2] == (
+        code,
+        "terminated\n",
+    )
+
+
+def test_every_cli_entry_runs_under_the_stop_handlers():
+    """Every ``python -m`` entry of solver/ and profiling/ (a module with a ``__main__`` block)
+    calls ``solver.console.run_main`` (its handlers, its exit), not ``main()`` bare."""
+    marker = 'if __name__ == "__main__":'
+    entries = {
+        path.relative_to(ROOT).as_posix(): path.read_text().rsplit(marker, 1)[1].strip()
+        for folder in ("solver", "profiling")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if marker in path.read_text()
+    }
+    assert set(entries) == {
+        "solver/plan.py",
+        "solver/evaluate.py",
+        "solver/sweep/__main__.py",
+        "profiling/export.py",
+        "profiling/validate.py",
+        "profiling/calibrate.py",
+    }
+    assert all(tail.startswith("run_main(") for tail in entries.values()), entries
+
+
+_HANDLERS = """
+import os, signal, sys, time
+from solver import console
+
+def main():
+    case = sys.argv[1]
+    print("ready", flush=True)
+    if case == "fork":
+        child = os.fork()
+        if child == 0:  # the handler it inherits ends it as SIGTERM would
+            time.sleep(30)
+            os._exit(0)
+        time.sleep(0.2)
+        os.kill(child, signal.SIGTERM)
+        print(os.waitpid(child, 0)[1] & 0x7F, flush=True)
+        return 0
+    try:
+        time.sleep(30)
+    except console.Terminated:
+        if case == "converted":  # native code that turns it into a plain KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGHUP)  # a second signal, ignored during the cleanup
+            time.sleep(0.2)
+            raise KeyboardInterrupt from None
+        raise
+    return 0
+
+console.run_main(main)
+"""
+
+
+def _run_handlers(case: str, signum: int | None) -> subprocess.CompletedProcess:
+    process = subprocess.Popen(
+        [PYTHON, "-c", _HANDLERS, case],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout.readline() == "ready\n"
+    if signum is not None:
+        process.send_signal(signum)
+    out, err = process.communicate(timeout=30)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+@pytest.mark.slow
+def test_stop_handlers_raise_once_survive_native_code_and_leave_forked_children_default():
+    done = _run_handlers("plain", signal.SIGTERM)
+    assert (done.returncode, done.stderr) == (TERMINATED, "terminated\n")
+    done = _run_handlers("plain", signal.SIGHUP)
+    assert (done.returncode, done.stderr) == (HUNG_UP, "terminated\n")
+    done = _run_handlers("converted", signal.SIGTERM)
+    assert (done.returncode, done.stderr) == (TERMINATED, "terminated\n")
+    done = _run_handlers("fork", None)
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"{signal.SIGTERM}\n", "")
+
+
+def _stop_and_check(
+    process: subprocess.Popen, signum: int, code: int, *, group: bool = False
+) -> tuple[set[int], str, str]:
+    """Send ``signum`` (to the process group with ``group``); check the exit code, that it came
+    within STOP_S, and that every process descended from it ended within 2 s of the signal;
+    return those processes, stdout and stderr."""
+    family = _descendants(process.pid)
+    sent = time.monotonic()
+    if group:
+        os.killpg(process.pid, signum)
+    else:
+        process.send_signal(signum)
+    try:
+        out, err = process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail(f"still running 30 s after signal {signum}")
+    took = time.monotonic() - sent
+    if isinstance(err, bytes):
+        out, err = out.decode(), err.decode()
+    assert process.returncode == code and took < STOP_S, (process.returncode, took, err[-2000:])
+    _wait_for(lambda: not [pid for pid in family if _alive(pid)], 2.0, "every descendant")
+    assert "Traceback" not in err, err
+    return family, out, err
+
+
+def _temporary_leftovers(folder: Path) -> list[str]:
+    """What a run left in its TMPDIR, but torch's compile cache (``torchinductor_<user>``,
+    which every run that imports torch's compiler creates and keeps)."""
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("torchinductor_"))
+
+
+@pytest.mark.slow
+@needs_proc
+@pytest.mark.parametrize("signum, code", STOPS)
+def test_plan_stops_on_sigterm_and_sighup(tmp_path, signum, code):
+    process = subprocess.Popen(
+        [PYTHON, "-m", "solver.plan", _dag(tmp_path), "--gpus", "64", "--global-batch", "256"]
+        + ["--time-limit", "120", "--backend", "cpsat"],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(4.0)  # past the imports, in CP-SAT's search of the first config
+    _, out, err = _stop_and_check(process, signum, code)
+    assert (out, err) == ("", "terminated\n")
+
+
+_WORKING = """
+import sys, time
+import profiling.export, solver.cli.evaluate
+from solver.console import run_main
+
+def announce(real, wait):
+    def announced(*args, **kwargs):
+        print("working", flush=True)
+        time.sleep(wait)
+        return real(*args, **kwargs)
+    return announced
+
+cli, sys.argv = sys.argv[1], sys.argv[1:]
+if cli == "evaluate":  # its evaluation made to wait
+    solver.cli.evaluate._evaluate_split = announce(solver.cli.evaluate._evaluate_split, 60)
+    run_main(solver.cli.evaluate.evaluate_main)
+profiling.export.export_graph = announce(profiling.export.export_graph, 0)
+run_main(profiling.export.main)
+"""
+"""``evaluate ARGS`` or ``export ARGS``: the CLI, saying "working" when its work starts."""
+
+
+@pytest.mark.slow
+@needs_proc
+@pytest.mark.parametrize("signum, code", STOPS)
+def test_evaluate_and_export_stop_on_sigterm_and_sighup(tmp_path, signum, code):
+    """evaluate (its evaluation made to wait) and export (a real fake-tensor profile of a large
+    model), each signalled once its work has started."""
+    commands = [
+        ["evaluate", GPT_1_3B, "--pp", "2", "--global-batch", "64", "--split", "even"],
+        ["export", "gpt3-175b", "--out", str(tmp_path / "g.json")],
+    ]
+    for command in commands:
+        process = subprocess.Popen(
+            [PYTHON, "-c", _WORKING, *command],
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert process.stdout.readline() == "working\n", process.communicate()
+        time.sleep(0.5)
+        _, out, err = _stop_and_check(process, signum, code)
+        assert (out, err) == ("", "terminated\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@needs_proc
+@pytest.mark.parametrize("signum, code", STOPS)
+def test_sweep_stops_on_sigterm_and_sighup_keeps_its_rows_and_leaves_nothing(
+    tmp_path, signum, code
+):
+    process, out = _sweep(tmp_path)
+    _wait_for(lambda: _rows(out) == 2, 30, "the two quick rows")
+    assert len(_children(process.pid)) >= 2  # the slow points are running
+    _, _, err = _stop_and_check(process, signum, code)
+    assert err == f"terminated; 2 rows kept in {out}\n"
+    assert sorted(line.split(",")[0] for line in out.read_text().splitlines()[1:]) == ["1", "2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dag.json", "sweep.csv"]
+
+
+@pytest.mark.slow
+@needs_proc
+def test_sweep_stopped_before_any_row_leaves_no_temporary_csv(tmp_path):
+    """SIGTERM to the whole process group (the workers get it too), before any row."""
+    process, out = _sweep(tmp_path, gpus="64,128", workers=2)
+    _wait_for(lambda: len(_children(process.pid)) == 2, 30, "two workers")
+    time.sleep(0.5)
+    _, _, err = _stop_and_check(process, signal.SIGTERM, TERMINATED, group=True)
+    assert err == f"terminated; no row done, {out} not written\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dag.json"]
+
+
+def _tiny_plan(tmp_path: Path) -> Path:
+    """A 2-stage plan of fp32 gpt-tiny for the torch runtime (what profiling.validate runs)."""
+    from profiling.export import export_graph
+
+    graph = tmp_path / "tiny.json"
+    graph.write_text(json.dumps(export_graph("gpt-tiny", dtype="fp32").to_dict()))
+    plan_path = tmp_path / "plan.json"
+    arguments = [str(graph), "--gpus", "2", "--pp", "2", "--global-batch", "8"]
+    arguments += ["--runtime", "torch", "--bytes-per-param", "4,4,8"]
+    assert plan_main([*arguments, "--json", str(plan_path), "--quiet"]) == 0
+    return plan_path
+
+
+_HANGING_VALIDATE_MAIN = """
+import functools, sys
+import profiling.run, profiling.validate
+from solver.console import run_main
+profiling.run.run_plan = functools.partial(profiling.run.run_plan, _fault=(0, "hang"))
+run_main(profiling.validate.main)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@needs_proc
+@pytest.mark.parametrize("signum, code", STOPS)
+def test_validate_stops_its_ranks_fork_server_and_tracker_on_sigterm_and_sighup(
+    tmp_path, signum, code
+):
+    """Rank 0 hangs; the signal ends the CLI with its line, and its ranks, their fork server
+    and multiprocessing's resource tracker within 2 s; the run's result folder is removed."""
+    plan_path = _tiny_plan(tmp_path)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    process = subprocess.Popen(
+        [PYTHON, "-c", _HANGING_VALIDATE_MAIN, str(plan_path), "--model", "gpt-tiny"],
+        cwd=ROOT,
+        env=_env(TMPDIR=str(temporary)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for(lambda: len(_grandchildren(process.pid)) >= 2, 60, "the ranks")
+    time.sleep(1.0)
+    family, _, err = _stop_and_check(process, signum, code)
+    assert err == "terminated\n"
+    assert len(family) >= 4  # two ranks, the fork server, the resource tracker
+    assert _temporary_leftovers(temporary) == []
+
+
+def _fork_server_started(pid: int) -> bool:
+    """Whether ``pid`` has started the ranks' fork server (which imports torch for seconds)."""
+    for child in _children(pid):
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"multiprocessing.forkserver" in command:
+            return True
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@needs_proc
+@pytest.mark.parametrize(
+    "signum, code, group, line",
+    [
+        pytest.param(signal.SIGTERM, TERMINATED, False, "terminated", id="SIGTERM"),
+        pytest.param(signal.SIGINT, INTERRUPTED, True, "interrupted", id="ctrl-c"),
+    ],
+)
+def test_calibrate_stopped_while_its_fork_server_starts_leaves_nothing(
+    tmp_path, signum, code, group, line
+):
+    """The signal comes while the fork server imports torch with a rank's start queued: the
+    server used to fork that rank afterwards, and the two (and the resource tracker) lived on
+    for minutes; a Ctrl-C to the process group printed the server's KeyboardInterrupt
+    traceback."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    out = tmp_path / "c.json"
+    process = subprocess.Popen(
+        [PYTHON, "-m", "profiling.calibrate", "--model", "gpt-tiny", "--configs", "1"]
+        + ["--out", str(out)],
+        cwd=ROOT,
+        env=_env(TMPDIR=str(temporary)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    _wait_for(lambda: _fork_server_started(process.pid), 60, "the fork server")
+    time.sleep(0.3)
+    family, _, err = _stop_and_check(process, signum, code, group=group)
+    assert err.splitlines()[-1] == line and len(err.splitlines()) == 2, err  # after "running"
+    assert len(family) >= 2  # the fork server and the resource tracker
+    assert _temporary_leftovers(temporary) == [] and not out.exists()

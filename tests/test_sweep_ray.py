@@ -10,11 +10,16 @@ and the bad-input tests that need no instance still run.
 from __future__ import annotations
 
 import ast
+import contextlib
+import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,8 +28,10 @@ from solver import Cluster, TrainingConfig
 from solver.cli.sweep import sweep_main
 from solver.errors import InputError
 from solver.sweep import ROW_KEYS, CsvRows, read_rows, sweep
+from solver.sweep.ray_address import CLIENT_HINT, IMPORT_TIMEOUT_S
 from solver.sweep.ray_executor import FAULT_ENV, MAX_RETRIES
 from tests.conftest import GPT_1_3B, ROOT
+from tests.processes import alive, children, cli_env, descendants
 
 GIB = 2**30
 TEMPLATE = Cluster(num_gpus=1)
@@ -50,6 +57,9 @@ def ray_instance():
 def local_rows(gpt_graph) -> list[dict]:
     """The local executor's rows of :data:`POINTS`, in process (the reference)."""
     return sweep(gpt_graph, *POINTS, TRAINING, TEMPLATE, workers=1)
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 
 
 # -- on a Ray instance ---------------------------------------------------------------------
@@ -153,10 +163,20 @@ def test_interrupted_ray_sweep_keeps_rows(ray_instance, gpt_graph, tmp_path, loc
 
 
 @pytest.mark.slow
-def test_cli_on_a_running_cluster_and_its_ctrl_c(ray_instance, tmp_path):
-    """``--ray-address`` of the running instance from another process; SIGINT to its process
-    group (what a terminal's Ctrl-C does) returns 130 with the rows done kept in the CSV, and
-    the cluster gets its CPUs back at once (Ray ends a disconnected driver's tasks)."""
+@pytest.mark.parametrize(
+    "signum, code, line",
+    [
+        pytest.param(signal.SIGINT, 130, "interrupted", id="ctrl-c"),
+        pytest.param(signal.SIGTERM, 143, "terminated", id="SIGTERM"),
+        pytest.param(signal.SIGHUP, 129, "terminated", id="SIGHUP"),
+    ],
+)
+def test_cli_on_a_running_cluster_and_its_stop_signals(ray_instance, tmp_path, signum, code, line):
+    """``--ray-address`` of the running instance from another process; SIGINT, SIGTERM or SIGHUP
+    to its process group (a terminal's Ctrl-C, a supervisor, a closed terminal) returns 128 +
+    the signal with the rows done kept in the CSV and one line (SIGTERM was exit 1 with Ray's
+    C++ stack dump: ray.init takes over the handler), and the cluster gets its CPUs back at once
+    (Ray ends a disconnected driver's tasks)."""
     ray = ray_instance
     address = ray.get_runtime_context().gcs_address
     out = tmp_path / "sweep.csv"
@@ -173,11 +193,12 @@ def test_cli_on_a_running_cluster_and_its_ctrl_c(ray_instance, tmp_path):
     while _rows_streamed(tmp_path) < 1 and time.monotonic() < deadline:
         time.sleep(0.1)
         assert process.poll() is None, process.communicate()[1]
-    os.killpg(process.pid, signal.SIGINT)
+    os.killpg(process.pid, signum)
     _, err = process.communicate(timeout=30)
-    assert process.returncode == 130, err[:3000]
+    assert process.returncode == code, err[:3000]
     rows = read_rows(out)
-    assert 1 <= len(rows) < 14 and err.strip().endswith(f"rows kept in {out}")
+    assert err.splitlines()[-1] == f"{line}; {len(rows)} rows kept in {out}", err[-3000:]
+    assert 1 <= len(rows) < 14 and "Traceback" not in err and "SIGTERM received" not in err
     while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU", 0) == 2
@@ -235,6 +256,157 @@ def test_cli_unreachable_or_malformed_ray_address_is_one_line_exit_2(run_cli, ad
     )  # fmt: skip
     assert code == 2 and message in err and err.count("\n") == 1
     assert time.monotonic() - started < 6  # Ray alone would retry the address forever
+
+
+@contextlib.contextmanager
+def _not_ray() -> Iterator[int]:
+    """A TCP server on 127.0.0.1 that accepts connections and never answers (not Ray): its
+    port."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                held.append(server.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join()
+        for connection in [*held, server]:
+            connection.close()
+
+
+@pytest.mark.slow
+def test_an_address_that_accepts_tcp_but_is_not_ray_is_exit_2_within_the_bound(run_cli):
+    """Ray alone retried such an address for minutes (killed at 150 s; Ctrl-C took 20 s): a Ray
+    client in a child process gets --time-limit seconds after importing Ray to answer."""
+    pytest.importorskip("ray")
+    with _not_ray() as port:
+        started = time.monotonic()
+        code, out, err = run_cli(
+            sweep_main, GPT_1_3B, "--gpus", "8", "--global-batch", "64", "--executor", "ray",
+            "--ray-address", f"127.0.0.1:{port}", "--time-limit", "2",
+        )  # fmt: skip
+        took = time.monotonic() - started
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert err.startswith(
+        f"error: --ray-address 127.0.0.1:{port}: no Ray cluster answered within 2 s (the port "
+        "accepts connections but no Ray GCS replied); give the head node's GCS address HOST:PORT"
+    )
+    assert 2 < took < 2 + IMPORT_TIMEOUT_S  # 3-5 s here: Ray's import, then 2 s
+
+
+@pytest.mark.slow
+@needs_proc
+def test_a_stop_signal_while_the_address_is_checked_ends_the_check(tmp_path):
+    """The check's child process ends with the CLI: SIGTERM gives 143 at once."""
+    pytest.importorskip("ray")
+    with _not_ray() as port:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "solver.sweep", GPT_1_3B, "--gpus", "8", "--global-batch"]
+            + ["64", "--executor", "ray", "--ray-address", f"127.0.0.1:{port}"],
+            cwd=ROOT,
+            env=cli_env(),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 30
+        while not children(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (probe,) = children(process.pid)
+        time.sleep(0.5)
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+        assert (process.returncode, err) == (143, "terminated\n")
+        assert time.monotonic() - sent < 2 and not Path(f"/proc/{probe}").exists()
+
+
+def test_a_ray_client_address_without_ray_client_installed_says_what_to_do(run_cli, monkeypatch):
+    """``ray://`` is Ray Client, which needs the ray[client] extra (grpcio): without it Ray
+    raised a traceback; now one line names the extra, or the GCS address to give instead."""
+    pytest.importorskip("ray")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "grpc" else find_spec(name, *args),
+    )
+    started = time.monotonic()
+    code, out, err = run_cli(
+        sweep_main, GPT_1_3B, "--gpus", "8", "--global-batch", "64", "--executor", "ray",
+        "--ray-address", "ray://127.0.0.1:10001",
+    )  # fmt: skip
+    assert (code, out) == (2, "")
+    assert err == f"error: --ray-address ray://127.0.0.1:10001: {CLIENT_HINT}\n"
+    assert "pip install 'ray[client]'" in CLIENT_HINT and "HOST:PORT" in CLIENT_HINT
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.slow
+def test_a_ray_client_address_that_is_not_ray_is_exit_2_within_the_bound(run_cli):
+    """With ray[client] installed, ``ray://`` to a port that is not a Ray Client server."""
+    pytest.importorskip("ray")
+    pytest.importorskip("grpc")
+    with _not_ray() as port:
+        code, _, err = run_cli(
+            sweep_main, GPT_1_3B, "--gpus", "8", "--global-batch", "64", "--executor", "ray",
+            "--ray-address", f"ray://127.0.0.1:{port}", "--time-limit", "1",
+        )  # fmt: skip
+    assert code == 2 and err.count("\n") == 1
+    assert "no Ray Client server replied" in err
+
+
+@pytest.mark.slow
+@needs_proc
+@pytest.mark.parametrize("when", ["starting", "running"])
+def test_sigterm_on_a_sweep_with_its_own_instance_ends_it_and_ray(tmp_path, when):
+    """No --ray-address: the sweep starts a local instance. SIGTERM (to the sweep alone, as
+    ``kill`` sends it) was exit -6 after Ray's C++ "SIGTERM received" stack dump once the
+    instance ran, and exit 15 without a line while ``ray.init`` started it (its own handler);
+    now 143 and one line (the rows done kept), and every process of the instance ends with
+    it."""
+    pytest.importorskip("ray")
+    out = tmp_path / "sweep.csv"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "solver.sweep", "examples/gpt3-175b.json"]
+        + ["--gpus", "64,128,256,512,1024,2048,4096", "--gpu-memory", "40GiB,80GiB"]
+        + ["--global-batch", "1536", "--executor", "ray", "--workers", "2"]
+        + ["--out", str(out), "--quiet"],
+        cwd=ROOT,
+        env=cli_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while (
+        not descendants(process.pid) if when == "starting" else _rows_streamed(tmp_path) < 1
+    ) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        assert process.poll() is None, process.communicate()[1]
+    time.sleep(0.3 if when == "starting" else 0)
+    family = descendants(process.pid)
+    assert family  # Ray's processes
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 143, err[-3000:]
+    if when == "starting":
+        assert err.splitlines()[-1] == f"terminated; no row done, {out} not written"
+    else:
+        rows = read_rows(out)
+        assert err.splitlines()[-1] == f"terminated; {len(rows)} rows kept in {out}"
+    assert "Traceback" not in err and "SIGTERM received" not in err
+    deadline = time.monotonic() + 2
+    while any(Path(f"/proc/{pid}").exists() for pid in family) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in family if alive(pid)]
 
 
 def test_sweep_api_rejects_an_unknown_executor(gpt_graph):

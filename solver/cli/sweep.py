@@ -11,7 +11,7 @@ in solver/cli/common.py build them).
 Only parses, calls solver.sweep, prints and writes; errors are one
 line with exit code 2 (bad input, a bad --out/--json/--plot path: before any work); a sweep whose
 every point is an ERROR row also returns 2; 7: an output could not be written;
-Ctrl-C returns 130 and keeps the CSV rows already written.
+Ctrl-C, SIGTERM and SIGHUP return 130, 143 and 129 and keep the CSV rows already written.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
         import_ray()
         if args.ray_address is not None:
-            check_address(args.ray_address)
+            check_address(args.ray_address, time_limit_s=args.time_limit)
     elif args.ray_address is not None:
         raise InputError("--ray-address goes with --executor ray")
     console.check_outputs(args)  # --json, --out, --plot: before any graph is read or solved

@@ -1,7 +1,7 @@
 """``python -m solver.sweep``: see solver/cli/sweep.py."""
 
 from solver.cli.sweep import sweep_main
-from solver.console import exit_process
+from solver.console import run_main
 
 if __name__ == "__main__":
-    exit_process(sweep_main())
+    run_main(sweep_main)

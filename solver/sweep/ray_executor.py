@@ -31,23 +31,23 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
+import signal
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from solver.console import STOP_SIGNALS, Terminated
 from solver.errors import InputError
 from solver.sweep.point import PointOptions, empty_row, solve_point
+from solver.sweep.ray_address import check_address
 
 log = logging.getLogger(__name__)
 
 MAX_RETRIES = 2
 """Times a failed point's task is run again (3 attempts in all)."""
-CONNECT_TIMEOUT_S = 5.0
-"""How long ``--ray-address HOST:PORT`` may take to accept a TCP connection. Ray itself retries
-an address that does not answer forever, so it is checked first."""
 WAIT_S = 0.5
 """How often the driver wakes up while waiting for tasks (Ctrl-C is seen within it)."""
 DETAIL_CHARS = 300
@@ -113,28 +113,6 @@ def import_ray() -> Any:
     return ray
 
 
-def check_address(address: str) -> None:
-    """InputError unless ``address`` is ``auto`` or a ``[ray://]HOST:PORT`` that accepts a TCP
-    connection within :data:`CONNECT_TIMEOUT_S`."""
-    if address == "auto":
-        return
-    hostport = address.removeprefix("ray://")
-    host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InputError(
-            f"--ray-address {address!r}: expected HOST:PORT (the head node's GCS, e.g. "
-            "10.0.0.1:6379), ray://HOST:PORT or auto"
-        )
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), CONNECT_TIMEOUT_S):
-            pass
-    except OSError as error:
-        raise InputError(
-            f"--ray-address {address}: no Ray cluster answers there ({error}); start one with "
-            "'ray start --head', or leave out --ray-address to start a local instance"
-        ) from None
-
-
 @contextmanager
 def ray_session(address: str | None, cpus: int | None) -> Iterator[Any]:
     """The ray module, connected: to the instance this process already joined (left as it is),
@@ -145,31 +123,69 @@ def ray_session(address: str | None, cpus: int | None) -> Iterator[Any]:
     if ray.is_initialized():
         yield ray
         return
-    if address is not None:
-        check_address(address)
-        try:
-            ray.init(address=address, logging_level=logging.WARNING)
-        except ConnectionError as error:  # "auto" with no cluster on this machine
-            found = (
-                "no Ray cluster runs on this machine"
-                if address == "auto"
-                else " ".join(str(error).split())
-            )
-            raise InputError(
-                f"--ray-address {address}: {found}; start one with 'ray start --head', give "
-                "its HOST:PORT, or leave out --ray-address to start a local instance"
-            ) from None
-    else:
+    handlers = _python_handlers()
+    try:
+        _connect(ray, address, cpus)
+    except SystemExit as stop:  # ray.init's SIGTERM handler (sys.exit(15)) ran meanwhile
+        ray.shutdown()
+        if stop.code == signal.SIGTERM and signal.SIGTERM in handlers:
+            raise Terminated(signal.SIGTERM) from None  # the caller's stop, as after ray.init
+        raise
+    except BaseException:  # a local instance half started: stop what it started
+        ray.shutdown()
+        raise
+    finally:
+        _restore_handlers(handlers)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def _connect(ray: Any, address: str | None, cpus: int | None) -> None:
+    """``ray.init``: to ``address`` (checked first), else a new local instance."""
+    if address is None:
         ray.init(
             address="local",  # a new instance, whatever RAY_ADDRESS says
             num_cpus=cpus or os.cpu_count() or 1,
             include_dashboard=False,
             logging_level=logging.WARNING,
         )
+        return
+    check_address(address)
     try:
-        yield ray
-    finally:
-        ray.shutdown()
+        ray.init(address=address, logging_level=logging.WARNING)
+    except ConnectionError as error:  # "auto" with no cluster on this machine
+        found = (
+            "no Ray cluster runs on this machine"
+            if address == "auto"
+            else " ".join(str(error).split())
+        )
+        raise InputError(
+            f"--ray-address {address}: {found}; start one with 'ray start --head', give "
+            "its HOST:PORT, or leave out --ray-address to start a local instance"
+        ) from None
+
+
+HANDLED_SIGNALS = (signal.SIGINT, *STOP_SIGNALS)
+"""Signals whose Python handlers ``ray.init`` must not take over."""
+
+
+def _python_handlers() -> dict[int, Any]:
+    """The signals of :data:`HANDLED_SIGNALS` that have a Python handler (a CLI's, see
+    ``solver.console.run_main``), with it."""
+    handlers = {signum: signal.getsignal(signum) for signum in HANDLED_SIGNALS}
+    return {signum: handler for signum, handler in handlers.items() if callable(handler)}
+
+
+def _restore_handlers(handlers: dict[int, Any]) -> None:
+    """Put back ``handlers``: ``ray.init`` sets its own SIGTERM handler (``sys.exit``) and its
+    core worker a C++ one that prints a stack dump and aborts, where the caller's ends the sweep
+    as Ctrl-C does (exit 143, the rows done kept)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
 
 
 def run_on_ray(
