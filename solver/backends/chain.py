@@ -69,6 +69,14 @@ up to about 100 layers that beats the relaxation's searches and the band's per-s
 bookkeeping at every stage count (measured 1.2-2.5x faster at 24-96 layers x 8-32 stages; even
 at 128, slower at 200), above it the band's smaller tables win. The split can differ from the
 band's when the band's greedy incumbent is already optimal (it keeps that one): same peak."""
+TABLE_BYTES = 2**26
+"""Bytes of prefix-sum tables (``_Sums``) one chain materialises at most: the relaxation's rules
+U, V of the stages, as arrays, until this is spent, then evaluated where read (a searchsorted
+becomes a bisection over a window), so the tables never grow past O(L) beyond it however many
+stages (a 20,002-layer chain on as many stages asked for 8 x 20,002 x 20,003 int64, 24 GiB)."""
+TIME_BASIS = ("time", "forward", "tail")
+"""The prefix sums (of time_ns, forward_ns, tail_ns) the bound's terms combine, in the order of
+``_time_coefficients``' last axis."""
 DIRECT_BAND_PAIRS = 2**20
 """A chain with at most this many (stage, start, end) triples, p L^2 / 2, goes straight to the
 DP at the incumbent value: even a band of every pair costs less than the Python overhead of the
@@ -114,16 +122,23 @@ class _Chain:
         prefix = lambda values: np.concatenate(([0], np.cumsum(values, dtype=np.int64)))  # noqa: E731
         self.state_prefix = prefix(costs.state_bytes)
         self.stored_prefix = prefix(costs.stored_bytes)
-        # the bound's terms [term, stage, position] (every stage has as many)
+        # the bound's terms as coefficients [term, stage, basis] of the time basis (every
+        # stage has as many terms): U = end . basis, V = start . basis (``_time_coefficients``)
         terms = bound_terms(costs)
-        self._time_end, self._time_start, self._time_offset, self._time_first = _time_rules(
-            costs, terms, prefix
+        self.tail_prefix = prefix(costs.tail_ns)
+        self._time_basis = np.stack(
+            [prefix(costs.time_ns), prefix(costs.forward_ns), self.tail_prefix]
+        )  # [TIME_BASIS, position]
+        self._time_end, self._time_start, self._time_offset, self._time_first = _time_coefficients(
+            costs, terms
         )
         # per stage, its distinct terms (the relaxation's rules need each once)
         self._time_terms = [
             [k for k, term in enumerate(rank) if term not in rank[:k]] for rank in terms
         ]
-        self.tail_prefix = prefix(costs.tail_ns)
+        self._sums: dict[tuple, _Sums] = {}
+        self._time_sums: dict[int, list] = {}
+        self._table_bytes_left = TABLE_BYTES
         for name in (
             "state_bytes",
             "stored_bytes",
@@ -148,12 +163,17 @@ class _Chain:
         self.transient_max = int(transient.max())
         self._transient_table = _sparse_max_table(transient)
         self._log2 = np.floor(np.log2(np.arange(1, self.num_layers + 1))).astype(np.int64)
-        self._memory_prefix: dict[tuple[int, bool], np.ndarray] = {}
         self._rules: tuple[_Limits, list] | None = None
         # stages whose gradients appear at the first backward (costs.first_backward_moments)
         self.late = np.asarray(costs.first_backward_peak, dtype=bool)
         self.grad_prefix = prefix(costs.grad_bytes)
         self.ungraded_prefix = self.state_prefix - self.grad_prefix
+        # the prefix sums the relaxation's rules combine (``sums``)
+        self._bases = dict(zip(TIME_BASIS, self._time_basis, strict=True)) | {
+            "state": self.state_prefix,
+            "ungraded": self.ungraded_prefix,
+            "stored": self.stored_prefix,
+        }
         if self.late.any():
             # stored(i..l) + grads(l+1..j) + transient_l = h[l] - stored_prefix[i]
             # + grad_prefix[j + 1]
@@ -175,15 +195,41 @@ class _Chain:
         if self.deadline is not None and time.perf_counter() > self.deadline:
             raise _TimeUp
 
-    def memory_prefix(self, stage: int) -> np.ndarray:
-        """Prefix sums of state + k_s stored, bytes (length L + 1); without the gradients on a
-        stage whose peak can precede them (``late``: its first-backward moments are at least
-        that, at the last layer)."""
-        key = (int(self.in_flight[stage]), bool(self.late[stage]))
-        if key not in self._memory_prefix:
-            states = self.ungraded_prefix if key[1] else self.state_prefix
-            self._memory_prefix[key] = states + key[0] * self.stored_prefix
-        return self._memory_prefix[key]
+    def sums(self, terms: tuple[tuple[int, str], ...]) -> _Sums:
+        """The prefix combination sum_b c_b P_b of ``terms`` ((c_b, name of P_b) pairs, P_b in
+        ``_bases``), shared by the rules that use it; a table while ``TABLE_BYTES`` lasts."""
+        key = tuple((coefficient, name) for coefficient, name in terms if coefficient)
+        found = self._sums.get(key)
+        if found is None:
+            found = _Sums(tuple((c, self._bases[name]) for c, name in key), self.num_layers)
+            if self._table_bytes_left >= 8 * (self.num_layers + 1):
+                found.materialise()
+                self._table_bytes_left -= 8 * (self.num_layers + 1)
+            self._sums[key] = found
+        return found
+
+    def memory_sums(self, stage: int) -> _Sums:
+        """Prefix sums of state + k_s stored, bytes; without the gradients on a stage whose peak
+        can precede them (``late``: its first-backward moments are at least that, at the last
+        layer)."""
+        states = "ungraded" if self.late[stage] else "state"
+        return self.sums(((1, states), (int(self.in_flight[stage]), "stored")))
+
+    def time_sums(self, stage: int) -> list[tuple[_Sums, _Sums, int, int]]:
+        """Per distinct term of the bound of a stage, (U, V, offset ns, X_0's coefficient)
+        (``_time_coefficients``)."""
+        found = self._time_sums.get(stage)
+        if found is None:
+            terms = []
+            for k in self._time_terms[stage]:
+                end, start = (
+                    self.sums(tuple(zip(coefficients[k, stage].tolist(), TIME_BASIS, strict=True)))
+                    for coefficients in (self._time_end, self._time_start)
+                )
+                offset, first = int(self._time_offset[k, stage]), int(self._time_first[k])
+                terms.append((end, start, offset, first))
+            found = self._time_sums[stage] = terms
+        return found
 
     def boundary_floor(self, stage: int) -> int:
         """Smallest possible buffers + transient of a stage, bytes (the relaxation's constant)."""
@@ -273,12 +319,13 @@ class _Chain:
         """time(s; i, j) of the module docstring with X_0 = ``first_tail``, ns; ``stage`` is one
         index or one per pair."""
         stage = np.broadcast_to(stage, np.shape(starts))
-        value = (
-            self._time_end[:, stage, ends + 1]
-            - self._time_start[:, stage, starts]
-            + self._time_offset[:, stage]
-            + (self._time_first * first_tail)[:, None]
-        )
+        value = self._time_offset[:, stage] + (self._time_first * first_tail)[:, None]
+        at_end, at_start = self._time_basis[:, ends + 1], self._time_basis[:, starts]
+        for b in range(len(TIME_BASIS)):  # U . P[j+1] - V . P[i], term by term
+            value += (
+                self._time_end[:, stage, b] * at_end[b]
+                - self._time_start[:, stage, b] * at_start[b]
+            )
         return value.max(axis=0)
 
     def first_tails(self) -> np.ndarray:
@@ -305,7 +352,7 @@ class _Chain:
 
     # -- monotone relaxation ---------------------------------------------------------------
 
-    def stage_rules(self, limits: _Limits) -> list[list[tuple[np.ndarray, np.ndarray, int, bool]]]:
+    def stage_rules(self, limits: _Limits) -> list[list[tuple[_Sums, _Sums, int, bool]]]:
         """Per stage, (end sums U, start sums V, offset, scaled) rules of the monotone
         relaxation: stage i..j passes at a bound iff U[j+1] - V[i] <= (bound + offset if scaled
         else offset) for each rule (U, V non-decreasing). It relaxes 'stage quantity <= bound
@@ -313,17 +360,16 @@ class _Chain:
         if self._rules is not None and self._rules[0] == limits:
             return self._rules[1]
         rules = []
+        tail = self.sums(((1, "tail"),))
+        timed_rules = limits.kind == TIME or limits.budget_ns is not None
         for s in range(self.num_stages):
+            self.check_time()
             floor = self.boundary_floor(s)
-            memory = self.memory_prefix(s)
-            # the terms with X_0 take its lower bound
+            memory = self.memory_sums(s)
+            # the terms with X_0 take its lower bound (none when no rule reads them)
             timed = [
-                (
-                    self._time_end[k, s],
-                    self._time_start[k, s],
-                    int(self._time_offset[k, s] + self._time_first[k] * limits.first_tail_ns),
-                )
-                for k in self._time_terms[s]
+                (end, start, offset + first * limits.first_tail_ns)
+                for end, start, offset, first in (self.time_sums(s) if timed_rules else ())
             ]
             if limits.kind == PEAK:
                 stage = [(memory, memory, -floor, True)]
@@ -336,7 +382,7 @@ class _Chain:
                     (end, start, limits.budget_ns - offset, False) for end, start, offset in timed
                 ]
             if s == 0 and limits.first_tail_max_ns is not None:
-                stage.append((self.tail_prefix, self.tail_prefix, limits.first_tail_max_ns, False))
+                stage.append((tail, tail, limits.first_tail_max_ns, False))
             rules.append(stage)
         self._rules = (limits, rules)
         return rules
@@ -353,10 +399,13 @@ class _Chain:
         position = np.zeros(len(bounds), dtype=np.int64)  # first layer after stage s
         ends = np.empty((num_stages, len(bounds)), dtype=np.int64)
         for s, rules in enumerate(self.stage_rules(limits)):
-            stop = num_layers - (num_stages - 1 - s)
+            if s % 64 == 0:
+                self.check_time()
+            last = stop = num_layers - (num_stages - 1 - s)  # position <= last
             for end, start, offset, scaled in rules:
-                target = start[position] + (bounds + offset if scaled else offset)
-                stop = np.minimum(stop, end.searchsorted(target, "right") - 1)
+                target = start.at(position) + (bounds + offset if scaled else offset)
+                # clipped to [position, last + 1]: the same after the min and max
+                stop = np.minimum(stop, end.searchsorted(target, "right", position, last + 1) - 1)
             position = np.maximum(position, stop)
             ends[s] = position - 1
         return position == num_layers, ends
@@ -366,10 +415,13 @@ class _Chain:
         starts = np.empty(self.num_stages, dtype=np.int64)
         stop = self.num_layers  # first layer after stage s
         for s in reversed(range(self.num_stages)):
+            if s % 64 == 0:
+                self.check_time()
             first = s
             for end, start, offset, scaled in self.stage_rules(limits)[s]:
-                target = end[stop] - (bound + offset if scaled else offset)
-                first = max(first, int(start.searchsorted(target, "left")))
+                target = end.at(stop) - (bound + offset if scaled else offset)
+                # clipped to [s, stop]: the same after the max and min
+                first = max(first, int(start.searchsorted(target, "left", s, stop)))
             starts[s] = stop = min(first, stop)
         return starts if starts[0] == 0 else None
 
@@ -407,10 +459,12 @@ class _Chain:
     def relaxed_top(self, limits: _Limits) -> int:
         """A bound above every stage's relaxed quantity: the bound itself never binds there."""
         if limits.kind == TIME:
-            top = self._time_end[:, :, -1] - self._time_start[:, :, 0] + self._time_offset
+            at_end, at_start = self._time_basis[:, -1], self._time_basis[:, 0]
+            top = self._time_end @ at_end - self._time_start @ at_start + self._time_offset
             return int(top.max() + self._time_first.max() * limits.first_tail_ns)
         return max(
-            int(self.memory_prefix(s)[-1]) + self.boundary_floor(s) for s in range(self.num_stages)
+            int(self.memory_sums(s).at(self.num_layers)) + self.boundary_floor(s)
+            for s in range(self.num_stages)
         )
 
     def exact_top(self, limits: _Limits) -> int:
@@ -566,7 +620,7 @@ class _Chain:
             self.check_time()
             ends = np.arange(end_low[s], end_high[s] + 1)
             lowest = max(previous_low + 1, int(first_start[s]))
-            starts_low = np.maximum(self.first_starts(s, limits, bound, ends), lowest)
+            starts_low = self.first_starts(s, limits, bound, ends, lowest)
             starts_high = np.minimum(ends, previous_high + 1)
             best, choice = self._stage_step(
                 s, limits, ends, starts_low, starts_high, previous, previous_low
@@ -584,12 +638,16 @@ class _Chain:
             end = starts[s] - 1
         return int(previous[-1]), starts
 
-    def first_starts(self, stage: int, limits: _Limits, bound: int, ends: np.ndarray) -> np.ndarray:
-        """Smallest start of stage ``stage`` ending at each of ``ends`` under the relaxation."""
-        first = np.zeros(len(ends), dtype=np.int64)
+    def first_starts(
+        self, stage: int, limits: _Limits, bound: int, ends: np.ndarray, lowest: int
+    ) -> np.ndarray:
+        """Smallest start (at least ``lowest``) of stage ``stage`` ending at each of ``ends``
+        under the relaxation; ends + 1 where there is none."""
+        first = np.full(len(ends), lowest, dtype=np.int64)
         for end, start, offset, scaled in self.stage_rules(limits)[stage]:
             limit = bound + offset if scaled else offset
-            first = np.maximum(first, start.searchsorted(end[ends + 1] - limit, "left"))
+            found = start.searchsorted(end.at(ends + 1) - limit, "left", lowest, ends + 1)
+            first = np.maximum(first, found)
         return first
 
     def _stage_step(
@@ -643,29 +701,88 @@ class _Chain:
         return value
 
 
-def _time_rules(
-    costs: LayerCosts, terms: list[list[BoundTerm]], prefix
+def _time_coefficients(
+    costs: LayerCosts, terms: list[list[BoundTerm]]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The iteration bound's terms (``terms``, ``costs.bound_terms``) of every stage as arrays
-    (U [term, stage, position], V likewise, offset [term, stage], with X_0 [term]): the term of
-    stage s on layers i..j is U[., s, j+1] - V[., s, i] + offset (+ X_0). A term
+    """The iteration bound's terms (``terms``, ``costs.bound_terms``) of every stage as
+    coefficients of the prefix sums pT, pF, pX (``TIME_BASIS``): (U [term, stage, basis], V
+    likewise, offset [term, stage] in ns, X_0's [term]); the term of stage s on layers i..j is
+    U . P[j+1] - V . P[i] + offset (+ X_0). A term
     (m + a) (T + h) + bt T_<r + bf F_<r + e (F + h) + x X + g T_>r + const, with T_>r the
     total time less pT[j+1], is U = (m + a - g) pT + e pF + x pX and
     V = (m + a - bt) pT + (e - bf) pF + x pX, both non-decreasing (per layer T_l >= F_l, and
     the waits' coefficients leave at least as many micro-batches as they take away;
-    tests/test_chain.py checks it)."""
+    tests/test_chain.py checks it). O(terms x stages): the sums themselves are read on demand
+    (``_Chain.times``, ``_Sums``)."""
     m, h = costs.config.num_microbatches, costs.microbatch_overhead_ns
-    time, forward, tail = (prefix(v) for v in (costs.time_ns, costs.forward_ns, costs.tail_ns))
-    total = int(time[-1])
+    total = int(np.sum(costs.time_ns, dtype=np.int64))
     terms = np.array(terms, dtype=np.int64)  # [stage, term, field]
-    field = {name: terms[:, :, k].T[:, :, None] for k, name in enumerate(BoundTerm._fields)}
+    field = {name: terms[:, :, k].T for k, name in enumerate(BoundTerm._fields)}
     busy = m + field["own_time"]
     own_forward, own_tail = field["own_forward"], field["own_tail"]
-    end = (busy - field["after_time"]) * time + own_forward * forward + own_tail * tail
-    start = (busy - field["before_time"]) * time + (own_forward - field["before_forward"]) * forward
-    start = start + own_tail * tail
+    end = np.stack([busy - field["after_time"], own_forward, own_tail], axis=-1)
+    start = np.stack(
+        [busy - field["before_time"], own_forward - field["before_forward"], own_tail], axis=-1
+    )
     offset = field["after_time"] * total + (busy + own_forward) * h + field["constant_ns"]
-    return end, start, offset[:, :, 0], field["first_tail"][:, 0, 0]
+    return end, start, offset, field["first_tail"][:, 0]
+
+
+def _time_rules(
+    costs: LayerCosts, terms: list[list[BoundTerm]], prefix
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``_time_coefficients`` with U and V as arrays [term, stage, position] (``prefix`` makes
+    a prefix sum): O(terms x stages x layers), for tests of small chains only."""
+    end, start, offset, first = _time_coefficients(costs, terms)
+    basis = np.stack([prefix(v) for v in (costs.time_ns, costs.forward_ns, costs.tail_ns)])
+    return end @ basis, start @ basis, offset, first
+
+
+class _Sums:
+    """A non-decreasing sequence U[x] = sum_b c_b P_b[x], x = 0..L, of prefix sums P_b (bytes or
+    ns) with integer coefficients c_b: an array once ``materialise``d, else evaluated where read
+    (O(1) memory beyond the P_b; a search bisects its window)."""
+
+    def __init__(self, terms: tuple[tuple[int, np.ndarray], ...], num_layers: int) -> None:
+        self.terms = terms
+        self.num_layers = num_layers
+        self.table: np.ndarray | None = None
+
+    def materialise(self) -> None:
+        """Keep U as an array (8 (L + 1) bytes): reads and searches at numpy speed."""
+        self.table = self.at(slice(None))
+        self.at = self.table.__getitem__  # the hot loops' reads, without a Python frame
+
+    def at(self, positions: np.ndarray | slice) -> np.ndarray:
+        """U at ``positions`` (int64)."""
+        value = np.zeros(self.num_layers + 1, dtype=np.int64)[positions]
+        for coefficient, basis in self.terms:
+            value = value + coefficient * basis[positions]
+        return value
+
+    def searchsorted(
+        self, values: np.ndarray, side: str, low: np.ndarray | int, high: np.ndarray | int
+    ) -> np.ndarray:
+        """``np.searchsorted(U, values, side)`` inside the window [low, high] (0 <= low <= high
+        <= L + 1, each a scalar or one per value): a result r with clip(r, low, high) equal to
+        the searchsorted's clipped (a table's answer unclipped; untabled, a bisection of the
+        window, the clipped one)."""
+        if self.table is not None:
+            return self.table.searchsorted(values, side)
+        values = np.asarray(values)
+        low = np.array(np.broadcast_to(low, values.shape), dtype=np.int64)
+        high = np.array(np.broadcast_to(high, values.shape), dtype=np.int64)
+        # invariant: the answer is in [low, high]; every x < low is below values (left: U[x] <
+        # value; right: U[x] <= value) or outside the window, every x >= high is not
+        while True:
+            active = low < high
+            if not active.any():
+                return low
+            middle = (low + high) >> 1  # < high <= L + 1 where active: a position of U
+            found = self.at(np.minimum(middle, self.num_layers))
+            below = (found < values if side == "left" else found <= values) & active
+            low = np.where(below, middle + 1, low)
+            high = np.where(active & ~below, middle, high)
 
 
 def _sparse_max_table(values: np.ndarray) -> np.ndarray:
