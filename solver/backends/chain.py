@@ -47,6 +47,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from solver.backends.prefix_sums import PrefixSums
 from solver.backends.problem import (
     StageProblem,
     StageSolution,
@@ -70,10 +71,10 @@ bookkeeping at every stage count (measured 1.2-2.5x faster at 24-96 layers x 8-3
 at 128, slower at 200), above it the band's smaller tables win. The split can differ from the
 band's when the band's greedy incumbent is already optimal (it keeps that one): same peak."""
 TABLE_BYTES = 2**26
-"""Bytes of prefix-sum tables (``_Sums``) one chain materialises at most: the relaxation's rules
-U, V of the stages, as arrays, until this is spent, then evaluated where read (a searchsorted
-becomes a bisection over a window), so the tables never grow past O(L) beyond it however many
-stages (a 20,002-layer chain on as many stages asked for 8 x 20,002 x 20,003 int64, 24 GiB)."""
+"""Bytes of prefix-sum tables (``PrefixSums``) one chain materialises at most: the relaxation's
+rules U, V of the stages, as arrays, until this is spent, then evaluated where read (a search
+looks at a window), so the tables never grow past O(L) beyond it however many stages (a
+20,002-layer chain on as many stages asked for 8 x 20,002 x 20,003 int64, 24 GiB)."""
 TIME_BASIS = ("time", "forward", "tail")
 """The prefix sums (of time_ns, forward_ns, tail_ns) the bound's terms combine, in the order of
 ``_time_coefficients``' last axis."""
@@ -136,7 +137,7 @@ class _Chain:
         self._time_terms = [
             [k for k, term in enumerate(rank) if term not in rank[:k]] for rank in terms
         ]
-        self._sums: dict[tuple, _Sums] = {}
+        self._sums: dict[tuple, PrefixSums] = {}
         self._time_sums: dict[int, list] = {}
         self._table_bytes_left = TABLE_BYTES
         for name in (
@@ -195,27 +196,27 @@ class _Chain:
         if self.deadline is not None and time.perf_counter() > self.deadline:
             raise _TimeUp
 
-    def sums(self, terms: tuple[tuple[int, str], ...]) -> _Sums:
+    def sums(self, terms: tuple[tuple[int, str], ...]) -> PrefixSums:
         """The prefix combination sum_b c_b P_b of ``terms`` ((c_b, name of P_b) pairs, P_b in
         ``_bases``), shared by the rules that use it; a table while ``TABLE_BYTES`` lasts."""
         key = tuple((coefficient, name) for coefficient, name in terms if coefficient)
         found = self._sums.get(key)
         if found is None:
-            found = _Sums(tuple((c, self._bases[name]) for c, name in key), self.num_layers)
+            found = PrefixSums(tuple((c, self._bases[name]) for c, name in key), self.num_layers)
             if self._table_bytes_left >= 8 * (self.num_layers + 1):
                 found.materialise()
                 self._table_bytes_left -= 8 * (self.num_layers + 1)
             self._sums[key] = found
         return found
 
-    def memory_sums(self, stage: int) -> _Sums:
+    def memory_sums(self, stage: int) -> PrefixSums:
         """Prefix sums of state + k_s stored, bytes; without the gradients on a stage whose peak
         can precede them (``late``: its first-backward moments are at least that, at the last
         layer)."""
         states = "ungraded" if self.late[stage] else "state"
         return self.sums(((1, states), (int(self.in_flight[stage]), "stored")))
 
-    def time_sums(self, stage: int) -> list[tuple[_Sums, _Sums, int, int]]:
+    def time_sums(self, stage: int) -> list[tuple[PrefixSums, PrefixSums, int, int]]:
         """Per distinct term of the bound of a stage, (U, V, offset ns, X_0's coefficient)
         (``_time_coefficients``)."""
         found = self._time_sums.get(stage)
@@ -318,15 +319,16 @@ class _Chain:
     ) -> np.ndarray:
         """time(s; i, j) of the module docstring with X_0 = ``first_tail``, ns; ``stage`` is one
         index or one per pair."""
-        stage = np.broadcast_to(stage, np.shape(starts))
-        value = self._time_offset[:, stage] + (self._time_first * first_tail)[:, None]
+        # [basis, pair]
         at_end, at_start = self._time_basis[:, ends + 1], self._time_basis[:, starts]
-        for b in range(len(TIME_BASIS)):  # U . P[j+1] - V . P[i], term by term
-            value += (
-                self._time_end[:, stage, b] * at_end[b]
-                - self._time_start[:, stage, b] * at_start[b]
-            )
-        return value.max(axis=0)
+        first = self._time_first * first_tail
+        if np.ndim(stage) == 0:  # U . P[j+1] - V . P[i] + offset for every term at once
+            value = self._time_end[:, stage] @ at_end - self._time_start[:, stage] @ at_start
+            return (value + (self._time_offset[:, stage] + first)[:, None]).max(axis=0)
+        stage = np.broadcast_to(stage, np.shape(starts))
+        value = np.einsum("kpb,bp->kp", self._time_end[:, stage], at_end)
+        value -= np.einsum("kpb,bp->kp", self._time_start[:, stage], at_start)
+        return (value + self._time_offset[:, stage] + first[:, None]).max(axis=0)
 
     def first_tails(self) -> np.ndarray:
         """The tails the first stage can have (it ends at layer 0 .. L - p), sorted, ns."""
@@ -352,7 +354,7 @@ class _Chain:
 
     # -- monotone relaxation ---------------------------------------------------------------
 
-    def stage_rules(self, limits: _Limits) -> list[list[tuple[_Sums, _Sums, int, bool]]]:
+    def stage_rules(self, limits: _Limits) -> list[list[tuple[PrefixSums, PrefixSums, int, bool]]]:
         """Per stage, (end sums U, start sums V, offset, scaled) rules of the monotone
         relaxation: stage i..j passes at a bound iff U[j+1] - V[i] <= (bound + offset if scaled
         else offset) for each rule (U, V non-decreasing). It relaxes 'stage quantity <= bound
@@ -713,7 +715,7 @@ def _time_coefficients(
     V = (m + a - bt) pT + (e - bf) pF + x pX, both non-decreasing (per layer T_l >= F_l, and
     the waits' coefficients leave at least as many micro-batches as they take away;
     tests/test_chain.py checks it). O(terms x stages): the sums themselves are read on demand
-    (``_Chain.times``, ``_Sums``)."""
+    (``_Chain.times``, ``PrefixSums``)."""
     m, h = costs.config.num_microbatches, costs.microbatch_overhead_ns
     total = int(np.sum(costs.time_ns, dtype=np.int64))
     terms = np.array(terms, dtype=np.int64)  # [stage, term, field]
@@ -736,53 +738,6 @@ def _time_rules(
     end, start, offset, first = _time_coefficients(costs, terms)
     basis = np.stack([prefix(v) for v in (costs.time_ns, costs.forward_ns, costs.tail_ns)])
     return end @ basis, start @ basis, offset, first
-
-
-class _Sums:
-    """A non-decreasing sequence U[x] = sum_b c_b P_b[x], x = 0..L, of prefix sums P_b (bytes or
-    ns) with integer coefficients c_b: an array once ``materialise``d, else evaluated where read
-    (O(1) memory beyond the P_b; a search bisects its window)."""
-
-    def __init__(self, terms: tuple[tuple[int, np.ndarray], ...], num_layers: int) -> None:
-        self.terms = terms
-        self.num_layers = num_layers
-        self.table: np.ndarray | None = None
-
-    def materialise(self) -> None:
-        """Keep U as an array (8 (L + 1) bytes): reads and searches at numpy speed."""
-        self.table = self.at(slice(None))
-        self.at = self.table.__getitem__  # the hot loops' reads, without a Python frame
-
-    def at(self, positions: np.ndarray | slice) -> np.ndarray:
-        """U at ``positions`` (int64)."""
-        value = np.zeros(self.num_layers + 1, dtype=np.int64)[positions]
-        for coefficient, basis in self.terms:
-            value = value + coefficient * basis[positions]
-        return value
-
-    def searchsorted(
-        self, values: np.ndarray, side: str, low: np.ndarray | int, high: np.ndarray | int
-    ) -> np.ndarray:
-        """``np.searchsorted(U, values, side)`` inside the window [low, high] (0 <= low <= high
-        <= L + 1, each a scalar or one per value): a result r with clip(r, low, high) equal to
-        the searchsorted's clipped (a table's answer unclipped; untabled, a bisection of the
-        window, the clipped one)."""
-        if self.table is not None:
-            return self.table.searchsorted(values, side)
-        values = np.asarray(values)
-        low = np.array(np.broadcast_to(low, values.shape), dtype=np.int64)
-        high = np.array(np.broadcast_to(high, values.shape), dtype=np.int64)
-        # invariant: the answer is in [low, high]; every x < low is below values (left: U[x] <
-        # value; right: U[x] <= value) or outside the window, every x >= high is not
-        while True:
-            active = low < high
-            if not active.any():
-                return low
-            middle = (low + high) >> 1  # < high <= L + 1 where active: a position of U
-            found = self.at(np.minimum(middle, self.num_layers))
-            below = (found < values if side == "left" else found <= values) & active
-            low = np.where(below, middle + 1, low)
-            high = np.where(active & ~below, middle, high)
 
 
 def _sparse_max_table(values: np.ndarray) -> np.ndarray:

@@ -41,9 +41,41 @@ from solver.costs.coefficients import LayerCosts
 from solver.costs.schedule import ScheduleAction, interleaved_schedule_groups, schedule_actions
 from solver.costs.stage_cost import StageCost
 from solver.costs.stages import stage_costs
+from solver.errors import InputError
 
+MAX_SCHEDULE_ACTIONS = 2**20
+"""Most forwards and backwards (2 m v p) a simulation runs: each is a few Python objects (about
+350 bytes) and a few microseconds, so 2^20 take about 0.4 GB and 5 s; pp 20,002 with 20,002
+micro-batches would take 300 GB. Configs beyond it are not searched (``candidate_configs``) and a
+layout beyond it is refused (``check_schedule_size``)."""
 DP_OVERLAPS = ("none", "last_backward")
 """When a rank's data-parallel gradient sync runs (``simulate_schedule``)."""
+
+
+def schedule_size(pp: int, virtual_stages: int, num_microbatches: int) -> int:
+    """Forwards and backwards of one iteration over all ranks: 2 m v p."""
+    return 2 * pp * virtual_stages * num_microbatches
+
+
+def check_schedule_size(
+    pp: int, virtual_stages: int, num_microbatches: int, micro_batch: int = 1
+) -> None:
+    """InputError (naming the flags that would do) when a layout's schedule has more than
+    ``MAX_SCHEDULE_ACTIONS`` actions to simulate."""
+    size = schedule_size(pp, virtual_stages, num_microbatches)
+    if size <= MAX_SCHEDULE_ACTIONS:
+        return
+    most_m = MAX_SCHEDULE_ACTIONS // (2 * pp * virtual_stages)  # micro-batches that would do
+    if most_m >= 1:
+        larger = -(-micro_batch * num_microbatches // most_m)
+        fix = f"a --micro-batch of at least {larger} or a smaller --global-batch"
+    else:
+        fix = f"at most {MAX_SCHEDULE_ACTIONS // (2 * virtual_stages)} pipeline stages (--pp)"
+    raise InputError(
+        f"the pipeline schedule of pp {pp} x virtual stages {virtual_stages} x 2 x "
+        f"{num_microbatches} micro-batches = {size} forwards and backwards is too long to "
+        f"simulate (at most {MAX_SCHEDULE_ACTIONS} = 2^20): give {fix}"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -320,6 +352,7 @@ def schedule_inputs(
     (``FROM_COSTS``)."""
     config = costs.config
     p, m, n = config.pp, config.num_microbatches, costs.num_stages
+    check_schedule_size(p, config.virtual_stages, m, config.micro_batch)
     if link_gb_per_s is FROM_COSTS:
         link_gb_per_s = costs.link_gb_per_s
     if p2p_latency_ns is FROM_COSTS:

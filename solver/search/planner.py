@@ -18,9 +18,12 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME
+from solver.costs.moe import num_routed_experts
+from solver.costs.schedule_time import MAX_SCHEDULE_ACTIONS
 from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate_assignment, prepare_training
 from solver.graph import LayerGraph
+from solver.search.candidates import candidate_configs
 from solver.search.config_search import (
     ConfigEntry,
     Deadline,
@@ -100,8 +103,29 @@ def plan(
     # a throughput budget taken from an unproven fastest plan is not proven either
     proven = result.proven and (limit.fastest is None or limit.fastest.proven)
     plan = _build_plan(call, choice, result, limit, proven=proven, started=started)
-    plan.solver.notes += notes
+    plan.solver.notes += notes + _long_schedule_notes(graph, cluster, training)
     return plan
+
+
+def _long_schedule_notes(
+    graph: LayerGraph, cluster: Cluster, training: TrainingConfig
+) -> list[str]:
+    """A note when configs were left out of the search for their schedules' length
+    (``candidates.candidate_configs``)."""
+    long = candidate_configs(
+        graph.num_layers,
+        cluster,
+        training,
+        num_experts=num_routed_experts(graph),
+        long_schedules=True,
+    )
+    if not long:
+        return []
+    return [
+        f"{len(long)} candidate config{'s' * (len(long) > 1)} not searched (e.g. "
+        f"{long[-1].label()}): their schedules have more than {MAX_SCHEDULE_ACTIONS} forwards "
+        "and backwards to simulate; pin --pp, or give a larger --micro-batch, to plan them"
+    ]
 
 
 MAX_BUDGET_ROUNDS = 8
