@@ -47,7 +47,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from solver.backends.prefix_sums import PrefixSums
+from solver.backends.prefix_sums import PrefixSums, sparse_max_table
 from solver.backends.problem import (
     StageProblem,
     StageSolution,
@@ -78,6 +78,10 @@ looks at a window), so the tables never grow past O(L) beyond it however many st
 TIME_BASIS = ("time", "forward", "tail")
 """The prefix sums (of time_ns, forward_ns, tail_ns) the bound's terms combine, in the order of
 ``_time_coefficients``' last axis."""
+DP_CHUNK_PAIRS = 2**21
+"""(start, end) pairs of one DP stage evaluated at once (a dozen int64 arrays of this length, about
+200 MiB at most); a wider band (a long chain on few stages: L^2 / p pairs at a loose bound) goes
+by chunks of ends, the deadline looked at between them."""
 DIRECT_BAND_PAIRS = 2**20
 """A chain with at most this many (stage, start, end) triples, p L^2 / 2, goes straight to the
 DP at the incumbent value: even a band of every pair costs less than the Python overhead of the
@@ -162,7 +166,7 @@ class _Chain:
         transient = np.asarray(costs.transient_bytes, dtype=np.int64)
         self.transient_min = int(transient.min())
         self.transient_max = int(transient.max())
-        self._transient_table = _sparse_max_table(transient)
+        self._transient_table = sparse_max_table(transient)
         self._log2 = np.floor(np.log2(np.arange(1, self.num_layers + 1))).astype(np.int64)
         self._rules: tuple[_Limits, list] | None = None
         # stages whose gradients appear at the first backward (costs.first_backward_moments)
@@ -178,7 +182,7 @@ class _Chain:
         if self.late.any():
             # stored(i..l) + grads(l+1..j) + transient_l = h[l] - stored_prefix[i]
             # + grad_prefix[j + 1]
-            self._during_table = _sparse_max_table(
+            self._during_table = sparse_max_table(
                 self.stored_prefix[1:] - self.grad_prefix[1:] + costs.transient_bytes
             )
         # the optimizer step: every state, the step temporary, the buffers at 0 held
@@ -240,7 +244,7 @@ class _Chain:
         return int(copies) * self.edge_min + self.transient_min + self.constant_bytes
 
     def range_max(self, table: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        """max values[i..j] for each pair from a ``_sparse_max_table`` of the values."""
+        """max values[i..j] for each pair from a ``sparse_max_table`` of the values."""
         level = self._log2[ends - starts]
         return np.maximum(table[level, starts], table[level, ends - (1 << level) + 1])
 
@@ -662,8 +666,39 @@ class _Chain:
         previous: np.ndarray,
         previous_low: int,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """One DP stage on the ragged band: (f_s per end, argmin start per end)."""
+        """One DP stage on the ragged band: (f_s per end, argmin start per end); at most
+        ``DP_CHUNK_PAIRS`` (start, end) pairs at a time (ends apart are independent)."""
         counts = np.maximum(starts_high - starts_low + 1, 0)
+        reached = np.cumsum(counts)
+        if reached[-1] <= DP_CHUNK_PAIRS:
+            return self._stage_pairs(
+                stage, limits, ends, starts_low, counts, previous, previous_low
+            )
+        best, choice = np.empty(len(ends), dtype=np.int64), np.empty(len(ends), dtype=np.int64)
+        first = 0
+        while first < len(ends):
+            self.check_time()
+            taken = reached[first] - counts[first]  # pairs before this chunk
+            last = max(first + 1, int(np.searchsorted(reached, taken + DP_CHUNK_PAIRS, "right")))
+            part = slice(first, last)
+            best[part], choice[part] = self._stage_pairs(
+                stage, limits, ends[part], starts_low[part], counts[part], previous, previous_low
+            )
+            first = last
+        return best, choice
+
+    def _stage_pairs(
+        self,
+        stage: int,
+        limits: _Limits,
+        ends: np.ndarray,
+        starts_low: np.ndarray,
+        counts: np.ndarray,
+        previous: np.ndarray,
+        previous_low: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``_stage_step`` over every pair of ``ends`` at once (``counts`` starts from
+        ``starts_low`` each)."""
         total = int(counts.sum())
         if total == 0:
             return np.full(len(ends), INF, dtype=np.int64), np.full(len(ends), -1)
@@ -738,18 +773,3 @@ def _time_rules(
     end, start, offset, first = _time_coefficients(costs, terms)
     basis = np.stack([prefix(v) for v in (costs.time_ns, costs.forward_ns, costs.tail_ns)])
     return end @ basis, start @ basis, offset, first
-
-
-def _sparse_max_table(values: np.ndarray) -> np.ndarray:
-    """table[k, x] = max values[x .. x + 2^k - 1] (zero-padded where the window runs out)."""
-    rows = [values]
-    width = 1
-    while 2 * width <= len(values):
-        previous = rows[-1]
-        row = np.zeros_like(values)
-        row[: len(values) - 2 * width + 1] = np.maximum(
-            previous[: len(values) - 2 * width + 1], previous[width : len(values) - width + 1]
-        )
-        rows.append(row)
-        width *= 2
-    return np.stack(rows)

@@ -1,6 +1,7 @@
 """Non-decreasing combinations of prefix sums, U[x] = sum_b c_b P_b[x] (x = 0..L), as the chain
 algorithm's relaxation reads them (``chain._Chain.sums``): a table when memory allows, else
-evaluated where read, so that a chain's tables stay O(L) however many stages it has."""
+evaluated where read, so that a chain's tables stay O(L) however many stages it has; and the
+sparse table of range maxima the chain reads transients from."""
 
 from __future__ import annotations
 
@@ -74,3 +75,18 @@ class PrefixSums:
             below = (found < values if side == "left" else found <= values) & active
             low = np.where(below, middle + 1, low)
             high = np.where(active & ~below, middle, high)
+
+
+def sparse_max_table(values: np.ndarray) -> np.ndarray:
+    """table[k, x] = max values[x .. x + 2^k - 1] (zero-padded where the window runs out)."""
+    rows = [values]
+    width = 1
+    while 2 * width <= len(values):
+        previous = rows[-1]
+        row = np.zeros_like(values)
+        row[: len(values) - 2 * width + 1] = np.maximum(
+            previous[: len(values) - 2 * width + 1], previous[width : len(values) - width + 1]
+        )
+        rows.append(row)
+        width *= 2
+    return np.stack(rows)

@@ -275,24 +275,46 @@ def stage_transfer_bytes(
     k -> k + 1 in between (relays, ``solver.costs.boundary_bytes``); direct sends (torch): it goes
     from a to each consuming stage. Its gradient comes back the same way if it requires grad
     (``Edge.requires_grad``)."""
-    forward: dict[tuple[int, int], int] = {}
-    backward: dict[tuple[int, int], int] = {}
-    producer, consumer = stage_of[costs.edge_src], stage_of[costs.edge_dst]
-    for edges, size in costs.tensor_groups:
-        made = int(producer[edges[0]])
-        readers = sorted({int(s) for s in consumer[edges].tolist() if s > made})
-        if not readers or not size:
-            continue
-        if costs.direct_sends:
-            pairs = [(made, s) for s in readers]
-        else:
-            pairs = [(k, k + 1) for k in range(made, readers[-1])]
-        grad = costs.edge_requires_grad is None or bool(costs.edge_requires_grad[edges[0]])
-        for a, c in pairs:
-            forward[(a, c)] = forward.get((a, c), 0) + size
-            if grad:
-                backward[(c, a)] = backward.get((c, a), 0) + size
+    num_stages = costs.num_stages
+    first_edge, size, tensor_of_edge = costs.tensor_arrays
+    stage_of = np.asarray(stage_of, dtype=np.int64)
+    made = stage_of[costs.edge_src[first_edge]]
+    consumer = stage_of[costs.edge_dst]
+    later = (consumer > made[tensor_of_edge]) & (size[tensor_of_edge] != 0)
+    grad = (
+        np.ones(len(first_edge), dtype=bool)
+        if costs.edge_requires_grad is None
+        else np.asarray(costs.edge_requires_grad, dtype=bool)[first_edge]
+    )
+    if costs.direct_sends:  # (producer's stage, reader) once per tensor and later reader
+        pairs = np.unique(tensor_of_edge[later] * num_stages + consumer[later])
+        tensor, reader = pairs // num_stages, pairs % num_stages
+        sender = made[tensor]
+    else:  # every boundary k | k + 1 from the producer's stage to its farthest reader
+        farthest = np.full(len(first_edge), -1, dtype=np.int64)
+        np.maximum.at(farthest, tensor_of_edge[later], consumer[later])
+        tensor = np.flatnonzero(farthest > made)
+        hops = farthest[tensor] - made[tensor]
+        tensor = np.repeat(tensor, hops)
+        sender = made[tensor] + np.arange(len(tensor)) - np.repeat(np.cumsum(hops) - hops, hops)
+        reader = sender + 1
+    forward = _pair_sums(sender, reader, size[tensor], num_stages)
+    chosen = grad[tensor]
+    backward = _pair_sums(reader[chosen], sender[chosen], size[tensor][chosen], num_stages)
     return forward, backward
+
+
+def _pair_sums(
+    source: np.ndarray, target: np.ndarray, size: np.ndarray, num_stages: int
+) -> dict[tuple[int, int], int]:
+    """{(source, target): the sum of ``size`` over the items of that pair}, pairs in order."""
+    keys, index = np.unique(source * num_stages + target, return_inverse=True)
+    totals = np.zeros(len(keys), dtype=np.int64)
+    np.add.at(totals, index, size)
+    return {
+        (int(key) // num_stages, int(key) % num_stages): int(total)
+        for key, total in zip(keys.tolist(), totals.tolist(), strict=True)
+    }
 
 
 FROM_COSTS = object()
