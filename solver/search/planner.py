@@ -402,19 +402,26 @@ def _build_plan(
     report = _solver_report(
         result, proven=proven, configs_total=len(call.entries), started=started, call=call
     )
+    baselines = functools.partial(
+        _baseline_evaluations,
+        call.graph,
+        choice.entry.costs,
+        cluster=call.cluster,
+        training=call.training,
+        recomputed=choice.recomputed,
+        placed=placed,
+    )
+    if call.deadline.expired():  # each is a full evaluation: seconds on 10^4 stages or 10^6 layers
+        baselines = dict
+        report.notes.append(
+            "time limit reached before the baseline splits (even, parameters) were evaluated: "
+            "none shown"
+        )
     return Plan(
         evaluation=evaluation,
         solver=report,
         make_exports=functools.partial(_plan_exports, call.graph, call.training, evaluation),
-        make_baselines=functools.partial(
-            _baseline_evaluations,
-            call.graph,
-            choice.entry.costs,
-            cluster=call.cluster,
-            training=call.training,
-            recomputed=choice.recomputed,
-            placed=placed,
-        ),
+        make_baselines=baselines,
         required_throughput=limit.required,
         fastest_throughput=limit.fastest_throughput(call.training.global_batch),
         iteration_budget_ns=limit.budget_ns,
