@@ -38,6 +38,11 @@ Algorithm (exact; numpy vectorised over layers, Python loops over stages only):
    range's value (time), as it always does at a single candidate; otherwise the range is split
    at that split's own X_0 (which the upper part then values exactly). That outer search is
    ``split_search.py`` (the DAG backend's too); this module is its splitter on a chain.
+
+Memory is O(L + terms x p) at any stage count: the rules' U, V are combinations of a few prefix
+sums with per-(term, stage) coefficients (``_time_coefficients``), tabled while ``TABLE_BYTES``
+lasts and evaluated where read beyond (``prefix_sums.PrefixSums``), and the DP evaluates its
+band ``DP_CHUNK_PAIRS`` pairs at a time. Both give the same integers as full tables.
 """
 
 from __future__ import annotations
