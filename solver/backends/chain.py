@@ -52,7 +52,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from solver.backends.prefix_sums import PrefixSums, sparse_max_table
+from solver.backends.prefix_sums import PrefixSums, Sums, search, sparse_max_table
 from solver.backends.problem import (
     StageProblem,
     StageSolution,
@@ -146,8 +146,9 @@ class _Chain:
         self._time_terms = [
             [k for k, term in enumerate(rank) if term not in rank[:k]] for rank in terms
         ]
-        self._sums: dict[tuple, PrefixSums] = {}
+        self._sums: dict[tuple, Sums] = {}
         self._time_sums: dict[int, list] = {}
+        self._time_lists: tuple[list, list] | None = None
         self._table_bytes_left = TABLE_BYTES
         for name in (
             "state_bytes",
@@ -205,41 +206,58 @@ class _Chain:
         if self.deadline is not None and time.perf_counter() > self.deadline:
             raise _TimeUp
 
-    def sums(self, terms: tuple[tuple[int, str], ...]) -> PrefixSums:
-        """The prefix combination sum_b c_b P_b of ``terms`` ((c_b, name of P_b) pairs, P_b in
-        ``_bases``), shared by the rules that use it; a table while ``TABLE_BYTES`` lasts."""
-        key = tuple((coefficient, name) for coefficient, name in terms if coefficient)
+    def sums(self, names: tuple[str, ...], coefficients: tuple[int, ...]) -> Sums:
+        """The prefix combination sum_b c_b P_b (P_b the ``_bases`` of ``names``), shared by the
+        rules that use it; a table while ``TABLE_BYTES`` lasts."""
+        key = (names, coefficients)
         found = self._sums.get(key)
         if found is None:
-            found = PrefixSums(tuple((c, self._bases[name]) for c, name in key), self.num_layers)
+            terms = tuple(
+                (c, self._bases[name]) for c, name in zip(coefficients, names, strict=True) if c
+            )
+            found = PrefixSums(terms, self.num_layers)
             if self._table_bytes_left >= 8 * (self.num_layers + 1):
-                found.materialise()
-                self._table_bytes_left -= 8 * (self.num_layers + 1)
+                found = found.table()
+                self._table_bytes_left -= found.nbytes
             self._sums[key] = found
         return found
 
-    def memory_sums(self, stage: int) -> PrefixSums:
+    def memory_sums(self, stage: int) -> Sums:
         """Prefix sums of state + k_s stored, bytes; without the gradients on a stage whose peak
         can precede them (``late``: its first-backward moments are at least that, at the last
         layer)."""
         states = "ungraded" if self.late[stage] else "state"
-        return self.sums(((1, states), (int(self.in_flight[stage]), "stored")))
+        return self.sums((states, "stored"), (1, int(self.in_flight[stage])))
 
-    def time_sums(self, stage: int) -> list[tuple[PrefixSums, PrefixSums, int, int]]:
+    def time_sums(self, stage: int) -> list[tuple[Sums, Sums, int, int]]:
         """Per distinct term of the bound of a stage, (U, V, offset ns, X_0's coefficient)
         (``_time_coefficients``)."""
         found = self._time_sums.get(stage)
         if found is None:
-            terms = []
-            for k in self._time_terms[stage]:
-                end, start = (
-                    self.sums(tuple(zip(coefficients[k, stage].tolist(), TIME_BASIS, strict=True)))
-                    for coefficients in (self._time_end, self._time_start)
+            if self._time_lists is None:
+                self._time_lists = self._time_tables_or_lists()
+            ends, starts = self._time_lists
+            tabled = isinstance(ends, np.ndarray)
+            found = self._time_sums[stage] = [
+                (
+                    ends[k, stage] if tabled else self.sums(TIME_BASIS, tuple(ends[k][stage])),
+                    starts[k, stage] if tabled else self.sums(TIME_BASIS, tuple(starts[k][stage])),
+                    int(self._time_offset[k, stage]),
+                    int(self._time_first[k]),
                 )
-                offset, first = int(self._time_offset[k, stage]), int(self._time_first[k])
-                terms.append((end, start, offset, first))
-            found = self._time_sums[stage] = terms
+                for k in self._time_terms[stage]
+            ]
         return found
+
+    def _time_tables_or_lists(self) -> tuple:
+        """Every U and V of the bound's terms at once, [term, stage, position], when they fit
+        in what is left of ``TABLE_BYTES`` (one product, as a short chain wants); else their
+        coefficients as Python ints, [term][stage][basis], for ``sums`` one at a time."""
+        size = 2 * self._time_end[..., 0].size * (self.num_layers + 1) * 8
+        if size <= self._table_bytes_left:
+            self._table_bytes_left -= size
+            return self._time_end @ self._time_basis, self._time_start @ self._time_basis
+        return self._time_end.tolist(), self._time_start.tolist()
 
     def boundary_floor(self, stage: int) -> int:
         """Smallest possible buffers + transient of a stage, bytes (the relaxation's constant)."""
@@ -363,7 +381,7 @@ class _Chain:
 
     # -- monotone relaxation ---------------------------------------------------------------
 
-    def stage_rules(self, limits: _Limits) -> list[list[tuple[PrefixSums, PrefixSums, int, bool]]]:
+    def stage_rules(self, limits: _Limits) -> list[list[tuple[Sums, Sums, int, bool]]]:
         """Per stage, (end sums U, start sums V, offset, scaled) rules of the monotone
         relaxation: stage i..j passes at a bound iff U[j+1] - V[i] <= (bound + offset if scaled
         else offset) for each rule (U, V non-decreasing). It relaxes 'stage quantity <= bound
@@ -371,7 +389,7 @@ class _Chain:
         if self._rules is not None and self._rules[0] == limits:
             return self._rules[1]
         rules = []
-        tail = self.sums(((1, "tail"),))
+        tail = self.sums(("tail",), (1,))
         timed_rules = limits.kind == TIME or limits.budget_ns is not None
         for s in range(self.num_stages):
             self.check_time()
@@ -414,9 +432,14 @@ class _Chain:
                 self.check_time()
             last = stop = num_layers - (num_stages - 1 - s)  # position <= last
             for end, start, offset, scaled in rules:
-                target = start.at(position) + (bounds + offset if scaled else offset)
-                # clipped to [position, last + 1]: the same after the min and max
-                stop = np.minimum(stop, end.searchsorted(target, "right", position, last + 1) - 1)
+                target = start[position] + (bounds + offset if scaled else offset)
+                # clipped to [position, last + 1]: the same after the min and max (the hot
+                # loop: a table's search without a call of ``search``)
+                if end.__class__ is np.ndarray:
+                    found = end.searchsorted(target, "right")
+                else:
+                    found = end.searchsorted(target, "right", position, last + 1)
+                stop = np.minimum(stop, found - 1)
             position = np.maximum(position, stop)
             ends[s] = position - 1
         return position == num_layers, ends
@@ -430,9 +453,9 @@ class _Chain:
                 self.check_time()
             first = s
             for end, start, offset, scaled in self.stage_rules(limits)[s]:
-                target = end.at(stop) - (bound + offset if scaled else offset)
+                target = end[stop] - (bound + offset if scaled else offset)
                 # clipped to [s, stop]: the same after the max and min
-                first = max(first, int(start.searchsorted(target, "left", s, stop)))
+                first = max(first, int(search(start, target, "left", s, stop)))
             starts[s] = stop = min(first, stop)
         return starts if starts[0] == 0 else None
 
@@ -474,7 +497,7 @@ class _Chain:
             top = self._time_end @ at_end - self._time_start @ at_start + self._time_offset
             return int(top.max() + self._time_first.max() * limits.first_tail_ns)
         return max(
-            int(self.memory_sums(s).at(self.num_layers)) + self.boundary_floor(s)
+            int(self.memory_sums(s)[self.num_layers]) + self.boundary_floor(s)
             for s in range(self.num_stages)
         )
 
@@ -657,7 +680,7 @@ class _Chain:
         first = np.full(len(ends), lowest, dtype=np.int64)
         for end, start, offset, scaled in self.stage_rules(limits)[stage]:
             limit = bound + offset if scaled else offset
-            found = start.searchsorted(end.at(ends + 1) - limit, "left", lowest, ends + 1)
+            found = search(start, end[ends + 1] - limit, "left", lowest, ends + 1)
             first = np.maximum(first, found)
         return first
 

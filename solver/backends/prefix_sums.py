@@ -14,18 +14,18 @@ and searches them at once (a few numpy calls); the rare answers beyond, a bisect
 
 class PrefixSums:
     """A non-decreasing sequence U[x] = sum_b c_b P_b[x], x = 0..L, of prefix sums P_b (bytes or
-    ns) with integer coefficients c_b: an array once ``materialise``d, else evaluated where read
-    (O(1) memory beyond the P_b; a search bisects its window)."""
+    ns) with integer coefficients c_b, evaluated where read (O(1) memory beyond the P_b; a search
+    looks at a window), or made into its ``table``."""
+
+    __slots__ = ("terms", "num_layers")
 
     def __init__(self, terms: tuple[tuple[int, np.ndarray], ...], num_layers: int) -> None:
         self.terms = terms
         self.num_layers = num_layers
-        self.table: np.ndarray | None = None
 
-    def materialise(self) -> None:
-        """Keep U as an array (8 (L + 1) bytes): reads and searches at numpy speed."""
-        self.table = self.at(slice(None))
-        self.at = self.table.__getitem__  # the hot loops' reads, without a Python frame
+    def table(self) -> np.ndarray:
+        """U as an array (8 (L + 1) bytes): reads and searches at numpy speed."""
+        return self.at(slice(None))
 
     def at(self, positions: np.ndarray | slice) -> np.ndarray:
         """U at ``positions`` (int64)."""
@@ -42,11 +42,9 @@ class PrefixSums:
     ) -> np.ndarray:
         """``np.searchsorted(U, values, side)`` inside the window [low, high] (0 <= low <= high
         <= L + 1, each a scalar or one per value): a result r with clip(r, low, high) equal to
-        the searchsorted's clipped (a table's answer unclipped; untabled, the clipped one: U over
-        the window's first ``SLICED_WINDOW`` positions searched at once, where the answers of
-        most searches lie, then a bisection of the rest of the window for the others)."""
-        if self.table is not None:
-            return self.table.searchsorted(values, side)
+        the searchsorted's clipped (here the clipped one: U over the window's first
+        ``SLICED_WINDOW`` positions searched at once, where the answers of most searches lie,
+        then a bisection of the rest of the window for the others)."""
         values = np.asarray(values)
         first = int(np.min(low))
         near = min(int(np.max(high)), first + SLICED_WINDOW)  # U[first..near] at once
@@ -57,6 +55,8 @@ class PrefixSums:
             return clipped
         rest = self._bisect(values, side, np.maximum(low, near + 1), high)
         return np.where(beyond, rest, clipped)
+
+    __getitem__ = at
 
     def _bisect(
         self, values: np.ndarray, side: str, low: np.ndarray | int, high: np.ndarray | int
@@ -75,6 +75,18 @@ class PrefixSums:
             below = (found < values if side == "left" else found <= values) & active
             low = np.where(below, middle + 1, low)
             high = np.where(active & ~below, middle, high)
+
+
+Sums = np.ndarray | PrefixSums
+"""A non-decreasing prefix combination: its table, or a ``PrefixSums`` read where needed."""
+
+
+def search(sums: Sums, values: np.ndarray, side: str, low, high) -> np.ndarray:
+    """``PrefixSums.searchsorted`` of either kind of ``Sums`` (a table's answer unclipped: the
+    same once clipped to the window [low, high])."""
+    if isinstance(sums, np.ndarray):
+        return sums.searchsorted(values, side)
+    return sums.searchsorted(values, side, low, high)
 
 
 def sparse_max_table(values: np.ndarray) -> np.ndarray:

@@ -32,7 +32,6 @@ Event rules (all times integer ns, per micro-batch):
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -148,9 +147,9 @@ def simulate_schedule(
     )
 
 
-Step = tuple[ScheduleAction, int, int, list[list], Sequence[tuple[list, int, int, int]]]
+Step = tuple[ScheduleAction, int, int, list[list], Sequence[tuple[list, int, int]]]
 """One action of a rank as ``_run`` takes it: (action, micro-batch, duration ns, the arrival
-lists it waits on, its sends as (arrival list, link, transfer ns, receiving rank))."""
+lists it waits on, its sends as (arrival list, link, transfer ns))."""
 
 
 def _rank_steps(
@@ -184,11 +183,11 @@ def _rank_steps(
     for (kind, _, target), times in arrival.items():  # one pass (per stage was O(p^2))
         waits[(kind, target)].append(times)
     link_index: dict[tuple[int, int], int] = {}
-    sends: dict[tuple[str, int], list[tuple[list, int, int, int]]] = {}
+    sends: dict[tuple[str, int], list[tuple[list, int, int]]] = {}
     for kind, pairs in (("F", transfer_ns), ("B", gradient_ns)):
         for (a, c), ns in sorted(pairs.items()):
             link = link_index.setdefault((a % p, c % p), len(link_index))
-            sends.setdefault((kind, a), []).append((arrival[(kind, a, c)], link, int(ns), c % p))
+            sends.setdefault((kind, a), []).append((arrival[(kind, a, c)], link, int(ns)))
     duration = {("F", j): int(forward_ns[j]) + microbatch_overhead_ns for j in range(num_stages)}
     duration |= {("B", j): int(backward_ns[j]) for j in range(num_stages)}
     # per rank: (action, micro-batch, duration, arrivals to wait for, sends) in its order
@@ -204,46 +203,46 @@ def _rank_steps(
 
 def _run(lists: list[list[Step]], num_links: int) -> list[list[tuple[ScheduleAction, int, int]]]:
     """Run every rank's steps, each as soon as its rank is free and its inputs have arrived;
-    per rank its actions as (action, start, end), ns. A rank runs until an input is missing and
-    is visited again when a rank sends it one (a work list: a sweep over every rank per step of
-    a backward moving one rank down was O(p^2)); the times do not depend on the visiting order
-    (each link carries one rank's sends, in that rank's order)."""
+    per rank its actions as (action, start, end), ns. Sweeps over the ranks run each one until
+    an input is missing, alternately up (forwards flow through every rank in one sweep) and down
+    (backwards do): one-way sweeps moved a backward one rank per sweep, O(p^2) visits. The times
+    do not depend on the visiting order (each link carries one rank's sends, in its order)."""
     p = len(lists)
     link_free = [0] * num_links
     free = [0] * p
     done: list[list[tuple[ScheduleAction, int, int]]] = [[] for _ in range(p)]
     position = [0] * p
     remaining = sum(len(steps) for steps in lists)
-    waiting = deque(range(p))
-    queued = [True] * p
-    while waiting:
-        r = waiting.popleft()
-        queued[r] = False
-        steps, pos, now, ran = lists[r], position[r], free[r], done[r]
-        while pos < len(steps):
-            action, i, length, waited, targets = steps[pos]
-            start = now
-            for times in waited:
-                arrived = times[i]
-                if arrived is None:
-                    break  # an input has not been sent yet: another rank first
-                if arrived > start:
-                    start = arrived
-            else:
-                now = end = start + length
-                ran.append((action, start, end))
-                for times, link, ns, to in targets:  # FIFO on the directed link
-                    sent = link_free[link]
-                    times[i] = link_free[link] = (end if end > sent else sent) + ns
-                    if not queued[to]:
-                        queued[to] = True
-                        waiting.append(to)
-                pos += 1
-                continue
-            break
-        remaining -= pos - position[r]
-        position[r], free[r] = pos, now
-    assert not remaining, "the schedule deadlocks"
+    up, down = range(p), range(p - 1, -1, -1)
+    sweeps = 0
+    while remaining:
+        progressed = False
+        for r in up if sweeps % 2 == 0 else down:
+            steps, pos, now, ran = lists[r], position[r], free[r], done[r]
+            while pos < len(steps):
+                action, i, length, waited, targets = steps[pos]
+                start = now
+                for times in waited:
+                    arrived = times[i]
+                    if arrived is None:
+                        break  # an input has not been sent yet: another rank first
+                    if arrived > start:
+                        start = arrived
+                else:
+                    now = end = start + length
+                    ran.append((action, start, end))
+                    for times, link, ns in targets:  # FIFO on the directed link
+                        sent = link_free[link]
+                        times[i] = link_free[link] = (end if end > sent else sent) + ns
+                    pos += 1
+                    continue
+                break
+            if pos != position[r]:
+                remaining -= pos - position[r]
+                position[r], free[r] = pos, now
+                progressed = True
+        assert progressed, "the schedule deadlocks"
+        sweeps += 1
     return done
 
 

@@ -44,6 +44,7 @@ with ``costs.stage_costs`` like any plan (``evaluation.evaluate_partitioners``).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 
 import numpy as np
@@ -106,8 +107,8 @@ def min_max_blocks(weights: np.ndarray, num_stages: int) -> list[int]:
     greedy packs as much as possible into each part). Each part is one search in the prefix sums,
     so a check costs O(p log L), not O(L).
     """
-    prefix = np.concatenate(([0], np.cumsum(np.asarray(weights, dtype=np.int64))))
-    low, high = int(np.max(weights)), int(prefix[-1])
+    prefix = [0, *np.cumsum(np.asarray(weights, dtype=np.int64)).tolist()]
+    low, high = int(np.max(weights)), prefix[-1]
     while low < high:
         limit = (low + high) // 2
         if _fits_in_parts(prefix, limit, num_stages):
@@ -117,13 +118,13 @@ def min_max_blocks(weights: np.ndarray, num_stages: int) -> list[int]:
     return _fill(prefix, low, num_stages)
 
 
-def _greedy_end(prefix: np.ndarray, start: int, limit: int) -> int:
+def _greedy_end(prefix: list[int], start: int, limit: int) -> int:
     """One past the last layer of a part from ``start`` holding as many layers as fit under
     ``limit`` (at least one)."""
-    return max(start + 1, int(np.searchsorted(prefix, prefix[start] + limit, "right")) - 1)
+    return max(start + 1, bisect.bisect_right(prefix, prefix[start] + limit) - 1)
 
 
-def _fits_in_parts(prefix: np.ndarray, limit: int, num_parts: int) -> bool:
+def _fits_in_parts(prefix: list[int], limit: int, num_parts: int) -> bool:
     """The greedy split under ``limit`` needs at most ``num_parts`` parts."""
     start, num_layers = 0, len(prefix) - 1
     for _ in range(num_parts):
@@ -133,7 +134,7 @@ def _fits_in_parts(prefix: np.ndarray, limit: int, num_parts: int) -> bool:
     return False
 
 
-def _fill(prefix: np.ndarray, limit: int, num_stages: int) -> list[int]:
+def _fill(prefix: list[int], limit: int, num_stages: int) -> list[int]:
     """Greedy fill under ``limit`` (per stage the most layers that fit), leaving at least one
     layer for every later stage; the last stage takes the rest."""
     num_layers = len(prefix) - 1
