@@ -9,7 +9,7 @@ time from start to exit (interpreter start and graph reading included), its exit
 solver's line or its error, and its peak resident memory (``os.wait4``); every run is capped at
 ``--memory-limit-gib`` of address space (``prlimit --as``), so that a run that would take the
 machine's memory fails alone. The graphs (written into a temporary folder) are chains of small,
-unequal layers (``chain_document``, as tests/test_scale.py's: about 100 bytes of JSON a layer, all
+unequal layers (``chain_layer``, as tests/test_scale.py's: about 100 bytes of JSON a layer, all
 fitting one 80 GiB GPU):
 
 - 20,000, 200,000 and 1,000,000 layers on one GPU (global batch 8), with ``--time-limit 600``
@@ -51,20 +51,27 @@ COLUMNS = [
 ]
 
 
-def chain_document(num_layers: int) -> dict:
-    """A layer-graph document: a chain of small layers whose parameters, activations and FLOPs
-    vary with the index."""
-    layers = [
-        {
-            "name": f"l{i}",
-            "params": 100 + (i * 7919) % 400,
-            "activation_bytes": 1000 + (i * 104729) % 2000,
-            "output_bytes": 256,
-            "fwd_flops": 1e6 * (1 + i % 3),
-        }
-        for i in range(num_layers)
-    ]
-    return {"format": "layer-graph", "version": 1, "model": f"chain-{num_layers}", "layers": layers}
+def chain_layer(index: int) -> dict:
+    """Layer ``index`` of the chains: small, its parameters, activations and FLOPs varying with
+    the index (as tests/test_scale.py's ``chain_document``)."""
+    return {
+        "name": f"l{index}",
+        "params": 100 + (index * 7919) % 400,
+        "activation_bytes": 1000 + (index * 104729) % 2000,
+        "output_bytes": 256,
+        "fwd_flops": 1e6 * (1 + index % 3),
+    }
+
+
+def write_chain(path: Path, num_layers: int) -> None:
+    """A chain's layer-graph JSON, written a layer at a time: this process stays small, so the
+    runs it starts (forks of it until they exec) do not inherit its memory in their peak."""
+    head = {"format": "layer-graph", "version": 1, "model": f"chain-{num_layers}"}
+    with open(path, "w") as stream:
+        stream.write(json.dumps(head)[:-1] + ', "layers": [')
+        for index in range(num_layers):
+            stream.write((", " if index else "") + json.dumps(chain_layer(index)))
+        stream.write("]}")
 
 
 def cases(folder: Path) -> list[tuple[str, list[str], list[float]]]:
@@ -73,11 +80,11 @@ def cases(folder: Path) -> list[tuple[str, list[str], list[float]]]:
     found = []
     for size in SIZES:
         path = folder / f"chain-{size}.json"
-        path.write_text(json.dumps(chain_document(size)))
+        write_chain(path, size)
         args = [str(path), "--gpus", "1", "--gpu-memory", "80GiB", "--global-batch", "8"]
         found.append((f"{size:,}-layer chain, 1 GPU", args, [600, 5]))
     path = folder / f"chain-{CRASH_LAYERS}.json"
-    path.write_text(json.dumps(chain_document(CRASH_LAYERS)))
+    write_chain(path, CRASH_LAYERS)
     args = [str(path), "--gpus", str(CRASH_LAYERS), "--pp", str(CRASH_LAYERS)]
     args += ["--gpu-memory", "80GiB", "--global-batch", str(CRASH_LAYERS)]
     args += ["--micro-batch", str(CRASH_LAYERS)]
@@ -146,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         f"about 1 s, included: a run is within its limit when it ends by limit + {START_S} s); "
         "peak resident memory of the run; each run capped at "
         f"{args.memory_limit_gib:g} GiB of address space. Chains of small unequal layers "
-        "(the script's chain_document).",
+        "(the script's chain_layer).",
         "",
         *markdown_table(rows, COLUMNS),
         "",
