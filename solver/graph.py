@@ -23,6 +23,7 @@ import fastjsonschema
 import jsonschema
 import networkx as nx
 
+from solver.deadline import Deadline, checked
 from solver.errors import InputError, quote
 from solver.files.jsonfile import check_name, read_json, schema_message
 
@@ -220,8 +221,9 @@ class LayerGraph:
             f: getattr(Layer(name="", params=0, activation_bytes=0, output_bytes=0), f)
             for f in Layer.__dataclass_fields__
         }
+        # every field is a scalar: read them, no deep copy (asdict takes seconds at 10^5 layers)
         layers = [
-            {k: v for k, v in asdict(layer).items() if k == "name" or v != defaults[k]}
+            {k: v for k, v in vars(layer).items() if k == "name" or v != defaults[k]}
             | {k: getattr(layer, k) for k in ("params", "activation_bytes", "output_bytes")}
             for layer in self.layers
         ]
@@ -237,7 +239,7 @@ class LayerGraph:
             document["edges"] = [
                 {
                     key: value
-                    for key, value in asdict(edge).items()
+                    for key, value in vars(edge).items()
                     if value is not None and value != _EDGE_DEFAULTS.get(key)
                 }
                 for edge in self.edges
@@ -281,28 +283,40 @@ def schema() -> dict[str, Any]:
     return json.loads(text)
 
 
-def load_graph(source: str | Path | dict[str, Any]) -> LayerGraph:
+def load_graph(
+    source: str | Path | dict[str, Any], *, deadline: Deadline | None = None
+) -> LayerGraph:
     """Load and validate a layer graph from a JSON file path or an already-parsed dict.
 
-    Raises :class:`InputError` with one line naming the file, the field and the fix.
+    Raises :class:`InputError` with one line naming the file, the field and the fix, and
+    NoSolutionError (exit 4) when ``deadline`` passes first (checked every
+    ``deadline.CHECK_EVERY`` layers of each pass).
     """
     if isinstance(source, dict):
-        return graph_from_dict(source, origin="<dict>")
+        return graph_from_dict(source, origin="<dict>", deadline=deadline)
     fix = "pass the path of a layer-graph JSON file"
-    document = read_json(source, kind="layer-graph", fix=fix)
-    return graph_from_dict(document, origin=str(source))
+    document = read_json(source, kind="layer-graph", fix=fix, deadline=deadline)
+    return graph_from_dict(document, origin=str(source), deadline=deadline)
 
 
-def graph_from_dict(document: Any, *, origin: str = "<dict>") -> LayerGraph:
-    """Validate a parsed v1 document and build the :class:`LayerGraph`."""
-    _check_schema(document, origin)
-    _check_numbers(document, origin)
+def graph_from_dict(
+    document: Any, *, origin: str = "<dict>", deadline: Deadline | None = None
+) -> LayerGraph:
+    """Validate a parsed v1 document and build the :class:`LayerGraph` (``deadline``: as
+    :func:`load_graph`'s)."""
+    _check_schema(document, origin, deadline)
+    _check_numbers(document, origin, deadline)
     check_name(document["model"], f"{origin}: $.model", what="model name")
-    layers = [_layer_from_dict(item) for item in document["layers"]]
-    _check_layers(layers, origin)
+    items = document["layers"]
+    layers = [
+        _layer_from_dict(item)
+        for item in checked(items, deadline, _reading(origin, "building layer", len(items)))
+    ]
+    _check_layers(layers, origin, deadline)
     position = {layer.name: i for i, layer in enumerate(layers)}
     edges_given = "edges" in document
     if edges_given:
+        given = document["edges"]
         edges = [
             Edge(
                 src=e["src"],
@@ -314,7 +328,7 @@ def graph_from_dict(document: Any, *, origin: str = "<dict>") -> LayerGraph:
                 charged=e.get("charged", False),
                 src_charged=e.get("src_charged", False),
             )
-            for e in document["edges"]
+            for e in checked(given, deadline, _reading(origin, "building edge", len(given)))
         ]
         _check_edges(edges, position, origin)
     else:
@@ -364,8 +378,45 @@ def _fast_check() -> Callable[[Any], Any] | None:
     return fastjsonschema.compile(schema())
 
 
-def _check_schema(document: Any, origin: str) -> None:
-    """The document is schema-valid, or InputError naming the field (jsonschema's best match).
+def _reading(origin: str, what: str, total: int) -> Callable[[int], str]:
+    """What a pass over a graph's items was doing, for ``deadline.checked``."""
+    return lambda count: f"reading the graph {origin} ({what} {count} of {total})"
+
+
+SCHEMA_CHUNK = 8192
+"""Layers (or edges) one schema check takes at a time: a large graph is checked in parts of this
+many, each a document of its own, with a look at the deadline between them."""
+
+
+def _check_schema(document: Any, origin: str, deadline: Deadline | None = None) -> None:
+    """The document is schema-valid, or InputError naming the field (the best match of the
+    part that fails). A document with more than ``SCHEMA_CHUNK`` layers or edges is checked in
+    parts, the deadline looked at between them: first with each such list cut to its first
+    ``SCHEMA_CHUNK`` items (the top-level fields with them), then each further part of a list
+    alone (every item is checked on its own: the parts together are the whole)."""
+    long = {
+        key: items
+        for key in ("layers", "edges")
+        if isinstance(document, dict)
+        and isinstance(items := document.get(key), list)
+        and len(items) > SCHEMA_CHUNK
+    }
+    if not long:
+        _check_schema_part(document, origin)
+        return
+    _check_schema_part(document | {k: v[:SCHEMA_CHUNK] for k, v in long.items()}, origin)
+    least = {"layers": document["layers"][:1]} | ({"edges": []} if "edges" in document else {})
+    for key, items in long.items():
+        doing = _reading(origin, f"checking {key[:-1]}", len(items))
+        starts = range(SCHEMA_CHUNK, len(items), SCHEMA_CHUNK)
+        for start in checked(starts, deadline, lambda n, at=doing: at((n + 1) * SCHEMA_CHUNK)):
+            part = document | least | {key: items[start : start + SCHEMA_CHUNK]}
+            _check_schema_part(part, origin, offset=(key, start))
+
+
+def _check_schema_part(document: Any, origin: str, offset: tuple[str, int] = ("", 0)) -> None:
+    """``_check_schema`` of one document (a part: ``offset`` is its list's key and the index of
+    its first item in the whole document, which the error's path takes).
     A document the compiled check passes is valid; jsonschema decides, and names the error,
     only for the others."""
     fast = _fast_check()
@@ -381,6 +432,10 @@ def _check_schema(document: Any, origin: str) -> None:
         return
     error = jsonschema.exceptions.best_match(errors)
     where = error.json_path
+    key, first = offset
+    if first and where.startswith(f"$.{key}["):  # the item's index in the whole document
+        index, _, rest = where[len(key) + 3 :].partition("]")
+        where = f"$.{key}[{int(index) + first}]{rest}"
     if error.validator == "additionalProperties":
         allowed = sorted(error.schema.get("properties", {}))
         hint = f"remove it; allowed keys: {', '.join(allowed)}"
@@ -395,9 +450,11 @@ def _check_schema(document: Any, origin: str) -> None:
     raise InputError(f"{origin}: {where}: {schema_message(error)}; {hint}")
 
 
-def _check_numbers(document: dict[str, Any], origin: str) -> None:
+def _check_numbers(document: dict[str, Any], origin: str, deadline: Deadline | None = None) -> None:
     """Every number of the (schema-valid) document finite and at most its field's limit."""
-    for i, item in enumerate(document["layers"]):
+    items = document["layers"]
+    doing = _reading(origin, "checking the numbers of layer", len(items))
+    for i, item in checked(enumerate(items), deadline, doing):
         for key, value in item.items():
             if key in LIMITS and not (math.isfinite(value) and value <= LIMITS[key]):
                 raise InputError(
@@ -437,7 +494,7 @@ def _layer_from_dict(item: dict[str, Any]) -> Layer:
     return Layer(**values)
 
 
-def _check_layers(layers: list[Layer], origin: str) -> None:
+def _check_layers(layers: list[Layer], origin: str, deadline: Deadline | None = None) -> None:
     memory = ("params", "activation_bytes", "output_bytes", "transient_bytes", "mem_isolated")
     if not any(getattr(layer, key) for layer in layers for key in memory):
         raise InputError(
@@ -446,7 +503,8 @@ def _check_layers(layers: list[Layer], origin: str) -> None:
             "layers their sizes"
         )
     seen: dict[str, int] = {}
-    for i, layer in enumerate(layers):
+    doing = _reading(origin, "checking layer", len(layers))
+    for i, layer in checked(enumerate(layers), deadline, doing):
         check_name(layer.name, f"{origin}: $.layers[{i}].name", what="layer name")
         if layer.name in seen:
             raise InputError(

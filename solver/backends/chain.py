@@ -38,6 +38,11 @@ Algorithm (exact; numpy vectorised over layers, Python loops over stages only):
    range's value (time), as it always does at a single candidate; otherwise the range is split
    at that split's own X_0 (which the upper part then values exactly). That outer search is
    ``split_search.py`` (the DAG backend's too); this module is its splitter on a chain.
+
+Memory is O(L + terms x p) at any stage count: the rules' U, V are combinations of a few prefix
+sums with per-(term, stage) coefficients (``_time_coefficients``), tabled while ``TABLE_BYTES``
+lasts and evaluated where read beyond (``prefix_sums.PrefixSums``), and the DP evaluates its
+band ``DP_CHUNK_PAIRS`` pairs at a time. Both give the same integers as full tables.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from solver.backends.prefix_sums import PrefixSums, Sums, search, sparse_max_table
 from solver.backends.problem import (
     StageProblem,
     StageSolution,
@@ -69,6 +75,18 @@ up to about 100 layers that beats the relaxation's searches and the band's per-s
 bookkeeping at every stage count (measured 1.2-2.5x faster at 24-96 layers x 8-32 stages; even
 at 128, slower at 200), above it the band's smaller tables win. The split can differ from the
 band's when the band's greedy incumbent is already optimal (it keeps that one): same peak."""
+TABLE_BYTES = 2**26
+"""Bytes of prefix-sum tables (``PrefixSums``) one chain materialises at most: the relaxation's
+rules U, V of the stages, as arrays, until this is spent, then evaluated where read (a search
+looks at a window), so the tables never grow past O(L) beyond it however many stages (a
+20,002-layer chain on as many stages asked for 8 x 20,002 x 20,003 int64, 24 GiB)."""
+TIME_BASIS = ("time", "forward", "tail")
+"""The prefix sums (of time_ns, forward_ns, tail_ns) the bound's terms combine, in the order of
+``_time_coefficients``' last axis."""
+DP_CHUNK_PAIRS = 2**21
+"""(start, end) pairs of one DP stage evaluated at once (a dozen int64 arrays of this length, about
+200 MiB at most); a wider band (a long chain on few stages: L^2 / p pairs at a loose bound) goes
+by chunks of ends, the deadline looked at between them."""
 DIRECT_BAND_PAIRS = 2**20
 """A chain with at most this many (stage, start, end) triples, p L^2 / 2, goes straight to the
 DP at the incumbent value: even a band of every pair costs less than the Python overhead of the
@@ -114,16 +132,24 @@ class _Chain:
         prefix = lambda values: np.concatenate(([0], np.cumsum(values, dtype=np.int64)))  # noqa: E731
         self.state_prefix = prefix(costs.state_bytes)
         self.stored_prefix = prefix(costs.stored_bytes)
-        # the bound's terms [term, stage, position] (every stage has as many)
+        # the bound's terms as coefficients [term, stage, basis] of the time basis (every
+        # stage has as many terms): U = end . basis, V = start . basis (``_time_coefficients``)
         terms = bound_terms(costs)
-        self._time_end, self._time_start, self._time_offset, self._time_first = _time_rules(
-            costs, terms, prefix
+        self.tail_prefix = prefix(costs.tail_ns)
+        self._time_basis = np.stack(
+            [prefix(costs.time_ns), prefix(costs.forward_ns), self.tail_prefix]
+        )  # [TIME_BASIS, position]
+        self._time_end, self._time_start, self._time_offset, self._time_first = _time_coefficients(
+            costs, terms
         )
         # per stage, its distinct terms (the relaxation's rules need each once)
         self._time_terms = [
             [k for k, term in enumerate(rank) if term not in rank[:k]] for rank in terms
         ]
-        self.tail_prefix = prefix(costs.tail_ns)
+        self._sums: dict[tuple, Sums] = {}
+        self._time_sums: dict[int, list] = {}
+        self._time_lists: tuple[list, list] | None = None
+        self._table_bytes_left = TABLE_BYTES
         for name in (
             "state_bytes",
             "stored_bytes",
@@ -146,18 +172,23 @@ class _Chain:
         transient = np.asarray(costs.transient_bytes, dtype=np.int64)
         self.transient_min = int(transient.min())
         self.transient_max = int(transient.max())
-        self._transient_table = _sparse_max_table(transient)
+        self._transient_table = sparse_max_table(transient)
         self._log2 = np.floor(np.log2(np.arange(1, self.num_layers + 1))).astype(np.int64)
-        self._memory_prefix: dict[tuple[int, bool], np.ndarray] = {}
         self._rules: tuple[_Limits, list] | None = None
         # stages whose gradients appear at the first backward (costs.first_backward_moments)
         self.late = np.asarray(costs.first_backward_peak, dtype=bool)
         self.grad_prefix = prefix(costs.grad_bytes)
         self.ungraded_prefix = self.state_prefix - self.grad_prefix
+        # the prefix sums the relaxation's rules combine (``sums``)
+        self._bases = dict(zip(TIME_BASIS, self._time_basis, strict=True)) | {
+            "state": self.state_prefix,
+            "ungraded": self.ungraded_prefix,
+            "stored": self.stored_prefix,
+        }
         if self.late.any():
             # stored(i..l) + grads(l+1..j) + transient_l = h[l] - stored_prefix[i]
             # + grad_prefix[j + 1]
-            self._during_table = _sparse_max_table(
+            self._during_table = sparse_max_table(
                 self.stored_prefix[1:] - self.grad_prefix[1:] + costs.transient_bytes
             )
         # the optimizer step: every state, the step temporary, the buffers at 0 held
@@ -175,15 +206,58 @@ class _Chain:
         if self.deadline is not None and time.perf_counter() > self.deadline:
             raise _TimeUp
 
-    def memory_prefix(self, stage: int) -> np.ndarray:
-        """Prefix sums of state + k_s stored, bytes (length L + 1); without the gradients on a
-        stage whose peak can precede them (``late``: its first-backward moments are at least
-        that, at the last layer)."""
-        key = (int(self.in_flight[stage]), bool(self.late[stage]))
-        if key not in self._memory_prefix:
-            states = self.ungraded_prefix if key[1] else self.state_prefix
-            self._memory_prefix[key] = states + key[0] * self.stored_prefix
-        return self._memory_prefix[key]
+    def sums(self, names: tuple[str, ...], coefficients: tuple[int, ...]) -> Sums:
+        """The prefix combination sum_b c_b P_b (P_b the ``_bases`` of ``names``), shared by the
+        rules that use it; a table while ``TABLE_BYTES`` lasts."""
+        key = (names, coefficients)
+        found = self._sums.get(key)
+        if found is None:
+            terms = tuple(
+                (c, self._bases[name]) for c, name in zip(coefficients, names, strict=True) if c
+            )
+            found = PrefixSums(terms, self.num_layers)
+            if self._table_bytes_left >= 8 * (self.num_layers + 1):
+                found = found.table()
+                self._table_bytes_left -= found.nbytes
+            self._sums[key] = found
+        return found
+
+    def memory_sums(self, stage: int) -> Sums:
+        """Prefix sums of state + k_s stored, bytes; without the gradients on a stage whose peak
+        can precede them (``late``: its first-backward moments are at least that, at the last
+        layer)."""
+        states = "ungraded" if self.late[stage] else "state"
+        return self.sums((states, "stored"), (1, int(self.in_flight[stage])))
+
+    def time_sums(self, stage: int) -> list[tuple[Sums, Sums, int, int]]:
+        """Per distinct term of the bound of a stage, (U, V, offset ns, X_0's coefficient)
+        (``_time_coefficients``)."""
+        found = self._time_sums.get(stage)
+        if found is None:
+            if self._time_lists is None:
+                self._time_lists = self._time_tables_or_lists()
+            ends, starts = self._time_lists
+            tabled = isinstance(ends, np.ndarray)
+            found = self._time_sums[stage] = [
+                (
+                    ends[k, stage] if tabled else self.sums(TIME_BASIS, tuple(ends[k][stage])),
+                    starts[k, stage] if tabled else self.sums(TIME_BASIS, tuple(starts[k][stage])),
+                    int(self._time_offset[k, stage]),
+                    int(self._time_first[k]),
+                )
+                for k in self._time_terms[stage]
+            ]
+        return found
+
+    def _time_tables_or_lists(self) -> tuple:
+        """Every U and V of the bound's terms at once, [term, stage, position], when they fit
+        in what is left of ``TABLE_BYTES`` (one product, as a short chain wants); else their
+        coefficients as Python ints, [term][stage][basis], for ``sums`` one at a time."""
+        size = 2 * self._time_end[..., 0].size * (self.num_layers + 1) * 8
+        if size <= self._table_bytes_left:
+            self._table_bytes_left -= size
+            return self._time_end @ self._time_basis, self._time_start @ self._time_basis
+        return self._time_end.tolist(), self._time_start.tolist()
 
     def boundary_floor(self, stage: int) -> int:
         """Smallest possible buffers + transient of a stage, bytes (the relaxation's constant)."""
@@ -193,7 +267,7 @@ class _Chain:
         return int(copies) * self.edge_min + self.transient_min + self.constant_bytes
 
     def range_max(self, table: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        """max values[i..j] for each pair from a ``_sparse_max_table`` of the values."""
+        """max values[i..j] for each pair from a ``sparse_max_table`` of the values."""
         level = self._log2[ends - starts]
         return np.maximum(table[level, starts], table[level, ends - (1 << level) + 1])
 
@@ -272,14 +346,16 @@ class _Chain:
     ) -> np.ndarray:
         """time(s; i, j) of the module docstring with X_0 = ``first_tail``, ns; ``stage`` is one
         index or one per pair."""
+        # [basis, pair]
+        at_end, at_start = self._time_basis[:, ends + 1], self._time_basis[:, starts]
+        first = self._time_first * first_tail
+        if np.ndim(stage) == 0:  # U . P[j+1] - V . P[i] + offset for every term at once
+            value = self._time_end[:, stage] @ at_end - self._time_start[:, stage] @ at_start
+            return (value + (self._time_offset[:, stage] + first)[:, None]).max(axis=0)
         stage = np.broadcast_to(stage, np.shape(starts))
-        value = (
-            self._time_end[:, stage, ends + 1]
-            - self._time_start[:, stage, starts]
-            + self._time_offset[:, stage]
-            + (self._time_first * first_tail)[:, None]
-        )
-        return value.max(axis=0)
+        value = np.einsum("kpb,bp->kp", self._time_end[:, stage], at_end)
+        value -= np.einsum("kpb,bp->kp", self._time_start[:, stage], at_start)
+        return (value + self._time_offset[:, stage] + first[:, None]).max(axis=0)
 
     def first_tails(self) -> np.ndarray:
         """The tails the first stage can have (it ends at layer 0 .. L - p), sorted, ns."""
@@ -305,7 +381,7 @@ class _Chain:
 
     # -- monotone relaxation ---------------------------------------------------------------
 
-    def stage_rules(self, limits: _Limits) -> list[list[tuple[np.ndarray, np.ndarray, int, bool]]]:
+    def stage_rules(self, limits: _Limits) -> list[list[tuple[Sums, Sums, int, bool]]]:
         """Per stage, (end sums U, start sums V, offset, scaled) rules of the monotone
         relaxation: stage i..j passes at a bound iff U[j+1] - V[i] <= (bound + offset if scaled
         else offset) for each rule (U, V non-decreasing). It relaxes 'stage quantity <= bound
@@ -313,17 +389,16 @@ class _Chain:
         if self._rules is not None and self._rules[0] == limits:
             return self._rules[1]
         rules = []
+        tail = self.sums(("tail",), (1,))
+        timed_rules = limits.kind == TIME or limits.budget_ns is not None
         for s in range(self.num_stages):
+            self.check_time()
             floor = self.boundary_floor(s)
-            memory = self.memory_prefix(s)
-            # the terms with X_0 take its lower bound
+            memory = self.memory_sums(s)
+            # the terms with X_0 take its lower bound (none when no rule reads them)
             timed = [
-                (
-                    self._time_end[k, s],
-                    self._time_start[k, s],
-                    int(self._time_offset[k, s] + self._time_first[k] * limits.first_tail_ns),
-                )
-                for k in self._time_terms[s]
+                (end, start, offset + first * limits.first_tail_ns)
+                for end, start, offset, first in (self.time_sums(s) if timed_rules else ())
             ]
             if limits.kind == PEAK:
                 stage = [(memory, memory, -floor, True)]
@@ -336,7 +411,7 @@ class _Chain:
                     (end, start, limits.budget_ns - offset, False) for end, start, offset in timed
                 ]
             if s == 0 and limits.first_tail_max_ns is not None:
-                stage.append((self.tail_prefix, self.tail_prefix, limits.first_tail_max_ns, False))
+                stage.append((tail, tail, limits.first_tail_max_ns, False))
             rules.append(stage)
         self._rules = (limits, rules)
         return rules
@@ -353,10 +428,18 @@ class _Chain:
         position = np.zeros(len(bounds), dtype=np.int64)  # first layer after stage s
         ends = np.empty((num_stages, len(bounds)), dtype=np.int64)
         for s, rules in enumerate(self.stage_rules(limits)):
-            stop = num_layers - (num_stages - 1 - s)
+            if s % 64 == 0:
+                self.check_time()
+            last = stop = num_layers - (num_stages - 1 - s)  # position <= last
             for end, start, offset, scaled in rules:
                 target = start[position] + (bounds + offset if scaled else offset)
-                stop = np.minimum(stop, end.searchsorted(target, "right") - 1)
+                # clipped to [position, last + 1]: the same after the min and max (the hot
+                # loop: a table's search without a call of ``search``)
+                if end.__class__ is np.ndarray:
+                    found = end.searchsorted(target, "right")
+                else:
+                    found = end.searchsorted(target, "right", position, last + 1)
+                stop = np.minimum(stop, found - 1)
             position = np.maximum(position, stop)
             ends[s] = position - 1
         return position == num_layers, ends
@@ -366,10 +449,13 @@ class _Chain:
         starts = np.empty(self.num_stages, dtype=np.int64)
         stop = self.num_layers  # first layer after stage s
         for s in reversed(range(self.num_stages)):
+            if s % 64 == 0:
+                self.check_time()
             first = s
             for end, start, offset, scaled in self.stage_rules(limits)[s]:
                 target = end[stop] - (bound + offset if scaled else offset)
-                first = max(first, int(start.searchsorted(target, "left")))
+                # clipped to [s, stop]: the same after the max and min
+                first = max(first, int(search(start, target, "left", s, stop)))
             starts[s] = stop = min(first, stop)
         return starts if starts[0] == 0 else None
 
@@ -407,10 +493,12 @@ class _Chain:
     def relaxed_top(self, limits: _Limits) -> int:
         """A bound above every stage's relaxed quantity: the bound itself never binds there."""
         if limits.kind == TIME:
-            top = self._time_end[:, :, -1] - self._time_start[:, :, 0] + self._time_offset
+            at_end, at_start = self._time_basis[:, -1], self._time_basis[:, 0]
+            top = self._time_end @ at_end - self._time_start @ at_start + self._time_offset
             return int(top.max() + self._time_first.max() * limits.first_tail_ns)
         return max(
-            int(self.memory_prefix(s)[-1]) + self.boundary_floor(s) for s in range(self.num_stages)
+            int(self.memory_sums(s)[self.num_layers]) + self.boundary_floor(s)
+            for s in range(self.num_stages)
         )
 
     def exact_top(self, limits: _Limits) -> int:
@@ -566,7 +654,7 @@ class _Chain:
             self.check_time()
             ends = np.arange(end_low[s], end_high[s] + 1)
             lowest = max(previous_low + 1, int(first_start[s]))
-            starts_low = np.maximum(self.first_starts(s, limits, bound, ends), lowest)
+            starts_low = self.first_starts(s, limits, bound, ends, lowest)
             starts_high = np.minimum(ends, previous_high + 1)
             best, choice = self._stage_step(
                 s, limits, ends, starts_low, starts_high, previous, previous_low
@@ -584,12 +672,16 @@ class _Chain:
             end = starts[s] - 1
         return int(previous[-1]), starts
 
-    def first_starts(self, stage: int, limits: _Limits, bound: int, ends: np.ndarray) -> np.ndarray:
-        """Smallest start of stage ``stage`` ending at each of ``ends`` under the relaxation."""
-        first = np.zeros(len(ends), dtype=np.int64)
+    def first_starts(
+        self, stage: int, limits: _Limits, bound: int, ends: np.ndarray, lowest: int
+    ) -> np.ndarray:
+        """Smallest start (at least ``lowest``) of stage ``stage`` ending at each of ``ends``
+        under the relaxation; ends + 1 where there is none."""
+        first = np.full(len(ends), lowest, dtype=np.int64)
         for end, start, offset, scaled in self.stage_rules(limits)[stage]:
             limit = bound + offset if scaled else offset
-            first = np.maximum(first, start.searchsorted(end[ends + 1] - limit, "left"))
+            found = search(start, end[ends + 1] - limit, "left", lowest, ends + 1)
+            first = np.maximum(first, found)
         return first
 
     def _stage_step(
@@ -602,8 +694,39 @@ class _Chain:
         previous: np.ndarray,
         previous_low: int,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """One DP stage on the ragged band: (f_s per end, argmin start per end)."""
+        """One DP stage on the ragged band: (f_s per end, argmin start per end); at most
+        ``DP_CHUNK_PAIRS`` (start, end) pairs at a time (ends apart are independent)."""
         counts = np.maximum(starts_high - starts_low + 1, 0)
+        reached = np.cumsum(counts)
+        if reached[-1] <= DP_CHUNK_PAIRS:
+            return self._stage_pairs(
+                stage, limits, ends, starts_low, counts, previous, previous_low
+            )
+        best, choice = np.empty(len(ends), dtype=np.int64), np.empty(len(ends), dtype=np.int64)
+        first = 0
+        while first < len(ends):
+            self.check_time()
+            taken = reached[first] - counts[first]  # pairs before this chunk
+            last = max(first + 1, int(np.searchsorted(reached, taken + DP_CHUNK_PAIRS, "right")))
+            part = slice(first, last)
+            best[part], choice[part] = self._stage_pairs(
+                stage, limits, ends[part], starts_low[part], counts[part], previous, previous_low
+            )
+            first = last
+        return best, choice
+
+    def _stage_pairs(
+        self,
+        stage: int,
+        limits: _Limits,
+        ends: np.ndarray,
+        starts_low: np.ndarray,
+        counts: np.ndarray,
+        previous: np.ndarray,
+        previous_low: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``_stage_step`` over every pair of ``ends`` at once (``counts`` starts from
+        ``starts_low`` each)."""
         total = int(counts.sum())
         if total == 0:
             return np.full(len(ends), INF, dtype=np.int64), np.full(len(ends), -1)
@@ -643,41 +766,38 @@ class _Chain:
         return value
 
 
-def _time_rules(
-    costs: LayerCosts, terms: list[list[BoundTerm]], prefix
+def _time_coefficients(
+    costs: LayerCosts, terms: list[list[BoundTerm]]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The iteration bound's terms (``terms``, ``costs.bound_terms``) of every stage as arrays
-    (U [term, stage, position], V likewise, offset [term, stage], with X_0 [term]): the term of
-    stage s on layers i..j is U[., s, j+1] - V[., s, i] + offset (+ X_0). A term
+    """The iteration bound's terms (``terms``, ``costs.bound_terms``) of every stage as
+    coefficients of the prefix sums pT, pF, pX (``TIME_BASIS``): (U [term, stage, basis], V
+    likewise, offset [term, stage] in ns, X_0's [term]); the term of stage s on layers i..j is
+    U . P[j+1] - V . P[i] + offset (+ X_0). A term
     (m + a) (T + h) + bt T_<r + bf F_<r + e (F + h) + x X + g T_>r + const, with T_>r the
     total time less pT[j+1], is U = (m + a - g) pT + e pF + x pX and
     V = (m + a - bt) pT + (e - bf) pF + x pX, both non-decreasing (per layer T_l >= F_l, and
     the waits' coefficients leave at least as many micro-batches as they take away;
-    tests/test_chain.py checks it)."""
+    tests/test_chain.py checks it). O(terms x stages): the sums themselves are read on demand
+    (``_Chain.times``, ``PrefixSums``)."""
     m, h = costs.config.num_microbatches, costs.microbatch_overhead_ns
-    time, forward, tail = (prefix(v) for v in (costs.time_ns, costs.forward_ns, costs.tail_ns))
-    total = int(time[-1])
+    total = int(np.sum(costs.time_ns, dtype=np.int64))
     terms = np.array(terms, dtype=np.int64)  # [stage, term, field]
-    field = {name: terms[:, :, k].T[:, :, None] for k, name in enumerate(BoundTerm._fields)}
+    field = {name: terms[:, :, k].T for k, name in enumerate(BoundTerm._fields)}
     busy = m + field["own_time"]
     own_forward, own_tail = field["own_forward"], field["own_tail"]
-    end = (busy - field["after_time"]) * time + own_forward * forward + own_tail * tail
-    start = (busy - field["before_time"]) * time + (own_forward - field["before_forward"]) * forward
-    start = start + own_tail * tail
+    end = np.stack([busy - field["after_time"], own_forward, own_tail], axis=-1)
+    start = np.stack(
+        [busy - field["before_time"], own_forward - field["before_forward"], own_tail], axis=-1
+    )
     offset = field["after_time"] * total + (busy + own_forward) * h + field["constant_ns"]
-    return end, start, offset[:, :, 0], field["first_tail"][:, 0, 0]
+    return end, start, offset, field["first_tail"][:, 0]
 
 
-def _sparse_max_table(values: np.ndarray) -> np.ndarray:
-    """table[k, x] = max values[x .. x + 2^k - 1] (zero-padded where the window runs out)."""
-    rows = [values]
-    width = 1
-    while 2 * width <= len(values):
-        previous = rows[-1]
-        row = np.zeros_like(values)
-        row[: len(values) - 2 * width + 1] = np.maximum(
-            previous[: len(values) - 2 * width + 1], previous[width : len(values) - width + 1]
-        )
-        rows.append(row)
-        width *= 2
-    return np.stack(rows)
+def _time_rules(
+    costs: LayerCosts, terms: list[list[BoundTerm]], prefix
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``_time_coefficients`` with U and V as arrays [term, stage, position] (``prefix`` makes
+    a prefix sum): O(terms x stages x layers), for tests of small chains only."""
+    end, start, offset, first = _time_coefficients(costs, terms)
+    basis = np.stack([prefix(v) for v in (costs.time_ns, costs.forward_ns, costs.tail_ns)])
+    return end @ basis, start @ basis, offset, first

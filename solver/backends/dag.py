@@ -240,6 +240,9 @@ def _structure(costs: LayerCosts, *, prefixes: bool = False) -> _Structure | Non
             costs.num_layers, costs.edge_src.tolist(), costs.edge_dst.tolist(), limit=MAX_IDEALS
         )
     all_ideals = members is not None
+    layers = costs.num_layers
+    # the prefixes' pairs over the cap: known before the (L + 1) x L prefix matrix is made
+    prefixes = prefixes and (layers + 1) * layers // 2 * layers <= MAX_PAIR_CELLS
     if members is None and prefixes:
         order = np.arange(costs.num_layers)
         members = order[None, :] < np.arange(costs.num_layers + 1)[:, None]

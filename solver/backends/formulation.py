@@ -192,6 +192,31 @@ CHUNK_SIZE_SHARE = 0.25
 before its box search stops (``solver.backends.interleaved``; milliseconds on a GPT-3 shape)."""
 
 
+MAX_FORMULATION_CELLS = 2**20
+"""Most layers x (virtual) stages a CP-SAT or MILP model is built for: y[l][s] and the rows over
+them are Python objects of about 1 KiB each, so 2^20 cells take a GiB or two before the solver
+sees them (and minutes to build). A larger problem is not built: its hint stands, unproven."""
+MAX_FORMULATION_LAYERS = 2**14
+"""Most layers a model is built for whatever the stages: the presolve's reachability sets take
+L^2 / 8 bytes (32 MiB here; a 200,000-layer chain would take 5 GB)."""
+
+
+def formulation_fits(num_layers: int, num_stages: int) -> bool:
+    """The CP-SAT / MILP model of a problem of this size is within ``MAX_FORMULATION_CELLS``
+    and ``MAX_FORMULATION_LAYERS`` (else ``solve_problem`` keeps the hint without building
+    it)."""
+    return num_layers <= MAX_FORMULATION_LAYERS and num_layers * num_stages <= MAX_FORMULATION_CELLS
+
+
+def formulation_size_text(num_layers: int, num_stages: int) -> str:
+    """Why a model is too large to build, with the numbers (``formulation_fits``)."""
+    return (
+        f"{num_layers} layers x {num_stages} stages = {num_layers * num_stages} stage variables "
+        f"(the CP-SAT/MILP model holds at most {MAX_FORMULATION_CELLS} = 2^20, and at most "
+        f"{MAX_FORMULATION_LAYERS} layers)"
+    )
+
+
 class BuildTimeUp(Exception):
     """The time limit ran out while the model was being built (``PrefixFormulation.stop_at``)."""
 
@@ -273,6 +298,12 @@ class PrefixFormulation(FormulationRules, FormulationTerms, FormulationHints, ab
         tenth of the time limit."""
         start = time.perf_counter()
         check_hint(problem, hint, hint_groups)
+        if not formulation_fits(problem.num_layers, problem.num_stages):
+            # bounded memory: no model, the hint (if valid) stands
+            solution = make_solution(UNKNOWN, cls.backend_of(options), bound=0)
+            solution = keep_hint_if_better(problem, solution, hint, hint_recomputed, hint_groups)
+            solution.wall_s = time.perf_counter() - start
+            return solution
         if problem.placement is not None and hint_groups is None:
             hint, hint_recomputed, hint_groups = _placement_hint(
                 problem, hint, hint_recomputed, options

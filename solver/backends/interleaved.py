@@ -45,6 +45,10 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from solver.backends.problem import OBJECTIVE_MEMORY, StageProblem
 
+MAX_WINDOW_CELLS = 2**24
+"""Most (virtual stage size, window start) pairs the least aggregates scan, (L - J + 1) x L: the
+scan is O(L^2) numpy work (1 s at 2,000 layers, 5 s at 5,000, hours at 200,000), so a longer
+chain gets no bound (None) and goes to the solver as it is."""
 MAX_SIZE_VECTORS = 200_000
 """Per rank, the most chunk-size vectors the program enumerates; beyond it (many chunks per rank
 on a long chain) there is no bound (None)."""
@@ -81,7 +85,10 @@ def chunk_size_bound(
     enumerate too many size vectors. One program (``time_limit_s`` is accepted for the callers
     that share a deadline; the program is not cut short)."""
     del time_limit_s
+    costs = problem.costs
     if not applies(problem):
+        return None
+    if (costs.num_layers - costs.num_stages + 1) * costs.num_layers > MAX_WINDOW_CELLS:
         return None
     return _ChunkSizes(problem).solve()
 

@@ -108,12 +108,25 @@ class StageProblem:
         recomputed: Recomputed = None,
         group_of_stage: list[int] | None = None,
     ) -> list[StageCost]:
-        """Per-stage costs from the cost model (on each stage's group with a placement)."""
-        if self.placement is None:
-            return stage_costs(self.costs, stage_of_layer, recomputed)
-        return placed_stage_costs(
-            self.placement.group_costs, stage_of_layer, group_of_stage, recomputed
+        """Per-stage costs from the cost model (on each stage's group with a placement); the
+        last assignment's are kept (a check and a measure of one split follow each other, and
+        on 10^4 stages each evaluation takes a second)."""
+        key = (
+            np.asarray(stage_of_layer, dtype=np.int64).tobytes(),
+            None if recomputed is None else np.asarray(recomputed, dtype=bool).tobytes(),
+            None if group_of_stage is None else tuple(group_of_stage),
         )
+        last = self.__dict__.get("_last_stages")
+        if last is not None and last[0] == key:
+            return last[1]
+        if self.placement is None:
+            stages = stage_costs(self.costs, stage_of_layer, recomputed)
+        else:
+            stages = placed_stage_costs(
+                self.placement.group_costs, stage_of_layer, group_of_stage, recomputed
+            )
+        self.__dict__["_last_stages"] = (key, stages)
+        return stages
 
     def memory_value(self, stages: list[StageCost], group_of_stage: list[int] | None) -> int:
         """The memory objective: largest peak (bytes), or largest utilization (ppm)."""

@@ -78,8 +78,8 @@ def plan_main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     progress = SearchProgress(enabled=shows_progress(args.quiet))
     try:
+        from solver.deadline import Deadline
         from solver.report.plan_report import format_plan, plan_to_dict
-        from solver.search.config_search import Deadline
         from solver.search.planner import plan
 
         # --time-limit covers the whole command: reading the graph included
@@ -88,7 +88,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         if args.pareto_points is not None and not args.pareto:
             raise InputError("--pareto-points needs --pareto")
         cluster = cluster_from_args(parser, args, args.gpus)
-        graph = load_graph(args.graph)
+        graph = load_graph(args.graph, deadline=deadline)
         training = training_from_args(args)
         if args.pareto:
             _pareto(args, graph, training, cluster, deadline)

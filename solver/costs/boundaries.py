@@ -85,6 +85,17 @@ class BoundaryTensors:
         return [(edges, int(self.edge_bytes[edges[0]])) for edges in groups.values()]
 
     @cached_property
+    def tensor_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``tensor_groups`` as arrays: (each tensor's first edge, its bytes per micro-batch,
+        each edge's tensor index), tensors in the same order (of first edge)."""
+        _, first_edge, of_edge = np.unique(self.edge_tensor, return_index=True, return_inverse=True)
+        order = np.argsort(first_edge, kind="stable")  # tensors by first edge
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
+        first_edge = first_edge[order]
+        return first_edge, np.asarray(self.edge_bytes, dtype=np.int64)[first_edge], rank[of_edge]
+
+    @cached_property
     def tensor_roles(self) -> list[tuple[bool, bool, list[int]]]:
         """Parallel to ``tensor_groups``: (requires grad, whether its consumers' saving is known,
         the layers whose stored bytes count its storage) of every tensor, for the torch
@@ -135,15 +146,19 @@ def boundary_bytes(
     num_stages = costs.num_stages
     sent = np.zeros(num_stages, dtype=np.int64)
     received = np.zeros(num_stages, dtype=np.int64)
-    relayed = np.zeros(num_stages, dtype=np.int64)
-    producer, consumer = stage_of[costs.edge_src], stage_of[costs.edge_dst]
-    for edges, size in costs.tensor_groups:
-        made, farthest = int(producer[edges[0]]), int(consumer[edges].max())
-        if farthest == made or not size:
-            continue
-        sent[made] += size
-        received[farthest] += size
-        relayed[made + 1 : farthest] += size
+    relay_steps = np.zeros(num_stages + 1, dtype=np.int64)  # relayed = its prefix sum
+    first_edge, size, tensor_of_edge = costs.tensor_arrays
+    made = np.asarray(stage_of, dtype=np.int64)[costs.edge_src[first_edge]]
+    farthest = np.full(len(first_edge), np.iinfo(np.int64).min)
+    np.maximum.at(farthest, tensor_of_edge, np.asarray(stage_of, dtype=np.int64)[costs.edge_dst])
+    crossing = (farthest != made) & (size != 0)
+    np.add.at(sent, made[crossing], size[crossing])
+    np.add.at(received, farthest[crossing], size[crossing])
+    # stages made + 1 .. farthest - 1 relay it: + at made + 1, - at farthest
+    through = crossing & (farthest > made + 1)
+    np.add.at(relay_steps, made[through] + 1, size[through])
+    np.add.at(relay_steps, farthest[through], -size[through])
+    relayed = np.cumsum(relay_steps[:num_stages])
     return received + relayed, sent + relayed, relayed
 
 
@@ -163,15 +178,17 @@ def direct_boundary_bytes(
     num_stages = costs.num_stages
     sent = np.zeros(num_stages, dtype=np.int64)
     received = np.zeros(num_stages, dtype=np.int64)
-    producer, consumer = stage_of[costs.edge_src], stage_of[costs.edge_dst]
-    for edges, size in costs.tensor_groups:
-        made = int(producer[edges[0]])
-        readers = {int(s) for s in consumer[edges].tolist() if s > made}
-        if not readers or not size:
-            continue
-        sent[made] += size
-        for s in readers:
-            received[s] += size
+    first_edge, size, tensor_of_edge = costs.tensor_arrays
+    stage_of = np.asarray(stage_of, dtype=np.int64)
+    made = stage_of[costs.edge_src[first_edge]]
+    consumer = stage_of[costs.edge_dst]
+    # each (tensor, later consuming stage) once
+    later = (consumer > made[tensor_of_edge]) & (size[tensor_of_edge] != 0)
+    pairs = np.unique(tensor_of_edge[later] * num_stages + consumer[later])
+    tensors, readers = pairs // num_stages, pairs % num_stages
+    np.add.at(received, readers, size[tensors])
+    read = np.unique(tensors)
+    np.add.at(sent, made[read], size[read])
     return received, sent, np.zeros(num_stages, dtype=np.int64)
 
 

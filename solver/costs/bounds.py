@@ -5,6 +5,7 @@ and the floor no split of a config can beat (``iteration_floor_ns``). docs/cost-
 
 from __future__ import annotations
 
+from operator import mul
 from typing import NamedTuple
 
 import numpy as np
@@ -51,6 +52,9 @@ def bound_terms(costs: LayerCosts) -> list[list[BoundTerm]]:
     and steps (X_r), while that micro-batch still runs backward through the virtual stages
     before (B_<r) and then rank 0 syncs and steps (X_0). The terms are these combinations; with
     interleaving only the two without waits."""
+    cached = costs.__dict__.get("_bound_terms")  # config-fixed: made once per LayerCosts
+    if cached is not None:
+        return cached
     config, h = costs.config, costs.microbatch_overhead_ns
     m, p, v = config.num_microbatches, config.pp, config.virtual_stages
     terms = []
@@ -74,6 +78,7 @@ def bound_terms(costs: LayerCosts) -> list[list[BoundTerm]]:
                 BoundTerm(0, 1, own_forward, 1, after_time, 0, constant, own_time),
             ]
         terms.append(rank)
+    costs.__dict__["_bound_terms"] = terms
     return terms
 
 
@@ -90,17 +95,17 @@ def iteration_bound_ns(costs: LayerCosts, stages: list[StageCost]) -> int:
     for stage, terms in zip(stages, bound_terms(costs), strict=True):
         own = stage.time_ns + len(stage.chunk_time_ns) * h
         forward = sum(stage.chunk_forward_ns) + len(stage.chunk_time_ns) * h
-        values = {
-            "before_time": before_time,
-            "before_forward": before_forward,
-            "own_forward": forward,
-            "own_tail": costs.stage_tail_ns(stage),
-            "after_time": total - before_time - stage.time_ns,
-            "first_tail": first_tail,
-        }
+        # the amounts of BoundTerm's first six fields, in their order
+        values = (
+            before_time,
+            before_forward,
+            forward,
+            costs.stage_tail_ns(stage),
+            total - before_time - stage.time_ns,
+            first_tail,
+        )
         for term in terms:
-            value = (m + term.own_time) * own + term.constant_ns
-            value += sum(getattr(term, name) * amount for name, amount in values.items())
+            value = (m + term.own_time) * own + term.constant_ns + sum(map(mul, term, values))
             bound = max(bound, value)
         # chunk 0 of this rank is virtual stage r, before every later rank's chunk 0
         before_time += stage.chunk_time_ns[0]

@@ -133,12 +133,24 @@ def unsaved_output_bytes(graph: LayerGraph) -> int:
     return value
 
 
+def layer_roles(graph: LayerGraph) -> list[str]:
+    """Every layer's ``Layer.role`` (embedding, block, head, other), cached on the graph object
+    (a role read from a name takes a few string searches: seconds over 10^6 layers)."""
+    cached = getattr(graph, "_roles", None)
+    if cached is None:
+        cached = graph._roles = [layer.role for layer in graph.layers]
+    return cached
+
+
 def recomputable_layers(graph: LayerGraph, runtime: str) -> np.ndarray:
     """Which layers ``runtime`` recomputes under recomputation: megatron the transformer blocks
     (``Layer.role == "block"``), torch every layer."""
     if runtime == "torch":
         return np.ones(len(graph.layers), dtype=bool)
-    return np.array([layer.role == "block" for layer in graph.layers], dtype=bool)
+    cached = getattr(graph, "_blocks", None)
+    if cached is None:
+        cached = graph._blocks = np.array(layer_roles(graph), dtype=object) == "block"
+    return cached.copy()
 
 
 def profiled_ns(graph: LayerGraph, name: str) -> int:

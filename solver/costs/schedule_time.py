@@ -41,9 +41,41 @@ from solver.costs.coefficients import LayerCosts
 from solver.costs.schedule import ScheduleAction, interleaved_schedule_groups, schedule_actions
 from solver.costs.stage_cost import StageCost
 from solver.costs.stages import stage_costs
+from solver.errors import InputError
 
+MAX_SCHEDULE_ACTIONS = 2**20
+"""Most forwards and backwards (2 m v p) a simulation runs: each is a few Python objects (about
+350 bytes) and a few microseconds, so 2^20 take about 0.4 GB and 5 s; pp 20,002 with 20,002
+micro-batches would take 300 GB. Configs beyond it are not searched (``candidate_configs``) and a
+layout beyond it is refused (``check_schedule_size``)."""
 DP_OVERLAPS = ("none", "last_backward")
 """When a rank's data-parallel gradient sync runs (``simulate_schedule``)."""
+
+
+def schedule_size(pp: int, virtual_stages: int, num_microbatches: int) -> int:
+    """Forwards and backwards of one iteration over all ranks: 2 m v p."""
+    return 2 * pp * virtual_stages * num_microbatches
+
+
+def check_schedule_size(
+    pp: int, virtual_stages: int, num_microbatches: int, micro_batch: int = 1
+) -> None:
+    """InputError (naming the flags that would do) when a layout's schedule has more than
+    ``MAX_SCHEDULE_ACTIONS`` actions to simulate."""
+    size = schedule_size(pp, virtual_stages, num_microbatches)
+    if size <= MAX_SCHEDULE_ACTIONS:
+        return
+    most_m = MAX_SCHEDULE_ACTIONS // (2 * pp * virtual_stages)  # micro-batches that would do
+    if most_m >= 1:
+        larger = -(-micro_batch * num_microbatches // most_m)
+        fix = f"a --micro-batch of at least {larger} or a smaller --global-batch"
+    else:
+        fix = f"at most {MAX_SCHEDULE_ACTIONS // (2 * virtual_stages)} pipeline stages (--pp)"
+    raise InputError(
+        f"the pipeline schedule of pp {pp} x virtual stages {virtual_stages} x 2 x "
+        f"{num_microbatches} micro-batches = {size} forwards and backwards is too long to "
+        f"simulate (at most {MAX_SCHEDULE_ACTIONS}): give {fix}"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,11 +177,11 @@ def _rank_steps(
     # stage j (None: not sent yet); each action waits for its own and sends to its targets
     arrival = {("F", a, c): [None] * m for a, c in transfer_ns}
     arrival |= {("B", c, a): [None] * m for c, a in gradient_ns}
-    waits = {
-        (kind, j): [times for (k, _, target), times in arrival.items() if k == kind and target == j]
-        for kind in "FB"
-        for j in range(num_stages)
+    waits: dict[tuple[str, int], list[list]] = {
+        (kind, j): [] for kind in "FB" for j in range(num_stages)
     }
+    for (kind, _, target), times in arrival.items():  # one pass (per stage was O(p^2))
+        waits[(kind, target)].append(times)
     link_index: dict[tuple[int, int], int] = {}
     sends: dict[tuple[str, int], list[tuple[list, int, int]]] = {}
     for kind, pairs in (("F", transfer_ns), ("B", gradient_ns)):
@@ -171,16 +203,21 @@ def _rank_steps(
 
 def _run(lists: list[list[Step]], num_links: int) -> list[list[tuple[ScheduleAction, int, int]]]:
     """Run every rank's steps, each as soon as its rank is free and its inputs have arrived;
-    per rank its actions as (action, start, end), ns."""
+    per rank its actions as (action, start, end), ns. Sweeps over the ranks run each one until
+    an input is missing, alternately up (forwards flow through every rank in one sweep) and down
+    (backwards do): one-way sweeps moved a backward one rank per sweep, O(p^2) visits. The times
+    do not depend on the visiting order (each link carries one rank's sends, in its order)."""
     p = len(lists)
     link_free = [0] * num_links
     free = [0] * p
     done: list[list[tuple[ScheduleAction, int, int]]] = [[] for _ in range(p)]
     position = [0] * p
     remaining = sum(len(steps) for steps in lists)
+    up, down = range(p), range(p - 1, -1, -1)
+    sweeps = 0
     while remaining:
         progressed = False
-        for r in range(p):
+        for r in up if sweeps % 2 == 0 else down:
             steps, pos, now, ran = lists[r], position[r], free[r], done[r]
             while pos < len(steps):
                 action, i, length, waited, targets = steps[pos]
@@ -205,6 +242,7 @@ def _run(lists: list[list[Step]], num_links: int) -> list[list[tuple[ScheduleAct
                 position[r], free[r] = pos, now
                 progressed = True
         assert progressed, "the schedule deadlocks"
+        sweeps += 1
     return done
 
 
@@ -243,24 +281,46 @@ def stage_transfer_bytes(
     k -> k + 1 in between (relays, ``solver.costs.boundary_bytes``); direct sends (torch): it goes
     from a to each consuming stage. Its gradient comes back the same way if it requires grad
     (``Edge.requires_grad``)."""
-    forward: dict[tuple[int, int], int] = {}
-    backward: dict[tuple[int, int], int] = {}
-    producer, consumer = stage_of[costs.edge_src], stage_of[costs.edge_dst]
-    for edges, size in costs.tensor_groups:
-        made = int(producer[edges[0]])
-        readers = sorted({int(s) for s in consumer[edges].tolist() if s > made})
-        if not readers or not size:
-            continue
-        if costs.direct_sends:
-            pairs = [(made, s) for s in readers]
-        else:
-            pairs = [(k, k + 1) for k in range(made, readers[-1])]
-        grad = costs.edge_requires_grad is None or bool(costs.edge_requires_grad[edges[0]])
-        for a, c in pairs:
-            forward[(a, c)] = forward.get((a, c), 0) + size
-            if grad:
-                backward[(c, a)] = backward.get((c, a), 0) + size
+    num_stages = costs.num_stages
+    first_edge, size, tensor_of_edge = costs.tensor_arrays
+    stage_of = np.asarray(stage_of, dtype=np.int64)
+    made = stage_of[costs.edge_src[first_edge]]
+    consumer = stage_of[costs.edge_dst]
+    later = (consumer > made[tensor_of_edge]) & (size[tensor_of_edge] != 0)
+    grad = (
+        np.ones(len(first_edge), dtype=bool)
+        if costs.edge_requires_grad is None
+        else np.asarray(costs.edge_requires_grad, dtype=bool)[first_edge]
+    )
+    if costs.direct_sends:  # (producer's stage, reader) once per tensor and later reader
+        pairs = np.unique(tensor_of_edge[later] * num_stages + consumer[later])
+        tensor, reader = pairs // num_stages, pairs % num_stages
+        sender = made[tensor]
+    else:  # every boundary k | k + 1 from the producer's stage to its farthest reader
+        farthest = np.full(len(first_edge), -1, dtype=np.int64)
+        np.maximum.at(farthest, tensor_of_edge[later], consumer[later])
+        tensor = np.flatnonzero(farthest > made)
+        hops = farthest[tensor] - made[tensor]
+        tensor = np.repeat(tensor, hops)
+        sender = made[tensor] + np.arange(len(tensor)) - np.repeat(np.cumsum(hops) - hops, hops)
+        reader = sender + 1
+    forward = _pair_sums(sender, reader, size[tensor], num_stages)
+    chosen = grad[tensor]
+    backward = _pair_sums(reader[chosen], sender[chosen], size[tensor][chosen], num_stages)
     return forward, backward
+
+
+def _pair_sums(
+    source: np.ndarray, target: np.ndarray, size: np.ndarray, num_stages: int
+) -> dict[tuple[int, int], int]:
+    """{(source, target): the sum of ``size`` over the items of that pair}, pairs in order."""
+    keys, index = np.unique(source * num_stages + target, return_inverse=True)
+    totals = np.zeros(len(keys), dtype=np.int64)
+    np.add.at(totals, index, size)
+    return {
+        (int(key) // num_stages, int(key) % num_stages): int(total)
+        for key, total in zip(keys.tolist(), totals.tolist(), strict=True)
+    }
 
 
 FROM_COSTS = object()
@@ -320,6 +380,7 @@ def schedule_inputs(
     (``FROM_COSTS``)."""
     config = costs.config
     p, m, n = config.pp, config.num_microbatches, costs.num_stages
+    check_schedule_size(p, config.virtual_stages, m, config.micro_batch)
     if link_gb_per_s is FROM_COSTS:
         link_gb_per_s = costs.link_gb_per_s
     if p2p_latency_ns is FROM_COSTS:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from solver.costs.graph_inputs import layer_roles
 from solver.costs.moe import routed_experts
 from solver.graph import LayerGraph
 from solver.parallel import export_name
@@ -42,7 +43,7 @@ def megatron_export(
     separate final norm, a position embedding, a pooler) is taken to be part of the module Megatron
     builds next to it; counting it as a ``t`` would change ``--num-layers``.
     """
-    roles = {layer.name: layer.role for layer in graph.layers}
+    roles = dict(zip(graph.names, layer_roles(graph), strict=True))
     stage_letters = ["".join(MEGATRON_LETTER.get(roles[n], "") for n in s) for s in stages]
     layout = "|".join(stage_letters)
     blocks = [letters.count("t") for letters in stage_letters]

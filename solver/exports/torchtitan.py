@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from solver.costs.graph_inputs import layer_roles
 from solver.graph import LayerGraph
 from solver.parallel import export_name
 from solver.specs import ParallelConfig
@@ -195,7 +196,7 @@ def _module_fqns(graph: LayerGraph, stages: list[list[str]]) -> tuple[list[list[
     with the output layer; a separate final-norm layer of kind "other" after the last block is
     ``norm``). Any other shape keeps the graph's names.
     """
-    roles = [layer.role for layer in graph.layers]
+    roles = layer_roles(graph)
     blocks = [i for i, role in enumerate(roles) if role == "block"]
     shape_ok = (
         roles.count("embedding") == 1

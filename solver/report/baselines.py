@@ -44,6 +44,7 @@ with ``costs.stage_costs`` like any plan (``evaluation.evaluate_partitioners``).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 
 import numpy as np
@@ -51,18 +52,19 @@ import numpy as np
 from solver.backends import resolve_backend, solve
 from solver.backends.problem import OBJECTIVE_TIME, StageProblem
 from solver.costs import LayerCosts
+from solver.costs.graph_inputs import layer_roles
 from solver.errors import InputError
 from solver.graph import LayerGraph
 
 
 def counts_to_assignment(counts: list[int]) -> list[int]:
     """[2, 3] -> [0, 0, 1, 1, 1]."""
-    return [stage for stage, count in enumerate(counts) for _ in range(count)]
+    return np.repeat(np.arange(len(counts)), counts).tolist()
 
 
 def even_split(graph: LayerGraph, num_stages: int) -> list[int]:
     """Megatron's even split as a stage index per layer."""
-    roles = [layer.role for layer in graph.layers]
+    roles = layer_roles(graph)
     lead = 1 if roles[0] == "embedding" else 0
     tail = 1 if roles[-1] == "head" and len(roles) > lead + 1 else 0
     blocks = len(roles) - lead - tail
@@ -99,47 +101,51 @@ def size_balanced_split(costs: LayerCosts) -> list[int]:
 
 
 def min_max_blocks(weights: np.ndarray, num_stages: int) -> list[int]:
-    """Contiguous split into non-empty blocks minimising the largest block sum.
+    """Contiguous split into non-empty blocks minimising the largest block sum (weights >= 1).
 
     Binary search on the limit with a greedy check (exact for additive, positive weights: the
-    greedy packs as much as possible into each part).
+    greedy packs as much as possible into each part). Each part is one search in the prefix sums,
+    so a check costs O(p log L), not O(L).
     """
-    low, high = int(weights.max()), int(weights.sum())
+    prefix = [0, *np.cumsum(np.asarray(weights, dtype=np.int64)).tolist()]
+    low, high = int(np.max(weights)), prefix[-1]
     while low < high:
         limit = (low + high) // 2
-        if _parts_needed(weights, limit) <= num_stages:
+        if _fits_in_parts(prefix, limit, num_stages):
             high = limit
         else:
             low = limit + 1
-    return _fill(weights, low, num_stages)
+    return _fill(prefix, low, num_stages)
 
 
-def _parts_needed(weights: np.ndarray, limit: int) -> int:
-    parts, load = 1, 0
-    for weight in weights:
-        if load + weight > limit:
-            parts, load = parts + 1, 0
-        load += weight
-    return parts
+def _greedy_end(prefix: list[int], start: int, limit: int) -> int:
+    """One past the last layer of a part from ``start`` holding as many layers as fit under
+    ``limit`` (at least one)."""
+    return max(start + 1, bisect.bisect_right(prefix, prefix[start] + limit) - 1)
 
 
-def _fill(weights: np.ndarray, limit: int, num_stages: int) -> list[int]:
-    """Greedy fill under ``limit``, leaving at least one layer for every later stage."""
-    assignment, stage, load = [], 0, 0
-    num_layers = len(weights)
-    for i, weight in enumerate(weights):
-        layers_left = num_layers - i
-        stages_left = num_stages - stage - 1
-        if (
-            assignment
-            and stage < num_stages - 1
-            and (load + weight > limit or layers_left <= stages_left)
-            and load > 0
-        ):
-            stage, load = stage + 1, 0
-        assignment.append(stage)
-        load += weight
-    return assignment
+def _fits_in_parts(prefix: list[int], limit: int, num_parts: int) -> bool:
+    """The greedy split under ``limit`` needs at most ``num_parts`` parts."""
+    start, num_layers = 0, len(prefix) - 1
+    for _ in range(num_parts):
+        start = _greedy_end(prefix, start, limit)
+        if start >= num_layers:
+            return True
+    return False
+
+
+def _fill(prefix: list[int], limit: int, num_stages: int) -> list[int]:
+    """Greedy fill under ``limit`` (per stage the most layers that fit), leaving at least one
+    layer for every later stage; the last stage takes the rest."""
+    num_layers = len(prefix) - 1
+    counts, start = [], 0
+    for stage in range(num_stages - 1):
+        later = num_stages - 1 - stage  # stages after this one, each needs a layer
+        end = min(_greedy_end(prefix, start, limit), max(start + 1, num_layers - later))
+        counts.append(end - start)
+        start = end
+    counts.append(num_layers - start)
+    return counts_to_assignment(counts)
 
 
 def fastest_fitting_split(

@@ -33,6 +33,7 @@ import numpy as np
 
 from solver import parallel
 from solver.costs import LayerCosts, iteration_floor_ns
+from solver.costs.schedule_time import MAX_SCHEDULE_ACTIONS, check_schedule_size, schedule_size
 from solver.errors import InputError
 from solver.parallel import interleaving_fits
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
@@ -142,14 +143,18 @@ def candidate_configs(
     training: TrainingConfig,
     *,
     num_experts: int | None = None,
+    long_schedules: bool = False,
 ) -> list[ParallelConfig]:
     """Every valid config, in a fixed order (deterministic search). ``num_experts``: the
     graph's routed experts E (``moe.routed_experts``), None for a dense graph; it gives the
-    expert-parallel degrees (``expert_parallel_degrees``)."""
+    expert-parallel degrees (``expert_parallel_degrees``). A config whose schedule is too long
+    to simulate (``costs.MAX_SCHEDULE_ACTIONS``) is left out; ``long_schedules`` lists those
+    instead (for the plan's note)."""
     check_pinned_degrees(cluster, training)
     check_pinned_expert_degrees(training)
     recompute_modes, virtual_stages, cp_degrees = _searched_settings(cluster, training)
     configs: list[ParallelConfig] = []
+    skipped = 0
     most = MAX_CONFIG_LAYERS // (num_layers * max(1, len(cluster.groups)))
     for pp in divisors(cluster.num_gpus):
         if pp > num_layers:
@@ -180,6 +185,11 @@ def candidate_configs(
                         for virtual in virtual_stages:
                             if virtual > 1 and not interleaving_fits(num_layers, pp, m, virtual):
                                 continue
+                            if long_schedules != (
+                                schedule_size(pp, virtual, m) > MAX_SCHEDULE_ACTIONS
+                            ):
+                                skipped += 1
+                                continue
                             for ep in expert_parallel_degrees(training, dp, num_experts):
                                 if len(configs) >= most:
                                     raise InputError(_too_many_configs(num_layers, most, training))
@@ -199,7 +209,20 @@ def candidate_configs(
                                         ep=ep,
                                     )
                                 )
-    if not configs:
+    if not configs and not long_schedules:
+        if skipped:  # every config's schedule is too long: the smallest one says what would do
+            smallest = min(
+                candidate_configs(
+                    num_layers, cluster, training, num_experts=num_experts, long_schedules=True
+                ),
+                key=lambda c: schedule_size(c.pp, c.virtual_stages, c.num_microbatches),
+            )
+            check_schedule_size(
+                smallest.pp,
+                smallest.virtual_stages,
+                smallest.num_microbatches,
+                smallest.micro_batch,
+            )
         raise InputError(_why_no_config(num_layers, cluster, training))
     return configs
 

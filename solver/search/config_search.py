@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +26,12 @@ import numpy as np
 
 from solver.backends import resolve_backend, solve
 from solver.backends.dag import dag_fits_graph
+from solver.backends.formulation import (
+    MAX_FORMULATION_CELLS,
+    MAX_FORMULATION_LAYERS,
+    formulation_fits,
+    formulation_size_text,
+)
 from solver.backends.problem import (
     INFEASIBLE,
     OBJECTIVE_MEMORY,
@@ -38,7 +43,8 @@ from solver.backends.problem import (
 )
 from solver.costs import LayerCosts, layer_costs, utilization_ppm
 from solver.costs.moe import num_routed_experts
-from solver.errors import NoSolutionError
+from solver.deadline import Deadline
+from solver.errors import InputError, NoSolutionError
 from solver.graph import LayerGraph
 from solver.report.baselines import BASELINES
 from solver.search.candidates import (
@@ -117,27 +123,6 @@ class SearchResult:
     @property
     def value(self) -> int | None:
         return None if self.solution is None else self.solution.objective
-
-
-@dataclass(kw_only=True)
-class Deadline:
-    """Wall-clock budget shared by all solves of one planning call."""
-
-    end: float
-
-    @classmethod
-    def after(cls, seconds: float | None) -> Deadline:
-        return cls(end=math.inf if seconds is None else time.perf_counter() + seconds)
-
-    def remaining(self) -> float:
-        return max(0.0, self.end - time.perf_counter())
-
-    def expired(self) -> bool:
-        return self.remaining() <= 0.0
-
-    def capped(self, seconds: float) -> Deadline:
-        """This deadline, or ``seconds`` from now if that comes first."""
-        return Deadline(end=min(self.end, time.perf_counter() + seconds))
 
 
 Progress = Callable[[str, int, int, str], None]
@@ -278,6 +263,9 @@ def search(
     return state.result()
 
 
+CUT_OFF_S = 0.5
+"""Seconds past the deadline the cut-off seeding (``_Search._seed_cut_off``) goes on once a
+plan stands (each baseline split is a full evaluation: 0.1-1 s on 10^4-10^6 layers)."""
 DP_BACKENDS = ("chain", "dag")
 """Backends that solve a config exactly in milliseconds (the dynamic programs over a chain's
 intervals and a DAG's ideals): their configs skip the quick splits of the incumbent pass."""
@@ -326,6 +314,8 @@ class _Search:
             interleaved=any(e.costs.config.virtual_stages > 1 for e in entries),
             dag_fits=self.dag_fits,
         )
+        if backend in ("cpsat", "milp"):
+            _check_model_sizes(backend, entries, chain=self.chain)
         self.viable = [e for e in entries if self._within_limits(e)]
         self.viable.sort(key=lambda e: (self.bound_of(e), e.order))
         self.pruned = len(entries) - len(self.viable)
@@ -467,6 +457,8 @@ class _Search:
             best_value = self.incumbent()
             if best_value is not None and self.bound_of(entry) > best_value:
                 break
+            if best_value is not None and time.perf_counter() > self.deadline.end + CUT_OFF_S:
+                break  # a plan stands: the time limit is not overrun for a better one
             if entry.order in self.open_bounds and entry.order not in self.results:
                 self._seed(entry, 0.0)
         self.incumbent_s += time.perf_counter() - started
@@ -624,6 +616,22 @@ class _Search:
             open_configs=len(still_open),
             time_limit_reached=self.time_limit_reached,
         )
+
+
+def _check_model_sizes(backend: str, entries: list[ConfigEntry], *, chain: bool) -> None:
+    """--backend cpsat/milp where no config's model fits in memory (``formulation_fits``): an
+    InputError naming the sizes and what would work, before any solve."""
+    sizes = [(e.costs.num_layers, e.costs.num_stages) for e in entries]
+    if not sizes or any(formulation_fits(*size) for size in sizes):
+        return
+    layers, stages = min(sizes, key=lambda size: size[1])
+    coarser = min(MAX_FORMULATION_LAYERS, MAX_FORMULATION_CELLS // stages)
+    other = "--backend chain" if chain else "--backend auto (the DAG DP or quick splits)"
+    raise InputError(
+        f"--backend {backend}: every candidate config is too large to model: the smallest has "
+        f"{formulation_size_text(layers, stages)}; use {other}, or a coarser graph of at most "
+        f"{coarser} layers"
+    )
 
 
 def uniform_recompute_hint(

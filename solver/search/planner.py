@@ -18,9 +18,12 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME
+from solver.costs.moe import num_routed_experts
+from solver.costs.schedule_time import MAX_SCHEDULE_ACTIONS
 from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate_assignment, prepare_training
 from solver.graph import LayerGraph
+from solver.search.candidates import candidate_configs
 from solver.search.config_search import (
     ConfigEntry,
     Deadline,
@@ -100,8 +103,29 @@ def plan(
     # a throughput budget taken from an unproven fastest plan is not proven either
     proven = result.proven and (limit.fastest is None or limit.fastest.proven)
     plan = _build_plan(call, choice, result, limit, proven=proven, started=started)
-    plan.solver.notes += notes
+    plan.solver.notes += notes + _long_schedule_notes(graph, cluster, training)
     return plan
+
+
+def _long_schedule_notes(
+    graph: LayerGraph, cluster: Cluster, training: TrainingConfig
+) -> list[str]:
+    """A note when configs were left out of the search for their schedules' length
+    (``candidates.candidate_configs``)."""
+    long = candidate_configs(
+        graph.num_layers,
+        cluster,
+        training,
+        num_experts=num_routed_experts(graph),
+        long_schedules=True,
+    )
+    if not long:
+        return []
+    return [
+        f"{len(long)} candidate config{'s' * (len(long) > 1)} not searched (e.g. "
+        f"{long[-1].label()}): their schedules have more than {MAX_SCHEDULE_ACTIONS} forwards "
+        "and backwards to simulate; pin --pp, or give a larger --micro-batch, to plan them"
+    ]
 
 
 MAX_BUDGET_ROUNDS = 8
@@ -378,19 +402,26 @@ def _build_plan(
     report = _solver_report(
         result, proven=proven, configs_total=len(call.entries), started=started, call=call
     )
+    baselines = functools.partial(
+        _baseline_evaluations,
+        call.graph,
+        choice.entry.costs,
+        cluster=call.cluster,
+        training=call.training,
+        recomputed=choice.recomputed,
+        placed=placed,
+    )
+    if call.deadline.expired():  # each is a full evaluation: seconds on 10^4 stages or 10^6 layers
+        baselines = dict
+        report.notes.append(
+            "time limit reached before the baseline splits (even, parameters) were evaluated: "
+            "none shown"
+        )
     return Plan(
         evaluation=evaluation,
         solver=report,
         make_exports=functools.partial(_plan_exports, call.graph, call.training, evaluation),
-        make_baselines=functools.partial(
-            _baseline_evaluations,
-            call.graph,
-            choice.entry.costs,
-            cluster=call.cluster,
-            training=call.training,
-            recomputed=choice.recomputed,
-            placed=placed,
-        ),
+        make_baselines=baselines,
         required_throughput=limit.required,
         fastest_throughput=limit.fastest_throughput(call.training.global_batch),
         iteration_budget_ns=limit.budget_ns,
