@@ -68,13 +68,10 @@ BAND_STEPS = (6, 4, 2, 0, None)
 """Trial bounds of the DP: lower + lower >> step (a relative slack), then the incumbent value;
 the band, hence the DP's work, grows with the slack above the optimum."""
 DENSE_DP_MAX_LAYERS = 96
-"""A chain of at most this many layers has its peak problem (no time limit per stage) solved by
-the DP over every (start, end) pair (``_Chain.dense_peak_dp``): no relaxation, no band, one
-numpy pass over an L x L table per stage (stages with the same coefficients share their peaks);
-up to about 100 layers that beats the relaxation's searches and the band's per-stage
-bookkeeping at every stage count (measured 1.2-2.5x faster at 24-96 layers x 8-32 stages; even
-at 128, slower at 200), above it the band's smaller tables win. The split can differ from the
-band's when the band's greedy incumbent is already optimal (it keeps that one): same peak."""
+"""A chain of at most this many layers has its peak problem (no per-stage time limit) solved by the
+DP over every (start, end) pair (``_Chain.dense_peak_dp``): one numpy pass over an L x L table per
+stage, 1.2-2.5x faster than the band at 24-96 layers x 8-32 stages (even at 128, slower at 200).
+The split can differ from the band's when its greedy incumbent is already optimal: same peak."""
 TABLE_BYTES = 2**26
 """Bytes of prefix-sum tables (``PrefixSums``) one chain materialises at most: the relaxation's
 rules U, V of the stages, as arrays, until this is spent, then evaluated where read (a search
