@@ -119,13 +119,17 @@ def _outcome(out: str, err: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = harness.parser(__doc__)
     parser.add_argument("--before", type=Path, help="also run every case from this checkout")
+    parser.add_argument(
+        "--before-label", default="before", help="its name in the table (e.g. its commit)"
+    )
     parser.add_argument("--only", default="", help="run the cases whose name holds this text")
     parser.add_argument(
         "--memory-limit-gib", type=float, default=8.0, help="address-space cap of each run"
     )
     args = parser.parse_args(argv)
     run = harness.Run.start(__file__, argv)
-    checkouts = [("after", ROOT)] + ([("before", args.before.resolve())] if args.before else [])
+    before = [(args.before_label, args.before.resolve())] if args.before else []
+    checkouts = [(f"after ({run.commit})", ROOT), *before]
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for name, arguments, limits in cases(Path(folder)):
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                     row |= run_case(checkout, arguments, limit, args.memory_limit_gib)
                     rows.append(row)
                     print(
-                        f"{label:6s} {name}, --time-limit {limit}: {row['wall_s']} s, exit "
+                        f"{label} {name}, --time-limit {limit}: {row['wall_s']} s, exit "
                         f"{row['exit']}, {row['peak_rss_mib']} MiB: {row['outcome']}",
                         flush=True,
                     )

@@ -73,17 +73,14 @@ DP over every (start, end) pair (``_Chain.dense_peak_dp``): one numpy pass over 
 stage, 1.2-2.5x faster than the band at 24-96 layers x 8-32 stages (even at 128, slower at 200).
 The split can differ from the band's when its greedy incumbent is already optimal: same peak."""
 TABLE_BYTES = 2**26
-"""Bytes of prefix-sum tables (``PrefixSums``) one chain materialises at most: the relaxation's
-rules U, V of the stages, as arrays, until this is spent, then evaluated where read (a search
-looks at a window), so the tables never grow past O(L) beyond it however many stages (a
-20,002-layer chain on as many stages asked for 8 x 20,002 x 20,003 int64, 24 GiB)."""
+"""Bytes of the relaxation's U, V tables one chain makes at most; beyond, ``PrefixSums`` read on
+demand (a 20,002-layer chain on as many stages asked for 8 x 20,002 x 20,003 int64, 24 GiB)."""
 TIME_BASIS = ("time", "forward", "tail")
 """The prefix sums (of time_ns, forward_ns, tail_ns) the bound's terms combine, in the order of
 ``_time_coefficients``' last axis."""
 DP_CHUNK_PAIRS = 2**21
-"""(start, end) pairs of one DP stage evaluated at once (a dozen int64 arrays of this length, about
-200 MiB at most); a wider band (a long chain on few stages: L^2 / p pairs at a loose bound) goes
-by chunks of ends, the deadline looked at between them."""
+"""(start, end) pairs of one DP stage evaluated at once (about 200 MiB of arrays); a wider band (a
+long chain on few stages: L^2 / p pairs at a loose bound) goes by chunks of ends."""
 DIRECT_BAND_PAIRS = 2**20
 """A chain with at most this many (stage, start, end) triples, p L^2 / 2, goes straight to the
 DP at the incumbent value: even a band of every pair costs less than the Python overhead of the
@@ -247,9 +244,8 @@ class _Chain:
         return found
 
     def _time_tables_or_lists(self) -> tuple:
-        """Every U and V of the bound's terms at once, [term, stage, position], when they fit
-        in what is left of ``TABLE_BYTES`` (one product, as a short chain wants); else their
-        coefficients as Python ints, [term][stage][basis], for ``sums`` one at a time."""
+        """Every U and V of the bound's terms, [term, stage, position], in one product when they
+        fit in ``TABLE_BYTES``; else their coefficients, [term][stage][basis], for ``sums``."""
         size = 2 * self._time_end[..., 0].size * (self.num_layers + 1) * 8
         if size <= self._table_bytes_left:
             self._table_bytes_left -= size
@@ -430,8 +426,7 @@ class _Chain:
             last = stop = num_layers - (num_stages - 1 - s)  # position <= last
             for end, start, offset, scaled in rules:
                 target = start[position] + (bounds + offset if scaled else offset)
-                # clipped to [position, last + 1]: the same after the min and max (the hot
-                # loop: a table's search without a call of ``search``)
+                # clipped to [position, last + 1]: the same after the min and max (``search``)
                 if end.__class__ is np.ndarray:
                     found = end.searchsorted(target, "right")
                 else:

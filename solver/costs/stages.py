@@ -38,6 +38,11 @@ from solver.costs.boundaries import (
 from solver.costs.coefficients import LayerCosts
 from solver.costs.stage_cost import StageCost
 
+KEPT_ASSIGNMENTS = 2
+"""The last assignments whose stage costs a ``LayerCosts`` keeps (``stage_costs``): a split is
+checked, measured and evaluated by turns (and again by each search of a planning call), and on
+10^4 stages one evaluation takes a second."""
+
 
 def stage_costs(
     costs: LayerCosts,
@@ -45,8 +50,25 @@ def stage_costs(
     recomputed: list[bool] | np.ndarray | None = None,
 ) -> list[StageCost]:
     """Exact per-stage costs of an assignment (layer position -> stage index); ``recomputed``
-    (a flag per layer) says which layers recompute under the "selective" mode."""
+    (a flag per layer) says which layers recompute under the "selective" mode. The last
+    ``KEPT_ASSIGNMENTS`` answers are kept on ``costs`` (the same StageCost objects, a new list)."""
     stage_of = np.asarray(stage_of_layer, dtype=np.int64)
+    key = (
+        stage_of.tobytes(),
+        None if recomputed is None else np.asarray(recomputed, dtype=bool).tobytes(),
+    )
+    kept = costs.__dict__.setdefault("_kept_stage_costs", {})
+    if key not in kept:
+        kept[key] = _stage_costs(costs, stage_of, recomputed)
+        while len(kept) > KEPT_ASSIGNMENTS:
+            del kept[next(iter(kept))]
+    return list(kept[key])
+
+
+def _stage_costs(
+    costs: LayerCosts, stage_of: np.ndarray, recomputed: list[bool] | np.ndarray | None
+) -> list[StageCost]:
+    """``stage_costs`` computed."""
     mask = costs.recompute_mask(recomputed)
     stored_per_layer, transient_per_layer, time_per_layer = costs.coefficients(mask)
     num_stages = costs.num_stages
