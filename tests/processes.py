@@ -4,8 +4,12 @@ a subprocess of this checkout."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,3 +55,41 @@ def cli_env(**extra: str) -> dict[str, str]:
     the ranks' fork server import ``solver`` and ``profiling`` from it too)."""
     paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths)), **extra}
+
+
+def run_export(
+    *args: str, cwd: Path, timeout: float = 300, on_path: Path | None = None, **env: str
+) -> subprocess.CompletedProcess:
+    """``python -m profiling.export ARGS --no-progress`` in ``cwd``, offline (HF_HUB_OFFLINE), this
+    checkout (and ``on_path``: a folder of factories) on the path."""
+    environment = cli_env(HF_HUB_OFFLINE="1", **env)
+    if on_path is not None:
+        environment["PYTHONPATH"] += os.pathsep + str(on_path)
+    return subprocess.run(
+        [sys.executable, "-m", "profiling.export", *args, "--no-progress"],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=environment,
+        timeout=timeout,
+    )
+
+
+def run_driver(
+    driver: str, manifest: list[dict], work: Path, *args: str, timeout: float, **env: str
+) -> dict[str, Any]:
+    """Many CLI runs in one interpreter: ``driver`` (Python source) runs with the paths of
+    ``manifest`` (written as work/manifest.json) and of its results file, then ``args``; returns
+    the results it wrote (work/results.json). Fails the test when the driver itself fails."""
+    (work / "manifest.json").write_text(json.dumps(manifest))
+    done = subprocess.run(
+        [sys.executable, "-c", driver, str(work / "manifest.json"), str(work / "results.json")]
+        + list(args),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=cli_env(**env),
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((work / "results.json").read_text())

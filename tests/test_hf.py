@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -19,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 from profiling.export import export_graph, main  # noqa: E402
 from profiling.hf.models import hf_spec  # noqa: E402
 from solver.graph import load_graph  # noqa: E402
-from tests.conftest import ROOT, slow_params  # noqa: E402
+from tests.conftest import slow_params  # noqa: E402
+from tests.processes import run_export  # noqa: E402
 
 TINY = {
     "gpt2": {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 96, "n_positions": 32},
@@ -67,18 +66,6 @@ LOSS_CASES = {
 loss_function(labels, logits, config))."""
 
 
-def _cli(*args: str, cwd, env_extra: dict[str, str] | None = None):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), **(env_extra or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "profiling.export", *args, "--no-progress"],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def _tiny_llama_config():
     return transformers.LlamaConfig(
         vocab_size=128,
@@ -105,7 +92,7 @@ def _num_params(config) -> int:
 def test_save_pretrained_directory_exports_offline_and_quietly(tmp_path):
     config = _tiny_llama_config()
     config.save_pretrained(tmp_path / "my-llama")  # writes use_cache: true, no architectures
-    done = _cli("hf:./my-llama", "--seq", "16", "--out", "g.json", cwd=tmp_path)
+    done = run_export("hf:./my-llama", "--seq", "16", "--out", "g.json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""  # no transformers warning (bos/eos ids, loss_type, ...)
     graph = load_graph(tmp_path / "g.json")
@@ -144,14 +131,14 @@ def test_hub_name_exports_from_the_hf_cache_offline(tmp_path):
         eos_token_id=0,
     )
     _hf_cache(tmp_path / "hub", "acme/tiny-gpt2", config)
-    done = _cli(
+    done = run_export(
         "hf:acme/tiny-gpt2",
         "--seq",
         "16",
         "--out",
         "g.json",
         cwd=tmp_path,
-        env_extra={"HF_HUB_CACHE": str(tmp_path / "hub")},
+        HF_HUB_CACHE=str(tmp_path / "hub"),
     )
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""

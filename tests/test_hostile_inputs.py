@@ -44,6 +44,7 @@ import pytest
 from solver import Cluster, InputError, TrainingConfig
 from solver.calibration import COMPONENTS, Calibration
 from tests.conftest import GPT_1_3B, MIXED_CLUSTER, ROOT, T5_DAG
+from tests.processes import run_driver
 
 MAX_LINE = 400
 """An error line is shorter than this (characters)."""
@@ -867,16 +868,7 @@ def outcome(tmp_path_factory) -> dict[str, Any]:
             manifest.append({"id": run_id, "runner": runner, "argv": argv})
             runs[case.id].append(run_id)
     before = _digest(inputs)
-    (work / "manifest.json").write_text(json.dumps(manifest))
-    done = subprocess.run(
-        [sys.executable, "-c", DRIVER, str(work / "manifest.json"), str(work / "results.json")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads((work / "results.json").read_text())
+    results = run_driver(DRIVER, manifest, work, timeout=600)
     return {"results": results, "runs": runs, "before": before, "after": _digest(inputs)}
 
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 import textwrap
 import time
@@ -38,7 +36,7 @@ from profiling.hf.checks import _kinds, check_config  # noqa: E402
 from profiling.hf.config import CONFIG_DIR, bundled_configs  # noqa: E402
 from solver.errors import InputError  # noqa: E402
 from solver.graph import load_graph  # noqa: E402
-from tests.conftest import ROOT  # noqa: E402
+from tests.processes import run_driver, run_export  # noqa: E402
 
 MAX_LINE = 400
 """An error line is shorter than this (characters)."""
@@ -322,19 +320,7 @@ def outcome(tmp_path_factory) -> dict[str, Any]:
         out = work / "out" / f"{factory.replace(':', '--')}.graph.json"
         argv = [factory, "--time-limit", "1", "--out", str(out), "--no-progress"]
         manifest.append({"id": factory, "argv": argv, "out": str(out)})
-    (work / "manifest.json").write_text(json.dumps(manifest))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-c", DRIVER, str(work / "manifest.json"), str(work / "results.json")]
-        + [str(work)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads((work / "results.json").read_text())
+    results = run_driver(DRIVER, manifest, work, str(work), timeout=900, HF_HUB_OFFLINE="1")
     for entry in manifest:
         results[entry["id"]]["wrote"] = Path(entry["out"]).exists()
         results[entry["id"]]["out_path"] = entry["out"]
@@ -548,18 +534,6 @@ def _whole(value: Any) -> Any:
 # -- real processes ----------------------------------------------------------------------------
 
 
-def _python_m(*argv: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{cwd}"}
-    return subprocess.run(
-        [sys.executable, "-m", "profiling.export", *argv, "--no-progress"],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=env,
-        timeout=timeout,
-    )
-
-
 @pytest.mark.slow
 def test_python_m_exits_non_zero_without_a_graph(tmp_path):
     write_factories(tmp_path)
@@ -570,7 +544,7 @@ def test_python_m_exits_non_zero_without_a_graph(tmp_path):
         (["hf:gpt2", "--set", "n_layer=100000"], 2),
     ]:
         started = time.perf_counter()
-        done = _python_m(*argv, "--out", str(out), cwd=tmp_path)
+        done = run_export(*argv, "--out", str(out), cwd=tmp_path, timeout=120, on_path=tmp_path)
         assert done.returncode == code, (argv, done.stderr)
         assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
         assert not out.exists()

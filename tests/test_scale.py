@@ -290,3 +290,94 @@ def test_deadline_checked_loop_reports_progress():
         list(checked(range(10), Deadline(end=0.0), lambda n: f"doing item {n}"))
     assert list(checked(range(5), None, str)) == list(range(5))
     assert dataclasses.is_dataclass(Deadline)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_as_many_stages_as_layers_gives_the_only_split_as_brute_force(seed):
+    """One layer a stage: the chain algorithm returns the only split at once, with the brute
+    force's status and objective, memory and time, also when it breaks a limit."""
+    rng = random.Random(seed)
+    layers = rng.randint(2, 6)
+    config = ParallelConfig(pp=layers, tp=1, dp=1, micro_batch=1, num_microbatches=layers)
+    costs = layer_costs(
+        random_chain(rng, layers),
+        config,
+        Cluster(num_gpus=layers),
+        TrainingConfig(global_batch=layers),
+    )
+    free = solve_brute_force(StageProblem(costs=costs))
+    problems = [
+        StageProblem(costs=costs),
+        StageProblem(costs=costs, objective=OBJECTIVE_TIME),
+        StageProblem(costs=costs, capacity_bytes=free.objective - 1),  # infeasible
+        StageProblem(costs=costs, objective=OBJECTIVE_TIME, capacity_bytes=free.objective),
+    ]
+    for problem in problems:
+        found, expected = solve_chain(problem), solve_brute_force(problem)
+        assert (found.status, found.objective) == (expected.status, expected.objective)
+        if found.objective is not None:
+            assert found.stage_of_layer == list(range(layers)) and found.bound == found.objective
+
+
+def test_planning_stops_at_once_when_the_work_after_the_searches_cannot_fit(monkeypatch):
+    """The time kept back for the evaluations, report and exports after the searches is
+    measured on the largest config (one stage-cost evaluation of its even split); when it is
+    more than the time left, the call ends at once with exit 4's error naming the figures. With
+    the time there, the probe changes nothing in the plan."""
+    import solver.search.finishing as finishing
+    from solver.search.planner import plan
+
+    graph = graph_from_dict(chain_document(40))
+    cluster = Cluster(num_gpus=8)
+    training = TrainingConfig(global_batch=16, pp=8)
+    expected = plan(graph, cluster, training, time_limit_s=60)
+    monkeypatch.setattr(finishing, "PROBE_MIN_STAGES", 1)
+    same = plan(graph, cluster, training, time_limit_s=60)
+    assert same.stage_of_layer == expected.stage_of_layer and same.peak_bytes == expected.peak_bytes
+    monkeypatch.setattr(finishing, "FINISH_EVALUATIONS", 1e12)
+    with pytest.raises(NoSolutionError, match=r"before searching: on 8 stages one plan's"):
+        plan(graph, cluster, training, time_limit_s=60)
+
+
+@pytest.mark.slow
+def test_time_limit_holds_on_20002_stages(tmp_path):
+    """--time-limit 5 on 20,002 one-layer stages (one evaluation takes about a second of
+    per-stage Python): the searches keep back the time of the work after them, or the run
+    stops before searching; either way it ends by the limit plus the interpreter's start."""
+    path = tmp_path / "chain.json"
+    path.write_text(json.dumps(chain_document(20_002)))
+    args = ["--gpus", "20002", "--pp", "20002", "--global-batch", "20002"]
+    args += ["--micro-batch", "20002", "--time-limit", "5", "--quiet"]
+    started = time.perf_counter()
+    run = subprocess.run(
+        [sys.executable, "-m", "solver.plan", str(path), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    wall = time.perf_counter() - started
+    assert run.returncode in (0, 4), run.stderr
+    assert "Traceback" not in run.stderr and run.stderr.count("\n") <= 1
+    assert wall < 5 + 3.5, wall
+
+
+@pytest.mark.slow
+def test_sweep_reads_the_graph_within_its_time_limit(tmp_path):
+    """A sweep's --time-limit bounds reading the graph too (a 50,000-layer chain takes about
+    2 s to read and check here): exit 4 with one line, no CSV."""
+    path = tmp_path / "chain.json"
+    path.write_text(json.dumps(chain_document(50_000)))
+    out = tmp_path / "rows.csv"
+    run = subprocess.run(
+        [sys.executable, "-m", "solver.sweep", str(path), "--gpus", "1,2"]
+        + ["--gpu-memory", "80GiB", "--global-batch", "8", "--time-limit", "0.05"]
+        + ["--quiet", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert run.returncode == 4, run.stderr
+    assert run.stderr.count("\n") == 1 and "time limit reached while reading" in run.stderr
+    assert not out.exists()

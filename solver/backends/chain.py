@@ -367,6 +367,10 @@ class _Chain:
         first_tail = int(self.tail_prefix[ends[0] + 1])
         return int(peak.max()), int(self.times(stages, starts, ends, first_tail).max())
 
+    def only_split(self) -> np.ndarray:
+        """The stage starts of the only split when there are as many stages as layers."""
+        return np.arange(self.num_stages, dtype=np.int64)
+
     def stage_of_layer(self, starts: np.ndarray) -> list[int]:
         """The stage of each layer of a split given by its stage starts."""
         lengths = np.diff(np.append(starts, self.num_layers))

@@ -92,6 +92,11 @@ class _Search:
     def run(self) -> None:
         if self.problem.num_stages > self.problem.num_layers:
             return  # some stage would be empty
+        only = getattr(self.chain, "only_split", None)
+        if self.problem.num_stages == self.problem.num_layers and only is not None:
+            self.offer(only())  # one layer a stage: the only split, optimal if allowed
+            self.lower = self.lower if self.best_value is None else self.best_value
+            return
         if self.problem.objective == OBJECTIVE_MEMORY:
             self._memory()
         else:

@@ -25,7 +25,7 @@ from solver import console
 from solver.cli import common
 from solver.console import interrupted
 from solver.errors import InputError, PlannerError
-from solver.graph import load_graph
+from solver.graph import LayerGraph, load_graph
 from solver.sweep import (
     EXECUTORS,
     SCALES,
@@ -127,7 +127,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
             return _max_scale(args)
         if args.find == "min-gpus":
             return _min_gpus(args)
-        graph = load_graph(args.graph)
+        graph = _read_graph(args)
         training = _training(args)
         if args.out:
             writer = CsvRows(args.out, protect=_inputs(args))
@@ -225,10 +225,18 @@ def _title(model: str, training: Any) -> str:
     return f"{model}, global batch {training.global_batch}"
 
 
+def _read_graph(args: argparse.Namespace) -> LayerGraph:
+    """The graph file, read within ``--time-limit`` (exit 4 past it: a graph too big to read in
+    the time one point may take)."""
+    from solver.deadline import Deadline
+
+    return load_graph(args.graph, deadline=Deadline.after(args.time_limit))
+
+
 def _min_gpus(args: argparse.Namespace) -> int:
     from solver.report.plan_report import format_plan, plan_to_dict
 
-    graph = load_graph(args.graph)
+    graph = _read_graph(args)
     training = _training(args)
     memory = args.gpu_memory[0]
     result = min_gpus(

@@ -32,6 +32,7 @@ from solver.search.config_search import (
     build_entries,
     search,
 )
+from solver.search.finishing import check_time_to_finish, finishing_seconds
 from solver.search.gpu_counts import (
     GpuCountAdvice,
     memory_may_fit,
@@ -82,11 +83,18 @@ def plan(
     started = time.perf_counter()
     deadline = Deadline.after(time_limit_s) if deadline is None else deadline
     training = prepare_training(graph, cluster, training)
+    entries = build_entries(graph, cluster, training, deadline=deadline)
+    # the searches stop early enough for the evaluations, report and exports after them
+    finishing_s = finishing_seconds(graph, cluster, training, entries)
+    if finishing_s:
+        stages = max(entry.costs.num_stages for entry in entries)
+        check_time_to_finish(finishing_s, deadline.remaining(), stages)
+        deadline = Deadline(end=deadline.end - finishing_s)
     call = _PlanningCall(
         graph=graph,
         cluster=cluster,
         training=training,
-        entries=build_entries(graph, cluster, training, deadline=deadline),
+        entries=entries,
         backend=backend,
         deadline=deadline,
         num_workers=num_workers,
