@@ -131,6 +131,13 @@ class Layer:
     """Empirical: extra peak bytes when this layer joins a stage after its first layer."""
     kind: str | None = None
     """embedding | block | head | other; None means inferred from the name."""
+    tied_params: dict[str, int] | None = None
+    """Parameters this layer uses that are counted in another layer's ``params`` (tied
+    weights: an LM head sharing the input embedding), elements per owning layer: {"<owner>":
+    elements}. A stage holding this layer but not the owner keeps its own copy (with gradient
+    and optimizer state) and all-reduces its gradient with the owner's stage (Megatron's
+    ``share_embeddings_and_output_weights``, torch pipelining's tied module on two stages).
+    None: no tied parameter."""
 
     @property
     def role(self) -> str:
@@ -314,6 +321,7 @@ def graph_from_dict(
     ]
     _check_layers(layers, origin, deadline)
     position = {layer.name: i for i, layer in enumerate(layers)}
+    _check_tied(layers, position, origin)
     edges_given = "edges" in document
     if edges_given:
         given = document["edges"]
@@ -455,6 +463,12 @@ def _check_numbers(document: dict[str, Any], origin: str, deadline: Deadline | N
     items = document["layers"]
     doing = _reading(origin, "checking the numbers of layer", len(items))
     for i, item in checked(enumerate(items), deadline, doing):
+        for owner, value in (item.get("tied_params") or {}).items():
+            if value > MAX_COUNT:
+                raise InputError(
+                    f"{origin}: $.layers[{i}].tied_params.{owner}: {_number(value)} for layer "
+                    f"{quote(item['name'], 40)} {_beyond('params')}"
+                )
         for key, value in item.items():
             if key in LIMITS and not (math.isfinite(value) and value <= LIMITS[key]):
                 raise InputError(
@@ -491,6 +505,8 @@ def _layer_from_dict(item: dict[str, Any]) -> Layer:
     for key in ("fwd_flops", "bwd_flops", "fwd_ms", "bwd_ms"):
         if values.get(key) is not None:
             values[key] = float(values[key])
+    if values.get("tied_params") is not None:
+        values["tied_params"] = {k: int(v) for k, v in values["tied_params"].items()}
     return Layer(**values)
 
 
@@ -568,6 +584,26 @@ def _check_layers(layers: list[Layer], origin: str, deadline: Deadline | None = 
                 f"{origin}: $.layers[{i}]: layer {quote(layer.name)} has only one of "
                 "fwd_ms/bwd_ms; give both measured times or neither"
             )
+
+
+def _check_tied(layers: list[Layer], position: dict[str, int], origin: str) -> None:
+    """Every ``tied_params`` entry names another layer and at most that layer's parameters."""
+    for i, layer in enumerate(layers):
+        for owner, count in (layer.tied_params or {}).items():
+            where = f"{origin}: $.layers[{i}].tied_params"
+            if owner not in position or owner == layer.name:
+                what = "the layer itself" if owner == layer.name else "no layer of the graph"
+                raise InputError(
+                    f"{where}: {quote(owner)} is {what}; name the layer whose params count the "
+                    f"shared parameter (the owner), not {quote(layer.name)}"
+                )
+            owned = layers[position[owner]].params
+            if count > owned:
+                raise InputError(
+                    f"{where}.{owner}: {count} exceeds the params ({owned}) "
+                    f"of {quote(owner)}; it counts elements of that layer's parameters that "
+                    f"{quote(layer.name)} uses too"
+                )
 
 
 def _check_edges(edges: list[Edge], position: dict[str, int], origin: str) -> None:

@@ -410,3 +410,19 @@ def test_tensor_parallel_degree_must_divide_the_heads():
     chosen = megatron_plan("gpt-tiny", overrides, tp=4, global_batch=8)
     with pytest.raises(InputError, match="does not divide heads"):
         run_plan("gpt-tiny", chosen, overrides=overrides, engine="megatron")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tied_embeddings_split_over_two_stages_are_predicted_on_the_last():
+    """share_embeddings_and_output_weights at pp 2: the last stage allocates its own copy of
+    the word embeddings with gradient and Adam state (megatron_cpu bypass 11 lets it run); the
+    plan charges it there (solver/costs/embeddings.py) and never predicts a rank low."""
+    overrides = {**GPT, "vocab_size": 2048, "tied_embeddings": True}
+    chosen = megatron_plan("gpt-tiny", overrides, pp=2)
+    reports = run_plan("gpt-tiny", chosen, overrides=overrides, engine="megatron")
+    assert [r.stage for r in reports] == [0, 1]
+    assert all(report.error_pct >= -1.0 for report in reports), format_reports(reports)
+    last = reports[-1].predicted_breakdown
+    table = 2048 * GPT["hidden"]
+    assert last["weights"] >= 4 * table and last["optimizer"] >= 8 * table

@@ -1,6 +1,7 @@
 """Megatron-core on CPU over gloo: every CUDA, TransformerEngine or apex assumption it makes,
 bypassed in one place (8, in the layer spec, is
-:class:`profiling.executors.megatron_model.TorchNorm`; 9 and 10 are the MoE layer's).
+:class:`profiling.executors.megatron_model.TorchNorm`; 9 and 10 are the MoE layer's; 11 the tied
+output layer's).
 
 megatron-core (``pip install -e ".[megatron]"``) trains a ``GPTModel`` built from its local
 layer spec (no TransformerEngine, no apex) on CPU once these are bypassed, and nothing else
@@ -47,6 +48,10 @@ layer spec (no TransformerEngine, no apex) on CPU once these are bypassed, and n
     in the ``try`` that fails), yet the router's gating linear (``RouterGatingLinearFunction``)
     tests ``te_general_gemm is not None`` and raises NameError; the name is set to None, which
     is the fallback the function means: ``torch.mm`` in the router's dtype.
+11. With tied embeddings and pp > 1 (``share_embeddings_and_output_weights``) the last stage's
+    copy of the word embeddings is moved to the GPU before its first all-reduce with the first
+    stage (``LanguageModule.setup_embeddings_and_output_layer``: ``weight.data.cuda()``):
+    :class:`CudaFactoriesOnCpu` returns the CPU tensor itself for ``Tensor.cuda()``.
 
 Everything here runs only inside a rank process of ``profiling.run`` (``engine="megatron"``);
 the patches are undone when the context exits.
@@ -83,10 +88,13 @@ def _is_cuda(device: object) -> bool:
 
 
 class CudaFactoriesOnCpu(TorchFunctionMode):
-    """Every torch call with a CUDA ``device=`` keyword gets ``device="cpu"`` instead."""
+    """Every torch call with a CUDA ``device=`` keyword gets ``device="cpu"`` instead, and
+    ``Tensor.cuda()`` is the tensor itself (bypass 11)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
         if _is_cuda(kwargs.get("device")):
             kwargs = {**kwargs, "device": "cpu"}
         return func(*args, **kwargs)

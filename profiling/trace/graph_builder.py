@@ -59,6 +59,9 @@ class _ParamCounts:
     """Elements of the layer's largest TP-split parameter tensor."""
     shared: list[dict[str, Any]] = field(default_factory=list)
     """Parameters owned by several layers (meta ``shared_params``)."""
+    tied: dict[int, dict[str, int]] = field(default_factory=lambda: defaultdict(dict))
+    """Layer -> {owner layer name: elements} of the parameters it shares with the layer that
+    counts them (the layer field ``tied_params``)."""
     unused: list[str] = field(default_factory=list)
     """Parameters no layer owns or used (meta ``unused_params``)."""
 
@@ -152,6 +155,9 @@ def _count_params(
             largest_tp[layers[0]] = max(largest_tp[layers[0]], original.numel())
         else:
             largest[layers[0]] = max(largest[layers[0]], original.numel())
+        for j in layers[1:]:
+            owner = names[layers[0]]
+            counts.tied[j][owner] = counts.tied[j].get(owner, 0) + original.numel()
         if len(layers) > 1:
             shared.append(
                 {
@@ -222,6 +228,8 @@ def _layer_items(
             item["expert_params"] = expert_params[i]
             item["expert_activation_bytes"] = _ceil_div(expert_saved, batch)
             item["ep_comm_bytes"] = _ceil_div(ep_comm, batch)
+        if counts.tied.get(i):
+            item["tied_params"] = dict(counts.tied[i])
         kind = _kind(selection[i][1], split)
         if kind:
             item["kind"] = kind

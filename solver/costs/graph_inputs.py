@@ -88,6 +88,8 @@ def graph_totals(graph: LayerGraph) -> dict[str, float]:
         "ep_comm_bytes",
     )
     totals = {key: float(sum(getattr(layer, key) for layer in layers)) for key in fields}
+    # a tied parameter is held again by a stage without its owner (``embeddings``)
+    totals["params"] += float(sum(sum((x.tied_params or {}).values()) for x in layers))
     totals["edges"] = float(sum(edge.bytes for edge in graph.edges))
     totals["largest"] = float(
         max(

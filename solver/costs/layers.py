@@ -16,6 +16,8 @@ o), ZeRO stage z.
          micro-batch, and a recomputed layer keeps ceil(b output_bytes / t);
          + (t-1)/t sp_gathered_bytes on the torch runtime, whose eager autograd saves the
          gathered input of each column-parallel Linear where Megatron saves its shard
+  P'_l, largest_l with the tied copy a stage keeps at p > 1 (``embeddings``: an LM head's own
+         copy of the tied embedding, its gradient all-reduce in the layer's tail)
   stored_l  = b A'_l, or b output_bytes_l when l is recomputed         per micro-batch, rounded up
   torch runtime: the last layer's stored bytes += b unsaved_output_bytes (graph meta): a
               pipeline's loss_fn keeps the model's output per in-flight micro-batch
@@ -55,6 +57,7 @@ from solver.costs.coefficients import LayerCosts
 from solver.costs.context_parallel import (
     ring_attention_bytes,
 )
+from solver.costs.embeddings import tied_sync_ns, with_tied_copies
 from solver.costs.empirical import check_empirical_options, empirical_layer_costs
 from solver.costs.experts import expert_stored_bytes, largest_local_param, routing_factor
 from solver.costs.graph_inputs import (
@@ -108,10 +111,11 @@ def layer_costs(
     cols = graph_columns(graph)
     if config.cp > 1:
         check_context_parallel(graph, config.cp, training.memory_model)
-    params = ParamShares.of(cols, config)
+    held = with_tied_copies(cols, graph, config)  # + the tied copies a stage keeps at p > 1
+    params = ParamShares.of(held, config)
     saved, edge_bytes = _saved_and_edge_bytes(cols, config, training, factor)
     weight, grad, optimizer = model_state_bytes(params, config, training)
-    stored, transient = _activation_bytes(cols, params, saved, config, training)
+    stored, transient = _activation_bytes(held, params, saved, config, training)
     if training.runtime == "torch":
         # torch.distributed.pipelining's loss_fn(output, target) runs outside the model: the
         # last stage keeps each in-flight micro-batch's output until its backward, beside what
@@ -167,6 +171,7 @@ def layer_costs(
             layer_optimizer_step_ns(
                 params, config, cluster, training, profiled.optimizer_step_ns_per_param
             )
+            + tied_sync_ns(graph, config, cluster, training)
         ),
         microbatch_overhead_ns=profiled.microbatch_overhead_ns,
         step_overhead_ns=profiled.step_overhead_ns,

@@ -1,0 +1,77 @@
+"""Tied parameters held twice under pipeline parallelism: an LM head sharing its weight with the
+input embedding (HF ``tie_word_embeddings``, GPT-2, Gemma, small Qwen2) on another stage.
+
+A layer's ``tied_params`` (graph field: {"<owner layer>": elements}) are parameters the graph
+counts once, in the owner's ``params``. With pp > 1 the stage of the layer using them keeps its
+own copy: Megatron-core's ``share_embeddings_and_output_weights`` makes the last stage allocate
+the output layer's weight (with its gradient and optimizer state) and, after the backward,
+all-reduces the two copies' gradients over the embedding group (first and last pipeline ranks,
+``finalize_model_grads`` -> ``_allreduce_word_embedding_grads``); torch pipelining keeps the
+tied module on both stages (../shared/reference/runtime-memory-facts.md). So with p > 1:
+
+  P_l += n_l          the copy's n_l elements join layer l's parameters (replicated over TP: the
+                      conservative answer; a vocabulary head split over TP holds n_l / t), and
+                      with them its weights, gradients and optimizer state (ZeRO as the rest)
+  largest_l = max(largest_l, n_l)   the copy's weight-gradient temporary on that stage
+  tail_l, tail_o += ceil(g n_l' / B(0, p-1))   the gradient all-reduce of the two copies (two
+                      ranks: a ring moves 2 (2-1)/2 = 1 x the g n_l' gradient bytes per GPU,
+                      n_l' the elements per GPU, unsharded: Megatron all-reduces ``main_grad``
+                      after the data-parallel sync) over the link between the first and the last
+                      pipeline ranks, charged to the using layer and to its owner (both ranks wait
+                      for it before their optimizer step)
+
+The charge assumes the layer and its owner are on different stages, which a chain with the
+embedding first and the head last always has at p > 1; where a plan puts them on one stage (a
+DAG such as T5), the copy is charged though not held: an over-prediction, never an under-one.
+With p = 1 nothing changes. docs/cost-model.md, "Tied parameters".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from solver.costs.times import pipeline_links
+from solver.graph import LayerGraph
+from solver.specs import Cluster, ParallelConfig, TrainingConfig
+
+
+def tied_columns(graph: LayerGraph) -> tuple[np.ndarray, np.ndarray]:
+    """(n_l, the sum of the n of the layers tied to l as owner) per layer, elements."""
+    position = graph.index()
+    used = np.zeros(graph.num_layers, dtype=np.int64)
+    owned = np.zeros(graph.num_layers, dtype=np.int64)
+    for i, layer in enumerate(graph.layers):
+        for owner, count in (layer.tied_params or {}).items():
+            used[i] += count
+            owned[position[owner]] += count
+    return used, owned
+
+
+def with_tied_copies(
+    cols: dict[str, np.ndarray], graph: LayerGraph, config: ParallelConfig
+) -> dict[str, np.ndarray]:
+    """The columns with each tied copy among its layer's replicated parameters when p > 1
+    (module docstring: P_l and largest_l); ``cols`` itself when no copy is held."""
+    used, _ = tied_columns(graph)
+    if config.pp == 1 or not used.any():
+        return cols
+    held = dict(cols)
+    held["params"] = cols["params"] + used
+    held["largest_param"] = np.maximum(cols["largest_param"], used)
+    return held
+
+
+def tied_sync_ns(
+    graph: LayerGraph,
+    config: ParallelConfig,
+    cluster: Cluster,
+    training: TrainingConfig,
+) -> np.ndarray:
+    """The tied copies' gradient all-reduce per layer, ns per iteration (module docstring,
+    tail_l): zeros with p = 1 or no tied parameter."""
+    used, owned = tied_columns(graph)
+    if config.pp == 1 or not used.any():
+        return np.zeros(graph.num_layers, dtype=np.int64)
+    bytes_per_ns = pipeline_links(config, cluster)[(0, config.pp - 1)]
+    grad_bytes = training.grad_bytes_per_param * (used + owned)
+    return np.ceil(grad_bytes / bytes_per_ns).astype(np.int64)
