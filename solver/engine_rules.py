@@ -31,8 +31,9 @@ Megatron-LM core_v0.19.0 (5be9626, 2026-08-19; the same checks in core_v0.16.1):
 
 DeepSpeed v0.19.5: ``PipelineEngine.__init__`` asserts ``zero_optimization_stage() <
 ZeroStageEnum.gradients`` "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
-(deepspeed/runtime/pipe/engine.py:76-77), for every PipelineModule (the export's), pp 1 too; its
-PipelineEngine has no ring-attention context parallelism and runs one contiguous stage per rank.
+(deepspeed/runtime/pipe/engine.py:76-77), for every PipelineModule; at pp 1 the plain
+``DeepSpeedEngine`` (no PipelineModule) runs ZeRO 1-3. The PipelineEngine has no ring-attention
+context parallelism and runs one contiguous stage per rank.
 Its tensor parallelism is the user's layers (Megatron-DeepSpeed): whole heads per rank assumed.
 
 torchtitan v0.2.2: seq % (tp * 2 cp) == 0, asserted in every model's parallelize
@@ -233,12 +234,12 @@ RULES: tuple[Rule, ...] = (
     Rule(
         key="deepspeed-zero",
         engines=("deepspeed",),
-        degrees=("zero",),
+        degrees=("zero", "pp"),
         facts=(),
-        allows=lambda d, f: d["zero"] <= 1,
+        allows=lambda d, f: d["zero"] <= 1 or d["pp"] == 1,
         explain=lambda d, f: (
             f"DeepSpeed's PipelineEngine refuses ZeRO-{d['zero']} ('ZeRO-2 and ZeRO-3 are "
-            "incompatible with pipeline parallelism')"
+            "incompatible with pipeline parallelism'; at pp 1 its plain engine runs them)"
         ),
         source="DeepSpeed deepspeed/runtime/pipe/engine.py:76-77",
     ),
@@ -361,3 +362,30 @@ def padded_vocab_size(vocab_size: int, tp: int, runtime: str) -> int:
         return vocab_size
     multiple = MEGATRON_VOCAB_MULTIPLE * tp
     return math.ceil(vocab_size / multiple) * multiple
+
+
+def check_config(config: Any, facts: ModelFacts, runtime: str, *, where: str) -> None:
+    """InputError (exit 2) when no engine of ``runtime`` runs ``config`` (a
+    ``specs.ParallelConfig``): ``where``, the config, the rule and the engines."""
+    refusal = runtime_refusal(degrees_of(config), facts, runtime)
+    if refusal is not None:
+        from solver.errors import InputError
+
+        raise InputError(
+            f"{where}config {config.label()}: on --runtime {runtime}, {refusal.text()}; "
+            "python -m solver.plan proposes only layouts an engine of the runtime runs"
+        )
+
+
+def refuse_export_sections(
+    sections: dict[str, Any], config: Any, facts: ModelFacts
+) -> dict[str, Any]:
+    """``plan.exports`` with the section of every engine that refuses ``config`` replaced by
+    ``{"refused": why}``: an export never carries a layout its engine refuses."""
+    degrees = degrees_of(config)
+    result = {}
+    for name, section in sections.items():
+        engine = EXPORT_ENGINE.get(name)
+        refusal = None if engine is None else engine_refusal(degrees, facts, engine)
+        result[name] = section if refusal is None else {"refused": refusal}
+    return result

@@ -158,7 +158,15 @@ def candidate_configs(
     facts = facts if facts is not None else ModelFacts(num_experts=num_experts)
     check_pinned_degrees(cluster, training)
     check_pinned_expert_degrees(training)
-    check_pinned_rules(cluster, training, facts, num_layers)
+    gpu_divisors = divisors(cluster.num_gpus)
+    ranges = {
+        "zero": [0, 1, 2, 3],
+        "tp": divisors(cluster.gpus_per_node),
+        "pp": [p for p in gpu_divisors if p <= num_layers],
+        "cp": gpu_divisors,
+        "ep": gpu_divisors,
+    }
+    check_pinned_rules(training, facts, ranges)
     rules = RuleFilter(training, facts)
     recompute_modes, virtual_stages, cp_degrees = _searched_settings(cluster, training)
     configs: list[ParallelConfig] = []

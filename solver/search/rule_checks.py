@@ -18,19 +18,22 @@ from solver.engine_rules import (
 )
 from solver.errors import InputError
 from solver.parallel import uses_sequence_parallel
-from solver.specs import Cluster, TrainingConfig
+from solver.specs import TrainingConfig
 
-PINNABLE = ("pp", "tp", "cp", "ep", "zero")
+PINNABLE = ("zero", "tp", "ep", "cp", "pp")
 """The degrees a flag can pin to one value (--pp, --tp, one --cp, one --ep, --zero N)."""
 
 
 def pinned_degrees(training: TrainingConfig) -> dict[str, int]:
     """The degrees the options fix to one value (a single --cp/--ep/--zero value is a pin)."""
-    pins: dict[str, Any] = {"pp": training.pp, "tp": training.tp}
-    pins["cp"] = training.cp[0] if len(training.cp) == 1 else None
-    pins["ep"] = training.ep[0] if training.ep is not None and len(training.ep) == 1 else None
-    pins["zero"] = training.zero_stages[0] if len(training.zero_stages) == 1 else None
-    return {key: value for key, value in pins.items() if value is not None}
+    pins: dict[str, Any] = {
+        "zero": training.zero_stages[0] if len(training.zero_stages) == 1 else None,
+        "tp": training.tp,
+        "ep": training.ep[0] if training.ep is not None and len(training.ep) == 1 else None,
+        "cp": training.cp[0] if len(training.cp) == 1 else None,
+        "pp": training.pp,
+    }
+    return {key: pins[key] for key in PINNABLE if pins[key] is not None}
 
 
 def _with_sp(degrees: dict[str, Any], training: TrainingConfig) -> dict[str, Any]:
@@ -41,12 +44,13 @@ def _with_sp(degrees: dict[str, Any], training: TrainingConfig) -> dict[str, Any
 
 
 def check_pinned_rules(
-    cluster: Cluster, training: TrainingConfig, facts: ModelFacts, num_layers: int
+    training: TrainingConfig, facts: ModelFacts, ranges: dict[str, list[int]]
 ) -> None:
     """InputError (exit 2) when pinned degrees break a rule of every engine of the runtime:
     the smallest group of pins that does, the rule, the engines and the values that would pass,
     e.g. '--tp 8: on --runtime megatron, Megatron-LM and DeepSpeed: tensor parallelism splits
-    whole heads: needs attention heads (28) divisible by tp (8); use --tp 1, 2 or 4'."""
+    whole heads: needs attention heads (28) divisible by tp (8); use --tp 1, 2 or 4'.
+    ``ranges``: the values each pinnable degree could take on the cluster (the suggestions)."""
     pins = pinned_degrees(training)
     # sp goes with the pinned tp whatever else is pinned, so the pin groups without tp see it too
     for size in range(1, len(pins) + 1):
@@ -54,26 +58,23 @@ def check_pinned_rules(
             degrees = _with_sp({key: pins[key] for key in group}, training)
             refusal = runtime_refusal(degrees, facts, training.runtime)
             if refusal is not None:
-                raise InputError(
-                    _pinned_message(group, degrees, refusal, cluster, training, facts, num_layers)
-                )
+                raise InputError(_pinned_message(group, degrees, refusal, training, facts, ranges))
 
 
 def _pinned_message(
     group: tuple[str, ...],
     degrees: dict[str, Any],
     refusal: Refusal,
-    cluster: Cluster,
     training: TrainingConfig,
     facts: ModelFacts,
-    num_layers: int,
+    ranges: dict[str, list[int]],
 ) -> str:
     flags = " with ".join(f"{_flag(key)} {degrees[key]}" for key in group)
     fixes = []
     for key in group:
         passing = [
             value
-            for value in _range_of(key, cluster, num_layers)
+            for value in ranges[key]
             if value != degrees[key]
             and runtime_refusal(
                 _with_sp({**{k: degrees[k] for k in group}, key: value}, training),
@@ -99,18 +100,6 @@ def _or_list(values: list[int]) -> str:
     """'1, 2 or 4' (the first 8 values)."""
     shown = [str(v) for v in values[:8]] + (["..."] if len(values) > 8 else [])
     return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
-
-
-def _range_of(key: str, cluster: Cluster, num_layers: int) -> list[int]:
-    """The values a pinned degree could take on this cluster."""
-    from solver.search.candidates import divisors
-
-    if key == "zero":
-        return [0, 1, 2, 3]
-    if key == "tp":
-        return divisors(cluster.gpus_per_node)
-    values = divisors(cluster.num_gpus)
-    return [v for v in values if v <= num_layers] if key == "pp" else values
 
 
 class RuleFilter:
