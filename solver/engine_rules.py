@@ -184,7 +184,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         key="context-parallel-chunks",
-        engines=("megatron", "torch"),
+        engines=("megatron", "torch", "torchtitan"),
         degrees=("cp",),
         facts=("seq_len",),
         allows=lambda d, f: f.seq_len % (2 * d["cp"]) == 0,
@@ -192,7 +192,7 @@ RULES: tuple[Rule, ...] = (
             f"context parallelism cuts the sequence into 2 cp load-balanced chunks: needs the "
             f"sequence length ({f.seq_len}) divisible by 2 cp ({2 * d['cp']})"
         ),
-        source="Megatron-LM megatron/core/utils.py:2456-2506",
+        source="Megatron-LM megatron/core/utils.py:2456-2506; torchtitan parallel_dims.py:369",
     ),
     Rule(
         key="sequence-parallel",

@@ -406,7 +406,8 @@ def test_sequence_parallel_degree_must_divide_the_sequence():
 
 
 def test_tensor_parallel_degree_must_divide_the_heads():
+    """The planner refuses the pin (solver.engine_rules, the graph's meta.architecture) before
+    a plan exists for the run to refuse."""
     overrides = {**GPT, "heads": 2, "hidden": 32}
-    chosen = megatron_plan("gpt-tiny", overrides, tp=4, global_batch=8)
-    with pytest.raises(InputError, match="does not divide heads"):
-        run_plan("gpt-tiny", chosen, overrides=overrides, engine="megatron")
+    with pytest.raises(InputError, match=r"attention heads \(2\) divisible by tp \(4\)"):
+        megatron_plan("gpt-tiny", overrides, tp=4, global_batch=8)

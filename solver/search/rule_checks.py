@@ -132,8 +132,8 @@ class RuleFilter:
         )
         return (
             f"no candidate config passes the engines' rules on --runtime {self.runtime}: all "
-            f"{total} were removed, {reasons}; pin other degrees, or use --zero 0 or 1 or the "
-            "other --runtime where the rule is an engine's"
+            f"{total} were removed, {reasons}; change or free the pinned degrees (--pp, --tp, "
+            "--dp, --cp, --ep, --zero) or the GPU count"
         )
 
 
