@@ -304,3 +304,13 @@ def test_the_export_records_meta_architecture_and_the_graph_loads(tmp_path):
     facts = ModelFacts.of_graph(load_graph(str(path)))  # the schema takes the new field
     assert (facts.attention_heads, facts.kv_heads, facts.num_experts) == (32, 8, 8)
     assert facts.seq_len == 64
+
+
+def test_a_sweep_with_a_refused_pin_exits_2_with_one_line(run_cli, tmp_path):
+    from solver.cli.sweep import sweep_main
+
+    code, out, err = run_cli(
+        sweep_main, qwen_like(tmp_path), "--gpus", "8,16", "--global-batch", "32", "--tp", "8"
+    )
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("error: no point can be solved; first: --tp 8: on --runtime megatron")
