@@ -187,7 +187,7 @@ RULES: tuple[Rule, ...] = (
         engines=("megatron", "torch", "torchtitan"),
         degrees=("cp",),
         facts=("seq_len",),
-        allows=lambda d, f: f.seq_len % (2 * d["cp"]) == 0,
+        allows=lambda d, f: d["cp"] == 1 or f.seq_len % (2 * d["cp"]) == 0,
         explain=lambda d, f: (
             f"context parallelism cuts the sequence into 2 cp load-balanced chunks: needs the "
             f"sequence length ({f.seq_len}) divisible by 2 cp ({2 * d['cp']})"

@@ -399,10 +399,11 @@ def test_a_layout_megatron_core_rejects_is_one_line(pipeline_plan):
 
 @pytest.mark.slow
 def test_sequence_parallel_degree_must_divide_the_sequence():
+    """The planner refuses the pin (solver.engine_rules: Megatron's sequence-parallel scatter)
+    before a plan exists for the run to refuse."""
     overrides = {**GPT, "seq_len": 15}
-    chosen = megatron_plan("gpt-tiny", overrides, tp=2, sequence_parallel="on")
-    with pytest.raises(InputError, match=r"tp does not divide seq_len \(15\)"):
-        run_plan("gpt-tiny", chosen, overrides=overrides, engine="megatron")
+    with pytest.raises(InputError, match=r"sequence length \(15\) divisible by cp x tp \(2\)"):
+        megatron_plan("gpt-tiny", overrides, tp=2, sequence_parallel="on")
 
 
 def test_tensor_parallel_degree_must_divide_the_heads():

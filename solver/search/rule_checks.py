@@ -52,10 +52,11 @@ def check_pinned_rules(
     whole heads: needs attention heads (28) divisible by tp (8); use --tp 1, 2 or 4'.
     ``ranges``: the values each pinnable degree could take on the cluster (the suggestions)."""
     pins = pinned_degrees(training)
-    # sp goes with the pinned tp whatever else is pinned, so the pin groups without tp see it too
+    # cp 1 and ZeRO 0, the defaults, are known to every group but named by none
+    known = {key: pins.pop(key) for key in ("cp", "zero") if pins.get(key) in (1, 0)}
     for size in range(1, len(pins) + 1):
         for group in combinations(pins, size):
-            degrees = _with_sp({key: pins[key] for key in group}, training)
+            degrees = _with_sp(known | {key: pins[key] for key in group}, training)
             refusal = runtime_refusal(degrees, facts, training.runtime)
             if refusal is not None:
                 raise InputError(_pinned_message(group, degrees, refusal, training, facts, ranges))
@@ -77,7 +78,7 @@ def _pinned_message(
             for value in ranges[key]
             if value != degrees[key]
             and runtime_refusal(
-                _with_sp({**{k: degrees[k] for k in group}, key: value}, training),
+                _with_sp({**degrees, key: value}, training),
                 facts,
                 training.runtime,
             )
