@@ -26,6 +26,7 @@ import time
 import types
 from typing import Any
 
+from profiling.architecture import architecture_meta
 from profiling.guard import time_limit, user_code
 from solver.console import (
     OneLineErrorParser,
@@ -228,6 +229,7 @@ def export_graph(
                     "preset": spec.name,
                     "overrides": overrides or {},
                     "torch": torch.__version__,
+                    **architecture_meta(spec.config),
                     **spec.meta,
                 },
             )

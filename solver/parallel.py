@@ -23,9 +23,11 @@ The rules, each with why it holds and the function that checks it:
 - v > 1: pp >= 2, pp v <= layers and pp | micro-batches, Megatron-core's interleaved schedule
   runs micro-batch groups of p (``interleaving_fits``).
 
-The engines' own limits (DeepSpeed's PipelineEngine refuses ZeRO-2/3 with pp > 1, interleaving
-and cp; megatron-core refuses MoE with tp > 1 and no sp) are warnings of their exports
-(``solver.exports``), not errors: the plan stays valid for the other engines.
+What the engines refuse given the model (heads, KV heads, experts and sequence vs tp, ep, cp) and
+which ZeRO stages each runs with pipeline parallelism is ``solver.engine_rules``' table: a layout
+no engine of the runtime runs is never proposed, and an engine that refuses it gets
+``{"refused": ...}`` as its export section. What an engine runs differently (megatron-core and MoE
+with tp > 1 and no sp) stays a warning of its export (``solver.exports``).
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ def test_bad_inputs_name_the_fix():
 @pytest.mark.parametrize(
     ("document", "flags", "message"),
     [
-        (cp_graph(seq_len=6), ["--cp", "4"], "cp(4) does not divide the sequence length 6"),
+        (cp_graph(seq_len=6), ["--cp", "4"], "sequence length (6) divisible by 2 cp (8)"),
         (cp_graph(kv=0), ["--cp", "1,2"], "re-export the graph with this version"),
         (cp_graph(), ["--cp", "2", "--memory-model", "empirical"], "empirical memory model"),
         (cp_graph(), ["--cp", "3"], "pinned cp(3) = 3 does not divide gpus(4)"),

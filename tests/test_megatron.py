@@ -399,17 +399,19 @@ def test_a_layout_megatron_core_rejects_is_one_line(pipeline_plan):
 
 @pytest.mark.slow
 def test_sequence_parallel_degree_must_divide_the_sequence():
+    """The planner refuses the pin (solver.engine_rules: Megatron's sequence-parallel scatter)
+    before a plan exists for the run to refuse."""
     overrides = {**GPT, "seq_len": 15}
-    chosen = megatron_plan("gpt-tiny", overrides, tp=2, sequence_parallel="on")
-    with pytest.raises(InputError, match=r"tp does not divide seq_len \(15\)"):
-        run_plan("gpt-tiny", chosen, overrides=overrides, engine="megatron")
+    with pytest.raises(InputError, match=r"sequence length \(15\) divisible by cp x tp \(2\)"):
+        megatron_plan("gpt-tiny", overrides, tp=2, sequence_parallel="on")
 
 
 def test_tensor_parallel_degree_must_divide_the_heads():
+    """The planner refuses the pin (solver.engine_rules, the graph's meta.architecture) before
+    a plan exists for the run to refuse."""
     overrides = {**GPT, "heads": 2, "hidden": 32}
-    chosen = megatron_plan("gpt-tiny", overrides, tp=4, global_batch=8)
-    with pytest.raises(InputError, match="does not divide heads"):
-        run_plan("gpt-tiny", chosen, overrides=overrides, engine="megatron")
+    with pytest.raises(InputError, match=r"attention heads \(2\) divisible by tp \(4\)"):
+        megatron_plan("gpt-tiny", overrides, tp=4, global_batch=8)
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from solver.console import (
     print_output,
     write_json,
 )
+from solver.engine_rules import ModelFacts, check_config
 from solver.errors import InputError, PlannerError, StalePlanError
 from solver.graph import load_graph
 from solver.parallel import EXPERTS_WITHIN_DP, tensor_parallel_fits
@@ -182,12 +183,14 @@ def _evaluate_split(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     _check_cluster(args, config, cluster)
     groups = _stage_groups(args, cluster)
     recomputed = _recompute_layers(args, graph)
+    training = _training_from_args(args, config)
+    check_config(config, ModelFacts.of_graph(graph), training.runtime, where="")
     result = evaluate(
         graph,
         config,
         _split_from_args(args),
         cluster=cluster,
-        training=_training_from_args(args, config),
+        training=training,
         group_of_stage=groups,
         recomputed=recomputed,
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from solver.engine_rules import ModelFacts, refuse_export_sections
 from solver.errors import InputError
 from solver.exports.deepspeed import deepspeed_export
 from solver.exports.megatron import megatron_export
@@ -42,12 +43,13 @@ def build_exports(
     them that are recomputed (selective recomputation). With interleaving (``virtual_stages`` v >
     1) the stages are the p v virtual stages in pipeline order, virtual stage j on rank j mod p.
     Raises :class:`InputError` when the stages do not partition the graph's layers into p v
-    non-empty stages with every edge going to the same or a later stage.
+    non-empty stages with every edge going to the same or a later stage. The section of an
+    engine whose rules refuse the config (``solver.engine_rules``) is ``{"refused": why}``.
     """
     stages = _stages_in_list_order(graph, config, stage_layers)
     contiguous = [name for stage in stages for name in stage] == graph.names
     selected = _recomputed_in_list_order(config, stages, recomputed)
-    return {
+    sections = {
         "torch_pipelining": torch_pipelining_export(
             config, stages, contiguous=contiguous, recomputed=selected
         ),
@@ -57,6 +59,8 @@ def build_exports(
         "deepspeed": deepspeed_export(config, stages, contiguous=contiguous, recomputed=selected),
         "torchtitan": torchtitan_export(graph, config, stages, recomputed=selected),
     }
+    # an engine that refuses the layout (solver.engine_rules) gets the reason, not settings
+    return refuse_export_sections(sections, config, ModelFacts.of_graph(graph))
 
 
 def _recomputed_in_list_order(

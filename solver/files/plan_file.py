@@ -30,6 +30,7 @@ import jsonschema
 
 from solver.calibration import Calibration
 from solver.costs import PPM
+from solver.engine_rules import ModelFacts, check_config
 from solver.errors import InputError, quote
 from solver.evaluation import Evaluation, evaluate
 from solver.files.jsonfile import read_json, schema_message
@@ -518,6 +519,9 @@ def evaluate_plan(
             f"graph the plan was made for ({plan.graph.model}, {plan.graph.num_layers} layers, "
             f"sha256 {plan.graph.sha256[:12]}...); pass that graph or re-create the plan"
         )
+    check_config(
+        plan.config, ModelFacts.of_graph(graph), plan.training.runtime, where=f"{plan.source}: "
+    )
     recomputed = None
     if plan.config.recompute == "selective":
         chosen = set(plan.recomputed_layers)

@@ -34,8 +34,10 @@ import numpy as np
 from solver import parallel
 from solver.costs import LayerCosts, iteration_floor_ns
 from solver.costs.schedule_time import MAX_SCHEDULE_ACTIONS, check_schedule_size, schedule_size
+from solver.engine_rules import ModelFacts
 from solver.errors import InputError
 from solver.parallel import interleaving_fits
+from solver.search.rule_checks import RuleFilter, check_pinned_rules
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
 MAX_CONFIG_LAYERS = 2**23
@@ -144,14 +146,28 @@ def candidate_configs(
     *,
     num_experts: int | None = None,
     long_schedules: bool = False,
+    facts: ModelFacts | None = None,
 ) -> list[ParallelConfig]:
     """Every valid config, in a fixed order (deterministic search). ``num_experts``: the
     graph's routed experts E (``moe.routed_experts``), None for a dense graph; it gives the
     expert-parallel degrees (``expert_parallel_degrees``). A config whose schedule is too long
     to simulate (``costs.MAX_SCHEDULE_ACTIONS``) is left out; ``long_schedules`` lists those
-    instead (for the plan's note)."""
+    instead (for the plan's note). ``facts``: the model's architecture
+    (``engine_rules.ModelFacts.of_graph``); a config no engine of the runtime runs
+    (``solver.engine_rules``) is never proposed, and pins that break a rule are an InputError."""
+    facts = facts if facts is not None else ModelFacts(num_experts=num_experts)
     check_pinned_degrees(cluster, training)
     check_pinned_expert_degrees(training)
+    gpu_divisors = divisors(cluster.num_gpus)
+    ranges = {
+        "zero": [0, 1, 2, 3],
+        "tp": divisors(cluster.gpus_per_node),
+        "pp": [p for p in gpu_divisors if p <= num_layers],
+        "cp": gpu_divisors,
+        "ep": gpu_divisors,
+    }
+    check_pinned_rules(training, facts, ranges)
+    rules = RuleFilter(training, facts)
     recompute_modes, virtual_stages, cp_degrees = _searched_settings(cluster, training)
     configs: list[ParallelConfig] = []
     skipped = 0
@@ -193,22 +209,22 @@ def candidate_configs(
                             for ep in expert_parallel_degrees(training, dp, num_experts):
                                 if len(configs) >= most:
                                     raise InputError(_too_many_configs(num_layers, most, training))
-                                configs.append(
-                                    ParallelConfig(
-                                        pp=pp,
-                                        tp=tp,
-                                        cp=cp,
-                                        dp=dp,
-                                        micro_batch=micro_batch,
-                                        num_microbatches=m,
-                                        zero=zero,
-                                        recompute=recompute,
-                                        schedule=training.schedule,
-                                        virtual_stages=virtual,
-                                        sp=sequence_parallel(training, tp),
-                                        ep=ep,
-                                    )
+                                config = ParallelConfig(
+                                    pp=pp,
+                                    tp=tp,
+                                    cp=cp,
+                                    dp=dp,
+                                    micro_batch=micro_batch,
+                                    num_microbatches=m,
+                                    zero=zero,
+                                    recompute=recompute,
+                                    schedule=training.schedule,
+                                    virtual_stages=virtual,
+                                    sp=sequence_parallel(training, tp),
+                                    ep=ep,
                                 )
+                                if not rules.refuses(config):
+                                    configs.append(config)
     if not configs and not long_schedules:
         if skipped:  # every config's schedule is too long: the smallest one says what would do
             smallest = min(
@@ -223,6 +239,8 @@ def candidate_configs(
                 smallest.num_microbatches,
                 smallest.micro_batch,
             )
+        if rules.removed:
+            raise InputError(rules.message())
         raise InputError(_why_no_config(num_layers, cluster, training))
     return configs
 

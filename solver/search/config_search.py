@@ -44,6 +44,7 @@ from solver.backends.problem import (
 from solver.costs import LayerCosts, layer_costs, utilization_ppm
 from solver.costs.moe import num_routed_experts
 from solver.deadline import Deadline
+from solver.engine_rules import ModelFacts
 from solver.errors import InputError, NoSolutionError
 from solver.graph import LayerGraph
 from solver.report.baselines import BASELINES
@@ -143,7 +144,11 @@ def build_entries(
     entries = []
     splits_of = _BaselineSplits(graph)
     configs = candidate_configs(
-        graph.num_layers, cluster, training, num_experts=num_routed_experts(graph)
+        graph.num_layers,
+        cluster,
+        training,
+        num_experts=num_routed_experts(graph),
+        facts=ModelFacts.of_graph(graph),
     )
     for order, config in enumerate(configs):
         if deadline is not None and deadline.expired():

@@ -20,6 +20,7 @@ from typing import NamedTuple
 from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME
 from solver.costs.moe import num_routed_experts
 from solver.costs.schedule_time import MAX_SCHEDULE_ACTIONS
+from solver.engine_rules import ModelFacts, degrees_of
 from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate_assignment, prepare_training
 from solver.graph import LayerGraph
@@ -46,6 +47,7 @@ from solver.search.infeasible import (
 )
 from solver.search.plan_notes import _solver_report
 from solver.search.plan_result import Plan, _baseline_evaluations, _plan_exports
+from solver.search.rule_checks import skipped_rules_note
 from solver.search.ties import _break_ties, _Choice, _matching_stages, _time_invariant
 from solver.specs import Cluster, TrainingConfig
 from solver.units import format_bytes
@@ -112,6 +114,9 @@ def plan(
     proven = result.proven and (limit.fastest is None or limit.fastest.proven)
     plan = _build_plan(call, choice, result, limit, proven=proven, started=started)
     plan.solver.notes += notes + _long_schedule_notes(graph, cluster, training)
+    plan.solver.notes += skipped_rules_note(
+        degrees_of(plan.config), ModelFacts.of_graph(graph), training.runtime
+    )
     return plan
 
 
@@ -126,6 +131,7 @@ def _long_schedule_notes(
         training,
         num_experts=num_routed_experts(graph),
         long_schedules=True,
+        facts=ModelFacts.of_graph(graph),
     )
     if not long:
         return []

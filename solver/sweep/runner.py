@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
 from solver.costs.moe import num_routed_experts
+from solver.engine_rules import ModelFacts
 from solver.errors import InputError
 from solver.graph import LayerGraph
 from solver.search.candidates import candidate_configs
@@ -144,6 +145,7 @@ def _longest_first(points: list[tuple[int, int]], options: PointOptions) -> list
                     cluster,
                     options.training,
                     num_experts=num_routed_experts(options.graph),
+                    facts=ModelFacts.of_graph(options.graph),
                 )
             )
         except InputError:
