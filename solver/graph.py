@@ -42,8 +42,30 @@ INTEGER_FIELDS = (
     "ep_comm_bytes",
     "attention_kv_bytes",
     "sp_gathered_bytes",
+    "vocab_rows",
+    "vocab_params",
+    "vocab_activation_bytes",
 )
 """Layer fields that are whole numbers (parameter counts and bytes)."""
+
+OPTIONAL_INTEGER_FIELDS = (
+    "weight_grad_transient_bytes",
+    "vocab_transient_bytes",
+    "fixed_transient_bytes",
+    "vocab_weight_grad_transient_bytes",
+    "fixed_weight_grad_transient_bytes",
+)
+"""Layer fields that are whole numbers or None (not measured)."""
+VOCAB_TRANSIENT_PAIRS = (
+    ("vocab_transient_bytes", "fixed_transient_bytes"),
+    ("vocab_weight_grad_transient_bytes", "fixed_weight_grad_transient_bytes"),
+)
+"""The transients' vocabulary and fixed parts, each pair given together or not at all."""
+
+VOCAB_PARALLEL_MIN_ROWS = 16384
+"""A vocabulary of at least this many rows is split over TP in a profile's ``tp_params`` and
+``tp_activation_bytes``: what the torch runtime shards (``profiling.executors.parallelize``);
+Megatron splits every vocabulary (``solver.costs.vocab``)."""
 
 MAX_COUNT = 2**48
 """Largest parameter count or byte figure of one layer (or edge), per sample: 2^48 = 256 TiB
@@ -56,7 +78,7 @@ MAX_MS = 1e9
 """Largest measured time of one layer per sample, ms (11.6 days)."""
 LIMITS: dict[str, float] = (
     dict.fromkeys(
-        (*INTEGER_FIELDS, "weight_grad_transient_bytes", "mem_isolated", "mem_added"), MAX_COUNT
+        (*INTEGER_FIELDS, *OPTIONAL_INTEGER_FIELDS, "mem_isolated", "mem_added"), MAX_COUNT
     )
     | dict.fromkeys(("fwd_flops", "bwd_flops"), MAX_FLOPS)
     | dict.fromkeys(("fwd_ms", "bwd_ms"), MAX_MS)
@@ -138,6 +160,30 @@ class Layer:
     and optimizer state) and all-reduces its gradient with the owner's stage (Megatron's
     ``share_embeddings_and_output_weights``, torch pipelining's tied module on two stages).
     None: no tied parameter."""
+    vocab_rows: int = 0
+    """Rows of the vocabulary table(s) in the layer (a word embedding; an LM head's output
+    features, tied or not), before any padding; 0: none. A runtime splits them over TP by rows:
+    Megatron always, padded to a multiple of 128 tp; the torch runtime from 16384 rows, as the
+    profile's ``tp_params`` do (``solver.costs.vocab``)."""
+    vocab_params: int = 0
+    """How many of ``params`` are vocabulary tables (``vocab_rows`` x elements per row: an
+    embedding's weight, an LM head's weight and bias); in ``tp_params`` when ``vocab_rows`` >=
+    16384 (the profile splits those), else replicated there."""
+    vocab_activation_bytes: int = 0
+    """How many of ``activation_bytes`` are vocabulary-sized (an LM head's logits and what the
+    loss computes from them: a last dimension of ``vocab_rows``), per sample; in
+    ``tp_activation_bytes`` when ``vocab_rows`` >= 16384."""
+    vocab_transient_bytes: int | None = None
+    """The largest vocabulary-sized part of the layer's live extra bytes at any moment of its
+    run, per sample (the fp32 logits and their gradient); None: not measured."""
+    fixed_transient_bytes: int | None = None
+    """The largest part that does not scale with the vocabulary at any moment, per sample (the
+    gradient of the head's input, b s h). A vocabulary split over t ranks holds at most
+    fixed + vocab / t (both maxima: never below any moment's); None: not measured."""
+    vocab_weight_grad_transient_bytes: int | None = None
+    """``vocab_transient_bytes`` at the moments the weight gradients are made."""
+    fixed_weight_grad_transient_bytes: int | None = None
+    """``fixed_transient_bytes`` at the moments the weight gradients are made."""
 
     @property
     def role(self) -> str:
@@ -499,7 +545,7 @@ def _beyond(key: str = "bytes") -> str:
 
 def _layer_from_dict(item: dict[str, Any]) -> Layer:
     values = {key: (int(value) if key in INTEGER_FIELDS else value) for key, value in item.items()}
-    for key in ("weight_grad_transient_bytes", "mem_isolated", "mem_added"):
+    for key in (*OPTIONAL_INTEGER_FIELDS, "mem_isolated", "mem_added"):
         if values.get(key) is not None:
             values[key] = int(values[key])
     for key in ("fwd_flops", "bwd_flops", "fwd_ms", "bwd_ms"):
@@ -532,6 +578,8 @@ def _check_layers(layers: list[Layer], origin: str, deadline: Deadline | None = 
             ("tp_params", "params"),
             ("tp_activation_bytes", "activation_bytes"),
             ("sp_gathered_bytes", "activation_bytes"),
+            ("vocab_params", "params"),
+            ("vocab_activation_bytes", "activation_bytes"),
         ):
             if getattr(layer, part) > getattr(layer, total):
                 raise InputError(
@@ -561,6 +609,7 @@ def _check_layers(layers: list[Layer], origin: str, deadline: Deadline | None = 
                     f"{'split' if 'tp' in part else 'unsplit'} parameters ({total}) of layer "
                     f"{quote(layer.name)}; it is the size of one parameter tensor of the layer"
                 )
+        _check_vocab(layer, f"{origin}: $.layers[{i}]")
         at_weight_grad = layer.weight_grad_transient_bytes
         if at_weight_grad is not None and at_weight_grad > layer.transient_bytes:
             raise InputError(
@@ -583,6 +632,37 @@ def _check_layers(layers: list[Layer], origin: str, deadline: Deadline | None = 
             raise InputError(
                 f"{origin}: $.layers[{i}]: layer {quote(layer.name)} has only one of "
                 "fwd_ms/bwd_ms; give both measured times or neither"
+            )
+
+
+def _check_vocab(layer: Layer, where: str) -> None:
+    """The vocabulary fields describe whole rows of ``vocab_rows``, their transients in pairs,
+    and a vocabulary of 16384+ rows is in the profile's TP split."""
+    rows, name = layer.vocab_rows, quote(layer.name)
+    if rows and layer.vocab_params % rows:
+        raise InputError(
+            f"{where}.vocab_params: {layer.vocab_params} is not a multiple of vocab_rows ({rows}) "
+            f"of layer {name}; it counts whole rows of the vocabulary tables"
+        )
+    if rows >= VOCAB_PARALLEL_MIN_ROWS and layer.vocab_params > layer.tp_params:
+        raise InputError(
+            f"{where}.vocab_params: {layer.vocab_params} exceeds tp_params ({layer.tp_params}) of "
+            f"layer {name}; a vocabulary of 16384+ rows is split over TP in the profile, so "
+            "tp_params count its tables"
+        )
+    given = [
+        key for pair in VOCAB_TRANSIENT_PAIRS for key in pair if getattr(layer, key) is not None
+    ]
+    if not rows and (layer.vocab_params or layer.vocab_activation_bytes or given):
+        raise InputError(
+            f"{where}.vocab_rows: 0 for layer {name}, which has vocabulary parts; give the "
+            "vocabulary's rows or remove the vocab_* and fixed_* fields"
+        )
+    for pair in VOCAB_TRANSIENT_PAIRS:
+        if (getattr(layer, pair[0]) is None) != (getattr(layer, pair[1]) is None):
+            raise InputError(
+                f"{where}: layer {name} has only one of {pair[0]}/{pair[1]}; give both parts of "
+                "the transient or neither"
             )
 
 

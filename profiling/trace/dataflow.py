@@ -109,6 +109,10 @@ class StorageRecord:
     """Allocated by an op during the run: counts as live memory until released."""
     provenance: frozenset[int] = frozenset()
     taint: frozenset[int] = frozenset()
+    vocab: int | None = None
+    """The vocabulary tag (``Tracer.vocab_rows``) of a vocabulary-sized tensor: an LM-head
+    candidate's output, or made from a tagged tensor with the vocabulary as its last dimension
+    (the fp32 logits, the softmax, their gradients; not the gradient of the head's input)."""
     name: str | None = None
     """Parameter name (for parameters)."""
     first_user: int | None = None
@@ -125,6 +129,8 @@ class LayerRecord:
     saved: list[tuple[int, frozenset[int]]] = field(default_factory=list)
     """(storage bytes, taint at save time) per storage first saved by this layer."""
     glue_saved_bytes: int = 0
+    vocab_saved: list[tuple[int, int]] = field(default_factory=list)
+    """(storage bytes, vocabulary tag) of the vocabulary-sized part of ``saved``."""
     expert_saved: list[tuple[int, frozenset[int]]] = field(default_factory=list)
     """The part of ``saved`` first saved by ops inside a routed-experts module
     (``Tracer.in_experts``; ``experts.py``)."""
@@ -144,6 +150,7 @@ class LayerRecord:
     def absorb(self, other: LayerRecord) -> None:
         """Add ``other`` (the glue that ran before the first layer) to this record."""
         self.saved += other.saved
+        self.vocab_saved += other.vocab_saved
         self.expert_saved += other.expert_saved
         self.glue_saved_bytes += other.glue_saved_bytes
         self.fwd_flops += other.fwd_flops
@@ -232,6 +239,11 @@ class Tracer(TorchDispatchMode):
         self.failure: tuple[str, list[Any]] | None = None
         """(failing op, running modules) of the first op that raised."""
         self.transient_peaks: dict[int, int] = {}
+        self.vocab_rows: dict[int, int] = {}
+        """Vocabulary tag -> rows (``tensor_parallel.TensorParallelTracker`` tags each LM-head
+        candidate's output)."""
+        self.vocab_uids: dict[int, int] = {}
+        """Storage uid -> vocabulary tag of every tagged storage."""
         self.in_experts: Callable[[], bool] = lambda: False
         """Whether the running op is inside a routed-experts module (set by
         ``experts.ExpertTracker``)."""
@@ -370,6 +382,8 @@ class Tracer(TorchDispatchMode):
         layer = self.layers[owner]
         nbytes = storage_of(tensor).nbytes()
         layer.saved.append((nbytes, record.taint))
+        if record.vocab is not None:
+            layer.vocab_saved.append((nbytes, record.vocab))
         if self.in_experts():
             layer.expert_saved.append((nbytes, record.taint))
         if self.active is None:
@@ -420,11 +434,13 @@ class Tracer(TorchDispatchMode):
         outputs = tensors_in(out)
         if not outputs:
             return out
+        tag = self._vocab_tag(args, kwargs) if self.vocab_rows else None
         if self.phase == "bwd":
             for tensor in outputs:
                 storage = storage_of(tensor)
                 if storage is not None and id(storage) not in self.records:
-                    self._new_record(storage, kind="activation", tracked=True)
+                    record = self._new_record(storage, kind="activation", tracked=True)
+                    self.tag_vocab(record, tensor, tag)
             return out
         provenance: frozenset[int] = frozenset()
         taint: frozenset[int] = frozenset()
@@ -454,12 +470,28 @@ class Tracer(TorchDispatchMode):
                 inside = self.active is not None
                 record.provenance = frozenset({self.active}) if inside else provenance
                 record.taint = taint
+                self.tag_vocab(record, tensor, tag)
             elif record.kind == "activation":
                 # A view or an in-place update by glue: the buffer now holds the owner's data
                 if glue and provenance:
                     record.provenance = provenance
                 record.taint |= taint
         return out
+
+    def _vocab_tag(self, args, kwargs) -> int | None:
+        """The vocabulary tag of an op's inputs (the first tagged one), or None."""
+        for tensor in tensors_in((args, kwargs)):
+            record = self.record_of(tensor)
+            if record is not None and record.vocab is not None:
+                return record.vocab
+        return None
+
+    def tag_vocab(self, record: StorageRecord, tensor: torch.Tensor, tag: int | None) -> None:
+        """Tag a new storage made from a tagged input when its last dimension is that
+        vocabulary (a logits-shaped tensor; the gradient of the head's input is [b, s, h])."""
+        if tag is not None and tensor.dim() and tensor.shape[-1] == self.vocab_rows[tag]:
+            record.vocab = tag
+            self.vocab_uids[record.uid] = tag
 
     def _commit_reads(self, index: int, tensors: Iterable[torch.Tensor]) -> None:
         """Layer ``index``'s op reads these tensors: each input of the call among them gives its
@@ -501,6 +533,36 @@ class Tracer(TorchDispatchMode):
             if uid not in self.saved_owner
         )
 
+    def vocab_transients(
+        self, excluded: set[int], vocab: set[int], at: set[int] | None = None
+    ) -> dict[int, tuple[int, int]]:
+        """Owner -> (largest fixed part, largest vocabulary part) of ``transients``' extra live
+        bytes at any moment (batch totals; ``vocab``: the uids of vocabulary-sized storages).
+        Each moment's extra bytes are its fixed plus its vocabulary part, so a vocabulary split
+        over t ranks holds at most fixed + vocabulary / t at every moment."""
+        peaks: dict[int, tuple[int, int]] = defaultdict(lambda: (0, 0))
+        live = [0, 0]
+        base, credit = [0, 0], [0, 0]
+        current = -1
+        for window, uid, delta in self.events:
+            phase, owner = self.windows[window]
+            owner = self.resolve(owner)
+            part = int(uid in vocab)
+            if window != current:
+                current, base, credit = window, list(live), [0, 0]
+            if at is not None and uid in at and delta > 0:
+                peaks[owner] = _larger(peaks[owner], live, base, credit)
+            if uid in excluded:
+                saver = self.saved_owner.get(uid)
+                if delta < 0 and phase == "bwd" and saver is not None:
+                    if self.resolve(saver) == owner:
+                        credit[part] -= delta
+                continue
+            live[part] += delta
+            if at is None:
+                peaks[owner] = _larger(peaks[owner], live, base, credit)
+        return dict(peaks)
+
     def transients(self, excluded: set[int], at: set[int] | None = None) -> dict[int, int]:
         """Peak extra live bytes per owner while it runs (batch totals); with ``at``, only at
         the moments the storages in ``at`` are made (the parameter gradients: what else is
@@ -535,3 +597,8 @@ class Tracer(TorchDispatchMode):
             if at is None:
                 peaks[owner] = max(peaks[owner], live - base - credit)
         return dict(peaks)
+
+
+def _larger(peak: tuple[int, int], live: list[int], base: list[int], credit: list[int]):
+    """Each part's maximum so far with this moment's (live - base - credit)."""
+    return tuple(max(peak[k], live[k] - base[k] - credit[k]) for k in (0, 1))

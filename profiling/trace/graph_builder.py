@@ -59,6 +59,8 @@ class _ParamCounts:
     """Elements of the layer's largest TP-split parameter tensor."""
     shared: list[dict[str, Any]] = field(default_factory=list)
     """Parameters owned by several layers (meta ``shared_params``)."""
+    vocab: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    """Elements per layer of vocabulary tables (``vocab_params``)."""
     tied: dict[int, dict[str, int]] = field(default_factory=lambda: defaultdict(dict))
     """Layer -> {owner layer name: elements} of the parameters it shares with the layer that
     counts them (the layer field ``tied_params``)."""
@@ -150,6 +152,8 @@ def _count_params(
         params[layers[0]] += original.numel()
         if is_expert_path(name) and id(original) not in split.split_params:
             expert_params[layers[0]] += original.numel()
+        if id(original) in split.vocab_params:
+            counts.vocab[layers[0]] += original.numel()
         if id(original) in split.split_params:
             tp_params[layers[0]] += original.numel()
             largest_tp[layers[0]] = max(largest_tp[layers[0]], original.numel())
@@ -230,6 +234,8 @@ def _layer_items(
             item["ep_comm_bytes"] = _ceil_div(ep_comm, batch)
         if counts.tied.get(i):
             item["tied_params"] = dict(counts.tied[i])
+        if i in split.vocab_layers:
+            item |= _vocab_fields(tracer, split, record, i, counts.vocab[i], batch)
         kind = _kind(selection[i][1], split)
         if kind:
             item["kind"] = kind
@@ -238,6 +244,26 @@ def _layer_items(
             item["bwd_ms"] = timings[1][i] / batch
         items.append(item)
     return items
+
+
+def _vocab_fields(
+    tracer: Tracer, split: TensorParallelSplit, record, i: int, params: int, batch: int
+) -> dict[str, int]:
+    """The vocabulary fields of layer ``i`` (``tensor_parallel.py``), per sample (rounded up)."""
+    saved = sum(n for n, tag in record.vocab_saved if tag in split.vocab_tags)
+    fields = {
+        "vocab_rows": split.vocab_layers[i],
+        "vocab_params": params,
+        "vocab_activation_bytes": _ceil_div(saved, batch),
+    }
+    for peaks, prefix in (
+        (getattr(tracer, "vocab_transient_peaks", {}), ""),
+        (getattr(tracer, "vocab_weight_grad_peaks", {}), "weight_grad_"),
+    ):
+        fixed, vocab = peaks.get(i, (0, 0))
+        fields[f"vocab_{prefix}transient_bytes"] = _ceil_div(max(vocab, 0), batch)
+        fields[f"fixed_{prefix}transient_bytes"] = _ceil_div(max(fixed, 0), batch)
+    return fields
 
 
 def _graph_meta(

@@ -50,6 +50,10 @@ such as a causal mask; profile with batch 1 to count those in full):
   head's weight gradient is computed, does not count both at once.
 - ``tp_params``, ``tp_activation_bytes``, ``tp_comm_bytes``: the Megatron-style split of
   ``tensor_parallel.py``.
+- ``vocab_rows``, ``vocab_params``, ``vocab_activation_bytes`` and the transients' parts
+  ``vocab_transient_bytes``/``fixed_transient_bytes`` (and at the weight-gradient moments),
+  on the layers holding a vocabulary table or LM head (``tensor_parallel.py``): what each
+  runtime splits over TP (``solver.costs.vocab``).
 - ``attention_kv_bytes``: bytes of the keys and values the layer's attention calls read in the
   forward (SDPA and the zoo's explicit attention; grouped-query heads counted once), what ring
   attention exchanges under context parallelism (``attention_kv.py``); omitted when 0.
@@ -434,7 +438,7 @@ class _ModuleHooks:
         if is_linear(mod):
             self.tp.linear_exit(mod, output)
         elif isinstance(mod, nn.Embedding):
-            self.tp.embedding_exit(mod, output)
+            self.tp.embedding_exit(mod, args, output)
         index = self.index_of.get(id(mod))
         if index is not None and self.tracer.active == index:
             self.tp.layer_outputs(self.tracer.layer_exit(index, output))
@@ -510,7 +514,12 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
     tracer.attention_kv_bytes = dict(kv_reads.bytes_by_owner)
     tracer.transient_peaks = tracer.transients(excluded)
     tracer.weight_grad_transient_peaks = tracer.transients(excluded, at=gradients)
-    return tracer, tp.resolve(), experts
+    split = tp.resolve()
+    if split.vocab_layers:  # the transients' fixed and vocabulary-sized parts
+        vocab = {uid for uid, tag in tracer.vocab_uids.items() if tag in split.vocab_tags}
+        tracer.vocab_transient_peaks = tracer.vocab_transients(excluded, vocab)
+        tracer.vocab_weight_grad_peaks = tracer.vocab_transients(excluded, vocab, at=gradients)
+    return tracer, split, experts
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

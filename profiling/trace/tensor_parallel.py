@@ -51,6 +51,15 @@ from a candidate left replicated (``graph_builder``). Under SP each input is all
 [s/t] shards in front of its Linear; Megatron saves the shard, eager torch
 (``profiling.executors.parallelize``) the gathered tensor.
 
+Vocabularies per runtime (``solver.costs.vocab``; ``vocab_rows``, ``vocab_params``,
+``vocab_activation_bytes`` and the transients' parts): Megatron splits every vocabulary, so
+the profile also names the vocabulary tables below 16384 rows. A vocabulary is the row count of
+an ``nn.Embedding`` fed a model input (token ids; position tables read built indices) or of one
+with 16384+ rows; its tables are those embeddings and each LM head: a Linear with replicated
+input, that many outputs and another input width, not column-parallel. The head's output is
+tagged (``Tracer.vocab_rows``) and so is every tensor made from a tagged one whose last
+dimension is the vocabulary: the saved bytes and the transients' parts that scale with it.
+
 Only module calls are seen: a functional ``F.linear`` (for example an LM head that reuses the
 embedding matrix without an ``nn.Linear``) is treated as replicated.
 """
@@ -65,9 +74,7 @@ from torch import nn
 
 from profiling.trace.dataflow import StorageRecord, Tracer, tensor_bytes, tensors_in
 from profiling.trace.experts import is_expert_path
-
-VOCAB_PARALLEL_MIN_ROWS = 16384
-"""Embeddings with at least this many rows are vocabularies and split by rows under TP."""
+from solver.graph import VOCAB_PARALLEL_MIN_ROWS
 
 CROSS_ENTROPY_BYTES_PER_TOKEN = 12
 """Vocab-parallel cross-entropy: three fp32 all-reduces per token (max, sum-exp, target logit)."""
@@ -82,6 +89,10 @@ def is_linear(module: nn.Module) -> bool:
 
 def out_features(module: nn.Module) -> int:
     return module.out_features if isinstance(module, nn.Linear) else module.nf
+
+
+def _in_features(module: nn.Module) -> int:
+    return module.in_features if isinstance(module, nn.Linear) else module.weight.shape[0]
 
 
 @dataclass(kw_only=True)
@@ -112,6 +123,12 @@ class TensorParallelSplit:
     """Module path -> ``column`` | ``row`` | ``vocab`` (for meta)."""
     heads: set[int] = field(default_factory=set)
     """``id()`` of the vocabulary-parallel LM-head modules."""
+    vocab_tags: set[int] = field(default_factory=set)
+    """The LM-head calls whose tagged tensors are vocabulary-sized (``Tracer.vocab_rows``)."""
+    vocab_params: dict[int, int] = field(default_factory=dict)
+    """``id()`` of each vocabulary table's parameters -> the vocabulary's rows."""
+    vocab_layers: dict[int, int] = field(default_factory=dict)
+    """Layer -> the rows of the vocabulary its tables or LM head have (``vocab_rows``)."""
     gathered_bytes: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     """Layer -> bytes of the distinct inputs of its column-parallel candidates (every Linear
     reading replicated data: column-parallel, LM head, or one left replicated), batch total:
@@ -136,6 +153,8 @@ class TensorParallelTracker:
         self._open: dict[int, list[int]] = defaultdict(list)
         self.escaped: set[int] = set()
         self.embeddings: list[tuple[nn.Embedding, int, int]] = []
+        self.token_tables: dict[int, tuple[nn.Embedding, int]] = {}
+        """id -> (embedding fed a model input, layer): vocabulary tables of any size."""
 
     def linear_enter(self, module: nn.Linear, args: tuple, kwargs: dict) -> None:
         layer = self.tracer.active
@@ -175,10 +194,26 @@ class TensorParallelTracker:
         record: StorageRecord | None = self.tracer.record_of(y)
         if record is not None and record.kind == "activation":
             record.taint = frozenset() if call.role == "row" else frozenset({index})
+            rows = out_features(module)
+            if call.role != "row" and rows in self.vocabularies() and _in_features(module) != rows:
+                # a possible LM head: its logits are tagged (resolve keeps it unless it turns
+                # out column-parallel)
+                self.tracer.vocab_rows[index] = rows
+                self.tracer.tag_vocab(record, y, index)
 
-    def embedding_exit(self, module: nn.Embedding, output: object) -> None:
+    def vocabularies(self) -> set[int]:
+        """Row counts of the vocabularies seen so far (module docstring)."""
+        return self.vocab_sizes | {m.num_embeddings for m, _ in self.token_tables.values()}
+
+    def embedding_exit(self, module: nn.Embedding, args: tuple, output: object) -> None:
         layer = self.tracer.active
-        if layer is None or module.num_embeddings < VOCAB_PARALLEL_MIN_ROWS:
+        if layer is None:
+            return
+        ids = tensors_in(args)
+        record = self.tracer.record_of(ids[0]) if ids else None
+        if record is not None and record.kind == "input":
+            self.token_tables.setdefault(id(module), (module, layer))
+        if module.num_embeddings < VOCAB_PARALLEL_MIN_ROWS:
             return
         self.embeddings.append((module, layer, sum(tensor_bytes(t) for t in tensors_in(output))))
 
@@ -234,4 +269,24 @@ class TensorParallelTracker:
             split.split_params.add(id(module.weight))
             split.roles[self.paths[module]] = "vocab"
             split.comm_bytes[layer] += nbytes
+        self._resolve_vocabularies(split)
         return split
+
+    def _resolve_vocabularies(self, split: TensorParallelSplit) -> None:
+        """The vocabulary tables and tags (module docstring): every tagged head that is not a
+        column-parallel Linear, the embeddings of its row count."""
+        for tag, rows in self.tracer.vocab_rows.items():
+            call = self.calls[tag]
+            if call.role == "column" and tag in split.valid:
+                continue
+            split.vocab_tags.add(tag)
+            split.vocab_layers[call.layer] = rows
+            for param in call.module.parameters(recurse=False):
+                split.vocab_params[id(param)] = rows
+        vocabularies = set(split.vocab_layers.values()) | self.vocab_sizes
+        tables = [(m, layer) for m, layer in self.token_tables.values()]
+        tables += [(m, layer) for m, layer, _ in self.embeddings]
+        for module, layer in tables:
+            if module.num_embeddings in vocabularies:
+                split.vocab_params[id(module.weight)] = module.num_embeddings
+                split.vocab_layers.setdefault(layer, module.num_embeddings)

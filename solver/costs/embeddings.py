@@ -9,10 +9,13 @@ all-reduces the two copies' gradients over the embedding group (first and last p
 ``finalize_model_grads`` -> ``_allreduce_word_embedding_grads``); torch pipelining keeps the
 tied module on both stages (../shared/reference/runtime-memory-facts.md). So with p > 1:
 
-  P_l += n_l          the copy's n_l elements join layer l's parameters (replicated over TP: the
-                      conservative answer; a vocabulary head split over TP holds n_l / t), and
-                      with them its weights, gradients and optimizer state (ZeRO as the rest)
-  largest_l = max(largest_l, n_l)   the copy's weight-gradient temporary on that stage
+  P_l += n_l          the copy's n_l elements join layer l's parameters, and with them its
+                      weights, gradients and optimizer state (ZeRO as the rest): split over TP
+                      like the vocabulary it copies (``vocab``: on megatron a head with
+                      ``vocab_rows`` holds k n_l / t, k = V_pad / V, Megatron's output layer is
+                      vocabulary-parallel), else replicated (torch: a tied table is replicated)
+  largest_l = max(largest_l, n_l)   the copy's weight-gradient temporary on that stage (of the
+                      split parameters when split: k n_l / t)
   tail_l, tail_o += ceil(g n_l' / B(0, p-1))   the gradient all-reduce of the two copies (two
                       ranks: a ring moves 2 (2-1)/2 = 1 x the g n_l' gradient bytes per GPU,
                       n_l' the elements per GPU, unsharded: Megatron all-reduces ``main_grad``
@@ -31,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from solver.costs.times import pipeline_links
+from solver.costs.vocab import split_tied_copies
 from solver.graph import LayerGraph
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
@@ -48,30 +52,44 @@ def tied_columns(graph: LayerGraph) -> tuple[np.ndarray, np.ndarray]:
 
 
 def with_tied_copies(
-    cols: dict[str, np.ndarray], graph: LayerGraph, config: ParallelConfig
+    cols: dict[str, np.ndarray], graph: LayerGraph, config: ParallelConfig, runtime: str
 ) -> dict[str, np.ndarray]:
-    """The columns with each tied copy among its layer's replicated parameters when p > 1
-    (module docstring: P_l and largest_l); ``cols`` itself when no copy is held."""
+    """The columns with each tied copy among its layer's parameters when p > 1, split over TP
+    as ``runtime`` splits the layer's vocabulary (module docstring: P_l and largest_l);
+    ``cols`` itself when no copy is held."""
     used, _ = tied_columns(graph)
     if config.pp == 1 or not used.any():
         return cols
+    split, copy = split_tied_copies(cols["vocab_rows"], used, config, runtime)
     held = dict(cols)
-    held["params"] = cols["params"] + used
-    held["largest_param"] = np.maximum(cols["largest_param"], used)
+    held["params"] = cols["params"] + copy
+    held["tp_params"] = cols["tp_params"] + np.where(split, copy, 0)
+    held["largest_param"] = np.maximum(cols["largest_param"], np.where(split, 0, copy))
+    held["largest_tp_param"] = np.maximum(cols["largest_tp_param"], np.where(split, copy, 0))
     return held
 
 
 def tied_sync_ns(
     graph: LayerGraph,
+    cols: dict[str, np.ndarray],
     config: ParallelConfig,
     cluster: Cluster,
     training: TrainingConfig,
 ) -> np.ndarray:
     """The tied copies' gradient all-reduce per layer, ns per iteration (module docstring,
-    tail_l): zeros with p = 1 or no tied parameter."""
+    tail_l; a copy split over TP moves each rank's share): zeros with p = 1 or no tied
+    parameter."""
     used, owned = tied_columns(graph)
     if config.pp == 1 or not used.any():
         return np.zeros(graph.num_layers, dtype=np.int64)
+    split, copy = split_tied_copies(cols["vocab_rows"], used, config, training.runtime)
+    per_gpu = np.where(split, -(-copy // config.tp), copy)
+    # the owner moves what its users do: the same share of the same table
+    position = graph.index()
+    owned_per_gpu = np.zeros_like(owned)
+    for i, layer in enumerate(graph.layers):
+        for owner, count in (layer.tied_params or {}).items():
+            owned_per_gpu[position[owner]] += -(-per_gpu[i] * count // max(used[i], 1))
     bytes_per_ns = pipeline_links(config, cluster)[(0, config.pp - 1)]
-    grad_bytes = training.grad_bytes_per_param * (used + owned)
+    grad_bytes = training.grad_bytes_per_param * (per_gpu + owned_per_gpu)
     return np.ceil(grad_bytes / bytes_per_ns).astype(np.int64)

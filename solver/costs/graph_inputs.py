@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from solver.errors import InputError
-from solver.graph import INTEGER_FIELDS, LayerGraph, timing_of
+from solver.graph import INTEGER_FIELDS, VOCAB_TRANSIENT_PAIRS, LayerGraph, timing_of
 
 
 def graph_columns(graph: LayerGraph) -> dict[str, np.ndarray]:
@@ -37,6 +37,11 @@ def graph_columns(graph: LayerGraph) -> dict[str, np.ndarray]:
         ],
         dtype=np.int64,
     )
+    for key in (key for pair in VOCAB_TRANSIENT_PAIRS for key in pair):
+        # -1: not measured (``vocab.with_vocab_split`` keeps the whole transient there)
+        cols[key] = np.array(
+            [-1 if getattr(x, key) is None else getattr(x, key) for x in layers], dtype=np.int64
+        )
     cols.update(
         measured=measured,
         fwd_ms=np.array([x.fwd_ms or 0.0 for x in layers]),

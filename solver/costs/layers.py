@@ -16,8 +16,12 @@ o), ZeRO stage z.
          micro-batch, and a recomputed layer keeps ceil(b output_bytes / t);
          + (t-1)/t sp_gathered_bytes on the torch runtime, whose eager autograd saves the
          gathered input of each column-parallel Linear where Megatron saves its shard
+  P'_l, A'_l, trans_l with the vocabulary split over t as the runtime splits it (``vocab``:
+         Megatron always, padded to a multiple of 128 t, the logits transient / t too; torch
+         from 16384 rows)
   P'_l, largest_l with the tied copy a stage keeps at p > 1 (``embeddings``: an LM head's own
-         copy of the tied embedding, its gradient all-reduce in the layer's tail)
+         copy of the tied embedding, split like its vocabulary; its gradient all-reduce in the
+         layer's tail)
   stored_l  = b A'_l, or b output_bytes_l when l is recomputed         per micro-batch, rounded up
   torch runtime: the last layer's stored bytes += b unsaved_output_bytes (graph meta): a
               pipeline's loss_fn keeps the model's output per in-flight micro-batch
@@ -83,6 +87,7 @@ from solver.costs.times import (
     pipeline_links,
 )
 from solver.costs.units import as_int, ceil_div
+from solver.costs.vocab import with_vocab_split
 from solver.graph import LayerGraph
 from solver.parallel import check_context_parallel
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
@@ -111,7 +116,10 @@ def layer_costs(
     cols = graph_columns(graph)
     if config.cp > 1:
         check_context_parallel(graph, config.cp, training.memory_model)
-    held = with_tied_copies(cols, graph, config)  # + the tied copies a stage keeps at p > 1
+    # the vocabulary split over tp as the runtime makes it, + the tied copies a stage keeps at
+    # p > 1 (split like the vocabulary they copy)
+    cols = with_vocab_split(cols, config, training.runtime)
+    held = with_tied_copies(cols, graph, config, training.runtime)
     params = ParamShares.of(held, config)
     saved, edge_bytes = _saved_and_edge_bytes(cols, config, training, factor)
     weight, grad, optimizer = model_state_bytes(params, config, training)
@@ -171,7 +179,7 @@ def layer_costs(
             layer_optimizer_step_ns(
                 params, config, cluster, training, profiled.optimizer_step_ns_per_param
             )
-            + tied_sync_ns(graph, config, cluster, training)
+            + tied_sync_ns(graph, cols, config, cluster, training)
         ),
         microbatch_overhead_ns=profiled.microbatch_overhead_ns,
         step_overhead_ns=profiled.step_overhead_ns,
