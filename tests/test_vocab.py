@@ -13,7 +13,7 @@ import pytest
 from solver.backends.brute_force import solve_brute_force
 from solver.backends.problem import StageProblem
 from solver.costs import layer_costs
-from solver.costs.vocab import megatron_padded_vocab
+from solver.engine_rules import padded_vocab_size
 from solver.errors import InputError
 from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
@@ -79,11 +79,11 @@ def costs_of(document: dict, *, tp: int, pp: int = 1, runtime: str = "megatron",
 
 
 def test_megatron_pads_the_vocabulary_to_a_multiple_of_128_tp():
-    assert megatron_padded_vocab(1000, 2) == 1024
-    assert megatron_padded_vocab(1024, 2) == 1024
-    assert megatron_padded_vocab(50257, 8) == 51200  # GPT-2 at tp 8
-    assert megatron_padded_vocab(151936, 8) == 152576  # Qwen2 at tp 8
-    assert megatron_padded_vocab(128256, 1) == 128256
+    assert padded_vocab_size(1000, 2, "megatron") == 1024
+    assert padded_vocab_size(1024, 2, "megatron") == 1024
+    assert padded_vocab_size(50257, 8, "megatron") == 51200  # GPT-2 at tp 8
+    assert padded_vocab_size(151936, 8, "megatron") == 152576  # Qwen2 at tp 8
+    assert padded_vocab_size(128256, 1, "megatron") == 128256
 
 
 def test_megatron_splits_a_small_vocabulary_over_tp_padded():

@@ -42,20 +42,9 @@ from __future__ import annotations
 import numpy as np
 
 from solver.costs.units import ceil_div
+from solver.engine_rules import MEGATRON_VOCAB_MULTIPLE
 from solver.graph import VOCAB_PARALLEL_MIN_ROWS
 from solver.specs import ParallelConfig
-
-MEGATRON_VOCAB_DIVISIBLE_BY = 128
-"""Megatron-LM's ``--make-vocab-size-divisible-by`` default."""
-
-
-def megatron_padded_vocab(
-    rows: int, tp: int, divisible_by: int = MEGATRON_VOCAB_DIVISIBLE_BY
-) -> int:
-    """Megatron-LM's ``_vocab_size_with_padding``: ``rows`` rounded up to a multiple of
-    ``divisible_by`` x ``tp`` (0 stays 0)."""
-    multiple = divisible_by * tp
-    return -(-rows // multiple) * multiple
 
 
 def vocab_rows_per_rank(rows: np.ndarray, config: ParallelConfig, runtime: str) -> np.ndarray:
@@ -64,7 +53,7 @@ def vocab_rows_per_rank(rows: np.ndarray, config: ParallelConfig, runtime: str) 
     leaves the vocabulary replicated, 0 without one."""
     t = config.tp
     if runtime == "megatron":
-        multiple = MEGATRON_VOCAB_DIVISIBLE_BY * t
+        multiple = MEGATRON_VOCAB_MULTIPLE * t  # ``engine_rules.padded_vocab_size``, per layer
         return ceil_div(rows, multiple) * multiple
     return np.where(rows >= VOCAB_PARALLEL_MIN_ROWS, ceil_div(rows, t) * t, rows)
 
