@@ -428,3 +428,16 @@ def test_tied_embeddings_split_over_two_stages_are_predicted_on_the_last():
     last = reports[-1].predicted_breakdown
     table = 2048 * GPT["hidden"]
     assert last["weights"] >= 4 * table and last["optimizer"] >= 8 * table
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_odd_vocabulary_runs_padded_as_megatron_lm_builds_it():
+    """Vocabulary 1001 at tp 2: Megatron-LM pads it to 1024 rows (a multiple of 128 tp) and so do
+    the engine's GPTModel and the cost model (solver.engine_rules.padded_vocab_size); the engine
+    used to refuse a vocabulary tp does not divide. No rank is predicted low."""
+    overrides = {**GPT, "vocab_size": 1001}
+    chosen = megatron_plan("gpt-tiny", overrides, pp=2, tp=2)
+    reports = run_plan("gpt-tiny", chosen, overrides=overrides, engine="megatron")
+    assert len(reports) == 4, format_reports(reports)
+    assert all(report.error_pct >= -1.0 for report in reports), format_reports(reports)

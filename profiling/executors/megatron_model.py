@@ -41,6 +41,7 @@ from torch import nn
 
 import models
 from profiling.executors.megatron_moe import MoeSettings, check_moe, moe_config_kwargs, moe_settings
+from solver.engine_rules import padded_vocab_size
 from solver.errors import InputError
 from solver.files.plan_file import PlanFile
 
@@ -166,7 +167,6 @@ def check_model(spec: models.ModelSpec, tp: int, *, sequence_parallel: bool = Fa
     for name, value in (
         ("heads", config.heads),
         ("kv_heads", config.num_kv_heads),
-        ("vocab_size", config.vocab_size),
         ("ffn_hidden", config.ffn_width),
     ):
         if value % tp:
@@ -327,7 +327,10 @@ def build_chunks(spec: models.ModelSpec, config) -> list[nn.Module]:
             GPTModel(
                 config,
                 block_spec(model_config, config, vp_stage),
-                vocab_size=model_config.vocab_size,
+                # as Megatron-LM builds it: padded to a multiple of 128 tp (the cost model's too)
+                vocab_size=padded_vocab_size(
+                    model_config.vocab_size, config.tensor_model_parallel_size, "megatron"
+                ),
                 max_sequence_length=model_config.seq_len,
                 pre_process=parallel_state.is_pipeline_first_stage(
                     ignore_virtual=False, vp_stage=vp_stage
