@@ -21,9 +21,10 @@ MoE layers (experts, dense blocks of ``--moe-layer-freq``, shared experts).
 The export leaves the model's shape to the user (``--hidden-size``, heads); this script adds a
 fixed one (hidden 1024, 16 heads, no biases: megatron-core refuses biased MoE layers under expert
 tensor parallelism; the graph's sequence length), which the checks do not depend on. Stubs, and
-nothing else: ``six`` (imported by the BERT tokenizer, unused), the Triton-only module
-``batch_invariant_kernels``, ``get_device_arch_version`` (9, Hopper: there is no GPU) and
-``CUDA_DEVICE_MAX_CONNECTIONS=1`` (validate_args asserts it for tp > 1).
+nothing else: ``six`` (imported by the BERT tokenizer, unused), the Triton-only modules
+``batch_invariant_kernels`` and (core_v0.19) ``moe/ops/paged_stash``,
+``get_device_arch_version`` (9, Hopper: there is no GPU) and ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+(validate_args asserts it for tp > 1).
 
     python scripts/check_megatron_args.py --megatron-git /path/to/Megatron-LM --ref core_v0.16.1
     python scripts/check_megatron_args.py --megatron /path/to/Megatron-LM   # a source tree
@@ -117,7 +118,11 @@ def load_megatron(tree: Path) -> types.SimpleNamespace:
     for name in list(sys.modules):
         if name == "megatron" or name.startswith("megatron."):
             del sys.modules[name]
-    for name in ("six", "megatron.core.transformer.custom_layers.batch_invariant_kernels"):
+    for name in (
+        "six",
+        "megatron.core.transformer.custom_layers.batch_invariant_kernels",
+        "megatron.core.transformer.moe.ops.paged_stash",  # core_v0.19: Triton kernels
+    ):
         stub = _Anything(name)
         stub.__path__ = []
         sys.modules[name] = stub
@@ -373,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ref", default="core_v0.16.1", help="tag or commit (default core_v0.16.1)"
     )
-    parser.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    parser.add_argument(
+        "--seq", type=int, default=None, help="sequence length (default: each model's)"
+    )
     parser.add_argument("--report", default="megatron_args.md", help="file name under --out")
     args = parser.parse_args(argv)
     if not args.megatron and not args.megatron_git:
