@@ -24,7 +24,8 @@ tensor parallelism; the graph's sequence length), which the checks do not depend
 nothing else: ``six`` (imported by the BERT tokenizer, unused), the Triton-only modules
 ``batch_invariant_kernels`` and (core_v0.19) ``moe/ops/paged_stash``,
 ``get_device_arch_version`` (9, Hopper: there is no GPU) and ``CUDA_DEVICE_MAX_CONNECTIONS=1``
-(validate_args asserts it for tp > 1).
+(validate_args asserts it for tp > 1); on Python 3.11, ``typing.override`` (3.12's no-op
+decorator, which core_v0.19 imports).
 
     python scripts/check_megatron_args.py --megatron-git /path/to/Megatron-LM --ref core_v0.16.1
     python scripts/check_megatron_args.py --megatron /path/to/Megatron-LM   # a source tree
@@ -39,6 +40,7 @@ import sys
 import tarfile
 import tempfile
 import types
+import typing
 from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
@@ -115,6 +117,8 @@ def load_megatron(tree: Path) -> types.SimpleNamespace:
     holding ``megatron/``), ahead of any installed megatron-core, with the module docstring's
     stubs."""
     sys.path.insert(0, str(tree))
+    if not hasattr(typing, "override"):  # core_v0.19 imports it; Python 3.12's no-op decorator
+        typing.override = lambda function: function
     for name in list(sys.modules):
         if name == "megatron" or name.startswith("megatron."):
             del sys.modules[name]
