@@ -187,13 +187,19 @@ class Layer:
 
     @property
     def role(self) -> str:
-        """The layer's kind, inferred from its name when not given (for the Megatron export)."""
+        """The layer's kind; when not given (graphs written before the profiler set it, or by
+        hand), inferred from its name: embedding names, then head names and the final norms
+        (a norm outside any numbered block: ``model.norm``, ``transformer.ln_f``,
+        ``gpt_neox.final_layer_norm``), else block."""
         if self.kind:
             return self.kind
         lowered = self.name.lower()
         if any(key in lowered for key in ("embed", "wte", "wpe", "tok_")):
             return "embedding"
         if any(key in lowered for key in ("head", "loss", "lm_", "output", "ln_f", "norm_f")):
+            return "head"
+        parts = lowered.split(".")
+        if "norm" in parts[-1] and not any(part.isdigit() for part in parts):
             return "head"
         return "block"
 

@@ -300,5 +300,211 @@ def test_t5_example_is_flagged_for_megatron():
     graph = load_graph(T5_DAG)
     stages = split(graph, [8, 8])
     megatron = build_exports(graph, config(2), stages)["megatron"]
-    assert megatron["layout"].count("E") == 2
-    assert any(w.startswith("layout:") for w in megatron["warnings"])
+    assert megatron["num_layers"] == 12
+    assert any(w.startswith("layout:") and "enc_final_norm" in w for w in megatron["warnings"])
+
+
+# --- Megatron-LM's own rules, re-stated (scripts/check_megatron_args.py runs the real ones) ----
+
+
+def megatron_builds(args: list[str]) -> list[int]:
+    """Transformer layers per (virtual) stage as Megatron-LM core_v0.16.1 assigns them from
+    ``args``, raising AssertionError where it refuses: ``TransformerConfig.__post_init__`` (the
+    uneven first/last rules, the layout's validate_layer_layout) and ``get_num_layers_to_build``."""
+    p = int(flag(args, "--pipeline-model-parallel-size"))
+    num_layers = int(flag(args, "--num-layers"))
+    layout = flag(args, "--pipeline-model-parallel-layout")
+    v = int(flag(args, "--num-virtual-stages-per-pipeline-rank") or 1)
+    first = flag(args, "--decoder-first-pipeline-num-layers")
+    last = flag(args, "--decoder-last-pipeline-num-layers")
+    if layout is not None:
+        stages = unroll(layout).split("|")
+        assert len(stages) % p == 0
+        flat = "".join(stages)
+        assert flat[0] == "E" and flat[-1] == "L" and flat.count("E") == flat.count("L") == 1
+        assert flat.count("t") == num_layers
+        return [stage.count("t") for stage in stages]
+    if first is None and last is None:
+        assert num_layers % (p * v) == 0
+        return [num_layers // (p * v)] * (p * v)
+    assert v == 1
+    ends = [int(x) for x in (first, last) if x is not None]
+    assert all(x > 0 for x in ends)
+    middle_stages = p - len(ends)
+    middle = num_layers - sum(ends)
+    assert bool(middle) == bool(middle_stages), "Mismatch: middle layers and middle stages"
+    if middle_stages:
+        assert middle % middle_stages == 0, "middle layers must divide over the middle stages"
+    each = middle // middle_stages if middle_stages else 0
+    counts = [each] * p
+    if first is not None:
+        counts[0] = int(first)
+    if last is not None:
+        counts[-1] = int(last)
+    return counts
+
+
+def random_splits(seed: int, count: int):
+    """(blocks, pp, v, layer counts per virtual stage) of random contiguous splits of
+    embed, b0..b{n-1}, head into p v non-empty stages."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(count):
+        p, v = rng.randint(2, 6), rng.choice([1, 1, 2])
+        n = rng.randint(p * v, 40)
+        cuts = sorted(rng.sample(range(1, n + 2), p * v - 1))
+        counts = [b - a for a, b in zip([0, *cuts], [*cuts, n + 2], strict=True)]
+        yield n, p, v, counts
+
+
+def test_megatron_builds_exactly_the_planned_blocks_on_random_splits():
+    """120 random splits: Megatron's own rules accept every export, --num-layers is the block
+    count, and each (virtual) stage builds the plan's blocks; first/last counts add up."""
+    methods = set()
+    even = [(8, 4, 1, [3, 2, 2, 3]), (8, 2, 2, [3, 2, 2, 3])]  # Megatron's default split
+    for n, p, v, counts in [*random_splits(7, 120), *even]:
+        graph = gpt_chain(n)
+        out = build_exports(graph, config(p, virtual_stages=v), split(graph, counts))["megatron"]
+        planned = [sum(name.startswith("b") for name in stage) for stage in split(graph, counts)]
+        assert out["num_layers"] == n == int(flag(out["args"], "--num-layers"))
+        assert megatron_builds(out["args"]) == planned == out["blocks_per_stage"]
+        methods.add(out["split_method"])
+        if out["split_method"] == "first_last":
+            assert sum(megatron_builds(out["args"])) == n
+    assert methods == {"even", "first_last", "layout"}
+
+
+def test_hf_final_norm_is_not_a_transformer_layer():
+    """A HuggingFace Llama graph without kinds (an older export): model.norm is the head's, so
+    --num-layers is the 4 blocks and a 2 + 2 split needs no layout."""
+    names = ["model.embed_tokens", *(f"model.layers.{i}" for i in range(4)), "model.norm"]
+    layers = [{"name": n, "params": 1, "activation_bytes": 1, "output_bytes": 1} for n in names]
+    layers.append({"name": "lm_head", "params": 1, "activation_bytes": 1, "output_bytes": 1})
+    graph = graph_from_dict({"format": "layer-graph", "version": 1, "model": "m", "layers": layers})
+    out = build_exports(graph, config(2), split(graph, [3, 4]))["megatron"]
+    assert out["num_layers"] == 4 and out["layout"] == "Ett|ttL"
+    assert (
+        out["split_method"] == "even" and "--decoder-first-pipeline-num-layers" not in out["args"]
+    )
+    # the norm on another stage than the output layer: said, not silently moved
+    apart = build_exports(graph, config(2), split(graph, [6, 1]))["megatron"]
+    assert apart["layout"] == "Etttt|L"
+    assert any(w.startswith("placement:") and "model.norm" in w for w in apart["warnings"])
+
+
+@pytest.mark.parametrize(
+    ("name", "role"),
+    [
+        ("model.norm", "head"),
+        ("transformer.ln_f", "head"),
+        ("gpt_neox.final_layer_norm", "head"),
+        ("model.final_layernorm", "head"),
+        ("model.layers.3.input_layernorm", "block"),
+        ("model.layers.3", "block"),
+        ("transformer.wpe", "embedding"),
+    ],
+)
+def test_name_rule_reads_final_norms_as_head(name, role):
+    from solver.graph import Layer
+
+    assert Layer(name=name, params=1, activation_bytes=1, output_bytes=1).role == role
+
+
+@pytest.mark.parametrize(
+    ("precision", "flags", "warned"),
+    [
+        (None, ["--bf16"], False),
+        ("bf16-mixed", ["--bf16"], False),
+        ("fp16-mixed", ["--fp16"], False),
+        ("fp32", [], False),
+        ("bf16", ["--bf16"], True),  # Megatron keeps an fp32 master copy: more than planned
+    ],
+)
+def test_precision_flag(precision, flags, warned):
+    from solver.precision import bytes_per_param
+
+    graph = gpt_chain(4)
+    held = bytes_per_param(precision or "bf16-mixed", "adam", "megatron")
+    out = build_exports(
+        graph, config(2), split(graph, [3, 3]), precision=precision, bytes_per_param=held
+    )["megatron"]
+    assert [a for a in out["args"] if a in ("--bf16", "--fp16")] == flags
+    assert any(w.startswith("precision:") for w in out["warnings"]) == warned
+    assert out["precision"] == (precision or "bf16-mixed")
+
+
+def test_bytes_per_param_override_is_said():
+    graph = gpt_chain(4)
+    out = build_exports(graph, config(2), split(graph, [3, 3]), bytes_per_param=(4, 4, 8))
+    (warning,) = [w for w in out["megatron"]["warnings"] if w.startswith("precision:")]
+    assert "4+4+8" in warning and "2+4+12" in warning
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_distributed_optimizer_only_for_zero_1(zero):
+    graph = gpt_chain(4)
+    out = build_exports(graph, config(2, zero=zero), split(graph, [3, 3]))["megatron"]
+    assert ("--use-distributed-optimizer" in out["args"]) == (zero == 1)
+    assert (out["refused"] is not None) == (zero >= 2)
+    if zero >= 2:
+        assert out["refused"].startswith(f"ZeRO {zero}:") and out["refused"] in out["warnings"]
+
+
+def moe_chain(pattern: list[int], **moe) -> LayerGraph:
+    """embed, one block per pattern entry (1: with routed experts), head; meta.moe."""
+    layers = [
+        {
+            "name": "embed",
+            "kind": "embedding",
+            "params": 10,
+            "activation_bytes": 1,
+            "output_bytes": 1,
+        }
+    ]
+    for i, routed in enumerate(pattern):
+        layers.append(
+            {
+                "name": f"b{i}",
+                "kind": "block",
+                "params": 10,
+                "activation_bytes": 1,
+                "output_bytes": 1,
+                "expert_params": 8 * routed,
+            }
+        )
+    layers.append(
+        {"name": "head", "kind": "head", "params": 10, "activation_bytes": 1, "output_bytes": 1}
+    )
+    meta = {"moe": {"num_experts": 4, "top_k": 2, **moe}}
+    return graph_from_dict(
+        {"format": "layer-graph", "version": 1, "model": "moe", "meta": meta, "layers": layers}
+    )
+
+
+def test_moe_dense_first_blocks_and_shared_experts_are_exported():
+    """DeepSeek's first dense blocks and shared experts, from the graph: --moe-layer-freq and
+    --moe-shared-expert-intermediate-size, and the experts' width."""
+    graph = moe_chain([0, 1, 1, 1], expert_ffn_hidden=1408, shared_expert_ffn_hidden=5632)
+    args = build_exports(graph, config(2, tp=1, ep=2), split(graph, [3, 3]))["megatron"]["args"]
+    assert flag(args, "--moe-layer-freq") == "([0]*1+[1]*3)"
+    assert flag(args, "--moe-shared-expert-intermediate-size") == "5632"
+    assert flag(args, "--moe-ffn-hidden-size") == "1408"
+    every = moe_chain([1, 1, 1, 1])
+    args = build_exports(every, config(2, tp=1, ep=2), split(every, [3, 3]))["megatron"]["args"]
+    assert "--moe-layer-freq" not in args and "--moe-shared-expert-intermediate-size" not in args
+
+
+@pytest.mark.parametrize(
+    ("pattern", "text"),
+    [
+        ([0, 1, 1, 1], "([0]*1+[1]*3)"),
+        ([0, 1] * 4, "([0,1]*4)"),
+        ([0, 0, 1, 0, 1], "([0]*2+[1]*1+[0]*1+[1]*1)"),
+    ],
+)
+def test_layer_freq_is_what_megatron_evaluates(pattern, text):
+    from solver.exports.megatron_flags import layer_freq
+
+    assert layer_freq(pattern) == text
+    assert eval(text) == pattern  # Megatron-LM evaluates the expression (_eval_pattern)

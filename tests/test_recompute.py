@@ -202,12 +202,29 @@ def test_megatron_block_recompute_or_explicit_list():
     assert args[args.index("--recompute-method") + 1] == "block"
     assert args[args.index("--recompute-num-layers") + 1] == "1"
     assert uniform["torch_pipelining"]["checkpoint_modules"] == ["b0", "b2"]
-    uneven = build_exports(graph, config, stages, recomputed=[["b1"], ["b2"]])
-    assert "--recompute-method" not in uneven["megatron"]["args"]
-    (warning,) = [w for w in uneven["megatron"]["warnings"] if w.startswith("recompute:")]
-    assert "stage 0: b1" in warning and "stage 1: b2" in warning
+    assert uniform["megatron"]["recompute"]["exact"] is True
+    # b1 is not stage 0's first block: Megatron's block method runs N = 1 (b0 and b2), the
+    # export says so in a field and one warning
+    uneven = build_exports(graph, config, stages, recomputed=[["b1"], ["b2"]])["megatron"]
+    args = uneven["args"]
+    assert args[args.index("--recompute-method") + 1] == "block"
+    assert args[args.index("--recompute-num-layers") + 1] == "1"
+    assert uneven["recompute"] == {
+        "exact": False,
+        "method": "block",
+        "num_layers": 1,
+        "planned_per_stage": [["b1"], ["b2"]],
+        "exported_per_stage": [["b0"], ["b2"]],
+    }
+    (warning,) = [w for w in uneven["warnings"] if w.startswith("recompute:")]
+    assert "N = 1" in warning and "stage 0: 1 instead of ['b1']" in warning
+    # stage 0 recomputes both its blocks, stage 1 one: N = 2 recomputes both on each
+    more = build_exports(graph, config, stages, recomputed=[["b0", "b1"], ["b2"]])["megatron"]
+    assert more["recompute"]["exported_per_stage"] == [["b0", "b1"], ["b2", "b3"]]
+    assert more["recompute"]["exact"] is False
     nothing = build_exports(graph, config, stages, recomputed=[[], []])
     assert "--recompute-method" not in nothing["megatron"]["args"]
+    assert nothing["megatron"]["recompute"] is None
     assert nothing["torch_pipelining"]["checkpoint_modules"] == []
     with pytest.raises(InputError, match="not on stage 0"):
         build_exports(graph, config, stages, recomputed=[["b2"], []])

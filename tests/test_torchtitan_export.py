@@ -123,8 +123,11 @@ FIELDS_0_3 = {
 
 @pytest.fixture(scope="module")
 def graph():
-    """GPT-3 XL (embed, layers.0..23, head; seq_len 2048)."""
-    return load_graph(EXAMPLES / "gpt-1.3b.json")
+    """GPT-3 XL's shape (embed, layers.0..23, head; seq_len 2048) recorded as a Llama
+    architecture (``meta.hf_class``), which torchtitan's llama3 model builds."""
+    graph = load_graph(EXAMPLES / "gpt-1.3b.json")
+    graph.meta["hf_class"] = "LlamaForCausalLM"
+    return graph
 
 
 def _even_stages(graph, parts: int) -> list[list[str]]:
@@ -199,7 +202,12 @@ def test_pipeline_tensor_parallel_plan(graph):
     }
     assert document["activation_checkpoint"] == {"mode": "none"}
     args = _args(export)
-    assert args["--parallelism.module_fqns_per_model_part"] == [",".join(p) for p in parts]
+    # 0.3 names the output layer lm_head (models/common/decoder.py)
+    assert args["--parallelism.module_fqns_per_model_part"] == [
+        ",".join(parts[0]),
+        ",".join(parts[1][:-1] + ["lm_head"]),
+    ]
+    assert export["model"] == {"0.2": "llama3", "0.3": "llama3"}
     assert "--parallelism.enable_sequence_parallel" in args
     assert args["--training.local_batch_size"] == ["16"]
     assert export["warnings"] == []
@@ -326,3 +334,49 @@ def test_schedule_names_resolve_in_torch(graph, schedule, virtual_stages, torch_
     )
     name = _check_fields(_export(graph, config))["parallelism"]["pipeline_parallel_schedule"]
     assert schedules.get_schedule_class(name).__name__ == torch_class
+
+
+def test_no_torchtitan_model_names_no_modules():
+    """GPT-3 (learned positions, LayerNorm, GeLU) is no torchtitan model: no module list, the
+    model null and one warning that says so, in the TOML and the 0.3 args alike."""
+    graph = load_graph(EXAMPLES / "gpt-1.3b.json")
+    config = ParallelConfig(pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=4)
+    export = _export(graph, config)
+    assert export["model"] == {"0.2": None, "0.3": None}
+    assert "module_fqns_per_model_part" not in _check_fields(export)["parallelism"]
+    assert "--parallelism.module_fqns_per_model_part" not in export["args"]
+    (warning,) = [w for w in export["warnings"] if w.startswith("module names:")]
+    assert "torchtitan has no model for" in warning
+
+
+def test_hf_head_norm_and_output_are_torchtitans():
+    """A HuggingFace Llama graph: model.embed_tokens, model.layers.<i>, model.norm (head) and
+    lm_head (head) -> tok_embeddings, layers.<i>, norm, output / lm_head; every FQN is a
+    module of torchtitan's Decoder (tok_embeddings, layers.0..n-1, norm, output or lm_head)."""
+    from solver.graph import graph_from_dict
+
+    names = ["model.embed_tokens", *(f"model.layers.{i}" for i in range(6)), "model.norm"]
+    layers = [{"name": n, "params": 1, "activation_bytes": 1, "output_bytes": 1} for n in names]
+    layers.append({"name": "lm_head", "params": 1, "activation_bytes": 1, "output_bytes": 1})
+    graph = graph_from_dict(
+        {
+            "format": "layer-graph",
+            "version": 1,
+            "model": "llama",
+            "meta": {"hf_class": "LlamaForCausalLM"},
+            "layers": layers,
+        }
+    )
+    config = ParallelConfig(pp=3, tp=1, dp=1, micro_batch=1, num_microbatches=6)
+    stages = [graph.names[:3], graph.names[3:6], graph.names[6:]]
+    export = _export(graph, config, stages)
+    parts = export["parallelism"]["module_fqns_per_model_part"]
+    assert parts == [
+        ["tok_embeddings", "layers.0", "layers.1"],
+        ["layers.2", "layers.3", "layers.4"],
+        ["layers.5", "norm", "output"],
+    ]
+    modules = {"tok_embeddings", "norm", "output", "lm_head", *(f"layers.{i}" for i in range(6))}
+    assert {fqn for part in parts for fqn in part} <= modules
+    assert _args(export)["--parallelism.module_fqns_per_model_part"][-1] == "layers.5,norm,lm_head"
+    assert export["warnings"] == []

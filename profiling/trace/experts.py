@@ -57,6 +57,20 @@ def _num_experts(module: nn.Module) -> int:
     return int(first.shape[0]) if first is not None and first.dim() == 3 else 1
 
 
+def _expert_width(module: nn.Module, num_experts: int, hidden: int) -> int:
+    """One routed expert's MLP width (Megatron's ``--moe-ffn-hidden-size``): the smallest
+    dimension other than the hidden size among its weight matrices (stacked (E, a, b) tensors
+    or one Linear per expert), so a fused gate-and-up projection (2 f) does not count; the
+    hidden size when every dimension is."""
+    dims = set()
+    for param in module.parameters():
+        if param.dim() == 3 and param.shape[0] == num_experts:
+            dims.update(param.shape[1:])
+        elif param.dim() == 2:
+            dims.update(param.shape)
+    return min((d for d in dims if d != hidden), default=hidden)
+
+
 class ExpertTracker:
     """Follows the experts modules during the traced forward (called from the module hooks)."""
 
@@ -69,8 +83,8 @@ class ExpertTracker:
         self.comm_bytes: dict[int, int] = defaultdict(int)
         """Layer -> all-to-all bytes, forward + backward, batch total."""
         self.moe: dict[str, Any] | None = None
-        """``{"num_experts", "top_k", "shared_experts", "capacity_factor"}`` of the first
-        experts call, for the graph's meta."""
+        """``{"num_experts", "top_k", "shared_experts", "capacity_factor", "expert_ffn_hidden",
+        "shared_expert_ffn_hidden"}`` of the first experts call, for the graph's meta."""
         tracer.in_experts = self.inside
 
     def inside(self) -> bool:
@@ -107,12 +121,28 @@ class ExpertTracker:
                 "top_k": int(top_k),
                 "shared_experts": self._shared(path, module, num_experts),
                 "capacity_factor": factor,
+                "expert_ffn_hidden": _expert_width(module, num_experts, width),
+                "shared_expert_ffn_hidden": self._shared_width(path, width),
                 "expert_fields": (
                     "expert_activation_bytes and ep_comm_bytes at a balanced routing: each "
                     "expert takes C = ceil(capacity_factor x tokens x top_k / num_experts) "
                     "tokens (drop-and-pad dispatch)"
                 ),
             }
+
+    def _shared_width(self, path: str, hidden: int) -> int:
+        """The shared experts' MLP width (all of them as one MLP, Megatron's
+        ``--moe-shared-expert-intermediate-size``; 0: none): the input width of their Linear
+        projecting back to the hidden size (the smallest, when several do)."""
+        parent = self.root.get_submodule(path.rpartition(".")[0]) if "." in path else self.root
+        widths = [
+            m.in_features
+            for name in SHARED_EXPERTS
+            if isinstance(getattr(parent, name, None), nn.Module)
+            for m in getattr(parent, name).modules()
+            if isinstance(m, nn.Linear) and m.out_features == hidden
+        ]
+        return min(widths, default=0)
 
     def _shared(self, path: str, experts: nn.Module, num_experts: int) -> int:
         """Shared experts next to ``experts``, in units of one routed expert's parameters

@@ -19,6 +19,7 @@ from torch import nn
 
 from profiling.trace.dataflow import PENDING, Tracer
 from profiling.trace.experts import ExpertTracker, is_expert_path
+from profiling.trace.layers import layer_kinds
 from profiling.trace.tensor_parallel import TensorParallelSplit, is_linear
 from solver.errors import InputError
 from solver.graph import LayerGraph, graph_from_dict
@@ -79,9 +80,12 @@ def build_graph(
     model_name: str,
     meta: dict,
     experts: ExpertTracker | None = None,
+    blocks: set[str] | None = None,
 ) -> LayerGraph:
     """The validated graph. ``run_params`` holds (first name, original parameter, the tensor the run
-    used) per distinct parameter; ``timings`` is (forward ms, backward ms) per layer per batch."""
+    used) per distinct parameter; ``timings`` is (forward ms, backward ms) per layer per batch;
+    ``blocks`` the layers that are the model's repeated blocks (``layers.block_paths``), which
+    give every layer its ``kind`` (``layers.layer_kinds``)."""
     names = [path for path, _ in selection]
     if PENDING in tracer.layers and tracer.first_layer is not None:
         tracer.layers[tracer.first_layer].absorb(tracer.layers.pop(PENDING))
@@ -99,6 +103,9 @@ def build_graph(
         timings=timings,
         experts=experts,
     )
+    kinds = layer_kinds([item["name"] for item in items], blocks or set())
+    for item, kind in zip(items, kinds or [], strict=False):
+        item["kind"] = kind
     edges = _edges(tracer, order, position, names, batch, model_name)
     chain = [
         {"src": a["name"], "dst": b["name"], "bytes": a["output_bytes"]}
@@ -369,7 +376,8 @@ def _edge_key(edge: dict) -> tuple:
 
 def _kind(layer: nn.Module, split: TensorParallelSplit) -> str | None:
     """``embedding`` for embedding-only layers, ``head`` for the vocab-parallel head's layer;
-    None leaves it to the name rule of the format."""
+    None leaves it to the name rule of the format. Used when the model has no block list
+    (``layers.layer_kinds`` gives None); otherwise the position around the blocks decides."""
     modules = list(layer.modules())
     if any(id(m) in split.heads for m in modules):
         return "head"

@@ -7,6 +7,13 @@ contributes its other children that own parameters (embeddings before the blocks
 head after them), in registration order, which is the execution order for the usual
 embedding -> blocks -> head models. Encoder-decoder models have two block lists; the rule is then
 applied to each sub-tree that holds one (e.g. ``encoder`` and ``decoder`` of a T5).
+
+Roles (the graph's ``kind``, :func:`layer_kinds`): a layer that is, or lies inside, a member of
+the block list(s) this rule picks is a ``block``; in execution order the layers before the first
+block are ``embedding``, those after the last block ``head`` (the final norm too: Megatron builds
+it with the output layer, in the last stage's post-process), and a layer between two blocks that
+is not itself a block (an encoder's final norm and a decoder's embedding in an encoder-decoder
+model) is ``other``.
 """
 
 from __future__ import annotations
@@ -25,6 +32,42 @@ def default_layer_paths(module: nn.Module) -> list[str]:
             seen.add(id(target))
             unique.append(path)
     return unique
+
+
+def block_list_paths(module: nn.Module) -> list[str]:
+    """Paths of the block list(s) the default rule picks: the largest list, or one per stack of
+    an encoder-decoder model ([] when the model has no list of parameterised modules)."""
+    lists: list[str] = []
+    _split(module, prefix="", lists=lists)
+    return lists
+
+
+def block_paths(module: nn.Module, paths: list[str]) -> set[str]:
+    """The paths that are, or lie inside, a member of one of :func:`block_list_paths`'s lists
+    (``model.layers.3``, or ``model.layers.3.mlp`` for a finer selection)."""
+    lists = block_list_paths(module)
+    found = set()
+    for path in paths:
+        for list_path in lists:
+            prefix = f"{list_path}." if list_path else ""
+            if path.startswith(prefix) and path != list_path:
+                found.add(path)
+                break
+    return found
+
+
+def layer_kinds(names: list[str], blocks: set[str]) -> list[str] | None:
+    """Each layer's kind, ``names`` in execution order: ``block`` for ``blocks``, ``embedding``
+    before the first block, ``head`` after the last one, ``other`` in between; None when there is
+    no block (the graph format's name rule decides)."""
+    where = [i for i, name in enumerate(names) if name in blocks]
+    if not where:
+        return None
+    first, last = where[0], where[-1]
+    return [
+        "block" if name in blocks else "embedding" if i < first else "head" if i > last else "other"
+        for i, name in enumerate(names)
+    ]
 
 
 def _children(module: nn.Module, prefix: str) -> list[str]:
@@ -57,29 +100,33 @@ def _size(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _split(module: nn.Module, prefix: str) -> list[str]:
-    """Layers below ``module`` (whose path is ``prefix``)."""
+def _split(module: nn.Module, prefix: str, lists: list[str] | None = None) -> list[str]:
+    """Layers below ``module`` (whose path is ``prefix``); the paths of the block lists it picks
+    are appended to ``lists``."""
+    lists = [] if lists is None else lists
     if isinstance(module, (nn.ModuleList, nn.Sequential)):  # a stack: its members are the blocks
+        lists.append(prefix.rstrip("."))
         return [
             f"{prefix}{name}" for name, block in module.named_children() if _owns_parameters(block)
         ]
-    lists = _block_lists(module, prefix)
-    if not lists:
+    found = _block_lists(module, prefix)
+    if not found:
         return []
-    path, blocks = max(lists, key=lambda item: (_size(item[1]), len(item[1])))
+    path, blocks = max(found, key=lambda item: (_size(item[1]), len(item[1])))
     # children of a module that contains two disjoint block lists (encoder + decoder) are split
     # separately, so that both stacks become blocks
     if _has_parallel_stacks(module, prefix):
         layers = []
         for name, child in module.named_children():
             child_path = f"{prefix}{name}"
-            inner = _split(child, f"{child_path}.")
+            inner = _split(child, f"{child_path}.", lists)
             if inner:
                 layers.extend(inner)
             elif _owns_parameters(child):
                 layers.append(child_path)
         return layers
     layers = []
+    lists.append(path)
     _collect(module, prefix, path, layers)
     return layers
 

@@ -120,7 +120,7 @@ from profiling.trace.cuda_attention import cuda_like_kernels
 from profiling.trace.dataflow import Tracer, tensors_in
 from profiling.trace.experts import ExpertTracker
 from profiling.trace.graph_builder import build_graph
-from profiling.trace.layers import default_layer_paths
+from profiling.trace.layers import block_paths, default_layer_paths
 from profiling.trace.tensor_parallel import TensorParallelTracker, is_linear
 from profiling.trace.time_terms import measure_time_terms
 from profiling.trace.timing import time_layers, timing_meta
@@ -186,6 +186,7 @@ def profile_module(
         timings=timings,
         model_name=model_name,
         experts=experts,
+        blocks=block_paths(module, paths),
         meta={
             "profiled_by": (
                 f"profiling.trace.profile.profile_module ({mode} mode, torch {torch.__version__})"

@@ -36,8 +36,13 @@ def build_exports(
     *,
     recomputed: list[list[str]] | None = None,
     moe_capacity_factor: float | str = 1.0,
+    precision: str | None = None,
+    optimizer: str = "adam",
+    bytes_per_param: tuple[int, int, int] | None = None,
 ) -> dict[str, Any]:
     """Settings for torch pipelining, Megatron-LM and DeepSpeed that reproduce the plan.
+    ``precision``, ``optimizer`` and ``bytes_per_param``: the plan's training settings
+    (``TrainingConfig``), for Megatron-LM's precision flag (None: bf16-mixed).
 
     ``stage_layers[s]`` holds the names of the layers of stage ``s``; ``recomputed[s]`` those of
     them that are recomputed (selective recomputation). With interleaving (``virtual_stages`` v >
@@ -54,7 +59,14 @@ def build_exports(
             config, stages, contiguous=contiguous, recomputed=selected
         ),
         "megatron": megatron_export(
-            graph, config, stages, recomputed=selected, moe_capacity_factor=moe_capacity_factor
+            graph,
+            config,
+            stages,
+            recomputed=selected,
+            moe_capacity_factor=moe_capacity_factor,
+            precision=precision,
+            optimizer=optimizer,
+            bytes_per_param=bytes_per_param,
         ),
         "deepspeed": deepspeed_export(config, stages, contiguous=contiguous, recomputed=selected),
         "torchtitan": torchtitan_export(graph, config, stages, recomputed=selected),

@@ -1,6 +1,9 @@
-"""The plan as Megatron-LM arguments (``plan.exports["megatron"]``): the degrees, the uneven split
-as ``--decoder-first/last-pipeline-num-layers`` or ``--pipeline-model-parallel-layout``,
-recomputation and the mixture-of-experts flags, with what keeps the plan from running as is.
+"""The plan as Megatron-LM arguments (``plan.exports["megatron"]``): the degrees, ``--num-layers``
+(the model's transformer blocks), the uneven split as ``--decoder-first/last-pipeline-num-layers``
+or ``--pipeline-model-parallel-layout``, precision, recomputation, the distributed optimizer and
+the mixture-of-experts flags (``solver.exports.megatron_flags``), with what keeps the plan from
+running as is. ``scripts/check_megatron_args.py`` runs exports through Megatron-LM's own
+``parse_args``/``validate_args`` and layer assignment.
 
 Pure functions: no I/O, no torch. Facts about Megatron-LM, and where they come from, are in the
 comments next to the code that relies on them.
@@ -11,10 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 from solver.costs.graph_inputs import layer_roles
-from solver.costs.moe import routed_experts
+from solver.exports.megatron_flags import expert_args, precision_args, recompute_args, zero_args
 from solver.graph import LayerGraph
 from solver.parallel import export_name
-from solver.specs import MOE_DROPLESS, ParallelConfig
+from solver.precision import DEFAULT_PRECISION
+from solver.specs import ParallelConfig
 
 # Megatron layout letters (megatron/core/transformer/pipeline_parallel_layer_layout.py,
 # PipelineParallelLayerLayout.parse_str_to_list): E = embedding, t = transformer (decoder) layer,
@@ -34,44 +38,51 @@ def megatron_export(
     *,
     recomputed: list[list[str]] | None = None,
     moe_capacity_factor: float | str = 1.0,
+    precision: str | None = None,
+    optimizer: str = "adam",
+    bytes_per_param: tuple[int, int, int] | None = None,
 ) -> dict[str, Any]:
     """Megatron-LM arguments for the plan (``moe_capacity_factor``: the plan's
-    ``TrainingConfig.moe_capacity_factor``, for a mixture-of-experts graph's router flags).
+    ``TrainingConfig.moe_capacity_factor``, for a mixture-of-experts graph's router flags;
+    ``precision``, ``optimizer`` and ``bytes_per_param`` (weights, gradients, optimizer states):
+    the plan's, for ``--bf16``/``--fp16`` and a warning when Megatron-LM holds other bytes;
+    None: bf16-mixed, the planner's default).
 
-    Layer roles become layout letters: embedding -> E, block -> t, head -> L. A layer of kind
-    ``other`` gets no letter: Megatron builds only E, t, L (and m) modules, so such a layer (a
-    separate final norm, a position embedding, a pooler) is taken to be part of the module Megatron
-    builds next to it; counting it as a ``t`` would change ``--num-layers``.
+    Layer roles become layout letters (:func:`stage_letters`): the transformer blocks are ``t``
+    and ``--num-layers`` counts them; the graph's first embedding layer is ``E`` and its last
+    head layer ``L`` (Megatron's loss: final norm, output layer, loss). Other embedding and head
+    layers (a position embedding, the final norm) belong to those modules in Megatron; a layer
+    of kind ``other`` gets no letter.
     """
     roles = dict(zip(graph.names, layer_roles(graph), strict=True))
-    stage_letters = ["".join(MEGATRON_LETTER.get(roles[n], "") for n in s) for s in stages]
-    layout = "|".join(stage_letters)
-    blocks = [letters.count("t") for letters in stage_letters]
-    num_layers = sum(blocks)
-    warnings = _megatron_warnings(graph, config, roles, stage_letters)
+    letters, placement = stage_letters(graph, roles, stages)
+    layout = "|".join(letters)
+    blocks = [stage.count("t") for stage in letters]
+    warnings = _megatron_warnings(graph, roles, letters) + placement
     layout_valid = not any(w.startswith("layout:") for w in warnings)
-    method, first, last = _megatron_split_method(
-        config, blocks, stage_letters, layout_valid=layout_valid
-    )
+    method, first, last = _megatron_split_method(config, blocks, letters, layout_valid=layout_valid)
     args = [
         _flag("pp"),
         str(config.pp),
         _flag("tp"),
         str(config.tp),
         "--num-layers",
-        str(num_layers),
+        str(sum(blocks)),
         "--micro-batch-size",
         str(config.micro_batch),
         "--global-batch-size",
         str(config.global_batch),
     ]
     args += _megatron_split_args(config, method, first, last, layout)
-    recompute_args, warning = _megatron_recompute_args(config, roles, stages, recomputed)
-    args += recompute_args
-    if warning is not None:
-        warnings.append(warning)
-    if config.zero >= 1:
-        args.append("--use-distributed-optimizer")
+    flags, warning = precision_args(precision, optimizer, bytes_per_param)
+    args += flags
+    warnings += [warning] if warning else []
+    flags, recompute, warning = recompute_args(config, roles, stages, recomputed)
+    args += flags
+    warnings += [warning] if warning else []
+    flags, refused = zero_args(config)
+    args += flags
+    warnings += [refused] if refused else []
     if config.sp:
         # megatron/training/arguments.py: "Enable sequence parallel optimization"; it needs
         # --tensor-model-parallel-size > 1
@@ -81,82 +92,113 @@ def megatron_export(
         # parallel size is world / (tp cp pp), and its distributed optimizer and gradient
         # all-reduce span dp x cp (the cost model's sharding_degree)
         args += [_flag("cp"), str(config.cp)]
-    expert_args, expert_warning = _megatron_expert_args(graph, config, moe_capacity_factor)
-    args += expert_args
-    if expert_warning is not None:
-        warnings.append(expert_warning)
+    block_names = [name for stage in stages for name in stage if roles[name] == "block"]
+    flags, warning = expert_args(graph, config, moe_capacity_factor, block_names)
+    args += flags
+    warnings += [warning] if warning else []
     return {
         "args": args,
         "layout": layout,
-        "layout_compact": _compact_layout(stage_letters),
+        "layout_compact": _compact_layout(letters),
         "decoder_first_pipeline_num_layers": first,
         "decoder_last_pipeline_num_layers": last,
         "split_method": method,
-        "num_layers": num_layers,
+        "num_layers": sum(blocks),
         "blocks_per_stage": blocks,
+        "precision": precision or DEFAULT_PRECISION,
+        "recompute": recompute,
+        "refused": refused,
         "warnings": warnings,
         "note": (
             f"Run on pp*tp*cp*dp = {config.num_gpus} GPUs (Megatron derives the data-parallel size "
-            f"{config.dp} from the world size). split_method 'even' needs no split flag; "
-            "'first_last' uses --decoder-first/last-pipeline-num-layers; 'layout' uses "
-            "--pipeline-model-parallel-layout (experimental in Megatron-Core), which states "
-            "every stage: E embedding, t transformer layer, L final norm + output layer + loss. "
-            "With bf16 Megatron keeps fp32 gradients (18 bytes per parameter, 6 + 12/d with the "
-            "distributed optimizer), what the megatron runtime's default bytes per parameter "
-            "2,4,12 count; other precisions: docs/cost-model.md."
+            f"{config.dp} from the world size). Add the model's own arguments (--hidden-size, "
+            "--num-attention-heads, --ffn-hidden-size, ...); --num-layers is its transformer "
+            "blocks. split_method 'even' needs no split flag; 'first_last' uses "
+            "--decoder-first/last-pipeline-num-layers; 'layout' uses "
+            "--pipeline-model-parallel-layout, which states every stage: E embedding, t "
+            "transformer layer, L final norm + output layer + loss. 'recompute' (null: none) "
+            "says which layers the recompute flags recompute per stage; 'refused' (null: none) "
+            "why Megatron-LM cannot run the plan as planned."
         ),
     }
 
 
-def _megatron_expert_args(
-    graph: LayerGraph, config: ParallelConfig, capacity_factor: float | str
-) -> tuple[list[str], str | None]:
-    """Megatron's mixture-of-experts flags for a graph with routed experts (megatron/training/
-    arguments.py): ``--num-experts E --moe-router-topk k --expert-model-parallel-size ep`` and
-    ``--moe-token-dispatcher-type alltoall`` (the all-to-all the cost model times; Megatron's
-    default is allgather); a capacity factor c > 1 adds ``--moe-expert-capacity-factor c
-    --moe-pad-expert-input-to-capacity`` (padded to capacity: what the planner counts). At
-    c = 1 (a balanced routing) and dropless no capacity is set: Megatron's router is then
-    dropless, and at 1 a warning says the plan assumed balanced routing. Shared experts
-    (``--moe-shared-expert-intermediate-size``) need the model's widths: left to the model's
-    own arguments. ([], None) for a dense graph; no flags and a warning for tp > 1 without
-    sequence parallelism, which megatron-core refuses for MoE layers."""
-    experts = routed_experts(graph)
-    if experts is None:
-        return [], None
-    if config.tp > 1 and not config.sp:
-        # megatron/core/transformer/moe/moe_layer.py, MoELayer.forward: "performance may degrade
-        # if MoE and tensor parallelism are enabled without also enabling sequence parallelism"
-        # is a ValueError in training
-        return [], (
-            "moe: megatron-core refuses to train MoE layers with tensor parallelism but without "
-            "sequence parallelism (MoELayer.forward raises); plan with --sequence-parallel auto"
+def stage_letters(
+    graph: LayerGraph, roles: dict[str, str], stages: list[list[str]]
+) -> tuple[list[str], list[str]]:
+    """Each stage's Megatron layout letters, and warnings for embedding or head layers that the
+    plan puts on another stage than Megatron builds them on (with the E or the L)."""
+    embeddings = [name for name in graph.names if roles[name] == "embedding"]
+    heads = [name for name in graph.names if roles[name] == "head"]
+    anchors = {
+        "E": embeddings[0] if embeddings else None,
+        "L": heads[-1] if heads else None,
+    }
+    letters, stage_of = [], {}
+    for s, stage in enumerate(stages):
+        out = []
+        for name in stage:
+            stage_of[name] = s
+            if name == anchors["E"]:
+                out.append("E")
+            elif roles[name] == "block":
+                out.append("t")
+            elif name == anchors["L"]:
+                out.append("L")
+        letters.append("".join(out))
+    warnings = []
+    for names, letter, module in (
+        (embeddings, "E", "embedding (E)"),
+        (heads, "L", "final norm and output layer (L)"),
+    ):
+        apart = [name for name in names if stage_of[name] != stage_of[anchors[letter]]]
+        if apart:
+            warnings.append(
+                f"placement: Megatron builds the {module} on stage {stage_of[anchors[letter]]}, "
+                f"with {anchors[letter]}; the plan puts {', '.join(apart[:5])} on stage(s) "
+                f"{sorted({stage_of[n] for n in apart})}: those stages' memory differs from the "
+                "plan"
+            )
+    return letters, warnings
+
+
+def _megatron_warnings(graph: LayerGraph, roles: dict[str, str], letters: list[str]) -> list[str]:
+    """What keeps the plan from running in Megatron as is; layout errors start with 'layout:'."""
+    warnings = []
+    flat = "".join(letters)
+    # PipelineParallelLayerLayout.validate_layer_layout: the first layer must be the embedding,
+    # the last the loss, each exactly once.
+    if flat.count("E") != 1 or flat.count("L") != 1 or flat[:1] != "E" or flat[-1:] != "L":
+        warnings.append(
+            f"layout: Megatron needs exactly one E (first) and one L (last); this plan has "
+            f"{flat.count('E')} E and {flat.count('L')} L (set Layer.kind to fix roles). "
+            "Megatron's layout also does not support encoder-decoder models."
         )
-    args = [
-        "--num-experts",
-        str(experts.num_experts),
-        "--moe-router-topk",
-        str(experts.top_k),
-        _flag("ep"),
-        str(config.ep),
-        "--moe-token-dispatcher-type",
-        "alltoall",
-    ]
-    if capacity_factor == MOE_DROPLESS:
-        return args, None
-    if capacity_factor > 1:
-        args += [
-            "--moe-expert-capacity-factor",
-            f"{capacity_factor:g}",
-            "--moe-pad-expert-input-to-capacity",
-        ]
-        return args, None
-    return args, (
-        "moe: the plan assumes a balanced routing (each expert gets tokens x top_k / experts); "
-        "Megatron's dropless router can send a GPU more. Bound it with "
-        "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity, or plan with "
-        "--moe-capacity-factor dropless for the worst case"
+    blocks = [i for i, name in enumerate(graph.names) if roles[name] == "block"]
+    inside = (
+        [n for n in graph.names[blocks[0] : blocks[-1]] if roles[n] != "block"] if blocks else []
     )
+    if inside:
+        # Megatron's GPT model is one decoder stack: embedding, transformer layers, loss
+        warnings.append(
+            f"layout: {len(inside)} layer(s) that are not transformer blocks lie between the "
+            f"blocks ({', '.join(inside[:3])}): Megatron's GPT model is one stack of transformer "
+            "layers (an encoder-decoder model needs Megatron's T5 model, which the layout "
+            "does not support)"
+        )
+    others = [name for name, role in roles.items() if role == "other"]
+    if others:
+        warnings.append(
+            f"{len(others)} layer(s) of kind 'other' have no Megatron letter and are taken to "
+            f"belong to the neighbouring Megatron module: {', '.join(others[:5])}"
+            + (" ..." if len(others) > 5 else "")
+        )
+    if not graph.is_chain:
+        warnings.append(
+            "The graph is not a chain: Megatron's GPT model passes one hidden state between "
+            "stages, so skip connections across stages need model changes."
+        )
+    return warnings
 
 
 def _megatron_split_method(
@@ -200,109 +242,6 @@ def _megatron_split_args(
         # parallelism rank"
         args += [_flag("virtual_stages"), str(config.virtual_stages)]
     return args
-
-
-def _megatron_recompute_args(
-    config: ParallelConfig,
-    roles: dict[str, str],
-    stages: list[list[str]],
-    recomputed: list[list[str]] | None,
-) -> tuple[list[str], str | None]:
-    """Recomputation flags: every layer (full), or the chosen layers (selective) when Megatron
-    can express them, else no flag and a warning that lists them."""
-    args = []
-    if config.recompute == "full":
-        args += [
-            "--recompute-granularity",
-            "full",
-            "--recompute-method",
-            "uniform",
-            "--recompute-num-layers",
-            "1",
-        ]
-    if recomputed is None:
-        return args, None
-    blocks_recomputed = _megatron_block_recompute(roles, stages, recomputed)
-    if blocks_recomputed is None:
-        return args, (
-            "recompute: the recomputed layers are not the first N transformer layers of "
-            "every stage, which is all --recompute-method block expresses; recompute these "
-            "by hand (e.g. checkpoint_wrapper): "
-            + "; ".join(
-                f"stage {s}: {', '.join(names)}" for s, names in enumerate(recomputed) if names
-            )
-        )
-    if not blocks_recomputed:
-        return args, None
-    # megatron/training/arguments.py: with --recompute-method block, "the first N
-    # transformer layers of each pipeline stage are recomputed"
-    return args + [
-        "--recompute-granularity",
-        "full",
-        "--recompute-method",
-        "block",
-        "--recompute-num-layers",
-        str(blocks_recomputed),
-    ], None
-
-
-def _megatron_block_recompute(
-    roles: dict[str, str], stages: list[list[str]], recomputed: list[list[str]]
-) -> int | None:
-    """N when every stage recomputes exactly its first N transformer layers (N may be 0), else
-    None (Megatron's block method cannot express the set)."""
-    counts = set()
-    for stage, names in zip(stages, recomputed, strict=True):
-        blocks = [name for name in stage if roles[name] == "block"]
-        count = len(names)
-        if blocks[:count] != names:
-            return None
-        counts.add(count)
-    return counts.pop() if len(counts) == 1 else None
-
-
-def _megatron_warnings(
-    graph: LayerGraph, config: ParallelConfig, roles: dict[str, str], stage_letters: list[str]
-) -> list[str]:
-    """What keeps the plan from running in Megatron as is; layout errors start with 'layout:'."""
-    warnings = []
-    flat = "".join(stage_letters)
-    # PipelineParallelLayerLayout.validate_layer_layout: the first layer must be the embedding,
-    # the last the loss, each exactly once.
-    if (
-        flat.count("E") != 1
-        or flat.count("L") != 1
-        or not flat.startswith("E")
-        or not flat.endswith("L")
-    ):
-        warnings.append(
-            f"layout: Megatron needs exactly one E (first) and one L (last); this plan has "
-            f"{flat.count('E')} E and {flat.count('L')} L (set Layer.kind to fix roles). "
-            "Megatron's layout also does not support encoder-decoder models."
-        )
-    others = [name for name, role in roles.items() if role == "other"]
-    if others:
-        warnings.append(
-            f"{len(others)} layer(s) of kind 'other' have no Megatron letter and are taken to "
-            f"belong to the neighbouring Megatron module: {', '.join(others[:5])}"
-            + (" ..." if len(others) > 5 else "")
-        )
-    # Megatron docs (distrib_optimizer.md): bytes per parameter with the distributed optimizer
-    # are 6 + 12/d for bf16 params with fp32 grads: the gradient buffer is not sharded.
-    if config.zero >= 2:
-        warnings.append(
-            f"ZeRO {config.zero}: --use-distributed-optimizer shards only the optimizer state "
-            "(6 + 12/d bytes per parameter with bf16 weights and fp32 gradients: ZeRO-1 memory); "
-            "sharded gradients/parameters need Megatron-FSDP (--use-megatron-fsdp "
-            "--data-parallel-sharding-strategy optim_grads or optim_grads_params), not checked "
-            "here with pipeline parallelism."
-        )
-    if not graph.is_chain:
-        warnings.append(
-            "The graph is not a chain: Megatron's GPT model passes one hidden state between "
-            "stages, so skip connections across stages need model changes."
-        )
-    return warnings
 
 
 def _first_last_counts(

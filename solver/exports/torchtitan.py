@@ -38,9 +38,27 @@ from solver.specs import ParallelConfig
 # (torch.distributed.pipelining.schedules.get_schedule_class).
 SCHEDULE = {"1f1b": "1F1B", "gpipe": "GPipe"}
 
-# torchtitan's decoder models (llama3, llama4, qwen3, deepseek_v3) name their modules
-# tok_embeddings, layers.<i>, norm, output (models/llama3/model/model.py).
-EMBEDDING_FQN, NORM_FQN, OUTPUT_FQN = "tok_embeddings", "norm", "output"
+# torchtitan's decoder models name their modules tok_embeddings, layers.<i> (a ModuleDict keyed
+# by str(i)), norm and the output layer: "output" up to 0.2.2 (models/llama3/model/model.py,
+# pipeline_parallel.generate_llm_fqn_per_model_part), "lm_head" since April 2026 (commit
+# 786e26f8e, in 0.3: models/common/decoder.py, _generate_llm_fqn_per_model_part). Its
+# _split_module keeps the named children of each stage and sets every other child to None, so a
+# name that is no module is silently ignored and the module it should have named is dropped.
+EMBEDDING_FQN, NORM_FQN = "tok_embeddings", "norm"
+OUTPUT_FQN = {"0.2": "output", "0.3": "lm_head"}
+
+TORCHTITAN_MODELS = {
+    "LlamaForCausalLM": ("llama3", "llama3"),
+    "Qwen3ForCausalLM": ("qwen3", "qwen3"),
+    "Qwen3MoeForCausalLM": ("qwen3", "qwen3"),
+    "DeepseekV3ForCausalLM": ("deepseek_v3", "deepseek_v3"),
+    "GptOssForCausalLM": ("gpt_oss", "gpt_oss"),
+    "Llama4ForConditionalGeneration": ("llama4", None),
+}
+"""HuggingFace architecture -> torchtitan model (0.2, 0.3; None: not in that release): the
+models whose state-dict adapters map that architecture's checkpoints (torchtitan/models/<name>/
+state_dict_adapter.py, 0.2.2 and main of 2026-08; llama4 left main before 0.3). A zoo preset
+named llama* is the llama3 model's architecture (RMSNorm, SwiGLU, rotary, GQA)."""
 
 
 def torchtitan_export(
@@ -58,15 +76,14 @@ def torchtitan_export(
     """
     warnings: list[str] = []
     parallelism = _parallelism(config, warnings)
+    models = torchtitan_model(graph)
+    parts = {version: None for version in OUTPUT_FQN}
     if config.pp > 1:
-        parts, renamed = _module_fqns(graph, stages)
-        parallelism["module_fqns_per_model_part"] = parts
-        if not renamed:
-            warnings.append(
-                "module names: the layers are not embedding, blocks and head in this order, so "
-                "module_fqns_per_model_part lists the graph's layer names; they must be the "
-                "FQNs of the modules torchtitan builds"
-            )
+        parts, problem = _module_fqns(graph, stages, models)
+        if problem:
+            warnings.append(problem)
+    if parts["0.2"] is not None:
+        parallelism["module_fqns_per_model_part"] = parts["0.2"]
     training = _training(graph, config)
     checkpoint, comment = _activation_checkpoint(config, recomputed)
     sections = {
@@ -85,13 +102,36 @@ def torchtitan_export(
         comments["parallelism"] = (
             "sequence parallelism comes with tensor parallelism (SequenceParallel on the norms)"
         )
+    args = _args_0_3(sections, config)
+    if parts["0.3"] is not None and parts["0.2"] is None:
+        args += ["--parallelism.module_fqns_per_model_part", *(",".join(p) for p in parts["0.3"])]
+    elif parts["0.3"] is not None:
+        at = args.index("--parallelism.module_fqns_per_model_part") + 1
+        args[at : at + len(parts["0.3"])] = [",".join(p) for p in parts["0.3"]]
+    elif parts["0.2"] is not None:
+        at = args.index("--parallelism.module_fqns_per_model_part")
+        del args[at : at + 1 + len(parts["0.2"])]
     return {
         **sections,
+        "model": {"0.2": models[0], "0.3": models[1]},
         "toml": to_toml(sections, comments=comments),
-        "args": _args_0_3(sections, config),
+        "args": args,
         "warnings": warnings,
         "note": _note(config),
     }
+
+
+def torchtitan_model(graph: LayerGraph) -> tuple[str | None, str | None]:
+    """The torchtitan model (0.2, 0.3) that builds the graph's architecture: from the
+    HuggingFace class the profiler recorded (``meta.hf_class``), or llama3 for a zoo llama
+    preset; (None, None) when torchtitan has none."""
+    hf_class = graph.meta.get("hf_class")
+    if isinstance(hf_class, str):
+        return TORCHTITAN_MODELS.get(hf_class, (None, None))
+    preset = graph.meta.get("preset")
+    if isinstance(preset, str) and preset.startswith("llama"):
+        return "llama3", "llama3"
+    return None, None
 
 
 def _key(dimension: str) -> str:
@@ -187,39 +227,60 @@ def _activation_checkpoint(
     return {"mode": "full"}, comment
 
 
-def _module_fqns(graph: LayerGraph, stages: list[list[str]]) -> tuple[list[list[str]], bool]:
-    """Per (virtual) stage the module names torchtitan's ``pipeline_module_split`` keeps, and
-    whether the layers were renamed to torchtitan's decoder FQNs.
+def _module_fqns(
+    graph: LayerGraph, stages: list[list[str]], models: tuple[str | None, str | None]
+) -> tuple[dict[str, list[list[str]] | None], str | None]:
+    """Per torchtitan version ("0.2", "0.3") the module names each (virtual) stage keeps
+    (``module_fqns_per_model_part``; None where torchtitan has no model for the graph or the
+    layers are not one embedding, the blocks and the head), and a warning when some are None.
 
     The graph's embedding, blocks and head become ``tok_embeddings``, ``layers.<k>`` (k the
-    block's position among the blocks) and ``norm`` + ``output`` (torchtitan's final norm sits
-    with the output layer; a separate final-norm layer of kind "other" after the last block is
-    ``norm``). Any other shape keeps the graph's names.
+    block's position among the blocks) and the final norm and output layer: two head layers
+    (HuggingFace's ``model.norm``, ``lm_head``) are ``norm`` and the output, one (a zoo head)
+    both; a final norm of kind "other" after the last block (older graphs) is ``norm``.
     """
     roles = layer_roles(graph)
     blocks = [i for i, role in enumerate(roles) if role == "block"]
+    tail = roles[1 + len(blocks) :]
     shape_ok = (
-        roles.count("embedding") == 1
-        and roles[0] == "embedding"
-        and roles.count("head") == 1
-        and roles[-1] == "head"
+        roles[:1] == ["embedding"]
         and blocks == list(range(1, 1 + len(blocks)))
-        and all(role == "other" for role in roles[1 + len(blocks) : -1])
-        and len(roles) - len(blocks) - 2 <= 1
+        and tail[-1:] == ["head"]
+        and len(tail) <= 2
+        and all(role in ("head", "other") for role in tail)
     )
-    if not shape_ok:
-        return [list(stage) for stage in stages], False
-    final_norm = len(roles) - len(blocks) == 3
-    names: dict[str, list[str]] = {}
-    for k, i in enumerate(blocks):
-        names[graph.layers[i].name] = [f"layers.{k}"]
-    names[graph.layers[0].name] = [EMBEDDING_FQN]
-    if final_norm:
-        names[graph.layers[-2].name] = [NORM_FQN]
-        names[graph.layers[-1].name] = [OUTPUT_FQN]
-    else:
-        names[graph.layers[-1].name] = [NORM_FQN, OUTPUT_FQN]
-    return [[fqn for name in stage for fqn in names[name]] for stage in stages], True
+    known = [version for version, model in zip(OUTPUT_FQN, models, strict=True) if model]
+    result: dict[str, list[list[str]] | None] = dict.fromkeys(OUTPUT_FQN)
+    if not shape_ok or not known:
+        what = graph.meta.get("hf_class") or graph.meta.get("preset") or graph.model
+        why = (
+            f"torchtitan has no model for {what} (its decoder models: llama3, qwen3, "
+            "deepseek_v3, gpt_oss; llama4 in 0.2)"
+            if not known
+            else "the layers are not one embedding, the blocks and the head in this order"
+        )
+        return result, (
+            f"module names: {why}, so module_fqns_per_model_part is left out (torchtitan would "
+            "split its own model evenly); port the model to a torchtitan decoder, whose "
+            "modules are tok_embeddings, layers.<i>, norm and output (0.2) / lm_head (0.3)"
+        )
+    for version in known:
+        names: dict[str, list[str]] = {graph.layers[0].name: [EMBEDDING_FQN]}
+        for k, i in enumerate(blocks):
+            names[graph.layers[i].name] = [f"layers.{k}"]
+        if len(tail) == 2:
+            names[graph.layers[-2].name] = [NORM_FQN]
+            names[graph.layers[-1].name] = [OUTPUT_FQN[version]]
+        else:
+            names[graph.layers[-1].name] = [NORM_FQN, OUTPUT_FQN[version]]
+        result[version] = [[fqn for name in stage for fqn in names[name]] for stage in stages]
+    missing = [version for version in OUTPUT_FQN if result[version] is None]
+    return result, (
+        f"module names: torchtitan {', '.join(missing)} has no {models[0]} model: "
+        "module_fqns_per_model_part is given for the other release only"
+        if missing
+        else None
+    )
 
 
 def _args_0_3(sections: dict[str, dict[str, Any]], config: ParallelConfig) -> list[str]:

@@ -72,16 +72,44 @@ class Plan:
 
 
 def _plan_exports(
-    graph: LayerGraph, training: TrainingConfig, evaluation: Evaluation
+    graph: LayerGraph,
+    training: TrainingConfig,
+    evaluation: Evaluation,
+    costs: LayerCosts | None = None,
+    placed: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The engine exports of an evaluated plan (``Plan.exports``)."""
-    return build_exports(
+    """The engine exports of an evaluated plan (``Plan.exports``). When the Megatron export's
+    recompute flags realise a per-stage choice other than the plan's (``recompute.exact`` false),
+    each stage's peak under those flags is evaluated with ``costs`` and added as
+    ``recompute.realised_peak_bytes``."""
+    exports = build_exports(
         graph,
         evaluation.config,
         evaluation.virtual_stage_layer_names(),
         recomputed=evaluation.virtual_stage_recomputed_names(),
         moe_capacity_factor=training.moe_capacity_factor,
+        precision=training.precision,
+        optimizer=training.optimizer,
+        bytes_per_param=(
+            training.weight_bytes_per_param,
+            training.grad_bytes_per_param,
+            training.optimizer_bytes_per_param,
+        ),
     )
+    record = exports["megatron"]["recompute"]
+    if costs is not None and record is not None and not record["exact"]:
+        chosen = {name for names in record["exported_per_stage"] for name in names}
+        realised = evaluate_assignment(
+            graph,
+            costs,
+            evaluation.stage_of_layer,
+            cluster=evaluation.cluster,
+            training=training,
+            recomputed=[name in chosen for name in graph.names],
+            **(placed or {}),
+        )
+        record["realised_peak_bytes"] = [stage.peak_bytes for stage in realised.stages]
+    return exports
 
 
 def _baseline_evaluations(

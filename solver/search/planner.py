@@ -434,7 +434,9 @@ def _build_plan(
     return Plan(
         evaluation=evaluation,
         solver=report,
-        make_exports=functools.partial(_plan_exports, call.graph, call.training, evaluation),
+        make_exports=functools.partial(
+            _plan_exports, call.graph, call.training, evaluation, choice.entry.costs, placed
+        ),
         make_baselines=baselines,
         required_throughput=limit.required,
         fastest_throughput=limit.fastest_throughput(call.training.global_batch),
