@@ -50,6 +50,7 @@ import harness
 
 from solver import Cluster, TrainingConfig, plan
 from solver.costs.graph_inputs import layer_roles
+from solver.exports.megatron_flags import MEGATRON_FSDP_STRATEGY
 
 SHAPE_ARGS = ["--hidden-size", "1024", "--num-attention-heads", "16", "--disable-bias-linear"]
 """The model shape the export leaves to the user (module docstring)."""
@@ -81,7 +82,8 @@ DENSE_CASES = (
     Case(pp=3, dp=2, recompute="full"),
     Case(pp=4, tp=2, zero=1, recompute="selective"),
     Case(pp=4, v=2, dp=2),
-    Case(pp=2, dp=4, zero=2),
+    Case(pp=1, tp=2, dp=4, zero=2),
+    Case(pp=1, dp=4, zero=3, recompute="full"),
 )
 MOE_CASES = (
     Case(pp=2, tp=2, dp=4, ep=4, sp=True, zero=1),
@@ -145,7 +147,8 @@ def megatron_view(megatron, args: list[str], *, world: int, seq: int) -> dict[st
     stage in pipeline order, precision, recompute, distributed optimizer and MoE settings."""
     argv = ["pretrain_gpt.py", *SHAPE_ARGS]
     argv += ["--seq-length", str(seq), "--max-position-embeddings", str(seq), *args]
-    os.environ.update(WORLD_SIZE=str(world), RANK="0", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    connections = "8" if "--use-megatron-fsdp" in args else "1"  # FSDP asserts it is not 1
+    os.environ.update(WORLD_SIZE=str(world), RANK="0", CUDA_DEVICE_MAX_CONNECTIONS=connections)
     old_argv = sys.argv
     sys.argv = argv
     try:
@@ -170,6 +173,11 @@ def megatron_view(megatron, args: list[str], *, world: int, seq: int) -> dict[st
             parsed.recompute_num_layers,
         ),
         "distributed_optimizer": bool(parsed.use_distributed_optimizer),
+        "megatron_fsdp": (
+            parsed.data_parallel_sharding_strategy
+            if getattr(parsed, "use_megatron_fsdp", False)
+            else None
+        ),
         "num_experts": parsed.num_experts,
         "moe_layer_freq": parsed.moe_layer_freq,
         "shared_expert": parsed.moe_shared_expert_intermediate_size,
@@ -227,6 +235,7 @@ def planned_view(result, graph) -> dict[str, Any]:
         "blocks_per_stage": [len(b) for b in blocks],
         "recomputed_per_stage": chosen,
         "distributed_optimizer": config.zero == 1,
+        "megatron_fsdp": MEGATRON_FSDP_STRATEGY.get(config.zero),
         "moe_layer_freq": [int(layer.expert_params > 0) for layer in all_blocks],
         "shared_expert": moe.get("shared_expert_ffn_hidden") or None,
     }
@@ -249,7 +258,7 @@ def compare(result, graph, view: dict[str, Any]) -> tuple[list[str], str]:
     want = planned_view(result, graph)
     export = result.exports["megatron"]
     problems, notes = [], []
-    for key in ("num_layers", "blocks_per_stage", "distributed_optimizer"):
+    for key in ("num_layers", "blocks_per_stage", "distributed_optimizer", "megatron_fsdp"):
         if view[key] != want[key]:
             problems.append(f"{key} {view[key]} != plan {want[key]}")
     precision = export["precision"]

@@ -119,6 +119,11 @@ def megatron_export(
             "transformer layer, L final norm + output layer + loss. 'recompute' (null: none) "
             "says which layers the recompute flags recompute per stage; 'refused' (null: none) "
             "why Megatron-LM cannot run the plan as planned."
+            + (
+                " Megatron-FSDP (ZeRO 2/3) asserts CUDA_DEVICE_MAX_CONNECTIONS is not 1."
+                if config.zero >= 2 and not refused
+                else ""
+            )
         ),
     }
 

@@ -51,21 +51,31 @@ def precision_args(
     )
 
 
+MEGATRON_FSDP_STRATEGY = {2: "optim_grads", 3: "optim_grads_params"}
+"""ZeRO stage -> Megatron-FSDP's ``--data-parallel-sharding-strategy``."""
+
+
 def zero_args(config: ParallelConfig) -> tuple[list[str], str | None]:
     """``--use-distributed-optimizer`` for ZeRO 1 (Megatron's distributed optimizer shards the
-    optimizer states over dp x cp: ZeRO-1); nothing for 0. ZeRO 2 and 3 are not Megatron-LM
-    settings: no flag, and the reason returned, which the export carries as ``refused`` (the
-    hook for the engine rules to refuse such a plan for the megatron runtime)."""
+    optimizer states over dp x cp: ZeRO-1); nothing for 0. ZeRO 2 and 3 at pp 1 are
+    Megatron-FSDP (``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads`` or
+    ``optim_grads_params``, which its validate_args allows only with ``--ckpt-format
+    fsdp_dtensor``; the engine rules take them at pp 1 only, ``solver.engine_rules``). With
+    pipeline parallelism: no flag, and the reason returned, which the export carries as
+    ``refused``."""
     if config.zero == 1:
         return ["--use-distributed-optimizer"], None
     if config.zero == 0:
         return [], None
+    if config.pp == 1:
+        strategy = MEGATRON_FSDP_STRATEGY[config.zero]
+        flags = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
+        return flags + ["--ckpt-format", "fsdp_dtensor"], None
     return [], (
-        f"ZeRO {config.zero}: Megatron-LM's distributed optimizer (--use-distributed-optimizer) "
-        "is ZeRO-1 (6 + 12/d bytes per parameter with bf16 weights and fp32 gradients), so no "
-        "flag is exported; sharded gradients/parameters need Megatron-FSDP (--use-megatron-fsdp "
-        "--data-parallel-sharding-strategy optim_grads or optim_grads_params), which this plan "
-        "does not model with pipeline parallelism: plan with --zero 0 or 1"
+        f"ZeRO {config.zero} with pp {config.pp}: Megatron-LM's distributed optimizer "
+        "(--use-distributed-optimizer) is ZeRO-1, and Megatron-FSDP (--use-megatron-fsdp), "
+        "which shards gradients and parameters, runs at pp 1 only: plan with --zero 0 or 1, "
+        "or --pp 1"
     )
 
 
