@@ -41,6 +41,7 @@ from typing import Any
 
 from profiling.guard import short_message
 from profiling.hf._transformers_compat import use_capacity_experts
+from profiling.hf.attention import choose_attention
 from profiling.hf.checks import check_config
 from profiling.hf.config import CONFIG_DIR, bundled_configs, find_config
 from solver.errors import InputError, quote
@@ -108,6 +109,9 @@ def hf_spec(name: str, overrides: dict[str, Any] | None = None):
         found = find_config(name)
         config, settings = _training_config(found.raw, overrides, source=found.source)
         model_class, task = _model_class(config, found.raw, source=found.source)
+        settings["attn_implementation"] = choose_attention(
+            config, model_class, overrides, source=found.source
+        )
     if use_capacity_experts(config, model_class):
         # MoE experts through the static-shape capacity dispatch (fake tensors refuse the
         # data-dependent eager loop): profiling/_transformers_compat.capacity_experts_forward
@@ -145,10 +149,7 @@ def _training_config(raw: dict[str, Any], overrides: dict[str, Any], *, source: 
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "architectures")}
     fields["use_cache"] = False
     fields["return_dict"] = True
-    # SDPA, transformers' default: the profiler runs it as a GPU's fused kernels do
-    # (profiling/trace/cuda_attention.py). --set attn_implementation=eager profiles explicit
-    # attention.
-    fields["attn_implementation"] = "sdpa"
+    # the attention implementation is chosen once the class is known (profiling/hf/attention.py)
     fields.update(overrides)
     try:
         config = transformers.AutoConfig.for_model(model_type, **fields)
@@ -160,7 +161,7 @@ def _training_config(raw: dict[str, Any], overrides: dict[str, Any], *, source: 
     settings = {
         "use_cache": bool(getattr(config, "use_cache", False)),  # ViT has no cache at all
         "return_dict": bool(config.return_dict),
-        "attn_implementation": fields["attn_implementation"],
+        "attn_implementation": fields.get("attn_implementation"),
         "train_mode": True,
         "gradient_checkpointing": False,
         "set_by_user": sorted(
