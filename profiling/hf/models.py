@@ -227,6 +227,7 @@ def _model_class(config, raw: dict[str, Any], *, source: str):
         auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
         auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+        getattr(auto, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {}),  # LLaVA, Qwen2-VL
     ]
     for mapping in heads:
         class_name = mapping.get(model_type)
@@ -234,8 +235,8 @@ def _model_class(config, raw: dict[str, Any], *, source: str):
             model_class = getattr(transformers, class_name)
             return model_class, _task_of(model_class, config, source=source)
     raise InputError(
-        f"{source}: transformers has no causal-LM, seq2seq, masked-LM or image-classification "
-        f"head for model_type {model_type!r}; name one in 'architectures'"
+        f"{source}: transformers has no causal-LM, seq2seq, masked-LM, image-classification or "
+        f"image-text-to-text head for model_type {model_type!r}; name one in 'architectures'"
     )
 
 
