@@ -133,6 +133,7 @@ def test_a_mistral_block_keeps_what_flash_keeps_for_any_window(tmp_path):
         graphs[window] = export_graph(name, seq=s)
         block = _layer(graphs[window], "model.layers.1")
         assert block.activation_bytes == flash == 822_640_664
+        assert block.attention_kv_bytes == 2 * e * s * kv  # what ring attention passes
         assert graphs[window].meta["training_settings"]["attn_implementation"] == FUSED
     sdpa = export_graph(name, seq=s, overrides={"attn_implementation": "sdpa"})
     assert _layer(sdpa, "model.layers.1").activation_bytes == flash - 24 + s * s + 2 * e * s * h
