@@ -231,6 +231,7 @@ def export_graph(
                     "torch": torch.__version__,
                     **architecture_meta(spec.config),
                     **spec.meta,
+                    **_seq_source(seq, spec),
                 },
             )
         graph.meta["profile_s"] = round(time.perf_counter() - started, 3)
@@ -238,6 +239,23 @@ def export_graph(
     finally:
         torch.set_default_dtype(previous)
         torch.set_num_threads(previous_threads)
+
+
+def _seq_source(seq: int | None, spec) -> dict[str, str]:
+    """``meta.seq_len_source``: ``--seq`` when given, else the model's own account of its default
+    (an hf: model's ``min(max_position_embeddings N, 2048)``); nothing without a sequence."""
+    if seq is not None:
+        return {"seq_len_source": "--seq"}
+    source = spec.meta.get("seq_len_source")
+    return {"seq_len_source": source} if source and spec.seq_len else {}
+
+
+def seq_line(graph: LayerGraph) -> str | None:
+    """The stderr line naming the sequence length a model chose itself (not ``--seq``)."""
+    source = graph.meta.get("seq_len_source")
+    if not source or source == "--seq" or not graph.meta.get("seq_len"):
+        return None
+    return f"seq {graph.meta['seq_len']} ({source}); pass --seq to change"
 
 
 @contextlib.contextmanager
@@ -466,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
                 threads=args.threads,
                 max_layers=args.max_layers,
             )
+        if (line := seq_line(graph)) is not None:
+            print(line, file=sys.stderr)
         if args.out:
             write_json(args.out, graph.to_dict(), protect=[], flag="--out")
         if args.summary or not args.out:

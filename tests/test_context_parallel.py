@@ -339,6 +339,8 @@ def test_profiled_attention_kv_bytes_of_an_hf_llama_with_gqa(monkeypatch, native
         monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", lambda *args, **kwargs: False)
 
     name, overrides = TINY_HF_MODELS["llama-gqa"]
+    # transformers' own SDPA path (hf: models get the flash-semantics attention by default)
+    overrides = {**overrides, "attn_implementation": "sdpa"}
     graph = export_graph(name, batch=2, seq=32, overrides=overrides)
     kv = {layer.name: layer.attention_kv_bytes for layer in graph.layers}
     assert [kv[f"model.layers.{i}"] for i in range(4)] == [2 * 32 * 2 * 16 * 2] * 4

@@ -22,6 +22,7 @@ pytest.importorskip("transformers")
 
 import torch.nn.functional as F  # noqa: E402
 
+from profiling.hf.attention import FUSED  # noqa: E402
 from profiling.hf.models import hf_spec  # noqa: E402
 from profiling.trace.cuda_attention import CudaLikeAttention, cuda_like_kernels  # noqa: E402
 from profiling.trace.layers import default_layer_paths  # noqa: E402
@@ -265,5 +266,8 @@ def test_attention_dropout_keeps_no_mask():
     )
 
 
-def test_hf_models_are_built_with_sdpa():
-    assert hf_spec("gpt2").config._attn_implementation == "sdpa"
+def test_hf_models_are_built_with_flash_semantics_attention():
+    """transformers' attention interface gets the flash contract (profiling/hf/attention.py);
+    a class without the interface but with SDPA keeps SDPA."""
+    assert hf_spec("gpt2").config._attn_implementation == FUSED
+    assert hf_spec("t5-base").config._attn_implementation == "sdpa"

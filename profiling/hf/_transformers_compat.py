@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 from collections.abc import Iterator
 
@@ -34,22 +35,42 @@ CHECKED_ON = "5.24.0"
 def real_run_masks() -> Iterator[None]:
     """Within it (a fake run), ``find_packed_sequence_indices`` answers what a real run answers for
     the model's own positions: None, one sequence per row. Nothing happens when transformers was
-    not imported or has no such function."""
-    masking = sys.modules.get("transformers.masking_utils")
-    original = getattr(masking, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
+    not imported or has no such function. transformers' value checks
+    (``torch_compilable_check``, e.g. a vision-language model's image tokens against its image
+    features) are off (``TRANSFORMERS_DISABLE_TORCH_CHECK=1``, its documented switch): fake
+    tensors have no values to check, and the profile's inputs pass them in a real run."""
+    with _env("TRANSFORMERS_DISABLE_TORCH_CHECK", "1"):
+        masking = sys.modules.get("transformers.masking_utils")
+        original = getattr(masking, "find_packed_sequence_indices", None)
+        if original is None:
+            yield
+            return
+        with _patched(masking, "find_packed_sequence_indices", lambda *args, **kwargs: None):
+            yield
 
-    @functools.wraps(original)
-    def find_packed_sequence_indices(position_ids, *args, **kwargs):
-        return None
 
-    masking.find_packed_sequence_indices = find_packed_sequence_indices
+@contextlib.contextmanager
+def _env(key: str, value: str) -> Iterator[None]:
+    """``os.environ[key] = value`` for the duration; the previous state comes back."""
+    previous = os.environ.get(key)
+    os.environ[key] = value
     try:
         yield
     finally:
-        masking.find_packed_sequence_indices = original
+        if previous is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
+
+
+@contextlib.contextmanager
+def _patched(owner, name: str, replacement) -> Iterator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, functools.wraps(original)(replacement))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
 
 
 @contextlib.contextmanager

@@ -59,7 +59,7 @@ def loss_outside_of(
             if kind == "seq2seq":
                 labels = example[-1]
                 return example[0], model.prepare_decoder_input_ids_from_labels(labels=labels)
-            return (example[0],)
+            return tuple(example[:-1])  # a vision-language model's input_ids, pixel_values
 
         def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             if not own_function:
@@ -69,7 +69,7 @@ def loss_outside_of(
             if kind in ("image", "classification"):
                 return model.loss_function(target, output, model.config)
             return model.loss_function(
-                logits=output, labels=target, vocab_size=model.config.vocab_size
+                logits=output, labels=target, vocab_size=model.config.get_text_config().vocab_size
             )
 
         return LossOutside(

@@ -40,7 +40,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from profiling.guard import short_message
+from profiling.hf import vision_text
 from profiling.hf._transformers_compat import use_capacity_experts
+from profiling.hf.attention import choose_attention
 from profiling.hf.checks import check_config
 from profiling.hf.config import CONFIG_DIR, bundled_configs, find_config
 from solver.errors import InputError, quote
@@ -63,6 +65,7 @@ _TASKS = {
     "seq2seq": _Task("seq2seq", ("input_ids", "labels"), ("input_ids", "decoder_input_ids")),
     "image": _Task("image", ("pixel_values", "labels"), ("pixel_values",)),
     "classification": _Task("classification", ("input_ids", "labels"), ("input_ids",)),
+    "vision-text": _Task("vision-text", vision_text.TASK_INPUTS, vision_text.TASK_INPUTS[:-1]),
 }
 
 
@@ -108,11 +111,17 @@ def hf_spec(name: str, overrides: dict[str, Any] | None = None):
         found = find_config(name)
         config, settings = _training_config(found.raw, overrides, source=found.source)
         model_class, task = _model_class(config, found.raw, source=found.source)
+        settings["attn_implementation"] = choose_attention(
+            config, model_class, overrides, source=found.source
+        )
+        image = None
+        if task.kind == "vision-text":
+            image = vision_text.image_inputs(config, model_class, source=found.source)
     if use_capacity_experts(config, model_class):
         # MoE experts through the static-shape capacity dispatch (fake tensors refuse the
         # data-dependent eager loop): profiling/_transformers_compat.capacity_experts_forward
         settings["experts_implementation"] = "capacity (drop-and-pad, capacity factor 1.0)"
-    return _spec(name, found.source, config, settings, model_class, task)
+    return _spec(name, found.source, config, settings, model_class, task, image)
 
 
 def _training_config(raw: dict[str, Any], overrides: dict[str, Any], *, source: str):
@@ -145,10 +154,7 @@ def _training_config(raw: dict[str, Any], overrides: dict[str, Any], *, source: 
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "architectures")}
     fields["use_cache"] = False
     fields["return_dict"] = True
-    # SDPA, transformers' default: the profiler runs it as a GPU's fused kernels do
-    # (profiling/trace/cuda_attention.py). --set attn_implementation=eager profiles explicit
-    # attention.
-    fields["attn_implementation"] = "sdpa"
+    # the attention implementation is chosen once the class is known (profiling/hf/attention.py)
     fields.update(overrides)
     try:
         config = transformers.AutoConfig.for_model(model_type, **fields)
@@ -160,7 +166,7 @@ def _training_config(raw: dict[str, Any], overrides: dict[str, Any], *, source: 
     settings = {
         "use_cache": bool(getattr(config, "use_cache", False)),  # ViT has no cache at all
         "return_dict": bool(config.return_dict),
-        "attn_implementation": fields["attn_implementation"],
+        "attn_implementation": fields.get("attn_implementation"),
         "train_mode": True,
         "gradient_checkpointing": False,
         "set_by_user": sorted(
@@ -221,6 +227,7 @@ def _model_class(config, raw: dict[str, Any], *, source: str):
         auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
         auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+        getattr(auto, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {}),  # LLaVA, Qwen2-VL
     ]
     for mapping in heads:
         class_name = mapping.get(model_type)
@@ -228,8 +235,8 @@ def _model_class(config, raw: dict[str, Any], *, source: str):
             model_class = getattr(transformers, class_name)
             return model_class, _task_of(model_class, config, source=source)
     raise InputError(
-        f"{source}: transformers has no causal-LM, seq2seq, masked-LM or image-classification "
-        f"head for model_type {model_type!r}; name one in 'architectures'"
+        f"{source}: transformers has no causal-LM, seq2seq, masked-LM, image-classification or "
+        f"image-text-to-text head for model_type {model_type!r}; name one in 'architectures'"
     )
 
 
@@ -239,6 +246,8 @@ def _task_of(model_class, config, *, source: str) -> _Task:
         task = _TASKS["image"]
     elif name.endswith("ForSequenceClassification"):
         task = _TASKS["classification"]
+    elif vision_text.is_vision_text(config, model_class):
+        task = _TASKS["vision-text"]
     elif getattr(config, "is_encoder_decoder", False):
         task = _TASKS["seq2seq"]
     else:
@@ -259,7 +268,7 @@ def _task_of(model_class, config, *, source: str) -> _Task:
     return task
 
 
-def _spec(name: str, source: str, config, settings: dict, model_class, task: _Task):
+def _spec(name: str, source: str, config, settings: dict, model_class, task: _Task, image=None):
     import torch
 
     from models.registry import ModelSpec
@@ -286,7 +295,7 @@ def _spec(name: str, source: str, config, settings: dict, model_class, task: _Ta
     def example_inputs(batch: int, seq: int | None):
         """The training call's arguments, made as real CPU tensors (the profiler turns them
         into fake ones); ValueError when they would hold over MAX_INPUT_ELEMENTS."""
-        seq = seq or _default_seq(config)
+        seq = seq or default_seq(config)[0]
         if task.kind == "image":
             size = config.image_size
             height, width = (size, size) if isinstance(size, int) else tuple(size)
@@ -296,6 +305,9 @@ def _spec(name: str, source: str, config, settings: dict, model_class, task: _Ta
                 torch.randint(config.num_labels, (batch,)),
             )
         _check_input_size((batch, seq), "input_ids")
+        if image is not None:  # a vision-language model: one image per sample
+            _check_input_size((batch, *image.pixel_shape), "pixel_values")
+            return vision_text.example_inputs(image, batch, seq)
         ids = torch.randint(config.vocab_size, (batch, seq))
         if task.kind == "classification":
             return ids, torch.randint(config.num_labels, (batch,))
@@ -309,9 +321,10 @@ def _spec(name: str, source: str, config, settings: dict, model_class, task: _Ta
         build=build,
         example_inputs=example_inputs,
         layers=None,
-        seq_len=None if task.kind == "image" else _default_seq(config),
+        seq_len=None if task.kind == "image" else default_seq(config)[0],
         loss_outside=loss_outside_of(model_class, task.kind, task.output_inputs, config),
         meta={
+            **({} if task.kind == "image" else {"seq_len_source": default_seq(config)[1]}),
             "hf_source": source,
             "hf_class": model_class.__name__,
             "training_settings": settings,
@@ -338,9 +351,16 @@ def _calls_loss_function(model_class) -> bool:
     return "loss_function" in inspect.unwrap(model_class.forward).__code__.co_names
 
 
-def _default_seq(config) -> int:
-    """The model's context length capped at 2048 (512 when the config gives none)."""
+DEFAULT_SEQ_CAP = 2048
+"""Most tokens profiled without ``--seq`` (the model's context length when shorter)."""
+
+
+def default_seq(config) -> tuple[int, str]:
+    """(tokens profiled without ``--seq``, where the number comes from): the model's context
+    length capped at :data:`DEFAULT_SEQ_CAP`, 512 when the config gives none."""
+    text = config.get_text_config()  # a vision-language model's language model
     for key in ("max_position_embeddings", "n_positions"):
-        if getattr(config, key, None):
-            return min(getattr(config, key), 2048)
-    return 512
+        value = getattr(text, key, None)
+        if value:
+            return min(value, DEFAULT_SEQ_CAP), f"min({key} {value}, {DEFAULT_SEQ_CAP})"
+    return 512, "the config gives no max_position_embeddings or n_positions"

@@ -67,6 +67,11 @@ GPU instead:
   tensors, DTensors: unchanged (the math kernel, which a GPU runs too, or DTensor's own rules).
 
 Values: attention dropout is not applied (the profile measures memory and time, not the loss).
+
+**Sliding windows** (``profiling.hf.attention``): flash attention keeps the same tensors with or
+without a window; only its work shrinks. Within :func:`attention_flop_fraction` the attention
+kernels' FLOPs (forward, and the backward of the calls made within it) are counted times the
+fraction :func:`window_flop_fraction` gives.
 """
 
 from __future__ import annotations
@@ -80,7 +85,20 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from profiling._torch_compat import cpu_flash_attention, cpu_flash_attention_backward
-from profiling.trace.dataflow import CudaLikeDropout
+from profiling.trace.dataflow import CudaLikeDropout, attention_flop_fraction, current_flop_fraction
+
+
+def window_flop_fraction(q_length: int, kv_length: int, window: int | None) -> float:
+    """Causal attention pairs within a sliding window over those of causal attention: query i
+    attends min(i + 1, w) keys (transformers' ``sliding_window``: w keys, itself included;
+    flash's ``window_size=(w - 1, 0)``), so with s tokens the pairs are
+    w (w + 1) / 2 + (s - w) w against s (s + 1) / 2. 1 without a window, with w >= s, or when
+    queries and keys differ in length (not a training forward)."""
+    if not window or window >= q_length or q_length != kv_length:
+        return 1.0
+    s, w = q_length, window
+    return (w * (w + 1) / 2 + (s - w) * w) / (s * (s + 1) / 2)
+
 
 _ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -146,7 +164,10 @@ class CudaLikeAttention(TorchFunctionMode):
         is_causal = bool(bound.get("is_causal", False))
         scale = bound.get("scale")
         grouped = key.shape[-3] != query.shape[-3]
-        if flash_on_gpu(query, key, value, mask) and (not grouped or bound.get("enable_gqa")):
+        flash = flash_on_gpu(query, key, value, mask) or (
+            mask is None and current_flop_fraction() < 1
+        )
+        if flash and (not grouped or bound.get("enable_gqa")):
             return _FlashAttention.apply(query, key, value, is_causal, scale)
         if mask is not None and mask.requires_grad and torch.is_grad_enabled():
             if key.shape[-3] != query.shape[-3] or query.dim() != 4:
@@ -179,22 +200,24 @@ class _FlashAttention(torch.autograd.Function):
         unused = torch.empty((), dtype=torch.uint64, device=query.device)
         ctx.save_for_backward(query, key, value, out, logsumexp, rng_state, unused)
         ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.flop_fraction = current_flop_fraction()
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out, logsumexp, _rng_state, _unused = ctx.saved_tensors
-        grads = cpu_flash_attention_backward(
-            grad_out.contiguous(),
-            query,
-            key,
-            value,
-            out,
-            logsumexp,
-            0.0,
-            ctx.is_causal,
-            scale=ctx.scale,
-        )
+        with attention_flop_fraction(ctx.flop_fraction):
+            grads = cpu_flash_attention_backward(
+                grad_out.contiguous(),
+                query,
+                key,
+                value,
+                out,
+                logsumexp,
+                0.0,
+                ctx.is_causal,
+                scale=ctx.scale,
+            )
         return *grads, None, None
 
 

@@ -36,6 +36,8 @@ when it starts (new nodes -> the glue owner).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -61,17 +63,48 @@ PENDING = -1
 
 _IGNORED_OPS = {torch.ops.prim.device.default}
 
+_FLOP_FRACTION = contextvars.ContextVar("attention_flop_fraction", default=1.0)
+
+
+def current_flop_fraction() -> float:
+    """The fraction the attention kernels' FLOPs are counted at (1 outside a window)."""
+    return _FLOP_FRACTION.get()
+
+
+@contextlib.contextmanager
+def attention_flop_fraction(fraction: float):
+    """Count the attention kernels' FLOPs called within it times ``fraction`` (0 < f <= 1)."""
+    token = _FLOP_FRACTION.set(fraction)
+    try:
+        yield
+    finally:
+        _FLOP_FRACTION.reset(token)
+
 
 def _cpu_flash_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
-    return sdpa_flop_count(query.shape, key.shape, value.shape)
+    """torch's SDPA count (every q-k pair), times the sliding window's fraction of the pairs."""
+    flops = sdpa_flop_count(query.shape, key.shape, value.shape)
+    return round(flops * current_flop_fraction())
 
 
 def _cpu_flash_backward_flops(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+    flops = sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+    return round(flops * current_flop_fraction())
+
+
+def _windowed(formula: Callable[..., int]) -> Callable[..., int]:
+    """``formula`` times :func:`current_flop_fraction` (a sliding window's share of the pairs)."""
+
+    def counted(*args, **kwargs) -> int:
+        return round(formula(*args, **kwargs) * current_flop_fraction())
+
+    return counted
 
 
 FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
     **flop_registry,
+    # the GPU's attention kernels (a profile on CUDA), windowed as the CPU ones
+    **{op: _windowed(f) for op, f in flop_registry.items() if "_attention" in str(op)},
     # FlopCounterMode has no formula for the CPU flash-attention kernels that SDPA picks on CPU;
     # they do the same work as the CUDA ones.
     cpu_flash_attention: _cpu_flash_flops,

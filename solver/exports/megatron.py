@@ -58,7 +58,7 @@ def megatron_export(
     letters, placement = stage_letters(graph, roles, stages)
     layout = "|".join(letters)
     blocks = [stage.count("t") for stage in letters]
-    warnings = _megatron_warnings(graph, roles, letters) + placement
+    warnings = _megatron_warnings(graph, roles, letters, stages) + placement
     layout_valid = not any(w.startswith("layout:") for w in warnings)
     method, first, last = _megatron_split_method(config, blocks, letters, layout_valid=layout_valid)
     args = [
@@ -167,7 +167,9 @@ def stage_letters(
     return letters, warnings
 
 
-def _megatron_warnings(graph: LayerGraph, roles: dict[str, str], letters: list[str]) -> list[str]:
+def _megatron_warnings(
+    graph: LayerGraph, roles: dict[str, str], letters: list[str], stages: list[list[str]]
+) -> list[str]:
     """What keeps the plan from running in Megatron as is; layout errors start with 'layout:'."""
     warnings = []
     flat = "".join(letters)
@@ -198,12 +200,30 @@ def _megatron_warnings(graph: LayerGraph, roles: dict[str, str], letters: list[s
             f"belong to the neighbouring Megatron module: {', '.join(others[:5])}"
             + (" ..." if len(others) > 5 else "")
         )
-    if not graph.is_chain:
+    skips = cut_skip_edges(graph, stages)
+    if skips:
+        shown = ", ".join(f"{edge.src} -> {edge.dst}" for edge in skips[:3])
         warnings.append(
-            "The graph is not a chain: Megatron's GPT model passes one hidden state between "
-            "stages, so skip connections across stages need model changes."
+            f"{len(skips)} skip connection(s) needing gradients cross stages ({shown}"
+            f"{' ...' if len(skips) > 3 else ''}): Megatron's GPT model passes one hidden state "
+            "between stages, so they need model changes."
         )
     return warnings
+
+
+def cut_skip_edges(graph: LayerGraph, stages: list[list[str]]) -> list:
+    """The edges a plan's stage boundaries cut that Megatron cannot pass: data needing a gradient
+    (``Edge.requires_grad``) sent past the next layer to another stage. Constants (rotary cos/sin,
+    a zero position bias), which each stage can make itself, and everything at pp 1 are not."""
+    stage_of = {name: i for i, names in enumerate(stages) for name in names}
+    position = graph.index()
+    return [
+        edge
+        for edge in graph.edges
+        if edge.requires_grad
+        and position[edge.dst] != position[edge.src] + 1
+        and stage_of.get(edge.src) != stage_of.get(edge.dst)
+    ]
 
 
 def _megatron_split_method(
