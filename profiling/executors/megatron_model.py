@@ -96,7 +96,7 @@ def megatron_settings(plan: PlanFile) -> MegatronSettings:
             f"{plan.source}: no Megatron export (an evaluation document has none); run a plan "
             "from python -m solver.plan --json"
         )
-    if "refused" in export:
+    if export.get("refused"):  # a refused section, or a plan Megatron cannot run
         raise InputError(f"{plan.source}: exports.megatron: {export['refused']}")
     layout_errors = [w for w in export.get("warnings", []) if w.startswith("layout:")]
     if layout_errors:

@@ -96,7 +96,7 @@ def _plan_exports(
             training.optimizer_bytes_per_param,
         ),
     )
-    record = exports["megatron"]["recompute"]
+    record = exports["megatron"].get("recompute")  # none in a refused section
     if costs is not None and record is not None and not record["exact"]:
         chosen = {name for names in record["exported_per_stage"] for name in names}
         realised = evaluate_assignment(
