@@ -71,8 +71,33 @@ def build_exports(
         "deepspeed": deepspeed_export(config, stages, contiguous=contiguous, recomputed=selected),
         "torchtitan": torchtitan_export(graph, config, stages, recomputed=selected),
     }
+    not_gpt = megatron_model_refusal(graph)
+    if not_gpt:
+        sections["megatron"] = {"refused": not_gpt}
     # an engine that refuses the layout (solver.engine_rules) gets the reason, not settings
     return refuse_export_sections(sections, config, ModelFacts.of_graph(graph))
+
+
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+"""How transformers names its decoder-only language-model classes (LlamaForCausalLM,
+GPT2LMHeadModel)."""
+
+
+def megatron_model_refusal(graph: LayerGraph) -> str | None:
+    """Why the Megatron export cannot describe the graph's model, or None: its arguments are
+    ``pretrain_gpt.py``'s (GPTModel: decoder-only language models), so a HuggingFace model of
+    another kind (``meta.hf_class`` not a causal LM class, ``...ForCausalLM`` or
+    ``...LMHeadModel``: an encoder, an encoder-decoder, an image classifier, a vision-language
+    model) would be built as something else."""
+    hf_class = graph.meta.get("hf_class")
+    if not isinstance(hf_class, str) or hf_class.endswith(CAUSAL_LM_SUFFIXES):
+        return None
+    return (
+        f"{hf_class} is not a decoder-only language model: Megatron-LM's pretrain_gpt.py "
+        "(GPTModel), whose arguments this export writes, would build another model; its other "
+        "entry points (pretrain_bert.py, pretrain_t5.py, pretrain_vlm.py) take arguments this "
+        "export does not write (use the torch_pipelining, DeepSpeed or torchtitan section)"
+    )
 
 
 def _recomputed_in_list_order(
