@@ -443,12 +443,23 @@ def test_bytes_per_param_override_is_said():
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_distributed_optimizer_only_for_zero_1(zero):
+    """ZeRO 1 is Megatron's distributed optimizer; ZeRO 2/3 are Megatron-FSDP at pp 1 (its
+    sharding strategy and checkpoint format) and refused with pp > 1 (solver.engine_rules)."""
     graph = gpt_chain(4)
     out = build_exports(graph, config(2, zero=zero), split(graph, [3, 3]))["megatron"]
-    assert ("--use-distributed-optimizer" in out["args"]) == (zero == 1)
-    assert (out["refused"] is not None) == (zero >= 2)
     if zero >= 2:
-        assert out["refused"].startswith(f"ZeRO {zero}:") and out["refused"] in out["warnings"]
+        assert "args" not in out and "Megatron-FSDP" in out["refused"]
+    else:
+        assert ("--use-distributed-optimizer" in out["args"]) == (zero == 1)
+        assert out["refused"] is None and "--use-megatron-fsdp" not in out["args"]
+    single = build_exports(graph, config(1, zero=zero), [graph.names])["megatron"]
+    strategy = {2: "optim_grads", 3: "optim_grads_params"}.get(zero)
+    assert single["refused"] is None
+    assert ("--use-distributed-optimizer" in single["args"]) == (zero == 1)
+    if strategy:
+        args = single["args"]
+        assert args[args.index("--data-parallel-sharding-strategy") + 1] == strategy
+        assert "--use-megatron-fsdp" in args and "fsdp_dtensor" in args
 
 
 def moe_chain(pattern: list[int], **moe) -> LayerGraph:

@@ -80,11 +80,16 @@ def test_roles_and_exports_name_the_models_blocks(name, blocks, embeddings, head
 @pytest.mark.slow
 def test_encoder_decoder_parts_are_other_and_megatron_says_so():
     """T5: the encoder's final norm and the decoder's embedding lie between the two block
-    stacks (kind other); the Megatron export says its GPT layout cannot hold them."""
+    stacks (kind other); the Megatron export, whose arguments are pretrain_gpt.py's, refuses
+    the encoder-decoder (and, for a graph without its HF class, says its GPT layout cannot
+    hold the parts between the stacks)."""
     graph = export_graph("hf:t5-base", seq=64, overrides={"num_layers": 2, "num_decoder_layers": 2})
     kinds = {layer.name: layer.kind for layer in graph.layers}
     assert kinds["encoder.final_layer_norm"] == "other" == kinds["decoder.embed_tokens"]
     assert kinds["decoder.final_layer_norm"] == "head" == kinds["lm_head"]
+    megatron = _exports(graph, tp=1, sp=False)["megatron"]
+    assert "args" not in megatron and "not a decoder-only" in megatron["refused"]
+    del graph.meta["hf_class"]
     megatron = _exports(graph, tp=1, sp=False)["megatron"]
     assert megatron["num_layers"] == 4
     assert any(
