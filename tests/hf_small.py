@@ -173,3 +173,43 @@ def write_config(folder: Path, family: str, **changes: Any) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     (target / "config.json").write_text(json.dumps({**SMALL_HF[family], **changes}, indent=1))
     return target
+
+
+LAYOUTS: dict[str, list[str]] = {
+    "pp2": ["--gpus", "2", "--pp", "2", "--global-batch", "8"],
+    "dp2": ["--gpus", "2", "--pp", "1", "--dp", "2", "--global-batch", "8"],
+    "pp2 dp2": ["--gpus", "4", "--pp", "2", "--dp", "2", "--global-batch", "16"],
+}
+"""``solver.plan`` flags of each layout run: micro-batches of 1 (m = 8 per replica), 1F1B,
+ZeRO 0 and no expert parallelism (what the torch engine runs on traced models), fp32 Adam."""
+
+PLAN_FLAGS = ["--micro-batch", "1", "--zero", "0", "--ep", "1", "--runtime", "torch"]
+
+
+def validate_family(folder: Path, family: str, layout: str) -> list[dict[str, Any]]:
+    """Export ``family`` (``SEQ`` tokens, fp32, timed on 1 thread), plan it for ``layout`` and
+    run the plan with ``python -m profiling.validate --json``: the ranks' rows (``error_pct``:
+    the plan's error against the measured peak, negative = under-predicted). Raises
+    AssertionError naming the step whose CLI did not exit 0."""
+    import contextlib
+    import io
+
+    from profiling.export import main as export_main
+    from profiling.validate import main as validate_main
+    from solver.cli.plan import plan_main
+
+    model = f"hf:{write_config(folder, family)}"
+    stem = Path(folder) / f"{family}-{layout.replace(' ', '-')}"
+    graph, plan, report = (f"{stem}.{kind}.json" for kind in ("graph", "plan", "run"))
+    steps = (
+        (export_main, [model, "--seq", str(SEQ), "--dtype", "fp32", "--threads", "1"]),
+        (plan_main, [graph, *LAYOUTS[layout], *PLAN_FLAGS, "--precision", "fp32"]),
+        (validate_main, [plan, "--model", model, "--step-iterations", "0", "--tolerance", "100"]),
+    )
+    outputs = (["--out", graph, "--no-progress"], ["--json", plan], ["--json", report])
+    for (main, argv), output in zip(steps, outputs, strict=True):
+        quiet = io.StringIO()
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            code = main([*argv, *output])
+        assert code == 0, f"{main.__module__} {' '.join(argv)}: exit {code}: {quiet.getvalue()}"
+    return json.loads(Path(report).read_text())["ranks"]
