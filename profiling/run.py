@@ -201,11 +201,11 @@ def _check_runnable(
 
 
 def _check_torch(spec: models.ModelSpec, config: ParallelConfig) -> None:
-    """What the torch executor runs: recompute none or full, no ZeRO-1 over tensor-parallel
-    parameters, a supported interleaving, a tensor-parallel split of the model's heads, and
-    sequence parallelism on GPT/Llama presets (``_check_sequence_parallel``; eager torch saves
-    each column-parallel Linear's gathered [b, s, h] input, which a plan for --runtime torch
-    counts as the layers' ``sp_gathered_bytes``)."""
+    """What the torch executor runs: recompute none or full, no expert parallelism, no ZeRO-1
+    over tensor-parallel parameters, a supported interleaving, a tensor-parallel split of the
+    model's heads, and sequence parallelism on GPT/Llama presets (``_check_sequence_parallel``;
+    eager torch saves each column-parallel Linear's gathered [b, s, h] input, which a plan for
+    --runtime torch counts as the layers' ``sp_gathered_bytes``)."""
     tp, dp, zero = config.tp, config.dp, config.zero
     if config.sp:
         _check_sequence_parallel(spec, tp)
@@ -217,6 +217,12 @@ def _check_torch(spec: models.ModelSpec, config: ParallelConfig) -> None:
     if config.recompute not in RECOMPUTE:
         raise InputError(
             f"plan config: recompute={config.recompute!r}; valid: {', '.join(RECOMPUTE)}"
+        )
+    if config.ep > 1:
+        raise InputError(
+            f"plan config: ep={config.ep}: the torch engine runs every expert on every "
+            "data-parallel rank (no expert parallelism); plan with --ep 1, or run it with "
+            "--engine megatron"
         )
     _check_interleaving(config)
     if tp > 1:

@@ -307,6 +307,93 @@ def hf_section(rows: list[dict]) -> list[str]:
     ]
 
 
+HF_FAMILY_LAYOUTS = ("pp2", "dp2")
+"""Every family at pp 2 (untied ones: the torch engine refuses a tied embedding and head on two
+stages) and pp 1 x dp 2, plus ``HF_FAMILY_EXTRA``."""
+HF_FAMILY_EXTRA = (("llama", "pp2 dp2"), ("mixtral", "pp2 dp2"), ("deepseek_v2", "pp2 dp2"))
+
+
+def hf_family_rows(progress) -> list[dict]:
+    """Run every small HF family (``tests/hf_small.py``) through ``profiling.validate``; one row
+    per rank with the analytic prediction and its error."""
+    import tempfile
+
+    from tests.hf_small import SMALL_HF, TIED, validate_family
+
+    runs = [
+        (family, layout)
+        for family in SMALL_HF
+        for layout in HF_FAMILY_LAYOUTS
+        if not (layout.startswith("pp2") and family in TIED)
+    ] + list(HF_FAMILY_EXTRA)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for family, layout in runs:
+            progress(f"{family} {layout}")
+            for rank in validate_family(folder, family, layout):
+                rows.append(
+                    {
+                        "family": family,
+                        "layout": layout,
+                        "rank": rank["rank"],
+                        "stage": rank["stage"],
+                        "measured_kib": round(rank["measured_peak_bytes"] / 1024, 1),
+                        "analytic_kib": round(rank["predicted_peak_bytes"] / 1024, 1),
+                        "analytic_pct": round(rank["error_pct"], 2),
+                    }
+                )
+    return rows
+
+
+def hf_family_section(rows: list[dict]) -> list[str]:
+    """Per family: median and largest |error| and the worst under-prediction over its ranks;
+    then every rank."""
+    from tests.hf_small import SEQ, SMALL_HF, TIED
+
+    summary = []
+    for family in SMALL_HF:
+        errors = [row["analytic_pct"] for row in rows if row["family"] == family]
+        if errors:
+            summary.append(
+                {
+                    "family": family,
+                    "layouts": ", ".join(
+                        dict.fromkeys(r["layout"] for r in rows if r["family"] == family)
+                    ),
+                    "ranks": len(errors),
+                    "median_abs_pct": round(statistics.median(abs(e) for e in errors), 2),
+                    "max_abs_pct": round(max(abs(e) for e in errors), 2),
+                    "worst_under_pct": round(min(errors), 2),
+                }
+            )
+    errors = [row["analytic_pct"] for row in rows]
+    print(f"HF families: analytic {spread(errors)}, worst under {min(errors):+.2f}%")
+    return [
+        "## Small HF families through `profiling.validate` (`--engine torch`)",
+        "",
+        f"tests/hf_small.py: {len(SMALL_HF)} families with the published models' features, "
+        f"2-4 layers, hidden 64, a 512-row vocabulary, seq {SEQ} (sliding windows of 32), fp32 "
+        "Adam, micro-batches of 1 (m = 8 per replica), 1F1B, planned with `--runtime torch "
+        "--zero 0 --ep 1`, exported as `hf:<folder>` and run with `python -m "
+        "profiling.validate` (tests/hf_small.py `validate_family`). Tied families "
+        f"({', '.join(TIED)}) run at pp 1 x dp 2 only: the torch engine refuses a tied "
+        "embedding and head on two stages. Targets (issue 28): median |error| <= 1%, max <= "
+        "3%, no rank under-predicted by more than 1%.",
+        "",
+        f"Over {len(rows)} ranks: analytic model {spread(errors)}, worst under-prediction "
+        f"{min(errors):+.2f}%. At pp 2 the first stage is over-predicted by 1.9-2.7%: the cost "
+        "model adds the stage's largest transient (the embedding's weight-gradient temporary, "
+        "V h 4 bytes) to all k in-flight micro-batches, where the run makes it after the "
+        "current micro-batch's later layers are freed (docs/cost-model.md, \"What stays "
+        'conservative").',
+        "",
+        *markdown_table(summary, list(summary[0])),
+        "",
+        *markdown_table(rows, list(rows[0])),
+        "",
+    ]
+
+
 def spread(errors: list[float]) -> str:
     values = [abs(error) for error in errors]
     return f"median {statistics.median(values):.1f}%, max {max(values):.1f}%"
@@ -379,9 +466,23 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run only the HF rows (about 10 minutes) and write bench_accuracy_hf.md",
     )
+    parser.add_argument(
+        "--hf-families",
+        action="store_true",
+        help="run only the small HF families of tests/hf_small.py (about 3 minutes) and write "
+        "bench_accuracy_hf_families.md",
+    )
     args = parser.parse_args(argv)
     run = harness.Run.start(__file__, argv)
     progress = lambda text: print(text, flush=True)  # noqa: E731
+    if args.hf_families:
+        write_part(
+            args.out / "bench_accuracy_hf_families.md",
+            "small HF families",
+            run,
+            hf_family_section(hf_family_rows(progress)),
+        )
+        return 0
     if args.only_moe:
         write_part(
             args.out / "bench_accuracy_moe.md",
@@ -432,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         *moe_section(moe_rows(progress)),
         *hf_section(hf_rows(progress)),
+        *hf_family_section(hf_family_rows(progress)),
     ]
     harness.write_report(args.out, "bench_accuracy.md", lines)
     return 0

@@ -79,9 +79,12 @@ def costs_for(config: ParallelConfig, runtime: str = "torch", **options):
 
 
 def test_boundary_copies_of_each_runtime():
-    # torch, 1F1B, m = 4, p = 3: idle receive buffers m - k_s; gradient buffers m + outputs k_s
+    # torch, 1F1B, m = 4, p = 3: idle receive buffers m - k_s and the input gradient sent last
+    # (its bwd_sends list holds it); gradient buffers m + outputs k_s, and the output of
+    # micro-batch k_s - 2 that the warm-up's send_work holds past its backward when m >= 2k - 1
     torch = [boundary_copies("torch", "1f1b", 4, 3, s) for s in range(3)]
-    assert torch == [(0, 7), (2, 6), (3, 0)]
+    assert torch == [(0, 7), (3, 7), (4, 0)]
+    assert boundary_copies("torch", "1f1b", 8, 2, 0) == (0, 8 + 2 + 1)  # k 2, m 8
     # GPipe keeps every micro-batch in flight: every receive buffer is a saved stage input
     assert [boundary_copies("torch", "gpipe", 4, 2, s) for s in range(2)] == [(0, 8), (0, 0)]
     assert boundary_copies("torch", "1f1b", 1, 1, 0) == (0, 0)
@@ -193,17 +196,18 @@ def test_stage_peaks_by_hand():
         "grads": 200 + 150,
         "optimizer": 1200 + 900,
         "activations": 2 * (2 * 80 + 2 * 50),
-        # R_1 = m - k_1 = 2 copies of a->b; S_1 = 6 of c->d
-        "buffers": 2 * 2 * 10 + 6 * 2 * 30,
+        # R_1 = m - k_1 + 1 (the input gradient sent last) = 3 copies of a->b; S_1 = m + k_1
+        # + 1 (micro-batch 0's output, held by torch's warm-up send) = 7 of c->d
+        "buffers": 3 * 2 * 10 + 7 * 2 * 30,
         "transient": 2 * 7,
     }
-    assert middle.peak_bytes == 4184 + 350 - 2 * 2 * 5 - (2 + 6) * 2 * 5
+    assert middle.peak_bytes == 4184 + 350 - 2 * 2 * 5 - (2 + 6) * 2 * 5 + 2 * 10 + 2 * 30
     assert last.breakdown() == {
         "weights": 150,
         "grads": 50,
         "optimizer": 300,
         "activations": 16,
-        "buffers": 3 * 2 * (5 + 30),  # R_2 = 4 - 1
+        "buffers": 4 * 2 * (5 + 30),  # R_2 = 4 - 1 + 1
         "transient": 0,
     }
     assert [s.in_flight for s in stages] == [3, 2, 1]

@@ -70,10 +70,11 @@ def test_tensor_read_on_two_later_stages_is_received_by_each_by_hand():
     assert into.tolist() == [0, 2 * (8 + 6), 2 * (8 + 7)]
     assert out_of.tolist() == [2 * (8 + 6), 2 * 7, 0]
     assert relayed.tolist() == [0, 0, 0]
-    # stage 1: k = 2 of m = 4 held, R = m - k = 2 idle receive buffers of its 28 B input,
-    # S = m + k = 6 copies of the 14 B it sends; stored 2 x 50 per micro-batch
+    # stage 1: k = 2 of m = 4 held, R = m - k + 1 = 3 (idle receive buffers of its 28 B input
+    # and the input gradient it sent last), S = m + k + 1 = 7 copies of the 14 B it sends (the
+    # warm-up's send holds micro-batch 0's output); stored 2 x 50 per micro-batch
     stage = stage_costs(costs, split)[1]
-    assert (stage.activation_bytes, stage.buffer_bytes) == (2 * 100, 2 * 28 + 6 * 14)
+    assert (stage.activation_bytes, stage.buffer_bytes) == (2 * 100, 3 * 28 + 7 * 14)
     into, out_of, relayed = boundary_bytes(
         fp32_adam_costs(T5_LIKE, config, runtime="megatron"), split
     )

@@ -157,13 +157,18 @@ def build_model(spec: models.ModelSpec, seed: int, dtype: torch.dtype) -> nn.Mod
 
 def check_traced_plan(spec: models.ModelSpec, plan: PlanFile) -> None:
     """InputError naming the field unless a traced run can take ``plan`` on ``spec``: tp 1, no
-    sequence parallelism, no interleaving, ZeRO 0 over dp > 1, recompute none or full, bf16 or
-    fp32 weights, every planned layer a module of the model, every parameter inside a planned
-    layer and no parameter shared by layers of two stages (tied weights)."""
+    sequence or expert parallelism, no interleaving, ZeRO 0 over dp > 1, recompute none or
+    full, bf16 or fp32 weights, every planned layer a module of the model, every parameter
+    inside a planned layer and no parameter shared by layers of two stages (tied weights)."""
     config = plan.config
     problems = (
         (config.tp > 1, f"tp={config.tp}: traced models run with tp=1; plan with --tp 1"),
         (config.sp, "sp=true: traced models run without sequence parallelism"),
+        (
+            config.ep > 1,
+            f"ep={config.ep}: traced models run every expert on every data-parallel rank; "
+            "plan with --ep 1",
+        ),
         (
             config.virtual_stages > 1,
             f"virtual_stages={config.virtual_stages}: traced models run one stage per rank; "

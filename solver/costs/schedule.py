@@ -254,6 +254,15 @@ def boundary_copies(
     in-flight inputs are what the stage's first layer saves, so they are part of the stage's
     activations. ``held``: k_s (default: the schedule's, :func:`in_flight_microbatches`; with
     interleaving the virtual stage's count at the moment).
+
+    torch's ``Schedule1F1B`` keeps two more tensors alive through its steady state, found by
+    tagging the live storages at the peak (HF Llama, Mixtral, DeepSeek-V2 at pp 2,
+    ``tests/test_hf_validate.py``): the input gradient a non-first stage sent after its last
+    backward (the ``bwd_sends`` list holds it until the next backward has run; counted as one
+    more copy of the received tensors, which over-counts any that need no gradient), and, on a
+    non-last stage with k_s >= 2, the output of micro-batch k_s - 2, whose warm-up send the
+    ``send_work`` list holds until the cool-down, long after its backward (there is a steady
+    state moment past that backward when m >= 2 k_s - 1).
     """
     first, last = stage == 0, stage == num_stages - 1
     k = held
@@ -262,7 +271,10 @@ def boundary_copies(
     if runtime == "megatron":
         kept_outputs = 0 if deallocate_pipeline_outputs else k
         return int(not first), (0 if last else 1 + kept_outputs)
-    return (0 if first else num_microbatches - k), (0 if last else num_microbatches + k)
+    m = num_microbatches
+    sent_gradient = int(schedule == "1f1b" and m > 1)
+    stale_output = int(schedule == "1f1b" and 2 <= k and 2 * k - 1 <= m)
+    return (0 if first else m - k + sent_gradient), (0 if last else m + k + stale_output)
 
 
 def stage_boundary_copies(
