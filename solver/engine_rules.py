@@ -219,6 +219,19 @@ RULES: tuple[Rule, ...] = (
         source="torchtitan parallel_dims.py:365-372, llama3/infra/parallelize.py:70",
     ),
     Rule(
+        key="megatron-moe-sequence-parallel",
+        engines=("megatron",),
+        degrees=("tp", "sp"),
+        facts=("num_experts",),
+        allows=lambda d, f: d["tp"] == 1 or bool(d["sp"]),
+        explain=lambda d, f: (
+            f"megatron-core trains MoE layers ({f.num_experts} experts) with tensor parallelism "
+            f"(tp {d['tp']}) only under sequence parallelism (MoELayer.forward raises without)"
+        ),
+        source="Megatron-LM megatron/core/transformer/moe/moe_layer.py:379 (core_v0.16.1), :629 "
+        "(core_v0.19.0)",
+    ),
+    Rule(
         key="megatron-zero",
         engines=("megatron",),
         degrees=("zero", "pp"),

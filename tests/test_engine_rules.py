@@ -314,3 +314,20 @@ def test_a_sweep_with_a_refused_pin_exits_2_with_one_line(run_cli, tmp_path):
     )
     assert code == 2 and err.count("\n") == 1
     assert err.startswith("error: no point can be solved; first: --tp 8: on --runtime megatron")
+
+
+def test_megatron_refuses_moe_with_tp_and_no_sequence_parallelism():
+    """megatron-core's MoELayer.forward raises in training for tp > 1 without sequence
+    parallelism: the Megatron-LM engine refuses that layout for a MoE model (DeepSpeed, the
+    megatron runtime's other engine, runs it), and a dense model is not concerned."""
+    from solver.engine_rules import ModelFacts, broken_rules
+
+    moe = ModelFacts(num_experts=8, attention_heads=8, kv_heads=8, seq_len=64)
+    dense = ModelFacts(attention_heads=8, kv_heads=8, seq_len=64)
+    layout = {"pp": 2, "tp": 2, "cp": 1, "dp": 1, "ep": 1, "zero": 0, "sp": False}
+    keys = [rule.key for rule, _ in broken_rules(layout, moe, "megatron")]
+    assert keys == ["megatron-moe-sequence-parallel"]
+    assert broken_rules(layout, moe, "deepspeed") == []
+    assert broken_rules(layout, dense, "megatron") == []
+    assert broken_rules({**layout, "sp": True}, moe, "megatron") == []
+    assert broken_rules({**layout, "tp": 1}, moe, "megatron") == []
