@@ -38,8 +38,11 @@ LLAMA = {
     "seq_len": 16,
     "dropout": 0.0,
     "attention": "sdpa",
+    "vocab_size": 256,
 }
-"""Llama with GQA, and flash-style attention (the engine's SDPA core attention)."""
+"""Llama with GQA, and flash-style attention (the engine's SDPA core attention); a vocabulary
+of 128 tp rows (tp <= 2), which Megatron does not pad, so that its gradients are the single
+process model's (a padded vocabulary adds logits to the softmax)."""
 LLAMA_TP = {**LLAMA, "vocab_size": 16384}
 FP32 = dict(weight_bytes_per_param=4, grad_bytes_per_param=4, optimizer_bytes_per_param=8)
 NOISE = 512

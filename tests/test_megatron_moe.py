@@ -29,9 +29,17 @@ from solver.report.plan_report import plan_to_dict
 
 pytest.importorskip("megatron.core", reason="megatron-core is the [megatron] extra")
 
-MOE = {"layers": 4, "dense_layers": 1, "shared_experts": 1, "expert_ffn_hidden": 48, "dropout": 0.0}
+MOE = {
+    "layers": 4,
+    "dense_layers": 1,
+    "shared_experts": 1,
+    "expert_ffn_hidden": 48,
+    "dropout": 0.0,
+    "vocab_size": 256,
+}
 """moe-tiny (4 experts, top-2, SwiGLU, RMSNorm, rotary) with a dense first block and one shared
-expert: every kind of MoE parameter Megatron builds."""
+expert: every kind of MoE parameter Megatron builds; 256 vocabulary rows, which Megatron does
+not pad at tp <= 2 (the zoo's parameters and gradients compare exactly)."""
 FP32 = dict(weight_bytes_per_param=4, grad_bytes_per_param=4, optimizer_bytes_per_param=8)
 
 

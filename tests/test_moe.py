@@ -333,6 +333,8 @@ def test_profile_moe_tiny_expert_fields_byte_exact():
         "shared_experts": 0,
         "capacity_factor": 1.0,
         "expert_fields": None,
+        "expert_ffn_hidden": F_WIDTH,  # one routed expert's MLP width (Megatron's export)
+        "shared_expert_ffn_hidden": 0,
     }
 
 

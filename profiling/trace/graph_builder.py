@@ -156,6 +156,9 @@ def _count_params(
         if not layers:
             unused.append(name)
             continue
+        # a container the forward never calls (T5's `shared`, whose weight its encoder's
+        # embed_tokens uses) holds no copy of its own: the first called one owns the parameter
+        layers = [j for j in layers if getattr(tracer.layers.get(j), "calls", 0)] or layers[:1]
         params[layers[0]] += original.numel()
         if is_expert_path(name) and id(original) not in split.split_params:
             expert_params[layers[0]] += original.numel()

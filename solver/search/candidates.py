@@ -226,23 +226,34 @@ def candidate_configs(
                                 if not rules.refuses(config):
                                     configs.append(config)
     if not configs and not long_schedules:
-        if skipped:  # every config's schedule is too long: the smallest one says what would do
-            smallest = min(
-                candidate_configs(
-                    num_layers, cluster, training, num_experts=num_experts, long_schedules=True
-                ),
-                key=lambda c: schedule_size(c.pp, c.virtual_stages, c.num_microbatches),
-            )
-            check_schedule_size(
-                smallest.pp,
-                smallest.virtual_stages,
-                smallest.num_microbatches,
-                smallest.micro_batch,
-            )
-        if rules.removed:
-            raise InputError(rules.message())
-        raise InputError(_why_no_config(num_layers, cluster, training))
+        _raise_no_config(num_layers, cluster, training, num_experts, skipped=skipped, rules=rules)
     return configs
+
+
+def _raise_no_config(
+    num_layers: int,
+    cluster: Cluster,
+    training: TrainingConfig,
+    num_experts: int | None,
+    *,
+    skipped: int,
+    rules: RuleFilter,
+) -> None:
+    """InputError saying why ``candidate_configs`` found no config: every schedule too long
+    (the smallest one says what would do), the engines' rules, or the degrees themselves."""
+    if skipped:
+        smallest = min(
+            candidate_configs(
+                num_layers, cluster, training, num_experts=num_experts, long_schedules=True
+            ),
+            key=lambda c: schedule_size(c.pp, c.virtual_stages, c.num_microbatches),
+        )
+        check_schedule_size(
+            smallest.pp, smallest.virtual_stages, smallest.num_microbatches, smallest.micro_batch
+        )
+    if rules.removed:
+        raise InputError(rules.message())
+    raise InputError(_why_no_config(num_layers, cluster, training))
 
 
 def _searched_settings(
