@@ -9,8 +9,10 @@ missed on every last stage and on mixtral, because the graph's layers are HF's m
 ranks run Megatron's: the head's transient was profiled from HF's loss (logits, log-softmax and
 its gradient, [s, V] fp32 each) where Megatron's vocab-parallel cross-entropy works in place on
 the logits; the MoE blocks' saved tensors from the profiler's drop-and-pad expert dispatch, not
-Megatron's MoELayer. The targets are strict xfails until the cost model takes Megatron's head
-and MoE layer for a megatron plan.
+Megatron's MoELayer; qwen2's first stage the graph's tied-embedding gradient accumulation
+(131072 + 114688 B of embedding transients a single-device profile of the tie makes), which
+Megatron's separate copy on the last stage does not. The targets are strict xfails until the
+cost model takes Megatron's head, MoE layer and split tie for a megatron plan.
 """
 
 from __future__ import annotations
