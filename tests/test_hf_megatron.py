@@ -66,6 +66,11 @@ def test_a_sliding_window_shorter_than_the_sequence_is_refused(tmp_path):
     assert f"sliding_window {WINDOW} shorter than the sequence ({SEQ})" in message, message
 
 
+def test_attention_dropout_is_refused_as_gptmodel_drops_hidden_states_too(tmp_path):
+    message = _refusal(tmp_path, "qwen2", attention_dropout=0.1)
+    assert "attention_dropout 0.1 (GPTModel's dropout also drops the hidden states" in message
+
+
 def test_llama3_rope_scaling_other_than_megatrons_is_refused(tmp_path):
     message = _refusal(tmp_path, "llama")  # original_max_position_embeddings 64
     expected = (

@@ -96,6 +96,11 @@ def _check_features(name: str, config, seq: int) -> None:
         (head_dim * heads != hidden, f"head_dim {head_dim} x {heads} heads != hidden {hidden}"),
         (getattr(config, "mlp_bias", False), "mlp_bias (biases on the MLP only)"),
         (
+            float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0,
+            f"attention_dropout {config.attention_dropout} (GPTModel's dropout also drops the "
+            "hidden states, which this family does not)",
+        ),
+        (
             config.model_type != "qwen2" and getattr(config, "attention_bias", False),
             "attention_bias (biases on q, k, v and o)",
         ),
@@ -132,7 +137,7 @@ def _gpt_config(config, seq: int) -> models.gpt.GPTConfig:
             or getattr(config, "rope_theta", None)
             or 10000.0
         ),
-        dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+        dropout=0.0,  # (attention_dropout > 0 is refused: _check_features)
         attention="sdpa",
         tied_embeddings=bool(config.tie_word_embeddings),
         num_experts=experts,
