@@ -153,6 +153,7 @@ def _check_runnable(
     engine: str = "torch",
     *,
     traced: bool = False,
+    seq: int | None = None,
 ) -> None:
     """InputError naming the field, unless ``engine`` can run the (checked) plan on ``spec``:
     the plan's model and layers, few enough processes, and what the engine supports. ``traced``:
@@ -170,12 +171,11 @@ def _check_runnable(
             "megatron-core's local DotProductAttention asserts context_parallel_size == 1 "
             "without TransformerEngine); docs/running.md, plan with --cp 1 to run it"
         )
-    if traced:
-        if engine != "torch":
-            raise InputError(
-                f"engine {engine} runs the zoo's GPT/Llama presets; {spec.name} runs with "
-                "--engine torch"
-            )
+    if traced and engine == "megatron":  # an hf: model that GPTModel expresses
+        spec = _megatron_hf_spec(spec, seq)
+        _check_megatron(spec, plan)
+        traced = False  # its layers are checked below, as a preset's
+    elif traced:
         check_traced_plan(spec, plan)
     elif engine == "megatron":
         _check_megatron(spec, plan)
@@ -198,6 +198,19 @@ def _check_runnable(
             f"{len(spec.layers)} layers {spec.layers[0]}..{spec.layers[-1]} in order, got "
             f"{len(layers)} layers{'; ' + detail if detail else ' (out of order)'}"
         )
+
+
+def _megatron_hf_spec(spec: models.ModelSpec, seq: int | None) -> models.ModelSpec:
+    """The megatron engine's spec of a traced model (:mod:`profiling.executors.megatron_hf`):
+    an ``hf:`` model GPTModel expresses, else InputError naming what it does not."""
+    from profiling.executors.megatron_hf import megatron_hf_spec
+
+    if not spec.name.startswith("hf:"):
+        raise InputError(
+            f"engine megatron runs the zoo's GPT/Llama presets and hf: models GPTModel "
+            f"expresses; {spec.name} runs with --engine torch"
+        )
+    return megatron_hf_spec(spec, seq)
 
 
 def _check_torch(spec: models.ModelSpec, config: ParallelConfig) -> None:
@@ -525,7 +538,7 @@ def run_plan(
     plan = load_plan(plan)
     spec, traced = resolve_model(model, overrides)
     limit = max_processes or max(4, 2 * (os.cpu_count() or 1))
-    _check_runnable(spec, plan, limit, engine, traced=traced)
+    _check_runnable(spec, plan, limit, engine, traced=traced, seq=seq)
     world = plan.config.num_gpus
     _check_device(device, world)
     if engine == "megatron" and device != "cpu":

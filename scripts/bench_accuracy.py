@@ -394,6 +394,66 @@ def hf_family_section(rows: list[dict]) -> list[str]:
     ]
 
 
+def hf_megatron_rows(progress) -> list[dict]:
+    """Run the small HF families megatron-core's GPTModel expresses (``tests/hf_small.py``
+    ``MEGATRON_RUNS``) through ``profiling.validate --engine megatron``; one row per rank."""
+    import tempfile
+
+    from tests.hf_small import MEGATRON_RUNS, validate_megatron
+
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for run in MEGATRON_RUNS:
+            progress(f"megatron {run}")
+            for rank in validate_megatron(Path(folder), run):
+                rows.append(
+                    {
+                        "run": run,
+                        "rank": rank["rank"],
+                        "stage": rank["stage"],
+                        "tp_rank": rank["tp_rank"],
+                        "measured_kib": round(rank["measured_peak_bytes"] / 1024, 1),
+                        "analytic_kib": round(rank["predicted_peak_bytes"] / 1024, 1),
+                        "analytic_pct": round(rank["error_pct"], 2),
+                    }
+                )
+    return rows
+
+
+def hf_megatron_section(rows: list[dict]) -> list[str]:
+    """Every rank of the megatron runs, with the spread and the cause of the misses."""
+    from tests.hf_small import SEQ
+
+    errors = [row["analytic_pct"] for row in rows]
+    print(f"HF families on megatron: analytic {spread(errors)}, worst under {min(errors):+.2f}%")
+    return [
+        "## Small HF families through `profiling.validate --engine megatron`",
+        "",
+        "The families megatron-core's GPTModel expresses (profiling/executors/megatron_hf.py), "
+        f"seq {SEQ}, fp32 Adam, micro-batches of 1, global batch 8, planned with `--runtime "
+        "megatron --zero 0 --ep 1` (mixtral with `--moe-capacity-factor 1.0`) and run with "
+        "`python -m profiling.validate --engine megatron` (tests/hf_small.py "
+        "`validate_megatron`); the llama runs with Llama 3's rope scaling as megatron-core "
+        "fixes it (original context 8192). Targets (issue 28): median |error| <= 1%, max <= "
+        "3%, no rank under-predicted by more than 1%.",
+        "",
+        f"Over {len(rows)} ranks: analytic model {spread(errors)}, worst under-prediction "
+        f"{min(errors):+.2f}%. The graph's layers are HF's modules and the ranks run "
+        "Megatron's: every last stage is over-predicted by about 3.5% because the head's "
+        "transient was profiled from HF's loss (logits, log-softmax and its gradient, [s, V] "
+        "fp32 each) where Megatron's vocab-parallel cross-entropy works in place on the "
+        "logits; mixtral's blocks hold fewer saved bytes under Megatron's MoELayer than under "
+        "the profiler's drop-and-pad expert dispatch. qwen2's first stage (+3.2%, where "
+        "llama's is -0.6% with the same measured bytes) is charged its graph's tied-embedding "
+        "gradient accumulation (the embedding layer's fixed transients, 131072 and 114688 B, "
+        "against 10752 and 0 untied), which a single-device profile of the tie makes and "
+        "Megatron's separate copy on the last stage does not.",
+        "",
+        *markdown_table(rows, list(rows[0])),
+        "",
+    ]
+
+
 def spread(errors: list[float]) -> str:
     values = [abs(error) for error in errors]
     return f"median {statistics.median(values):.1f}%, max {max(values):.1f}%"
@@ -439,12 +499,16 @@ def section(title: str, overrides, layouts, calibration, results, targets: str) 
     ]
 
 
-def write_part(path: Path, title: str, run: harness.Run, section_lines: list[str]) -> None:
-    """One part of the benchmark (``run``'s flag runs only it) as its own Markdown file."""
+def write_part(
+    path: Path, title: str, run: harness.Run, section_lines: list[str], *, in_main: bool = True
+) -> None:
+    """One part of the benchmark (``run``'s flag runs only it) as its own Markdown file;
+    ``in_main``: its rows are also in bench_accuracy.md."""
+    also = " (the same rows are in bench_accuracy.md)" if in_main else ""
     lines = [
         f"# Accuracy benchmark: {title}",
         "",
-        f"Command: {run.command_text} (the same rows are in bench_accuracy.md)  ",
+        f"Command: {run.command_text}{also}  ",
         f"Machine: {harness.architecture()}, Python {harness.python_version()}, run "
         f"{harness.today()}; gloo on CPU, exact live-tensor accounting (the last of "
         "2 iterations measured).",
@@ -472,6 +536,12 @@ def main(argv: list[str] | None = None) -> int:
         help="run only the small HF families of tests/hf_small.py (about 3 minutes) and write "
         "bench_accuracy_hf_families.md",
     )
+    parser.add_argument(
+        "--hf-megatron",
+        action="store_true",
+        help="run only the small HF families megatron-core's GPTModel expresses on --engine "
+        "megatron (about 2 minutes) and write bench_accuracy_hf_megatron.md",
+    )
     args = parser.parse_args(argv)
     run = harness.Run.start(__file__, argv)
     progress = lambda text: print(text, flush=True)  # noqa: E731
@@ -481,6 +551,15 @@ def main(argv: list[str] | None = None) -> int:
             "small HF families",
             run,
             hf_family_section(hf_family_rows(progress)),
+        )
+        return 0
+    if args.hf_megatron:
+        write_part(
+            args.out / "bench_accuracy_hf_megatron.md",
+            "small HF families on megatron-core",
+            run,
+            hf_megatron_section(hf_megatron_rows(progress)),
+            in_main=False,
         )
         return 0
     if args.only_moe:

@@ -213,3 +213,65 @@ def validate_family(folder: Path, family: str, layout: str) -> list[dict[str, An
             code = main([*argv, *output])
         assert code == 0, f"{main.__module__} {' '.join(argv)}: exit {code}: {quiet.getvalue()}"
     return json.loads(Path(report).read_text())["ranks"]
+
+
+MEGATRON_CHANGES: dict[str, dict[str, Any]] = {
+    "llama": {  # Llama 3's rope scaling as megatron-core fixes it (original context 8192)
+        "max_position_embeddings": 16384,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    },
+}
+"""Config changes of the families run on megatron-core (what its GPTModel expresses)."""
+
+MEGATRON_RUNS: dict[str, tuple[str, list[str], dict[str, Any]]] = {
+    "llama pp2": ("llama", ["--gpus", "2", "--pp", "2"], {}),
+    "qwen2 tied pp2": ("qwen2", ["--gpus", "2", "--pp", "2"], {}),
+    "llama pp2 tp2 sp vocab1000": (
+        "llama",
+        ["--gpus", "4", "--pp", "2", "--tp", "2", "--sequence-parallel", "on"],
+        {"vocab_size": 1000},
+    ),
+    "mixtral pp2": ("mixtral", ["--gpus", "2", "--pp", "2", "--moe-capacity-factor", "1.0"], {}),
+}
+"""Megatron runs: (family, ``solver.plan`` layout flags, config changes), micro-batches of 1,
+global batch 8, ZeRO 0, fp32 Adam, ``--runtime megatron``."""
+
+
+def validate_megatron(folder: Path, run: str) -> list[dict[str, Any]]:
+    """Export, plan (``--runtime megatron``) and run ``MEGATRON_RUNS[run]`` with ``python -m
+    profiling.validate --engine megatron --json``: the ranks' rows (``error_pct``)."""
+    import contextlib
+    import io
+
+    from profiling.export import main as export_main
+    from profiling.validate import main as validate_main
+    from solver.cli.plan import plan_main
+
+    family, layout, changes = MEGATRON_RUNS[run]
+    stem = Path(folder) / run.replace(" ", "-")
+    model = f"hf:{write_config(stem, family, **MEGATRON_CHANGES.get(family, {}), **changes)}"
+    graph, plan, report = (f"{stem}.{kind}.json" for kind in ("graph", "plan", "run"))
+    flags = ["--global-batch", "8", "--micro-batch", "1", "--zero", "0", "--ep", "1"]
+    steps = (
+        (export_main, [model, "--seq", str(SEQ), "--dtype", "fp32", "--threads", "1"]),
+        (plan_main, [graph, *layout, *flags, "--runtime", "megatron", "--precision", "fp32"]),
+        (
+            validate_main,
+            [plan, "--model", model, "--engine", "megatron", "--step-iterations", "0"]
+            + ["--tolerance", "100"],
+        ),
+    )
+    outputs = (["--out", graph, "--no-progress"], ["--json", plan], ["--json", report])
+    for (main, argv), output in zip(steps, outputs, strict=True):
+        quiet = io.StringIO()
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            code = main([*argv, *output])
+        assert code == 0, f"{main.__module__} {' '.join(argv)}: exit {code}: {quiet.getvalue()}"
+    return json.loads(Path(report).read_text())["ranks"]

@@ -40,6 +40,7 @@ from profiling.executors.base import (
     with_clean_steps,
 )
 from profiling.executors.megatron_cpu import megatron_on_cpu, quiet_fallback_warnings
+from profiling.executors.megatron_hf import check_layer_params, hf_batch, megatron_hf_spec
 from profiling.executors.megatron_model import (
     build_chunks,
     chunk_layers,
@@ -48,6 +49,7 @@ from profiling.executors.megatron_model import (
     megatron_settings,
     transformer_config,
 )
+from profiling.export import resolve_spec
 from profiling.trace.memory import LiveTensorTracker
 from solver.errors import InputError
 from solver.files.plan_file import PlanFile
@@ -63,11 +65,13 @@ def plan_dtype_of(plan: PlanFile) -> torch.dtype:
     return dtype
 
 
-def _check_layers(chunks, job: RunJob, stage: int) -> None:
-    """The export built exactly the plan's layers on this rank (else the export is wrong)."""
+def _check_layers(chunks, spec, job: RunJob, stage: int) -> None:
+    """The export built exactly the plan's layers on this rank (else the export is wrong); an
+    hf: model's Megatron modules stand for the graph's HF layers (``megatron_hf``)."""
     config = job.plan.config
     planned = [job.plan.virtual_stage_layers[c * config.pp + stage] for c in range(len(chunks))]
-    built = [chunk_layers(chunk) for chunk in chunks]
+    hf_names = spec.meta.get("megatron", {}).get("layer_names")
+    built = [chunk_layers(chunk, hf_names) for chunk in chunks]
     if built != planned:
         raise InputError(
             f"{job.plan.source}: exports.megatron builds layers {built} on pipeline rank {stage}, "
@@ -139,6 +143,9 @@ def _micro_batches(spec, job: RunJob, place, iteration: int, chunk) -> list[dict
     ids, targets = batch_for_iteration(
         spec, batch=rows * config.dp, seq=job.seq, seed=job.seed, iteration=iteration
     )
+    mask = None
+    if job.traced:  # an hf: model's ids and (unshifted) labels: shifted here, the last masked
+        targets, mask = hf_batch(ids)
     b, seq = config.micro_batch, ids.shape[1]
     batches = []
     for i in range(config.num_microbatches):
@@ -149,6 +156,8 @@ def _micro_batches(spec, job: RunJob, place, iteration: int, chunk) -> list[dict
             batch["position_ids"] = torch.arange(seq).expand(b, seq)
         if chunk.post_process:
             batch["labels"] = targets[start : start + b].clone()
+            if mask is not None:
+                batch["loss_mask"] = mask[start : start + b].clone()
         batches.append(batch)
     return batches
 
@@ -157,9 +166,14 @@ def _forward_step(data_iterator, model):
     """Megatron's forward_step_func: the chunk's forward and the mean per-token loss."""
     batch = next(data_iterator)
     output = model(batch.get("tokens"), batch.get("position_ids"), None, labels=batch.get("labels"))
+    mask = batch.get("loss_mask")
 
     def loss_func(per_token_loss: torch.Tensor):
-        loss = per_token_loss.float().mean()
+        """The mean per-token loss (of the unmasked tokens, with a loss mask)."""
+        if mask is None:
+            loss = per_token_loss.float().mean()
+        else:
+            loss = (per_token_loss.float() * mask).sum() / mask.sum()
         return loss, {"loss": loss.detach().clone()}  # the schedule divides loss in place
 
     return output, loss_func
@@ -223,7 +237,9 @@ def _build(spec, job: RunJob, place, settings, dtype: torch.dtype):
     )
     torch.manual_seed(job.seed)
     chunks = build_chunks(spec, tconfig)
-    _check_layers(chunks, job, place.stage)
+    _check_layers(chunks, spec, job, place.stage)
+    if job.traced:
+        check_layer_params(chunks, spec, tp=settings.tp, ep=tconfig.expert_model_parallel_size)
     gated = spec.config.mlp == "swiglu"
     init_weights(chunks, seed=job.seed, tp=settings.tp, tp_rank=place.tp_rank, gated=gated)
     return tconfig, chunks
@@ -309,7 +325,10 @@ def megatron_rank_main(rank: int, job: RunJob) -> RankReport:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # as Megatron-LM's launch scripts
     place = place_rank(rank, job)
     settings = megatron_settings(job.plan)
-    spec = model_spec(job.preset, job.overrides)
+    if job.traced:  # an hf: model, as GPTModel expresses it
+        spec = megatron_hf_spec(resolve_spec(job.preset, job.overrides), job.seq)
+    else:
+        spec = model_spec(job.preset, job.overrides)
     dtype = plan_dtype_of(job.plan)
     join_process_group(place, job)
     with megatron_on_cpu():

@@ -204,6 +204,7 @@ def transformer_config(
         split["num_layers_in_first_pipeline_stage"] = settings.first_stage_layers
         split["num_layers_in_last_pipeline_stage"] = settings.last_stage_layers
         split["virtual_pipeline_model_parallel_size"] = settings.virtual_stages
+    hf = spec.meta.get("megatron", {}).get("transformer", {})  # an hf: model's (megatron_hf)
     return TransformerConfig(
         num_layers=config.layers,
         hidden_size=config.hidden,
@@ -216,7 +217,7 @@ def transformer_config(
         gated_linear_unit=config.mlp == "swiglu",
         activation_func=activation,
         add_bias_linear=config.bias,
-        add_qkv_bias=config.bias,
+        add_qkv_bias=hf.get("add_qkv_bias", config.bias),
         hidden_dropout=config.dropout,
         attention_dropout=config.dropout,
         tensor_model_parallel_size=settings.tp,
@@ -344,18 +345,23 @@ def build_chunks(spec: models.ModelSpec, config) -> list[nn.Module]:
                 ),
                 rotary_base=int(model_config.rope_theta),
                 vp_stage=vp_stage,
+                **spec.meta.get("megatron", {}).get("gpt_model", {}),
             )
         )
     return chunks
 
 
-def chunk_layers(chunk: nn.Module) -> list[str]:
-    """The zoo layer names a GPTModel chunk holds, in order (E, t..., L)."""
+def chunk_layers(chunk: nn.Module, hf_names: dict[str, list[str]] | None = None) -> list[str]:
+    """The zoo layer names a GPTModel chunk holds, in order (E, t..., L); with ``hf_names``
+    (an hf: model's, :func:`profiling.executors.megatron_hf.hf_layer_names`) the graph's HF
+    layers of each."""
     names = ["embed"] if getattr(chunk, "pre_process", False) else []
     names += [f"layers.{layer.layer_number - 1}" for layer in chunk.decoder.layers]
     if getattr(chunk, "post_process", False):
         names.append("head")
-    return names
+    if hf_names is None:
+        return names
+    return [hf for name in names for hf in hf_names[name]]
 
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
