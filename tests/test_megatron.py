@@ -38,11 +38,13 @@ LLAMA = {
     "seq_len": 16,
     "dropout": 0.0,
     "attention": "sdpa",
-    "vocab_size": 256,
+    "vocab_size": 128,
 }
 """Llama with GQA, and flash-style attention (the engine's SDPA core attention); a vocabulary
-of 128 tp rows (tp <= 2), which Megatron does not pad, so that its gradients are the single
-process model's (a padded vocabulary adds logits to the softmax)."""
+of 128 rows, which Megatron does not pad at tp 1, so that its gradients are the single process
+model's (a padded vocabulary adds logits to the softmax)."""
+LLAMA_TP2 = {**LLAMA, "vocab_size": 256}
+"""The same at tp 2: 128 tp rows."""
 LLAMA_TP = {**LLAMA, "vocab_size": 16384}
 FP32 = dict(weight_bytes_per_param=4, grad_bytes_per_param=4, optimizer_bytes_per_param=8)
 NOISE = 512
@@ -144,11 +146,12 @@ def test_interleaved_and_tensor_parallel_llama_gradients_equal_a_single_process(
     interleaved = megatron_plan("llama-tiny", LLAMA, pp=2, virtual_stages=2)
     assert load_plan(interleaved).config.virtual_stages == 2
     run_matching("llama-tiny", interleaved, LLAMA, expected)
-    tensor_parallel = megatron_plan("llama-tiny", LLAMA, tp=2)
+    expected = single_process_gradients("llama-tiny", LLAMA_TP2, 8, 2)
+    tensor_parallel = megatron_plan("llama-tiny", LLAMA_TP2, tp=2)
     reports = run_plan(
         "llama-tiny",
         tensor_parallel,
-        overrides=LLAMA,
+        overrides=LLAMA_TP2,
         engine="megatron",
         capture_grads=True,
     )
