@@ -191,9 +191,6 @@ def validate_family(folder: Path, family: str, layout: str) -> list[dict[str, An
     run the plan with ``python -m profiling.validate --json``: the ranks' rows (``error_pct``:
     the plan's error against the measured peak, negative = under-predicted). Raises
     AssertionError naming the step whose CLI did not exit 0."""
-    import contextlib
-    import io
-
     from profiling.export import main as export_main
     from profiling.validate import main as validate_main
     from solver.cli.plan import plan_main
@@ -206,13 +203,7 @@ def validate_family(folder: Path, family: str, layout: str) -> list[dict[str, An
         (plan_main, [graph, *LAYOUTS[layout], *PLAN_FLAGS, "--precision", "fp32"]),
         (validate_main, [plan, "--model", model, "--step-iterations", "0", "--tolerance", "100"]),
     )
-    outputs = (["--out", graph, "--no-progress"], ["--json", plan], ["--json", report])
-    for (main, argv), output in zip(steps, outputs, strict=True):
-        quiet = io.StringIO()
-        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-            code = main([*argv, *output])
-        assert code == 0, f"{main.__module__} {' '.join(argv)}: exit {code}: {quiet.getvalue()}"
-    return json.loads(Path(report).read_text())["ranks"]
+    return _run_steps(steps, graph, plan, report)
 
 
 MEGATRON_CHANGES: dict[str, dict[str, Any]] = {
@@ -247,9 +238,6 @@ global batch 8, ZeRO 0, fp32 Adam, ``--runtime megatron``."""
 def validate_megatron(folder: Path, run: str) -> list[dict[str, Any]]:
     """Export, plan (``--runtime megatron``) and run ``MEGATRON_RUNS[run]`` with ``python -m
     profiling.validate --engine megatron --json``: the ranks' rows (``error_pct``)."""
-    import contextlib
-    import io
-
     from profiling.export import main as export_main
     from profiling.validate import main as validate_main
     from solver.cli.plan import plan_main
@@ -268,6 +256,15 @@ def validate_megatron(folder: Path, run: str) -> list[dict[str, Any]]:
             + ["--tolerance", "100"],
         ),
     )
+    return _run_steps(steps, graph, plan, report)
+
+
+def _run_steps(steps, graph: str, plan: str, report: str) -> list[dict]:
+    """Export, plan and validate (each CLI's main, quiet; exit 0 asserted) writing ``graph``,
+    ``plan`` and ``report``; the per-rank reports."""
+    import contextlib
+    import io
+
     outputs = (["--out", graph, "--no-progress"], ["--json", plan], ["--json", report])
     for (main, argv), output in zip(steps, outputs, strict=True):
         quiet = io.StringIO()
