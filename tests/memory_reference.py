@@ -15,7 +15,8 @@ parallelism, no interleaving, persistent gradients, no calibration):
   m under GPipe; tp-split activations, sequence parallelism (Korthikanti et al. 2022, 4.2.2),
   full recomputation keeping only each recomputable layer's output (its input to the next);
 - boundary buffers: received and sent copies per runtime (megatron: 1 and 1, or 1 + k_s
-  without output deallocation; torch pipelining: m - k_s and m + k_s);
+  without output deallocation; torch pipelining: m - k_s and m + k_s, under 1F1B one more of
+  each where Schedule1F1B's send lists hold them);
 - the transient of the running layer (its own, its weight-gradient temporary, ZeRO-3's gathered
   weights, a recomputed layer's re-materialised activations);
 - the optimizer step moment (no micro-batch held, foreach Adam's one state element per
@@ -164,10 +165,14 @@ def boundary_copies(stage: int, held: int, setup: Setup) -> tuple[int, int]:
     ``held`` micro-batches are in flight. The k held inputs are the stage's saved activations.
     megatron: one receive buffer per direction, plus the held outputs without deallocation.
     torch pipelining: a receive buffer per micro-batch for the run (m - k idle ones), and the
-    output of each held micro-batch beside the m gradient receive buffers."""
+    output of each held micro-batch beside the m gradient receive buffers; under 1F1B
+    (Schedule1F1B's send lists) also the input gradient last sent (m > 1, while micro-batches
+    are held) and, with k >= 2 and m >= 2k - 1, the warm-up output of micro-batch k - 2."""
     m, p = setup.num_microbatches, setup.pp
     if setup.runtime == "torch":
-        receive, send = m - held, m + held
+        one_f_one_b = setup.schedule == "1f1b"
+        receive = m - held + int(one_f_one_b and m > 1 and held >= 1)
+        send = m + held + int(one_f_one_b and 2 <= held and 2 * held - 1 <= m)
     else:
         receive, send = 1, 1 if setup.deallocate_outputs else 1 + held
     return (receive if stage > 0 else 0, send if stage < p - 1 else 0)
