@@ -166,12 +166,13 @@ def boundary_copies(stage: int, held: int, setup: Setup) -> tuple[int, int]:
     megatron: one receive buffer per direction, plus the held outputs without deallocation.
     torch pipelining: a receive buffer per micro-batch for the run (m - k idle ones), and the
     output of each held micro-batch beside the m gradient receive buffers; under 1F1B
-    (Schedule1F1B's send lists) also the input gradient last sent (m > 1, while micro-batches
-    are held) and, with k >= 2 and m >= 2k - 1, the warm-up output of micro-batch k - 2."""
+    (Schedule1F1B's send lists) also the input gradient last sent (m > 1; counted at the
+    optimizer step too, where the schedule has waited on it: one copy over) and, with k >= 2
+    and m >= 2k - 1, the warm-up output of micro-batch k - 2."""
     m, p = setup.num_microbatches, setup.pp
     if setup.runtime == "torch":
         one_f_one_b = setup.schedule == "1f1b"
-        receive = m - held + int(one_f_one_b and m > 1 and held >= 1)
+        receive = m - held + int(one_f_one_b and m > 1)
         send = m + held + int(one_f_one_b and 2 <= held and 2 * held - 1 <= m)
     else:
         receive, send = 1, 1 if setup.deallocate_outputs else 1 + held

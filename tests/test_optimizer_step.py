@@ -274,7 +274,12 @@ def test_executor_step_moment_matches_the_prediction():
             # tensor; on the CPU on a GPU run), a 4-byte and a 16-byte scalar, and on rank 0
             # the step's token ids (int64, 4 x 8 tokens: 256 bytes): 332 bytes on rank 0,
             # 116 on ranks 1 and 2
-            assert 0 <= report.measured_peak_bytes - stage.peak_bytes <= 512, report
+            # the cost model also counts, at the step, the input gradient Schedule1F1B's send
+            # list holds during the schedule (solver.costs.schedule.boundary_copies; the
+            # schedule has waited on it by the step): one received boundary copy over
+            copy = 8 * overrides["hidden"] * 4  # seq 8, fp32
+            extra = copy if stage.index > 0 else 0
+            assert 0 <= report.measured_peak_bytes - stage.peak_bytes + extra <= 512, report
     fused = dataclasses.replace(training, optimizer_impl="fused")
     before = evaluate(graph, config, [2, 2, 2, 2], cluster=Cluster(num_gpus=4), training=fused)
     assert before.stages[2].peak_bytes < 0.95 * reports[2].measured_peak_bytes

@@ -272,8 +272,7 @@ def boundary_copies(
         kept_outputs = 0 if deallocate_pipeline_outputs else k
         return int(not first), (0 if last else 1 + kept_outputs)
     m = num_microbatches
-    # held 0 is the optimizer step's moment: the schedule has waited on its sends by then
-    sent_gradient = int(schedule == "1f1b" and m > 1 and k >= 1)
+    sent_gradient = int(schedule == "1f1b" and m > 1)
     stale_output = int(schedule == "1f1b" and 2 <= k and 2 * k - 1 <= m)
     return (0 if first else m - k + sent_gradient), (0 if last else m + k + stale_output)
 
