@@ -189,19 +189,51 @@ def buffer_bytes(stage: int, held: int, into: int, out: int, setup: Setup) -> in
 # -- transients ----------------------------------------------------------------------------------
 
 
-def layer_transient(layer: dict, setup: Setup) -> int:
-    """The extra bytes while the layer runs, on top of what is stored: the larger of its own
+def fsdp2_buffers(layers: list[dict], i: int, setup: Setup, temporary: int) -> tuple[int, int]:
+    """(gathered, weight-gradient) bytes of layer i under FSDP2 (torch runtime, ZeRO 2/3, d > 1;
+    docs/cost-model.md, FSDP2): ZeRO 3 gathers its own weights and keeps the neighbour's flat
+    all-gather buffer, w max(P'_i, P'_{i-1}), and layer i+1's reduce-scatter input g P'_{i+1}
+    (ZeRO 2: the larger of the flat buffer and that input); its weight gradients are whole and
+    unsharded, w P'_i less what its backward freed (ceil(b A') - its output), and at its
+    reduce-scatter its own input g P'_i where its weights (ZeRO 3) and i+1's input are freed."""
+    w, g = setup.weight_bytes, setup.grad_bytes
+
+    def weights(j: int, per_param: int) -> int:
+        return ceil(per_param * params_per_gpu(layers[j], setup.tp)) if 0 <= j < len(layers) else 0
+
+    held, flat = weights(i + 1, g), max(weights(i, w), weights(i - 1, w))
+    gathered = weights(i, w) + flat + held if setup.zero == 3 else max(flat, held)
+    layer = layers[i]
+    freed = max(
+        ceil(setup.micro_batch * saved_per_sample(layer, setup))
+        - boundary_tensor_bytes(layer["output_bytes"], setup),
+        0,
+    )
+    shard = ceil(g * params_per_gpu(layer, setup.tp) / setup.dp)
+    freed_first = (weights(i, w) if setup.zero == 3 else 0) + held
+    at_reduce = max(
+        weights(i, g) - freed_first, weights(i, g) + shard - freed_first - weights(i, w)
+    )
+    return gathered, max(temporary, weights(i, w) - freed + max(at_reduce, 0))
+
+
+def layer_transient(layers: list[dict], i: int, setup: Setup) -> int:
+    """The extra bytes while layer i runs, on top of what is stored: the larger of its own
     transient and its weight-gradient moment (the gradient temporary of its largest parameter,
     in the weights' dtype), plus ZeRO-3's gathered weights (this layer's and the prefetched
-    next, 2 w P'). A recomputed layer re-materialises its saved bytes during its backward."""
+    next, 2 w P'); FSDP2's buffers instead where it runs (``fsdp2_buffers``). A recomputed layer
+    re-materialises its saved bytes during its backward."""
+    layer = layers[i]
     b, w = setup.micro_batch, setup.weight_bytes
     extra = ceil(b * saved_per_sample(layer, setup)) if recomputed(layer, setup) else 0
     own = b * layer["transient_bytes"] + extra
     grad_temporary = w * max(
         layer["largest_param"], ceil(Fraction(layer["largest_tp_param"], setup.tp))
     )
-    weight_grad = b * layer["transient_bytes"] + extra + grad_temporary
     gather = 2 * ceil(w * params_per_gpu(layer, setup.tp)) if setup.zero == 3 else 0
+    if setup.runtime == "torch" and setup.zero >= 2 and setup.dp > 1:
+        gather, grad_temporary = fsdp2_buffers(layers, i, setup, grad_temporary)
+    weight_grad = b * layer["transient_bytes"] + extra + grad_temporary
     return max(own, weight_grad) + gather
 
 
@@ -230,7 +262,7 @@ def stage_peaks(layers: list[dict], stage_of_layer: list[int], setup: Setup) -> 
             w, g, o = layer_states(layers[i], setup)
             weights, grads, optimizer = weights + w, grads + g, optimizer + o
             stored += stored_bytes(layers[i], setup)
-            transient = max(transient, layer_transient(layers[i], setup))
+            transient = max(transient, layer_transient(layers, i, setup))
             step += step_temporary(layers[i], setup)
         into = boundary_tensor_bytes(layers[first - 1]["output_bytes"], setup) if stage else 0
         out = boundary_tensor_bytes(layers[last]["output_bytes"], setup)

@@ -186,9 +186,13 @@ def test_stage_peaks_by_hand():
         "activations": 3 * 2 * 30,
         # S_0 = m + k_0 = 4 + 3 copies of what it sends (a->b, a->d), b = 2
         "buffers": 7 * 2 * (10 + 5),
-        "transient": 0,
+        # FSDP2 (solver/costs/fsdp.py; w = g = 2): the larger of a's flat all-gather buffer
+        # (1400) and b's held reduce-scatter input (2 x 200), + a's unsharded gradients (1400)
+        # less what its backward freed (2 x (30 - 10)) + its own reduce-scatter input where
+        # b's is freed (1400 - 400)
+        "transient": 1400 + 1400 - 40 + 1000,
     }
-    assert first.peak_bytes == 7390
+    assert first.peak_bytes == 7390 + 3760
     # b: P' = 200, A' = 60 + 40/2 = 80; c: P' = 150, A' = 50; the skip edge a->d (5 B/sample)
     # goes straight from a's stage to d's (torch; the megatron runtime relays it, below)
     assert middle.breakdown() == {
@@ -199,16 +203,20 @@ def test_stage_peaks_by_hand():
         # R_1 = m - k_1 + 1 (the input gradient sent last) = 3 copies of a->b; S_1 = m + k_1
         # + 1 (micro-batch 0's output, held by torch's warm-up send) = 7 of c->d
         "buffers": 3 * 2 * 10 + 7 * 2 * 30,
-        "transient": 2 * 7,
+        # b's: a's flat buffer (1400, the larger than c's held input 300) + its gradients 400
+        # - (160 - 40) + (400 - 300); c's: 400 + 300 - 40 + 200 + 2 x 7 = 874
+        "transient": 1400 + 400 - 120 + 100,
     }
-    assert middle.peak_bytes == 4184 + 350 - 2 * 2 * 5 - (2 + 6) * 2 * 5 + 2 * 10 + 2 * 30
+    assert middle.peak_bytes == (
+        4184 + 350 - 2 * 2 * 5 - (2 + 6) * 2 * 5 + 2 * 10 + 2 * 30 - 2 * 7 + 1780
+    )
     assert last.breakdown() == {
         "weights": 150,
         "grads": 50,
         "optimizer": 300,
         "activations": 16,
         "buffers": 4 * 2 * (5 + 30),  # R_2 = 4 - 1 + 1
-        "transient": 0,
+        "transient": 300 + 100 - 14 + 100,  # c's flat buffer, d's gradients and input
     }
     assert [s.in_flight for s in stages] == [3, 2, 1]
 
@@ -229,8 +237,18 @@ def test_recompute_and_zero3_and_gpipe():
     # recompute keeps each layer's output per micro-batch; GPipe keeps all m = 4 micro-batches
     assert middle.activation_bytes == 4 * (2 * 20 + 2 * 30)  # a->d skips it (torch)
     # the layer being recomputed re-materialises its saved bytes next to its transient
-    # ... and ZeRO-3 gathers the running layer's weights and prefetches the next: 2 w P'_l
-    assert middle.transient_bytes == max(2 * 80 + 2 * 2 * 200, 2 * (7 + 50) + 2 * 2 * 150)
+    # ... and FSDP2's ZeRO-3 (solver/costs/fsdp.py, w = g = 2) gathers b's weights (400) beside
+    # a's flat buffer (1400) and c's held reduce-scatter input (300); b's whole gradients
+    # (400) less what its backward freed (2 x 80 - 2 x 20) join its weight-gradient moment.
+    # c: 300 + max(300, 400) + 2 x 50 (d's input), gradients 300 - (2 x 50 - 2 x 30)
+    assert middle.transient_bytes == max(
+        2 * 80 + (400 - 120) + 400 + 1400 + 300,
+        2 * (7 + 50) + (300 - 40) + 300 + 400 + 100,
+    )
+    # on the megatron runtime (no FSDP2) ZeRO-3 gathers the running layer's weights and
+    # prefetches the next: 2 w P'_l
+    megatron = stage_costs(costs_for(config, "megatron"), SPLIT)[1]
+    assert megatron.transient_bytes == max(2 * 80 + 2 * 2 * 200, 2 * (7 + 50) + 2 * 2 * 150)
 
 
 def test_weight_gradient_temporary_is_transient():
@@ -382,7 +400,7 @@ def test_sequence_parallelism_rounds_up_per_layer_and_splits_recomputed_outputs(
     assert costs.stored_bytes.tolist() == [15, 50, 25, 4]
     assert costs.edge_bytes.tolist() == [5, 10, 3, 15]  # a->b, b->c, a->d (5 / 2 up), c->d
     # full recomputation keeps each layer's output, the next one's input: [s/t, b, h] too
-    recompute = dataclasses.replace(CONFIG, recompute="full")
+    recompute = dataclasses.replace(CONFIG, recompute="full", zero=1)  # no FSDP2 buffers
     kept = costs_for(recompute, "torch")
     split = costs_for(dataclasses.replace(recompute, sp=True), "torch")
     assert kept.stored_bytes.tolist() == [2 * 10, 2 * 20, 2 * 30, 2 * 1]

@@ -29,6 +29,11 @@ from solver.report.plan_report import evaluation_to_dict, plan_to_dict
 from tests.conftest import FP32_ADAM, assert_peaks_within, assert_runs_match_reference
 
 OVERRIDES = {"layers": 4, "dropout": 0.0}
+FSDP2_BOUNDS = {"under_pct": 0.0, "over_pct": 10.0}
+"""FSDP2 (ZeRO 2/3 with dp > 1): never under; over by up to the next layer's stored bytes and
+its reduce-scatter input, which the per-layer model adds to the persistent moment and to a
+stage's last layer (solver/costs/fsdp.py: measured +0.9% to +9.2% on these 4 blocks of 12,704
+parameters, whose activations are small beside them)."""
 TORCH_FP32 = {"runtime": "torch", **FP32_ADAM}
 """fp32 Adam planned for the torch runtime, the one the torch engine runs (profiling.run)."""
 
@@ -176,9 +181,7 @@ def test_zero3_fsdp2_dp2_pp2_matches_single_process(graph):
     plan_dict = evaluation_to_dict(evaluate(graph, config, [3, 3], training=training))
     reports = run_plan("gpt-tiny", plan_dict, iterations=2, overrides=OVERRIDES, capture_grads=True)
     assert_matches_reference(reports, global_batch=4, iterations=2)
-    # FSDP2's data-parallel twins measure apart (-5.4% and -3.5% on stage 0, the same
-    # spread as the FSDP2 rows of benchmarks/bench_accuracy.md)
-    assert_peaks_reported(reports, plan_dict, first_iteration=False, under_pct=6.0)
+    assert_peaks_reported(reports, plan_dict, first_iteration=False, **FSDP2_BOUNDS)
     for report in reports:
         # Weights and Adam state are sharded over dp=2, as the cost model assumes for ZeRO-3
         # (FSDP2 pads odd first dimensions; Adam adds a 4-byte step counter per tensor).
@@ -252,7 +255,7 @@ def test_tp2_dp2_fsdp2_matches_single_process(graph):
     reports = run_plan("gpt-tiny", plan_dict, iterations=2, overrides=OVERRIDES, capture_grads=True)
     assert [(r.dp_rank, r.tp_rank) for r in reports] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert_matches_reference(reports, global_batch=4, iterations=2)
-    assert_peaks_reported(reports, plan_dict, first_iteration=False)
+    assert_peaks_reported(reports, plan_dict, first_iteration=False, **FSDP2_BOUNDS)
     for report in reports:  # split over tp, then sharded over dp
         measured, predicted = report.measured_breakdown, report.predicted_breakdown
         assert measured["params"] == pytest.approx(predicted["weights"], rel=0.02)
@@ -268,7 +271,9 @@ def test_zero1_zero2_dp2_match_single_process(graph, zero):
     )
     reports = run_plan("gpt-tiny", plan_dict, iterations=2, overrides=OVERRIDES, capture_grads=True)
     assert_matches_reference(reports, global_batch=4, iterations=2)
-    assert_peaks_reported(reports, plan_dict, first_iteration=False)
+    assert_peaks_reported(
+        reports, plan_dict, first_iteration=False, **(FSDP2_BOUNDS if zero == 2 else {})
+    )
     full = reference(4)[1]
     full_bytes = sum(grad.numel() * grad.element_size() for grad in full.values())
     for report in reports:

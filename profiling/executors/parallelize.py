@@ -253,6 +253,26 @@ def _scatter_sequence(tp_mesh: DeviceMesh, module: nn.Module, args: tuple, outpu
     return replicated.redistribute(tp_mesh, [Shard(1)]).to_local()
 
 
+class InPlaceReduceScatter:
+    """FSDP2's reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) as gloo runs it on CPU
+    without a second full-size buffer: the input, FSDP2's own flat copy of the layer's unsharded
+    gradients, is all-reduced in place and this rank's chunk copied into the output. gloo's
+    ``reduce_scatter_single`` allocates a temporary the size of the input (a layer's unsharded
+    gradients) that NCCL, which the cost model describes, does not; on gloo its lifetime also
+    follows the collective's thread, so data-parallel twins measured apart by up to that size."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        import torch.distributed as dist
+
+        dist.all_reduce(input_tensor, op=op, group=group)
+        rank = dist.get_rank(group)
+        output_tensor.copy_(input_tensor.view(group.size(), -1)[rank].view_as(output_tensor))
+        return None
+
+
 def apply_data_parallel(
     stage_module: nn.Module,
     layers: list[nn.Module],
@@ -274,9 +294,12 @@ def apply_data_parallel(
     if dp_mesh.size() == 1:
         return stage_module
     if zero >= 2:
-        for layer in layers:
-            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=zero == 3)
-        fully_shard(stage_module, mesh=dp_mesh, reshard_after_forward=zero == 3)
+        units = [*layers, stage_module]
+        for unit in units:
+            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=zero == 3)
+        if device.type == "cpu":
+            for unit in units:
+                unit.set_custom_reduce_scatter(InPlaceReduceScatter())
         # Handed to PipelineStage inside a plain Sequential: given an FSDP module, it turns
         # gradient sync and resharding off until the last micro-batch (unsharded gradients, and
         # with zero 3 unsharded weights, for the whole step). This way every layer

@@ -31,7 +31,10 @@ o), ZeRO stage z.
               than the layer's dense replicated parameters is a routed-expert tensor, held
               / (t ep) (``experts.largest_local_param``)
   gather_l  = 2 w P'_l with ZeRO-3, else 0: the running layer's weights are gathered and the next
-              layer's prefetched (FSDP), each freed again after use
+              layer's prefetched (FSDP), each freed again after use; on the torch runtime's
+              FSDP2 (ZeRO 2/3, d > 1) the buffers ``fsdp`` derives from torch's code: the
+              prefetched neighbour's size, and at the weight gradients the layer's whole
+              unsharded gradients and the reduce-scatter input held beside them replace gtemp_l
   trans_l   = max(b transient_l, b weight_grad_transient_l + gtemp_l) + gather_l: the
               weight-gradient temporary joins what is live when the weight gradients are made
               (weight_grad_transient_bytes), not the layer's peak, so a loss whose fp32 logits
@@ -64,6 +67,7 @@ from solver.costs.context_parallel import (
 from solver.costs.embeddings import tied_sync_ns, with_tied_copies
 from solver.costs.empirical import check_empirical_options, empirical_layer_costs
 from solver.costs.experts import expert_stored_bytes, largest_local_param, routing_factor
+from solver.costs.fsdp import gathered_bytes, weight_gradient_bytes
 from solver.costs.graph_inputs import (
     graph_columns,
     profiled_times,
@@ -247,7 +251,10 @@ def _activation_bytes(
     # parallelism; context parallelism holds s/c of every sequence: every term per sample / c
     kept_output = ceil_div(b * cols["output_bytes"], config.dims.sequence_split)
     stored = (saved, kept_output)
-    gather = 2 * params.bytes_per_gpu(w, 1, 1) if config.zero >= 3 else 0
+    # what a layer's finished backward has freed of the micro-batch's saved tensors
+    released = np.maximum(saved - kept_output, 0)
+    gather = gathered_bytes(params, config, training)
+    grad_temporary = weight_gradient_bytes(params, config, training, grad_temporary, released)
 
     def transient(bytes_per_sample: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Kept, recomputed (the recomputed layer's saved tensors come back while it runs)."""
