@@ -439,15 +439,20 @@ def hf_megatron_section(rows: list[dict]) -> list[str]:
         "",
         f"Over {len(rows)} ranks: analytic model {spread(errors)}, worst under-prediction "
         f"{min(errors):+.2f}%. The graph's layers are HF's modules and the ranks run "
-        "Megatron's: every last stage is over-predicted by about 3.5% because the head's "
-        "transient was profiled from HF's loss (logits, log-softmax and its gradient, [s, V] "
-        "fp32 each) where Megatron's vocab-parallel cross-entropy works in place on the "
-        "logits; mixtral's blocks hold fewer saved bytes under Megatron's MoELayer than under "
-        "the profiler's drop-and-pad expert dispatch. qwen2's first stage (+3.2%, where "
-        "llama's is -0.6% with the same measured bytes) is charged its graph's tied-embedding "
-        "gradient accumulation (the embedding layer's fixed transients, 131072 and 114688 B, "
-        "against 10752 and 0 untied), which a single-device profile of the tie makes and "
-        "Megatron's separate copy on the last stage does not.",
+        "Megatron's (tagged live storages at each rank's peak): every last stage is "
+        "over-predicted by about 3.5% because the head's transient was profiled from HF's loss "
+        "(logits, log-softmax and its gradient, [s, V] fp32 each) where Megatron's "
+        "vocab-parallel cross-entropy works in place on the logits; but that over-prediction "
+        "hides what Megatron's layers hold beyond transformers' (per block: the fused QKV "
+        "output kept whole by its V view, rope's cos and sin made per q and k call, less the "
+        "SwiGLU's separate activation output; with SP the global all-gather buffer and the "
+        "output layer's reduce-scatter output): taking Megatron's head alone measured "
+        "the tp 2 + SP last stage at -4.0%. mixtral's routed experts save 98,304 B per "
+        "block less under Megatron's weighted SwiGLU (fc1 output, weighted activation, "
+        "permuted tokens) than transformers' (gate's activation and the experts' outputs "
+        "weighted after fc2), and its attention about 40 KB more. qwen2's tied first stage "
+        "no longer carries the single-device profile's gradient accumulation of the tie "
+        "(solver/costs/embeddings.py, 114,688 B).",
         "",
         *markdown_table(rows, list(rows[0])),
         "",

@@ -177,3 +177,41 @@ def test_the_profile_marks_the_tied_head():
     vocab, hidden = spec.config.vocab_size, spec.config.hidden
     assert graph.layers[-1].tied_params == {graph.layers[0].name: vocab * hidden}
     assert all(layer.tied_params is None for layer in graph.layers[:-1])
+
+
+ACCUMULATION = 4 * TABLE
+"""The owner's own gradient of the table in an fp32 single-device profile, live beside the sum
+with the head's gradient when its ``.grad`` is made (qwen2's embedding: 114688 of 131072 B)."""
+
+
+def _profiled_tie(*, dtype: str | None = "fp32", extra_params: int = 0) -> dict:
+    document = lm_graph()
+    if dtype is not None:
+        document["meta"] = {"dtype": dtype}
+    embed = document["layers"][0]
+    embed["params"] += extra_params
+    embed["largest_param"] = TABLE
+    embed |= {"transient_bytes": ACCUMULATION + 512, "weight_grad_transient_bytes": ACCUMULATION}
+    return document
+
+
+def _embed_transient(document: dict, pp: int, runtime: str = "megatron") -> int:
+    config = ParallelConfig(pp=pp, tp=1, dp=1, micro_batch=1, num_microbatches=4)
+    costs, _ = peaks(document, config, [0] * 3 + [pp - 1] * 3, runtime=runtime, precision="fp32")
+    return int(costs.transient_bytes[0])
+
+
+def test_megatrons_separate_copy_drops_the_owners_tie_accumulation():
+    """pp 2 on megatron: the owner's weight-gradient moment holds its gradient temporary (4 B x
+    the table, fp32) and not the profile's accumulation of the two gradients; the rest of its
+    transient stays."""
+    gtemp = 4 * TABLE
+    assert _embed_transient(_profiled_tie(), pp=2) == max(ACCUMULATION + 512, 0 + gtemp)
+    assert _embed_transient(_profiled_tie(), pp=2) < ACCUMULATION + gtemp
+    # one stage (one weight: the sum is made), the torch runtime: the profile's, + the temporary
+    for pp, runtime in ((1, "megatron"), (2, "torch")):
+        assert _embed_transient(_profiled_tie(), pp, runtime) == ACCUMULATION + gtemp
+    # no dtype in the graph, or a second tensor in the owner (its moment may be another's): kept
+    kept = _embed_transient(_profiled_tie(dtype=None), pp=2)
+    assert kept == ACCUMULATION + gtemp
+    assert _embed_transient(_profiled_tie(extra_params=64), pp=2) == ACCUMULATION + gtemp

@@ -21,7 +21,8 @@ o), ZeRO stage z.
          from 16384 rows)
   P'_l, largest_l with the tied copy a stage keeps at p > 1 (``embeddings``: an LM head's own
          copy of the tied embedding, split like its vocabulary; its gradient all-reduce in the
-         layer's tail)
+         layer's tail; on megatron the owner's weight-gradient transient less the copies'
+         gradient accumulation a single-device profile makes, G_o - d n_o)
   stored_l  = b A'_l, or b output_bytes_l when l is recomputed         per micro-batch, rounded up
   torch runtime: the last layer's stored bytes += b unsaved_output_bytes (graph meta): a
               pipeline's loss_fn keeps the model's output per in-flight micro-batch
@@ -64,7 +65,11 @@ from solver.costs.coefficients import LayerCosts
 from solver.costs.context_parallel import (
     ring_attention_bytes,
 )
-from solver.costs.embeddings import tied_sync_ns, with_tied_copies
+from solver.costs.embeddings import (
+    tied_sync_ns,
+    with_tied_copies,
+    without_tied_accumulation,
+)
 from solver.costs.empirical import check_empirical_options, empirical_layer_costs
 from solver.costs.experts import expert_stored_bytes, largest_local_param, routing_factor
 from solver.costs.fsdp import gathered_bytes, weight_gradient_bytes
@@ -120,8 +125,8 @@ def layer_costs(
     cols = graph_columns(graph)
     if config.cp > 1:
         check_context_parallel(graph, config.cp, training.memory_model)
-    # the vocabulary split over tp as the runtime makes it, + the tied copies a stage keeps at
-    # p > 1 (split like the vocabulary they copy)
+    # the ties' separate copies at p > 1, the vocabulary split over tp as the runtime makes it
+    cols = without_tied_accumulation(cols, graph, config, training.runtime)
     cols = with_vocab_split(cols, config, training.runtime)
     held = with_tied_copies(cols, graph, config, training.runtime)
     params = ParamShares.of(held, config)
