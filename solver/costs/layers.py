@@ -42,7 +42,9 @@ o), ZeRO stage z.
               are freed by then does not count both (a graph without the field takes
               weight_grad_transient = transient: the sum); for a recomputed layer b A'_l joins
               both terms: the layer being recomputed re-materialises its saved tensors while it
-              runs
+              runs; megatron runtime (``megatron_linear``): an LM head's weight_grad_transient
+              takes its input gradient (megatron-core makes it first), and with SP every
+              trans_l + the all-gather buffer b s h d each rank keeps
 
 With context parallelism every per-sample term is / c (``context_parallel``). Calibrated
 (``TrainingConfig.calibration``, fitted by ``python -m profiling.calibrate``): each per-layer
@@ -79,6 +81,7 @@ from solver.costs.graph_inputs import (
     recomputable_layers,
     unsaved_output_bytes,
 )
+from solver.costs.megatron_linear import head_weight_grad_moment, sp_gather_buffer_bytes
 from solver.costs.ranges import check_exact_range
 from solver.costs.schedule import in_flight_counts, stage_boundary_copies
 from solver.costs.states import (
@@ -270,9 +273,15 @@ def _activation_bytes(
     # attention's K/V buffers join the layer's own peak (its attention runs then)
     ring = ring_attention_bytes(cols["attention_kv_bytes"], config)
     anytime = tuple(peak + ring for peak in transient(cols["transient_bytes"]))
-    at_weight_grad = transient(cols["weight_grad_transient_bytes"])
+    beside_grad, kept_buffer = cols["weight_grad_transient_bytes"], 0
+    if training.runtime == "megatron":
+        # megatron-core's linears make the input gradient before the weight gradient, and keep
+        # an all-gather buffer under SP (``megatron_linear``)
+        beside_grad = head_weight_grad_moment(cols, config)
+        kept_buffer = sp_gather_buffer_bytes(cols, config)
+    at_weight_grad = transient(beside_grad)
     peaks = tuple(
-        np.maximum(peak, beside + grad_temporary) + gather
+        np.maximum(peak, beside + grad_temporary) + gather + kept_buffer
         for peak, beside in zip(anytime, at_weight_grad, strict=True)
     )
     return stored, peaks

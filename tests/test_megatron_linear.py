@@ -1,0 +1,99 @@
+"""What megatron-core's linears hold beyond the profile (solver/costs/megatron_linear.py): the LM
+head's input gradient, made before its weight gradient, and the reduce-scatter output with SP;
+the all-gather buffer each rank keeps with SP. The torch runtime and older graphs unchanged."""
+
+from __future__ import annotations
+
+from solver.costs import layer_costs
+from solver.graph import graph_from_dict
+from solver.specs import Cluster, ParallelConfig, TrainingConfig
+from tests.test_vocab import FIXED, HIDDEN, lm_graph
+
+WIDTH = 4096
+"""Bytes per sample of the hidden state entering the head (and each block): [s, h]."""
+SMALL_LOGITS = 1_000
+"""A vocabulary part of the head's transient smaller than its input gradient."""
+
+
+def head_graph(*, gathered: bool = True, fields: bool = True) -> dict:
+    """``lm_graph(1000)`` with blocks sending [s, h] and a head whose weight-gradient moment
+    holds nothing in torch's order (``weight_grad_transient_bytes`` 0) while its input gradient,
+    ``FIXED``, is made right after (``fixed_transient_bytes``); ``gathered``: the linears'
+    ``sp_gathered_bytes`` as the profile writes them."""
+    document = lm_graph(1000, fields=fields)
+    embed, *blocks, head = document["layers"]
+    embed["output_bytes"] = WIDTH
+    for block in blocks:
+        block["output_bytes"] = WIDTH
+        block["activation_bytes"] = max(block["activation_bytes"], 2 * WIDTH)
+        if gathered:
+            block["sp_gathered_bytes"] = 2 * WIDTH  # qkv's and fc1's inputs
+    head["transient_bytes"] = FIXED + SMALL_LOGITS
+    if fields:
+        head["vocab_transient_bytes"] = SMALL_LOGITS
+    if gathered:
+        head["sp_gathered_bytes"] = WIDTH
+    return document
+
+
+def costs(document: dict, *, tp: int = 1, sp: bool = False, runtime: str = "megatron"):
+    config = ParallelConfig(pp=1, tp=tp, dp=1, micro_batch=2, num_microbatches=2, sp=sp)
+    return layer_costs(
+        graph_from_dict(document),
+        config,
+        Cluster(num_gpus=config.num_gpus),
+        TrainingConfig(global_batch=4, runtime=runtime, optimizer_impl="fused"),
+    )
+
+
+def test_the_heads_weight_gradient_joins_its_input_gradient_on_megatron():
+    """b = 2: the head's bf16 weight-gradient temporary (1024 padded rows x h, / t) beside its
+    input gradient 2 FIXED; the torch runtime, whose autograd makes the weight gradient first,
+    adds the temporary to the 0 bytes of the profile's moment."""
+    for tp in (1, 2):
+        temporary = 2 * 1024 * HIDDEN // tp
+        assert costs(head_graph(), tp=tp).transient_bytes[-1] == 2 * FIXED + temporary
+    torch = costs(head_graph(), runtime="torch").transient_bytes[-1]
+    assert torch == 2 * 1000 * HIDDEN  # the whole table's temporary, nothing beside it
+
+
+def test_sequence_parallel_adds_the_reduce_scatter_output_and_the_gather_buffer():
+    """tp 2 with SP: the head's moment + its [s/t, b, h] reduce-scatter output; every layer's
+    transient + the one [s, b, h] all-gather buffer (b WIDTH: the largest single gathered input,
+    not a block's two)."""
+    plain = costs(head_graph(), tp=2, sp=True)
+    buffer = 2 * WIDTH
+    temporary = 2 * 512 * HIDDEN
+    assert plain.transient_bytes[-1] == 2 * FIXED + 2 * WIDTH // 2 + temporary + buffer
+    without_buffer = costs(head_graph(gathered=False), tp=2, sp=True)
+    assert list(plain.transient_bytes[:-1] - without_buffer.transient_bytes[:-1]) == [buffer] * 3
+    # the torch runtime keeps no such buffer: its SP saves the gathered inputs instead
+    torch = costs(head_graph(), tp=2, sp=True, runtime="torch")
+    assert (
+        torch.transient_bytes[1]
+        == costs(head_graph(gathered=False), tp=2, sp=True, runtime="torch").transient_bytes[1]
+    )
+
+
+def test_without_the_transients_parts_the_whole_transient_joins_the_temporary():
+    """A head with ``vocab_rows`` but no fixed/vocabulary parts of its transients: its whole
+    transient T beside the temporary (high, never low); a graph without any vocabulary field
+    (written before them) names no head and keeps the profile's moment."""
+    document = head_graph()
+    for key in (
+        "vocab_transient_bytes",
+        "fixed_transient_bytes",
+        "vocab_weight_grad_transient_bytes",
+        "fixed_weight_grad_transient_bytes",
+    ):
+        del document["layers"][-1][key]
+    assert costs(document).transient_bytes[-1] == 2 * (FIXED + SMALL_LOGITS) + 2 * 1024 * HIDDEN
+    older = costs(head_graph(fields=False)).transient_bytes[-1]
+    assert older == 2 * 1000 * HIDDEN  # the whole table's temporary, as before
+
+
+def test_the_embedding_has_no_input_gradient():
+    """The token ids need no gradient: the embedding's moment is the profile's."""
+    document = head_graph()
+    document["layers"][0] |= {"transient_bytes": 0, "weight_grad_transient_bytes": 0}
+    assert costs(document).transient_bytes[0] == 2 * 1024 * HIDDEN  # its temporary alone
