@@ -32,13 +32,12 @@ tied module on both stages (../shared/reference/runtime-memory-facts.md). So wit
                       before). Only where the table is o's one parameter tensor (params_o =
                       n_o: the moment is the table's) and the dtype is known; at least 0.
                       On torch (torch pipelining's copies, :mod:`profiling.executors.tied`)
-                      for every owner, and its anytime transient T_o too, each kept at least
-                      d (params_o - n_o) (its other parameters' gradients) where it was more
-  T_l, G_l -> -  d n_l  on torch, the using layer's transients without its gradient of the table,
-                      which the profile counts as a transient (the layer does not own the
-                      table there) and the copy's ``.grad`` now is (measured: gpt-tiny tied,
-                      vocabulary 4096, pp 2: +37.0% / +14.0% before, +4.7% / -0.1% now, the
-                      untied model's prediction and measured bytes to the byte); at least 0
+                      for every owner, kept at least d (params_o - n_o) (its other parameters'
+                      gradients) where it was more. The anytime transients T_o of the owner and
+                      T_l, G_l of the using layer can hold a table-sized gradient too (the zoo's
+                      GPT head: its gradient of the table, which it does not own in the
+                      profile), but not always (HF's lm_head: not), and the columns do not say
+                      which part it is: they stay (an over-prediction, never an under-one)
 
 The charge assumes the layer and its owner are on different stages, which a chain with the
 embedding first and the head last always has at p > 1; where a plan puts them on one stage (a
@@ -90,42 +89,26 @@ PROFILE_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 """Bytes per element of a gradient in the profile, by the graph's ``meta.dtype``."""
 
 
-TIE_TRANSIENTS = (
-    "transient_bytes",
-    "weight_grad_transient_bytes",
-    "fixed_transient_bytes",
-    "fixed_weight_grad_transient_bytes",
-)
-"""The transients in which a single-device profile of a tie holds a table-sized gradient beside
-the layer's: the owner's accumulation, the user's gradient of the table (not one of its own
-parameters there; its copy's ``.grad`` at p > 1)."""
-
-
 def without_tied_accumulation(
     cols: dict[str, np.ndarray], graph: LayerGraph, config: ParallelConfig, runtime: str
 ) -> dict[str, np.ndarray]:
-    """The columns without the single-device profile's tie accumulation at p > 1, where each
-    stage keeps its own copy (module docstring): each tie owner's weight-gradient transient
-    less its table (G_o, megatron and torch), and on torch each using layer's transients less
-    its copy's gradient (T_l, G_l); ``cols`` itself at p = 1 or when nothing qualifies."""
+    """The columns with each tie owner's weight-gradient transient less the accumulation of the
+    copies' gradients a single-device profile makes (module docstring, G_o), at p > 1 on
+    megatron and torch (where each stage keeps its own copy); ``cols`` itself elsewhere or when
+    no owner qualifies."""
     if runtime not in ("megatron", "torch") or config.pp == 1:
         return cols
-    used, owned = tied_columns(graph)
+    _, owned = tied_columns(graph)
     size = PROFILE_DTYPE_BYTES.get(graph.meta.get("dtype"))
     if size is None or not owned.any():
         return cols
-    out = dict(cols)
-    # megatron: where the table is the owner's one tensor; torch: any owner, its transient kept
-    # at least its other parameters' gradient bytes (what its other moments can hold)
+    # megatron: where the table is the owner's one tensor; torch: any owner, kept at least its
+    # other parameters' gradient bytes (what its other weight-gradient moments can hold)
     owners = (owned > 0) & ((cols["params"] == owned) | (runtime == "torch"))
     rest = size * (cols["params"] - owned)
-    keys = TIE_TRANSIENTS if runtime == "torch" else TIE_TRANSIENTS[1::2]
-    for key in keys:  # megatron: its weight-gradient moments
+    out = dict(cols)
+    for key in ("weight_grad_transient_bytes", "fixed_weight_grad_transient_bytes"):
         out[key] = _less(cols[key], owners, size * owned, floor=rest)
-    if runtime == "torch":  # megatron's head moments: solver/costs/megatron_linear.py
-        users = used > 0
-        for key in TIE_TRANSIENTS:
-            out[key] = _less(out[key], users, size * used)
     return out
 
 
