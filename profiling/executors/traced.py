@@ -33,6 +33,10 @@ position bias, instead of the CPU math fallback): what the profile counts.
 
 Recompute ``"full"``: every planned layer's traced submodule runs under non-reentrant
 ``torch.utils.checkpoint`` (its forward is replaced on the traced stage, names unchanged).
+A tied parameter used on two stages (an LM head sharing the embedding's table): ``pipeline()``
+gives each stage its own copy (and leaves the original, unread, under the other alias on the
+embedding's stage, which is dropped); the copies' gradients are summed over the holding ranks
+before the step (:mod:`profiling.executors.tied`).
 Gradients persist between steps (``zero_grad(set_to_none=False)``) unless the plan's training
 section says ``grad_lifetime: "step"`` (then ``set_to_none=True``). Data parallelism
 (dp > 1, ZeRO 0): DDP over each stage's traced module (gradients in its buckets, synced on the
