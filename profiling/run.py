@@ -86,10 +86,14 @@ barrier, and ``RankReport.step_ms`` is the slowest rank's time of each
 the graph's layer times were measured with, ``meta.timing.threads``, when the plan's graph file
 records it; else ``cpu_count // world``), reported as ``RankReport.threads``.
 
-Not supported (``InputError``): tied weights split across (virtual) stages, a tied embedding and
-head with a vocabulary-parallel table, ZeRO-1 with tp > 1 and dp > 1, sequence parallelism
-(``config.sp``) on a model other than the GPT/Llama presets or with a sequence tp does not
-divide. For a zoo
+Tied weights split across (virtual) stages (a head sharing the embedding's table): each rank
+whose layers use the table keeps its own copy (with its gradient and Adam state), and before the
+optimizer step the copies' gradients are summed over those pipeline ranks
+(:mod:`profiling.executors.tied`), as torchtitan and ``pipeline()`` run them.
+
+Not supported (``InputError``): a tied embedding and head with a vocabulary-parallel table,
+ZeRO-1 with tp > 1 and dp > 1, sequence parallelism (``config.sp``) on a model other than the
+GPT/Llama presets or with a sequence tp does not divide. For a zoo
 preset the model's layers must form a chain (each takes the previous one's output, the last takes
 ``(hidden, targets)``: the GPT/Llama presets); a DAG preset such as t5-tiny fails inside the
 ranks, which ``run_plan`` reports as ``RunError``. Any other model (``hf:NAME``,

@@ -308,8 +308,8 @@ def hf_section(rows: list[dict]) -> list[str]:
 
 
 HF_FAMILY_LAYOUTS = ("pp2", "dp2")
-"""Every family at pp 2 (untied ones: the torch engine refuses a tied embedding and head on two
-stages) and pp 1 x dp 2, plus ``HF_FAMILY_EXTRA``."""
+"""Every family at pp 2 (tied ones with a copy of the table on each stage,
+profiling/executors/tied.py) and pp 1 x dp 2, plus ``HF_FAMILY_EXTRA``."""
 HF_FAMILY_EXTRA = (("llama", "pp2 dp2"), ("mixtral", "pp2 dp2"), ("deepseek_v2", "pp2 dp2"))
 
 
@@ -318,14 +318,10 @@ def hf_family_rows(progress) -> list[dict]:
     per rank with the analytic prediction and its error."""
     import tempfile
 
-    from tests.hf_small import SMALL_HF, TIED, validate_family
+    from tests.hf_small import SMALL_HF, validate_family
 
-    runs = [
-        (family, layout)
-        for family in SMALL_HF
-        for layout in HF_FAMILY_LAYOUTS
-        if not (layout.startswith("pp2") and family in TIED)
-    ] + list(HF_FAMILY_EXTRA)
+    runs = [(family, layout) for family in SMALL_HF for layout in HF_FAMILY_LAYOUTS]
+    runs += list(HF_FAMILY_EXTRA)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for family, layout in runs:
@@ -376,9 +372,9 @@ def hf_family_section(rows: list[dict]) -> list[str]:
         "Adam, micro-batches of 1 (m = 8 per replica), 1F1B, planned with `--runtime torch "
         "--zero 0 --ep 1`, exported as `hf:<folder>` and run with `python -m "
         "profiling.validate` (tests/hf_small.py `validate_family`). Tied families "
-        f"({', '.join(TIED)}) run at pp 1 x dp 2 only: the torch engine refuses a tied "
-        "embedding and head on two stages. Targets (issue 28): median |error| <= 1%, max <= "
-        "3%, no rank under-predicted by more than 1%.",
+        f"({', '.join(TIED)}) at pp 2 keep a copy of the table on each stage and all-reduce "
+        "the copies' gradients before the step (profiling/executors/tied.py). Targets "
+        "(issue 28): median |error| <= 1%, max <= 3%, no rank under-predicted by more than 1%.",
         "",
         f"Over {len(rows)} ranks: analytic model {spread(errors)}, worst under-prediction "
         f"{min(errors):+.2f}%. At pp 2 the first stage is over-predicted by 1.9-2.7%: the cost "
