@@ -155,7 +155,8 @@ class Attention(nn.Module):
     """Multi-head self- or cross-attention with grouped-query heads and optional rotary positions.
 
     Self-attention uses one fused projection ``qkv``: Linear(h, (heads + 2 kv_heads) head_dim),
-    Linear(h, 3h) for plain multi-head attention. Cross-attention (``cross=True``) projects the
+    Linear(h, 3h) for plain multi-head attention, with a bias when ``qkv_bias`` (None:
+    ``bias``). Cross-attention (``cross=True``) projects the
     queries from x with ``q`` and keys and values from the memory (the encoder output) with ``kv``.
     ``proj`` maps heads x head_dim back to h and is followed by dropout (Korthikanti's sh mask).
     """
@@ -168,6 +169,7 @@ class Attention(nn.Module):
         kv_heads: int | None = None,
         head_dim: int | None = None,
         bias: bool = True,
+        qkv_bias: bool | None = None,
         dropout: float = 0.0,
         causal: bool = True,
         rotary: bool = False,
@@ -190,7 +192,8 @@ class Attention(nn.Module):
             self.q = nn.Linear(hidden, q_width, bias=bias)
             self.kv = nn.Linear(hidden, 2 * kv_width, bias=bias)
         else:
-            self.qkv = nn.Linear(hidden, q_width + 2 * kv_width, bias=bias)
+            qkv_bias = bias if qkv_bias is None else qkv_bias
+            self.qkv = nn.Linear(hidden, q_width + 2 * kv_width, bias=qkv_bias)
         self.proj = nn.Linear(q_width, hidden, bias=bias)
         self.dropout = Dropout(dropout)
 
