@@ -120,7 +120,8 @@ def rotary_tables(
 
     Built on every call from ``arange``: no buffer, so the model builds the same way on the meta
     device, under fake tensors and for real. The tables do not require grad and do not depend on
-    the batch; autograd saves them (2 x seq x head_dim elements per layer, batch-independent).
+    the batch; autograd saves them (2 x seq x head_dim elements per call, batch-independent;
+    :class:`Attention` makes them for q and for k, as megatron-core does).
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
     angles = torch.outer(torch.arange(seq, device=device).float(), inv_freq)
@@ -212,11 +213,11 @@ class Attention(nn.Module):
             q, k, v = self.qkv(x).split([self.heads * self.head_dim, kv_width, kv_width], dim=-1)
         q = self._heads(q, self.heads)
         k, v = self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
-        if self.rotary:
-            cos, sin = rotary_tables(
-                x.size(1), self.head_dim, theta=self.rope_theta, device=x.device, dtype=q.dtype
-            )
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.rotary:  # tables made per call, as megatron-core's apply_rotary_pos_emb does
+            # (its cos and sin of q and of k are saved apart: 4 s d elements per layer)
+            tables = dict(theta=self.rope_theta, device=x.device, dtype=q.dtype)
+            q = apply_rotary(q, *rotary_tables(x.size(1), self.head_dim, **tables))
+            k = apply_rotary(k, *rotary_tables(x.size(1), self.head_dim, **tables))
         dropout_p = self.dropout_p if self.training else 0.0
         if self.impl == "sdpa":
             out = F.scaled_dot_product_attention(
@@ -252,9 +253,15 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         (x,) = ctx.saved_tensors
         gate, up = x.chunk(2, dim=-1)
-        sigmoid = torch.sigmoid(gate)
-        grad_gate = grad * up * sigmoid * (1 + gate * (1 - sigmoid))
-        return torch.cat([grad_gate, grad * gate * sigmoid], dim=-1)
+        # megatron-core's swiglu_back, term for term (so its temporaries): its gradient of
+        # silu(gate) and of up, made and concatenated as the fused function's are
+        return torch.cat(
+            (
+                grad * torch.sigmoid(gate) * (1 + gate * (1 - torch.sigmoid(gate))) * up,
+                grad * F.silu(gate),
+            ),
+            -1,
+        )
 
 
 class MLP(nn.Module):

@@ -243,6 +243,10 @@ def export_graph(
                     **_seq_source(seq, spec),
                 },
             )
+        if spec.meta.get("implementation") == "megatron":
+            from profiling.executors.megatron_hf import tie_head
+
+            graph = tie_head(graph, spec.config)
         graph.meta["profile_s"] = round(time.perf_counter() - started, 3)
         return graph
     finally:

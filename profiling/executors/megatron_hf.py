@@ -22,6 +22,7 @@ itself and masks the last position (``hf_batch``), so that both losses average t
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ import torch
 import models
 from profiling.architecture import architecture_meta
 from solver.errors import InputError
+from solver.graph import LayerGraph
 
 FAMILIES = ("llama", "qwen2", "mistral", "mixtral")
 """The HF ``model_type`` values mapped onto GPTModel."""
@@ -235,15 +237,42 @@ def megatron_profile_spec(spec: models.ModelSpec, seq: int | None = None) -> mod
     config = mapped.config
     layers = models.gpt.layer_paths(config)
     _check_profiled_params(mapped, lambda: models.gpt.GPT(config), layers)
+    # a tied output layer is profiled as its own copy (Megatron's at pp > 1, :func:`tie_head`)
+    copy = dataclasses.replace(config, tied_embeddings=False)
     return models.ModelSpec(
         name=spec.name,
         config=config,
-        build=lambda: models.gpt.GPT(config),
+        build=lambda: models.gpt.GPT(copy),
         example_inputs=lambda batch, seq=None: models.gpt.example_inputs(config, batch, seq),
         layers=layers,
         seq_len=mapped.seq_len,
         meta={**spec.meta, **architecture_meta(spec.config), "implementation": "megatron"},
     )
+
+
+def tie_head(graph: LayerGraph, config: models.gpt.GPTConfig) -> LayerGraph:
+    """The graph of a tied model profiled with its output layer's own copy of the word
+    embeddings (:func:`megatron_profile_spec`), with the tie recorded as a tied profile records
+    it: the copy's V h elements counted in ``embed`` only (``head.tied_params``, meta
+    ``shared_params``), the head's largest parameter its norm's. Its bytes stay the copy's:
+    Megatron's last stage (pp > 1) makes the output layer's weight gradient into its own
+    gradient buffer, where a shared tensor would keep it beside the embedding's until both are
+    summed (+V h x 4 B on the head's transient in the small qwen2). ``graph`` when untied."""
+    if not config.tied_embeddings:
+        return graph
+    elements = config.vocab_size * config.hidden
+    layers = []
+    for layer in graph.layers:
+        if layer.name == "head":
+            changes = {"params": layer.params - elements, "tied_params": {"embed": elements}}
+            changes |= {"largest_param": config.hidden, "vocab_params": 0}
+            layer = dataclasses.replace(layer, **changes)
+        layers.append(layer)
+    shared = [
+        {"param": "embed.tok.weight", "numel": elements, "counted_in": "embed"}
+        | {"shared_with": ["head"]}
+    ]
+    return dataclasses.replace(graph, layers=layers, meta={**graph.meta, "shared_params": shared})
 
 
 def _check_profiled_params(mapped: models.ModelSpec, build, layers: list[str]) -> None:
