@@ -416,7 +416,7 @@ def implementation_warning(meta: Mapping[str, Any], runtime: str, *, graph: str)
     if implementation is None or implementation == wanted:
         return None
     return (
-        f"warning: {graph} profiles {implementation}'s modules (meta.implementation) and "
-        f"--runtime {runtime} runs {wanted}'s: the plan's memory is theirs; re-export with "
+        f"warning: {graph} profiles {implementation} modules (meta.implementation) and "
+        f"--runtime {runtime} runs {wanted} modules, which keep other tensors; re-export with "
         f"python -m profiling.export hf:... --implementation {wanted}"
     )

@@ -94,8 +94,8 @@ def test_plan_and_evaluate_warn_when_the_runtime_runs_other_modules(
     assert code == 0, err
     wanted = "megatron" if runtime == "megatron" else "transformers"
     line = (
-        f"warning: {path} profiles {warned}'s modules (meta.implementation) and --runtime "
-        f"{runtime} runs {wanted}'s: the plan's memory is theirs; re-export with python -m "
+        f"warning: {path} profiles {warned} modules (meta.implementation) and --runtime "
+        f"{runtime} runs {wanted} modules, which keep other tensors; re-export with python -m "
         f"profiling.export hf:... --implementation {wanted}\n"
     )
     assert err == (line if warned else "")
