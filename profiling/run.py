@@ -176,7 +176,7 @@ def _check_runnable(
             "without TransformerEngine); docs/running.md, plan with --cp 1 to run it"
         )
     if traced and engine == "megatron":  # an hf: model that GPTModel expresses
-        spec = _megatron_hf_spec(spec, seq)
+        spec = _megatron_hf_spec(spec, seq, plan)
         _check_megatron(spec, plan)
         traced = False  # its layers are checked below, as a preset's
     elif traced:
@@ -204,17 +204,19 @@ def _check_runnable(
         )
 
 
-def _megatron_hf_spec(spec: models.ModelSpec, seq: int | None) -> models.ModelSpec:
+def _megatron_hf_spec(spec: models.ModelSpec, seq: int | None, plan: PlanFile) -> models.ModelSpec:
     """The megatron engine's spec of a traced model (:mod:`profiling.executors.megatron_hf`):
-    an ``hf:`` model GPTModel expresses, else InputError naming what it does not."""
-    from profiling.executors.megatron_hf import megatron_hf_spec
+    an ``hf:`` model GPTModel expresses, else InputError naming what it does not; its layers
+    HF's or Megatron's, as the plan's graph has them."""
+    from profiling.executors.megatron_hf import megatron_hf_spec, plan_implementation
 
     if not spec.name.startswith("hf:"):
         raise InputError(
             f"engine megatron runs the zoo's GPT/Llama presets and hf: models GPTModel "
             f"expresses; {spec.name} runs with --engine torch"
         )
-    return megatron_hf_spec(spec, seq)
+    layers = [name for chunk in plan.virtual_stage_layers for name in chunk]
+    return megatron_hf_spec(spec, seq, plan_implementation(layers))
 
 
 def _check_torch(spec: models.ModelSpec, config: ParallelConfig) -> None:

@@ -402,3 +402,21 @@ def refuse_export_sections(
         refusal = None if engine is None else engine_refusal(degrees, facts, engine)
         result[name] = section if refusal is None else {"refused": refusal}
     return result
+
+
+def implementation_warning(meta: Mapping[str, Any], runtime: str, *, graph: str) -> str | None:
+    """The one line a plan gets when its graph profiled another implementation's modules than
+    the runtime runs (``meta.implementation``, ``profiling.export --implementation``; an hf:
+    graph without it is transformers'): the megatron runtime runs megatron-core's layers, the
+    others transformers' (their saved tensors, loss and experts differ: a few % of a stage's
+    peak, benchmarks/bench_accuracy_hf_megatron.md). None when they agree or the graph is no
+    hf: model's."""
+    implementation = meta.get("implementation") or ("transformers" if "hf_class" in meta else None)
+    wanted = "megatron" if runtime == "megatron" else "transformers"
+    if implementation is None or implementation == wanted:
+        return None
+    return (
+        f"warning: {graph} profiles {implementation} modules (meta.implementation) and "
+        f"--runtime {runtime} runs {wanted} modules, which keep other tensors; re-export with "
+        f"python -m profiling.export hf:... --implementation {wanted}"
+    )

@@ -15,6 +15,7 @@ from solver.cli.common import (
     calibration_from_args,
     cluster_from_args,
     precision_words,
+    warn_implementation,
 )
 from solver.console import (
     OneLineErrorParser,
@@ -143,6 +144,7 @@ def _evaluate_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         )
     plan = load_plan(args.plan)
     result = evaluate_plan(plan, args.graph)
+    warn_implementation(result.graph, plan.training.runtime, result.graph.source)
     where = f"{result.graph.model} on {result.config.num_gpus} GPUs"
     _output(args, result, f"Plan {args.plan} evaluated again: {where}")
     differences = plan_differences(plan, result)
@@ -185,6 +187,7 @@ def _evaluate_split(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     recomputed = _recompute_layers(args, graph)
     training = _training_from_args(args, config)
     check_config(config, ModelFacts.of_graph(graph), training.runtime, where="")
+    warn_implementation(graph, training.runtime, args.graph)
     result = evaluate(
         graph,
         config,

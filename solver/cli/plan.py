@@ -14,6 +14,7 @@ from solver.cli.common import (
     add_plot_option,
     cluster_from_args,
     training_from_args,
+    warn_implementation,
 )
 from solver.cli.progress import SearchProgress
 from solver.console import (
@@ -90,6 +91,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         cluster = cluster_from_args(parser, args, args.gpus)
         graph = load_graph(args.graph, deadline=deadline)
         training = training_from_args(args)
+        warn_implementation(graph, training.runtime, args.graph)
         if args.pareto:
             _pareto(args, graph, training, cluster, deadline)
             return 0
