@@ -416,3 +416,22 @@ def test_sequence_parallelism_needs_tensor_parallelism():
     config = ParallelConfig(pp=4, tp=8, dp=2, micro_batch=1, num_microbatches=16, sp=True)
     assert config.label() == "pp4 tp8 dp2 b1 m16 zero0 1f1b sp"
     assert "sp" not in dataclasses.replace(config, sp=False).label()
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_fsdp2_under_pipelining_is_said_in_the_plan(tmp_path, capsys, pp):
+    """The plan's text says what FSDP2 holds under PipelineStage (one reduce per step), and only
+    there: at pp 1 FSDP2 reduce-scatters after every backward."""
+    from solver.cli.evaluate import evaluate_main as main
+
+    path = tmp_path / "toy.json"
+    GRAPH.save(path)
+    split = "2,2" if pp == 2 else "4"
+    args = [str(path), "--pp", str(pp), "--dp", "2", "--zero", "3", "--global-batch", "4"]
+    args += ["--micro-batch", "1", "--runtime", "torch", "--split", split]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    said = "FSDP2 under PipelineStage reduce-scatters once per step" in out
+    assert said == (pp == 2)
+    assert ("ZeRO 2 and 3 the same memory" in out) == (pp == 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["toy.json"]
