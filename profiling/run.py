@@ -50,10 +50,12 @@ gpt-tiny the measured weights equal the prediction to the byte (tests). See
 Data parallelism over ``dp > 1`` by ZeRO stage: 0 DDP; 1 DDP + ``ZeroRedundancyOptimizer`` (Adam
 state sharded); 2 FSDP2 ``fully_shard(reshard_after_forward=False)`` (gradients and Adam state
 sharded; each layer's weights gathered from its forward to its backward); 3 FSDP2
-``fully_shard`` (one unit per layer plus the stage). For 2 and 3 the stage reaches
-``PipelineStage`` inside a plain ``nn.Sequential``: given an FSDP module it would turn gradient
-sync and resharding off until the last micro-batch, so every layer reduce-scatters its gradients
-and reshards after each backward, as ZeRO and the cost model assume. With tp > 1, zero 0 uses
+``fully_shard`` (one unit per layer plus the stage). At pp > 1 the FSDP stage is handed to
+``PipelineStage`` as torchtitan does: it turns gradient sync and resharding off for every
+micro-batch's backward and reduce-scatters once per step, so every layer's unsharded gradients
+and weights stay to the step's end (the cost model's ``states.reduces_per_step``); at pp 1 it
+reaches the schedule inside a plain ``nn.Sequential`` and every layer reduce-scatters its
+gradients and reshards after each backward, as FSDP2 alone does. With tp > 1, zero 0 uses
 FSDP2's ``replicate`` (DDP does not take DTensor parameters) and zero 1 is an ``InputError``
 (``ZeroRedundancyOptimizer`` cannot shard DTensor parameters).
 

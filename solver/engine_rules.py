@@ -42,10 +42,16 @@ wq/wk/wv (parallelize.py:229-230) viewed as whole heads (model/model.py:256). Da
 is FSDP2 with PP allowed (parallelize.py:125-139): ``fsdp_reshard_after_forward`` "always" is
 ZeRO-3, "never" keeps parameters gathered from forward to backward (ZeRO-2-like; the default
 with PP, :327); no ZeRO-1, DDP only as the sole parallelism (:151). The export runs ZeRO 0/1
-as FSDP2 "never" (less memory than planned), so torchtitan refuses no ZeRO stage.
+as FSDP2 "never" (at pp 1 less memory than planned; under PP the ZeRO-2 memory below, which
+its warning says), so torchtitan refuses no ZeRO stage.
 
 torch pipelining (``profiling.run``): whole heads and KV heads per TP rank
 (profiling/executors/parallelize.py:77); ZeRO 0-3 with PP (DDP, ZeroRedundancyOptimizer, FSDP2).
+FSDP2 under PP, in torchtitan and ``profiling.run`` alike, is handed to ``PipelineStage``, which
+reduce-scatters once per step (torch 2.13 pipelining/stage.py:844-847, 1164-1190): every layer's
+unsharded weights and gradients stay all step, so ZeRO 2 and 3 are the same memory there
+(ZeRO 3 adds a gather at each forward). The cost model plans that
+(``solver.costs.states.reduces_per_step``), so no rule refuses them and the plan says so.
 
 A runtime runs a layout when one of its engines does (``RUNTIME_ENGINES``): ``--runtime
 megatron`` is Megatron-LM or DeepSpeed, ``--runtime torch`` torch pipelining or torchtitan. So
