@@ -269,7 +269,8 @@ def implementation_spec(name: str, spec, implementation: str | None, seq: int | 
             "have another implementation (zoo presets are profiled as megatron-core runs them)"
         )
     if implementation != "megatron":
-        return dataclasses.replace(spec, meta={**spec.meta, "implementation": "transformers"})
+        meta = {"implementation": "transformers", "megatron_expressible": _expressible(spec, seq)}
+        return dataclasses.replace(spec, meta={**spec.meta, **meta})
     try:
         return megatron_profile_spec(spec, seq)
     except InputError as error:
@@ -280,6 +281,18 @@ def implementation_spec(name: str, spec, implementation: str | None, seq: int | 
             "run it with --engine torch", "export it with --implementation transformers"
         )
         raise InputError(f"--implementation megatron: {text}") from None
+
+
+def _expressible(spec, seq: int | None) -> bool:
+    """``meta.megatron_expressible``: whether megatron-core's GPTModel expresses the hf: model
+    (``--implementation megatron`` would profile it)."""
+    from profiling.executors.megatron_hf import megatron_hf_spec
+
+    try:
+        megatron_hf_spec(spec, seq)
+    except InputError:
+        return False
+    return True
 
 
 def _seq_source(seq: int | None, spec) -> dict[str, str]:

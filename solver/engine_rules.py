@@ -415,12 +415,15 @@ def implementation_warning(meta: Mapping[str, Any], runtime: str, *, graph: str)
     the runtime runs (``meta.implementation``, ``profiling.export --implementation``; an hf:
     graph without it is transformers'): the megatron runtime runs megatron-core's layers, the
     others transformers' (their saved tensors, loss and experts differ: a few % of a stage's
-    peak, benchmarks/bench_accuracy_hf_megatron.md). None when they agree or the graph is no
-    hf: model's."""
+    peak, benchmarks/bench_accuracy_hf_megatron.md). None when they agree, when the graph is no
+    hf: model's, or when megatron-core cannot run the model (``meta.megatron_expressible``
+    false or absent: nothing to re-export to)."""
     implementation = meta.get("implementation") or ("transformers" if "hf_class" in meta else None)
     wanted = "megatron" if runtime == "megatron" else "transformers"
     if implementation is None or implementation == wanted:
         return None
+    if wanted == "megatron" and not meta.get("megatron_expressible"):
+        return None  # no megatron-core profile to re-export to (or a graph from before the field)
     return (
         f"warning: {graph} profiles {implementation} modules (meta.implementation) and "
         f"--runtime {runtime} runs {wanted} modules, which keep other tensors; re-export with "

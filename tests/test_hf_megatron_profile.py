@@ -102,3 +102,18 @@ def test_plan_and_evaluate_warn_when_the_runtime_runs_other_modules(
     code, _, err = run_cli(evaluate_main, "--plan", str(plan), "--quiet")
     assert code == 0, err
     assert err == (line if warned else "")
+
+
+@pytest.mark.slow
+def test_no_warning_where_megatron_core_cannot_run_the_model(tmp_path, run_cli):
+    """gemma2 (soft-capping, no megatron-core profile to re-export to): plans for the megatron
+    runtime say nothing about implementations; the graph records why."""
+    code, err, graph = _export(run_cli, tmp_path, "gemma2")
+    assert code == 0, err
+    path = next(tmp_path.glob("gemma2*.json"))
+    meta = json.loads(path.read_text())["meta"]
+    assert meta["implementation"] == "transformers" and meta["megatron_expressible"] is False
+    code, _, err = run_cli(
+        plan_main, str(path), *PLAN, "--runtime", "megatron", "--precision", "fp32", "--quiet"
+    )
+    assert code == 0 and err == ""

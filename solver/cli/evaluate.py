@@ -187,7 +187,6 @@ def _evaluate_split(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     recomputed = _recompute_layers(args, graph)
     training = _training_from_args(args, config)
     check_config(config, ModelFacts.of_graph(graph), training.runtime, where="")
-    warn_implementation(graph, training.runtime, args.graph)
     result = evaluate(
         graph,
         config,
@@ -197,6 +196,7 @@ def _evaluate_split(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         group_of_stage=groups,
         recomputed=recomputed,
     )
+    warn_implementation(graph, training.runtime, args.graph)
     _output(args, result, f"Split {args.split} of {graph.model} on {config.num_gpus} GPUs")
 
 

@@ -91,7 +91,6 @@ def plan_main(argv: list[str] | None = None) -> int:
         cluster = cluster_from_args(parser, args, args.gpus)
         graph = load_graph(args.graph, deadline=deadline)
         training = training_from_args(args)
-        warn_implementation(graph, training.runtime, args.graph)
         if args.pareto:
             _pareto(args, graph, training, cluster, deadline)
             return 0
@@ -106,6 +105,7 @@ def plan_main(argv: list[str] | None = None) -> int:
             progress=progress if progress.enabled else None,
         )
         progress.close()
+        warn_implementation(graph, training.runtime, args.graph)  # a plan came: it applies
         if args.json:
             write_json(args.json, plan_to_dict(result), protect=input_files(args))
         if args.plot:
