@@ -290,7 +290,7 @@ def _expressible(spec, seq: int | None) -> bool:
 
     try:
         megatron_hf_spec(spec, seq)
-    except InputError:
+    except (InputError, ValueError):  # a refusal, or a GPTConfig value out of its range
         return False
     return True
 

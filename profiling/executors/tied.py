@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from profiling._torch_compat import local_shard
+
 
 @dataclass(frozen=True)
 class TiedParameter:
@@ -53,7 +55,9 @@ def tied_parameters(
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (FSDP2, ``replicate``), a plain tensor itself."""
-    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+    from torch.distributed.tensor import DTensor
+
+    return local_shard(tensor) if isinstance(tensor, DTensor) else tensor
 
 
 class TiedGradSync:

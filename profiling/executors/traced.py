@@ -338,6 +338,16 @@ def _recompute_layers(stage_module: nn.Module, layers: list[str]) -> None:
 # -- training (rank) ---------------------------------------------------------------------------
 
 
+def _traced_parameters(stage):
+    """The stage's parameters under the traced module's own names (inside DDP's ``module.``)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    module = stage.submod
+    if isinstance(module, DistributedDataParallel):
+        module = module.module
+    return module.named_parameters()
+
+
 def _tied_sync(stage, owners, place, job: RunJob) -> TiedGradSync:
     """The all-reduce of the stage's tied copies' gradients (``pipeline()`` gives each stage
     that uses a parameter its own copy), over the pipeline ranks holding each."""
@@ -347,7 +357,7 @@ def _tied_sync(stage, owners, place, job: RunJob) -> TiedGradSync:
         key=lambda item: item.name,
     )  # fmt: skip
     copies: dict[str, list[nn.Parameter]] = {}
-    for name, param in stage.submod.named_parameters():
+    for name, param in _traced_parameters(stage):
         where, first = owners.get(name, ((), name))
         if len(where) > 1:
             copies.setdefault(first, []).append(param)
@@ -390,7 +400,7 @@ def _iterate(
     if job.capture_grads:
         grads = {  # by the full model's parameter names (a tied alias traces under another)
             owners.get(name, (None, name))[1]: param.grad.detach().cpu().clone()
-            for name, param in stage.submod.named_parameters()
+            for name, param in _traced_parameters(stage)
             if param.grad is not None
         }
     return Measured.at_peak(
