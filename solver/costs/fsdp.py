@@ -18,6 +18,10 @@ storages at each rank's peak (``profiling.run``, gpt-tiny, dp 2 x pp 2):
   kept (``reduce_scatter_states``, ``reduce_scatter_max_input_buffers`` 1) until the next
   layer's ``post_backward``: layer l's backward runs beside layer l+1's reduce-scatter input.
 
+All of this is pp 1. Under pipelining (p > 1) torch's ``PipelineStage`` reduce-scatters once per
+step (``states.reduces_per_step``): the unsharded weights and gradients are model states there,
+and only ``forward_gather_bytes`` and ``_step_reduce_bytes`` below remain per layer.
+
 Layers l-1 and l+1 are the neighbours in the graph's order; a neighbour on another stage is
 counted too (over, never under). With d = 1 there is no FSDP (``profiling.run`` runs the stage
 unwrapped): nothing is added.
