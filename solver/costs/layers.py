@@ -21,8 +21,8 @@ o), ZeRO stage z.
          from 16384 rows)
   P'_l, largest_l with the tied copy a stage keeps at p > 1 (``embeddings``: an LM head's own
          copy of the tied embedding, split like its vocabulary; its gradient all-reduce in the
-         layer's tail; on megatron the owner's weight-gradient transient less the copies'
-         gradient accumulation a single-device profile makes, G_o - d n_o)
+         layer's tail; at p > 1 (megatron, torch) the owner's weight-gradient transient less
+         the copies' gradient accumulation a single-device profile makes, G_o - d n_o)
   stored_l  = b A'_l, or b output_bytes_l when l is recomputed         per micro-batch, rounded up
   torch runtime: the last layer's stored bytes += b unsaved_output_bytes (graph meta): a
               pipeline's loss_fn keeps the model's output per in-flight micro-batch
