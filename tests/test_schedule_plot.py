@@ -13,9 +13,15 @@ import pytest
 from solver import Cluster, ParallelConfig, TrainingConfig, evaluate
 from solver.cli import evaluate_main, plan_main
 from solver.costs import layer_costs, rank_memory, schedule_actions, stage_costs
-from solver.report.schedule_plot import memory_curve, schedule_figure, schedule_series
+from solver.graph import graph_from_dict
+from solver.report.schedule_plot import (
+    figure_scale,
+    memory_curve,
+    schedule_figure,
+    schedule_series,
+)
 from tests.conftest import GPT_1_3B
-from tests.random_graphs import random_chain, random_dag
+from tests.random_graphs import random_chain, random_dag, random_layer
 
 GIB = 2**30
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -152,7 +158,9 @@ def _lines(ax) -> dict[str, object]:
 @pytest.mark.parametrize("name", [pytest.param("interleaved", marks=pytest.mark.slow), "gpipe"])
 def test_figure_carries_actions_memory_peak_and_capacity(name, request):
     evaluation = request.getfixturevalue(name)
-    series, _ = schedule_series(evaluation)
+    series, makespan = schedule_series(evaluation)
+    scale = figure_scale(series, makespan)
+    assert (scale.time_unit, scale.memory_unit) == ("ms", "GiB")
     figure = schedule_figure(evaluation)
     config = evaluation.config
     assert len(figure.axes) == 2 * config.pp
@@ -172,24 +180,47 @@ def test_figure_carries_actions_memory_peak_and_capacity(name, request):
         lines = _lines(memory)
         curve = lines["predicted memory"]
         xs, ys = memory_curve(rank)
-        assert list(curve.get_xdata()) == xs and list(curve.get_ydata()) == ys
+        assert list(curve.get_xdata()) == [x / 1e6 for x in xs]
+        assert list(curve.get_ydata()) == [y / GIB for y in ys]
         peak = lines[next(label for label in lines if label.startswith("predicted peak"))]
-        assert list(peak.get_ydata()) == [rank.peak_bytes / GIB] * 2 == [max(ys)] * 2
+        assert list(peak.get_ydata()) == [rank.peak_bytes / GIB] * 2 == [max(ys) / GIB] * 2
         usable = lines[next(label for label in lines if label.startswith("usable"))]
         assert list(usable.get_ydata()) == [evaluation.usable_bytes[rank.rank] / GIB] * 2
+        assert memory.get_ylim() == (0, scale.top) and scale.top > usable.get_ydata()[0]
+        assert memory.get_ylabel() == "GiB"
     assert figure.axes[-1].get_xlim() == (0, evaluation.iteration_ns / 1e6)
     legend = {text.get_text() for legend in figure.legends for text in legend.get_texts()}
     assert {"F: forward", "B: backward", "usable GPU memory", "predicted peak"} <= legend
 
 
 def test_measured_memory_is_drawn_over_the_prediction(gpipe):
-    series, _ = schedule_series(gpipe)
+    series, makespan = schedule_series(gpipe)
     measured = {1: [value - 1000 for value in series[1].action_bytes]}
     figure = schedule_figure(gpipe, measured=measured)
     lines = _lines(figure.axes[3])
     label = next(label for label in lines if label.startswith("measured"))
-    assert list(lines[label].get_ydata()) == memory_curve(series[1], measured[1])[1]
+    ys = memory_curve(series[1], measured[1])[1]
+    assert list(lines[label].get_ydata()) == [y / GIB for y in ys]
     assert not any(label.startswith("measured") for label in _lines(figure.axes[1]))
+
+
+def test_a_graph_without_times_shows_the_order_in_slots_and_small_memory_in_its_unit():
+    """No layer times: forwards take one slot, backwards two; a tiny model's memory in KiB with
+    the usable memory of an 80 GiB GPU out of view, said in words."""
+    rng = random.Random(3)
+    layers = [random_layer(rng, f"l{i}") | {"fwd_flops": 0.0} for i in range(4)]
+    graph = graph_from_dict({"format": "layer-graph", "version": 1, "model": "m", "layers": layers})
+    config = ParallelConfig(pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=3)
+    evaluation = evaluate(graph, config, "even")
+    assert evaluation.iteration_ns == 0
+    series, makespan = schedule_series(evaluation)
+    slots = zip(series[1].start_ns, series[1].end_ns, strict=True)
+    assert [(end - start) // 10**6 for start, end in slots] == [1, 2, 1, 2, 1, 2]
+    figure = schedule_figure(evaluation)
+    assert figure.axes[-1].get_xlabel().startswith("schedule slots")
+    memory = figure.axes[1]
+    assert memory.get_ylabel() == figure_scale(series, makespan).memory_unit in ("KiB", "MiB")
+    assert any(text.get_text().endswith("(above)") for text in memory.texts)
 
 
 @pytest.mark.slow

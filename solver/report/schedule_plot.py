@@ -3,7 +3,7 @@ forwards and backwards over the step, as the time simulation runs them
 (``solver.costs.schedule_time``), and under each row that rank's memory over the step from the
 cost model (``solver.costs.schedule_memory``), with its predicted peak and the GPU's usable
 memory marked; ``profiling.validate`` adds the measured memory at each action where a run
-recorded it. Times in ms, memory in GiB.
+recorded it. Times and memory in the units that suit the step (``figure_scale``).
 
 A new kind of action (a zero-bubble schedule's weight-gradient step "W") needs only its colour in
 ``ACTION_COLOURS``: the rows draw whatever kinds the simulated actions carry.
@@ -15,13 +15,13 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from solver.costs import layer_costs
 from solver.costs.schedule import ScheduleAction
 from solver.costs.schedule_memory import rank_memory
 from solver.costs.schedule_time import schedule_inputs, simulate_schedule
-from solver.report.plots import CAPACITY_COLOUR, DPI, GIB, _save, check_plot_path
+from solver.report.plots import CAPACITY_COLOUR, DPI, _save, check_plot_path
 from solver.units import format_bytes
 
 ACTION_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
@@ -36,6 +36,46 @@ MAX_DRAWN_RANKS = 16
 MAX_LABELS = 2000
 """Action labels drawn at most (each is a text artist); the narrowest are left out first."""
 LABEL_PX_PER_CHAR = 7.0
+UNTIMED_FORWARD = 1_000_000
+"""A forward's slot where the graph has no layer times, ns (a backward takes two)."""
+TIME_UNITS = (("ms", 1e6), ("µs", 1e3), ("ns", 1.0))
+MEMORY_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+USABLE_IN_VIEW = 1.5
+"""The usable-memory line is in view when at most this times the largest memory drawn;
+higher, the rows keep the curves' scale and say where it is."""
+
+
+class Scale(NamedTuple):
+    """The figure's units: time in ``time_unit`` (``ns_per_unit`` ns each), memory in
+    ``memory_unit`` (``bytes_per_unit`` bytes each), and the memory axis' top, in that unit."""
+
+    time_unit: str
+    ns_per_unit: float
+    memory_unit: str
+    bytes_per_unit: float
+    top: float
+
+
+def figure_scale(
+    series: list[RankSchedule],
+    makespan_ns: int,
+    measured: Mapping[int, Sequence[int]] | None = None,
+) -> Scale:
+    """The units that show ``series``: the largest time unit the iteration fills once, the
+    largest memory unit the largest peak (or measured value) fills once, and a top above it (and
+    above the usable memory when that is within ``USABLE_IN_VIEW`` of it)."""
+    time_unit, ns = next(
+        ((name, ns) for name, ns in TIME_UNITS if makespan_ns >= ns), TIME_UNITS[-1]
+    )
+    largest = max(rank.peak_bytes for rank in series)
+    for values in (measured or {}).values():
+        largest = max(largest, *values)
+    memory_unit, size = next(
+        ((name, size) for name, size in MEMORY_UNITS if largest >= size), MEMORY_UNITS[-1]
+    )
+    usable = max(rank.usable_bytes for rank in series)
+    top = max(largest, usable) if usable <= USABLE_IN_VIEW * largest else largest
+    return Scale(time_unit, ns, memory_unit, size, 1.1 * top / size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +101,9 @@ class RankSchedule:
 
 def schedule_series(evaluation: Any) -> tuple[list[RankSchedule], int]:
     """(every rank's actions, times and memory, the simulated iteration in ns) of an evaluation
-    (``solver.Evaluation``): the action lists and times its throughput comes from, and the
+    (``solver.Evaluation``): the action lists and times its throughput comes from (where the
+    graph has no layer times, its iteration is 0 ns: then each forward takes
+    ``UNTIMED_FORWARD`` and each backward twice that, nothing else, to show the order), and the
     memory of the cost model its peaks come from (coefficients rebuilt for its config; a
     heterogeneous cluster's first group's, as ``evaluate_assignment`` takes them: memory does
     not depend on the group, and the stages carry their groups' times)."""
@@ -71,6 +113,18 @@ def schedule_series(evaluation: Any) -> tuple[list[RankSchedule], int]:
     costs = layer_costs(evaluation.graph, evaluation.config, cluster, evaluation.training)
     inputs = schedule_inputs(costs, evaluation.stages, evaluation.stage_of_layer)
     timeline = simulate_schedule(**inputs)
+    if not costs.has_compute_time:  # no layer times: the order in slots (F 1, B 2)
+        stages = len(inputs["forward_ns"])
+        inputs |= {
+            "forward_ns": [UNTIMED_FORWARD] * stages,
+            "backward_ns": [2 * UNTIMED_FORWARD] * stages,
+            "microbatch_overhead_ns": 0,
+            "transfer_ns": None,
+            "gradient_ns": None,
+            "dp_sync_ns": None,
+            "optimizer_step_ns": 0,
+        }
+        timeline = simulate_schedule(**inputs)
     memory = rank_memory(costs, evaluation.stage_of_layer, evaluation.recomputed)
     steps = inputs["optimizer_step_ns"]
     series = []
@@ -95,7 +149,7 @@ def schedule_series(evaluation: Any) -> tuple[list[RankSchedule], int]:
 
 
 def memory_curve(rank: RankSchedule, values: Sequence[int] | None = None):
-    """(x in ms, y in GiB) of a rank's memory: during each action from the value after the
+    """(x in ns, y in bytes) of a rank's memory: during each action from the value after the
     previous one to its own, level while the rank waits, then through its gradient sync and
     optimizer step, at the optimizer step's moment where the model has one. ``values``: per
     action (default the predicted ones; given ones stop at the last action)."""
@@ -116,7 +170,7 @@ def memory_curve(rank: RankSchedule, values: Sequence[int] | None = None):
     elif predicted and rank.end_of_rank_ns > xs[-1]:  # the last moment through sync and step
         xs.append(rank.end_of_rank_ns)
         ys.append(ys[-1])
-    return [x / 1e6 for x in xs], [y / GIB for y in ys]
+    return xs, ys
 
 
 def schedule_figure(
@@ -129,25 +183,36 @@ def schedule_figure(
     its memory. ``measured``: per rank, the measured bytes at each of its actions (the order of
     ``RankSchedule.actions``), drawn over the predicted curve."""
     series, makespan_ns = schedule_series(evaluation)
+    untimed = evaluation.iteration_ns == 0
     drawn = _drawn_ranks(series)
     figure, axes = _rows(len(drawn))
-    span_ms = makespan_ns / 1e6 or 1.0
-    top = max(max(rank.peak_bytes, rank.usable_bytes) for rank in series) / GIB
-    labels = _label_budget(series, drawn, span_ms)
+    scale = figure_scale(series, makespan_ns, measured)
+    labels = _label_budget(series, drawn, makespan_ns)
     for position, rank in enumerate(drawn):
         row, memory_ax = axes[2 * position], axes[2 * position + 1]
-        _action_row(row, series[rank], labels, multiple_chunks=evaluation.config.virtual_stages > 1)
+        _action_row(
+            row, series[rank], labels, scale, multiple_chunks=evaluation.config.virtual_stages > 1
+        )
         values = None if measured is None else measured.get(rank)
-        _memory_row(memory_ax, series[rank], values, top)
-    axes[-1].set_xlabel("time in the step (ms, simulated)")
-    axes[-1].set_xlim(0, span_ms)
+        _memory_row(memory_ax, series[rank], values, scale)
+    axes[-1].set_xlabel(
+        "schedule slots (the graph has no layer times: a forward 1, a backward 2)"
+        if untimed
+        else f"time in the step ({scale.time_unit}, simulated)"
+    )
+    axes[-1].set_xlim(0, makespan_ns / scale.ns_per_unit)
     figure.legend(*_legend(axes, series), loc="outside lower center", ncols=4, fontsize=8)
     config = evaluation.config
     heading = f"{evaluation.graph.model}: {config.label()} on {config.num_gpus} GPUs"
     shown = "" if len(drawn) == len(series) else f"; ranks {_ranks_text(drawn)} of {len(series)}"
+    iteration = (
+        "no layer times"
+        if untimed
+        else f"iteration {makespan_ns / scale.ns_per_unit:.4g} {scale.time_unit}"
+    )
     summary = (
         f"{config.schedule}{' interleaved' if config.virtual_stages > 1 else ''}, "
-        f"{config.num_microbatches} micro-batches, iteration {makespan_ns / 1e6:.4g} ms, "
+        f"{config.num_microbatches} micro-batches, {iteration}, "
         f"peak {format_bytes(evaluation.peak_bytes)}{shown}"
     )
     figure.suptitle(title or f"{heading}\n{summary}", fontsize=11)
@@ -187,14 +252,16 @@ def _rows(num_ranks: int):
     return figure, axes
 
 
-def _action_row(ax, rank: RankSchedule, labels: set, *, multiple_chunks: bool) -> None:
+def _action_row(
+    ax, rank: RankSchedule, labels: set, scale: Scale, *, multiple_chunks: bool
+) -> None:
     """The rank's actions as boxes coloured by kind (lighter for later chunks), each labelled
     with its micro-batch (micro-batch.chunk with interleaving) where it is wide enough, and its
     tail (gradient sync and optimizer step) in grey."""
     by_kind: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for action, start, end in zip(rank.actions, rank.start_ns, rank.end_ns, strict=True):
         by_kind.setdefault((action.kind, action.chunk), []).append(
-            (start / 1e6, (end - start) / 1e6)
+            (start / scale.ns_per_unit, (end - start) / scale.ns_per_unit)
         )
     for (kind, chunk), boxes in sorted(by_kind.items()):
         ax.broken_barh(
@@ -206,10 +273,10 @@ def _action_row(ax, rank: RankSchedule, labels: set, *, multiple_chunks: bool) -
             linewidth=0.5,
             label=f"{kind} chunk {chunk}",
         )
-    last_end = rank.end_ns[-1]
+    last_end, unit = rank.end_ns[-1], scale.ns_per_unit
     if rank.end_of_rank_ns > last_end:
         ax.broken_barh(
-            [(last_end / 1e6, (rank.end_of_rank_ns - last_end) / 1e6)],
+            [(last_end / unit, (rank.end_of_rank_ns - last_end) / unit)],
             (0.1, 0.8),
             facecolors=TAIL_COLOUR,
             alpha=0.5,
@@ -220,7 +287,7 @@ def _action_row(ax, rank: RankSchedule, labels: set, *, multiple_chunks: bool) -
     ):
         if (rank.rank, index) in labels:
             ax.text(
-                (start + end) / 2e6,
+                (start + end) / 2 / unit,
                 0.5,
                 _action_text(action, multiple_chunks),
                 ha="center",
@@ -233,11 +300,13 @@ def _action_row(ax, rank: RankSchedule, labels: set, *, multiple_chunks: bool) -
     ax.tick_params(axis="y", length=0)
 
 
-def _memory_row(ax, rank: RankSchedule, measured: Sequence[int] | None, top: float) -> None:
+def _memory_row(ax, rank: RankSchedule, measured: Sequence[int] | None, scale: Scale) -> None:
     """The rank's predicted memory, its peak and its usable memory (and the measured one)."""
+    ns, size = scale.ns_per_unit, scale.bytes_per_unit
     xs, ys = memory_curve(rank)
+    xs, ys = [x / ns for x in xs], [y / size for y in ys]
     ax.plot(xs, ys, color=PREDICTED_COLOUR, linewidth=1.2, label="predicted memory")
-    peak = rank.peak_bytes / GIB
+    peak = rank.peak_bytes / size
     ax.axhline(
         peak,
         color=PREDICTED_COLOUR,
@@ -245,29 +314,40 @@ def _memory_row(ax, rank: RankSchedule, measured: Sequence[int] | None, top: flo
         linewidth=1,
         label=f"predicted peak {format_bytes(rank.peak_bytes)}",
     )
-    at = [x for x, y in zip(xs, ys, strict=True) if y == peak]
-    ax.plot(at[:1], [peak] * len(at[:1]), "o", color=PREDICTED_COLOUR, markersize=4)
+    at = [x for x, y in zip(xs, ys, strict=True) if y == peak][:1]
+    ax.plot(at, [peak] * len(at), "o", color=PREDICTED_COLOUR, markersize=4)
+    usable = rank.usable_bytes / size
     ax.axhline(
-        rank.usable_bytes / GIB,
+        usable,
         color=CAPACITY_COLOUR,
         linestyle="--",
         linewidth=1.2,
         label=f"usable {format_bytes(rank.usable_bytes)}",
     )
+    if usable > scale.top:  # far above the curves: say where it is
+        ax.text(
+            0.995,
+            0.95,
+            f"usable {format_bytes(rank.usable_bytes)} (above)",
+            transform=ax.transAxes,
+            ha="right",
+            va="top",
+            fontsize=7,
+            color=CAPACITY_COLOUR,
+        )
     if measured is not None:
         mx, my = memory_curve(rank, measured)
         ax.plot(
-            mx,
-            my,
+            [x / ns for x in mx],
+            [y / size for y in my],
             color=MEASURED_COLOUR,
             linewidth=1,
-            linestyle="-",
             marker=".",
             markersize=2,
             label=f"measured (peak {format_bytes(max(measured))})",
         )
-    ax.set_ylim(0, 1.1 * top)
-    ax.set_ylabel("GiB", fontsize=8)
+    ax.set_ylim(0, scale.top)
+    ax.set_ylabel(scale.memory_unit, fontsize=8)
     ax.tick_params(axis="y", labelsize=7)
     ax.grid(axis="y", alpha=0.3)
 
@@ -277,17 +357,17 @@ def _action_text(action: ScheduleAction, multiple_chunks: bool) -> str:
     return f"{action.microbatch}.{action.chunk}" if multiple_chunks else f"{action.microbatch}"
 
 
-def _label_budget(series: list[RankSchedule], drawn: list[int], span_ms: float) -> set:
+def _label_budget(series: list[RankSchedule], drawn: list[int], span_ns: int) -> set:
     """(rank, action index) of the labels to draw: boxes wide enough for their text on a figure
     about 1100 px wide, the widest first, at most ``MAX_LABELS``."""
-    px_per_ms = 1100.0 / span_ms
+    px_per_ns = 1100.0 / max(1, span_ns)
     fits = []
     for rank in drawn:
         entry = series[rank]
         for index, (action, start, end) in enumerate(
             zip(entry.actions, entry.start_ns, entry.end_ns, strict=True)
         ):
-            width_px = (end - start) / 1e6 * px_per_ms
+            width_px = (end - start) * px_per_ns
             needed = LABEL_PX_PER_CHAR * len(_action_text(action, True)) + 2
             if width_px >= needed:
                 fits.append((-width_px, rank, index))
