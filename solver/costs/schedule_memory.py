@@ -27,8 +27,9 @@ forward order):
   later B   = states + grads + n kept + trans_r + buffers(n)       (n held after it)
 
 The optimizer step (where the model has its temporary, ``LayerCosts.step_bytes``) is one more
-moment after the last backward (``stages.optimizer_step_moment``). docs/cost-model.md, "Memory
-over the step".
+moment after the last backward (``stages.optimizer_step_moment``). A schedule with split backwards
+(B for the input gradient, W for the weight gradient) needs its own rule for each here.
+docs/cost-model.md, "Memory over the step".
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ def _held_bytes(terms: _Terms, rank: int, actions: tuple[ScheduleAction, ...]) -
     held, done = [0] * v, [0] * v
     values = []
     for action in actions:
+        assert action.kind in ("F", "B"), f"no memory rule for a {action.kind} step yet"
         if action.kind == "F":
             held[action.chunk] += 1
         else:
