@@ -25,6 +25,7 @@ max <= 5%).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from pathlib import Path
 
@@ -243,6 +244,8 @@ def explicit_rows(progress) -> list[dict]:
     from profiling.export import export_graph
     from profiling.run import run_plan
     from solver import ParallelConfig, evaluate, plan
+    from solver.exports import build_exports
+    from solver.files.plan_file import load_plan
     from solver.report.plan_report import evaluation_to_dict, plan_to_dict
     from solver.specs import Cluster
 
@@ -253,12 +256,16 @@ def explicit_rows(progress) -> list[dict]:
         layout = Layout("", pp, {"pp": pp}, 2 * m, 2, "1f1b", virtual_stages=v, engine="megatron")
         training = layout.training()
         if split is None:
-            document = plan_to_dict(plan(graph, Cluster(num_gpus=pp), training))
-        else:
+            document = load_plan(plan_to_dict(plan(graph, Cluster(num_gpus=pp), training)))
+        else:  # an evaluation has no exports: Megatron's arguments for its stages
             config = ParallelConfig(pp=pp, tp=1, dp=1, micro_batch=2, num_microbatches=m)
-            document = evaluation_to_dict(evaluate(graph, config, split, training=training))
+            document = load_plan(
+                evaluation_to_dict(evaluate(graph, config, split, training=training))
+            )
+            exports = build_exports(graph, config, document.virtual_stage_layers)
+            document = dataclasses.replace(document, exports=exports)
         label = f"s{seq} pp{pp}" + (f" v{v}" if v > 1 else "") + f" m{m}"
-        split_text = "/".join(str(len(stage["layers"])) for stage in document["stages"])
+        split_text = "/".join(str(len(names)) for names in document.virtual_stage_layers)
         progress(f"mcore explicit {label} ({split_text})")
         for report in run_plan(
             "gpt-tiny", document, iterations=2, overrides=overrides, engine="megatron"
