@@ -284,7 +284,8 @@ def explicit_section(rows: list[dict]) -> list[str]:
         "## megatron-core with its own explicit attention (`--runtime megatron`, `--engine "
         "megatron`)",
         "",
-        f"gpt-tiny {EXPLICIT_OVERRIDES} at seq 128-512, fp32 with Adam, micro-batches of 2, "
+        f"gpt-tiny { ({k: v for k, v in EXPLICIT_OVERRIDES.items() if k != 'seq_len'}) } at "
+        "seq 128-512 (the layout's s), fp32 with Adam, micro-batches of 2, "
         "Megatron's DistributedDataParallel (fp32 main_grad buffer for the whole run), "
         "deallocated pipeline outputs; megatron-core's DotProductAttention (the local spec "
         "without TransformerEngine), whose score buffer and in-place mask's backward the plan "
