@@ -602,80 +602,67 @@ def write_part(
     harness.write_report(path.parent, path.name, lines)
 
 
+PARTS = {
+    # flag: (help, file, title, rows, section, also in bench_accuracy.md)
+    "--only-moe": (
+        "run only the megatron-core MoE rows (a few minutes) and write bench_accuracy_moe.md",
+        "bench_accuracy_moe.md",
+        "megatron-core MoE rows",
+        moe_rows,
+        moe_section,
+        True,
+    ),
+    "--hf-only": (
+        "run only the HF rows (about 10 minutes) and write bench_accuracy_hf.md",
+        "bench_accuracy_hf.md",
+        "HF rows",
+        hf_rows,
+        hf_section,
+        True,
+    ),
+    "--hf-families": (
+        "run only the small HF families of tests/hf_small.py (about 3 minutes) and write "
+        "bench_accuracy_hf_families.md",
+        "bench_accuracy_hf_families.md",
+        "small HF families",
+        hf_family_rows,
+        hf_family_section,
+        True,
+    ),
+    "--hf-megatron": (
+        "run only the small HF families megatron-core's GPTModel expresses on --engine "
+        "megatron (about 2 minutes) and write bench_accuracy_hf_megatron.md",
+        "bench_accuracy_hf_megatron.md",
+        "small HF families on megatron-core",
+        hf_megatron_rows,
+        hf_megatron_section,
+        False,
+    ),
+    "--megatron-explicit": (
+        "run only the megatron-core rows with its own explicit attention (about 3 minutes) "
+        "and write bench_accuracy_megatron_explicit.md",
+        "bench_accuracy_megatron_explicit.md",
+        "megatron-core with explicit attention",
+        explicit_rows,
+        explicit_section,
+        True,
+    ),
+}
+"""The parts one flag runs alone, each written to its own Markdown file."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = harness.parser(__doc__)
-    parser.add_argument(
-        "--only-moe",
-        action="store_true",
-        help="run only the megatron-core MoE rows (a few minutes) and write bench_accuracy_moe.md",
-    )
-    parser.add_argument(
-        "--hf-only",
-        action="store_true",
-        help="run only the HF rows (about 10 minutes) and write bench_accuracy_hf.md",
-    )
-    parser.add_argument(
-        "--hf-families",
-        action="store_true",
-        help="run only the small HF families of tests/hf_small.py (about 3 minutes) and write "
-        "bench_accuracy_hf_families.md",
-    )
-    parser.add_argument(
-        "--hf-megatron",
-        action="store_true",
-        help="run only the small HF families megatron-core's GPTModel expresses on --engine "
-        "megatron (about 2 minutes) and write bench_accuracy_hf_megatron.md",
-    )
-    parser.add_argument(
-        "--megatron-explicit",
-        action="store_true",
-        help="run only the megatron-core rows with its own explicit attention (about 4 "
-        "minutes) and write bench_accuracy_megatron_explicit.md",
-    )
+    for flag, (help_text, *_) in PARTS.items():
+        parser.add_argument(flag, action="store_true", help=help_text)
     args = parser.parse_args(argv)
     run = harness.Run.start(__file__, argv)
     progress = lambda text: print(text, flush=True)  # noqa: E731
-    if args.hf_families:
-        write_part(
-            args.out / "bench_accuracy_hf_families.md",
-            "small HF families",
-            run,
-            hf_family_section(hf_family_rows(progress)),
-        )
-        return 0
-    if args.hf_megatron:
-        write_part(
-            args.out / "bench_accuracy_hf_megatron.md",
-            "small HF families on megatron-core",
-            run,
-            hf_megatron_section(hf_megatron_rows(progress)),
-            in_main=False,
-        )
-        return 0
-    if args.megatron_explicit:
-        write_part(
-            args.out / "bench_accuracy_megatron_explicit.md",
-            "megatron-core with explicit attention",
-            run,
-            explicit_section(explicit_rows(progress)),
-        )
-        return 0
-    if args.only_moe:
-        write_part(
-            args.out / "bench_accuracy_moe.md",
-            "megatron-core MoE rows",
-            run,
-            moe_section(moe_rows(progress)),
-        )
-        return 0
-    if args.hf_only:
-        write_part(
-            args.out / "bench_accuracy_hf.md",
-            "HF rows",
-            run,
-            hf_section(hf_rows(progress)),
-        )
-        return 0
+    for flag, (_, name, title, rows_of, section_of, in_main) in PARTS.items():
+        if getattr(args, flag.removeprefix("--").replace("-", "_")):
+            lines = section_of(rows_of(progress))
+            write_part(args.out / name, title, run, lines, in_main=in_main)
+            return 0
     torch_fit, torch_results = calibrate(
         "gpt-tiny", OVERRIDES, LAYOUTS, timeout_s=300, progress=progress
     )
