@@ -16,6 +16,9 @@ assumptions and sources, is docs/cost-model.md):
   times             layer times, gradient sync, optimizer step, pipeline links
   context_parallel  ring attention, the sequence split, the cp checks
   moe, experts      the router read from the graph; the routed experts' memory and all-to-alls
+  megatron_linear, megatron_attention
+                    what megatron-core's linears and its own explicit attention hold beyond
+                    the profile (--runtime megatron)
   stages            ``StageCost`` totals and peak moments of an assignment (``stage_cost``)
   bounds            the iteration bound and floor the backends search with
   ranges            the range the model's integers stay exact in
