@@ -4,6 +4,7 @@ report's lines. Throughputs in samples/s, peaks in bytes per GPU."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from solver.search.best_baselines import BestBaselines, Candidate, FamilyBest, describe
@@ -25,6 +26,11 @@ def plan_fastest(plan) -> float:
     return plan.throughput
 
 
+def _finite(value: float) -> float | None:
+    """JSON has no Infinity: a graph without times has an infinite throughput, written null."""
+    return value if math.isfinite(value) else None
+
+
 def candidate_dict(candidate: Candidate | None) -> dict[str, Any] | None:
     if candidate is None:
         return None
@@ -33,7 +39,7 @@ def candidate_dict(candidate: Candidate | None) -> dict[str, Any] | None:
         "config": ev.config.label().replace(" selective-recompute", ""),
         "recompute": candidate.setting,
         "peak_bytes": ev.peak_bytes,
-        "throughput": ev.throughput,
+        "throughput": _finite(ev.throughput),
         "fits": ev.fits,
         "num_gpus": ev.cluster.num_gpus,
         "layer_counts": ev.layer_counts,
@@ -70,14 +76,14 @@ def best_baselines_dict(plan) -> dict[str, Any] | None:
         if smallest is None
         else {"family": smallest.family.name, **candidate_dict(smallest.smallest)},
         "plan": {
-            "fastest_throughput": ours,
+            "fastest_throughput": _finite(ours),
             "peak_bytes": plan.peak_bytes,
             "fits": plan.evaluation.fits,
             "num_gpus": plan.evaluation.cluster.num_gpus,
         },
         "throughput_change": None
         if fastest is None
-        else ours / fastest.fastest.evaluation.throughput - 1,
+        else _finite(ours / fastest.fastest.evaluation.throughput - 1),
         "peak_change": None
         if smallest is None
         else plan.peak_bytes / smallest.smallest.evaluation.peak_bytes - 1,
