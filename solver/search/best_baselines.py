@@ -51,6 +51,7 @@ keep what they found and say so.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -313,14 +314,28 @@ class BestBaselines:
         return min(found, key=lambda f: f.smallest.evaluation.peak_bytes, default=None)
 
 
+KEPT_LAYERS = 2**21
+"""Config x layer coefficients kept in memory at once (about 100 bytes a layer: 200 MiB), at
+least 16 configs' worth: the other configs keep their bounds only and are rebuilt when a family
+evaluates them (few: the bounds prune)."""
+
+MAX_LAYERS = 100_000
+"""Graphs above this many layers get no baseline search (a note says so): one config's
+coefficients take a second there, and the plan's own search needs the time."""
+
+
 @dataclass(kw_only=True)
 class _Entry:
     config: ParallelConfig
-    costs: LayerCosts
+    costs_of: Callable[[ParallelConfig], LayerCosts] = field(repr=False)
     time_bound: int
     memory_bound: int
     evaluations: dict[bytes, Evaluation] = field(default_factory=dict)
     """Full evaluations by (split, flags): families that share a split share its simulation."""
+
+    @property
+    def costs(self) -> LayerCosts:
+        return self.costs_of(self.config)
 
 
 def best_baselines(
@@ -343,6 +358,14 @@ def best_baselines(
             families=[],
             notes=["time limit reached before the baselines at their best config were searched"],
         )
+    if graph.num_layers > MAX_LAYERS:
+        return BestBaselines(
+            families=[],
+            notes=[
+                f"baselines at their best config: not searched above {MAX_LAYERS} layers "
+                "(python -m solver.evaluate --split even evaluates one config)"
+            ],
+        )
     engines = RUNTIME_ENGINES[training.runtime]
     chosen = [family for family in families if family.engine in engines]
     search = dataclasses.replace(training, zero_stages=(0, 1, 2, 3), recompute="selective")
@@ -358,6 +381,9 @@ def best_baselines(
     except InputError as error:
         return BestBaselines(families=[], notes=[f"no baseline config: {error}"])
     entries: dict[ParallelConfig, _Entry] = {}
+    costs_of = functools.lru_cache(maxsize=max(16, KEPT_LAYERS // graph.num_layers))(
+        lambda config: layer_costs(graph, config, cluster, training)
+    )
     result = BestBaselines(families=[])
     for family in chosen:
         mine = [
@@ -368,7 +394,7 @@ def best_baselines(
         ]
         best = FamilyBest(family=family, configs=len(mine))
         result.families.append(best)
-        _search_family(best, mine, entries, graph, cluster, training, deadline)
+        _search_family(best, mine, entries, costs_of, graph, cluster, training, deadline)
         if not best.complete:
             result.notes.append(
                 f"time limit reached during the {family.name} baseline search ({best.evaluated} "
@@ -377,20 +403,20 @@ def best_baselines(
     return result
 
 
-def _entry(entries, config, graph, cluster, training) -> _Entry:
-    """The config's coefficients and bounds, computed once for every family."""
+def _entry(entries, config, costs_of) -> _Entry:
+    """The config's bounds, computed once for every family."""
     if config not in entries:
-        costs = layer_costs(graph, config, cluster, training)
+        costs = costs_of(config)
         entries[config] = _Entry(
             config=config,
-            costs=costs,
+            costs_of=costs_of,
             time_bound=time_lower_bound(costs),
             memory_bound=memory_lower_bound(costs),
         )
     return entries[config]
 
 
-def _search_family(best, configs, entries, graph, cluster, training, deadline) -> None:
+def _search_family(best, configs, entries, costs_of, graph, cluster, training, deadline) -> None:
     """Fastest fitting config by ascending time bound (configs whose memory bound is over the
     usable memory skipped), then the smallest peak by ascending memory bound, each stopping once
     the bound cannot beat the best found. Stage peaks come first (cheap); the schedule is
@@ -400,7 +426,7 @@ def _search_family(best, configs, entries, graph, cluster, training, deadline) -
         if deadline.expired():
             best.complete = False
             return
-        found.append(_entry(entries, config, graph, cluster, training))
+        found.append(_entry(entries, config, costs_of))
     search = _FamilySearch(best=best, graph=graph, cluster=cluster, training=training)
     usable = training.usable_bytes(cluster.gpu_memory_bytes)
     for entry in sorted(found, key=lambda e: e.time_bound):
