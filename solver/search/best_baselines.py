@@ -427,13 +427,28 @@ def _search_family(best, configs, entries, costs_of, graph, cluster, training, d
             best.complete = False
             return
         found.append(_entry(entries, config, costs_of))
-    search = _FamilySearch(best=best, graph=graph, cluster=cluster, training=training)
-    usable = training.usable_bytes(cluster.gpu_memory_bytes)
+    search = _FamilySearch(
+        best=best, graph=graph, cluster=cluster, training=training, deadline=deadline
+    )
+    try:
+        _visit(search, found)
+    except _OutOfTime:
+        best.complete = False
+    if search.smallest is not None and not deadline.expired():
+        _, entry, setting, n = search.smallest
+        best.smallest = search.candidate(entry, setting, n)
+
+
+class _OutOfTime(Exception):
+    """The deadline passed between two evaluations of a family's search."""
+
+
+def _visit(search: _FamilySearch, found: list[_Entry]) -> None:
+    """The two passes of ``_search_family`` (its docstring)."""
+    best, training, graph = search.best, search.training, search.graph
+    usable = training.usable_bytes(search.cluster.gpu_memory_bytes)
     for entry in sorted(found, key=lambda e: e.time_bound):
         if search.fastest_ns is not None and entry.time_bound >= search.fastest_ns:
-            break
-        if deadline.expired():
-            best.complete = False
             break
         if entry.memory_bound > usable:
             continue
@@ -442,15 +457,9 @@ def _search_family(best, configs, entries, costs_of, graph, cluster, training, d
     for entry in sorted(found, key=lambda e: e.memory_bound):
         if search.smallest is not None and entry.memory_bound >= search.smallest[0]:
             break
-        if deadline.expired():
-            best.complete = False
-            break
         for setting in best.family.settings:
             n = _most_blocks(best.family, graph, entry) if setting.searched else 0
             search.peak(entry, setting, n)
-    if search.smallest is not None:
-        _, entry, setting, n = search.smallest
-        best.smallest = search.candidate(entry, setting, n)
 
 
 @dataclass(kw_only=True)
@@ -461,6 +470,7 @@ class _FamilySearch:
     graph: LayerGraph
     cluster: Cluster
     training: TrainingConfig
+    deadline: Deadline
     smallest: tuple[int, _Entry, Setting, int] | None = None
     """(peak, entry, setting, N) of the smallest peak so far."""
     splits: dict = field(default_factory=dict)
@@ -485,6 +495,8 @@ class _FamilySearch:
         split, flags = self._split_and_flags(entry, setting, n)
         if split is None:
             return None
+        if self.deadline.expired():
+            raise _OutOfTime
         stages = stage_costs(entry.costs, split, flags)
         self.best.evaluated += 1
         peak = max(stage.peak_bytes for stage in stages)
@@ -521,6 +533,8 @@ class _FamilySearch:
             self.fastest_ns
         ):
             return
+        if self.deadline.expired():
+            raise _OutOfTime
         candidate = self.candidate(entry, setting, n)
         if self.fastest_ns is None or candidate.evaluation.iteration_ns < self.fastest_ns:
             self.best.fastest = candidate
