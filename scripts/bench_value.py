@@ -97,6 +97,8 @@ def export(model: str, seq: int, graphs: Path) -> Path:
         )
         source = f"hf:{config}"
     command = [sys.executable, "-m", "profiling.export", source, "--seq", str(seq)]
+    if model in HF_CONFIGS:  # megatron-core's modules: what --runtime megatron runs
+        command += ["--implementation", "megatron"]
     done = harness.run_process([*command, "--out", str(path), "--no-progress"])
     if done.returncode != 0:
         raise SystemExit(f"{model}: export failed: {done.stderr.strip()}")

@@ -108,7 +108,7 @@ def megatron_accounted_split(
     counts = [per] * num_stages
     counts[0] += lead - e
     counts[-1] += tail - l_
-    if min(counts) < 1 or (num_stages == 1 and blocks + lead + tail != counts[0]):
+    if min(counts) < 1:
         return None
     return counts_to_assignment(counts)
 
