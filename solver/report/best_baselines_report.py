@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from solver.search.best_baselines import BestBaselines, Candidate, FamilyBest, describe
-from solver.units import format_bytes
+from solver.units import format_bytes, format_throughput
 
 AS_FAST = 0.005
 """A baseline within this fraction of the plan's throughput is "as fast"."""
@@ -106,9 +106,15 @@ def verdict(plan, found: BestBaselines) -> str:
         )
     ours = plan_fastest(plan)
     theirs = fastest.fastest.evaluation.throughput
-    speed = ours / theirs - 1
     fit_peak = smallest.smallest.evaluation.peak_bytes
     peak_change = plan.peak_bytes / fit_peak - 1
+    if not (math.isfinite(ours) and math.isfinite(theirs)):  # a graph without FLOPs or times
+        return (
+            f"throughput n/a; this plan's peak is {100 * peak_change:+.1f}% against the smallest "
+            f"baseline peak ({smallest.family.name} {describe(smallest.smallest)}, "
+            f"{format_bytes(fit_peak)})"
+        )
+    speed = ours / theirs - 1
     config = describe(fastest.fastest)
     if speed < -AS_FAST:
         return (
@@ -143,7 +149,7 @@ def best_baselines_lines(plan) -> list[str]:
         fastest = (
             "none fits"
             if best.fastest is None
-            else f"{best.fastest.evaluation.throughput:.4g} samples/s at "
+            else f"{format_throughput(best.fastest.evaluation.throughput, why=False)} at "
             f"{format_bytes(best.fastest.evaluation.peak_bytes)} ({describe(best.fastest)})"
         )
         smallest = (
