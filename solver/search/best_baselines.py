@@ -394,7 +394,12 @@ def best_baselines(
         ]
         best = FamilyBest(family=family, configs=len(mine))
         result.families.append(best)
-        _search_family(best, mine, entries, costs_of, graph, cluster, training, deadline)
+        try:
+            _search_family(best, mine, entries, costs_of, graph, cluster, training, deadline)
+        except InputError as error:  # a calibration taking a baseline's stage below its states
+            best.complete = False
+            result.notes.append(f"{family.name} baseline search stopped: {error}")
+            continue
         if not best.complete:
             result.notes.append(
                 f"time limit reached during the {family.name} baseline search ({best.evaluated} "
