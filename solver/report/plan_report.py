@@ -14,6 +14,7 @@ from solver.errors import InputError
 from solver.evaluation import Evaluation
 from solver.files.plan_file import EVALUATION_FORMAT, PLAN_FORMAT, PLAN_VERSION, load_plan
 from solver.precision import describe as describe_precision
+from solver.report.best_baselines_report import best_baselines_dict, best_baselines_lines
 from solver.reserve import usable_text
 from solver.search.planner import Plan
 from solver.specs import MOE_DROPLESS, Cluster, SearchStatus, TrainingConfig
@@ -313,6 +314,9 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         }
         for name, ev in plan.baselines.items()
     }
+    compared = best_baselines_dict(plan)
+    if compared is not None:
+        document["best_baselines"] = compared
     document["exports"] = plan.exports
     return checked(document)
 
@@ -476,6 +480,7 @@ def format_plan(plan: Plan) -> str:
             f"{_throughput_cell(baseline.throughput)}{caveat}; this plan: {change} "
             + ("largest utilization" if by_utilization else "peak")
         )
+    lines.extend(best_baselines_lines(plan))
     report = plan.solver
     unit = {"bytes": "B", "ns": "ns", "ppm": "ppm"}[objective_unit(plan.evaluation)]
     proof = (

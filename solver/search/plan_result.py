@@ -28,6 +28,8 @@ class Plan:
         default=dict, repr=False, compare=False
     )
     """Builds :attr:`baselines` when first read."""
+    make_best_baselines: Callable[[], Any] = field(default=lambda: None, repr=False, compare=False)
+    """Builds :attr:`best_baselines` when first read."""
     required_throughput: float | None = None
     """The throughput constraint that was applied (samples/s), if any."""
     fastest_throughput: float | None = None
@@ -49,6 +51,13 @@ class Plan:
         stage and recompute mode, the plan's recomputed layers under selective recomputation,
         the plan's stage groups on a heterogeneous cluster; evaluated when first read."""
         return self.make_baselines()
+
+    @functools.cached_property
+    def best_baselines(self):
+        """What a user would run instead, each baseline family at its best config over the
+        candidate configs (``solver.search.best_baselines.BestBaselines``), searched when first
+        read within the planning call's time limit; None when not searched."""
+        return self.make_best_baselines()
 
     @property
     def config(self):

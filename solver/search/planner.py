@@ -24,6 +24,7 @@ from solver.engine_rules import ModelFacts, degrees_of
 from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate_assignment, prepare_training
 from solver.graph import LayerGraph
+from solver.search.best_baselines import best_baselines
 from solver.search.candidates import candidate_configs
 from solver.search.config_search import (
     ConfigEntry,
@@ -438,6 +439,9 @@ def _build_plan(
             _plan_exports, call.graph, call.training, evaluation, choice.entry.costs, placed
         ),
         make_baselines=baselines,
+        make_best_baselines=functools.partial(
+            best_baselines, call.graph, call.cluster, call.training, deadline=call.deadline
+        ),
         required_throughput=limit.required,
         fastest_throughput=limit.fastest_throughput(call.training.global_batch),
         iteration_budget_ns=limit.budget_ns,

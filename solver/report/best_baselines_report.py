@@ -1,0 +1,165 @@
+"""How the plan compares with what a user would run instead, each baseline family at its best
+config (``solver.search.best_baselines``): the plan JSON's ``best_baselines`` field and the
+report's lines. Throughputs in samples/s, peaks in bytes per GPU."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from solver.search.best_baselines import BestBaselines, Candidate, FamilyBest, describe
+from solver.units import format_bytes, format_throughput
+
+AS_FAST = 0.005
+"""A baseline within this fraction of the plan's throughput is "as fast"."""
+
+NEAR_PEAK = 0.05
+"""A plan peak within this fraction below the baseline's smallest peak is "within x%": the
+verdict then says that memory-centric splitting buys little."""
+
+
+def plan_fastest(plan) -> float:
+    """The plan's fastest fitting throughput: the fastest plan of the search when it was
+    computed, else the plan's own (samples/s)."""
+    if plan.fastest_throughput is not None:
+        return plan.fastest_throughput
+    return plan.throughput
+
+
+def _finite(value: float) -> float | None:
+    """JSON has no Infinity: a graph without times has an infinite throughput, written null."""
+    return value if math.isfinite(value) else None
+
+
+def candidate_dict(candidate: Candidate | None) -> dict[str, Any] | None:
+    if candidate is None:
+        return None
+    ev = candidate.evaluation
+    return {
+        "config": ev.config.label().replace(" selective-recompute", ""),
+        "recompute": candidate.setting,
+        "peak_bytes": ev.peak_bytes,
+        "throughput": _finite(ev.throughput),
+        "fits": ev.fits,
+        "num_gpus": ev.cluster.num_gpus,
+        "layer_counts": ev.layer_counts,
+    }
+
+
+def _family_dict(best: FamilyBest) -> dict[str, Any]:
+    return {
+        "name": best.family.name,
+        "engine": best.family.engine,
+        "source": best.family.source,
+        "fits": best.fits,
+        "fastest": candidate_dict(best.fastest),
+        "smallest_peak": candidate_dict(best.smallest),
+        "configs": best.configs,
+        "evaluated": best.evaluated,
+        "complete": best.complete,
+    }
+
+
+def best_baselines_dict(plan) -> dict[str, Any] | None:
+    """The plan JSON's ``best_baselines`` (docs/plan.md); None when none was searched."""
+    found: BestBaselines | None = plan.best_baselines
+    if found is None:
+        return None
+    fastest, smallest = found.fastest, found.smallest
+    ours = plan_fastest(plan)
+    return {
+        "families": [_family_dict(best) for best in found.families],
+        "fastest": None
+        if fastest is None
+        else {"family": fastest.family.name, **candidate_dict(fastest.fastest)},
+        "smallest_peak": None
+        if smallest is None
+        else {"family": smallest.family.name, **candidate_dict(smallest.smallest)},
+        "plan": {
+            "fastest_throughput": _finite(ours),
+            "peak_bytes": plan.peak_bytes,
+            "fits": plan.evaluation.fits,
+            "num_gpus": plan.evaluation.cluster.num_gpus,
+        },
+        "throughput_change": None
+        if fastest is None
+        else _finite(ours / fastest.fastest.evaluation.throughput - 1),
+        "peak_change": None
+        if smallest is None
+        else plan.peak_bytes / smallest.smallest.evaluation.peak_bytes - 1,
+        "verdict": verdict(plan, found),
+        "notes": list(found.notes),
+    }
+
+
+def verdict(plan, found: BestBaselines) -> str:
+    """One sentence: how the plan compares with the best baseline configs."""
+    fastest, smallest = found.fastest, found.smallest
+    if smallest is None:
+        return "no baseline config was evaluated"
+    peak = smallest.smallest.evaluation.peak_bytes
+    if fastest is None:
+        fits = "fits" if plan.evaluation.fits else "does not fit either"
+        return (
+            f"no baseline config fits (smallest peak {format_bytes(peak)}, {smallest.family.name} "
+            f"{describe(smallest.smallest)}); this plan {fits} at {format_bytes(plan.peak_bytes)}"
+        )
+    ours = plan_fastest(plan)
+    theirs = fastest.fastest.evaluation.throughput
+    fit_peak = smallest.smallest.evaluation.peak_bytes
+    peak_change = plan.peak_bytes / fit_peak - 1
+    if not (math.isfinite(ours) and math.isfinite(theirs)):  # a graph without FLOPs or times
+        return (
+            f"throughput n/a; this plan's peak is {100 * peak_change:+.1f}% against the smallest "
+            f"baseline peak ({smallest.family.name} {describe(smallest.smallest)}, "
+            f"{format_bytes(fit_peak)})"
+        )
+    speed = ours / theirs - 1
+    config = describe(fastest.fastest)
+    if speed < -AS_FAST:
+        return (
+            f"the best baseline config ({fastest.family.name} {config}) is "
+            f"{-100 * speed:.1f}% faster than this plan's fastest: widen the search "
+            "(--zero auto, --recompute auto)"
+        )
+    if speed <= AS_FAST and peak_change >= -NEAR_PEAK:
+        return (
+            f"the best {fastest.family.name} config ({config}) is as fast and within "
+            f"{100 * abs(peak_change):.1f}% of the peak: memory-centric splitting buys little here"
+        )
+    return (
+        f"this plan is {100 * speed:+.1f}% throughput against the fastest baseline config "
+        f"({fastest.family.name} {config}) and {100 * peak_change:+.1f}% peak against the "
+        f"smallest baseline peak ({smallest.family.name}, {format_bytes(fit_peak)})"
+    )
+
+
+def best_baselines_lines(plan) -> list[str]:
+    """The report's lines: each family at its best, then the verdict."""
+    found: BestBaselines | None = plan.best_baselines
+    if found is None:
+        return []
+    lines = []
+    if found.families:
+        gpus = plan.evaluation.cluster.num_gpus
+        lines.append(
+            f"baselines at their best config on {gpus} GPUs (fastest that fits; smallest peak):"
+        )
+    for best in found.families:
+        fastest = (
+            "none fits"
+            if best.fastest is None
+            else f"{format_throughput(best.fastest.evaluation.throughput, why=False)} at "
+            f"{format_bytes(best.fastest.evaluation.peak_bytes)} ({describe(best.fastest)})"
+        )
+        smallest = (
+            ""
+            if best.smallest is None
+            else f"; smallest peak {format_bytes(best.smallest.evaluation.peak_bytes)}"
+            + ("" if best.fits else " (does not fit)")
+        )
+        lines.append(f"  {best.family.name}: {fastest}{smallest}")
+    if found.families:
+        lines.append(f"against the best baseline: {verdict(plan, found)}")
+    lines.extend(f"note: {note}" for note in found.notes)
+    return lines
