@@ -14,8 +14,8 @@ AS_FAST = 0.005
 """A baseline within this fraction of the plan's throughput is "as fast"."""
 
 NEAR_PEAK = 0.05
-"""A plan peak within this fraction below the baseline's smallest peak is "within x%": the
-verdict then says that memory-centric splitting buys little."""
+"""A plan as fast as the fastest baseline config whose peak is less than this fraction below
+that config's: the verdict then says that memory-centric splitting buys little."""
 
 
 def plan_fastest(plan) -> float:
@@ -87,6 +87,9 @@ def best_baselines_dict(plan) -> dict[str, Any] | None:
         "peak_change": None
         if smallest is None
         else plan.peak_bytes / smallest.smallest.evaluation.peak_bytes - 1,
+        "peak_change_vs_fastest": None
+        if fastest is None
+        else plan.peak_bytes / fastest.fastest.evaluation.peak_bytes - 1,
         "verdict": verdict(plan, found),
         "notes": list(found.notes),
     }
@@ -106,13 +109,13 @@ def verdict(plan, found: BestBaselines) -> str:
         )
     ours = plan_fastest(plan)
     theirs = fastest.fastest.evaluation.throughput
-    fit_peak = smallest.smallest.evaluation.peak_bytes
-    peak_change = plan.peak_bytes / fit_peak - 1
+    fastest_peak = fastest.fastest.evaluation.peak_bytes
+    smallest_text = _smallest_text(fastest, smallest)
     if not (math.isfinite(ours) and math.isfinite(theirs)):  # a graph without FLOPs or times
         return (
-            f"throughput n/a; this plan's peak is {100 * peak_change:+.1f}% against the smallest "
-            f"baseline peak ({smallest.family.name} {describe(smallest.smallest)}, "
-            f"{format_bytes(fit_peak)})"
+            f"throughput n/a; this plan's peak is {100 * (plan.peak_bytes / peak - 1):+.1f}% "
+            f"against the smallest baseline peak ({smallest.family.name} "
+            f"{describe(smallest.smallest)}, {format_bytes(peak)})"
         )
     speed = ours / theirs - 1
     config = describe(fastest.fastest)
@@ -122,15 +125,30 @@ def verdict(plan, found: BestBaselines) -> str:
             f"{-100 * speed:.1f}% faster than this plan's fastest: widen the search "
             "(--zero auto, --recompute auto)"
         )
-    if speed <= AS_FAST and peak_change >= -NEAR_PEAK:
+    saving = 1 - plan.peak_bytes / fastest_peak
+    if speed <= AS_FAST and saving < NEAR_PEAK:
         return (
-            f"the best {fastest.family.name} config ({config}) is as fast and within "
-            f"{100 * abs(peak_change):.1f}% of the peak: memory-centric splitting buys little here"
+            f"the best {fastest.family.name} config ({config}) is as fast at "
+            f"{format_bytes(fastest_peak)}, {100 * saving:.1f}% above this plan's peak: "
+            f"memory-centric splitting buys little here{smallest_text}"
         )
+    own = plan.throughput / theirs - 1 if math.isfinite(plan.throughput) else speed
     return (
-        f"this plan is {100 * speed:+.1f}% throughput against the fastest baseline config "
-        f"({fastest.family.name} {config}) and {100 * peak_change:+.1f}% peak against the "
-        f"smallest baseline peak ({smallest.family.name}, {format_bytes(fit_peak)})"
+        f"this plan is {100 * own:+.1f}% throughput (its search's fastest {100 * speed:+.1f}%) "
+        f"against the fastest baseline config ({fastest.family.name} {config}) and "
+        f"{-100 * saving:+.1f}% peak against its {format_bytes(fastest_peak)}{smallest_text}"
+    )
+
+
+def _smallest_text(fastest: FamilyBest, smallest: FamilyBest) -> str:
+    """'; the smallest baseline peak is ...' when another config than the fastest has it."""
+    candidate = smallest.smallest
+    if candidate.evaluation.peak_bytes >= fastest.fastest.evaluation.peak_bytes:
+        return ""
+    return (
+        f"; the smallest baseline peak is {format_bytes(candidate.evaluation.peak_bytes)} "
+        f"({smallest.family.name} {describe(candidate)}, "
+        f"{format_throughput(candidate.evaluation.throughput)})"
     )
 
 
