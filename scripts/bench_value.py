@@ -53,10 +53,6 @@ HF_CONFIGS = {
     ),
 }  # fmt: skip
 """hf: configs built from transformers' config classes (the published config.json's sizes)."""
-TRANSFORMERS_MODULES = {"llama3.2-1b"}
-"""Profiled with transformers' modules: megatron-core's export of a tied embedding writes a head
-whose tp_params exceed its params, which the graph check refuses (left to the profiler)."""
-
 CELLS = {
     "llama3.2-1b": (8192,),
     "llama2-7b": (2048, 8192),
@@ -100,7 +96,7 @@ def export(model: str, seq: int, graphs: Path) -> Path:
         )
         source = f"hf:{config}"
     command = [sys.executable, "-m", "profiling.export", source, "--seq", str(seq)]
-    if model in HF_CONFIGS and model not in TRANSFORMERS_MODULES:
+    if model in HF_CONFIGS:
         command += ["--implementation", "megatron"]  # megatron-core's: what --runtime megatron runs
     done = harness.run_process([*command, "--out", str(path), "--no-progress"])
     if done.returncode != 0:

@@ -117,3 +117,23 @@ def test_no_warning_where_megatron_core_cannot_run_the_model(tmp_path, run_cli):
         plan_main, str(path), *PLAN, "--runtime", "megatron", "--precision", "fp32", "--quiet"
     )
     assert code == 0 and err == ""
+
+
+def test_a_tied_vocabulary_parallel_head_keeps_its_split_in_embed_only(tmp_path, run_cli):
+    """A tied vocabulary of 16384+ rows is profiled vocabulary-parallel: the output layer's copy
+    is moved to ``embed`` with its TP split (Llama-3.2 1B's head had tp_params > params)."""
+    vocab = 20000
+    model = f"hf:{write_config(tmp_path, 'qwen2', vocab_size=vocab)}"
+    out = tmp_path / "tied.json"
+    code, _, err = run_cli(
+        export_main, model, *EXPORT, "--implementation", "megatron", "--out", str(out)
+    )
+    assert code == 0, err
+    graph = json.loads(out.read_text())
+    embed, head = graph["layers"][0], graph["layers"][-1]
+    hidden = embed["params"] // vocab
+    assert head["tied_params"] == {"embed": vocab * hidden}
+    assert head.get("tp_params", 0) == 0 and head.get("largest_tp_param", 0) == 0
+    assert embed["tp_params"] == embed["params"] == vocab * hidden
+    code, _, err = run_cli(plan_main, str(out), *PLAN)
+    assert code == 0, err

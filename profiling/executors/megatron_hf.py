@@ -266,6 +266,8 @@ def tie_head(graph: LayerGraph, config: models.gpt.GPTConfig) -> LayerGraph:
         if layer.name == "head":
             changes = {"params": layer.params - elements, "tied_params": {"embed": elements}}
             changes |= {"largest_param": config.hidden, "vocab_params": 0}
+            if layer.tp_params >= elements:  # the copy was profiled vocabulary-parallel
+                changes |= {"tp_params": layer.tp_params - elements, "largest_tp_param": 0}
             layer = dataclasses.replace(layer, **changes)
         layers.append(layer)
     shared = [
