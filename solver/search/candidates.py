@@ -22,11 +22,13 @@ Heterogeneous clusters (``Cluster.groups``): every stage runs on tp * cp * dp GP
 group, and every GPU is used, so tp divides every group's GPUs per node (``Cluster.gpus_per_node``
 is their gcd) and tp * cp * dp divides every group's GPU count; group k then hosts exactly
 gpus_k / (tp cp dp) stages (``stages_per_group``), which sum to pp. ``--recompute auto`` is
-selective there too (the placed formulation takes the recompute decision).
+none and full there too, selective when neither fits (the placed formulation takes the recompute
+decision).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -261,14 +263,11 @@ def _searched_settings(
 ) -> tuple[tuple[str, ...], list[int], list[int]]:
     """The recompute modes, virtual stage counts and context-parallel degrees every config is
     searched with; raises InputError where the options cannot go together."""
-    # auto = selective: with a free choice per layer, "none" (no layer) and "full" (every layer)
-    # are feasible choices of the same config, so its optimum is never worse than either (on a
-    # heterogeneous cluster too); the empirical model measures one setting per run, so there
-    # auto searches none and full
+    # auto: none and full on every config (the exact chain/DAG algorithms, milliseconds); the
+    # planner searches selective only when neither fits (``selective_fallback``)
     recompute_modes = (training.recompute,)
     if training.recompute == "auto":
-        uniform_only = training.memory_model == "empirical"
-        recompute_modes = ("none", "full") if uniform_only else ("selective",)
+        recompute_modes = ("none", "full")
     virtual_stages = sorted(set(training.virtual_stages))
     if virtual_stages != [1]:
         check_interleaving(cluster, training)
@@ -280,6 +279,16 @@ def _searched_settings(
             "--memory-model analytic"
         )
     return recompute_modes, virtual_stages, cp_degrees
+
+
+def selective_fallback(training: TrainingConfig) -> TrainingConfig | None:
+    """The search space of ``--recompute auto`` when no config fits with no or full
+    recomputation: the same options with per-layer selective recomputation (CP-SAT/MILP; it
+    contains none and full, so it is never worse), or None when there is none to fall back to
+    (recompute pinned, or the empirical memory model, which measures one setting per run)."""
+    if training.recompute != "auto" or training.memory_model == "empirical":
+        return None
+    return dataclasses.replace(training, recompute="selective")
 
 
 def _tensor_and_context_degrees(

@@ -24,7 +24,7 @@ from solver.engine_rules import ModelFacts, degrees_of
 from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate_assignment, prepare_training
 from solver.graph import LayerGraph
-from solver.search.candidates import candidate_configs
+from solver.search.candidates import candidate_configs, selective_fallback
 from solver.search.config_search import (
     ConfigEntry,
     Deadline,
@@ -85,7 +85,56 @@ def plan(
     started = time.perf_counter()
     deadline = Deadline.after(time_limit_s) if deadline is None else deadline
     training = prepare_training(graph, cluster, training)
-    entries = build_entries(graph, cluster, training, deadline=deadline)
+    call = functools.partial(
+        _plan_space,
+        graph,
+        cluster,
+        training,
+        backend=backend,
+        time_limit_s=time_limit_s,
+        num_workers=num_workers,
+        deadline=deadline,
+        progress=progress,
+        suggest_gpus=suggest_gpus,
+        started=started,
+    )
+    selective = selective_fallback(training)
+    if selective is None:
+        return call(training)
+    try:  # --recompute auto: none and full first, by the exact algorithms
+        return call(training, explain=False)
+    except InfeasibleError:
+        pass
+    result = call(selective)
+    result.solver.notes.insert(0, SELECTIVE_NOTE)
+    return result
+
+
+SELECTIVE_NOTE = (
+    "no config fits with no or full recomputation: per-layer selective recomputation was "
+    "searched (--recompute auto)"
+)
+"""The plan's note when ``--recompute auto`` fell back to selective recomputation."""
+
+
+def _plan_space(
+    graph: LayerGraph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    space: TrainingConfig,
+    *,
+    backend: str,
+    time_limit_s: float | None,
+    num_workers: int,
+    deadline: Deadline,
+    progress: Progress | None,
+    suggest_gpus: bool,
+    started: float,
+    explain: bool = True,
+) -> Plan:
+    """:func:`plan` over the candidate configs of ``space`` (``training``, or its selective
+    fallback); ``explain`` False: an InfeasibleError without the explanation (quick)."""
+    entries = build_entries(graph, cluster, space, deadline=deadline)
     # the searches stop early enough for the evaluations, report and exports after them
     finishing_s = finishing_seconds(graph, cluster, training, entries)
     if finishing_s:
@@ -103,6 +152,7 @@ def plan(
         time_limit_s=time_limit_s,
         progress=progress,
         suggest_gpus=suggest_gpus,
+        explain=explain,
     )
     limit = _throughput_limit(call)
     if training.objective == "memory":
@@ -575,12 +625,28 @@ def _probe(
     """Whether :func:`plan` finds a plan on ``cluster`` (a :class:`_Probe`), proves there is
     none (False) or runs out of time first (None); its searches only, no tie-break, no
     explanation."""
+    probe = _probe_space(graph, cluster, training, training, backend, deadline)
+    selective = selective_fallback(training)
+    if probe is False and selective is not None:  # --recompute auto, as plan falls back
+        probe = _probe_space(graph, cluster, training, selective, backend, deadline)
+    return probe
+
+
+def _probe_space(
+    graph: LayerGraph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    space: TrainingConfig,
+    backend: str,
+    deadline: Deadline,
+) -> _Probe | bool | None:
+    """:func:`_probe` over the candidate configs of ``space``."""
     try:
         call = _PlanningCall(
             graph=graph,
             cluster=cluster,
             training=training,
-            entries=build_entries(graph, cluster, training, deadline=deadline),
+            entries=build_entries(graph, cluster, space, deadline=deadline),
             backend=backend,
             deadline=deadline,
             num_workers=1,
