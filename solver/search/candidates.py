@@ -4,7 +4,8 @@ bounds.
 Rules: pp * tp * cp * dp = number of GPUs; tp divides gpus_per_node (tensor parallelism stays
 inside a node); pp <= number of layers (every stage holds a layer); dp * micro_batch divides the
 global batch (m = B / (dp b) micro-batches per step). ZeRO stages only differ when dp * cp > 1
-(they shard over both), so with dp = cp = 1 only the smallest requested stage is kept. Expert
+(they shard over both), so with dp = cp = 1 only the smallest requested stage is kept, and ZeRO 1
+dominates ZeRO 0 (``searched_zero_stages``), so ZeRO 0 is left out when both are asked for. Expert
 parallelism: ep | dp, from ``TrainingConfig.ep`` or, auto, every ep dividing dp and the graph's
 routed experts (``expert_parallel_degrees``). Sequence parallelism
 (``TrainingConfig.sequence_parallel`` on or auto) goes with every tp > 1 (it only splits
@@ -191,9 +192,7 @@ def candidate_configs(
                 continue  # a stage's GPUs come from one group, and all GPUs are used
             if training.memory_model == "empirical" and tp * dp > 1:
                 continue  # the statistics describe one pipeline (CAPSlog): tp = dp = 1
-            zero_stages = (
-                sorted(set(training.zero_stages)) if dp * cp > 1 else [min(training.zero_stages)]
-            )
+            zero_stages = searched_zero_stages(training.zero_stages, dp * cp)
             for micro_batch in sorted(set(training.micro_batch_sizes)):
                 if training.global_batch % (dp * micro_batch):
                     continue
@@ -279,6 +278,20 @@ def _searched_settings(
             "--memory-model analytic"
         )
     return recompute_modes, virtual_stages, cp_degrees
+
+
+def searched_zero_stages(stages: tuple[int, ...], sharding_degree: int) -> list[int]:
+    """The ZeRO stages searched for a config sharding over ``sharding_degree`` = dp x cp GPUs:
+    the smallest one when nothing is sharded (they all hold the same); ZeRO 0 left out when
+    ZeRO 1 is searched too, which dominates it on both runtimes: the same layout and engine
+    (Megatron's --use-distributed-optimizer, torch's ZeroRedundancyOptimizer) with the optimizer
+    state and the step's temporary sharded, the same gradient sync and a shorter optimizer step,
+    so no split of it has a larger peak or a longer iteration (``costs.states``,
+    ``costs.times``)."""
+    if sharding_degree == 1:
+        return [min(stages)]
+    searched = sorted(set(stages))
+    return searched[1:] if searched[:2] == [0, 1] else searched
 
 
 def selective_fallback(training: TrainingConfig) -> TrainingConfig | None:
