@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import replace
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
