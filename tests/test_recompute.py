@@ -422,3 +422,8 @@ def test_auto_falls_back_to_selective_when_neither_fits(run_cli, tmp_path):
     code, out, err = run_cli(plan_main, *argv, "--min-throughput", f"{floor:.9g}")
     assert (code, err) == (0, "")
     assert f"note: {SELECTIVE_NOTE}" in out and "selective-recompute" in out
+    # below the selective peak nothing fits: exit 3, the exact search's explanation, one line
+    argv[argv.index("--gpu-memory") + 1] = f"{selective.peak_bytes - 1}B"
+    code, out, err = run_cli(plan_main, *argv, "--min-throughput", f"{floor:.9g}")
+    assert (code, out) == (3, "") and err.count("\n") == 1 and err.startswith("error: ")
+    assert err.startswith("error: with no, full or per-layer selective recomputation: ")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from solver.errors import InputError
 from solver.graph import LayerGraph
-from solver.search.candidates import divisors, selective_fallback
+from solver.search.candidates import divisors
 from solver.search.config_search import Deadline, build_entries
 from solver.specs import Cluster, TrainingConfig
 
@@ -50,11 +50,9 @@ def memory_may_fit(
     graph: LayerGraph, cluster: Cluster, training: TrainingConfig, num_gpus: int
 ) -> bool:
     """False when every config on ``num_gpus`` GPUs of ``cluster``'s kind has a memory lower
-    bound over its usable memory, capacity - reserve (no solve; a homogeneous cluster). With
-    ``--recompute auto`` the bounds are those of its selective fallback, which are the lowest."""
-    space = selective_fallback(training) or training
+    bound over its usable memory, capacity - reserve (no solve; a homogeneous cluster)."""
     try:
-        entries = build_entries(graph, dataclasses.replace(cluster, num_gpus=num_gpus), space)
+        entries = build_entries(graph, dataclasses.replace(cluster, num_gpus=num_gpus), training)
     except InputError:
         return False
     usable = training.usable_bytes(cluster.gpu_memory_bytes)  # capacity - reserve

@@ -76,6 +76,10 @@ def plan(
     ``training.precision`` None is the graph's precision (``precision.for_graph``); every peak
     must fit in the usable memory, capacity - ``training.memory_reserve``.
 
+    ``training.recompute`` "auto" searches no and full recomputation first (the exact
+    chain/DAG algorithms), and per-layer selective recomputation (CP-SAT/MILP) only when neither
+    fits, in at most ``SELECTIVE_SHARE`` of the time left; the plan then says so in a note.
+
     Raises InputError for bad options, InfeasibleError when nothing fits: which constraint, the
     smallest peak found and, with ``suggest_gpus``, the smallest GPU count that fits (the
     search of ``solver.sweep.min_gpus`` with ``--gpus auto``, in what is left of the time limit:
@@ -105,9 +109,28 @@ def plan(
         return call(training, explain=False)
     except InfeasibleError:
         pass
-    result = call(selective)
-    result.solver.notes.insert(0, SELECTIVE_NOTE)
-    return result
+    share = Deadline(end=time.perf_counter() + SELECTIVE_SHARE * deadline.remaining())
+    try:
+        result = call(selective, explain=False, deadline=share)
+    except InfeasibleError:
+        searched = "with no, full or per-layer selective recomputation"
+    except NoSolutionError:
+        searched = (
+            "with no or full recomputation (per-layer selective found no plan in its share of "
+            "the time limit)"
+        )
+    else:
+        result.solver.notes.insert(0, SELECTIVE_NOTE)
+        return result
+    try:  # explained by the exact search without it, and its GPU count
+        return call(training)
+    except InfeasibleError as error:
+        raise InfeasibleError(
+            f"{searched}: {error}",
+            best_peak_bytes=error.best_peak_bytes,
+            capacity_bytes=error.capacity_bytes,
+            suggested_gpus=error.suggested_gpus,
+        ) from None
 
 
 SELECTIVE_NOTE = (
@@ -115,6 +138,10 @@ SELECTIVE_NOTE = (
     "searched (--recompute auto)"
 )
 """The plan's note when ``--recompute auto`` fell back to selective recomputation."""
+SELECTIVE_SHARE = 0.5
+"""The most of the time left the selective fallback of ``--recompute auto`` takes; the rest is
+the explanation's when it fits nothing (its smallest peak and GPU count are those with no or
+full recomputation: exact and fast)."""
 
 
 def _plan_space(
@@ -625,28 +652,12 @@ def _probe(
     """Whether :func:`plan` finds a plan on ``cluster`` (a :class:`_Probe`), proves there is
     none (False) or runs out of time first (None); its searches only, no tie-break, no
     explanation."""
-    probe = _probe_space(graph, cluster, training, training, backend, deadline)
-    selective = selective_fallback(training)
-    if probe is False and selective is not None:  # --recompute auto, as plan falls back
-        probe = _probe_space(graph, cluster, training, selective, backend, deadline)
-    return probe
-
-
-def _probe_space(
-    graph: LayerGraph,
-    cluster: Cluster,
-    training: TrainingConfig,
-    space: TrainingConfig,
-    backend: str,
-    deadline: Deadline,
-) -> _Probe | bool | None:
-    """:func:`_probe` over the candidate configs of ``space``."""
     try:
         call = _PlanningCall(
             graph=graph,
             cluster=cluster,
             training=training,
-            entries=build_entries(graph, cluster, space, deadline=deadline),
+            entries=build_entries(graph, cluster, training, deadline=deadline),
             backend=backend,
             deadline=deadline,
             num_workers=1,
