@@ -271,6 +271,8 @@ def test_module_entry_points_run_as_subprocesses(tmp_path):
             "16",
             "--time-limit",
             "30",
+            "--pp",
+            "2",
         ],
         capture_output=True,
         text=True,

@@ -97,7 +97,7 @@ def test_bad_recompute_layers_are_one_line_exit_2(chain_file, run_cli, extra, me
     assert "Traceback" not in err
 
 
-def test_plan_recompute_auto_round_trips_through_evaluate(tmp_path, run_cli):
+def test_plan_recompute_selective_round_trips_through_evaluate(tmp_path, run_cli):
     """A memory-tight uniform chain under a throughput floor: the plan recomputes some but not
     all layers; solver.evaluate with its config, its stage_of_layer and its recomputed names
     (as the plan JSON lists them) gives the same peak, iteration and per-stage lists."""
@@ -105,7 +105,7 @@ def test_plan_recompute_auto_round_trips_through_evaluate(tmp_path, run_cli):
     activation_heavy_chain(8).save(graph_path)
     plan_json = tmp_path / "plan.json"
     argv = [str(graph_path), "--gpus", "4", "--global-batch", "8", "--micro-batch", "1"]
-    argv += ["--pp", "4", "--recompute", "auto", "--max-slowdown", "1.2"]
+    argv += ["--pp", "4", "--recompute", "selective", "--max-slowdown", "1.2"]
     code, _, err = run_cli(plan_main, *argv, "--json", str(plan_json), "--quiet")
     assert code == 0, err
     plan = json.loads(plan_json.read_text())

@@ -311,7 +311,7 @@ def test_plan_shows_progress_on_a_terminal_and_stops_on_ctrl_c(tmp_path):
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
     process = subprocess.Popen(
         [PYTHON, "-m", "solver.plan", str(graph), "--gpus", "64", "--global-batch", "256"]
-        + ["--recompute", "auto", "--time-limit", "120"],
+        + ["--recompute", "selective", "--time-limit", "120"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=follower,

@@ -154,9 +154,9 @@ def _cluster(small_bytes: int, large_bytes: int, *, tflops: float = 989) -> Clus
 
 @pytest.mark.slow
 @pytest.mark.parametrize("memory_objective", [UTILIZATION, ABSOLUTE])
-def test_auto_is_selective_on_a_heterogeneous_cluster(memory_objective):
-    """recompute auto plans selective, respects every group's capacity and GPU count, and is
-    never worse than none or full on the same cluster."""
+def test_selective_on_a_heterogeneous_cluster(memory_objective):
+    """recompute selective respects every group's capacity and GPU count, and is never worse
+    than none or full on the same cluster; auto, where both fit, is the better of them."""
     graph = random_chain(random.Random(5), 6)
     base = TrainingConfig(
         global_batch=8, pp=2, max_slowdown=None, memory_objective=memory_objective
@@ -167,9 +167,9 @@ def test_auto_is_selective_on_a_heterogeneous_cluster(memory_objective):
     # that makes none or full infeasible here fails loudly rather than skipping it
     results = {
         mode: plan(graph, cluster, dataclasses.replace(base, recompute=mode))
-        for mode in ("auto", "none", "full")
+        for mode in ("selective", "auto", "none", "full")
     }
-    auto = results["auto"]
+    auto = results["selective"]
     assert auto.config.recompute == "selective"
     assert check_plan(auto) == []
     evaluation = auto.evaluation
@@ -182,6 +182,8 @@ def test_auto_is_selective_on_a_heterogeneous_cluster(memory_objective):
         assert stage.peak_bytes <= cluster.groups[k].gpu_memory_bytes
     for mode in ("none", "full"):
         assert auto.solver.objective <= results[mode].solver.objective
+    uniform = min(results[mode].solver.objective for mode in ("none", "full"))
+    assert results["auto"].solver.objective == uniform
 
 
 def test_recomputed_layers_take_their_groups_time():
@@ -283,7 +285,7 @@ def test_a_given_placement_hint_is_kept(backend):
 @pytest.mark.slow
 def test_plan_json_lists_recomputed_layers_per_group(tmp_path):
     graph = random_chain(random.Random(5), 6)
-    training = TrainingConfig(global_batch=8, pp=2, max_slowdown=None, recompute="auto")
+    training = TrainingConfig(global_batch=8, pp=2, max_slowdown=None, recompute="selective")
     reference = plan(graph, _cluster(2**36, 2**36), dataclasses.replace(training, recompute="none"))
     result = plan(graph, _cluster(int(reference.peak_bytes * 0.7), 2**36), training)
     from solver.report.plan_report import plan_to_dict

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -30,7 +31,7 @@ from solver.graph import LayerGraph
 from solver.plan_check import check_plan
 from solver.report.plan_report import format_plan, plan_to_dict
 from solver.search.config_search import Deadline, uniform_recompute_hint
-from solver.search.planner import plan
+from solver.search.planner import SELECTIVE_NOTE, plan
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from solver.sweep import PointOptions, solve_point
 from tests.conftest import activation_heavy_chain, gpt_chain
@@ -112,9 +113,10 @@ def test_selective_optimum_equals_brute_force(backend, seed):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_auto_never_worse_than_none_and_full(seed):
-    """Planner level, same cluster and absolute throughput floor: recompute auto (= selective)
-    reaches a peak no larger than the best plan with no recomputation or with all of it."""
+def test_selective_and_auto_never_worse_than_none_and_full(seed):
+    """Planner level, same cluster and absolute throughput floor: recompute selective and auto
+    (none and full, selective when neither fits) reach a peak no larger than the best plan with
+    no recomputation or with all of it; auto's is exactly the better of the two."""
     rng = random.Random(100 + seed)
     graph = (random_chain if seed % 2 else random_dag)(rng, rng.randint(4, 6))
     cluster = Cluster(num_gpus=4, gpus_per_node=2, gpu_memory_bytes=10**9)
@@ -123,7 +125,7 @@ def test_auto_never_worse_than_none_and_full(seed):
     for floor in (None, fastest / 1.15):
         training = dataclasses.replace(base, min_throughput=floor)
         peaks = {}
-        for mode in ("none", "full", "auto"):
+        for mode in ("none", "full", "selective", "auto"):
             try:
                 result = plan(graph, cluster, dataclasses.replace(training, recompute=mode))
             except InfeasibleError:  # full recomputation may miss the floor
@@ -132,7 +134,8 @@ def test_auto_never_worse_than_none_and_full(seed):
             assert check_plan(result) == []
             peaks[mode] = result.peak_bytes
         assert "none" in peaks and "auto" in peaks  # the fastest plan recomputes nothing
-        assert peaks["auto"] <= min(peaks["none"], peaks.get("full", np.inf))
+        assert peaks["selective"] <= min(peaks["none"], peaks.get("full", np.inf))
+        assert peaks["auto"] == min(peaks["none"], peaks.get("full", np.inf))
 
 
 def test_tight_budget_recomputes_only_early_layers():
@@ -244,7 +247,7 @@ def test_plan_cli_lists_recomputed_layers(capsys, tmp_path):
     floor = 8 * 1e9 / (1.2 * fastest)
     out = tmp_path / "plan.json"
     argv = [str(graph_path), "--gpus", "4", "--global-batch", "8", "--micro-batch", "1"]
-    argv += ["--pp", "4", "--recompute", "auto", "--min-throughput", f"{floor:.9g}"]
+    argv += ["--pp", "4", "--recompute", "selective", "--min-throughput", f"{floor:.9g}"]
     code = plan_main([*argv, "--json", str(out)])
     text, err = capsys.readouterr()
     assert code == 0, err
@@ -386,3 +389,41 @@ def test_megatron_recomputes_only_transformer_blocks(gpt_graph):
     outputs = [config.micro_batch * layer.output_bytes for layer in gpt_graph.layers]
     assert np.array_equal(torch_runtime.stored_bytes, outputs)
     assert np.array_equal(megatron.time_ns[~blocks], kept.time_ns[~blocks])
+
+
+def test_auto_falls_back_to_selective_when_neither_fits(run_cli, tmp_path):
+    """--recompute auto searches none and full by the exact algorithms; where neither fits (here
+    none over the memory, full under the throughput floor) it searches selective, says so, and
+    finds the selective plan."""
+    graph = activation_heavy_chain(8)
+    costs = _costs(
+        graph,
+        ParallelConfig(pp=4, tp=1, dp=1, micro_batch=1, num_microbatches=8, recompute="selective"),
+    )
+    fastest = solve_cpsat(StageProblem(costs=costs, objective=OBJECTIVE_TIME)).objective
+    floor = 8 * 1e9 / (1.2 * fastest)
+    base = TrainingConfig(global_batch=8, micro_batch_sizes=(1,), pp=4, min_throughput=floor)
+    selective = plan(
+        graph, Cluster(num_gpus=4, gpu_memory_bytes=10**9), replace(base, recompute="selective")
+    )
+    tight = Cluster(num_gpus=4, gpu_memory_bytes=selective.peak_bytes)
+    for mode in ("none", "full"):
+        with pytest.raises(InfeasibleError):
+            plan(graph, tight, replace(base, recompute=mode))
+    auto = plan(graph, tight, replace(base, recompute="auto"))
+    assert auto.config.recompute == "selective"
+    assert auto.peak_bytes == selective.peak_bytes
+    assert auto.solver.notes[0] == SELECTIVE_NOTE
+    # the CLI's default is auto: the same plan, and the note in its text
+    path = tmp_path / "uniform.json"
+    graph.save(path)
+    argv = [str(path), "--gpus", "4", "--global-batch", "8", "--micro-batch", "1", "--pp", "4"]
+    argv += ["--gpu-memory", f"{selective.peak_bytes}B", "--reserve", "0"]
+    code, out, err = run_cli(plan_main, *argv, "--min-throughput", f"{floor:.9g}")
+    assert (code, err) == (0, "")
+    assert f"note: {SELECTIVE_NOTE}" in out and "selective-recompute" in out
+    # below the selective peak nothing fits: exit 3, the exact search's explanation, one line
+    argv[argv.index("--gpu-memory") + 1] = f"{selective.peak_bytes - 1}B"
+    code, out, err = run_cli(plan_main, *argv, "--min-throughput", f"{floor:.9g}")
+    assert (code, out) == (3, "") and err.count("\n") == 1 and err.startswith("error: ")
+    assert err.startswith("error: with no, full or per-layer selective recomputation: ")

@@ -196,8 +196,10 @@ def test_plan_leaves_out_configs_whose_schedule_is_too_long(monkeypatch, run_cli
 
     for module in (schedule_time, candidates, planner):
         monkeypatch.setattr(module, "MAX_SCHEDULE_ACTIONS", 40)
-    # 2 GPUs, batch 16: pp 2 dp 1 has 2 x 2 x 16 = 64 actions (left out), pp 1 dp 2 has 16
-    code, out, err = run_cli(plan_main, GPT_1_3B, "--gpus", "2", "--global-batch", "16")
+    # 2 GPUs, batch 16: pp 2 dp 1 has 2 x 2 x 16 = 64 actions (left out), pp 1 dp 2 has 16;
+    # one recompute mode, so one config is left out
+    args = ("--gpus", "2", "--global-batch", "16", "--recompute", "none")
+    code, out, err = run_cli(plan_main, GPT_1_3B, *args)
     assert code == 0, err
     assert "config: pp1 " in out
     assert "note: 1 candidate config not searched (e.g. pp2 tp1 dp1 b1 m16" in out

@@ -59,6 +59,8 @@ from solver.units import parse_bytes
 
 MAX_WORKERS = 256
 """Most CP-SAT worker threads --workers takes."""
+DEFAULT_MICRO_BATCHES = (1, 2, 3, 4)
+"""--micro-batch's default: the sizes a user sweeps by hand."""
 
 
 def slowdown(text: str) -> float | None:
@@ -506,22 +508,24 @@ def add_plan_options(parser: argparse.ArgumentParser, *, cpsat_workers: bool = T
     search.add_argument(
         "--micro-batch",
         type=int_list_in(1, MAX_GLOBAL_BATCH),
-        default=[1, 2, 4],
-        help="candidate micro-batch sizes (default 1,2,4)",
+        default=list(DEFAULT_MICRO_BATCHES),
+        help="candidate micro-batch sizes, those dividing global batch / dp (default 1,2,3,4)",
     )
     search.add_argument(
         "--zero",
         choices=[*map(str, ZERO_STAGES), "auto"],
-        default="0",
-        help="ZeRO stage, or auto to search 0..3 (default 0)",
+        default="auto",
+        help="ZeRO stage, or auto (default): every stage 0..3 the --runtime's engines run with "
+        "the config (megatron: 0, 1 = --use-distributed-optimizer, 2/3 = Megatron-FSDP at pp 1 "
+        "only; torch: DDP, ZeroRedundancyOptimizer, FSDP2)",
     )
     search.add_argument(
         "--recompute",
         choices=RECOMPUTE_CHOICES,
-        default="none",
+        default="auto",
         help="activation recomputation: none, full (every layer), selective (the solver picks "
-        "the layers, jointly with the split; CP-SAT/MILP), or auto (= selective, which contains "
-        "none and full)",
+        "the layers, jointly with the split; CP-SAT/MILP, slower) or auto (default): none and "
+        "full on every config by the exact algorithms, and selective only when neither fits",
     )
     degree = int_in(1, MAX_DEGREE)
     search.add_argument("--pp", type=degree, help="pin the pipeline degree")

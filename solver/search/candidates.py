@@ -4,7 +4,8 @@ bounds.
 Rules: pp * tp * cp * dp = number of GPUs; tp divides gpus_per_node (tensor parallelism stays
 inside a node); pp <= number of layers (every stage holds a layer); dp * micro_batch divides the
 global batch (m = B / (dp b) micro-batches per step). ZeRO stages only differ when dp * cp > 1
-(they shard over both), so with dp = cp = 1 only the smallest requested stage is kept. Expert
+(they shard over both), so with dp = cp = 1 only the smallest requested stage is kept, and ZeRO 1
+dominates ZeRO 0 (``searched_zero_stages``), so ZeRO 0 is left out when both are asked for. Expert
 parallelism: ep | dp, from ``TrainingConfig.ep`` or, auto, every ep dividing dp and the graph's
 routed experts (``expert_parallel_degrees``). Sequence parallelism
 (``TrainingConfig.sequence_parallel`` on or auto) goes with every tp > 1 (it only splits
@@ -22,11 +23,13 @@ Heterogeneous clusters (``Cluster.groups``): every stage runs on tp * cp * dp GP
 group, and every GPU is used, so tp divides every group's GPUs per node (``Cluster.gpus_per_node``
 is their gcd) and tp * cp * dp divides every group's GPU count; group k then hosts exactly
 gpus_k / (tp cp dp) stages (``stages_per_group``), which sum to pp. ``--recompute auto`` is
-selective there too (the placed formulation takes the recompute decision).
+none and full there too, selective when neither fits (the placed formulation takes the recompute
+decision).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -189,9 +192,7 @@ def candidate_configs(
                 continue  # a stage's GPUs come from one group, and all GPUs are used
             if training.memory_model == "empirical" and tp * dp > 1:
                 continue  # the statistics describe one pipeline (CAPSlog): tp = dp = 1
-            zero_stages = (
-                sorted(set(training.zero_stages)) if dp * cp > 1 else [min(training.zero_stages)]
-            )
+            zero_stages = searched_zero_stages(training.zero_stages, dp * cp)
             for micro_batch in sorted(set(training.micro_batch_sizes)):
                 if training.global_batch % (dp * micro_batch):
                     continue
@@ -261,14 +262,11 @@ def _searched_settings(
 ) -> tuple[tuple[str, ...], list[int], list[int]]:
     """The recompute modes, virtual stage counts and context-parallel degrees every config is
     searched with; raises InputError where the options cannot go together."""
-    # auto = selective: with a free choice per layer, "none" (no layer) and "full" (every layer)
-    # are feasible choices of the same config, so its optimum is never worse than either (on a
-    # heterogeneous cluster too); the empirical model measures one setting per run, so there
-    # auto searches none and full
+    # auto: none and full on every config (the exact chain/DAG algorithms, milliseconds); the
+    # planner searches selective only when neither fits (``selective_fallback``)
     recompute_modes = (training.recompute,)
     if training.recompute == "auto":
-        uniform_only = training.memory_model == "empirical"
-        recompute_modes = ("none", "full") if uniform_only else ("selective",)
+        recompute_modes = ("none", "full")
     virtual_stages = sorted(set(training.virtual_stages))
     if virtual_stages != [1]:
         check_interleaving(cluster, training)
@@ -280,6 +278,30 @@ def _searched_settings(
             "--memory-model analytic"
         )
     return recompute_modes, virtual_stages, cp_degrees
+
+
+def searched_zero_stages(stages: tuple[int, ...], sharding_degree: int) -> list[int]:
+    """The ZeRO stages searched for a config sharding over ``sharding_degree`` = dp x cp GPUs:
+    the smallest one when nothing is sharded (they all hold the same); ZeRO 0 left out when
+    ZeRO 1 is searched too, which dominates it on both runtimes: the same layout and engine
+    (Megatron's --use-distributed-optimizer, torch's ZeroRedundancyOptimizer) with the optimizer
+    state and the step's temporary sharded, the same gradient sync and a shorter optimizer step,
+    so no split of it has a larger peak or a longer iteration (``costs.states``,
+    ``costs.times``)."""
+    if sharding_degree == 1:
+        return [min(stages)]
+    searched = sorted(set(stages))
+    return searched[1:] if searched[:2] == [0, 1] else searched
+
+
+def selective_fallback(training: TrainingConfig) -> TrainingConfig | None:
+    """The search space of ``--recompute auto`` when no config fits with no or full
+    recomputation: the same options with per-layer selective recomputation (CP-SAT/MILP; it
+    contains none and full, so it is never worse), or None when there is none to fall back to
+    (recompute pinned, or the empirical memory model, which measures one setting per run)."""
+    if training.recompute != "auto" or training.memory_model == "empirical":
+        return None
+    return dataclasses.replace(training, recompute="selective")
 
 
 def _tensor_and_context_degrees(

@@ -25,7 +25,7 @@ from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerE
 from solver.evaluation import Evaluation, evaluate_assignment, prepare_training
 from solver.graph import LayerGraph
 from solver.search.best_baselines import best_baselines
-from solver.search.candidates import candidate_configs
+from solver.search.candidates import candidate_configs, selective_fallback
 from solver.search.config_search import (
     ConfigEntry,
     Deadline,
@@ -77,6 +77,10 @@ def plan(
     ``training.precision`` None is the graph's precision (``precision.for_graph``); every peak
     must fit in the usable memory, capacity - ``training.memory_reserve``.
 
+    ``training.recompute`` "auto" searches no and full recomputation first (the exact
+    chain/DAG algorithms), and per-layer selective recomputation (CP-SAT/MILP) only when neither
+    fits, in at most ``SELECTIVE_SHARE`` of the time left; the plan then says so in a note.
+
     Raises InputError for bad options, InfeasibleError when nothing fits: which constraint, the
     smallest peak found and, with ``suggest_gpus``, the smallest GPU count that fits (the
     search of ``solver.sweep.min_gpus`` with ``--gpus auto``, in what is left of the time limit:
@@ -86,7 +90,79 @@ def plan(
     started = time.perf_counter()
     deadline = Deadline.after(time_limit_s) if deadline is None else deadline
     training = prepare_training(graph, cluster, training)
-    entries = build_entries(graph, cluster, training, deadline=deadline)
+    call = functools.partial(
+        _plan_space,
+        graph,
+        cluster,
+        training,
+        backend=backend,
+        time_limit_s=time_limit_s,
+        num_workers=num_workers,
+        deadline=deadline,
+        progress=progress,
+        suggest_gpus=suggest_gpus,
+        started=started,
+    )
+    selective = selective_fallback(training)
+    if selective is None:
+        return call(training)
+    try:  # --recompute auto: none and full first, by the exact algorithms
+        return call(training, explain=False)
+    except InfeasibleError:
+        pass
+    share = Deadline(end=time.perf_counter() + SELECTIVE_SHARE * deadline.remaining())
+    try:
+        result = call(selective, explain=False, deadline=share)
+    except InfeasibleError:
+        searched = "with no, full or per-layer selective recomputation"
+    except NoSolutionError:
+        searched = (
+            "with no or full recomputation (per-layer selective found no plan in its share of "
+            "the time limit)"
+        )
+    else:
+        result.solver.notes.insert(0, SELECTIVE_NOTE)
+        return result
+    try:  # explained by the exact search without it, and its GPU count
+        return call(training)
+    except InfeasibleError as error:
+        raise InfeasibleError(
+            f"{searched}: {error}",
+            best_peak_bytes=error.best_peak_bytes,
+            capacity_bytes=error.capacity_bytes,
+            suggested_gpus=error.suggested_gpus,
+        ) from None
+
+
+SELECTIVE_NOTE = (
+    "no config fits with no or full recomputation: per-layer selective recomputation was "
+    "searched (--recompute auto)"
+)
+"""The plan's note when ``--recompute auto`` fell back to selective recomputation."""
+SELECTIVE_SHARE = 0.5
+"""The most of the time left the selective fallback of ``--recompute auto`` takes; the rest is
+the explanation's when it fits nothing (its smallest peak and GPU count are those with no or
+full recomputation: exact and fast)."""
+
+
+def _plan_space(
+    graph: LayerGraph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    space: TrainingConfig,
+    *,
+    backend: str,
+    time_limit_s: float | None,
+    num_workers: int,
+    deadline: Deadline,
+    progress: Progress | None,
+    suggest_gpus: bool,
+    started: float,
+    explain: bool = True,
+) -> Plan:
+    """:func:`plan` over the candidate configs of ``space`` (``training``, or its selective
+    fallback); ``explain`` False: an InfeasibleError without the explanation (quick)."""
+    entries = build_entries(graph, cluster, space, deadline=deadline)
     # the searches stop early enough for the evaluations, report and exports after them
     finishing_s = finishing_seconds(graph, cluster, training, entries)
     if finishing_s:
@@ -104,6 +180,7 @@ def plan(
         time_limit_s=time_limit_s,
         progress=progress,
         suggest_gpus=suggest_gpus,
+        explain=explain,
     )
     limit = _throughput_limit(call)
     if training.objective == "memory":
