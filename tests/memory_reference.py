@@ -17,6 +17,8 @@ parallelism, no interleaving, persistent gradients, no calibration):
 - boundary buffers: received and sent copies per runtime (megatron: 1 and 1, or 1 + k_s
   without output deallocation; torch pipelining: m - k_s and m + k_s, under 1F1B one more of
   each where Schedule1F1B's send lists hold them);
+- the moments of the schedule: layer i of one micro-batch running (forward or backward) beside
+  k_s - 1 others held whole, that one holding the layers up to i;
 - the transient of the running layer (its own, its weight-gradient temporary, ZeRO-3's gathered
   weights, a recomputed layer's re-materialised activations);
 - the optimizer step moment (no micro-batch held, foreach Adam's one state element per
@@ -247,34 +249,38 @@ def step_temporary(layer: dict, setup: Setup) -> int:
 
 
 def stage_peaks(layers: list[dict], stage_of_layer: list[int], setup: Setup) -> list[StagePeak]:
-    """Each stage's bytes per GPU at its larger moment: after a forward with k_s micro-batches
-    held, or the optimizer step with none held (every gradient, the step's temporary). A fused
-    step (u = 0) adds no moment: "the stage's peak is its schedule's" (docs/cost-model.md,
-    Optimizer step), though on the torch runtime the end of the schedule holds m buffers of
-    each direction, more than the forward moment's where a stage's input outweighs what it
-    stores (full recomputation of a layer whose input is larger than its outputs)."""
+    """Each stage's bytes per GPU at its largest moment: a layer i running with k_s - 1 other
+    micro-batches held whole and the running one's stored bytes up to i (docs/cost-model.md,
+    "Transient peak"), or the optimizer step with none held (every gradient, the step's
+    temporary). A fused step (u = 0) adds no moment: "the stage's peak is its schedule's"
+    (docs/cost-model.md, Optimizer step), though on the torch runtime the end of the schedule
+    holds m buffers of each direction, more than the forward moment's where a stage's input
+    outweighs what it stores (full recomputation of a layer whose input is larger than its
+    outputs)."""
     peaks = []
     for stage in range(setup.pp):
         members = [i for i, s in enumerate(stage_of_layer) if s == stage]
         first, last = members[0], members[-1]
-        weights = grads = optimizer = stored = transient = step = 0
+        weights = grads = optimizer = stored = step = 0
         for i in members:
             w, g, o = layer_states(layers[i], setup)
             weights, grads, optimizer = weights + w, grads + g, optimizer + o
             stored += stored_bytes(layers[i], setup)
-            transient = max(transient, layer_transient(layers, i, setup))
             step += step_temporary(layers[i], setup)
         into = boundary_tensor_bytes(layers[first - 1]["output_bytes"], setup) if stage else 0
         out = boundary_tensor_bytes(layers[last]["output_bytes"], setup)
         held = in_flight(stage, setup)
-        forward = StagePeak(
-            weights,
-            grads,
-            optimizer,
-            held * stored,
-            buffer_bytes(stage, held, into, out, setup),
-            transient,
-        )
+        buffers = buffer_bytes(stage, held, into, out, setup)
+        # while layer i of one micro-batch runs (forward or backward), the k - 1 others are
+        # kept whole and that one keeps the layers up to i (the later ones not run yet, or
+        # freed by their backward); the first layer wins a tie
+        during, kept_so_far = [], 0
+        for i in members:
+            kept_so_far += stored_bytes(layers[i], setup)
+            activations = (held - 1) * stored + kept_so_far
+            transient = layer_transient(layers, i, setup)
+            during.append(StagePeak(weights, grads, optimizer, activations, buffers, transient))
+        forward = max(during, key=lambda moment: moment.peak)
         if not setup.step_bytes:  # a fused step allocates nothing: the schedule's peak
             peaks.append(forward)
             continue

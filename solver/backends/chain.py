@@ -1,13 +1,14 @@
 """Exact fast path for chain graphs: every stage holds a contiguous run of layers.
 
 For stage s = layers i..j (0-based, inclusive) ``costs.stage_costs`` reduces on a chain to
-  peak_s(i, j) = sum state[i..j] + k_s sum stored[i..j] + R_s e[i-1] + S_s e[j]
-                 + max transient[i..j]                  (a chain relays no edge)
-  (R_s, S_s: the cost model's boundary copies, 0 on the first / last stage)
-  on a stage whose gradients appear at its first backward (``LayerCosts.first_backward_peak``)
-  instead max(during, after) of ``costs.first_backward_moments``: max_l during(l) is a range
-  maximum of stored_prefix[l+1] - grad_prefix[l+1] + transient_l (sparse table), and the
-  monotone relaxation counts the states without gradients (a lower bound of during(j))
+  peak_s(i, j) = sum state[i..j] + (k_s - 1) sum stored[i..j] + R_s e[i-1] + S_s e[j]
+                 + max_l (stored[i..l] + transient_l)   (``costs.layer_moments``, no relays)
+  (R_s, S_s: the cost model's boundary copies, 0 on the first / last stage); the last term is
+  a range maximum of stored_prefix[l+1] + transient_l (sparse table), less stored_prefix[i].
+  On a stage whose gradients appear at its first backward (``LayerCosts.first_backward_peak``)
+  instead max(during, after): during(l) also leaves out grads(i..l), a range maximum of
+  stored_prefix[l+1] - grad_prefix[l+1] + transient_l, and the monotone relaxation counts
+  the states without gradients (a lower bound of during(j));
   with an optimizer-step temporary (``LayerCosts.step_bytes``) also the step moment
   sum (state + step)[i..j] + R0_s e[i-1] + S0_s e[j] (``costs.optimizer_step_moment``)
   time(s; i, j) = the largest of stage s's terms of the iteration bound
@@ -164,7 +165,6 @@ class _Chain:
         transient = np.asarray(costs.transient_bytes, dtype=np.int64)
         self.transient_min = int(transient.min())
         self.transient_max = int(transient.max())
-        self._transient_table = sparse_max_table(transient)
         self._log2 = np.floor(np.log2(np.arange(1, self.num_layers + 1))).astype(np.int64)
         self._rules: tuple[_Limits, list] | None = None
         # stages whose gradients appear at the first backward (costs.first_backward_moments)
@@ -177,12 +177,15 @@ class _Chain:
             "ungraded": self.ungraded_prefix,
             "stored": self.stored_prefix,
         }
-        if self.late.any():
-            # stored(i..l) + grads(l+1..j) + transient_l = h[l] - stored_prefix[i]
-            # + grad_prefix[j + 1]
-            self._during_table = sparse_max_table(
-                self.stored_prefix[1:] - self.grad_prefix[1:] + costs.transient_bytes
-            )
+        # during(l) of costs.layer_moments, less what does not depend on l: stored(i..l)
+        # + transient_l = h[l] - stored_prefix[i] (every gradient exists), and with the
+        # gradients made at the first backward (``late``) stored(i..l) + grads(l+1..j)
+        # + transient_l = h[l] - stored_prefix[i] + grad_prefix[j + 1]
+        reach = self.stored_prefix[1:] + transient
+        self._during_table = sparse_max_table(reach)
+        if self.late.any():  # and max transient[i..j] for the moment after
+            self._late_table = sparse_max_table(reach - self.grad_prefix[1:])
+            self._transient_table = sparse_max_table(transient)
         # the optimizer step: every state, the step temporary, the buffers at 0 held
         self.step_prefix = None if costs.step_bytes is None else prefix(costs.step_bytes)
         at_step = [costs.copies_at(s, 0) for s in range(self.num_stages)]
@@ -292,35 +295,33 @@ class _Chain:
     def schedule_peaks(
         self, stage: int | np.ndarray, starts: np.ndarray, ends: np.ndarray
     ) -> np.ndarray:
-        """peak_s(i, j) over the moments of the schedule (before the optimizer step), bytes."""
+        """peak_s(i, j) over the moments of the schedule (before the optimizer step), bytes:
+        ``costs.layer_moments`` on a chain (no relays), the largest of during(l) over l in
+        i..j beside the states and k - 1 whole micro-batches; where gradients appear at the
+        first backward (``late``) without those after l, and after it every gradient, k - 1
+        held."""
         stage = np.asarray(stage)
-        k = self.in_flight[stage]
-        value = (
-            self.state_prefix[ends + 1]
-            - self.state_prefix[starts]
-            + k * (self.stored_prefix[ends + 1] - self.stored_prefix[starts])
-        )
-        value = value + self.receive_copies[stage] * self.edge_in[starts]
-        value = value + self.send_copies[stage] * self.edge_out[ends]
-        late = self.late[stage]
-        if not np.any(late):
-            return value + self.transient(starts, ends) + self.constant_bytes
-        # costs.first_backward_moments on a chain (no relays): during the first backward
-        # the largest of stored(i..l) + grads(l+1..j) + transient_l over l, beside the states
-        # without gradients and k - 1 whole micro-batches; after it every gradient, k - 1 held
         starts, ends = np.broadcast_arrays(starts, ends)
         stage = np.broadcast_to(stage, starts.shape)
+        k = self.in_flight[stage]
         states = self.state_prefix[ends + 1] - self.state_prefix[starts]
         held = (k - 1) * (self.stored_prefix[ends + 1] - self.stored_prefix[starts])
         during = (
             states
-            - (self.grad_prefix[ends + 1] - self.grad_prefix[starts])
             + held
             + self.range_max(self._during_table, starts, ends)
             - self.stored_prefix[starts]
-            + self.grad_prefix[ends + 1]
             + self.receive_copies[stage] * self.edge_in[starts]
             + self.send_copies[stage] * self.edge_out[ends]
+        )
+        late = self.late[stage]
+        if not np.any(late):
+            return during + self.constant_bytes
+        first = (  # grads(i..j) off the states, grads(l+1..j) back
+            during
+            - self.range_max(self._during_table, starts, ends)
+            + self.range_max(self._late_table, starts, ends)
+            + self.grad_prefix[starts]
         )
         after = (
             states
@@ -329,8 +330,8 @@ class _Chain:
             + self.after_send[stage] * self.edge_out[ends]
             + self.transient(starts, ends)
         )
-        persistent = value + self.transient(starts, ends)
-        return np.where(late, np.maximum(during, after), persistent) + self.constant_bytes
+        late_peaks = np.maximum(first, after)
+        return np.where(late, late_peaks, during) + self.constant_bytes
 
     def times(
         self, stage: int | np.ndarray, starts: np.ndarray, ends: np.ndarray, first_tail: int

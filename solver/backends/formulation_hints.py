@@ -58,7 +58,7 @@ class FormulationHints:
         if self.vars.peak is not None:
             self._hint(self.vars.peak, self._bytes(max(st.peak_bytes for st in stages)))
         self._hint_parts(stage_of_layer, recomputed)
-        self._hint_first_backward(stage_of_layer, recomputed, stages)
+        self._hint_layer_sums(stage_of_layer, recomputed, stages)
         if self.vars.iteration is not None:
             p = self.costs.num_ranks
             for r, stage in enumerate(stages):
@@ -119,16 +119,16 @@ class FormulationHints:
             self._hint(received, self._bytes(int(into[stage])))
             self._hint(sent, self._bytes(int(out_of[stage])))
 
-    def _hint_first_backward(
+    def _hint_layer_sums(
         self, stage_of_layer: list[int], recomputed: list[bool] | None, stages: list
     ) -> None:
-        """The exact B_s and D[l][s] of ``_first_backward_rows`` for a split."""
-        if not self._first_backward:
+        """The exact B_s and D[l][s] of ``_layer_rows`` for a split."""
+        if not self._layer_sums:
             return
         costs = self.costs
         stage_of, stored, into, out_of, relayed = self._split_sums(stage_of_layer, recomputed)
         adjust = direct_buffer_adjustments(costs, stage_of)
-        for stage, (base, runnings) in self._first_backward.items():
+        for stage, (base, runnings) in self._layer_sums.items():
             k = costs.in_flight[stage]
             here = stage_of == stage
             value = (
@@ -139,10 +139,11 @@ class FormulationHints:
                 + costs.constant_bytes
             )
             self._hint(base, self._bytes(value))
+            late = costs.first_backward_peak[stage]
             running = 0
             for layer, variable in runnings:
                 if here[layer]:
-                    running += int(stored[layer] - costs.grad_bytes[layer])
+                    running += int(stored[layer] - (costs.grad_bytes[layer] if late else 0))
                 self._hint(variable, self._bytes(running))
 
     def _hint_placement(self, stages: list, group_of_stage: list[int]) -> None:
