@@ -199,7 +199,9 @@ def test_stage_peaks_by_hand():
         "weights": (400 + 300) * 3 // 2,  # gathered + shards (FSDP2 ZeRO-2)
         "grads": 200 + 150,
         "optimizer": 1200 + 900,
-        "activations": 2 * (2 * 80 + 2 * 50),
+        # the peak is b's backward (its transient the larger): micro-batch 0 whole, and the
+        # running one's b only (c's saved tensors freed by c's backward; costs.layer_moments)
+        "activations": (2 - 1) * (2 * 80 + 2 * 50) + 2 * 80,
         # R_1 = m - k_1 + 1 (the input gradient sent last) = 3 copies of a->b; S_1 = m + k_1
         # + 1 (micro-batch 0's output, held by torch's warm-up send) = 7 of c->d
         "buffers": 3 * 2 * 10 + 7 * 2 * 30,
@@ -208,7 +210,7 @@ def test_stage_peaks_by_hand():
         "transient": 1400 + 400 - 120 + 100,
     }
     assert middle.peak_bytes == (
-        4184 + 350 - 2 * 2 * 5 - (2 + 6) * 2 * 5 + 2 * 10 + 2 * 30 - 2 * 7 + 1780
+        4184 + 350 - 2 * 2 * 5 - (2 + 6) * 2 * 5 + 2 * 10 + 2 * 30 - 2 * 7 + 1780 - 2 * 50
     )
     assert last.breakdown() == {
         "weights": 150,
@@ -235,7 +237,8 @@ def test_recompute_and_zero3_and_gpipe():
     middle = stage_costs(costs_for(config), SPLIT)[1]
     assert middle.weight_bytes == (400 + 300) // 2  # ZeRO-3 shards weights too
     # recompute keeps each layer's output per micro-batch; GPipe keeps all m = 4 micro-batches
-    assert middle.activation_bytes == 4 * (2 * 20 + 2 * 30)  # a->d skips it (torch)
+    # (a->d skips it: torch); at the peak, b's backward, the running one holds b's only
+    assert middle.activation_bytes == (4 - 1) * (2 * 20 + 2 * 30) + 2 * 20
     # the layer being recomputed re-materialises its saved bytes next to its transient
     # ... and FSDP2's ZeRO-3 (solver/costs/fsdp.py, w = g = 2) gathers b's weights (400) beside
     # a's flat buffer (1400) and c's held reduce-scatter input (300); b's whole gradients
