@@ -187,12 +187,12 @@ def test_stage_peaks_by_hand():
         # S_0 = m + k_0 = 4 + 3 copies of what it sends (a->b, a->d), b = 2
         "buffers": 7 * 2 * (10 + 5),
         # FSDP2 (solver/costs/fsdp.py; w = g = 2): the larger of a's flat all-gather buffer
-        # (1400) and b's held reduce-scatter input (2 x 200), + a's unsharded gradients (1400)
-        # less what its backward freed (2 x (30 - 10)) + its own reduce-scatter input where
-        # b's is freed (1400 - 400)
-        "transient": 1400 + 1400 - 40 + 1000,
+        # (1400) and b's held reduce-scatter input (2 x 200), + a's unsharded gradients (1400,
+        # whole: the profile's weight-gradient transient credits what its backward freed) + its
+        # own reduce-scatter input where b's is freed (1400 - 400)
+        "transient": 1400 + 1400 + 1000,
     }
-    assert first.peak_bytes == 7390 + 3760
+    assert first.peak_bytes == 7390 + 3800
     # b: P' = 200, A' = 60 + 40/2 = 80; c: P' = 150, A' = 50; the skip edge a->d (5 B/sample)
     # goes straight from a's stage to d's (torch; the megatron runtime relays it, below)
     assert middle.breakdown() == {
@@ -206,11 +206,11 @@ def test_stage_peaks_by_hand():
         # + 1 (micro-batch 0's output, held by torch's warm-up send) = 7 of c->d
         "buffers": 3 * 2 * 10 + 7 * 2 * 30,
         # b's: a's flat buffer (1400, the larger than c's held input 300) + its gradients 400
-        # - (160 - 40) + (400 - 300); c's: 400 + 300 - 40 + 200 + 2 x 7 = 874
-        "transient": 1400 + 400 - 120 + 100,
+        # + (400 - 300); c's: 400 + 300 + 200 + 2 x 7 = 914
+        "transient": 1400 + 400 + 100,
     }
     assert middle.peak_bytes == (
-        4184 + 350 - 2 * 2 * 5 - (2 + 6) * 2 * 5 + 2 * 10 + 2 * 30 - 2 * 7 + 1780 - 2 * 50
+        4184 + 350 - 2 * 2 * 5 - (2 + 6) * 2 * 5 + 2 * 10 + 2 * 30 - 2 * 7 + 1900 - 2 * 50
     )
     assert last.breakdown() == {
         "weights": 150,
@@ -218,7 +218,7 @@ def test_stage_peaks_by_hand():
         "optimizer": 300,
         "activations": 16,
         "buffers": 4 * 2 * (5 + 30),  # R_2 = 4 - 1 + 1
-        "transient": 300 + 100 - 14 + 100,  # c's flat buffer, d's gradients and input
+        "transient": 300 + 100 + 100,  # c's flat buffer, d's gradients (whole) and input
     }
     assert [s.in_flight for s in stages] == [3, 2, 1]
 
@@ -242,11 +242,11 @@ def test_recompute_and_zero3_and_gpipe():
     # the layer being recomputed re-materialises its saved bytes next to its transient
     # ... and FSDP2's ZeRO-3 (solver/costs/fsdp.py, w = g = 2) gathers b's weights (400) beside
     # a's flat buffer (1400) and c's held reduce-scatter input (300); b's whole gradients
-    # (400) less what its backward freed (2 x 80 - 2 x 20) join its weight-gradient moment.
-    # c: 300 + max(300, 400) + 2 x 50 (d's input), gradients 300 - (2 x 50 - 2 x 30)
+    # (400: the profile's weight-gradient transient credits what its backward freed) join its
+    # weight-gradient moment. c: 300 + max(300, 400) + 2 x 50 (d's input), gradients 300
     assert middle.transient_bytes == max(
-        2 * 80 + (400 - 120) + 400 + 1400 + 300,
-        2 * (7 + 50) + (300 - 40) + 300 + 400 + 100,
+        2 * 80 + 400 + 400 + 1400 + 300,
+        2 * (7 + 50) + 300 + 300 + 400 + 100,
     )
     # on the megatron runtime (no FSDP2) ZeRO-3 gathers the running layer's weights and
     # prefetches the next: 2 w P'_l

@@ -259,10 +259,8 @@ def _activation_bytes(
     # parallelism; context parallelism holds s/c of every sequence: every term per sample / c
     kept_output = ceil_div(b * cols["output_bytes"], config.dims.sequence_split)
     stored = (saved, kept_output)
-    # what a layer's finished backward has freed of the micro-batch's saved tensors
-    released = np.maximum(saved - kept_output, 0)
     gather = gathered_bytes(params, config, training)
-    grad_temporary = weight_gradient_bytes(params, config, training, grad_temporary, released)
+    grad_temporary = weight_gradient_bytes(params, config, training, grad_temporary)
 
     def transient(bytes_per_sample: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Kept, recomputed (the recomputed layer's saved tensors come back while it runs)."""
