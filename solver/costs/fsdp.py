@@ -29,9 +29,12 @@ beside the saved tensors its finished backward has left. The gradients are charg
 backward (fc2's, while most of its saved tensors are live), and the profile's weight-gradient
 transient already credits the saved tensors freed before each of them
 (``weight_grad_transient_bytes``), so nothing more is subtracted; over by the gradients the
-layer has not made yet at its peak moment (its attention's, when the MLP's peak). Measured on
-gpt-tiny (4 blocks of 12,704 parameters, fp32, dp 2; parameters outweigh its activations, so
-this is a large share): +0.2% to +2.6% per rank (``tests/test_run.py``, FSDP2_BOUNDS).
+layer has not made yet at its peak moment (its attention's, when the MLP's peak). Subtracting
+the layer's freed saved bytes once more (exact only if every gradient came at the end of its
+backward) under-predicted by 1.4%. Measured on gpt-tiny (4 blocks of 12,704 parameters, fp32,
+dp 2; parameters outweigh its activations, so these are large shares): +2.0% to +14.5% per rank,
+the most on the first stage of dp 2 x pp 2, whose last layer is charged its next layer's held
+input on the other stage (``tests/test_run.py``, FSDP2_BOUNDS).
 """
 
 from __future__ import annotations
