@@ -472,5 +472,9 @@ def test_the_head_only_last_stage_holds_what_the_plan_predicts(tp):
         predicted = sum(report.predicted_breakdown.values())
         if report.stage == 1:
             assert report.measured_peak_bytes - predicted <= engine_only, format_reports(reports)
-        else:  # the embedding's weight gradient counted beside every activation: high
-            assert predicted > report.measured_peak_bytes, format_reports(reports)
+        else:
+            # exact layer moments (costs.layer_moments): the embedding's weight gradient beside
+            # its own micro-batch's layers only; what remains is the engine's token ids of every
+            # micro-batch, built up front (measured 16,604 B under at tp 1, -0.03%)
+            tokens = m * b * seq * 8
+            assert report.measured_peak_bytes - predicted <= tokens, format_reports(reports)
