@@ -120,7 +120,8 @@ def rotary_tables(
 
     Built on every call from ``arange``: no buffer, so the model builds the same way on the meta
     device, under fake tensors and for real. The tables do not require grad and do not depend on
-    the batch; autograd saves them (2 x seq x head_dim elements per layer, batch-independent).
+    the batch; autograd saves them (2 x seq x head_dim elements per call, batch-independent;
+    :class:`Attention` makes them for q and for k, as megatron-core does).
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
     angles = torch.outer(torch.arange(seq, device=device).float(), inv_freq)
@@ -155,7 +156,8 @@ class Attention(nn.Module):
     """Multi-head self- or cross-attention with grouped-query heads and optional rotary positions.
 
     Self-attention uses one fused projection ``qkv``: Linear(h, (heads + 2 kv_heads) head_dim),
-    Linear(h, 3h) for plain multi-head attention. Cross-attention (``cross=True``) projects the
+    Linear(h, 3h) for plain multi-head attention, with a bias when ``qkv_bias`` (None:
+    ``bias``). Cross-attention (``cross=True``) projects the
     queries from x with ``q`` and keys and values from the memory (the encoder output) with ``kv``.
     ``proj`` maps heads x head_dim back to h and is followed by dropout (Korthikanti's sh mask).
     """
@@ -168,6 +170,7 @@ class Attention(nn.Module):
         kv_heads: int | None = None,
         head_dim: int | None = None,
         bias: bool = True,
+        qkv_bias: bool | None = None,
         dropout: float = 0.0,
         causal: bool = True,
         rotary: bool = False,
@@ -190,7 +193,8 @@ class Attention(nn.Module):
             self.q = nn.Linear(hidden, q_width, bias=bias)
             self.kv = nn.Linear(hidden, 2 * kv_width, bias=bias)
         else:
-            self.qkv = nn.Linear(hidden, q_width + 2 * kv_width, bias=bias)
+            qkv_bias = bias if qkv_bias is None else qkv_bias
+            self.qkv = nn.Linear(hidden, q_width + 2 * kv_width, bias=qkv_bias)
         self.proj = nn.Linear(q_width, hidden, bias=bias)
         self.dropout = Dropout(dropout)
 
@@ -209,11 +213,11 @@ class Attention(nn.Module):
             q, k, v = self.qkv(x).split([self.heads * self.head_dim, kv_width, kv_width], dim=-1)
         q = self._heads(q, self.heads)
         k, v = self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
-        if self.rotary:
-            cos, sin = rotary_tables(
-                x.size(1), self.head_dim, theta=self.rope_theta, device=x.device, dtype=q.dtype
-            )
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.rotary:  # tables made per call, as megatron-core's apply_rotary_pos_emb does
+            # (its cos and sin of q and of k are saved apart: 4 s d elements per layer)
+            tables = dict(theta=self.rope_theta, device=x.device, dtype=q.dtype)
+            q = apply_rotary(q, *rotary_tables(x.size(1), self.head_dim, **tables))
+            k = apply_rotary(k, *rotary_tables(x.size(1), self.head_dim, **tables))
         dropout_p = self.dropout_p if self.training else 0.0
         if self.impl == "sdpa":
             out = F.scaled_dot_product_attention(
@@ -249,9 +253,15 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         (x,) = ctx.saved_tensors
         gate, up = x.chunk(2, dim=-1)
-        sigmoid = torch.sigmoid(gate)
-        grad_gate = grad * up * sigmoid * (1 + gate * (1 - sigmoid))
-        return torch.cat([grad_gate, grad * gate * sigmoid], dim=-1)
+        # megatron-core's swiglu_back, term for term (so its temporaries): its gradient of
+        # silu(gate) and of up, made and concatenated as the fused function's are
+        return torch.cat(
+            (
+                grad * torch.sigmoid(gate) * (1 + gate * (1 - torch.sigmoid(gate))) * up,
+                grad * F.silu(gate),
+            ),
+            -1,
+        )
 
 
 class MLP(nn.Module):

@@ -60,6 +60,9 @@ class GPTConfig:
     """MLP kind: "gelu" (GPT: fc1, GeLU, fc2), "swiglu" (Llama: silu(gate) * up) or "relu"."""
     bias: bool = True
     """Biases in the linear layers and LayerNorms (GPT: yes; Llama: no)."""
+    qkv_bias: bool | None = None
+    """Biases on the fused q/k/v projection alone (Qwen2; Megatron's ``add_qkv_bias``); None:
+    ``bias``."""
     positions: str = "learned"
     """Positions: "learned" (GPT: a seq_len x h table in the embedding) or "rotary" (Llama)."""
     rope_theta: float = 10000.0
@@ -187,6 +190,7 @@ class Block(nn.Module):
             heads=config.heads,
             kv_heads=config.num_kv_heads,
             bias=config.bias,
+            qkv_bias=config.qkv_bias,
             dropout=config.dropout,
             causal=True,
             rotary=config.positions == "rotary",

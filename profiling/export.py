@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import json
@@ -57,6 +58,10 @@ PROFILE_MB_PER_LAYER = 0.3
 """Memory the profile takes per block, MB (measured: GPT-2 blocks 0.25 MB)."""
 DEFAULT_TIME_LIMIT_S = 600.0
 """Default of ``--time-limit``, seconds: the whole export (GPT-3 175B profiles in about 10 s)."""
+
+IMPLEMENTATIONS = ("transformers", "megatron")
+"""``--implementation``: whose modules an hf: model's graph profiles (``meta.implementation``);
+the megatron runtime runs megatron-core's, the other runtimes transformers'."""
 
 MAX_THREADS = 4096
 """Most CPU threads (``--threads`` here and in profiling.run / validate; the graph schema's
@@ -172,13 +177,17 @@ def export_graph(
     progress=None,
     threads: int | None = None,
     max_layers: int | None = None,
+    implementation: str | None = None,
 ) -> LayerGraph:
     """Profile a preset / hf: model / factory into a layer graph (the CLI's work, as an API).
     ``threads``: CPU threads to time the layers with (``torch.set_num_threads`` for the
     profile, restored after; default: the process's), recorded in ``meta.timing.threads``.
     ``max_layers``: refuse, before building, a config with more blocks (``--max-layers``; None:
-    no limit). What the model's own code raises while it is built, given its inputs or profiled
-    is an InputError naming the model (and, for hf:, the config fields the message is about)."""
+    no limit). ``implementation`` (``--implementation``, hf: models only): whose modules to
+    profile, transformers' (the default) or megatron-core's (:func:`implementation_spec`),
+    recorded in ``meta.implementation``. What the model's own code raises while it is built,
+    given its inputs or profiled is an InputError naming the model (and, for hf:, the config
+    fields the message is about)."""
     import torch
 
     from profiling.trace.layers import default_layer_paths
@@ -188,7 +197,7 @@ def export_graph(
         isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS
     ):
         raise InputError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
-    spec = resolve_spec(name, overrides or {})
+    spec = implementation_spec(name, resolve_spec(name, overrides or {}), implementation, seq)
     if max_layers is not None:
         check_layer_count(name, spec.config, max_layers)
     what, hint = _model_code(name, spec, overrides or {})
@@ -234,11 +243,56 @@ def export_graph(
                     **_seq_source(seq, spec),
                 },
             )
+        if spec.meta.get("implementation") == "megatron":
+            from profiling.executors.megatron_hf import tie_head
+
+            graph = tie_head(graph, spec.config)
         graph.meta["profile_s"] = round(time.perf_counter() - started, 3)
         return graph
     finally:
         torch.set_default_dtype(previous)
         torch.set_num_threads(previous_threads)
+
+
+def implementation_spec(name: str, spec, implementation: str | None, seq: int | None):
+    """The spec to profile for ``--implementation``: an hf: model's own (``transformers``, the
+    default) or the modules megatron-core runs for it (``megatron``:
+    :func:`profiling.executors.megatron_hf.megatron_profile_spec`), named in the graph's
+    ``meta.implementation``; InputError for another model or one GPTModel does not express."""
+    from profiling.executors.megatron_hf import megatron_profile_spec
+
+    if not name.startswith("hf:"):
+        if implementation is None:
+            return spec
+        raise InputError(
+            f"--implementation {implementation}: {name} is not an hf: model; only hf: models "
+            "have another implementation (zoo presets are profiled as megatron-core runs them)"
+        )
+    if implementation != "megatron":
+        meta = {"implementation": "transformers", "megatron_expressible": _expressible(spec, seq)}
+        return dataclasses.replace(spec, meta={**spec.meta, **meta})
+    try:
+        return megatron_profile_spec(spec, seq)
+    except InputError as error:
+        text = (
+            str(error).removeprefix("engine megatron: ").removeprefix("--implementation megatron: ")
+        )
+        text = text.replace(
+            "run it with --engine torch", "export it with --implementation transformers"
+        )
+        raise InputError(f"--implementation megatron: {text}") from None
+
+
+def _expressible(spec, seq: int | None) -> bool:
+    """``meta.megatron_expressible``: whether megatron-core's GPTModel expresses the hf: model
+    (``--implementation megatron`` would profile it)."""
+    from profiling.executors.megatron_hf import megatron_hf_spec
+
+    try:
+        megatron_hf_spec(spec, seq)
+    except (InputError, ValueError):  # a refusal, or a GPTConfig value out of its range
+        return False
+    return True
 
 
 def _seq_source(seq: int | None, spec) -> dict[str, str]:
@@ -454,6 +508,12 @@ def parser() -> argparse.ArgumentParser:
         help="wall-clock limit of the whole export, seconds, the factory's and model's code "
         f"included (default {DEFAULT_TIME_LIMIT_S:g}); past it: exit 4, no graph",
     )
+    result.add_argument(
+        "--implementation",
+        choices=IMPLEMENTATIONS,
+        help="hf: models: whose modules to profile: transformers' (default) or megatron-core's "
+        "(plan it with --runtime megatron); recorded in the graph's meta.implementation",
+    )
     result.add_argument("--out", help="write the graph JSON here")
     result.add_argument("--summary", action="store_true", help="print the per-layer table")
     result.add_argument(
@@ -483,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
                 progress=progress,
                 threads=args.threads,
                 max_layers=args.max_layers,
+                implementation=args.implementation,
             )
         if (line := seq_line(graph)) is not None:
             print(line, file=sys.stderr)

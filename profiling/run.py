@@ -50,10 +50,12 @@ gpt-tiny the measured weights equal the prediction to the byte (tests). See
 Data parallelism over ``dp > 1`` by ZeRO stage: 0 DDP; 1 DDP + ``ZeroRedundancyOptimizer`` (Adam
 state sharded); 2 FSDP2 ``fully_shard(reshard_after_forward=False)`` (gradients and Adam state
 sharded; each layer's weights gathered from its forward to its backward); 3 FSDP2
-``fully_shard`` (one unit per layer plus the stage). For 2 and 3 the stage reaches
-``PipelineStage`` inside a plain ``nn.Sequential``: given an FSDP module it would turn gradient
-sync and resharding off until the last micro-batch, so every layer reduce-scatters its gradients
-and reshards after each backward, as ZeRO and the cost model assume. With tp > 1, zero 0 uses
+``fully_shard`` (one unit per layer plus the stage). At pp > 1 the FSDP stage is handed to
+``PipelineStage`` as torchtitan does: it turns gradient sync and resharding off for every
+micro-batch's backward and reduce-scatters once per step, so every layer's unsharded gradients
+and weights stay to the step's end (the cost model's ``states.reduces_per_step``); at pp 1 it
+reaches the schedule inside a plain ``nn.Sequential`` and every layer reduce-scatters its
+gradients and reshards after each backward, as FSDP2 alone does. With tp > 1, zero 0 uses
 FSDP2's ``replicate`` (DDP does not take DTensor parameters) and zero 1 is an ``InputError``
 (``ZeroRedundancyOptimizer`` cannot shard DTensor parameters).
 
@@ -86,10 +88,14 @@ barrier, and ``RankReport.step_ms`` is the slowest rank's time of each
 the graph's layer times were measured with, ``meta.timing.threads``, when the plan's graph file
 records it; else ``cpu_count // world``), reported as ``RankReport.threads``.
 
-Not supported (``InputError``): tied weights split across (virtual) stages, a tied embedding and
-head with a vocabulary-parallel table, ZeRO-1 with tp > 1 and dp > 1, sequence parallelism
-(``config.sp``) on a model other than the GPT/Llama presets or with a sequence tp does not
-divide. For a zoo
+Tied weights split across (virtual) stages (a head sharing the embedding's table): each rank
+whose layers use the table keeps its own copy (with its gradient and Adam state), and before the
+optimizer step the copies' gradients are summed over those pipeline ranks
+(:mod:`profiling.executors.tied`), as torchtitan and ``pipeline()`` run them.
+
+Not supported (``InputError``): a tied embedding and head with a vocabulary-parallel table,
+ZeRO-1 with tp > 1 and dp > 1, sequence parallelism (``config.sp``) on a model other than the
+GPT/Llama presets or with a sequence tp does not divide. For a zoo
 preset the model's layers must form a chain (each takes the previous one's output, the last takes
 ``(hidden, targets)``: the GPT/Llama presets); a DAG preset such as t5-tiny fails inside the
 ranks, which ``run_plan`` reports as ``RunError``. Any other model (``hf:NAME``,
@@ -172,7 +178,7 @@ def _check_runnable(
             "without TransformerEngine); docs/running.md, plan with --cp 1 to run it"
         )
     if traced and engine == "megatron":  # an hf: model that GPTModel expresses
-        spec = _megatron_hf_spec(spec, seq)
+        spec = _megatron_hf_spec(spec, seq, plan)
         _check_megatron(spec, plan)
         traced = False  # its layers are checked below, as a preset's
     elif traced:
@@ -200,17 +206,19 @@ def _check_runnable(
         )
 
 
-def _megatron_hf_spec(spec: models.ModelSpec, seq: int | None) -> models.ModelSpec:
+def _megatron_hf_spec(spec: models.ModelSpec, seq: int | None, plan: PlanFile) -> models.ModelSpec:
     """The megatron engine's spec of a traced model (:mod:`profiling.executors.megatron_hf`):
-    an ``hf:`` model GPTModel expresses, else InputError naming what it does not."""
-    from profiling.executors.megatron_hf import megatron_hf_spec
+    an ``hf:`` model GPTModel expresses, else InputError naming what it does not; its layers
+    HF's or Megatron's, as the plan's graph has them."""
+    from profiling.executors.megatron_hf import megatron_hf_spec, plan_implementation
 
     if not spec.name.startswith("hf:"):
         raise InputError(
             f"engine megatron runs the zoo's GPT/Llama presets and hf: models GPTModel "
             f"expresses; {spec.name} runs with --engine torch"
         )
-    return megatron_hf_spec(spec, seq)
+    layers = [name for chunk in plan.virtual_stage_layers for name in chunk]
+    return megatron_hf_spec(spec, seq, plan_implementation(layers))
 
 
 def _check_torch(spec: models.ModelSpec, config: ParallelConfig) -> None:

@@ -308,8 +308,8 @@ def hf_section(rows: list[dict]) -> list[str]:
 
 
 HF_FAMILY_LAYOUTS = ("pp2", "dp2")
-"""Every family at pp 2 (untied ones: the torch engine refuses a tied embedding and head on two
-stages) and pp 1 x dp 2, plus ``HF_FAMILY_EXTRA``."""
+"""Every family at pp 2 (tied ones with a copy of the table on each stage,
+profiling/executors/tied.py) and pp 1 x dp 2, plus ``HF_FAMILY_EXTRA``."""
 HF_FAMILY_EXTRA = (("llama", "pp2 dp2"), ("mixtral", "pp2 dp2"), ("deepseek_v2", "pp2 dp2"))
 
 
@@ -318,14 +318,10 @@ def hf_family_rows(progress) -> list[dict]:
     per rank with the analytic prediction and its error."""
     import tempfile
 
-    from tests.hf_small import SMALL_HF, TIED, validate_family
+    from tests.hf_small import SMALL_HF, validate_family
 
-    runs = [
-        (family, layout)
-        for family in SMALL_HF
-        for layout in HF_FAMILY_LAYOUTS
-        if not (layout.startswith("pp2") and family in TIED)
-    ] + list(HF_FAMILY_EXTRA)
+    runs = [(family, layout) for family in SMALL_HF for layout in HF_FAMILY_LAYOUTS]
+    runs += list(HF_FAMILY_EXTRA)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for family, layout in runs:
@@ -376,9 +372,9 @@ def hf_family_section(rows: list[dict]) -> list[str]:
         "Adam, micro-batches of 1 (m = 8 per replica), 1F1B, planned with `--runtime torch "
         "--zero 0 --ep 1`, exported as `hf:<folder>` and run with `python -m "
         "profiling.validate` (tests/hf_small.py `validate_family`). Tied families "
-        f"({', '.join(TIED)}) run at pp 1 x dp 2 only: the torch engine refuses a tied "
-        "embedding and head on two stages. Targets (issue 28): median |error| <= 1%, max <= "
-        "3%, no rank under-predicted by more than 1%.",
+        f"({', '.join(TIED)}) at pp 2 keep a copy of the table on each stage and all-reduce "
+        "the copies' gradients before the step (profiling/executors/tied.py). Targets "
+        "(issue 28): median |error| <= 1%, max <= 3%, no rank under-predicted by more than 1%.",
         "",
         f"Over {len(rows)} ranks: analytic model {spread(errors)}, worst under-prediction "
         f"{min(errors):+.2f}%. At pp 2 the first stage is over-predicted by 1.9-2.7%: the cost "
@@ -438,21 +434,20 @@ def hf_megatron_section(rows: list[dict]) -> list[str]:
         "3%, no rank under-predicted by more than 1%.",
         "",
         f"Over {len(rows)} ranks: analytic model {spread(errors)}, worst under-prediction "
-        f"{min(errors):+.2f}%. The graph's layers are HF's modules and the ranks run "
-        "Megatron's (tagged live storages at each rank's peak): every last stage is "
-        "over-predicted by about 3.5% because the head's transient was profiled from HF's loss "
-        "(logits, log-softmax and its gradient, [s, V] fp32 each) where Megatron's "
-        "vocab-parallel cross-entropy works in place on the logits; but that over-prediction "
-        "hides what Megatron's layers hold beyond transformers' (per block: the fused QKV "
-        "output kept whole by its V view, rope's cos and sin made per q and k call, less the "
-        "SwiGLU's separate activation output; with SP the global all-gather buffer and the "
-        "output layer's reduce-scatter output): taking Megatron's head alone measured "
-        "the tp 2 + SP last stage at -4.0%. mixtral's routed experts save 98,304 B per "
-        "block less under Megatron's weighted SwiGLU (fc1 output, weighted activation, "
-        "permuted tokens) than transformers' (gate's activation and the experts' outputs "
-        "weighted after fc2), and its attention about 40 KB more. qwen2's tied first stage "
-        "no longer carries the single-device profile's gradient accumulation of the tie "
-        "(solver/costs/embeddings.py, 114,688 B).",
+        f"{min(errors):+.2f}%. Each model is exported with `--implementation megatron` "
+        "(profiling/executors/megatron_hf.py `megatron_profile_spec`): the graph's layers are "
+        "those megatron-core runs (embed, layers.i, head: the zoo GPT of the GPTConfig the HF "
+        "config maps onto, parameters per layer asserted equal to transformers'), whose block "
+        "activations equal a fake-tensor trace of megatron-core's own GPTModel (288,256 B per "
+        "small llama block: the fused QKV output kept whole by its V view, rope's cos and sin "
+        "per q and k call, the fused SwiGLU's input only), with Megatron's in-place "
+        "vocab-parallel cross-entropy, its MoE, and a tied output layer as Megatron's own copy. "
+        "Profiled from transformers' modules (the default export, which solver.plan now warns "
+        "about for --runtime megatron) the same runs were median 3.3%, max 4.3%: HF's loss "
+        "keeps [s, V] fp32 logits, log-softmax and its gradient; its experts 98,304 B per "
+        "block more. The first stage of the tp 2 + SP run is over by the embedding's "
+        "weight-gradient transient added on top of the in-flight micro-batches (the cost "
+        "model's first-backward moments, issue 28).",
         "",
         *markdown_table(rows, list(rows[0])),
         "",

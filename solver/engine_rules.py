@@ -42,10 +42,16 @@ wq/wk/wv (parallelize.py:229-230) viewed as whole heads (model/model.py:256). Da
 is FSDP2 with PP allowed (parallelize.py:125-139): ``fsdp_reshard_after_forward`` "always" is
 ZeRO-3, "never" keeps parameters gathered from forward to backward (ZeRO-2-like; the default
 with PP, :327); no ZeRO-1, DDP only as the sole parallelism (:151). The export runs ZeRO 0/1
-as FSDP2 "never" (less memory than planned), so torchtitan refuses no ZeRO stage.
+as FSDP2 "never" (at pp 1 less memory than planned; under PP the ZeRO-2 memory below, which
+its warning says), so torchtitan refuses no ZeRO stage.
 
 torch pipelining (``profiling.run``): whole heads and KV heads per TP rank
 (profiling/executors/parallelize.py:77); ZeRO 0-3 with PP (DDP, ZeroRedundancyOptimizer, FSDP2).
+FSDP2 under PP, in torchtitan and ``profiling.run`` alike, is handed to ``PipelineStage``, which
+reduce-scatters once per step (torch 2.13 pipelining/stage.py:844-847, 1164-1190): every layer's
+unsharded weights and gradients stay all step, so ZeRO 2 and 3 are the same memory there
+(ZeRO 3 adds a gather at each forward). The cost model plans that
+(``solver.costs.states.reduces_per_step``), so no rule refuses them and the plan says so.
 
 A runtime runs a layout when one of its engines does (``RUNTIME_ENGINES``): ``--runtime
 megatron`` is Megatron-LM or DeepSpeed, ``--runtime torch`` torch pipelining or torchtitan. So
@@ -402,3 +408,24 @@ def refuse_export_sections(
         refusal = None if engine is None else engine_refusal(degrees, facts, engine)
         result[name] = section if refusal is None else {"refused": refusal}
     return result
+
+
+def implementation_warning(meta: Mapping[str, Any], runtime: str, *, graph: str) -> str | None:
+    """The one line a plan gets when its graph profiled another implementation's modules than
+    the runtime runs (``meta.implementation``, ``profiling.export --implementation``; an hf:
+    graph without it is transformers'): the megatron runtime runs megatron-core's layers, the
+    others transformers' (their saved tensors, loss and experts differ: a few % of a stage's
+    peak, benchmarks/bench_accuracy_hf_megatron.md). None when they agree, when the graph is no
+    hf: model's, or when megatron-core cannot run the model (``meta.megatron_expressible``
+    false or absent: nothing to re-export to)."""
+    implementation = meta.get("implementation") or ("transformers" if "hf_class" in meta else None)
+    wanted = "megatron" if runtime == "megatron" else "transformers"
+    if implementation is None or implementation == wanted:
+        return None
+    if wanted == "megatron" and not meta.get("megatron_expressible"):
+        return None  # no megatron-core profile to re-export to (or a graph from before the field)
+    return (
+        f"warning: {graph} profiles {implementation} modules (meta.implementation) and "
+        f"--runtime {runtime} runs {wanted} modules, which keep other tensors; re-export with "
+        f"python -m profiling.export hf:... --implementation {wanted}"
+    )

@@ -235,8 +235,14 @@ MEGATRON_RUNS: dict[str, tuple[str, list[str], dict[str, Any]]] = {
 global batch 8, ZeRO 0, fp32 Adam, ``--runtime megatron``."""
 
 
+MEGATRON_EXPORT = ["--seq", str(SEQ), "--dtype", "fp32", "--threads", "1"]
+MEGATRON_EXPORT += ["--implementation", "megatron"]
+"""``profiling.export`` flags of the megatron runs: the layers megatron-core runs."""
+
+
 def validate_megatron(folder: Path, run: str) -> list[dict[str, Any]]:
-    """Export, plan (``--runtime megatron``) and run ``MEGATRON_RUNS[run]`` with ``python -m
+    """Export (``--implementation megatron``), plan (``--runtime megatron``) and run
+    ``MEGATRON_RUNS[run]`` with ``python -m
     profiling.validate --engine megatron --json``: the ranks' rows (``error_pct``)."""
     from profiling.export import main as export_main
     from profiling.validate import main as validate_main
@@ -248,7 +254,7 @@ def validate_megatron(folder: Path, run: str) -> list[dict[str, Any]]:
     graph, plan, report = (f"{stem}.{kind}.json" for kind in ("graph", "plan", "run"))
     flags = ["--global-batch", "8", "--micro-batch", "1", "--zero", "0", "--ep", "1"]
     steps = (
-        (export_main, [model, "--seq", str(SEQ), "--dtype", "fp32", "--threads", "1"]),
+        (export_main, [model, *MEGATRON_EXPORT]),
         (plan_main, [graph, *layout, *flags, "--runtime", "megatron", "--precision", "fp32"]),
         (
             validate_main,

@@ -100,6 +100,18 @@ def state_shards(setup: Setup) -> tuple[int, int, int]:
     return (d if z >= 3 else 1, d if z >= 2 else 1, d if z >= 1 else 1)
 
 
+def uses_fsdp2(setup: Setup) -> bool:
+    """The torch runtime's ZeRO 2/3 over d > 1: FSDP2, one unit per layer."""
+    return setup.runtime == "torch" and setup.zero >= 2 and setup.dp > 1
+
+
+def reduces_per_step(setup: Setup) -> bool:
+    """FSDP2 under pipelining (p > 1): torch's PipelineStage turns gradient sync and resharding
+    off for every micro-batch and reduce-scatters once per step (docs/cost-model.md, "Model
+    states"): ZeRO 2 and 3 keep every layer's unsharded weights and gradients."""
+    return uses_fsdp2(setup) and setup.pp > 1
+
+
 def layer_states(layer: dict, setup: Setup) -> tuple[int, int, int]:
     """(weight, gradient, optimizer) bytes of one layer per GPU, each rounded up on its own.
     FSDP2's ZeRO-2 (torch runtime) keeps the sharded weights beside the gathered ones:
@@ -107,8 +119,15 @@ def layer_states(layer: dict, setup: Setup) -> tuple[int, int, int]:
     nothing to shard and no FSDP (docs/cost-model.md does not say so: the code's reading)."""
     p = params_per_gpu(layer, setup.tp)
     w_shard, g_shard, o_shard = state_shards(setup)
+    if reduces_per_step(setup):  # unsharded weights and gradients to the step's end
+        w, g = setup.weight_bytes, setup.grad_bytes
+        return (
+            ceil(w * p) + ceil(w * p / setup.dp),
+            ceil(g * p) + ceil(g * p / setup.dp),  # + the shards kept (persistent gradients)
+            ceil(setup.optimizer_bytes * p / o_shard),
+        )
     weights = ceil(setup.weight_bytes * p / w_shard)
-    if setup.runtime == "torch" and setup.zero == 2 and setup.dp > 1:
+    if uses_fsdp2(setup) and setup.zero == 2:
         weights = ceil(setup.weight_bytes * p) + ceil(setup.weight_bytes * p / setup.dp)
     return (
         weights,
@@ -196,8 +215,9 @@ def fsdp2_buffers(layers: list[dict], i: int, setup: Setup, temporary: int) -> t
     docs/cost-model.md, FSDP2): ZeRO 3 gathers its own weights and keeps the neighbour's flat
     all-gather buffer, w max(P'_i, P'_{i-1}), and layer i+1's reduce-scatter input g P'_{i+1}
     (ZeRO 2: the larger of the flat buffer and that input); its weight gradients are whole and
-    unsharded, w P'_i less what its backward freed (ceil(b A') - its output), and at its
-    reduce-scatter its own input g P'_i where its weights (ZeRO 3) and i+1's input are freed."""
+    unsharded, w P'_i, charged whole (the profile's weight-gradient transient credits what the
+    backward freed before it), and at its reduce-scatter its own input g P'_i where its weights
+    (ZeRO 3) and i+1's input are freed."""
     w, g = setup.weight_bytes, setup.grad_bytes
 
     def weights(j: int, per_param: int) -> int:
@@ -205,18 +225,12 @@ def fsdp2_buffers(layers: list[dict], i: int, setup: Setup, temporary: int) -> t
 
     held, flat = weights(i + 1, g), max(weights(i, w), weights(i - 1, w))
     gathered = weights(i, w) + flat + held if setup.zero == 3 else max(flat, held)
-    layer = layers[i]
-    freed = max(
-        ceil(setup.micro_batch * saved_per_sample(layer, setup))
-        - boundary_tensor_bytes(layer["output_bytes"], setup),
-        0,
-    )
-    shard = ceil(g * params_per_gpu(layer, setup.tp) / setup.dp)
+    shard = ceil(g * params_per_gpu(layers[i], setup.tp) / setup.dp)
     freed_first = (weights(i, w) if setup.zero == 3 else 0) + held
     at_reduce = max(
         weights(i, g) - freed_first, weights(i, g) + shard - freed_first - weights(i, w)
     )
-    return gathered, max(temporary, weights(i, w) - freed + max(at_reduce, 0))
+    return gathered, max(temporary, weights(i, w) + max(at_reduce, 0))
 
 
 def layer_transient(layers: list[dict], i: int, setup: Setup) -> int:
@@ -233,10 +247,39 @@ def layer_transient(layers: list[dict], i: int, setup: Setup) -> int:
         layer["largest_param"], ceil(Fraction(layer["largest_tp_param"], setup.tp))
     )
     gather = 2 * ceil(w * params_per_gpu(layer, setup.tp)) if setup.zero == 3 else 0
-    if setup.runtime == "torch" and setup.zero >= 2 and setup.dp > 1:
+    if reduces_per_step(setup):
+        return max(
+            own,
+            b * layer["transient_bytes"]
+            + extra
+            + step_reduce_temporary(layer, setup, grad_temporary),
+            forward_gather(layer, setup),
+        )
+    if uses_fsdp2(setup):
         gather, grad_temporary = fsdp2_buffers(layers, i, setup, grad_temporary)
     weight_grad = b * layer["transient_bytes"] + extra + grad_temporary
     return max(own, weight_grad) + gather
+
+
+def step_reduce_temporary(layer: dict, setup: Setup, temporary: int) -> int:
+    """FSDP2 reducing once per step: a micro-batch's weight gradients add plain autograd's
+    temporary, or the layer's whole gradients w P' where the weights' dtype is not the reduce
+    dtype; the step's reduce-scatter makes its input g P' and shard g P' / d where the layer's
+    unsharded weights w P' are freed."""
+    p = params_per_gpu(layer, setup.tp)
+    w, g = setup.weight_bytes, setup.grad_bytes
+    at_reduce = ceil(g * p) + ceil(g * p / setup.dp) - ceil(w * p)
+    made_whole = ceil(w * p) if w != g else 0
+    return max(temporary, at_reduce, made_whole, 0)
+
+
+def forward_gather(layer: dict, setup: Setup) -> int:
+    """FSDP2 reducing once per step: the flat all-gather buffer at a layer's forward start,
+    alone: w P' with ZeRO 3 (every forward gathers again), w P' - g P' with ZeRO 2 (only the
+    step's first forward, before the layer's own gradients exist)."""
+    p = params_per_gpu(layer, setup.tp)
+    full = ceil(setup.weight_bytes * p)
+    return full if setup.zero >= 3 else max(full - ceil(setup.grad_bytes * p), 0)
 
 
 def step_temporary(layer: dict, setup: Setup) -> int:

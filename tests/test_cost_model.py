@@ -177,48 +177,47 @@ def test_in_flight_counts():
 def test_stage_peaks_by_hand():
     stages = stage_costs(costs_for(CONFIG), SPLIT)
     first, middle, last = stages
-    # a: P' = 400 + 600/2 = 700; ZeRO-2 shards grads and optimizer over dp = 2; on the torch
-    # runtime FSDP2 keeps the weight shards (w P'/d) next to the gathered weights (w P')
+    # a: P' = 400 + 600/2 = 700; ZeRO-2 shards the optimizer over dp = 2. On the torch runtime
+    # at pp > 1 FSDP2 runs under PipelineStage (solver/costs/states.py, reduces_per_step): the
+    # unsharded weights (w P') beside their shards (w P'/d) and the unsharded gradients (g P')
+    # stay all step, with the reduced shards (g P'/d) kept by the persistent gradients
     assert first.breakdown() == {
         "weights": 1400 + 700,
-        "grads": 700,
+        "grads": 1400 + 700,
         "optimizer": 4200,
         "activations": 3 * 2 * 30,
         # S_0 = m + k_0 = 4 + 3 copies of what it sends (a->b, a->d), b = 2
         "buffers": 7 * 2 * (10 + 5),
-        # FSDP2 (solver/costs/fsdp.py; w = g = 2): the larger of a's flat all-gather buffer
-        # (1400) and b's held reduce-scatter input (2 x 200), + a's unsharded gradients (1400,
-        # whole: the profile's weight-gradient transient credits what its backward freed) + its
-        # own reduce-scatter input where b's is freed (1400 - 400)
-        "transient": 1400 + 1400 + 1000,
+        # the step's reduce (solver/costs/fsdp.py, w = g = 2): a's reduce-scatter input (1400)
+        # and new shard (700) where its unsharded weights (1400) are freed; ZeRO 2 gathers
+        # only in the first forward, before a's own gradients (1400) exist: nothing more
+        "transient": 1400 + 700 - 1400,
     }
-    assert first.peak_bytes == 7390 + 3800
+    assert first.peak_bytes == sum(first.breakdown().values())
     # b: P' = 200, A' = 60 + 40/2 = 80; c: P' = 150, A' = 50; the skip edge a->d (5 B/sample)
     # goes straight from a's stage to d's (torch; the megatron runtime relays it, below)
     assert middle.breakdown() == {
-        "weights": (400 + 300) * 3 // 2,  # gathered + shards (FSDP2 ZeRO-2)
-        "grads": 200 + 150,
+        "weights": (400 + 300) * 3 // 2,  # unsharded + shards
+        "grads": (400 + 300) * 3 // 2,
         "optimizer": 1200 + 900,
-        # the peak is b's backward (its transient the larger): micro-batch 0 whole, and the
-        # running one's b only (c's saved tensors freed by c's backward; costs.layer_moments)
-        "activations": (2 - 1) * (2 * 80 + 2 * 50) + 2 * 80,
+        # the peak is c's moment (costs.layer_moments: the end of a forward, c's transient the
+        # larger beside it): both micro-batches whole; b's moment holds the running one's b only
+        "activations": 2 * (2 * 80 + 2 * 50),
         # R_1 = m - k_1 + 1 (the input gradient sent last) = 3 copies of a->b; S_1 = m + k_1
         # + 1 (micro-batch 0's output, held by torch's warm-up send) = 7 of c->d
         "buffers": 3 * 2 * 10 + 7 * 2 * 30,
-        # b's: a's flat buffer (1400, the larger than c's held input 300) + its gradients 400
-        # + (400 - 300); c's: 400 + 300 + 200 + 2 x 7 = 914
-        "transient": 1400 + 400 + 100,
+        # c's transient 2 x 7 + its gradient temporary 150 (b's reduce 400 + 200 - 400 = 200
+        # is the larger, but b's moment holds 2 x 50 of c's saved bytes less)
+        "transient": 2 * 7 + 150,
     }
-    assert middle.peak_bytes == (
-        4184 + 350 - 2 * 2 * 5 - (2 + 6) * 2 * 5 + 2 * 10 + 2 * 30 - 2 * 7 + 1900 - 2 * 50
-    )
+    assert middle.peak_bytes == sum(middle.breakdown().values())
     assert last.breakdown() == {
-        "weights": 150,
-        "grads": 50,
+        "weights": 100 + 50,
+        "grads": 100 + 50,
         "optimizer": 300,
         "activations": 16,
         "buffers": 4 * 2 * (5 + 30),  # R_2 = 4 - 1 + 1
-        "transient": 300 + 100 + 100,  # c's flat buffer, d's gradients (whole) and input
+        "transient": 100 + 50 - 100,  # d's reduce
     }
     assert [s.in_flight for s in stages] == [3, 2, 1]
 
@@ -235,19 +234,16 @@ def test_recompute_and_zero3_and_gpipe():
         schedule="gpipe",
     )
     middle = stage_costs(costs_for(config), SPLIT)[1]
-    assert middle.weight_bytes == (400 + 300) // 2  # ZeRO-3 shards weights too
+    # ZeRO-3 under PipelineStage holds what ZeRO-2 does (states.reduces_per_step)
+    assert middle.weight_bytes == (400 + 300) * 3 // 2
     # recompute keeps each layer's output per micro-batch; GPipe keeps all m = 4 micro-batches
-    # (a->d skips it: torch); at the peak, b's backward, the running one holds b's only
+    # (a->d skips it: torch); at the peak, b's moment, the running one holds b's only
     assert middle.activation_bytes == (4 - 1) * (2 * 20 + 2 * 30) + 2 * 20
-    # the layer being recomputed re-materialises its saved bytes next to its transient
-    # ... and FSDP2's ZeRO-3 (solver/costs/fsdp.py, w = g = 2) gathers b's weights (400) beside
-    # a's flat buffer (1400) and c's held reduce-scatter input (300); b's whole gradients
-    # (400: the profile's weight-gradient transient credits what its backward freed) join its
-    # weight-gradient moment. c: 300 + max(300, 400) + 2 x 50 (d's input), gradients 300
-    assert middle.transient_bytes == max(
-        2 * 80 + 400 + 400 + 1400 + 300,
-        2 * (7 + 50) + 300 + 300 + 400 + 100,
-    )
+    # the layer being recomputed re-materialises its saved bytes next to its transient (b:
+    # 2 x 80 + its reduce 200), below what ZeRO-3 ("always") gathers at b's forward's start:
+    # b's flat buffer (400) beside the unsharded weights (solver/costs/fsdp.py); c's moment
+    # holds 2 x 30 more but its transient max(2 x (7 + 50) + 150, 300) is 100 less
+    assert middle.transient_bytes == max(2 * 80 + 200, 400)
     # on the megatron runtime (no FSDP2) ZeRO-3 gathers the running layer's weights and
     # prefetches the next: 2 w P'_l
     megatron = stage_costs(costs_for(config, "megatron"), SPLIT)[1]
@@ -425,3 +421,22 @@ def test_sequence_parallelism_needs_tensor_parallelism():
     config = ParallelConfig(pp=4, tp=8, dp=2, micro_batch=1, num_microbatches=16, sp=True)
     assert config.label() == "pp4 tp8 dp2 b1 m16 zero0 1f1b sp"
     assert "sp" not in dataclasses.replace(config, sp=False).label()
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_fsdp2_under_pipelining_is_said_in_the_plan(tmp_path, capsys, pp):
+    """The plan's text says what FSDP2 holds under PipelineStage (one reduce per step), and only
+    there: at pp 1 FSDP2 reduce-scatters after every backward."""
+    from solver.cli.evaluate import evaluate_main as main
+
+    path = tmp_path / "toy.json"
+    GRAPH.save(path)
+    split = "2,2" if pp == 2 else "4"
+    args = [str(path), "--pp", str(pp), "--dp", "2", "--zero", "3", "--global-batch", "4"]
+    args += ["--micro-batch", "1", "--runtime", "torch", "--split", split]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    said = "FSDP2 under PipelineStage reduce-scatters once per step" in out
+    assert said == (pp == 2)
+    assert ("ZeRO 2 and 3 the same memory" in out) == (pp == 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["toy.json"]

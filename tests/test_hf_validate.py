@@ -5,8 +5,8 @@ on gloo) against the plan's per-rank prediction, with the accuracy targets of is
 The configs are ``tests/hf_small.py``'s (the same features as the published models: GQA, MoE,
 MLA with shared experts and a dense first layer, sliding windows, soft-capping, tied
 embeddings); ``scripts/bench_accuracy.py --hf-families`` runs every family and layout.
-Families with tied embeddings run at pp 1 x dp 2: the torch engine refuses a tied embedding and
-head on two stages (``profiling/executors/traced.py``).
+Families with tied embeddings run at pp 2 too: each stage keeps a copy of the table and the
+copies' gradients are all-reduced before the step (``profiling/executors/tied.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ RUNS = [
     ("qwen2", "dp2"),  # tied, qkv bias
     ("gemma2", "dp2"),  # tied, soft-capping, sliding window
     ("gpt2", "dp2"),  # tied, learned positions
+    ("qwen2", "pp2"),  # tied across stages: a copy of the table on each
+    ("gpt2", "pp2"),  # tied across stages, learned positions
 ]
 """A representative subset (about 2 minutes on 2 cores)."""
 

@@ -208,10 +208,20 @@ def test_megatrons_separate_copy_drops_the_owners_tie_accumulation():
     gtemp = 4 * TABLE
     assert _embed_transient(_profiled_tie(), pp=2) == max(ACCUMULATION + 512, 0 + gtemp)
     assert _embed_transient(_profiled_tie(), pp=2) < ACCUMULATION + gtemp
-    # one stage (one weight: the sum is made), the torch runtime: the profile's, + the temporary
-    for pp, runtime in ((1, "megatron"), (2, "torch")):
-        assert _embed_transient(_profiled_tie(), pp, runtime) == ACCUMULATION + gtemp
+    # one stage (one weight: the sum is made): the profile's, + the temporary
+    assert _embed_transient(_profiled_tie(), pp=1) == ACCUMULATION + gtemp
     # no dtype in the graph, or a second tensor in the owner (its moment may be another's): kept
     kept = _embed_transient(_profiled_tie(dtype=None), pp=2)
     assert kept == ACCUMULATION + gtemp
     assert _embed_transient(_profiled_tie(extra_params=64), pp=2) == ACCUMULATION + gtemp
+
+
+def test_torch_pipelinings_separate_copy_drops_the_owners_tie_accumulation():
+    """pp 2 on torch (each stage keeps its copy, profiling/executors/tied.py): as on megatron,
+    and for an owner with other parameters too, its moment kept at least their gradients."""
+    gtemp = 4 * TABLE
+    assert _embed_transient(_profiled_tie(), 2, "torch") == max(ACCUMULATION + 512, gtemp)
+    assert _embed_transient(_profiled_tie(), 1, "torch") == ACCUMULATION + gtemp
+    # 64 more parameters: the weight-gradient moment keeps 4 x 64 bytes of their gradients
+    extra = _embed_transient(_profiled_tie(extra_params=64), 2, "torch")
+    assert extra == max(ACCUMULATION + 512, 4 * 64 + gtemp)

@@ -217,7 +217,7 @@ def test_pipeline_tensor_parallel_plan(graph):
     ("zero", "pp", "replicate", "shard", "reshard"),
     [
         (0, 1, 8, 1, None),  # DDP: data parallelism is the only axis
-        (0, 2, 1, 8, "never"),  # DDP cannot run with pp: FSDP2 as ZeRO-2
+        (0, 2, 1, 8, "never"),  # DDP cannot run with pp: FSDP2 as ZeRO-2 (its memory)
         (1, 1, 1, 8, "never"),  # no optimizer-only sharding in torchtitan
         (2, 2, 1, 8, "never"),
         (3, 2, 1, 8, "always"),  # ZeRO-3 also under pipelining
@@ -232,7 +232,11 @@ def test_data_parallel_mapping(graph, zero, pp, replicate, shard, reshard):
     assert parallelism["data_parallel_shard_degree"] == shard
     assert parallelism.get("fsdp_reshard_after_forward") == reshard
     assert any("less memory than planned" in w for w in export["warnings"]) == (
-        zero < 2 and shard > 1
+        zero < 2 and shard > 1 and pp == 1
+    )
+    # under pipelining FSDP2 holds unsharded weights and gradients all step: ZeRO-2's memory
+    assert any("this layout's ZeRO-2 plan" in w for w in export["warnings"]) == (
+        zero < 2 and shard > 1 and pp > 1
     )
     # without pipelining the local batch is one micro-batch; torchtitan accumulates 4 of them
     expected_local = 4 if pp > 1 else 1

@@ -40,7 +40,12 @@ from profiling.executors.base import (
     with_clean_steps,
 )
 from profiling.executors.megatron_cpu import megatron_on_cpu, quiet_fallback_warnings
-from profiling.executors.megatron_hf import check_layer_params, hf_batch, megatron_hf_spec
+from profiling.executors.megatron_hf import (
+    check_layer_params,
+    hf_batch,
+    megatron_hf_spec,
+    plan_implementation,
+)
 from profiling.executors.megatron_model import (
     build_chunks,
     chunk_layers,
@@ -70,7 +75,8 @@ def _check_layers(chunks, spec, job: RunJob, stage: int) -> None:
     hf: model's Megatron modules stand for the graph's HF layers (``megatron_hf``)."""
     config = job.plan.config
     planned = [job.plan.virtual_stage_layers[c * config.pp + stage] for c in range(len(chunks))]
-    hf_names = spec.meta.get("megatron", {}).get("layer_names")
+    megatron = spec.meta.get("megatron", {})
+    hf_names = megatron.get("layer_names") if megatron.get("implementation") != "megatron" else None
     built = [chunk_layers(chunk, hf_names) for chunk in chunks]
     if built != planned:
         raise InputError(
@@ -326,7 +332,10 @@ def megatron_rank_main(rank: int, job: RunJob) -> RankReport:
     place = place_rank(rank, job)
     settings = megatron_settings(job.plan)
     if job.traced:  # an hf: model, as GPTModel expresses it
-        spec = megatron_hf_spec(resolve_spec(job.preset, job.overrides), job.seq)
+        layers = [name for chunk in job.plan.virtual_stage_layers for name in chunk]
+        spec = megatron_hf_spec(
+            resolve_spec(job.preset, job.overrides), job.seq, plan_implementation(layers)
+        )
     else:
         spec = model_spec(job.preset, job.overrides)
     dtype = plan_dtype_of(job.plan)

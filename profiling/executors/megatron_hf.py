@@ -22,12 +22,15 @@ itself and masks the last position (``hf_batch``), so that both losses average t
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 import models
+from profiling.architecture import architecture_meta
 from solver.errors import InputError
+from solver.graph import LayerGraph
 
 FAMILIES = ("llama", "qwen2", "mistral", "mixtral")
 """The HF ``model_type`` values mapped onto GPTModel."""
@@ -131,6 +134,7 @@ def _gpt_config(config, seq: int) -> models.gpt.GPTConfig:
         norm_eps=config.rms_norm_eps,
         mlp="swiglu",
         bias=False,
+        qkv_bias=config.model_type == "qwen2",
         positions="rotary",
         rope_theta=float(
             _rope_parameters(config).get("rope_theta")
@@ -170,9 +174,15 @@ def _layer_params(spec: models.ModelSpec, names: dict[str, list[str]]) -> dict[s
     return counts
 
 
-def megatron_hf_spec(spec: models.ModelSpec, seq: int | None = None) -> models.ModelSpec:
+def megatron_hf_spec(
+    spec: models.ModelSpec, seq: int | None = None, implementation: str = "transformers"
+) -> models.ModelSpec:
     """The megatron engine's spec of an ``hf:`` model: its GPTConfig and ``meta["megatron"]``
-    (see the module docstring); InputError (one line) for a model GPTModel does not express."""
+    (see the module docstring); InputError (one line) for a model GPTModel does not express.
+    ``implementation``: whose layers the plan's graph has (:func:`plan_implementation`): HF's
+    (the default), or Megatron's own ``embed``, ``layers.i``, ``head`` (a graph of
+    ``profiling.export --implementation megatron``), which the chunks are then checked against
+    as they are."""
     config = spec.config
     kind = getattr(config, "model_type", None)
     if kind not in FAMILIES:
@@ -190,16 +200,101 @@ def megatron_hf_spec(spec: models.ModelSpec, seq: int | None = None) -> models.M
         "gpt_model": _rope_scaling(spec.name, config),
         "layer_names": names,
         "layer_params": _layer_params(spec, names),
+        "implementation": implementation,
     }
+    layers = list(names) if implementation == "megatron" else sum(names.values(), [])
     return models.ModelSpec(
         name=spec.name,
         config=_gpt_config(config, seq),
         build=spec.build,
         example_inputs=spec.example_inputs,
-        layers=[name for group in names.values() for name in group],
+        layers=layers,
         seq_len=seq,
         meta={**spec.meta, "megatron": megatron},
     )
+
+
+def plan_implementation(layers: list[str]) -> str:
+    """Whose layers a plan of an hf: model names: ``megatron`` when they are Megatron's
+    (``embed``, ``layers.i``, ``head``: a graph of ``--implementation megatron``), else
+    ``transformers``."""
+    return (
+        "megatron" if layers and layers[0] == "embed" and layers[-1] == "head" else "transformers"
+    )
+
+
+def megatron_profile_spec(spec: models.ModelSpec, seq: int | None = None) -> models.ModelSpec:
+    """What ``profiling.export --implementation megatron`` profiles of an ``hf:`` model: the
+    zoo's GPT (:mod:`models.gpt`) of the GPTConfig :func:`megatron_hf_spec` maps the config onto,
+    whose modules save what megatron-core's local-spec GPTModel saves (one fused QKV output, rope
+    tables per layer, the fused SwiGLU's input only, the in-place vocab-parallel cross-entropy,
+    Megatron's MoE; validated against megatron-core by the zoo's megatron runs), in Megatron's
+    layers E, t, L: ``embed``, ``layers.i``, ``head`` (final norm, output layer and loss). Its
+    parameters per layer equal the HF model's (InputError naming the layer otherwise); meta: the
+    HF model's (its architecture facts read from the HF config) and ``implementation``. Values
+    that change no tensor's size (Llama 3's rope scaling) are not modelled."""
+    mapped = megatron_hf_spec(spec, seq)
+    config = mapped.config
+    layers = models.gpt.layer_paths(config)
+    _check_profiled_params(mapped, lambda: models.gpt.GPT(config), layers)
+    # a tied output layer is profiled as its own copy (Megatron's at pp > 1, :func:`tie_head`)
+    copy = dataclasses.replace(config, tied_embeddings=False)
+    return models.ModelSpec(
+        name=spec.name,
+        config=config,
+        build=lambda: models.gpt.GPT(copy),
+        example_inputs=lambda batch, seq=None: models.gpt.example_inputs(config, batch, seq),
+        layers=layers,
+        seq_len=mapped.seq_len,
+        meta={**spec.meta, **architecture_meta(spec.config), "implementation": "megatron"},
+    )
+
+
+def tie_head(graph: LayerGraph, config: models.gpt.GPTConfig) -> LayerGraph:
+    """The graph of a tied model profiled with its output layer's own copy of the word
+    embeddings (:func:`megatron_profile_spec`), with the tie recorded as a tied profile records
+    it: the copy's V h elements counted in ``embed`` only (``head.tied_params``, meta
+    ``shared_params``), the head's largest parameter its norm's. Its bytes stay the copy's:
+    Megatron's last stage (pp > 1) makes the output layer's weight gradient into its own
+    gradient buffer, where a shared tensor would keep it beside the embedding's until both are
+    summed (+V h x 4 B on the head's transient in the small qwen2). ``graph`` when untied."""
+    if not config.tied_embeddings:
+        return graph
+    elements = config.vocab_size * config.hidden
+    layers = []
+    for layer in graph.layers:
+        if layer.name == "head":
+            changes = {"params": layer.params - elements, "tied_params": {"embed": elements}}
+            changes |= {"largest_param": config.hidden, "vocab_params": 0}
+            layer = dataclasses.replace(layer, **changes)
+        layers.append(layer)
+    shared = [
+        {"param": "embed.tok.weight", "numel": elements, "counted_in": "embed"}
+        | {"shared_with": ["head"]}
+    ]
+    return dataclasses.replace(graph, layers=layers, meta={**graph.meta, "shared_params": shared})
+
+
+def _check_profiled_params(mapped: models.ModelSpec, build, layers: list[str]) -> None:
+    """InputError unless each zoo layer of ``build()`` has the parameters of the HF layers it
+    stands for (a tied head's weight counted once, on the embedding, in both)."""
+    megatron = mapped.meta["megatron"]
+    names, expected = megatron["layer_names"], megatron["layer_params"]
+    with torch.device("meta"):
+        model = build()
+    modules = dict(model.named_modules())
+    seen: set[int] = set()
+    for layer in layers:
+        params = [p for p in modules[layer].parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        built, graph = sum(p.numel() for p in params), sum(expected[hf] for hf in names[layer])
+        if built != graph:
+            raise InputError(
+                f"--implementation megatron: {mapped.name}: Megatron's {layer} has {built:,} "
+                f"parameters, the HF layers {', '.join(names[layer])} {graph:,}: the mapping "
+                "onto GPTModel is wrong for this model; export it with --implementation "
+                "transformers"
+            )
 
 
 def hf_batch(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

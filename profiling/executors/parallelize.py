@@ -301,11 +301,15 @@ def apply_data_parallel(
         if device.type == "cpu":
             for unit in units:
                 unit.set_custom_reduce_scatter(InPlaceReduceScatter())
-        # Handed to PipelineStage inside a plain Sequential: given an FSDP module, it turns
-        # gradient sync and resharding off until the last micro-batch (unsharded gradients, and
-        # with zero 3 unsharded weights, for the whole step). This way every layer
-        # reduce-scatters its gradients (and reshards) after each backward, as ZeRO-2/3 and the
-        # cost model assume.
+        if mesh["pp"].size() > 1:
+            # Handed to PipelineStage as it is, as torchtitan does: PipelineStage turns gradient
+            # sync and resharding off for every micro-batch's backward and reduce-scatters once
+            # per step (``perform_reduce_grad``), so each layer's unsharded gradients live from
+            # its first backward, and its unsharded weights from its first backward (zero 3,
+            # "always") or forward (zero 2, torchtitan's default under PP), to the step's end.
+            return stage_module
+        # pp 1: a plain Sequential (no PipelineStage FSDP handling), every layer reduce-scatters
+        # its gradients (and reshards) after each backward, as FSDP2 alone runs
         return nn.Sequential(stage_module)
     if mesh["tp"].size() > 1:
         replicate_with_fsdp(stage_module, mesh=dp_mesh)

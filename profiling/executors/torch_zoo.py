@@ -45,6 +45,7 @@ from profiling.executors.parallelize import (
     vocabulary_parallel_paths,
     vocabulary_sizes,
 )
+from profiling.executors.tied import TiedGradSync, TiedParameter, tied_parameters
 from solver.errors import InputError
 
 
@@ -112,18 +113,13 @@ def _sequence_shard(meta: torch.Tensor, tp: int) -> torch.Tensor:
     return torch.empty(shape, dtype=meta.dtype, device="meta", requires_grad=meta.requires_grad)
 
 
-def _keep_layers(model: nn.Module, all_layers: list[str], keep: list[str]) -> None:
-    """Drop every layer not in ``keep`` (the module slot becomes None); check nothing is shared."""
-    owner: dict[int, str] = {}
-    for path in all_layers:
-        for param in model.get_submodule(path).parameters():
-            if id(param) in owner and owner[id(param)] != path:
-                if (owner[id(param)] in keep) != (path in keep):
-                    raise InputError(
-                        f"layers {owner[id(param)]} and {path} share a parameter (tied weights) "
-                        "but are on different stages; not supported yet"
-                    )
-            owner[id(param)] = path
+def _keep_layers(model: nn.Module, all_layers: list[str], keep: list[str]) -> dict[str, str]:
+    """Drop every layer not in ``keep`` (the module slot becomes None). A parameter that a kept
+    and a dropped layer share (tied weights) stays: this chunk's copy
+    (:mod:`profiling.executors.tied`). Returns the kept parameters' full-model names by their
+    names in the chunk (a tied head's weight is named as the embedding it copies)."""
+    full_names = {id(param): name for name, param in model.named_parameters()}
+    owner = {id(param) for path in all_layers for param in model.get_submodule(path).parameters()}
     loose = [name for name, param in model.named_parameters() if id(param) not in owner]
     if loose:
         raise InputError(f"parameters outside every layer: {', '.join(loose[:5])}")
@@ -131,6 +127,7 @@ def _keep_layers(model: nn.Module, all_layers: list[str], keep: list[str]) -> No
         if path not in keep:
             parent, _, name = path.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, name, None)
+    return {name: full_names[id(param)] for name, param in model.named_parameters()}
 
 
 @dataclass(kw_only=True)
@@ -144,12 +141,15 @@ class _Chunk:
     """The chunk's layers the stage module runs (all but the loss head)."""
     stage_input: torch.Tensor
     stage_output: torch.Tensor
+    full_names: dict[str, str]
+    """The full-model name of each of the chunk's parameters, by its name in the chunk."""
 
 
 def _build_chunks(
     spec: models.ModelSpec, job: RunJob, place: Place
-) -> tuple[list[_Chunk], dict[str, int]]:
-    """The rank's chunks on its device, and the full model's vocabulary sizes.
+) -> tuple[list[_Chunk], dict[str, int], list[TiedParameter]]:
+    """The rank's chunks on its device, the full model's vocabulary sizes and its parameters
+    tied across pipeline ranks.
 
     One model per chunk (virtual stage chunk * pp + stage), each from the same seed and keeping
     only the chunk's layers, so that a chunk's module (and its DDP) owns exactly its parameters.
@@ -169,13 +169,14 @@ def _build_chunks(
         if not chunks:
             # of the full model: a stage may hold only the head
             vocab_sizes = vocabulary_sizes(model)
+            tied = tied_parameters(model, virtual, config.pp)
             metas = boundary_metas(model, spec, example_ids)
             if config.sp:  # the stages send their [b, s/t, h] shard
                 metas = {path: _sequence_shard(meta, config.tp) for path, meta in metas.items()}
         run_paths = [path for path in virtual[index] if path != head_path]
         stage_input = ids_meta if index == 0 else metas[virtual[index - 1][-1]]
         stage_output = metas[run_paths[-1]] if run_paths else stage_input
-        _keep_layers(model, spec.layers, virtual[index])
+        full_names = _keep_layers(model, spec.layers, virtual[index])
         model.to(place.device)
         chunks.append(
             _Chunk(
@@ -184,9 +185,10 @@ def _build_chunks(
                 run_paths=run_paths,
                 stage_input=stage_input,
                 stage_output=stage_output,
+                full_names=full_names,
             )
         )
-    return chunks, vocab_sizes
+    return chunks, vocab_sizes, tied
 
 
 def _parallelize(
@@ -279,6 +281,7 @@ def _iterate(
     tracker,
     *,
     sharded_logits: bool,
+    sync_tied: Callable[[], None],
 ) -> tuple[list[float], list[float], int | None]:
     """Run ``job.iterations`` steps (schedule, then optimizer), resetting the peaks at the start
     of each. Returns the iteration times (ms), the losses (last rank) and the last CUDA peak."""
@@ -299,6 +302,7 @@ def _iterate(
         inject_fault(job, place)
         with tracker.saved_tensors(), _loss_parallel(sharded_logits):
             schedule.step(*args, **kwargs, return_outputs=False)
+        sync_tied()  # the tied copies' gradients summed, before the step
         for param in params:  # FSDP2 sets sharded grads without hooks
             if param.grad is not None:
                 tracker.track(param.grad, "grads")
@@ -329,12 +333,41 @@ def _gradients(chunks: list[_Chunk], orders: dict[str, list[int]]) -> dict[str, 
                 grad = _full(param.grad).detach().cpu()
                 if name in orders:  # undo the per-head regrouping
                     grad = grad[torch.argsort(torch.tensor(orders[name]))]
-                grads[name] = grad.clone()
+                grads[chunk.full_names[name]] = grad.clone()
     return grads
 
 
+def _tied_sync(
+    chunks: list[_Chunk], tied: list[TiedParameter], job: RunJob, place: Place
+) -> TiedGradSync:
+    """The all-reduce of the rank's tied copies' gradients (after the parallel wrappers, whose
+    parameters the copies are now)."""
+    copies: dict[str, list[nn.Parameter]] = {}
+    names = {item.name for item in tied}
+    for chunk in chunks:
+        for name, param in chunk.model.named_parameters():
+            if chunk.full_names[name] in names:
+                copies.setdefault(chunk.full_names[name], []).append(param)
+    config = job.plan.config
+    return TiedGradSync(
+        tied,
+        copies,
+        stage=place.stage,
+        dp_rank=place.dp_rank,
+        tp_rank=place.tp_rank,
+        dp=config.dp,
+        tp=config.tp,
+    )
+
+
 def _train_and_measure(
-    chunks: list[_Chunk], spec: models.ModelSpec, job: RunJob, place: Place, mesh, vocab_sizes
+    chunks: list[_Chunk],
+    spec: models.ModelSpec,
+    job: RunJob,
+    place: Place,
+    mesh,
+    vocab_sizes,
+    tied: list[TiedParameter],
 ) -> Measured:
     """Parallelize the chunks, build the schedule and the optimizer, train, and measure the live
     tensors from before the wrappers on (the peak of the last iteration)."""
@@ -368,8 +401,17 @@ def _train_and_measure(
             params, mesh, config.zero, lr=LEARNING_RATE, impl=optimizer_impl(job.plan)
         )
         tracker.track_optimizer(getattr(optimizer, "optim", optimizer))  # ZeRO-1: the local Adam
+        sync_tied = _tied_sync(chunks, tied, job, place)
         iteration_ms, losses, cuda_peak = _iterate(
-            schedule, optimizer, params, spec, job, place, tracker, sharded_logits=sharded_logits
+            schedule,
+            optimizer,
+            params,
+            spec,
+            job,
+            place,
+            tracker,
+            sharded_logits=sharded_logits,
+            sync_tied=sync_tied,
         )
         measured = Measured.at_peak(
             tracker, iteration_ms=iteration_ms, losses=losses, cuda_peak=cuda_peak
@@ -384,6 +426,7 @@ def _train_and_measure(
         def step() -> None:
             with _loss_parallel(sharded_logits):
                 schedule.step(*args, **kwargs, return_outputs=False)
+            sync_tied()
             optimizer.step()
 
         return step
@@ -397,5 +440,6 @@ def zoo_rank_main(rank: int, job: RunJob) -> RankReport:
     place = place_rank(rank, job)
     mesh = init_mesh(place, job)
     spec = model_spec(job.preset, job.overrides)
-    chunks, vocab_sizes = _build_chunks(spec, job, place)
-    return rank_report(place, job, _train_and_measure(chunks, spec, job, place, mesh, vocab_sizes))
+    chunks, vocab_sizes, tied = _build_chunks(spec, job, place)
+    measured = _train_and_measure(chunks, spec, job, place, mesh, vocab_sizes, tied)
+    return rank_report(place, job, measured)

@@ -33,6 +33,10 @@ position bias, instead of the CPU math fallback): what the profile counts.
 
 Recompute ``"full"``: every planned layer's traced submodule runs under non-reentrant
 ``torch.utils.checkpoint`` (its forward is replaced on the traced stage, names unchanged).
+A tied parameter used on two stages (an LM head sharing the embedding's table): ``pipeline()``
+gives each stage its own copy (and leaves the original, unread, under the other alias on the
+embedding's stage, which is dropped); the copies' gradients are summed over the holding ranks
+before the step (:mod:`profiling.executors.tied`).
 Gradients persist between steps (``zero_grad(set_to_none=False)``) unless the plan's training
 section says ``grad_lifetime: "step"`` (then ``set_to_none=True``). Data parallelism
 (dp > 1, ZeRO 0): DDP over each stage's traced module (gradients in its buckets, synced on the
@@ -72,6 +76,7 @@ from profiling.executors.base import (
     with_clean_steps,
 )
 from profiling.executors.parallelize import build_optimizer
+from profiling.executors.tied import TiedGradSync, TiedParameter
 from profiling.executors.traced_boundaries import (
     check_no_gradient_skips,
     constant_aware_stage,
@@ -158,8 +163,9 @@ def build_model(spec: models.ModelSpec, seed: int, dtype: torch.dtype) -> nn.Mod
 def check_traced_plan(spec: models.ModelSpec, plan: PlanFile) -> None:
     """InputError naming the field unless a traced run can take ``plan`` on ``spec``: tp 1, no
     sequence or expert parallelism, no interleaving, ZeRO 0 over dp > 1, recompute none or
-    full, bf16 or fp32 weights, every planned layer a module of the model, every parameter
-    inside a planned layer and no parameter shared by layers of two stages (tied weights)."""
+    full, bf16 or fp32 weights, every planned layer a module of the model and every parameter
+    inside a planned layer. A parameter that layers of two stages share (tied weights) is held
+    by each (:mod:`profiling.executors.tied`)."""
     config = plan.config
     problems = (
         (config.tp > 1, f"tp={config.tp}: traced models run with tp=1; plan with --tp 1"),
@@ -204,20 +210,10 @@ def check_traced_plan(spec: models.ModelSpec, plan: PlanFile) -> None:
 
 
 def _check_parameter_owners(model: nn.Module, stages: list[list[str]], source: str) -> None:
-    """Every parameter lies in a planned layer, and only in layers of one stage."""
-    stage_of: dict[int, tuple[int, str]] = {}
-    for stage, layers in enumerate(stages):
-        for layer in layers:
-            for name, param in model.get_submodule(layer).named_parameters():
-                owner = stage_of.setdefault(id(param), (stage, layer))
-                if owner[0] != stage:
-                    raise InputError(
-                        f"{source}: layers {owner[1]} (stage {owner[0]}) and {layer} (stage "
-                        f"{stage}) share the parameter {layer}.{name} (tied weights); plan them "
-                        "on one stage, or untie them (HF causal LMs: --set "
-                        "tie_word_embeddings=false when exporting and running)"
-                    )
-    loose = [name for name, param in model.named_parameters() if id(param) not in stage_of]
+    """Every parameter lies in a planned layer."""
+    planned = {id(param) for layers in stages for layer in layers for param in
+               model.get_submodule(layer).parameters()}  # fmt: skip
+    loose = [name for name, param in model.named_parameters() if id(param) not in planned]
     if loose:
         raise InputError(
             f"{source}: parameters outside every planned layer: {', '.join(loose[:5])}; export "
@@ -279,11 +275,11 @@ def trace(
             ) from None
 
     traced = make()
-    owners = _planned_owners(traced.module, stages)
+    owners = planned_owners(traced.module, stages)
     pipe = run(traced.module, traced.model_inputs(example))
     if _inputs_read_late(pipe):
         traced = make()
-        owners = _planned_owners(traced.module, stages)
+        owners = planned_owners(traced.module, stages)
         pipe = run(_copy_inputs_first(traced.module), traced.model_inputs(example))
     if pipe.num_stages != len(stages):
         raise InputError(
@@ -294,15 +290,39 @@ def trace(
     return pipe, traced, owners
 
 
-def _planned_owners(module: nn.Module, stages: list[list[str]]) -> dict[int, tuple[int, str]]:
-    """``id(parameter) -> (planned stage, parameter name)``, taken before tracing moves them."""
+def planned_owners(
+    module: nn.Module, stages: list[list[str]]
+) -> dict[str, tuple[frozenset[int], str]]:
+    """Every name of every parameter (a tied one has several) -> (the planned stages holding
+    it, its first name), taken before tracing: one stage, or several for a tied parameter (each
+    keeps a copy). By name: tracing gives a tied parameter new objects, under its aliases."""
     names = {id(param): name for name, param in module.named_parameters()}
+    held: dict[int, set[int]] = {}
+    for stage, layers in enumerate(stages):
+        for layer in layers:
+            for param in module.get_submodule(layer).parameters():
+                held.setdefault(id(param), set()).add(stage)
     return {
-        id(param): (stage, names[id(param)])
-        for stage, layers in enumerate(stages)
-        for layer in layers
-        for param in module.get_submodule(layer).parameters()
+        alias: (frozenset(held.get(id(param), ())), names[id(param)])
+        for alias, param in module.named_parameters(remove_duplicate=False)
     }
+
+
+def _drop_unused_tied_aliases(
+    stage_module: nn.Module, owners: dict[str, tuple[frozenset[int], str]]
+) -> None:
+    """Remove the tied parameters the traced stage holds but never reads: ``pipeline()`` leaves
+    the original of a tied table under its other alias (e.g. ``lm_head.weight`` on the
+    embedding's stage), a table of weights no plan counts and no gradient reaches."""
+    read = set()
+    for scope, module in stage_module.named_modules():
+        for node in getattr(getattr(module, "graph", None), "nodes", ()):
+            if node.op == "get_attr":
+                read.add(f"{scope}.{node.target}" if scope else node.target)
+    for name, _ in list(stage_module.named_parameters(remove_duplicate=False)):
+        if len(owners.get(name, ((),))[0]) > 1 and name not in read:
+            parent, _, attr = name.rpartition(".")
+            del stage_module.get_submodule(parent)._parameters[attr]
 
 
 def _recompute_layers(stage_module: nn.Module, layers: list[str]) -> None:
@@ -318,7 +338,38 @@ def _recompute_layers(stage_module: nn.Module, layers: list[str]) -> None:
 # -- training (rank) ---------------------------------------------------------------------------
 
 
-def _iterate(schedule, optimizer, stage, spec, traced, job, place, tracker, owners) -> Measured:
+def _traced_parameters(stage):
+    """The stage's parameters under the traced module's own names (inside DDP's ``module.``)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    module = stage.submod
+    if isinstance(module, DistributedDataParallel):
+        module = module.module
+    return module.named_parameters()
+
+
+def _tied_sync(stage, owners, place, job: RunJob) -> TiedGradSync:
+    """The all-reduce of the stage's tied copies' gradients (``pipeline()`` gives each stage
+    that uses a parameter its own copy), over the pipeline ranks holding each."""
+    tied = sorted(
+        {TiedParameter(name=name, ranks=tuple(sorted(where))) for where, name in owners.values()
+         if len(where) > 1},
+        key=lambda item: item.name,
+    )  # fmt: skip
+    copies: dict[str, list[nn.Parameter]] = {}
+    for name, param in _traced_parameters(stage):
+        where, first = owners.get(name, ((), name))
+        if len(where) > 1:
+            copies.setdefault(first, []).append(param)
+    config = job.plan.config
+    return TiedGradSync(
+        tied, copies, stage=place.stage, dp_rank=place.dp_rank, tp_rank=0, dp=config.dp, tp=1
+    )
+
+
+def _iterate(
+    schedule, optimizer, stage, spec, traced, job, place, tracker, owners, sync_tied
+) -> Measured:
     """Run ``job.iterations`` steps; the live-tensor peak of the last one."""
     step_lifetime = getattr(job.plan.training, "grad_lifetime", "persistent") == "step"
     cuda = place.device.type == "cuda"
@@ -336,6 +387,7 @@ def _iterate(schedule, optimizer, stage, spec, traced, job, place, tracker, owne
         # on a CPU, attention runs the fused kernels a GPU runs (what the profile counts)
         with tracker.saved_tensors(), cuda_like_kernels(place.device.type == "cpu"):
             schedule.step(*args, **kwargs, return_outputs=False)
+        sync_tied()  # the tied copies' gradients summed, before the step
         optimizer.step()
         if cuda:
             torch.cuda.synchronize(place.device)
@@ -347,8 +399,8 @@ def _iterate(schedule, optimizer, stage, spec, traced, job, place, tracker, owne
     grads = None
     if job.capture_grads:
         grads = {  # by the full model's parameter names (a tied alias traces under another)
-            owners.get(id(param), (0, name))[1]: param.grad.detach().cpu().clone()
-            for name, param in stage.submod.named_parameters()
+            owners.get(name, (None, name))[1]: param.grad.detach().cpu().clone()
+            for name, param in _traced_parameters(stage)
             if param.grad is not None
         }
     return Measured.at_peak(
@@ -375,7 +427,9 @@ def _step_inputs(spec, traced, job: RunJob, place, iteration: int) -> tuple[tupl
     return args, kwargs
 
 
-def _with_clean_steps(measured, schedule, optimizer, spec, traced, job: RunJob, place, tracker):
+def _with_clean_steps(
+    measured, schedule, optimizer, spec, traced, job: RunJob, place, tracker, sync_tied
+):
     """``measured`` with the clean timed iterations
     (:func:`profiling.executors.base.clean_steps`) of a traced stage."""
     step_lifetime = getattr(job.plan.training, "grad_lifetime", "persistent") == "step"
@@ -387,6 +441,7 @@ def _with_clean_steps(measured, schedule, optimizer, spec, traced, job: RunJob, 
         def step() -> None:
             with cuda_like_kernels(place.device.type == "cpu"):
                 schedule.step(*args, **kwargs, return_outputs=False)
+            sync_tied()
             optimizer.step()
 
         return step
@@ -415,6 +470,7 @@ def traced_rank_main(rank: int, job: RunJob) -> RankReport:
         spec, lambda: traceable(spec, build_model(spec, job.seed, dtype)), stages, example
     )
     stage_module = pipe.get_stage_module(place.stage)
+    _drop_unused_tied_aliases(stage_module, owners)
     _check_traced_stage(stage_module, owners, place.stage, job.plan.source)
     if config.recompute == "full":
         _recompute_layers(stage_module, stages[place.stage])
@@ -440,8 +496,13 @@ def traced_rank_main(rank: int, job: RunJob) -> RankReport:
             impl=optimizer_impl(job.plan),
         )
         tracker.track_optimizer(optimizer)
-        measured = _iterate(schedule, optimizer, stage, spec, traced, job, place, tracker, owners)
-    measured = _with_clean_steps(measured, schedule, optimizer, spec, traced, job, place, tracker)
+        sync_tied = _tied_sync(stage, owners, place, job)
+        measured = _iterate(
+            schedule, optimizer, stage, spec, traced, job, place, tracker, owners, sync_tied
+        )
+    measured = _with_clean_steps(
+        measured, schedule, optimizer, spec, traced, job, place, tracker, sync_tied
+    )
     return rank_report(place, job, measured)
 
 
@@ -466,14 +527,18 @@ def _data_parallel(stage, mesh, device: torch.device) -> None:
 
 
 def _check_traced_stage(
-    stage_module: nn.Module, owners: dict[int, tuple[int, str]], stage: int, source: str
+    stage_module: nn.Module, owners: dict[str, tuple[frozenset[int], str]], stage: int, source: str
 ) -> None:
     """The traced stage holds the parameters of exactly its planned layers: else the plan's layer
     order is not the order the model's forward runs them in."""
-    held = {id(param) for param in stage_module.parameters()}
-    planned = {key for key, (owner, _) in owners.items() if owner == stage}
-    extra = sorted(owners[key][1] for key in held - planned if key in owners)
-    absent = sorted(owners[key][1] for key in planned - held)
+    held = {
+        owners[name][1]
+        for name, _ in stage_module.named_parameters(remove_duplicate=False)
+        if name in owners
+    }
+    planned = {first for where, first in owners.values() if stage in where}
+    extra = sorted(held - planned)
+    absent = sorted(planned - held)
     if extra or absent:
         detail = (
             f"also holds {', '.join(extra[:3])} (planned on other stages)"

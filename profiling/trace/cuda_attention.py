@@ -207,18 +207,24 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, key, value, out, logsumexp, _rng_state, _unused = ctx.saved_tensors
         with attention_flop_fraction(ctx.flop_fraction):
-            grads = cpu_flash_attention_backward(
-                grad_out.contiguous(),
-                query,
-                key,
-                value,
-                out,
-                logsumexp,
-                0.0,
-                ctx.is_causal,
-                scale=ctx.scale,
-            )
+            grads = _flash_backward(ctx, grad_out, query, key, value, out, logsumexp)
         return *grads, None, None
+
+
+def _flash_backward(ctx, grad_out, query, key, value, out, logsumexp, mask=None):
+    """The fused kernel's backward on CPU: (grad_q, grad_k, grad_v) for the saved tensors."""
+    return cpu_flash_attention_backward(
+        grad_out.contiguous(),
+        query,
+        key,
+        value,
+        out,
+        logsumexp,
+        0.0,
+        ctx.is_causal,
+        attn_mask=mask,
+        scale=ctx.scale,
+    )
 
 
 class _FusedBiasAttention(torch.autograd.Function):
@@ -237,17 +243,8 @@ class _FusedBiasAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, mask, out, logsumexp = ctx.saved_tensors
-        grad_q, grad_k, grad_v = cpu_flash_attention_backward(
-            grad_out.contiguous(),
-            query,
-            key,
-            value,
-            out,
-            logsumexp,
-            0.0,
-            ctx.is_causal,
-            attn_mask=mask,
-            scale=ctx.scale,
+        grad_q, grad_k, grad_v = _flash_backward(
+            ctx, grad_out, query, key, value, out, logsumexp, mask=mask
         )
         grad_mask = None
         if ctx.needs_input_grad[3]:

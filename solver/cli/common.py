@@ -632,3 +632,15 @@ def _training_from_args(args: argparse.Namespace) -> TrainingConfig:
         **precision_words(args, calibration),
         **bytes_per_param(args),
     )
+
+
+def warn_implementation(graph: Any, runtime: str, name: str) -> None:
+    """One stderr line when ``graph`` profiles other modules than ``runtime`` runs
+    (:func:`solver.engine_rules.implementation_warning`)."""
+    import sys
+
+    from solver.engine_rules import implementation_warning
+
+    line = implementation_warning(graph.meta, runtime, graph=name)
+    if line is not None:
+        print(line, file=sys.stderr)

@@ -15,6 +15,7 @@ from solver.cli.common import (
     calibration_from_args,
     cluster_from_args,
     precision_words,
+    warn_implementation,
 )
 from solver.console import (
     OneLineErrorParser,
@@ -143,6 +144,7 @@ def _evaluate_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         )
     plan = load_plan(args.plan)
     result = evaluate_plan(plan, args.graph)
+    warn_implementation(result.graph, plan.training.runtime, result.graph.source)
     where = f"{result.graph.model} on {result.config.num_gpus} GPUs"
     _output(args, result, f"Plan {args.plan} evaluated again: {where}")
     differences = plan_differences(plan, result)
@@ -194,6 +196,7 @@ def _evaluate_split(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         group_of_stage=groups,
         recomputed=recomputed,
     )
+    warn_implementation(graph, training.runtime, args.graph)
     _output(args, result, f"Split {args.split} of {graph.model} on {config.num_gpus} GPUs")
 
 

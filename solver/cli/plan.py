@@ -14,6 +14,7 @@ from solver.cli.common import (
     add_plot_option,
     cluster_from_args,
     training_from_args,
+    warn_implementation,
 )
 from solver.cli.progress import SearchProgress
 from solver.console import (
@@ -104,6 +105,7 @@ def plan_main(argv: list[str] | None = None) -> int:
             progress=progress if progress.enabled else None,
         )
         progress.close()
+        warn_implementation(graph, training.runtime, args.graph)  # a plan came: it applies
         if args.json:
             write_json(args.json, plan_to_dict(result), protect=input_files(args))
         if args.plot:

@@ -30,7 +30,14 @@ tied module on both stages (../shared/reference/runtime-memory-facts.md). So wit
                       sum when the weight gradient is made; with Megatron's separate copy it is
                       o's gradient itself (measured: qwen2 at pp 2, +3.2% on the first stage
                       before). Only where the table is o's one parameter tensor (params_o =
-                      n_o: the moment is the table's) and the dtype is known; at least 0
+                      n_o: the moment is the table's) and the dtype is known; at least 0.
+                      On torch (torch pipelining's copies, :mod:`profiling.executors.tied`)
+                      for every owner, kept at least d (params_o - n_o) (its other parameters'
+                      gradients) where it was more. The anytime transients T_o of the owner and
+                      T_l, G_l of the using layer can hold a table-sized gradient too (the zoo's
+                      GPT head: its gradient of the table, which it does not own in the
+                      profile), but not always (HF's lm_head: not), and the columns do not say
+                      which part it is: they stay (an over-prediction, never an under-one)
 
 The charge assumes the layer and its owner are on different stages, which a chain with the
 embedding first and the head last always has at p > 1; where a plan puts them on one stage (a
@@ -86,21 +93,32 @@ def without_tied_accumulation(
     cols: dict[str, np.ndarray], graph: LayerGraph, config: ParallelConfig, runtime: str
 ) -> dict[str, np.ndarray]:
     """The columns with each tie owner's weight-gradient transient less the accumulation of the
-    copies' gradients a single-device profile makes (module docstring, G_o), on megatron at
-    p > 1; ``cols`` itself elsewhere or when no owner qualifies."""
-    if runtime != "megatron" or config.pp == 1:
+    copies' gradients a single-device profile makes (module docstring, G_o), at p > 1 on
+    megatron and torch (where each stage keeps its own copy); ``cols`` itself elsewhere or when
+    no owner qualifies."""
+    if runtime not in ("megatron", "torch") or config.pp == 1:
         return cols
     _, owned = tied_columns(graph)
     size = PROFILE_DTYPE_BYTES.get(graph.meta.get("dtype"))
-    owners = (owned > 0) & (cols["params"] == owned)
-    if size is None or not owners.any():
+    if size is None or not owned.any():
         return cols
+    # megatron: where the table is the owner's one tensor; torch: any owner, kept at least its
+    # other parameters' gradient bytes (what its other weight-gradient moments can hold)
+    owners = (owned > 0) & ((cols["params"] == owned) | (runtime == "torch"))
+    rest = size * (cols["params"] - owned)
     out = dict(cols)
     for key in ("weight_grad_transient_bytes", "fixed_weight_grad_transient_bytes"):
-        less = np.maximum(cols[key] - size * owned, 0)
-        measured = cols[key] >= 0  # -1: the part was not measured
-        out[key] = np.where(owners & measured, less, cols[key])
+        out[key] = _less(cols[key], owners, size * owned, floor=rest)
     return out
+
+
+def _less(
+    column: np.ndarray, rows: np.ndarray, amount: np.ndarray, floor: np.ndarray | int = 0
+) -> np.ndarray:
+    """``column`` less ``amount`` on ``rows`` where measured (-1: not measured), at least
+    ``floor`` (and 0) unless the column was below it already."""
+    less = np.maximum(column - amount, np.minimum(column, np.maximum(floor, 0)))
+    return np.where(rows & (column >= 0), less, column)
 
 
 def tied_sync_ns(

@@ -18,6 +18,10 @@ storages at each rank's peak (``profiling.run``, gpt-tiny, dp 2 x pp 2):
   kept (``reduce_scatter_states``, ``reduce_scatter_max_input_buffers`` 1) until the next
   layer's ``post_backward``: layer l's backward runs beside layer l+1's reduce-scatter input.
 
+All of this is pp 1. Under pipelining (p > 1) torch's ``PipelineStage`` reduce-scatters once per
+step (``states.reduces_per_step``): the unsharded weights and gradients are model states there,
+and only ``forward_gather_bytes`` and ``_step_reduce_bytes`` below remain per layer.
+
 Layers l-1 and l+1 are the neighbours in the graph's order; a neighbour on another stage is
 counted too (over, never under). With d = 1 there is no FSDP (``profiling.run`` runs the stage
 unwrapped): nothing is added.
@@ -41,13 +45,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from solver.costs.states import ParamShares
+from solver.costs.states import ParamShares, reduces_per_step, uses_fsdp2
 from solver.specs import ParallelConfig, TrainingConfig
-
-
-def uses_fsdp2(config: ParallelConfig, runtime: str) -> bool:
-    """The torch runtime with ZeRO 2 or 3 over more than one data-parallel rank."""
-    return runtime == "torch" and config.zero >= 2 and config.dims.sharding_degree > 1
 
 
 def _previous(values: np.ndarray) -> np.ndarray:
@@ -72,6 +71,8 @@ def gathered_bytes(
     if not uses_fsdp2(config, training.runtime):
         return 2 * full if config.zero >= 3 else np.zeros_like(full)
     flat_buffer = np.maximum(full, _previous(full))
+    if reduces_per_step(config, training.runtime):
+        return np.zeros_like(full)  # forward_gather_bytes
     held_input = _next(params.bytes_per_gpu(training.grad_bytes_per_param, 1, 1))
     if config.zero >= 3:
         return full + flat_buffer + held_input
@@ -90,12 +91,14 @@ def weight_gradient_bytes(
     weight gradients are made (``gathered_bytes`` included): ``temporary`` (one tensor's, plain
     autograd) unless FSDP2 runs the layer. Then its whole unsharded gradients w P'_l (the saved
     tensors freed before each weight gradient are credited by the profile's weight-gradient
-    transient, which this term joins: module docstring), and at its ``post_backward
+    transient, which this term joins: module docstring), and at its ``post_backward``
     the reduce-scatter input g P'_l where its own weights (ZeRO 3) and the next layer's held
     input g P'_{l+1} are freed (and the new shard g P'_l / d once the gradients are copied
     in and freed); never less than ``temporary``."""
     if not uses_fsdp2(config, training.runtime):
         return temporary
+    if reduces_per_step(config, training.runtime):
+        return np.maximum(temporary, _step_reduce_bytes(params, config, training))
     w, g = training.weight_bytes_per_param, training.grad_bytes_per_param
     unsharded = params.bytes_per_gpu(w, 1, 1)
     reduce_input = params.bytes_per_gpu(g, 1, 1)
@@ -109,3 +112,44 @@ def weight_gradient_bytes(
     )
     gradients = unsharded + np.maximum(at_reduce, 0)
     return np.maximum(temporary, gradients)
+
+
+def _step_reduce_bytes(
+    params: ParamShares, config: ParallelConfig, training: TrainingConfig
+) -> np.ndarray:
+    """Every layer's gradient transient per GPU, bytes, when FSDP2 reduces once per step under
+    pipelining (``states.reduces_per_step``): the unsharded gradients are states, so a
+    micro-batch's backward adds plain autograd's one-tensor temporary (accumulated in place),
+    unless the weights' dtype differs from the reduce dtype: then its whole gradients
+    w P'_l, made before ``post_backward`` adds them to the accumulated ones. At the step's
+    reduce (``perform_reduce_grad``, no activation left) each layer frees its unsharded
+    weights, then makes its reduce-scatter input g P'_l and new shard g P'_l / d while its
+    unsharded gradients are still referenced: g P'_l + g P'_l / d - w P'_l."""
+    w, g = training.weight_bytes_per_param, training.grad_bytes_per_param
+    unsharded = params.bytes_per_gpu(w, 1, 1)
+    reduce_input = params.bytes_per_gpu(g, 1, 1)
+    at_reduce = reduce_input + params.sharded(g, config, True) - unsharded
+    made_whole = unsharded if w != g else np.zeros_like(unsharded)
+    return np.maximum(np.maximum(at_reduce, made_whole), 0)
+
+
+def forward_gather_bytes(
+    params: ParamShares, config: ParallelConfig, training: TrainingConfig
+) -> np.ndarray:
+    """Every layer's gather transient per GPU, bytes, live only at its forward's start, before
+    anything of its own is (the layer's transient is the larger of this and the rest), when
+    FSDP2 reduces once per step under pipelining (``states.reduces_per_step``), where every
+    layer's unsharded weights w P'_l are states; else 0. The flat all-gather buffer is live
+    beside the unsharded weights it is copied into (``foreach_all_gather_copy_out``). ZeRO 2
+    ("never" reshards after forward) gathers only in the step's first forward, before any
+    gradient: its buffer w P'_l less its own gradients g P'_l, counted but not yet made. ZeRO 3
+    ("always") gathers again in every forward, where the layers behind hold their weights from
+    an earlier backward: w P'_l. In the backward a prefetched buffer stands in for the
+    unsharded weights it is copied into (resharded by a forward): nothing more."""
+    full = params.bytes_per_gpu(training.weight_bytes_per_param, 1, 1)
+    if not reduces_per_step(config, training.runtime):
+        return np.zeros_like(full)
+    if config.zero >= 3:
+        return full
+    own_grads = params.bytes_per_gpu(training.grad_bytes_per_param, 1, 1)
+    return np.maximum(full - own_grads, 0)

@@ -21,8 +21,8 @@ o), ZeRO stage z.
          from 16384 rows)
   P'_l, largest_l with the tied copy a stage keeps at p > 1 (``embeddings``: an LM head's own
          copy of the tied embedding, split like its vocabulary; its gradient all-reduce in the
-         layer's tail; on megatron the owner's weight-gradient transient less the copies'
-         gradient accumulation a single-device profile makes, G_o - d n_o)
+         layer's tail; at p > 1 (megatron, torch) the owner's weight-gradient transient less
+         the copies' gradient accumulation a single-device profile makes, G_o - d n_o)
   stored_l  = b A'_l, or b output_bytes_l when l is recomputed         per micro-batch, rounded up
   torch runtime: the last layer's stored bytes += b unsaved_output_bytes (graph meta): a
               pipeline's loss_fn keeps the model's output per in-flight micro-batch
@@ -74,7 +74,7 @@ from solver.costs.embeddings import (
 )
 from solver.costs.empirical import check_empirical_options, empirical_layer_costs
 from solver.costs.experts import expert_stored_bytes, largest_local_param, routing_factor
-from solver.costs.fsdp import gathered_bytes, weight_gradient_bytes
+from solver.costs.fsdp import forward_gather_bytes, gathered_bytes, weight_gradient_bytes
 from solver.costs.graph_inputs import (
     graph_columns,
     profiled_times,
@@ -278,8 +278,10 @@ def _activation_bytes(
         beside_grad = head_weight_grad_moment(cols, config)
         kept_buffer = sp_gather_buffer_bytes(cols, config)
     at_weight_grad = transient(beside_grad)
+    # FSDP2 under pipelining: a gather's flat buffer at the forward's start, alone (``fsdp``)
+    starting = forward_gather_bytes(params, config, training)
     peaks = tuple(
-        np.maximum(peak, beside + grad_temporary) + gather + kept_buffer
+        np.maximum(np.maximum(peak, beside + grad_temporary) + gather + kept_buffer, starting)
         for peak, beside in zip(anytime, at_weight_grad, strict=True)
     )
     return stored, peaks

@@ -15,6 +15,12 @@ master + 2 moments; 2, 2, 12 on the torch runtime: bf16 gradients; ZeRO paper;
               states on ``intra_expt_dp_group``)
               (+ w P'_l / d with ZeRO-2 on the torch runtime: FSDP2 keeps the sharded parameters
               next to the gathered ones)
+  FSDP2 under pipelining (torch runtime, ZeRO 2/3, d > 1, p > 1; ``reduces_per_step``):
+              sum_l (w P'_l + w P'_l / d + g P'_l), ZeRO 2 and 3 alike: ``PipelineStage`` runs
+              every micro-batch's backward without gradient sync or resharding and
+              reduce-scatters once per step, so each layer's unsharded gradients (accumulated in
+              the reduce dtype) and unsharded weights stay to the step's end
+              (+ g P'_l / d with persistent gradients: the reduced shards kept between steps)
   DDP on torch with the "step" gradient lifetime keeps its buckets beside the fresh .grad all
               step: + g P'_l per layer (``ddp_bucket_bytes``)
   step_l    = ceil(P'_l u / d[z>=1]) the optimizer step's temporary (``optimizer_step_bytes``;
@@ -83,25 +89,52 @@ class ParamShares:
         return self.bytes_per_gpu(per_param, shards, shards // config.ep)
 
 
+def uses_fsdp2(config: ParallelConfig, runtime: str) -> bool:
+    """The torch runtime with ZeRO 2 or 3 over more than one data-parallel rank (FSDP2
+    ``fully_shard``, one unit per layer: ``profiling.executors.parallelize``, torchtitan)."""
+    return runtime == "torch" and config.zero >= 2 and config.dims.sharding_degree > 1
+
+
+def reduces_per_step(config: ParallelConfig, runtime: str) -> bool:
+    """FSDP2 (``uses_fsdp2``) handed to ``PipelineStage`` (p > 1), as torchtitan does: torch
+    2.13's ``PipelineStage.backward_maybe_with_nosync`` sets ``set_requires_gradient_sync(False)``
+    and ``set_reshard_after_backward(False)`` on every micro-batch's backward and
+    ``perform_reduce_grad`` reduce-scatters and reshards once, after the step's last backward
+    (torch/distributed/pipelining/stage.py:844-847, 1164-1190). Each layer's unsharded
+    gradients live from its first backward and its unsharded weights from its first forward
+    (``reshard_after_forward=False``, torchtitan's default under PP) or first backward (ZeRO 3,
+    "always": every later forward reshards, but the last backwards keep them) to the step's
+    end. Measured (gpt-tiny, dp 2 x pp 2, ZeRO 3): both whole at the first stage's peak."""
+    return uses_fsdp2(config, runtime) and config.pp > 1
+
+
 def model_state_bytes(
     params: ParamShares, config: ParallelConfig, training: TrainingConfig
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Weights, gradients and optimizer state per GPU of every layer (the terms of states_s in
     the module docstring): tp splits the tp parameters, t ep the routed experts'; ZeRO stage z
     shards the optimizer state (z >= 1), gradients (z >= 2) and weights (z = 3) over dp x cp
-    (``sharding_degree``; the experts' over dp x cp / ep)."""
+    (``sharding_degree``; the experts' over dp x cp / ep); FSDP2 under pipelining keeps its
+    unsharded weights and gradients too (``reduces_per_step``)."""
     d, z = config.dims.sharding_degree, config.zero
     w, g, o = (
         training.weight_bytes_per_param,
         training.grad_bytes_per_param,
         training.optimizer_bytes_per_param,
     )
+    optimizer = params.sharded(o, config, z >= 1)
+    if reduces_per_step(config, training.runtime):
+        # unsharded weights beside their shards, unsharded gradients (ZeRO 2 = ZeRO 3 here)
+        weight = params.sharded(w, config, False) + params.sharded(w, config, True)
+        grad = params.sharded(g, config, False)
+        if training.grad_lifetime == "persistent":
+            grad = grad + params.sharded(g, config, True)
+        return weight, grad, optimizer
     weight = params.sharded(w, config, z >= 3)
     if z == 2 and d > 1 and training.runtime == "torch":
         # FSDP2 keeps the sharded parameters next to the gathered ones
         weight = weight + params.sharded(w, config, True)
     grad = params.sharded(g, config, z >= 2)
-    optimizer = params.sharded(o, config, z >= 1)
     return weight, grad, optimizer
 
 

@@ -19,8 +19,18 @@ zero 3                      shard dp, ``fsdp_reshard_after_forward = "always"`` 
 zero 0, dp the only axis    replicate dp (DDP), when ep = 1
 otherwise (zero 0, 1, 2)    shard dp, ``"never"``: parameters stay gathered from forward to
                             backward, gradients and optimizer states sharded (ZeRO-2 memory,
-                            no more than planned)
+                            no more than planned at pp 1)
 ==========================  ==============================================================
+
+Under pipelining (pp > 1) torchtitan hands each FSDP2 model chunk to ``PipelineStage``
+(distributed/pipeline_parallel.py:625), which runs every micro-batch's backward without gradient
+sync or resharding and reduce-scatters once per step (torch 2.13 pipelining/stage.py:844-847,
+1164-1190): every layer's unsharded gradients and weights stay to the step's end, with
+"never" (torchtitan's "default" under PP: ``get_fsdp_reshard_after_forward_policy`` returns
+``not pp_enabled``, distributed/fsdp.py:112-137 at b5bcd76, 2026-08-21) and with "always"
+alike. The cost model plans exactly that (``solver.costs.states.reduces_per_step``): ZeRO 2 and
+3 the same memory there, ZeRO 3's gathers at each forward on top; a ZeRO 0/1 plan exported
+as "never" gets that ZeRO-2 memory, which the warning says.
 
 Pure functions, no torch; facts about torchtitan sit next to the code that uses them.
 """
@@ -150,12 +160,21 @@ def _parallelism(config: ParallelConfig, warnings: list[str]) -> dict[str, Any]:
         shard, reshard = dp, "always"
     elif dp > 1:
         shard, reshard = dp, "never"
-        if config.zero < 2:
+        if config.zero < 2 and config.pp == 1:
             warnings.append(
                 f"ZeRO {config.zero}: torchtitan's data parallelism is FSDP2 (DDP only without "
                 "other axes, no optimizer-only sharding); fully_shard with "
                 "reshard_after_forward never shards gradients and optimizer states over "
                 f"dp={dp}, less memory than planned"
+            )
+        elif config.zero < 2:
+            warnings.append(
+                f"ZeRO {config.zero}: torchtitan's data parallelism is FSDP2 (DDP only without "
+                "other axes, no optimizer-only sharding); under pipelining fully_shard keeps "
+                "every layer's unsharded weights and gradients all step beside the weight "
+                "shards (PipelineStage reduces once per step) and shards the optimizer states "
+                f"over dp={dp}: the memory of this layout's ZeRO-2 plan, not this one's; plan "
+                "with --zero 2 for torchtitan"
             )
     elif cp > 1:
         # fully_shard runs over dp_shard x cp whenever cp > 1 (ParallelDims.fsdp_enabled)

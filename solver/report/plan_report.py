@@ -123,11 +123,24 @@ def _grad_lifetime_text(evaluation) -> str:
 
     training = evaluation.training
     if training.grad_lifetime == "persistent":
-        return "persistent (--grad-lifetime persistent)"
+        return "persistent (--grad-lifetime persistent)" + _fsdp_pipelined_text(evaluation)
     text = "from each layer's first backward (zero_grad(set_to_none=True), --grad-lifetime step)"
     if ddp_bucket_bytes(evaluation.config, training, np.zeros(1)) is not None:
         text += ", beside DDP's buckets"
-    return text
+    return text + _fsdp_pipelined_text(evaluation)
+
+
+def _fsdp_pipelined_text(evaluation) -> str:
+    """What FSDP2 under pipelining holds (``states.reduces_per_step``), or ''."""
+    from solver.costs.states import reduces_per_step
+
+    if not reduces_per_step(evaluation.config, evaluation.training.runtime):
+        return ""
+    return (
+        "; FSDP2 under PipelineStage reduce-scatters once per step: every layer's unsharded "
+        "weights and gradients are held all step beside the shards (ZeRO 2 and 3 the same "
+        "memory)"
+    )
 
 
 def _optimizer_step_text(evaluation: Evaluation) -> str:
