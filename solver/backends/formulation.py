@@ -136,6 +136,7 @@ from typing import Any
 import numpy as np
 
 from solver.backends.formulation_hints import FormulationHints
+from solver.backends.formulation_moments import FormulationMoments
 from solver.backends.formulation_rules import FormulationRules
 from solver.backends.formulation_terms import FormulationTerms
 from solver.backends.interleaved import ChunkSizeBound, chunk_size_bound
@@ -230,7 +231,9 @@ class BuildTimeUp(Exception):
     """The time limit ran out while the model was being built (``PrefixFormulation.stop_at``)."""
 
 
-class PrefixFormulation(FormulationRules, FormulationTerms, FormulationHints, abc.ABC):
+class PrefixFormulation(
+    FormulationRules, FormulationTerms, FormulationMoments, FormulationHints, abc.ABC
+):
     """The model of the module docstring; a subclass creates ``self.model`` and calls
     :meth:`_build`. Here: the solve, the backend's methods, the variables and the objective;
     the expressions (``formulation_terms``), the ``_add_<rule>`` builders
@@ -285,7 +288,12 @@ class PrefixFormulation(FormulationRules, FormulationTerms, FormulationHints, ab
         self._direct_sends: dict[tuple[int, int], Any] = {}
         """sd[T][s] of tensors that can skip a stage, torch runtime (``_sent``)."""
         self._layer_sums: dict[int, tuple[Any, list[tuple[int, Any]]]] = {}
-        """Per stage s without interleaving: (B_s, [(l, D[l][s])]) (``_layer_rows``; hints)."""
+        """Per stage s without interleaving whose layers need the running sum: (B_s, [(l,
+        D[l][s])]) (``formulation_moments``; hints)."""
+        self._moment_tops: dict[int, Any] = {}
+        """T_s per stage without interleaving (``formulation_moments``; hints)."""
+        self._ordered: np.ndarray | None = None
+        """Per layer: a chain from it on (``FormulationMoments._ordered_from``)."""
 
     @classmethod
     def solve_problem(

@@ -253,60 +253,6 @@ class FormulationTerms:
             self._counted[key] = counted
         return counted
 
-    def _layer_rows(self, stage: int) -> list:
-        """``costs.layer_moments`` as rows, with k = k_s and, per layer l that can sit on s in
-        forward order, a running sum D[l][s]:
-
-          B_s     >= states_s + (k-1) stored_s + k relay_s + buffers_s(k)      (no transient)
-          D[l][s] >= D[l'][s] + (stored_l - grad_l) x[l][s] (+ d_stored_l z[l][s])
-                                          (l' the previous such layer; D = 0 before the first;
-                                          grad_l only where gradients appear at the first
-                                          backward, ``first_backward_peak``)
-          peak    >= B_s + D[l][s] + transient_l x[l][s] (+ d_transient_l z[l][s])
-                                          during(l): B_s holds k - 1 micro-batches and every
-                                          gradient, D adds the running one's stored bytes up
-                                          to l (and takes off the gradients up to l)
-          peak    >= states_s + (k-1) (stored_s + relay_s) + buffers_s(k-1) + tr[s]
-                                          (after the first backward, those stages only)
-
-        2 |layers of s| + 1 (+ 1) rows of a few terms each, no big-M; D and B only bounded
-        below. Measured: docs/cost-model.md, "Transient peak"."""
-        costs = self.costs
-        k = costs.in_flight[stage]
-        late = costs.first_backward_peak[stage]
-        stored_ub, _, _ = costs.bounding_coefficients(np.maximum)
-        grads = costs.grad_bytes if late else np.zeros_like(costs.grad_bytes)
-        base = self._new_var(0, self._bytes(self.presolve.peak_ub_bytes), f"B_s{stage}")
-        base_terms = self._rank_bytes(
-            stage, (k - 1,), relays_held=k, copies_held=k, transient=False
-        )
-        self._add(base >= base_terms, f"layer_base_s{stage}")
-        self._layer_sums[stage] = (base, [])
-        recompute = dict(self._stage_recompute[stage])
-        extra_stored = costs.recompute_stored_bytes - costs.stored_bytes
-        extra_transient = costs.recompute_transient_bytes - costs.transient_bytes
-        low = -self._bytes(int(grads.sum()))
-        high = self._bytes(int(stored_ub.sum()))
-        rows, previous = [], 0
-        for layer in self._layers_of(stage):
-            self._tick()
-            running = self._new_var(low, high, f"D_l{layer}_s{stage}")
-            member = self._member(layer, stage)
-            terms = [previous, self._bytes(int(costs.stored_bytes[layer] - grads[layer])) * member]
-            row = [base, running, self._bytes(int(costs.transient_bytes[layer])) * member]
-            z = recompute.get(layer)
-            if z is not None and extra_stored[layer]:
-                terms.append(self._bytes(int(extra_stored[layer])) * z)
-            if z is not None and extra_transient[layer]:
-                row.append(self._bytes(int(extra_transient[layer])) * z)
-            self._add(running >= self._sum(terms), f"layer_d_l{layer}_s{stage}")
-            self._layer_sums[stage][1].append((layer, running))
-            rows.append(self._sum(row))
-            previous = running
-        if late:
-            rows.append(self._rank_bytes(stage, (k - 1,), relays_held=k - 1, copies_held=k - 1))
-        return rows
-
     def _rank_bytes_from_parts(self, rank: int, vector: tuple[int, ...], done: tuple[int, ...]):
         """With interleaving a rank has a row per in-flight vector: each row sums four
         variables per chunk (``_stage_parts``) instead of every layer and edge again."""
