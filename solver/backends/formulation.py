@@ -11,8 +11,8 @@ The formulation (``cpsat.py`` and ``milp.py`` build it through :class:`PrefixFor
                                      relayed by stage s: stage(u) < s < max stage(v)
   ct[T][s] >= c[e][s]                T crosses s | s+1 (a variable only for a tensor on several
                                      edges; c[e][s] itself otherwise)
-  D[l][s] >= D[l'][s] + stored_l x[l][s]   stored bytes of stage s up to l (l' the layer before
-                                     l that can sit on s; ``_layer_rows``)
+  T[s] >= during(l) - E[s]           layer l's moment over the stage's end of forward, read
+                                     from a window of the layers after l (``formulation_moments``)
   torch runtime (``LayerCosts.direct_sends``: each tensor goes straight to every consuming
   stage, no r), for a tensor T that can skip a stage (``_received``, ``_sent``):
   rv[T][s] >= y[u][s-1] + x[v][s] - 1  s receives T: stage(u) < s = stage(v) for an edge (u, v)
@@ -22,11 +22,11 @@ The formulation (``cpsat.py`` and ``milp.py`` build it through :class:`PrefixFor
   monotone     y[l][s] <= y[l][s+1]
   precedence   y[v][s] <= y[u][s]                          stage(u) <= stage(v)
   non-empty    sum_l x[l][s] >= 1
-  memory       B[s] >= sum_l (state_l + (k_s - 1) stored_l) x[l][s]
+  memory       peak >= sum_l (state_l + k_s stored_l) x[l][s] + T[s]
                        + sum_T eb_T (R_s ct[T][s-1] + S_s ct[T][s]) + k_s sum_T eb_T r[T][s]
-               peak >= B[s] + D[l][s] + transient_l x[l][s]    for every l that can sit on s
                (R_s, S_s: boundary copies of the cost model; a relayed edge is received and sent;
-               ``costs.layer_moments``: layer l of one micro-batch running beside k_s - 1 whole)
+               ``costs.layer_moments``: layer l of one micro-batch running beside k_s - 1 whole,
+               as rows: ``formulation_moments``)
   time         Ts[s] >= sum_l time_l x[l][s],  Fs[s] = sum_l forward_l x[l][s],
                X[r] >= sum_l tail_l x[l][s] over the rank's stages s    (tail: sync + step)
   iteration    I >= each term of ``costs.bound_terms`` (every rank r), e.g.
@@ -82,7 +82,7 @@ Selective recomputation (``costs.selective``): rc[l] in {0, 1} marks layer l rec
 z[l][s] = x[l][s] rc[l] (z <= x, z <= rc, z >= x + rc - 1: exact at integer x, rc, no big-M).
 With d_l the recomputed state's coefficient minus the kept one's (stored, transient, time):
   memory       ... + k_s sum_l d_stored_l z[l][s]
-  transient    tr[s] >= transient_l x[l][s] + d_transient_l z[l][s]
+  transient    tr[r], T[s] rows + d_transient_l z[l][s] (``formulation_moments``)
   time         Ts[s] >= sum_l time_l x[l][s] + d_time_l z[l][s]
 so "none" (rc = 0) and "full" (rc = 1) are both feasible choices of the same model. With a
 placement the same z terms enter the placed memory rows (``_layer_rows`` is shared) and every
@@ -90,16 +90,14 @@ group's time rows: T >= sum_l time_l^k x[l][s] + d_time_l^k z[l][s] - M^k (1 - g
 M^k = sum_l max(time_l^k, recompute_time_l^k).
 
 Gradients that appear at the first backward (``LayerCosts.first_backward_peak``, step lifetime):
-D[l][s] also takes off grad_l x[l][s] (the gradients after l exist, those up to l not yet), and
-one more row, after the first backward: peak >= the stage at k - 1 held with every gradient +
-tr[s], with tr[s] >= transient_l x[l][s] (``_layer_rows``, ``_add_transient``).
+the moments take off the gradients up to l (c_l = stored_l - grad_l in ``formulation_moments``),
+and one more row, after the first backward: peak >= the stage at k - 1 held with every gradient +
+tr[s], with tr[s] >= transient_l x[l][s] (``_add_transient``).
 
-Size: per (l, s) pair that presolve allows, one D variable and two rows (the D row and the
-peak row) where the persistent moment (k_s stored_s + max transient) had one tr row;
-measured (CP-SAT, memory objective, no hint, bench_search's chains: dp 2, m = 4 p, 1F1B):
-96 layers x 8 stages 681 -> 1,393 variables, 2,595 -> 3,307 rows, solved to optimality in 1.2 s
--> 8.2 s; 400 x 32 12,433 -> 24,241 variables, 49,203 -> 61,011 rows, no solution within 20 s
-without a hint (docs/cost-model.md, "Transient peak").
+Size: the layer moments keep the persistent moment's model (k_s stored_s + tr[s]) where every
+layer's window is one layer (a transformer chain): one T[s] per stage in place of tr[s], one row
+per (l, s) pair; a layer that needs the running sum adds a variable and two rows. Measured:
+docs/cost-model.md, "Transient peak".
 
 The optimizer step (``LayerCosts.step_bytes``, a foreach Adam's temporary): one more row per
 rank, ``_optimizer_step_row``:
