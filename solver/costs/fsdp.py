@@ -35,10 +35,10 @@ transient already credits the saved tensors freed before each of them
 (``weight_grad_transient_bytes``), so nothing more is subtracted; over by the gradients the
 layer has not made yet at its peak moment (its attention's, when the MLP's peak). Subtracting
 the layer's freed saved bytes once more (exact only if every gradient came at the end of its
-backward) under-predicted by 1.4%. Measured on gpt-tiny (4 blocks of 12,704 parameters, fp32,
-dp 2; parameters outweigh its activations, so these are large shares): +2.0% to +14.5% per rank,
-the most on the first stage of dp 2 x pp 2, whose last layer is charged its next layer's held
-input on the other stage (``tests/test_run.py``, FSDP2_BOUNDS).
+backward) under-predicted by 1.4%. Measured on gpt-tiny at pp 1 (4 blocks of 12,704 parameters,
+fp32; parameters outweigh its activations, so these are large shares): +10.2% (ZeRO 2, dp 2; +7.5%
+with the subtraction) and +3.3% (ZeRO 3, tp 2 x dp 2) per rank, never under
+(``tests/test_run.py``, FSDP2_BOUNDS).
 """
 
 from __future__ import annotations
