@@ -32,7 +32,7 @@ from solver.console import (
     run_main,
     write_json,
 )
-from solver.errors import PlannerError
+from solver.errors import InputError, PlannerError
 from solver.files.plan_file import load_plan
 
 TOLERANCE_EXCEEDED = 6
@@ -116,6 +116,18 @@ def parser() -> argparse.ArgumentParser:
         help="seconds for the whole run (default 300)",
     )
     result.add_argument("--json", metavar="OUT", help="also write the per-rank reports as JSON")
+    result.add_argument(
+        "--plot-schedule",
+        metavar="FILE",
+        help="also draw the plan's pipeline schedule with each rank's predicted memory over the "
+        "step and, over it, the measured memory at each action (torch engine; .png, .pdf or "
+        ".svg)",
+    )
+    result.add_argument(
+        "--graph",
+        metavar="GRAPH.json",
+        help="with --plot-schedule: the plan's layer graph (default: the file the plan records)",
+    )
     return result
 
 
@@ -124,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from profiling.run import format_reports, rank_threads, run_plan, step_ms
 
-        check_outputs(args)  # --json, before the run
+        check_outputs(args)  # --json and --plot-schedule, before the run
         plan = load_plan(args.plan)  # checked (docs/plan.md): a PlanFile
+        evaluation = _schedule_evaluation(plan, args)
         exported = _export_settings(plan)
         threads, threads_from = rank_threads(plan, args.device, args.threads)
         overrides = parse_overrides(args.set) if args.set else exported.get("overrides", {})
@@ -151,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                 {"plan": args.plan, "model": args.model} | timing | {"ranks": rows},
                 protect=[args.plan],
             )
+        if evaluation is not None:
+            _plot_schedule(evaluation, reports, args.plot_schedule, args.engine)
         worst = max((abs(r.error_pct) for r in reports if r.error_pct is not None), default=0.0)
         if worst > args.tolerance:
             print_error(
@@ -166,6 +181,40 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # the ranks of a run were stopped on the way out
         return interrupted()
     return 0
+
+
+def _schedule_evaluation(plan, args: argparse.Namespace):
+    """The plan evaluated again on its graph (--graph, else the file it records) for
+    --plot-schedule, before the run; None without it."""
+    if args.plot_schedule is None:
+        if args.graph is not None:
+            raise InputError("--graph is the plan's graph for --plot-schedule: give both")
+        return None
+    from solver.files.plan_file import evaluate_plan
+
+    return evaluate_plan(plan, args.graph, pass_graph="profiling.validate ... --graph GRAPH.json")
+
+
+def _plot_schedule(evaluation, reports, path: str, engine: str) -> None:
+    """--plot-schedule: the schedule picture with each stage's measured memory at each action
+    (its first rank's: dp 0, tp 0), where the engine recorded one per action."""
+    from solver.report.schedule_plot import plot_schedule
+
+    config = evaluation.config
+    actions = 2 * config.num_microbatches * config.virtual_stages
+    measured = {
+        report.stage: report.action_bytes
+        for report in reports
+        if report.dp_rank == 0 and report.tp_rank == 0 and len(report.action_bytes) == actions
+    }
+    plot_schedule(evaluation, path, measured=measured)
+    if len(measured) < config.pp:
+        print(
+            f"note: --plot-schedule {path}: the {engine} engine recorded no memory per action "
+            f"on {config.pp - len(measured)} of {config.pp} stages; their rows show the "
+            "prediction only",
+            file=sys.stderr,
+        )
 
 
 def _export_settings(plan) -> dict:

@@ -301,16 +301,20 @@ def input_files(args: argparse.Namespace) -> list[str]:
     return [getattr(args, name) for name in names if getattr(args, name, None)]
 
 
-OUTPUT_FLAGS = (("json", "--json"), ("out", "--out"), ("plot", "--plot"))
+OUTPUT_FLAGS = (
+    ("json", "--json"),
+    ("out", "--out"),
+    ("plot", "--plot"),
+    ("plot_schedule", "--plot-schedule"),
+)
 """(argument, flag) of the outputs a CLI may have, in the order they are checked."""
 
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Fail on a bad output path before any work (InputError, exit 2, one line): every given
-    --json, --out and --plot (solver.files.output_file.check_output: a folder, a missing or
-    read-only
-    folder, no permission, an input file, the same file as another output; --plot also needs
-    .png, .pdf or .svg)."""
+    --json, --out, --plot and --plot-schedule (solver.files.output_file.check_output: a folder,
+    a missing or read-only folder, no permission, an input file, the same file as another
+    output; the plots also need .png, .pdf or .svg)."""
     from solver.files.output_file import check_output
 
     checked = []
@@ -318,10 +322,10 @@ def check_outputs(args: argparse.Namespace) -> None:
         path = getattr(args, name, None)
         if path is None:
             continue
-        if name == "plot":
+        if name in ("plot", "plot_schedule"):
             from solver.report.plots import check_plot_extension
 
-            check_plot_extension(path)
+            check_plot_extension(path, flag=flag)
         checked.append(check_output(path, flag=flag, protect=input_files(args), others=checked))
 
 

@@ -41,6 +41,7 @@ INTEGER_FIELDS = (
     "expert_activation_bytes",
     "ep_comm_bytes",
     "attention_kv_bytes",
+    "attention_score_bytes",
     "sp_gathered_bytes",
     "vocab_rows",
     "vocab_params",
@@ -139,6 +140,11 @@ class Layer:
     attention_kv_bytes: int = 0
     """Bytes per sample of the keys and values the layer's attention reads (whole sequence, all
     KV heads): what ring attention passes around under context parallelism."""
+    attention_score_bytes: int = 0
+    """Bytes per sample of one [heads, s, s] score matrix the layer's explicit (written-out)
+    attention makes, in the activations' dtype; 0 for fused (flash) attention. On the megatron
+    runtime it sizes Megatron's own ``DotProductAttention`` buffers (``solver.costs.
+    megatron_attention``). Optional; absent in older graphs."""
     sp_gathered_bytes: int = 0
     """Bytes per sample the layer saves from the whole sequence under sequence parallelism: the
     distinct inputs of its column-parallel Linears and LM head, which SP all-gathers in front of

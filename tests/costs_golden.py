@@ -69,6 +69,9 @@ def _decorate_layers(rng: random.Random, layers: list[dict], moe: bool) -> None:
             layer["largest_tp_param"] = rng.randint(0, tp_params)
         if rng.random() < 0.6:
             layer["attention_kv_bytes"] = rng.randint(1, 40) * 64
+            # explicit attention's scores (Megatron's own buffers), drawn from no rng call so
+            # the other cases keep their inputs
+            layer["attention_score_bytes"] = 3 * layer["attention_kv_bytes"]
         if rng.random() < 0.5:
             layer["sp_gathered_bytes"] = rng.randint(0, activation)
         if rng.random() < 0.3:

@@ -20,14 +20,15 @@ parallelism, no interleaving, persistent gradients, no calibration):
 - the moments of the schedule: layer i of one micro-batch running (forward or backward) beside
   k_s - 1 others held whole, that one holding the layers up to i;
 - the transient of the running layer (its own, its weight-gradient temporary, ZeRO-3's gathered
-  weights, a recomputed layer's re-materialised activations);
+  weights, a recomputed layer's re-materialised activations; on the megatron runtime Megatron's
+  own explicit attention: the score buffer it keeps and its in-place mask's backward clone);
 - the optimizer step moment (no micro-batch held, foreach Adam's one state element per
   parameter).
 
 A layer is a dict with the layer-graph fields (docs/layer-graph.md): params, tp_params,
 activation_bytes, tp_activation_bytes, output_bytes, transient_bytes, largest_param,
-largest_tp_param and kind. All sizes are bytes per GPU; per-sample fields are multiplied by the
-micro-batch size b.
+largest_tp_param, attention_score_bytes and kind. All sizes are bytes per GPU; per-sample
+fields are multiplied by the micro-batch size b.
 """
 
 from __future__ import annotations
@@ -242,7 +243,7 @@ def layer_transient(layers: list[dict], i: int, setup: Setup) -> int:
     layer = layers[i]
     b, w = setup.micro_batch, setup.weight_bytes
     extra = ceil(b * saved_per_sample(layer, setup)) if recomputed(layer, setup) else 0
-    own = b * layer["transient_bytes"] + extra
+    own = b * layer["transient_bytes"] + extra + attention_backward_clone(layer, setup)
     grad_temporary = w * max(
         layer["largest_param"], ceil(Fraction(layer["largest_tp_param"], setup.tp))
     )
@@ -258,7 +259,24 @@ def layer_transient(layers: list[dict], i: int, setup: Setup) -> int:
     if uses_fsdp2(setup):
         gather, grad_temporary = fsdp2_buffers(layers, i, setup, grad_temporary)
     weight_grad = b * layer["transient_bytes"] + extra + grad_temporary
-    return max(own, weight_grad) + gather
+    return max(own, weight_grad) + gather + score_buffer(layers, setup)
+
+
+def attention_backward_clone(layer: dict, setup: Setup) -> int:
+    """Megatron's own explicit attention (megatron runtime, attention_score_bytes S > 0): its
+    in-place mask's backward (autograd's CopySlices) holds one more [b a/t, s, s] score tensor
+    than the profile's out-of-place mask, b S / t bytes (docs/cost-model.md, "Megatron's
+    explicit attention")."""
+    if setup.runtime != "megatron":
+        return 0
+    return ceil(Fraction(setup.micro_batch * layer.get("attention_score_bytes", 0), setup.tp))
+
+
+def score_buffer(layers: list[dict], setup: Setup) -> int:
+    """The global memory buffer Megatron's explicit attention passes to baddbmm, kept for the
+    run: the largest layer's b S / t (megatron runtime; the reference's layers carry no
+    sp_gathered_bytes, so no SP all-gather shares it)."""
+    return max(attention_backward_clone(layer, setup) for layer in layers)
 
 
 def step_reduce_temporary(layer: dict, setup: Setup, temporary: int) -> int:

@@ -30,6 +30,8 @@ megatron recomputes every layer (embedding and head too)               46
 ZeRO-3's gathered weights dropped from the transient                   76
 the weight-gradient temporary dropped from the transient               226
 foreach Adam's step temporary not sharded by ZeRO                      51
+Megatron's explicit-attention mask-backward clone dropped              42
+Megatron's explicit-attention score buffer dropped                     110
 the optimizer step moment's buffers dropped                            53
 ====================================================================  ======
 """
@@ -73,6 +75,8 @@ def random_layers(rng: random.Random, num_layers: int) -> list[dict]:
                 "transient_bytes": rng.choice([0, 0, rng.randint(1, 900)]),
                 "largest_param": rng.choice([0, (params - tp_params) // 2]),
                 "largest_tp_param": rng.choice([0, tp_params]),
+                # explicit attention's [heads, s, s] scores (Megatron's own buffers)
+                "attention_score_bytes": rng.choice([0, 0, rng.randint(1, 500)]),
             }
         )
     return layers

@@ -9,6 +9,7 @@ import pytest
 from profiling.export import export_graph
 from profiling.validate import TOLERANCE_EXCEEDED, main
 from solver import Cluster, TrainingConfig, plan
+from solver.cli import plan_main
 from solver.report.plan_report import plan_to_dict
 
 
@@ -101,3 +102,78 @@ def test_validate_notes_a_plan_for_another_runtime(tmp_path, capsys):
     plan_path = write_plan(tmp_path, runtime="megatron")
     assert main([str(plan_path), "--model", "gpt-tiny", "--tolerance", "100"]) == 0
     assert "planned for the megatron runtime" in capsys.readouterr().err
+
+
+def write_plan_with_graph(tmp_path):
+    """A torch-runtime plan for gpt-tiny whose graph file is next to it (--plot-schedule
+    evaluates the plan again)."""
+    graph_path = tmp_path / "graph.json"
+    export_graph("gpt-tiny", dtype="fp32").save(graph_path)
+    plan_path = tmp_path / "plan.json"
+    code = plan_main(
+        [str(graph_path), "--gpus", "2", "--pp", "2", "--global-batch", "4", "--runtime",
+         "torch", "--bytes-per-param", "4,4,8", "--json", str(plan_path), "--quiet"]
+    )  # fmt: skip
+    assert code == 0
+    return plan_path
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_validate_plot_schedule_overlays_the_memory_measured_at_each_action(tmp_path, capsys):
+    plan_path = write_plan_with_graph(tmp_path)
+    out, picture = tmp_path / "reports.json", tmp_path / "schedule.png"
+    code = main(
+        [str(plan_path), "--model", "gpt-tiny", "--tolerance", "100", "--step-iterations", "0",
+         "--json", str(out), "--plot-schedule", str(picture)]
+    )  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "note:" not in capsys.readouterr().err  # every stage recorded its actions
+    for rank in json.loads(out.read_text())["ranks"]:
+        values = rank["action_bytes"]
+        assert len(values) == 2 * 4  # F and B of each of the 4 micro-batches
+        assert 0 < max(values) <= rank["measured_peak_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("s.txt", "--plot-schedule"), ("missing/s.png", "does not exist")],
+)
+def test_validate_bad_plot_schedule_is_one_line_exit_2_before_the_run(
+    tmp_path, run_cli, monkeypatch, name, message
+):
+    def fail(*args, **kwargs):
+        raise AssertionError("ran before checking --plot-schedule")
+
+    monkeypatch.setattr("profiling.run.run_plan", fail)
+    plan_path = write_plan(tmp_path)
+    target = tmp_path / name
+    code, out, err = run_cli(
+        main, str(plan_path), "--model", "gpt-tiny", "--plot-schedule", str(target)
+    )
+    assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
+    assert not target.exists()
+
+
+@pytest.mark.slow
+def test_validate_plot_schedule_without_the_plans_graph_is_one_line_before_the_run(
+    tmp_path, run_cli, monkeypatch
+):
+    def fail(*args, **kwargs):
+        raise AssertionError("ran before finding the plan's graph")
+
+    monkeypatch.setattr("profiling.run.run_plan", fail)
+    plan_path = write_plan_with_graph(tmp_path)
+    (tmp_path / "graph.json").unlink()
+    code, out, err = run_cli(
+        main, str(plan_path), "--model", "gpt-tiny", "--plot-schedule", str(tmp_path / "s.png")
+    )
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "not found" in err and "pass the graph: profiling.validate ... --graph GRAPH.json" in err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["plan.json"]
+    code, _, err = run_cli(main, str(plan_path), "--model", "gpt-tiny", "--graph", "g.json")
+    assert (
+        code == 2 and err == "error: --graph is the plan's graph for --plot-schedule: give both\n"
+    )

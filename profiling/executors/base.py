@@ -76,6 +76,10 @@ class RankReport:
     grads: dict[str, torch.Tensor] | None = None
     """With ``capture_grads``: the last iteration's gradients (after the pipeline's scaling and the
     data-parallel average, before the optimizer step), keyed by the full model's parameter name."""
+    action_bytes: list[int] = field(default_factory=list)
+    """The peak live bytes of the last instrumented iteration up to the end of each of the rank's
+    schedule actions, in the order it ran them (``ActionRecorder``; the plan's
+    ``schedule_actions`` order); empty where the engine does not record them (megatron)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -193,6 +197,7 @@ class Measured:
     step_ms: list[float] = field(default_factory=list)
     step_cpu_ms: list[float] = field(default_factory=list)
     step_instrumentation: list[str] = field(default_factory=list)
+    action_bytes: list[int] = field(default_factory=list)
 
     @classmethod
     def at_peak(
@@ -353,4 +358,49 @@ def rank_report(place: Place, job: RunJob, measured: Measured) -> RankReport:
         cuda_max_allocated_bytes=measured.cuda_peak,
         losses=measured.losses,
         grads=measured.grads,
+        action_bytes=measured.action_bytes,
     )
+
+
+ACTION_METHODS = {
+    "forward_one_chunk": "F",
+    "backward_one_chunk": "B",
+    "backward_weight_one_chunk": "W",
+}
+"""The ``PipelineStage`` methods every torch.distributed.pipelining schedule runs an action
+with, and the action each is (a split backward's input-gradient step is B)."""
+
+
+class ActionRecorder:
+    """The live-tensor peak up to the end of every schedule action of the rank's pipeline stages
+    (``LiveTensorTracker.take_window``), recorded by wrapping each stage's action methods on
+    the instance for the instrumented iterations only (:meth:`remove` before the clean ones)."""
+
+    def __init__(self, stages: list, tracker) -> None:
+        self.kinds: list[str] = []
+        self.bytes: list[int] = []
+        self._stages = stages
+        for stage in stages:
+            for method, kind in ACTION_METHODS.items():
+                if hasattr(stage, method):
+                    setattr(stage, method, self._recording(getattr(stage, method), kind, tracker))
+
+    def _recording(self, run: Callable, kind: str, tracker) -> Callable:
+        def recorded(*args, **kwargs):
+            result = run(*args, **kwargs)
+            self.kinds.append(kind)
+            self.bytes.append(tracker.take_window())
+            return result
+
+        return recorded
+
+    def last_iteration(self, iterations: int) -> list[int]:
+        """The last of ``iterations`` equal iterations' values (each runs the same actions)."""
+        per_iteration = len(self.bytes) // max(1, iterations)
+        return self.bytes[len(self.bytes) - per_iteration :]
+
+    def remove(self) -> None:
+        """Restore the stages' own methods."""
+        for stage in self._stages:
+            for method in ACTION_METHODS:
+                stage.__dict__.pop(method, None)

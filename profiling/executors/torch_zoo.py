@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 import models
 from profiling.executors.base import (
     LEARNING_RATE,
+    ActionRecorder,
     Measured,
     Place,
     RankReport,
@@ -402,6 +403,7 @@ def _train_and_measure(
         )
         tracker.track_optimizer(getattr(optimizer, "optim", optimizer))  # ZeRO-1: the local Adam
         sync_tied = _tied_sync(chunks, tied, job, place)
+        recorder = ActionRecorder(pipeline_stages, tracker)
         iteration_ms, losses, cuda_peak = _iterate(
             schedule,
             optimizer,
@@ -416,6 +418,8 @@ def _train_and_measure(
         measured = Measured.at_peak(
             tracker, iteration_ms=iteration_ms, losses=losses, cuda_peak=cuda_peak
         )
+        measured.action_bytes = recorder.last_iteration(job.iterations)
+        recorder.remove()
         if job.capture_grads:  # gathered after the peak is read
             measured.grads = _gradients(chunks, orders)
 

@@ -63,6 +63,7 @@ from torch.utils.checkpoint import checkpoint
 import models
 from profiling.executors.base import (
     LEARNING_RATE,
+    ActionRecorder,
     Measured,
     RankReport,
     RunJob,
@@ -497,9 +498,12 @@ def traced_rank_main(rank: int, job: RunJob) -> RankReport:
         )
         tracker.track_optimizer(optimizer)
         sync_tied = _tied_sync(stage, owners, place, job)
+        recorder = ActionRecorder([stage], tracker)
         measured = _iterate(
             schedule, optimizer, stage, spec, traced, job, place, tracker, owners, sync_tied
         )
+        measured.action_bytes = recorder.last_iteration(job.iterations)
+        recorder.remove()
     measured = _with_clean_steps(
         measured, schedule, optimizer, spec, traced, job, place, tracker, sync_tied
     )

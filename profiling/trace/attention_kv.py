@@ -8,6 +8,11 @@ passes around under context parallelism (``solver.costs.ring_attention_bytes``).
   ``attention="sdpa"``, HuggingFace's ``sdpa`` attention);
 - the zoo's explicit attention (``models.common.explicit_attention``, patched for the run).
 
+The zoo's explicit attention also adds ``score_bytes_by_owner``: the bytes of one [b, heads, s_q,
+s_k] score matrix per call, in q's dtype (``attention_score_bytes``: what Megatron's own
+``DotProductAttention`` sizes its buffers by, ``solver.costs.megatron_attention``); fused
+attention makes none.
+
 Bytes are the *distinct* elements of k and v: grouped-query attention that widens its KV heads
 to the query heads before the call (HuggingFace's ``repeat_kv``: an ``expand`` then a copying
 ``reshape``; the zoo's explicit path: ``repeat_interleave``) still counts its kv heads, as a
@@ -60,6 +65,7 @@ class AttentionKV(TorchFunctionMode):
         self._phase = phase
         self._owner = owner
         self.bytes_by_owner: dict[int, int] = defaultdict(int)
+        self.score_bytes_by_owner: dict[int, int] = defaultdict(int)
         self._distinct = WeakIdKeyDictionary()
 
     def distinct_bytes(self, tensor: torch.Tensor) -> int:
@@ -76,6 +82,12 @@ class AttentionKV(TorchFunctionMode):
         if self._phase() == "fwd":
             self.bytes_by_owner[self._owner()] += self.distinct_bytes(key)
             self.bytes_by_owner[self._owner()] += self.distinct_bytes(value)
+
+    def record_scores(self, query: torch.Tensor, key: torch.Tensor) -> None:
+        """Count one explicit attention call's [b, heads, s_q, s_k] scores to the running layer."""
+        if self._phase() == "fwd":
+            scores = query.shape[:-1].numel() * key.shape[-2] * query.element_size()
+            self.score_bytes_by_owner[self._owner()] += scores
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -102,6 +114,7 @@ def attention_kv(phase, owner):
 
         def recorded(q, k, v, *args, **kwargs):
             mode.record(k, v)
+            mode.record_scores(q, k)
             return explicit(q, k, v, *args, **kwargs)
 
         zoo.explicit_attention = recorded

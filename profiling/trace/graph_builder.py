@@ -203,6 +203,9 @@ def _layer_items(
     kv_reads: dict[int, int] = defaultdict(int)  # owner -> k + v bytes its attention read
     for owner, nbytes in getattr(tracer, "attention_kv_bytes", {}).items():
         kv_reads[tracer.resolve(owner)] += nbytes
+    scores: dict[int, int] = defaultdict(int)  # owner -> its explicit attention's score bytes
+    for owner, nbytes in getattr(tracer, "attention_score_bytes", {}).items():
+        scores[tracer.resolve(owner)] += nbytes
     weight_grad_transients = tracer.weight_grad_transient_peaks
     items = []
     for i in order:
@@ -236,6 +239,8 @@ def _layer_items(
         }
         if kv_reads.get(i):
             item["attention_kv_bytes"] = _ceil_div(kv_reads[i], batch)
+        if scores.get(i):
+            item["attention_score_bytes"] = _ceil_div(scores[i], batch)
         expert_saved = sum(n for n, taint in record.expert_saved if not split.is_split(taint))
         ep_comm = experts.comm_bytes.get(i, 0) if experts is not None else 0
         if expert_params[i] or expert_saved or ep_comm:

@@ -63,6 +63,8 @@ class LiveTensorTracker(TorchDispatchMode):
         self.current_bytes = 0
         self.peak_bytes = 0
         self.peak_breakdown = dict(self.current)
+        self.window_bytes = 0
+        """The peak since the last :meth:`take_window` (or ``reset_peak``)."""
         self.num_tracked = 0
         """Calls of :meth:`track` so far (whatever called it: the mode, a hook, the caller)."""
         self._handles: dict[str, list] = {"gradient hooks": [], "optimizer hooks": []}
@@ -105,14 +107,23 @@ class LiveTensorTracker(TorchDispatchMode):
         self._update_peak()
 
     def _update_peak(self) -> None:
+        if self.current_bytes > self.window_bytes:
+            self.window_bytes = self.current_bytes
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
             self.peak_breakdown = dict(self.current)
 
     def reset_peak(self) -> None:
         """Start a new peak window at the current live bytes (call at the start of an iteration)."""
-        self.peak_bytes = self.current_bytes
+        self.peak_bytes = self.window_bytes = self.current_bytes
         self.peak_breakdown = dict(self.current)
+
+    def take_window(self) -> int:
+        """The peak live bytes since the last call (or ``reset_peak``); starts the next window
+        at the current live bytes (the memory at each action of a schedule,
+        ``profiling.executors.base.ActionRecorder``)."""
+        peak, self.window_bytes = self.window_bytes, self.current_bytes
+        return peak
 
     # -- registration -----------------------------------------------------------------------
 

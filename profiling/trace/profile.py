@@ -57,6 +57,9 @@ such as a causal mask; profile with batch 1 to count those in full):
 - ``attention_kv_bytes``: bytes of the keys and values the layer's attention calls read in the
   forward (SDPA and the zoo's explicit attention; grouped-query heads counted once), what ring
   attention exchanges under context parallelism (``attention_kv.py``); omitted when 0.
+- ``attention_score_bytes``: bytes of the [heads, s, s] scores the zoo's explicit attention
+  makes per call (``attention_kv.py``), which size Megatron's own ``DotProductAttention``
+  buffers on the megatron runtime; omitted when 0 (fused attention).
 - ``expert_params``, ``expert_activation_bytes``, ``ep_comm_bytes`` (mixture-of-experts layers
   only) and ``meta["moe"]``: the routed experts, by the module-name rule of ``experts.py``.
 - ``fwd_ms``, ``bwd_ms`` (``mode="real"`` only, ``timing.py``): the median over three timed runs
@@ -513,6 +516,7 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
             "select modules the forward calls"
         )
     tracer.attention_kv_bytes = dict(kv_reads.bytes_by_owner)
+    tracer.attention_score_bytes = dict(kv_reads.score_bytes_by_owner)
     tracer.transient_peaks = tracer.transients(excluded)
     tracer.weight_grad_transient_peaks = tracer.transients(excluded, at=gradients)
     split = tp.resolve()

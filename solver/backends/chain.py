@@ -167,7 +167,7 @@ class _Chain:
         self.transient_max = int(transient.max())
         self._log2 = np.floor(np.log2(np.arange(1, self.num_layers + 1))).astype(np.int64)
         self._rules: tuple[_Limits, list] | None = None
-        # stages whose gradients appear at the first backward (costs.first_backward_moments)
+        # stages whose gradients appear at the first backward (costs.layer_moments, grads(> l))
         self.late = np.asarray(costs.first_backward_peak, dtype=bool)
         self.grad_prefix = prefix(costs.grad_bytes)
         self.ungraded_prefix = self.state_prefix - self.grad_prefix

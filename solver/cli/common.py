@@ -477,6 +477,17 @@ def add_plot_option(parser: argparse.ArgumentParser, *, drawing: str) -> None:
     )
 
 
+def add_plot_schedule_option(parser: argparse.ArgumentParser) -> None:
+    """--plot-schedule FILE: the pipeline schedule picture (solver/report/schedule_plot.py)."""
+    parser.add_argument(
+        "--plot-schedule",
+        metavar="FILE",
+        help="also draw the pipeline schedule: each rank's forwards and backwards over the "
+        "simulated step and, under each, its predicted memory with the peak and the usable GPU "
+        "memory (.png, .pdf or .svg)",
+    )
+
+
 def calibration_from_args(args: argparse.Namespace) -> Calibration | None:
     return None if args.calibration is None else load_calibration(args.calibration)
 

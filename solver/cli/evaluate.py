@@ -11,6 +11,7 @@ from typing import Any
 from solver.cli.common import (
     add_graph_and_cluster,
     add_plot_option,
+    add_plot_schedule_option,
     bytes_per_param,
     calibration_from_args,
     cluster_from_args,
@@ -42,7 +43,7 @@ from solver.specs import (
 
 REQUIRED = ("graph", "pp", "split", "global_batch")
 """Required unless --plan gives them."""
-WITH_PLAN = ("plan", "graph", "json", "quiet", "plot")
+WITH_PLAN = ("plan", "graph", "json", "quiet", "plot", "plot_schedule")
 """The arguments --plan takes (the plan gives the rest)."""
 
 
@@ -103,6 +104,7 @@ def evaluate_parser() -> argparse.ArgumentParser:
         drawing="the split's per-stage memory, next to the even split of the same config "
         "unless it is the even split",
     )
+    add_plot_schedule_option(parser)
     add_graph_and_cluster(parser, graph_optional=True)
     return parser
 
@@ -164,13 +166,17 @@ def _evaluate_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 
 def _output(args: argparse.Namespace, result: Any, title: str) -> None:
-    """--json, --plot and the table (unless --quiet)."""
+    """--json, --plot, --plot-schedule and the table (unless --quiet)."""
     from solver.report.plan_report import evaluation_to_dict, format_evaluation
 
     if args.json:
         write_json(args.json, evaluation_to_dict(result), protect=input_files(args))
     if args.plot:
         _plot_evaluation(result, args.plot)
+    if args.plot_schedule:
+        from solver.report.schedule_plot import plot_schedule
+
+        plot_schedule(result, args.plot_schedule)
     if not args.quiet:
         print_output(format_evaluation(result, title))
 

@@ -12,6 +12,7 @@ from solver.cli.common import (
     add_graph_and_cluster,
     add_plan_options,
     add_plot_option,
+    add_plot_schedule_option,
     cluster_from_args,
     training_from_args,
     warn_implementation,
@@ -66,6 +67,7 @@ def plan_parser() -> argparse.ArgumentParser:
         drawing="the plan's per-stage memory next to the even split of the same config; with "
         "--pareto, the front",
     )
+    add_plot_schedule_option(parser)
     _add_pareto(parser)
     add_graph_and_cluster(parser)
     add_plan_options(parser)
@@ -88,6 +90,10 @@ def plan_main(argv: list[str] | None = None) -> int:
         check_outputs(args)
         if args.pareto_points is not None and not args.pareto:
             raise InputError("--pareto-points needs --pareto")
+        if args.plot_schedule and args.pareto:
+            raise InputError(
+                "--plot-schedule draws one plan's schedule, not a --pareto front: drop one of them"
+            )
         cluster = cluster_from_args(parser, args, args.gpus)
         graph = load_graph(args.graph, deadline=deadline)
         training = training_from_args(args)
@@ -112,6 +118,10 @@ def plan_main(argv: list[str] | None = None) -> int:
             from solver.report.plots import plot_plan
 
             plot_plan(result.evaluation, args.plot, baseline=result.baselines.get("even"))
+        if args.plot_schedule:
+            from solver.report.schedule_plot import plot_schedule
+
+            plot_schedule(result.evaluation, args.plot_schedule)
         if not args.quiet:
             print_output(format_plan(result))
     except PlannerError as error:

@@ -7,6 +7,7 @@ assumptions and sources, is docs/cost-model.md):
 
   schedule          schedule order, in-flight micro-batches k_s, boundary copies R_s / S_s
   schedule_time     the iteration by simulating that schedule, action by action
+  schedule_memory   each rank's memory at every action of that schedule (its max: the peak)
   graph_inputs      everything the model reads from a layer graph
   states            parameters per GPU, weights / gradients / optimizer state, ZeRO, step temporary
   layers            ``layer_costs``: the per-layer coefficients (activations, transients, ...)
@@ -15,6 +16,9 @@ assumptions and sources, is docs/cost-model.md):
   times             layer times, gradient sync, optimizer step, pipeline links
   context_parallel  ring attention, the sequence split, the cp checks
   moe, experts      the router read from the graph; the routed experts' memory and all-to-alls
+  megatron_linear, megatron_attention
+                    what megatron-core's linears and its own explicit attention hold beyond
+                    the profile (--runtime megatron)
   stages            ``StageCost`` totals and peak moments of an assignment (``stage_cost``)
   bounds            the iteration bound and floor the backends search with
   ranges            the range the model's integers stay exact in
@@ -73,6 +77,7 @@ from solver.costs.schedule import (
     schedule_moments,
     stage_boundary_copies,
 )
+from solver.costs.schedule_memory import RankMemory, rank_memory
 from solver.costs.schedule_time import (
     Timeline,
     schedule_timeline,
@@ -146,6 +151,8 @@ __all__ = [
     "ring_attention_bytes",
     "ring_attention_pass_ns",
     "ring_bytes_per_ns",
+    "RankMemory",
+    "rank_memory",
     "routed_experts",
     "routing_factor",
     "schedule_actions",

@@ -44,7 +44,10 @@ o), ZeRO stage z.
               both terms: the layer being recomputed re-materialises its saved tensors while it
               runs; megatron runtime (``megatron_linear``): an LM head's weight_grad_transient
               takes its input gradient (megatron-core makes it first), and with SP every
-              trans_l + the all-gather buffer b s h d each rank keeps
+              trans_l + the all-gather buffer b s h d each rank keeps; with explicit
+              attention (``megatron_attention``) trans_l + b S_l / t (the in-place mask's
+              backward) and the kept buffer the larger of that and the score buffer
+              max_l b S_l / t
 
 With context parallelism every per-sample term is / c (``context_parallel``). Calibrated
 (``TrainingConfig.calibration``, fitted by ``python -m profiling.calibrate``): each per-layer
@@ -81,6 +84,7 @@ from solver.costs.graph_inputs import (
     recomputable_layers,
     unsaved_output_bytes,
 )
+from solver.costs.megatron_attention import score_buffer_bytes, score_bytes
 from solver.costs.megatron_linear import head_weight_grad_moment, sp_gather_buffer_bytes
 from solver.costs.ranges import check_exact_range
 from solver.costs.schedule import in_flight_counts, stage_boundary_copies
@@ -274,9 +278,12 @@ def _activation_bytes(
     beside_grad, kept_buffer = cols["weight_grad_transient_bytes"], 0
     if training.runtime == "megatron":
         # megatron-core's linears make the input gradient before the weight gradient, and keep
-        # an all-gather buffer under SP (``megatron_linear``)
+        # an all-gather buffer under SP (``megatron_linear``); its own explicit attention keeps
+        # a score buffer (the same "mpu" buffer: the larger) and clones the scores' gradient
+        # in the in-place mask's backward (``megatron_attention``)
         beside_grad = head_weight_grad_moment(cols, config)
-        kept_buffer = sp_gather_buffer_bytes(cols, config)
+        kept_buffer = max(sp_gather_buffer_bytes(cols, config), score_buffer_bytes(cols, config))
+        anytime = tuple(peak + score_bytes(cols, config) for peak in anytime)
     at_weight_grad = transient(beside_grad)
     # FSDP2 under pipelining: a gather's flat buffer at the forward's start, alone (``fsdp``)
     starting = forward_gather_bytes(params, config, training)

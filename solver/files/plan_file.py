@@ -495,8 +495,15 @@ def _check_fits(document: dict[str, Any], fail) -> None:
 # -- evaluating a plan again -------------------------------------------------------------------
 
 
+PASS_GRAPH = "python -m solver.evaluate --plan PLAN.json GRAPH.json"
+"""How ``solver.evaluate`` takes the graph of a plan (``evaluate_plan``'s messages)."""
+
+
 def evaluate_plan(
-    plan: str | Path | dict[str, Any] | PlanFile, graph: str | Path | LayerGraph | None = None
+    plan: str | Path | dict[str, Any] | PlanFile,
+    graph: str | Path | LayerGraph | None = None,
+    *,
+    pass_graph: str = PASS_GRAPH,
 ) -> Evaluation:
     """Evaluate a plan's own config, split, recomputed layers, stage groups, cluster and
     training options (``solver.evaluation.evaluate``) on its graph.
@@ -504,6 +511,8 @@ def evaluate_plan(
     ``graph`` defaults to the file the plan records (as given to solver.plan, else next to the
     plan file); a graph whose :meth:`~solver.graph.LayerGraph.sha256` differs from the plan's is
     an InputError, as is a version-1 plan (it lacks what an exact evaluation needs).
+    ``pass_graph``: how the caller's command takes a graph, for the message when the plan's is
+    not found.
     """
     plan = load_plan(plan)
     if plan.cluster is None or plan.training is None or plan.graph is None:
@@ -512,7 +521,7 @@ def evaluate_plan(
             "the cluster's FLOP/s and bandwidths nor the training options, so it cannot be "
             f"evaluated again exactly; {_FIX[plan.format]} (version {PLAN_VERSION})"
         )
-    graph = _plan_graph(plan, graph)
+    graph = _plan_graph(plan, graph, pass_graph)
     if graph.sha256() != plan.graph.sha256:
         raise InputError(
             f"{plan.source}: graph {graph.source} (sha256 {graph.sha256()[:12]}...) is not the "
@@ -544,7 +553,9 @@ def evaluate_plan(
     return result
 
 
-def _plan_graph(plan: PlanFile, graph: str | Path | LayerGraph | None) -> LayerGraph:
+def _plan_graph(
+    plan: PlanFile, graph: str | Path | LayerGraph | None, pass_graph: str = PASS_GRAPH
+) -> LayerGraph:
     """The graph given, or the one the plan records (tried as given, then beside the plan)."""
     if isinstance(graph, LayerGraph):
         return graph
@@ -553,7 +564,7 @@ def _plan_graph(plan: PlanFile, graph: str | Path | LayerGraph | None) -> LayerG
     if plan.graph.path is None:
         raise InputError(
             f"{plan.source}: graph.path is null (the plan was made from a graph in memory); "
-            "pass the graph file: python -m solver.evaluate --plan PLAN.json GRAPH.json"
+            f"pass the graph file: {pass_graph}"
         )
     path = Path(plan.graph.path)
     beside = Path(plan.source).parent / path
@@ -562,16 +573,14 @@ def _plan_graph(plan: PlanFile, graph: str | Path | LayerGraph | None) -> LayerG
     if not _exists(path):
         raise InputError(
             f"{plan.source}: graph.path {quote(plan.graph.path)} not found (neither from the "
-            "working directory nor beside the plan); pass the graph: python -m solver.evaluate "
-            "--plan PLAN.json GRAPH.json"
+            f"working directory nor beside the plan); pass the graph: {pass_graph}"
         )
     if not path.is_dir() and not path.is_file():  # a directory: load_graph's own message
         # a FIFO, a device or a socket the plan names: never opened (a FIFO without a writer
         # would wait; the user did not name it on this command line)
         raise InputError(
             f"{plan.source}: graph.path {quote(plan.graph.path)} is not a regular file (a FIFO, "
-            "device or socket); pass the graph: python -m solver.evaluate --plan PLAN.json "
-            "GRAPH.json"
+            f"device or socket); pass the graph: {pass_graph}"
         )
     return load_graph(path)
 

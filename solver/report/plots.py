@@ -41,22 +41,24 @@ SWEEP_THROUGHPUT_KEYS = ("throughput", "even_throughput", "parameters_throughput
 dashed and dotted lines (the plan's with markers)."""
 
 
-def check_plot_extension(path: str | os.PathLike) -> None:
+def check_plot_extension(path: str | os.PathLike, *, flag: str = "--plot") -> None:
     """InputError (one line) unless ``path`` ends in .png, .pdf or .svg."""
     suffix = Path(path).suffix
     if suffix.lower().lstrip(".") not in PLOT_FORMATS:
         raise InputError(
-            f"--plot {os.fspath(path)}: unsupported extension {suffix or '(none)'!r}; "
+            f"{flag} {os.fspath(path)}: unsupported extension {suffix or '(none)'!r}; "
             f"use {', '.join('.' + name for name in PLOT_FORMATS)}"
         )
 
 
-def check_plot_path(path: str | os.PathLike, *, protect: Iterable[str] = ()) -> Path:
+def check_plot_path(
+    path: str | os.PathLike, *, protect: Iterable[str] = (), flag: str = "--plot"
+) -> Path:
     """The plot path, or InputError (one line) for an unsupported extension or a path the one
     writing path refuses (``solver.files.output_file.check_output``: a folder, a missing or
     read-only folder, one of the input files ``protect``, ...)."""
-    check_plot_extension(path)
-    return check_output(path, flag="--plot", protect=protect).path
+    check_plot_extension(path, flag=flag)
+    return check_output(path, flag=flag, protect=protect).path
 
 
 def plot_plan(
@@ -277,12 +279,12 @@ def _figure(rows: int, columns: int, *, width: float, height: float, sharey: boo
     return figure, list(axes.flat)
 
 
-def _save(figure, target: Path) -> Path:
+def _save(figure, target: Path, *, flag: str = "--plot") -> Path:
     """Write by the one writing path (solver.files.output_file: atomic for a regular file, written
     through for a device, a FIFO or a link's target; nothing left behind on failure)."""
     extension = target.suffix.lower().lstrip(".")
     return write_output(
-        target, lambda stream: figure.savefig(stream, format=extension, dpi=DPI), flag="--plot"
+        target, lambda stream: figure.savefig(stream, format=extension, dpi=DPI), flag=flag
     )
 
 

@@ -1,0 +1,219 @@
+"""Each pipeline rank's memory at every action of its schedule: the curve under a schedule
+picture (``solver.report.schedule_plot``), from the same terms as the stage peaks
+(``stages.stage_costs``), so that its largest value is the rank's predicted peak, exactly.
+
+Per rank r, its actions in the order it runs them (``schedule.schedule_actions``, the list the
+time simulation runs), with n_c micro-batches held and B_c backwards done per chunk c after each
+(bytes per GPU; kept_j = stored_j + relay_j per micro-batch, buffers(n, B) = R(n, B) into +
+S(n, B) out_of, ``boundaries.stage_buffer_bytes``, trans_r = the largest transient of the rank):
+
+  states    = weights + optimizer (+ DDP's gradient buckets, + a calibration's constant)
+  grads     = every gradient; with gradient lifetime "step" and no interleaving, none before
+              the rank's first backward (they appear there)
+
+Interleaved ranks (v > 1), at the end of each action, as their peak (an upper bound: every
+gradient throughout, the rank's largest transient at each moment, ``schedule.schedule_moments``):
+
+  F or B    = states + grads + sum_c n_c kept_c + sum_c buffers_c(n_c, B_c) + trans_r
+
+A stage without interleaving peaks inside one of its layers (``stages.layer_moments``); its
+actions follow the same layers (h micro-batches held during the action, the current one among
+them, layers l in forward order):
+
+  F         = states + grads + max_l [(h - 1) kept + relay + stored(<= l) + trans_l] + buffers(h)
+              (the forward's own moments: its layers up to l, l's transient)
+  first B   = where the gradients appear at the first backward and no forward follows it
+              (``LayerCosts.first_backward_peak``: step lifetime, GPipe or 1F1B with
+              m <= p - s): states + the largest of ``layer_moments`` (its during(l), with the
+              gradients of the layers after l, and after)
+  other B   = states + grads + n kept + trans_r + buffers(n)       (n held after it)
+
+so the k-th forward (with every gradient where it follows a backward) is max_l during(l).
+
+The optimizer step (where the model has its temporary, ``LayerCosts.step_bytes``) is one more
+moment after the last backward (``stages.optimizer_step_moment``). A schedule with split backwards
+(B for the input gradient, W for the weight gradient) needs its own rule for each here.
+docs/cost-model.md, "Memory over the step".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from solver.costs.boundaries import boundary_bytes, direct_buffer_adjustments, stage_buffer_bytes
+from solver.costs.coefficients import LayerCosts
+from solver.costs.schedule import ScheduleAction, interleaved_schedule_groups, schedule_actions
+from solver.costs.stages import layer_moments, optimizer_step_moment
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankMemory:
+    """The cost model's memory of one pipeline rank over one iteration, bytes per GPU."""
+
+    rank: int
+    actions: tuple[ScheduleAction, ...]
+    """The rank's forwards and backwards in the order it runs them (``schedule_actions``)."""
+    action_bytes: tuple[int, ...]
+    """Parallel to ``actions``: the memory at each (module docstring)."""
+    step_bytes: int | None
+    """At the optimizer step, after the last backward; None where the model has no step
+    moment (no step temporary)."""
+    states_bytes: int
+    """Weights + optimizer state (+ gradient buckets, + a calibration's constant): what the
+    rank holds throughout."""
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest value: the rank's predicted peak (``StageCost.peak_bytes``)."""
+        step = [] if self.step_bytes is None else [self.step_bytes]
+        return max([*self.action_bytes, *step])
+
+
+def rank_memory(
+    costs: LayerCosts,
+    stage_of_layer: list[int] | np.ndarray,
+    recomputed: list[bool] | np.ndarray | None = None,
+) -> list[RankMemory]:
+    """Every rank's memory at each action of its schedule for an assignment (layer position ->
+    virtual stage) with the layers ``recomputed`` (selective), in rank order."""
+    stage_of = np.asarray(stage_of_layer, dtype=np.int64)
+    mask = costs.recompute_mask(recomputed)
+    stored, transient, _ = costs.coefficients(mask)
+    terms = _Terms(costs, stage_of, stored, transient)
+    config = costs.config
+    m, p, v = config.num_microbatches, config.pp, config.virtual_stages
+    group = interleaved_schedule_groups(costs.runtime, m, p) if v > 1 else None
+    result = []
+    for rank in range(p):
+        actions = schedule_actions(m, p, v, rank, group, config.schedule)
+        if v == 1 and (terms.stage_of == rank).any():
+            values = _layerwise_bytes(terms, rank, actions)
+        else:
+            values = _held_bytes(terms, rank, actions)
+        step = None
+        if costs.step_bytes is not None:
+            own = costs.stages_of_rank(rank)
+            buffers, temporary = optimizer_step_moment(
+                costs, rank, stage_of, terms.into, terms.out_of, terms.adjust
+            )
+            step = terms.states(rank) + int(terms.grads[own].sum()) + buffers + temporary
+        result.append(
+            RankMemory(
+                rank=rank,
+                actions=actions,
+                action_bytes=tuple(values),
+                step_bytes=step,
+                states_bytes=terms.states(rank),
+            )
+        )
+    return result
+
+
+class _Terms:
+    """The per-(virtual-)stage terms of one assignment, as ``stage_costs`` sums them."""
+
+    def __init__(
+        self, costs: LayerCosts, stage_of: np.ndarray, stored: np.ndarray, transient: np.ndarray
+    ) -> None:
+        n = costs.num_stages
+        self.costs, self.stage_of = costs, stage_of
+        self.stored_per_layer, self.transient_per_layer = stored, transient
+        self.into, self.out_of, self.relayed = boundary_bytes(costs, stage_of)
+        self.adjust = direct_buffer_adjustments(costs, stage_of)
+        self.weight, self.grads, self.optimizer, self.stored = (
+            _sums(values, stage_of, n)
+            for values in (costs.weight_bytes, costs.grad_bytes, costs.optimizer_bytes, stored)
+        )
+        buckets = costs.grad_buffer_bytes  # DDP's, beside .grad all step
+        self.buckets = np.zeros(n, np.int64) if buckets is None else _sums(buckets, stage_of, n)
+        self.transient = np.zeros(n, dtype=np.int64)
+        np.maximum.at(self.transient, stage_of, transient)
+        self.kept = self.stored + self.relayed
+
+    def states(self, rank: int) -> int:
+        """Weights + optimizer + gradient buckets + constant of the rank, bytes."""
+        own = self.costs.stages_of_rank(rank)
+        held = self.weight[own].sum() + self.optimizer[own].sum() + self.buckets[own].sum()
+        return self.costs.constant_bytes + int(held)
+
+    def buffers(self, stage: int, held: int, done: int) -> int:
+        """``stage_buffer_bytes`` of (virtual) stage ``stage``."""
+        return stage_buffer_bytes(
+            self.costs, stage, held, done, self.into, self.out_of, self.adjust
+        )
+
+
+def _held_bytes(terms: _Terms, rank: int, actions: tuple[ScheduleAction, ...]) -> list[int]:
+    """The memory at the end of each action: held micro-batches, buffers, the rank's largest
+    transient, and its gradients (from its first backward under step lifetime without
+    interleaving; always otherwise)."""
+    costs = terms.costs
+    own = costs.stages_of_rank(rank)
+    v = len(own)
+    states, largest = terms.states(rank), int(terms.transient[own].max())
+    all_grads = int(terms.grads[own].sum())
+    grads = 0 if costs.grad_lifetime == "step" and v == 1 else all_grads
+    held, done = [0] * v, [0] * v
+    values = []
+    for action in actions:
+        assert action.kind in ("F", "B"), f"no memory rule for a {action.kind} step yet"
+        if action.kind == "F":
+            held[action.chunk] += 1
+        else:
+            held[action.chunk] -= 1
+            done[action.chunk] += 1
+            grads = all_grads
+        activations = sum(n * int(terms.kept[j]) for n, j in zip(held, own, strict=True))
+        buffers = sum(terms.buffers(j, n, b) for n, b, j in zip(held, done, own, strict=True))
+        values.append(states + grads + activations + buffers + largest)
+    return values
+
+
+def _layerwise_bytes(terms: _Terms, rank: int, actions: tuple[ScheduleAction, ...]) -> list[int]:
+    """The memory of each action of a stage without interleaving, layer by layer (module
+    docstring: F, first B, later B)."""
+    costs = terms.costs
+    layers = np.flatnonzero(terms.stage_of == rank)  # positions, in forward order
+    states, kept, relay = terms.states(rank), int(terms.kept[rank]), int(terms.relayed[rank])
+    stored = terms.stored_per_layer[layers]
+    # max_l stored(<= l) + trans_l: the forward's largest moment of its own micro-batch
+    own_moment = int((np.cumsum(stored) + terms.transient_per_layer[layers]).max(initial=0))
+    all_grads, largest = int(terms.grads[rank]), int(terms.transient[rank])
+    late = costs.first_backward_peak[rank]
+    grads = 0 if costs.grad_lifetime == "step" else all_grads  # step: from the first backward
+    held, seen_backward = 0, False
+    values = []
+    for action in actions:
+        assert action.kind in ("F", "B"), f"no memory rule for a {action.kind} step yet"
+        if action.kind == "F":
+            held += 1
+            during = (held - 1) * kept + relay + own_moment
+            values.append(states + grads + during + terms.buffers(rank, held, 0))
+            continue
+        held -= 1
+        if late and not seen_backward:
+            moments = layer_moments(
+                costs,
+                rank,
+                layers.tolist(),
+                terms.stored_per_layer,
+                terms.transient_per_layer,
+                relay,
+                terms.into,
+                terms.out_of,
+                terms.adjust,
+            )
+            values.append(states + max(sum(moment) for moment in moments))
+        else:
+            values.append(states + all_grads + held * kept + largest + terms.buffers(rank, held, 0))
+        seen_backward, grads = True, all_grads
+    return values
+
+
+def _sums(values: np.ndarray, stage_of: np.ndarray, num_stages: int) -> np.ndarray:
+    """Per (virtual) stage sums of a per-layer column, exact int64."""
+    total = np.zeros(num_stages, dtype=np.int64)
+    np.add.at(total, stage_of, np.asarray(values, dtype=np.int64))
+    return total
