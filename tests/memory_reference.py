@@ -239,10 +239,12 @@ def layer_transient(layers: list[dict], i: int, setup: Setup) -> int:
     transient and its weight-gradient moment (the gradient temporary of its largest parameter,
     in the weights' dtype), plus ZeRO-3's gathered weights (this layer's and the prefetched
     next, 2 w P'); FSDP2's buffers instead where it runs (``fsdp2_buffers``). A recomputed layer
-    re-materialises its saved bytes during its backward."""
+    re-materialises its saved bytes during its backward, beside its output's gradient."""
     layer = layers[i]
     b, w = setup.micro_batch, setup.weight_bytes
-    extra = ceil(b * saved_per_sample(layer, setup)) if recomputed(layer, setup) else 0
+    extra = 0
+    if recomputed(layer, setup):  # its saved tensors again, and its output's gradient
+        extra = ceil(b * saved_per_sample(layer, setup)) + stored_bytes(layer, setup)
     own = b * layer["transient_bytes"] + extra + attention_backward_clone(layer, setup)
     grad_temporary = w * max(
         layer["largest_param"], ceil(Fraction(layer["largest_tp_param"], setup.tp))
