@@ -135,17 +135,18 @@ def config_costs(graph, stages: int) -> LayerCosts:
 def brute_force(costs: LayerCosts) -> tuple[int, float]:
     """(smallest largest peak over every contiguous split, seconds) for p >= 2, enumerating all
     C(L-1, p-1) cut sets in numpy batches; each split's stage peaks follow the cost model's
-    chain formula (state + k_s stored + R_s in-edge + S_s out-edge + max transient)."""
+    chain formula (``costs.layer_moments``: state + (k_s - 1) stored + R_s in-edge + S_s
+    out-edge + the largest stored(<= l) + transient_l over the stage's layers l)."""
     start = time.perf_counter()
     num_layers, num_stages = costs.num_layers, costs.num_stages
     prefix = lambda values: np.concatenate(([0], np.cumsum(values)))  # noqa: E731
     state, stored = prefix(costs.state_bytes), prefix(costs.stored_bytes)
     edge_in = np.concatenate(([0], costs.edge_bytes))
     edge_out = np.concatenate((costs.edge_bytes, [0]))
-    transient = costs.transient_bytes
-    range_max = np.zeros((num_layers, num_layers), dtype=np.int64)  # max transient[i..j]
+    during = stored[1:] + costs.transient_bytes  # stored(<= l) + transient_l, from layer 0
+    range_max = np.zeros((num_layers, num_layers), dtype=np.int64)  # max during[i..j]
     for i in range(num_layers):
-        range_max[i, i:] = np.maximum.accumulate(transient[i:])
+        range_max[i, i:] = np.maximum.accumulate(during[i:])
     k = np.asarray(costs.in_flight)
     receive, send = np.asarray(costs.receive_copies), np.asarray(costs.send_copies)
     best = None
@@ -163,10 +164,11 @@ def brute_force(costs: LayerCosts) -> tuple[int, float]:
         peaks = (
             state[ends + 1]
             - state[starts]
-            + k * (stored[ends + 1] - stored[starts])
+            + (k - 1) * (stored[ends + 1] - stored[starts])
             + receive * edge_in[starts]
             + send * edge_out[ends]
             + range_max[starts, ends]
+            - stored[starts]
             + costs.constant_bytes
         )
         value = int(peaks.max(axis=1).min())

@@ -17,6 +17,8 @@ parallelism, no interleaving, persistent gradients, no calibration):
 - boundary buffers: received and sent copies per runtime (megatron: 1 and 1, or 1 + k_s
   without output deallocation; torch pipelining: m - k_s and m + k_s, under 1F1B one more of
   each where Schedule1F1B's send lists hold them);
+- the moments of the schedule: layer i of one micro-batch running (forward or backward) beside
+  k_s - 1 others held whole, that one holding the layers up to i;
 - the transient of the running layer (its own, its weight-gradient temporary, ZeRO-3's gathered
   weights, a recomputed layer's re-materialised activations; on the megatron runtime Megatron's
   own explicit attention: the score buffer it keeps and its in-place mask's backward clone);
@@ -214,8 +216,9 @@ def fsdp2_buffers(layers: list[dict], i: int, setup: Setup, temporary: int) -> t
     docs/cost-model.md, FSDP2): ZeRO 3 gathers its own weights and keeps the neighbour's flat
     all-gather buffer, w max(P'_i, P'_{i-1}), and layer i+1's reduce-scatter input g P'_{i+1}
     (ZeRO 2: the larger of the flat buffer and that input); its weight gradients are whole and
-    unsharded, w P'_i less what its backward freed (ceil(b A') - its output), and at its
-    reduce-scatter its own input g P'_i where its weights (ZeRO 3) and i+1's input are freed."""
+    unsharded, w P'_i, charged whole (the profile's weight-gradient transient credits what the
+    backward freed before it), and at its reduce-scatter its own input g P'_i where its weights
+    (ZeRO 3) and i+1's input are freed."""
     w, g = setup.weight_bytes, setup.grad_bytes
 
     def weights(j: int, per_param: int) -> int:
@@ -223,18 +226,12 @@ def fsdp2_buffers(layers: list[dict], i: int, setup: Setup, temporary: int) -> t
 
     held, flat = weights(i + 1, g), max(weights(i, w), weights(i - 1, w))
     gathered = weights(i, w) + flat + held if setup.zero == 3 else max(flat, held)
-    layer = layers[i]
-    freed = max(
-        ceil(setup.micro_batch * saved_per_sample(layer, setup))
-        - boundary_tensor_bytes(layer["output_bytes"], setup),
-        0,
-    )
-    shard = ceil(g * params_per_gpu(layer, setup.tp) / setup.dp)
+    shard = ceil(g * params_per_gpu(layers[i], setup.tp) / setup.dp)
     freed_first = (weights(i, w) if setup.zero == 3 else 0) + held
     at_reduce = max(
         weights(i, g) - freed_first, weights(i, g) + shard - freed_first - weights(i, w)
     )
-    return gathered, max(temporary, weights(i, w) - freed + max(at_reduce, 0))
+    return gathered, max(temporary, weights(i, w) + max(at_reduce, 0))
 
 
 def layer_transient(layers: list[dict], i: int, setup: Setup) -> int:
@@ -242,10 +239,12 @@ def layer_transient(layers: list[dict], i: int, setup: Setup) -> int:
     transient and its weight-gradient moment (the gradient temporary of its largest parameter,
     in the weights' dtype), plus ZeRO-3's gathered weights (this layer's and the prefetched
     next, 2 w P'); FSDP2's buffers instead where it runs (``fsdp2_buffers``). A recomputed layer
-    re-materialises its saved bytes during its backward."""
+    re-materialises its saved bytes during its backward, beside its output's gradient."""
     layer = layers[i]
     b, w = setup.micro_batch, setup.weight_bytes
-    extra = ceil(b * saved_per_sample(layer, setup)) if recomputed(layer, setup) else 0
+    extra = 0
+    if recomputed(layer, setup):  # its saved tensors again, and its output's gradient
+        extra = ceil(b * saved_per_sample(layer, setup)) + stored_bytes(layer, setup)
     own = b * layer["transient_bytes"] + extra + attention_backward_clone(layer, setup)
     grad_temporary = w * max(
         layer["largest_param"], ceil(Fraction(layer["largest_tp_param"], setup.tp))
@@ -313,34 +312,38 @@ def step_temporary(layer: dict, setup: Setup) -> int:
 
 
 def stage_peaks(layers: list[dict], stage_of_layer: list[int], setup: Setup) -> list[StagePeak]:
-    """Each stage's bytes per GPU at its larger moment: after a forward with k_s micro-batches
-    held, or the optimizer step with none held (every gradient, the step's temporary). A fused
-    step (u = 0) adds no moment: "the stage's peak is its schedule's" (docs/cost-model.md,
-    Optimizer step), though on the torch runtime the end of the schedule holds m buffers of
-    each direction, more than the forward moment's where a stage's input outweighs what it
-    stores (full recomputation of a layer whose input is larger than its outputs)."""
+    """Each stage's bytes per GPU at its largest moment: a layer i running with k_s - 1 other
+    micro-batches held whole and the running one's stored bytes up to i (docs/cost-model.md,
+    "Transient peak"), or the optimizer step with none held (every gradient, the step's
+    temporary). A fused step (u = 0) adds no moment: "the stage's peak is its schedule's"
+    (docs/cost-model.md, Optimizer step), though on the torch runtime the end of the schedule
+    holds m buffers of each direction, more than the forward moment's where a stage's input
+    outweighs what it stores (full recomputation of a layer whose input is larger than its
+    outputs)."""
     peaks = []
     for stage in range(setup.pp):
         members = [i for i, s in enumerate(stage_of_layer) if s == stage]
         first, last = members[0], members[-1]
-        weights = grads = optimizer = stored = transient = step = 0
+        weights = grads = optimizer = stored = step = 0
         for i in members:
             w, g, o = layer_states(layers[i], setup)
             weights, grads, optimizer = weights + w, grads + g, optimizer + o
             stored += stored_bytes(layers[i], setup)
-            transient = max(transient, layer_transient(layers, i, setup))
             step += step_temporary(layers[i], setup)
         into = boundary_tensor_bytes(layers[first - 1]["output_bytes"], setup) if stage else 0
         out = boundary_tensor_bytes(layers[last]["output_bytes"], setup)
         held = in_flight(stage, setup)
-        forward = StagePeak(
-            weights,
-            grads,
-            optimizer,
-            held * stored,
-            buffer_bytes(stage, held, into, out, setup),
-            transient,
-        )
+        buffers = buffer_bytes(stage, held, into, out, setup)
+        # while layer i of one micro-batch runs (forward or backward), the k - 1 others are
+        # kept whole and that one keeps the layers up to i (the later ones not run yet, or
+        # freed by their backward); the first layer wins a tie
+        during, kept_so_far = [], 0
+        for i in members:
+            kept_so_far += stored_bytes(layers[i], setup)
+            activations = (held - 1) * stored + kept_so_far
+            transient = layer_transient(layers, i, setup)
+            during.append(StagePeak(weights, grads, optimizer, activations, buffers, transient))
+        forward = max(during, key=lambda moment: moment.peak)
         if not setup.step_bytes:  # a fused step allocates nothing: the schedule's peak
             peaks.append(forward)
             continue

@@ -101,12 +101,13 @@ def chain_graph(layers: list[dict]):
 def test_capslog_greedy_is_sub_optimal_where_transients_do_not_add_up():
     """4 layers, 2 stages, GPipe (k = 4 on both), 1 byte per parameter, edges of 1000 B.
 
-    body = params + 4 x activations: 16000, 13000, 16000, 36000; transients 9000, 1000, 9000, 5000.
-    Optimum [l0 l1 l2 | l3]: stage 0 = 45000 + 1000 (send) + max transient 9000 = 55000, stage 1 =
-    36000 + 1000 + 5000 = 42000. CAPSlog predicts stage l0..l2 as isolated(l0) 26000 + added(l1)
-    13000 + added(l2) 24000 = 63000: l2's transient is counted although l0's, equal, is freed
-    before l2 runs. So below 62000 the greedy closes stage 0 after l1 and the last stage
-    l2 l3 (62000, predicted exactly) is over; it settles on [l0 l1 | l2 l3] = 62000, 12.7% worse.
+    body = params + 4 x activations: 16000, 13000, 16000, 36000; transients 9000, 1000, 9000, 5000;
+    while layer l runs, its micro-batch holds the layers up to l (``costs.layer_moments``).
+    Optimum [l0 l1 l2 | l3]: stage 0 = states 21000 + 3 x 6000 held + 1000 (send) + during(l2)
+    6000 + 9000 = 55000, stage 1 = 36000 + 1000 + 5000 = 42000. CAPSlog predicts stage l0..l2 as
+    isolated(l0) 26000 + added(l1) 11000 + added(l2) 24000 = 61000: l2's transient is counted
+    although l0's, equal, is freed before l2 runs. So below 61000 the greedy closes stage 0 after
+    l1 and settles on [l0 l1 | l2 l3] = 58000 (16000 + 3 x 9000 + 1000 + 9000 + 5000), 5.5% worse.
     """
     sizes = [(8000, 2000, 9000), (5000, 2000, 1000), (8000, 2000, 9000), (8000, 7000, 5000)]
     graph = chain_graph(
@@ -130,10 +131,10 @@ def test_capslog_greedy_is_sub_optimal_where_transients_do_not_add_up():
     )
     costs = layer_costs(graph, config, Cluster(num_gpus=2), training)
     isolated, added = capslog_statistics(costs)
-    assert isolated[0, 0] + added[0, 1] + added[0, 2] == 63000
+    assert isolated[0, 0] + added[0, 1] + added[0, 2] == 61000
     greedy = capslog_split(costs)
     assert greedy == [0, 0, 1, 1]
-    assert max(s.peak_bytes for s in stage_costs(costs, greedy)) == 62000
+    assert max(s.peak_bytes for s in stage_costs(costs, greedy)) == 58000
     optimum = solve_brute_force(StageProblem(costs=costs))
     assert optimum.stage_of_layer == [0, 0, 0, 1]
     assert optimum.objective == 55000

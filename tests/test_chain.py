@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from solver.backends.brute_force import solve_brute_force
-from solver.backends.chain import _time_rules, is_chain_problem, solve_chain
+from solver.backends.chain import is_chain_problem, solve_chain
+from solver.backends.chain_time import time_rules
 from solver.backends.problem import (
     FEASIBLE,
     INFEASIBLE,
@@ -300,7 +301,7 @@ def test_large_chain_budget_is_respected() -> None:
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_time_rules_are_non_decreasing_prefix_sums(schedule):
     """The chain's relaxation needs every term's U and V non-decreasing along the chain
-    (``_time_rules``): random layer times and forward shares, every pipeline depth and micro-batch
+    (``time_rules``): random layer times and forward shares, every pipeline depth and micro-batch
     count, 1F1B and GPipe."""
     rng = random.Random(5)
     for _ in range(20):
@@ -320,5 +321,5 @@ def test_time_rules_are_non_decreasing_prefix_sums(schedule):
             optimizer_step_ns=np.array([rng.randint(0, 50) for _ in range(layers)]),
         )
         prefix = lambda values: np.concatenate(([0], np.cumsum(values, dtype=np.int64)))  # noqa: E731
-        end, start, _, _ = _time_rules(costs, bound_terms(costs), prefix)
+        end, start, _, _ = time_rules(costs, bound_terms(costs), prefix)
         assert np.all(np.diff(end, axis=-1) >= 0) and np.all(np.diff(start, axis=-1) >= 0)

@@ -200,12 +200,15 @@ def test_stage_peaks_by_hand():
         "weights": (400 + 300) * 3 // 2,  # unsharded + shards
         "grads": (400 + 300) * 3 // 2,
         "optimizer": 1200 + 900,
+        # the peak is c's moment (costs.layer_moments: the end of a forward, c's transient the
+        # larger beside it): both micro-batches whole; b's moment holds the running one's b only
         "activations": 2 * (2 * 80 + 2 * 50),
         # R_1 = m - k_1 + 1 (the input gradient sent last) = 3 copies of a->b; S_1 = m + k_1
         # + 1 (micro-batch 0's output, held by torch's warm-up send) = 7 of c->d
         "buffers": 3 * 2 * 10 + 7 * 2 * 30,
-        # b's reduce: 400 + 200 - 400; c's transient 2 x 7 + its gradient temporary 150
-        "transient": 400 + 200 - 400,
+        # c's transient 2 x 7 + its gradient temporary 150 (b's reduce 400 + 200 - 400 = 200
+        # is the larger, but b's moment holds 2 x 50 of c's saved bytes less)
+        "transient": 2 * 7 + 150,
     }
     assert middle.peak_bytes == sum(middle.breakdown().values())
     assert last.breakdown() == {
@@ -234,11 +237,13 @@ def test_recompute_and_zero3_and_gpipe():
     # ZeRO-3 under PipelineStage holds what ZeRO-2 does (states.reduces_per_step)
     assert middle.weight_bytes == (400 + 300) * 3 // 2
     # recompute keeps each layer's output per micro-batch; GPipe keeps all m = 4 micro-batches
-    assert middle.activation_bytes == 4 * (2 * 20 + 2 * 30)  # a->d skips it (torch)
+    # (a->d skips it: torch); at the peak, b's moment, the running one holds b's only
+    assert middle.activation_bytes == (4 - 1) * (2 * 20 + 2 * 30) + 2 * 20
     # the layer being recomputed re-materialises its saved bytes next to its transient (b:
     # 2 x 80 + its reduce 200), below what ZeRO-3 ("always") gathers at b's forward's start:
-    # b's flat buffer (400) beside the unsharded weights (solver/costs/fsdp.py)
-    assert middle.transient_bytes == max(2 * 80 + 200, 400, 2 * (7 + 50) + 150, 300)
+    # b's flat buffer (400) beside the unsharded weights (solver/costs/fsdp.py); c's moment
+    # holds 2 x 30 more but its transient max(2 x (7 + 50) + 150, 300) is 100 less
+    assert middle.transient_bytes == max(2 * 80 + 200, 400)
     # on the megatron runtime (no FSDP2) ZeRO-3 gathers the running layer's weights and
     # prefetches the next: 2 w P'_l
     megatron = stage_costs(costs_for(config, "megatron"), SPLIT)[1]

@@ -140,7 +140,7 @@ def apply_tensor_parallel(
     vocab_sizes: set[int],
     *,
     sequence_parallel: bool = False,
-) -> dict[str, torch.Tensor]:
+) -> dict[str, list[int]]:
     """Megatron split of every self-attention and MLP in ``layers`` over ``tp_mesh``.
 
     Attention: ``qkv`` column-parallel (rows regrouped per head first, see ``shard_order``),
@@ -164,7 +164,7 @@ def apply_tensor_parallel(
     )
 
     tp = tp_mesh.size()
-    orders: dict[str, torch.Tensor] = {}
+    orders: dict[str, list[int]] = {}
     for pair in tensor_parallel_pairs(model, layers, tp):
         module = model.get_submodule(pair.path)
         if len(pair.widths) > 1:
@@ -172,7 +172,8 @@ def apply_tensor_parallel(
             with torch.no_grad():
                 for name, param in module.get_submodule(pair.column).named_parameters():
                     param.copy_(param[order])
-                    orders[f"{pair.path}.{pair.column}.{name}"] = order
+                    # a list: no tensor of this bookkeeping is live in the measured run
+                    orders[f"{pair.path}.{pair.column}.{name}"] = order.tolist()
         row = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
         parallelize_module(module, tp_mesh, {pair.column: ColwiseParallel(), pair.row: row})
         if pair.column == "qkv":

@@ -194,13 +194,13 @@ def _build_chunks(
 
 def _parallelize(
     chunk: _Chunk, job: RunJob, place: Place, mesh, vocab_sizes: dict[str, int], tracker
-) -> tuple[_StageModule, nn.Module, dict[str, torch.Tensor]]:
+) -> tuple[_StageModule, nn.Module, dict[str, list[int]]]:
     """Tensor parallelism, the stage module (with recompute), then data parallelism (DDP, ZeRO,
     FSDP2) on one chunk. Returns the stage module, what the PipelineStage runs and the TP
     regrouping orders of its parameters."""
     config = job.plan.config
     layer_paths = job.plan.virtual_stage_layers[chunk.index]
-    orders: dict[str, torch.Tensor] = {}
+    orders: dict[str, list[int]] = {}
     if config.tp > 1:
         orders = apply_tensor_parallel(
             chunk.model, layer_paths, mesh["tp"], vocab_sizes, sequence_parallel=config.sp
@@ -325,7 +325,7 @@ def _loss_parallel(sharded_logits: bool):
     return loss_parallel() if sharded_logits else contextlib.nullcontext()
 
 
-def _gradients(chunks: list[_Chunk], orders: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _gradients(chunks: list[_Chunk], orders: dict[str, list[int]]) -> dict[str, torch.Tensor]:
     """The full gradients of the rank's parameters on CPU, in the single-process layout."""
     grads = {}
     for chunk in chunks:
@@ -333,7 +333,7 @@ def _gradients(chunks: list[_Chunk], orders: dict[str, torch.Tensor]) -> dict[st
             if param.grad is not None:
                 grad = _full(param.grad).detach().cpu()
                 if name in orders:  # undo the per-head regrouping
-                    grad = grad[torch.argsort(orders[name])]
+                    grad = grad[torch.argsort(torch.tensor(orders[name]))]
                 grads[chunk.full_names[name]] = grad.clone()
     return grads
 
@@ -378,7 +378,7 @@ def _train_and_measure(
     tracker = LiveTensorTracker()
     for chunk in chunks:
         tracker.track_module(chunk.model)
-    orders: dict[str, torch.Tensor] = {}
+    orders: dict[str, list[int]] = {}
     with tracker:
         pipeline_stages, stage_modules = [], []
         for chunk in chunks:

@@ -253,6 +253,8 @@ class Tracer(TorchDispatchMode):
         self.bwd_owner: int = PENDING
         self._bwd_seen: set[int] = set()
         self._last_node: Any = None
+        self._node_serial = 0
+        """Count of the autograd nodes entered so far in the backward (each event's node)."""
         self.saved_owner: dict[int, int] = {}
         """Storage uid -> the owner that saved it first (its bytes are in that layer's record)."""
         self.savers: dict[int, set[int]] = defaultdict(set)
@@ -264,8 +266,9 @@ class Tracer(TorchDispatchMode):
         self._unread_inputs: dict[int, tuple[frozenset[int], int]] = {}
         """Inputs of the running layer call its ops have not read yet: uid -> (provenance,
         bytes)."""
-        self.events: list[tuple[int, int, int]] = []
-        """(window, storage uid, +bytes on allocation / -bytes on release)."""
+        self.events: list[tuple[int, int, int, int]] = []
+        """(window, autograd node serial, storage uid, +bytes on allocation / -bytes on
+        release)."""
         self.windows: list[tuple[str, int]] = []
         """(phase, owner) of each maximal run of events with the same owner."""
         self._next_uid = 0
@@ -336,7 +339,7 @@ class Tracer(TorchDispatchMode):
         context = (self.phase, self.owner())
         if not self.windows or self.windows[-1] != context:
             self.windows.append(context)
-        self.events.append((len(self.windows) - 1, uid, delta))
+        self.events.append((len(self.windows) - 1, self._node_serial, uid, delta))
 
     # -- layer boundaries (called from module hooks) -----------------------------------------
 
@@ -429,6 +432,7 @@ class Tracer(TorchDispatchMode):
         if node is None or node is self._last_node:
             return
         self._last_node = node
+        self._node_serial += 1
         owner = self.node_owner.get(node)
         if owner is None:
             return
@@ -577,29 +581,32 @@ class Tracer(TorchDispatchMode):
         live = [0, 0]
         base, credit = [0, 0], [0, 0]
         current = -1
-        for window, uid, delta in self.events:
+        making = _GradientMoments(at)
+        for window, node, uid, delta in self.events:
             phase, owner = self.windows[window]
             owner = self.resolve(owner)
             part = int(uid in vocab)
             if window != current:
                 current, base, credit = window, list(live), [0, 0]
-            if at is not None and uid in at and delta > 0:
-                peaks[owner] = _larger(peaks[owner], live, base, credit)
+                making.reset()
+            counts = making.counts(node, uid, delta)
             if uid in excluded:
                 saver = self.saved_owner.get(uid)
                 if delta < 0 and phase == "bwd" and saver is not None:
                     if self.resolve(saver) == owner:
                         credit[part] -= delta
-                continue
-            live[part] += delta
-            if at is None:
+            else:
+                live[part] += delta
+            if counts:
                 peaks[owner] = _larger(peaks[owner], live, base, credit)
         return dict(peaks)
 
     def transients(self, excluded: set[int], at: set[int] | None = None) -> dict[int, int]:
         """Peak extra live bytes per owner while it runs (batch totals); with ``at``, only at
-        the moments the storages in ``at`` are made (the parameter gradients: what else is
-        live next to a weight gradient's temporary).
+        the moments the storages in ``at`` are made and until the autograd node that made one
+        returns (the parameter gradients: what else is live next to a weight gradient's
+        temporary, which lives until the node's AccumulateGrad adds it to ``.grad``; torch's
+        linear backward makes the input gradient after the weight gradient, in the same node).
 
         For each window (a maximal run of events with one owner), the live bytes of storages
         made by the run, minus their value at the window's start, minus (in the backward) the
@@ -609,13 +616,14 @@ class Tracer(TorchDispatchMode):
         peaks: dict[int, int] = defaultdict(int)
         live = base = credit = 0
         current = -1
-        for window, uid, delta in self.events:
+        making = _GradientMoments(at)
+        for window, node, uid, delta in self.events:
             phase, owner = self.windows[window]
             owner = self.resolve(owner)
             if window != current:
                 current, base, credit = window, live, 0
-            if at is not None and uid in at and delta > 0:
-                peaks[owner] = max(peaks[owner], live - base - credit)
+                making.reset()
+            counts = making.counts(node, uid, delta)
             if uid in excluded:
                 saver = self.saved_owner.get(uid)
                 if (
@@ -625,11 +633,37 @@ class Tracer(TorchDispatchMode):
                     and self.resolve(saver) == owner
                 ):
                     credit -= delta
-                continue
-            live += delta
-            if at is None:
+            else:
+                live += delta
+            if counts:
                 peaks[owner] = max(peaks[owner], live - base - credit)
         return dict(peaks)
+
+
+class _GradientMoments:
+    """Which events of ``Tracer.events`` are weight-gradient moments: with ``at`` None every
+    event; else from the allocation of a storage in ``at`` (a parameter gradient) until the
+    autograd node that made it returns (or the window ends). A weight gradient is a temporary
+    until autograd's AccumulateGrad, which runs right after that node (its sequence number is
+    the largest), adds it to ``.grad``: whatever the node makes after it (torch's linear
+    backward: the input gradient) is live beside it. A node's allocation after its gradient
+    counts once the gradient's own event is seen."""
+
+    def __init__(self, at: set[int] | None):
+        self.at = at
+        self.node: int | None = None
+
+    def reset(self) -> None:
+        self.node = None
+
+    def counts(self, node: int, uid: int, delta: int) -> bool:
+        if self.at is None:
+            return True
+        if uid in self.at and delta > 0:
+            self.node = node
+        elif node != self.node:
+            self.node = None
+        return self.node is not None
 
 
 def _larger(peak: tuple[int, int], live: list[int], base: list[int], credit: list[int]):

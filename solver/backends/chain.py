@@ -1,19 +1,20 @@
 """Exact fast path for chain graphs: every stage holds a contiguous run of layers.
 
 For stage s = layers i..j (0-based, inclusive) ``costs.stage_costs`` reduces on a chain to
-  peak_s(i, j) = sum state[i..j] + k_s sum stored[i..j] + R_s e[i-1] + S_s e[j]
-                 + max transient[i..j]                  (a chain relays no edge)
-  (R_s, S_s: the cost model's boundary copies, 0 on the first / last stage)
-  on a stage whose gradients appear at its first backward (``LayerCosts.first_backward_peak``)
-  instead max(during, after) of ``costs.first_backward_moments``: max_l during(l) is a range
-  maximum of stored_prefix[l+1] - grad_prefix[l+1] + transient_l (sparse table), and the
-  monotone relaxation counts the states without gradients (a lower bound of during(j))
+  peak_s(i, j) = sum state[i..j] + (k_s - 1) sum stored[i..j] + R_s e[i-1] + S_s e[j]
+                 + max_l (stored[i..l] + transient_l)   (``costs.layer_moments``, no relays)
+  (R_s, S_s: the cost model's boundary copies, 0 on the first / last stage); the last term is
+  a range maximum of stored_prefix[l+1] + transient_l (sparse table), less stored_prefix[i].
+  On a stage whose gradients appear at its first backward (``LayerCosts.first_backward_peak``)
+  instead max(during, after): during(l) also leaves out grads(i..l), a range maximum of
+  stored_prefix[l+1] - grad_prefix[l+1] + transient_l, and the monotone relaxation counts
+  the states without gradients (a lower bound of during(j));
   with an optimizer-step temporary (``LayerCosts.step_bytes``) also the step moment
   sum (state + step)[i..j] + R0_s e[i-1] + S0_s e[j] (``costs.optimizer_step_moment``)
   time(s; i, j) = the largest of stage s's terms of the iteration bound
       (``costs.bound_terms``), each U[j+1] - V[i] + offset (+ X_0) with U, V non-decreasing
       combinations of the prefix sums of time_ns, forward_ns and the tail (dp sync + optimizer
-      step) (``_time_rules``); X_0 is the first stage's tail; the iteration bound is
+      step) (``time_rules``); X_0 is the first stage's tail; the iteration bound is
       max_s time(s; i_s, j_s).
 
 Algorithm (exact; numpy vectorised over layers, Python loops over stages only):
@@ -40,7 +41,7 @@ Algorithm (exact; numpy vectorised over layers, Python loops over stages only):
    ``split_search.py`` (the DAG backend's too); this module is its splitter on a chain.
 
 Memory is O(L + terms x p) at any stage count: the rules' U, V are combinations of a few prefix
-sums with per-(term, stage) coefficients (``_time_coefficients``), tabled while ``TABLE_BYTES``
+sums with per-(term, stage) coefficients (``time_coefficients``), tabled while ``TABLE_BYTES``
 lasts and evaluated where read beyond (``prefix_sums.PrefixSums``), and the DP evaluates its
 band ``DP_CHUNK_PAIRS`` pairs at a time. Both give the same integers as full tables.
 """
@@ -52,13 +53,14 @@ from collections.abc import Callable
 
 import numpy as np
 
+from solver.backends.chain_time import TIME_BASIS, time_coefficients
 from solver.backends.prefix_sums import PrefixSums, Sums, search, sparse_max_table
 from solver.backends.problem import (
     StageProblem,
     StageSolution,
 )
 from solver.backends.split_search import INF, PEAK, TIME, _Limits, _TimeUp, run_search
-from solver.costs import BoundTerm, LayerCosts, bound_terms
+from solver.costs import LayerCosts, bound_terms
 from solver.errors import InputError
 
 BACKEND = "chain"
@@ -75,9 +77,6 @@ The split can differ from the band's when its greedy incumbent is already optima
 TABLE_BYTES = 2**26
 """Bytes of the relaxation's U, V tables one chain makes at most; beyond, ``PrefixSums`` read on
 demand (a 20,002-layer chain on as many stages asked for 8 x 20,002 x 20,003 int64, 24 GiB)."""
-TIME_BASIS = ("time", "forward", "tail")
-"""The prefix sums (of time_ns, forward_ns, tail_ns) the bound's terms combine, in the order of
-``_time_coefficients``' last axis."""
 DP_CHUNK_PAIRS = 2**21
 """(start, end) pairs of one DP stage evaluated at once (about 200 MiB of arrays); a wider band (a
 long chain on few stages: L^2 / p pairs at a loose bound) goes by chunks of ends."""
@@ -127,13 +126,13 @@ class _Chain:
         self.state_prefix = prefix(costs.state_bytes)
         self.stored_prefix = prefix(costs.stored_bytes)
         # the bound's terms as coefficients [term, stage, basis] of the time basis (every
-        # stage has as many terms): U = end . basis, V = start . basis (``_time_coefficients``)
+        # stage has as many terms): U = end . basis, V = start . basis (``time_coefficients``)
         terms = bound_terms(costs)
         self.tail_prefix = prefix(costs.tail_ns)
         self._time_basis = np.stack(
             [prefix(costs.time_ns), prefix(costs.forward_ns), self.tail_prefix]
         )  # [TIME_BASIS, position]
-        self._time_end, self._time_start, self._time_offset, self._time_first = _time_coefficients(
+        self._time_end, self._time_start, self._time_offset, self._time_first = time_coefficients(
             costs, terms
         )
         # per stage, its distinct terms (the relaxation's rules need each once)
@@ -166,10 +165,9 @@ class _Chain:
         transient = np.asarray(costs.transient_bytes, dtype=np.int64)
         self.transient_min = int(transient.min())
         self.transient_max = int(transient.max())
-        self._transient_table = sparse_max_table(transient)
         self._log2 = np.floor(np.log2(np.arange(1, self.num_layers + 1))).astype(np.int64)
         self._rules: tuple[_Limits, list] | None = None
-        # stages whose gradients appear at the first backward (costs.first_backward_moments)
+        # stages whose gradients appear at the first backward (costs.layer_moments, grads(> l))
         self.late = np.asarray(costs.first_backward_peak, dtype=bool)
         self.grad_prefix = prefix(costs.grad_bytes)
         self.ungraded_prefix = self.state_prefix - self.grad_prefix
@@ -179,12 +177,15 @@ class _Chain:
             "ungraded": self.ungraded_prefix,
             "stored": self.stored_prefix,
         }
-        if self.late.any():
-            # stored(i..l) + grads(l+1..j) + transient_l = h[l] - stored_prefix[i]
-            # + grad_prefix[j + 1]
-            self._during_table = sparse_max_table(
-                self.stored_prefix[1:] - self.grad_prefix[1:] + costs.transient_bytes
-            )
+        # during(l) of costs.layer_moments, less what does not depend on l: stored(i..l)
+        # + transient_l = h[l] - stored_prefix[i] (every gradient exists), and with the
+        # gradients made at the first backward (``late``) stored(i..l) + grads(l+1..j)
+        # + transient_l = h[l] - stored_prefix[i] + grad_prefix[j + 1]
+        reach = self.stored_prefix[1:] + transient
+        self._during_table = sparse_max_table(reach)
+        if self.late.any():  # and max transient[i..j] for the moment after
+            self._late_table = sparse_max_table(reach - self.grad_prefix[1:])
+            self._transient_table = sparse_max_table(transient)
         # the optimizer step: every state, the step temporary, the buffers at 0 held
         self.step_prefix = None if costs.step_bytes is None else prefix(costs.step_bytes)
         at_step = [costs.copies_at(s, 0) for s in range(self.num_stages)]
@@ -225,7 +226,7 @@ class _Chain:
 
     def time_sums(self, stage: int) -> list[tuple[Sums, Sums, int, int]]:
         """Per distinct term of the bound of a stage, (U, V, offset ns, X_0's coefficient)
-        (``_time_coefficients``)."""
+        (``time_coefficients``)."""
         found = self._time_sums.get(stage)
         if found is None:
             if self._time_lists is None:
@@ -294,35 +295,33 @@ class _Chain:
     def schedule_peaks(
         self, stage: int | np.ndarray, starts: np.ndarray, ends: np.ndarray
     ) -> np.ndarray:
-        """peak_s(i, j) over the moments of the schedule (before the optimizer step), bytes."""
+        """peak_s(i, j) over the moments of the schedule (before the optimizer step), bytes:
+        ``costs.layer_moments`` on a chain (no relays), the largest of during(l) over l in
+        i..j beside the states and k - 1 whole micro-batches; where gradients appear at the
+        first backward (``late``) without those after l, and after it every gradient, k - 1
+        held."""
         stage = np.asarray(stage)
-        k = self.in_flight[stage]
-        value = (
-            self.state_prefix[ends + 1]
-            - self.state_prefix[starts]
-            + k * (self.stored_prefix[ends + 1] - self.stored_prefix[starts])
-        )
-        value = value + self.receive_copies[stage] * self.edge_in[starts]
-        value = value + self.send_copies[stage] * self.edge_out[ends]
-        late = self.late[stage]
-        if not np.any(late):
-            return value + self.transient(starts, ends) + self.constant_bytes
-        # costs.first_backward_moments on a chain (no relays): during the first backward
-        # the largest of stored(i..l) + grads(l+1..j) + transient_l over l, beside the states
-        # without gradients and k - 1 whole micro-batches; after it every gradient, k - 1 held
         starts, ends = np.broadcast_arrays(starts, ends)
         stage = np.broadcast_to(stage, starts.shape)
+        k = self.in_flight[stage]
         states = self.state_prefix[ends + 1] - self.state_prefix[starts]
         held = (k - 1) * (self.stored_prefix[ends + 1] - self.stored_prefix[starts])
         during = (
             states
-            - (self.grad_prefix[ends + 1] - self.grad_prefix[starts])
             + held
             + self.range_max(self._during_table, starts, ends)
             - self.stored_prefix[starts]
-            + self.grad_prefix[ends + 1]
             + self.receive_copies[stage] * self.edge_in[starts]
             + self.send_copies[stage] * self.edge_out[ends]
+        )
+        late = self.late[stage]
+        if not np.any(late):
+            return during + self.constant_bytes
+        first = (  # grads(i..j) off the states, grads(l+1..j) back
+            during
+            - self.range_max(self._during_table, starts, ends)
+            + self.range_max(self._late_table, starts, ends)
+            + self.grad_prefix[starts]
         )
         after = (
             states
@@ -331,8 +330,8 @@ class _Chain:
             + self.after_send[stage] * self.edge_out[ends]
             + self.transient(starts, ends)
         )
-        persistent = value + self.transient(starts, ends)
-        return np.where(late, np.maximum(during, after), persistent) + self.constant_bytes
+        late_peaks = np.maximum(first, after)
+        return np.where(late, late_peaks, during) + self.constant_bytes
 
     def times(
         self, stage: int | np.ndarray, starts: np.ndarray, ends: np.ndarray, first_tail: int
@@ -760,40 +759,3 @@ class _Chain:
             tail = self.tail_prefix[ends + 1] - self.tail_prefix[starts]
             value = np.where(tail > limits.first_tail_max_ns, INF, value)
         return value
-
-
-def _time_coefficients(
-    costs: LayerCosts, terms: list[list[BoundTerm]]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The iteration bound's terms (``terms``, ``costs.bound_terms``) of every stage as
-    coefficients of the prefix sums pT, pF, pX (``TIME_BASIS``): (U [term, stage, basis], V
-    likewise, offset [term, stage] in ns, X_0's [term]); the term of stage s on layers i..j is
-    U . P[j+1] - V . P[i] + offset (+ X_0). A term
-    (m + a) (T + h) + bt T_<r + bf F_<r + e (F + h) + x X + g T_>r + const, with T_>r the
-    total time less pT[j+1], is U = (m + a - g) pT + e pF + x pX and
-    V = (m + a - bt) pT + (e - bf) pF + x pX, both non-decreasing (per layer T_l >= F_l, and
-    the waits' coefficients leave at least as many micro-batches as they take away;
-    tests/test_chain.py checks it). O(terms x stages): the sums themselves are read on demand
-    (``_Chain.times``, ``PrefixSums``)."""
-    m, h = costs.config.num_microbatches, costs.microbatch_overhead_ns
-    total = int(np.sum(costs.time_ns, dtype=np.int64))
-    terms = np.array(terms, dtype=np.int64)  # [stage, term, field]
-    field = {name: terms[:, :, k].T for k, name in enumerate(BoundTerm._fields)}
-    busy = m + field["own_time"]
-    own_forward, own_tail = field["own_forward"], field["own_tail"]
-    end = np.stack([busy - field["after_time"], own_forward, own_tail], axis=-1)
-    start = np.stack(
-        [busy - field["before_time"], own_forward - field["before_forward"], own_tail], axis=-1
-    )
-    offset = field["after_time"] * total + (busy + own_forward) * h + field["constant_ns"]
-    return end, start, offset, field["first_tail"][:, 0]
-
-
-def _time_rules(
-    costs: LayerCosts, terms: list[list[BoundTerm]], prefix
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``_time_coefficients`` with U and V as arrays [term, stage, position] (``prefix`` makes
-    a prefix sum): O(terms x stages x layers), for tests of small chains only."""
-    end, start, offset, first = _time_coefficients(costs, terms)
-    basis = np.stack([prefix(v) for v in (costs.time_ns, costs.forward_ns, costs.tail_ns)])
-    return end @ basis, start @ basis, offset, first

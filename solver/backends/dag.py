@@ -17,8 +17,8 @@ stage index s (homogeneous cluster, no selective recomputation):
   torch direct sends               receive = sum n_t [producer in J, a consumer in A];
   (``direct_boundary_bytes``,      send = out - relay; per-tensor adjustments by where the
   ``direct_buffer_adjustments``)   tensor's charged layers are (A or not)
-  first-backward moments           max over l in A (graph order) of
-  (``first_backward_moments``)     stored_A(<= l) - grads_A(<= l) + transient_l
+  the layers' moments              max over l in A (graph order) of stored_A(<= l) + transient_l
+  (``layer_moments``)              (- grads_A(<= l) where gradients appear at the first backward)
   optimizer-step moment            the copies at 0 held, every gradient and the step temporary
 
 with the s-dependent coefficients k_s, R_s, S_s (``LayerCosts.copies_at``) applied per stage.
@@ -474,7 +474,6 @@ class _DagSplitter:
         self.pair_times = _PairTimes(costs, members, st, pair_sum)
         self.step_bytes = None if costs.step_bytes is None else pair_sum(costs.step_bytes)
         transient = np.asarray(costs.transient_bytes, dtype=np.int64)
-        self.transient = _masked_max(st.stage_members, transient)
         sizes = np.array([size for _, size in costs.tensor_groups], dtype=np.int64)
         escaping = st.escapes.astype(np.int64) @ sizes  # per ideal
         relay = _pair_sums(st.relay, sizes, num_pairs)
@@ -491,12 +490,15 @@ class _DagSplitter:
             self.per_held, self.no_grad = self._direct_adjustments(sizes, relay)
         self.kept = self.stored_bytes + self.relayed
         self.late = list(costs.first_backward_peak)
+        stored = np.asarray(costs.stored_bytes, dtype=np.int64)
+        # during(l) - (k - 1) kept - relay - buffers = grads_A + stored_A(<= l) + t_l
+        self.during = self.grad_bytes + _masked_max(st.stage_members, transient, cumulative=stored)
         if any(self.late):
-            # during(l) - held - relay - buffers = grads_A - grads_A(<= l) + stored_A(<= l) + t_l
-            self.during = self.grad_bytes + _masked_max(
-                st.stage_members,
-                transient,
-                cumulative=np.asarray(costs.stored_bytes - costs.grad_bytes, dtype=np.int64),
+            # with the gradients made at the first backward: grads_A - grads_A(<= l) instead
+            grads = np.asarray(costs.grad_bytes, dtype=np.int64)
+            self.transient = _masked_max(st.stage_members, transient)  # after it
+            self.first_during = self.grad_bytes + _masked_max(
+                st.stage_members, transient, cumulative=stored - grads
             )
         self._peaks: dict[int, np.ndarray] = {}
 
@@ -544,13 +546,13 @@ class _DagSplitter:
         if stage in self._peaks:
             return self._peaks[stage]
         k = int(self.costs.in_flight[stage])
+        base = (k - 1) * self.kept + self.relayed + self._buffers(stage, k)
         if not self.late[stage]:
-            schedule = self.grad_bytes + k * self.kept + self._buffers(stage, k) + self.transient
+            schedule = base + self.during
         else:
-            base = (k - 1) * self.kept
-            during = base + self.relayed + self._buffers(stage, k) + self.during
-            after = base + self.grad_bytes + self._buffers(stage, k - 1) + self.transient
-            schedule = np.maximum(during, after)
+            during = base + self.first_during
+            after = (k - 1) * self.kept + self.grad_bytes + self._buffers(stage, k - 1)
+            schedule = np.maximum(during, after + self.transient)
         if self.step_bytes is not None:
             step = self.grad_bytes + self._buffers(stage, 0) + self.step_bytes
             schedule = np.maximum(schedule, step)

@@ -11,7 +11,8 @@ The formulation (``cpsat.py`` and ``milp.py`` build it through :class:`PrefixFor
                                      relayed by stage s: stage(u) < s < max stage(v)
   ct[T][s] >= c[e][s]                T crosses s | s+1 (a variable only for a tensor on several
                                      edges; c[e][s] itself otherwise)
-  tr[s] >= transient_l x[l][s]       largest transient of stage s
+  T[s] >= during(l) - E[s]           layer l's moment over the stage's end of forward, read
+                                     from a window of the layers after l (``formulation_moments``)
   torch runtime (``LayerCosts.direct_sends``: each tensor goes straight to every consuming
   stage, no r), for a tensor T that can skip a stage (``_received``, ``_sent``):
   rv[T][s] >= y[u][s-1] + x[v][s] - 1  s receives T: stage(u) < s = stage(v) for an edge (u, v)
@@ -21,9 +22,11 @@ The formulation (``cpsat.py`` and ``milp.py`` build it through :class:`PrefixFor
   monotone     y[l][s] <= y[l][s+1]
   precedence   y[v][s] <= y[u][s]                          stage(u) <= stage(v)
   non-empty    sum_l x[l][s] >= 1
-  memory       peak >= sum_l (state_l + k_s stored_l) x[l][s]
-                       + sum_T eb_T (R_s ct[T][s-1] + S_s ct[T][s]) + k_s sum_T eb_T r[T][s] + tr[s]
-               (R_s, S_s: boundary copies of the cost model; a relayed edge is received and sent)
+  memory       peak >= sum_l (state_l + k_s stored_l) x[l][s] + T[s]
+                       + sum_T eb_T (R_s ct[T][s-1] + S_s ct[T][s]) + k_s sum_T eb_T r[T][s]
+               (R_s, S_s: boundary copies of the cost model; a relayed edge is received and sent;
+               ``costs.layer_moments``: layer l of one micro-batch running beside k_s - 1 whole,
+               as rows: ``formulation_moments``)
   time         Ts[s] >= sum_l time_l x[l][s],  Fs[s] = sum_l forward_l x[l][s],
                X[r] >= sum_l tail_l x[l][s] over the rank's stages s    (tail: sync + step)
   iteration    I >= each term of ``costs.bound_terms`` (every rank r), e.g.
@@ -79,18 +82,22 @@ Selective recomputation (``costs.selective``): rc[l] in {0, 1} marks layer l rec
 z[l][s] = x[l][s] rc[l] (z <= x, z <= rc, z >= x + rc - 1: exact at integer x, rc, no big-M).
 With d_l the recomputed state's coefficient minus the kept one's (stored, transient, time):
   memory       ... + k_s sum_l d_stored_l z[l][s]
-  transient    tr[s] >= transient_l x[l][s] + d_transient_l z[l][s]
+  transient    tr[r], T[s] rows + d_transient_l z[l][s] (``formulation_moments``)
   time         Ts[s] >= sum_l time_l x[l][s] + d_time_l z[l][s]
 so "none" (rc = 0) and "full" (rc = 1) are both feasible choices of the same model. With a
-placement the same z terms enter the placed memory rows (``_stage_bytes`` is shared) and every
+placement the same z terms enter the placed memory rows (``_layer_rows`` is shared) and every
 group's time rows: T >= sum_l time_l^k x[l][s] + d_time_l^k z[l][s] - M^k (1 - g[s][k]), with
 M^k = sum_l max(time_l^k, recompute_time_l^k).
 
 Gradients that appear at the first backward (``LayerCosts.first_backward_peak``, step lifetime):
-the stage's memory rows are ``_first_backward_rows``: B_s >= the stage without transient at k-1
-held (relays and buffers at k), D[l][s] >= D[l'][s] + (stored_l - grad_l) x[l][s] (+ d z), and
-peak >= B_s + D[l][s] + transient_l x[l][s] per layer, plus the 'after' row at k - 1 held
-(``costs.first_backward_moments``).
+the moments take off the gradients up to l (c_l = stored_l - grad_l in ``formulation_moments``),
+and one more row, after the first backward: peak >= the stage at k - 1 held with every gradient +
+tr[s], with tr[s] >= transient_l x[l][s] (``_add_transient``).
+
+Size: the layer moments keep the persistent moment's model (k_s stored_s + tr[s]) where every
+layer's window is one layer (a transformer chain): one T[s] per stage in place of tr[s], one row
+per (l, s) pair; a layer that needs the running sum adds a variable and two rows. Measured:
+docs/cost-model.md, "Transient peak".
 
 The optimizer step (``LayerCosts.step_bytes``, a foreach Adam's temporary): one more row per
 rank, ``_optimizer_step_row``:
@@ -127,6 +134,7 @@ from typing import Any
 import numpy as np
 
 from solver.backends.formulation_hints import FormulationHints
+from solver.backends.formulation_moments import FormulationMoments
 from solver.backends.formulation_rules import FormulationRules
 from solver.backends.formulation_terms import FormulationTerms
 from solver.backends.interleaved import ChunkSizeBound, chunk_size_bound
@@ -221,7 +229,9 @@ class BuildTimeUp(Exception):
     """The time limit ran out while the model was being built (``PrefixFormulation.stop_at``)."""
 
 
-class PrefixFormulation(FormulationRules, FormulationTerms, FormulationHints, abc.ABC):
+class PrefixFormulation(
+    FormulationRules, FormulationTerms, FormulationMoments, FormulationHints, abc.ABC
+):
     """The model of the module docstring; a subclass creates ``self.model`` and calls
     :meth:`_build`. Here: the solve, the backend's methods, the variables and the objective;
     the expressions (``formulation_terms``), the ``_add_<rule>`` builders
@@ -275,8 +285,13 @@ class PrefixFormulation(FormulationRules, FormulationTerms, FormulationHints, ab
         """rv[T][s] of tensors that can skip a stage, torch runtime (``_received``)."""
         self._direct_sends: dict[tuple[int, int], Any] = {}
         """sd[T][s] of tensors that can skip a stage, torch runtime (``_sent``)."""
-        self._first_backward: dict[int, tuple[Any, list[tuple[int, Any]]]] = {}
-        """Per stage s with ``first_backward_peak``: (B_s, [(l, D[l][s])]) (hints)."""
+        self._layer_sums: dict[int, tuple[Any, list[tuple[int, Any]]]] = {}
+        """Per stage s without interleaving whose layers need the running sum: (B_s, [(l,
+        D[l][s])]) (``formulation_moments``; hints)."""
+        self._moment_tops: dict[int, Any] = {}
+        """T_s per stage without interleaving (``formulation_moments``; hints)."""
+        self._ordered: np.ndarray | None = None
+        """Per layer: a chain from it on (``FormulationMoments._ordered_from``)."""
 
     @classmethod
     def solve_problem(
@@ -440,7 +455,8 @@ class PrefixFormulation(FormulationRules, FormulationTerms, FormulationHints, ab
                     self.vars.relay[(t, s)] = relay
                     self._stage_relays[s].append((t, relay))
             top = int(transient_ub.max(initial=0))
-            if top:
+            # tr[r]: interleaved ranks and the moment after a first backward (_add_transient)
+            if top and (costs.config.virtual_stages > 1 or any(costs.first_backward_peak)):
                 self.vars.transient = [
                     self._new_var(0, self._bytes(top), f"tr_s{r}") for r in range(costs.num_ranks)
                 ]

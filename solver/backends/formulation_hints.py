@@ -58,7 +58,7 @@ class FormulationHints:
         if self.vars.peak is not None:
             self._hint(self.vars.peak, self._bytes(max(st.peak_bytes for st in stages)))
         self._hint_parts(stage_of_layer, recomputed)
-        self._hint_first_backward(stage_of_layer, recomputed, stages)
+        self._hint_layer_sums(stage_of_layer, recomputed, stages)
         if self.vars.iteration is not None:
             p = self.costs.num_ranks
             for r, stage in enumerate(stages):
@@ -119,18 +119,29 @@ class FormulationHints:
             self._hint(received, self._bytes(int(into[stage])))
             self._hint(sent, self._bytes(int(out_of[stage])))
 
-    def _hint_first_backward(
+    def _hint_layer_sums(
         self, stage_of_layer: list[int], recomputed: list[bool] | None, stages: list
     ) -> None:
-        """The exact B_s and D[l][s] of ``_first_backward_rows`` for a split."""
-        if not self._first_backward:
+        """The exact T_s, B_s and D[l][s] of ``formulation_moments`` for a split."""
+        if not self._moment_tops:
             return
         costs = self.costs
         stage_of, stored, into, out_of, relayed = self._split_sums(stage_of_layer, recomputed)
+        _, transient, _ = costs.coefficients(recomputed if self.problem.selective else None)
         adjust = direct_buffer_adjustments(costs, stage_of)
-        for stage, (base, runnings) in self._first_backward.items():
+        largest = costs.bounding_coefficients(np.maximum)[1].max(initial=0)
+        for stage, top in self._moment_tops.items():
+            here = np.flatnonzero(stage_of == stage)
+            late = costs.first_backward_peak[stage]
+            c = stored[here] - (costs.grad_bytes[here] if late else 0)
+            after = c.sum() - np.cumsum(c)  # c of the layers after each
+            # max_l during(l) - E_s, at most T_s's bound (the running sums hold the rest)
+            top_value = min(int((transient[here] - after).max(initial=0)), int(largest))
+            self._hint(top, self._bytes(top_value))
+            if stage not in self._layer_sums:
+                continue
+            base, runnings = self._layer_sums[stage]
             k = costs.in_flight[stage]
-            here = stage_of == stage
             value = (
                 int(costs.state_bytes[here].sum())
                 + (k - 1) * int(stored[here].sum())
@@ -139,11 +150,10 @@ class FormulationHints:
                 + costs.constant_bytes
             )
             self._hint(base, self._bytes(value))
-            running = 0
+            before = np.concatenate(([0], np.cumsum(c)))
             for layer, variable in runnings:
-                if here[layer]:
-                    running += int(stored[layer] - costs.grad_bytes[layer])
-                self._hint(variable, self._bytes(running))
+                up_to = np.searchsorted(here, layer, "right")  # the stage's layers <= l
+                self._hint(variable, self._bytes(int(before[up_to])))
 
     def _hint_placement(self, stages: list, group_of_stage: list[int]) -> None:
         """g[s][k] = [k = k(s)], P[s][k] = peak_s there (0 elsewhere), U = the utilization;

@@ -83,11 +83,14 @@ class FormulationRules:
 
     def _add_transient(self) -> None:
         """tr[r] >= transient_l x[l][s] for each stage s of rank r (+ d_transient_l z[l][s]
-        under selective)."""
+        under selective); without interleaving only where gradients appear at the first
+        backward (the moment after it; every other moment is ``_layer_rows``')."""
         costs = self.costs
         if not self.vars.transient:
             return
         for rank, s in self._rank_stages():
+            if costs.config.virtual_stages == 1 and not costs.first_backward_peak[rank]:
+                continue
             self._tick()
             largest = self.vars.transient[rank]
             for layer in self._layers_of(s):
@@ -126,16 +129,17 @@ class FormulationRules:
     # -- memory -------------------------------------------------------------------------------
 
     def _add_stage_memory(self) -> None:
-        """peak >= states_s + k_s stored_s + buffers_s + k_s relay_s + tr[s] (with interleaving,
-        per rank and in-flight vector: the sum over its chunks); with a placement
+        """peak >= each of the stage's layer moments (``_layer_rows``); with interleaving,
+        per rank and in-flight vector, the sum over its chunks of states_c + n_c stored_c +
+        buffers_c + n_c relay_c, + tr[r]; with a placement
         sum_k P[s][k] >= that, and peak >= P[s][k] (absolute) or the utilization rows."""
         if self.placement is None:
             costs = self.costs
             for rank, vectors in enumerate(costs.in_flight_vectors):
                 for i, row in enumerate(self._optimizer_step_rows(rank)):
                     self._add(self.vars.peak >= row, f"memory_s{rank}_step{i}")
-                if costs.config.virtual_stages == 1 and costs.first_backward_peak[rank]:
-                    for i, row in enumerate(self._first_backward_rows(rank)):
+                if costs.config.virtual_stages == 1:
+                    for i, row in enumerate(self._layer_rows(rank)):
                         self._add(self.vars.peak >= row, f"memory_s{rank}_b{i}")
                     continue
                 dones = costs.backwards_done[rank]

@@ -128,11 +128,6 @@ class FormulationTerms:
         selective recomputation)."""
         return [unit(extra[layer]) * z for layer, z in self._stage_recompute[stage] if extra[layer]]
 
-    def _stage_bytes(self, stage: int):
-        """Peak of stage s as a linear expression (module docstring, 'memory'); without
-        interleaving, where rank s holds stage s alone with one in-flight count."""
-        return self._rank_bytes(stage, self.costs.in_flight_vectors[stage][0])
-
     def _rank_bytes(
         self,
         rank: int,
@@ -147,7 +142,7 @@ class FormulationTerms:
         backwards of it (module docstring, 'interleaving'; one chunk and k_s without
         interleaving). Without interleaving ``relays_held`` and ``copies_held`` (default
         vector[0]) count the relayed tensors and the boundary copies at another held count
-        (``_first_backward_rows``); ``transient`` False leaves tr[r] out."""
+        (``_layer_rows``); ``transient`` False leaves tr[r] out."""
         costs = self.costs
         if costs.config.virtual_stages > 1:
             return self._rank_bytes_from_parts(rank, vector, done or (0,) * len(vector))
@@ -174,14 +169,10 @@ class FormulationTerms:
         return self._sum(terms)
 
     def _stage_rows(self, stage: int) -> list:
-        """Expressions the peak of stage s (no interleaving) is at least: the persistent moment,
-        or the first-backward moments where gradients appear then (``_first_backward_rows``);
-        and the optimizer step where it makes a temporary (``_optimizer_step_row``)."""
-        if self.costs.first_backward_peak[stage]:
-            rows = self._first_backward_rows(stage)
-        else:
-            rows = [self._stage_bytes(stage)]
-        return rows + self._optimizer_step_rows(stage)
+        """Expressions the peak of stage s (no interleaving) is at least: its layers' moments
+        (``_layer_rows``) and the optimizer step where it makes a temporary
+        (``_optimizer_step_row``)."""
+        return self._layer_rows(stage) + self._optimizer_step_rows(stage)
 
     def _optimizer_step_rows(self, rank: int) -> list:
         """[peak of rank r at its optimizer step] (``costs.optimizer_step_moment``), or []
@@ -261,54 +252,6 @@ class FormulationTerms:
             )
             self._counted[key] = counted
         return counted
-
-    def _first_backward_rows(self, stage: int) -> list:
-        """``costs.first_backward_moments`` as rows, with k = k_s (= m) and, per layer l
-        that can sit on s in forward order, a running sum D[l][s]:
-
-          B_s     >= states_s + (k-1) stored_s + k relay_s + buffers_s(k)      (no transient)
-          D[l][s] >= D[l'][s] + (stored_l - grad_l) x[l][s] (+ d_stored_l z[l][s])
-                                          (l' the previous such layer; D = 0 before the first)
-          peak    >= B_s + D[l][s] + transient_l x[l][s] (+ d_transient_l z[l][s])
-                                          during(l): states_s holds every gradient, D takes
-                                          off those up to l and adds the current micro-batch's
-                                          stored bytes up to l
-          peak    >= states_s + (k-1) (stored_s + relay_s) + buffers_s(k-1) + tr[s]   (after)
-
-        2 |layers of s| + 2 rows of a few terms each, no big-M; D and B only bounded below."""
-        costs = self.costs
-        k = costs.in_flight[stage]
-        stored_ub, _, _ = costs.bounding_coefficients(np.maximum)
-        grads = costs.grad_bytes
-        base = self._new_var(0, self._bytes(self.presolve.peak_ub_bytes), f"B_s{stage}")
-        base_terms = self._rank_bytes(
-            stage, (k - 1,), relays_held=k, copies_held=k, transient=False
-        )
-        self._add(base >= base_terms, f"first_backward_base_s{stage}")
-        self._first_backward[stage] = (base, [])
-        recompute = dict(self._stage_recompute[stage])
-        extra_stored = costs.recompute_stored_bytes - costs.stored_bytes
-        extra_transient = costs.recompute_transient_bytes - costs.transient_bytes
-        low = -self._bytes(int(grads.sum()))
-        high = self._bytes(int(stored_ub.sum()))
-        rows, previous = [], 0
-        for layer in self._layers_of(stage):
-            self._tick()
-            running = self._new_var(low, high, f"D_l{layer}_s{stage}")
-            member = self._member(layer, stage)
-            terms = [previous, self._bytes(int(costs.stored_bytes[layer] - grads[layer])) * member]
-            row = [base, running, self._bytes(int(costs.transient_bytes[layer])) * member]
-            z = recompute.get(layer)
-            if z is not None and extra_stored[layer]:
-                terms.append(self._bytes(int(extra_stored[layer])) * z)
-            if z is not None and extra_transient[layer]:
-                row.append(self._bytes(int(extra_transient[layer])) * z)
-            self._add(running >= self._sum(terms), f"first_backward_d_l{layer}_s{stage}")
-            self._first_backward[stage][1].append((layer, running))
-            rows.append(self._sum(row))
-            previous = running
-        rows.append(self._rank_bytes(stage, (k - 1,), relays_held=k - 1, copies_held=k - 1))
-        return rows
 
     def _rank_bytes_from_parts(self, rank: int, vector: tuple[int, ...], done: tuple[int, ...]):
         """With interleaving a rank has a row per in-flight vector: each row sums four

@@ -79,6 +79,13 @@ class Presolve:
         receive_copies = max(costs.receive_copies)
         if not costs.plain_boundaries:  # a tensor no layer of s counts takes all m buffers
             receive_copies = max(receive_copies, costs.config.num_microbatches)
+        # what one stage's layer moments add over its states and k stored micro-batches at
+        # least (``costs.layer_moments``): transient_l less the stored bytes of the layers after
+        # l that can sit beside it (during(l)), or its last layer's transient (during(last))
+        after = np.concatenate((np.cumsum(stored_ub[::-1])[::-1][1:], [0]))
+        one_stage_extra = int(max(transient.min(initial=0), (transient - after).max(initial=0)))
+        if ranks < num_stages:  # interleaved ranks keep the largest transient
+            one_stage_extra = int(transient.max(initial=0))
         time_ns, tail_ns = costs.time_ns, costs.tail_ns
         if problem.placement is not None:  # a layer's time on its fastest group
             time_ns = np.min([c.time_ns for c in problem.placement.group_costs], axis=0)
@@ -91,7 +98,7 @@ class Presolve:
             peak_lb_bytes=costs.constant_bytes
             + max(
                 int((state + min_acts + transient).max(initial=0)),
-                _ceil_div(int(state.sum() + spread_acts.sum() + transient.max(initial=0)), ranks),
+                _ceil_div(int(state.sum() + spread_acts.sum()) + one_stage_extra, ranks),
             ),
             peak_ub_bytes=int(
                 costs.constant_bytes

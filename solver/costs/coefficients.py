@@ -229,12 +229,12 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
     @cached_property
     def first_backward_peak(self) -> list[bool]:
         """Per (virtual) stage: its gradients appear during its first backward and no forward
-        follows it, so its peak is one of the moments of ``first_backward_moments`` rather than
-        the persistent one. True where the gradient lifetime is "step" and every forward of the
-        step runs before the stage's first backward: GPipe, or 1F1B with m <= p - s (k_s = m).
-        Under 1F1B with m > p - s a forward follows the first backward, holding k_s micro-batches
-        and every gradient: the persistent moment, exactly. Interleaved stages keep the
-        persistent moment (an upper bound: fewer gradients never take memory)."""
+        follows it, so its peak is one of the moments of ``stages.layer_moments`` with grads(> l)
+        rather than every gradient. True where the gradient lifetime is "step" and every forward
+        of the step runs before the stage's first backward: GPipe, or 1F1B with m <= p - s
+        (k_s = m). Under 1F1B with m > p - s a forward follows the first backward, holding k_s
+        micro-batches and every gradient: the moments with every gradient, exactly. Interleaved
+        stages keep the persistent moment (an upper bound: fewer gradients never take memory)."""
         m = self.config.num_microbatches
         late = self.grad_lifetime == "step" and self.config.virtual_stages == 1
         return [late and k == m for k in self.in_flight]

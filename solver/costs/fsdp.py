@@ -26,17 +26,19 @@ Layers l-1 and l+1 are the neighbours in the graph's order; a neighbour on anoth
 counted too (over, never under). With d = 1 there is no FSDP (``profiling.run`` runs the stage
 unwrapped): nothing is added.
 
-Where this errs over: the next layer's input is held only after that layer's backward, which
-has freed its saved tensors of the micro-batch. The first-backward moments count that
-(``stages.first_backward_moments``: stored(<= l)); the persistent moment adds the largest
-transient to every in-flight micro-batch's stored bytes whole, so there the held input is over
-by up to the next layer's stored bytes of one micro-batch, and on a stage's last layer, which
-holds no next layer's input, by the whole input. Measured on gpt-tiny (4 blocks of 12,704
-parameters, fp32, dp 2): +1% to +9% per rank, against -2% to -7% under before (gloo's temporary
-included); on models whose activations outweigh a layer's parameters it is a smaller share.
-Subtracting the next layer's freed bytes is exact only at the persistent moment (it
-under-predicts during(l) by the same amount): making it exact needs a per-moment transient in
-every backend.
+Where this errs over: the stage's moments (``stages.layer_moments``) charge layer l's buffers
+beside micro-batch j's stored bytes up to l only, so the next layer's held input is counted once,
+beside the saved tensors its finished backward has left. The gradients are charged whole
+(w P'_l) at every weight-gradient moment of l: a layer's large weight gradients come early in its
+backward (fc2's, while most of its saved tensors are live), and the profile's weight-gradient
+transient already credits the saved tensors freed before each of them
+(``weight_grad_transient_bytes``), so nothing more is subtracted; over by the gradients the
+layer has not made yet at its peak moment (its attention's, when the MLP's peak). Subtracting
+the layer's freed saved bytes once more (exact only if every gradient came at the end of its
+backward) under-predicted by 1.4%. Measured on gpt-tiny at pp 1 (4 blocks of 12,704 parameters,
+fp32; parameters outweigh its activations, so these are large shares): +10.2% (ZeRO 2, dp 2; +7.5%
+with the subtraction) and +3.3% (ZeRO 3, tp 2 x dp 2) per rank, never under
+(``tests/test_run.py``, FSDP2_BOUNDS).
 """
 
 from __future__ import annotations
@@ -84,13 +86,12 @@ def weight_gradient_bytes(
     config: ParallelConfig,
     training: TrainingConfig,
     temporary: np.ndarray,
-    released: np.ndarray,
 ) -> np.ndarray:
     """Every layer's weight-gradient transient per GPU, bytes, added to what is live when its
     weight gradients are made (``gathered_bytes`` included): ``temporary`` (one tensor's, plain
-    autograd) unless FSDP2 runs the layer. Then its whole unsharded gradients w P'_l, less
-    ``released`` (bytes per micro-batch: the layer's saved tensors its finished backward has
-    freed, all but the input its first weight gradient reads), and at its ``post_backward``
+    autograd) unless FSDP2 runs the layer. Then its whole unsharded gradients w P'_l (the saved
+    tensors freed before each weight gradient are credited by the profile's weight-gradient
+    transient, which this term joins: module docstring), and at its ``post_backward``
     the reduce-scatter input g P'_l where its own weights (ZeRO 3) and the next layer's held
     input g P'_{l+1} are freed (and the new shard g P'_l / d once the gradients are copied
     in and freed); never less than ``temporary``."""
@@ -109,7 +110,7 @@ def weight_gradient_bytes(
         reduce_input - freed_first,
         reduce_input + params.sharded(g, config, True) - freed_first - unsharded,
     )
-    gradients = unsharded - released + np.maximum(at_reduce, 0)
+    gradients = unsharded + np.maximum(at_reduce, 0)
     return np.maximum(temporary, gradients)
 
 

@@ -40,13 +40,14 @@ o), ZeRO stage z.
               weight-gradient temporary joins what is live when the weight gradients are made
               (weight_grad_transient_bytes), not the layer's peak, so a loss whose fp32 logits
               are freed by then does not count both (a graph without the field takes
-              weight_grad_transient = transient: the sum); for a recomputed layer b A'_l joins
-              both terms: the layer being recomputed re-materialises its saved tensors while it
-              runs; megatron runtime (``megatron_linear``): an LM head's weight_grad_transient
-              takes its input gradient (megatron-core makes it first), and with SP every
-              trans_l + the all-gather buffer b s h d each rank keeps; with explicit
-              attention (``megatron_attention``) trans_l + b S_l / t (the in-place mask's
-              backward) and the kept buffer the larger of that and the score buffer
+              weight_grad_transient = transient: the sum); for a recomputed layer b A'_l
+              + ceil(b output_bytes_l / t) joins both terms: the layer being recomputed
+              re-materialises its saved tensors while it runs, and its backward runs beside
+              its output's gradient; megatron runtime (``megatron_linear``): an LM head's
+              weight_grad_transient takes its input gradient (megatron-core makes it first),
+              and with SP every trans_l + the all-gather buffer b s h d each rank keeps; with
+              explicit attention (``megatron_attention``) trans_l + b S_l / t (the in-place
+              mask's backward) and the kept buffer the larger of that and the score buffer
               max_l b S_l / t
 
 With context parallelism every per-sample term is / c (``context_parallel``). Calibrated
@@ -263,15 +264,16 @@ def _activation_bytes(
     # parallelism; context parallelism holds s/c of every sequence: every term per sample / c
     kept_output = ceil_div(b * cols["output_bytes"], config.dims.sequence_split)
     stored = (saved, kept_output)
-    # what a layer's finished backward has freed of the micro-batch's saved tensors
-    released = np.maximum(saved - kept_output, 0)
     gather = gathered_bytes(params, config, training)
-    grad_temporary = weight_gradient_bytes(params, config, training, grad_temporary, released)
+    grad_temporary = weight_gradient_bytes(params, config, training, grad_temporary)
 
     def transient(bytes_per_sample: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Kept, recomputed (the recomputed layer's saved tensors come back while it runs)."""
+        """Kept, recomputed: the recomputed layer's saved tensors come back while it runs, and
+        its backward runs beside the gradient of its output, [s/t, b, h] (a middle layer's:
+        what the later layer's backward made; at the stage's last layer the receive buffer
+        holds it too, an over-count of one output)."""
         kept = ceil_div(b * bytes_per_sample, c)
-        return (kept, kept + saved)
+        return (kept, kept + saved + kept_output)
 
     # the weight-gradient temporary joins what is live when the weight gradients are made; ring
     # attention's K/V buffers join the layer's own peak (its attention runs then)

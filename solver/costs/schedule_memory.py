@@ -8,23 +8,27 @@ time simulation runs), with n_c micro-batches held and B_c backwards done per ch
 S(n, B) out_of, ``boundaries.stage_buffer_bytes``, trans_r = the largest transient of the rank):
 
   states    = weights + optimizer (+ DDP's gradient buckets, + a calibration's constant)
-  F or B    = states + grads + sum_c n_c kept_c + sum_c buffers_c(n_c, B_c) + trans_r
-              at the end of the action: the moments the peak is the largest of
-              (``schedule.schedule_moments``; the model adds the rank's largest transient at each)
   grads     = every gradient; with gradient lifetime "step" and no interleaving, none before
-              the rank's first backward (they appear there); interleaved ranks keep every
-              gradient throughout, as their peak does (an upper bound)
+              the rank's first backward (they appear there)
 
-A stage whose gradients appear at its first backward with no forward after it
-(``LayerCosts.first_backward_peak``: step lifetime, GPipe or 1F1B with m <= p - s) peaks inside
-that backward, layer by layer (``stages.first_backward_moments``); its actions follow the same
-layers (h micro-batches held during the action, the current one among them, layers l in
-forward order):
+Interleaved ranks (v > 1), at the end of each action, as their peak (an upper bound: every
+gradient throughout, the rank's largest transient at each moment, ``schedule.schedule_moments``):
 
-  F         = states + max_l [(h - 1) kept + relay + stored(<= l) + trans_l] + buffers(h)
-              (the forward's own moments: its layers up to l, l's transient; no gradient yet)
-  first B   = states + the largest of ``first_backward_moments`` (its during(l) and after)
-  later B   = states + grads + n kept + trans_r + buffers(n)       (n held after it)
+  F or B    = states + grads + sum_c n_c kept_c + sum_c buffers_c(n_c, B_c) + trans_r
+
+A stage without interleaving peaks inside one of its layers (``stages.layer_moments``); its
+actions follow the same layers (h micro-batches held during the action, the current one among
+them, layers l in forward order):
+
+  F         = states + grads + max_l [(h - 1) kept + relay + stored(<= l) + trans_l] + buffers(h)
+              (the forward's own moments: its layers up to l, l's transient)
+  first B   = where the gradients appear at the first backward and no forward follows it
+              (``LayerCosts.first_backward_peak``: step lifetime, GPipe or 1F1B with
+              m <= p - s): states + the largest of ``layer_moments`` (its during(l), with the
+              gradients of the layers after l, and after)
+  other B   = states + grads + n kept + trans_r + buffers(n)       (n held after it)
+
+so the k-th forward (with every gradient where it follows a backward) is max_l during(l).
 
 The optimizer step (where the model has its temporary, ``LayerCosts.step_bytes``) is one more
 moment after the last backward (``stages.optimizer_step_moment``). A schedule with split backwards
@@ -41,7 +45,7 @@ import numpy as np
 from solver.costs.boundaries import boundary_bytes, direct_buffer_adjustments, stage_buffer_bytes
 from solver.costs.coefficients import LayerCosts
 from solver.costs.schedule import ScheduleAction, interleaved_schedule_groups, schedule_actions
-from solver.costs.stages import first_backward_moments, optimizer_step_moment
+from solver.costs.stages import layer_moments, optimizer_step_moment
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,7 +88,7 @@ def rank_memory(
     result = []
     for rank in range(p):
         actions = schedule_actions(m, p, v, rank, group, config.schedule)
-        if v == 1 and costs.first_backward_peak[rank]:
+        if v == 1 and (terms.stage_of == rank).any():
             values = _layerwise_bytes(terms, rank, actions)
         else:
             values = _held_bytes(terms, rank, actions)
@@ -168,26 +172,29 @@ def _held_bytes(terms: _Terms, rank: int, actions: tuple[ScheduleAction, ...]) -
 
 
 def _layerwise_bytes(terms: _Terms, rank: int, actions: tuple[ScheduleAction, ...]) -> list[int]:
-    """The memory of each action of a stage whose gradients appear at its first backward, no
-    forward after it (module docstring: F, first B, later B)."""
+    """The memory of each action of a stage without interleaving, layer by layer (module
+    docstring: F, first B, later B)."""
     costs = terms.costs
     layers = np.flatnonzero(terms.stage_of == rank)  # positions, in forward order
     states, kept, relay = terms.states(rank), int(terms.kept[rank]), int(terms.relayed[rank])
     stored = terms.stored_per_layer[layers]
     # max_l stored(<= l) + trans_l: the forward's largest moment of its own micro-batch
     own_moment = int((np.cumsum(stored) + terms.transient_per_layer[layers]).max(initial=0))
+    all_grads, largest = int(terms.grads[rank]), int(terms.transient[rank])
+    late = costs.first_backward_peak[rank]
+    grads = 0 if costs.grad_lifetime == "step" else all_grads  # step: from the first backward
     held, seen_backward = 0, False
     values = []
     for action in actions:
+        assert action.kind in ("F", "B"), f"no memory rule for a {action.kind} step yet"
         if action.kind == "F":
             held += 1
             during = (held - 1) * kept + relay + own_moment
-            values.append(states + during + terms.buffers(rank, held, 0))
+            values.append(states + grads + during + terms.buffers(rank, held, 0))
             continue
         held -= 1
-        if not seen_backward:
-            seen_backward = True
-            moments = first_backward_moments(
+        if late and not seen_backward:
+            moments = layer_moments(
                 costs,
                 rank,
                 layers.tolist(),
@@ -199,9 +206,9 @@ def _layerwise_bytes(terms: _Terms, rank: int, actions: tuple[ScheduleAction, ..
                 terms.adjust,
             )
             values.append(states + max(sum(moment) for moment in moments))
-            continue
-        grads, largest = int(terms.grads[rank]), int(terms.transient[rank])
-        values.append(states + grads + held * kept + largest + terms.buffers(rank, held, 0))
+        else:
+            values.append(states + all_grads + held * kept + largest + terms.buffers(rank, held, 0))
+        seen_backward, grads = True, all_grads
     return values
 
 

@@ -40,7 +40,7 @@ class StageCost:
     """The optimizer step over the rank's parameters, ns per iteration."""
     moment: str = "forward"
     """The moment of the schedule that sets the peak (``MOMENTS``): forward (after a forward,
-    k_s micro-batches held), first backward or after first backward (``first_backward_moments``),
+    k_s micro-batches held), first backward or after first backward (``stages.layer_moments``),
     optimizer step (``optimizer_step_moment``: no activation, the step's temporary in
     ``transient_bytes``)."""
 

@@ -2,18 +2,22 @@
 (``stage_costs``), from the per-layer coefficients (``coefficients.LayerCosts``).
 
 Memory of stage s (bytes per GPU), with k_s in flight (``schedule``), stored_l per layer
-(``layers``), the relays and buffers (``boundaries``) and the states (``states``):
-  acts_s    = k_s (sum_l stored_l + sum relay)
-  trans_s   = max_l trans_l (``layers``)
-  peak_s    = states_s + acts_s + buffers_s + trans_s (+ a calibration's constant)
+(``layers``), the relays and buffers (``boundaries``) and the states (``states``), layers l of
+the stage in forward order:
+  peak_s    = weights + optimizer + max_l during(l) (+ a calibration's constant), with
+  during(l) = (k-1)(stored_s + relay_s) + relay_s + stored(<= l) + grads + trans_l + buffers(k)
+              (``layer_moments``: while layer l of one micro-batch runs, forward or backward,
+              at most k - 1 others are held whole, and that one holds its layers up to l);
+              grads = every gradient of the stage (persistent lifetime, or step lifetime where
+              a forward follows the first backward: 1F1B with k < m)
   grad lifetime "step" (``TrainingConfig.grad_lifetime``; torch's zero_grad(set_to_none=True)),
               on a stage whose forwards all precede its first backward (GPipe, 1F1B with
-              m <= p - s; ``LayerCosts.first_backward_peak``), layers l in forward order:
-              peak_s = weights + optimizer + max(max_l during(l), after) with
-              during(l) = (k-1)(stored_s + relay_s) + relay_s + stored(<= l) + grads(> l)
-                          + trans_l + buffers(k),
+              m <= p - s; ``LayerCosts.first_backward_peak``): grads = grads(> l), and one more
+              moment, after the first backward:
               after     = (k-1)(stored_s + relay_s) + grads_s + trans_s + buffers(k-1)
-              (``first_backward_moments``)
+  interleaved stages (v > 1) keep the persistent moment, an upper bound of the above, per rank
+              and in-flight vector n of its chunks c (``_rank_peak_moment``):
+              peak_r = states_r + sum_c n_c (stored_c + relay_c) + buffers(n) + max_l trans_l
   optimizer step (with a step temporary, ``states.optimizer_step_bytes``): after the schedule no
               activation is held and every gradient exists:
               peak_s = max(the moments above, states_s + sum_l step_l + buffers(0 held))
@@ -104,8 +108,9 @@ def _stage_costs(
         grads, largest = int(grad[own].sum()), int(transient[own].max())
         activations, buffers, vector = _rank_peak_moment(costs, rank, kept, into, out_of, adjust)
         moment = "forward"
-        if costs.config.virtual_stages == 1 and costs.first_backward_peak[rank]:
-            moments = first_backward_moments(
+        if costs.config.virtual_stages == 1 and chunks[0]:
+            late = costs.first_backward_peak[rank]
+            moments = layer_moments(
                 costs,
                 rank,
                 chunks[0],
@@ -118,7 +123,8 @@ def _stage_costs(
             )
             best = max(range(len(moments)), key=lambda i: sum(moments[i]))
             grads, activations, buffers, largest = moments[best]
-            moment = "after first backward" if best == len(moments) - 1 else "first backward"
+            if late:
+                moment = "after first backward" if best == len(moments) - 1 else "first backward"
         grads += int(buckets[own].sum())
         if costs.step_bytes is not None:
             step = optimizer_step_moment(costs, rank, stage_of, into, out_of, adjust)
@@ -175,7 +181,7 @@ def optimizer_step_moment(
     return buffers, step
 
 
-def first_backward_moments(
+def layer_moments(
     costs: LayerCosts,
     stage: int,
     layers: list[int],
@@ -186,45 +192,55 @@ def first_backward_moments(
     out_of: np.ndarray,
     adjust: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> list[tuple[int, int, int, int]]:
-    """(gradients, activations, buffers, transient) bytes of a stage whose gradients appear at
-    its first backward (``LayerCosts.first_backward_peak``: step lifetime, every forward before
-    it), at the moments that bound its peak. ``layers``: the stage's layer positions in forward
-    order; ``stored``, ``transient``: per layer per micro-batch (recompute set applied).
+    """(gradients, activations, buffers, transient) bytes of a stage without interleaving at
+    the moments that bound its peak. ``layers``: the stage's layer positions in forward order;
+    ``stored``, ``transient``: per layer per micro-batch (recompute set applied).
 
-    During the first backward, while layer l runs its backward (the stage's layers in reverse):
-    the k - 1 other in-flight micro-batches keep everything, the current one its relayed tensors
-    and the stored bytes of layers up to l (autograd frees a node's saved tensors once its
-    backward has run), the layers after l have their gradients, and l has its transient, whose
-    weight-gradient temporary is now the first of l's gradients being made (there is no
-    ``.grad`` to add it to yet):
+    While layer l runs, the forward or the backward of micro-batch j, the other micro-batches
+    in flight are at most k - 1, each kept whole (1F1B: a stage's k-th forward runs beside the
+    k - 1 earlier ones, and its backward of the oldest beside the k - 1 younger; GPipe: fewer
+    before the last forward or after the first backward). Micro-batch j keeps its relayed
+    tensors and the stored bytes of the layers up to l: in its forward the later layers have
+    not run yet, in its backward (the stage's layers in reverse) autograd has freed their
+    saved tensors. l has its transient on top:
 
-        during(l) = (k - 1) (stored_s + relay_s) + relay_s + stored(<= l) + grads(> l)
-                    + transient_l + buffers at k held
+        during(l) = (k - 1) (stored_s + relay_s) + relay_s + stored(<= l) + grads + transient_l
+                    + buffers at k held
 
-    during(last layer) is the start of the first backward: every activation and no gradient.
-    After the first backward every gradient exists and at most k - 1 micro-batches are held (the
-    later backwards free more; a safe bound):
+    so max_l during(l) bounds every moment of the schedule, and during(last layer) is the end
+    of a forward with k held (the persistent moment of the interleaved stages, which keep it:
+    ``_rank_peak_moment``, an upper bound). ``grads`` is every gradient of the stage where they
+    exist then (persistent lifetime; step lifetime where a forward follows the first backward,
+    1F1B with k < m). Where gradients appear at the first backward and no forward follows it
+    (``LayerCosts.first_backward_peak``: step lifetime, k = m), the layers after l have theirs
+    and l's weight-gradient temporary is the first of its gradients (no ``.grad`` to add it to
+    yet): grads = grads(> l), and during(last layer) is the start of the first backward. After
+    the first backward every gradient exists and at most k - 1 micro-batches are held (the later
+    backwards free more; a safe bound), one more moment of those stages:
 
         after = (k - 1) (stored_s + relay_s) + grads_s + max transient_s + buffers at k - 1 held
 
     Measured on gpt-tiny (fp32, gloo, ``profiling.run``): a 1F1B stage with m = p peaks in its
     last block's backward at its first weight gradient, with no gradient accumulated yet, within
     0.2% of during(l). With the states (weights, optimizer) the largest moment is the stage's
-    peak, at most the persistent one (k held with every gradient)."""
+    peak, at most the persistent one (k held with every gradient and the largest transient)."""
     k = costs.in_flight[stage]
+    late = costs.first_backward_peak[stage]
     grads = costs.grad_bytes[layers]
     stored_here = stored[layers]
     total_stored, total_grads = int(stored_here.sum()), int(grads.sum())
     before = np.cumsum(stored_here)  # stored(<= l)
-    later = total_grads - np.cumsum(grads)  # grads(> l)
+    # grads(> l) where they appear at the first backward, else every gradient
+    later = total_grads - np.cumsum(grads) if late else np.full(len(layers), total_grads)
     buffers_k = stage_buffer_bytes(costs, stage, k, 0, into, out_of, adjust)
     held = (k - 1) * (total_stored + relayed)
     moments = [
         (int(g), held + relayed + int(a), buffers_k, int(t))
         for g, a, t in zip(later, before, transient[layers], strict=True)
     ]
-    after_buffers = stage_buffer_bytes(costs, stage, k - 1, 0, into, out_of, adjust)
-    moments.append((total_grads, held, after_buffers, int(transient[layers].max(initial=0))))
+    if late:
+        after_buffers = stage_buffer_bytes(costs, stage, k - 1, 0, into, out_of, adjust)
+        moments.append((total_grads, held, after_buffers, int(transient[layers].max(initial=0))))
     return moments
 
 

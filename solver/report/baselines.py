@@ -197,16 +197,19 @@ def capslog_statistics(costs: LayerCosts) -> tuple[np.ndarray, np.ndarray]:
         body + receive * edge_in[None, :] + send * edge_out[None, :] + transient[None, :]
     ) + costs.constant_bytes
     pair = np.zeros_like(isolated)  # peak of stage s holding l - 1 and l, at column l
+    # costs.layer_moments: during(l - 1) holds l - 1 of the running micro-batch, during(l) both
+    stored = costs.stored_bytes
     pair[:, 1:] = (
         body[:, :-1]
-        + body[:, 1:]
+        + costs.state_bytes[None, 1:]
+        + (k - 1) * stored[None, 1:]
         + receive * edge_in[None, :-1]
         + send * edge_out[None, 1:]
-        + np.maximum(transient[:-1], transient[1:])[None, :]
+        + np.maximum(transient[:-1], stored[1:] + transient[1:])[None, :]
         + costs.constant_bytes
     )
     late = np.asarray(costs.first_backward_peak, dtype=bool)
-    if late.any():  # step gradients: costs.first_backward_moments of one and two layers
+    if late.any():  # step gradients: costs.layer_moments of one and two layers
         first_isolated, first_pair = _first_backward_statistics(costs, edge_in, edge_out)
         isolated = np.where(late[:, None], first_isolated, isolated)
         pair = np.where(late[:, None], first_pair, pair)
@@ -236,7 +239,7 @@ def _first_backward_statistics(
     costs: LayerCosts, edge_in: np.ndarray, edge_out: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Peaks of one- and two-layer stages whose gradients appear at their first backward
-    (``costs.first_backward_moments`` on a chain: the largest of during(l) over its layers
+    (``costs.layer_moments`` on a chain: the largest of during(l) over its layers
     and after), in the layout of ``capslog_statistics``."""
     k = np.asarray(costs.in_flight, dtype=np.int64)[:, None]
     copies = np.array([costs.copies_at(s, int(n)) for s, n in enumerate(costs.in_flight)])
