@@ -247,7 +247,10 @@ def test_recompute_and_zero3_and_gpipe():
     # on the megatron runtime (no FSDP2) ZeRO-3 gathers the running layer's weights and
     # prefetches the next: 2 w P'_l
     megatron = stage_costs(costs_for(config, "megatron"), SPLIT)[1]
-    assert megatron.transient_bytes == max(2 * 80 + 2 * 2 * 200, 2 * (7 + 50) + 2 * 2 * 150)
+    # (a recomputed layer's backward also holds its output's gradient: b x 20 at b)
+    assert megatron.transient_bytes == max(
+        2 * 80 + 2 * 20 + 2 * 2 * 200, 2 * (7 + 50) + 2 * 30 + 2 * 2 * 150
+    )
 
 
 def test_weight_gradient_temporary_is_transient():
@@ -404,8 +407,9 @@ def test_sequence_parallelism_rounds_up_per_layer_and_splits_recomputed_outputs(
     split = costs_for(dataclasses.replace(recompute, sp=True), "torch")
     assert kept.stored_bytes.tolist() == [2 * 10, 2 * 20, 2 * 30, 2 * 1]
     assert split.stored_bytes.tolist() == [10, 20, 30, 1]
-    # the layer being recomputed re-materialises b A'_l next to its transient
-    assert split.transient_bytes.tolist() == [2 * 15, 2 * 50, 2 * 7 + 2 * 25, 2 * 4]
+    # the layer being recomputed re-materialises b A'_l next to its transient, beside its
+    # output's gradient (b O_l / t: [10, 20, 30, 1])
+    assert split.transient_bytes.tolist() == [2 * 15 + 10, 2 * 50 + 20, 2 * 7 + 2 * 25 + 30, 9]
 
 
 def test_sequence_parallelism_needs_tensor_parallelism():

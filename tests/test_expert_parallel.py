@@ -121,10 +121,11 @@ def test_expert_activations_by_hand():
     # tokens stay whole
     sp = moe_costs(config_of(sp=True))
     assert sp.stored_bytes[moe] == 2 * 1_000 + 4_200
-    # a recomputed block re-materialises all of it while it runs
+    # a recomputed block re-materialises all of it while it runs, beside its output's
+    # gradient (b x 50)
     full = moe_costs(config_of(recompute="full"))
     assert full.stored_bytes[moe] == 2 * 50
-    assert full.transient_bytes[moe] == 3_000 + 4_200
+    assert full.transient_bytes[moe] == 3_000 + 4_200 + 2 * 50
 
 
 def test_expert_all_to_all_by_hand():

@@ -320,9 +320,10 @@ def test_profile_moe_tiny_expert_fields_byte_exact():
     assert block.expert_activation_bytes * BATCH == zoo_expert_saved_bytes() == 30_464
     # the backward's extra peak: the weighted SwiGLU's input gradient (E C 2f d) and weights'
     # gradient (E C d), all that megatron-core's fused weighted_swiglu_back allocates; at the
-    # weight gradients, the gradient of fc2's output (E C h d)
+    # weight gradients, until the node that made fc2's returns: the gradient of fc2's output
+    # (E C h d) and the input gradient the same node makes after it (E C f d)
     assert block.transient_bytes * BATCH == E * CAPACITY * (2 * F_WIDTH + 1) * D == 16_512
-    assert block.weight_grad_transient_bytes * BATCH == E * CAPACITY * H * D == 4_096
+    assert block.weight_grad_transient_bytes * BATCH == E * CAPACITY * (H + F_WIDTH) * D == 12_288
     # dispatch + combine all-to-all, forward + backward: 4 E C h d per micro-batch
     assert block.ep_comm_bytes * BATCH == 4 * E * CAPACITY * H * D == 16_384
     assert layers["layers.1"].expert_activation_bytes == block.expert_activation_bytes
