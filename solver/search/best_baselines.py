@@ -345,9 +345,12 @@ def best_baselines(
     *,
     deadline: Deadline,
     families: tuple[Family, ...] = FAMILIES,
+    plan_zero: bool = False,
 ) -> BestBaselines:
     """Each family of ``training.runtime`` at its best config (module docstring); ``training``
-    as the planner prepared it (``evaluation.prepare_training``)."""
+    as the planner prepared it (``evaluation.prepare_training``). ``plan_zero``: only the plan's
+    ZeRO stages, not the engine's usual one beside them (the planner's seeds,
+    ``solver.search.seeds``)."""
     if cluster.is_heterogeneous or training.memory_model != "analytic":
         return BestBaselines(
             families=[],
@@ -390,6 +393,7 @@ def best_baselines(
             c
             for c in configs
             if family.zero_ok(c, training.zero_stages)
+            and (not plan_zero or c.dp * c.cp == 1 or c.zero in training.zero_stages)
             and engine_refusal(degrees_of(c), facts, family.engine) is None
         ]
         best = FamilyBest(family=family, configs=len(mine))
