@@ -387,17 +387,17 @@ class _PlanningCall:
             return None
         return self.training.usable_bytes(self.cluster.gpu_memory_bytes)
 
-    @functools.cached_property
-    def seeds(self) -> list[Seed]:
-        """The baseline layouts that may beat the searches' fastest plan, fastest first
-        (``solver.search.seeds``), searched once when first read."""
+    def seeds(self, faster_than_ns: int) -> list[Seed]:
+        """The baseline layouts faster than ``faster_than_ns`` may be, fastest first
+        (``solver.search.seeds``)."""
         if not self.seeded or self.cluster.is_heterogeneous:
             return []
         return baseline_seeds(
             self.graph,
             self.cluster,
             self.training,
-            first_order=len(self.entries),
+            entries=self.entries,
+            faster_than_ns=faster_than_ns,
             deadline=self.deadline,
         )
 
@@ -531,9 +531,10 @@ def _take_seed(call: _PlanningCall, limit: _ThroughputLimit) -> None:
     """The fastest seed (``solver.search.seeds``) becomes the fastest plan when its simulated
     iteration is shorter than the search's and meets the budget: a search result of its own
     config and split, the search's proof (the seeds are evaluated exactly) and bound kept."""
-    if not call.seeds:
+    seeds = call.seeds(limit.fastest_ns)
+    if not seeds:
         return
-    seed = call.seeds[0]
+    seed = seeds[0]
     seed_ns = seed.evaluation.iteration_ns
     if seed_ns >= limit.fastest_ns or (limit.budget_ns is not None and seed_ns > limit.budget_ns):
         return

@@ -15,6 +15,7 @@ seed as its fastest plan when it is faster than the search's (``planner._through
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 from solver.costs import layer_costs
@@ -51,22 +52,40 @@ def baseline_seeds(
     cluster: Cluster,
     training: TrainingConfig,
     *,
-    first_order: int,
+    entries: list[ConfigEntry],
+    faster_than_ns: int,
     deadline: Deadline,
 ) -> list[Seed]:
     """The fastest fitting layout of each family of :data:`SEED_FAMILIES` on ``training``'s
     runtime, over the plan's candidate configs and ZeRO stages, fastest first; none where
-    recomputation is pinned to none or full. ``first_order``: the entries' order numbers start
-    there (after the plan's own configs)."""
+    recomputation is pinned to none or full. Only configs whose lower bound on the iteration
+    (the plan's ``entries`` with no or per-layer recomputation: recomputing only adds time) is
+    below ``faster_than_ns`` (the search's fastest, simulated) are searched: no other can seed a
+    faster plan, and most configs are not even costed."""
     if training.recompute not in SEEDED_RECOMPUTE:
         return []
+    configs = [
+        dataclasses.replace(entry.costs.config, recompute="selective")
+        for entry in entries
+        if entry.costs.config.recompute in ("none", "selective")
+        and entry.time_bound < faster_than_ns
+    ]
+    if not configs:
+        return []
     found = best_baselines(
-        graph, cluster, training, deadline=deadline, families=SEED_FAMILIES, plan_zero=True
+        graph,
+        cluster,
+        training,
+        deadline=deadline,
+        families=SEED_FAMILIES,
+        plan_zero=True,
+        configs=configs,
+        faster_than_ns=faster_than_ns,
     )
     fastest = [f for f in found.families if f.fastest is not None]
     fastest.sort(key=lambda f: f.fastest.evaluation.iteration_ns)
     seeds = []
-    for order, family in enumerate(fastest, start=first_order):
+    for order, family in enumerate(fastest, start=len(entries)):
         evaluation = family.fastest.evaluation
         if not any(evaluation.recomputed or ()):
             continue  # no recomputation: the exact searches hold this layout
