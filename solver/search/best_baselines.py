@@ -345,9 +345,16 @@ def best_baselines(
     *,
     deadline: Deadline,
     families: tuple[Family, ...] = FAMILIES,
+    plan_zero: bool = False,
+    configs: list[ParallelConfig] | None = None,
+    faster_than_ns: int | None = None,
 ) -> BestBaselines:
     """Each family of ``training.runtime`` at its best config (module docstring); ``training``
-    as the planner prepared it (``evaluation.prepare_training``)."""
+    as the planner prepared it (``evaluation.prepare_training``). ``plan_zero``: only the plan's
+    ZeRO stages, not the engine's usual one beside them (the planner's seeds,
+    ``solver.search.seeds``). ``configs``: only these of the candidate configs (the seeds'
+    configs that may beat the plan's search). ``faster_than_ns``: only the fastest fitting
+    config, and only when its simulated iteration is shorter (the seeds: no smallest peak)."""
     if cluster.is_heterogeneous or training.memory_model != "analytic":
         return BestBaselines(
             families=[],
@@ -371,7 +378,7 @@ def best_baselines(
     search = dataclasses.replace(training, zero_stages=(0, 1, 2, 3), recompute="selective")
     facts = ModelFacts.of_graph(graph)
     try:
-        configs = candidate_configs(
+        candidates = candidate_configs(
             graph.num_layers,
             cluster,
             search,
@@ -380,6 +387,11 @@ def best_baselines(
         )
     except InputError as error:
         return BestBaselines(families=[], notes=[f"no baseline config: {error}"])
+    if configs is not None:
+        kept = set(configs)
+        configs = [c for c in candidates if c in kept]
+    else:
+        configs = candidates
     entries: dict[ParallelConfig, _Entry] = {}
     costs_of = functools.lru_cache(maxsize=max(16, KEPT_LAYERS // graph.num_layers))(
         lambda config: layer_costs(graph, config, cluster, training)
@@ -390,12 +402,17 @@ def best_baselines(
             c
             for c in configs
             if family.zero_ok(c, training.zero_stages)
+            and (not plan_zero or c.dp * c.cp == 1 or c.zero in training.zero_stages)
             and engine_refusal(degrees_of(c), facts, family.engine) is None
         ]
         best = FamilyBest(family=family, configs=len(mine))
         result.families.append(best)
         try:
-            _search_family(best, mine, entries, costs_of, graph, cluster, training, deadline)
+            search = _FamilySearch(
+                best=best, graph=graph, cluster=cluster, training=training, deadline=deadline,
+                cutoff_ns=faster_than_ns,
+            )  # fmt: skip
+            _search_family(search, mine, entries, costs_of)
         except InputError as error:  # a calibration taking a baseline's stage below its states
             best.complete = False
             result.notes.append(f"{family.name} baseline search stopped: {error}")
@@ -421,20 +438,18 @@ def _entry(entries, config, costs_of) -> _Entry:
     return entries[config]
 
 
-def _search_family(best, configs, entries, costs_of, graph, cluster, training, deadline) -> None:
+def _search_family(search: _FamilySearch, configs, entries, costs_of) -> None:
     """Fastest fitting config by ascending time bound (configs whose memory bound is over the
     usable memory skipped), then the smallest peak by ascending memory bound, each stopping once
     the bound cannot beat the best found. Stage peaks come first (cheap); the schedule is
     simulated only for a fitting split whose iteration bound may beat the best."""
+    best, deadline = search.best, search.deadline
     found: list[_Entry] = []
     for config in configs:
         if deadline.expired():
             best.complete = False
             return
         found.append(_entry(entries, config, costs_of))
-    search = _FamilySearch(
-        best=best, graph=graph, cluster=cluster, training=training, deadline=deadline
-    )
     try:
         _visit(search, found)
     except _OutOfTime:
@@ -459,6 +474,8 @@ def _visit(search: _FamilySearch, found: list[_Entry]) -> None:
             continue
         for setting in best.family.settings:
             search.fastest_of(entry, setting)
+    if search.cutoff_ns is not None:
+        return  # the seeds: the fastest only
     for entry in sorted(found, key=lambda e: e.memory_bound):
         if search.smallest is not None and entry.memory_bound >= search.smallest[0]:
             break
@@ -479,11 +496,15 @@ class _FamilySearch:
     smallest: tuple[int, _Entry, Setting, int] | None = None
     """(peak, entry, setting, N) of the smallest peak so far."""
     splits: dict = field(default_factory=dict)
+    cutoff_ns: int | None = None
+    """Only a fastest run shorter than this counts (``best_baselines``'s ``faster_than_ns``)."""
 
     @property
     def fastest_ns(self) -> int | None:
         fastest = self.best.fastest
-        return None if fastest is None else fastest.evaluation.iteration_ns
+        if fastest is None:
+            return self.cutoff_ns
+        return fastest.evaluation.iteration_ns
 
     def _split_and_flags(self, entry: _Entry, setting: Setting, n: int):
         key = entry.costs.num_stages

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME
+from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL, StageSolution
 from solver.costs.moe import num_routed_experts
 from solver.costs.schedule_time import MAX_SCHEDULE_ACTIONS
 from solver.engine_rules import ModelFacts, degrees_of
@@ -49,6 +49,7 @@ from solver.search.infeasible import (
 from solver.search.plan_notes import _solver_report
 from solver.search.plan_result import Plan, _baseline_evaluations, _plan_exports
 from solver.search.rule_checks import skipped_rules_note
+from solver.search.seeds import Seed, baseline_seeds, seed_note
 from solver.search.ties import _break_ties, _Choice, _matching_stages, _time_invariant
 from solver.specs import Cluster, TrainingConfig
 from solver.units import format_bytes
@@ -187,10 +188,12 @@ def _plan_space(
         result, choice, notes = _within_budget(call, limit)
     else:
         result = limit.fastest
-        choice, notes = _break_ties(call, result, budget_ns=limit.budget_ns)
+        choice, notes = _fastest_choice(call, limit, limit.budget_ns)
     # a throughput budget taken from an unproven fastest plan is not proven either
     proven = result.proven and (limit.fastest is None or limit.fastest.proven)
     plan = _build_plan(call, choice, result, limit, proven=proven, started=started)
+    if limit.seed is not None:
+        notes.insert(0, seed_note(limit.seed, limit.searched_ns))
     plan.solver.notes += notes + _long_schedule_notes(graph, cluster, training)
     plan.solver.notes += skipped_rules_note(
         degrees_of(plan.config), ModelFacts.of_graph(graph), training.runtime
@@ -239,7 +242,16 @@ def _within_budget(
     first round's peak stays the proven lower bound. With --max-slowdown the fastest plan always
     meets the budget and is the last resort."""
     budget = limit.budget_ns
-    first = result = call.best(OBJECTIVE_MEMORY, budget_ns=budget, retry_open=True)
+    try:
+        first = result = call.best(
+            OBJECTIVE_MEMORY, budget_ns=budget, retry_open=True, quiet=limit.seed is not None
+        )
+    except InfeasibleError:
+        if limit.seed is None:
+            raise
+        # only the seed (a baseline layout) is that fast: it is the last resort
+        result, choice = _fastest_within(call, limit, budget)
+        return result, choice, []
     choice, notes = _break_ties(call, result, budget_ns=budget)
     if budget is None:
         return result, choice, notes
@@ -253,7 +265,9 @@ def _within_budget(
         found = None
         if rounds <= MAX_BUDGET_ROUNDS and search_budget >= 0:
             try:
-                found = call.best(OBJECTIVE_MEMORY, budget_ns=search_budget, retry_open=True)
+                found = call.best(
+                    OBJECTIVE_MEMORY, budget_ns=search_budget, retry_open=True, quiet=True
+                )
             except InfeasibleError:
                 pass
         if found is None:
@@ -281,10 +295,21 @@ def _fastest_within(
     if limit.fastest is None:
         limit.fastest = call.best(OBJECTIVE_TIME, budget_ns=budget, retry_open=False)
         limit.fastest_ns = _simulated_ns(call, limit.fastest)
+        _take_seed(call, limit)
     if limit.fastest_ns > budget:
         raise call.throughput_unmet(budget)
-    choice, _ = _break_ties(call, limit.fastest, budget_ns=budget)
+    choice, _ = _fastest_choice(call, limit, budget)
     return limit.fastest, choice
+
+
+def _fastest_choice(
+    call: _PlanningCall, limit: _ThroughputLimit, budget: int | None
+) -> tuple[_Choice, list[str]]:
+    """The fastest plan's split: a seed's own layout (a baseline's recomputed blocks, kept as
+    they are), else the search's, tie-broken on the peak."""
+    if limit.seed is not None:
+        return limit.seed.choice, []
+    return _break_ties(call, limit.fastest, budget_ns=budget)
 
 
 def _choice_times(call: _PlanningCall, choice: _Choice) -> tuple[int, int]:
@@ -345,6 +370,9 @@ class _PlanningCall:
     """Look for a GPU count that fits when nothing does (the exit-3 message)."""
     explain: bool = True
     """False for the probes of that search: an InfeasibleError without an explanation."""
+    seeded: bool = True
+    """Baseline layouts seed the fastest plan (``solver.search.seeds``); False for the probes,
+    which ask only whether anything fits."""
     searches: list[tuple[str, SearchResult]] = field(default_factory=list)
     """(objective, result) of each search run, in order (the report's ``searches``)."""
     evaluations: dict[tuple, Evaluation] = field(default_factory=dict)
@@ -359,9 +387,26 @@ class _PlanningCall:
             return None
         return self.training.usable_bytes(self.cluster.gpu_memory_bytes)
 
-    def best(self, objective: str, *, budget_ns: int | None, retry_open: bool) -> SearchResult:
+    def seeds(self, faster_than_ns: int) -> list[Seed]:
+        """The baseline layouts faster than ``faster_than_ns`` may be, fastest first
+        (``solver.search.seeds``)."""
+        if not self.seeded or self.cluster.is_heterogeneous:
+            return []
+        return baseline_seeds(
+            self.graph,
+            self.cluster,
+            self.training,
+            entries=self.entries,
+            faster_than_ns=faster_than_ns,
+            deadline=self.deadline,
+        )
+
+    def best(
+        self, objective: str, *, budget_ns: int | None, retry_open: bool, quiet: bool = False
+    ) -> SearchResult:
         """The best config for ``objective`` within the capacity and the iteration budget;
-        raises why there is none (NoSolutionError or InfeasibleError)."""
+        raises why there is none (NoSolutionError or InfeasibleError; ``quiet``: without the
+        explanation, for a caller that has another answer)."""
         result = search(
             self.entries,
             objective=objective,
@@ -375,7 +420,7 @@ class _PlanningCall:
         )
         self.searches.append((objective, result))
         if result.entry is None:
-            raise self._no_plan(result, budget_ns)
+            raise self._no_plan(result, budget_ns, quiet=quiet)
         return result
 
     def throughput_unmet(self, budget_ns: int) -> PlannerError:
@@ -397,7 +442,9 @@ class _PlanningCall:
             suggest_gpus=self.suggest_gpus,
         )
 
-    def _no_plan(self, result: SearchResult, budget_ns: int | None) -> PlannerError:
+    def _no_plan(
+        self, result: SearchResult, budget_ns: int | None, *, quiet: bool = False
+    ) -> PlannerError:
         """NoSolutionError when the time ran out first, else the infeasibility explanation."""
         if not result.proven:
             return NoSolutionError(
@@ -405,7 +452,7 @@ class _PlanningCall:
                 f"({result.solved} of {len(self.entries)} configs solved; no quick split of "
                 "any config fits the limits); raise --time-limit"
             )
-        if not self.explain:
+        if not self.explain or quiet:
             return InfeasibleError("no plan fits")
         return self._explanation(budget_ns)
 
@@ -422,6 +469,11 @@ class _ThroughputLimit:
     """The fastest plan that fits (the least iteration bound), when it was searched."""
     fastest_ns: int | None = None
     """Its simulated iteration, ns: what --max-slowdown multiplies."""
+    seed: Seed | None = None
+    """The baseline layout that is the fastest plan, when one beat the search's
+    (``_take_seed``)."""
+    searched_ns: int | None = None
+    """With a seed: the search's fastest simulated iteration, ns."""
 
     def fastest_throughput(self, global_batch: int) -> float | None:
         if not self.fastest_ns:  # None, or 0 ns: no FLOPs or times
@@ -465,6 +517,7 @@ def _throughput_limit(call: _PlanningCall) -> _ThroughputLimit:
         last = training.objective == "throughput"
         limit.fastest = call.best(OBJECTIVE_TIME, budget_ns=limit.budget_ns, retry_open=last)
         limit.fastest_ns = _simulated_ns(call, limit.fastest)
+        _take_seed(call, limit)
         if training.objective == "memory" and training.min_throughput is None:
             limit.budget_ns = math.floor(training.max_slowdown * limit.fastest_ns)
             # a graph without FLOPs or times runs in 0 ns: no throughput to require
@@ -472,6 +525,39 @@ def _throughput_limit(call: _PlanningCall) -> _ThroughputLimit:
                 training.global_batch * 1e9 / limit.budget_ns if limit.budget_ns else None
             )
     return limit
+
+
+def _take_seed(call: _PlanningCall, limit: _ThroughputLimit) -> None:
+    """The fastest seed (``solver.search.seeds``) becomes the fastest plan when its simulated
+    iteration is shorter than the search's and meets the budget: a search result of its own
+    config and split, the search's proof (the seeds are evaluated exactly) and bound kept."""
+    seeds = call.seeds(limit.fastest_ns)
+    if not seeds:
+        return
+    seed = seeds[0]
+    seed_ns = seed.evaluation.iteration_ns
+    if seed_ns >= limit.fastest_ns or (limit.budget_ns is not None and seed_ns > limit.budget_ns):
+        return
+    entry, split, recomputed = seed.choice.entry, seed.choice.split, seed.choice.recomputed
+    objective = seed.evaluation.iteration_bound_ns
+    solution = StageSolution(
+        status=OPTIMAL,
+        stage_of_layer=split,
+        objective=objective,
+        bound=objective,
+        wall_s=0.0,
+        backend="baseline",
+        recomputed=recomputed,
+    )
+    call.evaluations[(entry.order, tuple(split), tuple(recomputed), None)] = seed.evaluation
+    limit.fastest = dataclasses.replace(
+        limit.fastest,
+        entry=entry,
+        solution=solution,
+        ties=[(entry, solution)],
+        bound=min(limit.fastest.bound, objective),
+    )
+    limit.searched_ns, limit.fastest_ns, limit.seed = limit.fastest_ns, seed_ns, seed
 
 
 def _build_plan(
@@ -667,6 +753,7 @@ def _probe(
             num_workers=1,
             time_limit_s=None,
             explain=False,
+            seeded=False,
         )
         limit = _throughput_limit(call)
         result = (
