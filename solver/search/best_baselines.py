@@ -305,7 +305,11 @@ class BestBaselines:
     def fastest(self) -> FamilyBest | None:
         """The family whose fastest fitting config is the fastest (None: none fits)."""
         fitting = [f for f in self.families if f.fastest is not None]
-        return max(fitting, key=lambda f: f.fastest.evaluation.throughput, default=None)
+        return max(
+            fitting,
+            key=lambda f: (f.fastest.evaluation.throughput, -f.fastest.evaluation.peak_bytes),
+            default=None,
+        )
 
     @property
     def smallest(self) -> FamilyBest | None:
@@ -459,6 +463,13 @@ def _search_family(search: _FamilySearch, configs, entries, costs_of) -> None:
         best.smallest = search.candidate(entry, setting, n)
 
 
+def _faster(candidate: Candidate, best: Candidate) -> bool:
+    """Shorter iteration, or as short at a smaller peak: of equally fast configs a user keeps
+    the one with the most headroom."""
+    ours, theirs = candidate.evaluation, best.evaluation
+    return (ours.iteration_ns, ours.peak_bytes) < (theirs.iteration_ns, theirs.peak_bytes)
+
+
 class _OutOfTime(Exception):
     """The deadline passed between two evaluations of a family's search."""
 
@@ -468,8 +479,8 @@ def _visit(search: _FamilySearch, found: list[_Entry]) -> None:
     best, training, graph = search.best, search.training, search.graph
     usable = training.usable_bytes(search.cluster.gpu_memory_bytes)
     for entry in sorted(found, key=lambda e: e.time_bound):
-        if search.fastest_ns is not None and entry.time_bound >= search.fastest_ns:
-            break
+        if search.fastest_ns is not None and entry.time_bound > search.fastest_ns:
+            break  # (a tie may still hold a smaller peak)
         if entry.memory_bound > usable:
             continue
         for setting in best.family.settings:
@@ -555,14 +566,14 @@ class _FamilySearch:
         elif not self.fits(entry, setting, 0):
             return
         _, stages = self.peak(entry, setting, n)
-        if self.fastest_ns is not None and iteration_bound_ns(entry.costs, stages) >= (
+        if self.fastest_ns is not None and iteration_bound_ns(entry.costs, stages) > (
             self.fastest_ns
         ):
             return
         if self.deadline.expired():
             raise _OutOfTime
         candidate = self.candidate(entry, setting, n)
-        if self.fastest_ns is None or candidate.evaluation.iteration_ns < self.fastest_ns:
+        if self.best.fastest is None or _faster(candidate, self.best.fastest):
             self.best.fastest = candidate
 
     def candidate(self, entry: _Entry, setting: Setting, n: int) -> Candidate:
