@@ -93,6 +93,10 @@ PRIVATE_APIS: dict[str, tuple[str, str]] = {
         "key live storages by the C++ storage behind them",
         "profiling/trace/memory.py",
     ),
+    "torch._C._storage_Use_Count": (
+        "wait until gloo's worker thread has let go of a collective's buffer",
+        "profiling/executors/parallelize.py",
+    ),
     "torch.UntypedStorage.resize_": (
         "see FSDP2 free and re-allocate unsharded parameters (patched: no dispatch mode sees it)",
         "profiling/trace/memory.py",
@@ -237,6 +241,12 @@ def storage_key(storage: torch.UntypedStorage) -> int:
         return storage._cdata
     except AttributeError:
         raise missing("torch.UntypedStorage._cdata") from None
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int:
+    """How many references hold the C++ storage (every tensor or view on it, every Python storage
+    object, a collective's work still holding its tensors) (checked on 2.13.0; public: none)."""
+    return _private("torch._C._storage_Use_Count")(storage_key(storage))
 
 
 def patch_storage_resize(after: Callable[[torch.UntypedStorage], None]) -> Callable[[], None]:

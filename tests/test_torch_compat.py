@@ -163,6 +163,17 @@ def _storage_key():
     assert key != compat.storage_key(y.untyped_storage()), "two storages share a key"
 
 
+def _storage_use_count():
+    x = torch.ones(4)
+    storage = x.untyped_storage()
+    count = compat.storage_use_count(storage)
+    assert isinstance(count, int) and count >= 1
+    view = x.view(2, 2)
+    assert compat.storage_use_count(storage) == count + 1, "a view does not hold the storage"
+    del view
+    assert compat.storage_use_count(storage) == count, "a dropped view still holds the storage"
+
+
 def _storage_resize():
     from torch.distributed.fsdp import fully_shard
 
@@ -264,6 +275,7 @@ CANARIES = {
     ),
     "torch.distributed.tensor.DTensor._local_tensor": _local_shard,
     "torch.UntypedStorage._cdata": _storage_key,
+    "torch._C._storage_Use_Count": _storage_use_count,
     "torch.UntypedStorage.resize_": _storage_resize,
     "torch.distributed._composable.replicate_with_fsdp.replicate": _replicate_with_fsdp,
     "torch.nn.parallel.DistributedDataParallel.reducer._push_all_rebuilt_params": (

@@ -19,6 +19,8 @@ Data parallelism by ZeRO stage (``apply_data_parallel``, ``build_optimizer``): 0
 from __future__ import annotations
 
 import functools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from profiling._torch_compat import rebuild_ddp_buckets, replicate_with_fsdp
+from profiling._torch_compat import rebuild_ddp_buckets, replicate_with_fsdp, storage_use_count
 from profiling.trace.tensor_parallel import VOCAB_PARALLEL_MIN_ROWS
 from solver.errors import InputError
 
@@ -254,13 +256,39 @@ def _scatter_sequence(tp_mesh: DeviceMesh, module: nn.Module, args: tuple, outpu
     return replicated.redistribute(tp_mesh, [Shard(1)]).to_local()
 
 
+GLOO_RELEASE_TIMEOUT_S = 5.0
+"""How long a collective on gloo waits for gloo's worker thread to let go of its buffer."""
+
+
+def released_by_gloo(tensor: torch.Tensor, collective: Callable[[], Any]) -> Any:
+    """Run the synchronous ``collective`` on ``tensor``'s storage and return its result once
+    gloo's worker thread holds none of it, as NCCL (which the cost model describes) releases a
+    collective's tensors in the caller's ``wait``.
+
+    gloo wakes the waiting caller before its worker drops the finished work (``runLoop``:
+    ``workInProgress_`` reset after ``finishWorkGloo``), and that work holds the buffer: a worker
+    descheduled there (2 CPUs, 4 ranks) held an FSDP2 layer's flat all-gather buffer past FSDP2's
+    free while the next layer's was allocated, so a rank measured that buffer twice (+26,112 B,
+    533,768 against 507,656, on stage 1 of ``tests/test_run.py``'s FSDP2 dp 2 x pp 2 ZeRO 3). The
+    wait (at most ``GLOO_RELEASE_TIMEOUT_S``) yields the CPU until the storage's references are
+    back to the caller's."""
+    storage = tensor.untyped_storage()
+    held = storage_use_count(storage)
+    result = collective()
+    deadline = time.monotonic() + GLOO_RELEASE_TIMEOUT_S
+    while storage_use_count(storage) > held and time.monotonic() < deadline:
+        time.sleep(0)  # releases the GIL and the CPU to gloo's worker
+    return result
+
+
 class InPlaceReduceScatter:
     """FSDP2's reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) as gloo runs it on CPU
     without a second full-size buffer: the input, FSDP2's own flat copy of the layer's unsharded
     gradients, is all-reduced in place and this rank's chunk copied into the output. gloo's
     ``reduce_scatter_single`` allocates a temporary the size of the input (a layer's unsharded
     gradients) that NCCL, which the cost model describes, does not; on gloo its lifetime also
-    follows the collective's thread, so data-parallel twins measured apart by up to that size."""
+    follows the collective's thread, so data-parallel twins measured apart by up to that size.
+    The input is released by gloo before the call returns (``released_by_gloo``)."""
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -268,9 +296,31 @@ class InPlaceReduceScatter:
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         import torch.distributed as dist
 
-        dist.all_reduce(input_tensor, op=op, group=group)
+        released_by_gloo(input_tensor, lambda: dist.all_reduce(input_tensor, op=op, group=group))
         rank = dist.get_rank(group)
         output_tensor.copy_(input_tensor.view(group.size(), -1)[rank].view_as(output_tensor))
+        return None
+
+
+class ReleasedAllGather:
+    """FSDP2's all-gather (``FSDPModule.set_custom_all_gather``) as gloo runs it on CPU: torch's
+    own (``all_gather_single`` into FSDP2's flat buffer), returning once gloo's worker thread
+    has let go of the buffer (``released_by_gloo``), so that the buffer is freed where FSDP2 frees
+    it, as on NCCL. An asynchronous all-gather (FSDP2's ``unshard(async_op=True)``, not what the
+    executors run) returns its work unchanged."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        import torch.distributed as dist
+
+        if async_op:
+            return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
+        released_by_gloo(
+            output_tensor,
+            lambda: dist.all_gather_single(output_tensor, input_tensor, group=group),
+        )
         return None
 
 
@@ -300,6 +350,7 @@ def apply_data_parallel(
             fully_shard(unit, mesh=dp_mesh, reshard_after_forward=zero == 3)
         if device.type == "cpu":
             for unit in units:
+                unit.set_custom_all_gather(ReleasedAllGather())
                 unit.set_custom_reduce_scatter(InPlaceReduceScatter())
         if mesh["pp"].size() > 1:
             # Handed to PipelineStage as it is, as torchtitan does: PipelineStage turns gradient
