@@ -33,10 +33,10 @@ The buffers' bytes are ``boundaries.stage_buffer_bytes``; the time of the same o
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple
 
 import numpy as np
 
+from solver.costs.schedule_orders import ZERO_BUBBLE_SCHEDULES, ScheduleAction, zero_bubble_actions
 from solver.errors import InputError
 from solver.specs import ParallelConfig, TrainingConfig
 
@@ -92,15 +92,6 @@ def in_flight_vectors(
     return [vector for vector, drop in zip(held, dominated.tolist(), strict=True) if not drop]
 
 
-class ScheduleAction(NamedTuple):
-    """One step of a pipeline rank's schedule: a forward ("F") or a full backward ("B") of
-    micro-batch ``microbatch`` through the rank's chunk ``chunk`` (virtual stage chunk p + r)."""
-
-    kind: str
-    chunk: int
-    microbatch: int
-
-
 def forwards_before_first_backward(
     num_microbatches: int, num_ranks: int, rank: int, schedule: str
 ) -> int:
@@ -132,8 +123,12 @@ def schedule_actions(
     ``forward_backward_pipelining_with_interleaving``): forwards visit the chunks in rounds of
     ``group`` micro-batches (default p; ``interleaved_schedule_groups``), backwards in the same
     order with the chunks reversed, after W_r = min(m v, (v - 1) g + 2 (p - 1 - r)) warm-up
-    forwards (``in_flight_vectors``). Each chunk takes its micro-batches in order."""
+    forwards (``in_flight_vectors``). Each chunk takes its micro-batches in order. The
+    zero-bubble and V schedules (``ZERO_BUBBLE_SCHEDULES``: F, I, W and B steps) are torch's
+    (``schedule_orders.zero_bubble_actions``)."""
     m, p, v = num_microbatches, num_ranks, num_chunks
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        return zero_bubble_actions(schedule, m, p, v, rank)
     if schedule == "gpipe":
         assert v == 1, "GPipe runs one chunk per rank"
         return tuple(ScheduleAction("F", 0, i) for i in range(m)) + tuple(
