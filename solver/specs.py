@@ -19,6 +19,7 @@ from solver.files.jsonfile import check_name
 from solver.parallel import (
     MAX_DEGREE,
     MAX_VIRTUAL_STAGES,  # noqa: F401 (the degrees' limits, listed with the others here)
+    ZERO_BUBBLE_SCHEDULES,
     ParallelDims,
     check_degree,
     check_degree_choices,
@@ -26,6 +27,7 @@ from solver.parallel import (
     check_expert_choices,
     check_pins,
     check_sequence_parallel_choice,
+    check_zero_bubble,
 )
 from solver.precision import (
     BYTE_FIELDS,
@@ -40,6 +42,7 @@ from solver.reserve import NO_RESERVE, MemoryReserve
 
 SCHEDULES = ("1f1b", "gpipe")
 """Pipeline schedules (interleaved 1F1B is 1f1b with ``virtual_stages`` > 1)."""
+
 RECOMPUTE_MODES = ("none", "full", "selective")
 """Recomputation of a concrete layout (:attr:`ParallelConfig.recompute`)."""
 RECOMPUTE_CHOICES = (*RECOMPUTE_MODES, "auto")
@@ -580,12 +583,15 @@ class ParallelConfig:
             self.recompute in RECOMPUTE_MODES,
             f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {quote(self.recompute)}",
         )
+        known = SCHEDULES + ZERO_BUBBLE_SCHEDULES
         require(
-            self.schedule in SCHEDULES,
-            f"schedule must be one of {', '.join(SCHEDULES)}, got {quote(self.schedule)}",
+            self.schedule in known,
+            f"schedule must be one of {', '.join(known)}, got {quote(self.schedule)}",
         )
+        if self.schedule in ZERO_BUBBLE_SCHEDULES:  # torch's own rules for its schedules
+            check_zero_bubble(self.schedule, self.num_microbatches, self.pp, self.virtual_stages)
         require(
-            self.virtual_stages == 1 or self.schedule == "1f1b",
+            self.virtual_stages == 1 or self.schedule != "gpipe",
             f"virtual_stages={self.virtual_stages} with schedule {quote(self.schedule)}: "
             "interleaved pipelines run 1F1B; use --schedule 1f1b",
         )

@@ -36,7 +36,13 @@ from functools import lru_cache
 
 import numpy as np
 
-from solver.costs.schedule_orders import ZERO_BUBBLE_SCHEDULES, ScheduleAction, zero_bubble_actions
+from solver.costs.schedule_orders import (
+    ZERO_BUBBLE_SCHEDULES,
+    ScheduleAction,
+    rank_stages,
+    stage_ranks,
+    zero_bubble_actions,
+)
 from solver.errors import InputError
 from solver.specs import ParallelConfig, TrainingConfig
 
@@ -166,19 +172,25 @@ def schedule_actions(
 
 
 def schedule_moments(
-    num_microbatches: int, num_ranks: int, num_chunks: int, rank: int, group: int | None = None
+    num_microbatches: int,
+    num_ranks: int,
+    num_chunks: int,
+    rank: int,
+    group: int | None = None,
+    schedule: str = "1f1b",
 ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Every moment of rank r's schedule just after a forward or a backward, as (n, B): the
     micro-batches each chunk holds and the backwards each chunk has done (the order of
-    ``schedule_actions``, replayed). B only grows, so for each distinct n only the latest
-    moment is kept; largest n first."""
+    ``schedule_actions``, replayed; with split backwards a micro-batch is held until its W,
+    ``schedule_memory``). B only grows, so for each distinct n only the latest moment is kept;
+    largest n first."""
     v = num_chunks
     held, done = [0] * v, [0] * v
     latest: dict[tuple[int, ...], tuple[int, ...]] = {}
-    for action in schedule_actions(num_microbatches, num_ranks, v, rank, group):
+    for action in schedule_actions(num_microbatches, num_ranks, v, rank, group, schedule):
         if action.kind == "F":
             held[action.chunk] += 1
-        else:
+        elif action.kind != "I":
             held[action.chunk] -= 1
             done[action.chunk] += 1
         latest[tuple(held)] = tuple(done)
@@ -191,6 +203,17 @@ def in_flight_counts(config: ParallelConfig, training: TrainingConfig):
     buffers grow with the backwards done, and shrink with the held inputs), else the maximal
     vectors."""
     p, v, m = config.pp, config.virtual_stages, config.num_microbatches
+    if config.schedule in ZERO_BUBBLE_SCHEDULES:  # every moment of torch's lists
+        moments = [
+            _undominated_moments(schedule_moments(m, p, v, r, None, config.schedule))
+            for r in range(p)
+        ]
+        vectors = [[n for n, _ in rank] for rank in moments]
+        dones = [[done for _, done in rank] for rank in moments]
+        ranks = stage_ranks(config.schedule, p, v)
+        chunk = [rank_stages(config.schedule, p, v, ranks[j]).index(j) for j in range(p * v)]
+        in_flight = [max(vector[chunk[j]] for vector in vectors[ranks[j]]) for j in range(p * v)]
+        return in_flight, vectors, dones
     if v == 1:
         in_flight = [in_flight_microbatches(config.schedule, m, p, s) for s in range(p)]
         return in_flight, [[(k,)] for k in in_flight], [[(0,)] for _ in in_flight]

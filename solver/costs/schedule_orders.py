@@ -28,12 +28,26 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
-from solver.errors import InputError
+from solver.parallel import (  # the schedules' names, placement and torch's rules
+    V_SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
+    check_zero_bubble,
+    rank_stages,
+    stage_ranks,
+)
 
-ZERO_BUBBLE_SCHEDULES = ("interleaved-zb", "zbv", "dualpipev")
-"""Schedules with split backwards (I and W), evaluated but not yet searched."""
-V_SCHEDULES = ("zbv", "dualpipev")
-"""Schedules that place a rank's two chunks in a V (virtual stages r and 2p - 1 - r)."""
+__all__ = [
+    "V_SCHEDULES",
+    "ZERO_BUBBLE_SCHEDULES",
+    "OverlapStep",
+    "PipelineStep",
+    "ScheduleAction",
+    "check_zero_bubble",
+    "pipeline_order",
+    "rank_stages",
+    "stage_ranks",
+    "zero_bubble_actions",
+]
 
 
 class ScheduleAction(NamedTuple):
@@ -63,47 +77,6 @@ class OverlapStep(NamedTuple):
 
 
 Entry = PipelineStep | OverlapStep | None
-
-
-def stage_ranks(schedule: str, num_ranks: int, num_chunks: int) -> list[int]:
-    """The rank of each virtual stage: j mod p (loop placement), or the V of
-    ``generate_stage_to_rank_mapping(style="v")``: rank j for j < p, 2p - 1 - j after."""
-    p, n = num_ranks, num_ranks * num_chunks
-    if schedule not in V_SCHEDULES:
-        return [j % p for j in range(n)]
-    return [j % p if (j // p) % 2 == 0 else p - 1 - j % p for j in range(n)]
-
-
-def rank_stages(schedule: str, num_ranks: int, num_chunks: int, rank: int) -> list[int]:
-    """Virtual stages of rank r, chunk order (ascending): r, r + p, ... with loop placement;
-    r, 2p - 1 - r in a V."""
-    ranks = stage_ranks(schedule, num_ranks, num_chunks)
-    return [j for j, owner in enumerate(ranks) if owner == rank]
-
-
-def check_zero_bubble(schedule: str, num_microbatches: int, num_ranks: int, num_chunks: int):
-    """InputError (the rule, the numbers and the fix) for a (p, m, v) torch's schedule refuses."""
-    p, m, v = num_ranks, num_microbatches, num_chunks
-    if schedule not in ZERO_BUBBLE_SCHEDULES:
-        raise InputError(f"schedule {schedule!r} has no zero-bubble action list")
-    if schedule in V_SCHEDULES and v != 2:
-        raise InputError(
-            f"schedule {schedule} places exactly 2 chunks per rank in a V (torch's "
-            f"{'ScheduleZBVZeroBubble' if schedule == 'zbv' else 'ScheduleDualPipeV'}), got "
-            f"virtual stages {v}: give --virtual-stages 2"
-        )
-    if schedule == "dualpipev" and m < 2 * p:
-        raise InputError(
-            f"schedule dualpipev needs at least as many micro-batches as stages (torch's "
-            f"ScheduleDualPipeV): m = {m} < 2 pp = {2 * p}; give a larger --global-batch or "
-            f"a smaller --micro-batch"
-        )
-    rounds = max(1, m // p)
-    if schedule == "interleaved-zb" and m % rounds:
-        raise InputError(
-            f"schedule interleaved-zb needs the micro-batches to be a multiple of its rounds "
-            f"max(1, m // pp) = {rounds} (torch's ScheduleInterleavedZeroBubble), got m = {m}"
-        )
 
 
 @lru_cache(maxsize=64)
