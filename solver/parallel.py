@@ -424,10 +424,20 @@ def check_expert_degree(
 
 ZERO_BUBBLE_SCHEDULES = ("interleaved-zb", "zbv", "dualpipev")
 """Split-backward schedules (torch's ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
-``ScheduleDualPipeV``): a layout may name them (``ParallelConfig``), the cost model times and
-replays them (``solver.costs.schedule_orders``); not yet searched."""
+``ScheduleDualPipeV``): a layout may name them (``ParallelConfig``, ``solver.evaluate``), the cost
+model times and replays them (``solver.costs.schedule_orders``); not yet searched
+(``check_searched``)."""
 V_SCHEDULES = ("zbv", "dualpipev")
 """Schedules that place a rank's two chunks in a V (virtual stages r and 2p - 1 - r)."""
+
+
+def check_searched(schedule: str) -> None:
+    """InputError (one line) for a schedule the search does not take yet (the planner, its
+    Pareto front and every study; ``solver.evaluate`` evaluates it)."""
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        raise InputError(
+            f"schedule {schedule} is evaluated but not yet searched: use python -m solver.evaluate"
+        )
 
 
 def stage_ranks(schedule: str, num_ranks: int, num_chunks: int) -> list[int]:
@@ -444,6 +454,15 @@ def rank_stages(schedule: str, num_ranks: int, num_chunks: int, rank: int) -> li
     r, 2p - 1 - r in a V."""
     ranks = stage_ranks(schedule, num_ranks, num_chunks)
     return [j for j, owner in enumerate(ranks) if owner == rank]
+
+
+def chunk_places(schedule: str, num_ranks: int, num_chunks: int) -> list[tuple[int, int]]:
+    """(rank, chunk) of each virtual stage in pipeline order: chunk c of rank r is the rank's
+    c-th virtual stage in ascending order (``rank_stages``): (j mod p, j // p) with loop
+    placement; in a V (zbv, dualpipev) stage j < p is chunk 0 of rank j, stage j >= p chunk 1 of
+    rank 2p - 1 - j."""
+    ranks = stage_ranks(schedule, num_ranks, num_chunks)
+    return [(rank, ranks[:j].count(rank)) for j, rank in enumerate(ranks)]
 
 
 def check_zero_bubble(schedule: str, num_microbatches: int, num_ranks: int, num_chunks: int):

@@ -197,6 +197,34 @@ def schedule_moments(
     return sorted(latest.items(), reverse=True)
 
 
+@lru_cache(maxsize=512)
+def split_moments(
+    num_microbatches: int, num_ranks: int, num_chunks: int, rank: int, schedule: str
+) -> tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool], ...]:
+    """Every distinct moment of rank r's split-backward schedule (``ZERO_BUBBLE_SCHEDULES``)
+    just after one of its actions, as (n, w, B, g): per chunk the micro-batches held (F run, W
+    or B not yet), those of them between their I and their W, the W or B steps done, and
+    whether any W or B has run on the rank (its gradients exist then under step lifetime).
+    The replay of ``schedule_memory.rank_memory``, action by action, which ``stage_costs``
+    maximises over."""
+    v = num_chunks
+    held, pending, done, grads = [0] * v, [0] * v, [0] * v, False
+    seen: dict[tuple, None] = {}
+    for action in schedule_actions(num_microbatches, num_ranks, v, rank, None, schedule):
+        c = action.chunk
+        if action.kind == "F":
+            held[c] += 1
+        elif action.kind == "I":
+            pending[c] += 1
+        else:  # W or B frees the micro-batch (a W its dY too)
+            held[c] -= 1
+            done[c] += 1
+            pending[c] -= action.kind == "W"
+            grads = True
+        seen[tuple(held), tuple(pending), tuple(done), grads] = None
+    return tuple(seen)
+
+
 def in_flight_counts(config: ParallelConfig, training: TrainingConfig):
     """(k_j per virtual stage, in-flight vectors per rank, backwards done at each) of
     ``config``: on the torch runtime with interleaving every moment of the schedule (its

@@ -60,7 +60,7 @@ from solver.costs.boundaries import boundary_bytes, direct_buffer_adjustments, s
 from solver.costs.coefficients import LayerCosts
 from solver.costs.schedule import ScheduleAction, interleaved_schedule_groups, schedule_actions
 from solver.costs.schedule_orders import ZERO_BUBBLE_SCHEDULES
-from solver.costs.stages import layer_moments, optimizer_step_moment
+from solver.costs.stages import layer_moments, optimizer_step_moment, weight_output_gradients
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,7 +158,7 @@ class _Terms:
         self.transient = np.zeros(n, dtype=np.int64)
         np.maximum.at(self.transient, stage_of, transient)
         self.kept = self.stored + self.relayed
-        self.pending = _sums(_weight_output_gradients(costs, transient), stage_of, n)
+        self.pending = _sums(weight_output_gradients(costs, transient), stage_of, n)
 
     def states(self, rank: int) -> int:
         """Weights + optimizer + gradient buckets + constant of the rank, bytes."""
@@ -271,17 +271,6 @@ def _split_bytes(
         if values[-1] > best:
             best, at_best = values[-1], (tuple(held), tuple(pending))
     return values, at_best
-
-
-def _weight_output_gradients(costs: LayerCosts, transient: np.ndarray) -> np.ndarray:
-    """dY_l per micro-batch, bytes: what a pending W step keeps of layer l beyond its saved
-    activations, transient_l + output_l for a layer with weights, 0 without (module
-    docstring); output_l: the tensors l makes for later layers (``tensor_arrays``)."""
-    first_edge, size, _ = costs.tensor_arrays
-    output = np.zeros(costs.num_layers, dtype=np.int64)
-    np.add.at(output, np.asarray(costs.edge_src)[first_edge], np.asarray(size, dtype=np.int64))
-    weighted = np.asarray(costs.weight_bytes, dtype=np.int64) > 0
-    return np.where(weighted, np.asarray(transient, dtype=np.int64) + output, 0)
 
 
 def _sums(values: np.ndarray, stage_of: np.ndarray, num_stages: int) -> np.ndarray:

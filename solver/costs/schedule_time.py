@@ -51,36 +51,53 @@ from solver.costs.stages import stage_costs
 from solver.errors import InputError
 
 MAX_SCHEDULE_ACTIONS = 2**20
-"""Most forwards and backwards (2 m v p) a simulation runs: each is a few Python objects (about
-350 bytes) and a few microseconds, so 2^20 take about 0.4 GB and 5 s; pp 20,002 with 20,002
-micro-batches would take 300 GB. Configs beyond it are not searched (``candidate_configs``) and a
-layout beyond it is refused (``check_schedule_size``)."""
+"""Most actions (forwards, backwards and, with split backwards, weight-gradient steps:
+``schedule_size``) a simulation runs: each is a few Python objects (about 350 bytes) and a few
+microseconds, so 2^20 take about 0.4 GB and 5 s; pp 20,002 with 20,002 micro-batches would take
+300 GB. Configs beyond it are not searched (``candidate_configs``) and a layout beyond it is
+refused (``check_schedule_size``)."""
 DP_OVERLAPS = ("none", "last_backward")
 """When a rank's data-parallel gradient sync runs (``simulate_schedule``)."""
 
 
-def schedule_size(pp: int, virtual_stages: int, num_microbatches: int) -> int:
-    """Forwards and backwards of one iteration over all ranks: 2 m v p."""
-    return 2 * pp * virtual_stages * num_microbatches
+def _actions_per_microbatch(schedule: str) -> int:
+    """Actions per micro-batch and virtual stage: F and B (2), or F, I and W (3) where the
+    backward is split (``ZERO_BUBBLE_SCHEDULES``; a DualPipeV B or an overlapped F + B counts
+    no more)."""
+    return 3 if schedule in ZERO_BUBBLE_SCHEDULES else 2
+
+
+def schedule_size(
+    pp: int, virtual_stages: int, num_microbatches: int, schedule: str = "1f1b"
+) -> int:
+    """Actions of one iteration over all ranks: 2 m v p forwards and backwards, 3 m v p with
+    split backwards (F, I, W)."""
+    return _actions_per_microbatch(schedule) * pp * virtual_stages * num_microbatches
 
 
 def check_schedule_size(
-    pp: int, virtual_stages: int, num_microbatches: int, micro_batch: int = 1
+    pp: int,
+    virtual_stages: int,
+    num_microbatches: int,
+    micro_batch: int = 1,
+    schedule: str = "1f1b",
 ) -> None:
     """InputError (naming the flags that would do) when a layout's schedule has more than
     ``MAX_SCHEDULE_ACTIONS`` actions to simulate."""
-    size = schedule_size(pp, virtual_stages, num_microbatches)
+    size = schedule_size(pp, virtual_stages, num_microbatches, schedule)
     if size <= MAX_SCHEDULE_ACTIONS:
         return
-    most_m = MAX_SCHEDULE_ACTIONS // (2 * pp * virtual_stages)  # micro-batches that would do
+    per = _actions_per_microbatch(schedule)
+    most_m = MAX_SCHEDULE_ACTIONS // (per * pp * virtual_stages)  # micro-batches that would do
     if most_m >= 1:
         larger = -(-micro_batch * num_microbatches // most_m)
         fix = f"a --micro-batch of at least {larger} or a smaller --global-batch"
     else:
-        fix = f"at most {MAX_SCHEDULE_ACTIONS // (2 * virtual_stages)} pipeline stages (--pp)"
+        fix = f"at most {MAX_SCHEDULE_ACTIONS // (per * virtual_stages)} pipeline stages (--pp)"
+    steps = "forward, input- and weight-gradient steps" if per == 3 else "forwards and backwards"
     raise InputError(
-        f"the pipeline schedule of pp {pp} x virtual stages {virtual_stages} x 2 x "
-        f"{num_microbatches} micro-batches = {size} forwards and backwards is too long to "
+        f"the pipeline schedule of pp {pp} x virtual stages {virtual_stages} x {per} x "
+        f"{num_microbatches} micro-batches = {size} {steps} is too long to "
         f"simulate (at most {MAX_SCHEDULE_ACTIONS}): give {fix}"
     )
 
@@ -405,7 +422,7 @@ def schedule_inputs(
     (``FROM_COSTS``)."""
     config = costs.config
     p, m, n = config.pp, config.num_microbatches, costs.num_stages
-    check_schedule_size(p, config.virtual_stages, m, config.micro_batch)
+    check_schedule_size(p, config.virtual_stages, m, config.micro_batch, config.schedule)
     if link_gb_per_s is FROM_COSTS:
         link_gb_per_s = costs.link_gb_per_s
     if p2p_latency_ns is FROM_COSTS:

@@ -21,6 +21,7 @@ from solver.costs import layer_costs
 from solver.costs.schedule import ScheduleAction
 from solver.costs.schedule_memory import rank_memory
 from solver.costs.schedule_time import schedule_inputs, simulate_schedule
+from solver.parallel import V_SCHEDULES
 from solver.report.plots import CAPACITY_COLOUR, DPI, _save, check_plot_path
 from solver.units import format_bytes
 
@@ -210,8 +211,11 @@ def schedule_figure(
         if untimed
         else f"iteration {makespan_ns / scale.ns_per_unit:.4g} {scale.time_unit}"
     )
+    interleaved = " interleaved" if config.virtual_stages > 1 else ""
+    if config.schedule in V_SCHEDULES:
+        interleaved = " (V placement)"
     summary = (
-        f"{config.schedule}{' interleaved' if config.virtual_stages > 1 else ''}, "
+        f"{config.schedule}{interleaved}, "
         f"{config.num_microbatches} micro-batches, {iteration}, "
         f"peak {format_bytes(evaluation.peak_bytes)}{shown}"
     )
