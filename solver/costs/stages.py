@@ -18,6 +18,13 @@ the stage in forward order:
   interleaved stages (v > 1) keep the persistent moment, an upper bound of the above, per rank
               and in-flight vector n of its chunks c (``_rank_peak_moment``):
               peak_r = states_r + sum_c n_c (stored_c + relay_c) + buffers(n) + max_l trans_l
+  split backwards (zbv, dualpipev, interleaved-zb; ``schedule_orders``), per rank, the largest
+              moment after an action of torch's list (``schedule.split_moments``: n_c held,
+              w_c between their I and their W, B_c done per chunk c; ``_split_peak_moment``):
+              peak_r = states_r + grads + sum_c (n_c kept_c + w_c dY_c) + buffers(n, B)
+                       + max_l trans_l, grads from the rank's first W or B under step lifetime,
+              dY_c the pending W's output gradients (``weight_output_gradients``), exactly the
+              largest action of ``schedule_memory.rank_memory``
   optimizer step (with a step temporary, ``states.optimizer_step_bytes``): after the schedule no
               activation is held and every gradient exists:
               peak_s = max(the moments above, states_s + sum_l step_l + buffers(0 held))
