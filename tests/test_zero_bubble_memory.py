@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from solver.costs import layer_costs
+from solver.costs import layer_costs, stage_costs
 from solver.costs.schedule_memory import rank_memory
 from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
@@ -82,3 +82,32 @@ def test_v_placement_puts_first_and_last_chunk_on_rank_0():
     assert costs.in_flight == [4, 3, 2, 1]
     first = rank_memory(costs, [0, 0, 1, 1, 2, 2, 3, 3])[0]
     assert first.held_at_peak == (4, 0)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev", "interleaved-zb"])
+@pytest.mark.parametrize("runtime", ["megatron", "torch"])
+def test_stage_peak_counts_the_pending_dy_as_the_replay(schedule, runtime):
+    """stage_costs (what solver.evaluate reports) equals each rank's largest action, and at a
+    peak with W steps pending its activations are sum_c n_c kept_c + w_c dY_c, the counts of
+    the replay (zbv and interleaved-zb peak with one pending on this toy; dualpipev, whose
+    overlapped F + B runs full backwards, with none)."""
+    costs = _costs(schedule, 4, runtime=runtime)
+    split = [0, 0, 1, 1, 2, 2, 3, 3]
+    stored, transient, _ = costs.coefficients(costs.recompute_mask(None))
+    kept = [int(stored[2 * j] + stored[2 * j + 1]) for j in range(4)]
+    output = [8] * 7 + [0]
+    pending = [
+        sum(int(transient[k]) + output[k] for k in (2 * j, 2 * j + 1) if k != 5) for j in range(4)
+    ]
+    waiting = 0
+    for stage, memory in zip(stage_costs(costs, split), rank_memory(costs, split), strict=True):
+        assert stage.peak_bytes == memory.peak_bytes
+        own = costs.stages_of_rank(memory.rank)
+        expected = sum(
+            n * kept[j] + w * pending[j]
+            for n, w, j in zip(memory.held_at_peak, memory.pending_at_peak, own, strict=True)
+        )
+        assert stage.activation_bytes == expected
+        assert stage.in_flight == sum(memory.held_at_peak)
+        waiting += sum(memory.pending_at_peak)
+    assert (waiting > 0) == (schedule != "dualpipev")
