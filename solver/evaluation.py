@@ -19,6 +19,7 @@ from solver.costs.moe import check_expert_degree
 from solver.costs.schedule_time import stages_iteration_ns
 from solver.errors import InputError
 from solver.graph import LayerGraph
+from solver.parallel import ZERO_BUBBLE_SCHEDULES
 from solver.precision import for_graph
 from solver.report.baselines import BASELINES, PARTITIONERS, counts_to_assignment
 from solver.reserve import check_usable
@@ -257,7 +258,9 @@ def evaluate(
     else:
         check_training(config, training)
     training = prepare_training(graph, cluster, training)
-    if config.virtual_stages > 1:
+    if config.schedule in ZERO_BUBBLE_SCHEDULES:
+        _check_split_backward(cluster, training, config)
+    elif config.virtual_stages > 1:
         check_interleaving(cluster, training)
         m, p, v = config.num_microbatches, config.pp, config.virtual_stages
         if not interleaving_fits(graph.num_layers, p, m, v):
@@ -291,6 +294,24 @@ def evaluate(
         group_of_stage=group_of_stage,
         recomputed=recomputed,
     )
+
+
+def _check_split_backward(
+    cluster: Cluster, training: TrainingConfig, config: ParallelConfig
+) -> None:
+    """The split-backward schedules (``ZERO_BUBBLE_SCHEDULES``) are modelled for the analytic
+    memory model on homogeneous clusters (their stage costs replay torch's action lists,
+    ``stages.stage_costs``); anything else is a one-line error."""
+    if training.memory_model != "analytic":
+        raise InputError(
+            f"--schedule {config.schedule}: the empirical statistics describe 1F1B stages; use "
+            "--memory-model analytic"
+        )
+    if cluster.is_heterogeneous:
+        raise InputError(
+            f"--schedule {config.schedule} on a heterogeneous cluster is not supported; use "
+            "--schedule 1f1b with --cluster"
+        )
 
 
 def recompute_flags(

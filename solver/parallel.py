@@ -420,3 +420,71 @@ def check_expert_degree(
             f"{source} (each expert-parallel rank holds E / ep of them); pick an {flag} "
             f"that divides {num_experts}"
         )
+
+
+ZERO_BUBBLE_SCHEDULES = ("interleaved-zb", "zbv", "dualpipev")
+"""Split-backward schedules (torch's ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
+``ScheduleDualPipeV``): a layout may name them (``ParallelConfig``, ``solver.evaluate``), the cost
+model times and replays them (``solver.costs.schedule_orders``); not yet searched
+(``check_searched``)."""
+V_SCHEDULES = ("zbv", "dualpipev")
+"""Schedules that place a rank's two chunks in a V (virtual stages r and 2p - 1 - r)."""
+
+
+def check_searched(schedule: str) -> None:
+    """InputError (one line) for a schedule the search does not take yet (the planner, its
+    Pareto front and every study; ``solver.evaluate`` evaluates it)."""
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        raise InputError(
+            f"schedule {schedule} is evaluated but not yet searched: use python -m solver.evaluate"
+        )
+
+
+def stage_ranks(schedule: str, num_ranks: int, num_chunks: int) -> list[int]:
+    """The rank of each virtual stage: j mod p (loop placement), or the V of
+    ``generate_stage_to_rank_mapping(style="v")``: rank j for j < p, 2p - 1 - j after."""
+    p, n = num_ranks, num_ranks * num_chunks
+    if schedule not in V_SCHEDULES:
+        return [j % p for j in range(n)]
+    return [j % p if (j // p) % 2 == 0 else p - 1 - j % p for j in range(n)]
+
+
+def rank_stages(schedule: str, num_ranks: int, num_chunks: int, rank: int) -> list[int]:
+    """Virtual stages of rank r, chunk order (ascending): r, r + p, ... with loop placement;
+    r, 2p - 1 - r in a V."""
+    ranks = stage_ranks(schedule, num_ranks, num_chunks)
+    return [j for j, owner in enumerate(ranks) if owner == rank]
+
+
+def chunk_places(schedule: str, num_ranks: int, num_chunks: int) -> list[tuple[int, int]]:
+    """(rank, chunk) of each virtual stage in pipeline order: chunk c of rank r is the rank's
+    c-th virtual stage in ascending order (``rank_stages``): (j mod p, j // p) with loop
+    placement; in a V (zbv, dualpipev) stage j < p is chunk 0 of rank j, stage j >= p chunk 1 of
+    rank 2p - 1 - j."""
+    ranks = stage_ranks(schedule, num_ranks, num_chunks)
+    return [(rank, ranks[:j].count(rank)) for j, rank in enumerate(ranks)]
+
+
+def check_zero_bubble(schedule: str, num_microbatches: int, num_ranks: int, num_chunks: int):
+    """InputError (the rule, the numbers and the fix) for a (p, m, v) torch's schedule refuses."""
+    p, m, v = num_ranks, num_microbatches, num_chunks
+    if schedule not in ZERO_BUBBLE_SCHEDULES:
+        raise InputError(f"schedule {schedule!r} has no zero-bubble action list")
+    if schedule in V_SCHEDULES and v != 2:
+        raise InputError(
+            f"schedule {schedule} places exactly 2 chunks per rank in a V (torch's "
+            f"{'ScheduleZBVZeroBubble' if schedule == 'zbv' else 'ScheduleDualPipeV'}), got "
+            f"virtual stages {v}: give --virtual-stages 2"
+        )
+    if schedule == "dualpipev" and m < 2 * p:
+        raise InputError(
+            f"schedule dualpipev needs at least as many micro-batches as stages (torch's "
+            f"ScheduleDualPipeV): m = {m} < 2 pp = {2 * p}; give a larger --global-batch or "
+            f"a smaller --micro-batch"
+        )
+    rounds = max(1, m // p)
+    if schedule == "interleaved-zb" and m % rounds:
+        raise InputError(
+            f"schedule interleaved-zb needs the micro-batches to be a multiple of its rounds "
+            f"max(1, m // pp) = {rounds} (torch's ScheduleInterleavedZeroBubble), got m = {m}"
+        )

@@ -19,6 +19,7 @@ from solver.files.jsonfile import check_name
 from solver.parallel import (
     MAX_DEGREE,
     MAX_VIRTUAL_STAGES,  # noqa: F401 (the degrees' limits, listed with the others here)
+    ZERO_BUBBLE_SCHEDULES,
     ParallelDims,
     check_degree,
     check_degree_choices,
@@ -26,6 +27,7 @@ from solver.parallel import (
     check_expert_choices,
     check_pins,
     check_sequence_parallel_choice,
+    check_zero_bubble,
 )
 from solver.precision import (
     BYTE_FIELDS,
@@ -40,6 +42,7 @@ from solver.reserve import NO_RESERVE, MemoryReserve
 
 SCHEDULES = ("1f1b", "gpipe")
 """Pipeline schedules (interleaved 1F1B is 1f1b with ``virtual_stages`` > 1)."""
+
 RECOMPUTE_MODES = ("none", "full", "selective")
 """Recomputation of a concrete layout (:attr:`ParallelConfig.recompute`)."""
 RECOMPUTE_CHOICES = (*RECOMPUTE_MODES, "auto")
@@ -237,7 +240,9 @@ class TrainingConfig:
     jointly with the split) | auto (= selective: none and full are special cases of it, so its
     optimum is never worse than either; none and full with the empirical memory model)."""
     schedule: str = "1f1b"
-    """Pipeline schedule of every candidate: 1f1b or gpipe (``SCHEDULES``)."""
+    """Pipeline schedule of every candidate: 1f1b or gpipe (``SCHEDULES``); the split-backward
+    schedules (``ZERO_BUBBLE_SCHEDULES``: interleaved-zb, zbv, dualpipev) are evaluated but not
+    yet searched (``solver.search.candidates.check_searched``)."""
     virtual_stages: tuple[int, ...] = (1,)
     """Candidate model chunks per pipeline rank v (interleaved 1F1B when v > 1; Megatron-LM's
     ``--num-virtual-stages-per-pipeline-rank``); (1, 2, 4) lets the search choose."""
@@ -394,14 +399,15 @@ class TrainingConfig:
         )
         check_degree_choices("virtual_stages", self.virtual_stages)
         check_degree_choices("cp", self.cp)
+        known = SCHEDULES + ZERO_BUBBLE_SCHEDULES
         require(
-            self.schedule == "1f1b" or self.virtual_stages == (1,),
-            f"virtual stages {self.virtual_stages} need the 1f1b schedule (interleaved 1F1B), "
-            f"got {quote(self.schedule)}",
+            self.schedule in known,
+            f"schedule must be one of {', '.join(known)}, got {quote(self.schedule)}",
         )
         require(
-            self.schedule in SCHEDULES,
-            f"schedule must be one of {SCHEDULES}, got {quote(self.schedule)}",
+            self.schedule != "gpipe" or self.virtual_stages == (1,),
+            f"virtual stages {self.virtual_stages} need the 1f1b schedule (interleaved 1F1B), "
+            f"got {quote(self.schedule)}",
         )
 
     def _check_runtime(self) -> None:
@@ -542,10 +548,12 @@ class ParallelConfig:
     """none | full: every layer recomputes | selective: each layer may (the plan says which);
     ``RECOMPUTE_MODES``."""
     schedule: str = "1f1b"
-    """1f1b | gpipe (``SCHEDULES``)."""
+    """1f1b | gpipe (``SCHEDULES``) | interleaved-zb | zbv | dualpipev (torch's split-backward
+    schedules, ``ZERO_BUBBLE_SCHEDULES``)."""
     virtual_stages: int = 1
     """v: model chunks per pipeline rank (interleaved 1F1B, Megatron's virtual pipeline size);
-    the layers are split into p v virtual stages and virtual stage j runs on rank j mod p."""
+    the layers are split into p v virtual stages and virtual stage j runs on rank j mod p
+    (zbv, dualpipev: v = 2 in a V, rank r runs virtual stages r and 2p - 1 - r)."""
     sp: bool = False
     """Sequence parallelism (Megatron's ``--sequence-parallel``, needs tp > 1): the activations
     TP leaves replicated (norms, dropout, residuals) and the tensors sent between stages are
@@ -580,12 +588,15 @@ class ParallelConfig:
             self.recompute in RECOMPUTE_MODES,
             f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {quote(self.recompute)}",
         )
+        known = SCHEDULES + ZERO_BUBBLE_SCHEDULES
         require(
-            self.schedule in SCHEDULES,
-            f"schedule must be one of {', '.join(SCHEDULES)}, got {quote(self.schedule)}",
+            self.schedule in known,
+            f"schedule must be one of {', '.join(known)}, got {quote(self.schedule)}",
         )
+        if self.schedule in ZERO_BUBBLE_SCHEDULES:  # torch's own rules for its schedules
+            check_zero_bubble(self.schedule, self.num_microbatches, self.pp, self.virtual_stages)
         require(
-            self.virtual_stages == 1 or self.schedule == "1f1b",
+            self.virtual_stages == 1 or self.schedule != "gpipe",
             f"virtual_stages={self.virtual_stages} with schedule {quote(self.schedule)}: "
             "interleaved pipelines run 1F1B; use --schedule 1f1b",
         )
@@ -621,6 +632,8 @@ class ParallelConfig:
         parallelism; 'cp2' after tp and 'ep4' after dp when above 1)."""
         v = self.virtual_stages
         schedule = self.schedule if v == 1 else f"interleaved-1f1b v{v}"
+        if self.schedule in ZERO_BUBBLE_SCHEDULES:
+            schedule = self.schedule if v == 1 else f"{self.schedule} v{v}"
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         ep = f" ep{self.ep}" if self.ep > 1 else ""
         text = (

@@ -14,6 +14,7 @@ from solver import Cluster, ParallelConfig, TrainingConfig, evaluate
 from solver.cli import evaluate_main, plan_main
 from solver.costs import layer_costs, rank_memory, schedule_actions, stage_costs
 from solver.graph import graph_from_dict
+from solver.parallel import ZERO_BUBBLE_SCHEDULES
 from solver.report.schedule_plot import (
     figure_scale,
     memory_curve,
@@ -34,6 +35,11 @@ def _case(seed: int, schedule: str, v: int, runtime: str, lifetime: str):
     graph = random_chain(rng, layers) if seed % 2 else random_dag(rng, layers)
     p = rng.choice([2, 3]) if v > 1 else rng.choice([1, 2, 3, 4])
     m = rng.choice([1, 2, 3, 5, 8]) * (p if v > 1 else 1)
+    if schedule == "dualpipev":  # torch's rule: m >= 2p
+        m = rng.choice([2, 3, 5]) * p
+    elif schedule in ZERO_BUBBLE_SCHEDULES:  # zbv pads m below 2p - 1: idle steps
+        m = rng.choice([1, 2, 3, 4, 5, 8])
+        m -= m % max(1, m // p) if schedule == "interleaved-zb" else 0
     recompute = rng.choice(["none", "full", "selective"])
     config = ParallelConfig(
         pp=p,
@@ -62,14 +68,24 @@ def _case(seed: int, schedule: str, v: int, runtime: str, lifetime: str):
 
 CASES = [
     (schedule, v, runtime, lifetime)
-    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("1f1b", 2))
+    for schedule, v in (
+        ("1f1b", 1),
+        ("gpipe", 1),
+        ("1f1b", 2),
+        ("zbv", 2),
+        ("dualpipev", 2),
+        ("interleaved-zb", 2),
+        ("interleaved-zb", 1),
+    )
     for runtime, lifetime in (
         ("megatron", "persistent"),
         ("torch", "persistent"),
         ("torch", "step"),
     )
 ]
-"""Megatron keeps its gradients for the run (``grad_lifetime`` step is torch's)."""
+"""Megatron keeps its gradients for the run (``grad_lifetime`` step is torch's). The
+split-backward schedules (zbv, dualpipev, interleaved-zb): their stage peaks count the pending
+W steps' dY as the replay does."""
 
 
 @pytest.mark.parametrize(("schedule", "v", "runtime", "lifetime"), CASES)
@@ -78,9 +94,16 @@ def test_largest_memory_over_the_actions_is_the_stage_peak(schedule, v, runtime,
     for seed in range(12):
         costs, split, recomputed = _case(seed, schedule, v, runtime, lifetime)
         stages = stage_costs(costs, split, recomputed)
+        m = costs.config.num_microbatches
         for stage, memory in zip(stages, rank_memory(costs, split, recomputed), strict=True):
             assert memory.peak_bytes == stage.peak_bytes, (seed, stage.index, stage.moment)
-            assert len(memory.action_bytes) == 2 * costs.config.num_microbatches * v
+            kinds = [action.kind for action in memory.actions]
+            assert kinds.count("F") == m * v
+            assert kinds.count("B") + kinds.count("W") == m * v
+            assert kinds.count("I") == kinds.count("W")
+            assert len(kinds) == (3 if schedule in ZERO_BUBBLE_SCHEDULES else 2) * m * v - (
+                kinds.count("B") if schedule in ZERO_BUBBLE_SCHEDULES else 0
+            )
             assert min(memory.action_bytes) >= memory.states_bytes >= 0
             checked += 1
     assert checked >= 24
@@ -129,7 +152,20 @@ def gpipe(gpt_graph):
     return evaluate(gpt_graph, config, [12, 14], cluster=cluster, training=training)
 
 
-@pytest.mark.parametrize("name", ["interleaved", "gpipe"])
+@pytest.fixture(scope="module")
+def zbv(gpt_graph):
+    """torch's ZBV on 2 ranks: rank 0 runs the first chunk (embedding) and the last (head)."""
+    config = ParallelConfig(
+        pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=4, virtual_stages=2, schedule="zbv"
+    )
+    training = TrainingConfig(
+        global_batch=4, virtual_stages=(2,), schedule="zbv", runtime="torch", grad_lifetime="step"
+    )
+    cluster = Cluster(num_gpus=2, gpu_memory_bytes=16 * GIB)
+    return evaluate(gpt_graph, config, "even", cluster=cluster, training=training)
+
+
+@pytest.mark.parametrize("name", ["interleaved", "gpipe", "zbv"])
 def test_series_are_the_simulation_and_the_model(name, request):
     evaluation = request.getfixturevalue(name)
     series, makespan = schedule_series(evaluation)

@@ -20,6 +20,7 @@ from solver.console import (
     positive_float,
 )
 from solver.errors import InputError, quote
+from solver.parallel import ZERO_BUBBLE_SCHEDULES, check_searched
 from solver.precision import (
     BYTE_FIELDS,
     DEFAULT_OPTIMIZER_IMPL,
@@ -259,10 +260,13 @@ def _add_schedule_options(training) -> None:
     """--schedule, --virtual-stages, --runtime, --deallocate-pipeline-outputs."""
     training.add_argument(
         "--schedule",
-        choices=SCHEDULES,
+        choices=SCHEDULES + ZERO_BUBBLE_SCHEDULES,
         default="1f1b",
         help="pipeline schedule: 1f1b (at most p - s micro-batches in flight on stage s) or "
-        "gpipe (all m in flight); default 1f1b",
+        "gpipe (all m in flight); default 1f1b. solver.evaluate also takes torch's "
+        "split-backward schedules interleaved-zb, zbv and dualpipev (zbv and dualpipev with "
+        "--virtual-stages 2: rank r runs virtual stages r and 2p - 1 - r); the planner does not "
+        "search them yet",
     )
     training.add_argument(
         "--virtual-stages",
@@ -600,6 +604,7 @@ FLAG_OF_FIELD = {
 def training_from_args(args: argparse.Namespace) -> TrainingConfig:
     """The TrainingConfig of add_training_options + add_plan_options flags (loads --calibration);
     its errors name the flag."""
+    check_searched(args.schedule)  # plan and sweep: before any work
     try:
         return _training_from_args(args)
     except InputError as error:

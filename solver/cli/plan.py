@@ -31,6 +31,7 @@ from solver.console import (
 )
 from solver.errors import InputError, PlannerError
 from solver.graph import load_graph
+from solver.parallel import check_searched
 from solver.specs import Cluster, TrainingConfig
 
 
@@ -88,6 +89,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         # --time-limit covers the whole command: reading the graph included
         deadline = Deadline(end=started + args.time_limit)
         check_outputs(args)
+        check_searched(args.schedule)  # before the graph is read
         if args.pareto_points is not None and not args.pareto:
             raise InputError("--pareto-points needs --pareto")
         if args.plot_schedule and args.pareto:

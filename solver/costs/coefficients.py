@@ -24,6 +24,7 @@ import numpy as np
 
 from solver.costs.boundaries import BoundaryTensors
 from solver.costs.schedule import stage_boundary_copies
+from solver.costs.schedule_orders import V_SCHEDULES, rank_stages
 from solver.costs.times import PipelineLinks, TimeViews
 from solver.specs import ParallelConfig
 
@@ -263,8 +264,12 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
         return self.config.pp
 
     def stages_of_rank(self, rank: int) -> list[int]:
-        """Virtual stages of rank r, chunk order: r, r + p, ..., r + (v - 1) p."""
-        return list(range(rank, self.num_stages, self.num_ranks))
+        """Virtual stages of rank r, chunk order: r, r + p, ..., r + (v - 1) p; r and 2p - 1 - r
+        under a V schedule (``schedule_orders.rank_stages``)."""
+        config = self.config
+        if config.schedule not in V_SCHEDULES:
+            return list(range(rank, self.num_stages, self.num_ranks))
+        return rank_stages(config.schedule, config.pp, config.virtual_stages, rank)
 
     @property
     def least_held(self) -> int:

@@ -33,10 +33,16 @@ The buffers' bytes are ``boundaries.stage_buffer_bytes``; the time of the same o
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple
 
 import numpy as np
 
+from solver.costs.schedule_orders import (
+    ZERO_BUBBLE_SCHEDULES,
+    ScheduleAction,
+    rank_stages,
+    stage_ranks,
+    zero_bubble_actions,
+)
 from solver.errors import InputError
 from solver.specs import ParallelConfig, TrainingConfig
 
@@ -92,15 +98,6 @@ def in_flight_vectors(
     return [vector for vector, drop in zip(held, dominated.tolist(), strict=True) if not drop]
 
 
-class ScheduleAction(NamedTuple):
-    """One step of a pipeline rank's schedule: a forward ("F") or a full backward ("B") of
-    micro-batch ``microbatch`` through the rank's chunk ``chunk`` (virtual stage chunk p + r)."""
-
-    kind: str
-    chunk: int
-    microbatch: int
-
-
 def forwards_before_first_backward(
     num_microbatches: int, num_ranks: int, rank: int, schedule: str
 ) -> int:
@@ -132,8 +129,12 @@ def schedule_actions(
     ``forward_backward_pipelining_with_interleaving``): forwards visit the chunks in rounds of
     ``group`` micro-batches (default p; ``interleaved_schedule_groups``), backwards in the same
     order with the chunks reversed, after W_r = min(m v, (v - 1) g + 2 (p - 1 - r)) warm-up
-    forwards (``in_flight_vectors``). Each chunk takes its micro-batches in order."""
+    forwards (``in_flight_vectors``). Each chunk takes its micro-batches in order. The
+    zero-bubble and V schedules (``ZERO_BUBBLE_SCHEDULES``: F, I, W and B steps) are torch's
+    (``schedule_orders.zero_bubble_actions``)."""
     m, p, v = num_microbatches, num_ranks, num_chunks
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        return zero_bubble_actions(schedule, m, p, v, rank)
     if schedule == "gpipe":
         assert v == 1, "GPipe runs one chunk per rank"
         return tuple(ScheduleAction("F", 0, i) for i in range(m)) + tuple(
@@ -171,23 +172,57 @@ def schedule_actions(
 
 
 def schedule_moments(
-    num_microbatches: int, num_ranks: int, num_chunks: int, rank: int, group: int | None = None
+    num_microbatches: int,
+    num_ranks: int,
+    num_chunks: int,
+    rank: int,
+    group: int | None = None,
+    schedule: str = "1f1b",
 ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Every moment of rank r's schedule just after a forward or a backward, as (n, B): the
     micro-batches each chunk holds and the backwards each chunk has done (the order of
-    ``schedule_actions``, replayed). B only grows, so for each distinct n only the latest
-    moment is kept; largest n first."""
+    ``schedule_actions``, replayed; with split backwards a micro-batch is held until its W,
+    ``schedule_memory``). B only grows, so for each distinct n only the latest moment is kept;
+    largest n first."""
     v = num_chunks
     held, done = [0] * v, [0] * v
     latest: dict[tuple[int, ...], tuple[int, ...]] = {}
-    for action in schedule_actions(num_microbatches, num_ranks, v, rank, group):
+    for action in schedule_actions(num_microbatches, num_ranks, v, rank, group, schedule):
         if action.kind == "F":
             held[action.chunk] += 1
-        else:
+        elif action.kind != "I":
             held[action.chunk] -= 1
             done[action.chunk] += 1
         latest[tuple(held)] = tuple(done)
     return sorted(latest.items(), reverse=True)
+
+
+@lru_cache(maxsize=512)
+def split_moments(
+    num_microbatches: int, num_ranks: int, num_chunks: int, rank: int, schedule: str
+) -> tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool], ...]:
+    """Every distinct moment of rank r's split-backward schedule (``ZERO_BUBBLE_SCHEDULES``)
+    just after one of its actions, as (n, w, B, g): per chunk the micro-batches held (F run, W
+    or B not yet), those of them between their I and their W, the W or B steps done, and
+    whether any W or B has run on the rank (its gradients exist then under step lifetime).
+    The replay of ``schedule_memory.rank_memory``, action by action, which ``stage_costs``
+    maximises over."""
+    v = num_chunks
+    held, pending, done, grads = [0] * v, [0] * v, [0] * v, False
+    seen: dict[tuple, None] = {}
+    for action in schedule_actions(num_microbatches, num_ranks, v, rank, None, schedule):
+        c = action.chunk
+        if action.kind == "F":
+            held[c] += 1
+        elif action.kind == "I":
+            pending[c] += 1
+        else:  # W or B frees the micro-batch (a W its dY too)
+            held[c] -= 1
+            done[c] += 1
+            pending[c] -= action.kind == "W"
+            grads = True
+        seen[tuple(held), tuple(pending), tuple(done), grads] = None
+    return tuple(seen)
 
 
 def in_flight_counts(config: ParallelConfig, training: TrainingConfig):
@@ -196,6 +231,17 @@ def in_flight_counts(config: ParallelConfig, training: TrainingConfig):
     buffers grow with the backwards done, and shrink with the held inputs), else the maximal
     vectors."""
     p, v, m = config.pp, config.virtual_stages, config.num_microbatches
+    if config.schedule in ZERO_BUBBLE_SCHEDULES:  # every moment of torch's lists
+        moments = [
+            _undominated_moments(schedule_moments(m, p, v, r, None, config.schedule))
+            for r in range(p)
+        ]
+        vectors = [[n for n, _ in rank] for rank in moments]
+        dones = [[done for _, done in rank] for rank in moments]
+        ranks = stage_ranks(config.schedule, p, v)
+        chunk = [rank_stages(config.schedule, p, v, ranks[j]).index(j) for j in range(p * v)]
+        in_flight = [max(vector[chunk[j]] for vector in vectors[ranks[j]]) for j in range(p * v)]
+        return in_flight, vectors, dones
     if v == 1:
         in_flight = [in_flight_microbatches(config.schedule, m, p, s) for s in range(p)]
         return in_flight, [[(k,)] for k in in_flight], [[(0,)] for _ in in_flight]

@@ -31,9 +31,23 @@ them, layers l in forward order):
 so the k-th forward (with every gradient where it follows a backward) is max_l during(l).
 
 The optimizer step (where the model has its temporary, ``LayerCosts.step_bytes``) is one more
-moment after the last backward (``stages.optimizer_step_moment``). A schedule with split backwards
-(B for the input gradient, W for the weight gradient) needs its own rule for each here.
-docs/cost-model.md, "Memory over the step".
+moment after the last backward (``stages.optimizer_step_moment``).
+
+Split backwards (the zero-bubble and V schedules, ``schedule_orders``; always replayed as held
+micro-batches, a rank's chunks by the schedule's placement), on the torch runtime: its
+``stage_backward_input`` (I) runs ``autograd.grad(..., retain_graph=True)``, so between a
+micro-batch's I and its W the chunk keeps ALL the micro-batch's saved activations, plus the
+gradients at the outputs of its weight ops (dY, ``param_groups``' "grads") that W consumes;
+W (``stage_backward_weight``, no retained graph) frees both. With w_c pending W steps of chunk c:
+
+  F, I, B, W = states + grads + sum_c n_c kept_c + sum_c w_c dY_c + buffers + trans_r
+
+where n_c counts a micro-batch from its F to its B or W, and dY_j = sum over j's layers with
+weights of (transient_l + output_l): an estimate that errs over (a layer's backward transient
+bounds the gradients inside it at one moment, not all of its weight ops' dY at once; the
+output's gradient is the last op's dY). Gradients count from the rank's first B or W under step
+lifetime, always under persistent.
+docs/cost-model.md, "Memory over the step" and "Zero-bubble and V schedules".
 """
 
 from __future__ import annotations
@@ -45,7 +59,8 @@ import numpy as np
 from solver.costs.boundaries import boundary_bytes, direct_buffer_adjustments, stage_buffer_bytes
 from solver.costs.coefficients import LayerCosts
 from solver.costs.schedule import ScheduleAction, interleaved_schedule_groups, schedule_actions
-from solver.costs.stages import layer_moments, optimizer_step_moment
+from solver.costs.schedule_orders import ZERO_BUBBLE_SCHEDULES
+from solver.costs.stages import layer_moments, optimizer_step_moment, weight_output_gradients
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +78,11 @@ class RankMemory:
     states_bytes: int
     """Weights + optimizer state (+ gradient buckets, + a calibration's constant): what the
     rank holds throughout."""
+    held_at_peak: tuple[int, ...] = ()
+    """Split-backward schedules: micro-batches each chunk holds (F run, W or B not yet) at the
+    rank's largest action; () for the others."""
+    pending_at_peak: tuple[int, ...] = ()
+    """Split-backward schedules: of those, the ones between their I and their W per chunk."""
 
     @property
     def peak_bytes(self) -> int:
@@ -86,9 +106,14 @@ def rank_memory(
     m, p, v = config.num_microbatches, config.pp, config.virtual_stages
     group = interleaved_schedule_groups(costs.runtime, m, p) if v > 1 else None
     result = []
+    split = config.schedule in ZERO_BUBBLE_SCHEDULES
     for rank in range(p):
         actions = schedule_actions(m, p, v, rank, group, config.schedule)
-        if v == 1 and (terms.stage_of == rank).any():
+        counts: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+        if split:
+            own = costs.stages_of_rank(rank)
+            values, counts = _split_bytes(terms, rank, own, actions)
+        elif v == 1 and (terms.stage_of == rank).any():
             values = _layerwise_bytes(terms, rank, actions)
         else:
             values = _held_bytes(terms, rank, actions)
@@ -106,6 +131,8 @@ def rank_memory(
                 action_bytes=tuple(values),
                 step_bytes=step,
                 states_bytes=terms.states(rank),
+                held_at_peak=counts[0],
+                pending_at_peak=counts[1],
             )
         )
     return result
@@ -131,6 +158,7 @@ class _Terms:
         self.transient = np.zeros(n, dtype=np.int64)
         np.maximum.at(self.transient, stage_of, transient)
         self.kept = self.stored + self.relayed
+        self.pending = _sums(weight_output_gradients(costs, transient), stage_of, n)
 
     def states(self, rank: int) -> int:
         """Weights + optimizer + gradient buckets + constant of the rank, bytes."""
@@ -210,6 +238,39 @@ def _layerwise_bytes(terms: _Terms, rank: int, actions: tuple[ScheduleAction, ..
             values.append(states + all_grads + held * kept + largest + terms.buffers(rank, held, 0))
         seen_backward, grads = True, all_grads
     return values
+
+
+def _split_bytes(
+    terms: _Terms, rank: int, own: list[int], actions: tuple[ScheduleAction, ...]
+) -> tuple[list[int], tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The memory at the end of each action of a split-backward schedule (module docstring),
+    and the (held, pending W) counts per chunk at the largest."""
+    costs = terms.costs
+    v = len(own)
+    states = terms.states(rank)
+    largest = int(terms.transient[own].max())
+    all_grads = int(terms.grads[own].sum())
+    grads = 0 if costs.grad_lifetime == "step" else all_grads
+    held, pending, done = [0] * v, [0] * v, [0] * v
+    values, best, at_best = [], -1, ((0,) * v, (0,) * v)
+    for action in actions:
+        c = action.chunk
+        if action.kind == "F":
+            held[c] += 1
+        elif action.kind == "I":
+            pending[c] += 1
+        else:  # B or W: the micro-batch's activations (and a W's dY) are freed
+            held[c] -= 1
+            done[c] += 1
+            pending[c] -= action.kind == "W"
+            grads = all_grads
+        activations = sum(n * int(terms.kept[j]) for n, j in zip(held, own, strict=True))
+        waiting = sum(w * int(terms.pending[j]) for w, j in zip(pending, own, strict=True))
+        buffers = sum(terms.buffers(j, n, b) for n, b, j in zip(held, done, own, strict=True))
+        values.append(states + grads + activations + waiting + buffers + largest)
+        if values[-1] > best:
+            best, at_best = values[-1], (tuple(held), tuple(pending))
+    return values, at_best
 
 
 def _sums(values: np.ndarray, stage_of: np.ndarray, num_stages: int) -> np.ndarray:

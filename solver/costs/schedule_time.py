@@ -20,6 +20,12 @@ Event rules (all times integer ns, per micro-batch):
   A transfer occupies its directed rank-to-rank link: it starts when the sending action ends and
   the link has finished the sender's earlier transfers on it (FIFO); a send does not block the
   sending rank (asynchronous p2p).
+  Split backwards (the zero-bubble and V schedules, ``schedule_orders``): I(j, i), the input
+  gradient, waits as B does and sends the gradient on; W(j, i), the weight gradient, needs only
+  its own I, which its rank has run before it (the lists' order); DualPipeV's full backwards are
+  B. The V's turn-around (virtual stages p - 1 and p, both on rank p - 1) passes the activation
+  and the gradient within the rank: no transfer time. I = B - W per virtual stage, W from
+  ``weight_gradient_ns``.
   Rank r ends at its last backward + its data-parallel gradient sync AR_r (``dp_overlap="none"``:
   started after the last backward, as Megatron-LM's ``finalize_model_grads`` runs after the
   schedule without --overlap-grad-reduce) or at max(end of last backward, start of last
@@ -39,41 +45,59 @@ import numpy as np
 
 from solver.costs.coefficients import LayerCosts
 from solver.costs.schedule import ScheduleAction, interleaved_schedule_groups, schedule_actions
+from solver.costs.schedule_orders import ZERO_BUBBLE_SCHEDULES, rank_stages, stage_ranks
 from solver.costs.stage_cost import StageCost
 from solver.costs.stages import stage_costs
 from solver.errors import InputError
 
 MAX_SCHEDULE_ACTIONS = 2**20
-"""Most forwards and backwards (2 m v p) a simulation runs: each is a few Python objects (about
-350 bytes) and a few microseconds, so 2^20 take about 0.4 GB and 5 s; pp 20,002 with 20,002
-micro-batches would take 300 GB. Configs beyond it are not searched (``candidate_configs``) and a
-layout beyond it is refused (``check_schedule_size``)."""
+"""Most actions (forwards, backwards and, with split backwards, weight-gradient steps:
+``schedule_size``) a simulation runs: each is a few Python objects (about 350 bytes) and a few
+microseconds, so 2^20 take about 0.4 GB and 5 s; pp 20,002 with 20,002 micro-batches would take
+300 GB. Configs beyond it are not searched (``candidate_configs``) and a layout beyond it is
+refused (``check_schedule_size``)."""
 DP_OVERLAPS = ("none", "last_backward")
 """When a rank's data-parallel gradient sync runs (``simulate_schedule``)."""
 
 
-def schedule_size(pp: int, virtual_stages: int, num_microbatches: int) -> int:
-    """Forwards and backwards of one iteration over all ranks: 2 m v p."""
-    return 2 * pp * virtual_stages * num_microbatches
+def _actions_per_microbatch(schedule: str) -> int:
+    """Actions per micro-batch and virtual stage: F and B (2), or F, I and W (3) where the
+    backward is split (``ZERO_BUBBLE_SCHEDULES``; a DualPipeV B or an overlapped F + B counts
+    no more)."""
+    return 3 if schedule in ZERO_BUBBLE_SCHEDULES else 2
+
+
+def schedule_size(
+    pp: int, virtual_stages: int, num_microbatches: int, schedule: str = "1f1b"
+) -> int:
+    """Actions of one iteration over all ranks: 2 m v p forwards and backwards, 3 m v p with
+    split backwards (F, I, W)."""
+    return _actions_per_microbatch(schedule) * pp * virtual_stages * num_microbatches
 
 
 def check_schedule_size(
-    pp: int, virtual_stages: int, num_microbatches: int, micro_batch: int = 1
+    pp: int,
+    virtual_stages: int,
+    num_microbatches: int,
+    micro_batch: int = 1,
+    schedule: str = "1f1b",
 ) -> None:
     """InputError (naming the flags that would do) when a layout's schedule has more than
     ``MAX_SCHEDULE_ACTIONS`` actions to simulate."""
-    size = schedule_size(pp, virtual_stages, num_microbatches)
+    size = schedule_size(pp, virtual_stages, num_microbatches, schedule)
     if size <= MAX_SCHEDULE_ACTIONS:
         return
-    most_m = MAX_SCHEDULE_ACTIONS // (2 * pp * virtual_stages)  # micro-batches that would do
+    per = _actions_per_microbatch(schedule)
+    most_m = MAX_SCHEDULE_ACTIONS // (per * pp * virtual_stages)  # micro-batches that would do
     if most_m >= 1:
         larger = -(-micro_batch * num_microbatches // most_m)
         fix = f"a --micro-batch of at least {larger} or a smaller --global-batch"
     else:
-        fix = f"at most {MAX_SCHEDULE_ACTIONS // (2 * virtual_stages)} pipeline stages (--pp)"
+        fix = f"at most {MAX_SCHEDULE_ACTIONS // (per * virtual_stages)} pipeline stages (--pp)"
+    steps = "forward, input- and weight-gradient steps" if per == 3 else "forwards and backwards"
     raise InputError(
-        f"the pipeline schedule of pp {pp} x virtual stages {virtual_stages} x 2 x "
-        f"{num_microbatches} micro-batches = {size} forwards and backwards is too long to "
+        f"the pipeline schedule of pp {pp} x virtual stages {virtual_stages} x {per} x "
+        f"{num_microbatches} micro-batches = {size} {steps} is too long to "
         f"simulate (at most {MAX_SCHEDULE_ACTIONS}): give {fix}"
     )
 
@@ -101,6 +125,7 @@ def simulate_schedule(
     num_ranks: int,
     forward_ns: Sequence[int],
     backward_ns: Sequence[int],
+    weight_ns: Sequence[int] | None = None,
     group: int | None = None,
     transfer_ns: Mapping[tuple[int, int], int] | None = None,
     gradient_ns: Mapping[tuple[int, int], int] | None = None,
@@ -112,7 +137,10 @@ def simulate_schedule(
     """Simulate one iteration (module docstring for the rules).
 
     ``forward_ns`` / ``backward_ns``: per virtual stage j = chunk p + rank (p v of them), per
-    micro-batch, ns; backward includes the recompute forward. ``transfer_ns[(a, c)]``: an
+    micro-batch, ns; backward includes the recompute forward. ``weight_ns``: the W step's part
+    of each backward under a split-backward schedule (the I step runs the rest; None: half).
+    Virtual stage j runs on rank ``schedule_orders.stage_ranks`` (j mod p; a V for zbv and
+    dualpipev). ``transfer_ns[(a, c)]``: an
     activation transfer from stage a to stage c > a per micro-batch; ``gradient_ns[(c, a)]``:
     the gradient transfer back (missing pairs: 0; the neighbours j -> j + 1 are always
     dependencies). ``group``: interleaved rounds (default p). ``dp_sync_ns``: AR_r per rank.
@@ -128,6 +156,7 @@ def simulate_schedule(
         p=p,
         forward_ns=forward_ns,
         backward_ns=backward_ns,
+        weight_ns=weight_ns,
         group=group,
         transfer_ns=transfer_ns,
         gradient_ns=gradient_ns,
@@ -159,6 +188,7 @@ def _rank_steps(
     p: int,
     forward_ns: Sequence[int],
     backward_ns: Sequence[int],
+    weight_ns: Sequence[int] | None,
     group: int | None,
     transfer_ns: Mapping[tuple[int, int], int] | None,
     gradient_ns: Mapping[tuple[int, int], int] | None,
@@ -168,6 +198,7 @@ def _rank_steps(
     actions with their durations, the transfers each waits for and those it sends."""
     num_stages = len(forward_ns)
     v = num_stages // p
+    rank_of = stage_ranks(schedule, p, v)
     transfer_ns = dict(transfer_ns or {})
     gradient_ns = dict(gradient_ns or {})
     for j in range(num_stages - 1):  # the neighbours always feed each other
@@ -180,22 +211,33 @@ def _rank_steps(
     waits: dict[tuple[str, int], list[list]] = {
         (kind, j): [] for kind in "FB" for j in range(num_stages)
     }
+    waits |= {("I", j): waits[("B", j)] for j in range(num_stages)}  # I waits as B does
+    waits |= {("W", j): [] for j in range(num_stages)}  # after its own I, on its own rank
     for (kind, _, target), times in arrival.items():  # one pass (per stage was O(p^2))
         waits[(kind, target)].append(times)
     link_index: dict[tuple[int, int], int] = {}
     sends: dict[tuple[str, int], list[tuple[list, int, int]]] = {}
     for kind, pairs in (("F", transfer_ns), ("B", gradient_ns)):
         for (a, c), ns in sorted(pairs.items()):
-            link = link_index.setdefault((a % p, c % p), len(link_index))
-            sends.setdefault((kind, a), []).append((arrival[(kind, a, c)], link, int(ns)))
+            link = link_index.setdefault((rank_of[a], rank_of[c]), len(link_index))
+            ns = 0 if rank_of[a] == rank_of[c] else int(ns)  # within a rank (the V's turn)
+            sends.setdefault((kind, a), []).append((arrival[(kind, a, c)], link, ns))
+    for j in range(num_stages):  # I sends the input gradient as B does
+        sends[("I", j)] = sends.get(("B", j), ())
     duration = {("F", j): int(forward_ns[j]) + microbatch_overhead_ns for j in range(num_stages)}
     duration |= {("B", j): int(backward_ns[j]) for j in range(num_stages)}
+    if weight_ns is None:
+        weight_ns = [int(backward_ns[j]) // 2 for j in range(num_stages)]
+    for j in range(num_stages):
+        weight = min(int(weight_ns[j]), int(backward_ns[j]))
+        duration |= {("W", j): weight, ("I", j): int(backward_ns[j]) - weight}
     # per rank: (action, micro-batch, duration, arrivals to wait for, sends) in its order
     lists = []
     for r in range(p):
         steps = []
+        own = rank_stages(schedule, p, v, r)
         for action in schedule_actions(m, p, v, r, group, schedule):
-            key = (action.kind, action.chunk * p + r)
+            key = (action.kind, own[action.chunk])
             steps.append((action, action.microbatch, duration[key], waits[key], sends.get(key, ())))
         lists.append(steps)
     return lists, len(link_index)
@@ -380,7 +422,7 @@ def schedule_inputs(
     (``FROM_COSTS``)."""
     config = costs.config
     p, m, n = config.pp, config.num_microbatches, costs.num_stages
-    check_schedule_size(p, config.virtual_stages, m, config.micro_batch)
+    check_schedule_size(p, config.virtual_stages, m, config.micro_batch, config.schedule)
     if link_gb_per_s is FROM_COSTS:
         link_gb_per_s = costs.link_gb_per_s
     if p2p_latency_ns is FROM_COSTS:
@@ -391,18 +433,21 @@ def schedule_inputs(
         dp_overlap = costs.dp_overlap
     if optimizer_step_ns is FROM_COSTS:  # with the runtime's own step work
         optimizer_step_ns = [stage.optimizer_step_ns + costs.step_overhead_ns for stage in stages]
+    v = config.virtual_stages
+    rank_of = stage_ranks(config.schedule, p, v)
     forward_stage, backward_stage = [0] * n, [0] * n
     for r, stage in enumerate(stages):
-        for c, (time_ns, forward_ns) in enumerate(
-            zip(stage.chunk_time_ns, stage.chunk_forward_ns, strict=True)
+        own = rank_stages(config.schedule, p, v, r)
+        for j, time_ns, forward_ns in zip(
+            own, stage.chunk_time_ns, stage.chunk_forward_ns, strict=True
         ):
-            forward_stage[c * p + r], backward_stage[c * p + r] = forward_ns, time_ns - forward_ns
+            forward_stage[j], backward_stage[j] = forward_ns, time_ns - forward_ns
     activations, gradients = stage_transfer_bytes(costs, np.asarray(stage_of_layer, dtype=np.int64))
 
     def ns(pairs: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]:
         out = {}
         for (a, c), size in pairs.items():
-            link = (a % p, c % p)
+            link = (rank_of[a], rank_of[c])
             if link_gb_per_s is None or link[0] == link[1]:
                 out[(a, c)] = 0
                 continue
@@ -411,12 +456,16 @@ def schedule_inputs(
         return out
 
     group = interleaved_schedule_groups(costs.runtime, m, p) if config.virtual_stages > 1 else None
+    weight_ns = None
+    if config.schedule in ZERO_BUBBLE_SCHEDULES:
+        weight_ns = weight_gradient_ns(costs, forward_stage, stage_of_layer)
     return {
         "schedule": config.schedule,
         "num_microbatches": m,
         "num_ranks": p,
         "forward_ns": forward_stage,
         "backward_ns": backward_stage,
+        "weight_ns": weight_ns,
         "group": group,
         "transfer_ns": ns(activations),
         "gradient_ns": ns(gradients),
@@ -425,6 +474,36 @@ def schedule_inputs(
         "microbatch_overhead_ns": microbatch_overhead_ns,
         "optimizer_step_ns": optimizer_step_ns,
     }
+
+
+def weight_gradient_ns(
+    costs: LayerCosts,
+    forward_ns: Sequence[int],
+    stage_of_layer: Sequence[int] | np.ndarray,
+) -> list[int]:
+    """W_j: the weight-gradient part of virtual stage j's backward per micro-batch, ns (the
+    W step of a split-backward schedule; its I step runs the rest, recompute included).
+
+    A layer's weight gradients are matmuls of its saved inputs with its output gradients, as
+    many FLOPs as its forward's matmuls, and its input gradients as many again (Qi et al. 2024,
+    "Zero Bubble Pipeline Parallelism", section 2: T_F ~ T_B ~ T_W for a transformer layer). So
+    a layer with weights (``weight_bytes`` > 0) has w_l = min(F_l, (T_l - F_l) / 2) (its forward
+    time, at most half its backward without recompute; ``forward_ns``, ``time_ns``); one without
+    weights (attention core, activations) has none. W_j = sum of w_l over j's layers, scaled by
+    the stage's forward in ``forward_ns`` over theirs (a heterogeneous group's times).
+    Over-counts W for a layer whose forward holds weightless work (attention scores)."""
+    stage_of = np.asarray(stage_of_layer, dtype=np.int64)
+    forward = np.asarray(costs.forward_ns, dtype=np.int64)
+    backward = np.asarray(costs.time_ns, dtype=np.int64) - forward
+    weighted = np.asarray(costs.weight_bytes, dtype=np.int64) > 0
+    per_layer = np.where(weighted, np.minimum(forward, backward // 2), 0)
+    n = len(forward_ns)
+    sum_w, sum_f = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    np.add.at(sum_w, stage_of, per_layer)
+    np.add.at(sum_f, stage_of, forward)
+    return [
+        int(forward_ns[j]) * int(sum_w[j]) // int(sum_f[j]) if sum_f[j] > 0 else 0 for j in range(n)
+    ]
 
 
 def simulated_iteration_ns(

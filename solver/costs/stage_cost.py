@@ -15,7 +15,8 @@ class StageCost:
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: int
-    """k_s x (stored activations + relayed edges)."""
+    """k_s x (stored activations + relayed edges); with split backwards (zbv, dualpipev,
+    interleaved-zb) also the output gradients pending W steps keep (``stages``)."""
     buffer_bytes: int
     """Boundary tensors: receive buffers and held outputs (``boundary_copies``)."""
     transient_bytes: int

@@ -18,6 +18,13 @@ the stage in forward order:
   interleaved stages (v > 1) keep the persistent moment, an upper bound of the above, per rank
               and in-flight vector n of its chunks c (``_rank_peak_moment``):
               peak_r = states_r + sum_c n_c (stored_c + relay_c) + buffers(n) + max_l trans_l
+  split backwards (zbv, dualpipev, interleaved-zb; ``schedule_orders``), per rank, the largest
+              moment after an action of torch's list (``schedule.split_moments``: n_c held,
+              w_c between their I and their W, B_c done per chunk c; ``_split_peak_moment``):
+              peak_r = states_r + grads + sum_c (n_c kept_c + w_c dY_c) + buffers(n, B)
+                       + max_l trans_l, grads from the rank's first W or B under step lifetime,
+              dY_c the pending W's output gradients (``weight_output_gradients``), exactly the
+              largest action of ``schedule_memory.rank_memory``
   optimizer step (with a step temporary, ``states.optimizer_step_bytes``): after the schedule no
               activation is held and every gradient exists:
               peak_s = max(the moments above, states_s + sum_l step_l + buffers(0 held))
@@ -40,6 +47,8 @@ from solver.costs.boundaries import (
     stage_buffer_bytes,
 )
 from solver.costs.coefficients import LayerCosts
+from solver.costs.schedule import split_moments
+from solver.costs.schedule_orders import ZERO_BUBBLE_SCHEDULES
 from solver.costs.stage_cost import StageCost
 
 KEPT_ASSIGNMENTS = 2
@@ -100,15 +109,27 @@ def _stage_costs(
     members = np.argsort(stage_of, kind="stable")
     bounds = np.searchsorted(stage_of[members], np.arange(num_stages + 1))
     kept = stored + relayed  # per micro-batch kept by each virtual stage
+    split = costs.config.schedule in ZERO_BUBBLE_SCHEDULES
+    if split:  # a pending W's dY per micro-batch of each virtual stage
+        pending = _per_stage_sum(
+            weight_output_gradients(costs, transient_per_layer), stage_of, num_stages
+        )
     stages = []
     for rank in range(len(costs.in_flight_vectors)):
         own = costs.stages_of_rank(rank)
         chunks = [members[bounds[j] : bounds[j + 1]].tolist() for j in own]
         layers = [layer for chunk in chunks for layer in chunk]
         grads, largest = int(grad[own].sum()), int(transient[own].max())
-        activations, buffers, vector = _rank_peak_moment(costs, rank, kept, into, out_of, adjust)
         moment = "forward"
-        if costs.config.virtual_stages == 1 and chunks[0]:
+        if split:
+            grads, activations, buffers, vector = _split_peak_moment(
+                costs, rank, grads, kept, pending, (into, out_of, adjust)
+            )
+        else:
+            activations, buffers, vector = _rank_peak_moment(
+                costs, rank, kept, into, out_of, adjust
+            )
+        if costs.config.virtual_stages == 1 and chunks[0] and not split:
             late = costs.first_backward_peak[rank]
             moments = layer_moments(
                 costs,
@@ -275,6 +296,60 @@ def _rank_peak_moment(
         moments.append((activations + buffers, activations, buffers, vector))
     _, activations, buffers, vector = max(moments)
     return activations, buffers, vector
+
+
+def _split_peak_moment(
+    costs: LayerCosts,
+    rank: int,
+    all_grads: int,
+    kept: np.ndarray,
+    pending: np.ndarray,
+    boundaries: tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None],
+) -> tuple[int, int, int, tuple[int, ...]]:
+    """(gradients, activations, buffers, held vector) at the largest moment of rank r's
+    split-backward schedule (``schedule.split_moments``), as ``schedule_memory.rank_memory``
+    replays it: sum_c n_c kept_c + sum_c w_c dY_c (``pending``, bytes per micro-batch) in the
+    activations, the buffers at (n_c, B_c), and every gradient from the rank's first W or B
+    under step lifetime (always under persistent). Bytes per GPU."""
+    config = costs.config
+    own = costs.stages_of_rank(rank)
+    into, out_of, adjust = boundaries
+    persistent = costs.grad_lifetime != "step"
+    buffers_at: dict[tuple[int, int, int], int] = {}  # (virtual stage, held, done) -> bytes
+
+    def buffer(stage: int, held: int, done: int) -> int:
+        key = (stage, held, done)
+        if key not in buffers_at:
+            buffers_at[key] = stage_buffer_bytes(costs, stage, held, done, into, out_of, adjust)
+        return buffers_at[key]
+
+    best = None
+    for held, waiting, done, started in split_moments(
+        config.num_microbatches, config.pp, config.virtual_stages, rank, config.schedule
+    ):
+        grads = all_grads if persistent or started else 0
+        activations = sum(
+            n * int(kept[j]) + w * int(pending[j])
+            for n, w, j in zip(held, waiting, own, strict=True)
+        )
+        buffers = sum(buffer(j, n, b) for n, b, j in zip(held, done, own, strict=True))
+        total = grads + activations + buffers
+        if best is None or total > best[0]:
+            best = (total, grads, activations, buffers, held)
+    assert best is not None, "a rank of a split-backward schedule runs at least one action"
+    return best[1:]
+
+
+def weight_output_gradients(costs: LayerCosts, transient: np.ndarray) -> np.ndarray:
+    """dY_l per micro-batch, bytes: what a pending W step keeps of layer l beyond its saved
+    activations, transient_l + output_l for a layer with weights, 0 without
+    (``schedule_memory``); output_l: the tensors l makes for later layers
+    (``tensor_arrays``). ``transient``: per layer, the recompute set applied."""
+    first_edge, size, _ = costs.tensor_arrays
+    output = np.zeros(costs.num_layers, dtype=np.int64)
+    np.add.at(output, np.asarray(costs.edge_src)[first_edge], np.asarray(size, dtype=np.int64))
+    weighted = np.asarray(costs.weight_bytes, dtype=np.int64) > 0
+    return np.where(weighted, np.asarray(transient, dtype=np.int64) + output, 0)
 
 
 PPM = 1_000_000

@@ -35,6 +35,7 @@ from solver.errors import InputError, quote
 from solver.evaluation import Evaluation, evaluate
 from solver.files.jsonfile import read_json, schema_message
 from solver.graph import LayerGraph, load_graph
+from solver.parallel import chunk_places
 from solver.reserve import MemoryReserve
 from solver.specs import Cluster, NodeGroup, ParallelConfig, TrainingConfig
 
@@ -84,8 +85,9 @@ class PlanStage:
     layers: tuple[str, ...]
     """Layer names in graph order (with interleaving: its chunks concatenated)."""
     chunks: tuple[tuple[str, ...], ...]
-    """Layers of each of the rank's chunks (virtual stage c * pp + index is chunk c); one chunk,
-    ``layers``, without interleaving."""
+    """Layers of each of the rank's chunks (virtual stage c * pp + index is chunk c; in a V,
+    zbv and dualpipev, index and 2 pp - 1 - index); one chunk, ``layers``, without
+    interleaving."""
     recomputed: tuple[str, ...]
     """Its layers whose activations are recomputed."""
     peak_bytes: int
@@ -155,12 +157,10 @@ class PlanFile:
     @property
     def virtual_stage_layers(self) -> list[list[str]]:
         """Layer names of each (virtual) stage in pipeline order: virtual stage j is chunk
-        j // pp of rank j % pp."""
-        pp = self.config.pp
-        return [
-            list(self.stages[j % pp].chunks[j // pp])
-            for j in range(pp * self.config.virtual_stages)
-        ]
+        j // pp of rank j % pp (in a V, zbv and dualpipev: ``parallel.chunk_places``)."""
+        config = self.config
+        places = chunk_places(config.schedule, config.pp, config.virtual_stages)
+        return [list(self.stages[rank].chunks[chunk]) for rank, chunk in places]
 
     @property
     def group_of_stage(self) -> list[int] | None:
@@ -457,12 +457,12 @@ def _check_stages(
             f"{len(stage_of_layer)} entries but the stages list {len(seen)} layers",
         )
     counts = Counter(stage_of_layer)
-    for j in range(pp * v):
-        listed, found = len(stages[j % pp].chunks[j // pp]), counts.pop(j, 0)
+    for j, (rank, chunk) in enumerate(chunk_places(config.schedule, pp, v)):
+        listed, found = len(stages[rank].chunks[chunk]), counts.pop(j, 0)
         if found != listed:
             raise fail(
                 "stage_of_layer",
-                f"{found} layers on (virtual) stage {j}, but stages[{j % pp}] lists {listed}",
+                f"{found} layers on (virtual) stage {j}, but stages[{rank}] lists {listed}",
             )
     if counts:
         raise fail("stage_of_layer", f"stage {min(counts)} outside 0..{pp * v - 1}")

@@ -5,8 +5,8 @@ cost model (``solver.costs.schedule_memory``), with its predicted peak and the G
 memory marked; ``profiling.validate`` adds the measured memory at each action where a run
 recorded it. Times and memory in the units that suit the step (``figure_scale``).
 
-A new kind of action (a zero-bubble schedule's weight-gradient step "W") needs only its colour in
-``ACTION_COLOURS``: the rows draw whatever kinds the simulated actions carry.
+The zero-bubble and V schedules' input-gradient ("I") and weight-gradient ("W") steps have their
+colours in ``ACTION_COLOURS``: the rows draw whatever kinds the simulated actions carry.
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ from solver.costs import layer_costs
 from solver.costs.schedule import ScheduleAction
 from solver.costs.schedule_memory import rank_memory
 from solver.costs.schedule_time import schedule_inputs, simulate_schedule
+from solver.parallel import V_SCHEDULES
 from solver.report.plots import CAPACITY_COLOUR, DPI, _save, check_plot_path
 from solver.units import format_bytes
 
-ACTION_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
-"""Colour of each kind of action: forward, backward (input and weight gradients; a split
-schedule's B is the input gradient only), weight gradient."""
-ACTION_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
+ACTION_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
+"""Colour of each kind of action: forward, full backward (input and weight gradients), a split
+schedule's input gradient, its weight gradient."""
+ACTION_NAMES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
 TAIL_COLOUR = "#8c8c8c"
 PREDICTED_COLOUR = "#4c72b0"
 MEASURED_COLOUR = "#222222"
@@ -210,8 +211,11 @@ def schedule_figure(
         if untimed
         else f"iteration {makespan_ns / scale.ns_per_unit:.4g} {scale.time_unit}"
     )
+    interleaved = " interleaved" if config.virtual_stages > 1 else ""
+    if config.schedule in V_SCHEDULES:
+        interleaved = " (V placement)"
     summary = (
-        f"{config.schedule}{' interleaved' if config.virtual_stages > 1 else ''}, "
+        f"{config.schedule}{interleaved}, "
         f"{config.num_microbatches} micro-batches, {iteration}, "
         f"peak {format_bytes(evaluation.peak_bytes)}{shown}"
     )
@@ -395,7 +399,7 @@ def _legend(axes, series: list[RankSchedule]):
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    kinds = sorted({action.kind for rank in series for action in rank.actions}, key="FBW".find)
+    kinds = sorted({action.kind for rank in series for action in rank.actions}, key="FBIW".find)
     handles = [Patch(color=ACTION_COLOURS.get(kind, "#937860")) for kind in kinds]
     labels = [f"{kind}: {ACTION_NAMES.get(kind, kind)}" for kind in kinds]
     handles.append(Patch(color=TAIL_COLOUR, alpha=0.5))

@@ -202,9 +202,8 @@ def candidate_configs(
                         for virtual in virtual_stages:
                             if virtual > 1 and not interleaving_fits(num_layers, pp, m, virtual):
                                 continue
-                            if long_schedules != (
-                                schedule_size(pp, virtual, m) > MAX_SCHEDULE_ACTIONS
-                            ):
+                            size = schedule_size(pp, virtual, m, training.schedule)
+                            if long_schedules != (size > MAX_SCHEDULE_ACTIONS):
                                 skipped += 1
                                 continue
                             for ep in expert_parallel_degrees(training, dp, num_experts):
@@ -247,10 +246,14 @@ def _raise_no_config(
             candidate_configs(
                 num_layers, cluster, training, num_experts=num_experts, long_schedules=True
             ),
-            key=lambda c: schedule_size(c.pp, c.virtual_stages, c.num_microbatches),
+            key=lambda c: schedule_size(c.pp, c.virtual_stages, c.num_microbatches, c.schedule),
         )
         check_schedule_size(
-            smallest.pp, smallest.virtual_stages, smallest.num_microbatches, smallest.micro_batch
+            smallest.pp,
+            smallest.virtual_stages,
+            smallest.num_microbatches,
+            smallest.micro_batch,
+            smallest.schedule,
         )
     if rules.removed:
         raise InputError(rules.message())

@@ -42,6 +42,7 @@ from solver.errors import InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate_assignment, prepare_training
 from solver.files.plan_file import PLAN_VERSION, check_pareto
 from solver.graph import LayerGraph
+from solver.parallel import check_searched
 from solver.report.plan_report import cluster_to_dict, evaluation_fields
 from solver.reserve import usable_text
 from solver.search.config_search import Deadline, SearchResult, build_entries, search
@@ -113,6 +114,7 @@ def pareto_front(
     if max_points is not None and max_points < 2:
         raise InputError(f"--pareto-points {max_points}: need at least 2 (both ends of the front)")
     started = time.perf_counter()
+    check_searched(training.schedule)
     training = prepare_training(graph, cluster, training)
     walk = _FrontWalk(
         graph,

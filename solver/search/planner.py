@@ -24,6 +24,7 @@ from solver.engine_rules import ModelFacts, degrees_of
 from solver.errors import InfeasibleError, InputError, NoSolutionError, PlannerError
 from solver.evaluation import Evaluation, evaluate_assignment, prepare_training
 from solver.graph import LayerGraph
+from solver.parallel import check_searched
 from solver.search.best_baselines import best_baselines
 from solver.search.candidates import candidate_configs, selective_fallback
 from solver.search.config_search import (
@@ -90,6 +91,7 @@ def plan(
     """
     started = time.perf_counter()
     deadline = Deadline.after(time_limit_s) if deadline is None else deadline
+    check_searched(training.schedule)
     training = prepare_training(graph, cluster, training)
     call = functools.partial(
         _plan_space,

@@ -10,6 +10,7 @@ from typing import Any
 
 from solver.errors import InfeasibleError, InputError, NoSolutionError
 from solver.graph import LayerGraph
+from solver.parallel import check_searched
 from solver.report.plan_report import finite_or_none
 from solver.search.planner import Plan, plan
 from solver.specs import Cluster, TrainingConfig
@@ -26,6 +27,9 @@ class PointOptions:
     """Template: every field but num_gpus and gpu_memory_bytes applies to every point."""
     backend: str = "auto"
     time_limit_s: float | None = 60.0
+
+    def __post_init__(self) -> None:
+        check_searched(self.training.schedule)  # before any point: one error, not a row each
 
 
 def solve_point(

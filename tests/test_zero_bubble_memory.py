@@ -1,0 +1,113 @@
+"""Memory at each action of the zero-bubble and V schedules (solver/costs/schedule_memory.py).
+
+Oracle: the rule of torch's runtime, action by action: a forward adds the chunk's kept bytes
+per micro-batch; an I (``stage_backward_input``, retain_graph=True) frees nothing and adds the
+dY its W will consume; a W frees the micro-batch's kept bytes and that dY; a full B frees the
+kept bytes. On the megatron runtime with deallocated outputs the buffers do not change with the
+counts, so consecutive actions differ by exactly those terms.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from solver.costs import layer_costs, stage_costs
+from solver.costs.schedule_memory import rank_memory
+from solver.graph import graph_from_dict
+from solver.specs import Cluster, ParallelConfig, TrainingConfig
+
+
+def _costs(schedule: str, m: int, runtime: str = "megatron"):
+    """8 layers of 100 B saved, 8 B output to the next per sample (none after the last); l5 has
+    no weights (dY 0)."""
+    layers = [
+        {
+            "name": f"l{k}",
+            "params": 0 if k == 5 else 10,
+            "activation_bytes": 100,
+            "output_bytes": 8,
+            "fwd_ms": 1.0,
+            "bwd_ms": 2.0,
+        }
+        for k in range(8)
+    ]
+    graph = graph_from_dict({"format": "layer-graph", "version": 1, "model": "m", "layers": layers})
+    config = ParallelConfig(
+        pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=m, schedule=schedule, virtual_stages=2
+    )
+    training = TrainingConfig(global_batch=m, runtime=runtime)
+    return layer_costs(graph, config, Cluster(num_gpus=2), training)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev", "interleaved-zb"])
+def test_each_action_adds_or_frees_its_terms(schedule):
+    costs = _costs(schedule, 4)
+    split = [0, 0, 1, 1, 2, 2, 3, 3]
+    stored, transient, _ = costs.coefficients(costs.recompute_mask(None))
+    kept = [int(stored[2 * j] + stored[2 * j + 1]) for j in range(4)]
+    output = [8] * 7 + [0]  # each layer's output tensor for the next, one sample
+    pending = [
+        sum(int(transient[k]) + output[k] for k in (2 * j, 2 * j + 1) if k != 5) for j in range(4)
+    ]
+    for memory in rank_memory(costs, split):
+        own = costs.stages_of_rank(memory.rank)
+        held, waiting, best = [0, 0], [0, 0], None
+        for before, after, action in zip(
+            memory.action_bytes, memory.action_bytes[1:], memory.actions[1:], strict=False
+        ):
+            j, c = own[action.chunk], action.chunk
+            expected = {
+                "F": kept[j],
+                "I": pending[j],
+                "W": -kept[j] - pending[j],
+                "B": -kept[j],
+            }[action.kind]
+            assert after - before == expected, (schedule, memory.rank, action)
+        for action, value in zip(memory.actions, memory.action_bytes, strict=True):
+            c = action.chunk
+            held[c] += {"F": 1, "I": 0}.get(action.kind, -1)
+            waiting[c] += {"I": 1, "W": -1}.get(action.kind, 0)
+            if best is None or value > best[0]:
+                best = (value, tuple(held), tuple(waiting))
+        assert memory.peak_bytes == best[0]
+        assert (memory.held_at_peak, memory.pending_at_peak) == best[1:]
+
+
+def test_v_placement_puts_first_and_last_chunk_on_rank_0():
+    """Under zbv rank 0 holds virtual stages 0 and 3 (the embedding's and the head's chunks),
+    rank 1 stages 1 and 2; in-flight counts follow torch's list: rank 0's first chunk holds all
+    m = 4 at its peak (its 2p - 1 = 3 warm-up forwards and one more before its first I)."""
+    costs = _costs("zbv", 4, runtime="torch")
+    assert [costs.stages_of_rank(r) for r in range(2)] == [[0, 3], [1, 2]]
+    assert costs.in_flight == [4, 3, 2, 1]
+    first = rank_memory(costs, [0, 0, 1, 1, 2, 2, 3, 3])[0]
+    assert first.held_at_peak == (4, 0)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev", "interleaved-zb"])
+@pytest.mark.parametrize("runtime", ["megatron", "torch"])
+def test_stage_peak_counts_the_pending_dy_as_the_replay(schedule, runtime):
+    """stage_costs (what solver.evaluate reports) equals each rank's largest action, and at a
+    peak with W steps pending its activations are sum_c n_c kept_c + w_c dY_c, the counts of
+    the replay (zbv and interleaved-zb peak with one pending on this toy; dualpipev, whose
+    overlapped F + B runs full backwards, with none)."""
+    costs = _costs(schedule, 4, runtime=runtime)
+    split = [0, 0, 1, 1, 2, 2, 3, 3]
+    stored, transient, _ = costs.coefficients(costs.recompute_mask(None))
+    kept = [int(stored[2 * j] + stored[2 * j + 1]) for j in range(4)]
+    output = [8] * 7 + [0]
+    pending = [
+        sum(int(transient[k]) + output[k] for k in (2 * j, 2 * j + 1) if k != 5) for j in range(4)
+    ]
+    waiting = 0
+    for stage, memory in zip(stage_costs(costs, split), rank_memory(costs, split), strict=True):
+        assert stage.peak_bytes == memory.peak_bytes
+        own = costs.stages_of_rank(memory.rank)
+        expected = sum(
+            n * kept[j] + w * pending[j]
+            for n, w, j in zip(memory.held_at_peak, memory.pending_at_peak, own, strict=True)
+        )
+        assert stage.activation_bytes == expected
+        assert stage.in_flight == sum(memory.held_at_peak)
+        waiting += sum(memory.pending_at_peak)
+    assert (waiting > 0) == (schedule != "dualpipev")
