@@ -25,7 +25,10 @@ o), ZeRO stage z.
          the copies' gradient accumulation a single-device profile makes, G_o - d n_o)
   stored_l  = b A'_l, or b output_bytes_l when l is recomputed         per micro-batch, rounded up
   torch runtime: the last layer's stored bytes += b unsaved_output_bytes (graph meta): a
-              pipeline's loss_fn keeps the model's output per in-flight micro-batch
+              pipeline's loss_fn keeps the model's output per in-flight micro-batch, and the
+              one in backward keeps it through every layer of its stage: during(l) of each
+              earlier layer of the last layer's stage + b unsaved_output_bytes
+              (``LayerCosts.held_output_bytes``)
   gtemp_l   = w max(largest_param_l, largest_tp_param_l / t): a weight gradient is computed in
               the weights' dtype into a temporary and added to the persistent gradient (.grad,
               or Megatron's fp32 main_grad) while backward accumulates; a largest_param larger
@@ -129,7 +132,6 @@ def layer_costs(
     check_exact_range(
         graph, config, cluster, training, held, receive_copies, send_copies, factor=factor
     )
-    b = config.micro_batch
     cols = graph_columns(graph)
     if config.cp > 1:
         check_context_parallel(graph, config.cp, training.memory_model)
@@ -141,12 +143,7 @@ def layer_costs(
     saved, edge_bytes = _saved_and_edge_bytes(cols, config, training, factor)
     weight, grad, optimizer = model_state_bytes(params, config, training)
     stored, transient = _activation_bytes(held, params, saved, config, training)
-    if training.runtime == "torch":
-        # torch.distributed.pipelining's loss_fn(output, target) runs outside the model: the
-        # last stage keeps each in-flight micro-batch's output until its backward, beside what
-        # the loss saves; the part no op saved is not in the graph's activation_bytes
-        held_output = b * unsaved_output_bytes(graph)
-        stored = tuple(np.concatenate([kept[:-1], kept[-1:] + held_output]) for kept in stored)
+    stored, held_output = _with_held_output(graph, stored, config, training)
     profiled = profiled_times(graph)
     time_ns = layer_time_ns(cols, config, cluster, factor)
     forward_ns = np.minimum(layer_forward_ns(cols, config, cluster, factor), time_ns[0])
@@ -182,6 +179,7 @@ def layer_costs(
         edge_charged=cols["edge_charged"],
         edge_src_charged=cols["edge_src_charged"],
         constant_bytes=0 if calibration is None else calibration.constant_bytes,
+        held_output_bytes=int(scaled(np.array([held_output], dtype=np.int64), "activations")[0]),
         in_flight=in_flight,
         in_flight_vectors=vectors,
         backwards_done=dones,
@@ -210,6 +208,25 @@ def layer_costs(
         check_empirical_options(config, calibration)
         return empirical_layer_costs(graph, config, costs)
     return costs
+
+
+def _with_held_output(
+    graph: LayerGraph, stored: tuple, config: ParallelConfig, training: TrainingConfig
+) -> tuple[tuple, int]:
+    """(stored bytes of both recompute states, the output held per micro-batch, bytes).
+
+    torch.distributed.pipelining's loss_fn(output, target) runs outside the model: the last
+    stage keeps each in-flight micro-batch's output until its backward has run through the whole
+    stage, beside what the loss saves; the part no op saved is not in the graph's
+    activation_bytes: b unsaved_output_bytes joins the last layer's stored bytes, and
+    ``LayerCosts.moment_transient`` the earlier layers' moments of that stage (measured, small HF
+    gpt2 and deepseek_v2 pp 2 --recompute full: stage 1 peaks in a block's recomputation with
+    the logits still held). megatron-core computes the loss inside the last layer: nothing."""
+    if training.runtime != "torch":
+        return stored, 0
+    held_output = config.micro_batch * unsaved_output_bytes(graph)
+    stored = tuple(np.concatenate([kept[:-1], kept[-1:] + held_output]) for kept in stored)
+    return stored, held_output
 
 
 def _saved_and_edge_bytes(
