@@ -33,6 +33,9 @@ RUNS = [
     ("gpt2", "dp2"),  # tied, learned positions
     ("qwen2", "pp2"),  # tied across stages: a copy of the table on each
     ("gpt2", "pp2"),  # tied across stages, learned positions
+    # the last stage peaks in a block's recomputation, the logits the pipeline keeps still held
+    ("gpt2", "pp2", "full"),
+    ("deepseek_v2", "pp2", "full"),
 ]
 """A representative subset (about 2 minutes on 2 cores): (family, layout[, recompute]), without
 recomputation unless a third item says ``full`` (what ``--recompute auto`` picks on these small
