@@ -188,21 +188,25 @@ PLAN_FLAGS = ["--micro-batch", "1", "--zero", "0", "--recompute", "none", "--ep"
 PLAN_FLAGS += ["--runtime", "torch"]
 
 
-def validate_family(folder: Path, family: str, layout: str) -> list[dict[str, Any]]:
-    """Export ``family`` (``SEQ`` tokens, fp32, timed on 1 thread), plan it for ``layout`` and
-    run the plan with ``python -m profiling.validate --json``: the ranks' rows (``error_pct``:
-    the plan's error against the measured peak, negative = under-predicted). Raises
-    AssertionError naming the step whose CLI did not exit 0."""
+def validate_family(
+    folder: Path, family: str, layout: str, recompute: str = "none"
+) -> list[dict[str, Any]]:
+    """Export ``family`` (``SEQ`` tokens, fp32, timed on 1 thread), plan it for ``layout`` (with
+    ``--recompute recompute``) and run the plan with ``python -m profiling.validate --json``: the
+    ranks' rows (``error_pct``: the plan's error against the measured peak, negative =
+    under-predicted). Raises AssertionError naming the step whose CLI did not exit 0."""
     from profiling.export import main as export_main
     from profiling.validate import main as validate_main
     from solver.cli.plan import plan_main
 
     model = f"hf:{write_config(folder, family)}"
-    stem = Path(folder) / f"{family}-{layout.replace(' ', '-')}"
+    stem = Path(folder) / f"{family}-{layout.replace(' ', '-')}-{recompute}"
     graph, plan, report = (f"{stem}.{kind}.json" for kind in ("graph", "plan", "run"))
+    flags = [*PLAN_FLAGS]
+    flags[flags.index("--recompute") + 1] = recompute
     steps = (
         (export_main, [model, "--seq", str(SEQ), "--dtype", "fp32", "--threads", "1"]),
-        (plan_main, [graph, *LAYOUTS[layout], *PLAN_FLAGS, "--precision", "fp32"]),
+        (plan_main, [graph, *LAYOUTS[layout], *flags, "--precision", "fp32"]),
         (validate_main, [plan, "--model", model, "--step-iterations", "0", "--tolerance", "100"]),
     )
     return _run_steps(steps, graph, plan, report)

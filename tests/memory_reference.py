@@ -18,7 +18,9 @@ parallelism, no interleaving, persistent gradients, no calibration):
   without output deallocation; torch pipelining: m - k_s and m + k_s, under 1F1B one more of
   each where Schedule1F1B's send lists hold them);
 - the moments of the schedule: layer i of one micro-batch running (forward or backward) beside
-  k_s - 1 others held whole, that one holding the layers up to i;
+  k_s - 1 others held whole, that one holding the layers up to i; on the torch runtime the last
+  stage keeps the model's output for the loss per micro-batch in flight, the running one's
+  through every layer of that stage;
 - the transient of the running layer (its own, its weight-gradient temporary, ZeRO-3's gathered
   weights, a recomputed layer's re-materialised activations; on the megatron runtime Megatron's
   own explicit attention: the score buffer it keeps and its in-place mask's backward clone);
@@ -66,6 +68,10 @@ class Setup:
     step_bytes: int = 0
     """u: bytes per parameter the optimizer step allocates (4 for a foreach Adam with fp32
     states, 0 fused)."""
+    unsaved_output_bytes: int = 0
+    """torch: bytes per sample of the model's output that no op saves (the graph's
+    ``meta.unsaved_output_bytes``): the pipeline's loss_fn keeps it per micro-batch in flight,
+    and the micro-batch in backward keeps it through every layer of the last layer's stage."""
 
 
 @dataclass(frozen=True)
@@ -325,11 +331,15 @@ def stage_peaks(layers: list[dict], stage_of_layer: list[int], setup: Setup) -> 
         members = [i for i, s in enumerate(stage_of_layer) if s == stage]
         first, last = members[0], members[-1]
         weights = grads = optimizer = stored = step = 0
+        # torch: the model's output the pipeline keeps for its loss, with the last layer
+        output = setup.micro_batch * setup.unsaved_output_bytes if setup.runtime == "torch" else 0
+        held_output = output if len(layers) - 1 in members else 0
         for i in members:
             w, g, o = layer_states(layers[i], setup)
             weights, grads, optimizer = weights + w, grads + g, optimizer + o
             stored += stored_bytes(layers[i], setup)
             step += step_temporary(layers[i], setup)
+        stored += held_output
         into = boundary_tensor_bytes(layers[first - 1]["output_bytes"], setup) if stage else 0
         out = boundary_tensor_bytes(layers[last]["output_bytes"], setup)
         held = in_flight(stage, setup)
@@ -342,6 +352,10 @@ def stage_peaks(layers: list[dict], stage_of_layer: list[int], setup: Setup) -> 
             kept_so_far += stored_bytes(layers[i], setup)
             activations = (held - 1) * stored + kept_so_far
             transient = layer_transient(layers, i, setup)
+            if i == len(layers) - 1:  # the output kept for the loss: part of its stored bytes
+                activations += held_output
+            else:  # before the last layer: still held, beside its transient
+                transient += held_output
             during.append(StagePeak(weights, grads, optimizer, activations, buffers, transient))
         forward = max(during, key=lambda moment: moment.peak)
         if not setup.step_bytes:  # a fused step allocates nothing: the schedule's peak

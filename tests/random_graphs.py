@@ -75,6 +75,14 @@ def one_tensor_per_producer(graph: LayerGraph) -> LayerGraph:
     return graph_from_dict(document)
 
 
+def with_unsaved_output(graph: LayerGraph, nbytes: int) -> LayerGraph:
+    """``graph`` with ``meta.unsaved_output_bytes`` = ``nbytes`` per sample: the model's output
+    the torch pipeline keeps for its loss (``LayerCosts.held_output_bytes``)."""
+    document = graph.to_dict()
+    document["meta"] = {**document.get("meta", {}), "unsaved_output_bytes": nbytes}
+    return graph_from_dict(document)
+
+
 def random_config(rng: random.Random, num_layers: int) -> ParallelConfig:
     pp = rng.randint(1, min(4, num_layers))
     return ParallelConfig(

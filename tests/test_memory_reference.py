@@ -101,6 +101,7 @@ def random_setup(rng: random.Random, num_layers: int) -> Setup:
         optimizer_bytes=rng.choice([0, 8, 12]),
         deallocate_outputs=rng.random() < 0.7,
         step_bytes=rng.choice([0, 4]),
+        unsaved_output_bytes=rng.choice([0, rng.randint(1, 4096)]),
     )
 
 
@@ -113,7 +114,13 @@ def random_split(rng: random.Random, num_layers: int, pp: int) -> list[int]:
 def planner_stages(layers: list[dict], split: list[int], setup: Setup):
     """The planner's StageCosts of ``split`` (``solver.evaluation.evaluate``) under ``setup``."""
     graph = graph_from_dict(
-        {"format": "layer-graph", "version": 1, "model": "reference", "layers": layers}
+        {
+            "format": "layer-graph",
+            "version": 1,
+            "model": "reference",
+            "layers": layers,
+            "meta": {"unsaved_output_bytes": setup.unsaved_output_bytes},
+        }
     )
     config = ParallelConfig(
         pp=setup.pp,

@@ -4,7 +4,9 @@ For stage s = layers i..j (0-based, inclusive) ``costs.stage_costs`` reduces on 
   peak_s(i, j) = sum state[i..j] + (k_s - 1) sum stored[i..j] + R_s e[i-1] + S_s e[j]
                  + max_l (stored[i..l] + transient_l)   (``costs.layer_moments``, no relays)
   (R_s, S_s: the cost model's boundary copies, 0 on the first / last stage); the last term is
-  a range maximum of stored_prefix[l+1] + transient_l (sparse table), less stored_prefix[i].
+  a range maximum of stored_prefix[l+1] + transient_l (sparse table), less stored_prefix[i]
+  (a stage ending at the last layer: its own table, with the output the torch pipeline keeps
+  at the earlier layers' moments, ``LayerCosts.moment_transient``).
   On a stage whose gradients appear at its first backward (``LayerCosts.first_backward_peak``)
   instead max(during, after): during(l) also leaves out grads(i..l), a range maximum of
   stored_prefix[l+1] - grad_prefix[l+1] + transient_l, and the monotone relaxation counts
@@ -186,6 +188,15 @@ class _Chain:
         if self.late.any():  # and max transient[i..j] for the moment after
             self._late_table = sparse_max_table(reach - self.grad_prefix[1:])
             self._transient_table = sparse_max_table(transient)
+        # a stage ending at the last layer: its output held through the earlier layers' moments
+        # (costs.moment_transient); the same tables with those moments
+        held = costs.moment_transient(transient) - transient
+        self._last_tables = None
+        if held.any():
+            self._last_tables = (
+                sparse_max_table(reach + held),
+                sparse_max_table(reach + held - self.grad_prefix[1:]) if self.late.any() else None,
+            )
         # the optimizer step: every state, the step temporary, the buffers at 0 held
         self.step_prefix = None if costs.step_bytes is None else prefix(costs.step_bytes)
         at_step = [costs.copies_at(s, 0) for s in range(self.num_stages)]
@@ -306,10 +317,11 @@ class _Chain:
         k = self.in_flight[stage]
         states = self.state_prefix[ends + 1] - self.state_prefix[starts]
         held = (k - 1) * (self.stored_prefix[ends + 1] - self.stored_prefix[starts])
+        reach = self._reach(0, starts, ends)
         during = (
             states
             + held
-            + self.range_max(self._during_table, starts, ends)
+            + reach
             - self.stored_prefix[starts]
             + self.receive_copies[stage] * self.edge_in[starts]
             + self.send_copies[stage] * self.edge_out[ends]
@@ -318,10 +330,7 @@ class _Chain:
         if not np.any(late):
             return during + self.constant_bytes
         first = (  # grads(i..j) off the states, grads(l+1..j) back
-            during
-            - self.range_max(self._during_table, starts, ends)
-            + self.range_max(self._late_table, starts, ends)
-            + self.grad_prefix[starts]
+            during - reach + self._reach(1, starts, ends) + self.grad_prefix[starts]
         )
         after = (
             states
@@ -332,6 +341,20 @@ class _Chain:
         )
         late_peaks = np.maximum(first, after)
         return np.where(late, late_peaks, during) + self.constant_bytes
+
+    def _reach(self, which: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """max_l over i..j of stored_prefix[l + 1] + transient_l (``which`` 0), or less
+        grad_prefix[l + 1] (1: gradients made at the first backward), with the output held on a
+        stage that ends at the last layer (``costs.moment_transient``), bytes."""
+        table = self._late_table if which else self._during_table
+        values = self.range_max(table, starts, ends)
+        if self._last_tables is None:
+            return values
+        last = ends == self.num_layers - 1
+        if not last.any():
+            return values
+        values[last] = self.range_max(self._last_tables[which], starts[last], ends[last])
+        return values
 
     def times(
         self, stage: int | np.ndarray, starts: np.ndarray, ends: np.ndarray, first_tail: int

@@ -18,7 +18,9 @@ stage index s (homogeneous cluster, no selective recomputation):
   (``direct_boundary_bytes``,      send = out - relay; per-tensor adjustments by where the
   ``direct_buffer_adjustments``)   tensor's charged layers are (A or not)
   the layers' moments              max over l in A (graph order) of stored_A(<= l) + transient_l
-  (``layer_moments``)              (- grads_A(<= l) where gradients appear at the first backward)
+  (``layer_moments``)              (- grads_A(<= l) where gradients appear at the first backward;
+                                   + the held output before the last layer where A holds it,
+                                   ``LayerCosts.moment_transient``)
   optimizer-step moment            the copies at 0 held, every gradient and the step temporary
 
 with the s-dependent coefficients k_s, R_s, S_s (``LayerCosts.copies_at``) applied per stage.
@@ -493,6 +495,14 @@ class _DagSplitter:
         stored = np.asarray(costs.stored_bytes, dtype=np.int64)
         # during(l) - (k - 1) kept - relay - buffers = grads_A + stored_A(<= l) + t_l
         self.during = self.grad_bytes + _masked_max(st.stage_members, transient, cumulative=stored)
+        # a pair holding the last layer: its output held through the earlier layers' moments
+        # (costs.moment_transient)
+        held = costs.moment_transient(transient)
+        last = np.flatnonzero(st.stage_members[:, -1]) if (held != transient).any() else []
+        if len(last):
+            self.during[last] = self.grad_bytes[last] + _masked_max(
+                st.stage_members[last], held, cumulative=stored
+            )
         if any(self.late):
             # with the gradients made at the first backward: grads_A - grads_A(<= l) instead
             grads = np.asarray(costs.grad_bytes, dtype=np.int64)
@@ -500,6 +510,10 @@ class _DagSplitter:
             self.first_during = self.grad_bytes + _masked_max(
                 st.stage_members, transient, cumulative=stored - grads
             )
+            if len(last):
+                self.first_during[last] = self.grad_bytes[last] + _masked_max(
+                    st.stage_members[last], held, cumulative=stored - grads
+                )
         self._peaks: dict[int, np.ndarray] = {}
 
     def _direct_adjustments(

@@ -129,14 +129,16 @@ class FormulationHints:
         stage_of, stored, into, out_of, relayed = self._split_sums(stage_of_layer, recomputed)
         _, transient, _ = costs.coefficients(recomputed if self.problem.selective else None)
         adjust = direct_buffer_adjustments(costs, stage_of)
-        largest = costs.bounding_coefficients(np.maximum)[1].max(initial=0)
         for stage, top in self._moment_tops.items():
             here = np.flatnonzero(stage_of == stage)
             late = costs.first_backward_peak[stage]
             c = stored[here] - (costs.grad_bytes[here] if late else 0)
             after = c.sum() - np.cumsum(c)  # c of the layers after each
-            # max_l during(l) - E_s, at most T_s's bound (the running sums hold the rest)
-            top_value = min(int((transient[here] - after).max(initial=0)), int(largest))
+            # max_l during(l) - E_s, at most T_s's bound (the running sums hold the rest), with
+            # the output held on the last layer's stage (costs.moment_transient)
+            running = costs.moment_transient(transient, costs.num_layers - 1 in here)
+            largest = self._moment_bounds(late, stage)[3].max(initial=0)
+            top_value = min(int((running[here] - after).max(initial=0)), int(largest))
             self._hint(top, self._bytes(top_value))
             if stage not in self._layer_sums:
                 continue

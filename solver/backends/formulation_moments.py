@@ -30,6 +30,12 @@ and where j sits on s at most during(j) - E_s. A layer whose window would be lon
 sum of the general model: B_s >= E_s less one micro-batch, D[l][s] >= D[l'][s] + sum c_i x[i][s]
 (l' the previous such layer), peak >= B_s + D[l][s] + transient_l x[l][s].
 
+On a stage that can hold the last layer the moments before it hold H more, the output the torch
+pipeline keeps (``LayerCosts.moment_transient``): the transients' bounds take + H, and a row that
+can bind with the last layer on s (a window reaching the graph's end, a running-sum row) takes
++ H (x[l][s] + x[last][s] - 1), <= 0 where either is elsewhere; a closed row binds only where
+l + r, hence the last layer (a stage holds consecutive layers from l on), sits elsewhere.
+
 Measured (CP-SAT, memory objective, no hint, bench_search's chains): docs/cost-model.md,
 "Transient peak".
 """
@@ -57,7 +63,7 @@ class FormulationMoments:
         k = costs.in_flight[stage]
         late = costs.first_backward_peak[stage]
         grads = costs.grad_bytes if late else np.zeros_like(costs.grad_bytes)
-        bounds = self._moment_bounds(late)
+        bounds = self._moment_bounds(late, stage)
         t_ub = bounds[3]
         top = self._new_var(0, self._bytes(int(t_ub.max(initial=0))), f"T_s{stage}")
         self._moment_tops[stage] = top
@@ -86,14 +92,35 @@ class FormulationMoments:
             rows.append(self._rank_bytes(stage, (k - 1,), relays_held=k - 1, copies_held=k - 1))
         return rows
 
-    def _moment_bounds(self, late: bool) -> tuple[np.ndarray, ...]:
+    def _moment_bounds(self, late: bool, stage: int) -> tuple[np.ndarray, ...]:
         """(c lower, c upper, transient lower, transient upper) per layer over both recompute
-        states, c = stored (- grad where ``late``)."""
+        states, c = stored (- grad where ``late``); the transients as stage s's moments take
+        them where s can hold the last layer (``_held_output``)."""
         costs = self.costs
         stored_lb, transient_lb, _ = costs.bounding_coefficients(np.minimum)
         stored_ub, transient_ub, _ = costs.bounding_coefficients(np.maximum)
         grads = costs.grad_bytes if late else 0
+        if self._held_output(stage):
+            transient_lb = costs.moment_transient(transient_lb)
+            transient_ub = costs.moment_transient(transient_ub)
         return stored_lb - grads, stored_ub - grads, transient_lb, transient_ub
+
+    def _held_output(self, stage: int) -> int:
+        """``costs.held_output_bytes`` where stage s can hold the model's last layer, else 0."""
+        last = self.problem.num_layers - 1
+        held = self.costs.held_output_bytes
+        return held if held and self.presolve.can_hold(last, stage) else 0
+
+    def _held_output_term(self, layer: int, stage: int) -> list:
+        """The output held at layer l's moment on stage s (``costs.moment_transient``):
+        held x[l][s] x[last][s], linear as held (x[l][s] + x[last][s] - 1), which is <= 0 where
+        either is elsewhere; none at the last layer."""
+        last = self.problem.num_layers - 1
+        held = self._held_output(stage)
+        if not held or layer == last:
+            return []
+        both = self._member(layer, stage) + self._member(last, stage) - 1
+        return [self._bytes(held) * both]
 
     def _ordered_from(self) -> np.ndarray:
         """ordered[l]: every edge (i, i+1) with i >= l exists, so a stage's layers from l on are
@@ -155,6 +182,8 @@ class FormulationMoments:
                 terms.append(-self._bytes(slack) * member(layer + r, stage))
         if rise:
             terms.append(self._bytes(rise) * z)
+        if not closed:  # a closed row binds only where l + r, hence the last layer, is elsewhere
+            terms += self._held_output_term(layer, stage)
         for i in between:
             c = int(costs.stored_bytes[i] - grads[i])
             terms.append(-self._bytes(c) * member(i, stage))
@@ -196,6 +225,7 @@ class FormulationMoments:
             self._add(running >= self._sum([previous, *terms]), f"layer_d_l{layer}_s{stage}")
             self._layer_sums[stage][1].append((layer, running))
             row = [base, running, self._bytes(int(costs.transient_bytes[layer])) * member]
+            row += self._held_output_term(layer, stage)
             if z is not None and extra_transient[layer]:
                 row.append(self._bytes(int(extra_transient[layer])) * z)
             rows.append(self._sum(row))

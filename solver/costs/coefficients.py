@@ -158,6 +158,11 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
     name); False keeps those of the in-flight micro-batches (``copies_at``)."""
     constant_bytes: int = 0
     """Added to every stage's peak (a calibration's constant per GPU), bytes."""
+    held_output_bytes: int = 0
+    """torch runtime: the model's output the pipeline keeps for its ``loss_fn`` (b
+    unsaved_output_bytes per micro-batch, bytes, part of the last layer's stored bytes), which
+    stays live through the backward of every layer of the stage holding the last layer
+    (``moment_transient``); 0 on megatron (its loss frees the logits inside the last layer)."""
     recompute_stored_bytes: np.ndarray | None = None
     """stored_bytes of a recomputed layer (b output_bytes); None: the same as stored_bytes."""
     recompute_transient_bytes: np.ndarray | None = None
@@ -248,6 +253,17 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
         if any(self.first_backward_peak):
             return self.state_bytes - self.grad_bytes
         return self.state_bytes
+
+    def moment_transient(self, transient: np.ndarray, holds_last: bool = True) -> np.ndarray:
+        """transient_l as layer l's moment ``during(l)`` takes it on a stage: on the stage holding
+        the model's last layer (``holds_last``) + ``held_output_bytes`` for every layer before
+        the last (the micro-batch in backward still has its output held; at the last layer that
+        output is in its stored bytes), bytes."""
+        if not holds_last or not self.held_output_bytes:
+            return transient
+        extra = np.full(len(transient), self.held_output_bytes, dtype=np.int64)
+        extra[-1:] = 0
+        return transient + extra
 
     @property
     def num_layers(self) -> int:

@@ -1,7 +1,8 @@
 """Everything the cost model reads from a layer graph, in one place: the per-layer fields as
 arrays (``graph_columns``), their sums for the range check (``graph_totals``), the edges' tensors,
 what the profile measured of the runtime (``profiled_ns``, ``optimizer_step_ns_per_param``), the
-model output no op saves (``unsaved_output_bytes``) and which layers a runtime recomputes
+model output no op saves (``unsaved_output_bytes``), the bytes glue code saves
+(``glue_saved_bytes``) and which layers a runtime recomputes
 (``recomputable_layers``). The router (``meta.moe``) is ``solver.costs.moe``'s; the empirical
 statistics are ``empirical``'s. ``solver.graph`` stays the format alone. Arrays are cached on the
 graph object.
@@ -60,6 +61,7 @@ def graph_columns(graph: LayerGraph) -> dict[str, np.ndarray]:
         ),
         edge_charged=np.array([e.charged for e in graph.edges], dtype=bool),
         edge_src_charged=np.array([e.src_charged for e in graph.edges], dtype=bool),
+        glue_activation_bytes=glue_saved_bytes(graph),
     )
     graph._columns = cols
     return cols
@@ -138,6 +140,39 @@ def unsaved_output_bytes(graph: LayerGraph) -> int:
             "remove the field"
         )
     return value
+
+
+def glue_saved_bytes(graph: LayerGraph) -> np.ndarray:
+    """Bytes per sample, per layer, that glue code the layer owns (outside its module: a loss
+    after the LM head) saves for backward: the graph's ``meta["glue_activation_bytes"]`` ({layer
+    name: bytes}; ``profiling.export`` writes it, part of the layer's ``activation_bytes``; all
+    0 when absent, as in older graphs). A checkpoint of the layer's module does not recompute
+    them: the torch runtime keeps them under recomputation (``layers``)."""
+    cached = getattr(graph, "_glue", None)
+    if cached is not None:
+        return cached.copy()
+    value = graph.meta.get("glue_activation_bytes", {})
+    where = f"{graph.source}: $.meta.glue_activation_bytes"
+    if not isinstance(value, dict):
+        raise InputError(
+            f"{where}: {type(value).__name__} is not an object; give {{layer name: bytes per "
+            "sample}} or remove the field"
+        )
+    position = graph.index()
+    glue = np.zeros(len(graph.layers), dtype=np.int64)
+    for name, nbytes in value.items():
+        if name not in position:
+            raise InputError(
+                f"{where}: {name!r} is not a layer of the graph; name a layer or remove the entry"
+            )
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= 2**50:
+            raise InputError(
+                f"{where}.{name}: {nbytes!r} is not a byte count in 0..2^50; give the per-sample "
+                "bytes the layer's glue saves, or remove the entry"
+            )
+        glue[position[name]] = nbytes
+    graph._glue = glue
+    return glue.copy()
 
 
 def layer_roles(graph: LayerGraph) -> list[str]:

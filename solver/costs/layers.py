@@ -25,7 +25,10 @@ o), ZeRO stage z.
          the copies' gradient accumulation a single-device profile makes, G_o - d n_o)
   stored_l  = b A'_l, or b output_bytes_l when l is recomputed         per micro-batch, rounded up
   torch runtime: the last layer's stored bytes += b unsaved_output_bytes (graph meta): a
-              pipeline's loss_fn keeps the model's output per in-flight micro-batch
+              pipeline's loss_fn keeps the model's output per in-flight micro-batch, and the
+              one in backward keeps it through every layer of its stage: during(l) of each
+              earlier layer of the last layer's stage + b unsaved_output_bytes
+              (``LayerCosts.held_output_bytes``)
   gtemp_l   = w max(largest_param_l, largest_tp_param_l / t): a weight gradient is computed in
               the weights' dtype into a temporary and added to the persistent gradient (.grad,
               or Megatron's fp32 main_grad) while backward accumulates; a largest_param larger
@@ -129,7 +132,6 @@ def layer_costs(
     check_exact_range(
         graph, config, cluster, training, held, receive_copies, send_copies, factor=factor
     )
-    b = config.micro_batch
     cols = graph_columns(graph)
     if config.cp > 1:
         check_context_parallel(graph, config.cp, training.memory_model)
@@ -141,12 +143,7 @@ def layer_costs(
     saved, edge_bytes = _saved_and_edge_bytes(cols, config, training, factor)
     weight, grad, optimizer = model_state_bytes(params, config, training)
     stored, transient = _activation_bytes(held, params, saved, config, training)
-    if training.runtime == "torch":
-        # torch.distributed.pipelining's loss_fn(output, target) runs outside the model: the
-        # last stage keeps each in-flight micro-batch's output until its backward, beside what
-        # the loss saves; the part no op saved is not in the graph's activation_bytes
-        held_output = b * unsaved_output_bytes(graph)
-        stored = tuple(np.concatenate([kept[:-1], kept[-1:] + held_output]) for kept in stored)
+    stored, held_output = _with_held_output(graph, stored, config, training)
     profiled = profiled_times(graph)
     time_ns = layer_time_ns(cols, config, cluster, factor)
     forward_ns = np.minimum(layer_forward_ns(cols, config, cluster, factor), time_ns[0])
@@ -182,6 +179,7 @@ def layer_costs(
         edge_charged=cols["edge_charged"],
         edge_src_charged=cols["edge_src_charged"],
         constant_bytes=0 if calibration is None else calibration.constant_bytes,
+        held_output_bytes=int(scaled(np.array([held_output], dtype=np.int64), "activations")[0]),
         in_flight=in_flight,
         in_flight_vectors=vectors,
         backwards_done=dones,
@@ -210,6 +208,25 @@ def layer_costs(
         check_empirical_options(config, calibration)
         return empirical_layer_costs(graph, config, costs)
     return costs
+
+
+def _with_held_output(
+    graph: LayerGraph, stored: tuple, config: ParallelConfig, training: TrainingConfig
+) -> tuple[tuple, int]:
+    """(stored bytes of both recompute states, the output held per micro-batch, bytes).
+
+    torch.distributed.pipelining's loss_fn(output, target) runs outside the model: the last
+    stage keeps each in-flight micro-batch's output until its backward has run through the whole
+    stage, beside what the loss saves; the part no op saved is not in the graph's
+    activation_bytes: b unsaved_output_bytes joins the last layer's stored bytes, and
+    ``LayerCosts.moment_transient`` the earlier layers' moments of that stage (measured, small HF
+    gpt2 and deepseek_v2 pp 2 --recompute full: stage 1 peaks in a block's recomputation with
+    the logits still held). megatron-core computes the loss inside the last layer: nothing."""
+    if training.runtime != "torch":
+        return stored, 0
+    held_output = config.micro_batch * unsaved_output_bytes(graph)
+    stored = tuple(np.concatenate([kept[:-1], kept[-1:] + held_output]) for kept in stored)
+    return stored, held_output
 
 
 def _saved_and_edge_bytes(
@@ -263,7 +280,11 @@ def _activation_bytes(
     # a recomputed layer keeps its output, the next layer's input: [s/t, b, h] with sequence
     # parallelism; context parallelism holds s/c of every sequence: every term per sample / c
     kept_output = ceil_div(b * cols["output_bytes"], config.dims.sequence_split)
-    stored = (saved, kept_output)
+    # its backward re-materialises its saved tensors beside the gradient of its output
+    recomputed, remade, output_grad = kept_output, saved, kept_output
+    if training.runtime == "torch" and (cols["edge_saved"] >= 0).any():
+        recomputed, remade, output_grad = checkpointed_layer_bytes(cols, saved, kept_output, config)
+    stored = (saved, recomputed)
     gather = gathered_bytes(params, config, training)
     grad_temporary = weight_gradient_bytes(params, config, training, grad_temporary)
 
@@ -273,7 +294,7 @@ def _activation_bytes(
         what the later layer's backward made; at the stage's last layer the receive buffer
         holds it too, an over-count of one output)."""
         kept = ceil_div(b * bytes_per_sample, c)
-        return (kept, kept + saved + kept_output)
+        return (kept, kept + remade + output_grad)
 
     # the weight-gradient temporary joins what is live when the weight gradients are made; ring
     # attention's K/V buffers join the layer's own peak (its attention runs then)
@@ -296,6 +317,43 @@ def _activation_bytes(
         for peak, beside in zip(anytime, at_weight_grad, strict=True)
     )
     return stored, peaks
+
+
+def checkpointed_layer_bytes(
+    cols: dict[str, np.ndarray], saved: np.ndarray, kept_output: np.ndarray, config: ParallelConfig
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(stored, re-materialised, output gradient) bytes per micro-batch of each layer the torch
+    runtime recomputes, a graph whose edges say what each layer saves (``Edge.charged``).
+
+    torch's non-reentrant ``checkpoint`` of a layer's module keeps the module's inputs, not its
+    output, and glue code outside the module (a loss after the LM head) runs unrecomputed:
+
+      stored_l  = in_l + glue_l        in_l = b bytes of the edges into l that l charges (it
+                                       saves them first: each tensor once per stage, a received
+                                       one the stage's receive buffer, ``boundaries``); a layer
+                                       with no edge in keeps the model's inputs, min(b A'_l, out)
+      remade_l  = b A'_l - in_l - glue_l   (its saved inputs are the kept ones, no new storage)
+      grad_l    = ceil(b output_bytes_l / t), 0 at the model's last layer (its output's gradient
+                                       is the loss's, made in the layer's own backward: in T_l)
+
+    The model's output the pipeline's ``loss_fn`` keeps is added by ``layer_costs`` in both
+    states. Measured (tags of the live storages at each rank's peak, small HF Llama pp 2,
+    1F1B, m 8, fp32): the last stage keeps the norm's output, the logits and the loss's
+    log-softmax per micro-batch, and peaks in the loss's backward with the logits' two
+    gradients (T_l) beside them; output-kept counting (the megatron runtime's block rule) took
+    the logits twice and the log-softmax and the norm's output again in T_l (+10.6%)."""
+    b, split = config.micro_batch, config.dims.sequence_split
+    edge_bytes = ceil_div(b * cols["edge_bytes"], split)
+    inputs = np.zeros(len(saved), dtype=np.int64)
+    charged = cols["edge_charged"]
+    np.add.at(inputs, cols["edge_dst"][charged], edge_bytes[charged])
+    entry = np.ones(len(saved), dtype=bool)
+    entry[cols["edge_dst"]] = False
+    inputs = np.minimum(np.where(entry, np.minimum(saved, kept_output), inputs), saved)
+    glue = np.minimum(ceil_div(b * cols["glue_activation_bytes"], config.cp), saved - inputs)
+    output_grad = kept_output.copy()
+    output_grad[-1:] = 0
+    return inputs + glue, saved - inputs - glue, output_grad
 
 
 def _calibrated(calibration: Calibration | None):

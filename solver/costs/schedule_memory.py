@@ -206,8 +206,10 @@ def _layerwise_bytes(terms: _Terms, rank: int, actions: tuple[ScheduleAction, ..
     layers = np.flatnonzero(terms.stage_of == rank)  # positions, in forward order
     states, kept, relay = terms.states(rank), int(terms.kept[rank]), int(terms.relayed[rank])
     stored = terms.stored_per_layer[layers]
-    # max_l stored(<= l) + trans_l: the forward's largest moment of its own micro-batch
-    own_moment = int((np.cumsum(stored) + terms.transient_per_layer[layers]).max(initial=0))
+    # max_l stored(<= l) + trans_l: the forward's largest moment of its own micro-batch (with
+    # the output held on the last layer's stage, ``stages.layer_moments``)
+    running = costs.moment_transient(terms.transient_per_layer, costs.num_layers - 1 in layers)
+    own_moment = int((np.cumsum(stored) + running[layers]).max(initial=0))
     all_grads, largest = int(terms.grads[rank]), int(terms.transient[rank])
     late = costs.first_backward_peak[rank]
     grads = 0 if costs.grad_lifetime == "step" else all_grads  # step: from the first backward

@@ -223,7 +223,9 @@ def layer_moments(
     before the last forward or after the first backward). Micro-batch j keeps its relayed
     tensors and the stored bytes of the layers up to l: in its forward the later layers have
     not run yet, in its backward (the stage's layers in reverse) autograd has freed their
-    saved tensors. l has its transient on top:
+    saved tensors. l has its transient on top (on the torch runtime's stage holding the last
+    layer, with the model's output the pipeline keeps for its loss until the micro-batch's
+    backward ends: ``LayerCosts.moment_transient``):
 
         during(l) = (k - 1) (stored_s + relay_s) + relay_s + stored(<= l) + grads + transient_l
                     + buffers at k held
@@ -255,9 +257,11 @@ def layer_moments(
     later = total_grads - np.cumsum(grads) if late else np.full(len(layers), total_grads)
     buffers_k = stage_buffer_bytes(costs, stage, k, 0, into, out_of, adjust)
     held = (k - 1) * (total_stored + relayed)
+    # on the stage of the model's last layer its output stays held (LayerCosts.moment_transient)
+    running = costs.moment_transient(transient, costs.num_layers - 1 in layers)
     moments = [
         (int(g), held + relayed + int(a), buffers_k, int(t))
-        for g, a, t in zip(later, before, transient[layers], strict=True)
+        for g, a, t in zip(later, before, running[layers], strict=True)
     ]
     if late:
         after_buffers = stage_buffer_bytes(costs, stage, k - 1, 0, into, out_of, adjust)

@@ -205,7 +205,7 @@ def capslog_statistics(costs: LayerCosts) -> tuple[np.ndarray, np.ndarray]:
         + (k - 1) * stored[None, 1:]
         + receive * edge_in[None, :-1]
         + send * edge_out[None, 1:]
-        + np.maximum(transient[:-1], stored[1:] + transient[1:])[None, :]
+        + np.maximum(transient[:-1] + _pair_held(costs), stored[1:] + transient[1:])[None, :]
         + costs.constant_bytes
     )
     late = np.asarray(costs.first_backward_peak, dtype=bool)
@@ -260,7 +260,7 @@ def _first_backward_statistics(
     a, b = slice(None, -1), slice(1, None)
     both = fixed[a] + fixed[b] + (k - 1) * (stored[a] + stored[b])
     at_k = buffers(copies, edge_in[a], edge_out[b])
-    during_a = both + stored[a] + grad[b] + transient[a] + at_k
+    during_a = both + stored[a] + grad[b] + transient[a] + _pair_held(costs) + at_k
     during_b = both + stored[a] + stored[b] + transient[b] + at_k
     after = (
         both
@@ -271,6 +271,14 @@ def _first_backward_statistics(
     )
     pair[:, 1:] = np.maximum(np.maximum(during_a, during_b), after) + costs.constant_bytes
     return isolated, pair
+
+
+def _pair_held(costs: LayerCosts) -> np.ndarray:
+    """Per pair (l - 1, l) of layers, what the earlier one's moment adds on the stage holding
+    the model's last layer (``costs.moment_transient``): the kept output where l is the last."""
+    held = np.zeros(max(costs.num_layers - 1, 0), dtype=np.int64)
+    held[-1:] = costs.held_output_bytes
+    return held
 
 
 def capslog_split(costs: LayerCosts) -> list[int]:
