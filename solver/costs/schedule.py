@@ -32,6 +32,7 @@ The buffers' bytes are ``boundaries.stage_buffer_bytes``; the time of the same o
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import lru_cache
 
 import numpy as np
@@ -207,10 +208,18 @@ def split_moments(
     whether any W or B has run on the rank (its gradients exist then under step lifetime).
     The replay of ``schedule_memory.rank_memory``, action by action, which ``stage_costs``
     maximises over."""
-    v = num_chunks
-    held, pending, done, grads = [0] * v, [0] * v, [0] * v, False
-    seen: dict[tuple, None] = {}
-    for action in schedule_actions(num_microbatches, num_ranks, v, rank, None, schedule):
+    actions = schedule_actions(num_microbatches, num_ranks, num_chunks, rank, None, schedule)
+    return tuple(dict.fromkeys(split_action_counts(actions, num_chunks)))
+
+
+def split_action_counts(
+    actions: tuple[ScheduleAction, ...], num_chunks: int
+) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]]:
+    """(n, w, B, g) just after each of a split-backward rank's ``actions``, in order: per chunk
+    the micro-batches held (F run, W or B not yet), those between their I and their W, the W
+    or B steps done, and whether any W or B has run (``split_moments``)."""
+    held, pending, done, grads = [0] * num_chunks, [0] * num_chunks, [0] * num_chunks, False
+    for action in actions:
         c = action.chunk
         if action.kind == "F":
             held[c] += 1
@@ -221,8 +230,7 @@ def split_moments(
             done[c] += 1
             pending[c] -= action.kind == "W"
             grads = True
-        seen[tuple(held), tuple(pending), tuple(done), grads] = None
-    return tuple(seen)
+        yield tuple(held), tuple(pending), tuple(done), grads
 
 
 def in_flight_counts(config: ParallelConfig, training: TrainingConfig):

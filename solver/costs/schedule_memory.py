@@ -58,9 +58,19 @@ import numpy as np
 
 from solver.costs.boundaries import boundary_bytes, direct_buffer_adjustments, stage_buffer_bytes
 from solver.costs.coefficients import LayerCosts
-from solver.costs.schedule import ScheduleAction, interleaved_schedule_groups, schedule_actions
+from solver.costs.schedule import (
+    ScheduleAction,
+    interleaved_schedule_groups,
+    schedule_actions,
+    split_action_counts,
+)
 from solver.costs.schedule_orders import ZERO_BUBBLE_SCHEDULES
-from solver.costs.stages import layer_moments, optimizer_step_moment, weight_output_gradients
+from solver.costs.stages import (
+    layer_moments,
+    optimizer_step_moment,
+    per_stage_sum,
+    weight_output_gradients,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,15 +160,17 @@ class _Terms:
         self.into, self.out_of, self.relayed = boundary_bytes(costs, stage_of)
         self.adjust = direct_buffer_adjustments(costs, stage_of)
         self.weight, self.grads, self.optimizer, self.stored = (
-            _sums(values, stage_of, n)
+            per_stage_sum(values, stage_of, n)
             for values in (costs.weight_bytes, costs.grad_bytes, costs.optimizer_bytes, stored)
         )
         buckets = costs.grad_buffer_bytes  # DDP's, beside .grad all step
-        self.buckets = np.zeros(n, np.int64) if buckets is None else _sums(buckets, stage_of, n)
+        self.buckets = (
+            np.zeros(n, np.int64) if buckets is None else per_stage_sum(buckets, stage_of, n)
+        )
         self.transient = np.zeros(n, dtype=np.int64)
         np.maximum.at(self.transient, stage_of, transient)
         self.kept = self.stored + self.relayed
-        self.pending = _sums(weight_output_gradients(costs, transient), stage_of, n)
+        self.pending = per_stage_sum(weight_output_gradients(costs, transient), stage_of, n)
 
     def states(self, rank: int) -> int:
         """Weights + optimizer + gradient buckets + constant of the rank, bytes."""
@@ -248,35 +260,17 @@ def _split_bytes(
     """The memory at the end of each action of a split-backward schedule (module docstring),
     and the (held, pending W) counts per chunk at the largest."""
     costs = terms.costs
-    v = len(own)
     states = terms.states(rank)
     largest = int(terms.transient[own].max())
     all_grads = int(terms.grads[own].sum())
-    grads = 0 if costs.grad_lifetime == "step" else all_grads
-    held, pending, done = [0] * v, [0] * v, [0] * v
-    values, best, at_best = [], -1, ((0,) * v, (0,) * v)
-    for action in actions:
-        c = action.chunk
-        if action.kind == "F":
-            held[c] += 1
-        elif action.kind == "I":
-            pending[c] += 1
-        else:  # B or W: the micro-batch's activations (and a W's dY) are freed
-            held[c] -= 1
-            done[c] += 1
-            pending[c] -= action.kind == "W"
-            grads = all_grads
+    persistent = costs.grad_lifetime != "step"
+    values, best, at_best = [], -1, ((0,) * len(own), (0,) * len(own))
+    for held, pending, done, started in split_action_counts(actions, len(own)):
+        grads = all_grads if persistent or started else 0
         activations = sum(n * int(terms.kept[j]) for n, j in zip(held, own, strict=True))
         waiting = sum(w * int(terms.pending[j]) for w, j in zip(pending, own, strict=True))
         buffers = sum(terms.buffers(j, n, b) for n, b, j in zip(held, done, own, strict=True))
         values.append(states + grads + activations + waiting + buffers + largest)
         if values[-1] > best:
-            best, at_best = values[-1], (tuple(held), tuple(pending))
+            best, at_best = values[-1], (held, pending)
     return values, at_best
-
-
-def _sums(values: np.ndarray, stage_of: np.ndarray, num_stages: int) -> np.ndarray:
-    """Per (virtual) stage sums of a per-layer column, exact int64."""
-    total = np.zeros(num_stages, dtype=np.int64)
-    np.add.at(total, stage_of, np.asarray(values, dtype=np.int64))
-    return total

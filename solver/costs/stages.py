@@ -88,7 +88,7 @@ def _stage_costs(
     into, out_of, relayed = boundary_bytes(costs, stage_of)
     adjust = direct_buffer_adjustments(costs, stage_of)
     weight, grad, optimizer, stored, time_ns, forward_ns, sync_ns, step_ns = (
-        _per_stage_sum(values, stage_of, num_stages)
+        per_stage_sum(values, stage_of, num_stages)
         for values in (
             costs.weight_bytes,
             costs.grad_bytes,
@@ -101,7 +101,7 @@ def _stage_costs(
         )
     )
     if costs.grad_buffer_bytes is not None:  # DDP's buckets, beside .grad all step
-        buckets = _per_stage_sum(costs.grad_buffer_bytes, stage_of, num_stages)
+        buckets = per_stage_sum(costs.grad_buffer_bytes, stage_of, num_stages)
     else:
         buckets = np.zeros(num_stages, dtype=np.int64)
     transient = np.zeros(num_stages, dtype=np.int64)
@@ -111,7 +111,7 @@ def _stage_costs(
     kept = stored + relayed  # per micro-batch kept by each virtual stage
     split = costs.config.schedule in ZERO_BUBBLE_SCHEDULES
     if split:  # a pending W's dY per micro-batch of each virtual stage
-        pending = _per_stage_sum(
+        pending = per_stage_sum(
             weight_output_gradients(costs, transient_per_layer), stage_of, num_stages
         )
     stages = []
@@ -269,10 +269,11 @@ def layer_moments(
     return moments
 
 
-def _per_stage_sum(values: np.ndarray, stage_of: np.ndarray, num_stages: int) -> np.ndarray:
-    """Exact int64 sums (np.bincount would go through float64)."""
+def per_stage_sum(values: np.ndarray, stage_of: np.ndarray, num_stages: int) -> np.ndarray:
+    """Per (virtual) stage sums of a per-layer column, exact int64 (np.bincount would go
+    through float64)."""
     total = np.zeros(num_stages, dtype=np.int64)
-    np.add.at(total, stage_of, values)
+    np.add.at(total, stage_of, np.asarray(values, dtype=np.int64))
     return total
 
 
