@@ -29,16 +29,22 @@ CASES = {
 }
 
 
-def measure_step(model, inputs, num_microbatches: int, device) -> tuple[int | None, float]:
-    """(peak bytes of step 3, its wall ms) of Adam training with gradient accumulation."""
+def measure_step(
+    model, inputs, num_microbatches: int, device, snapshot: Path | None = None
+) -> tuple[int | None, float]:
+    """(peak bytes of step 3, its wall ms) of Adam training with gradient accumulation. With
+    ``snapshot`` (CUDA only), step 3's allocator events with their Python stacks are written
+    there (``torch.cuda.memory._dump_snapshot``) for ``scripts/cuda_peak_tags.py``."""
     import torch
 
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-5)
     peak, wall = None, 0.0
-    for _ in range(3):
+    for step in range(3):
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            if snapshot is not None and step == 2:
+                torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
         start = time.perf_counter()
         for _ in range(num_microbatches):
             (model(*inputs) / num_microbatches).backward()
@@ -47,11 +53,14 @@ def measure_step(model, inputs, num_microbatches: int, device) -> tuple[int | No
         if device.type == "cuda":
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
+            if snapshot is not None and step == 2:
+                torch.cuda.memory._dump_snapshot(str(snapshot))
+                torch.cuda.memory._record_memory_history(enabled=None)
         wall = (time.perf_counter() - start) * 1e3
     return peak, wall
 
 
-def check(name: str, overrides: dict, batch: int, device) -> dict:
+def check(name: str, overrides: dict, batch: int, device, snapshots: Path | None = None) -> dict:
     import torch
 
     import models
@@ -70,7 +79,8 @@ def check(name: str, overrides: dict, batch: int, device) -> dict:
     with torch.device("cpu"):
         cpu_inputs = spec.example_inputs(batch, None)
     fake = profile_module(shapes_only, cpu_inputs, spec.layers, model_name=name, mode="fake")
-    peak, step_ms = measure_step(model, inputs, 2, torch.device(device))
+    snapshot = None if snapshots is None else snapshots / f"{name}.pickle"
+    peak, step_ms = measure_step(model, inputs, 2, torch.device(device), snapshot)
     config = ParallelConfig(pp=1, tp=1, dp=1, micro_batch=batch, num_microbatches=2)
     training = TrainingConfig(
         global_batch=2 * batch,
@@ -117,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("cuda_profile.json"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--presets", nargs="*", default=list(CASES))
+    parser.add_argument(
+        "--snapshots",
+        type=Path,
+        help="folder for each case's allocator snapshot of step 3 (CUDA; see cuda_peak_tags.py)",
+    )
     args = parser.parse_args(argv)
     run = harness.Run.start(__file__, argv)
 
@@ -128,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         results["gpu"] = torch.cuda.get_device_name()
     for name in args.presets:
         overrides, batch = CASES.get(name, ({}, 2))
-        row = check(name, overrides, batch, torch.device(args.device))
+        if args.snapshots is not None:
+            args.snapshots.mkdir(parents=True, exist_ok=True)
+        row = check(name, overrides, batch, torch.device(args.device), args.snapshots)
         results["cases"].append(row)
         args.out.write_text(json.dumps(results, indent=1))
         peak = row["measured_peak_bytes"]
