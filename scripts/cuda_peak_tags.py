@@ -3,12 +3,13 @@
     python scripts/cuda_peak_tags.py SNAPSHOT.pickle [--top 25]
 
 Reads a ``torch.cuda.memory._dump_snapshot`` file (``scripts/cuda_profile_check.py --snapshots``
-writes one per case for its measured step), replays its allocator events (``alloc`` /
-``free_completed``) from the blocks live before the step, finds the moment of the largest
-allocated total (what ``torch.cuda.max_memory_allocated`` reports) and prints the blocks live then,
-grouped by the line of this repository's code (or torch's) that allocated them, largest first.
-Blocks allocated before recording began (weights, gradients, optimizer moments) are one group.
-Needs no torch: the snapshot is a pickle of plain lists and dicts.
+writes one per case), replays its allocator events (``alloc`` / ``free_completed``) from the
+blocks live when recording began, finds the moment of the largest allocated total (what
+``torch.cuda.max_memory_allocated`` reports) between the first two "snapshot" events (the marks
+around the measured step; the whole history without them) and prints the blocks live then,
+grouped by the line of this repository's code (or torch's) that allocated them, largest first;
+then the same for the blocks still live at the end of the history. Blocks allocated before
+recording began are one group. Needs no torch: the snapshot is a pickle of plain lists and dicts.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pickle
 from collections import Counter
 from pathlib import Path
 
-BEFORE = "(allocated before the step: weights, gradients, optimizer state)"
+BEFORE = "(allocated before recording began)"
 
 
 def tag(frames: list[dict]) -> str:
@@ -52,21 +53,37 @@ def live_at_start(snapshot: dict, events: list[dict]) -> dict[int, tuple[int, st
     return live
 
 
-def peak_live(snapshot: dict) -> tuple[int, dict[int, tuple[int, str]]]:
-    """(peak allocated bytes, the blocks live at that moment) over the recorded events."""
+def peak_live(snapshot: dict) -> tuple[int, dict[int, tuple[int, str]], dict[int, tuple[int, str]]]:
+    """(peak allocated bytes inside the marked window, the blocks live then, the blocks live at
+    the end of the history)."""
     events = [e for trace in snapshot["device_traces"] for e in trace]
+    marks = [i for i, e in enumerate(events) if e["action"] == "snapshot"]
+    first, last = (marks[0], marks[1]) if len(marks) >= 2 else (-1, len(events))
     live = live_at_start(snapshot, events)
     total = sum(size for size, _ in live.values())
-    best, at_best = total, dict(live)
-    for event in events:
+    best, at_best = -1, {}
+    for index, event in enumerate(events):
         if event["action"] == "alloc":
             live[event["addr"]] = (event["size"], tag(event.get("frames", [])))
             total += event["size"]
-            if total > best:
-                best, at_best = total, dict(live)
         elif event["action"] == "free_completed" and event["addr"] in live:
             total -= live.pop(event["addr"])[0]
-    return best, at_best
+        if first <= index <= last and total > best:
+            best, at_best = total, dict(live)
+    return best, at_best, live
+
+
+def print_groups(title: str, blocks: dict[int, tuple[int, str]], top: int) -> None:
+    """``blocks`` summed by where they were allocated, largest first."""
+    groups: Counter[str] = Counter()
+    counts: Counter[str] = Counter()
+    for size, where in blocks.values():
+        groups[where] += size
+        counts[where] += 1
+    total = sum(groups.values())
+    print(f"{title}: {total:,} B ({total / 2**30:.3f} GiB), {len(blocks)} blocks")
+    for where, size in groups.most_common(top):
+        print(f"{size / 2**20:12.2f} MiB {counts[where]:6d} blocks  {where}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,15 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with args.snapshot.open("rb") as handle:
         snapshot = pickle.load(handle)
-    peak, blocks = peak_live(snapshot)
-    groups: Counter[str] = Counter()
-    counts: Counter[str] = Counter()
-    for size, where in blocks.values():
-        groups[where] += size
-        counts[where] += 1
-    print(f"{args.snapshot.name}: peak {peak:,} B ({peak / 2**30:.3f} GiB), {len(blocks)} blocks")
-    for where, size in groups.most_common(args.top):
-        print(f"{size / 2**20:12.2f} MiB {counts[where]:6d} blocks  {where}")
+    _, at_peak, at_end = peak_live(snapshot)
+    print_groups(f"{args.snapshot.name} at its peak", at_peak, args.top)
+    print_groups(f"{args.snapshot.name} at the end", at_end, args.top)
     return 0
 
 

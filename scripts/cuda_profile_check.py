@@ -3,14 +3,18 @@
     python scripts/cuda_profile_check.py --out cuda_profile.json [--device cuda] [--presets ...]
 
 For each case (zoo presets, bf16):
-1. profile the model in real mode on the device (saved bytes, transients and per-layer times
+1. run three training steps of a freshly built model (two micro-batches each, torch's foreach Adam:
+   bf16 weights, gradients and moments, bytes per parameter 2, 2, 4, and the step's bf16
+   temporary) and record ``torch.cuda.max_memory_allocated`` of the third;
+2. profile the model in real mode on the device (saved bytes, transients and per-layer times
    measured on the device's own kernels) and in fake mode (meta model, CPU kernels, what a user
-   without a GPU gets), and compare their per-layer saved bytes;
-2. run three training steps (two micro-batches each, torch Adam: bytes per parameter 2, 2, 4) and
-   record ``torch.cuda.max_memory_allocated`` of the third;
+   without a GPU gets), and compare their per-layer saved bytes; record what the real-mode
+   profile leaves allocated (``left_by_real_profile_bytes``);
 3. predict that peak with the planner's cost model (pp = tp = dp = 1) from each graph, and the
    step time from the real graph's per-layer times.
-``--device cpu`` is a dry run of the script (memory is then not measured).
+``--snapshots DIR`` records the allocator's history over steps 1-3 and the profile (CUDA) into
+DIR/CASE.pickle for ``scripts/cuda_peak_tags.py``. ``--device cpu`` is a dry run of the script
+(memory is then not measured).
 """
 
 from __future__ import annotations
@@ -30,11 +34,11 @@ CASES = {
 
 
 def measure_step(
-    model, inputs, num_microbatches: int, device, snapshot: Path | None = None
+    model, inputs, num_microbatches: int, device, mark: bool = False
 ) -> tuple[int | None, float]:
-    """(peak bytes of step 3, its wall ms) of Adam training with gradient accumulation. With
-    ``snapshot`` (CUDA only), step 3's allocator events with their Python stacks are written
-    there (``torch.cuda.memory._dump_snapshot``) for ``scripts/cuda_peak_tags.py``."""
+    """(peak bytes of step 3, its wall ms) of Adam training with gradient accumulation. ``mark``:
+    step 3's start and end are marked in the allocator's recorded history (``_snapshot`` adds a
+    "snapshot" event), where ``scripts/cuda_peak_tags.py`` looks for the step's peak."""
     import torch
 
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-5)
@@ -43,8 +47,8 @@ def measure_step(
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            if snapshot is not None and step == 2:
-                torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+            if mark and step == 2:
+                torch.cuda.memory._snapshot()
         start = time.perf_counter()
         for _ in range(num_microbatches):
             (model(*inputs) / num_microbatches).backward()
@@ -53,9 +57,8 @@ def measure_step(
         if device.type == "cuda":
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
-            if snapshot is not None and step == 2:
-                torch.cuda.memory._dump_snapshot(str(snapshot))
-                torch.cuda.memory._record_memory_history(enabled=None)
+            if mark and step == 2:
+                torch.cuda.memory._snapshot()
         wall = (time.perf_counter() - start) * 1e3
     return peak, wall
 
@@ -70,23 +73,37 @@ def check(name: str, overrides: dict, batch: int, device, snapshots: Path | None
     spec = models.get(name, **overrides)
     torch.set_default_dtype(torch.bfloat16)
     torch.manual_seed(0)
+    cuda = torch.device(device).type == "cuda"
+    snapshot = None if snapshots is None or not cuda else snapshots / f"{name}.pickle"
+    if snapshot is not None:
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     with torch.device(device):
         model = spec.build()
         inputs = spec.example_inputs(batch, None)
+    # The step first, on the fresh model: nothing the profiler leaves behind is in its peak.
+    peak, step_ms = measure_step(model, inputs, 2, torch.device(device), snapshot is not None)
+    model.zero_grad(set_to_none=True)
+    before_profile = torch.cuda.memory_allocated() if cuda else None
     real = profile_module(model, inputs, spec.layers, model_name=name, mode="real")
+    left_by_profile = None if not cuda else torch.cuda.memory_allocated() - before_profile
+    if snapshot is not None:
+        torch.cuda.memory._dump_snapshot(str(snapshot))
+        torch.cuda.memory._record_memory_history(enabled=None)
     with torch.device("meta"):
         shapes_only = spec.build()
     with torch.device("cpu"):
         cpu_inputs = spec.example_inputs(batch, None)
     fake = profile_module(shapes_only, cpu_inputs, spec.layers, model_name=name, mode="fake")
-    snapshot = None if snapshots is None else snapshots / f"{name}.pickle"
-    peak, step_ms = measure_step(model, inputs, 2, torch.device(device), snapshot)
     config = ParallelConfig(pp=1, tp=1, dp=1, micro_batch=batch, num_microbatches=2)
     training = TrainingConfig(
         global_batch=2 * batch,
         weight_bytes_per_param=2,
         grad_bytes_per_param=2,
         optimizer_bytes_per_param=4,
+        runtime="torch",
+        precision="bf16",  # what measure_step runs: bf16 weights, gradients and Adam moments,
+        optimizer_impl="foreach",  # torch's default Adam on a GPU (a bf16 temporary per param)
+        grad_lifetime="persistent",  # zero_grad(set_to_none=False)
     )
     cluster = Cluster(num_gpus=1, gpu_memory_bytes=2**40)
 
@@ -114,6 +131,7 @@ def check(name: str, overrides: dict, batch: int, device, snapshots: Path | None
         "device": str(device),
         "params": sum(layer.params for layer in real.layers),
         "measured_peak_bytes": peak,
+        "left_by_real_profile_bytes": left_by_profile,
         "measured_step_ms": step_ms,
         "profiled_step_ms": 2 * batch * sum(x.fwd_ms + x.bwd_ms for x in real.layers),
         "predicted_from_real_graph": predicted(real),
