@@ -12,6 +12,9 @@ For each case (zoo presets, bf16):
    profile leaves allocated (``left_by_real_profile_bytes``);
 3. predict that peak with the planner's cost model (pp = tp = dp = 1) from each graph, and the
    step time from the real graph's per-layer times.
+With several presets each runs in a fresh interpreter (``allocated_at_start_bytes`` is then 0): in
+one process an earlier case's model stayed allocated and inflated the later cases' peaks by up to
+3.4 GiB (what made Llama and T5 look 12-28% under-predicted on 2026-12-04).
 ``--snapshots DIR`` records the allocator's history over steps 1-3 and the profile (CUDA) into
 DIR/CASE.pickle for ``scripts/cuda_peak_tags.py``. ``--device cpu`` is a dry run of the script
 (memory is then not measured).
@@ -20,6 +23,9 @@ DIR/CASE.pickle for ``scripts/cuda_peak_tags.py``. ``--device cpu`` is a dry run
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -74,6 +80,7 @@ def check(name: str, overrides: dict, batch: int, device, snapshots: Path | None
     torch.set_default_dtype(torch.bfloat16)
     torch.manual_seed(0)
     cuda = torch.device(device).type == "cuda"
+    allocated_at_start = torch.cuda.memory_allocated() if cuda else None
     snapshot = None if snapshots is None or not cuda else snapshots / f"{name}.pickle"
     if snapshot is not None:
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
@@ -131,6 +138,7 @@ def check(name: str, overrides: dict, batch: int, device, snapshots: Path | None
         "device": str(device),
         "params": sum(layer.params for layer in real.layers),
         "measured_peak_bytes": peak,
+        "allocated_at_start_bytes": allocated_at_start,
         "left_by_real_profile_bytes": left_by_profile,
         "measured_step_ms": step_ms,
         "profiled_step_ms": 2 * batch * sum(x.fwd_ms + x.bwd_ms for x in real.layers),
@@ -138,6 +146,19 @@ def check(name: str, overrides: dict, batch: int, device, snapshots: Path | None
         "predicted_from_fake_graph": predicted(fake),
         "layers": per_layer,
     }
+
+
+def check_alone(name: str, args) -> dict:
+    """``check`` of one preset in a fresh interpreter: nothing an earlier case left allocated (a
+    model its profile still references, the allocator's workspaces) is in this case's peak."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "case.json"
+        command = [sys.executable, __file__, "--presets", name, "--out", str(out)]
+        command += ["--device", args.device]
+        if args.snapshots is not None:
+            command += ["--snapshots", str(args.snapshots)]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())["cases"][0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,11 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     results |= {"command": run.command, "commit": run.commit}
     if args.device == "cuda":
         results["gpu"] = torch.cuda.get_device_name()
+    if args.snapshots is not None:
+        args.snapshots.mkdir(parents=True, exist_ok=True)
     for name in args.presets:
-        overrides, batch = CASES.get(name, ({}, 2))
-        if args.snapshots is not None:
-            args.snapshots.mkdir(parents=True, exist_ok=True)
-        row = check(name, overrides, batch, torch.device(args.device), args.snapshots)
+        if len(args.presets) > 1:
+            row = check_alone(name, args)
+        else:
+            overrides, batch = CASES.get(name, ({}, 2))
+            row = check(name, overrides, batch, torch.device(args.device), args.snapshots)
         results["cases"].append(row)
         args.out.write_text(json.dumps(results, indent=1))
         peak = row["measured_peak_bytes"]
