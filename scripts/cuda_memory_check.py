@@ -76,7 +76,9 @@ def build_model(layers: int, hidden: int, heads: int, seq: int, vocab: int, drop
     return GPT()
 
 
-def measure(out: Path, dropout: float, run: harness.Run) -> int:
+def measure(out: Path, dropout: float, run: harness.Run, snapshots: Path | None = None) -> int:
+    """Measure every case; with ``snapshots``, each case's allocator history (its step 3 marked,
+    as ``cuda_profile_check.py`` does) goes to SNAPSHOTS/NAME.pickle for ``cuda_peak_tags.py``."""
     import torch
 
     device = torch.device("cuda")
@@ -84,13 +86,18 @@ def measure(out: Path, dropout: float, run: harness.Run) -> int:
     results |= {"command": run.command, "commit": run.commit}
     for name, layers, hidden, heads, seq, vocab, micro_batch, num_micro in CASES:
         torch.manual_seed(0)
+        if snapshots is not None:
+            snapshots.mkdir(parents=True, exist_ok=True)
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
         model = build_model(layers, hidden, heads, seq, vocab, dropout).to(device, torch.bfloat16)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
         params = sum(p.numel() for p in model.parameters())
         peaks, step_ms = [], []
-        for _ in range(3):
+        for step in range(3):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            if snapshots is not None and step == 2:
+                torch.cuda.memory._snapshot()  # marks step 3's start in the history
             start = time.perf_counter()
             for _ in range(num_micro):
                 ids = torch.randint(vocab, (micro_batch, seq), device=device)
@@ -101,6 +108,11 @@ def measure(out: Path, dropout: float, run: harness.Run) -> int:
             torch.cuda.synchronize()
             step_ms.append((time.perf_counter() - start) * 1e3)
             peaks.append(torch.cuda.max_memory_allocated())
+            if snapshots is not None and step == 2:
+                torch.cuda.memory._snapshot()  # and its end
+        if snapshots is not None:
+            torch.cuda.memory._dump_snapshot(str(snapshots / f"{name}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
         results["cases"].append(
             {
                 "name": name,
@@ -160,6 +172,10 @@ def compare(measured_path: Path) -> int:
             weight_bytes_per_param=2,
             grad_bytes_per_param=2,
             optimizer_bytes_per_param=4,
+            runtime="torch",  # what measure runs: plain torch, bf16 weights, gradients and moments,
+            precision="bf16",
+            optimizer_impl="foreach",  # torch's default Adam on a GPU (a bf16 temporary per param)
+            grad_lifetime="persistent",  # zero_grad(set_to_none=False)
         )
         result = evaluate(
             graph, config, [0] * graph.num_layers, cluster=Cluster(num_gpus=1), training=training
@@ -181,11 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("measure", help="run on a CUDA GPU (needs only torch)")
     run.add_argument("--out", type=Path, default=Path("measured.json"))
     run.add_argument("--dropout", type=float, default=0.1)
+    run.add_argument("--snapshots", type=Path, help="folder for each case's allocator history")
     check = sub.add_parser("compare", help="cost-model prediction vs a measured.json")
     check.add_argument("measured", type=Path)
     args = parser.parse_args(argv)
     if args.command == "measure":
-        return measure(args.out, args.dropout, harness.Run.start(__file__, argv))
+        return measure(args.out, args.dropout, harness.Run.start(__file__, argv), args.snapshots)
     return compare(args.measured)
 
 
