@@ -51,6 +51,7 @@ INTEGER_FIELDS = (
 
 OPTIONAL_INTEGER_FIELDS = (
     "weight_grad_transient_bytes",
+    "attention_backward_transient_bytes",
     "vocab_transient_bytes",
     "fixed_transient_bytes",
     "vocab_weight_grad_transient_bytes",
@@ -145,6 +146,11 @@ class Layer:
     attention makes, in the activations' dtype; 0 for fused (flash) attention. On the megatron
     runtime it sizes Megatron's own ``DotProductAttention`` buffers (``solver.costs.
     megatron_attention``). Optional; absent in older graphs."""
+    attention_backward_transient_bytes: int | None = None
+    """With explicit attention: the layer's extra live bytes per sample in its backward alone,
+    the saved storages it has released by then deducted (at most ``transient_bytes``); Megatron's
+    in-place mask adds one score matrix there (``solver.costs.megatron_attention``). None: not
+    measured, taken as ``transient_bytes``. Optional; absent in older graphs."""
     sp_gathered_bytes: int = 0
     """Bytes per sample the layer saves from the whole sequence under sequence parallelism: the
     distinct inputs of its column-parallel Linears and LM head, which SP all-gathers in front of
@@ -628,6 +634,14 @@ def _check_layers(layers: list[Layer], origin: str, deadline: Deadline | None = 
                 f"{origin}: $.layers[{i}].weight_grad_transient_bytes: {at_weight_grad} exceeds "
                 f"transient_bytes ({layer.transient_bytes}) of layer {quote(layer.name)}; it is "
                 "the layer's transient at one moment of its run, at most its peak"
+            )
+        at_backward = layer.attention_backward_transient_bytes
+        if at_backward is not None and at_backward > layer.transient_bytes:
+            raise InputError(
+                f"{origin}: $.layers[{i}].attention_backward_transient_bytes: {at_backward} "
+                f"exceeds transient_bytes ({layer.transient_bytes}) of layer "
+                f"{quote(layer.name)}; it is the layer's transient in its backward, at most its "
+                "peak"
             )
         if (layer.mem_isolated is None) != (layer.mem_added is None):
             raise InputError(

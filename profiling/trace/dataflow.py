@@ -601,8 +601,11 @@ class Tracer(TorchDispatchMode):
                 peaks[owner] = _larger(peaks[owner], live, base, credit)
         return dict(peaks)
 
-    def transients(self, excluded: set[int], at: set[int] | None = None) -> dict[int, int]:
-        """Peak extra live bytes per owner while it runs (batch totals); with ``at``, only at
+    def transients(
+        self, excluded: set[int], at: set[int] | None = None, only: str | None = None
+    ) -> dict[int, int]:
+        """Peak extra live bytes per owner while it runs (batch totals); ``only`` ("bwd"): in
+        that phase's windows alone; with ``at``, only at
         the moments the storages in ``at`` are made and until the autograd node that made one
         returns (the parameter gradients: what else is live next to a weight gradient's
         temporary, which lives until the node's AccumulateGrad adds it to ``.grad``; torch's
@@ -635,7 +638,7 @@ class Tracer(TorchDispatchMode):
                     credit -= delta
             else:
                 live += delta
-            if counts:
+            if counts and only in (None, phase):
                 peaks[owner] = max(peaks[owner], live - base - credit)
         return dict(peaks)
 

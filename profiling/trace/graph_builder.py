@@ -241,6 +241,10 @@ def _layer_items(
             item["attention_kv_bytes"] = _ceil_div(kv_reads[i], batch)
         if scores.get(i):
             item["attention_score_bytes"] = _ceil_div(scores[i], batch)
+            # Megatron's attention backward differs from the zoo's (solver.costs.
+            # megatron_attention): its moment is the backward's peak, not the forward's
+            backward = getattr(tracer, "backward_transient_peaks", {}).get(i, 0)
+            item["attention_backward_transient_bytes"] = _ceil_div(backward, batch)
         expert_saved = sum(n for n, taint in record.expert_saved if not split.is_split(taint))
         ep_comm = experts.comm_bytes.get(i, 0) if experts is not None else 0
         if expert_params[i] or expert_saved or ep_comm:

@@ -519,6 +519,7 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
     tracer.attention_score_bytes = dict(kv_reads.score_bytes_by_owner)
     tracer.transient_peaks = tracer.transients(excluded)
     tracer.weight_grad_transient_peaks = tracer.transients(excluded, at=gradients)
+    tracer.backward_transient_peaks = tracer.transients(excluded, only="bwd")
     split = tp.resolve()
     if split.vocab_layers:  # the transients' fixed and vocabulary-sized parts
         vocab = {uid for uid, tag in tracer.vocab_uids.items() if tag in split.vocab_tags}

@@ -38,6 +38,15 @@ def graph_columns(graph: LayerGraph) -> dict[str, np.ndarray]:
         ],
         dtype=np.int64,
     )
+    cols["attention_backward_transient_bytes"] = np.array(
+        [
+            x.transient_bytes
+            if x.attention_backward_transient_bytes is None
+            else x.attention_backward_transient_bytes
+            for x in layers
+        ],
+        dtype=np.int64,
+    )
     for key in (key for pair in VOCAB_TRANSIENT_PAIRS for key in pair):
         # -1: not measured (``vocab.with_vocab_split`` keeps the whole transient there)
         cols[key] = np.array(

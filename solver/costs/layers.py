@@ -49,9 +49,10 @@ o), ZeRO stage z.
               its output's gradient; megatron runtime (``megatron_linear``): an LM head's
               weight_grad_transient takes its input gradient (megatron-core makes it first),
               and with SP every trans_l + the all-gather buffer b s h d each rank keeps; with
-              explicit attention (``megatron_attention``) trans_l + b S_l / t (the in-place
-              mask's backward) and the kept buffer the larger of that and the score buffer
-              max_l b S_l / t
+              explicit attention (``megatron_attention``) trans_l = max(b T_l, b B_l + b S_l
+              / t) (the in-place mask's backward, B_l the backward-only transient) and the
+              kept buffer the larger of that and the score buffer max_l b S_l / t (none on the
+              layers before the first attention where that is never low)
 
 With context parallelism every per-sample term is / c (``context_parallel``). Calibrated
 (``TrainingConfig.calibration``, fitted by ``python -m profiling.calibrate``): each per-layer
@@ -88,7 +89,7 @@ from solver.costs.graph_inputs import (
     recomputable_layers,
     unsaved_output_bytes,
 )
-from solver.costs.megatron_attention import score_buffer_bytes, score_bytes
+from solver.costs.megatron_attention import kept_buffer_bytes, score_buffer_bytes, score_bytes
 from solver.costs.megatron_linear import head_weight_grad_moment, sp_gather_buffer_bytes
 from solver.costs.ranges import check_exact_range
 from solver.costs.schedule import in_flight_counts, stage_boundary_copies
@@ -300,22 +301,30 @@ def _activation_bytes(
     # attention's K/V buffers join the layer's own peak (its attention runs then)
     ring = ring_attention_bytes(cols["attention_kv_bytes"], config)
     anytime = tuple(peak + ring for peak in transient(cols["transient_bytes"]))
-    beside_grad, kept_buffer = cols["weight_grad_transient_bytes"], 0
+    beside_grad, sp_buffer, score_buffer = cols["weight_grad_transient_bytes"], 0, 0
     if training.runtime == "megatron":
         # megatron-core's linears make the input gradient before the weight gradient, and keep
         # an all-gather buffer under SP (``megatron_linear``); its own explicit attention keeps
         # a score buffer (the same "mpu" buffer: the larger) and clones the scores' gradient
         # in the in-place mask's backward (``megatron_attention``)
         beside_grad = head_weight_grad_moment(cols, config)
-        kept_buffer = max(sp_gather_buffer_bytes(cols, config), score_buffer_bytes(cols, config))
-        anytime = tuple(peak + score_bytes(cols, config) for peak in anytime)
+        sp_buffer = sp_gather_buffer_bytes(cols, config)
+        score_buffer = score_buffer_bytes(cols, config)
+        scores = score_bytes(cols, config)
+        backward = transient(cols["attention_backward_transient_bytes"])
+        anytime = tuple(
+            np.where(scores > 0, np.maximum(peak, in_backward + ring + scores), peak)
+            for peak, in_backward in zip(anytime, backward, strict=True)
+        )
     at_weight_grad = transient(beside_grad)
     # FSDP2 under pipelining: a gather's flat buffer at the forward's start, alone (``fsdp``)
     starting = forward_gather_bytes(params, config, training)
-    peaks = tuple(
-        np.maximum(np.maximum(peak, beside + grad_temporary) + gather + kept_buffer, starting)
+    running = tuple(
+        np.maximum(peak, beside + grad_temporary) + gather
         for peak, beside in zip(anytime, at_weight_grad, strict=True)
     )
+    kept_buffer = kept_buffer_bytes(running, cols["attention_score_bytes"], sp_buffer, score_buffer)
+    peaks = tuple(np.maximum(peak + kept_buffer, starting) for peak in running)
     return stored, peaks
 
 

@@ -18,19 +18,23 @@ engine (gpt-tiny h 64, 4 heads, s 256, V 4096, fp32, b 2, pp 2, Megatron's DDP):
 - **The attention's backward**: ``attention_mask_func`` masks in place
   (``scores.masked_fill_``) on a view of the baddbmm output, so autograd's ``CopySlices`` runs
   its backward: it clones the incoming gradient and the view's slice before masked_fill's own
-  backward makes its output. With the probabilities already freed, 4 score-sized tensors are
-  live at that moment, where the zoo's out-of-place masked_fill holds 2 beside the saved
-  probabilities: b S_l / t bytes per micro-batch more than the profiled transient (measured
-  to the byte on a single attention call, and 4 x 2 MiB at the first stage's peak).
+  backward makes its output. The probabilities are freed by then, and 4 score-sized tensors
+  are live: one score matrix more than the zoo's out-of-place mask holds at its backward's
+  peak (measured to the byte on a single attention call, 4 x 2 MiB at the first stage's peak).
+  The profile's backward-only transient B_l (``attention_backward_transient_bytes``) already
+  deducts what the layer has released by then (the MLP's saved tensors, the attention's
+  output: +3.1 to +5.4% over per stage when the whole transient took their place); the zoo's
+  whole transient T_l bounds Megatron's forward (its in-place mask makes one copy fewer).
 
 Per GPU, micro-batch b, t tensor-parallel ranks (the score matrix is [b a/t, s, s], whole
 sequence also under SP: the attention runs after the all-gather):
 
-    score_buffer     = max_l ceil(b S_l / t)           kept for the run, joins every trans_l
-    trans_l         += ceil(b S_l / t)                 the CopySlices clone at the mask's backward
+    score_buffer = max_l ceil(b S_l / t)              kept for the run, joins trans_l
+    trans_l      = max(b T_l, b B_l + ceil(b S_l / t)) where S_l > 0 (B_l = T_l if absent)
 
-The second term is added to the layer's whole transient: where the layer's profiled peak is
-not its attention's backward (a short sequence) the sum is high, never low. docs/cost-model.md,
+The buffer is allocated at a rank's first attention forward: layers before the model's first
+attention layer are charged without it where that is never low (``kept_buffer_bytes``: an
+embedding-only first stage measured +140.6% with it, +3.7% without). docs/cost-model.md,
 "Megatron's explicit attention".
 """
 
@@ -52,3 +56,29 @@ def score_buffer_bytes(cols: dict[str, np.ndarray], config: ParallelConfig) -> i
     """Bytes per GPU of the global memory buffer ``DotProductAttention`` passes to baddbmm:
     the largest layer's scores (module docstring); 0 without explicit attention."""
     return int(score_bytes(cols, config).max(initial=0))
+
+
+def kept_buffer_bytes(
+    running: tuple[np.ndarray, ...], scores: np.ndarray, sp_buffer: int, score_buffer: int
+) -> np.ndarray:
+    """Per layer, the "mpu" buffer bytes per GPU kept beside its moments (the larger of the
+    score buffer and SP's all-gather buffer, ``sp_buffer``), given each layer's ``running``
+    transient in each recompute state (bytes, without the buffer) and its ``scores`` (> 0:
+    explicit attention).
+
+    The score buffer exists on a rank once one of its attention layers has run. A layer before
+    the model's first attention layer (the embedding) shares its stage only with later layers
+    (a rank without attention keeps no score buffer: an embedding-only first stage), so where
+    its running transient is at most every attention layer's, in both states, a stage holding
+    both peaks at the attention layer's moment, which counts the buffer: the layer is charged
+    ``sp_buffer`` alone, exact alone on its rank and never under beside attention."""
+    kept = np.full(len(scores), max(sp_buffer, score_buffer), dtype=np.int64)
+    attention = scores > 0
+    if score_buffer <= sp_buffer or not attention.any():
+        return kept
+    least = min(int(state[attention].min()) for state in running)
+    leading = np.arange(len(scores)) < int(np.argmax(attention))
+    for state in running:
+        leading &= state <= least
+    kept[leading] = sp_buffer
+    return kept
