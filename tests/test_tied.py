@@ -71,11 +71,23 @@ def test_last_stage_holds_its_own_copy_of_the_tied_embedding(runtime, zero, dp, 
     assert grown == TABLE * per_param + max(0, 2 * TABLE - untied[1].transient_bytes)
 
 
-def test_one_stage_holds_one_copy():
-    config = ParallelConfig(pp=1, tp=1, dp=1, micro_batch=1, num_microbatches=4)
-    _, tied = peaks(lm_graph(), config, [0] * 6)
-    _, untied = peaks(lm_graph(tied=False), config, [0] * 6)
-    assert tied[0].peak_bytes == untied[0].peak_bytes
+@pytest.mark.parametrize("micro_batch", [1, 4])
+def test_one_stage_holds_one_copy_and_the_partial_gradients_autograd_sums(micro_batch):
+    """p = 1: no copy (the states are the untied graph's); the table's partial gradients are
+    batch-independent terms (embeddings.tied_gradient_bytes): B = w n from the head's
+    backward through every block's to the embedding's, whose weight-gradient moment holds its
+    own partial and the held one beside the sum (gtemp)."""
+    config = ParallelConfig(pp=1, tp=1, dp=1, micro_batch=micro_batch, num_microbatches=4)
+    costs_tied, tied = peaks(lm_graph(), config, [0] * 6)
+    costs_untied, untied = peaks(lm_graph(tied=False), config, [0] * 6)
+    states = lambda s: s.weight_bytes + s.grad_bytes + s.optimizer_bytes  # noqa: E731
+    assert states(tied[0]) == states(untied[0])
+    table = 2 * TABLE  # bf16 weights: gradients made in bf16
+    grown = costs_tied.transient_bytes - costs_untied.transient_bytes
+    assert grown[0] == 2 * table  # its own partial and the held one (gtemp: the sum)
+    assert list(grown[1:-1]) == [table] * 4  # each block's backward holds the head's partial
+    assert costs_tied.transient_bytes[-1] == table  # the head: its partial (no transient here)
+    assert tied[0].peak_bytes > untied[0].peak_bytes
 
 
 def test_the_copies_gradient_all_reduce_joins_both_ranks_tails():
@@ -179,49 +191,30 @@ def test_the_profile_marks_the_tied_head():
     assert all(layer.tied_params is None for layer in graph.layers[:-1])
 
 
-ACCUMULATION = 4 * TABLE
-"""The owner's own gradient of the table in an fp32 single-device profile, live beside the sum
-with the head's gradient when its ``.grad`` is made (qwen2's embedding: 114688 of 131072 B)."""
-
-
-def _profiled_tie(*, dtype: str | None = "fp32", extra_params: int = 0) -> dict:
+def _profiled_tie(*, dtype: str | None = "fp32") -> dict:
+    """A profile of the tie after ``profiling.trace.param_grads``: no gradient of a parameter
+    in the per-sample transients."""
     document = lm_graph()
     if dtype is not None:
         document["meta"] = {"dtype": dtype}
     embed = document["layers"][0]
-    embed["params"] += extra_params
     embed["largest_param"] = TABLE
-    embed |= {"transient_bytes": ACCUMULATION + 512, "weight_grad_transient_bytes": ACCUMULATION}
+    embed |= {"transient_bytes": 512, "weight_grad_transient_bytes": 256}
     return document
 
 
-def _embed_transient(document: dict, pp: int, runtime: str = "megatron") -> int:
-    config = ParallelConfig(pp=pp, tp=1, dp=1, micro_batch=1, num_microbatches=4)
+def _embed_transient(document: dict, pp: int, runtime: str = "megatron", b: int = 1) -> int:
+    config = ParallelConfig(pp=pp, tp=1, dp=1, micro_batch=b, num_microbatches=4)
     costs, _ = peaks(document, config, [0] * 3 + [pp - 1] * 3, runtime=runtime, precision="fp32")
     return int(costs.transient_bytes[0])
 
 
-def test_megatrons_separate_copy_drops_the_owners_tie_accumulation():
-    """pp 2 on megatron: the owner's weight-gradient moment holds its gradient temporary (4 B x
-    the table, fp32) and not the profile's accumulation of the two gradients; the rest of its
-    transient stays."""
+@pytest.mark.parametrize("runtime", ["megatron", "torch"])
+@pytest.mark.parametrize("b", [1, 4])
+def test_the_owners_weight_gradient_moment(runtime, b):
+    """pp 2 (each stage keeps its copy): the owner's moment is its gradient temporary alone;
+    pp 1 (one table, autograd sums the head's partial and the owner's into the gradient): two
+    tables more, whatever the micro-batch."""
     gtemp = 4 * TABLE
-    assert _embed_transient(_profiled_tie(), pp=2) == max(ACCUMULATION + 512, 0 + gtemp)
-    assert _embed_transient(_profiled_tie(), pp=2) < ACCUMULATION + gtemp
-    # one stage (one weight: the sum is made): the profile's, + the temporary
-    assert _embed_transient(_profiled_tie(), pp=1) == ACCUMULATION + gtemp
-    # no dtype in the graph, or a second tensor in the owner (its moment may be another's): kept
-    kept = _embed_transient(_profiled_tie(dtype=None), pp=2)
-    assert kept == ACCUMULATION + gtemp
-    assert _embed_transient(_profiled_tie(extra_params=64), pp=2) == ACCUMULATION + gtemp
-
-
-def test_torch_pipelinings_separate_copy_drops_the_owners_tie_accumulation():
-    """pp 2 on torch (each stage keeps its copy, profiling/executors/tied.py): as on megatron,
-    and for an owner with other parameters too, its moment kept at least their gradients."""
-    gtemp = 4 * TABLE
-    assert _embed_transient(_profiled_tie(), 2, "torch") == max(ACCUMULATION + 512, gtemp)
-    assert _embed_transient(_profiled_tie(), 1, "torch") == ACCUMULATION + gtemp
-    # 64 more parameters: the weight-gradient moment keeps 4 x 64 bytes of their gradients
-    extra = _embed_transient(_profiled_tie(extra_params=64), 2, "torch")
-    assert extra == max(ACCUMULATION + 512, 4 * 64 + gtemp)
+    assert _embed_transient(_profiled_tie(), 2, runtime, b) == 256 * b + gtemp
+    assert _embed_transient(_profiled_tie(), 1, runtime, b) == 256 * b + 3 * gtemp

@@ -571,7 +571,11 @@ class Tracer(TorchDispatchMode):
         )
 
     def vocab_transients(
-        self, excluded: set[int], vocab: set[int], at: set[int] | None = None
+        self,
+        excluded: set[int],
+        vocab: set[int],
+        at: set[int] | None = None,
+        held: frozenset[int] | set[int] = frozenset(),
     ) -> dict[int, tuple[int, int]]:
         """Owner -> (largest fixed part, largest vocabulary part) of ``transients``' extra live
         bytes at any moment (batch totals; ``vocab``: the uids of vocabulary-sized storages).
@@ -581,7 +585,7 @@ class Tracer(TorchDispatchMode):
         live = [0, 0]
         base, credit = [0, 0], [0, 0]
         current = -1
-        making = _GradientMoments(at)
+        making = _GradientMoments(at, held)
         for window, node, uid, delta in self.events:
             phase, owner = self.windows[window]
             owner = self.resolve(owner)
@@ -602,14 +606,20 @@ class Tracer(TorchDispatchMode):
         return dict(peaks)
 
     def transients(
-        self, excluded: set[int], at: set[int] | None = None, only: str | None = None
+        self,
+        excluded: set[int],
+        at: set[int] | None = None,
+        only: str | None = None,
+        held: frozenset[int] | set[int] = frozenset(),
     ) -> dict[int, int]:
         """Peak extra live bytes per owner while it runs (batch totals); ``only`` ("bwd"): in
         that phase's windows alone; with ``at``, only at
         the moments the storages in ``at`` are made and until the autograd node that made one
         returns (the parameter gradients: what else is live next to a weight gradient's
         temporary, which lives until the node's AccumulateGrad adds it to ``.grad``; torch's
-        linear backward makes the input gradient after the weight gradient, in the same node).
+        linear backward makes the input gradient after the weight gradient, in the same node),
+        and while a storage in ``held`` made in the window is live (a partial gradient autograd
+        keeps for a later sum: a tied LM head's gradient of the embedding table).
 
         For each window (a maximal run of events with one owner), the live bytes of storages
         made by the run, minus their value at the window's start, minus (in the backward) the
@@ -619,7 +629,7 @@ class Tracer(TorchDispatchMode):
         peaks: dict[int, int] = defaultdict(int)
         live = base = credit = 0
         current = -1
-        making = _GradientMoments(at)
+        making = _GradientMoments(at, held)
         for window, node, uid, delta in self.events:
             phase, owner = self.windows[window]
             owner = self.resolve(owner)
@@ -650,23 +660,30 @@ class _GradientMoments:
     until autograd's AccumulateGrad, which runs right after that node (its sequence number is
     the largest), adds it to ``.grad``: whatever the node makes after it (torch's linear
     backward: the input gradient) is live beside it. A node's allocation after its gradient
-    counts once the gradient's own event is seen."""
+    counts once the gradient's own event is seen. A storage of ``held`` (a partial gradient
+    autograd keeps until a later node sums it) makes every moment a weight-gradient one while
+    it is live in the window that made it."""
 
-    def __init__(self, at: set[int] | None):
+    def __init__(self, at: set[int] | None, held: frozenset[int] | set[int] = frozenset()):
         self.at = at
+        self.held = held
         self.node: int | None = None
+        self.live_held: set[int] = set()
 
     def reset(self) -> None:
         self.node = None
+        self.live_held = set()
 
     def counts(self, node: int, uid: int, delta: int) -> bool:
         if self.at is None:
             return True
+        if uid in self.held:
+            (self.live_held.add if delta > 0 else self.live_held.discard)(uid)
         if uid in self.at and delta > 0:
             self.node = node
         elif node != self.node:
             self.node = None
-        return self.node is not None
+        return self.node is not None or bool(self.live_held)
 
 
 def _larger(peak: tuple[int, int], live: list[int], base: list[int], credit: list[int]):

@@ -40,14 +40,18 @@ such as a causal mask; profile with batch 1 to count those in full):
   gives per-module totals but mixes forward with backward and leaves glue code to the root, so the
   formulas are applied here with the owners below; totals agree with it (tests).
 - ``transient_bytes``: the peak of live memory while the layer runs (forward or backward), above
-  the live memory at its start, not counting storages saved for backward or parameter gradients
-  (the cost model holds those elsewhere), less the layer's saved storages already released in its
-  backward. Live memory is tracked exactly: every storage made by an op, until it is freed. It
-  catches the fp32 logits and their gradient of a loss.
+  the live memory at its start, not counting storages saved for backward or gradients of
+  parameters (the cost model holds those elsewhere, batch-independent), less the layer's saved
+  storages already released in its backward. Live memory is tracked exactly: every storage made
+  by an op, until it is freed. It catches the fp32 logits and their gradient of a loss. A
+  parameter's gradient is any storage the backward sends to its ``AccumulateGrad`` (the one that
+  becomes ``.grad``, one added to it, a tied parameter's partial gradient held for a later sum:
+  ``param_grads.py``); it is the parameter's size at any batch, so it is no per-sample figure.
 - ``weight_grad_transient_bytes``: the same extra live memory at the moments the layer's weight
-  gradients are made (at least 0). The cost model adds the weight-gradient temporary to this one
-  only: a loss whose fp32 logits peak in the forward, and have been freed by the time the LM
-  head's weight gradient is computed, does not count both at once.
+  gradients are made (at least 0), and while a partial gradient it made is held. The cost model
+  adds the weight-gradient temporary (and a tie's partial gradients, ``solver.costs.embeddings``)
+  to this one only: a loss whose fp32 logits peak in the forward, and have been freed by the
+  time the LM head's weight gradient is computed, does not count both at once.
 - ``tp_params``, ``tp_activation_bytes``, ``tp_comm_bytes``: the Megatron-style split of
   ``tensor_parallel.py``.
 - ``vocab_rows``, ``vocab_params``, ``vocab_activation_bytes`` and the transients' parts
@@ -124,6 +128,7 @@ from profiling.trace.dataflow import Tracer, tensors_in
 from profiling.trace.experts import ExpertTracker
 from profiling.trace.graph_builder import build_graph
 from profiling.trace.layers import block_paths, default_layer_paths
+from profiling.trace.param_grads import ParamGradients
 from profiling.trace.tensor_parallel import TensorParallelTracker, is_linear
 from profiling.trace.time_terms import measure_time_terms
 from profiling.trace.timing import time_layers, timing_meta
@@ -471,6 +476,7 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
         model_name=model_name,
     )
     handles = hooks.install(paths)
+    param_grads = ParamGradients(tracer, [tensor for _, _, tensor in state.params])
     fake = fake_mode if fake_mode is not None else contextlib.nullcontext()
     masks = real_run_masks() if fake_mode is not None else contextlib.nullcontext()
     step = "forward"
@@ -489,15 +495,20 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
             del out
             step = "backward"
             stack.clear()
+            param_grads.install(loss)
             tracer.start_backward(loss)
             loss.backward()
             tracer.finish()
-            gradients = set()
+            # every gradient of a parameter: its .grad, and the partial ones autograd sums
+            # into it (held: a tied head's gradient of the table until the embedding's part)
+            final = set()
             for _, _, tensor in state.params:
                 grad = tensor.grad
                 record = tracer.record_of(grad) if grad is not None else None
                 if record is not None:
-                    gradients.add(record.uid)
+                    final.add(record.uid)
+            gradients = param_grads.uids | final
+            held = param_grads.uids - final
             excluded = set(tracer.saved_owner) | gradients
             del loss
     except InputError:
@@ -508,6 +519,7 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
         ) from error
     finally:
         tracer.finish()
+        param_grads.remove()
         for handle in handles:
             handle.remove()
     if tracer.num_started == 0:
@@ -518,13 +530,15 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
     tracer.attention_kv_bytes = dict(kv_reads.bytes_by_owner)
     tracer.attention_score_bytes = dict(kv_reads.score_bytes_by_owner)
     tracer.transient_peaks = tracer.transients(excluded)
-    tracer.weight_grad_transient_peaks = tracer.transients(excluded, at=gradients)
+    tracer.weight_grad_transient_peaks = tracer.transients(excluded, at=gradients, held=held)
     tracer.backward_transient_peaks = tracer.transients(excluded, only="bwd")
     split = tp.resolve()
     if split.vocab_layers:  # the transients' fixed and vocabulary-sized parts
         vocab = {uid for uid, tag in tracer.vocab_uids.items() if tag in split.vocab_tags}
         tracer.vocab_transient_peaks = tracer.vocab_transients(excluded, vocab)
-        tracer.vocab_weight_grad_peaks = tracer.vocab_transients(excluded, vocab, at=gradients)
+        tracer.vocab_weight_grad_peaks = tracer.vocab_transients(
+            excluded, vocab, at=gradients, held=held
+        )
     return tracer, split, experts
 
 

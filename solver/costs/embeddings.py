@@ -23,26 +23,30 @@ tied module on both stages (../shared/reference/runtime-memory-facts.md). So wit
                       pipeline ranks, charged to the using layer and to its owner (both ranks wait
                       for it before their optimizer step)
 
-  G_o -> G_o - d n_o   on megatron, the owner o's weight-gradient transient without the tie's
-                      accumulation: a single-device profile makes o's own gradient of the table
-                      (n_o elements in the profile's dtype, d bytes: ``meta.dtype``) and sums it
-                      with the using layer's into ``.grad``, so that gradient is live beside the
-                      sum when the weight gradient is made; with Megatron's separate copy it is
-                      o's gradient itself (measured: qwen2 at pp 2, +3.2% on the first stage
-                      before). Only where the table is o's one parameter tensor (params_o =
-                      n_o: the moment is the table's) and the dtype is known; at least 0.
-                      On torch (torch pipelining's copies, :mod:`profiling.executors.tied`)
-                      for every owner, kept at least d (params_o - n_o) (its other parameters'
-                      gradients) where it was more. The anytime transients T_o of the owner and
-                      T_l, G_l of the using layer can hold a table-sized gradient too (the zoo's
-                      GPT head: its gradient of the table, which it does not own in the
-                      profile), but not always (HF's lm_head: not), and the columns do not say
-                      which part it is: they stay (an over-prediction, never an under-one)
+With p = 1 the owner and its users share one table, and autograd sums their gradients of it
+(the profile holds none of them in its per-sample transients: ``profiling.trace.param_grads``).
+B = w n' is one gradient of the table (w bytes per parameter, n' its elements per GPU, split over
+TP as the vocabulary is), U the users of owner o, u* the last (a chain's LM head):
+
+  G_u += B            a user's partial gradient of the table, made in its backward; where a
+                      later user's is held, + B more: autograd sums the two (T5's decoder
+                      embedding with the head's partial held)
+  T_l, G_l += B       o < l < u*: the partial sum is held through the backward of every layer
+                      between them (from u*'s backward until the owner's)
+  T_o += B, G_o += 2B the owner holds it through its backward; at its weight gradient its own
+                      partial and the held one are live beside the sum (the weight-gradient
+                      temporary gtemp_o, which becomes ``.grad`` or is added to it)
+
+These are batch-independent: a torch run holds one of each whatever the micro-batch (measured
+on the zoo's GPT-2 small, tied, fp32, one micro-batch of 4: the profile's per-sample figures had
+charged 4 of each, +14.1%). Forward moments of the layers in between take B too (a small
+over-count where a layer's forward transient is its peak).
 
 The charge assumes the layer and its owner are on different stages, which a chain with the
 embedding first and the head last always has at p > 1; where a plan puts them on one stage (a
-DAG such as T5), the copy is charged though not held: an over-prediction, never an under-one.
-With p = 1 nothing changes. docs/cost-model.md, "Tied parameters".
+DAG such as T5), the copy is charged though not held (and covers the partial gradients then
+held): an over-prediction, never an under-one. With p = 1 no copy is held.
+docs/cost-model.md, "Tied parameters".
 """
 
 from __future__ import annotations
@@ -85,40 +89,36 @@ def with_tied_copies(
     return held
 
 
-PROFILE_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-"""Bytes per element of a gradient in the profile, by the graph's ``meta.dtype``."""
-
-
-def without_tied_accumulation(
-    cols: dict[str, np.ndarray], graph: LayerGraph, config: ParallelConfig, runtime: str
-) -> dict[str, np.ndarray]:
-    """The columns with each tie owner's weight-gradient transient less the accumulation of the
-    copies' gradients a single-device profile makes (module docstring, G_o), at p > 1 on
-    megatron and torch (where each stage keeps its own copy); ``cols`` itself elsewhere or when
-    no owner qualifies."""
-    if runtime not in ("megatron", "torch") or config.pp == 1:
-        return cols
-    _, owned = tied_columns(graph)
-    size = PROFILE_DTYPE_BYTES.get(graph.meta.get("dtype"))
-    if size is None or not owned.any():
-        return cols
-    # megatron: where the table is the owner's one tensor; torch: any owner, kept at least its
-    # other parameters' gradient bytes (what its other weight-gradient moments can hold)
-    owners = (owned > 0) & ((cols["params"] == owned) | (runtime == "torch"))
-    rest = size * (cols["params"] - owned)
-    out = dict(cols)
-    for key in ("weight_grad_transient_bytes", "fixed_weight_grad_transient_bytes"):
-        out[key] = _less(cols[key], owners, size * owned, floor=rest)
-    return out
-
-
-def _less(
-    column: np.ndarray, rows: np.ndarray, amount: np.ndarray, floor: np.ndarray | int = 0
-) -> np.ndarray:
-    """``column`` less ``amount`` on ``rows`` where measured (-1: not measured), at least
-    ``floor`` (and 0) unless the column was below it already."""
-    less = np.maximum(column - amount, np.minimum(column, np.maximum(floor, 0)))
-    return np.where(rows & (column >= 0), less, column)
+def tied_gradient_bytes(
+    cols: dict[str, np.ndarray], graph: LayerGraph, config: ParallelConfig, training: TrainingConfig
+) -> tuple[np.ndarray, np.ndarray]:
+    """(anytime, at the weight gradients) bytes per GPU each layer's moments hold of a tied
+    table's partial gradients with p = 1 (module docstring: T_l, G_l), zeros at p > 1 (each
+    stage keeps its own copy, whose gradient is the copy's weight-gradient temporary).
+    ``cols``: after ``vocab.with_vocab_split``."""
+    count = graph.num_layers
+    anytime = np.zeros(count, dtype=np.int64)
+    at_grad = np.zeros(count, dtype=np.int64)
+    used, _ = tied_columns(graph)
+    if config.pp > 1 or not used.any():
+        return anytime, at_grad
+    split, copy = split_tied_copies(cols["vocab_rows"], used, config, training.runtime)
+    table = training.weight_bytes_per_param * np.where(split, -(-copy // config.tp), copy)
+    position = graph.index()
+    users: dict[int, list[int]] = {}
+    for i, layer in enumerate(graph.layers):
+        for owner in layer.tied_params or {}:
+            users.setdefault(position[owner], []).append(i)
+    for owner, using in users.items():
+        size = int(table[using].max())
+        last = max(using)
+        anytime[owner + 1 : last] += size  # the partial sum held from u*'s backward on
+        at_grad[owner + 1 : last] += size
+        for user in using:
+            at_grad[user] += size * (1 if user == last else 2)
+        anytime[owner] += size
+        at_grad[owner] += 2 * size
+    return anytime, at_grad
 
 
 def tied_sync_ns(

@@ -21,8 +21,10 @@ o), ZeRO stage z.
          from 16384 rows)
   P'_l, largest_l with the tied copy a stage keeps at p > 1 (``embeddings``: an LM head's own
          copy of the tied embedding, split like its vocabulary; its gradient all-reduce in the
-         layer's tail; at p > 1 (megatron, torch) the owner's weight-gradient transient less
-         the copies' gradient accumulation a single-device profile makes, G_o - d n_o)
+         layer's tail); at p = 1 the tied table's partial gradients autograd holds and sums,
+         tie_l (anytime) and tieg_l (at the weight gradients), batch-independent
+         (``embeddings.tied_gradient_bytes``: B from the LM head's backward to the embedding's,
+         2B more at the embedding's weight gradient)
   stored_l  = b A'_l, or b output_bytes_l when l is recomputed         per micro-batch, rounded up
   torch runtime: the last layer's stored bytes += b unsaved_output_bytes (graph meta): a
               pipeline's loss_fn keeps the model's output per in-flight micro-batch, and the
@@ -39,7 +41,8 @@ o), ZeRO stage z.
               FSDP2 (ZeRO 2/3, d > 1) the buffers ``fsdp`` derives from torch's code: the
               prefetched neighbour's size, and at the weight gradients the layer's whole
               unsharded gradients and the reduce-scatter input held beside them replace gtemp_l
-  trans_l   = max(b transient_l, b weight_grad_transient_l + gtemp_l) + gather_l: the
+  trans_l   = max(b transient_l + tie_l, b weight_grad_transient_l + gtemp_l + tieg_l)
+              + gather_l: the
               weight-gradient temporary joins what is live when the weight gradients are made
               (weight_grad_transient_bytes), not the layer's peak, so a loss whose fp32 logits
               are freed by then does not count both (a graph without the field takes
@@ -76,9 +79,9 @@ from solver.costs.context_parallel import (
     ring_attention_bytes,
 )
 from solver.costs.embeddings import (
+    tied_gradient_bytes,
     tied_sync_ns,
     with_tied_copies,
-    without_tied_accumulation,
 )
 from solver.costs.empirical import check_empirical_options, empirical_layer_costs
 from solver.costs.experts import expert_stored_bytes, largest_local_param, routing_factor
@@ -137,13 +140,13 @@ def layer_costs(
     if config.cp > 1:
         check_context_parallel(graph, config.cp, training.memory_model)
     # the ties' separate copies at p > 1, the vocabulary split over tp as the runtime makes it
-    cols = without_tied_accumulation(cols, graph, config, training.runtime)
     cols = with_vocab_split(cols, config, training.runtime)
     held = with_tied_copies(cols, graph, config, training.runtime)
     params = ParamShares.of(held, config)
     saved, edge_bytes = _saved_and_edge_bytes(cols, config, training, factor)
     weight, grad, optimizer = model_state_bytes(params, config, training)
-    stored, transient = _activation_bytes(held, params, saved, config, training)
+    tied = tied_gradient_bytes(cols, graph, config, training)
+    stored, transient = _activation_bytes(held, params, saved, config, training, tied)
     stored, held_output = _with_held_output(graph, stored, config, training)
     profiled = profiled_times(graph)
     time_ns = layer_time_ns(cols, config, cluster, factor)
@@ -267,12 +270,14 @@ def _activation_bytes(
     saved: np.ndarray,
     config: ParallelConfig,
     training: TrainingConfig,
+    tied: tuple[np.ndarray, np.ndarray],
 ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """(stored_l, transient) bytes of every layer per micro-batch, each in both states: kept
     (index 0) and recomputed (index 1: only the output is stored, the saved tensors come back
     while the layer recomputes). ``saved``: b A'_l per GPU, bytes per micro-batch (rounded
-    up; / c with context parallelism). Transient is max(b transient_bytes_l, b
-    weight_grad_transient_bytes_l + gtemp_l) + gather_l (module docstring)."""
+    up; / c with context parallelism). Transient is max(b transient_bytes_l + tie_l, b
+    weight_grad_transient_bytes_l + gtemp_l + tieg_l) + gather_l (module docstring; ``tied``:
+    (tie_l, tieg_l), batch-independent bytes per GPU)."""
     t, b, c = config.tp, config.micro_batch, config.cp
     w = training.weight_bytes_per_param
     grad_temporary = w * np.maximum(
@@ -319,8 +324,9 @@ def _activation_bytes(
     at_weight_grad = transient(beside_grad)
     # FSDP2 under pipelining: a gather's flat buffer at the forward's start, alone (``fsdp``)
     starting = forward_gather_bytes(params, config, training)
+    held_anytime, held_at_grad = tied
     running = tuple(
-        np.maximum(peak, beside + grad_temporary) + gather
+        np.maximum(peak + held_anytime, beside + grad_temporary + held_at_grad) + gather
         for peak, beside in zip(anytime, at_weight_grad, strict=True)
     )
     kept_buffer = kept_buffer_bytes(running, cols["attention_score_bytes"], sp_buffer, score_buffer)
