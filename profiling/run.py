@@ -342,10 +342,19 @@ def _check_model(spec: models.ModelSpec, plan: PlanFile) -> None:
         )
 
 
+_INTERLEAVED_CLASS = {
+    "1f1b": "ScheduleInterleaved1F1B",
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+}
+"""torch's loop-placed multi-chunk classes, which need m a multiple of max(1, m // pp); the V
+schedules (zbv, dualpipev) have their own rules (``solver.parallel.check_zero_bubble``)."""
+
+
 def _check_interleaving(config: ParallelConfig) -> None:
     """InputError unless ``config.virtual_stages`` is one this executor runs: 1, or v > 1 with
-    1F1B (``ScheduleInterleaved1F1B``, which ParallelConfig requires), tp 1 and, over dp > 1,
-    ZeRO 0 (one DDP per chunk)."""
+    1F1B (``ScheduleInterleaved1F1B``) or a split-backward schedule (``ScheduleZBVZeroBubble``,
+    ``ScheduleDualPipeV``, ``ScheduleInterleavedZeroBubble``), tp 1 and, over dp > 1, ZeRO 0
+    (one DDP per chunk)."""
     v, pp, tp, dp = config.virtual_stages, config.pp, config.tp, config.dp
     if v == 1:
         return
@@ -364,9 +373,9 @@ def _check_interleaving(config: ParallelConfig) -> None:
             "only; plan with --zero 0 or --virtual-stages 1",
         ),
         (
-            m % rounds != 0,
-            f"num_microbatches={m}: ScheduleInterleaved1F1B needs a multiple of its rounds "
-            f"max(1, m // pp) = {rounds}; plan with a multiple of pp ({pp})",
+            config.schedule in ("1f1b", "interleaved-zb") and m % rounds != 0,
+            f"num_microbatches={m}: {_INTERLEAVED_CLASS.get(config.schedule)} needs a multiple of "
+            f"its rounds max(1, m // pp) = {rounds}; plan with a multiple of pp ({pp})",
         ),
     )
     for failed, problem in problems:

@@ -198,14 +198,24 @@ def _schedule_evaluation(plan, args: argparse.Namespace):
 def _plot_schedule(evaluation, reports, path: str, engine: str) -> None:
     """--plot-schedule: the schedule picture with each stage's measured memory at each action
     (its first rank's: dp 0, tp 0), where the engine recorded one per action."""
+    from solver.costs.schedule_orders import ZERO_BUBBLE_SCHEDULES, zero_bubble_actions
     from solver.report.schedule_plot import plot_schedule
 
     config = evaluation.config
-    actions = 2 * config.num_microbatches * config.virtual_stages
+    m, p, v = config.num_microbatches, config.pp, config.virtual_stages
+
+    def actions(rank: int) -> int:
+        """The rank's F and B steps (F, I, W and B of torch's list for split backwards)."""
+        if config.schedule in ZERO_BUBBLE_SCHEDULES:
+            return len(zero_bubble_actions(config.schedule, m, p, v, rank))
+        return 2 * m * v
+
     measured = {
         report.stage: report.action_bytes
         for report in reports
-        if report.dp_rank == 0 and report.tp_rank == 0 and len(report.action_bytes) == actions
+        if report.dp_rank == 0
+        and report.tp_rank == 0
+        and len(report.action_bytes) == actions(report.stage)
     }
     plot_schedule(evaluation, path, measured=measured)
     if len(measured) < config.pp:

@@ -10,6 +10,8 @@ recomputation, interleaved 1F1B with two chunks per rank) and runs each plan wit
 ``profiling.run.run_plan`` on gloo (exact live-tensor accounting, 2 iterations, the last
 measured). All of it through ``profiling.calibrate.calibrate``,
 which also fits the calibration to every rank and predicts each layout from a fit on the others.
+Then 11 layouts of torch's split-backward schedules (zbv, dualpipev, interleaved-zb at pp 2-4,
+given splits; scripts/accuracy_schedules.py, ``--only-schedules`` runs only these).
 Then the same for megatron-core (``engine="megatron"``, plans for ``--runtime megatron``): 12
 layouts of 2-4 ranks (pp 2-4, 1F1B and interleaved, tp 2 with and without sequence parallelism,
 dp 2 with the distributed optimizer, full recompute) of a GPT with flash-style attention, seq
@@ -29,6 +31,7 @@ import dataclasses
 import statistics
 from pathlib import Path
 
+import accuracy_schedules
 import harness
 from harness import markdown_table
 
@@ -602,8 +605,26 @@ def write_part(
     harness.write_report(path.parent, path.name, lines)
 
 
+def schedule_rows(progress) -> list[dict]:
+    """The new schedules' rows (scripts/accuracy_schedules.py)."""
+    return accuracy_schedules.schedule_rows(progress, OVERRIDES)
+
+
+def schedule_section(rows: list[dict]) -> list[str]:
+    return accuracy_schedules.schedule_section(rows, OVERRIDES, spread)
+
+
 PARTS = {
     # flag: (help, file, title, rows, section, also in bench_accuracy.md)
+    "--only-schedules": (
+        "run only the new schedules' rows (zbv, dualpipev, interleaved-zb on the torch engine, "
+        "a few minutes) and write bench_accuracy_schedules.md",
+        "bench_accuracy_schedules.md",
+        "new schedules on the torch engine",
+        schedule_rows,
+        schedule_section,
+        True,
+    ),
     "--only-moe": (
         "run only the megatron-core MoE rows (a few minutes) and write bench_accuracy_moe.md",
         "bench_accuracy_moe.md",
@@ -695,6 +716,7 @@ def main(argv: list[str] | None = None) -> int:
             megatron_results,
             "median 2%, max 5%",
         ),
+        *schedule_section(schedule_rows(progress)),
         *moe_section(moe_rows(progress)),
         *explicit_section(explicit_rows(progress)),
         *hf_section(hf_rows(progress)),

@@ -21,6 +21,7 @@ from torch import nn
 import models
 from solver.errors import InputError
 from solver.files.plan_file import PlanFile
+from solver.parallel import rank_stages
 
 LEARNING_RATE = 1e-3
 """Adam's learning rate (the other Adam settings are torch's defaults)."""
@@ -230,13 +231,15 @@ def place_rank(rank: int, job: RunJob) -> Place:
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    # the virtual stages it holds: loop placement, or a V (rank 0 holds the first and the last)
+    held = rank_stages(config.schedule, config.pp, config.virtual_stages, stage)
     return Place(
         rank=rank,
         stage=stage,
         dp_rank=dp_rank,
         tp_rank=tp_rank,
-        first=stage == 0,
-        last=stage == config.pp - 1,
+        first=0 in held,
+        last=config.pp * config.virtual_stages - 1 in held,
         device=device,
     )
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from profiling._torch_compat import local_shard
+from solver.parallel import stage_ranks
 
 
 @dataclass(frozen=True)
@@ -35,17 +36,19 @@ class TiedParameter:
 
 
 def tied_parameters(
-    model: nn.Module, virtual_layers: list[list[str]], pp: int
+    model: nn.Module, virtual_layers: list[list[str]], pp: int, schedule: str = "1f1b"
 ) -> list[TiedParameter]:
     """The parameters of ``model`` (the full model; meta is enough) that layers of two or more
-    pipeline ranks use: virtual stage j's layers ``virtual_layers[j]`` run on rank ``j % pp``.
-    The same list, in the same order, on every rank."""
+    pipeline ranks use: virtual stage j's layers ``virtual_layers[j]`` run on rank ``j % pp``
+    (in a V, zbv and dualpipev: ``solver.parallel.stage_ranks``). The same list, in the same
+    order, on every rank."""
+    owner = stage_ranks(schedule, pp, max(1, len(virtual_layers) // pp))
     names = {id(param): name for name, param in model.named_parameters()}
     ranks: dict[int, set[int]] = defaultdict(set)
     for index, layers in enumerate(virtual_layers):
         for layer in layers:
             for param in model.get_submodule(layer).parameters():
-                ranks[id(param)].add(index % pp)
+                ranks[id(param)].add(owner[index])
     return [
         TiedParameter(name=names[key], ranks=tuple(sorted(held)))
         for key, held in ranks.items()

@@ -48,6 +48,7 @@ from profiling.executors.parallelize import (
 )
 from profiling.executors.tied import TiedGradSync, TiedParameter, tied_parameters
 from solver.errors import InputError
+from solver.parallel import rank_stages
 
 
 class _StageModule(nn.Module):
@@ -75,6 +76,10 @@ def _head_loss(
     head: nn.Module | None, recompute: bool, output: torch.Tensor, target: torch.Tensor
 ) -> torch.Tensor:
     assert head is not None, "loss_fn called on a stage without the head"
+    # A view, no copy: after a split backward's input step (stage_backward_input) the last
+    # stage detaches its output in place (torch 2.13, ``backward_one_chunk``), and the head,
+    # whose weights' step (W) comes later, saved it; a view is left alone.
+    output = output.view_as(output)
     if recompute:  # the head is a layer too: the cost model stores only its (scalar) output
         return checkpoint(head, output, target, use_reentrant=False)
     return head(output, target)
@@ -154,8 +159,10 @@ def _build_chunks(
 
     One model per chunk (virtual stage chunk * pp + stage), each from the same seed and keeping
     only the chunk's layers, so that a chunk's module (and its DDP) owns exactly its parameters.
-    Without interleaving: one chunk, the rank's stage."""
+    Without interleaving: one chunk, the rank's stage; in a V (zbv, dualpipev) rank r holds
+    virtual stages r and 2 pp - 1 - r (``solver.parallel.rank_stages``)."""
     config = job.plan.config
+    held = rank_stages(config.schedule, config.pp, config.virtual_stages, place.stage)
     virtual = job.plan.virtual_stage_layers
     head_path = spec.layers[-1]
     # static stage metadata: one micro-batch's input and output shapes
@@ -164,13 +171,12 @@ def _build_chunks(
     )
     ids_meta = torch.empty(example_ids.shape, dtype=example_ids.dtype, device="meta")
     chunks: list[_Chunk] = []
-    for chunk in range(config.virtual_stages):
-        index = chunk * config.pp + place.stage
+    for index in held:
         model = build_model(spec, job.seed)
         if not chunks:
             # of the full model: a stage may hold only the head
             vocab_sizes = vocabulary_sizes(model)
-            tied = tied_parameters(model, virtual, config.pp)
+            tied = tied_parameters(model, virtual, config.pp, config.schedule)
             metas = boundary_metas(model, spec, example_ids)
             if config.sp:  # the stages send their [b, s/t, h] shard
                 metas = {path: _sequence_shard(meta, config.tp) for path, meta in metas.items()}
@@ -229,10 +235,23 @@ def _pipeline_stage(chunk: _Chunk, submod: nn.Module, job: RunJob, mesh, device:
     )
 
 
+SCHEDULE_CLASSES = {
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+"""torch's class of each split-backward schedule (``solver.parallel.ZERO_BUBBLE_SCHEDULES``):
+its ``pipeline_order`` is ``solver.costs.schedule_orders.pipeline_order``
+(tests/test_schedule_orders.py); zbv and dualpipev place the stages in a V themselves
+(``generate_stage_to_rank_mapping(style="v")``)."""
+
+
 def _schedule(
     chunks: list[_Chunk], pipeline_stages: list, spec: models.ModelSpec, job: RunJob, place: Place
 ):
-    """The plan's schedule over the rank's stages; the head runs in loss_fn on the last rank."""
+    """The plan's schedule over the rank's stages (torch's own class for each name: 1F1B, GPipe,
+    interleaved 1F1B, and the split-backward ``SCHEDULE_CLASSES``); the head runs in loss_fn on
+    the rank holding the last stage."""
     from torch.distributed.pipelining import (
         Schedule1F1B,
         ScheduleGPipe,
@@ -243,6 +262,13 @@ def _schedule(
     head = chunks[-1].model.get_submodule(spec.layers[-1]) if place.last else None
     # loss_fn on every rank: without it the first stage skips backward (and deadlocks).
     loss_fn = functools.partial(_head_loss, head, config.recompute == "full")
+    if config.schedule in SCHEDULE_CLASSES:
+        import torch.distributed.pipelining as pipelining
+
+        schedule_class = getattr(pipelining, SCHEDULE_CLASSES[config.schedule])
+        return schedule_class(
+            pipeline_stages, n_microbatches=config.num_microbatches, loss_fn=loss_fn
+        )
     if len(chunks) > 1:
         return ScheduleInterleaved1F1B(
             pipeline_stages, n_microbatches=config.num_microbatches, loss_fn=loss_fn

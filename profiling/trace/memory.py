@@ -157,7 +157,10 @@ class LiveTensorTracker(TorchDispatchMode):
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             self.track(tensor, "activations")
-            return tensor
+            # the same storage without its grad_fn: a packed output that kept its own node would
+            # be a reference cycle through C++ autograd nodes that nothing frees, once a graph
+            # outlives its backward (retain_graph=True: the split backward's input step)
+            return tensor.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             self._saving = True

@@ -26,6 +26,7 @@ from solver.exports.megatron import megatron_export
 from solver.exports.torch_pipelining import torch_pipelining_export
 from solver.exports.torchtitan import torchtitan_export
 from solver.graph import LayerGraph
+from solver.parallel import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from solver.specs import ParallelConfig
 
 
@@ -46,7 +47,8 @@ def build_exports(
 
     ``stage_layers[s]`` holds the names of the layers of stage ``s``; ``recomputed[s]`` those of
     them that are recomputed (selective recomputation). With interleaving (``virtual_stages`` v >
-    1) the stages are the p v virtual stages in pipeline order, virtual stage j on rank j mod p.
+    1) the stages are the p v virtual stages in pipeline order, virtual stage j on rank j mod p
+    (zbv and dualpipev: in a V, ``solver.parallel.stage_ranks``).
     Raises :class:`InputError` when the stages do not partition the graph's layers into p v
     non-empty stages with every edge going to the same or a later stage. The section of an
     engine whose rules refuse the config (``solver.engine_rules``) is ``{"refused": why}``.
@@ -74,8 +76,46 @@ def build_exports(
     not_gpt = megatron_model_refusal(graph)
     if not_gpt:
         sections["megatron"] = {"refused": not_gpt}
+    if config.schedule in ZERO_BUBBLE_SCHEDULES:
+        sections = split_backward_sections(sections, config)
     # an engine that refuses the layout (solver.engine_rules) gets the reason, not settings
     return refuse_export_sections(sections, config, ModelFacts.of_graph(graph))
+
+
+def split_backward_sections(sections: dict[str, Any], config: ParallelConfig) -> dict[str, Any]:
+    """The Megatron-LM and DeepSpeed sections of a split-backward plan (zbv, dualpipev,
+    interleaved-zb), which neither engine runs: Megatron-LM runs 1F1B and interleaved 1F1B,
+    DeepSpeed's PipelineEngine 1F1B (TrainSchedule). A V plan's Megatron section is refused
+    (Megatron places virtual stage j on rank j mod pp: its layout would put other layers on
+    each rank); otherwise each section keeps its arguments, which run the same layers per
+    rank under 1F1B, with a warning that the schedule, and so the memory, differ."""
+    name = config.schedule
+    result = dict(sections)
+    if name in V_SCHEDULES and not result["megatron"].get("refused"):
+        result["megatron"] = {
+            "refused": (
+                f"schedule {name} has no Megatron-LM equivalent: Megatron-LM runs 1F1B and "
+                "interleaved 1F1B, which place virtual stage j on rank j mod pp, not in a V; "
+                "use the torch_pipelining or torchtitan section"
+            )
+        }
+    for section, engine, runs in (
+        ("megatron", "Megatron-LM", "1F1B (interleaved 1F1B with --virtual-stages)"),
+        ("deepspeed", "DeepSpeed", "1F1B (PipelineEngine's TrainSchedule)"),
+    ):
+        if result[section].get("refused"):
+            continue
+        result[section] = {
+            **result[section],
+            "warnings": [
+                *result[section].get("warnings", []),
+                f"schedule {name} has no {engine} equivalent: these arguments run the same "
+                f"layers per rank under {runs}, which keeps no pending weight-gradient steps "
+                "and holds other micro-batches in flight, so the peaks differ from the plan's; "
+                "use the torch_pipelining or torchtitan section to run the planned schedule",
+            ],
+        }
+    return result
 
 
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")

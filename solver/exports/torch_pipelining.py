@@ -11,8 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from solver.parallel import TORCH_MESH_ORDER, export_name
+from solver.parallel import TORCH_MESH_ORDER, V_SCHEDULES, export_name, stage_ranks
 from solver.specs import ParallelConfig
+
+SPLIT_BACKWARD_CLASSES = {
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+"""torch's class of each split-backward schedule; they take a list of the rank's stages (zbv and
+dualpipev: exactly two, in a V, ``generate_stage_to_rank_mapping(style="v")``)."""
 
 
 def torch_pipelining_export(
@@ -26,11 +34,12 @@ def torch_pipelining_export(
     schedule = "ScheduleGPipe" if config.schedule == "gpipe" else "Schedule1F1B"
     if config.virtual_stages > 1:
         schedule = "ScheduleInterleaved1F1B"  # takes the rank's stages
+    schedule = SPLIT_BACKWARD_CLASSES.get(config.schedule, schedule)
     return {
         "split_spec": {stage[0]: "BEGINNING" for stage in stages[1:]},
         "schedule": schedule,
         "n_microbatches": config.num_microbatches,
-        "stage_ranks": [j % config.pp for j in range(len(stages))],
+        "stage_ranks": stage_ranks(config.schedule, config.pp, config.virtual_stages),
         "contiguous": contiguous,
         "stages": stages,
         **(
@@ -58,9 +67,13 @@ def _torch_pipelining_note(
     to the user (tensor and data parallelism, recomputation, a split that is not contiguous)."""
     m, p, v = config.num_microbatches, config.pp, config.virtual_stages
     build = "stage = pipe.build_stage(pp_rank, device); "
-    if v > 1:
+    if config.schedule in V_SCHEDULES:
+        # ScheduleZBVZeroBubble / ScheduleDualPipeV map stages to ranks in a V themselves
+        # (generate_stage_to_rank_mapping(style="v")): rank r must build stages r and 2p - 1 - r
+        build = f"stage = [pipe.build_stage(j, device) for j in (pp_rank, {2 * p - 1} - pp_rank)]; "
+    elif v > 1 or config.schedule in SPLIT_BACKWARD_CLASSES:
         # PipelineStage indices are global and the "loop" placement puts stage j on rank j mod p
-        # (pipelining's stage_index_to_group_rank)
+        # (pipelining's stage_index_to_group_rank); a multi-stage class takes a list
         build = f"stage = [pipe.build_stage(j, device) for j in range(pp_rank, {p * v}, {p})]; "
     note = (
         "from torch.distributed.pipelining import SplitPoint, pipeline, "
@@ -231,6 +244,13 @@ def _torch_pipelining_memory_note(config: ParallelConfig) -> str:
     if v > 1:
         note += (
             f" With {v} stages per rank, each of them keeps its own receive buffers (plan with "
+            "--runtime torch to count them)."
+        )
+    if config.schedule in SPLIT_BACKWARD_CLASSES:
+        note += (
+            " Between a micro-batch's input-gradient step (I, stage_backward_input with "
+            "retain_graph=True) and its weight-gradient step (W) a stage keeps all of that "
+            "micro-batch's saved activations and its weight ops' output gradients (plan with "
             "--runtime torch to count them)."
         )
     return note

@@ -41,12 +41,21 @@ from typing import Any
 
 from solver.costs.graph_inputs import layer_roles
 from solver.graph import LayerGraph
-from solver.parallel import export_name
+from solver.parallel import V_SCHEDULES, export_name
 from solver.specs import ParallelConfig
 
 # torchtitan's pipelining schedules are torch's, named without "Schedule"
 # (torch.distributed.pipelining.schedules.get_schedule_class).
-SCHEDULE = {"1f1b": "1F1B", "gpipe": "GPipe"}
+# (torch.distributed.pipelining.schedules.get_schedule_class); the split-backward ones place their
+# stages by the class: a V for ZBVZeroBubble and DualPipeV (torchtitan's pipeline_module_split,
+# style "v": rank r builds stages r and 2 pp - 1 - r), the loop for InterleavedZeroBubble.
+SCHEDULE = {
+    "1f1b": "1F1B",
+    "gpipe": "GPipe",
+    "zbv": "ZBVZeroBubble",
+    "dualpipev": "DualPipeV",
+    "interleaved-zb": "InterleavedZeroBubble",
+}
 
 # torchtitan's decoder models name their modules tok_embeddings, layers.<i> (a ModuleDict keyed
 # by str(i)), norm and the output layer: "output" up to 0.2.2 (models/llama3/model/model.py,
@@ -196,8 +205,17 @@ def _parallelism(config: ParallelConfig, warnings: list[str]) -> dict[str, Any]:
         values[_key("etp")] = config.tp
     values["enable_async_tensor_parallel"] = False
     values["pipeline_parallel_schedule"] = (
-        "Interleaved1F1B" if config.virtual_stages > 1 else SCHEDULE[config.schedule]
+        "Interleaved1F1B"
+        if config.virtual_stages > 1 and config.schedule == "1f1b"
+        else SCHEDULE[config.schedule]
     )
+    if config.schedule == "interleaved-zb" and config.virtual_stages == 1:
+        # torchtitan's generate_llm_fqn_per_model_part: "Number of stages per rank (1) must
+        # be >= 2 for multi-stage schedules"
+        warnings.append(
+            "InterleavedZeroBubble with 1 stage per rank: torchtitan refuses multi-stage "
+            "schedules with fewer than 2 stages per rank; plan with --virtual-stages 2"
+        )
     values["pipeline_parallel_microbatch_size"] = config.micro_batch
     return values
 
@@ -361,6 +379,17 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"no TOML form for {value!r}")
 
 
+def _placement(config: ParallelConfig) -> str:
+    """Where torchtitan puts virtual stage j, as the plan does."""
+    if config.schedule in V_SCHEDULES:
+        return (
+            f"{SCHEDULE[config.schedule]} places them in a V, as the plan does: pipeline rank r "
+            f"builds virtual stages r and {2 * config.pp - 1} - r, so rank 0 holds the first "
+            "and the last"
+        )
+    return "torchtitan places virtual stage j on pipeline rank j mod pp, the plan's order"
+
+
 def _note(config: ParallelConfig) -> str:
     """How to run the export, and what torchtitan adds that the plan does not count."""
     return (
@@ -368,8 +397,8 @@ def _note(config: ParallelConfig) -> str:
         "--section.key overrides with --job.config_file); 0.3: append 'args' to "
         "'--module M --config C'. Run on pp*tp*cp*dp = "
         f"{config.num_gpus} GPUs. module_fqns_per_model_part gives each (virtual) stage its "
-        "modules (torchtitan places virtual stage j on pipeline rank j mod pp, the plan's "
-        "order). Data parallelism maps to FSDP2 as the torchtitan_export docstring says. "
+        f"modules ({_placement(config)}). Data parallelism maps to FSDP2 as the "
+        "torchtitan_export docstring says. "
         "Eager tensor parallelism with sequence parallelism saves each column-parallel "
         "Linear's all-gathered [b, s, h] input (plan with --runtime torch to count it)."
     )
