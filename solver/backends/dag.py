@@ -76,7 +76,7 @@ def dag_fits_graph(costs: LayerCosts) -> bool:
 def dag_applies(costs: LayerCosts) -> bool:
     """The exact DP applies to these coefficients: no interleaving, no selective recomputation,
     and the graph's ideals within the caps (a homogeneous cluster is the caller's to check)."""
-    if costs.selective or costs.config.virtual_stages > 1:
+    if costs.selective or costs.rank_rows:
         return False
     return dag_fits_graph(costs)
 
@@ -152,7 +152,7 @@ def _check_applies(problem: StageProblem) -> None:
     check_plain(
         heterogeneous=problem.placement is not None,
         selective=problem.costs.selective,
-        interleaved=problem.costs.config.virtual_stages > 1,
+        interleaved=problem.costs.rank_rows,
     )
 
 

@@ -456,7 +456,7 @@ class PrefixFormulation(
                     self._stage_relays[s].append((t, relay))
             top = int(transient_ub.max(initial=0))
             # tr[r]: interleaved ranks and the moment after a first backward (_add_transient)
-            if top and (costs.config.virtual_stages > 1 or any(costs.first_backward_peak)):
+            if top and (costs.rank_rows or any(costs.first_backward_peak)):
                 self.vars.transient = [
                     self._new_var(0, self._bytes(top), f"tr_s{r}") for r in range(costs.num_ranks)
                 ]

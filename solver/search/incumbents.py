@@ -45,7 +45,7 @@ def _plain(problem: StageProblem) -> bool:
 
 def one_chunk_per_rank(problem: StageProblem) -> bool:
     """Plain (:func:`_plain`) and not interleaved: each rank holds one contiguous stage."""
-    return _plain(problem) and problem.costs.config.virtual_stages == 1
+    return _plain(problem) and not problem.costs.rank_rows
 
 
 def _selective_chain(problem: StageProblem) -> bool:
