@@ -19,11 +19,11 @@ from solver.costs.moe import check_expert_degree
 from solver.costs.schedule_time import stages_iteration_ns
 from solver.errors import InputError
 from solver.graph import LayerGraph
-from solver.parallel import ZERO_BUBBLE_SCHEDULES
+from solver.parallel import ZERO_BUBBLE_SCHEDULES, interleaving_fits
 from solver.precision import for_graph
 from solver.report.baselines import BASELINES, PARTITIONERS, counts_to_assignment
 from solver.reserve import check_usable
-from solver.search.candidates import check_interleaving, interleaving_fits, sequence_parallel
+from solver.search.candidates import check_interleaving, sequence_parallel
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from solver.units import format_bytes
 

@@ -269,6 +269,7 @@ class PrefixFormulation(
         )
         self.vars = PrefixVariables()
         self._parts: dict[int, tuple[Any, Any, Any, Any]] = {}
+        self._split_parts: dict[tuple[str, int], Any] = {}  # ("lean" | "pending", stage)
         """Per virtual stage (states, kept, in, out) variables (``_stage_parts``)."""
         self._stage_layers: dict[int, list[int]] = {}
         """Per stage, the layers it can hold (``_layers_of``)."""

@@ -292,10 +292,10 @@ class FormulationTerms:
         """states_s without the gradients (``.grad``; DDP's buckets stay), bytes, as a variable
         bounded below by its sum: lean_s >= sum_l (state_l - grad_l) x[l][s]."""
         key = ("lean", stage)
-        if key not in self._parts:
+        if key not in self._split_parts:
             costs = self.costs
             per_layer = costs.state_bytes - costs.grad_bytes
-            self._parts[key] = self._part_at_least(
+            self._split_parts[key] = self._part_at_least(
                 f"L_v{stage}",
                 [
                     self._bytes(per_layer[i]) * self._member(i, stage)
@@ -303,23 +303,23 @@ class FormulationTerms:
                 ],
                 int(per_layer.sum()),
             )
-        return self._parts[key]
+        return self._split_parts[key]
 
     def _pending_part(self, stage: int):
         """dY_s, bytes per micro-batch a pending W keeps (``stages.weight_output_gradients``),
         as a variable bounded below by its sum: dy_s >= sum_l dY_l x[l][s] + (dY'_l - dY_l)
         z[l][s] (dY'_l: of a recomputed layer)."""
         key = ("pending", stage)
-        if key not in self._parts:
+        if key not in self._split_parts:
             costs = self.costs
             kept = weight_output_gradients(costs, costs.transient_bytes)
             redone = weight_output_gradients(costs, costs.recompute_transient_bytes)
             terms = [self._bytes(kept[i]) * self._member(i, stage) for i in self._layers_of(stage)]
             terms += self._recompute_terms(redone - kept, stage, self._bytes)
-            self._parts[key] = self._part_at_least(
+            self._split_parts[key] = self._part_at_least(
                 f"dY_v{stage}", terms, int(np.maximum(kept, redone).sum())
             )
-        return self._parts[key]
+        return self._split_parts[key]
 
     def _part_at_least(self, name: str, terms: list, most: int):
         """A variable in [0, most] bytes (model units) at least the sum of ``terms``."""

@@ -11,8 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from solver.parallel import TORCH_MESH_ORDER, export_name
+from solver.parallel import TORCH_MESH_ORDER, export_name, stage_ranks
 from solver.specs import ParallelConfig
+
+SPLIT_BACKWARD_CLASSES = {
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+"""torch.distributed.pipelining's class of each split-backward schedule (torch 2.13)."""
 
 
 def torch_pipelining_export(
@@ -26,11 +33,12 @@ def torch_pipelining_export(
     schedule = "ScheduleGPipe" if config.schedule == "gpipe" else "Schedule1F1B"
     if config.virtual_stages > 1:
         schedule = "ScheduleInterleaved1F1B"  # takes the rank's stages
+    schedule = SPLIT_BACKWARD_CLASSES.get(config.schedule, schedule)
     return {
         "split_spec": {stage[0]: "BEGINNING" for stage in stages[1:]},
         "schedule": schedule,
         "n_microbatches": config.num_microbatches,
-        "stage_ranks": [j % config.pp for j in range(len(stages))],
+        "stage_ranks": stage_ranks(config.schedule, config.pp, config.virtual_stages),
         "contiguous": contiguous,
         "stages": stages,
         **(

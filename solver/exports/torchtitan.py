@@ -46,7 +46,13 @@ from solver.specs import ParallelConfig
 
 # torchtitan's pipelining schedules are torch's, named without "Schedule"
 # (torch.distributed.pipelining.schedules.get_schedule_class).
-SCHEDULE = {"1f1b": "1F1B", "gpipe": "GPipe"}
+SCHEDULE = {
+    "1f1b": "1F1B",
+    "gpipe": "GPipe",
+    "interleaved-zb": "InterleavedZeroBubble",
+    "zbv": "ZBVZeroBubble",
+    "dualpipev": "DualPipeV",
+}
 
 # torchtitan's decoder models name their modules tok_embeddings, layers.<i> (a ModuleDict keyed
 # by str(i)), norm and the output layer: "output" up to 0.2.2 (models/llama3/model/model.py,
@@ -196,7 +202,9 @@ def _parallelism(config: ParallelConfig, warnings: list[str]) -> dict[str, Any]:
         values[_key("etp")] = config.tp
     values["enable_async_tensor_parallel"] = False
     values["pipeline_parallel_schedule"] = (
-        "Interleaved1F1B" if config.virtual_stages > 1 else SCHEDULE[config.schedule]
+        "Interleaved1F1B"
+        if config.virtual_stages > 1 and config.schedule == "1f1b"
+        else SCHEDULE[config.schedule]
     )
     values["pipeline_parallel_microbatch_size"] = config.micro_batch
     return values
