@@ -171,7 +171,8 @@ def check_plain(*, heterogeneous: bool, selective: bool, interleaved: bool) -> N
         )
     if interleaved:
         raise InputError(
-            "--backend dag does not plan interleaved stages (--virtual-stages > 1): use "
+            "--backend dag does not plan interleaved stages (--virtual-stages > 1) or "
+            "split-backward schedules (interleaved-zb, zbv, dualpipev): use "
             "--backend auto, cpsat or milp"
         )
 
