@@ -389,7 +389,7 @@ CONFIG = ParallelConfig(pp=2, tp=1, dp=2, micro_batch=2, num_microbatches=4)
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"schedule": "gpipe"}, "training.schedule 'gpipe' != config.schedule '1f1b'"),
+        ({"schedule": "gpipe"}, "config.schedule '1f1b' not in training.schedule 'gpipe'"),
         ({"virtual_stages": (2,)}, "config.virtual_stages 1 not in training.virtual_stages [2]"),
         ({"recompute": "full"}, "training.recompute 'full' != config.recompute 'none'"),
         ({"micro_batch_sizes": (1,)}, "config.micro_batch 2 not in training.micro_batch_sizes"),
