@@ -27,9 +27,21 @@ SplitMoment = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]
 """(n, w, B, g) of ``schedule.split_moments``."""
 
 
-def undominated(moments: tuple[SplitMoment, ...], copies) -> list[SplitMoment]:
+def latest(moments: tuple[SplitMoment, ...]) -> list[SplitMoment]:
+    """For each (n, w, g), the last of ``moments`` (in schedule order) with it: the done counts
+    B only grow, and the copies R(n, B), S(n, B) never shrink as B grows at the same n
+    (``LayerCosts.copies_at``), so it dominates the earlier ones. Order of first appearance."""
+    last: dict[tuple, SplitMoment] = {}
+    for moment in moments:
+        held, waiting, _, started = moment
+        last[(held, waiting, started)] = moment
+    return list(last.values())
+
+
+def undominated(moments, copies) -> list[SplitMoment]:
     """``moments`` less those another one dominates (module docstring); ``copies(c, n, B)``:
     (R, S) of chunk c at n held after B done. Order kept."""
+    moments = latest(tuple(moments))
     keys = np.array(
         [
             [
@@ -77,6 +89,7 @@ def attach_split_rows(costs) -> None:
     """Set ``costs``' in-flight vectors, backwards done, pending vectors and gradient flags to
     the split-backward schedule's undominated moments (``split_rows``)."""
     rows = split_rows(costs)
+    costs.__dict__["_split_rows"] = rows  # stages._split_peak_moment maximises over these
     costs.in_flight_vectors = [[n for n, _, _, _ in rank] for rank in rows]
     costs.pending_vectors = [[w for _, w, _, _ in rank] for rank in rows]
     costs.backwards_done = [[b for _, _, b, _ in rank] for rank in rows]
