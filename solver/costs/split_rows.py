@@ -89,7 +89,6 @@ def attach_split_rows(costs) -> None:
     """Set ``costs``' in-flight vectors, backwards done, pending vectors and gradient flags to
     the split-backward schedule's undominated moments (``split_rows``)."""
     rows = split_rows(costs)
-    costs.__dict__["_split_rows"] = rows  # stages._split_peak_moment maximises over these
     costs.in_flight_vectors = [[n for n, _, _, _ in rank] for rank in rows]
     costs.pending_vectors = [[w for _, w, _, _ in rank] for rank in rows]
     costs.backwards_done = [[b for _, _, b, _ in rank] for rank in rows]

@@ -313,8 +313,8 @@ def _split_peak_moment(
 ) -> tuple[int, int, int, tuple[int, ...]]:
     """(gradients, activations, buffers, held vector) at the largest moment of rank r's
     split-backward schedule (``schedule.split_moments``), as ``schedule_memory.rank_memory``
-    replays it (over its undominated moments, ``costs.split_rows``, where ``layer_costs``
-    attached them: the same largest one): sum_c n_c kept_c + sum_c w_c dY_c (``pending``,
+    replays it (every moment, the first largest: the backends' rows, ``costs.split_rows``,
+    reach the same largest total): sum_c n_c kept_c + sum_c w_c dY_c (``pending``,
     bytes per micro-batch) in the activations, the buffers at (n_c, B_c), and every gradient
     from the rank's first W or B under step lifetime (always under persistent). Bytes per
     GPU."""
@@ -330,15 +330,10 @@ def _split_peak_moment(
             buffers_at[key] = stage_buffer_bytes(costs, stage, held, done, into, out_of, adjust)
         return buffers_at[key]
 
-    moments = costs.__dict__.get("_split_rows")  # the undominated ones (costs.split_rows)
-    if moments is not None:
-        moments = moments[rank]
-    else:
-        moments = split_moments(
-            config.num_microbatches, config.pp, config.virtual_stages, rank, config.schedule
-        )
     best = None
-    for held, waiting, done, started in moments:
+    for held, waiting, done, started in split_moments(
+        config.num_microbatches, config.pp, config.virtual_stages, rank, config.schedule
+    ):
         grads = all_grads if persistent or started else 0
         activations = sum(
             n * int(kept[j]) + w * int(pending[j])
