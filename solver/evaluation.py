@@ -19,11 +19,11 @@ from solver.costs.moe import check_expert_degree
 from solver.costs.schedule_time import stages_iteration_ns
 from solver.errors import InputError
 from solver.graph import LayerGraph
-from solver.parallel import ZERO_BUBBLE_SCHEDULES
+from solver.parallel import ZERO_BUBBLE_SCHEDULES, interleaving_fits
 from solver.precision import for_graph
 from solver.report.baselines import BASELINES, PARTITIONERS, counts_to_assignment
 from solver.reserve import check_usable
-from solver.search.candidates import check_interleaving, interleaving_fits, sequence_parallel
+from solver.search.candidates import check_interleaving, sequence_parallel
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from solver.units import format_bytes
 
@@ -177,8 +177,9 @@ def prepare_training(
 def check_training(config: ParallelConfig, training: TrainingConfig) -> None:
     """InputError naming both values when ``training`` contradicts ``config``.
 
-    The config is the layout that is evaluated; the training options must admit it: the same
-    schedule and global batch (dp * b * m), its virtual stages among the candidates, its
+    The config is the layout that is evaluated; the training options must admit it: its
+    schedule among the searched ones (``TrainingConfig.schedules``), the same global batch
+    (dp * b * m), its virtual stages among the candidates, its
     recompute mode (or auto, which covers every mode), its micro-batch size and ZeRO stage among
     the candidates when those lists are not the defaults (the default lists restrict nothing
     here), pp/tp/dp equal to any pinned degree, config.ep among training.ep (unless auto),
@@ -188,9 +189,9 @@ def check_training(config: ParallelConfig, training: TrainingConfig) -> None:
     describe this layout.
     """
     problems = []
-    if training.schedule != config.schedule:
+    if config.schedule not in training.schedules:
         problems.append(
-            f"training.schedule {training.schedule!r} != config.schedule {config.schedule!r}"
+            f"config.schedule {config.schedule!r} not in training.schedule {training.schedule!r}"
         )
     if config.virtual_stages not in training.virtual_stages:
         problems.append(

@@ -425,19 +425,64 @@ def check_expert_degree(
 ZERO_BUBBLE_SCHEDULES = ("interleaved-zb", "zbv", "dualpipev")
 """Split-backward schedules (torch's ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
 ``ScheduleDualPipeV``): a layout may name them (``ParallelConfig``, ``solver.evaluate``), the cost
-model times and replays them (``solver.costs.schedule_orders``); not yet searched
-(``check_searched``)."""
+model times and replays them (``solver.costs.schedule_orders``), the planner searches them
+(``searched_schedules``, ``schedule_refusal``)."""
 V_SCHEDULES = ("zbv", "dualpipev")
 """Schedules that place a rank's two chunks in a V (virtual stages r and 2p - 1 - r)."""
 
 
-def check_searched(schedule: str) -> None:
-    """InputError (one line) for a schedule the search does not take yet (the planner, its
-    Pareto front and every study; ``solver.evaluate`` evaluates it)."""
-    if schedule in ZERO_BUBBLE_SCHEDULES:
+ALL_SCHEDULES = ("1f1b", "gpipe", *ZERO_BUBBLE_SCHEDULES)
+"""Every schedule the planner searches; ``--schedule auto`` is all of them."""
+
+
+def searched_schedules(text: str) -> tuple[str, ...]:
+    """The schedules of a ``--schedule`` value: one name, a comma list (order kept, repeats
+    dropped) or ``auto`` (``ALL_SCHEDULES``); InputError (one line) for anything else."""
+    if text.strip() == "auto":
+        return ALL_SCHEDULES
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",")))
+    unknown = [name for name in names if name not in ALL_SCHEDULES]
+    if unknown or not names:
         raise InputError(
-            f"schedule {schedule} is evaluated but not yet searched: use python -m solver.evaluate"
+            f"schedule must be one of {', '.join(ALL_SCHEDULES)}, a comma list of them or "
+            f"auto, got {text!r}"
         )
+    return names
+
+
+def check_searched(schedule: str) -> None:
+    """InputError (one line) unless ``schedule`` is a ``--schedule`` value the planner, its
+    Pareto front and every study search (``searched_schedules``)."""
+    searched_schedules(schedule)
+
+
+def schedule_refusal(
+    schedule: str, num_layers: int, pp: int, num_microbatches: int, virtual: int
+) -> str | None:
+    """Why ``schedule`` cannot run with (pp, v, m) on ``num_layers`` layers, one line with the
+    fix (None: it can): interleaving (v > 1) needs 1f1b's ``interleaving_fits`` or a
+    split-backward schedule; GPipe runs one chunk; the split-backward schedules need two ranks,
+    a layer per virtual stage and torch's own rules (``check_zero_bubble``)."""
+    p, m, v = pp, num_microbatches, virtual
+    if schedule == "gpipe":
+        return None if v == 1 else f"schedule gpipe runs one chunk per rank, got {v}"
+    if schedule == "1f1b":
+        if v == 1 or interleaving_fits(num_layers, p, m, v):
+            return None
+        return (
+            f"interleaved 1F1B with pp({p}) and {v} virtual stages per rank needs pp >= 2, "
+            f"pp * v <= layers ({num_layers}) and pp | micro-batches ({m})"
+        )
+    if p < 2 or p * v > num_layers:
+        return (
+            f"schedule {schedule} needs pp >= 2 and a layer per virtual stage: pp({p}) * "
+            f"virtual stages({v}) <= layers ({num_layers})"
+        )
+    try:
+        check_zero_bubble(schedule, m, p, v)
+    except InputError as error:
+        return str(error)
+    return None
 
 
 def stage_ranks(schedule: str, num_ranks: int, num_chunks: int) -> list[int]:

@@ -28,6 +28,7 @@ from solver.parallel import (
     check_pins,
     check_sequence_parallel_choice,
     check_zero_bubble,
+    searched_schedules,
 )
 from solver.precision import (
     BYTE_FIELDS,
@@ -240,9 +241,10 @@ class TrainingConfig:
     jointly with the split) | auto (= selective: none and full are special cases of it, so its
     optimum is never worse than either; none and full with the empirical memory model)."""
     schedule: str = "1f1b"
-    """Pipeline schedule of every candidate: 1f1b or gpipe (``SCHEDULES``); the split-backward
-    schedules (``ZERO_BUBBLE_SCHEDULES``: interleaved-zb, zbv, dualpipev) are evaluated but not
-    yet searched (``solver.search.candidates.check_searched``)."""
+    """Pipeline schedules searched: 1f1b, gpipe (``SCHEDULES``) or a split-backward schedule
+    (``ZERO_BUBBLE_SCHEDULES``: interleaved-zb, zbv, dualpipev), a comma list of them, or auto
+    (all; ``schedules``). A (schedule, pp, v, m) the schedule cannot run is skipped
+    (``parallel.schedule_refusal``)."""
     virtual_stages: tuple[int, ...] = (1,)
     """Candidate model chunks per pipeline rank v (interleaved 1F1B when v > 1; Megatron-LM's
     ``--num-virtual-stages-per-pipeline-rank``); (1, 2, 4) lets the search choose."""
@@ -399,16 +401,17 @@ class TrainingConfig:
         )
         check_degree_choices("virtual_stages", self.virtual_stages)
         check_degree_choices("cp", self.cp)
-        known = SCHEDULES + ZERO_BUBBLE_SCHEDULES
-        require(
-            self.schedule in known,
-            f"schedule must be one of {', '.join(known)}, got {quote(self.schedule)}",
-        )
+        searched_schedules(self.schedule)  # one name, a comma list or auto
         require(
             self.schedule != "gpipe" or self.virtual_stages == (1,),
             f"virtual stages {self.virtual_stages} need the 1f1b schedule (interleaved 1F1B), "
             f"got {quote(self.schedule)}",
         )
+
+    @property
+    def schedules(self) -> tuple[str, ...]:
+        """The schedules the search takes (``parallel.searched_schedules``)."""
+        return searched_schedules(self.schedule)
 
     def _check_runtime(self) -> None:
         """Memory model, runtime, output deallocation and sequence parallelism (its None

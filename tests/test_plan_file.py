@@ -389,7 +389,7 @@ CONFIG = ParallelConfig(pp=2, tp=1, dp=2, micro_batch=2, num_microbatches=4)
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"schedule": "gpipe"}, "training.schedule 'gpipe' != config.schedule '1f1b'"),
+        ({"schedule": "gpipe"}, "config.schedule '1f1b' not in training.schedule 'gpipe'"),
         ({"virtual_stages": (2,)}, "config.virtual_stages 1 not in training.virtual_stages [2]"),
         ({"recompute": "full"}, "training.recompute 'full' != config.recompute 'none'"),
         ({"micro_batch_sizes": (1,)}, "config.micro_batch 2 not in training.micro_batch_sizes"),
@@ -413,12 +413,14 @@ def test_evaluate_accepts_training_that_admits_the_config():
         {},  # the default candidate lists restrict nothing
         {"recompute": "auto", "micro_batch_sizes": (1, 2, 4), "zero_stages": (0, 1)},
         {"pp": 2, "dp": 2, "virtual_stages": (1, 2)},
+        {"schedule": "gpipe,1f1b"},  # a searched list or auto admits its members
+        {"schedule": "auto"},
     ):
         training = TrainingConfig(global_batch=16, **options)
         result = evaluate(graph, CONFIG, "even", training=training)
         assert [s.peak_bytes for s in result.stages] == [s.peak_bytes for s in derived.stages]
     gpipe = ParallelConfig(**(CONFIG.to_dict() | {"schedule": "gpipe"}))
-    with pytest.raises(InputError, match="'1f1b' != config.schedule 'gpipe'"):
+    with pytest.raises(InputError, match="config.schedule 'gpipe' not in training.schedule '1f1b'"):
         evaluate(graph, gpipe, "even", training=TrainingConfig(global_batch=16))
     assert evaluate(graph, gpipe, "even").training.schedule == "gpipe"  # derived
 

@@ -1,8 +1,8 @@
 """torch's split-backward schedules (zbv, dualpipev, interleaved-zb) through solver.evaluate: the
 CLI's per-rank peaks are the cost model's (the largest action of each rank's replay), the V puts
 the embedding's and the head's chunks on rank 0, the plan JSON records the schedule and evaluates
-back to the same peaks, and the planner, its Pareto front and the sweeps refuse the names with
-one line (exit 2) until the search takes them."""
+back to the same peaks. The planner and the sweeps search them (tests/test_zero_bubble_search.py
+for the backends)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,9 @@ from solver.evaluation import default_training
 from solver.files.plan_file import evaluate_plan, load_plan
 from solver.search.planner import plan
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
-from solver.sweep import sweep
 from tests.conftest import GPT_1_3B
 
 GIB = 2**30
-NOT_SEARCHED = "error: schedule {} is evaluated but not yet searched: use python -m solver.evaluate"
 COMMON = ["--global-batch", "16", "--micro-batch", "1", "--gpus-per-node", "8"]
 
 
@@ -110,30 +108,84 @@ def test_evaluate_refusals_are_one_line(run_cli, tmp_path, extra, message):
     assert not out.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev", "interleaved-zb"])
-def test_plan_refuses_the_split_schedules(run_cli, tmp_path, schedule):
+def test_plan_searches_the_split_schedules(run_cli, tmp_path, schedule):
+    """A pinned split schedule is planned and proven (the smallest peak; under a --max-slowdown
+    budget the simulated time may overrun the looser bound of these schedules and the plan is
+    honestly FEASIBLE); the plan's peak is the replay's (evaluate_plan recomputes it)."""
     out = tmp_path / "plan.json"
-    argv = [GPT_1_3B, "--gpus", "4", "--schedule", schedule, "--virtual-stages", "2"]
-    code, _, err = run_cli(plan_main, *argv, "--global-batch", "16", "--json", str(out))
-    assert (code, err) == (2, NOT_SEARCHED.format(schedule) + "\n")
+    argv = [GPT_1_3B, "--gpus", "4", "--pp", "4", "--schedule", schedule, "--runtime", "torch"]
+    argv += ["--max-slowdown", "none"]
+    code, _, err = run_cli(plan_main, *argv, "--virtual-stages", "2", *COMMON, "--json", str(out))
+    assert (code, err) == (0, "")
+    document = json.loads(out.read_text())
+    assert document["config"]["schedule"] == schedule
+    assert document["solver"]["status"] == "OPTIMAL"
+    again = evaluate_plan(load_plan(str(out)), GPT_1_3B)
+    assert again.peak_bytes == document["peak_bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    ("schedule", "extra", "message"),
+    [
+        ("zbv", [], "error: schedule zbv places exactly 2 chunks per rank in a V"),
+        ("dualpipev", ["--virtual-stages", "2", "--global-batch", "4"], "m = 4 < 2 pp = 8"),
+        (
+            "1f1b,zb",
+            [],
+            "error: schedule must be one of 1f1b, gpipe, interleaved-zb, zbv, dualpipev, a comma",
+        ),
+        ("zbv", ["--memory-model", "empirical"], "the empirical statistics describe 1F1B"),
+    ],
+)
+def test_plan_refuses_a_pinned_schedule_in_one_line(run_cli, tmp_path, schedule, extra, message):
+    """Only when the single pinned schedule has no (pp, v, m) it runs: torch's own rule."""
+    out = tmp_path / "plan.json"
+    argv = [GPT_1_3B, "--gpus", "4", "--pp", "4", "--schedule", schedule, *COMMON, *extra]
+    code, _, err = run_cli(plan_main, *argv, "--json", str(out))
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err
     assert not out.exists()
 
 
-def test_sweep_refuses_the_split_schedules(run_cli, tmp_path):
+@pytest.mark.slow
+def test_sweep_takes_the_split_schedules(run_cli, tmp_path):
     out = tmp_path / "rows.csv"
-    argv = [GPT_1_3B, "--gpus", "4", "--gpu-memory", "80GB", "--schedule", "zbv"]
-    code, _, err = run_cli(sweep_main, *argv, "--global-batch", "16", "--out", str(out))
-    assert (code, err) == (2, NOT_SEARCHED.format("zbv") + "\n")
-    assert not out.exists()
+    argv = [GPT_1_3B, "--gpus", "4", "--gpu-memory", "80GB", "--schedule", "zbv", "--pp", "4"]
+    code, _, err = run_cli(
+        sweep_main, *argv, "--virtual-stages", "2", "--global-batch", "16", "--out", str(out)
+    )
+    assert (code, err) == (0, "")
+    assert "zbv" in out.read_text()
 
 
-def test_api_planner_and_sweep_refuse_and_evaluate_takes_them(gpt_graph):
-    training = TrainingConfig(global_batch=16, schedule="zbv", virtual_stages=(2,))
+@pytest.mark.slow
+def test_api_auto_is_never_worse_than_each_schedule(gpt_graph):
+    """--schedule auto searches every schedule beside the other decisions: its smallest peak is
+    the least of the pinned searches' (and the schedule it names is one of them)."""
     cluster = Cluster(num_gpus=4, gpu_memory_bytes=80 * GIB)
-    with pytest.raises(InputError, match="schedule zbv is evaluated but not yet searched"):
-        plan(gpt_graph, cluster, training)
-    with pytest.raises(InputError, match="schedule zbv is evaluated but not yet searched"):
-        sweep(gpt_graph, [4], [80 * GIB], training, cluster, workers=1)
+    base = dict(global_batch=16, pp=4, micro_batch_sizes=(1,), max_slowdown=None)
+    base |= dict(virtual_stages=(1, 2), runtime="torch")
+    peaks = {}
+    for schedule in ("1f1b", "zbv", "dualpipev", "interleaved-zb"):
+        peaks[schedule] = plan(gpt_graph, cluster, TrainingConfig(schedule=schedule, **base))
+    both = plan(gpt_graph, cluster, TrainingConfig(schedule="auto", **base))
+    assert both.peak_bytes == min(found.peak_bytes for found in peaks.values())
+    assert peaks[both.config.schedule].peak_bytes == both.peak_bytes
+
+
+def test_api_takes_the_names_and_evaluate_takes_them():
+    with pytest.raises(InputError, match="schedule must be one of 1f1b, gpipe"):
+        TrainingConfig(global_batch=16, schedule="zbv,,x")
+    assert TrainingConfig(global_batch=16, schedule="auto").schedules == (
+        "1f1b",
+        "gpipe",
+        "interleaved-zb",
+        "zbv",
+        "dualpipev",
+    )
+    assert TrainingConfig(global_batch=16, schedule="zbv, 1f1b").schedules == ("zbv", "1f1b")
     config = ParallelConfig(
         pp=4, tp=1, dp=1, micro_batch=1, num_microbatches=16, schedule="zbv", virtual_stages=2
     )

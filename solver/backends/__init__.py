@@ -52,7 +52,8 @@ def resolve_backend(
         )
     if backend == "chain" and interleaved:
         raise InputError(
-            "--backend chain does not plan interleaved stages (--virtual-stages > 1): use "
+            "--backend chain does not plan interleaved stages (--virtual-stages > 1) or "
+            "split-backward schedules (interleaved-zb, zbv, dualpipev): use "
             "--backend auto, cpsat or milp"
         )
     if backend == "chain" and not graph_is_chain:

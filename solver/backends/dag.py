@@ -76,7 +76,7 @@ def dag_fits_graph(costs: LayerCosts) -> bool:
 def dag_applies(costs: LayerCosts) -> bool:
     """The exact DP applies to these coefficients: no interleaving, no selective recomputation,
     and the graph's ideals within the caps (a homogeneous cluster is the caller's to check)."""
-    if costs.selective or costs.config.virtual_stages > 1:
+    if costs.selective or costs.rank_rows:
         return False
     return dag_fits_graph(costs)
 
@@ -152,7 +152,7 @@ def _check_applies(problem: StageProblem) -> None:
     check_plain(
         heterogeneous=problem.placement is not None,
         selective=problem.costs.selective,
-        interleaved=problem.costs.config.virtual_stages > 1,
+        interleaved=problem.costs.rank_rows,
     )
 
 
@@ -171,7 +171,8 @@ def check_plain(*, heterogeneous: bool, selective: bool, interleaved: bool) -> N
         )
     if interleaved:
         raise InputError(
-            "--backend dag does not plan interleaved stages (--virtual-stages > 1): use "
+            "--backend dag does not plan interleaved stages (--virtual-stages > 1) or "
+            "split-backward schedules (interleaved-zb, zbv, dualpipev): use "
             "--backend auto, cpsat or milp"
         )
 

@@ -269,6 +269,7 @@ class PrefixFormulation(
         )
         self.vars = PrefixVariables()
         self._parts: dict[int, tuple[Any, Any, Any, Any]] = {}
+        self._split_parts: dict[tuple[str, int], Any] = {}  # ("lean" | "pending", stage)
         """Per virtual stage (states, kept, in, out) variables (``_stage_parts``)."""
         self._stage_layers: dict[int, list[int]] = {}
         """Per stage, the layers it can hold (``_layers_of``)."""
@@ -456,7 +457,7 @@ class PrefixFormulation(
                     self._stage_relays[s].append((t, relay))
             top = int(transient_ub.max(initial=0))
             # tr[r]: interleaved ranks and the moment after a first backward (_add_transient)
-            if top and (costs.config.virtual_stages > 1 or any(costs.first_backward_peak)):
+            if top and (costs.rank_rows or any(costs.first_backward_peak)):
                 self.vars.transient = [
                     self._new_var(0, self._bytes(top), f"tr_s{r}") for r in range(costs.num_ranks)
                 ]

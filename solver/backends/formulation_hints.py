@@ -13,6 +13,7 @@ from solver.costs import (
     stage_buffer_bytes,
     stage_costs,
 )
+from solver.costs.stages import weight_output_gradients
 
 
 class FormulationHints:
@@ -118,6 +119,14 @@ class FormulationHints:
             self._hint(kept, self._bytes(int(stored[here].sum()) + int(relayed[stage])))
             self._hint(received, self._bytes(int(into[stage])))
             self._hint(sent, self._bytes(int(out_of[stage])))
+        if self._split_parts:
+            _, transient, _ = costs.coefficients(recomputed if self.problem.selective else None)
+            sums = {
+                "lean": costs.state_bytes - costs.grad_bytes,
+                "pending": weight_output_gradients(costs, transient),
+            }
+            for (name, stage), part in self._split_parts.items():
+                self._hint(part, self._bytes(int(sums[name][stage_of == stage].sum())))
 
     def _hint_layer_sums(
         self, stage_of_layer: list[int], recomputed: list[bool] | None, stages: list

@@ -89,7 +89,7 @@ class FormulationRules:
         if not self.vars.transient:
             return
         for rank, s in self._rank_stages():
-            if costs.config.virtual_stages == 1 and not costs.first_backward_peak[rank]:
+            if not costs.rank_rows and not costs.first_backward_peak[rank]:
                 continue
             self._tick()
             largest = self.vars.transient[rank]
@@ -138,16 +138,23 @@ class FormulationRules:
             for rank, vectors in enumerate(costs.in_flight_vectors):
                 for i, row in enumerate(self._optimizer_step_rows(rank)):
                     self._add(self.vars.peak >= row, f"memory_s{rank}_step{i}")
-                if costs.config.virtual_stages == 1:
+                if not costs.rank_rows:
                     for i, row in enumerate(self._layer_rows(rank)):
                         self._add(self.vars.peak >= row, f"memory_s{rank}_b{i}")
                     continue
-                dones = costs.backwards_done[rank]
-                for i, (vector, done) in enumerate(zip(vectors, dones, strict=True)):
+                rows = zip(
+                    vectors,
+                    costs.backwards_done[rank],
+                    costs.pending_vectors[rank],
+                    costs.grads_started[rank],
+                    strict=True,
+                )
+                for i, (vector, done, pending, started) in enumerate(rows):
                     self._tick()
                     suffix = f"_n{i}" if len(vectors) > 1 else ""
                     self._add(
-                        self.vars.peak >= self._rank_bytes(rank, vector, done),
+                        self.vars.peak
+                        >= self._rank_bytes_from_parts(rank, vector, done, pending, started),
                         f"memory_s{rank}{suffix}",
                     )
             return

@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from solver.costs.stages import weight_output_gradients
+
 
 class FormulationTerms:
     """Expressions of :class:`solver.backends.formulation.PrefixFormulation` (a mixin: it reads
@@ -144,7 +146,7 @@ class FormulationTerms:
         vector[0]) count the relayed tensors and the boundary copies at another held count
         (``_layer_rows``); ``transient`` False leaves tr[r] out."""
         costs = self.costs
-        if costs.config.virtual_stages > 1:
+        if costs.rank_rows:
             return self._rank_bytes_from_parts(rank, vector, done or (0,) * len(vector))
         terms = []
         for k, stage in zip(vector, costs.stages_of_rank(rank), strict=True):
@@ -253,15 +255,28 @@ class FormulationTerms:
             self._counted[key] = counted
         return counted
 
-    def _rank_bytes_from_parts(self, rank: int, vector: tuple[int, ...], done: tuple[int, ...]):
+    def _rank_bytes_from_parts(
+        self,
+        rank: int,
+        vector: tuple[int, ...],
+        done: tuple[int, ...],
+        pending: tuple[int, ...] = (),
+        started: bool = True,
+    ):
         """With interleaving a rank has a row per in-flight vector: each row sums four
-        variables per chunk (``_stage_parts``) instead of every layer and edge again."""
+        variables per chunk (``_stage_parts``) instead of every layer and edge again. A
+        split-backward schedule's moment (``costs.split_rows``) adds pending[c] dY_c per chunk
+        (``_pending_part``) and, before the rank's gradients exist (not ``started``), takes
+        the states without them (``_lean_part``)."""
         terms = []
         stages = self.costs.stages_of_rank(rank)
-        for k, finished, stage in zip(vector, done, stages, strict=True):
+        pending = pending or (0,) * len(vector)
+        for k, finished, w, stage in zip(vector, done, pending, stages, strict=True):
             states, kept, received, sent = self._stage_parts(stage)
             receive, send = self.costs.copies_at(stage, k, finished)
-            terms += [states, k * kept]
+            terms += [states if started else self._lean_part(stage), k * kept]
+            if w:
+                terms.append(w * self._pending_part(stage))
             if self.costs.direct_sends and not self.costs.plain_boundaries:
                 # per-tensor copies (_buffer_terms): the parts In, Out carry one coefficient each
                 terms += self._buffer_terms(stage, k, finished)
@@ -272,6 +287,45 @@ class FormulationTerms:
         if self.costs.constant_bytes:
             terms.append(self._bytes(self.costs.constant_bytes))
         return self._sum(terms)
+
+    def _lean_part(self, stage: int):
+        """states_s without the gradients (``.grad``; DDP's buckets stay), bytes, as a variable
+        bounded below by its sum: lean_s >= sum_l (state_l - grad_l) x[l][s]."""
+        key = ("lean", stage)
+        if key not in self._split_parts:
+            costs = self.costs
+            per_layer = costs.state_bytes - costs.grad_bytes
+            self._split_parts[key] = self._part_at_least(
+                f"L_v{stage}",
+                [
+                    self._bytes(per_layer[i]) * self._member(i, stage)
+                    for i in self._layers_of(stage)
+                ],
+                int(per_layer.sum()),
+            )
+        return self._split_parts[key]
+
+    def _pending_part(self, stage: int):
+        """dY_s, bytes per micro-batch a pending W keeps (``stages.weight_output_gradients``),
+        as a variable bounded below by its sum: dy_s >= sum_l dY_l x[l][s] + (dY'_l - dY_l)
+        z[l][s] (dY'_l: of a recomputed layer)."""
+        key = ("pending", stage)
+        if key not in self._split_parts:
+            costs = self.costs
+            kept = weight_output_gradients(costs, costs.transient_bytes)
+            redone = weight_output_gradients(costs, costs.recompute_transient_bytes)
+            terms = [self._bytes(kept[i]) * self._member(i, stage) for i in self._layers_of(stage)]
+            terms += self._recompute_terms(redone - kept, stage, self._bytes)
+            self._split_parts[key] = self._part_at_least(
+                f"dY_v{stage}", terms, int(np.maximum(kept, redone).sum())
+            )
+        return self._split_parts[key]
+
+    def _part_at_least(self, name: str, terms: list, most: int):
+        """A variable in [0, most] bytes (model units) at least the sum of ``terms``."""
+        part = self._new_var(0, self._bytes(most), name)
+        self._add(part >= self._sum(terms), name)
+        return part
 
     def _stage_parts(self, stage: int) -> tuple[Any, Any, Any, Any]:
         """(states, kept per micro-batch, received, sent) bytes of virtual stage s as variables

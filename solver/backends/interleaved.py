@@ -71,6 +71,7 @@ def applies(problem: StageProblem) -> bool:
     costs = problem.costs
     return (
         costs.config.virtual_stages > 1
+        and not costs.split_backward  # pending W steps and gradient moments: not modelled here
         and problem.placement is None
         and not problem.selective
         and costs.is_chain()

@@ -28,6 +28,7 @@ from solver.backends.problem import (
     StageSolution,
 )
 from solver.costs import LayerCosts, iteration_floor_ns, utilization_ppm
+from solver.costs.stages import weight_output_gradients
 from solver.errors import InputError
 
 
@@ -107,6 +108,7 @@ class Presolve:
                 + transient_ub.max(initial=0)
                 + (0 if costs.step_bytes is None else costs.step_bytes.sum())
                 + (receive_copies + max(costs.send_copies) + relay_copies) * edge_total
+                + _most_pending_bytes(costs)
             ),
             iteration_floor_ns=iteration_floor_ns(costs, time_ns, tail_ns),
         )
@@ -131,6 +133,18 @@ class Presolve:
 
     def can_hold(self, layer: int, stage: int) -> bool:
         return self.first_stage[layer] <= stage <= self.last_stage[layer]
+
+
+def _most_pending_bytes(costs: LayerCosts) -> int:
+    """The most bytes a split-backward schedule's pending W steps keep on one rank (its most
+    pending micro-batches times every layer's larger dY, ``stages.weight_output_gradients``);
+    0 on other schedules."""
+    most = max(sum(w) for rank in costs.pending_vectors for w in rank)
+    if not most:
+        return 0
+    kept = weight_output_gradients(costs, costs.transient_bytes)
+    redone = weight_output_gradients(costs, costs.recompute_transient_bytes)
+    return most * int(np.maximum(kept, redone).sum())
 
 
 def make_solution(

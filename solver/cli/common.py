@@ -20,7 +20,7 @@ from solver.console import (
     positive_float,
 )
 from solver.errors import InputError, quote
-from solver.parallel import ZERO_BUBBLE_SCHEDULES, check_searched
+from solver.parallel import check_searched
 from solver.precision import (
     BYTE_FIELDS,
     DEFAULT_OPTIMIZER_IMPL,
@@ -50,7 +50,6 @@ from solver.specs import (
     MOE_DROPLESS,
     RECOMPUTE_CHOICES,
     RUNTIMES,
-    SCHEDULES,
     SEQUENCE_PARALLEL_CHOICES,
     ZERO_STAGES,
     Cluster,
@@ -260,13 +259,13 @@ def _add_schedule_options(training) -> None:
     """--schedule, --virtual-stages, --runtime, --deallocate-pipeline-outputs."""
     training.add_argument(
         "--schedule",
-        choices=SCHEDULES + ZERO_BUBBLE_SCHEDULES,
         default="1f1b",
-        help="pipeline schedule: 1f1b (at most p - s micro-batches in flight on stage s) or "
-        "gpipe (all m in flight); default 1f1b. solver.evaluate also takes torch's "
-        "split-backward schedules interleaved-zb, zbv and dualpipev (zbv and dualpipev with "
-        "--virtual-stages 2: rank r runs virtual stages r and 2p - 1 - r); the planner does not "
-        "search them yet",
+        help="pipeline schedule: 1f1b (at most p - s micro-batches in flight on stage s), "
+        "gpipe (all m in flight), or torch's split-backward schedules interleaved-zb, zbv and "
+        "dualpipev (zbv and dualpipev with --virtual-stages 2: rank r runs virtual stages r and "
+        "2p - 1 - r); default 1f1b. The planner and sweeps also take a comma list or auto (all "
+        "five): the schedule is then a decision, and a (schedule, pp, v, m) the schedule cannot "
+        "run is skipped",
     )
     training.add_argument(
         "--virtual-stages",

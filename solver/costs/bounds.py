@@ -51,7 +51,8 @@ def bound_terms(costs: LayerCosts) -> list[list[BoundTerm]]:
     forward) and add up; else only the larger counts. After its last backward the rank syncs
     and steps (X_r), while that micro-batch still runs backward through the virtual stages
     before (B_<r) and then rank 0 syncs and steps (X_0). The terms are these combinations; with
-    interleaving only the two without waits."""
+    interleaving only the two without waits; with a split backward (zbv, dualpipev,
+    interleaved-zb) only F_<r + m T_r + X_r."""
     cached = costs.__dict__.get("_bound_terms")  # config-fixed: made once per LayerCosts
     if cached is not None:
         return cached
@@ -70,6 +71,12 @@ def bound_terms(costs: LayerCosts) -> list[list[BoundTerm]]:
             last = (1 - d, d - 1, 1, after)  # D_r = T_>r - (d_r - 1) (T_r - F_r)
             both = (1 - d, d - c, 2, 2 * after) if config.schedule == "1f1b" and m > c else first
             waits += [first, last, both]
+        if costs.split_backward:
+            # deferred W steps let the ranks before run their backwards beside rank r's: only
+            # the wait for micro-batch 0's forward, m T_r and the rank's own tail are sure
+            term = BoundTerm(0, 1, 0, 1, 0, 0, before, 0)
+            terms.append([term, term])
+            continue
         rank = []
         for own_time, own_forward, after_time, overhead in waits:
             constant = before + overhead
@@ -125,14 +132,14 @@ def iteration_floor_ns(
       w_r = (1 - 1/m)^(p-1-r) / m counts every layer's time c = 1 times, and the weights sum to
       W = 1 - (1 - 1/m)^p, so their largest is >= sum_l time_l / W (an even split of a
       continuous chain meets it);
-    - with interleaving, each rank's m T_r: at least m sum_l time_l / p."""
+    - with interleaving or a split backward, each rank's m T_r: at least m sum_l time_l / p."""
     config = costs.config
     m, p, v = config.num_microbatches, config.pp, config.virtual_stages
     if time_ns is None:
         time_ns = costs.bounding_coefficients(np.minimum)[2]
     tail_ns = costs.tail_ns if tail_ns is None else tail_ns
     total = int(np.sum(time_ns))
-    if v == 1:  # total / W = total m^p / (m^p - (m-1)^p), floored (exact integers)
+    if v == 1 and not costs.split_backward:  # total m^p / (m^p - (m-1)^p), floored (exact)
         spread = total * m**p // (m**p - (m - 1) ** p)
     else:
         spread = -(-m * total // p)

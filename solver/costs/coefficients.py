@@ -24,7 +24,7 @@ import numpy as np
 
 from solver.costs.boundaries import BoundaryTensors
 from solver.costs.schedule import stage_boundary_copies
-from solver.costs.schedule_orders import V_SCHEDULES, rank_stages
+from solver.costs.schedule_orders import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, rank_stages
 from solver.costs.times import PipelineLinks, TimeViews
 from solver.specs import ParallelConfig
 
@@ -144,6 +144,12 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
     backwards_done: list[list[tuple[int, ...]]] = field(default_factory=list)
     """Parallel to ``in_flight_vectors``: backwards each chunk has done at that moment (only
     the torch runtime's interleaved buffers depend on it; zeros by default)."""
+    pending_vectors: list[list[tuple[int, ...]]] = field(default_factory=list)
+    """Parallel to ``in_flight_vectors``: per chunk the held micro-batches between their I and
+    their W (split-backward schedules, ``split_rows``; zeros by default)."""
+    grads_started: list[list[bool]] = field(default_factory=list)
+    """Parallel to ``in_flight_vectors``: the rank's gradients exist at that moment
+    (split-backward schedules under step lifetime, ``split_rows``; True by default)."""
     receive_copies: list[int] = field(default_factory=list)
     """R_s for each stage: copies of a received edge's bytes (``boundary_copies``; the megatron
     runtime's when not given). With interleaving on the torch runtime they depend on the
@@ -214,6 +220,12 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
             self.backwards_done = [
                 [(0,) * len(vector) for vector in vectors] for vectors in self.in_flight_vectors
             ]
+        if not self.pending_vectors:
+            self.pending_vectors = [
+                [(0,) * len(vector) for vector in vectors] for vectors in self.in_flight_vectors
+            ]
+        if not self.grads_started:
+            self.grads_started = [[True] * len(vectors) for vectors in self.in_flight_vectors]
         if not self.receive_copies and not self.send_copies:
             self.receive_copies, self.send_copies = stage_boundary_copies(
                 "megatron",
@@ -242,7 +254,7 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
         micro-batches and every gradient: the moments with every gradient, exactly. Interleaved
         stages keep the persistent moment (an upper bound: fewer gradients never take memory)."""
         m = self.config.num_microbatches
-        late = self.grad_lifetime == "step" and self.config.virtual_stages == 1
+        late = self.grad_lifetime == "step" and not self.rank_rows
         return [late and k == m for k in self.in_flight]
 
     @cached_property
@@ -250,9 +262,23 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
         """Per layer, states a stage holding it keeps at its peak at least: the weights and
         optimizer state, plus the gradients unless some stage's peak can come before them
         (``first_backward_peak``), bytes (for lower bounds)."""
-        if any(self.first_backward_peak):
+        if any(self.first_backward_peak) or (
+            self.split_backward and not all(g for rank in self.grads_started for g in rank)
+        ):
             return self.state_bytes - self.grad_bytes
         return self.state_bytes
+
+    @property
+    def split_backward(self) -> bool:
+        """A split-backward schedule (zbv, dualpipev, interleaved-zb): each rank's peak is a row
+        per moment of ``split_rows`` (held, pending W, done, gradients started)."""
+        return self.config.schedule in ZERO_BUBBLE_SCHEDULES
+
+    @property
+    def rank_rows(self) -> bool:
+        """A rank's peak is a row per in-flight vector over its chunks' sums (interleaving, or a
+        split-backward schedule even at one chunk per rank), not per layer moment."""
+        return self.config.virtual_stages > 1 or self.split_backward
 
     def moment_transient(self, transient: np.ndarray, holds_last: bool = True) -> np.ndarray:
         """transient_l as layer l's moment ``during(l)`` takes it on a stage: on the stage holding

@@ -96,6 +96,8 @@ from solver.costs.megatron_attention import kept_buffer_bytes, score_buffer_byte
 from solver.costs.megatron_linear import head_weight_grad_moment, sp_gather_buffer_bytes
 from solver.costs.ranges import check_exact_range
 from solver.costs.schedule import in_flight_counts, stage_boundary_copies
+from solver.costs.schedule_orders import ZERO_BUBBLE_SCHEDULES
+from solver.costs.split_rows import attach_split_rows, most_held
 from solver.costs.states import (
     ParamShares,
     ddp_bucket_bytes,
@@ -132,6 +134,8 @@ def layer_costs(
         in_flight=in_flight,
     )
     held = max(sum(vector) for rank in vectors for vector in rank)
+    if config.schedule in ZERO_BUBBLE_SCHEDULES:  # pending W steps keep dY too
+        held = max(held, most_held(config))
     factor = routing_factor(graph, config, training)
     check_exact_range(
         graph, config, cluster, training, held, receive_copies, send_copies, factor=factor
@@ -208,6 +212,8 @@ def layer_costs(
     )
     if not costs.has_compute_time:  # no time model: the optimizer step alone says nothing
         costs.optimizer_step_ns = np.zeros(len(costs.time_ns), dtype=np.int64)
+    if config.schedule in ZERO_BUBBLE_SCHEDULES:
+        attach_split_rows(costs)
     if training.memory_model == "empirical":
         check_empirical_options(config, calibration)
         return empirical_layer_costs(graph, config, costs)

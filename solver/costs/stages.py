@@ -313,9 +313,11 @@ def _split_peak_moment(
 ) -> tuple[int, int, int, tuple[int, ...]]:
     """(gradients, activations, buffers, held vector) at the largest moment of rank r's
     split-backward schedule (``schedule.split_moments``), as ``schedule_memory.rank_memory``
-    replays it: sum_c n_c kept_c + sum_c w_c dY_c (``pending``, bytes per micro-batch) in the
-    activations, the buffers at (n_c, B_c), and every gradient from the rank's first W or B
-    under step lifetime (always under persistent). Bytes per GPU."""
+    replays it (every moment, the first largest: the backends' rows, ``costs.split_rows``,
+    reach the same largest total): sum_c n_c kept_c + sum_c w_c dY_c (``pending``,
+    bytes per micro-batch) in the activations, the buffers at (n_c, B_c), and every gradient
+    from the rank's first W or B under step lifetime (always under persistent). Bytes per
+    GPU."""
     config = costs.config
     own = costs.stages_of_rank(rank)
     into, out_of, adjust = boundaries

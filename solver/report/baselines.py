@@ -157,7 +157,7 @@ def fastest_fitting_split(
         "auto",
         costs.is_chain(),
         selective=costs.selective,
-        interleaved=costs.config.virtual_stages > 1,
+        interleaved=costs.rank_rows,
     )
     for capacity in (capacity_bytes, None) if capacity_bytes is not None else (None,):
         problem = StageProblem(costs=costs, objective=OBJECTIVE_TIME, capacity_bytes=capacity)

@@ -39,7 +39,6 @@ from solver.costs import LayerCosts, iteration_floor_ns
 from solver.costs.schedule_time import MAX_SCHEDULE_ACTIONS, check_schedule_size, schedule_size
 from solver.engine_rules import ModelFacts
 from solver.errors import InputError
-from solver.parallel import interleaving_fits
 from solver.search.rule_checks import RuleFilter, check_pinned_rules
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
@@ -172,6 +171,8 @@ def candidate_configs(
     check_pinned_rules(training, facts, ranges)
     rules = RuleFilter(training, facts)
     recompute_modes, virtual_stages, cp_degrees = _searched_settings(cluster, training)
+    schedules = _searched_schedules(cluster, training)
+    refusals: list[tuple[bool, str]] = []  # (pp < 2, why a schedule could not run)
     configs: list[ParallelConfig] = []
     skipped = 0
     most = MAX_CONFIG_LAYERS // (num_layers * max(1, len(cluster.groups)))
@@ -199,10 +200,11 @@ def candidate_configs(
                 m = training.global_batch // (dp * micro_batch)
                 for zero in zero_stages:
                     for recompute in recompute_modes:
-                        for virtual in virtual_stages:
-                            if virtual > 1 and not interleaving_fits(num_layers, pp, m, virtual):
-                                continue
-                            size = schedule_size(pp, virtual, m, training.schedule)
+                        layouts = _schedule_layouts(
+                            schedules, virtual_stages, num_layers, pp, m, refusals
+                        )
+                        for schedule, virtual in layouts:
+                            size = schedule_size(pp, virtual, m, schedule)
                             if long_schedules != (size > MAX_SCHEDULE_ACTIONS):
                                 skipped += 1
                                 continue
@@ -218,7 +220,7 @@ def candidate_configs(
                                     num_microbatches=m,
                                     zero=zero,
                                     recompute=recompute,
-                                    schedule=training.schedule,
+                                    schedule=schedule,
                                     virtual_stages=virtual,
                                     sp=sequence_parallel(training, tp),
                                     ep=ep,
@@ -226,8 +228,50 @@ def candidate_configs(
                                 if not rules.refuses(config):
                                     configs.append(config)
     if not configs and not long_schedules:
+        if refusals and not skipped and len(schedules) == 1:
+            # the pinned schedule's own rule, from a pipeline (pp >= 2) where one was tried
+            raise InputError(min(refusals, key=lambda refusal: refusal[0])[1])
         _raise_no_config(num_layers, cluster, training, num_experts, skipped=skipped, rules=rules)
     return configs
+
+
+def _schedule_layouts(
+    schedules: tuple[str, ...],
+    virtual_stages: list[int],
+    num_layers: int,
+    pp: int,
+    m: int,
+    refusals: list[tuple[bool, str]],
+):
+    """The (schedule, virtual stages) pairs that can run with (pp, m): each refused one
+    (``parallel.schedule_refusal``) is skipped, its reason appended to ``refusals``."""
+    for schedule in schedules:
+        for virtual in virtual_stages:
+            refusal = parallel.schedule_refusal(schedule, num_layers, pp, m, virtual)
+            if refusal is None:
+                yield schedule, virtual
+            else:
+                refusals.append((pp < 2, refusal))
+
+
+def _searched_schedules(cluster: Cluster, training: TrainingConfig) -> tuple[str, ...]:
+    """The schedules searched (``TrainingConfig.schedules``): the split-backward ones are
+    modelled for the analytic memory model on homogeneous clusters, left out elsewhere, an
+    InputError when nothing else is asked."""
+    schedules = training.schedules
+    kept = tuple(s for s in schedules if s not in parallel.ZERO_BUBBLE_SCHEDULES)
+    if kept == schedules:
+        return schedules
+    why = None
+    if training.memory_model != "analytic":
+        why = "the empirical statistics describe 1F1B stages; use --memory-model analytic"
+    elif cluster.is_heterogeneous:
+        why = "not supported on a heterogeneous cluster; use --schedule 1f1b with --cluster"
+    if why is None:
+        return schedules
+    if not kept:
+        raise InputError(f"--schedule {training.schedule}: {why}")
+    return kept
 
 
 def _raise_no_config(

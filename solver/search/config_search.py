@@ -169,7 +169,7 @@ def build_entries(
                 costs=costs,
                 memory_bound=memory_lower_bound(costs),
                 time_bound=time_lower_bound(costs),
-                start=splits["even"] if config.virtual_stages > 1 else None,
+                start=splits["even"] if costs.rank_rows else None,
                 splits=splits,
             )
         )
@@ -316,7 +316,7 @@ class _Search:
             self.chain,
             heterogeneous=self.placed,
             selective=any(e.costs.selective for e in entries),
-            interleaved=any(e.costs.config.virtual_stages > 1 for e in entries),
+            interleaved=any(e.costs.rank_rows for e in entries),
             dag_fits=self.dag_fits,
         )
         if backend in ("cpsat", "milp"):
@@ -358,7 +358,7 @@ class _Search:
             self.chain,
             heterogeneous=self.placed,
             selective=entry.costs.selective,
-            interleaved=entry.costs.config.virtual_stages > 1,
+            interleaved=entry.costs.rank_rows,
             dag_fits=self.dag_fits,
         )
 
@@ -508,7 +508,7 @@ class _Search:
         that did not close (:meth:`retry_open`)."""
         problem = self._problem(entry)
         time_limit_s = self.deadline.remaining()
-        share = problem.selective or entry.costs.config.virtual_stages > 1
+        share = problem.selective or entry.costs.rank_rows
         if share:
             time_limit_s /= still_to_visit
         hint, hint_recomputed = self._start(entry, problem)
@@ -542,7 +542,7 @@ class _Search:
         seeded = self.results.get(entry.order)
         if seeded is not None:
             return seeded[1].stage_of_layer, seeded[1].recomputed
-        if entry.costs.config.virtual_stages > 1:
+        if entry.costs.rank_rows:
             # Megatron's own layout (equal layers per virtual stage)
             return entry.start, None
         if problem.selective and self.chain and not self.placed:

@@ -45,11 +45,18 @@ def _plain(problem: StageProblem) -> bool:
 
 def one_chunk_per_rank(problem: StageProblem) -> bool:
     """Plain (:func:`_plain`) and not interleaved: each rank holds one contiguous stage."""
-    return _plain(problem) and problem.costs.config.virtual_stages == 1
+    return _plain(problem) and not problem.costs.rank_rows
 
 
 def _selective_chain(problem: StageProblem) -> bool:
-    return problem.placement is None and problem.selective and problem.costs.is_chain()
+    """A selective chain whose ranks each hold one contiguous stage (the chain algorithm's
+    uniform-recompute optima; interleaved and split-backward ranks are not one stage)."""
+    return (
+        problem.placement is None
+        and problem.selective
+        and problem.costs.is_chain()
+        and not problem.costs.rank_rows
+    )
 
 
 def _placed(problem: StageProblem) -> bool:

@@ -1,0 +1,107 @@
+"""The moments of a split-backward schedule every backend constrains: once per config.
+
+A rank of a split-backward schedule (``schedule_orders.ZERO_BUBBLE_SCHEDULES``) has, after each
+action of torch's list, per chunk c: n_c micro-batches held, w_c of them between their I and
+their W, B_c W or B steps done, and g (a W or B has run: its gradients exist under step
+lifetime) (``schedule.split_moments``). Its memory there is linear in the per-chunk sums
+(``stages._split_peak_moment``, docs/cost-model.md "Zero-bubble and V schedules"):
+
+  states_r - (1 - g) grads_r + sum_c [ n_c kept_c + w_c dY_c + R(n_c, B_c) In_c
+                                       + S(n_c, B_c) Out_c ] + tr_r
+
+with kept, dY (``stages.weight_output_gradients``), In, Out >= 0 per chunk and R, S the copies
+(``LayerCosts.copies_at``). A moment is dropped when another one has, in every chunk, n, w, R
+and S at least as large and g at least as large (``undominated``): its memory is then at least
+as large whatever the split, so the largest moment is among the kept ones. On the torch runtime
+the boundary terms also carry + n known In - n counted (``formulation_terms._buffer_terms``),
+which grow with n since the counted tensors are part of kept (``_counted_here``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from solver.costs.schedule import split_moments
+
+SplitMoment = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]
+"""(n, w, B, g) of ``schedule.split_moments``."""
+
+
+def latest(moments: tuple[SplitMoment, ...]) -> list[SplitMoment]:
+    """For each (n, w, g), the last of ``moments`` (in schedule order) with it: the done counts
+    B only grow, and the copies R(n, B), S(n, B) never shrink as B grows at the same n
+    (``LayerCosts.copies_at``), so it dominates the earlier ones. Order of first appearance."""
+    last: dict[tuple, SplitMoment] = {}
+    for moment in moments:
+        held, waiting, _, started = moment
+        last[(held, waiting, started)] = moment
+    return list(last.values())
+
+
+def undominated(moments, copies) -> list[SplitMoment]:
+    """``moments`` less those another one dominates (module docstring); ``copies(c, n, B)``:
+    (R, S) of chunk c at n held after B done. Order kept."""
+    moments = latest(tuple(moments))
+    keys = np.array(
+        [
+            [
+                value
+                for c, (n, b) in enumerate(zip(held, done, strict=True))
+                for value in (n, *copies(c, n, b))
+            ]
+            + list(waiting)
+            + [int(started)]
+            for held, waiting, done, started in moments
+        ],
+        dtype=np.int64,
+    )
+    at_least = np.all(keys[:, None, :] >= keys[None, :, :], axis=2)  # [j, i]: j >= i everywhere
+    differs = np.any(keys[:, None, :] != keys[None, :, :], axis=2)
+    dominated = np.any(at_least & differs, axis=0)
+    # equal keys: keep the first
+    _, first = np.unique(keys, axis=0, return_index=True)
+    unique = np.zeros(len(moments), dtype=bool)
+    unique[first] = True
+    return [
+        moment
+        for moment, drop, keep in zip(moments, dominated.tolist(), unique.tolist(), strict=True)
+        if keep and not drop
+    ]
+
+
+def split_rows(costs) -> list[list[SplitMoment]]:
+    """Per rank of ``costs`` (a ``LayerCosts`` of a split-backward schedule), its undominated
+    moments (module docstring), the rows of every backend's memory constraint."""
+    config = costs.config
+    rows = []
+    for rank in range(config.pp):
+        own = costs.stages_of_rank(rank)
+        moments = split_moments(
+            config.num_microbatches, config.pp, config.virtual_stages, rank, config.schedule
+        )
+        if costs.grad_lifetime != "step":  # every gradient all step
+            moments = tuple((n, w, b, True) for n, w, b, _ in moments)
+        rows.append(undominated(moments, lambda c, n, b, own=own: costs.copies_at(own[c], n, b)))
+    return rows
+
+
+def attach_split_rows(costs) -> None:
+    """Set ``costs``' in-flight vectors, backwards done, pending vectors and gradient flags to
+    the split-backward schedule's undominated moments (``split_rows``)."""
+    rows = split_rows(costs)
+    costs.in_flight_vectors = [[n for n, _, _, _ in rank] for rank in rows]
+    costs.pending_vectors = [[w for _, w, _, _ in rank] for rank in rows]
+    costs.backwards_done = [[b for _, _, b, _ in rank] for rank in rows]
+    costs.grads_started = [[g for _, _, _, g in rank] for rank in rows]
+
+
+def most_held(config) -> int:
+    """The most micro-batches' activations and dY a rank of ``config``'s split-backward schedule
+    keeps at once (max over its moments of sum_c n_c + w_c), for the exact-range check."""
+    return max(
+        sum(n) + sum(w)
+        for rank in range(config.pp)
+        for n, w, _, _ in split_moments(
+            config.num_microbatches, config.pp, config.virtual_stages, rank, config.schedule
+        )
+    )
