@@ -45,7 +45,6 @@ from solver.parallel import V_SCHEDULES, export_name
 from solver.specs import ParallelConfig
 
 # torchtitan's pipelining schedules are torch's, named without "Schedule"
-# (torch.distributed.pipelining.schedules.get_schedule_class).
 # (torch.distributed.pipelining.schedules.get_schedule_class); the split-backward ones place their
 # stages by the class: a V for ZBVZeroBubble and DualPipeV (torchtitan's pipeline_module_split,
 # style "v": rank r builds stages r and 2 pp - 1 - r), the loop for InterleavedZeroBubble.
