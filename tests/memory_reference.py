@@ -241,17 +241,33 @@ def fsdp2_buffers(layers: list[dict], i: int, setup: Setup, temporary: int) -> t
 
 
 def layer_transient(layers: list[dict], i: int, setup: Setup) -> int:
-    """The extra bytes while layer i runs, on top of what is stored: the larger of its own
-    transient and its weight-gradient moment (the gradient temporary of its largest parameter,
-    in the weights' dtype), plus ZeRO-3's gathered weights (this layer's and the prefetched
-    next, 2 w P'); FSDP2's buffers instead where it runs (``fsdp2_buffers``). A recomputed layer
-    re-materialises its saved bytes during its backward, beside its output's gradient."""
+    """The extra bytes while layer i runs, on top of what is stored (``running_transient`` in
+    the setup's recompute state), plus the score buffer Megatron's explicit attention keeps
+    (``kept_score_buffer``)."""
+    running = running_transient(layers, i, setup, recomputed(layers[i], setup))
+    if reduces_per_step(setup):
+        return running
+    return running + kept_score_buffer(layers, i, setup)
+
+
+def running_transient(layers: list[dict], i: int, setup: Setup, recompute: bool) -> int:
+    """The larger of layer i's own transient and its weight-gradient moment (the gradient
+    temporary of its largest parameter, in the weights' dtype), plus ZeRO-3's gathered weights
+    (this layer's and the prefetched next, 2 w P'); FSDP2's buffers instead where it runs
+    (``fsdp2_buffers``). With ``recompute`` the layer re-materialises its saved bytes during its
+    backward, beside its output's gradient. Megatron's explicit attention (S > 0): its own
+    transient is the larger of the whole one and the backward's B (``attention_backward_
+    transient_bytes``, else the whole one) with one more score matrix (the mask's clone)."""
     layer = layers[i]
     b, w = setup.micro_batch, setup.weight_bytes
     extra = 0
-    if recomputed(layer, setup):  # its saved tensors again, and its output's gradient
-        extra = ceil(b * saved_per_sample(layer, setup)) + stored_bytes(layer, setup)
-    own = b * layer["transient_bytes"] + extra + attention_backward_clone(layer, setup)
+    if recompute:  # its saved tensors again, and its output's gradient
+        output = boundary_tensor_bytes(layer["output_bytes"], setup)
+        extra = ceil(b * saved_per_sample(layer, setup)) + output
+    whole = b * layer["transient_bytes"] + extra
+    clone = attention_backward_clone(layer, setup)
+    backward = layer.get("attention_backward_transient_bytes", layer["transient_bytes"])
+    own = max(whole, b * backward + extra + clone) if clone else whole
     grad_temporary = w * max(
         layer["largest_param"], ceil(Fraction(layer["largest_tp_param"], setup.tp))
     )
@@ -259,15 +275,27 @@ def layer_transient(layers: list[dict], i: int, setup: Setup) -> int:
     if reduces_per_step(setup):
         return max(
             own,
-            b * layer["transient_bytes"]
-            + extra
-            + step_reduce_temporary(layer, setup, grad_temporary),
+            whole + step_reduce_temporary(layer, setup, grad_temporary),
             forward_gather(layer, setup),
         )
     if uses_fsdp2(setup):
         gather, grad_temporary = fsdp2_buffers(layers, i, setup, grad_temporary)
-    weight_grad = b * layer["transient_bytes"] + extra + grad_temporary
-    return max(own, weight_grad) + gather + score_buffer(layers, setup)
+    return max(own, whole + grad_temporary) + gather
+
+
+def kept_score_buffer(layers: list[dict], i: int, setup: Setup) -> int:
+    """Megatron's score buffer beside layer i: it appears at a rank's first attention forward,
+    so a layer before the model's first attention layer whose running transient (either
+    recompute state) is at most every attention layer's is charged without it; every other
+    layer with it."""
+    full = score_buffer(layers, setup)
+    attention = [j for j, layer in enumerate(layers) if attention_backward_clone(layer, setup)]
+    if not full or i >= attention[0]:
+        return full
+    states = (False, True)
+    least = min(running_transient(layers, j, setup, r) for j in attention for r in states)
+    leading = all(running_transient(layers, i, setup, r) <= least for r in states)
+    return 0 if leading else full
 
 
 def attention_backward_clone(layer: dict, setup: Setup) -> int:
