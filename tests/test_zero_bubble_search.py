@@ -115,3 +115,12 @@ def test_selective_recompute_equals_brute_force(seed):
         assert solution.objective == oracle.objective
         value = problem.objective_value(solution.stage_of_layer, solution.recomputed)
         assert value == oracle.objective
+
+
+def test_a_split_schedules_plan_says_what_its_memory_rule_misses():
+    from solver.search.plan_notes import split_schedule_notes
+
+    for schedule in ("zbv", "dualpipev", "interleaved-zb"):
+        (note,) = split_schedule_notes(schedule)
+        assert note.startswith(f"schedule {schedule}: its memory is measured within -4.1%")
+    assert split_schedule_notes("1f1b") == split_schedule_notes("gpipe") == []

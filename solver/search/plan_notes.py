@@ -7,6 +7,7 @@ import time
 from typing import Protocol
 
 from solver.backends.problem import OBJECTIVE_MEMORY, OBJECTIVE_TIME, OPTIMAL
+from solver.parallel import ZERO_BUBBLE_SCHEDULES
 from solver.report.baselines import BASELINES
 from solver.search.config_search import Deadline, SearchResult
 from solver.search.incumbents import QUICK_METHODS
@@ -147,3 +148,20 @@ def time_dependence_note(time_limit_s: float | None) -> str:
         f"machine's speed and load decide how far each gets); give it longer ({longer} or more) "
         "to prove or improve it"
     )
+
+
+SPLIT_SCHEDULE_ACCURACY = (
+    "its memory is measured within -4.1% to +11.9% of the torch engine's live tensors "
+    "(benchmarks/bench_accuracy.md, split-backward schedules): the W step's weight and "
+    "intermediate gradients are not in the model yet, so keep the reserve and check the plan "
+    "with python -m profiling.validate"
+)
+"""What the split-backward schedules' memory rule is known to miss (issue 31, item 3)."""
+
+
+def split_schedule_notes(schedule: str) -> list[str]:
+    """A note on a plan run by a split-backward schedule (``ZERO_BUBBLE_SCHEDULES``): its
+    per-rank peaks can be low by a few percent (``SPLIT_SCHEDULE_ACCURACY``)."""
+    if schedule not in ZERO_BUBBLE_SCHEDULES:
+        return []
+    return [f"schedule {schedule}: {SPLIT_SCHEDULE_ACCURACY}"]

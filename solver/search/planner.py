@@ -47,7 +47,7 @@ from solver.search.infeasible import (
     _memory_exceeded,
     _throughput_unmet,
 )
-from solver.search.plan_notes import _solver_report
+from solver.search.plan_notes import _solver_report, split_schedule_notes
 from solver.search.plan_result import Plan, _baseline_evaluations, _plan_exports
 from solver.search.rule_checks import skipped_rules_note
 from solver.search.seeds import Seed, baseline_seeds, seed_note
@@ -197,6 +197,7 @@ def _plan_space(
     if limit.seed is not None:
         notes.insert(0, seed_note(limit.seed, limit.searched_ns))
     plan.solver.notes += notes + _long_schedule_notes(graph, cluster, training)
+    plan.solver.notes += split_schedule_notes(plan.config.schedule)
     plan.solver.notes += skipped_rules_note(
         degrees_of(plan.config), ModelFacts.of_graph(graph), training.runtime
     )
