@@ -29,24 +29,12 @@ def graph_columns(graph: LayerGraph) -> dict[str, np.ndarray]:
     measured = np.array([x.fwd_ms is not None and x.bwd_ms is not None for x in layers])
     position = graph.index()
     cols = {key: ints(key) for key in INTEGER_FIELDS}
-    cols["weight_grad_transient_bytes"] = np.array(
-        [
-            x.transient_bytes
-            if x.weight_grad_transient_bytes is None
-            else x.weight_grad_transient_bytes
-            for x in layers
-        ],
-        dtype=np.int64,
-    )
-    cols["attention_backward_transient_bytes"] = np.array(
-        [
-            x.transient_bytes
-            if x.attention_backward_transient_bytes is None
-            else x.attention_backward_transient_bytes
-            for x in layers
-        ],
-        dtype=np.int64,
-    )
+    for key in ("weight_grad_transient_bytes", "attention_backward_transient_bytes"):
+        # a part of the transient, measured at some moments: the whole transient where absent
+        cols[key] = np.array(
+            [x.transient_bytes if getattr(x, key) is None else getattr(x, key) for x in layers],
+            dtype=np.int64,
+        )
     for key in (key for pair in VOCAB_TRANSIENT_PAIRS for key in pair):
         # -1: not measured (``vocab.with_vocab_split`` keeps the whole transient there)
         cols[key] = np.array(
