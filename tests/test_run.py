@@ -191,10 +191,15 @@ def test_fsdp2_dp2_pp2_matches_single_process(graph, zero):
     assert_peaks_reported(reports, plan_dict, first_iteration=False, **FSDP2_BOUNDS)
     for report in reports:
         measured, predicted = report.measured_breakdown, report.predicted_breakdown
-        # the plan holds the unsharded weights beside their dp=2 shards (w P' + w P'/2) and
-        # the unsharded gradients (g P'); the tracker counts only the shards as params (FSDP2
-        # pads odd first dimensions; Adam adds a 4-byte step counter per tensor)
-        assert measured["params"] == pytest.approx(predicted["weights"] / 3, rel=0.02)
+        # the plan holds the unsharded gradients (g P') beside their dp=2 shards, and the
+        # unsharded weights beside theirs: all of them at ZeRO 2 (w P' + w P'/2), at ZeRO 3
+        # those of the layers after the peak's (fsdp.backward_weight_bytes); the tracker counts
+        # only the shards as params (FSDP2 pads odd first dimensions; Adam adds a 4-byte step
+        # counter per tensor)
+        if zero == 2:
+            assert measured["params"] == pytest.approx(predicted["weights"] / 3, rel=0.02)
+        else:
+            assert measured["params"] * 0.98 <= predicted["weights"] < 3 * measured["params"]
         assert predicted["grads"] == pytest.approx(2 * measured["params"], rel=0.02)
         assert measured["optimizer"] == pytest.approx(predicted["optimizer"], rel=0.02)
         # ... and the run really holds them: its peak is above all three

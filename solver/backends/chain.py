@@ -165,13 +165,15 @@ class _Chain:
         self.send_copies = np.asarray(costs.send_copies, dtype=np.int64)  # S_s
         self.constant_bytes = costs.constant_bytes  # a calibration's, on every stage
         transient = np.asarray(costs.transient_bytes, dtype=np.int64)
-        self.transient_min = int(transient.min())
-        self.transient_max = int(transient.max())
+        # the moment after a first backward's (less FSDP2's gathers: ``transient``), at most these
+        self.after_transient = np.asarray(costs.after_transient(transient), dtype=np.int64)
+        self.transient_min = int(self.after_transient.min())
+        self.transient_max = int(self.after_transient.max())
         self._log2 = np.floor(np.log2(np.arange(1, self.num_layers + 1))).astype(np.int64)
         self._rules: tuple[_Limits, list] | None = None
         # stages whose gradients appear at the first backward (costs.layer_moments, grads(> l))
         self.late = np.asarray(costs.first_backward_peak, dtype=bool)
-        self.grad_prefix = prefix(costs.grad_bytes)
+        self.grad_prefix = prefix(costs.late_bytes)  # (FSDP2 ZeRO 3 under PP: unsharded weights)
         self.ungraded_prefix = self.state_prefix - self.grad_prefix
         # the prefix sums the relaxation's rules combine (``sums``)
         self._bases = dict(zip(TIME_BASIS, self._time_basis, strict=True)) | {
@@ -187,7 +189,7 @@ class _Chain:
         self._during_table = sparse_max_table(reach)
         if self.late.any():  # and max transient[i..j] for the moment after
             self._late_table = sparse_max_table(reach - self.grad_prefix[1:])
-            self._transient_table = sparse_max_table(transient)
+            self._transient_table = sparse_max_table(self.after_transient)
         # a stage ending at the last layer: its output held through the earlier layers' moments
         # (costs.moment_transient); the same tables with those moments
         held = costs.moment_transient(transient) - transient

@@ -467,8 +467,11 @@ class _DagSplitter:
         held = costs.weight_bytes + costs.optimizer_bytes
         if buckets is not None:
             held = held + buckets
+        grads = costs.grad_bytes
+        if costs.backward_weight_bytes is not None:  # late weights (FSDP2 ZeRO 3 under PP)
+            held, grads = held - costs.backward_weight_bytes, grads + costs.backward_weight_bytes
         self.held_bytes = pair_sum(held)  # weights, optimizer state, DDP buckets: always
-        self.grad_bytes = pair_sum(costs.grad_bytes)
+        self.grad_bytes = pair_sum(grads)  # with what is late at a first backward (late_bytes)
         self.stored_bytes = pair_sum(costs.stored_bytes)
         # the iteration bound's terms of a stage (costs.bound_terms) on pair (J, I): the
         # ranks before hold J, those after all but I
@@ -505,8 +508,10 @@ class _DagSplitter:
             )
         if any(self.late):
             # with the gradients made at the first backward: grads_A - grads_A(<= l) instead
-            grads = np.asarray(costs.grad_bytes, dtype=np.int64)
-            self.transient = _masked_max(st.stage_members, transient)  # after it
+            grads = np.asarray(costs.late_bytes, dtype=np.int64)
+            self.transient = _masked_max(  # after it
+                st.stage_members, costs.after_transient(transient)
+            )
             self.first_during = self.grad_bytes + _masked_max(
                 st.stage_members, transient, cumulative=stored - grads
             )

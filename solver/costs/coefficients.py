@@ -174,6 +174,15 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
     grad_lifetime: str = "persistent"
     """When the ``.grad`` gradients (``grad_bytes``) exist: persistent (all step) or step (from
     each layer's first backward of the step; ``first_backward_peak``)."""
+    backward_weight_bytes: np.ndarray | None = None
+    """Per GPU, bytes: the part of ``weight_bytes`` a layer holds only from its backward to its
+    next forward (FSDP2 ZeRO 3 under pipelining, ``fsdp.backward_weight_bytes``); at layer l's
+    moment the stage holds those of its layers after l (``late_bytes``). None: none."""
+    gather_bytes: np.ndarray | None = None
+    """Per GPU, bytes: the part of ``transient_bytes`` (both recompute states) that is the
+    layer's gathered weights while others are resharded (with ``backward_weight_bytes``); the
+    moment after a backward, where every one of them is live, counts the rest
+    (``after_transient``). None: none."""
     grad_buffer_bytes: np.ndarray | None = None
     """Gradient buffers kept for the whole run beside ``.grad``, per GPU, bytes: DDP's buckets
     when ``zero_grad(set_to_none=True)`` frees ``.grad`` (``ddp_bucket_bytes``); None: none.
@@ -242,8 +251,29 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
         micro-batches and every gradient: the moments with every gradient, exactly. Interleaved
         stages keep the persistent moment (an upper bound: fewer gradients never take memory)."""
         m = self.config.num_microbatches
+        if self.backward_weight_bytes is not None and self.config.virtual_stages == 1:
+            return [True] * len(self.in_flight)  # late_bytes: every stage, every schedule
         late = self.grad_lifetime == "step" and self.config.virtual_stages == 1
         return [late and k == m for k in self.in_flight]
+
+    def after_transient(self, transient: np.ndarray) -> np.ndarray:
+        """transient_l (per layer, a recompute set applied) as the moment after a first backward
+        (``first_backward_peak``) takes it, bytes: less ``gather_bytes``, whose weights that
+        moment counts whole among the states."""
+        if self.gather_bytes is None:
+            return transient
+        return np.asarray(transient, dtype=np.int64) - self.gather_bytes
+
+    @cached_property
+    def late_bytes(self) -> np.ndarray:
+        """Per layer, the states that at layer l's moment of a ``first_backward_peak`` stage
+        exist only for the stage's layers after l, bytes: the gradients (made by the first
+        backward), or where FSDP2 ZeRO 3 runs under pipelining the unsharded weights
+        (``backward_weight_bytes``; the gradients then count whole, an over-count at a first
+        backward)."""
+        if self.backward_weight_bytes is not None:
+            return self.backward_weight_bytes
+        return self.grad_bytes
 
     @cached_property
     def state_lower_bytes(self) -> np.ndarray:
@@ -251,7 +281,7 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
         optimizer state, plus the gradients unless some stage's peak can come before them
         (``first_backward_peak``), bytes (for lower bounds)."""
         if any(self.first_backward_peak):
-            return self.state_bytes - self.grad_bytes
+            return self.state_bytes - self.late_bytes
         return self.state_bytes
 
     def moment_transient(self, transient: np.ndarray, holds_last: bool = True) -> np.ndarray:

@@ -246,7 +246,7 @@ def _first_backward_statistics(
     later = np.array(
         [costs.copies_at(s, max(0, int(n) - 1)) for s, n in enumerate(costs.in_flight)]
     )
-    state, grad, stored = costs.state_bytes, costs.grad_bytes, costs.stored_bytes
+    state, grad, stored = costs.state_bytes, costs.late_bytes, costs.stored_bytes
     transient = costs.transient_bytes
 
     def buffers(pairs: np.ndarray, into: np.ndarray, out_of: np.ndarray) -> np.ndarray:
@@ -254,7 +254,8 @@ def _first_backward_statistics(
 
     fixed = state - grad  # weights and optimizer
     during = fixed + k * stored + transient + buffers(copies, edge_in, edge_out)
-    after = state + (k - 1) * stored + transient + buffers(later, edge_in, edge_out)
+    gone = costs.after_transient(transient)  # the moment after (less FSDP2's gathers)
+    after = state + (k - 1) * stored + gone + buffers(later, edge_in, edge_out)
     isolated = np.maximum(during, after) + costs.constant_bytes
     pair = np.zeros_like(isolated)
     a, b = slice(None, -1), slice(1, None)
@@ -266,7 +267,7 @@ def _first_backward_statistics(
         both
         + grad[a]
         + grad[b]
-        + np.maximum(transient[a], transient[b])
+        + np.maximum(gone[a], gone[b])
         + buffers(later, edge_in[a], edge_out[b])
     )
     pair[:, 1:] = np.maximum(np.maximum(during_a, during_b), after) + costs.constant_bytes
