@@ -1,7 +1,7 @@
 """FSDP2 ZeRO 3 under pipelining (torch runtime, dp > 1, pp > 1): a layer's unsharded weights
 live from its backward to its next forward (``solver.costs.fsdp.backward_weight_bytes``), so a
 stage's moment at layer l holds those of its layers after l, l's own and a gather's flat buffer,
-and the moment after a backward every one of them (``LayerCosts.late_bytes``). Every backend
+and the moment after a backward every one of them (``LayerCosts.late_column``). Every backend
 reads the rule from the coefficients: they agree with brute force, and the memory over the
 schedule's actions peaks at the stage's peak."""
 

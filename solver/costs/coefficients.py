@@ -177,7 +177,7 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
     backward_weight_bytes: np.ndarray | None = None
     """Per GPU, bytes: the part of ``weight_bytes`` a layer holds only from its backward to its
     next forward (FSDP2 ZeRO 3 under pipelining, ``fsdp.backward_weight_bytes``); at layer l's
-    moment the stage holds those of its layers after l (``late_bytes``). None: none."""
+    moment the stage holds those of its layers after l (``late_column``). None: none."""
     gather_bytes: np.ndarray | None = None
     """Per GPU, bytes: the part of ``transient_bytes`` (both recompute states) that is the
     layer's gathered weights while others are resharded (with ``backward_weight_bytes``); the
@@ -250,9 +250,15 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
         (k_s = m). Under 1F1B with m > p - s a forward follows the first backward, holding k_s
         micro-batches and every gradient: the moments with every gradient, exactly. Interleaved
         stages keep the persistent moment (an upper bound: fewer gradients never take memory)."""
-        m = self.config.num_microbatches
         if self.backward_weight_bytes is not None and self.config.virtual_stages == 1:
-            return [True] * len(self.in_flight)  # late_bytes: every stage, every schedule
+            return [True] * len(self.in_flight)  # late_column: every stage, every schedule
+        return self.grads_late
+
+    @cached_property
+    def grads_late(self) -> list[bool]:
+        """Per (virtual) stage: its gradients appear at its first backward, which no forward
+        follows (``first_backward_peak``'s rule for the gradients)."""
+        m = self.config.num_microbatches
         late = self.grad_lifetime == "step" and self.config.virtual_stages == 1
         return [late and k == m for k in self.in_flight]
 
@@ -264,16 +270,15 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
             return transient
         return np.asarray(transient, dtype=np.int64) - self.gather_bytes
 
-    @cached_property
-    def late_bytes(self) -> np.ndarray:
-        """Per layer, the states that at layer l's moment of a ``first_backward_peak`` stage
-        exist only for the stage's layers after l, bytes: the gradients (made by the first
-        backward), or where FSDP2 ZeRO 3 runs under pipelining the unsharded weights
-        (``backward_weight_bytes``; the gradients then count whole, an over-count at a first
-        backward)."""
-        if self.backward_weight_bytes is not None:
-            return self.backward_weight_bytes
-        return self.grad_bytes
+    def late_column(self, stage: int) -> np.ndarray:
+        """Per layer, the states that at layer l's moment of (virtual) stage ``stage``, if it is
+        a ``first_backward_peak`` stage, exist only for the stage's layers after l, bytes: the
+        gradients where they appear at its first backward (no forward follows it), plus where
+        FSDP2 ZeRO 3 runs under pipelining the unsharded weights (``backward_weight_bytes``)."""
+        grads = self.grads_late[stage]
+        if self.backward_weight_bytes is None:
+            return self.grad_bytes
+        return self.backward_weight_bytes + (self.grad_bytes if grads else 0)
 
     @cached_property
     def state_lower_bytes(self) -> np.ndarray:
@@ -281,7 +286,8 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
         optimizer state, plus the gradients unless some stage's peak can come before them
         (``first_backward_peak``), bytes (for lower bounds)."""
         if any(self.first_backward_peak):
-            return self.state_bytes - self.late_bytes
+            late = [self.late_column(s) for s in range(self.num_stages)]
+            return self.state_bytes - np.max(late, axis=0)
         return self.state_bytes
 
     def moment_transient(self, transient: np.ndarray, holds_last: bool = True) -> np.ndarray:

@@ -130,17 +130,21 @@ def _stage_costs(
                 costs, rank, kept, into, out_of, adjust
             )
         if costs.config.virtual_stages == 1 and chunks[0] and not split:
-            late = costs.first_backward_peak[rank]
             moments = layer_moments(
                 costs, rank, chunks[0], stored_per_layer, transient_per_layer,
                 int(relayed[rank]), into, out_of, adjust,
             )  # fmt: skip
             best = max(range(len(moments)), key=lambda i: sum(moments[i]))
             grads, activations, buffers, largest = moments[best]
-            if costs.backward_weight_bytes is not None:  # the weights the moment lacks
-                resharded, grads = grads - int(grad[own].sum()), int(grad[own].sum())
-            elif late:
-                moment = "after first backward" if best == len(moments) - 1 else "first backward"
+            if costs.backward_weight_bytes is not None and best < len(chunks[0]):
+                # the unsharded weights resharded at layer l's moment, U(<= l)
+                own_weights = costs.backward_weight_bytes[chunks[0][: best + 1]]
+                resharded = -int(own_weights.sum())
+                grads -= resharded
+            if best == len(chunks[0]):
+                moment = "after first backward"
+            elif costs.grads_late[rank]:
+                moment = "first backward"
         grads += int(buckets[own].sum())
         weights = int(weight[own].sum()) + resharded
         if costs.step_bytes is not None:
@@ -246,17 +250,19 @@ def layer_moments(
     peak, at most the persistent one (k held with every gradient and the largest transient)."""
     k = costs.in_flight[stage]
     late = costs.first_backward_peak[stage]
-    grads = costs.late_bytes[layers]
+    grads = costs.late_column(stage)[layers]
     stored_here = stored[layers]
     total_stored, total_grads = int(stored_here.sum()), int(grads.sum())
     before = np.cumsum(stored_here)  # stored(<= l)
     # grads(> l) where they appear at the first backward, else every gradient
     later = total_grads - np.cumsum(grads) if late else np.full(len(layers), total_grads)
     if costs.backward_weight_bytes is not None:
-        # FSDP2 ZeRO 3 under PP (``LayerCosts.late_bytes``): every gradient, less the
-        # unsharded weights of l and the layers before it (resharded; l's own is its transient)
+        # FSDP2 ZeRO 3 under PP (``LayerCosts.late_column``): the gradients (those after l at
+        # a first backward), less the unsharded weights of l and the layers before it
+        # (resharded; l's own is its transient): what the moment lacks of the states
         total_grads = int(costs.grad_bytes[layers].sum())
-        later = later - int(grads.sum()) + total_grads
+        later = later - int(costs.backward_weight_bytes[layers].sum())
+        later = later + (0 if costs.grads_late[stage] else total_grads)
     buffers_k = stage_buffer_bytes(costs, stage, k, 0, into, out_of, adjust)
     held = (k - 1) * (total_stored + relayed)
     # on the stage of the model's last layer its output stays held (LayerCosts.moment_transient)
