@@ -138,9 +138,7 @@ def layer_costs(
         deallocate_pipeline_outputs=training.deallocate_pipeline_outputs,
         in_flight=in_flight,
     )
-    held = max(sum(vector) for rank in vectors for vector in rank)
-    if config.schedule in ZERO_BUBBLE_SCHEDULES:  # pending W steps keep dY too
-        held = max(held, most_held(config))
+    held = _most_micro_batches_held(config, vectors)
     factor = routing_factor(graph, config, training)
     check_exact_range(
         graph, config, cluster, training, held, receive_copies, send_copies, factor=factor
@@ -226,6 +224,15 @@ def layer_costs(
         check_empirical_options(config, calibration)
         return empirical_layer_costs(graph, config, costs)
     return costs
+
+
+def _most_micro_batches_held(config: ParallelConfig, vectors: list) -> int:
+    """The most micro-batches a rank holds at once (its in-flight vectors' largest sum; a
+    split-backward schedule's pending W steps keep dY too), for the exact-range check."""
+    held = max(sum(vector) for rank in vectors for vector in rank)
+    if config.schedule in ZERO_BUBBLE_SCHEDULES:
+        held = max(held, most_held(config))
+    return held
 
 
 def _with_held_output(
