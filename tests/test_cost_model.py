@@ -234,16 +234,18 @@ def test_recompute_and_zero3_and_gpipe():
         schedule="gpipe",
     )
     middle = stage_costs(costs_for(config), SPLIT)[1]
-    # ZeRO-3 under PipelineStage holds what ZeRO-2 does (states.reduces_per_step)
-    assert middle.weight_bytes == (400 + 300) * 3 // 2
-    # recompute keeps each layer's output per micro-batch; GPipe keeps all m = 4 micro-batches
-    # (a->d skips it: torch); at the peak, b's moment, the running one holds b's only
+    # ZeRO-3 under PipelineStage (states.reduces_per_step): a layer's unsharded weights live
+    # from its backward to its next forward (fsdp.backward_weight_bytes). The peak is b's
+    # backward in the first of GPipe's: c's unsharded weights (300, its backward done) beside
+    # the shards (350), a's and b's resharded by the forwards
+    assert middle.weight_bytes == 300 + (400 + 300) // 2
+    # recompute keeps each layer's output; GPipe keeps all m = 4 micro-batches (a->d skips the
+    # stage: torch); the running one holds b's only
     assert middle.activation_bytes == (4 - 1) * (2 * 20 + 2 * 30) + 2 * 20
-    # the layer being recomputed re-materialises its saved bytes next to its transient (b:
-    # 2 x 80 + its reduce 200), below what ZeRO-3 ("always") gathers at b's forward's start:
-    # b's flat buffer (400) beside the unsharded weights (solver/costs/fsdp.py); c's moment
-    # holds 2 x 30 more but its transient max(2 x (7 + 50) + 150, 300) is 100 less
-    assert middle.transient_bytes == max(2 * 80 + 200, 400)
+    # b's transient as ZeRO 2 has it (400), its own unsharded weights (400) and the flat buffer
+    # it prefetches for the layer before it, a (1400, on another stage: over)
+    assert middle.transient_bytes == 400 + 400 + 1400
+    assert middle.peak_bytes == sum(middle.breakdown().values())
     # on the megatron runtime (no FSDP2) ZeRO-3 gathers the running layer's weights and
     # prefetches the next: 2 w P'_l
     megatron = stage_costs(costs_for(config, "megatron"), SPLIT)[1]

@@ -34,8 +34,8 @@ FSDP2_BOUNDS = {"under_pct": 0.0, "over_pct": 11.0}
 charged whole at each of its weight-gradient moments and a neighbour's buffers counted beside
 it (solver/costs/fsdp.py: measured +10.2% ZeRO 2 dp 2, +3.3% tp 2 dp 2 ZeRO 3, on these 4 blocks
 of 12,704 parameters, whose activations are small beside them); under pipelining (one reduce per
-step) +0.9% to +5.1% over 1F1B, m 2 (the layer moments: stage 1 +2.9% -> +0.9% at ZeRO 2, +6.3%
--> +4.3% at ZeRO 3)."""
+step) +0.9% to +3.5% over 1F1B, m 2 (ZeRO 3: a layer's unsharded weights from its backward to
+its next forward, solver/costs/fsdp.py)."""
 TORCH_FP32 = {"runtime": "torch", **FP32_ADAM}
 """fp32 Adam planned for the torch runtime, the one the torch engine runs (profiling.run)."""
 
@@ -179,8 +179,10 @@ def test_dp2_pp2_runs_and_reports_per_rank_peaks(graph):
 def test_fsdp2_dp2_pp2_matches_single_process(graph, zero):
     """FSDP2 handed to PipelineStage as torchtitan does: one reduce-scatter per step, so every
     layer's unsharded weights and gradients stay to the step's end (solver/costs/states.py,
-    ``reduces_per_step``), ZeRO 2 and 3 alike. Measured +1.7%/+2.9% (ZeRO 2) and +5.1%/+6.3%
-    (ZeRO 3, whose forwards gather again) on stages 0/1."""
+    ``reduces_per_step``); ZeRO 3 reshards each layer after every forward, so its unsharded
+    weights live from its backward to its next forward (``fsdp.backward_weight_bytes``).
+    Measured +1.7%/+0.9% (ZeRO 2) and +2.3%/+3.5% (ZeRO 3; +5.1%/+6.3% when every unsharded
+    weight was a state) on stages 0/1."""
     config = ParallelConfig(pp=2, tp=1, dp=2, micro_batch=1, num_microbatches=2, zero=zero)
     training = TrainingConfig(
         global_batch=4, micro_batch_sizes=(1,), zero_stages=(zero,), max_slowdown=None, **TORCH_FP32
@@ -191,10 +193,15 @@ def test_fsdp2_dp2_pp2_matches_single_process(graph, zero):
     assert_peaks_reported(reports, plan_dict, first_iteration=False, **FSDP2_BOUNDS)
     for report in reports:
         measured, predicted = report.measured_breakdown, report.predicted_breakdown
-        # the plan holds the unsharded weights beside their dp=2 shards (w P' + w P'/2) and
-        # the unsharded gradients (g P'); the tracker counts only the shards as params (FSDP2
-        # pads odd first dimensions; Adam adds a 4-byte step counter per tensor)
-        assert measured["params"] == pytest.approx(predicted["weights"] / 3, rel=0.02)
+        # the plan holds the unsharded gradients (g P') beside their dp=2 shards, and the
+        # unsharded weights beside theirs: all of them at ZeRO 2 (w P' + w P'/2), at ZeRO 3
+        # those of the layers after the peak's (fsdp.backward_weight_bytes); the tracker counts
+        # only the shards as params (FSDP2 pads odd first dimensions; Adam adds a 4-byte step
+        # counter per tensor)
+        if zero == 2:
+            assert measured["params"] == pytest.approx(predicted["weights"] / 3, rel=0.02)
+        else:
+            assert measured["params"] * 0.98 <= predicted["weights"] <= 3.06 * measured["params"]
         assert predicted["grads"] == pytest.approx(2 * measured["params"], rel=0.02)
         assert measured["optimizer"] == pytest.approx(predicted["optimizer"], rel=0.02)
         # ... and the run really holds them: its peak is above all three

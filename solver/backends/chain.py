@@ -165,38 +165,47 @@ class _Chain:
         self.send_copies = np.asarray(costs.send_copies, dtype=np.int64)  # S_s
         self.constant_bytes = costs.constant_bytes  # a calibration's, on every stage
         transient = np.asarray(costs.transient_bytes, dtype=np.int64)
-        self.transient_min = int(transient.min())
-        self.transient_max = int(transient.max())
+        # the moment after a first backward's (less FSDP2's gathers: ``transient``), at most these
+        self.after_transient = np.asarray(costs.after_transient(transient), dtype=np.int64)
+        self.transient_min = int(self.after_transient.min())
+        self.transient_max = int(self.after_transient.max())
         self._log2 = np.floor(np.log2(np.arange(1, self.num_layers + 1))).astype(np.int64)
         self._rules: tuple[_Limits, list] | None = None
         # stages whose gradients appear at the first backward (costs.layer_moments, grads(> l))
         self.late = np.asarray(costs.first_backward_peak, dtype=bool)
-        self.grad_prefix = prefix(costs.grad_bytes)
-        self.ungraded_prefix = self.state_prefix - self.grad_prefix
+        # their distinct costs.late_column (kind c + 1; 0 where not late), prefix sums of each
+        columns: dict[bytes, int] = {}
+        self.kind = np.zeros(self.num_stages, dtype=np.int64)
+        for s in np.flatnonzero(self.late):
+            column = np.asarray(costs.late_column(int(s)), dtype=np.int64)
+            self.kind[s] = columns.setdefault(column.tobytes(), len(columns)) + 1
+        self.grad_prefixes = [prefix(np.frombuffer(c, dtype=np.int64)) for c in columns]
         # the prefix sums the relaxation's rules combine (``sums``)
         self._bases = dict(zip(TIME_BASIS, self._time_basis, strict=True)) | {
             "state": self.state_prefix,
-            "ungraded": self.ungraded_prefix,
             "stored": self.stored_prefix,
         }
+        for c, grad_prefix in enumerate(self.grad_prefixes, start=1):
+            self._bases[f"ungraded{c}"] = self.state_prefix - grad_prefix
         # during(l) of costs.layer_moments, less what does not depend on l: stored(i..l)
         # + transient_l = h[l] - stored_prefix[i] (every gradient exists), and with the
         # gradients made at the first backward (``late``) stored(i..l) + grads(l+1..j)
         # + transient_l = h[l] - stored_prefix[i] + grad_prefix[j + 1]
         reach = self.stored_prefix[1:] + transient
-        self._during_table = sparse_max_table(reach)
+        self._tables = [sparse_max_table(reach)] + [
+            sparse_max_table(reach - grad_prefix[1:]) for grad_prefix in self.grad_prefixes
+        ]
         if self.late.any():  # and max transient[i..j] for the moment after
-            self._late_table = sparse_max_table(reach - self.grad_prefix[1:])
-            self._transient_table = sparse_max_table(transient)
+            self._transient_table = sparse_max_table(self.after_transient)
         # a stage ending at the last layer: its output held through the earlier layers' moments
         # (costs.moment_transient); the same tables with those moments
         held = costs.moment_transient(transient) - transient
         self._last_tables = None
         if held.any():
-            self._last_tables = (
-                sparse_max_table(reach + held),
-                sparse_max_table(reach + held - self.grad_prefix[1:]) if self.late.any() else None,
-            )
+            self._last_tables = [sparse_max_table(reach + held)] + [
+                sparse_max_table(reach + held - grad_prefix[1:])
+                for grad_prefix in self.grad_prefixes
+            ]
         # the optimizer step: every state, the step temporary, the buffers at 0 held
         self.step_prefix = None if costs.step_bytes is None else prefix(costs.step_bytes)
         at_step = [costs.copies_at(s, 0) for s in range(self.num_stages)]
@@ -232,7 +241,7 @@ class _Chain:
         """Prefix sums of state + k_s stored, bytes; without the gradients on a stage whose peak
         can precede them (``late``: its first-backward moments are at least that, at the last
         layer)."""
-        states = "ungraded" if self.late[stage] else "state"
+        states = f"ungraded{self.kind[stage]}" if self.late[stage] else "state"
         return self.sums((states, "stored"), (1, int(self.in_flight[stage])))
 
     def time_sums(self, stage: int) -> list[tuple[Sums, Sums, int, int]]:
@@ -329,9 +338,12 @@ class _Chain:
         late = self.late[stage]
         if not np.any(late):
             return during + self.constant_bytes
-        first = (  # grads(i..j) off the states, grads(l+1..j) back
-            during - reach + self._reach(1, starts, ends) + self.grad_prefix[starts]
-        )
+        first = during.copy()  # grads(i..j) off the states, grads(l+1..j) back
+        kinds = self.kind[stage]
+        for c in np.unique(kinds[late]):
+            on = kinds == c
+            first[on] += self._reach(c, starts[on], ends[on]) - reach[on]
+            first[on] += self.grad_prefixes[c - 1][starts[on]]
         after = (
             states
             + held
@@ -343,10 +355,10 @@ class _Chain:
         return np.where(late, late_peaks, during) + self.constant_bytes
 
     def _reach(self, which: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        """max_l over i..j of stored_prefix[l + 1] + transient_l (``which`` 0), or less
-        grad_prefix[l + 1] (1: gradients made at the first backward), with the output held on a
-        stage that ends at the last layer (``costs.moment_transient``), bytes."""
-        table = self._late_table if which else self._during_table
+        """max_l over i..j of stored_prefix[l + 1] + transient_l (``which`` 0), or less the
+        prefix of late column c (``which`` c > 0: gradients made at the first backward), with the
+        output held on a stage that ends at the last layer (``costs.moment_transient``), bytes."""
+        table = self._tables[which]
         values = self.range_max(table, starts, ends)
         if self._last_tables is None:
             return values
@@ -642,7 +654,7 @@ class _Chain:
             int(self.in_flight[stage]) if stored else 0,
             int(self.receive_copies[stage]),
             int(self.send_copies[stage]),
-            int(self.late[stage]),
+            int(self.kind[stage]),  # 0: not late
             int(self.after_receive[stage]),
             int(self.after_send[stage]),
             int(self.step_receive[stage]),

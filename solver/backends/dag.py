@@ -468,8 +468,11 @@ class _DagSplitter:
         held = costs.weight_bytes + costs.optimizer_bytes
         if buckets is not None:
             held = held + buckets
+        grads = costs.grad_bytes
+        if costs.backward_weight_bytes is not None:  # late weights (FSDP2 ZeRO 3 under PP)
+            held, grads = held - costs.backward_weight_bytes, grads + costs.backward_weight_bytes
         self.held_bytes = pair_sum(held)  # weights, optimizer state, DDP buckets: always
-        self.grad_bytes = pair_sum(costs.grad_bytes)
+        self.grad_bytes = pair_sum(grads)  # with what is late at a first backward (late_column)
         self.stored_bytes = pair_sum(costs.stored_bytes)
         # the iteration bound's terms of a stage (costs.bound_terms) on pair (J, I): the
         # ranks before hold J, those after all but I
@@ -504,17 +507,24 @@ class _DagSplitter:
             self.during[last] = self.grad_bytes[last] + _masked_max(
                 st.stage_members[last], held, cumulative=stored
             )
+        self.first_during: dict[bytes, np.ndarray] = {}  # per late column (late_column)
         if any(self.late):
+            self.transient = _masked_max(  # after it
+                st.stage_members, costs.after_transient(transient)
+            )
+        for stage in np.flatnonzero(self.late):
             # with the gradients made at the first backward: grads_A - grads_A(<= l) instead
-            grads = np.asarray(costs.grad_bytes, dtype=np.int64)
-            self.transient = _masked_max(st.stage_members, transient)  # after it
-            self.first_during = self.grad_bytes + _masked_max(
+            grads = np.asarray(costs.late_column(int(stage)), dtype=np.int64)
+            if grads.tobytes() in self.first_during:
+                continue
+            first = self.grad_bytes + _masked_max(
                 st.stage_members, transient, cumulative=stored - grads
             )
             if len(last):
-                self.first_during[last] = self.grad_bytes[last] + _masked_max(
+                first[last] = self.grad_bytes[last] + _masked_max(
                     st.stage_members[last], held, cumulative=stored - grads
                 )
+            self.first_during[grads.tobytes()] = first
         self._peaks: dict[int, np.ndarray] = {}
 
     def _direct_adjustments(
@@ -565,7 +575,8 @@ class _DagSplitter:
         if not self.late[stage]:
             schedule = base + self.during
         else:
-            during = base + self.first_during
+            late = np.asarray(self.costs.late_column(stage), dtype=np.int64).tobytes()
+            during = base + self.first_during[late]
             after = (k - 1) * self.kept + self.grad_bytes + self._buffers(stage, k - 1)
             schedule = np.maximum(during, after + self.transient)
         if self.step_bytes is not None:

@@ -141,7 +141,7 @@ class FormulationHints:
         for stage, top in self._moment_tops.items():
             here = np.flatnonzero(stage_of == stage)
             late = costs.first_backward_peak[stage]
-            c = stored[here] - (costs.grad_bytes[here] if late else 0)
+            c = stored[here] - (costs.late_column(stage)[here] if late else 0)
             after = c.sum() - np.cumsum(c)  # c of the layers after each
             # max_l during(l) - E_s, at most T_s's bound (the running sums hold the rest), with
             # the output held on the last layer's stage (costs.moment_transient)

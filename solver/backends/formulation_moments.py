@@ -62,7 +62,7 @@ class FormulationMoments:
         costs = self.costs
         k = costs.in_flight[stage]
         late = costs.first_backward_peak[stage]
-        grads = costs.grad_bytes if late else np.zeros_like(costs.grad_bytes)
+        grads = costs.late_column(stage) if late else np.zeros_like(costs.grad_bytes)
         bounds = self._moment_bounds(late, stage)
         t_ub = bounds[3]
         top = self._new_var(0, self._bytes(int(t_ub.max(initial=0))), f"T_s{stage}")
@@ -99,7 +99,7 @@ class FormulationMoments:
         costs = self.costs
         stored_lb, transient_lb, _ = costs.bounding_coefficients(np.minimum)
         stored_ub, transient_ub, _ = costs.bounding_coefficients(np.maximum)
-        grads = costs.grad_bytes if late else 0
+        grads = costs.late_column(stage) if late else 0
         if self._held_output(stage):
             transient_lb = costs.moment_transient(transient_lb)
             transient_ub = costs.moment_transient(transient_ub)

@@ -93,9 +93,15 @@ class FormulationRules:
                 continue
             self._tick()
             largest = self.vars.transient[rank]
+            # without interleaving tr[r] is the moment after a backward's (less FSDP2's gathers)
+            after = costs.config.virtual_stages == 1
+            kept_all = costs.transient_bytes
+            kept_all = costs.after_transient(kept_all) if after else kept_all
+            again = costs.recompute_transient_bytes
+            again_all = costs.after_transient(again) if after and again is not None else again
             for layer in self._layers_of(s):
-                kept = costs.transient_bytes[layer]
-                extra = costs.recompute_transient_bytes[layer] - kept
+                kept = kept_all[layer]
+                extra = again_all[layer] - kept
                 z = self.vars.recompute_member.get((layer, s))
                 if z is None or not extra:
                     if kept:

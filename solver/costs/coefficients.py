@@ -180,6 +180,15 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
     grad_lifetime: str = "persistent"
     """When the ``.grad`` gradients (``grad_bytes``) exist: persistent (all step) or step (from
     each layer's first backward of the step; ``first_backward_peak``)."""
+    backward_weight_bytes: np.ndarray | None = None
+    """Per GPU, bytes: the part of ``weight_bytes`` a layer holds only from its backward to its
+    next forward (FSDP2 ZeRO 3 under pipelining, ``fsdp.backward_weight_bytes``); at layer l's
+    moment the stage holds those of its layers after l (``late_column``). None: none."""
+    gather_bytes: np.ndarray | None = None
+    """Per GPU, bytes: the part of ``transient_bytes`` (both recompute states) that is the
+    layer's gathered weights while others are resharded (with ``backward_weight_bytes``); the
+    moment after a backward, where every one of them is live, counts the rest
+    (``after_transient``). None: none."""
     grad_buffer_bytes: np.ndarray | None = None
     """Gradient buffers kept for the whole run beside ``.grad``, per GPU, bytes: DDP's buckets
     when ``zero_grad(set_to_none=True)`` frees ``.grad`` (``ddp_bucket_bytes``); None: none.
@@ -253,9 +262,35 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
         (k_s = m). Under 1F1B with m > p - s a forward follows the first backward, holding k_s
         micro-batches and every gradient: the moments with every gradient, exactly. Interleaved
         stages keep the persistent moment (an upper bound: fewer gradients never take memory)."""
+        if self.backward_weight_bytes is not None and self.config.virtual_stages == 1:
+            return [True] * len(self.in_flight)  # late_column: every stage, every schedule
+        return self.grads_late
+
+    @cached_property
+    def grads_late(self) -> list[bool]:
+        """Per (virtual) stage: its gradients appear at its first backward, which no forward
+        follows (``first_backward_peak``'s rule for the gradients)."""
         m = self.config.num_microbatches
         late = self.grad_lifetime == "step" and not self.rank_rows
         return [late and k == m for k in self.in_flight]
+
+    def after_transient(self, transient: np.ndarray) -> np.ndarray:
+        """transient_l (per layer, a recompute set applied) as the moment after a first backward
+        (``first_backward_peak``) takes it, bytes: less ``gather_bytes``, whose weights that
+        moment counts whole among the states."""
+        if self.gather_bytes is None:
+            return transient
+        return np.asarray(transient, dtype=np.int64) - self.gather_bytes
+
+    def late_column(self, stage: int) -> np.ndarray:
+        """Per layer, the states that at layer l's moment of (virtual) stage ``stage``, if it is
+        a ``first_backward_peak`` stage, exist only for the stage's layers after l, bytes: the
+        gradients where they appear at its first backward (no forward follows it), plus where
+        FSDP2 ZeRO 3 runs under pipelining the unsharded weights (``backward_weight_bytes``)."""
+        grads = self.grads_late[stage]
+        if self.backward_weight_bytes is None:
+            return self.grad_bytes
+        return self.backward_weight_bytes + (self.grad_bytes if grads else 0)
 
     @cached_property
     def state_lower_bytes(self) -> np.ndarray:
@@ -265,7 +300,8 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
         if any(self.first_backward_peak) or (
             self.split_backward and not all(g for rank in self.grads_started for g in rank)
         ):
-            return self.state_bytes - self.grad_bytes
+            late = [self.late_column(s) for s in range(self.num_stages)]
+            return self.state_bytes - np.max(late, axis=0)
         return self.state_bytes
 
     @property

@@ -85,7 +85,12 @@ from solver.costs.embeddings import (
 )
 from solver.costs.empirical import check_empirical_options, empirical_layer_costs
 from solver.costs.experts import expert_stored_bytes, largest_local_param, routing_factor
-from solver.costs.fsdp import forward_gather_bytes, gathered_bytes, weight_gradient_bytes
+from solver.costs.fsdp import (
+    backward_weight_bytes,
+    forward_gather_bytes,
+    gathered_bytes,
+    weight_gradient_bytes,
+)
 from solver.costs.graph_inputs import (
     graph_columns,
     profiled_times,
@@ -162,6 +167,7 @@ def layer_costs(
     state = int(config.recompute == "full")
     calibration = training.calibration
     scaled = _calibrated(calibration)
+    unsharded = backward_weight_bytes(params, config, training)  # FSDP2 ZeRO 3 under PP
     costs = LayerCosts(
         config=config,
         weight_bytes=scaled(weight, "weights"),
@@ -195,6 +201,8 @@ def layer_costs(
         deallocate_pipeline_outputs=training.deallocate_pipeline_outputs,
         grad_lifetime=training.grad_lifetime,
         grad_buffer_bytes=ddp_bucket_bytes(config, training, scaled(grad, "grads")),
+        backward_weight_bytes=None if unsharded is None else scaled(unsharded, "weights"),
+        gather_bytes=None if unsharded is None else _gather_part(params, config, training),
         step_bytes=optimizer_step_bytes(params, config, training, scaled),
         optimizer_step_ns=as_int(
             layer_optimizer_step_ns(
@@ -382,6 +390,18 @@ def checkpointed_layer_bytes(
     output_grad = kept_output.copy()
     output_grad[-1:] = 0
     return inputs + glue, saved - inputs - glue, output_grad
+
+
+def _gather_part(
+    params: ParamShares, config: ParallelConfig, training: TrainingConfig
+) -> np.ndarray:
+    """``LayerCosts.gather_bytes``: ``fsdp.gathered_bytes`` as the scaled transients hold it at
+    least (rounded down under a calibration), bytes."""
+    gather = gathered_bytes(params, config, training)
+    calibration = training.calibration
+    if calibration is None:
+        return as_int(gather)
+    return as_int(np.floor(np.asarray(gather, dtype=float) * calibration.scale("transient")))
 
 
 def _calibrated(calibration: Calibration | None):

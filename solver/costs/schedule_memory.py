@@ -221,8 +221,13 @@ def _layerwise_bytes(terms: _Terms, rank: int, actions: tuple[ScheduleAction, ..
     # max_l stored(<= l) + trans_l: the forward's largest moment of its own micro-batch (with
     # the output held on the last layer's stage, ``stages.layer_moments``)
     running = costs.moment_transient(terms.transient_per_layer, costs.num_layers - 1 in layers)
-    own_moment = int((np.cumsum(stored) + running[layers]).max(initial=0))
-    all_grads, largest = int(terms.grads[rank]), int(terms.transient[rank])
+    reach = np.cumsum(stored) + running[layers]
+    if costs.backward_weight_bytes is not None:  # unsharded weights of the layers after l only
+        reach = reach - np.cumsum(costs.backward_weight_bytes[layers])
+    own_moment = int(reach.max()) if len(reach) else 0
+    all_grads = int(terms.grads[rank])
+    # after a backward: the largest transient less FSDP2's gathers (``stages.layer_moments``)
+    largest = int(costs.after_transient(terms.transient_per_layer)[layers].max(initial=0))
     late = costs.first_backward_peak[rank]
     grads = 0 if costs.grad_lifetime == "step" else all_grads  # step: from the first backward
     held, seen_backward = 0, False

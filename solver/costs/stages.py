@@ -120,7 +120,7 @@ def _stage_costs(
         chunks = [members[bounds[j] : bounds[j + 1]].tolist() for j in own]
         layers = [layer for chunk in chunks for layer in chunk]
         grads, largest = int(grad[own].sum()), int(transient[own].max())
-        moment = "forward"
+        moment, resharded = "forward", 0
         if split:
             grads, activations, buffers, vector = _split_peak_moment(
                 costs, rank, grads, kept, pending, (into, out_of, adjust)
@@ -130,35 +130,36 @@ def _stage_costs(
                 costs, rank, kept, into, out_of, adjust
             )
         if costs.config.virtual_stages == 1 and chunks[0] and not split:
-            late = costs.first_backward_peak[rank]
             moments = layer_moments(
-                costs,
-                rank,
-                chunks[0],
-                stored_per_layer,
-                transient_per_layer,
-                int(relayed[rank]),
-                into,
-                out_of,
-                adjust,
-            )
+                costs, rank, chunks[0], stored_per_layer, transient_per_layer,
+                int(relayed[rank]), into, out_of, adjust,
+            )  # fmt: skip
             best = max(range(len(moments)), key=lambda i: sum(moments[i]))
             grads, activations, buffers, largest = moments[best]
-            if late:
-                moment = "after first backward" if best == len(moments) - 1 else "first backward"
+            if costs.backward_weight_bytes is not None and best < len(chunks[0]):
+                # the unsharded weights resharded at layer l's moment, U(<= l)
+                own_weights = costs.backward_weight_bytes[chunks[0][: best + 1]]
+                resharded = -int(own_weights.sum())
+                grads -= resharded
+            if best == len(chunks[0]):
+                moment = "after first backward"
+            elif costs.grads_late[rank]:
+                moment = "first backward"
         grads += int(buckets[own].sum())
+        weights = int(weight[own].sum()) + resharded
         if costs.step_bytes is not None:
             step = optimizer_step_moment(costs, rank, stage_of, into, out_of, adjust)
             all_grads = int(grad[own].sum()) + int(buckets[own].sum())
-            if sum(step) + all_grads > grads + activations + buffers + largest:
+            if sum(step) + all_grads > grads + activations + buffers + largest + resharded:
                 buffers, largest = step
                 grads, activations, vector, moment = all_grads, 0, (0,), "optimizer step"
+                weights = int(weight[own].sum())
         stages.append(
             StageCost(
                 index=rank,
                 layers=layers,
                 recomputed=[layer for layer in layers if mask[layer]],
-                weight_bytes=int(weight[own].sum()),
+                weight_bytes=weights,
                 grad_bytes=grads,
                 optimizer_bytes=int(optimizer[own].sum()),
                 activation_bytes=activations,
@@ -249,12 +250,19 @@ def layer_moments(
     peak, at most the persistent one (k held with every gradient and the largest transient)."""
     k = costs.in_flight[stage]
     late = costs.first_backward_peak[stage]
-    grads = costs.grad_bytes[layers]
+    grads = costs.late_column(stage)[layers]
     stored_here = stored[layers]
     total_stored, total_grads = int(stored_here.sum()), int(grads.sum())
     before = np.cumsum(stored_here)  # stored(<= l)
     # grads(> l) where they appear at the first backward, else every gradient
     later = total_grads - np.cumsum(grads) if late else np.full(len(layers), total_grads)
+    if costs.backward_weight_bytes is not None:
+        # FSDP2 ZeRO 3 under PP (``LayerCosts.late_column``): the gradients (those after l at
+        # a first backward), less the unsharded weights of l and the layers before it
+        # (resharded; l's own is its transient): what the moment lacks of the states
+        total_grads = int(costs.grad_bytes[layers].sum())
+        later = later - int(costs.backward_weight_bytes[layers].sum())
+        later = later + (0 if costs.grads_late[stage] else total_grads)
     buffers_k = stage_buffer_bytes(costs, stage, k, 0, into, out_of, adjust)
     held = (k - 1) * (total_stored + relayed)
     # on the stage of the model's last layer its output stays held (LayerCosts.moment_transient)
@@ -265,7 +273,8 @@ def layer_moments(
     ]
     if late:
         after_buffers = stage_buffer_bytes(costs, stage, k - 1, 0, into, out_of, adjust)
-        moments.append((total_grads, held, after_buffers, int(transient[layers].max(initial=0))))
+        after = costs.after_transient(transient)[layers]  # (less FSDP2's gathers)
+        moments.append((total_grads, held, after_buffers, int(after.max(initial=0))))
     return moments
 
 

@@ -246,7 +246,9 @@ def _first_backward_statistics(
     later = np.array(
         [costs.copies_at(s, max(0, int(n) - 1)) for s, n in enumerate(costs.in_flight)]
     )
-    state, grad, stored = costs.state_bytes, costs.grad_bytes, costs.stored_bytes
+    stages = range(costs.num_stages)
+    state, stored = costs.state_bytes, costs.stored_bytes
+    grad = np.array([costs.late_column(s) for s in stages], dtype=np.int64)  # [stage, layer]
     transient = costs.transient_bytes
 
     def buffers(pairs: np.ndarray, into: np.ndarray, out_of: np.ndarray) -> np.ndarray:
@@ -254,19 +256,20 @@ def _first_backward_statistics(
 
     fixed = state - grad  # weights and optimizer
     during = fixed + k * stored + transient + buffers(copies, edge_in, edge_out)
-    after = state + (k - 1) * stored + transient + buffers(later, edge_in, edge_out)
+    gone = costs.after_transient(transient)  # the moment after (less FSDP2's gathers)
+    after = state + (k - 1) * stored + gone + buffers(later, edge_in, edge_out)
     isolated = np.maximum(during, after) + costs.constant_bytes
     pair = np.zeros_like(isolated)
     a, b = slice(None, -1), slice(1, None)
-    both = fixed[a] + fixed[b] + (k - 1) * (stored[a] + stored[b])
+    both = fixed[:, a] + fixed[:, b] + (k - 1) * (stored[a] + stored[b])
     at_k = buffers(copies, edge_in[a], edge_out[b])
-    during_a = both + stored[a] + grad[b] + transient[a] + _pair_held(costs) + at_k
+    during_a = both + stored[a] + grad[:, b] + transient[a] + _pair_held(costs) + at_k
     during_b = both + stored[a] + stored[b] + transient[b] + at_k
     after = (
         both
-        + grad[a]
-        + grad[b]
-        + np.maximum(transient[a], transient[b])
+        + grad[:, a]
+        + grad[:, b]
+        + np.maximum(gone[a], gone[b])
         + buffers(later, edge_in[a], edge_out[b])
     )
     pair[:, 1:] = np.maximum(np.maximum(during_a, during_b), after) + costs.constant_bytes
