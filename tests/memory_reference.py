@@ -10,7 +10,8 @@ parallelism, no interleaving, persistent gradients, no calibration):
 
 - model states, (w, g, o) bytes per parameter, tp-split parameters, ZeRO 0-3 over d
   (Rajbhandari et al. 2020), FSDP2's ZeRO-2 keeping the sharded weights beside the gathered
-  ones on the torch runtime;
+  ones on the torch runtime; under pipelining FSDP2 keeps the unsharded weights and gradients
+  to the step's end, except ZeRO 3's weights, live from a layer's backward to its next forward;
 - activations: k_s micro-batches in flight, min(m, p - s) under 1F1B (Narayanan et al. 2021),
   m under GPipe; tp-split activations, sequence parallelism (Korthikanti et al. 2022, 4.2.2),
   full recomputation keeping only each recomputable layer's output (its input to the next);
@@ -117,6 +118,21 @@ def reduces_per_step(setup: Setup) -> bool:
     off for every micro-batch and reduce-scatters once per step (docs/cost-model.md, "Model
     states"): ZeRO 2 and 3 keep every layer's unsharded weights and gradients."""
     return uses_fsdp2(setup) and setup.pp > 1
+
+
+def resharded(setup: Setup) -> bool:
+    """FSDP2 ZeRO 3 under pipelining (1F1B or GPipe, no interleaving): its unsharded weights
+    are resharded after every forward and gathered again by the backward, which keeps them; so
+    while layer i of a micro-batch runs the stage holds the unsharded weights of its layers
+    after i only (their backward ran last), layer i's own and the flat buffer its backward
+    prefetches for layer i - 1 (the transient), and every one of them after a backward that
+    no forward follows (docs/cost-model.md, FSDP2 under pipelining)."""
+    return reduces_per_step(setup) and setup.zero >= 3
+
+
+def unsharded_weights(layer: dict, setup: Setup) -> int:
+    """w P': a layer's whole weights in the weights' dtype, one rank's tp share."""
+    return ceil(setup.weight_bytes * params_per_gpu(layer, setup.tp))
 
 
 def layer_states(layer: dict, setup: Setup) -> tuple[int, int, int]:
@@ -272,6 +288,12 @@ def running_transient(layers: list[dict], i: int, setup: Setup, recompute: bool)
         layer["largest_param"], ceil(Fraction(layer["largest_tp_param"], setup.tp))
     )
     gather = 2 * ceil(w * params_per_gpu(layer, setup.tp)) if setup.zero == 3 else 0
+    if resharded(setup):  # its own weights and the flat buffer prefetched for i - 1
+        before = unsharded_weights(layers[i - 1], setup) if i > 0 else 0
+        running = max(own, whole + step_reduce_temporary(layer, setup, grad_temporary))
+        own_weights = unsharded_weights(layer, setup)
+        # a forward after a forward gathers with nothing else unsharded: its own and the buffer
+        return max(running + own_weights + before, 2 * own_weights)
     if reduces_per_step(setup):
         return max(
             own,
@@ -375,7 +397,7 @@ def stage_peaks(layers: list[dict], stage_of_layer: list[int], setup: Setup) -> 
         # while layer i of one micro-batch runs (forward or backward), the k - 1 others are
         # kept whole and that one keeps the layers up to i (the later ones not run yet, or
         # freed by their backward); the first layer wins a tie
-        during, kept_so_far = [], 0
+        during, kept_so_far, gone = [], 0, 0
         for i in members:
             kept_so_far += stored_bytes(layers[i], setup)
             activations = (held - 1) * stored + kept_so_far
@@ -384,7 +406,23 @@ def stage_peaks(layers: list[dict], stage_of_layer: list[int], setup: Setup) -> 
                 activations += held_output
             else:  # before the last layer: still held, beside its transient
                 transient += held_output
-            during.append(StagePeak(weights, grads, optimizer, activations, buffers, transient))
+            if resharded(setup):  # unsharded: the layers after i only (i's own: its transient)
+                gone += unsharded_weights(layers[i], setup)
+            moment = StagePeak(weights - gone, grads, optimizer, activations, buffers, transient)
+            during.append(moment)
+        if resharded(setup):  # after a backward no forward follows: every layer unsharded
+            # k - 1 micro-batches held, the largest transient less the gathered weights
+            rest = max(
+                layer_transient(layers, i, setup)
+                - unsharded_weights(layers[i], setup)
+                - (unsharded_weights(layers[i - 1], setup) if i > 0 else 0)
+                for i in members
+            )
+            after_buffers = buffer_bytes(stage, held - 1, into, out, setup)
+            activations = (held - 1) * stored
+            during.append(
+                StagePeak(weights, grads, optimizer, activations, after_buffers, rest)
+            )
         forward = max(during, key=lambda moment: moment.peak)
         if not setup.step_bytes:  # a fused step allocates nothing: the schedule's peak
             peaks.append(forward)
