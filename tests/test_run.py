@@ -611,3 +611,32 @@ def test_tracker_peak_equals_memtracker_on_a_training_step():
     peaks, theirs = tracked_peaks(lambda: build_model(spec, 0), [loss] * 3)
     assert max(peaks) == theirs
     assert peaks[1] == peaks[2] > peaks[0]  # from the second step on, Adam state is live
+
+
+def test_tracker_tags_what_is_live_at_the_peak(tmp_path, monkeypatch):
+    """``tag_peak``: the storages live at the peak, grouped by category and the code that made
+    them, sum to the peak; the saved input of a Linear is named by its shape and line."""
+    from profiling.trace.memory import PEAK_TAGS_ENV, write_peak_tags
+
+    layer = torch.nn.Linear(32, 16)
+    tracker = LiveTensorTracker(tag_peak=True)
+    tracker.track_module(layer)
+    tracker.track_grads(layer)
+    with tracker:
+        tracker.reset_peak()
+        x = torch.randn(8, 32).exp()  # the exp's output is saved by the Linear
+        with tracker.saved_tensors():
+            loss = layer(x).relu().sum()
+        loss.backward()
+    tags = tracker.peak_tags()
+    assert sum(total for *_, total in tags) == tracker.peak_bytes
+    assert {category for category, *_ in tags} <= set(CATEGORIES)
+    saved = [tag for category, tag, _, _ in tags if category == "activations"]
+    assert any(
+        tag.startswith("1024 B (8, 32) torch.float32 | ") and "test_run.py" in tag for tag in saved
+    ), saved
+    monkeypatch.setenv(PEAK_TAGS_ENV, str(tmp_path))
+    write_peak_tags(tracker, 3)
+    lines = (tmp_path / "rank3.txt").read_text().splitlines()
+    assert lines[0].startswith(f"peak {tracker.peak_bytes} ") and len(lines) == len(tags) + 1
+    assert LiveTensorTracker().tag_peak  # the environment variable switches it on

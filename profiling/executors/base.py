@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import models
+from profiling.trace.memory import write_peak_tags
 from solver.errors import InputError
 from solver.files.plan_file import PlanFile
 from solver.parallel import rank_stages
@@ -210,7 +211,10 @@ class Measured:
         cuda_peak: int | None,
         grads: dict[str, torch.Tensor] | None = None,
     ) -> Measured:
-        """The tracker's peak now (bytes, and by category) with what the iterations recorded."""
+        """The tracker's peak now (bytes, and by category) with what the iterations recorded
+        (and, with ``MEMPLAN_PEAK_TAGS``, the storages live at it written out)."""
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        write_peak_tags(tracker, rank)
         return cls(
             peak_bytes=tracker.peak_bytes,
             breakdown=dict(tracker.peak_breakdown),

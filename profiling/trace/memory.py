@@ -12,6 +12,13 @@ carries a category, so the peak comes with a breakdown:
     activations  tensors saved for backward (``saved_tensors``), unless already params/grads
     other        everything else: stage inputs/outputs, receive buffers, DDP buckets, temporaries
 
+With ``tag_peak=True`` (or the environment variable ``MEMPLAN_PEAK_TAGS`` set to a folder, which
+the engines' ranks read: ``profiling.executors.base.Measured.at_peak`` writes
+``rank<N>.txt`` there) every storage also carries a tag when it appears: its shape and dtype and
+the innermost frames of the code that made it; ``peak_tags`` groups the storages live at the peak
+by category and tag. That is how a measured peak is taken apart byte by byte (slower: a stack per
+storage and a copy of the live set at every new peak).
+
 This is the accounting of ``torch.distributed._tools.mem_tracker.MemTracker`` (same weak-reference
 scheme), reduced to what the executor needs: a peak reset per iteration (``reset_peak``) and a
 split that matches the cost model's terms. Tensors created before the mode was entered are only
@@ -23,6 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import traceback
 import weakref
 from collections.abc import Iterator
 
@@ -52,13 +61,65 @@ _RETAGGABLE = {
 weight; a fresh gradient or optimizer state leaves the catch-all; a weight re-created by sharding
 is registered again as one)."""
 
+PEAK_TAGS_ENV = "MEMPLAN_PEAK_TAGS"
+"""A folder: the engines' ranks tag their storages and write what was live at the peak there."""
+_TAG_FRAMES = 5
+_SKIPPED = (
+    "/torch/utils/",
+    "/torch/_dynamo/",
+    "/torch/_compile.py",
+    "/torch/overrides.py",
+    "/torch/_tensor.py",
+    "/profiling/trace/memory.py",
+    "/profiling/executors/megatron_cpu.py",
+)
+"""Frames a tag leaves out: the tracker's own, dispatch and torch-function plumbing."""
+
+
+def storage_tag(tensor: torch.Tensor) -> str:
+    """Shape, dtype and the innermost frames (file:line:function, innermost first; paths from
+    ``site-packages/`` or the checkout) of the code that made ``tensor``."""
+    frames = [
+        f"{_short(frame.filename)}:{frame.lineno}:{frame.name}"
+        for frame in traceback.extract_stack()
+        if not any(part in frame.filename for part in _SKIPPED)
+    ]
+    return f"{tuple(tensor.shape)} {tensor.dtype} | " + " < ".join(frames[::-1][:_TAG_FRAMES])
+
+
+def _short(path: str) -> str:
+    if "site-packages/" in path:
+        return path.split("site-packages/")[-1]
+    for root in ("/profiling/", "/models/", "/solver/", "/scripts/"):
+        if root in path:
+            return root[1:] + path.split(root, 1)[1]
+    return path
+
+
+def write_peak_tags(tracker: LiveTensorTracker, rank: int) -> None:
+    """With ``MEMPLAN_PEAK_TAGS`` set and ``tracker.tag_peak``, write ``rank<rank>.txt`` there:
+    the peak, its breakdown and every group of ``peak_tags`` (count x bytes = total)."""
+    folder = os.environ.get(PEAK_TAGS_ENV)
+    if not folder or not tracker.tag_peak:
+        return
+    lines = [f"peak {tracker.peak_bytes} {tracker.peak_breakdown}"]
+    for category, tag, count, total in tracker.peak_tags():
+        lines.append(f"{category:<11} {count:4d} x = {total:>11}  {tag}")
+    with open(os.path.join(folder, f"rank{rank}.txt"), "w", encoding="utf-8") as out:
+        out.write("\n".join(lines) + "\n")
+
 
 class LiveTensorTracker(TorchDispatchMode):
     """Live storage bytes, their peak since ``reset_peak`` and the breakdown at that peak."""
 
-    def __init__(self) -> None:
+    def __init__(self, tag_peak: bool | None = None) -> None:
+        """``tag_peak``: tag every storage and keep the live set at the peak (``peak_tags``);
+        None: when ``MEMPLAN_PEAK_TAGS`` is set."""
         super().__init__()
         self._live: dict[int, list] = {}  # storage key -> [nbytes, category, weakref]
+        self.tag_peak = bool(os.environ.get(PEAK_TAGS_ENV)) if tag_peak is None else tag_peak
+        self._tags: dict[int, str] = {}  # storage key -> tag (``tag_peak`` only)
+        self._peak_live: list[tuple[int, str, str]] = []  # (bytes, category, tag) at the peak
         self.current = dict.fromkeys(CATEGORIES, 0)
         self.current_bytes = 0
         self.peak_bytes = 0
@@ -74,6 +135,7 @@ class LiveTensorTracker(TorchDispatchMode):
     # -- accounting -------------------------------------------------------------------------
 
     def _release(self, key: int, _ref: weakref.ref) -> None:
+        self._tags.pop(key, None)
         entry = self._live.pop(key, None)
         if entry is not None:
             self.current[entry[1]] -= entry[0]
@@ -93,6 +155,8 @@ class LiveTensorTracker(TorchDispatchMode):
         if entry is None:
             ref = weakref.ref(storage, functools.partial(self._release, key))
             self._live[key] = [nbytes, category, ref]
+            if self.tag_peak:
+                self._tags[key] = storage_tag(tensor)
             self.current[category] += nbytes
             self.current_bytes += nbytes
         else:
@@ -112,11 +176,33 @@ class LiveTensorTracker(TorchDispatchMode):
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
             self.peak_breakdown = dict(self.current)
+            self._keep_peak_live()
+
+    def _keep_peak_live(self) -> None:
+        if self.tag_peak:
+            self._peak_live = [
+                (entry[0], entry[1], self._tags.get(key, "(tracked before tagging)"))
+                for key, entry in self._live.items()
+            ]
+
+    def peak_tags(self) -> list[tuple[str, str, int, int]]:
+        """The storages live at the peak (``tag_peak``), grouped: (category, tag, count, bytes),
+        by category, then the largest first; their bytes sum to ``peak_bytes``."""
+        groups: dict[tuple[str, str], list[int]] = {}
+        for nbytes, category, tag in self._peak_live:
+            group = groups.setdefault((category, f"{nbytes} B {tag}"), [0, 0])
+            group[0] += 1
+            group[1] += nbytes
+        return sorted(
+            ((category, tag, count, total) for (category, tag), (count, total) in groups.items()),
+            key=lambda row: (CATEGORIES.index(row[0]), -row[3]),
+        )
 
     def reset_peak(self) -> None:
         """Start a new peak window at the current live bytes (call at the start of an iteration)."""
         self.peak_bytes = self.window_bytes = self.current_bytes
         self.peak_breakdown = dict(self.current)
+        self._keep_peak_live()
 
     def take_window(self) -> int:
         """The peak live bytes since the last call (or ``reset_peak``); starts the next window
@@ -181,6 +267,7 @@ class LiveTensorTracker(TorchDispatchMode):
                 handle.remove()
             handles.clear()
         self._live.clear()
+        self._tags.clear()
 
     def active_instrumentation(self) -> list[str]:
         """What of this tracker is installed now: its dispatch mode, its saved-tensor hooks, its
