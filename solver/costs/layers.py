@@ -163,8 +163,7 @@ def layer_costs(
         (kept, np.where(recomputable, recomputed, kept))
         for kept, recomputed in (stored, transient, time_ns)
     )
-    # "none" and "selective" take the kept state as the plain coefficients, "full" the other
-    state = int(config.recompute == "full")
+    state = int(config.recompute == "full")  # the plain coefficients: kept, or recomputed
     calibration = training.calibration
     scaled = _calibrated(calibration)
     unsharded = backward_weight_bytes(params, config, training)  # FSDP2 ZeRO 3 under PP
