@@ -56,6 +56,8 @@ OPTIONAL_INTEGER_FIELDS = (
     "fixed_transient_bytes",
     "vocab_weight_grad_transient_bytes",
     "fixed_weight_grad_transient_bytes",
+    "weight_op_grad_bytes",
+    "weight_op_output_grad_bytes",
 )
 """Layer fields that are whole numbers or None (not measured)."""
 VOCAB_TRANSIENT_PAIRS = (
@@ -122,6 +124,15 @@ class Layer:
     """The extra live bytes per sample at the moments the layer's weight gradients are made (at
     most ``transient_bytes``): the weight-gradient temporary adds to this one only. None: not
     measured, taken as ``transient_bytes`` (the conservative sum)."""
+    weight_op_grad_bytes: int | None = None
+    """Bytes per sample of the gradients at the outputs of the layer's weight ops that its own
+    backward makes (not saved tensors, not its output's gradient): what a split backward's
+    input step keeps for the weight step (torch's ``stage_backward_input``). None: not
+    measured (the cost model estimates it, over)."""
+    weight_op_output_grad_bytes: int | None = None
+    """Bytes per sample of the layer's output gradient among those gradients (a weight op's
+    output is the layer's output): kept as a new storage where a consumer of the output runs in
+    the same pipeline stage. None: not measured."""
     largest_param: int = 0
     """Elements of the layer's largest parameter tensor that is not split across TP ranks."""
     largest_tp_param: int = 0

@@ -7,6 +7,7 @@ backends constrain (``costs.split_rows``).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -37,6 +38,7 @@ def _random_split(seed: int, selective: bool = False):
     )
     num_layers = p * v + rng.randint(0, 1 if selective else 2)
     graph = (random_chain if seed % 2 else random_dag)(rng, num_layers)
+    graph = _with_weight_step_fields(graph, random.Random(1000 + seed))
     config = ParallelConfig(
         pp=p,
         tp=1,
@@ -56,6 +58,24 @@ def _random_split(seed: int, selective: bool = False):
         grad_lifetime=rng.choice(["persistent", "step"]) if runtime == "torch" else "persistent",
     )
     return graph, config, layer_costs(graph, config, Cluster(num_gpus=config.num_gpus), training)
+
+
+def _with_weight_step_fields(graph, rng: random.Random):
+    """Half the graphs with the profiled dY fields (``weight_op_grad_bytes``, its output
+    part) on most layers (a layer without them takes the estimate), half without."""
+    if rng.random() < 0.5:
+        return graph
+    layers = [
+        layer
+        if rng.random() < 0.2
+        else dataclasses.replace(
+            layer,
+            weight_op_grad_bytes=rng.choice([0, rng.randint(1, 4 * layer.output_bytes + 1)]),
+            weight_op_output_grad_bytes=rng.choice([0, layer.output_bytes]),
+        )
+        for layer in graph.layers
+    ]
+    return dataclasses.replace(graph, layers=layers)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -122,5 +142,5 @@ def test_a_split_schedules_plan_says_what_its_memory_rule_misses():
 
     for schedule in ("zbv", "dualpipev", "interleaved-zb"):
         (note,) = split_schedule_notes(schedule)
-        assert note.startswith(f"schedule {schedule}: its memory is measured within -4.1%")
+        assert note.startswith(f"schedule {schedule}: its memory is predicted within +0.2%")
     assert split_schedule_notes("1f1b") == split_schedule_notes("gpipe") == []

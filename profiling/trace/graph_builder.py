@@ -207,6 +207,10 @@ def _layer_items(
     for owner, nbytes in getattr(tracer, "attention_score_bytes", {}).items():
         scores[tracer.resolve(owner)] += nbytes
     weight_grad_transients = tracer.weight_grad_transient_peaks
+    weight_steps = {
+        tracer.resolve(owner): value
+        for owner, value in getattr(tracer, "weight_step_bytes", {}).items()
+    }
     items = []
     for i in order:
         record = tracer.layers[i]
@@ -237,6 +241,10 @@ def _layer_items(
             "largest_param": largest[i],
             "largest_tp_param": largest_tp[i],
         }
+        if i in weight_steps:  # a split backward's dY (``weight_step``)
+            own, output = weight_steps[i]
+            item["weight_op_grad_bytes"] = _ceil_div(own, batch)
+            item["weight_op_output_grad_bytes"] = _ceil_div(output, batch)
         if kv_reads.get(i):
             item["attention_kv_bytes"] = _ceil_div(kv_reads[i], batch)
         if scores.get(i):

@@ -129,6 +129,7 @@ from profiling.trace.experts import ExpertTracker
 from profiling.trace.graph_builder import build_graph
 from profiling.trace.layers import block_paths, default_layer_paths
 from profiling.trace.param_grads import ParamGradients
+from profiling.trace.weight_step import WeightStepGradients
 from profiling.trace.tensor_parallel import TensorParallelTracker, is_linear
 from profiling.trace.time_terms import measure_time_terms
 from profiling.trace.timing import time_layers, timing_meta
@@ -412,6 +413,8 @@ class _ModuleHooks:
         self.index_of = {id(m): i for i, (_, m) in enumerate(selection)}
         self.tracer, self.tp, self.experts = tracer, tp, experts
         self.model_name = model_name
+        self.weight_steps: WeightStepGradients | None = None
+        """Told each layer's outputs (``weight_step``), where set."""
 
     def install(self, modules) -> list:
         """Register both hooks on every module; returns the handles to remove."""
@@ -450,7 +453,10 @@ class _ModuleHooks:
             self.tp.embedding_exit(mod, args, output)
         index = self.index_of.get(id(mod))
         if index is not None and self.tracer.active == index:
-            self.tp.layer_outputs(self.tracer.layer_exit(index, output))
+            outputs = self.tracer.layer_exit(index, output)
+            self.tp.layer_outputs(outputs)
+            if self.weight_steps is not None:
+                self.weight_steps.note_outputs(index, outputs)
 
 
 def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_name):
@@ -477,6 +483,9 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
     )
     handles = hooks.install(paths)
     param_grads = ParamGradients(tracer, [tensor for _, _, tensor in state.params])
+    hooks.weight_steps = weight_steps = WeightStepGradients(
+        tracer, [tensor for _, _, tensor in state.params]
+    )
     fake = fake_mode if fake_mode is not None else contextlib.nullcontext()
     masks = real_run_masks() if fake_mode is not None else contextlib.nullcontext()
     step = "forward"
@@ -496,6 +505,7 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
             step = "backward"
             stack.clear()
             param_grads.install(loss)
+            weight_steps.install(loss)
             tracer.start_backward(loss)
             loss.backward()
             tracer.finish()
@@ -520,6 +530,7 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
     finally:
         tracer.finish()
         param_grads.remove()
+        weight_steps.remove()
         for handle in handles:
             handle.remove()
     if tracer.num_started == 0:
@@ -532,6 +543,7 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
     tracer.transient_peaks = tracer.transients(excluded)
     tracer.weight_grad_transient_peaks = tracer.transients(excluded, at=gradients, held=held)
     tracer.backward_transient_peaks = tracer.transients(excluded, only="bwd")
+    tracer.weight_step_bytes = weight_steps.bytes_by_layer(excluded)
     split = tp.resolve()
     if split.vocab_layers:  # the transients' fixed and vocabulary-sized parts
         vocab = {uid for uid, tag in tracer.vocab_uids.items() if tag in split.vocab_tags}

@@ -13,7 +13,7 @@ from solver.costs import (
     stage_buffer_bytes,
     stage_costs,
 )
-from solver.costs.stages import weight_output_gradients
+from solver.costs.stages import output_gradient_consumers, pending_gradients
 
 
 class FormulationHints:
@@ -121,12 +121,15 @@ class FormulationHints:
             self._hint(sent, self._bytes(int(out_of[stage])))
         if self._split_parts:
             _, transient, _ = costs.coefficients(recomputed if self.problem.selective else None)
-            sums = {
-                "lean": costs.state_bytes - costs.grad_bytes,
-                "pending": weight_output_gradients(costs, transient),
-            }
+            lean = costs.state_bytes - costs.grad_bytes
+            pending = pending_gradients(costs, stage_of, transient)
             for (name, stage), part in self._split_parts.items():
-                self._hint(part, self._bytes(int(sums[name][stage_of == stage].sum())))
+                value = pending[stage] if name == "pending" else lean[stage_of == stage].sum()
+                self._hint(part, self._bytes(int(value)))
+            nearest, _ = output_gradient_consumers(costs)
+            for (layer, stage), held in self.__dict__.get("_kept_outputs", {}).items():
+                kept = stage_of[layer] == stage and stage_of[nearest[layer]] == stage
+                self._hint(held, int(kept))
 
     def _hint_layer_sums(
         self, stage_of_layer: list[int], recomputed: list[bool] | None, stages: list

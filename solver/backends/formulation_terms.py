@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from solver.costs.stages import weight_output_gradients
+from solver.costs.stages import output_gradient_consumers, weight_output_gradients
 
 
 class FormulationTerms:
@@ -198,16 +198,17 @@ class FormulationTerms:
             terms.append(self._bytes(costs.constant_bytes))
         return [self._sum(terms)]
 
-    def _buffer_terms(self, stage: int, held: int, done: int) -> list:
-        """Boundary buffers of stage s holding ``held`` micro-batches after ``done`` backwards
-        (``costs.stage_buffer_bytes``), per tensor T of n bytes:
+    def _buffer_terms(self, stage: int, held: int, done: int, pending: int = 0) -> list:
+        """Boundary buffers of stage s holding ``held`` micro-batches after ``done`` backwards,
+        ``pending`` between a split backward's I and W (``costs.stage_buffer_bytes``), per
+        tensor T of n bytes:
 
           (R + held [saving of T known]) n rv[T][s] + (S - m [T needs no grad]) n sd[T][s]
           - held n w[T][s]                        (w: a layer of s counts T, ``_counted_here``)
 
         the plain R n rv + S n sd when every boundary is (``LayerCosts.plain_boundaries``)."""
         costs = self.costs
-        receive, send = costs.copies_at(stage, held, done)
+        receive, send = costs.copies_at(stage, held, done, pending)
         adjusted = costs.direct_sends and not costs.plain_boundaries
         m, last = costs.config.num_microbatches, self.problem.num_stages - 1
         terms = []
@@ -273,13 +274,13 @@ class FormulationTerms:
         pending = pending or (0,) * len(vector)
         for k, finished, w, stage in zip(vector, done, pending, stages, strict=True):
             states, kept, received, sent = self._stage_parts(stage)
-            receive, send = self.costs.copies_at(stage, k, finished)
+            receive, send = self.costs.copies_at(stage, k, finished, w)
             terms += [states if started else self._lean_part(stage), k * kept]
             if w:
                 terms.append(w * self._pending_part(stage))
             if self.costs.direct_sends and not self.costs.plain_boundaries:
                 # per-tensor copies (_buffer_terms): the parts In, Out carry one coefficient each
-                terms += self._buffer_terms(stage, k, finished)
+                terms += self._buffer_terms(stage, k, finished, w)
             else:
                 terms += [receive * received, send * sent]
         if self.vars.transient:
@@ -306,9 +307,15 @@ class FormulationTerms:
         return self._split_parts[key]
 
     def _pending_part(self, stage: int):
-        """dY_s, bytes per micro-batch a pending W keeps (``stages.weight_output_gradients``),
-        as a variable bounded below by its sum: dy_s >= sum_l dY_l x[l][s] + (dY'_l - dY_l)
-        z[l][s] (dY'_l: of a recomputed layer)."""
+        """dY_s, bytes per micro-batch a pending W keeps (``stages.pending_gradients``), as a
+        variable bounded below by its sum (0 on virtual stage 0):
+
+          dy_s >= sum_l dY_l x[l][s] + (dY'_l - dY_l) z[l][s] + sum_l out_l h[l][s]
+
+        (dY'_l: of a recomputed layer; h[l][s]: l's output gradient is kept on s,
+        ``_output_gradient_kept``)."""
+        if stage == 0:
+            return 0
         key = ("pending", stage)
         if key not in self._split_parts:
             costs = self.costs
@@ -316,10 +323,48 @@ class FormulationTerms:
             redone = weight_output_gradients(costs, costs.recompute_transient_bytes)
             terms = [self._bytes(kept[i]) * self._member(i, stage) for i in self._layers_of(stage)]
             terms += self._recompute_terms(redone - kept, stage, self._bytes)
-            self._split_parts[key] = self._part_at_least(
-                f"dY_v{stage}", terms, int(np.maximum(kept, redone).sum())
-            )
+            most = int(np.maximum(kept, redone).sum())
+            output = costs.weight_op_output_grad_bytes
+            if output is not None:
+                for i in self._layers_of(stage):
+                    if output[i]:
+                        terms.append(self._bytes(output[i]) * self._output_gradient_kept(i, stage))
+                most += int(output.sum())
+            self._split_parts[key] = self._part_at_least(f"dY_v{stage}", terms, most)
         return self._split_parts[key]
+
+    def _output_gradient_kept(self, layer: int, stage: int):
+        """h[l][s] in [0, 1], 1 where layer l's output gradient is a new storage on stage s
+        (``stages.output_gradient_consumers``): l and its nearest consumer v both on s,
+
+          h >= y[v][s] - y[l][s-1]     (exact when the edge cannot pass over s: span <= 1)
+
+        a variable bounded below by that and 0 where it can; x[l][s] where several layers
+        read l's output."""
+        nearest, several = output_gradient_consumers(self.costs)
+        if several[layer]:
+            return self._member(layer, stage)
+        consumer = int(nearest[layer])
+        if consumer < 0:
+            return 0
+        both = self._y(consumer, stage) - self._y(layer, stage - 1)
+        edge = self._nearest_edge(layer, consumer)
+        if edge is None or self.presolve.max_span[edge] <= 1:
+            return both
+        kept = self.__dict__.setdefault("_kept_outputs", {})  # (layer, stage) -> h
+        if (layer, stage) not in kept:
+            held = self._new_var(0, 1, f"h_l{layer}_s{stage}")
+            self._add(held >= both, f"h_l{layer}_s{stage}")
+            kept[layer, stage] = held
+        return kept[layer, stage]
+
+    def _nearest_edge(self, layer: int, consumer: int) -> int | None:
+        """The index of an edge layer -> consumer."""
+        index = self.__dict__.get("_edge_index")
+        if index is None:
+            index = {(u, v): e for e, (u, v) in reversed(list(enumerate(self.edges)))}
+            self._edge_index = index
+        return index.get((layer, consumer))
 
     def _part_at_least(self, name: str, terms: list, most: int):
         """A variable in [0, most] bytes (model units) at least the sum of ``terms``."""

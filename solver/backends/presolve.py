@@ -144,7 +144,9 @@ def _most_pending_bytes(costs: LayerCosts) -> int:
         return 0
     kept = weight_output_gradients(costs, costs.transient_bytes)
     redone = weight_output_gradients(costs, costs.recompute_transient_bytes)
-    return most * int(np.maximum(kept, redone).sum())
+    output = costs.weight_op_output_grad_bytes
+    extra = 0 if output is None else int(output.sum())
+    return most * (int(np.maximum(kept, redone).sum()) + extra)
 
 
 def make_solution(

@@ -23,6 +23,7 @@ from functools import cached_property
 import numpy as np
 
 from solver.costs.schedule import boundary_copies
+from solver.costs.schedule_orders import ZERO_BUBBLE_SCHEDULES
 
 
 class BoundaryTensors:
@@ -31,9 +32,12 @@ class BoundaryTensors:
     The functions of this module take a ``LayerCosts``, typed by this base class of it (the
     coefficients module imports this one)."""
 
-    def copies_at(self, stage: int, held: int, done: int = 0) -> tuple[int, int]:
+    def copies_at(
+        self, stage: int, held: int, done: int = 0, pending: int = 0
+    ) -> tuple[int, int]:
         """(R_j, S_j) of (virtual) stage j while it holds ``held`` micro-batches in flight and
-        has done ``done`` backwards.
+        has done ``done`` backwards (``pending`` of the held ones between their I and W steps
+        of a split backward).
 
         Without interleaving the stage's constants (``boundary_copies`` at held = k_s).
         megatron: (1, 1) inside the pipeline, or (1, 1 + held) without
@@ -45,8 +49,12 @@ class BoundaryTensors:
         m + held). With interleaving torch's runtime schedule (``_PipelineScheduleRuntime``)
         waits on its sends only at the end of the step, so every output sent and every input
         gradient sent back stays alive until then: (m - held + done, m + held + done)
-        (measured, ``benchmarks/bench_accuracy.md``)."""
-        if self.config.virtual_stages == 1:
+        (measured, ``benchmarks/bench_accuracy.md``). The split-backward schedules run on the
+        same runtime at any v; their I step sends the input gradient, which stays alive until
+        the step's end too: R_j + ``pending`` (tagged at the peaks of
+        ``benchmarks/bench_accuracy_schedules.md``)."""
+        split = self.config.schedule in ZERO_BUBBLE_SCHEDULES and self.runtime == "torch"
+        if self.config.virtual_stages == 1 and not split:
             if held == self.in_flight[stage]:
                 return self.receive_copies[stage], self.send_copies[stage]
             return boundary_copies(  # a later moment of the schedule (first_backward_peak)
@@ -64,7 +72,7 @@ class BoundaryTensors:
                 return self.receive_copies[stage], self.send_copies[stage]
             return self.receive_copies[stage], (0 if stage == last else 1 + held)
         return (
-            (0 if stage == 0 else m - held + done),
+            (0 if stage == 0 else m - held + done + pending),
             (0 if stage == last else m + held + done),
         )
 
@@ -237,11 +245,13 @@ def stage_buffer_bytes(
     into: np.ndarray,
     out_of: np.ndarray,
     adjust: tuple[np.ndarray, np.ndarray] | None = None,
+    pending: int = 0,
 ) -> int:
     """Boundary buffers of (virtual) stage j holding ``held`` micro-batches after ``done``
-    backwards, bytes: R into + S out_of (``LayerCosts.copies_at``) plus the torch runtime's
-    per-tensor adjustments (``direct_buffer_adjustments``; None: none)."""
-    receive, send = costs.copies_at(stage, held, done)
+    backwards (``pending`` between a split backward's I and W), bytes: R into + S out_of
+    (``LayerCosts.copies_at``) plus the torch runtime's per-tensor adjustments
+    (``direct_buffer_adjustments``; None: none)."""
+    receive, send = costs.copies_at(stage, held, done, pending)
     total = int(receive * into[stage] + send * out_of[stage])
     if adjust is not None:
         per_held, no_grad = adjust

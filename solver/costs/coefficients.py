@@ -197,6 +197,14 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
     """The optimizer step's temporary per GPU, bytes (``optimizer_step_bytes``: a foreach Adam's
     square root of ``exp_avg_sq``, sharded like the optimizer state); None: no temporary (fused,
     or an optimizer without one), and no optimizer-step moment."""
+    weight_op_grad_bytes: np.ndarray | None = None
+    """Per micro-batch per layer, bytes: the gradients at the outputs of its weight ops its own
+    backward makes, which a split backward's input step keeps for the weight step (the graph's
+    ``weight_op_grad_bytes``); -1 where the graph does not give it, None: no layer does
+    (``stages.weight_output_gradients`` estimates those)."""
+    weight_op_output_grad_bytes: np.ndarray | None = None
+    """Per micro-batch per layer, bytes: its output's gradient among them, kept where a consumer
+    runs in the same virtual stage (``stages.pending_gradients``); None: 0."""
     forward_ns: np.ndarray | None = None
     """The forward's part of ``time_ns`` per micro-batch, ns, the same in both recompute states
     (``layer_time_ns``); the rest is the backward (``backward_ns``). None: time_ns // 3 (a backward

@@ -163,8 +163,7 @@ def layer_costs(
         (kept, np.where(recomputable, recomputed, kept))
         for kept, recomputed in (stored, transient, time_ns)
     )
-    # "none" and "selective" take the kept state as the plain coefficients, "full" the other
-    state = int(config.recompute == "full")
+    state = int(config.recompute == "full")  # the plain coefficients: kept, or recomputed
     calibration = training.calibration
     scaled = _calibrated(calibration)
     unsharded = backward_weight_bytes(params, config, training)  # FSDP2 ZeRO 3 under PP
@@ -204,6 +203,7 @@ def layer_costs(
         backward_weight_bytes=None if unsharded is None else scaled(unsharded, "weights"),
         gather_bytes=None if unsharded is None else _gather_part(params, config, training),
         step_bytes=optimizer_step_bytes(params, config, training, scaled),
+        **_weight_step_bytes(graph, config),
         optimizer_step_ns=as_int(
             layer_optimizer_step_ns(
                 params, config, cluster, training, profiled.optimizer_step_ns_per_param
@@ -224,6 +224,26 @@ def layer_costs(
         check_empirical_options(config, calibration)
         return empirical_layer_costs(graph, config, costs)
     return costs
+
+
+def _weight_step_bytes(graph: LayerGraph, config: ParallelConfig) -> dict[str, np.ndarray]:
+    """``weight_op_grad_bytes`` and ``weight_op_output_grad_bytes`` per micro-batch (b times
+    the graph's per-sample fields; -1 / 0 where a layer lacks them) of a split-backward
+    schedule, where the graph gives them; nothing otherwise. Not divided over tp or cp (a
+    column-parallel op's output gradient is split, a row-parallel one's is not): over."""
+    if config.schedule not in ZERO_BUBBLE_SCHEDULES:
+        return {}
+    own = [layer.weight_op_grad_bytes for layer in graph.layers]
+    if all(value is None for value in own):
+        return {}
+    output = [layer.weight_op_output_grad_bytes or 0 for layer in graph.layers]
+    b = config.micro_batch
+    return {
+        "weight_op_grad_bytes": np.array(
+            [-1 if value is None else b * value for value in own], dtype=np.int64
+        ),
+        "weight_op_output_grad_bytes": np.array([b * value for value in output], dtype=np.int64),
+    }
 
 
 def _most_micro_batches_held(config: ParallelConfig, vectors: list) -> int:

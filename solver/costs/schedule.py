@@ -346,8 +346,10 @@ def stage_boundary_copies(
     needed in that megatron case)."""
     num_stages = config.pp * config.virtual_stages
     m = config.num_microbatches
-    if runtime == "torch" and config.virtual_stages > 1:
-        # held + done <= m, so R <= 2 m and S <= 2 m
+    if runtime == "torch" and (
+        config.virtual_stages > 1 or config.schedule in ZERO_BUBBLE_SCHEDULES
+    ):
+        # held + done <= m and pending <= held, so R <= 2 m and S <= 2 m
         return [0] + [2 * m] * (num_stages - 1), [2 * m] * (num_stages - 1) + [0]
     if config.virtual_stages > 1 and not deallocate_pipeline_outputs:
         assert in_flight is not None, "interleaved megatron copies without deallocation need k_j"

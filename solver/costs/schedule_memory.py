@@ -68,8 +68,8 @@ from solver.costs.schedule_orders import ZERO_BUBBLE_SCHEDULES
 from solver.costs.stages import (
     layer_moments,
     optimizer_step_moment,
+    pending_gradients,
     per_stage_sum,
-    weight_output_gradients,
 )
 
 
@@ -170,7 +170,7 @@ class _Terms:
         self.transient = np.zeros(n, dtype=np.int64)
         np.maximum.at(self.transient, stage_of, transient)
         self.kept = self.stored + self.relayed
-        self.pending = per_stage_sum(weight_output_gradients(costs, transient), stage_of, n)
+        self.pending = pending_gradients(costs, stage_of, transient)
 
     def states(self, rank: int) -> int:
         """Weights + optimizer + gradient buckets + constant of the rank, bytes."""
@@ -178,10 +178,10 @@ class _Terms:
         held = self.weight[own].sum() + self.optimizer[own].sum() + self.buckets[own].sum()
         return self.costs.constant_bytes + int(held)
 
-    def buffers(self, stage: int, held: int, done: int) -> int:
+    def buffers(self, stage: int, held: int, done: int, pending: int = 0) -> int:
         """``stage_buffer_bytes`` of (virtual) stage ``stage``."""
         return stage_buffer_bytes(
-            self.costs, stage, held, done, self.into, self.out_of, self.adjust
+            self.costs, stage, held, done, self.into, self.out_of, self.adjust, pending
         )
 
 
@@ -274,7 +274,10 @@ def _split_bytes(
         grads = all_grads if persistent or started else 0
         activations = sum(n * int(terms.kept[j]) for n, j in zip(held, own, strict=True))
         waiting = sum(w * int(terms.pending[j]) for w, j in zip(pending, own, strict=True))
-        buffers = sum(terms.buffers(j, n, b) for n, b, j in zip(held, done, own, strict=True))
+        buffers = sum(
+            terms.buffers(j, n, b, w)
+            for n, b, w, j in zip(held, done, pending, own, strict=True)
+        )
         values.append(states + grads + activations + waiting + buffers + largest)
         if values[-1] > best:
             best, at_best = values[-1], (held, pending)

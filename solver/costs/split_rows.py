@@ -6,7 +6,7 @@ their W, B_c W or B steps done, and g (a W or B has run: its gradients exist und
 lifetime) (``schedule.split_moments``). Its memory there is linear in the per-chunk sums
 (``stages._split_peak_moment``, docs/cost-model.md "Zero-bubble and V schedules"):
 
-  states_r - (1 - g) grads_r + sum_c [ n_c kept_c + w_c dY_c + R(n_c, B_c) In_c
+  states_r - (1 - g) grads_r + sum_c [ n_c kept_c + w_c dY_c + R(n_c, B_c, w_c) In_c
                                        + S(n_c, B_c) Out_c ] + tr_r
 
 with kept, dY (``stages.weight_output_gradients``), In, Out >= 0 per chunk and R, S the copies
@@ -40,14 +40,14 @@ def latest(moments: tuple[SplitMoment, ...]) -> list[SplitMoment]:
 
 def undominated(moments, copies) -> list[SplitMoment]:
     """``moments`` less those another one dominates (module docstring); ``copies(c, n, B)``:
-    (R, S) of chunk c at n held after B done. Order kept."""
+    (R, S) of chunk c at n held after B done, w of them between I and W. Order kept."""
     moments = latest(tuple(moments))
     keys = np.array(
         [
             [
                 value
-                for c, (n, b) in enumerate(zip(held, done, strict=True))
-                for value in (n, *copies(c, n, b))
+                for c, (n, b, w) in enumerate(zip(held, done, waiting, strict=True))
+                for value in (n, *copies(c, n, b, w))
             ]
             + list(waiting)
             + [int(started)]
@@ -81,7 +81,11 @@ def split_rows(costs) -> list[list[SplitMoment]]:
         )
         if costs.grad_lifetime != "step":  # every gradient all step
             moments = tuple((n, w, b, True) for n, w, b, _ in moments)
-        rows.append(undominated(moments, lambda c, n, b, own=own: costs.copies_at(own[c], n, b)))
+        rows.append(
+            undominated(
+                moments, lambda c, n, b, w, own=own: costs.copies_at(own[c], n, b, w)
+            )
+        )
     return rows
 
 

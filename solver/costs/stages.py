@@ -111,9 +111,7 @@ def _stage_costs(
     kept = stored + relayed  # per micro-batch kept by each virtual stage
     split = costs.config.schedule in ZERO_BUBBLE_SCHEDULES
     if split:  # a pending W's dY per micro-batch of each virtual stage
-        pending = per_stage_sum(
-            weight_output_gradients(costs, transient_per_layer), stage_of, num_stages
-        )
+        pending = pending_gradients(costs, stage_of, transient_per_layer)
     stages = []
     for rank in range(len(costs.in_flight_vectors)):
         own = costs.stages_of_rank(rank)
@@ -331,12 +329,14 @@ def _split_peak_moment(
     own = costs.stages_of_rank(rank)
     into, out_of, adjust = boundaries
     persistent = costs.grad_lifetime != "step"
-    buffers_at: dict[tuple[int, int, int], int] = {}  # (virtual stage, held, done) -> bytes
+    buffers_at: dict[tuple[int, int, int, int], int] = {}  # (stage, held, done, pending)
 
-    def buffer(stage: int, held: int, done: int) -> int:
-        key = (stage, held, done)
+    def buffer(stage: int, held: int, done: int, waiting: int) -> int:
+        key = (stage, held, done, waiting)
         if key not in buffers_at:
-            buffers_at[key] = stage_buffer_bytes(costs, stage, held, done, into, out_of, adjust)
+            buffers_at[key] = stage_buffer_bytes(
+                costs, stage, held, done, into, out_of, adjust, waiting
+            )
         return buffers_at[key]
 
     best = None
@@ -348,7 +348,9 @@ def _split_peak_moment(
             n * int(kept[j]) + w * int(pending[j])
             for n, w, j in zip(held, waiting, own, strict=True)
         )
-        buffers = sum(buffer(j, n, b) for n, b, j in zip(held, done, own, strict=True))
+        buffers = sum(
+            buffer(j, n, b, w) for n, b, w, j in zip(held, done, waiting, own, strict=True)
+        )
         total = grads + activations + buffers
         if best is None or total > best[0]:
             best = (total, grads, activations, buffers, held)
@@ -357,15 +359,63 @@ def _split_peak_moment(
 
 
 def weight_output_gradients(costs: LayerCosts, transient: np.ndarray) -> np.ndarray:
-    """dY_l per micro-batch, bytes: what a pending W step keeps of layer l beyond its saved
-    activations, transient_l + output_l for a layer with weights, 0 without
-    (``schedule_memory``); output_l: the tensors l makes for later layers
-    (``tensor_arrays``). ``transient``: per layer, the recompute set applied."""
+    """dY_l per micro-batch, bytes: the gradients at the outputs of layer l's weight ops that
+    its own backward makes, which a split backward's I step keeps for its W step
+    (``LayerCosts.weight_op_grad_bytes``, profiled); where the graph does not give it, the
+    estimate transient_l + output_l for a layer with weights, 0 without (over: a layer's
+    backward transient bounds the gradients inside it at one moment; output_l: the tensors l
+    makes for later layers, ``tensor_arrays``). ``transient``: per layer, the recompute set
+    applied."""
     first_edge, size, _ = costs.tensor_arrays
     output = np.zeros(costs.num_layers, dtype=np.int64)
     np.add.at(output, np.asarray(costs.edge_src)[first_edge], np.asarray(size, dtype=np.int64))
     weighted = np.asarray(costs.weight_bytes, dtype=np.int64) > 0
-    return np.where(weighted, np.asarray(transient, dtype=np.int64) + output, 0)
+    estimate = np.where(weighted, np.asarray(transient, dtype=np.int64) + output, 0)
+    measured = costs.weight_op_grad_bytes
+    if measured is None:
+        return estimate
+    return np.where(measured >= 0, measured, estimate)
+
+
+def output_gradient_consumers(costs: LayerCosts) -> tuple[np.ndarray, np.ndarray]:
+    """(the nearest consumer of each layer's outputs, by position, -1: none; whether several
+    layers read them): layer l's output gradient is a new storage on l's virtual stage when its
+    nearest consumer runs there (the later ones, in a contiguous split, then too, or on later
+    stages), or when several layers' gradients are summed into it; otherwise it is the stage's
+    received gradient (``pending_gradients``)."""
+    src = np.asarray(costs.edge_src, dtype=np.int64)
+    dst = np.asarray(costs.edge_dst, dtype=np.int64)
+    nearest = np.full(costs.num_layers, np.iinfo(np.int64).max)
+    np.minimum.at(nearest, src, dst)
+    farthest = np.full(costs.num_layers, -1)
+    np.maximum.at(farthest, src, dst)
+    none = farthest < 0
+    return np.where(none, -1, nearest), ~none & (farthest != nearest)
+
+
+def pending_gradients(
+    costs: LayerCosts, stage_of: np.ndarray, transient: np.ndarray
+) -> np.ndarray:
+    """dY_j per micro-batch of each virtual stage j, bytes: what a micro-batch keeps between its
+    I and its W step beyond its saved activations (torch 2.13 ``stage_backward_input`` keeps
+    the gradients its param groups' intermediates receive for ``stage_backward_weight``):
+
+        dY_j = sum_{l in j} own_l + sum_{l in j, a consumer of l's output in j} out_l
+
+    own_l = ``weight_output_gradients``; out_l = ``LayerCosts.weight_op_output_grad_bytes``
+    (0 where not profiled), kept only where a consumer of the output runs in j and made it
+    (the last layer's output gradient is the received gradient buffer, already a boundary
+    buffer). Virtual stage 0 keeps nothing: torch's ``backward_one_chunk`` skips the I step
+    of the first stage (its input needs no gradient) and runs the full backward at W."""
+    stage_of = np.asarray(stage_of, dtype=np.int64)
+    per_layer = weight_output_gradients(costs, transient)
+    if costs.weight_op_output_grad_bytes is not None:
+        nearest, several = output_gradient_consumers(costs)
+        local = (nearest >= 0) & (stage_of[np.maximum(nearest, 0)] == stage_of)
+        per_layer = per_layer + np.where(local | several, costs.weight_op_output_grad_bytes, 0)
+    pending = per_stage_sum(per_layer, stage_of, costs.num_stages)
+    pending[0] = 0
+    return pending
 
 
 PPM = 1_000_000

@@ -151,10 +151,10 @@ def time_dependence_note(time_limit_s: float | None) -> str:
 
 
 SPLIT_SCHEDULE_ACCURACY = (
-    "its memory is measured within -4.1% to +11.9% of the torch engine's live tensors "
-    "(benchmarks/bench_accuracy.md, split-backward schedules): the W step's weight and "
-    "intermediate gradients are not in the model yet, so keep the reserve and check the plan "
-    "with python -m profiling.validate"
+    "its memory is predicted within +0.2% to +6.9% of the torch engine's live tensors, never "
+    "under (benchmarks/bench_accuracy_schedules.md's runs): each rank's largest moment still "
+    "counts the running micro-batch whole with the rank's largest transient, so the plan may "
+    "be a few percent high; check it with python -m profiling.validate"
 )
 """What the split-backward schedules' memory rule is known to miss (issue 31, item 3)."""
 
