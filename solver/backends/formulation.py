@@ -290,7 +290,11 @@ class PrefixFormulation(
         """Per stage s without interleaving whose layers need the running sum: (B_s, [(l,
         D[l][s])]) (``formulation_moments``; hints)."""
         self._moment_tops: dict[int, Any] = {}
-        """T_s per stage without interleaving (``formulation_moments``; hints)."""
+        """T_s per stage without interleaving, T_j per virtual stage of an interleaved rank
+        (``formulation_moments``; hints)."""
+        self._chunk_sums: dict[int, tuple[Any, list[tuple[int, Any]]]] = {}
+        """Per virtual stage j of an interleaved rank whose layers need the running sum: (K_j,
+        [(l, D[l][j])]) (``formulation_moments._chunk_running_rows``; hints)."""
         self._ordered: np.ndarray | None = None
         """Per layer: a chain from it on (``FormulationMoments._ordered_from``)."""
 
@@ -457,7 +461,8 @@ class PrefixFormulation(
                     self._stage_relays[s].append((t, relay))
             top = int(transient_ub.max(initial=0))
             # tr[r]: interleaved ranks and the moment after a first backward (_add_transient)
-            if top and (costs.rank_rows or any(costs.first_backward_peak)):
+            persistent = costs.rank_rows and not costs.layer_moment_ranks
+            if top and (persistent or any(costs.first_backward_peak)):
                 self.vars.transient = [
                     self._new_var(0, self._bytes(top), f"tr_s{r}") for r in range(costs.num_ranks)
                 ]
