@@ -308,6 +308,30 @@ def test_rank_costs_recompute_by_hand(seed, deallocate):
         assert sum(len(s.layers) for s in stages) == graph.num_layers
 
 
+def test_a_running_chunk_holds_less_than_the_persistent_moment():
+    """The moments with the running chunk (``LayerCosts.running_chunks``) are never above the
+    persistent ones (every held micro-batch whole, the rank's largest transient at every
+    moment), and below them where a chunk's largest transient sits before its later layers'
+    stored bytes; a rank's largest action of the schedule picture is its peak."""
+    from solver.costs.schedule_memory import rank_memory
+
+    lower = 0
+    for seed in range(12):
+        graph, config, costs = _random_interleaved(seed)
+        persistent = dataclasses.replace(costs, running_chunks=[])
+        assert costs.layer_moment_ranks and not persistent.layer_moment_ranks
+        rng = np.random.default_rng(seed)
+        for _ in range(5):
+            cuts = np.sort(rng.choice(np.arange(1, graph.num_layers), costs.num_stages - 1, False))
+            split = np.searchsorted(cuts, np.arange(graph.num_layers), side="right").tolist()
+            ours = [s.peak_bytes for s in stage_costs(costs, split)]
+            upper = [s.peak_bytes for s in stage_costs(persistent, split)]
+            assert all(a <= b for a, b in zip(ours, upper, strict=True))
+            lower += sum(a < b for a, b in zip(ours, upper, strict=True))
+            assert [rank.peak_bytes for rank in rank_memory(costs, split)] == ours
+    assert lower  # some rank's running chunk frees part of it at its peak
+
+
 @pytest.mark.parametrize("seed", slow_params(range(16), 0, 5, 9, 11, 12, 13))
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_solvers_equal_brute_force(seed, backend):

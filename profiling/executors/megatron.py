@@ -55,7 +55,7 @@ from profiling.executors.megatron_model import (
     transformer_config,
 )
 from profiling.export import resolve_spec
-from profiling.trace.memory import PEAK_TAGS, LiveTensorTracker
+from profiling.trace.memory import LiveTensorTracker
 from solver.errors import InputError
 from solver.files.plan_file import PlanFile
 
@@ -271,7 +271,6 @@ def _train_and_measure(spec, job: RunJob, place, settings, dtype, tconfig, chunk
         tconfig.finalize_model_grads_func = finalize_model_grads
         forward_backward = get_forward_backward_func()
         interleaved = len(wrapped) > 1
-        label_actions(tracker)
 
         def zeroed_batches(iteration: int) -> list:
             """The iteration's micro-batch iterators (one per chunk), gradients zeroed."""
@@ -308,7 +307,6 @@ def _train_and_measure(spec, job: RunJob, place, settings, dtype, tconfig, chunk
         measured = Measured.at_peak(
             tracker, iteration_ms=iteration_ms, losses=losses, cuda_peak=None
         )
-        tracker.write_peak_tags(f"rank{place.rank}")
         # the main gradients outlive the step (zeroed at the next one): gathered after the
         # measurement
         gated = spec.config.mlp == "swiglu"
@@ -325,34 +323,6 @@ def _train_and_measure(spec, job: RunJob, place, settings, dtype, tconfig, chunk
         return step
 
     return with_clean_steps(measured, prepare, job, place, tracker)
-
-
-def label_actions(tracker: LiveTensorTracker) -> None:
-    """Where ``memory.PEAK_TAGS`` is set: the tracker's context names the schedule's action
-    that runs (megatron-core's ``forward_step`` with its chunk and micro-batch, or the k-th
-    ``backward_step``), so the storages live at the peak say who made them."""
-    if not os.environ.get(PEAK_TAGS):
-        return
-    from megatron.core.pipeline_parallel import schedules
-
-    forward, backward, count = schedules.forward_step, schedules.backward_step, [0]
-
-    def labelled_forward(*args, **kwargs):
-        tracker.context = f"F c{kwargs.get('vp_stage')} mb{kwargs.get('current_microbatch')}"
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            tracker.context = "after " + tracker.context
-
-    def labelled_backward(*args, **kwargs):
-        count[0] += 1
-        tracker.context = f"B #{count[0]}"
-        try:
-            return backward(*args, **kwargs)
-        finally:
-            tracker.context = "after " + tracker.context
-
-    schedules.forward_step, schedules.backward_step = labelled_forward, labelled_backward
 
 
 def megatron_rank_main(rank: int, job: RunJob) -> RankReport:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import weakref
 from collections.abc import Iterator
 
@@ -38,12 +37,6 @@ from profiling._torch_compat import (
     storage_key,
     tree_flatten,
 )
-
-PEAK_TAGS = "MEMPLAN_PEAK_TAGS"
-"""Environment variable naming a directory: every tracker then labels each storage with the op
-that made it, its shape and the tracker's ``context`` (what the executor runs then), keeps the
-live storages at each new peak after ``reset_peak`` and writes them there (``write_peak_tags``),
-to find the byte-level cause of an error."""
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 """Breakdown keys, in report order."""
@@ -77,13 +70,6 @@ class LiveTensorTracker(TorchDispatchMode):
         self._handles: dict[str, list] = {"gradient hooks": [], "optimizer hooks": []}
         self._entered = False
         self._saving = False
-        self._tagging = bool(os.environ.get(PEAK_TAGS))
-        self.context = ""
-        """What runs now (set by an executor where ``PEAK_TAGS`` is on): part of each label."""
-        self._op = ""
-        self._after_reset = False
-        self.peak_live: list[tuple[int, str, str]] = []
-        self.peak_context = ""
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -107,9 +93,6 @@ class LiveTensorTracker(TorchDispatchMode):
         if entry is None:
             ref = weakref.ref(storage, functools.partial(self._release, key))
             self._live[key] = [nbytes, category, ref]
-            if self._tagging:
-                shape = "x".join(str(n) for n in tensor.shape)
-                self._live[key].append(f"{self.context} | {self._op} [{shape}] {tensor.dtype}")
             self.current[category] += nbytes
             self.current_bytes += nbytes
         else:
@@ -129,29 +112,11 @@ class LiveTensorTracker(TorchDispatchMode):
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
             self.peak_breakdown = dict(self.current)
-            if self._tagging and self._after_reset:
-                self.peak_context = self.context
-                self.peak_live = [
-                    (e[0], e[1], e[3] if len(e) > 3 else "") for e in self._live.values()
-                ]
-
-    def write_peak_tags(self, name: str) -> None:
-        """Write the storages live at the peak to ``$MEMPLAN_PEAK_TAGS/name.txt`` (largest
-        first), where ``PEAK_TAGS`` is set."""
-        folder = os.environ.get(PEAK_TAGS)
-        if not folder:
-            return
-        os.makedirs(folder, exist_ok=True)
-        lines = [f"peak {self.peak_bytes} at {self.peak_context}"]
-        lines += [f"{n} {category} {label}" for n, category, label in sorted(self.peak_live)[::-1]]
-        with open(os.path.join(folder, f"{name}.txt"), "w") as out:
-            out.write("\n".join(lines) + "\n")
 
     def reset_peak(self) -> None:
         """Start a new peak window at the current live bytes (call at the start of an iteration)."""
         self.peak_bytes = self.window_bytes = self.current_bytes
         self.peak_breakdown = dict(self.current)
-        self._after_reset = True
 
     def take_window(self) -> int:
         """The peak live bytes since the last call (or ``reset_peak``); starts the next window
@@ -262,8 +227,6 @@ class LiveTensorTracker(TorchDispatchMode):
         if any(issubclass(kind, DTensor) for kind in types):
             return NotImplemented  # let DTensor run its local ops, which come back through here
         result = func(*args, **(kwargs or {}))
-        if self._tagging:
-            self._op = str(func)
         for value in tree_flatten(result)[0]:
             if isinstance(value, torch.Tensor):
                 self.track(value)

@@ -11,7 +11,10 @@ size k holds some window [s, s + k) of the chain with j <= s and s + k <= L - (J
 stages before and after it are non-empty), s = 0 for j = 0 and s + k = L for j = J - 1. Each of its
 aggregates (states, stored bytes per micro-batch, bytes received, bytes sent, largest transient,
 optimizer-step temporary, time, tail: gradient sync + optimizer step) is at least its least value
-over those windows, made non-decreasing in k by a suffix minimum (which only lowers it). Every
+over those windows, made non-decreasing in k by a suffix minimum (which only lowers it); so is
+the largest layer moment of the chunk over its micro-batch kept whole, max_l (transient_l -
+stored(> l in the window)), which a running chunk adds to a moment (``stages.chunk_moment``;
+not suffix-minimised: a later layer lowers it). Every
 row of a rank's peak and of the iteration time has non-negative coefficients on these
 aggregates, so each row is at
 least the same row at the least values: a function of the rank's v chunk sizes alone,

@@ -267,7 +267,8 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
         of the step runs before the stage's first backward: GPipe, or 1F1B with m <= p - s
         (k_s = m). Under 1F1B with m > p - s a forward follows the first backward, holding k_s
         micro-batches and every gradient: the moments with every gradient, exactly. Interleaved
-        stages keep the persistent moment (an upper bound: fewer gradients never take memory)."""
+        stages keep every gradient at every moment (an upper bound: fewer gradients never take
+        memory)."""
         if self.backward_weight_bytes is not None and self.config.virtual_stages == 1:
             return [True] * len(self.in_flight)  # late_column: every stage, every schedule
         return self.grads_late

@@ -138,8 +138,7 @@ def layer_costs(
         deallocate_pipeline_outputs=training.deallocate_pipeline_outputs,
         in_flight=in_flight,
     )
-    held = _most_micro_batches_held(config, vectors)
-    factor = routing_factor(graph, config, training)
+    held, factor = _most_held(config, vectors), routing_factor(graph, config, training)
     check_exact_range(
         graph, config, cluster, training, held, receive_copies, send_copies, factor=factor
     )
@@ -227,7 +226,7 @@ def layer_costs(
     return costs
 
 
-def _most_micro_batches_held(config: ParallelConfig, vectors: list) -> int:
+def _most_held(config: ParallelConfig, vectors: list) -> int:
     """The most micro-batches a rank holds at once (its in-flight vectors' largest sum; a
     split-backward schedule's pending W steps keep dY too), for the exact-range check."""
     held = max(sum(vector) for rank in vectors for vector in rank)

@@ -5,7 +5,8 @@ picture (``solver.report.schedule_plot``), from the same terms as the stage peak
 Per rank r, its actions in the order it runs them (``schedule.schedule_actions``, the list the
 time simulation runs), with n_c micro-batches held and B_c backwards done per chunk c after each
 (bytes per GPU; kept_j = stored_j + relay_j per micro-batch, buffers(n, B) = R(n, B) into +
-S(n, B) out_of, ``boundaries.stage_buffer_bytes``, trans_r = the largest transient of the rank):
+S(n, B) out_of, ``boundaries.stage_buffer_bytes``, trans_r = the largest transient of the rank,
+what the split-backward schedules' moments take):
 
   states    = weights + optimizer (+ DDP's gradient buckets, + a calibration's constant)
   grads     = every gradient; with gradient lifetime "step" and no interleaving, none before

@@ -130,17 +130,10 @@ def _stage_costs(
                 costs, rank, grads, kept, pending, (into, out_of, adjust)
             )
         else:
-            running = None
-            if costs.layer_moment_ranks:
-                running = [
-                    chunk_moment(costs, chunk, stored_per_layer, transient_per_layer)
-                    for chunk in chunks
-                ]
-            activations, buffers, vector, moment_transient = _rank_peak_moment(
-                costs, rank, kept, into, out_of, adjust, running
-            )
-            if running is not None:
-                largest = moment_transient
+            activations, buffers, vector, largest = _rank_peak_moment(
+                costs, rank, kept, (into, out_of, adjust), chunks,
+                (stored_per_layer, transient_per_layer), largest,
+            )  # fmt: skip
         if costs.config.virtual_stages == 1 and chunks[0] and not split:
             moments = layer_moments(
                 costs, rank, chunks[0], stored_per_layer, transient_per_layer,
@@ -243,16 +236,17 @@ def layer_moments(
         during(l) = (k - 1) (stored_s + relay_s) + relay_s + stored(<= l) + grads + transient_l
                     + buffers at k held
 
-    so max_l during(l) bounds every moment of the schedule, and during(last layer) is the end
-    of a forward with k held (the persistent moment of the interleaved stages, which keep it:
-    ``_rank_peak_moment``, an upper bound). ``grads`` is every gradient of the stage where they
-    exist then (persistent lifetime; step lifetime where a forward follows the first backward,
-    1F1B with k < m). Where gradients appear at the first backward and no forward follows it
-    (``LayerCosts.first_backward_peak``: step lifetime, k = m), the layers after l have theirs
-    and l's weight-gradient temporary is the first of its gradients (no ``.grad`` to add it to
-    yet): grads = grads(> l), and during(last layer) is the start of the first backward. After
-    the first backward every gradient exists and at most k - 1 micro-batches are held (the later
-    backwards free more; a safe bound), one more moment of those stages:
+    so max_l during(l) bounds every moment of the schedule, and during(last layer) is the end of
+    a forward with k held (interleaved ranks take the same moments per running chunk, beside the
+    other chunks' held micro-batches: ``_rank_peak_moment``). ``grads`` is every gradient of the
+    stage where they exist then (persistent lifetime; step lifetime where a forward follows the
+    first backward, 1F1B with k < m). Where gradients appear at the first backward and no
+    forward follows it (``LayerCosts.first_backward_peak``: step lifetime, k = m), the layers
+    after l have theirs and l's weight-gradient temporary is the first of its gradients (no
+    ``.grad`` to add it to yet): grads = grads(> l), and during(last layer) is the start of the
+    first backward. After the first backward every gradient exists and at most k - 1
+    micro-batches are held (the later backwards free more; a safe bound), one more moment of
+    those stages:
 
         after = (k - 1) (stored_s + relay_s) + grads_s + max transient_s + buffers at k - 1 held
 
@@ -320,19 +314,24 @@ def _rank_peak_moment(
     costs: LayerCosts,
     rank: int,
     kept: np.ndarray,
-    into: np.ndarray,
-    out_of: np.ndarray,
-    adjust: tuple[np.ndarray, np.ndarray] | None = None,
-    running: list[tuple[int, int]] | None = None,
+    boundaries: tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None],
+    layers: list[list[int]],
+    per_layer: tuple[np.ndarray, np.ndarray],
+    largest: int,
 ) -> tuple[int, int, tuple[int, ...], int]:
     """(activations, buffers, in-flight vector, transient) at the largest moment of the rank's
     schedule (buffers depend on the moment only on the torch runtime with interleaving; ties:
-    the larger vector). ``running``: per chunk ``chunk_moment`` where the moments say which
-    chunk runs (``LayerCosts.running_chunks``): the running micro-batch keeps its relays and
-    stored(<= l) of its chunk, l's transient beside it (none where no chunk runs); None: every
-    micro-batch whole and the transient 0 (the caller adds the rank's largest)."""
+    the larger vector). Where the moments say which chunk runs (``LayerCosts.running_chunks``)
+    the running micro-batch keeps its relays and stored(<= l) of its chunk (``layers``: each
+    chunk's, forward order), l's transient beside it (``chunk_moment`` of ``per_layer``, the
+    stored and transient bytes), none where no chunk runs; else every micro-batch whole and the
+    rank's ``largest`` transient. ``boundaries``: (into, out_of, adjust) of the buffers."""
     own = costs.stages_of_rank(rank)
-    chunks = costs.running_chunks[rank] if running is not None else None
+    into, out_of, adjust = boundaries
+    chunks, running = None, None
+    if costs.layer_moment_ranks:
+        chunks = costs.running_chunks[rank]
+        running = [chunk_moment(costs, chunk, *per_layer) for chunk in layers]
     moments = []
     for i, (vector, dones) in enumerate(
         zip(costs.in_flight_vectors[rank], costs.backwards_done[rank], strict=True)
@@ -342,7 +341,7 @@ def _rank_peak_moment(
             stage_buffer_bytes(costs, stage, held, done, into, out_of, adjust)
             for held, done, stage in zip(vector, dones, own, strict=True)
         )
-        transient = 0
+        transient = largest if chunks is None else 0
         if chunks is not None and chunks[i] >= 0:
             # the running micro-batch keeps its relays and stored(<= l), not all of its chunk's
             fewer, transient = running[chunks[i]]
