@@ -272,6 +272,14 @@ def undominated_running(moments, runtime: str) -> list[tuple[tuple[int, ...], ..
     torch = runtime == "torch"
     if not torch:
         moments = [(n, (0,) * len(n), c) for n, _, c in moments]
+    # B only grows: at the same (n, c) the latest moment has R and S at least as large (in
+    # its place; megatron's, all alike, in the first one's)
+    latest: dict[tuple, tuple] = {}
+    for held, done, running in moments:
+        if torch:
+            latest.pop((held, running), None)
+        latest.setdefault((held, running), (held, done, running))
+    moments = list(latest.values())
     rows = []
     for held, done, running in moments:
         v = len(held)
