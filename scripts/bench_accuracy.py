@@ -605,6 +605,36 @@ def write_part(
     harness.write_report(path.parent, path.name, lines)
 
 
+def interleaved_rows(progress) -> list[dict]:
+    """The interleaved (v > 1) layouts of the torch and the megatron-core rows above, planned
+    and run as the full benchmark does (``calibrate``); one row per rank with its engine."""
+    rows = []
+    for engine, overrides, layouts in (
+        ("torch", OVERRIDES, LAYOUTS),
+        ("megatron", MEGATRON_OVERRIDES, MEGATRON_LAYOUTS),
+    ):
+        chosen = [layout for layout in layouts if layout.virtual_stages > 1]
+        _, results = calibrate(
+            "gpt-tiny", overrides, chosen, timeout_s=300, progress=progress
+        )  # fmt: skip
+        rows += [{"engine": engine, **row} for row in table_rows(results)]
+    return rows
+
+
+def interleaved_section(rows: list[dict]) -> list[str]:
+    errors = [row["analytic_pct"] for row in rows]
+    print(f"interleaved rows: analytic {spread(errors)}")
+    keep = ["engine", "layout", "split", "rank", "measured_kib", "analytic_kib", "analytic_pct"]
+    return [
+        "## The interleaved (v > 1) rows of the torch and megatron-core sections",
+        "",
+        f"Over {len(rows)} ranks: analytic model {spread(errors)}.",
+        "",
+        *markdown_table([{k: row[k] for k in keep} for row in rows], keep),
+        "",
+    ]
+
+
 def schedule_rows(progress) -> list[dict]:
     """The new schedules' rows (scripts/accuracy_schedules.py)."""
     return accuracy_schedules.schedule_rows(progress, OVERRIDES)
@@ -658,6 +688,15 @@ PARTS = {
         hf_megatron_rows,
         hf_megatron_section,
         False,
+    ),
+    "--only-interleaved": (
+        "run only the interleaved (v > 1) rows of the torch and megatron-core sections (about "
+        "5 minutes) and write bench_accuracy_interleaved.md",
+        "bench_accuracy_interleaved.md",
+        "interleaved 1F1B rows",
+        interleaved_rows,
+        interleaved_section,
+        True,
     ),
     "--megatron-explicit": (
         "run only the megatron-core rows with its own explicit attention (about 3 minutes) "

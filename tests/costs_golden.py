@@ -326,6 +326,7 @@ LAYER_FIELDS = (
     "in_flight",
     "in_flight_vectors",
     "backwards_done",
+    "running_chunks",
     "receive_copies",
     "send_copies",
     "runtime",

@@ -63,9 +63,12 @@ rank r instead of per stage, one memory row per in-flight vector n of the rank
 
   parts        S_s >= sum_l state_l x[l][s],  A_s >= sum_l stored_l x[l][s] + relays of s,
                In_s >= sum_e eb_e c[e][s-1],  Out_s >= sum_e eb_e c[e][s]     (every s)
-  memory       peak >= sum_c [ S_c + n_c A_c + R(n_c) In_c + S(n_c) Out_c ] + tr[r]
-               (c for s_c = r + c p; R, S: ``LayerCosts.copies_at``), for every n in N_r
-  transient    tr[r] >= transient_l x[l][s_c]           for every chunk c of r
+  memory       peak >= sum_c [ S_c + n_c A_c + R(n_c) In_c + S(n_c) Out_c ] + T_{s_c'}
+               (c for s_c = r + c p; R, S: ``LayerCosts.copies_at``), for every kept moment
+               (n, B, c') of r (``LayerCosts.running_chunks``: chunk c' runs, none: no T)
+  moment       T_s >= transient_l - sum_{i > l on s} stored_i   per layer l that can sit on s,
+               windowed rows as without interleaving (``formulation_moments._chunk_top``)
+  (split-backward schedules: + tr[r] instead, tr[r] >= transient_l x[l][s_c], every chunk c)
   time         the rows above, per virtual stage (Ts, Fs) and per rank (X, I): the virtual
                stages j < r before rank r are its predecessors' first chunks
 
@@ -290,7 +293,11 @@ class PrefixFormulation(
         """Per stage s without interleaving whose layers need the running sum: (B_s, [(l,
         D[l][s])]) (``formulation_moments``; hints)."""
         self._moment_tops: dict[int, Any] = {}
-        """T_s per stage without interleaving (``formulation_moments``; hints)."""
+        """T_s per stage without interleaving, T_j per virtual stage of an interleaved rank
+        (``formulation_moments``; hints)."""
+        self._chunk_sums: dict[int, tuple[Any, list[tuple[int, Any]]]] = {}
+        """Per virtual stage j of an interleaved rank whose layers need the running sum: (K_j,
+        [(l, D[l][j])]) (``formulation_moments._chunk_running_rows``; hints)."""
         self._ordered: np.ndarray | None = None
         """Per layer: a chain from it on (``FormulationMoments._ordered_from``)."""
 
@@ -456,8 +463,9 @@ class PrefixFormulation(
                     self.vars.relay[(t, s)] = relay
                     self._stage_relays[s].append((t, relay))
             top = int(transient_ub.max(initial=0))
-            # tr[r]: interleaved ranks and the moment after a first backward (_add_transient)
-            if top and (costs.rank_rows or any(costs.first_backward_peak)):
+            # tr[r]: split-backward ranks and the moment after a first backward (_add_transient)
+            persistent = costs.rank_rows and not costs.layer_moment_ranks
+            if top and (persistent or any(costs.first_backward_peak)):
                 self.vars.transient = [
                     self._new_var(0, self._bytes(top), f"tr_s{r}") for r in range(costs.num_ranks)
                 ]

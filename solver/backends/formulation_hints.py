@@ -134,7 +134,8 @@ class FormulationHints:
     def _hint_layer_sums(
         self, stage_of_layer: list[int], recomputed: list[bool] | None, stages: list
     ) -> None:
-        """The exact T_s, B_s and D[l][s] of ``formulation_moments`` for a split."""
+        """The exact T_s, B_s and D[l][s] of ``formulation_moments`` for a split (T_j, K_j and
+        D[l][j] of an interleaved rank's virtual stages)."""
         if not self._moment_tops:
             return
         costs = self.costs
@@ -152,6 +153,13 @@ class FormulationHints:
             largest = self._moment_bounds(late, stage)[3].max(initial=0)
             top_value = min(int((running[here] - after).max(initial=0)), int(largest))
             self._hint(top, self._bytes(top_value))
+            if stage in self._chunk_sums:  # an interleaved chunk's K_j and D[l][j]
+                total, sums = self._chunk_sums[stage]
+                before = np.concatenate(([0], np.cumsum(stored[here])))
+                self._hint(total, self._bytes(int(before[-1])))
+                for layer, variable in sums:
+                    up_to = np.searchsorted(here, layer, "right")
+                    self._hint(variable, self._bytes(int(before[up_to])))
             if stage not in self._layer_sums:
                 continue
             base, runnings = self._layer_sums[stage]

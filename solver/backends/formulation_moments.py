@@ -36,6 +36,16 @@ can bind with the last layer on s (a window reaching the graph's end, a running-
 + H (x[l][s] + x[last][s] - 1), <= 0 where either is elsewhere; a closed row binds only where
 l + r, hence the last layer (a stage holds consecutive layers from l on), sits elsewhere.
 
+Interleaved ranks (``LayerCosts.layer_moment_ranks``) take the same rows per virtual stage j,
+with c_l = stored_l (every gradient exists): T_j >= transient_l - stored_j(> l), the running
+chunk's largest layer moment over its micro-batch kept whole (``stages.chunk_moment``), which
+joins each of the rank's rows where chunk j runs (``formulation_terms._rank_bytes_from_parts``).
+A layer that needs the running sum takes it against K_j, the virtual stage's stored bytes as an
+equality (so it may carry a minus sign):
+
+  K_j == sum_i stored_i x[i][j] (+ d_stored_i z[i][j]),   D[l][j] >= D[l'][j] + sum c_i x[i][j]
+  T_j >= D[l][j] + transient_l x[l][j] (+ d_transient_l z[l][j]) - K_j
+
 Measured (CP-SAT, memory objective, no hint, bench_search's chains): docs/cost-model.md,
 "Transient peak".
 """
@@ -91,6 +101,73 @@ class FormulationMoments:
         if late:
             rows.append(self._rank_bytes(stage, (k - 1,), relays_held=k - 1, copies_held=k - 1))
         return rows
+
+    def _chunk_top(self, stage: int):
+        """T_j of virtual stage j of an interleaved rank (module docstring): a variable at
+        least every layer's moment over the chunk's micro-batch kept whole, built once."""
+        top = self._moment_tops.get(stage)
+        if top is not None:
+            return top
+        bounds = self._moment_bounds(False, stage)
+        t_ub = bounds[3]
+        top = self._new_var(0, self._bytes(int(t_ub.max(initial=0))), f"T_v{stage}")
+        self._moment_tops[stage] = top
+        grads = np.zeros_like(self.costs.grad_bytes)
+        running = []
+        for layer in self._layers_of(stage):
+            self._tick()
+            window = self._window(layer, stage, bounds)
+            if window is None:
+                running.append(layer)
+            elif t_ub[layer] > 0:
+                row = self._window_row(layer, stage, window, bounds, grads)
+                self._add(top >= row, f"moment_l{layer}_v{stage}")
+        if running:
+            self._chunk_running_rows(stage, top, running)
+        return top
+
+    def _chunk_running_rows(self, stage: int, top, layers: list[int]) -> None:
+        """The running-sum rows of ``layers`` on virtual stage j (module docstring):
+        K_j == its stored bytes, D[l][j] >= D[l'][j] + sum c_i x[i][j],
+        T_j >= D[l][j] + transient_l x[l][j] - K_j."""
+        costs = self.costs
+        stored_ub, _, _ = costs.bounding_coefficients(np.maximum)
+        high = self._bytes(int(stored_ub.sum()))
+        recompute = dict(self._stage_recompute[stage])
+        extra_stored = costs.recompute_stored_bytes - costs.stored_bytes
+        extra_transient = costs.recompute_transient_bytes - costs.transient_bytes
+
+        def stored_terms(layer: int) -> list:
+            terms = [self._bytes(int(costs.stored_bytes[layer])) * self._member(layer, stage)]
+            z = recompute.get(layer)
+            if z is not None and extra_stored[layer]:
+                terms.append(self._bytes(int(extra_stored[layer])) * z)
+            return terms
+
+        total = self._new_var(0, high, f"K_v{stage}")
+        self._add(
+            total == self._sum(t for i in self._layers_of(stage) for t in stored_terms(i)),
+            f"chunk_k_v{stage}",
+        )
+        wanted, previous, terms, sums = set(layers), 0, [], []
+        for layer in self._layers_of(stage):
+            if layer > layers[-1]:
+                break
+            terms += stored_terms(layer)
+            if layer not in wanted:
+                continue
+            running = self._new_var(0, high, f"D_l{layer}_v{stage}")
+            self._add(running >= self._sum([previous, *terms]), f"chunk_d_l{layer}_v{stage}")
+            sums.append((layer, running))
+            row = [running, -total, self._bytes(int(costs.transient_bytes[layer]))
+                   * self._member(layer, stage)]  # fmt: skip
+            row += self._held_output_term(layer, stage)
+            z = recompute.get(layer)
+            if z is not None and extra_transient[layer]:
+                row.append(self._bytes(int(extra_transient[layer])) * z)
+            self._add(top >= self._sum(row), f"chunk_moment_l{layer}_v{stage}")
+            previous, terms = running, []
+        self._chunk_sums[stage] = (total, sums)
 
     def _moment_bounds(self, late: bool, stage: int) -> tuple[np.ndarray, ...]:
         """(c lower, c upper, transient lower, transient upper) per layer over both recompute

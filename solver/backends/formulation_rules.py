@@ -148,21 +148,22 @@ class FormulationRules:
                     for i, row in enumerate(self._layer_rows(rank)):
                         self._add(self.vars.peak >= row, f"memory_s{rank}_b{i}")
                     continue
+                running = [-1] * len(vectors)  # the rank's largest transient, tr[r]
+                if costs.layer_moment_ranks:
+                    running = costs.running_chunks[rank]
                 rows = zip(
                     vectors,
                     costs.backwards_done[rank],
                     costs.pending_vectors[rank],
                     costs.grads_started[rank],
+                    running,
                     strict=True,
                 )
-                for i, (vector, done, pending, started) in enumerate(rows):
+                for i, (vector, done, pending, started, chunk) in enumerate(rows):
                     self._tick()
                     suffix = f"_n{i}" if len(vectors) > 1 else ""
-                    self._add(
-                        self.vars.peak
-                        >= self._rank_bytes_from_parts(rank, vector, done, pending, started),
-                        f"memory_s{rank}{suffix}",
-                    )
+                    row = self._rank_bytes_from_parts(rank, vector, done, pending, started, chunk)
+                    self._add(self.vars.peak >= row, f"memory_s{rank}{suffix}")
             return
         for s, row in enumerate(self.vars.stage_peak):
             self._tick()

@@ -263,12 +263,15 @@ class FormulationTerms:
         done: tuple[int, ...],
         pending: tuple[int, ...] = (),
         started: bool = True,
+        running: int = -1,
     ):
         """With interleaving a rank has a row per in-flight vector: each row sums four
-        variables per chunk (``_stage_parts``) instead of every layer and edge again. A
-        split-backward schedule's moment (``costs.split_rows``) adds pending[c] dY_c per chunk
-        (``_pending_part``) and, before the rank's gradients exist (not ``started``), takes
-        the states without them (``_lean_part``)."""
+        variables per chunk (``_stage_parts``) instead of every layer and edge again, and the
+        running chunk's T_j (``_chunk_top``; none where ``running`` is -1) where the moments
+        say which runs (``LayerCosts.layer_moment_ranks``), else the rank's largest transient
+        tr[r]. A split-backward schedule's moment (``costs.split_rows``) adds pending[c] dY_c
+        per chunk (``_pending_part``) and, before the rank's gradients exist (not
+        ``started``), takes the states without them (``_lean_part``)."""
         terms = []
         stages = self.costs.stages_of_rank(rank)
         pending = pending or (0,) * len(vector)
@@ -283,7 +286,10 @@ class FormulationTerms:
                 terms += self._buffer_terms(stage, k, finished, w)
             else:
                 terms += [receive * received, send * sent]
-        if self.vars.transient:
+        if self.costs.layer_moment_ranks:
+            if running >= 0:
+                terms.append(self._chunk_top(stages[running]))
+        elif self.vars.transient:
             terms.append(self.vars.transient[rank])
         if self.costs.constant_bytes:
             terms.append(self._bytes(self.costs.constant_bytes))

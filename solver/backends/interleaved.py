@@ -11,7 +11,10 @@ size k holds some window [s, s + k) of the chain with j <= s and s + k <= L - (J
 stages before and after it are non-empty), s = 0 for j = 0 and s + k = L for j = J - 1. Each of its
 aggregates (states, stored bytes per micro-batch, bytes received, bytes sent, largest transient,
 optimizer-step temporary, time, tail: gradient sync + optimizer step) is at least its least value
-over those windows, made non-decreasing in k by a suffix minimum (which only lowers it). Every
+over those windows, made non-decreasing in k by a suffix minimum (which only lowers it); so is
+the largest layer moment of the chunk over its micro-batch kept whole, max_l (transient_l -
+stored(> l in the window)), which a running chunk adds to a moment (``stages.chunk_moment``;
+not suffix-minimised: a later layer lowers it). Every
 row of a rank's peak and of the iteration time has non-negative coefficients on these
 aggregates, so each row is at
 least the same row at the least values: a function of the rank's v chunk sizes alone,
@@ -117,6 +120,8 @@ class _ChunkSizes:
                 lambda k: sliding_window_view(costs.transient_bytes, k).max(axis=1)
             ),
         }
+        if costs.layer_moment_ranks:  # the running chunk's largest layer moment
+            self.least["moment"] = self._least_moments()
         if costs.step_bytes is not None:
             self.least["step"] = self._least_sums(costs.step_bytes)
 
@@ -126,10 +131,10 @@ class _ChunkSizes:
         prefix = np.concatenate([[0], np.cumsum(per_layer.astype(np.int64))])
         return self._least_windows(lambda k: prefix[k:] - prefix[:-k])
 
-    def _least_windows(self, window_values) -> np.ndarray:
+    def _least_windows(self, window_values, monotone: bool = True) -> np.ndarray:
         """[j, k]: the least value of a window of size k that virtual stage j can hold
-        (``window_values(k)[s]``: the window [s, s + k)), suffix-minimised over k (k = 0
-        unused)."""
+        (``window_values(k)[s]``: the window [s, s + k)), suffix-minimised over k where
+        ``monotone`` (k = 0 unused)."""
         num_layers, num_stages = self.num_layers, self.num_stages
         least = np.zeros((num_stages, self.largest + 1), dtype=np.int64)
         for k in range(1, self.largest + 1):
@@ -139,8 +144,27 @@ class _ChunkSizes:
             least[:, k] = middle[:num_stages]
             least[0, k] = values[0]
             least[num_stages - 1, k] = values[num_layers - k]
-        # suffix minimum over k: a lower bound that never decreases with the size
-        least[:, 1:] = np.minimum.accumulate(least[:, :0:-1], axis=1)[:, ::-1]
+        if monotone:  # suffix minimum over k: a lower bound that never decreases with the size
+            least[:, 1:] = np.minimum.accumulate(least[:, :0:-1], axis=1)[:, ::-1]
+        return least
+
+    def _least_moments(self) -> np.ndarray:
+        """[j, k]: the least over the windows virtual stage j can hold of its largest layer
+        moment over its micro-batch kept whole, max_l (transient_l - stored(> l in the
+        window)) (``stages.chunk_moment``; the last virtual stage with the output the torch
+        pipeline keeps, ``LayerCosts.moment_transient``)."""
+        costs = self.costs
+        prefix = np.concatenate([[0], np.cumsum(costs.stored_bytes.astype(np.int64))])
+
+        def windows(transient: np.ndarray):
+            reach = np.asarray(transient, dtype=np.int64) + prefix[1:]  # + stored(<= l)
+            return lambda k: sliding_window_view(reach, k).max(axis=1) - prefix[k:]
+
+        # (a later layer lowers the moments of those before it: no suffix minimum)
+        least = self._least_windows(windows(costs.transient_bytes), monotone=False)
+        held = costs.moment_transient(costs.transient_bytes)
+        if (held != costs.transient_bytes).any():
+            least[-1] = self._least_windows(windows(held), monotone=False)[-1]
         return least
 
     # -- per rank -----------------------------------------------------------------------------
@@ -205,10 +229,19 @@ class _ChunkSizes:
             keep = peak <= problem.capacity_bytes
             terms, base, peak, sizes = _where(terms, keep), base[keep], peak[keep], sizes[keep]
         stored, into, out = get("stored", sizes), get("into", sizes), get("out", sizes)
-        rows = set(zip(costs.in_flight_vectors[rank], costs.backwards_done[rank], strict=True))
-        in_flight = peak
-        for vector, done in sorted(rows):
-            row = peak.copy()
+        # per moment: the rank's largest transient, or the running chunk's layer moment
+        if costs.layer_moment_ranks:
+            moments, running = get("moment", sizes), costs.running_chunks[rank]
+        else:
+            running = [None] * len(costs.in_flight_vectors[rank])
+        rows = set(
+            zip(costs.in_flight_vectors[rank], costs.backwards_done[rank], running, strict=True)
+        )
+        in_flight = peak  # states and the largest transient: every rank reaches it
+        for vector, done, chunk in sorted(rows, key=lambda row: (row[0], row[1], row[2] or 0)):
+            row = peak.copy() if chunk is None else base.copy()
+            if chunk is not None and chunk >= 0:
+                row += moments[chunk]
             for c, j in enumerate(stages):
                 receive, send = costs.copies_at(j, vector[c], done[c])
                 row += vector[c] * stored[c] + receive * into[c] + send * out[c]

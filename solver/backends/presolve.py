@@ -85,7 +85,11 @@ class Presolve:
         # l that can sit beside it (during(l)), or its last layer's transient (during(last))
         after = np.concatenate((np.cumsum(stored_ub[::-1])[::-1][1:], [0]))
         one_stage_extra = int(max(transient.min(initial=0), (transient - after).max(initial=0)))
-        if ranks < num_stages:  # interleaved ranks keep the largest transient
+        if costs.layer_moment_ranks:
+            # interleaved 1F1B: every rank holds least_held of each chunk while one of its
+            # chunks runs its largest layer moment, at least its last layer's transient
+            one_stage_extra = ranks * int(transient.min(initial=0))
+        elif ranks < num_stages:  # the persistent moment: the largest transient throughout
             one_stage_extra = int(transient.max(initial=0))
         time_ns, tail_ns = costs.time_ns, costs.tail_ns
         if problem.placement is not None:  # a layer's time on its fastest group

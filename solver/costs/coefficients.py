@@ -144,6 +144,12 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
     backwards_done: list[list[tuple[int, ...]]] = field(default_factory=list)
     """Parallel to ``in_flight_vectors``: backwards each chunk has done at that moment (only
     the torch runtime's interleaved buffers depend on it; zeros by default)."""
+    running_chunks: list[list[int]] = field(default_factory=list)
+    """Parallel to ``in_flight_vectors`` (interleaved 1F1B): the chunk whose layer runs at that
+    moment, -1 none (``schedule.running_moments``; ``stages._rank_peak_moment`` adds that
+    chunk's largest layer moment). Empty: the persistent moment, every moment with the rank's
+    largest transient (the split-backward schedules; one chunk per rank has its own layer
+    moments, ``stages.layer_moments``)."""
     pending_vectors: list[list[tuple[int, ...]]] = field(default_factory=list)
     """Parallel to ``in_flight_vectors``: per chunk the held micro-batches between their I and
     their W (split-backward schedules, ``split_rows``; zeros by default)."""
@@ -269,7 +275,8 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
         of the step runs before the stage's first backward: GPipe, or 1F1B with m <= p - s
         (k_s = m). Under 1F1B with m > p - s a forward follows the first backward, holding k_s
         micro-batches and every gradient: the moments with every gradient, exactly. Interleaved
-        stages keep the persistent moment (an upper bound: fewer gradients never take memory)."""
+        stages keep every gradient at every moment (an upper bound: fewer gradients never take
+        memory)."""
         if self.backward_weight_bytes is not None and self.config.virtual_stages == 1:
             return [True] * len(self.in_flight)  # late_column: every stage, every schedule
         return self.grads_late
@@ -317,6 +324,13 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
         """A split-backward schedule (zbv, dualpipev, interleaved-zb): each rank's peak is a row
         per moment of ``split_rows`` (held, pending W, done, gradients started)."""
         return self.config.schedule in ZERO_BUBBLE_SCHEDULES
+
+    @property
+    def layer_moment_ranks(self) -> bool:
+        """Interleaved ranks whose moments say which chunk runs (``running_chunks``): each
+        running chunk adds its largest layer moment over its kept micro-batch (``T_v`` rows of
+        ``formulation_moments``), not the rank's largest transient."""
+        return bool(self.running_chunks)
 
     @property
     def rank_rows(self) -> bool:

@@ -190,7 +190,8 @@ def backward_weight_bytes(
 def _resharded(config: ParallelConfig, training: TrainingConfig) -> bool:
     """FSDP2 ZeRO 3 under pipelining without interleaving, by 1F1B or GPipe:
     ``backward_weight_bytes`` applies. Interleaved ranks and the split-backward schedules keep
-    the persistent moment (an upper bound), every unsharded weight a state."""
+    every unsharded weight a state (an upper bound), a gather's flat buffer in its layer's
+    transient."""
     return (
         reduces_per_step(config, training.runtime)
         and config.zero >= 3

@@ -131,7 +131,7 @@ def layer_costs(
 
     Vectorised over layers; integer terms use exact integer arithmetic (ceil of a ratio of ints).
     """
-    in_flight, vectors, dones = in_flight_counts(config, training)
+    in_flight, vectors, dones, running = in_flight_counts(config, training)
     receive_copies, send_copies = stage_boundary_copies(
         training.runtime,
         config,
@@ -194,6 +194,7 @@ def layer_costs(
         in_flight=in_flight,
         in_flight_vectors=vectors,
         backwards_done=dones,
+        running_chunks=running,
         receive_copies=receive_copies,
         send_copies=send_copies,
         runtime=training.runtime,

@@ -233,11 +233,82 @@ def split_action_counts(
         yield tuple(held), tuple(pending), tuple(done), grads
 
 
+def running_moments(
+    num_microbatches: int,
+    num_ranks: int,
+    num_chunks: int,
+    rank: int,
+    group: int | None = None,
+) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Every moment of interleaved rank r's schedule (``schedule_actions``) as (n, B, c): the
+    micro-batches each chunk holds, the backwards each chunk has done, and the chunk c whose
+    layer runs then (-1: none). While a forward of chunk c runs, n counts its micro-batch
+    (the state after it); while a backward runs, n still counts it (the state before it);
+    after a backward nothing runs until the next action (n, B after it). The moment after a
+    forward is its own running moment at its last layer (``stages._rank_peak_moment``)."""
+    v = num_chunks
+    held, done = [0] * v, [0] * v
+    moments = []
+    for action in schedule_actions(num_microbatches, num_ranks, v, rank, group):
+        c = action.chunk
+        if action.kind == "F":
+            held[c] += 1
+            moments.append((tuple(held), tuple(done), c))
+            continue
+        moments.append((tuple(held), tuple(done), c))
+        held[c] -= 1
+        done[c] += 1
+        moments.append((tuple(held), tuple(done), -1))
+    return moments
+
+
+def undominated_running(moments, runtime: str) -> list[tuple[tuple[int, ...], ...]]:
+    """``running_moments`` less those another dominates, in their order (the first of equal
+    ones). A rank's memory at (n, B, c) is states + sum_c' [n_c' kept_c' + R In_c' + S Out_c']
+    + extra_c (extra_c >= 0 of the running chunk, 0 when none runs; ``stages``), so a moment
+    is dropped when another has n, R and S at least as large in every chunk and the same
+    running chunk, or any running chunk where it has none. torch: (R, S) grow with (B - n,
+    B + n) (``LayerCosts.copies_at``); megatron: with n only, and B is dropped (zeros)."""
+    torch = runtime == "torch"
+    if not torch:
+        moments = [(n, (0,) * len(n), c) for n, _, c in moments]
+    # B only grows: at the same (n, c) the latest moment has R and S at least as large (in
+    # its place; megatron's, all alike, in the first one's)
+    latest: dict[tuple, tuple] = {}
+    for held, done, running in moments:
+        if torch:
+            latest.pop((held, running), None)
+        latest.setdefault((held, running), (held, done, running))
+    moments = list(latest.values())
+    rows = []
+    for held, done, running in moments:
+        v = len(held)
+        key = list(held)
+        if torch:
+            key += [b - n for n, b in zip(held, done, strict=True)]
+            key += [b + n for n, b in zip(held, done, strict=True)]
+        rows.append(key + [int(running == c) for c in range(v)])
+    keys = np.array(rows, dtype=np.int64)
+    at_least = np.all(keys[:, None, :] >= keys[None, :, :], axis=2)  # [j, i]: j >= i everywhere
+    differs = np.any(keys[:, None, :] != keys[None, :, :], axis=2)
+    dominated = np.any(at_least & differs, axis=0)
+    _, first = np.unique(keys, axis=0, return_index=True)
+    unique = np.zeros(len(moments), dtype=bool)
+    unique[first] = True
+    return [
+        moment
+        for moment, drop, keep in zip(moments, dominated.tolist(), unique.tolist(), strict=True)
+        if keep and not drop
+    ]
+
+
 def in_flight_counts(config: ParallelConfig, training: TrainingConfig):
-    """(k_j per virtual stage, in-flight vectors per rank, backwards done at each) of
-    ``config``: on the torch runtime with interleaving every moment of the schedule (its
-    buffers grow with the backwards done, and shrink with the held inputs), else the maximal
-    vectors."""
+    """(k_j per virtual stage, in-flight vectors per rank, backwards done at each, the running
+    chunk at each) of ``config``. With interleaving (1F1B) the undominated moments of
+    ``running_moments`` (the running chunks, -1 none; ``stages._rank_peak_moment``); for the
+    split-backward schedules on the torch runtime every moment of the schedule (its buffers
+    grow with the backwards done, and shrink with the held inputs) and no running chunk (their
+    persistent moment); without interleaving [(k_s)] and none."""
     p, v, m = config.pp, config.virtual_stages, config.num_microbatches
     if config.schedule in ZERO_BUBBLE_SCHEDULES:  # every moment of torch's lists
         moments = [
@@ -249,25 +320,25 @@ def in_flight_counts(config: ParallelConfig, training: TrainingConfig):
         ranks = stage_ranks(config.schedule, p, v)
         chunk = [rank_stages(config.schedule, p, v, ranks[j]).index(j) for j in range(p * v)]
         in_flight = [max(vector[chunk[j]] for vector in vectors[ranks[j]]) for j in range(p * v)]
-        return in_flight, vectors, dones
+        return in_flight, vectors, dones, []
     if v == 1:
         in_flight = [in_flight_microbatches(config.schedule, m, p, s) for s in range(p)]
-        return in_flight, [[(k,)] for k in in_flight], [[(0,)] for _ in in_flight]
+        return in_flight, [[(k,)] for k in in_flight], [[(0,)] for _ in in_flight], []
     if training.memory_model != "analytic":
         raise InputError(
             "memory model empirical: the statistics describe contiguous stages; interleaved "
             "stages (--virtual-stages > 1) need the analytic model"
         )
     group = interleaved_schedule_groups(training.runtime, m, p)
-    if training.runtime == "torch":
-        moments = [_undominated_moments(schedule_moments(m, p, v, r, group)) for r in range(p)]
-        vectors = [[n for n, _ in rank] for rank in moments]
-        dones = [[done for _, done in rank] for rank in moments]
-    else:
-        vectors = [in_flight_vectors(m, p, v, r, group) for r in range(p)]
-        dones = [[(0,) * v for _ in rank] for rank in vectors]
+    moments = [
+        undominated_running(running_moments(m, p, v, r, group), training.runtime)
+        for r in range(p)
+    ]
+    vectors = [[n for n, _, _ in rank] for rank in moments]
+    dones = [[done for _, done, _ in rank] for rank in moments]
+    running = [[c for _, _, c in rank] for rank in moments]
     in_flight = [max(vector[j // p] for vector in vectors[j % p]) for j in range(p * v)]
-    return in_flight, vectors, dones
+    return in_flight, vectors, dones, running
 
 
 def _undominated_moments(moments):

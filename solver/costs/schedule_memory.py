@@ -5,16 +5,22 @@ picture (``solver.report.schedule_plot``), from the same terms as the stage peak
 Per rank r, its actions in the order it runs them (``schedule.schedule_actions``, the list the
 time simulation runs), with n_c micro-batches held and B_c backwards done per chunk c after each
 (bytes per GPU; kept_j = stored_j + relay_j per micro-batch, buffers(n, B) = R(n, B) into +
-S(n, B) out_of, ``boundaries.stage_buffer_bytes``, trans_r = the largest transient of the rank):
+S(n, B) out_of, ``boundaries.stage_buffer_bytes``, trans_r = the largest transient of the rank,
+what the split-backward schedules' moments take):
 
   states    = weights + optimizer (+ DDP's gradient buckets, + a calibration's constant)
   grads     = every gradient; with gradient lifetime "step" and no interleaving, none before
               the rank's first backward (they appear there)
 
-Interleaved ranks (v > 1), at the end of each action, as their peak (an upper bound: every
-gradient throughout, the rank's largest transient at each moment, ``schedule.schedule_moments``):
+Interleaved ranks (v > 1), every gradient throughout, with n_c held and B_c backwards done per
+chunk (``schedule.running_moments``): while an action of chunk c runs its layer l, its micro-batch
+keeps its relays and stored_c(<= l) (a forward has not run the later layers yet, a backward has
+freed them) and l has its transient (``stages.chunk_moment``: the chunk's largest such moment):
 
-  F or B    = states + grads + sum_c n_c kept_c + sum_c buffers_c(n_c, B_c) + trans_r
+  F         = states + grads + sum_c' n_c' kept_c' - stored_c(> l) + trans_l + buffers(n, B)
+              (n, B after it: the forward's micro-batch counted)
+  B         = the larger of the same with n, B before it (its micro-batch still counted) and
+              states + grads + sum_c' n_c' kept_c' + buffers(n, B) after it (nothing running)
 
 A stage without interleaving peaks inside one of its layers (``stages.layer_moments``); its
 actions follow the same layers (h micro-batches held during the action, the current one among
@@ -66,6 +72,7 @@ from solver.costs.schedule import (
 )
 from solver.costs.schedule_orders import ZERO_BUBBLE_SCHEDULES
 from solver.costs.stages import (
+    chunk_moment,
     layer_moments,
     optimizer_step_moment,
     pending_gradients,
@@ -125,6 +132,8 @@ def rank_memory(
             values, counts = _split_bytes(terms, rank, own, actions)
         elif v == 1 and (terms.stage_of == rank).any():
             values = _layerwise_bytes(terms, rank, actions)
+        elif costs.layer_moment_ranks:
+            values = _interleaved_bytes(terms, rank, actions)
         else:
             values = _held_bytes(terms, rank, actions)
         step = None
@@ -208,6 +217,48 @@ def _held_bytes(terms: _Terms, rank: int, actions: tuple[ScheduleAction, ...]) -
         activations = sum(n * int(terms.kept[j]) for n, j in zip(held, own, strict=True))
         buffers = sum(terms.buffers(j, n, b) for n, b, j in zip(held, done, own, strict=True))
         values.append(states + grads + activations + buffers + largest)
+    return values
+
+
+def _interleaved_bytes(
+    terms: _Terms, rank: int, actions: tuple[ScheduleAction, ...]
+) -> list[int]:
+    """The memory of each action of an interleaved rank (module docstring: F, B), every
+    gradient throughout."""
+    costs = terms.costs
+    own = costs.stages_of_rank(rank)
+    v = len(own)
+    base = terms.states(rank) + int(terms.grads[own].sum())
+    running = [
+        chunk_moment(
+            costs,
+            np.flatnonzero(terms.stage_of == j).tolist(),
+            terms.stored_per_layer,
+            terms.transient_per_layer,
+        )
+        for j in own
+    ]
+    held, done = [0] * v, [0] * v
+
+    def now(chunk: int) -> int:
+        """The rank's memory with ``held``, ``done`` and ``chunk``'s layer running (-1: none)."""
+        activations = sum(n * int(terms.kept[j]) for n, j in zip(held, own, strict=True))
+        buffers = sum(terms.buffers(j, n, b) for n, b, j in zip(held, done, own, strict=True))
+        fewer, transient = running[chunk] if chunk >= 0 else (0, 0)
+        return base + activations - fewer + transient + buffers
+
+    values = []
+    for action in actions:
+        assert action.kind in ("F", "B"), f"no memory rule for a {action.kind} step yet"
+        c = action.chunk
+        if action.kind == "F":
+            held[c] += 1
+            values.append(now(c))
+            continue
+        during = now(c)
+        held[c] -= 1
+        done[c] += 1
+        values.append(max(during, now(-1)))
     return values
 
 

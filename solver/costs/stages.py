@@ -15,9 +15,13 @@ the stage in forward order:
               m <= p - s; ``LayerCosts.first_backward_peak``): grads = grads(> l), and one more
               moment, after the first backward:
               after     = (k-1)(stored_s + relay_s) + grads_s + trans_s + buffers(k-1)
-  interleaved stages (v > 1) keep the persistent moment, an upper bound of the above, per rank
-              and in-flight vector n of its chunks c (``_rank_peak_moment``):
-              peak_r = states_r + sum_c n_c (stored_c + relay_c) + buffers(n) + max_l trans_l
+  interleaved stages (v > 1), per rank, at each moment (n, B, c) of its schedule
+              (``schedule.running_moments``: n_c held and B_c backwards done per chunk, layer
+              l of chunk c running, the forward's micro-batch or the backward's among the n_c;
+              ``_rank_peak_moment``), as during(l) with the other chunks' micro-batches:
+              peak_r = states_r + sum_c' n_c' kept_c' - kept_c + relay_c
+                       + max_{l in c} (stored_c(<= l) + trans_l) + buffers(n, B)
+              (kept_j = stored_j + relay_j; no running chunk: no transient)
   split backwards (zbv, dualpipev, interleaved-zb; ``schedule_orders``), per rank, the largest
               moment after an action of torch's list (``schedule.split_moments``: n_c held,
               w_c between their I and their W, B_c done per chunk c; ``_split_peak_moment``):
@@ -124,9 +128,10 @@ def _stage_costs(
                 costs, rank, grads, kept, pending, (into, out_of, adjust)
             )
         else:
-            activations, buffers, vector = _rank_peak_moment(
-                costs, rank, kept, into, out_of, adjust
-            )
+            activations, buffers, vector, largest = _rank_peak_moment(
+                costs, rank, kept, (into, out_of, adjust), chunks,
+                (stored_per_layer, transient_per_layer), largest,
+            )  # fmt: skip
         if costs.config.virtual_stages == 1 and chunks[0] and not split:
             moments = layer_moments(
                 costs, rank, chunks[0], stored_per_layer, transient_per_layer,
@@ -229,16 +234,17 @@ def layer_moments(
         during(l) = (k - 1) (stored_s + relay_s) + relay_s + stored(<= l) + grads + transient_l
                     + buffers at k held
 
-    so max_l during(l) bounds every moment of the schedule, and during(last layer) is the end
-    of a forward with k held (the persistent moment of the interleaved stages, which keep it:
-    ``_rank_peak_moment``, an upper bound). ``grads`` is every gradient of the stage where they
-    exist then (persistent lifetime; step lifetime where a forward follows the first backward,
-    1F1B with k < m). Where gradients appear at the first backward and no forward follows it
-    (``LayerCosts.first_backward_peak``: step lifetime, k = m), the layers after l have theirs
-    and l's weight-gradient temporary is the first of its gradients (no ``.grad`` to add it to
-    yet): grads = grads(> l), and during(last layer) is the start of the first backward. After
-    the first backward every gradient exists and at most k - 1 micro-batches are held (the later
-    backwards free more; a safe bound), one more moment of those stages:
+    so max_l during(l) bounds every moment of the schedule, and during(last layer) is the end of
+    a forward with k held (interleaved ranks take the same moments per running chunk, beside the
+    other chunks' held micro-batches: ``_rank_peak_moment``). ``grads`` is every gradient of the
+    stage where they exist then (persistent lifetime; step lifetime where a forward follows the
+    first backward, 1F1B with k < m). Where gradients appear at the first backward and no
+    forward follows it (``LayerCosts.first_backward_peak``: step lifetime, k = m), the layers
+    after l have theirs and l's weight-gradient temporary is the first of its gradients (no
+    ``.grad`` to add it to yet): grads = grads(> l), and during(last layer) is the start of the
+    first backward. After the first backward every gradient exists and at most k - 1
+    micro-batches are held (the later backwards free more; a safe bound), one more moment of
+    those stages:
 
         after = (k - 1) (stored_s + relay_s) + grads_s + max transient_s + buffers at k - 1 held
 
@@ -284,30 +290,63 @@ def per_stage_sum(values: np.ndarray, stage_of: np.ndarray, num_stages: int) -> 
     return total
 
 
+def chunk_moment(
+    costs: LayerCosts, layers: list[int], stored: np.ndarray, transient: np.ndarray
+) -> tuple[int, int]:
+    """(stored(> l), transient_l) of chunk (virtual stage) ``layers`` (forward order) at its
+    layer l with the largest stored(<= l) + transient_l: what its running micro-batch does not
+    keep of the chunk's stored bytes and what runs beside the rest while l runs, forward or
+    backward (in its backward autograd has freed the saved tensors of the layers after l),
+    with the model's output the torch pipeline keeps on the chunk holding the last layer
+    (``LayerCosts.moment_transient``). (0, 0) for an empty chunk. ``stored``, ``transient``:
+    per layer (a recompute set applied)."""
+    if not layers:
+        return 0, 0
+    running = costs.moment_transient(transient, costs.num_layers - 1 in layers)[layers]
+    before = np.cumsum(stored[layers])
+    best = int(np.argmax(before + running))
+    return int(before[-1] - before[best]), int(running[best])
+
+
 def _rank_peak_moment(
     costs: LayerCosts,
     rank: int,
     kept: np.ndarray,
-    into: np.ndarray,
-    out_of: np.ndarray,
-    adjust: tuple[np.ndarray, np.ndarray] | None = None,
-) -> tuple[int, int, tuple[int, ...]]:
-    """(activations, buffers, in-flight vector) at the moment of the rank's schedule with the
-    most activations + buffers (buffers depend on the moment only on the torch runtime with
-    interleaving; ties: the larger vector)."""
+    boundaries: tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None],
+    layers: list[list[int]],
+    per_layer: tuple[np.ndarray, np.ndarray],
+    largest: int,
+) -> tuple[int, int, tuple[int, ...], int]:
+    """(activations, buffers, in-flight vector, transient) at the largest moment of the rank's
+    schedule (buffers depend on the moment only on the torch runtime with interleaving; ties:
+    the larger vector). Where the moments say which chunk runs (``LayerCosts.running_chunks``)
+    the running micro-batch keeps its relays and stored(<= l) of its chunk (``layers``: each
+    chunk's, forward order), l's transient beside it (``chunk_moment`` of ``per_layer``, the
+    stored and transient bytes), none where no chunk runs; else every micro-batch whole and the
+    rank's ``largest`` transient. ``boundaries``: (into, out_of, adjust) of the buffers."""
     own = costs.stages_of_rank(rank)
+    into, out_of, adjust = boundaries
+    chunks, running = None, None
+    if costs.layer_moment_ranks:
+        chunks = costs.running_chunks[rank]
+        running = [chunk_moment(costs, chunk, *per_layer) for chunk in layers]
     moments = []
-    for vector, dones in zip(
-        costs.in_flight_vectors[rank], costs.backwards_done[rank], strict=True
+    for i, (vector, dones) in enumerate(
+        zip(costs.in_flight_vectors[rank], costs.backwards_done[rank], strict=True)
     ):
         activations = int(sum(n * kept[j] for n, j in zip(vector, own, strict=True)))
         buffers = sum(
             stage_buffer_bytes(costs, stage, held, done, into, out_of, adjust)
             for held, done, stage in zip(vector, dones, own, strict=True)
         )
-        moments.append((activations + buffers, activations, buffers, vector))
-    _, activations, buffers, vector = max(moments)
-    return activations, buffers, vector
+        transient = largest if chunks is None else 0
+        if chunks is not None and chunks[i] >= 0:
+            # the running micro-batch keeps its relays and stored(<= l), not all of its chunk's
+            fewer, transient = running[chunks[i]]
+            activations -= fewer
+        moments.append((activations + buffers + transient, activations, buffers, transient, vector))
+    _, activations, buffers, transient, vector = max(moments)
+    return activations, buffers, vector, transient
 
 
 def _split_peak_moment(
