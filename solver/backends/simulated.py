@@ -92,7 +92,8 @@ def solve_simulated(
             best = _Incumbent(value, _solution(hint, flags, hint_groups, value, "hint"))
             excluded.append(assignment_key(hint, flags, hint_groups))
             hint = hint_recomputed = hint_groups = None
-    lower = None  # the last round's bound (None: nothing left below the incumbent)
+    lower = None  # the rounds' best bound (None: nothing left below the incumbent)
+    floor = 0  # every round's space is within the first's: its bound holds for all of them
     while True:
         budget = relaxed.iteration_budget_ns
         if problem.objective == OBJECTIVE_TIME and best is not None:
@@ -106,7 +107,8 @@ def solve_simulated(
             hint_groups=hint_groups,
         )
         hint = hint_recomputed = hint_groups = None
-        lower = None if found.status == INFEASIBLE else found.bound
+        floor = max(floor, found.bound) if found.status != INFEASIBLE else floor
+        lower = None if found.status == INFEASIBLE else floor
         if not found.has_solution:
             break  # INFEASIBLE: nothing left below U; UNKNOWN: the time ran out
         split, flags, groups = found.stage_of_layer, found.recomputed, found.group_of_stage
