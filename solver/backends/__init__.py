@@ -76,7 +76,45 @@ def solve(
 ) -> StageSolution:
     """Solve one config's problem exactly with a resolved backend name (the hint: a split, and
     its recompute flags under selective recomputation, the group of each stage with a
-    placement)."""
+    placement). A problem whose time is the simulated one (``StageProblem.simulated``) is
+    solved by bounding and simulating (``solver.backends.simulated``), one implementation for
+    every backend."""
+    from solver.backends.simulated import CUT_BACKENDS, needs_simulation, solve_simulated
+
+    if needs_simulation(problem):
+        return solve_simulated(
+            problem,
+            lambda bound_problem, **hints: _solve_bound(
+                bound_problem, backend, num_workers=num_workers, **hints
+            ),
+            cuts=backend in CUT_BACKENDS,
+            time_limit_s=time_limit_s,
+            hint=hint,
+            hint_recomputed=hint_recomputed,
+            hint_groups=hint_groups,
+        )
+    return _solve_bound(
+        problem,
+        backend,
+        time_limit_s=time_limit_s,
+        hint=hint,
+        hint_recomputed=hint_recomputed,
+        hint_groups=hint_groups,
+        num_workers=num_workers,
+    )
+
+
+def _solve_bound(
+    problem: StageProblem,
+    backend: str,
+    *,
+    time_limit_s: float,
+    hint: list[int] | None = None,
+    hint_recomputed: list[bool] | None = None,
+    hint_groups: list[int] | None = None,
+    num_workers: int = 1,
+) -> StageSolution:
+    """One backend's solve of the problem its model states (the iteration bound)."""
     if backend == "chain":
         from solver.backends.chain import solve_chain
 

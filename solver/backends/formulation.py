@@ -531,6 +531,7 @@ class PrefixFormulation(
             self._add_one_group_per_stage()
             self._add_group_sizes()
         self._add_recompute_member()
+        self._add_excluded()
         if self.needs_memory:
             self._add_relay()
             self._add_transient()
@@ -540,6 +541,29 @@ class PrefixFormulation(
             self._add_stage_time()
             self._add_iteration_budget()
             self._add_iteration_bound()
+
+    def _add_excluded(self) -> None:
+        """Each cut-off assignment (``problem.excluded``: split, recompute flags, groups) as a
+        no-good row: at least one of its binary variables (y, rc, g) takes the other value."""
+        for k, (split, flags, groups) in enumerate(self.problem.excluded):
+            self._tick()
+            terms = [
+                1 - y if split[layer] <= s else y
+                for layer, row in enumerate(self.vars.prefix)
+                for s, y in enumerate(row)
+            ]
+            if self.problem.selective:
+                terms += [
+                    1 - rc if flags is not None and flags[layer] else rc
+                    for layer, rc in enumerate(self.vars.recompute)
+                ]
+            if self.placement is not None and groups is not None:
+                terms += [
+                    1 - g if groups[s] == group else g
+                    for s, row in enumerate(self.vars.group)
+                    for group, g in enumerate(row)
+                ]
+            self._add(self._sum(terms) >= 1, f"cut_{k}")
 
     def _set_objective(self) -> None:
         """min peak ("memory") or min I ("time")."""

@@ -30,6 +30,7 @@ import numpy as np
 
 from solver.costs import (
     LayerCosts,
+    stages_iteration_ns,
     StageCost,
     iteration_bound_ns,
     placed_stage_costs,
@@ -88,6 +89,15 @@ class StageProblem:
     """Node groups of a heterogeneous cluster (None: homogeneous)."""
     utilization_limit_ppm: int | None = None
     """With a placement: every stage's utilization must be <= this (ppm)."""
+    simulated: bool = False
+    """The time objective and the budget are the SIMULATED iteration
+    (``costs.stages_iteration_ns``), which every backend's model bounds from below by the
+    iteration bound (``costs.iteration_bound_ns``): ``solver.backends.simulated`` closes the gap
+    by bounding and simulating. False: the bound itself (what a backend's model constrains)."""
+    excluded: tuple[tuple, ...] = ()
+    """Assignments cut off (``assignment_key``): the splits a bound-and-simulate search has
+    simulated already (``solver.backends.simulated``); every backend that takes cuts
+    (``CUT_BACKENDS``) leaves them out, and :meth:`violation` refuses them."""
 
     @property
     def num_stages(self) -> int:
@@ -150,10 +160,25 @@ class StageProblem:
         stages = self.stages(stage_of_layer, recomputed, group_of_stage)
         return self.memory_value(stages, group_of_stage), iteration_bound_ns(self.costs, stages)
 
-    def objective_of(self, stages: list[StageCost], group_of_stage: list[int] | None = None) -> int:
-        """The objective of a split from its :meth:`stages`."""
+    def iteration_of(self, stages: list[StageCost], stage_of_layer) -> int:
+        """The iteration the time objective and the budget mean: simulated (``simulated``, on
+        the schedules ``solver.backends.simulated.needs_simulation`` names) or the bound, ns."""
+        costs = self.costs
+        if self.simulated and costs.rank_rows and costs.has_compute_time:
+            return stages_iteration_ns(self.costs, stages, stage_of_layer)
+        return iteration_bound_ns(self.costs, stages)
+
+    def objective_of(
+        self,
+        stages: list[StageCost],
+        group_of_stage: list[int] | None = None,
+        stage_of_layer=None,
+    ) -> int:
+        """The objective of a split from its :meth:`stages` (a simulated time needs the split)."""
         if self.objective == OBJECTIVE_MEMORY:
             return self.memory_value(stages, group_of_stage)
+        if self.simulated:
+            return self.iteration_of(stages, stage_of_layer)
         return iteration_bound_ns(self.costs, stages)
 
     def objective_value(
@@ -162,8 +187,11 @@ class StageProblem:
         recomputed: Recomputed = None,
         group_of_stage: list[int] | None = None,
     ) -> int:
-        memory, iteration = self.measure(stage_of_layer, recomputed, group_of_stage)
-        return memory if self.objective == OBJECTIVE_MEMORY else iteration
+        if self.objective == OBJECTIVE_MEMORY or not self.simulated:
+            memory, iteration = self.measure(stage_of_layer, recomputed, group_of_stage)
+            return memory if self.objective == OBJECTIVE_MEMORY else iteration
+        stages = self.stages(stage_of_layer, recomputed, group_of_stage)
+        return self.iteration_of(stages, stage_of_layer)
 
     def violation(
         self,
@@ -185,6 +213,8 @@ class StageProblem:
         empty = sorted(set(range(self.num_stages)) - set(stage_of.tolist()))
         if empty:
             return f"stage {empty[0]} is empty"
+        if self.excluded and assignment_key(stage_of, recomputed, group_of_stage) in self.excluded:
+            return "cut off (simulated already)"
         costs = self.costs
         backwards = stage_of[costs.edge_src] > stage_of[costs.edge_dst]
         if backwards.any():
@@ -197,7 +227,6 @@ class StageProblem:
                 return reason
         stages = self.stages(stage_of, recomputed, group_of_stage)
         peak = max(s.peak_bytes for s in stages)
-        iteration = iteration_bound_ns(costs, stages)
         if self.capacity_bytes is not None and peak > self.capacity_bytes:
             return f"peak {peak} B > capacity {self.capacity_bytes} B"
         if placement is not None:
@@ -212,9 +241,24 @@ class StageProblem:
             if limit is not None and placement.memory_objective == UTILIZATION:
                 if utilization > limit:
                     return f"utilization {utilization} ppm > limit {limit} ppm"
-        if self.iteration_budget_ns is not None and iteration > self.iteration_budget_ns:
-            return f"iteration {iteration} ns > budget {self.iteration_budget_ns} ns"
+        if self.iteration_budget_ns is not None:
+            iteration = self.iteration_of(stages, stage_of)
+            if iteration > self.iteration_budget_ns:
+                return f"iteration {iteration} ns > budget {self.iteration_budget_ns} ns"
         return None
+
+
+def assignment_key(stage_of_layer, recomputed: Recomputed = None, group_of_stage=None) -> tuple:
+    """An assignment as a hashable key (``StageProblem.excluded``): its split, the recompute
+    flags (None: none recomputed) and the stage groups."""
+    flags = None
+    if recomputed is not None and np.any(recomputed):
+        flags = tuple(bool(f) for f in recomputed)
+    return (
+        tuple(int(s) for s in stage_of_layer),
+        flags,
+        None if group_of_stage is None else tuple(int(k) for k in group_of_stage),
+    )
 
 
 def _placement_violation(

@@ -499,6 +499,7 @@ class _Search:
             iteration_budget_ns=self.iteration_budget_ns,
             placement=entry.placement,
             utilization_limit_ppm=self.utilization_limit_ppm,
+            simulated=True,
         )
 
     def _solve_config(self, entry: ConfigEntry, *, still_to_visit: int) -> None:
@@ -682,6 +683,7 @@ def refine(
         iteration_budget_ns=iteration_budget_ns,
         placement=entry.placement,
         utilization_limit_ppm=utilization_limit_ppm,
+        simulated=True,
     )
     solution = solve(
         problem,

@@ -187,6 +187,32 @@ def incumbent(
     )
 
 
+def chunk_balanced_splits(num_layers: int, pp: int, num_stages: int) -> dict[str, list[int]]:
+    """Splits of a chain into ``num_stages`` virtual stages (stage j on rank j mod ``pp``) of
+    floor(L / J) layers each, the R = L mod J layers left over one each on R of them: the last R
+    stages, the first R, or the last rank's chunks (then the one before it...), or the first
+    rank's: the layouts a user would script for an interleaved or V schedule (a candidate
+    incumbent; its simulated time may beat the even split's)."""
+    base, extra = divmod(num_layers, num_stages)
+    if base == 0:
+        return {}
+    by_last_rank = sorted(range(num_stages), key=lambda j: (-(j % pp), -j))
+    by_first_rank = sorted(range(num_stages), key=lambda j: (j % pp, j))
+    orders = {
+        "balanced-last": list(range(num_stages - 1, -1, -1)),
+        "balanced-first": list(range(num_stages)),
+        "balanced-last-rank": by_last_rank,
+        "balanced-first-rank": by_first_rank,
+    }
+    splits = {}
+    for name, order in orders.items():
+        counts = [base] * num_stages
+        for j in order[:extra]:
+            counts[j] += 1
+        splits[name] = [j for j, count in enumerate(counts) for _ in range(count)]
+    return splits
+
+
 def _candidates(
     problem: StageProblem,
     splits: dict[str, list[int]],
@@ -198,6 +224,9 @@ def _candidates(
         [[False] * problem.num_layers, [True] * problem.num_layers] if problem.selective else [None]
     )
     seen = set()
+    if problem.costs.rank_rows:
+        pp = problem.costs.config.pp
+        splits = {**splits, **chunk_balanced_splits(problem.num_layers, pp, problem.num_stages)}
     for name, split in splits.items():
         if len(split) != problem.num_layers or max(split, default=0) >= problem.num_stages:
             continue
@@ -231,6 +260,7 @@ __all__ = [
     "QUICK_METHODS",
     "Candidate",
     "QuickMethod",
+    "chunk_balanced_splits",
     "QuickSplit",
     "incumbent",
     "one_chunk_per_rank",
