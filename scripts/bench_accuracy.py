@@ -586,6 +586,34 @@ def section(title: str, overrides, layouts, calibration, results, targets: str) 
     ]
 
 
+TORCH_TITLE = "torch.distributed.pipelining (`--runtime torch`, `--engine torch`)"
+MEGATRON_TITLE = "megatron-core 0.16.1 (`--runtime megatron`, `--engine megatron`)"
+
+
+def torch_rows(progress):
+    """(calibration, results) of the torch engine's gpt-tiny layouts."""
+    return calibrate("gpt-tiny", OVERRIDES, LAYOUTS, timeout_s=300, progress=progress)
+
+
+def torch_section(fit_and_results) -> list[str]:
+    fit, results = fit_and_results
+    return section(TORCH_TITLE, OVERRIDES, LAYOUTS, fit, results, "median 3%, max 8%")
+
+
+def megatron_rows(progress):
+    """(calibration, results) of the megatron engine's gpt-tiny layouts."""
+    return calibrate(
+        "gpt-tiny", MEGATRON_OVERRIDES, MEGATRON_LAYOUTS, timeout_s=300, progress=progress
+    )
+
+
+def megatron_section(fit_and_results) -> list[str]:
+    fit, results = fit_and_results
+    return section(
+        MEGATRON_TITLE, MEGATRON_OVERRIDES, MEGATRON_LAYOUTS, fit, results, "median 2%, max 5%"
+    )
+
+
 def write_part(
     path: Path, title: str, run: harness.Run, section_lines: list[str], *, in_main: bool = True
 ) -> None:
@@ -698,6 +726,24 @@ PARTS = {
         interleaved_section,
         True,
     ),
+    "--torch-only": (
+        "run only the torch.distributed.pipelining layouts (about 6 minutes) and write "
+        "bench_accuracy_torch.md",
+        "bench_accuracy_torch.md",
+        "torch.distributed.pipelining",
+        torch_rows,
+        torch_section,
+        True,
+    ),
+    "--megatron-only": (
+        "run only the megatron-core layouts (about 6 minutes) and write "
+        "bench_accuracy_megatron.md",
+        "bench_accuracy_megatron.md",
+        "megatron-core",
+        megatron_rows,
+        megatron_section,
+        True,
+    ),
     "--megatron-explicit": (
         "run only the megatron-core rows with its own explicit attention (about 3 minutes) "
         "and write bench_accuracy_megatron_explicit.md",
@@ -723,13 +769,8 @@ def main(argv: list[str] | None = None) -> int:
             lines = section_of(rows_of(progress))
             write_part(args.out / name, title, run, lines, in_main=in_main)
             return 0
-    torch_fit, torch_results = calibrate(
-        "gpt-tiny", OVERRIDES, LAYOUTS, timeout_s=300, progress=progress
-    )
-    megatron_fit, megatron_results = calibrate(
-        "gpt-tiny", MEGATRON_OVERRIDES, MEGATRON_LAYOUTS, timeout_s=300, progress=progress
-    )
-    rows = table_rows(torch_results) + table_rows(megatron_results)
+    torch_run, megatron_run = torch_rows(progress), megatron_rows(progress)
+    rows = table_rows(torch_run[1]) + table_rows(megatron_run[1])
     harness.write_csv(args.out / "bench_accuracy.csv", rows, list(rows[0]))
     lines = [
         "# Accuracy benchmark: predicted vs measured per-rank peak",
@@ -739,22 +780,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{harness.today()}; gloo on CPU, exact live-tensor accounting (every storage "
         "counted once, from before the wrappers on; the last of 2 iterations measured).",
         "",
-        *section(
-            "torch.distributed.pipelining (`--runtime torch`, `--engine torch`)",
-            OVERRIDES,
-            LAYOUTS,
-            torch_fit,
-            torch_results,
-            "median 3%, max 8%",
-        ),
-        *section(
-            "megatron-core 0.16.1 (`--runtime megatron`, `--engine megatron`)",
-            MEGATRON_OVERRIDES,
-            MEGATRON_LAYOUTS,
-            megatron_fit,
-            megatron_results,
-            "median 2%, max 5%",
-        ),
+        *torch_section(torch_run),
+        *megatron_section(megatron_run),
         *schedule_section(schedule_rows(progress)),
         *moe_section(moe_rows(progress)),
         *explicit_section(explicit_rows(progress)),
