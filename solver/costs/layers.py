@@ -132,17 +132,16 @@ def layer_costs(
     Vectorised over layers; integer terms use exact integer arithmetic (ceil of a ratio of ints).
     """
     in_flight, vectors, dones, running = in_flight_counts(config, training)
-    receive_copies, send_copies = stage_boundary_copies(
+    copies = stage_boundary_copies(
         training.runtime,
         config,
         deallocate_pipeline_outputs=training.deallocate_pipeline_outputs,
         in_flight=in_flight,
     )
-    held = _most_micro_batches_held(config, vectors)
+    receive_copies, send_copies = copies
     factor = routing_factor(graph, config, training)
-    check_exact_range(
-        graph, config, cluster, training, held, receive_copies, send_copies, factor=factor
-    )
+    most_held = _most_micro_batches_held(config, vectors)
+    check_exact_range(graph, config, cluster, training, most_held, *copies, factor=factor)
     cols = graph_columns(graph)
     if config.cp > 1:
         check_context_parallel(graph, config.cp, training.memory_model)
