@@ -58,6 +58,15 @@ OPTIONAL_INTEGER_FIELDS = (
     "fixed_weight_grad_transient_bytes",
 )
 """Layer fields that are whole numbers or None (not measured)."""
+
+UNBATCHED_FIELDS = {
+    "unbatched_activation_bytes": "activation_bytes",
+    "unbatched_transient_bytes": "transient_bytes",
+    "unbatched_weight_grad_transient_bytes": "weight_grad_transient_bytes",
+    "unbatched_attention_backward_transient_bytes": "attention_backward_transient_bytes",
+}
+"""Optional signed field -> its figure X: F = 2 X(1) - X(2), the part that does not grow with
+the batch; b samples hold b (X - F) + F (``solver.costs.unbatched``). Absent: 0."""
 VOCAB_TRANSIENT_PAIRS = (
     ("vocab_transient_bytes", "fixed_transient_bytes"),
     ("vocab_weight_grad_transient_bytes", "fixed_weight_grad_transient_bytes"),
@@ -80,7 +89,9 @@ MAX_MS = 1e9
 """Largest measured time of one layer per sample, ms (11.6 days)."""
 LIMITS: dict[str, float] = (
     dict.fromkeys(
-        (*INTEGER_FIELDS, *OPTIONAL_INTEGER_FIELDS, "mem_isolated", "mem_added"), MAX_COUNT
+        (*INTEGER_FIELDS, *OPTIONAL_INTEGER_FIELDS, *UNBATCHED_FIELDS)
+        + ("mem_isolated", "mem_added"),
+        MAX_COUNT,
     )
     | dict.fromkeys(("fwd_flops", "bwd_flops"), MAX_FLOPS)
     | dict.fromkeys(("fwd_ms", "bwd_ms"), MAX_MS)
@@ -196,6 +207,13 @@ class Layer:
     """``vocab_transient_bytes`` at the moments the weight gradients are made."""
     fixed_weight_grad_transient_bytes: int | None = None
     """``fixed_transient_bytes`` at the moments the weight gradients are made."""
+    unbatched_activation_bytes: int | None = None
+    """The part F of ``activation_bytes`` that does not grow with the batch (a causal mask):
+    b samples save b (X - F) + F; None: 0. Also for the three figures below
+    (``UNBATCHED_FIELDS``)."""
+    unbatched_transient_bytes: int | None = None
+    unbatched_weight_grad_transient_bytes: int | None = None
+    unbatched_attention_backward_transient_bytes: int | None = None
 
     @property
     def role(self) -> str:
@@ -534,7 +552,7 @@ def _check_numbers(document: dict[str, Any], origin: str, deadline: Deadline | N
                     f"{quote(item['name'], 40)} {_beyond('params')}"
                 )
         for key, value in item.items():
-            if key in LIMITS and not (math.isfinite(value) and value <= LIMITS[key]):
+            if key in LIMITS and not (math.isfinite(value) and abs(value) <= LIMITS[key]):
                 raise InputError(
                     f"{origin}: $.layers[{i}].{key}: {_number(value)} for layer "
                     f"{quote(item['name'], 40)} {_beyond(key)}"
@@ -563,7 +581,7 @@ def _beyond(key: str = "bytes") -> str:
 
 def _layer_from_dict(item: dict[str, Any]) -> Layer:
     values = {key: (int(value) if key in INTEGER_FIELDS else value) for key, value in item.items()}
-    for key in (*OPTIONAL_INTEGER_FIELDS, "mem_isolated", "mem_added"):
+    for key in (*OPTIONAL_INTEGER_FIELDS, *UNBATCHED_FIELDS, "mem_isolated", "mem_added"):
         if values.get(key) is not None:
             values[key] = int(values[key])
     for key in ("fwd_flops", "bwd_flops", "fwd_ms", "bwd_ms"):
@@ -635,6 +653,7 @@ def _check_layers(layers: list[Layer], origin: str, deadline: Deadline | None = 
                 f"transient_bytes ({layer.transient_bytes}) of layer {quote(layer.name)}; it is "
                 "the layer's transient at one moment of its run, at most its peak"
             )
+        _check_unbatched(layer, f"{origin}: $.layers[{i}]")
         at_backward = layer.attention_backward_transient_bytes
         if at_backward is not None and at_backward > layer.transient_bytes:
             raise InputError(
@@ -658,6 +677,18 @@ def _check_layers(layers: list[Layer], origin: str, deadline: Deadline | None = 
             raise InputError(
                 f"{origin}: $.layers[{i}]: layer {quote(layer.name)} has only one of "
                 "fwd_ms/bwd_ms; give both measured times or neither"
+            )
+
+
+def _check_unbatched(layer: Layer, where: str) -> None:
+    """A batch-independent part F is at most its figure X (absent: the transient)."""
+    for key, figure in UNBATCHED_FIELDS.items():
+        fixed, total = getattr(layer, key), getattr(layer, figure)
+        total = layer.transient_bytes if total is None else total
+        if fixed is not None and fixed > total:
+            raise InputError(
+                f"{where}.{key}: {fixed} exceeds {figure} ({total}) of layer {quote(layer.name)};"
+                " it is the part of it that does not grow with the batch, at most the whole"
             )
 
 
