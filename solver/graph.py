@@ -25,6 +25,7 @@ import networkx as nx
 
 from solver.deadline import Deadline, checked
 from solver.errors import InputError, quote
+from solver.graph_fields import UNBATCHED_FIELDS, check_unbatched, check_vocab
 from solver.files.jsonfile import check_name, read_json, schema_message
 
 INTEGER_FIELDS = (
@@ -60,16 +61,6 @@ OPTIONAL_INTEGER_FIELDS = (
     "weight_op_output_grad_bytes",
 )
 """Layer fields that are whole numbers or None (not measured)."""
-VOCAB_TRANSIENT_PAIRS = (
-    ("vocab_transient_bytes", "fixed_transient_bytes"),
-    ("vocab_weight_grad_transient_bytes", "fixed_weight_grad_transient_bytes"),
-)
-"""The transients' vocabulary and fixed parts, each pair given together or not at all."""
-
-VOCAB_PARALLEL_MIN_ROWS = 16384
-"""A vocabulary of at least this many rows is split over TP in a profile's ``tp_params`` and
-``tp_activation_bytes``: what the torch runtime shards (``profiling.executors.parallelize``);
-Megatron splits every vocabulary (``solver.costs.vocab``)."""
 
 MAX_COUNT = 2**48
 """Largest parameter count or byte figure of one layer (or edge), per sample: 2^48 = 256 TiB
@@ -82,7 +73,9 @@ MAX_MS = 1e9
 """Largest measured time of one layer per sample, ms (11.6 days)."""
 LIMITS: dict[str, float] = (
     dict.fromkeys(
-        (*INTEGER_FIELDS, *OPTIONAL_INTEGER_FIELDS, "mem_isolated", "mem_added"), MAX_COUNT
+        (*INTEGER_FIELDS, *OPTIONAL_INTEGER_FIELDS, *UNBATCHED_FIELDS)
+        + ("mem_isolated", "mem_added"),
+        MAX_COUNT,
     )
     | dict.fromkeys(("fwd_flops", "bwd_flops"), MAX_FLOPS)
     | dict.fromkeys(("fwd_ms", "bwd_ms"), MAX_MS)
@@ -207,6 +200,13 @@ class Layer:
     """``vocab_transient_bytes`` at the moments the weight gradients are made."""
     fixed_weight_grad_transient_bytes: int | None = None
     """``fixed_transient_bytes`` at the moments the weight gradients are made."""
+    unbatched_activation_bytes: int | None = None
+    """The part F of ``activation_bytes`` that does not grow with the batch (a causal mask):
+    b samples save b (X - F) + F; None: 0. Also for the three figures below
+    (``UNBATCHED_FIELDS``)."""
+    unbatched_transient_bytes: int | None = None
+    unbatched_weight_grad_transient_bytes: int | None = None
+    unbatched_attention_backward_transient_bytes: int | None = None
 
     @property
     def role(self) -> str:
@@ -545,7 +545,7 @@ def _check_numbers(document: dict[str, Any], origin: str, deadline: Deadline | N
                     f"{quote(item['name'], 40)} {_beyond('params')}"
                 )
         for key, value in item.items():
-            if key in LIMITS and not (math.isfinite(value) and value <= LIMITS[key]):
+            if key in LIMITS and not (math.isfinite(value) and abs(value) <= LIMITS[key]):
                 raise InputError(
                     f"{origin}: $.layers[{i}].{key}: {_number(value)} for layer "
                     f"{quote(item['name'], 40)} {_beyond(key)}"
@@ -574,7 +574,7 @@ def _beyond(key: str = "bytes") -> str:
 
 def _layer_from_dict(item: dict[str, Any]) -> Layer:
     values = {key: (int(value) if key in INTEGER_FIELDS else value) for key, value in item.items()}
-    for key in (*OPTIONAL_INTEGER_FIELDS, "mem_isolated", "mem_added"):
+    for key in (*OPTIONAL_INTEGER_FIELDS, *UNBATCHED_FIELDS, "mem_isolated", "mem_added"):
         if values.get(key) is not None:
             values[key] = int(values[key])
     for key in ("fwd_flops", "bwd_flops", "fwd_ms", "bwd_ms"):
@@ -638,7 +638,7 @@ def _check_layers(layers: list[Layer], origin: str, deadline: Deadline | None = 
                     f"{'split' if 'tp' in part else 'unsplit'} parameters ({total}) of layer "
                     f"{quote(layer.name)}; it is the size of one parameter tensor of the layer"
                 )
-        _check_vocab(layer, f"{origin}: $.layers[{i}]")
+        check_vocab(layer, f"{origin}: $.layers[{i}]")
         at_weight_grad = layer.weight_grad_transient_bytes
         if at_weight_grad is not None and at_weight_grad > layer.transient_bytes:
             raise InputError(
@@ -646,6 +646,7 @@ def _check_layers(layers: list[Layer], origin: str, deadline: Deadline | None = 
                 f"transient_bytes ({layer.transient_bytes}) of layer {quote(layer.name)}; it is "
                 "the layer's transient at one moment of its run, at most its peak"
             )
+        check_unbatched(layer, f"{origin}: $.layers[{i}]")
         at_backward = layer.attention_backward_transient_bytes
         if at_backward is not None and at_backward > layer.transient_bytes:
             raise InputError(
@@ -669,37 +670,6 @@ def _check_layers(layers: list[Layer], origin: str, deadline: Deadline | None = 
             raise InputError(
                 f"{origin}: $.layers[{i}]: layer {quote(layer.name)} has only one of "
                 "fwd_ms/bwd_ms; give both measured times or neither"
-            )
-
-
-def _check_vocab(layer: Layer, where: str) -> None:
-    """The vocabulary fields describe whole rows of ``vocab_rows``, their transients in pairs,
-    and a vocabulary of 16384+ rows is in the profile's TP split."""
-    rows, name = layer.vocab_rows, quote(layer.name)
-    if rows and layer.vocab_params % rows:
-        raise InputError(
-            f"{where}.vocab_params: {layer.vocab_params} is not a multiple of vocab_rows ({rows}) "
-            f"of layer {name}; it counts whole rows of the vocabulary tables"
-        )
-    if rows >= VOCAB_PARALLEL_MIN_ROWS and layer.vocab_params > layer.tp_params:
-        raise InputError(
-            f"{where}.vocab_params: {layer.vocab_params} exceeds tp_params ({layer.tp_params}) of "
-            f"layer {name}; a vocabulary of 16384+ rows is split over TP in the profile, so "
-            "tp_params count its tables"
-        )
-    given = [
-        key for pair in VOCAB_TRANSIENT_PAIRS for key in pair if getattr(layer, key) is not None
-    ]
-    if not rows and (layer.vocab_params or layer.vocab_activation_bytes or given):
-        raise InputError(
-            f"{where}.vocab_rows: 0 for layer {name}, which has vocabulary parts; give the "
-            "vocabulary's rows or remove the vocab_* and fixed_* fields"
-        )
-    for pair in VOCAB_TRANSIENT_PAIRS:
-        if (getattr(layer, pair[0]) is None) != (getattr(layer, pair[1]) is None):
-            raise InputError(
-                f"{where}: layer {name} has only one of {pair[0]}/{pair[1]}; give both parts of "
-                "the transient or neither"
             )
 
 

@@ -10,7 +10,8 @@ or message fails. Regenerate only for an intended change of the model::
     python -m tests.costs_golden            # rewrites tests/data/costs_golden.json.gz
 
 Cases: random chains and DAGs (``tests.random_graphs``) with the optional layer and edge fields
-filled at random (experts, K/V, sequence-parallel gathers, measured times, tensors sent to
+filled at random (experts, K/V, sequence-parallel gathers, batch-independent parts, measured
+times, tensors sent to
 several consumers, saved/charged flags, profiled timing), random configs (pp, tp, dp, cp, ep,
 micro-batch, ZeRO 0-3, recompute none/full/selective, 1F1B/GPipe/interleaved, SP), both
 runtimes, gradient lifetimes, optimizer implementations, capacity factors, calibrations,
@@ -86,10 +87,29 @@ def _decorate_layers(rng: random.Random, layers: list[dict], moe: bool) -> None:
                 layer["largest_param"] = rng.randint(0, expert)
             layer["expert_activation_bytes"] = rng.randint(0, activation - tp_activation)
             layer["ep_comm_bytes"] = rng.randint(0, 40) * 16
+        if len(layers) % 3 == 0:  # a third of the graphs, the others as written before
+            _batch_independent(layer)
         layer["kind"] = "block"
     if rng.random() < 0.6:
         layers[0]["kind"] = "embedding"
         layers[-1]["kind"] = "head"
+
+
+def _batch_independent(layer: dict) -> None:
+    """Batch-independent parts (``unbatched_*``) on some layers, drawn from no rng call so the
+    other cases keep their inputs: a shared part of the saved bytes (sometimes above the
+    replicated part the model caps it at), of the transient (or a negative one, a copy batch 1
+    skips) and of the weight-gradient moment."""
+    activation, transient = layer["activation_bytes"], layer.get("transient_bytes", 0)
+    if activation % 5 == 0:
+        layer["unbatched_activation_bytes"] = activation // 4
+    if transient and transient % 3 == 0:
+        layer["unbatched_transient_bytes"] = transient // 4
+    elif transient and transient % 3 == 1:
+        layer["unbatched_transient_bytes"] = -(transient // 8)
+    at_grad = layer.get("weight_grad_transient_bytes")
+    if at_grad and at_grad % 2 == 0:
+        layer["unbatched_weight_grad_transient_bytes"] = at_grad // 2
 
 
 def _decorate_edges(rng: random.Random, edges: list[dict]) -> None:

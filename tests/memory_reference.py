@@ -194,7 +194,35 @@ def stored_bytes(layer: dict, setup: Setup) -> int:
     recomputation (of a recomputable layer) only its output, the next layer's input."""
     if recomputed(layer, setup):
         return boundary_tensor_bytes(layer["output_bytes"], setup)
-    return ceil(setup.micro_batch * saved_per_sample(layer, setup))
+    return ceil(saved_per_micro_batch(layer, setup))
+
+
+def saved_per_micro_batch(layer: dict, setup: Setup) -> Fraction:
+    """b A' with the batch-independent part F (``unbatched_activation_bytes``) held once, not
+    b times: b (A' - F') + F, where F' is F as A' counts it per GPU (whole without SP, / t with
+    SP) and F itself is whole on every TP rank (a mask built on each rank). F is capped by the
+    replicated part A' keeps whole (A - tp_A, or A under SP); a negative F (batch 2 saved more
+    than twice batch 1) adds (b - 1) |F'|, split as A' splits it."""
+    b, t = setup.micro_batch, setup.tp
+    fixed = layer.get("unbatched_activation_bytes", 0)
+    if setup.sp:
+        if fixed >= 0:
+            fixed = min(fixed, layer["activation_bytes"])
+            return b * (saved_per_sample(layer, setup) - Fraction(fixed, t)) + fixed
+        return b * saved_per_sample(layer, setup) - (b - 1) * Fraction(fixed, t)
+    fixed = min(fixed, layer["activation_bytes"] - layer["tp_activation_bytes"])
+    return b * saved_per_sample(layer, setup) - (b - 1) * fixed
+
+
+def per_micro_batch(layer: dict, figure: str, setup: Setup) -> int:
+    """A working-memory figure X (``transient_bytes`` and its moments) for one micro-batch:
+    the line through batch 1 and 2, X(1) + (b - 1) (X(1) - F), F = ``unbatched_<figure>``
+    at most X(1); a figure the layer lacks is its whole transient, with that one's F."""
+    if layer.get(figure) is None:
+        figure = "transient_bytes"
+    whole = layer[figure]
+    fixed = min(layer.get(f"unbatched_{figure}", 0), whole)
+    return whole + (setup.micro_batch - 1) * (whole - fixed)
 
 
 def recomputed(layer: dict, setup: Setup) -> bool:
@@ -277,18 +305,22 @@ def running_transient(layers: list[dict], i: int, setup: Setup, recompute: bool)
     (this layer's and the prefetched next, 2 w P'); FSDP2's buffers instead where it runs
     (``fsdp2_buffers``). With ``recompute`` the layer re-materialises its saved bytes during its
     backward, beside its output's gradient. Megatron's explicit attention (S > 0): its own
-    transient is the larger of the whole one and the backward's B (``attention_backward_
-    transient_bytes``, else the whole one) with one more score matrix (the mask's clone)."""
+    transient is the larger of the whole one and the backward's b B (``attention_backward_
+    transient_bytes``, else the whole one) with one more score matrix (the mask's clone) and
+    the layer's output gradient."""
     layer = layers[i]
     b, w = setup.micro_batch, setup.weight_bytes
     extra = 0
     if recompute:  # its saved tensors again, and its output's gradient
         output = boundary_tensor_bytes(layer["output_bytes"], setup)
-        extra = ceil(b * saved_per_sample(layer, setup)) + output
-    whole = b * layer["transient_bytes"] + extra
+        extra = ceil(saved_per_micro_batch(layer, setup)) + output
+    whole = per_micro_batch(layer, "transient_bytes", setup) + extra
     clone = attention_backward_clone(layer, setup)
-    backward = layer.get("attention_backward_transient_bytes", layer["transient_bytes"])
-    own = max(whole, b * backward + extra + clone) if clone else whole
+    # Megatron's backward is not the zoo's: b B (none of the zoo's batch-independent part)
+    # with its output's gradient, [s, b, h] (/ t under SP), beside the clone
+    backward = b * layer.get("attention_backward_transient_bytes", layer["transient_bytes"])
+    backward += boundary_tensor_bytes(layer["output_bytes"], setup)
+    own = max(whole, backward + extra + clone) if clone else whole
     grad_temporary = w * max(
         layer["largest_param"], ceil(Fraction(layer["largest_tp_param"], setup.tp))
     )

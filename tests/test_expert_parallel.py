@@ -100,7 +100,8 @@ def test_expert_states_by_hand():
     # ZeRO-3 shards the weights alike and gathers 2 P' (dense whole, experts / (t ep))
     zero3 = moe_costs(config_of(zero=3))
     assert zero3.weight_bytes[moe] == 2 * 1_200 // 4 + 2 * 2_000 // 2
-    assert zero3.transient_bytes[moe] == 2 * 2 * 3_200
+    # (+ megatron's all-to-all received tokens at ep 2: b R = 2 x 200, test below)
+    assert zero3.transient_bytes[moe] == 2 * 2 * 3_200 + 400
 
 
 def test_expert_activations_by_hand():
@@ -125,7 +126,23 @@ def test_expert_activations_by_hand():
     # gradient (b x 50)
     full = moe_costs(config_of(recompute="full"))
     assert full.stored_bytes[moe] == 2 * 50
-    assert full.transient_bytes[moe] == 3_000 + 4_200 + 2 * 50
+    assert full.transient_bytes[moe] == 3_000 + 4_200 + 2 * 50 + 400
+
+
+def test_megatron_all_to_all_receives_the_routed_tokens_beside_the_sent_ones():
+    """At ep > 1 megatron-core's dispatcher holds the all-to-all's received tokens, f b R (R =
+    800 / 4 = 200 bytes per sample), beside the permuted ones: b f R more in the MoE layer's
+    transient; nothing at ep 1, on the torch runtime or on a dense layer."""
+    moe = 1
+    base = moe_costs(config_of(ep=1)).transient_bytes
+    assert list(moe_costs(config_of(ep=2)).transient_bytes - base) == [0, 2 * 200, 0]
+    assert list(moe_costs(config_of(ep=4)).transient_bytes - base) == [0, 2 * 200, 0]
+    padded = moe_costs(config_of(ep=2), moe_capacity_factor=1.25).transient_bytes
+    assert padded[moe] - moe_costs(config_of(ep=1), moe_capacity_factor=1.25).transient_bytes[
+        moe
+    ] == 500  # ceil(1.25 x 2 x 200)
+    torch_base = moe_costs(config_of(ep=1), runtime="torch").transient_bytes
+    assert list(moe_costs(config_of(ep=2), runtime="torch").transient_bytes) == list(torch_base)
 
 
 def test_expert_all_to_all_by_hand():

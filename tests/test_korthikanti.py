@@ -117,13 +117,17 @@ def exact(row: str, attention: str, t: int) -> int:
         return 2 * SBH // t if row == "full+sp" else 2 * SBH
     if attention == "explicit":
         split = 24 * S * H + 5 * A * S * S  # q, k, v, proj/fc inputs, the attention core
-        replicated = 10 * S * H + LAYERNORM_STATS + CAUSAL_MASK
+        replicated = 10 * S * H + LAYERNORM_STATS
+        shared = CAUSAL_MASK
     else:
         split = 24 * S * H + LOGSUMEXP
-        replicated = 10 * S * H + LAYERNORM_STATS + FLASH_RNG
-    if "sp" in row.split("+"):  # everything over t (cost_model: A' = activation_bytes / t)
-        return -(-B * (split + replicated) // t)
-    return B * (replicated + split // t)
+        replicated = 10 * S * H + LAYERNORM_STATS
+        shared = FLASH_RNG
+    # the batch-independent part (the mask, the RNG state) once per micro-batch, whole on every
+    # TP rank (docs/cost-model.md, "Batch-independent bytes")
+    if "sp" in row.split("+"):  # the rest over t (cost_model: A' = activation_bytes / t)
+        return -(-(B * (split + replicated) + t * shared) // t)
+    return B * (replicated + split // t) + shared
 
 
 @pytest.mark.slow
@@ -142,13 +146,14 @@ def test_table_2(blocks, row, attention, tp, sp, recompute):
 def test_flash_attention_is_the_selective_recomputation_saving(blocks):
     """Explicit minus SDPA, per micro-batch on one GPU: Table 2's selective-recomputation saving,
     the attention core's 5as^2 b / t, less the log-sum-exp; plus the causal mask less the RNG
-    state (replicated without SP)."""
+    state, each once per micro-batch (batch-independent) and whole on every rank, also under
+    SP."""
     core = B * (5 * A * S * S - LOGSUMEXP)
-    replicated = B * (CAUSAL_MASK - FLASH_RNG)
+    shared = CAUSAL_MASK - FLASH_RNG
     for sp in (False, True):
         explicit = stored_bytes(blocks, "explicit", tp=T, sp=sp, recompute="none")
         sdpa = stored_bytes(blocks, "sdpa", tp=T, sp=sp, recompute="none")
-        expected = (core + replicated) / T if sp else core / T + replicated
+        expected = core / T + shared
         assert explicit - sdpa == pytest.approx(expected, abs=1)
 
 

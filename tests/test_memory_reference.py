@@ -79,6 +79,19 @@ def random_layers(rng: random.Random, num_layers: int) -> list[dict]:
                 "attention_score_bytes": rng.choice([0, 0, rng.randint(1, 500)]),
             }
         )
+        layer = layers[-1]
+        # batch-independent parts (a causal mask; a copy batch 1 skips: negative), at most
+        # their figures, sometimes above the replicated part the model caps them at
+        if rng.random() < 0.5:
+            layer["unbatched_activation_bytes"] = rng.randint(-activation, activation)
+        if rng.random() < 0.5:
+            transient = layer["transient_bytes"]
+            layer["unbatched_transient_bytes"] = rng.randint(-transient, transient)
+        if rng.random() < 0.3:
+            layer["attention_backward_transient_bytes"] = rng.randint(0, layer["transient_bytes"])
+            if rng.random() < 0.5:
+                backward = layer["attention_backward_transient_bytes"]
+                layer["unbatched_attention_backward_transient_bytes"] = rng.randint(0, backward)
     return layers
 
 

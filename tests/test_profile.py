@@ -22,6 +22,7 @@ from profiling.trace.profile import profile_module  # noqa: E402
 from profiling.trace.tensor_parallel import VOCAB_PARALLEL_MIN_ROWS  # noqa: E402
 from solver.errors import InputError  # noqa: E402
 from solver.graph import load_graph  # noqa: E402
+from solver.graph_fields import UNBATCHED_FIELDS  # noqa: E402
 
 VOCAB = VOCAB_PARALLEL_MIN_ROWS  # the smallest vocabulary that is split under TP
 
@@ -180,6 +181,30 @@ def test_gpt_closed_forms_fp32():
     assert head.transient_bytes >= 4 * s * V
     assert not graph.edges_given and graph.is_chain  # a chain: no edges key
     assert load_graph(graph.to_dict()).names == graph.names
+
+
+def test_unbatched_bytes_make_the_line_exact_at_batch_two():
+    """At batch 1 a memory-only trace at batch 2 gives each figure's batch-independent part F
+    (the block's [s, s] bool causal mask), and b (X - F) + F is each figure of a profile at
+    batch 2 (its per-sample figures round the batch's total up: within one byte per sample);
+    a profile at batch 2 has none of the fields, and the module is left as it was."""
+    s, h, a = 16, 32, 4
+    model = GPT(s=s, h=h, a=a)
+    one = by_name(profile_module(model, (ids(1, s),)))
+    two = by_name(profile_module(model, (ids(2, s),)))
+    assert one["blocks.0"].unbatched_activation_bytes == s * s
+    assert one["head"].unbatched_activation_bytes is None  # every saved byte per sample
+    checked = 0
+    for name, layer in one.items():
+        for key, figure in UNBATCHED_FIELDS.items():
+            assert getattr(two[name], key) is None
+            if getattr(layer, figure) is None:
+                continue
+            fixed = getattr(layer, key) or 0
+            assert 0 <= 2 * getattr(two[name], figure) - (2 * getattr(layer, figure) - fixed) <= 1
+            checked += 1
+    assert checked >= 3 * len(one)
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_linear_flops_per_token_and_flop_counter_agreement():

@@ -94,14 +94,18 @@ def test_cost_model_adds_the_gathered_share_on_the_torch_runtime(graph, tp):
         if layer.name == "head":
             continue  # the torch runtime adds the loss output it holds to the last layer
         b, a, g = 2, layer.activation_bytes, layer.sp_gathered_bytes
-        assert costs["torch"].stored_bytes[i] == -(-b * (a + (tp - 1) * g) // tp)
-        assert costs["megatron"].stored_bytes[i] == -(-b * a // tp)
+        f = layer.unbatched_activation_bytes or 0  # the mask: once, whole on every rank
+        assert costs["torch"].stored_bytes[i] == -(-(b * (a - f + (tp - 1) * g) + tp * f) // tp)
+        assert costs["megatron"].stored_bytes[i] == -(-(b * (a - f) + tp * f) // tp)
     no_sp = dataclasses.replace(config, sp=False)
     plain = layer_costs(graph, no_sp, cluster, TrainingConfig(global_batch=4, runtime="torch"))
     block = graph.index()["layers.0"]
     layer = graph.layers[block]
-    split = layer.tp_activation_bytes
-    assert plain.stored_bytes[block] == 2 * (layer.activation_bytes - split) + -(-2 * split // tp)
+    split, shared = layer.tp_activation_bytes, layer.unbatched_activation_bytes or 0
+    assert shared > 0  # the [s, s] causal mask, once per micro-batch
+    assert plain.stored_bytes[block] == 2 * (
+        layer.activation_bytes - split - shared
+    ) + shared + -(-2 * split // tp)
 
 
 @pytest.mark.slow

@@ -123,6 +123,7 @@ from torch import nn
 from profiling._torch_compat import FakeTensorMode, tree_map
 from profiling.hf._transformers_compat import real_run_masks
 from profiling.trace.attention_kv import attention_kv
+from profiling.trace.batch_line import doubled_inputs, unbatched_fields, with_unbatched
 from profiling.trace.cuda_attention import cuda_like_kernels
 from profiling.trace.dataflow import Tracer, tensors_in
 from profiling.trace.experts import ExpertTracker
@@ -158,12 +159,14 @@ def profile_module(
     meta: dict | None = None,
     progress: Callable[[str], None] | None = None,
     cuda_like: bool = True,
+    batch_line: bool = True,
 ) -> LayerGraph:
     """Run one forward + backward of ``module(*example_inputs)`` and return its layer graph.
 
     See the module docstring for the layers, the per-sample fields and the modes. ``meta`` is
     merged into the graph's ``meta`` (its keys win). ``progress`` is called with a short message
-    per layer and phase. Raises :class:`InputError` for an unknown layer path, inputs without a
+    per layer and phase. ``batch_line`` (at batch 1): a second, memory-only trace at batch 2
+    gives each layer's batch-independent bytes (``batch_line.py``). Raises :class:`InputError` for an unknown layer path, inputs without a
     batch dimension, or a forward that fails (under fake tensors: suggests ``mode="real"``).
     """
     if mode not in MODES:
@@ -208,6 +211,29 @@ def profile_module(
         | timing
         | dict(meta or {}),
     )
+    if batch_line and batch == 1:
+        say(f"{mode} run of {model_name} at batch 2, memory only (batch-independent bytes)")
+        for _, _, tensor in state.params:
+            tensor.grad = None
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            two = doubled_inputs(inputs, batch)
+        with torch.random.fork_rng(devices=_rng_devices(device)):
+            tracer, split, experts = _trace(
+                module, state, two, selection, fake_mode, say, cuda_like, model_name
+            )
+        totals = build_graph(
+            selection,
+            tracer,
+            split,
+            state.params,
+            batch=1,  # the batch's totals
+            timings=None,
+            model_name=model_name,
+            experts=experts,
+            blocks=block_paths(module, paths),
+            meta={},
+        )
+        graph = with_unbatched(graph, unbatched_fields(graph, totals))
     say("done")
     return graph
 

@@ -74,7 +74,7 @@ from torch import nn
 
 from profiling.trace.dataflow import StorageRecord, Tracer, tensor_bytes, tensors_in
 from profiling.trace.experts import is_expert_path
-from solver.graph import VOCAB_PARALLEL_MIN_ROWS
+from solver.graph_fields import VOCAB_PARALLEL_MIN_ROWS
 
 CROSS_ENTROPY_BYTES_PER_TOKEN = 12
 """Vocab-parallel cross-entropy: three fp32 all-reduces per token (max, sum-exp, target logit)."""

@@ -14,6 +14,8 @@ are read from the graph by ``solver.costs.moe``):
          b ep_comm_bytes f (ep-1)/ep (/ t with sequence parallelism, each TP rank dispatching its
          s / t tokens) over the intra-node bandwidth when t ep <= gpus_per_node, else
          inter-node; a recomputed layer's forward sends its half again
+  megatron runtime, ep > 1: f b R_l / c more in the layer's transient, the all-to-all's
+         received tokens beside the permuted ones (``all_to_all_copy_bytes``)
   the experts' parameters: expert_params / (t ep) per GPU (``states.ParamShares``), their
          largest tensor likewise (``largest_local_param``)
 
@@ -87,6 +89,22 @@ def expert_stored_bytes(
     replicated = np.minimum(expert, cols["ep_comm_bytes"] // 4)
     times_t = replicated * t + (expert - replicated)
     return -(-(b * factor.numerator * times_t) // (factor.denominator * t * c))
+
+
+def all_to_all_copy_bytes(
+    cols: dict[str, np.ndarray], config: ParallelConfig, factor: Fraction
+) -> np.ndarray:
+    """Per layer, the bytes per GPU megatron-core's all-to-all dispatcher holds at ep > 1 beyond
+    the profile (0 at ep 1): the received tokens, a new [f b s k, h] tensor beside the permuted
+    ones it sent, where ep 1 skips the exchange (tagged at a stage-0 rank's peak, moe-tiny h 64,
+    s 256, b 2, ep 2: the permutation's output, the all-to-all's output and the experts' output,
+    each [f b s k, h]; ``token_dispatcher.py`` ``token_dispatch``); f b R_l, R_l = min(X_l,
+    ep_comm_bytes_l / 4) as ``expert_stored_bytes`` takes it, / c, rounded up."""
+    if config.ep == 1:
+        return np.zeros(len(cols["ep_comm_bytes"]), dtype=np.int64)
+    tokens = np.minimum(cols["expert_activation_bytes"], cols["ep_comm_bytes"] // 4)
+    b, c = config.micro_batch, config.cp
+    return -(-(b * factor.numerator * tokens) // (factor.denominator * c))
 
 
 def expert_all_to_all_ns(

@@ -16,7 +16,8 @@ from typing import NamedTuple
 import numpy as np
 
 from solver.errors import InputError
-from solver.graph import INTEGER_FIELDS, VOCAB_TRANSIENT_PAIRS, LayerGraph, timing_of
+from solver.graph import INTEGER_FIELDS, LayerGraph, timing_of
+from solver.graph_fields import UNBATCHED_FIELDS, VOCAB_TRANSIENT_PAIRS
 
 
 def graph_columns(graph: LayerGraph) -> dict[str, np.ndarray]:
@@ -33,6 +34,17 @@ def graph_columns(graph: LayerGraph) -> dict[str, np.ndarray]:
         # a part of the transient, measured at some moments: the whole transient where absent
         cols[key] = np.array(
             [x.transient_bytes if getattr(x, key) is None else getattr(x, key) for x in layers],
+            dtype=np.int64,
+        )
+    for key, figure in UNBATCHED_FIELDS.items():
+        # the batch-independent parts (``unbatched``), 0 where absent; a moment's figure taken
+        # as the whole transient takes the transient's part too
+        cols[key] = np.array(
+            [
+                (x.unbatched_transient_bytes if getattr(x, figure) is None else getattr(x, key))
+                or 0
+                for x in layers
+            ],
             dtype=np.int64,
         )
     for key in (key for pair in VOCAB_TRANSIENT_PAIRS for key in pair):

@@ -25,7 +25,9 @@ o), ZeRO stage z.
          tie_l (anytime) and tieg_l (at the weight gradients), batch-independent
          (``embeddings.tied_gradient_bytes``: B from the LM head's backward to the embedding's,
          2B more at the embedding's weight gradient)
-  stored_l  = b A'_l, or b output_bytes_l when l is recomputed         per micro-batch, rounded up
+  stored_l  = b A'_l, or b output_bytes_l when l is recomputed         per micro-batch, rounded up;
+              every b X here is b (X - F) + F with F the figure's batch-independent part
+              (``unbatched``: the graph's unbatched_* fields, 0 where absent)
   torch runtime: the last layer's stored bytes += b unsaved_output_bytes (graph meta): a
               pipeline's loss_fn keeps the model's output per in-flight micro-batch, and the
               one in backward keeps it through every layer of its stage: during(l) of each
@@ -53,7 +55,8 @@ o), ZeRO stage z.
               weight_grad_transient takes its input gradient (megatron-core makes it first),
               and with SP every trans_l + the all-gather buffer b s h d each rank keeps; with
               explicit attention (``megatron_attention``) trans_l = max(b T_l, b B_l + b S_l
-              / t) (the in-place mask's backward, B_l the backward-only transient) and the
+              / t + b O_l) (the in-place mask's backward, B_l the backward-only transient, O_l
+              the output's gradient; ep > 1: + the all-to-all's received tokens) and the
               kept buffer the larger of that and the score buffer max_l b S_l / t (none on the
               layers before the first attention where that is never low)
 
@@ -84,7 +87,12 @@ from solver.costs.embeddings import (
     with_tied_copies,
 )
 from solver.costs.empirical import check_empirical_options, empirical_layer_costs
-from solver.costs.experts import expert_stored_bytes, largest_local_param, routing_factor
+from solver.costs.experts import (
+    all_to_all_copy_bytes,
+    expert_stored_bytes,
+    largest_local_param,
+    routing_factor,
+)
 from solver.costs.fsdp import (
     backward_weight_bytes,
     forward_gather_bytes,
@@ -97,7 +105,11 @@ from solver.costs.graph_inputs import (
     recomputable_layers,
     unsaved_output_bytes,
 )
-from solver.costs.megatron_attention import kept_buffer_bytes, score_buffer_bytes, score_bytes
+from solver.costs.megatron_attention import (
+    backward_held_bytes,
+    kept_buffer_bytes,
+    score_buffer_bytes,
+)
 from solver.costs.megatron_linear import head_weight_grad_moment, sp_gather_buffer_bytes
 from solver.costs.ranges import check_exact_range
 from solver.costs.schedule import in_flight_counts, stage_boundary_copies
@@ -117,6 +129,7 @@ from solver.costs.times import (
     layer_time_ns,
     pipeline_links,
 )
+from solver.costs.unbatched import batch_bytes, saved_bytes_times_t, unbatched_column
 from solver.costs.units import as_int, ceil_div
 from solver.costs.vocab import with_vocab_split
 from solver.graph import LayerGraph
@@ -152,7 +165,7 @@ def layer_costs(
     saved, edge_bytes = _saved_and_edge_bytes(cols, config, training, factor)
     weight, grad, optimizer = model_state_bytes(params, config, training)
     tied = tied_gradient_bytes(cols, graph, config, training)
-    stored, transient = _activation_bytes(held, params, saved, config, training, tied)
+    stored, transient = _activation_bytes(held, params, saved, config, training, tied, factor)
     stored, held_output = _with_held_output(graph, stored, config, training)
     profiled = profiled_times(graph)
     time_ns = layer_time_ns(cols, config, cluster, factor)
@@ -301,7 +314,10 @@ def _saved_and_edge_bytes(
             saved_times_t = saved_times_t + (t - 1) * cols["sp_gathered_bytes"]
     # a stage sends [s/(t c), b, h] with sequence parallelism, [s/c, b, h] without
     edge_bytes = ceil_div(edge_bytes, config.dims.sequence_split)
-    saved = ceil_div(b * saved_times_t, t * config.cp) + expert_stored_bytes(cols, config, factor)
+    # the batch-independent part (a causal mask, position ids) once per micro-batch, whole on
+    # every TP rank (``unbatched``)
+    saved_times_t = saved_bytes_times_t(cols, saved_times_t, t, config.sp, b)
+    saved = ceil_div(saved_times_t, t * config.cp) + expert_stored_bytes(cols, config, factor)
     return saved, edge_bytes
 
 
@@ -312,13 +328,14 @@ def _activation_bytes(
     config: ParallelConfig,
     training: TrainingConfig,
     tied: tuple[np.ndarray, np.ndarray],
+    factor: Fraction,
 ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """(stored_l, transient) bytes of every layer per micro-batch, each in both states: kept
     (index 0) and recomputed (index 1: only the output is stored, the saved tensors come back
     while the layer recomputes). ``saved``: b A'_l per GPU, bytes per micro-batch (rounded
     up; / c with context parallelism). Transient is max(b transient_bytes_l + tie_l, b
     weight_grad_transient_bytes_l + gtemp_l + tieg_l) + gather_l (module docstring; ``tied``:
-    (tie_l, tieg_l), batch-independent bytes per GPU)."""
+    (tie_l, tieg_l), batch-independent bytes per GPU; ``factor``: the routing factor)."""
     t, b, c = config.tp, config.micro_batch, config.cp
     w = training.weight_bytes_per_param
     grad_temporary = w * np.maximum(
@@ -335,18 +352,24 @@ def _activation_bytes(
     gather = gathered_bytes(params, config, training)
     grad_temporary = weight_gradient_bytes(params, config, training, grad_temporary)
 
-    def transient(bytes_per_sample: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def transient(
+        bytes_per_sample: np.ndarray, figure: str | None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Kept, recomputed: the recomputed layer's saved tensors come back while it runs, and
         its backward runs beside the gradient of its output, [s/t, b, h] (a middle layer's:
         what the later layer's backward made; at the stage's last layer the receive buffer
-        holds it too, an over-count of one output)."""
-        kept = ceil_div(b * bytes_per_sample, c)
+        holds it too, an over-count of one output). ``figure``: the graph field whose
+        batch-independent part the micro-batch holds once (``unbatched``; None: b X)."""
+        fixed = 0 if figure is None else unbatched_column(cols, figure)
+        kept = ceil_div(batch_bytes(bytes_per_sample, fixed, b), c)
         return (kept, kept + remade + output_grad)
 
     # the weight-gradient temporary joins what is live when the weight gradients are made; ring
     # attention's K/V buffers join the layer's own peak (its attention runs then)
     ring = ring_attention_bytes(cols["attention_kv_bytes"], config)
-    anytime = tuple(peak + ring for peak in transient(cols["transient_bytes"]))
+    anytime = tuple(
+        peak + ring for peak in transient(cols["transient_bytes"], "transient_bytes")
+    )
     beside_grad, sp_buffer, score_buffer = cols["weight_grad_transient_bytes"], 0, 0
     if training.runtime == "megatron":
         # megatron-core's linears make the input gradient before the weight gradient, and keep
@@ -356,13 +379,15 @@ def _activation_bytes(
         beside_grad = head_weight_grad_moment(cols, config)
         sp_buffer = sp_gather_buffer_bytes(cols, config)
         score_buffer = score_buffer_bytes(cols, config)
-        scores = score_bytes(cols, config)
-        backward = transient(cols["attention_backward_transient_bytes"])
+        scores = backward_held_bytes(cols, config)
+        # the zoo's batch-independent part of its attention backward is not Megatron's
+        backward = transient(cols["attention_backward_transient_bytes"], None)
         anytime = tuple(
             np.where(scores > 0, np.maximum(peak, in_backward + ring + scores), peak)
+            + all_to_all_copy_bytes(cols, config, factor)
             for peak, in_backward in zip(anytime, backward, strict=True)
         )
-    at_weight_grad = transient(beside_grad)
+    at_weight_grad = transient(beside_grad, "weight_grad_transient_bytes")
     # FSDP2 under pipelining: a gather's flat buffer at the forward's start, alone (``fsdp``)
     starting = forward_gather_bytes(params, config, training)
     held_anytime, held_at_grad = tied

@@ -26,11 +26,22 @@ engine (gpt-tiny h 64, 4 heads, s 256, V 4096, fp32, b 2, pp 2, Megatron's DDP):
   output: +3.1 to +5.4% over per stage when the whole transient took their place); the zoo's
   whole transient T_l bounds Megatron's forward (its in-place mask makes one copy fewer).
 
+- **The output gradient**: beside them Megatron's backward still holds the layer's output
+  gradient [s, b, h] (tagged at rank 0's peak, gpt-tiny s 256 and s 512, b 2, pp 3 and 4: the
+  4 score tensors, the [s, b, h] gradient the schedule's ``custom_backward`` passed in and the
+  context's [b a, s, d] gradient, one [s, b, h] more than b B_l + the clone). The profile's
+  batch-independent part of B_l (``unbatched_attention_backward_transient_bytes``, two
+  [s, h] tensors the zoo's backward holds at batch 1 but not twice at batch 2) is not
+  Megatron's: its moment takes b B_l, the line's b (B - F) + F 131,072 B (s 256) and
+  262,144 B (s 512) under it.
+
 Per GPU, micro-batch b, t tensor-parallel ranks (the score matrix is [b a/t, s, s], whole
 sequence also under SP: the attention runs after the all-gather):
 
     score_buffer = max_l ceil(b S_l / t)              kept for the run, joins trans_l
-    trans_l      = max(b T_l, b B_l + ceil(b S_l / t)) where S_l > 0 (B_l = T_l if absent)
+    trans_l      = max(b T_l, b B_l + ceil(b S_l / t) + ceil(b O_l / t))
+                                                    where S_l > 0 (B_l = T_l if absent; O_l
+                                                    the output bytes, / t with SP only)
 
 The buffer is allocated at a rank's first attention forward: layers before the model's first
 attention layer are charged without it where that is never low (``kept_buffer_bytes``: an
@@ -50,6 +61,15 @@ def score_bytes(cols: dict[str, np.ndarray], config: ParallelConfig) -> np.ndarr
     """Per layer, bytes per GPU of one micro-batch's [b a/t, s, s] attention scores (0 without
     explicit attention), / c with context parallelism."""
     return ceil_div(config.micro_batch * cols["attention_score_bytes"], config.tp * config.cp)
+
+
+def backward_held_bytes(cols: dict[str, np.ndarray], config: ParallelConfig) -> np.ndarray:
+    """Per layer, the bytes per GPU Megatron's attention backward holds beyond the profile's
+    b B_l (module docstring): the mask's clone, one micro-batch's scores, and the layer's
+    output gradient, [s, b, h] (/ t c with SP and CP); 0 without explicit attention."""
+    scores = score_bytes(cols, config)
+    output = ceil_div(config.micro_batch * cols["output_bytes"], config.dims.sequence_split)
+    return np.where(scores > 0, scores + output, 0)
 
 
 def score_buffer_bytes(cols: dict[str, np.ndarray], config: ParallelConfig) -> int:

@@ -43,7 +43,7 @@ import numpy as np
 
 from solver.costs.units import ceil_div
 from solver.engine_rules import MEGATRON_VOCAB_MULTIPLE
-from solver.graph import VOCAB_PARALLEL_MIN_ROWS
+from solver.graph_fields import VOCAB_PARALLEL_MIN_ROWS
 from solver.specs import ParallelConfig
 
 

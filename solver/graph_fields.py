@@ -1,0 +1,71 @@
+"""The layer graph's optional field families and their per-layer checks: the batch-independent
+parts (``unbatched_*``) and the vocabulary parts (``vocab_*``, ``fixed_*``). ``solver.graph``
+loads them; each check takes a ``solver.graph.Layer`` and raises one :class:`InputError` line naming the field and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from solver.errors import InputError, quote
+
+UNBATCHED_FIELDS = {
+    "unbatched_activation_bytes": "activation_bytes",
+    "unbatched_transient_bytes": "transient_bytes",
+    "unbatched_weight_grad_transient_bytes": "weight_grad_transient_bytes",
+    "unbatched_attention_backward_transient_bytes": "attention_backward_transient_bytes",
+}
+"""Optional signed field -> its figure X: F = 2 X(1) - X(2), the part that does not grow with
+the batch; b samples hold b (X - F) + F (``solver.costs.unbatched``). Absent: 0."""
+VOCAB_TRANSIENT_PAIRS = (
+    ("vocab_transient_bytes", "fixed_transient_bytes"),
+    ("vocab_weight_grad_transient_bytes", "fixed_weight_grad_transient_bytes"),
+)
+"""The transients' vocabulary and fixed parts, each pair given together or not at all."""
+
+VOCAB_PARALLEL_MIN_ROWS = 16384
+"""A vocabulary of at least this many rows is split over TP in a profile's ``tp_params`` and
+``tp_activation_bytes``: what the torch runtime shards (``profiling.executors.parallelize``);
+Megatron splits every vocabulary (``solver.costs.vocab``)."""
+
+
+def check_unbatched(layer: Any, where: str) -> None:
+    """A batch-independent part F is at most its figure X (absent: the transient)."""
+    for key, figure in UNBATCHED_FIELDS.items():
+        fixed, total = getattr(layer, key), getattr(layer, figure)
+        total = layer.transient_bytes if total is None else total
+        if fixed is not None and fixed > total:
+            raise InputError(
+                f"{where}.{key}: {fixed} exceeds {figure} ({total}) of layer {quote(layer.name)};"
+                " it is the part of it that does not grow with the batch, at most the whole"
+            )
+
+
+def check_vocab(layer: Any, where: str) -> None:
+    """The vocabulary fields describe whole rows of ``vocab_rows``, their transients in pairs,
+    and a vocabulary of 16384+ rows is in the profile's TP split."""
+    rows, name = layer.vocab_rows, quote(layer.name)
+    if rows and layer.vocab_params % rows:
+        raise InputError(
+            f"{where}.vocab_params: {layer.vocab_params} is not a multiple of vocab_rows ({rows}) "
+            f"of layer {name}; it counts whole rows of the vocabulary tables"
+        )
+    if rows >= VOCAB_PARALLEL_MIN_ROWS and layer.vocab_params > layer.tp_params:
+        raise InputError(
+            f"{where}.vocab_params: {layer.vocab_params} exceeds tp_params ({layer.tp_params}) of "
+            f"layer {name}; a vocabulary of 16384+ rows is split over TP in the profile, so "
+            "tp_params count its tables"
+        )
+    given = [
+        key for pair in VOCAB_TRANSIENT_PAIRS for key in pair if getattr(layer, key) is not None
+    ]
+    if not rows and (layer.vocab_params or layer.vocab_activation_bytes or given):
+        raise InputError(
+            f"{where}.vocab_rows: 0 for layer {name}, which has vocabulary parts; give the "
+            "vocabulary's rows or remove the vocab_* and fixed_* fields"
+        )
+    for pair in VOCAB_TRANSIENT_PAIRS:
+        if (getattr(layer, pair[0]) is None) != (getattr(layer, pair[1]) is None):
+            raise InputError(
+                f"{where}: layer {name} has only one of {pair[0]}/{pair[1]}; give both parts of "
+                "the transient or neither"
+            )
