@@ -87,6 +87,18 @@ class FormulationMoments:
             ]
         )
         rows = [self._sum([ends, top])]
+        running = self._windowed_moments(stage, top, bounds, grads, "s")
+        if running:
+            rows += self._running_rows(stage, running, grads)
+        if late:
+            rows.append(self._rank_bytes(stage, (k - 1,), relays_held=k - 1, copies_held=k - 1))
+        return rows
+
+    def _windowed_moments(self, stage: int, top, bounds, grads, tag: str) -> list[int]:
+        """``top`` at least the windowed row of every layer of (virtual) stage ``stage`` whose
+        moment can be positive; the layers with no window, whose rows the caller adds as running
+        sums."""
+        t_ub = bounds[3]
         running = []
         for layer in self._layers_of(stage):
             self._tick()
@@ -95,12 +107,8 @@ class FormulationMoments:
                 running.append(layer)
             elif t_ub[layer] > 0:
                 row = self._window_row(layer, stage, window, bounds, grads)
-                self._add(top >= row, f"moment_l{layer}_s{stage}")
-        if running:
-            rows += self._running_rows(stage, running, grads)
-        if late:
-            rows.append(self._rank_bytes(stage, (k - 1,), relays_held=k - 1, copies_held=k - 1))
-        return rows
+                self._add(top >= row, f"moment_l{layer}_{tag}{stage}")
+        return running
 
     def _chunk_top(self, stage: int):
         """T_j of virtual stage j of an interleaved rank (module docstring): a variable at
@@ -113,15 +121,7 @@ class FormulationMoments:
         top = self._new_var(0, self._bytes(int(t_ub.max(initial=0))), f"T_v{stage}")
         self._moment_tops[stage] = top
         grads = np.zeros_like(self.costs.grad_bytes)
-        running = []
-        for layer in self._layers_of(stage):
-            self._tick()
-            window = self._window(layer, stage, bounds)
-            if window is None:
-                running.append(layer)
-            elif t_ub[layer] > 0:
-                row = self._window_row(layer, stage, window, bounds, grads)
-                self._add(top >= row, f"moment_l{layer}_v{stage}")
+        running = self._windowed_moments(stage, top, bounds, grads, "v")
         if running:
             self._chunk_running_rows(stage, top, running)
         return top

@@ -288,7 +288,13 @@ def undominated_running(moments, runtime: str) -> list[tuple[tuple[int, ...], ..
             key += [b - n for n, b in zip(held, done, strict=True)]
             key += [b + n for n, b in zip(held, done, strict=True)]
         rows.append(key + [int(running == c) for c in range(v)])
-    keys = np.array(rows, dtype=np.int64)
+    return undominated_rows(moments, np.array(rows, dtype=np.int64))
+
+
+def undominated_rows(moments: list, keys: np.ndarray) -> list:
+    """``moments`` less those whose key row (``keys[i]``, one per moment; memory grows with
+    every column) another row is at least everywhere and differs from; of equal rows the
+    first. Order kept."""
     at_least = np.all(keys[:, None, :] >= keys[None, :, :], axis=2)  # [j, i]: j >= i everywhere
     differs = np.any(keys[:, None, :] != keys[None, :, :], axis=2)
     dominated = np.any(at_least & differs, axis=0)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from solver.costs.schedule import split_moments
+from solver.costs.schedule import split_moments, undominated_rows
 
 SplitMoment = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]
 """(n, w, B, g) of ``schedule.split_moments``."""
@@ -55,18 +55,7 @@ def undominated(moments, copies) -> list[SplitMoment]:
         ],
         dtype=np.int64,
     )
-    at_least = np.all(keys[:, None, :] >= keys[None, :, :], axis=2)  # [j, i]: j >= i everywhere
-    differs = np.any(keys[:, None, :] != keys[None, :, :], axis=2)
-    dominated = np.any(at_least & differs, axis=0)
-    # equal keys: keep the first
-    _, first = np.unique(keys, axis=0, return_index=True)
-    unique = np.zeros(len(moments), dtype=bool)
-    unique[first] = True
-    return [
-        moment
-        for moment, drop, keep in zip(moments, dominated.tolist(), unique.tolist(), strict=True)
-        if keep and not drop
-    ]
+    return undominated_rows(moments, keys)
 
 
 def split_rows(costs) -> list[list[SplitMoment]]:
