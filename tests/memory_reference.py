@@ -240,17 +240,12 @@ def boundary_copies(stage: int, held: int, setup: Setup) -> tuple[int, int]:
     output of each held micro-batch beside the m gradient receive buffers; under 1F1B
     (Schedule1F1B's send lists) also the input gradient last sent (m > 1; counted at the
     optimizer step too, where the schedule has waited on it: one copy over) and, with k >= 2
-    and m >= 2k - 1, the warm-up output of micro-batch k - 2. Under GPipe (ScheduleGPipe keeps
-    every send's work, which holds its tensor, until step() returns) a stage holding fewer than
-    m, between 1 and m - 1, is in its backward phase: each of the m - held micro-batches
-    back-propagated still has its sent output and its sent input gradient."""
+    and m >= 2k - 1, the warm-up output of micro-batch k - 2."""
     m, p = setup.num_microbatches, setup.pp
     if setup.runtime == "torch":
         one_f_one_b = setup.schedule == "1f1b"
-        backward_phase = setup.schedule == "gpipe" and 1 <= held <= m - 1
-        finished = m - held if backward_phase else 0
-        receive = m - held + finished + int(one_f_one_b and m > 1)
-        send = m + held + finished + int(one_f_one_b and 2 <= held and 2 * held - 1 <= m)
+        receive = m - held + int(one_f_one_b and m > 1)
+        send = m + held + int(one_f_one_b and 2 <= held and 2 * held - 1 <= m)
     else:
         receive, send = 1, 1 if setup.deallocate_outputs else 1 + held
     return (receive if stage > 0 else 0, send if stage < p - 1 else 0)
