@@ -1,6 +1,7 @@
 """Batch-independent bytes: what a micro-batch of b holds of a per-sample figure X whose part F
-does not grow with the batch (the layer graph's ``unbatched_*`` fields, ``solver.graph.
-UNBATCHED_FIELDS``; measured by ``profiling.trace.batch_line`` from profiles at batch 1 and 2).
+does not grow with the batch (the layer graph's ``unbatched_*`` fields,
+``solver.graph_fields.UNBATCHED_FIELDS``; measured by ``profiling.trace.batch_line`` from
+profiles at batch 1 and 2).
 
   X_b = b (X - F) + F = b X - (b - 1) F                 exact at b = 1 and b = 2
 
