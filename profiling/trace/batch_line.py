@@ -15,8 +15,8 @@ is exact at batch 1 and 2. F > 0 is the shared part; F < 0 where batch 2 holds m
 batch 1 (a copy batch 1 skips because its tensor is already contiguous), so that b (X - F) + F
 >= b X for every b >= 1 there. The figures (``solver.graph_fields.UNBATCHED_FIELDS``): the saved
 bytes and the working-memory peaks (the layer's transient, at its weight gradients, in its
-attention's backward); a field is written where F != 0. docs/layer-graph.md, docs/cost-model.md ("Batch-
-independent bytes").
+attention's backward); a field is written where F != 0. docs/layer-graph.md,
+docs/cost-model.md ("Batch-independent bytes").
 """
 
 from __future__ import annotations
