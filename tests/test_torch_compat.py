@@ -2,7 +2,10 @@
 
 One test per entry of ``PRIVATE_APIS`` exercises it minimally, the way profiling/ or the tests use
 it; after a torch upgrade, a failure here names the API that broke and the feature that depends
-on it. Those that only exist with a process group get a single-process gloo group (world size 1).
+on it. Those that only exist with a process group get a single-process gloo group (world size 1),
+in a fresh interpreter (``GROUP_CANARIES``): in the pytest process that had run the rest of the
+suite, freeing a DDP reducer after its group was destroyed once hung in ``~ProcessGroupGloo``
+(joining gloo's worker threads) and stalled CI past its limit.
 The last tests check that a missing API fails where it is used, with its name, and that no other
 file of profiling/, tests/ or scripts/ touches a private torch API in code.
 """
@@ -11,8 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import pathlib
 import re
+import subprocess
+import sys
 import tokenize
 from collections.abc import Iterator
 
@@ -290,15 +296,58 @@ CANARIES = {
 }
 
 
+GROUP_CANARIES = frozenset(
+    name
+    for name, canary in CANARIES.items()
+    if "_process_group" in canary.__code__.co_names
+)
+"""The canaries that make a gloo process group: run in their own interpreter."""
+
+CANARY_TIMEOUT_S = 120
+"""Wall-clock limit of a canary in its own interpreter (it takes about 5 s)."""
+
+
+def _run_in_fresh_interpreter(name: str) -> None:
+    """Run canary ``name`` in a new Python process; raise with its output if it fails."""
+    code = f"from tests.test_torch_compat import CANARIES; CANARIES[{name!r}]()"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=CANARY_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as error:
+        raise RuntimeError(f"did not finish within {CANARY_TIMEOUT_S} s") from error
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr else "no output")
+
+
 def test_every_private_api_has_a_canary():
     assert sorted(CANARIES) == sorted(PRIVATE_APIS)
+
+
+def test_the_process_group_canaries_are_found():
+    assert GROUP_CANARIES == {
+        "torch.distributed.tensor.DTensor._local_tensor",
+        "torch.UntypedStorage.resize_",
+        "torch.distributed._composable.replicate_with_fsdp.replicate",
+        "torch.nn.parallel.DistributedDataParallel.reducer._push_all_rebuilt_params",
+        "torch.nn.parallel.DistributedDataParallel.reducer._rebuild_buckets",
+    }
 
 
 @pytest.mark.parametrize("name", sorted(PRIVATE_APIS))
 def test_private_api(name):
     what, used_by = PRIVATE_APIS[name]
     try:
-        CANARIES[name]()
+        if name in GROUP_CANARIES:
+            _run_in_fresh_interpreter(name)
+        else:
+            CANARIES[name]()
     except Exception as error:
         raise AssertionError(
             f"torch {torch.__version__}: {name} broke (checked on {CHECKED_ON}): "
