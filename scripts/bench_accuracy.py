@@ -19,6 +19,9 @@ dp 2 with the distributed optimizer, full recompute) of a GPT with flash-style a
 parallelism (``--only-moe`` runs only these), and 7 plans of a GPT with Megatron's own explicit
 attention at seq 128-512, pp 2-4, uneven and interleaved (``--megatron-explicit`` runs only these,
 each rank marked over or under).
+``--hf-only`` runs only the HF rows, ``--hf-only --only TEXT`` only those whose label contains
+TEXT (``--only t5``; with ``MEMPLAN_PEAK_TAGS=DIR`` each rank's storages at its peak,
+docs/running.md).
 Writes benchmarks/bench_accuracy.md and .csv with the analytic, calibrated and leave-one-out
 predictions, the measured peak and the errors per rank, and their median / max absolute values
 (targets for the analytic model: torch median <= 3%, max <= 8%; megatron median <= 2%,
@@ -28,6 +31,7 @@ max <= 5%).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 from pathlib import Path
 
@@ -344,8 +348,21 @@ HF_LAYOUTS = [
 ``profiling.run.run_plan`` (profiling/executors/traced.py)."""
 
 
-def hf_rows(progress) -> list[dict]:
-    """Run every HF layout; one row per rank with the analytic prediction and its error."""
+def hf_layouts(only: str | None = None) -> list[tuple]:
+    """``HF_LAYOUTS``, or those whose label (``"t5 pp3 gpipe fp32"``) contains ``only``."""
+    chosen = [
+        layout
+        for layout in HF_LAYOUTS
+        if only is None or only in f"{layout[0]} pp{layout[1]} {layout[3]} {layout[4]}"
+    ]
+    if not chosen:
+        raise SystemExit(f"--only {only!r}: no HF layout's label contains it")
+    return chosen
+
+
+def hf_rows(progress, only: str | None = None) -> list[dict]:
+    """Run every HF layout (``only``: those whose label contains it); one row per rank with the
+    analytic prediction and its error."""
     from profiling.export import export_graph
     from profiling.run import run_plan
     from solver import ParallelConfig, TrainingConfig, evaluate, plan
@@ -353,7 +370,7 @@ def hf_rows(progress) -> list[dict]:
     from solver.specs import Cluster
 
     rows = []
-    for key, pp, split, schedule, dtype in HF_LAYOUTS:
+    for key, pp, split, schedule, dtype in hf_layouts(only):
         name, overrides = hf_models()[key]
         graph = export_graph(name, dtype=dtype, seq=HF_SEQ, overrides=overrides)
         training = TrainingConfig(
@@ -396,7 +413,8 @@ def hf_section(rows: list[dict]) -> list[str]:
         "state in the weights' dtype); cut by `pipeline()` at the plan's layers "
         "(profiling/executors/traced.py). Target for the analytic model: median 2%, max 5%.",
         "",
-        f"Over {len(rows)} ranks of {len(HF_LAYOUTS)} plans: analytic model {spread(errors)}.",
+        f"Over {len(rows)} ranks of {len({row['layout'] for row in rows})} plans: analytic "
+        f"model {spread(errors)}.",
         "",
         *markdown_table(rows, list(rows[0])),
         "",
@@ -770,13 +788,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = harness.parser(__doc__)
     for flag, (help_text, *_) in PARTS.items():
         parser.add_argument(flag, action="store_true", help=help_text)
+    parser.add_argument(
+        "--only",
+        metavar="TEXT",
+        help="with --hf-only: run only the HF layouts whose label contains TEXT (e.g. 't5', "
+        "'t5 pp3 gpipe'), for diagnosis: the part file then holds only those rows (give --out "
+        "another folder to keep benchmarks/ as it is)",
+    )
     args = parser.parse_args(argv)
+    if args.only is not None and not args.hf_only:
+        parser.error("--only filters the HF rows: give it with --hf-only")
     run = harness.Run.start(__file__, argv)
     progress = lambda text: print(text, flush=True)  # noqa: E731
     for flag, (_, name, title, rows_of, section_of, in_main) in PARTS.items():
         if getattr(args, flag.removeprefix("--").replace("-", "_")):
+            if args.only is not None:
+                rows_of = functools.partial(rows_of, only=args.only)
             lines = section_of(rows_of(progress))
-            write_part(args.out / name, title, run, lines, in_main=in_main)
+            write_part(args.out / name, title, run, lines, in_main=in_main and not args.only)
             return 0
     torch_run, megatron_run = torch_rows(progress), megatron_rows(progress)
     rows = table_rows(torch_run[1]) + table_rows(megatron_run[1])

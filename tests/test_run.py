@@ -635,8 +635,8 @@ def test_tracker_tags_what_is_live_at_the_peak(tmp_path, monkeypatch):
     assert any(
         tag.startswith("1024 B (8, 32) torch.float32 | ") and "test_run.py" in tag for tag in saved
     ), saved
-    monkeypatch.setenv(PEAK_TAGS_ENV, str(tmp_path))
+    monkeypatch.setenv(PEAK_TAGS_ENV, str(tmp_path / "tags"))  # made if missing
     write_peak_tags(tracker, 3)
-    lines = (tmp_path / "rank3.txt").read_text().splitlines()
+    lines = (tmp_path / "tags" / "rank3.txt").read_text().splitlines()
     assert lines[0].startswith(f"peak {tracker.peak_bytes} ") and len(lines) == len(tags) + 1
     assert LiveTensorTracker().tag_peak  # the environment variable switches it on

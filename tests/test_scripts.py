@@ -104,3 +104,18 @@ def test_run_process_measures_a_child(scripts_on_path):
     done = harness.run_process([sys.executable, "-c", "import sys; print('out'); sys.exit(3)"])
     assert (done.returncode, done.stdout) == (3, "out\n")
     assert done.wall_s > 0 and done.peak_rss_bytes > 0 and done.cpu_s >= 0
+
+
+def test_bench_accuracy_only_filters_the_hf_layouts(scripts_on_path, capsys):
+    """``--hf-only --only TEXT`` keeps the HF layouts whose label contains TEXT; a TEXT no label
+    holds, or ``--only`` without ``--hf-only``, is refused before anything runs."""
+    bench = importlib.import_module("bench_accuracy")
+    t5 = bench.hf_layouts("t5")
+    assert len(t5) == sum(layout[0] == "t5" for layout in bench.HF_LAYOUTS) == 4
+    assert bench.hf_layouts("t5 pp3 gpipe") == [("t5", 3, [4, 3, 3], "gpipe", "fp32")]
+    assert bench.hf_layouts() == bench.HF_LAYOUTS
+    with pytest.raises(SystemExit, match="no HF layout"):
+        bench.hf_layouts("t5 pp9")
+    with pytest.raises(SystemExit) as refused:
+        bench.main(["--only", "t5"])
+    assert refused.value.code == 2 and "give it with --hf-only" in capsys.readouterr().err

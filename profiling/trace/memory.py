@@ -97,14 +97,16 @@ def _short(path: str) -> str:
 
 
 def write_peak_tags(tracker: LiveTensorTracker, rank: int) -> None:
-    """With ``MEMPLAN_PEAK_TAGS`` set and ``tracker.tag_peak``, write ``rank<rank>.txt`` there:
-    the peak, its breakdown and every group of ``peak_tags`` (count x bytes = total)."""
+    """With ``MEMPLAN_PEAK_TAGS`` set and ``tracker.tag_peak``, write ``rank<rank>.txt`` there
+    (the folder made if missing: a rank that fails to write its tags fails its run): the peak,
+    its breakdown and every group of ``peak_tags`` (count x bytes = total)."""
     folder = os.environ.get(PEAK_TAGS_ENV)
     if not folder or not tracker.tag_peak:
         return
     lines = [f"peak {tracker.peak_bytes} {tracker.peak_breakdown}"]
     for category, tag, count, total in tracker.peak_tags():
         lines.append(f"{category:<11} {count:4d} x = {total:>11}  {tag}")
+    os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, f"rank{rank}.txt"), "w", encoding="utf-8") as out:
         out.write("\n".join(lines) + "\n")
 
