@@ -25,7 +25,12 @@ import networkx as nx
 
 from solver.deadline import Deadline, checked
 from solver.errors import InputError, quote
-from solver.graph_fields import UNBATCHED_FIELDS, check_unbatched, check_vocab
+from solver.graph_fields import (
+    UNBATCHED_FIELDS,
+    check_grad_moments,
+    check_unbatched,
+    check_vocab,
+)
 from solver.files.jsonfile import check_name, read_json, schema_message
 
 INTEGER_FIELDS = (
@@ -126,6 +131,11 @@ class Layer:
     """Bytes per sample of the layer's output gradient among those gradients (a weight op's
     output is the layer's output): kept as a new storage where a consumer of the output runs in
     the same pipeline stage. None: not measured."""
+    backward_grad_moments: list[tuple[int, int, int]] | None = None
+    """Moments of the layer's backward, (params, tp_params, bytes per sample): its own
+    parameters with a gradient then (of them TP-split), and its extra live bytes then (as
+    ``transient_bytes``), the points no other dominates (``profiling.trace.own_grads``). None:
+    not measured (a first backward's moment counts all of the layer's gradients)."""
     largest_param: int = 0
     """Elements of the layer's largest parameter tensor that is not split across TP ranks."""
     largest_tp_param: int = 0
@@ -309,6 +319,9 @@ class LayerGraph:
             | {k: getattr(layer, k) for k in ("params", "activation_bytes", "output_bytes")}
             for layer in self.layers
         ]
+        for item in layers:  # JSON arrays (the schema's type), not tuples
+            if item.get("backward_grad_moments") is not None:
+                item["backward_grad_moments"] = [list(p) for p in item["backward_grad_moments"]]
         document: dict[str, Any] = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
@@ -582,6 +595,10 @@ def _layer_from_dict(item: dict[str, Any]) -> Layer:
             values[key] = float(values[key])
     if values.get("tied_params") is not None:
         values["tied_params"] = {k: int(v) for k, v in values["tied_params"].items()}
+    if values.get("backward_grad_moments") is not None:
+        values["backward_grad_moments"] = [
+            tuple(int(v) for v in point) for point in values["backward_grad_moments"]
+        ]
     return Layer(**values)
 
 
@@ -639,6 +656,7 @@ def _check_layers(layers: list[Layer], origin: str, deadline: Deadline | None = 
                     f"{quote(layer.name)}; it is the size of one parameter tensor of the layer"
                 )
         check_vocab(layer, f"{origin}: $.layers[{i}]")
+        check_grad_moments(layer, f"{origin}: $.layers[{i}]")
         at_weight_grad = layer.weight_grad_transient_bytes
         if at_weight_grad is not None and at_weight_grad > layer.transient_bytes:
             raise InputError(

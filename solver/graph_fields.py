@@ -69,3 +69,20 @@ def check_vocab(layer: Any, where: str) -> None:
                 f"{where}: layer {name} has only one of {pair[0]}/{pair[1]}; give both parts of "
                 "the transient or neither"
             )
+
+
+def check_grad_moments(layer: Any, where: str) -> None:
+    """Each ``backward_grad_moments`` point: at most the layer's params (tp_params of them at
+    most its tp_params and the point's params) and bytes at most its transient."""
+    for k, (params, tp_params, nbytes) in enumerate(layer.backward_grad_moments or ()):
+        for value, limit, what in (
+            (params, layer.params, "params"),
+            (tp_params, min(params, layer.tp_params), "tp_params (and the point's params)"),
+            (nbytes, layer.transient_bytes, "transient_bytes"),
+        ):
+            if value > limit:
+                raise InputError(
+                    f"{where}.backward_grad_moments[{k}]: {value} exceeds the layer's {what} "
+                    f"({limit}) of layer {quote(layer.name)}; a moment of its backward holds "
+                    "some of its gradients and at most its peak"
+                )

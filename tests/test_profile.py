@@ -120,6 +120,7 @@ def test_fake_equals_real_cpu_run():
     assert fake.names == real.names
     fields = ("params", "activation_bytes", "output_bytes", "transient_bytes", "fwd_flops")
     fields += ("bwd_flops", "tp_params", "tp_activation_bytes", "tp_comm_bytes")
+    fields += ("backward_grad_moments",)
     for f, r in zip(fake.layers, real.layers, strict=True):
         assert {k: getattr(f, k) for k in fields} == {k: getattr(r, k) for k in fields}, f.name
         assert f.fwd_ms is None and r.fwd_ms >= 0 and r.bwd_ms >= 0

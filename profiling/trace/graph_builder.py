@@ -20,6 +20,7 @@ from torch import nn
 from profiling.trace.dataflow import PENDING, Tracer
 from profiling.trace.experts import ExpertTracker, is_expert_path
 from profiling.trace.layers import layer_kinds
+from profiling.trace.own_grads import backward_grad_moments
 from profiling.trace.tensor_parallel import TensorParallelSplit, is_linear
 from solver.errors import InputError
 from solver.graph import LayerGraph, graph_from_dict
@@ -67,6 +68,9 @@ class _ParamCounts:
     counts them (the layer field ``tied_params``)."""
     unused: list[str] = field(default_factory=list)
     """Parameters no layer owns or used (meta ``unused_params``)."""
+    by_tensor: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    """``id`` of the tensor the run used -> (the layer counting it, elements, TP-split
+    elements): the owners of the gradients (``own_grads``)."""
 
 
 def build_graph(
@@ -149,7 +153,7 @@ def _count_params(
         for _, original, tensor in run_params
         if (record := tracer.record_of(tensor)) is not None and record.first_user is not None
     }
-    for name, original, _ in run_params:
+    for name, original, tensor in run_params:
         layers = owners.get(id(original)) or (
             [used_by[id(original)]] if id(original) in used_by else []
         )
@@ -164,6 +168,8 @@ def _count_params(
             expert_params[layers[0]] += original.numel()
         if id(original) in split.vocab_params:
             counts.vocab[layers[0]] += original.numel()
+        split_numel = original.numel() if id(original) in split.split_params else 0
+        counts.by_tensor[id(tensor)] = (layers[0], original.numel(), split_numel)
         if id(original) in split.split_params:
             tp_params[layers[0]] += original.numel()
             largest_tp[layers[0]] = max(largest_tp[layers[0]], original.numel())
@@ -211,6 +217,10 @@ def _layer_items(
         tracer.resolve(owner): value
         for owner, value in getattr(tracer, "weight_step_bytes", {}).items()
     }
+    moments = {}
+    if getattr(tracer, "gradient_moments", None) is not None:
+        excluded, grad_params = tracer.gradient_moments
+        moments = backward_grad_moments(tracer, excluded, grad_params, counts.by_tensor, batch)
     items = []
     for i in order:
         record = tracer.layers[i]
@@ -245,6 +255,8 @@ def _layer_items(
             own, output = weight_steps[i]
             item["weight_op_grad_bytes"] = _ceil_div(own, batch)
             item["weight_op_output_grad_bytes"] = _ceil_div(output, batch)
+        if i in moments:  # the own gradients beside its backward's transient (``own_grads``)
+            item["backward_grad_moments"] = [list(point) for point in moments[i]]
         if kv_reads.get(i):
             item["attention_kv_bytes"] = _ceil_div(kv_reads[i], batch)
         if scores.get(i):

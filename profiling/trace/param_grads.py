@@ -36,6 +36,8 @@ class ParamGradients:
         self.tracer = tracer
         self.param_ids = {id(p) for p in params if p.requires_grad}
         self.uids: set[int] = set()
+        self.param_of: dict[int, int] = {}
+        """Gradient storage uid -> ``id`` of the parameter it is a gradient of."""
         self._handles: list[Any] = []
 
     def install(self, loss: torch.Tensor) -> None:
@@ -54,19 +56,22 @@ class ParamGradients:
                 variable = getattr(child, "variable", None)
                 if variable is not None:
                     if id(variable) in self.param_ids:
-                        edges.append(position)
+                        edges.append((position, id(variable)))
                 elif child not in seen:
                     stack.append(child)
             if edges:
                 hook = functools.partial(self._record, tuple(edges))
                 self._handles.append(node.register_hook(hook))
 
-    def _record(self, edges: tuple[int, ...], grad_inputs: tuple, _grad_outputs: tuple) -> None:
-        for position in edges:
+    def _record(
+        self, edges: tuple[tuple[int, int], ...], grad_inputs: tuple, _grad_outputs: tuple
+    ) -> None:
+        for position, param in edges:
             grad = grad_inputs[position] if position < len(grad_inputs) else None
             record = self.tracer.record_of(grad) if isinstance(grad, torch.Tensor) else None
             if record is not None:
                 self.uids.add(record.uid)
+                self.param_of.setdefault(record.uid, param)
 
     def remove(self) -> None:
         """Take the hooks off (the graph may outlive the profile)."""

@@ -52,6 +52,10 @@ such as a causal mask; profile with batch 1 to count those in full):
   adds the weight-gradient temporary (and a tie's partial gradients, ``solver.costs.embeddings``)
   to this one only: a loss whose fp32 logits peak in the forward, and have been freed by the
   time the LM head's weight gradient is computed, does not count both at once.
+- ``backward_grad_moments``: the moments of the layer's backward as (params, tp_params, bytes)
+  points, its own parameters with a gradient then and the extra live bytes then (as
+  ``transient_bytes``), those no other dominates (``own_grads.py``): what a first backward's
+  moment holds of the layer's gradients under the gradient lifetime "step".
 - ``tp_params``, ``tp_activation_bytes``, ``tp_comm_bytes``: the Megatron-style split of
   ``tensor_parallel.py``.
 - ``vocab_rows``, ``vocab_params``, ``vocab_activation_bytes`` and the transients' parts
@@ -538,11 +542,13 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
             # every gradient of a parameter: its .grad, and the partial ones autograd sums
             # into it (held: a tied head's gradient of the table until the embedding's part)
             final = set()
+            grad_params = dict(param_grads.param_of)  # gradient uid -> its parameter
             for _, _, tensor in state.params:
                 grad = tensor.grad
                 record = tracer.record_of(grad) if grad is not None else None
                 if record is not None:
                     final.add(record.uid)
+                    grad_params.setdefault(record.uid, id(tensor))
             gradients = param_grads.uids | final
             held = param_grads.uids - final
             excluded = set(tracer.saved_owner) | gradients
@@ -569,6 +575,7 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
     tracer.transient_peaks = tracer.transients(excluded)
     tracer.weight_grad_transient_peaks = tracer.transients(excluded, at=gradients, held=held)
     tracer.backward_transient_peaks = tracer.transients(excluded, only="bwd")
+    tracer.gradient_moments = (excluded, grad_params)  # own_grads.backward_grad_moments
     tracer.weight_step_bytes = weight_steps.bytes_by_layer(excluded)
     split = tp.resolve()
     if split.vocab_layers:  # the transients' fixed and vocabulary-sized parts
