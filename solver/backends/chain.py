@@ -195,7 +195,20 @@ class _Chain:
         self._tables = [sparse_max_table(reach)] + [
             sparse_max_table(reach - grad_prefix[1:]) for grad_prefix in self.grad_prefixes
         ]
-        if self.late.any():  # and max transient[i..j] for the moment after
+        # the moments after a backward (costs.after_moments): per stage, [moment] (held, R, S),
+        # repeated to as many as the most of any stage; has_after: a stage has any
+        after_moments = [
+            [(h, *costs.copies_at(s, h, done)) for h, done in moments]
+            for s, moments in enumerate(costs.after_moments)
+        ]
+        most = max(map(len, after_moments), default=0)
+        self.has_after = np.array([bool(moments) for moments in after_moments], dtype=bool)
+        self.after = np.array(
+            [[moments[min(i, len(moments) - 1)] if moments else (0, 0, 0) for i in range(most)]
+             for moments in after_moments],
+            dtype=np.int64,
+        ).reshape(self.num_stages, most, 3)  # fmt: skip
+        if self.has_after.any():  # and max transient[i..j] for the moments after
             self._transient_table = sparse_max_table(self.after_transient)
         # a stage ending at the last layer: its output held through the earlier layers' moments
         # (costs.moment_transient); the same tables with those moments
@@ -211,9 +224,6 @@ class _Chain:
         at_step = [costs.copies_at(s, 0) for s in range(self.num_stages)]
         self.step_receive = np.array([r for r, _ in at_step], dtype=np.int64)
         self.step_send = np.array([c for _, c in at_step], dtype=np.int64)
-        after = [costs.copies_at(s, max(0, int(k) - 1)) for s, k in enumerate(self.in_flight)]
-        self.after_receive = np.array([r for r, _ in after], dtype=np.int64)  # R_s at k_s - 1
-        self.after_send = np.array([c for _, c in after], dtype=np.int64)
 
     # -- stage quantities ------------------------------------------------------------------
 
@@ -276,8 +286,8 @@ class _Chain:
     def boundary_floor(self, stage: int) -> int:
         """Smallest possible buffers + transient of a stage, bytes (the relaxation's constant)."""
         copies = self.receive_copies[stage] + self.send_copies[stage]
-        if self.late[stage]:
-            copies = min(copies, self.after_receive[stage] + self.after_send[stage])
+        if self.late[stage]:  # (during(last layer) is at least this floor: a safe minimum)
+            copies = min(copies, int(self.after[stage, :, 1:].sum(axis=1).min()))
         return int(copies) * self.edge_min + self.transient_min + self.constant_bytes
 
     def range_max(self, table: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -336,23 +346,30 @@ class _Chain:
             + self.send_copies[stage] * self.edge_out[ends]
         )
         late = self.late[stage]
-        if not np.any(late):
+        if np.any(late):
+            first = during.copy()  # grads(i..j) off the states, grads(l+1..j) back
+            kinds = self.kind[stage]
+            for c in np.unique(kinds[late]):
+                on = kinds == c
+                first[on] += self._reach(c, starts[on], ends[on]) - reach[on]
+                first[on] += self.grad_prefixes[c - 1][starts[on]]
+            during = np.where(late, first, during)
+        after_on = self.has_after[stage]
+        if not np.any(after_on):
             return during + self.constant_bytes
-        first = during.copy()  # grads(i..j) off the states, grads(l+1..j) back
-        kinds = self.kind[stage]
-        for c in np.unique(kinds[late]):
-            on = kinds == c
-            first[on] += self._reach(c, starts[on], ends[on]) - reach[on]
-            first[on] += self.grad_prefixes[c - 1][starts[on]]
-        after = (
-            states
-            + held
-            + self.after_receive[stage] * self.edge_in[starts]
-            + self.after_send[stage] * self.edge_out[ends]
-            + self.transient(starts, ends)
-        )
-        late_peaks = np.maximum(first, after)
-        return np.where(late, late_peaks, during) + self.constant_bytes
+        stored = self.stored_prefix[ends + 1] - self.stored_prefix[starts]
+        largest = self.transient(starts, ends)
+        after = self.after[stage]  # [pair, moment, (held, R, S)]
+        for i in range(after.shape[1]):
+            moment = (
+                states
+                + after[:, i, 0] * stored
+                + after[:, i, 1] * self.edge_in[starts]
+                + after[:, i, 2] * self.edge_out[ends]
+                + largest
+            )
+            during = np.where(after_on, np.maximum(during, moment), during)
+        return during + self.constant_bytes
 
     def _reach(self, which: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """max_l over i..j of stored_prefix[l + 1] + transient_l (``which`` 0), or less the
@@ -655,8 +672,7 @@ class _Chain:
             int(self.receive_copies[stage]),
             int(self.send_copies[stage]),
             int(self.kind[stage]),  # 0: not late
-            int(self.after_receive[stage]),
-            int(self.after_send[stage]),
+            tuple(self.after[stage].ravel().tolist()) if self.has_after[stage] else (),
             int(self.step_receive[stage]),
             int(self.step_send[stage]),
         )

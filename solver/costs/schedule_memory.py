@@ -281,16 +281,16 @@ def _layerwise_bytes(terms: _Terms, rank: int, actions: tuple[ScheduleAction, ..
     largest = int(costs.after_transient(terms.transient_per_layer)[layers].max(initial=0))
     late = costs.first_backward_peak[rank]
     grads = 0 if costs.grad_lifetime == "step" else all_grads  # step: from the first backward
-    held, seen_backward = 0, False
+    held, done, seen_backward = 0, 0, False
     values = []
     for action in actions:
         assert action.kind in ("F", "B"), f"no memory rule for a {action.kind} step yet"
         if action.kind == "F":
             held += 1
             during = (held - 1) * kept + relay + own_moment
-            values.append(states + grads + during + terms.buffers(rank, held, 0))
+            values.append(states + grads + during + terms.buffers(rank, held, done))
             continue
-        held -= 1
+        held, done = held - 1, done + 1
         if late and not seen_backward:
             moments = layer_moments(
                 costs,
@@ -305,7 +305,8 @@ def _layerwise_bytes(terms: _Terms, rank: int, actions: tuple[ScheduleAction, ..
             )
             values.append(states + max(sum(moment) for moment in moments))
         else:
-            values.append(states + all_grads + held * kept + largest + terms.buffers(rank, held, 0))
+            after = held * kept + largest + terms.buffers(rank, held, done)
+            values.append(states + all_grads + after)
         seen_backward, grads = True, all_grads
     return values
 

@@ -144,8 +144,10 @@ def _stage_costs(
                 own_weights = costs.backward_weight_bytes[chunks[0][: best + 1]]
                 resharded = -int(own_weights.sum())
                 grads -= resharded
-            if best == len(chunks[0]):
-                moment = "after first backward"
+            if best >= len(chunks[0]):  # after a backward (LayerCosts.after_moments)
+                _, done = costs.after_moments[rank][best - len(chunks[0])]
+                first = done == 1
+                moment = "after first backward" if first else "last backward"
             elif costs.grads_late[rank]:
                 moment = "first backward"
         grads += int(buckets[own].sum())
@@ -275,10 +277,10 @@ def layer_moments(
         (int(g), held + relayed + int(a), buffers_k, int(t))
         for g, a, t in zip(later, before, running[layers], strict=True)
     ]
-    if late:
-        after_buffers = stage_buffer_bytes(costs, stage, k - 1, 0, into, out_of, adjust)
-        after = costs.after_transient(transient)[layers]  # (less FSDP2's gathers)
-        moments.append((total_grads, held, after_buffers, int(after.max(initial=0))))
+    largest = int(costs.after_transient(transient)[layers].max(initial=0))  # less FSDP2's gathers
+    for h, done in costs.after_moments[stage]:  # after a backward (LayerCosts.after_moments)
+        buffers_h = stage_buffer_bytes(costs, stage, h, done, into, out_of, adjust)
+        moments.append((total_grads, h * (total_stored + relayed), buffers_h, largest))
     return moments
 
 
