@@ -8,9 +8,11 @@ For stage s = layers i..j (0-based, inclusive) ``costs.stage_costs`` reduces on 
   (a stage ending at the last layer: its own table, with the output the torch pipeline keeps
   at the earlier layers' moments, ``LayerCosts.moment_transient``).
   On a stage whose gradients appear at its first backward (``LayerCosts.first_backward_peak``)
-  instead max(during, after): during(l) also leaves out grads(i..l), a range maximum of
-  stored_prefix[l+1] - grad_prefix[l+1] + transient_l, and the monotone relaxation counts
-  the states without gradients (a lower bound of during(j));
+  during(l) also leaves out grads(i..l), a range maximum of stored_prefix[l+1] -
+  grad_prefix[l+1] + transient_l, and the monotone relaxation counts the states without
+  gradients (a lower bound of during(j)); the moments after a backward
+  (``LayerCosts.after_moments``, h held) add sum state[i..j] + h sum stored[i..j] + R_h e[i-1]
+  + S_h e[j] + max transient[i..j];
   with an optimizer-step temporary (``LayerCosts.step_bytes``) also the step moment
   sum (state + step)[i..j] + R0_s e[i-1] + S0_s e[j] (``costs.optimizer_step_moment``)
   time(s; i, j) = the largest of stage s's terms of the iteration bound
@@ -195,19 +197,9 @@ class _Chain:
         self._tables = [sparse_max_table(reach)] + [
             sparse_max_table(reach - grad_prefix[1:]) for grad_prefix in self.grad_prefixes
         ]
-        # the moments after a backward (costs.after_moments): per stage, [moment] (held, R, S),
-        # repeated to as many as the most of any stage; has_after: a stage has any
-        after_moments = [
-            [(h, *costs.copies_at(s, h, done)) for h, done in moments]
-            for s, moments in enumerate(costs.after_moments)
-        ]
-        most = max(map(len, after_moments), default=0)
-        self.has_after = np.array([bool(moments) for moments in after_moments], dtype=bool)
-        self.after = np.array(
-            [[moments[min(i, len(moments) - 1)] if moments else (0, 0, 0) for i in range(most)]
-             for moments in after_moments],
-            dtype=np.int64,
-        ).reshape(self.num_stages, most, 3)  # fmt: skip
+        # the moments after a backward, [stage, moment, (held, R, S)] (costs.after_table)
+        self.after = costs.after_table
+        self.has_after = np.array([bool(moments) for moments in costs.after_moments], dtype=bool)
         if self.has_after.any():  # and max transient[i..j] for the moments after
             self._transient_table = sparse_max_table(self.after_transient)
         # a stage ending at the last layer: its output held through the earlier layers' moments
@@ -327,9 +319,9 @@ class _Chain:
     ) -> np.ndarray:
         """peak_s(i, j) over the moments of the schedule (before the optimizer step), bytes:
         ``costs.layer_moments`` on a chain (no relays), the largest of during(l) over l in
-        i..j beside the states and k - 1 whole micro-batches; where gradients appear at the
-        first backward (``late``) without those after l, and after it every gradient, k - 1
-        held."""
+        i..j beside the states and k - 1 whole micro-batches (without the gradients after l
+        where they appear at the first backward, ``late``), and the moments after a backward
+        (every gradient, h held, ``costs.after_moments``)."""
         stage = np.asarray(stage)
         starts, ends = np.broadcast_arrays(starts, ends)
         stage = np.broadcast_to(stage, starts.shape)
@@ -361,13 +353,9 @@ class _Chain:
         largest = self.transient(starts, ends)
         after = self.after[stage]  # [pair, moment, (held, R, S)]
         for i in range(after.shape[1]):
-            moment = (
-                states
-                + after[:, i, 0] * stored
-                + after[:, i, 1] * self.edge_in[starts]
-                + after[:, i, 2] * self.edge_out[ends]
-                + largest
-            )
+            h, receive, send = after[:, i].T
+            moment = states + h * stored + receive * self.edge_in[starts] + largest
+            moment += send * self.edge_out[ends]
             during = np.where(after_on, np.maximum(during, moment), during)
         return during + self.constant_bytes
 

@@ -310,6 +310,19 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
         return moments
 
     @cached_property
+    def after_table(self) -> np.ndarray:
+        """``after_moments`` as an array [stage, moment, (h, R, S)]: the micro-batches held and
+        the copies then (``copies_at``), each stage's last moment repeated to as many as any
+        stage has (zeros where a stage has none), for vectorised backends."""
+        most = max(map(len, self.after_moments), default=0)
+        table = np.zeros((self.num_stages, most, 3), dtype=np.int64)
+        for stage, moments in enumerate(self.after_moments):
+            for i in range(most if moments else 0):
+                h, done = moments[min(i, len(moments) - 1)]
+                table[stage, i] = (h, *self.copies_at(stage, h, done))
+        return table
+
+    @cached_property
     def most_copies(self) -> tuple[int, int]:
         """(R, S): the most copies of a received and of a sent boundary tensor any stage keeps
         at a moment of ``stages.layer_moments`` (at k_s or ``after_moments``), for bounds."""

@@ -291,7 +291,8 @@ def _layerwise_bytes(terms: _Terms, rank: int, actions: tuple[ScheduleAction, ..
             values.append(states + grads + during + terms.buffers(rank, held, done))
             continue
         held, done = held - 1, done + 1
-        if late and not seen_backward:
+        after = held * kept + largest + terms.buffers(rank, held, done)
+        if late and not seen_backward:  # in it (its layers' moments), then after it
             moments = layer_moments(
                 costs,
                 rank,
@@ -303,9 +304,9 @@ def _layerwise_bytes(terms: _Terms, rank: int, actions: tuple[ScheduleAction, ..
                 terms.out_of,
                 terms.adjust,
             )
-            values.append(states + max(sum(moment) for moment in moments))
+            during = max(sum(moment) for moment in moments[: len(layers)])
+            values.append(states + max(during, all_grads + after))
         else:
-            after = held * kept + largest + terms.buffers(rank, held, done)
             values.append(states + all_grads + after)
         seen_backward, grads = True, all_grads
     return values
