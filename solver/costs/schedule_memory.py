@@ -30,9 +30,10 @@ them, layers l in forward order):
               (the forward's own moments: its layers up to l, l's transient)
   first B   = where the gradients appear at the first backward and no forward follows it
               (``LayerCosts.first_backward_peak``: step lifetime, GPipe or 1F1B with
-              m <= p - s): states + the largest of ``layer_moments`` (its during(l), with the
-              gradients of the layers after l, and after)
-  other B   = states + grads + n kept + trans_r + buffers(n)       (n held after it)
+              m <= p - s): states + the largest of ``layer_moments``' during(l) (with the
+              gradients of the layers after l) and the moment after it (as other B)
+  other B   = states + grads + n kept + trans_r + buffers(n, B)    (n held, B done after it;
+              torch GPipe's sends held: ``LayerCosts.after_moments``)
 
 so the k-th forward (with every gradient where it follows a backward) is max_l during(l).
 

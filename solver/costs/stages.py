@@ -12,9 +12,10 @@ the stage in forward order:
               a forward follows the first backward: 1F1B with k < m)
   grad lifetime "step" (``TrainingConfig.grad_lifetime``; torch's zero_grad(set_to_none=True)),
               on a stage whose forwards all precede its first backward (GPipe, 1F1B with
-              m <= p - s; ``LayerCosts.first_backward_peak``): grads = grads(> l), and one more
-              moment, after the first backward:
-              after     = (k-1)(stored_s + relay_s) + grads_s + trans_s + buffers(k-1)
+              m <= p - s; ``LayerCosts.first_backward_peak``): grads = grads(> l)
+  after a backward (``LayerCosts.after_moments``: after the first where gradients appear then,
+              h = k - 1; torch GPipe's backward phase, h = m - 1 and 1, its sends held):
+              after(h)  = h (stored_s + relay_s) + grads_s + trans_s + buffers(h, k - h done)
   interleaved stages (v > 1), per rank, at each moment (n, B, c) of its schedule
               (``schedule.running_moments``: n_c held and B_c backwards done per chunk, layer
               l of chunk c running, the forward's micro-batch or the backward's among the n_c;
@@ -245,10 +246,13 @@ def layer_moments(
     after l have theirs and l's weight-gradient temporary is the first of its gradients (no
     ``.grad`` to add it to yet): grads = grads(> l), and during(last layer) is the start of the
     first backward. After the first backward every gradient exists and at most k - 1
-    micro-batches are held (the later backwards free more; a safe bound), one more moment of
-    those stages:
+    micro-batches are held (the later backwards free more; a safe bound where the buffers do
+    not grow), and under torch's GPipe the buffers grow with the backwards done (its sends
+    held): the moments after a backward with h held (``LayerCosts.after_moments``: k - 1 on
+    the first stages; m - 1 and 1 under torch GPipe, the ends of a value linear in h), the
+    next backward's micro-batch counted whole beside the largest transient:
 
-        after = (k - 1) (stored_s + relay_s) + grads_s + max transient_s + buffers at k - 1 held
+        after(h) = h (stored_s + relay_s) + grads_s + max transient_s + buffers(h, k - h done)
 
     Measured on gpt-tiny (fp32, gloo, ``profiling.run``): a 1F1B stage with m = p peaks in its
     last block's backward at its first weight gradient, with no gradient accumulated yet, within
