@@ -327,15 +327,16 @@ class _Chain:
         stage = np.broadcast_to(stage, starts.shape)
         k = self.in_flight[stage]
         states = self.state_prefix[ends + 1] - self.state_prefix[starts]
-        held = (k - 1) * (self.stored_prefix[ends + 1] - self.stored_prefix[starts])
+        stored = self.stored_prefix[ends + 1] - self.stored_prefix[starts]
+        into, out_of = self.edge_in[starts], self.edge_out[ends]
         reach = self._reach(0, starts, ends)
         during = (
             states
-            + held
+            + (k - 1) * stored
             + reach
             - self.stored_prefix[starts]
-            + self.receive_copies[stage] * self.edge_in[starts]
-            + self.send_copies[stage] * self.edge_out[ends]
+            + self.receive_copies[stage] * into
+            + self.send_copies[stage] * out_of
         )
         late = self.late[stage]
         if np.any(late):
@@ -349,14 +350,11 @@ class _Chain:
         after_on = self.has_after[stage]
         if not np.any(after_on):
             return during + self.constant_bytes
-        stored = self.stored_prefix[ends + 1] - self.stored_prefix[starts]
-        largest = self.transient(starts, ends)
-        after = self.after[stage]  # [pair, moment, (held, R, S)]
-        for i in range(after.shape[1]):
-            h, receive, send = after[:, i].T
-            moment = states + h * stored + receive * self.edge_in[starts] + largest
-            moment += send * self.edge_out[ends]
-            during = np.where(after_on, np.maximum(during, moment), during)
+        base = states + self.transient(starts, ends)
+        for i in range(self.after.shape[1]):  # [stage, moment, (held, R, S)]
+            h, receive, send = self.after[:, i].T
+            moment = base + h[stage] * stored + receive[stage] * into + send[stage] * out_of
+            during = np.maximum(during, moment if after_on.all() else np.where(after_on, moment, 0))
         return during + self.constant_bytes
 
     def _reach(self, which: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
