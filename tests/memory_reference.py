@@ -17,11 +17,13 @@ parallelism, no interleaving, persistent gradients, no calibration):
   full recomputation keeping only each recomputable layer's output (its input to the next);
 - boundary buffers: received and sent copies per runtime (megatron: 1 and 1, or 1 + k_s
   without output deallocation; torch pipelining: m - k_s and m + k_s, under 1F1B one more of
-  each where Schedule1F1B's send lists hold them);
+  each where Schedule1F1B's send lists hold them; under GPipe, in its backward phase, the
+  outputs and input gradients sent by the micro-batches already back-propagated);
 - the moments of the schedule: layer i of one micro-batch running (forward or backward) beside
   k_s - 1 others held whole, that one holding the layers up to i; on the torch runtime the last
   stage keeps the model's output for the loss per micro-batch in flight, the running one's
-  through every layer of that stage;
+  through every layer of that stage; under torch's GPipe every moment of the backward phase
+  (h = 1 .. m - 1 held whole, the largest transient);
 - the transient of the running layer (its own, its weight-gradient temporary, ZeRO-3's gathered
   weights, a recomputed layer's re-materialised activations; on the megatron runtime Megatron's
   own explicit attention: the score buffer it keeps and its in-place mask's backward clone);
@@ -240,12 +242,17 @@ def boundary_copies(stage: int, held: int, setup: Setup) -> tuple[int, int]:
     output of each held micro-batch beside the m gradient receive buffers; under 1F1B
     (Schedule1F1B's send lists) also the input gradient last sent (m > 1; counted at the
     optimizer step too, where the schedule has waited on it: one copy over) and, with k >= 2
-    and m >= 2k - 1, the warm-up output of micro-batch k - 2."""
+    and m >= 2k - 1, the warm-up output of micro-batch k - 2. Under GPipe (ScheduleGPipe keeps
+    every send's work, which holds its tensor, until step() returns) a stage holding fewer than
+    m, between 1 and m - 1, is in its backward phase: each of the m - held micro-batches
+    back-propagated still has its sent output and its sent input gradient."""
     m, p = setup.num_microbatches, setup.pp
     if setup.runtime == "torch":
         one_f_one_b = setup.schedule == "1f1b"
-        receive = m - held + int(one_f_one_b and m > 1)
-        send = m + held + int(one_f_one_b and 2 <= held and 2 * held - 1 <= m)
+        backward_phase = setup.schedule == "gpipe" and 1 <= held <= m - 1
+        finished = m - held if backward_phase else 0
+        receive = m - held + finished + int(one_f_one_b and m > 1)
+        send = m + held + finished + int(one_f_one_b and 2 <= held and 2 * held - 1 <= m)
     else:
         receive, send = 1, 1 if setup.deallocate_outputs else 1 + held
     return (receive if stage > 0 else 0, send if stage < p - 1 else 0)
@@ -442,19 +449,24 @@ def stage_peaks(layers: list[dict], stage_of_layer: list[int], setup: Setup) -> 
                 gone += unsharded_weights(layers[i], setup)
             moment = StagePeak(weights - gone, grads, optimizer, activations, buffers, transient)
             during.append(moment)
-        if resharded(setup):  # after a backward no forward follows: every layer unsharded
-            # k - 1 micro-batches held, the largest transient less the gathered weights
-            rest = max(
-                layer_transient(layers, i, setup)
-                - unsharded_weights(layers[i], setup)
-                - (unsharded_weights(layers[i - 1], setup) if i > 0 else 0)
-                for i in members
-            )
-            after_buffers = buffer_bytes(stage, held - 1, into, out, setup)
-            activations = (held - 1) * stored
-            during.append(
-                StagePeak(weights, grads, optimizer, activations, after_buffers, rest)
-            )
+        # after a backward, h micro-batches held: the next backward's moments, its micro-batch
+        # kept whole beside the largest transient (over). Under FSDP2's resharding (no forward
+        # follows) every layer is unsharded then: k - 1 held, the transients less the gathered
+        # weights. Under torch's GPipe every moment of the backward phase, 1 <= h <= m - 1: its
+        # send works keep the sent outputs and input gradients (boundary_copies)
+        after = {held - 1} if resharded(setup) else set()
+        if setup.runtime == "torch" and setup.schedule == "gpipe":
+            after |= set(range(1, held))
+        for h in sorted(after):
+            rest = 0
+            for i in members:
+                transient = layer_transient(layers, i, setup)
+                if resharded(setup):
+                    transient -= unsharded_weights(layers[i], setup)
+                    transient -= unsharded_weights(layers[i - 1], setup) if i > 0 else 0
+                rest = max(rest, transient)
+            after_buffers = buffer_bytes(stage, h, into, out, setup)
+            during.append(StagePeak(weights, grads, optimizer, h * stored, after_buffers, rest))
         forward = max(during, key=lambda moment: moment.peak)
         if not setup.step_bytes:  # a fused step allocates nothing: the schedule's peak
             peaks.append(forward)

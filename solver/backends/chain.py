@@ -8,9 +8,11 @@ For stage s = layers i..j (0-based, inclusive) ``costs.stage_costs`` reduces on 
   (a stage ending at the last layer: its own table, with the output the torch pipeline keeps
   at the earlier layers' moments, ``LayerCosts.moment_transient``).
   On a stage whose gradients appear at its first backward (``LayerCosts.first_backward_peak``)
-  instead max(during, after): during(l) also leaves out grads(i..l), a range maximum of
-  stored_prefix[l+1] - grad_prefix[l+1] + transient_l, and the monotone relaxation counts
-  the states without gradients (a lower bound of during(j));
+  during(l) also leaves out grads(i..l), a range maximum of stored_prefix[l+1] -
+  grad_prefix[l+1] + transient_l, and the monotone relaxation counts the states without
+  gradients (a lower bound of during(j)); the moments after a backward
+  (``LayerCosts.after_moments``, h held) add sum state[i..j] + h sum stored[i..j] + R_h e[i-1]
+  + S_h e[j] + max transient[i..j];
   with an optimizer-step temporary (``LayerCosts.step_bytes``) also the step moment
   sum (state + step)[i..j] + R0_s e[i-1] + S0_s e[j] (``costs.optimizer_step_moment``)
   time(s; i, j) = the largest of stage s's terms of the iteration bound
@@ -195,7 +197,10 @@ class _Chain:
         self._tables = [sparse_max_table(reach)] + [
             sparse_max_table(reach - grad_prefix[1:]) for grad_prefix in self.grad_prefixes
         ]
-        if self.late.any():  # and max transient[i..j] for the moment after
+        # the moments after a backward, [stage, moment, (held, R, S)] (costs.after_table)
+        self.after = costs.after_table
+        self.has_after = np.array([bool(moments) for moments in costs.after_moments], dtype=bool)
+        if self.has_after.any():  # and max transient[i..j] for the moments after
             self._transient_table = sparse_max_table(self.after_transient)
         # a stage ending at the last layer: its output held through the earlier layers' moments
         # (costs.moment_transient); the same tables with those moments
@@ -211,9 +216,6 @@ class _Chain:
         at_step = [costs.copies_at(s, 0) for s in range(self.num_stages)]
         self.step_receive = np.array([r for r, _ in at_step], dtype=np.int64)
         self.step_send = np.array([c for _, c in at_step], dtype=np.int64)
-        after = [costs.copies_at(s, max(0, int(k) - 1)) for s, k in enumerate(self.in_flight)]
-        self.after_receive = np.array([r for r, _ in after], dtype=np.int64)  # R_s at k_s - 1
-        self.after_send = np.array([c for _, c in after], dtype=np.int64)
 
     # -- stage quantities ------------------------------------------------------------------
 
@@ -276,8 +278,8 @@ class _Chain:
     def boundary_floor(self, stage: int) -> int:
         """Smallest possible buffers + transient of a stage, bytes (the relaxation's constant)."""
         copies = self.receive_copies[stage] + self.send_copies[stage]
-        if self.late[stage]:
-            copies = min(copies, self.after_receive[stage] + self.after_send[stage])
+        if self.late[stage]:  # (during(last layer) is at least this floor: a safe minimum)
+            copies = min(copies, int(self.after[stage, :, 1:].sum(axis=1).min()))
         return int(copies) * self.edge_min + self.transient_min + self.constant_bytes
 
     def range_max(self, table: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -317,42 +319,43 @@ class _Chain:
     ) -> np.ndarray:
         """peak_s(i, j) over the moments of the schedule (before the optimizer step), bytes:
         ``costs.layer_moments`` on a chain (no relays), the largest of during(l) over l in
-        i..j beside the states and k - 1 whole micro-batches; where gradients appear at the
-        first backward (``late``) without those after l, and after it every gradient, k - 1
-        held."""
+        i..j beside the states and k - 1 whole micro-batches (without the gradients after l
+        where they appear at the first backward, ``late``), and the moments after a backward
+        (every gradient, h held, ``costs.after_moments``)."""
         stage = np.asarray(stage)
         starts, ends = np.broadcast_arrays(starts, ends)
         stage = np.broadcast_to(stage, starts.shape)
         k = self.in_flight[stage]
         states = self.state_prefix[ends + 1] - self.state_prefix[starts]
-        held = (k - 1) * (self.stored_prefix[ends + 1] - self.stored_prefix[starts])
+        stored = self.stored_prefix[ends + 1] - self.stored_prefix[starts]
+        into, out_of = self.edge_in[starts], self.edge_out[ends]
         reach = self._reach(0, starts, ends)
         during = (
             states
-            + held
+            + (k - 1) * stored
             + reach
             - self.stored_prefix[starts]
-            + self.receive_copies[stage] * self.edge_in[starts]
-            + self.send_copies[stage] * self.edge_out[ends]
+            + self.receive_copies[stage] * into
+            + self.send_copies[stage] * out_of
         )
         late = self.late[stage]
-        if not np.any(late):
+        if np.any(late):
+            first = during.copy()  # grads(i..j) off the states, grads(l+1..j) back
+            kinds = self.kind[stage]
+            for c in np.unique(kinds[late]):
+                on = kinds == c
+                first[on] += self._reach(c, starts[on], ends[on]) - reach[on]
+                first[on] += self.grad_prefixes[c - 1][starts[on]]
+            during = np.where(late, first, during)
+        after_on = self.has_after[stage]
+        if not np.any(after_on):
             return during + self.constant_bytes
-        first = during.copy()  # grads(i..j) off the states, grads(l+1..j) back
-        kinds = self.kind[stage]
-        for c in np.unique(kinds[late]):
-            on = kinds == c
-            first[on] += self._reach(c, starts[on], ends[on]) - reach[on]
-            first[on] += self.grad_prefixes[c - 1][starts[on]]
-        after = (
-            states
-            + held
-            + self.after_receive[stage] * self.edge_in[starts]
-            + self.after_send[stage] * self.edge_out[ends]
-            + self.transient(starts, ends)
-        )
-        late_peaks = np.maximum(first, after)
-        return np.where(late, late_peaks, during) + self.constant_bytes
+        base = states + self.transient(starts, ends)
+        for i in range(self.after.shape[1]):  # [stage, moment, (held, R, S)]
+            h, receive, send = self.after[:, i].T
+            moment = base + h[stage] * stored + receive[stage] * into + send[stage] * out_of
+            during = np.maximum(during, moment if after_on.all() else np.where(after_on, moment, 0))
+        return during + self.constant_bytes
 
     def _reach(self, which: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """max_l over i..j of stored_prefix[l + 1] + transient_l (``which`` 0), or less the
@@ -655,8 +658,7 @@ class _Chain:
             int(self.receive_copies[stage]),
             int(self.send_copies[stage]),
             int(self.kind[stage]),  # 0: not late
-            int(self.after_receive[stage]),
-            int(self.after_send[stage]),
+            tuple(self.after[stage].ravel().tolist()) if self.has_after[stage] else (),
             int(self.step_receive[stage]),
             int(self.step_send[stage]),
         )

@@ -508,8 +508,8 @@ class _DagSplitter:
                 st.stage_members[last], held, cumulative=stored
             )
         self.first_during: dict[bytes, np.ndarray] = {}  # per late column (late_column)
-        if any(self.late):
-            self.transient = _masked_max(  # after it
+        if any(costs.after_moments):  # the moments after a backward (costs.after_moments)
+            self.transient = _masked_max(
                 st.stage_members, costs.after_transient(transient)
             )
         for stage in np.flatnonzero(self.late):
@@ -558,9 +558,10 @@ class _DagSplitter:
         if self.deadline is not None and time.perf_counter() > self.deadline:
             raise _TimeUp
 
-    def _buffers(self, stage: int, held: int) -> np.ndarray:
-        """``stage_buffer_bytes`` of every pair as stage ``stage`` holding ``held``."""
-        receive, send = self.costs.copies_at(stage, held, 0)
+    def _buffers(self, stage: int, held: int, done: int = 0) -> np.ndarray:
+        """``stage_buffer_bytes`` of every pair as stage ``stage`` holding ``held`` after
+        ``done`` backwards."""
+        receive, send = self.costs.copies_at(stage, held, done)
         value = receive * self.into + send * self.out_of
         if self.per_held is not None:
             value = value + held * self.per_held - self.costs.config.num_microbatches * self.no_grad
@@ -576,9 +577,10 @@ class _DagSplitter:
             schedule = base + self.during
         else:
             late = np.asarray(self.costs.late_column(stage), dtype=np.int64).tobytes()
-            during = base + self.first_during[late]
-            after = (k - 1) * self.kept + self.grad_bytes + self._buffers(stage, k - 1)
-            schedule = np.maximum(during, after + self.transient)
+            schedule = base + self.first_during[late]
+        for h, done in self.costs.after_moments[stage]:  # every gradient, h held
+            after = h * self.kept + self.grad_bytes + self._buffers(stage, h, done)
+            schedule = np.maximum(schedule, after + self.transient)
         if self.step_bytes is not None:
             step = self.grad_bytes + self._buffers(stage, 0) + self.step_bytes
             schedule = np.maximum(schedule, step)

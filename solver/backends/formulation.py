@@ -93,9 +93,11 @@ group's time rows: T >= sum_l time_l^k x[l][s] + d_time_l^k z[l][s] - M^k (1 - g
 M^k = sum_l max(time_l^k, recompute_time_l^k).
 
 Gradients that appear at the first backward (``LayerCosts.first_backward_peak``, step lifetime):
-the moments take off the gradients up to l (c_l = stored_l - grad_l in ``formulation_moments``),
-and one more row, after the first backward: peak >= the stage at k - 1 held with every gradient +
-tr[s], with tr[s] >= transient_l x[l][s] (``_add_transient``).
+the moments take off the gradients up to l (c_l = stored_l - grad_l in ``formulation_moments``).
+The moments after a backward (``LayerCosts.after_moments``: after that first backward, k - 1
+held; torch GPipe's backward phase at m - 1 and 1 held, its sends kept): one row each,
+peak >= the stage at h held with every gradient, the copies after k - h backwards, + tr[s],
+with tr[s] >= transient_l x[l][s] (``_add_transient``).
 
 Size: the layer moments keep the persistent moment's model (k_s stored_s + tr[s]) where every
 layer's window is one layer (a transformer chain): one T[s] per stage in place of tr[s], one row
@@ -465,7 +467,7 @@ class PrefixFormulation(
             top = int(transient_ub.max(initial=0))
             # tr[r]: split-backward ranks and the moment after a first backward (_add_transient)
             persistent = costs.rank_rows and not costs.layer_moment_ranks
-            if top and (persistent or any(costs.first_backward_peak)):
+            if top and (persistent or any(costs.after_moments)):
                 self.vars.transient = [
                     self._new_var(0, self._bytes(top), f"tr_s{r}") for r in range(costs.num_ranks)
                 ]

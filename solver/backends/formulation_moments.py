@@ -68,7 +68,8 @@ class FormulationMoments:
     def _layer_rows(self, stage: int) -> list:
         """``costs.layer_moments`` of stage s (no interleaving) as expressions the peak is at
         least (module docstring): E_s + T_s, the running-sum moments of the layers that need
-        them, and the moment after the first backward where gradients appear then."""
+        them, and the moments after a backward (``costs.after_moments``: after the first where
+        gradients appear then; torch GPipe's backward phase)."""
         costs = self.costs
         k = costs.in_flight[stage]
         late = costs.first_backward_peak[stage]
@@ -90,8 +91,10 @@ class FormulationMoments:
         running = self._windowed_moments(stage, top, bounds, grads, "s")
         if running:
             rows += self._running_rows(stage, running, grads)
-        if late:
-            rows.append(self._rank_bytes(stage, (k - 1,), relays_held=k - 1, copies_held=k - 1))
+        for h, done in costs.after_moments[stage]:  # after a backward: every gradient, h held
+            rows.append(
+                self._rank_bytes(stage, (h,), relays_held=h, copies_held=h, copies_done=done)
+            )
         return rows
 
     def _windowed_moments(self, stage: int, top, bounds, grads, tag: str) -> list[int]:

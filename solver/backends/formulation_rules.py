@@ -83,13 +83,13 @@ class FormulationRules:
 
     def _add_transient(self) -> None:
         """tr[r] >= transient_l x[l][s] for each stage s of rank r (+ d_transient_l z[l][s]
-        under selective); without interleaving only where gradients appear at the first
-        backward (the moment after it; every other moment is ``_layer_rows``')."""
+        under selective); without interleaving only where a moment after a backward can set
+        the peak (``costs.after_moments``; every other moment is ``_layer_rows``')."""
         costs = self.costs
         if not self.vars.transient:
             return
         for rank, s in self._rank_stages():
-            if not costs.rank_rows and not costs.first_backward_peak[rank]:
+            if not costs.rank_rows and not costs.after_moments[rank]:
                 continue
             self._tick()
             largest = self.vars.transient[rank]

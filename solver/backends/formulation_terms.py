@@ -138,13 +138,15 @@ class FormulationTerms:
         *,
         relays_held: int | None = None,
         copies_held: int | None = None,
+        copies_done: int = 0,
         transient: bool = True,
     ):
         """Peak of rank r when it holds vector[c] micro-batches of its chunk c, after done[c]
         backwards of it (module docstring, 'interleaving'; one chunk and k_s without
         interleaving). Without interleaving ``relays_held`` and ``copies_held`` (default
-        vector[0]) count the relayed tensors and the boundary copies at another held count
-        (``_layer_rows``); ``transient`` False leaves tr[r] out."""
+        vector[0]) count the relayed tensors and the boundary copies at another held count,
+        the copies after ``copies_done`` backwards (``_layer_rows``); ``transient`` False
+        leaves tr[r] out."""
         costs = self.costs
         if costs.rank_rows:
             return self._rank_bytes_from_parts(rank, vector, done or (0,) * len(vector))
@@ -158,7 +160,8 @@ class FormulationTerms:
             terms += self._recompute_terms(
                 k * (costs.recompute_stored_bytes - costs.stored_bytes), stage, self._bytes
             )
-            terms += self._buffer_terms(stage, k if copies_held is None else copies_held, 0)
+            held = k if copies_held is None else copies_held
+            terms += self._buffer_terms(stage, held, copies_done)
             relays = k if relays_held is None else relays_held
             terms += [
                 self._bytes(relays * costs.tensor_groups[t][1]) * relay

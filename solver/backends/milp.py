@@ -102,7 +102,7 @@ class MilpFormulation(PrefixFormulation):
                 k * np.abs(costs.recompute_stored_bytes - costs.stored_bytes),
                 costs.transient_bytes,
                 np.abs(costs.recompute_transient_bytes - costs.transient_bytes),
-                max(k, *costs.receive_copies, *costs.send_copies, costs.config.num_microbatches)
+                max(k, *costs.most_copies, costs.config.num_microbatches)
                 * costs.edge_bytes,
                 [costs.constant_bytes],
                 [1],

@@ -77,7 +77,7 @@ class Presolve:
         spread_acts = min_acts if ranks == num_stages else costs.least_held * stored
         edge_total = int(costs.edge_bytes.sum())
         relay_copies = 0 if costs.direct_sends else max(k)  # the torch runtime relays nothing
-        receive_copies = max(costs.receive_copies)
+        receive_copies, send_copies = costs.most_copies  # (GPipe's backward phase: more)
         if not costs.plain_boundaries:  # a tensor no layer of s counts takes all m buffers
             receive_copies = max(receive_copies, costs.config.num_microbatches)
         # what one stage's layer moments add over its states and k stored micro-batches at
@@ -111,7 +111,7 @@ class Presolve:
                 + max(k) * stored_ub.sum()
                 + transient_ub.max(initial=0)
                 + (0 if costs.step_bytes is None else costs.step_bytes.sum())
-                + (receive_copies + max(costs.send_copies) + relay_copies) * edge_total
+                + (receive_copies + send_copies + relay_copies) * edge_total
                 + _most_pending_bytes(costs)
             ),
             iteration_floor_ns=iteration_floor_ns(costs, time_ns, tail_ns),

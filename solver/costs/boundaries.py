@@ -39,7 +39,8 @@ class BoundaryTensors:
         has done ``done`` backwards (``pending`` of the held ones between their I and W steps
         of a split backward).
 
-        Without interleaving the stage's constants (``boundary_copies`` at held = k_s).
+        Without interleaving the stage's constants (``boundary_copies`` at held = k_s), or
+        ``boundary_copies`` at another moment (torch's GPipe keeps its sends: + ``done``).
         megatron: (1, 1) inside the pipeline, or (1, 1 + held) without
         ``deallocate_pipeline_outputs``: the sent outputs of the ``held`` in-flight micro-batches
         stay alive until their backward. torch: each PipelineStage allocates a receive buffer per
@@ -55,9 +56,9 @@ class BoundaryTensors:
         ``benchmarks/bench_accuracy_schedules.md``)."""
         split = self.config.schedule in ZERO_BUBBLE_SCHEDULES and self.runtime == "torch"
         if self.config.virtual_stages == 1 and not split:
-            if held == self.in_flight[stage]:
+            if held == self.in_flight[stage] and not done:
                 return self.receive_copies[stage], self.send_copies[stage]
-            return boundary_copies(  # a later moment of the schedule (first_backward_peak)
+            return boundary_copies(  # a later moment of the schedule (``after_moments``)
                 self.runtime,
                 self.config.schedule,
                 self.config.num_microbatches,
@@ -65,6 +66,7 @@ class BoundaryTensors:
                 stage,
                 deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
                 held=held,
+                done=done,
             )
         m, last = self.config.num_microbatches, self.num_stages - 1
         if self.runtime == "megatron":

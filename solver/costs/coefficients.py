@@ -282,6 +282,59 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
         return self.grads_late
 
     @cached_property
+    def after_moments(self) -> list[tuple[tuple[int, int], ...]]:
+        """Per (virtual) stage without interleaving (() with ``rank_rows``): (h, k_s - h), the
+        micro-batches held and the backwards done at each moment after a backward that can set
+        its peak (``stages.layer_moments``: every gradient, those h micro-batches whole, the
+        stage's largest transient, the buffers ``copies_at(s, h, k_s - h)``), largest h first.
+
+        k_s - 1 where gradients appear at the first backward and no forward follows it
+        (``first_backward_peak``: after the first backward every gradient exists). Under torch's
+        GPipe (m >= 2) also m - 1 and 1 at every stage: its send works hold the outputs and sent
+        input gradients of the micro-batches already back-propagated until ``step()`` returns
+        (``schedule.boundary_copies``), so in the backward phase the buffers grow by two
+        received copies per backward as one micro-batch's activations go; the moment with h
+        held, h kept + buffers(h), is linear in h over 1 <= h <= m - 1 and its largest is at
+        an end. The moment after a backward with h held bounds the next backward's moments
+        (its micro-batch counted whole, with the stage's largest transient: over by what its
+        backward has freed); the last backward (h = 1) is the largest where a stage stores less
+        than two copies of its input (full recomputation)."""
+        if self.rank_rows:
+            return [() for _ in self.in_flight]
+        m = self.config.num_microbatches
+        gpipe = self.runtime == "torch" and self.config.schedule == "gpipe" and m >= 2
+        moments = []
+        for late, k in zip(self.first_backward_peak, self.in_flight, strict=True):
+            held = ({k - 1} if late else set()) | ({m - 1, 1} if gpipe else set())
+            moments.append(tuple((h, k - h) for h in sorted(held, reverse=True)))
+        return moments
+
+    @cached_property
+    def after_table(self) -> np.ndarray:
+        """``after_moments`` as an array [stage, moment, (h, R, S)]: the micro-batches held and
+        the copies then (``copies_at``), each stage's last moment repeated to as many as any
+        stage has (zeros where a stage has none), for vectorised backends."""
+        most = max(map(len, self.after_moments), default=0)
+        table = np.zeros((self.num_stages, most, 3), dtype=np.int64)
+        for stage, moments in enumerate(self.after_moments):
+            for i in range(most if moments else 0):
+                h, done = moments[min(i, len(moments) - 1)]
+                table[stage, i] = (h, *self.copies_at(stage, h, done))
+        return table
+
+    @cached_property
+    def most_copies(self) -> tuple[int, int]:
+        """(R, S): the most copies of a received and of a sent boundary tensor any stage keeps
+        at a moment of ``stages.layer_moments`` (at k_s or ``after_moments``), for bounds."""
+        copies = [(r, s) for r, s in zip(self.receive_copies, self.send_copies, strict=True)]
+        copies += [
+            self.copies_at(stage, h, done)
+            for stage, moments in enumerate(self.after_moments)
+            for h, done in moments
+        ]
+        return max(r for r, _ in copies), max(s for _, s in copies)
+
+    @cached_property
     def grads_late(self) -> list[bool]:
         """Per (virtual) stage: its gradients appear at its first backward, which no forward
         follows (``first_backward_peak``'s rule for the gradients)."""

@@ -370,8 +370,10 @@ def boundary_copies(
     *,
     deallocate_pipeline_outputs: bool = True,
     held: int | None = None,
+    done: int = 0,
 ) -> tuple[int, int]:
-    """(R_s, S_s): copies of each received and each sent boundary tensor stage s holds at its peak.
+    """(R_s, S_s): copies of each received and each sent boundary tensor stage s holds at its peak
+    (or with ``held`` in flight after ``done`` backwards).
 
     megatron: one buffer for the next input (s > 0) and one for the next gradient (s < p - 1).
     With ``deallocate_pipeline_outputs`` (Megatron-LM's argument parsing sets it) a sent output's
@@ -394,6 +396,16 @@ def boundary_copies(
     non-last stage with k_s >= 2, the output of micro-batch k_s - 2, whose warm-up send the
     ``send_work`` list holds until the cool-down, long after its backward (there is a steady
     state moment past that backward when m >= 2 k_s - 1).
+
+    torch's ``ScheduleGPipe`` waits on its sends only at the end of each phase and keeps their
+    works (``fwd_sends_to_wait``, ``bwd_sends_to_wait``) until ``step()`` returns, and a gloo
+    send's work holds its tensor until the work is freed: a GPipe stage in its backward phase
+    (held > 0 after ``done`` = m - held backwards) still holds the outputs of those micro-
+    batches and the input gradients they sent, (m - held + done, m + held + done) as with
+    interleaving (``LayerCosts.copies_at``); at 0 held (the optimizer step, after ``step()``)
+    none. Found by tagging the live storages at the peak (HF Llama pp 3 GPipe, step lifetime:
+    the first stage held all m outputs after its first backward). Those moments are
+    ``LayerCosts.after_moments``.
     """
     first, last = stage == 0, stage == num_stages - 1
     k = held
@@ -405,7 +417,11 @@ def boundary_copies(
     m = num_microbatches
     sent_gradient = int(schedule == "1f1b" and m > 1)
     stale_output = int(schedule == "1f1b" and 2 <= k and 2 * k - 1 <= m)
-    return (0 if first else m - k + sent_gradient), (0 if last else m + k + stale_output)
+    done = done if schedule == "gpipe" and k > 0 else 0  # GPipe's sends held to the end
+    return (
+        0 if first else m - k + sent_gradient + done,
+        0 if last else m + k + stale_output + done,
+    )
 
 
 def stage_boundary_copies(

@@ -30,9 +30,10 @@ them, layers l in forward order):
               (the forward's own moments: its layers up to l, l's transient)
   first B   = where the gradients appear at the first backward and no forward follows it
               (``LayerCosts.first_backward_peak``: step lifetime, GPipe or 1F1B with
-              m <= p - s): states + the largest of ``layer_moments`` (its during(l), with the
-              gradients of the layers after l, and after)
-  other B   = states + grads + n kept + trans_r + buffers(n)       (n held after it)
+              m <= p - s): states + the largest of ``layer_moments``' during(l) (with the
+              gradients of the layers after l) and the moment after it (as other B)
+  other B   = states + grads + n kept + trans_r + buffers(n, B)    (n held, B done after it;
+              torch GPipe's sends held: ``LayerCosts.after_moments``)
 
 so the k-th forward (with every gradient where it follows a backward) is max_l during(l).
 
@@ -281,17 +282,18 @@ def _layerwise_bytes(terms: _Terms, rank: int, actions: tuple[ScheduleAction, ..
     largest = int(costs.after_transient(terms.transient_per_layer)[layers].max(initial=0))
     late = costs.first_backward_peak[rank]
     grads = 0 if costs.grad_lifetime == "step" else all_grads  # step: from the first backward
-    held, seen_backward = 0, False
+    held, done, seen_backward = 0, 0, False
     values = []
     for action in actions:
         assert action.kind in ("F", "B"), f"no memory rule for a {action.kind} step yet"
         if action.kind == "F":
             held += 1
             during = (held - 1) * kept + relay + own_moment
-            values.append(states + grads + during + terms.buffers(rank, held, 0))
+            values.append(states + grads + during + terms.buffers(rank, held, done))
             continue
-        held -= 1
-        if late and not seen_backward:
+        held, done = held - 1, done + 1
+        after = held * kept + largest + terms.buffers(rank, held, done)
+        if late and not seen_backward:  # in it (its layers' moments), then after it
             moments = layer_moments(
                 costs,
                 rank,
@@ -303,9 +305,10 @@ def _layerwise_bytes(terms: _Terms, rank: int, actions: tuple[ScheduleAction, ..
                 terms.out_of,
                 terms.adjust,
             )
-            values.append(states + max(sum(moment) for moment in moments))
+            during = max(sum(moment) for moment in moments[: len(layers)])
+            values.append(states + max(during, all_grads + after))
         else:
-            values.append(states + all_grads + held * kept + largest + terms.buffers(rank, held, 0))
+            values.append(states + all_grads + after)
         seen_backward, grads = True, all_grads
     return values
 

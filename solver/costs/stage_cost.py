@@ -41,7 +41,8 @@ class StageCost:
     """The optimizer step over the rank's parameters, ns per iteration."""
     moment: str = "forward"
     """The moment of the schedule that sets the peak (``MOMENTS``): forward (after a forward,
-    k_s micro-batches held), first backward or after first backward (``stages.layer_moments``),
+    k_s micro-batches held), first backward, after first backward or last backward (torch's
+    GPipe with one micro-batch left; ``stages.layer_moments``, ``LayerCosts.after_moments``),
     optimizer step (``optimizer_step_moment``: no activation, the step's temporary in
     ``transient_bytes``)."""
 
@@ -68,5 +69,11 @@ class StageCost:
         } | ({"constant": self.constant_bytes} if self.constant_bytes else {})
 
 
-MOMENTS = ("forward", "first backward", "after first backward", "optimizer step")
+MOMENTS = (
+    "forward",
+    "first backward",
+    "after first backward",
+    "last backward",
+    "optimizer step",
+)
 """The moments a stage's peak can be at (``StageCost.moment``)."""

@@ -12,9 +12,10 @@ the stage in forward order:
               a forward follows the first backward: 1F1B with k < m)
   grad lifetime "step" (``TrainingConfig.grad_lifetime``; torch's zero_grad(set_to_none=True)),
               on a stage whose forwards all precede its first backward (GPipe, 1F1B with
-              m <= p - s; ``LayerCosts.first_backward_peak``): grads = grads(> l), and one more
-              moment, after the first backward:
-              after     = (k-1)(stored_s + relay_s) + grads_s + trans_s + buffers(k-1)
+              m <= p - s; ``LayerCosts.first_backward_peak``): grads = grads(> l)
+  after a backward (``LayerCosts.after_moments``: after the first where gradients appear then,
+              h = k - 1; torch GPipe's backward phase, h = m - 1 and 1, its sends held):
+              after(h)  = h (stored_s + relay_s) + grads_s + trans_s + buffers(h, k - h done)
   interleaved stages (v > 1), per rank, at each moment (n, B, c) of its schedule
               (``schedule.running_moments``: n_c held and B_c backwards done per chunk, layer
               l of chunk c running, the forward's micro-batch or the backward's among the n_c;
@@ -144,8 +145,10 @@ def _stage_costs(
                 own_weights = costs.backward_weight_bytes[chunks[0][: best + 1]]
                 resharded = -int(own_weights.sum())
                 grads -= resharded
-            if best == len(chunks[0]):
-                moment = "after first backward"
+            if best >= len(chunks[0]):  # after a backward (LayerCosts.after_moments)
+                _, done = costs.after_moments[rank][best - len(chunks[0])]
+                first = done == 1
+                moment = "after first backward" if first else "last backward"
             elif costs.grads_late[rank]:
                 moment = "first backward"
         grads += int(buckets[own].sum())
@@ -243,10 +246,13 @@ def layer_moments(
     after l have theirs and l's weight-gradient temporary is the first of its gradients (no
     ``.grad`` to add it to yet): grads = grads(> l), and during(last layer) is the start of the
     first backward. After the first backward every gradient exists and at most k - 1
-    micro-batches are held (the later backwards free more; a safe bound), one more moment of
-    those stages:
+    micro-batches are held (the later backwards free more; a safe bound where the buffers do
+    not grow), and under torch's GPipe the buffers grow with the backwards done (its sends
+    held): the moments after a backward with h held (``LayerCosts.after_moments``: k - 1 on
+    the first stages; m - 1 and 1 under torch GPipe, the ends of a value linear in h), the
+    next backward's micro-batch counted whole beside the largest transient:
 
-        after = (k - 1) (stored_s + relay_s) + grads_s + max transient_s + buffers at k - 1 held
+        after(h) = h (stored_s + relay_s) + grads_s + max transient_s + buffers(h, k - h done)
 
     Measured on gpt-tiny (fp32, gloo, ``profiling.run``): a 1F1B stage with m = p peaks in its
     last block's backward at its first weight gradient, with no gradient accumulated yet, within
@@ -275,10 +281,10 @@ def layer_moments(
         (int(g), held + relayed + int(a), buffers_k, int(t))
         for g, a, t in zip(later, before, running[layers], strict=True)
     ]
-    if late:
-        after_buffers = stage_buffer_bytes(costs, stage, k - 1, 0, into, out_of, adjust)
-        after = costs.after_transient(transient)[layers]  # (less FSDP2's gathers)
-        moments.append((total_grads, held, after_buffers, int(after.max(initial=0))))
+    largest = int(costs.after_transient(transient)[layers].max(initial=0))  # less FSDP2's gathers
+    for h, done in costs.after_moments[stage]:  # after a backward (LayerCosts.after_moments)
+        buffers_h = stage_buffer_bytes(costs, stage, h, done, into, out_of, adjust)
+        moments.append((total_grads, h * (total_stored + relayed), buffers_h, largest))
     return moments
 
 

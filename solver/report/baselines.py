@@ -213,6 +213,10 @@ def capslog_statistics(costs: LayerCosts) -> tuple[np.ndarray, np.ndarray]:
         first_isolated, first_pair = _first_backward_statistics(costs, edge_in, edge_out)
         isolated = np.where(late[:, None], first_isolated, isolated)
         pair = np.where(late[:, None], first_pair, pair)
+    if any(costs.after_moments):  # the moments after a backward, one and two layers
+        after_isolated, after_pair = _after_statistics(costs, edge_in, edge_out)
+        isolated = np.maximum(isolated, after_isolated)
+        pair[:, 1:] = np.maximum(pair[:, 1:], after_pair[:, 1:])
     if costs.step_bytes is not None:  # costs.optimizer_step_moment of one and two layers
         at_step = np.array([costs.copies_at(s, 0) for s in range(costs.num_stages)])
         body = costs.state_bytes + costs.step_bytes
@@ -239,13 +243,10 @@ def _first_backward_statistics(
     costs: LayerCosts, edge_in: np.ndarray, edge_out: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Peaks of one- and two-layer stages whose gradients appear at their first backward
-    (``costs.layer_moments`` on a chain: the largest of during(l) over its layers
-    and after), in the layout of ``capslog_statistics``."""
+    (``costs.layer_moments`` on a chain: the largest of during(l) over its layers; the moments
+    after a backward are ``_after_statistics``'), in the layout of ``capslog_statistics``."""
     k = np.asarray(costs.in_flight, dtype=np.int64)[:, None]
     copies = np.array([costs.copies_at(s, int(n)) for s, n in enumerate(costs.in_flight)])
-    later = np.array(
-        [costs.copies_at(s, max(0, int(n) - 1)) for s, n in enumerate(costs.in_flight)]
-    )
     stages = range(costs.num_stages)
     state, stored = costs.state_bytes, costs.stored_bytes
     grad = np.array([costs.late_column(s) for s in stages], dtype=np.int64)  # [stage, layer]
@@ -256,23 +257,39 @@ def _first_backward_statistics(
 
     fixed = state - grad  # weights and optimizer
     during = fixed + k * stored + transient + buffers(copies, edge_in, edge_out)
-    gone = costs.after_transient(transient)  # the moment after (less FSDP2's gathers)
-    after = state + (k - 1) * stored + gone + buffers(later, edge_in, edge_out)
-    isolated = np.maximum(during, after) + costs.constant_bytes
+    isolated = during + costs.constant_bytes
     pair = np.zeros_like(isolated)
     a, b = slice(None, -1), slice(1, None)
     both = fixed[:, a] + fixed[:, b] + (k - 1) * (stored[a] + stored[b])
     at_k = buffers(copies, edge_in[a], edge_out[b])
     during_a = both + stored[a] + grad[:, b] + transient[a] + _pair_held(costs) + at_k
     during_b = both + stored[a] + stored[b] + transient[b] + at_k
-    after = (
-        both
-        + grad[:, a]
-        + grad[:, b]
-        + np.maximum(gone[a], gone[b])
-        + buffers(later, edge_in[a], edge_out[b])
-    )
-    pair[:, 1:] = np.maximum(np.maximum(during_a, during_b), after) + costs.constant_bytes
+    pair[:, 1:] = np.maximum(during_a, during_b) + costs.constant_bytes
+    return isolated, pair
+
+
+def _after_statistics(
+    costs: LayerCosts, edge_in: np.ndarray, edge_out: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Peaks of one- and two-layer stages at their moments after a backward
+    (``costs.after_moments``: every gradient, h held, the largest transient less FSDP2's
+    gathers, the copies then), in the layout of ``capslog_statistics``; a stage without such
+    moments 0."""
+    state, stored = costs.state_bytes, costs.stored_bytes
+    gone = costs.after_transient(costs.transient_bytes)
+    isolated = np.zeros((costs.num_stages, costs.num_layers), dtype=np.int64)
+    pair = np.zeros_like(isolated)
+    a, b = slice(None, -1), slice(1, None)
+    for s, moments in enumerate(costs.after_moments):
+        for h, done in moments:
+            receive, send = costs.copies_at(s, h, done)
+            one = state + h * stored + gone + receive * edge_in + send * edge_out
+            isolated[s] = np.maximum(isolated[s], one + costs.constant_bytes)
+            two = (
+                state[a] + state[b] + h * (stored[a] + stored[b]) + np.maximum(gone[a], gone[b])
+                + receive * edge_in[a] + send * edge_out[b]
+            )  # fmt: skip
+            pair[s, 1:] = np.maximum(pair[s, 1:], two + costs.constant_bytes)
     return isolated, pair
 
 
