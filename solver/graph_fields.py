@@ -71,10 +71,19 @@ def check_vocab(layer: Any, where: str) -> None:
             )
 
 
+MAX_POINT_BYTES = 2**48
+"""Largest |bytes| of a ``backward_grad_moments`` point (``solver.graph.MAX_COUNT``)."""
+
+
 def check_grad_moments(layer: Any, where: str) -> None:
     """Each ``backward_grad_moments`` point: at most the layer's params (tp_params of them at
     most its tp_params and the point's params) and bytes at most its transient."""
     for k, (params, tp_params, nbytes) in enumerate(layer.backward_grad_moments or ()):
+        if min(params, tp_params) < 0 or abs(nbytes) > MAX_POINT_BYTES:
+            raise InputError(
+                f"{where}.backward_grad_moments[{k}]: [{params}, {tp_params}, {nbytes}] of layer "
+                f"{quote(layer.name)}: parameter counts must be >= 0 and bytes at most 2^48"
+            )
         for value, limit, what in (
             (params, layer.params, "params"),
             (tp_params, min(params, layer.tp_params), "tp_params (and the point's params)"),

@@ -50,7 +50,8 @@ GRAPH = graph_from_dict({"format": "layer-graph", "version": 1, "model": "toy", 
 def test_gpipe_stage_peaks_in_its_first_backward_by_hand():
     """One stage (p = 1) holding all three layers, GPipe, m = 3, b = 2: every forward runs
     before the first backward, so the peak is the largest of during(l) = 2 micro-batches whole
-    + the current one's stored bytes up to l + the gradients of the layers after l + l's
+    + the current one's stored bytes up to l + the gradients of the layers after l + l's own
+    made by its largest moment (without ``backward_grad_moments``: all of them) + l's
     transient, and after = 2 whole + every gradient + the largest transient."""
     config = ParallelConfig(pp=1, tp=1, dp=1, micro_batch=2, num_microbatches=3, schedule="gpipe")
     step = stage_costs(fp32_adam_costs(GRAPH, config, lifetime="step"), [0, 0, 0])[0]
@@ -60,18 +61,69 @@ def test_gpipe_stage_peaks_in_its_first_backward_by_hand():
     transient = [0, 2 * 6, 2 * 9]
     whole = sum(stored)
     during = [
-        2 * whole + sum(stored[: i + 1]) + sum(grads[i + 1 :]) + transient[i] for i in range(3)
+        2 * whole + sum(stored[: i + 1]) + sum(grads[i:]) + transient[i] for i in range(3)
     ]
     after = 2 * whole + sum(grads) + max(transient)
-    assert during == [300 + 20 + 68 + 0, 300 + 100 + 60 + 12, 300 + 150 + 0 + 18]
+    assert during == [300 + 20 + 88 + 0, 300 + 100 + 68 + 12, 300 + 150 + 60 + 18]
     assert after == 300 + 88 + 18
     states = 4 * 22 + 8 * 22  # weights and Adam moments
-    # the block's backward: the head's gradient exists, the block's and embed's not yet
-    assert step.peak_bytes == states + max(*during, after) == 264 + 472
-    assert (step.grad_bytes, step.transient_bytes, step.activation_bytes) == (60, 12, 400)
+    # the head's backward: its gradients (all of them, not measured when) and transient
+    assert step.peak_bytes == states + max(*during, after) == 264 + 528
+    assert (step.grad_bytes, step.transient_bytes, step.activation_bytes) == (60, 18, 450)
     # persistent: three micro-batches, every gradient, the largest transient
     assert persistent.peak_bytes == states + 3 * whole + sum(grads) + max(transient) == 820
     assert step.peak_bytes < persistent.peak_bytes
+
+    # measured moments (params, tp_params, bytes per sample): own_l = min(G_l, max over them of
+    # G(params) + b bytes, less b times the largest bytes)
+    moments = {
+        "embed": [[5, 0, 0]],
+        "block": [[1, 0, 6], [2, 0, 5]],
+        "head": [[0, 0, 9], [15, 0, 0]],
+    }
+    measured = graph_from_dict(
+        {
+            "format": "layer-graph",
+            "version": 1,
+            "model": "toy",
+            "layers": [
+                layer | {"backward_grad_moments": moments[layer["name"]]} for layer in LAYERS
+            ],
+        }
+    )
+    costs = fp32_adam_costs(measured, config, lifetime="step")
+    # embed: 20; block: max(4 + 12, 8 + 10) - 12 = 6 (the later moment, more gradients and fewer
+    # bytes, binds); head: max(0 + 18, 60 + 0) - 18 = 42
+    assert costs.own_grad_bytes.tolist() == [20, 6, 42]
+    own = [20, 6, 42]
+    during = [
+        2 * whole + sum(stored[: i + 1]) + sum(grads[i + 1 :]) + own[i] + transient[i]
+        for i in range(3)
+    ]
+    assert during == [300 + 20 + 68 + 20, 300 + 100 + 60 + 6 + 12, 300 + 150 + 42 + 18]
+    step = stage_costs(costs, [0, 0, 0])[0]
+    assert step.peak_bytes == states + max(*during, after) == 264 + 510
+    assert (step.grad_bytes, step.transient_bytes) == (42, 18)
+    # under tp 2 the split parameters' gradients halve: one point's 2 split of 2 -> 4 bytes
+    moments_tp = dict(moments, block=[[1, 1, 6], [2, 2, 5]])
+    split = [
+        layer | {"backward_grad_moments": moments_tp[layer["name"]]}
+        | ({"tp_params": 2} if layer["name"] == "block" else {})
+        for layer in LAYERS
+    ]
+    graph = graph_from_dict({"format": "layer-graph", "version": 1, "model": "t", "layers": split})
+    tp = dataclasses.replace(config, tp=2)
+    # block: G = 4 (2 split over 2, fp32); max(2 + 12, 4 + 10) - 12 = 2
+    assert fp32_adam_costs(graph, tp, lifetime="step").own_grad_bytes.tolist() == [20, 2, 42]
+    # the head's weight-gradient temporary (its one tensor, 15 parameters: 60 B) is the
+    # gradient its largest moment makes: trans = max(18, 18 + 60) = 78 holds it, own 0
+    temporary = [
+        layer | {"largest_param": 15} if layer["name"] == "head" else layer
+        for layer in measured.to_dict()["layers"]
+    ]
+    document = {"format": "layer-graph", "version": 1, "model": "t", "layers": temporary}
+    graph = graph_from_dict(document)
+    assert fp32_adam_costs(graph, config, lifetime="step").own_grad_bytes.tolist() == [20, 6, 0]
 
 
 def test_1f1b_with_more_microbatches_than_stages_keeps_the_persistent_peak():

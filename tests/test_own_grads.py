@@ -45,10 +45,11 @@ def test_backward_grad_moments_hand_count(mode):
     # b0's backward: fc2's node makes its weight and bias gradients (136 parameters, 128 of
     # them TP-split) and its input gradient [4, 16] (256 B); ReLU's backward then makes
     # [4, 16] (256 B) while both live, the received output gradient [4, 8] (128 B) freed:
-    # (256 + 256 - 128) / 4 = 96 per sample, the layer's peak. fc1's node makes the other
-    # 144 parameters' gradients (all split) and no input gradient (x needs none), after
-    # ReLU's saved output is released: nothing above the start, 0.
-    assert b0.backward_grad_moments == [(136, 128, 96), (280, 272, 0)]
+    # (256 + 256 - 128) / 4 = 96 per sample, the layer's peak. Then fc2's input gradient is
+    # freed and ReLU's saved output [4, 16] released (its saved storage, deducted), and fc1's
+    # node makes the other 144 parameters' gradients (all split) and no input gradient (x
+    # needs none): 384 - 256 - 256 = -128, -32 per sample.
+    assert b0.backward_grad_moments == [(136, 128, 96), (280, 272, -32)]
     assert b0.transient_bytes == 96 and b0.params == 280 and b0.tp_params == 272
     assert [point[:2] for point in b1.backward_grad_moments] == [(136, 128), (280, 272)]
     # the largest moment's bytes are the backward's peak (here the layer's peak)

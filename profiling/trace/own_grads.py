@@ -15,7 +15,8 @@ exists at the moment (its storage allocated, in any window: a gradient autograd 
 counts from its first part); ``tp_params``: how many of them tensor parallelism splits (the
 layer's ``tp_params`` rule); ``bytes``: the layer's extra live bytes per sample then, as
 ``Tracer.transients`` counts them (saved storages and parameter gradients left out, the layer's
-saved storages released so far in the window deducted), rounded up. Only the moments no other
+saved storages released so far in the window deducted: negative once it has released more
+than it holds beside them), rounded up. Only the moments no other
 dominates are kept (the upper-left frontier: more gradients or more bytes), in the order they
 happen (gradients rising, bytes falling). The cost model takes the largest of
 grads(params) + b bytes over them (``solver.costs.layers.own_gradient_bytes``), exact under any
@@ -69,22 +70,22 @@ def backward_grad_moments(
             key = (counts[owner][0], counts[owner][1])
             extra = live - base - credit
             points = best[owner]
-            points[key] = max(points.get(key, 0), extra)
+            points[key] = max(points.get(key, extra), extra)
     return {layer: _frontier(points, batch) for layer, points in best.items()}
 
 
 def _frontier(points: dict[tuple[int, int], int], batch: int) -> list[tuple[int, int, int]]:
     """The points no other dominates (at least as many gradients, in both parts, and bytes),
-    gradients rising; bytes per sample rounded up, at least 0."""
-    ordered = sorted(points.items())
+    gradients rising; bytes per sample rounded up, negative where the layer has released more
+    of its saved storages than it holds beside them (its backward's end, every gradient made:
+    those bytes are gone from the moment too)."""
+    ordered = sorted((key, -(-extra // batch)) for key, extra in points.items())
     kept: list[tuple[int, int, int]] = []
-    for (params, tp_params), extra in ordered:
-        per_sample = max(0, -(-extra // batch))
+    for (params, tp_params), per_sample in ordered:
         dominated = any(
             p >= params and t >= tp_params and e >= per_sample
-            for (p, t), other in ordered
+            for (p, t), e in ordered
             if (p, t) != (params, tp_params)
-            for e in (max(0, -(-other // batch)),)
         )
         if not dominated:
             kept.append((params, tp_params, per_sample))

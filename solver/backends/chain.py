@@ -8,11 +8,11 @@ For stage s = layers i..j (0-based, inclusive) ``costs.stage_costs`` reduces on 
   (a stage ending at the last layer: its own table, with the output the torch pipeline keeps
   at the earlier layers' moments, ``LayerCosts.moment_transient``).
   On a stage whose gradients appear at its first backward (``LayerCosts.first_backward_peak``)
-  during(l) also leaves out grads(i..l), a range maximum of stored_prefix[l+1] -
-  grad_prefix[l+1] + transient_l, and the monotone relaxation counts the states without
-  gradients (a lower bound of during(j)); the moments after a backward
-  (``LayerCosts.after_moments``, h held) add sum state[i..j] + h sum stored[i..j] + R_h e[i-1]
-  + S_h e[j] + max transient[i..j];
+  during(l) also leaves out grads(i..l) but l's own made by then (``LayerCosts.late_own``), a
+  range maximum of stored_prefix[l+1] - grad_prefix[l+1] + own_l + transient_l, and the
+  monotone relaxation counts the states without gradients (a lower bound of during(j)); the
+  moments after a backward (``LayerCosts.after_moments``, h held) add sum state[i..j]
+  + h sum stored[i..j] + R_h e[i-1] + S_h e[j] + max transient[i..j];
   with an optimizer-step temporary (``LayerCosts.step_bytes``) also the step moment
   sum (state + step)[i..j] + R0_s e[i-1] + S0_s e[j] (``costs.optimizer_step_moment``)
   time(s; i, j) = the largest of stage s's terms of the iteration bound
@@ -175,13 +175,15 @@ class _Chain:
         self._rules: tuple[_Limits, list] | None = None
         # stages whose gradients appear at the first backward (costs.layer_moments, grads(> l))
         self.late = np.asarray(costs.first_backward_peak, dtype=bool)
-        # their distinct costs.late_column (kind c + 1; 0 where not late), prefix sums of each
-        columns: dict[bytes, int] = {}
+        # distinct (costs.late_column, late_own): kind c + 1 (0: not late), prefix sums, owns
+        columns: dict[tuple[bytes, bytes], int] = {}
         self.kind = np.zeros(self.num_stages, dtype=np.int64)
         for s in np.flatnonzero(self.late):
             column = np.asarray(costs.late_column(int(s)), dtype=np.int64)
-            self.kind[s] = columns.setdefault(column.tobytes(), len(columns)) + 1
-        self.grad_prefixes = [prefix(np.frombuffer(c, dtype=np.int64)) for c in columns]
+            key = (column.tobytes(), costs.late_own(int(s)).tobytes())
+            self.kind[s] = columns.setdefault(key, len(columns)) + 1
+        self.grad_prefixes = [prefix(np.frombuffer(c, dtype=np.int64)) for c, _ in columns]
+        owns = [np.frombuffer(own, dtype=np.int64) for _, own in columns]
         # the prefix sums the relaxation's rules combine (``sums``)
         self._bases = dict(zip(TIME_BASIS, self._time_basis, strict=True)) | {
             "state": self.state_prefix,
@@ -192,10 +194,10 @@ class _Chain:
         # during(l) of costs.layer_moments, less what does not depend on l: stored(i..l)
         # + transient_l = h[l] - stored_prefix[i] (every gradient exists), and with the
         # gradients made at the first backward (``late``) stored(i..l) + grads(l+1..j)
-        # + transient_l = h[l] - stored_prefix[i] + grad_prefix[j + 1]
+        # + own_l + transient_l = h[l] - stored_prefix[i] + grad_prefix[j + 1]
         reach = self.stored_prefix[1:] + transient
         self._tables = [sparse_max_table(reach)] + [
-            sparse_max_table(reach - grad_prefix[1:]) for grad_prefix in self.grad_prefixes
+            sparse_max_table(reach + own - grad[1:]) for grad, own in zip(self.grad_prefixes, owns)
         ]
         # the moments after a backward, [stage, moment, (held, R, S)] (costs.after_table)
         self.after = costs.after_table
@@ -208,8 +210,8 @@ class _Chain:
         self._last_tables = None
         if held.any():
             self._last_tables = [sparse_max_table(reach + held)] + [
-                sparse_max_table(reach + held - grad_prefix[1:])
-                for grad_prefix in self.grad_prefixes
+                sparse_max_table(reach + held + own - grad[1:])
+                for grad, own in zip(self.grad_prefixes, owns)
             ]
         # the optimizer step: every state, the step temporary, the buffers at 0 held
         self.step_prefix = None if costs.step_bytes is None else prefix(costs.step_bytes)

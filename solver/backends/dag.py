@@ -507,25 +507,32 @@ class _DagSplitter:
             self.during[last] = self.grad_bytes[last] + _masked_max(
                 st.stage_members[last], held, cumulative=stored
             )
-        self.first_during: dict[bytes, np.ndarray] = {}  # per late column (late_column)
+        self.first_during: dict[bytes, np.ndarray] = {}  # per late column (late_column, own)
         if any(costs.after_moments):  # the moments after a backward (costs.after_moments)
             self.transient = _masked_max(
                 st.stage_members, costs.after_transient(transient)
             )
         for stage in np.flatnonzero(self.late):
             # with the gradients made at the first backward: grads_A - grads_A(<= l) instead
+            # + own_l: l's own gradients made by its moment (``LayerCosts.late_own``)
             grads = np.asarray(costs.late_column(int(stage)), dtype=np.int64)
-            if grads.tobytes() in self.first_during:
+            own, key = costs.late_own(int(stage)), self._late_key(int(stage))
+            if key in self.first_during:
                 continue
             first = self.grad_bytes + _masked_max(
-                st.stage_members, transient, cumulative=stored - grads
+                st.stage_members, transient + own, cumulative=stored - grads
             )
             if len(last):
                 first[last] = self.grad_bytes[last] + _masked_max(
-                    st.stage_members[last], held, cumulative=stored - grads
+                    st.stage_members[last], held + own, cumulative=stored - grads
                 )
-            self.first_during[grads.tobytes()] = first
+            self.first_during[key] = first
         self._peaks: dict[int, np.ndarray] = {}
+
+    def _late_key(self, stage: int) -> bytes:
+        """A late stage's key of ``first_during``: its late column and own column."""
+        grads = np.asarray(self.costs.late_column(stage), dtype=np.int64)
+        return grads.tobytes() + self.costs.late_own(stage).tobytes()
 
     def _direct_adjustments(
         self, sizes: np.ndarray, relay: np.ndarray
@@ -576,8 +583,7 @@ class _DagSplitter:
         if not self.late[stage]:
             schedule = base + self.during
         else:
-            late = np.asarray(self.costs.late_column(stage), dtype=np.int64).tobytes()
-            schedule = base + self.first_during[late]
+            schedule = base + self.first_during[self._late_key(stage)]
         for h, done in self.costs.after_moments[stage]:  # every gradient, h held
             after = h * self.kept + self.grad_bytes + self._buffers(stage, h, done)
             schedule = np.maximum(schedule, after + self.transient)

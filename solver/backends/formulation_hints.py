@@ -150,6 +150,7 @@ class FormulationHints:
             # max_l during(l) - E_s, at most T_s's bound (the running sums hold the rest), with
             # the output held on the last layer's stage (costs.moment_transient)
             running = costs.moment_transient(transient, costs.num_layers - 1 in here)
+            running = running + costs.late_own(stage)  # l's own gradients, where late
             largest = self._moment_bounds(late, stage)[3].max(initial=0)
             top_value = min(int((running[here] - after).max(initial=0)), int(largest))
             self._hint(top, self._bytes(top_value))

@@ -5,7 +5,8 @@ With c_l = stored_l (- grad_l where gradients appear at the first backward) and 
 end-of-forward moment less its transient,
 
   E_s       = states_s + k_s stored_s + k_s relay_s + buffers_s(k_s) (- grads up to l, late)
-  during(l) = E_s - sum_{j > l on s} c_j + transient_l
+  during(l) = E_s - sum_{j > l on s} c_j + transient_l (+ own_l where late: l's own gradients,
+              ``LayerCosts.late_own``; every transient_l below takes it)
   peak     >= E_s + T_s,   T_s >= during(l) - E_s for every layer l that can sit on s
 
 T_s takes the place the persistent moment's largest transient tr[s] had (E_s + max transient),
@@ -183,7 +184,8 @@ class FormulationMoments:
         if self._held_output(stage):
             transient_lb = costs.moment_transient(transient_lb)
             transient_ub = costs.moment_transient(transient_ub)
-        return stored_lb - grads, stored_ub - grads, transient_lb, transient_ub
+        own = costs.late_own(stage)  # l's own gradients at a first backward's moment
+        return stored_lb - grads, stored_ub - grads, transient_lb + own, transient_ub + own
 
     def _held_output(self, stage: int) -> int:
         """``costs.held_output_bytes`` where stage s can hold the model's last layer, else 0."""
@@ -247,7 +249,7 @@ class FormulationMoments:
         extra_stored = costs.recompute_stored_bytes - costs.stored_bytes
         extra_transient = costs.recompute_transient_bytes - costs.transient_bytes
         between = range(layer + 1, layer + r)
-        kept = int(costs.transient_bytes[layer])
+        kept = int(costs.transient_bytes[layer] + costs.late_own(stage)[layer])
         z = recompute.get((layer, stage))
         rise = int(extra_transient[layer]) if z is not None else 0
         if r == 1 and closed:
@@ -304,7 +306,8 @@ class FormulationMoments:
             running: Any = self._new_var(low, high, f"D_l{layer}_s{stage}")
             self._add(running >= self._sum([previous, *terms]), f"layer_d_l{layer}_s{stage}")
             self._layer_sums[stage][1].append((layer, running))
-            row = [base, running, self._bytes(int(costs.transient_bytes[layer])) * member]
+            own = int(costs.late_own(stage)[layer])  # at a first backward's moment
+            row = [base, running, self._bytes(int(costs.transient_bytes[layer]) + own) * member]
             row += self._held_output_term(layer, stage)
             if z is not None and extra_transient[layer]:
                 row.append(self._bytes(int(extra_transient[layer])) * z)

@@ -186,6 +186,11 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
     grad_lifetime: str = "persistent"
     """When the ``.grad`` gradients (``grad_bytes``) exist: persistent (all step) or step (from
     each layer's first backward of the step; ``first_backward_peak``)."""
+    own_grad_bytes: np.ndarray | None = None
+    """Per GPU, bytes: the gradients of layer l's own parameters at its largest moment of a
+    first backward, beside its transient (``own_grads``; at most ``grad_bytes``); None: all of
+    them (``grad_bytes``). Added to l's moment where its gradients appear at the first
+    backward (``late_own``)."""
     backward_weight_bytes: np.ndarray | None = None
     """Per GPU, bytes: the part of ``weight_bytes`` a layer holds only from its backward to its
     next forward (FSDP2 ZeRO 3 under pipelining, ``fsdp.backward_weight_bytes``); at layer l's
@@ -359,6 +364,20 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
         if self.backward_weight_bytes is None:
             return self.grad_bytes
         return self.backward_weight_bytes + (self.grad_bytes if grads else 0)
+
+    def late_own(self, stage: int) -> np.ndarray:
+        """Per layer, what layer l's moment of (virtual) stage ``stage`` adds beside its
+        transient, bytes: where its gradients appear at the first backward (``grads_late``),
+        those of l's own parameters made by then (``own_grad_bytes``), else 0 (every gradient
+        is in the moment already, or none)."""
+        return self._late_own[stage]
+
+    @cached_property
+    def _late_own(self) -> list[np.ndarray]:
+        own = self.grad_bytes if self.own_grad_bytes is None else self.own_grad_bytes
+        own = np.asarray(own, dtype=np.int64)
+        none = np.zeros(len(self.grad_bytes), dtype=np.int64)
+        return [own if late else none for late in self.grads_late]
 
     @cached_property
     def state_lower_bytes(self) -> np.ndarray:

@@ -111,6 +111,7 @@ from solver.costs.megatron_attention import (
     score_buffer_bytes,
 )
 from solver.costs.megatron_linear import head_weight_grad_moment, sp_gather_buffer_bytes
+from solver.costs.own_grads import own_gradient_bytes
 from solver.costs.ranges import check_exact_range
 from solver.costs.schedule import in_flight_counts, stage_boundary_copies
 from solver.costs.schedule_orders import ZERO_BUBBLE_SCHEDULES
@@ -213,6 +214,14 @@ def layer_costs(
         deallocate_pipeline_outputs=training.deallocate_pipeline_outputs,
         grad_lifetime=training.grad_lifetime,
         grad_buffer_bytes=ddp_bucket_bytes(config, training, scaled(grad, "grads")),
+        own_grad_bytes=own_gradient_bytes(
+            graph,
+            config,
+            training,
+            scaled(grad, "grads"),
+            scaled(np.minimum(transient[0], transient[1]), "transient"),
+            scaled,
+        ),
         backward_weight_bytes=None if unsharded is None else scaled(unsharded, "weights"),
         gather_bytes=None if unsharded is None else _gather_part(params, config, training),
         step_bytes=optimizer_step_bytes(params, config, training, scaled),

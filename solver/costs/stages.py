@@ -12,7 +12,8 @@ the stage in forward order:
               a forward follows the first backward: 1F1B with k < m)
   grad lifetime "step" (``TrainingConfig.grad_lifetime``; torch's zero_grad(set_to_none=True)),
               on a stage whose forwards all precede its first backward (GPipe, 1F1B with
-              m <= p - s; ``LayerCosts.first_backward_peak``): grads = grads(> l)
+              m <= p - s; ``LayerCosts.first_backward_peak``): grads = grads(> l) + own_l
+              (l's own gradients by its largest moment, ``own_grads``)
   after a backward (``LayerCosts.after_moments``: after the first where gradients appear then,
               h = k - 1; torch GPipe's backward phase, h = m - 1 and 1, its sends held):
               after(h)  = h (stored_s + relay_s) + grads_s + trans_s + buffers(h, k - h done)
@@ -243,9 +244,10 @@ def layer_moments(
     stage where they exist then (persistent lifetime; step lifetime where a forward follows the
     first backward, 1F1B with k < m). Where gradients appear at the first backward and no
     forward follows it (``LayerCosts.first_backward_peak``: step lifetime, k = m), the layers
-    after l have theirs and l's weight-gradient temporary is the first of its gradients (no
-    ``.grad`` to add it to yet): grads = grads(> l), and during(last layer) is the start of the
-    first backward. After the first backward every gradient exists and at most k - 1
+    after l have theirs, and l those of its own parameters its backward made by its largest
+    moment (``own_grads``; its weight-gradient temporary, the first of a parameter's
+    gradients, has no ``.grad`` to add it to yet): grads = grads(> l) + own_l, and
+    during(last layer) is the start of the first backward. After the first backward every gradient exists and at most k - 1
     micro-batches are held (the later backwards free more; a safe bound where the buffers do
     not grow), and under torch's GPipe the buffers grow with the backwards done (its sends
     held): the moments after a backward with h held (``LayerCosts.after_moments``: k - 1 on
@@ -273,6 +275,8 @@ def layer_moments(
         total_grads = int(costs.grad_bytes[layers].sum())
         later = later - int(costs.backward_weight_bytes[layers].sum())
         later = later + (0 if costs.grads_late[stage] else total_grads)
+    if late:  # and l's own gradients made by its largest moment (``LayerCosts.late_own``)
+        later = later + costs.late_own(stage)[layers]
     buffers_k = stage_buffer_bytes(costs, stage, k, 0, into, out_of, adjust)
     held = (k - 1) * (total_stored + relayed)
     # on the stage of the model's last layer its output stays held (LayerCosts.moment_transient)

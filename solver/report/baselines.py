@@ -250,20 +250,22 @@ def _first_backward_statistics(
     stages = range(costs.num_stages)
     state, stored = costs.state_bytes, costs.stored_bytes
     grad = np.array([costs.late_column(s) for s in stages], dtype=np.int64)  # [stage, layer]
+    own = np.array([costs.late_own(s) for s in stages], dtype=np.int64)  # l's own at its moment
     transient = costs.transient_bytes
 
     def buffers(pairs: np.ndarray, into: np.ndarray, out_of: np.ndarray) -> np.ndarray:
         return pairs[:, :1] * into[None, :] + pairs[:, 1:] * out_of[None, :]
 
     fixed = state - grad  # weights and optimizer
-    during = fixed + k * stored + transient + buffers(copies, edge_in, edge_out)
+    during = fixed + k * stored + own + transient + buffers(copies, edge_in, edge_out)
     isolated = during + costs.constant_bytes
     pair = np.zeros_like(isolated)
     a, b = slice(None, -1), slice(1, None)
     both = fixed[:, a] + fixed[:, b] + (k - 1) * (stored[a] + stored[b])
     at_k = buffers(copies, edge_in[a], edge_out[b])
-    during_a = both + stored[a] + grad[:, b] + transient[a] + _pair_held(costs) + at_k
-    during_b = both + stored[a] + stored[b] + transient[b] + at_k
+    running_a = own[:, a] + transient[a] + _pair_held(costs)  # layer a's moment, own and held
+    during_a = both + stored[a] + grad[:, b] + running_a + at_k
+    during_b = both + stored[a] + stored[b] + own[:, b] + transient[b] + at_k
     pair[:, 1:] = np.maximum(during_a, during_b) + costs.constant_bytes
     return isolated, pair
 
