@@ -245,10 +245,10 @@ def layer_moments(
     first backward, 1F1B with k < m). Where gradients appear at the first backward and no
     forward follows it (``LayerCosts.first_backward_peak``: step lifetime, k = m), the layers
     after l have theirs, and l those of its own parameters its backward made by its largest
-    moment (``own_grads``; its weight-gradient temporary, the first of a parameter's
-    gradients, has no ``.grad`` to add it to yet): grads = grads(> l) + own_l, and
-    during(last layer) is the start of the first backward. After the first backward every gradient exists and at most k - 1
-    micro-batches are held (the later backwards free more; a safe bound where the buffers do
+    moment beyond what trans_l holds (``own_grads``: its weight-gradient temporary, the first
+    of a parameter's gradients, has no ``.grad`` to add it to yet): grads = grads(> l) + own_l,
+    and during(last layer) is the start of the first backward. After the first backward every
+    gradient exists and at most k - 1 micro-batches are held (the later backwards free more; a safe bound where the buffers do
     not grow), and under torch's GPipe the buffers grow with the backwards done (its sends
     held): the moments after a backward with h held (``LayerCosts.after_moments``: k - 1 on
     the first stages; m - 1 and 1 under torch GPipe, the ends of a value linear in h), the
