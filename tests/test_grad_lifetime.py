@@ -275,6 +275,8 @@ def test_backends_agree_with_step_gradients(seed):
     graph = (random_chain if chain else random_dag)(rng, rng.randint(3, 6))
     if not chain:
         graph = one_tensor_per_producer(graph)
+    if seed % 2:  # measured own gradients (a separate stream: the cases above stay as they were)
+        graph = with_random_grad_moments(graph, random.Random(9000 + seed))
     config = random_config(rng, graph.num_layers)
     schedule = rng.choice(["gpipe", "1f1b"])
     config = dataclasses.replace(
@@ -289,6 +291,23 @@ def test_backends_agree_with_step_gradients(seed):
     problem = StageProblem(costs=costs)
     oracle = solve_brute_force(problem).objective
     assert solve_everywhere(problem, chain and config.recompute != "selective") == {oracle}
+
+
+def with_random_grad_moments(graph, rng: random.Random):
+    """``graph`` with random ``backward_grad_moments`` on most layers: one to three points,
+    gradients rising, bytes from minus the layer's activations to its transient."""
+    document = graph.to_dict()
+    for layer in document["layers"]:
+        if rng.random() < 0.2:
+            continue
+        params, split = layer["params"], layer.get("tp_params", 0)
+        points = []
+        for made in sorted(rng.randint(0, params) for _ in range(rng.randint(1, 3))):
+            low = -layer.get("activation_bytes", 0)
+            high = layer.get("transient_bytes", 0)
+            points.append([made, rng.randint(0, min(made, split)), rng.randint(low, high)])
+        layer["backward_grad_moments"] = points
+    return graph_from_dict(document)
 
 
 # -- boundaries: one tensor, counted once per stage ------------------------------------------------

@@ -152,7 +152,6 @@ def layer_costs(
         deallocate_pipeline_outputs=training.deallocate_pipeline_outputs,
         in_flight=in_flight,
     )
-    receive_copies, send_copies = copies
     factor = routing_factor(graph, config, training)
     most_held = _most_micro_batches_held(config, vectors)
     check_exact_range(graph, config, cluster, training, most_held, *copies, factor=factor)
@@ -208,20 +207,13 @@ def layer_costs(
         in_flight_vectors=vectors,
         backwards_done=dones,
         running_chunks=running,
-        receive_copies=receive_copies,
-        send_copies=send_copies,
+        receive_copies=copies[0],  # R_s, S_s (``stage_boundary_copies``)
+        send_copies=copies[1],
         runtime=training.runtime,
         deallocate_pipeline_outputs=training.deallocate_pipeline_outputs,
         grad_lifetime=training.grad_lifetime,
         grad_buffer_bytes=ddp_bucket_bytes(config, training, scaled(grad, "grads")),
-        own_grad_bytes=own_gradient_bytes(
-            graph,
-            config,
-            training,
-            scaled(grad, "grads"),
-            scaled(np.minimum(transient[0], transient[1]), "transient"),
-            scaled,
-        ),
+        own_grad_bytes=own_gradient_bytes(graph, config, training, grad, transient, scaled),
         backward_weight_bytes=None if unsharded is None else scaled(unsharded, "weights"),
         gather_bytes=None if unsharded is None else _gather_part(params, config, training),
         step_bytes=optimizer_step_bytes(params, config, training, scaled),

@@ -45,13 +45,14 @@ def own_gradient_bytes(
     config: ParallelConfig,
     training: TrainingConfig,
     grads: np.ndarray,
-    transient: np.ndarray,
+    transient: tuple[np.ndarray, np.ndarray],
     scaled,
 ) -> np.ndarray:
-    """own_l of every layer (module docstring), bytes per GPU; ``grads``: G_l (scaled), the
-    bound; ``transient``: trans_l (scaled, the kept state); ``scaled``:
+    """own_l of every layer (module docstring), bytes per GPU; ``grads``: G_l, the bound;
+    ``transient``: trans_l kept and recomputed (the smaller is taken); ``scaled``:
     ``layers._calibrated``'s function (gradients and transients)."""
-    own = as_int(grads).copy()
+    own = scaled(grads, "grads").copy()
+    transient = scaled(np.minimum(*transient), "transient")
     exact = [i for i, layer in enumerate(graph.layers) if layer.backward_grad_moments]
     if not exact:
         return own
