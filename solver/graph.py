@@ -442,8 +442,8 @@ def graph_from_dict(
 DRAFT_7_KEYWORDS = frozenset(
     {
         "$defs", "$id", "$ref", "$schema", "additionalProperties", "const", "description",
-        "enum", "exclusiveMinimum", "items", "maxLength", "maximum", "minItems", "minLength",
-        "minimum", "properties", "required", "title", "type",
+        "enum", "exclusiveMinimum", "items", "maxItems", "maxLength", "maximum", "minItems",
+        "minLength", "minimum", "properties", "required", "title", "type",
     }
 )  # fmt: skip
 """Keywords that mean the same in draft 7 (the newest fastjsonschema compiles) as in the

@@ -500,7 +500,9 @@ def test_executor_runs_the_plan_lifetime_and_matches_it(lifetime):
     """profiling.run (torch.distributed.pipelining on gloo, exact live tensors) with the plan's
     zero_grad: GPipe pp 2 m 4 and 1F1B pp 2 m 2 (m = p: stage 0 peaks in its first backward)
     of gpt-tiny (fp32, Adam), and dp 2 x pp 2 under DDP (with step its buckets stay beside the
-    fresh gradients). Measured 2026-12-01: step within -0.8%..+0.2%, persistent -0.7%..+0.5%."""
+    fresh gradients). Measured 2026-12-01: step within -0.8%..+0.2%, persistent -0.7%..+0.5%;
+    2026-12-04 with the running layer's own gradients (``own_grads``): the pp 2 GPipe and 1F1B
+    step ranks -0.016%..-0.002% (their first stages -0.8% before)."""
     from profiling.calibrate import SMALL_GPT, Layout
     from profiling.export import export_graph
     from profiling.run import run_plan

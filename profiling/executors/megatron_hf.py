@@ -268,6 +268,11 @@ def tie_head(graph: LayerGraph, config: models.gpt.GPTConfig) -> LayerGraph:
             changes |= {"largest_param": config.hidden, "vocab_params": 0}
             if layer.tp_params >= elements:  # the copy was profiled vocabulary-parallel
                 changes |= {"tp_params": layer.tp_params - elements, "largest_tp_param": 0}
+            changes["backward_grad_moments"] = _own_moments(
+                layer.backward_grad_moments,
+                changes["params"],
+                changes.get("tp_params", layer.tp_params),
+            )
             layer = dataclasses.replace(layer, **changes)
         layers.append(layer)
     shared = [
@@ -275,6 +280,18 @@ def tie_head(graph: LayerGraph, config: models.gpt.GPTConfig) -> LayerGraph:
         | {"shared_with": ["head"]}
     ]
     return dataclasses.replace(graph, layers=layers, meta={**graph.meta, "shared_params": shared})
+
+
+def _own_moments(moments, params: int, tp_params: int):
+    """``backward_grad_moments`` of a head whose copy of the table became a tied copy: each
+    point's gradients capped at the head's own parameters (the cost model adds the copy's
+    gradient at every point, ``solver.costs.own_grads``)."""
+    if moments is None:
+        return None
+    return [
+        (min(made, params), min(split, tp_params, made, params), nbytes)
+        for made, split, nbytes in moments
+    ]
 
 
 def _check_profiled_params(mapped: models.ModelSpec, build, layers: list[str]) -> None:
