@@ -197,9 +197,10 @@ def export_graph(
         isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS
     ):
         raise InputError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
-    spec = implementation_spec(name, resolve_spec(name, overrides or {}), implementation, seq)
-    if max_layers is not None:
+    spec = resolve_spec(name, overrides or {})
+    if max_layers is not None:  # before implementation_spec, which builds the model on meta
         check_layer_count(name, spec.config, max_layers)
+    spec = implementation_spec(name, spec, implementation, seq)
     what, hint = _model_code(name, spec, overrides or {})
     torch_dtype = getattr(torch, DTYPES[dtype])
     if device == "cuda" and not torch.cuda.is_available():

@@ -122,3 +122,33 @@ def test_stage_peak_counts_the_pending_dy_as_the_replay(schedule, runtime):
         assert stage.in_flight == sum(memory.held_at_peak)
         waiting += sum(memory.pending_at_peak)
     assert (waiting > 0) == (schedule != "dualpipev")
+
+
+@pytest.mark.parametrize("schedule, m", [("zbv", 4), ("zbv", 6), ("dualpipev", 4)])
+def test_v_turn_around_keeps_m_boundary_storages_each_way(schedule, m):
+    """torch passes the tensors between the V's stages p - 1 and p (one rank) by function call:
+    p's receive buffer i becomes p - 1's output i, p - 1's gradient buffer i becomes p's input
+    gradient i, each freeing the fresh buffer. So at every action the rank keeps m storages of
+    the boundary tensor each way, the ones p holds in flight among its stored inputs; the other
+    boundaries keep torch's usual copies (R = m - n + B + w, S = m + n + B)."""
+    costs = _costs(schedule, m, runtime="torch")
+    p = 2
+    memory = rank_memory(costs, [0] * 2 + [1] * 2 + [2] * 2 + [3] * 2)
+    for rank, turned in ((p - 1, True), (0, False)):
+        held, pending, done = [0, 0], [0, 0], [0, 0]
+        stages = costs.stages_of_rank(rank)
+        for action in memory[rank].actions:
+            c = action.chunk
+            held[c] += {"F": 1, "I": 0}.get(action.kind, -1)
+            pending[c] += {"I": 1, "W": -1}.get(action.kind, 0)
+            done[c] += action.kind in ("W", "B")
+            copies = [
+                costs.copies_at(j, held[k], done[k], pending[k]) for k, j in enumerate(stages)
+            ]
+            if turned:  # chunk 0 = stage p - 1 (receives from p - 2: none at p = 2), 1 = stage p
+                assert copies[0][1] == m  # gradient buffers or p's input gradients
+                assert copies[1][0] + held[1] == m  # receive buffers or p - 1's outputs
+                assert copies[1][1] == m + held[1] + done[1]  # p's sends go to rank 0 as usual
+            else:
+                assert copies[0] == (0, m + held[0] + done[0])
+                assert copies[1][0] == m - held[1] + done[1] + pending[1]

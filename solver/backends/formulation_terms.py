@@ -214,6 +214,7 @@ class FormulationTerms:
         receive, send = costs.copies_at(stage, held, done, pending)
         adjusted = costs.direct_sends and not costs.plain_boundaries
         m, last = costs.config.num_microbatches, self.problem.num_stages - 1
+        turn_sender = -1 if costs.v_turn is None else costs.v_turn - 1
         terms = []
         for t, (_, nbytes) in enumerate(costs.tensor_groups):
             if not nbytes:
@@ -223,19 +224,20 @@ class FormulationTerms:
                 grad, known, charged = costs.tensor_roles[t]
                 into += held * nbytes if known else 0
                 out_of -= 0 if grad or stage == last else m * nbytes
-                if charged and held:
-                    terms.append(-self._bytes(held * nbytes) * self._counted_here(t, stage))
+                if charged and held:  # a V's p - 1 keeps no held outputs (``v_turn``)
+                    counted = self._counted_here(t, stage, stage == turn_sender)
+                    terms.append(-self._bytes(held * nbytes) * counted)
             terms.append(
                 self._bytes(into) * self._received(t, stage)
                 + self._bytes(out_of) * self._sent(t, stage)
             )
         return terms
 
-    def _counted_here(self, tensor: int, stage: int):
+    def _counted_here(self, tensor: int, stage: int, received_only: bool = False):
         """w[T][s] in [0, 1] with
 
           w <= sum_c x[c][s]   (c: the layers whose stored bytes count T, ``tensor_roles``)
-          w <= rv[T][s] + sd[T][s]
+          w <= rv[T][s] + sd[T][s]   (``received_only``: rv[T][s])
 
         T's negative coefficient lifts w to the minimum: 1 exactly when s receives or sends T
         and counts it in its stored bytes. Raising rv or sd to lift w never pays: their
@@ -252,10 +254,10 @@ class FormulationTerms:
                 counted <= self._sum(self._member(c, stage) for c in here),
                 f"w_t{tensor}_s{stage}_layer",
             )
-            self._add(
-                counted <= self._received(tensor, stage) + self._sent(tensor, stage),
-                f"w_t{tensor}_s{stage}_crossing",
-            )
+            crossing = self._received(tensor, stage)
+            if not received_only:
+                crossing = crossing + self._sent(tensor, stage)
+            self._add(counted <= crossing, f"w_t{tensor}_s{stage}_crossing")
             self._counted[key] = counted
         return counted
 

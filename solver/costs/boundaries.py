@@ -23,7 +23,7 @@ from functools import cached_property
 import numpy as np
 
 from solver.costs.schedule import boundary_copies
-from solver.costs.schedule_orders import ZERO_BUBBLE_SCHEDULES
+from solver.costs.schedule_orders import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 
 
 class BoundaryTensors:
@@ -73,10 +73,29 @@ class BoundaryTensors:
             if self.deallocate_pipeline_outputs:
                 return self.receive_copies[stage], self.send_copies[stage]
             return self.receive_copies[stage], (0 if stage == last else 1 + held)
+        turn = self.v_turn
+        if stage == turn:  # its inputs come by function call: m storages, the held stored
+            return m - held, m + held + done
+        if turn is not None and stage == turn - 1:  # its gradients: m storages, outputs in turn's
+            return m - held + done + pending, m
         return (
             (0 if stage == 0 else m - held + done + pending),
             (0 if stage == last else m + held + done),
         )
+
+    @property
+    def v_turn(self) -> int | None:
+        """The V's turn-around of a zbv or dualpipev run on the torch runtime: virtual stage
+        p, whose neighbour p - 1 runs on the same rank (p - 1), so torch passes the boundary
+        tensors between them by function call (``set_local_fwd_input``: p's receive buffer i
+        becomes p - 1's output; ``set_local_bwd_input``: p - 1's gradient buffer i becomes p's
+        input gradient, each freeing the fresh buffer): m storages each way, whatever the
+        schedule has run. So R_p = m - held (the held inputs are stored) and S_{p-1} = m (its
+        outputs are p's buffers), with no sent copies kept to the step's end. None otherwise.
+        Tagged at the peaks of benchmarks/bench_accuracy_schedules.md."""
+        if self.runtime != "torch" or self.config.schedule not in V_SCHEDULES:
+            return None
+        return self.num_stages // 2
 
     @property
     def direct_sends(self) -> bool:
@@ -212,7 +231,8 @@ def direct_buffer_adjustments(
 
       received, saving known, no layer of s counts t   + held n  (R = m: every receive buffer
                                                                  holds t, none is a stored input)
-      sent, a layer of s counts t                       - held n  (the held outputs are stored)
+      sent, a layer of s counts t                       - held n  (the held outputs are stored;
+                                                                 not on a V's p - 1, ``v_turn``)
       sent, t does not require grad                     - m n     (no gradient receive buffers)
 
     (docs/cost-model.md, "Runtime torch: direct sends")."""
@@ -229,7 +249,8 @@ def direct_buffer_adjustments(
         if not readers or not size:
             continue
         counted = {int(stage_of[layer]) for layer in charged}
-        if made in counted:
+        turn = costs.v_turn  # its S counts no held outputs (``v_turn``)
+        if made in counted and (turn is None or made != turn - 1):
             per_held[made] -= size
         if not grad:
             no_grad[made] += size
