@@ -18,9 +18,9 @@ from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
 
-def _costs(schedule: str, m: int, runtime: str = "megatron"):
+def _costs(schedule: str, m: int, runtime: str = "megatron", lifetime: str | None = None):
     """8 layers of 100 B saved, 8 B output to the next per sample (none after the last); l5 has
-    no weights (dY 0)."""
+    no weights (dY 0). ``lifetime``: the gradient lifetime (None: the runtime's default)."""
     layers = [
         {
             "name": f"l{k}",
@@ -36,7 +36,7 @@ def _costs(schedule: str, m: int, runtime: str = "megatron"):
     config = ParallelConfig(
         pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=m, schedule=schedule, virtual_stages=2
     )
-    training = TrainingConfig(global_batch=m, runtime=runtime)
+    training = TrainingConfig(global_batch=m, runtime=runtime, grad_lifetime=lifetime)
     return layer_costs(graph, config, Cluster(num_gpus=2), training)
 
 
@@ -78,8 +78,10 @@ def test_each_action_adds_or_frees_its_terms(schedule):
 def test_v_placement_puts_first_and_last_chunk_on_rank_0():
     """Under zbv rank 0 holds virtual stages 0 and 3 (the embedding's and the head's chunks),
     rank 1 stages 1 and 2; in-flight counts follow torch's list: rank 0's first chunk holds all
-    m = 4 (its 2p - 1 = 3 warm-up forwards and one more before its first I): 1552 B with
-    nothing pending. Its peak comes later, 1560 B: the head chunk's third I, with (3, 1) held
+    m = 4 (its 2p - 1 = 3 warm-up forwards and one more before its first I): 1512 B with
+    nothing pending and chunk 0's gradients (40 B) not there yet (they appear at its first W;
+    chunk 3's exist after its W steps). Its peak comes later, 1560 B: the head chunk's third
+    I, with (3, 1) held
     and that W pending, where the pending dY and the input gradients its I steps sent (kept
     to the step's end, ``LayerCosts.copies_at``) outweigh chunk 0's fourth micro-batch on
     this toy."""
@@ -90,7 +92,7 @@ def test_v_placement_puts_first_and_last_chunk_on_rank_0():
     assert max(
         value for value, action in zip(first.action_bytes, first.actions, strict=True)
         if action.kind == "F" and action.chunk == 0 and action.microbatch == 3
-    ) == 1552
+    ) == 1512
     assert (first.held_at_peak, first.pending_at_peak, first.peak_bytes) == ((3, 1), (0, 1), 1560)
 
 
@@ -152,3 +154,27 @@ def test_v_turn_around_keeps_m_boundary_storages_each_way(schedule, m):
             else:
                 assert copies[0] == (0, m + held[0] + done[0])
                 assert copies[1][0] == m - held[1] + done[1] + pending[1]
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev", "interleaved-zb"])
+def test_a_chunks_gradients_appear_at_its_own_first_weight_step(schedule):
+    """torch's ``zero_grad(set_to_none=True)`` (step lifetime): a parameter's ``.grad`` appears
+    at the first W or B of its own chunk (``stage_backward_weight`` assigns it; an I makes
+    none), so at each action the rank keeps, against persistent gradients, exactly the
+    gradients of the chunks with no W or B yet less. Under the V's rank 0 the first chunk's
+    come long after the last chunk's."""
+    split = [0, 0, 1, 1, 2, 2, 3, 3]
+    costs = _costs(schedule, 4, runtime="torch", lifetime="step")
+    step = rank_memory(costs, split)
+    persistent = rank_memory(_costs(schedule, 4, runtime="torch", lifetime="persistent"), split)
+    grads = [int(costs.grad_bytes[2 * j] + costs.grad_bytes[2 * j + 1]) for j in range(4)]
+    apart = 0
+    for kept, full in zip(step, persistent, strict=True):
+        own = costs.stages_of_rank(kept.rank)
+        started = [False, False]
+        for action, low, high in zip(kept.actions, kept.action_bytes, full.action_bytes):
+            started[action.chunk] |= action.kind in ("W", "B")
+            missing = sum(grads[j] for j, seen in zip(own, started, strict=True) if not seen)
+            assert high - low == missing, (kept.rank, action)
+            apart += started[0] != started[1]
+    assert apart > 0  # some action with one chunk's gradients and not the other's

@@ -267,7 +267,7 @@ class FormulationTerms:
         vector: tuple[int, ...],
         done: tuple[int, ...],
         pending: tuple[int, ...] = (),
-        started: bool = True,
+        started: tuple[bool, ...] = (),
         running: int = -1,
     ):
         """With interleaving a rank has a row per in-flight vector: each row sums four
@@ -275,15 +275,18 @@ class FormulationTerms:
         running chunk's T_j (``_chunk_top``; none where ``running`` is -1) where the moments
         say which runs (``LayerCosts.layer_moment_ranks``), else the rank's largest transient
         tr[r]. A split-backward schedule's moment (``costs.split_rows``) adds pending[c] dY_c
-        per chunk (``_pending_part``) and, before the rank's gradients exist (not
-        ``started``), takes the states without them (``_lean_part``)."""
+        per chunk (``_pending_part``) and, for a chunk whose gradients do not exist yet (not
+        ``started[c]``; all exist by default), takes its states without them
+        (``_lean_part``)."""
         terms = []
         stages = self.costs.stages_of_rank(rank)
         pending = pending or (0,) * len(vector)
-        for k, finished, w, stage in zip(vector, done, pending, stages, strict=True):
+        started = started or (True,) * len(vector)
+        parts = zip(vector, done, pending, started, stages, strict=True)
+        for k, finished, w, grads, stage in parts:
             states, kept, received, sent = self._stage_parts(stage)
             receive, send = self.costs.copies_at(stage, k, finished, w)
-            terms += [states if started else self._lean_part(stage), k * kept]
+            terms += [states if grads else self._lean_part(stage), k * kept]
             if w:
                 terms.append(w * self._pending_part(stage))
             if self.costs.direct_sends and not self.costs.plain_boundaries:

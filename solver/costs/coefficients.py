@@ -153,9 +153,10 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
     pending_vectors: list[list[tuple[int, ...]]] = field(default_factory=list)
     """Parallel to ``in_flight_vectors``: per chunk the held micro-batches between their I and
     their W (split-backward schedules, ``split_rows``; zeros by default)."""
-    grads_started: list[list[bool]] = field(default_factory=list)
-    """Parallel to ``in_flight_vectors``: the rank's gradients exist at that moment
-    (split-backward schedules under step lifetime, ``split_rows``; True by default)."""
+    grads_started: list[list[tuple[bool, ...]]] = field(default_factory=list)
+    """Parallel to ``in_flight_vectors``: per chunk, its gradients exist at that moment (a W
+    or B of the chunk has run: split-backward schedules under step lifetime, ``split_rows``;
+    True by default)."""
     receive_copies: list[int] = field(default_factory=list)
     """R_s for each stage: copies of a received edge's bytes (``boundary_copies``; the megatron
     runtime's when not given). With interleaving on the torch runtime they depend on the
@@ -253,7 +254,9 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
                 [(0,) * len(vector) for vector in vectors] for vectors in self.in_flight_vectors
             ]
         if not self.grads_started:
-            self.grads_started = [[True] * len(vectors) for vectors in self.in_flight_vectors]
+            self.grads_started = [
+                [(True,) * len(vector) for vector in vectors] for vectors in self.in_flight_vectors
+            ]
         if not self.receive_copies and not self.send_copies:
             self.receive_copies, self.send_copies = stage_boundary_copies(
                 "megatron",
@@ -385,7 +388,8 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
         optimizer state, plus the gradients unless some stage's peak can come before them
         (``first_backward_peak``), bytes (for lower bounds)."""
         if any(self.first_backward_peak) or (
-            self.split_backward and not all(g for rank in self.grads_started for g in rank)
+            self.split_backward
+            and not all(all(g) for rank in self.grads_started for g in rank)
         ):
             late = [self.late_column(s) for s in range(self.num_stages)]
             return self.state_bytes - np.max(late, axis=0)

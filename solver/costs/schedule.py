@@ -47,6 +47,9 @@ from solver.costs.schedule_orders import (
 from solver.errors import InputError
 from solver.specs import ParallelConfig, TrainingConfig
 
+SplitCounts = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[bool, ...]]
+"""(n, w, B, g) per chunk of a split-backward rank after an action (``split_action_counts``)."""
+
 
 def in_flight_microbatches(
     schedule: str, num_microbatches: int, num_stages: int, stage: int
@@ -201,11 +204,11 @@ def schedule_moments(
 @lru_cache(maxsize=512)
 def split_moments(
     num_microbatches: int, num_ranks: int, num_chunks: int, rank: int, schedule: str
-) -> tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool], ...]:
+) -> tuple[SplitCounts, ...]:
     """Every distinct moment of rank r's split-backward schedule (``ZERO_BUBBLE_SCHEDULES``)
     just after one of its actions, as (n, w, B, g): per chunk the micro-batches held (F run, W
     or B not yet), those of them between their I and their W, the W or B steps done, and
-    whether any W or B has run on the rank (its gradients exist then under step lifetime).
+    whether a W or B of the chunk has run (its gradients exist then under step lifetime).
     The replay of ``schedule_memory.rank_memory``, action by action, which ``stage_costs``
     maximises over."""
     actions = schedule_actions(num_microbatches, num_ranks, num_chunks, rank, None, schedule)
@@ -214,11 +217,18 @@ def split_moments(
 
 def split_action_counts(
     actions: tuple[ScheduleAction, ...], num_chunks: int
-) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]]:
+) -> Iterator[SplitCounts]:
     """(n, w, B, g) just after each of a split-backward rank's ``actions``, in order: per chunk
     the micro-batches held (F run, W or B not yet), those between their I and their W, the W
-    or B steps done, and whether any W or B has run (``split_moments``)."""
-    held, pending, done, grads = [0] * num_chunks, [0] * num_chunks, [0] * num_chunks, False
+    or B steps done, and whether a W or B of the chunk has run (``split_moments``).
+
+    g is per chunk: with torch's ``zero_grad(set_to_none=True)`` a parameter's ``.grad``
+    appears at the first W or B of the chunk (``stage_backward_weight`` assigns it, an I step
+    makes none), so a V rank's first chunk has none while its last chunk's W steps run
+    (tagged: dualpipev pp 2 rank 0 peaks with (3, 1) held after chunk 0's first backward; the
+    (4, 1) moment before it lacks chunk 0's 339 KiB of gradients)."""
+    held, pending, done = [0] * num_chunks, [0] * num_chunks, [0] * num_chunks
+    grads = [False] * num_chunks
     for action in actions:
         c = action.chunk
         if action.kind == "F":
@@ -229,8 +239,8 @@ def split_action_counts(
             held[c] -= 1
             done[c] += 1
             pending[c] -= action.kind == "W"
-            grads = True
-        yield tuple(held), tuple(pending), tuple(done), grads
+            grads[c] = True
+        yield tuple(held), tuple(pending), tuple(done), tuple(grads)
 
 
 def running_moments(

@@ -52,8 +52,8 @@ W (``stage_backward_weight``, no retained graph) frees both. With w_c pending W 
 where n_c counts a micro-batch from its F to its B or W, and dY_j = sum over j's layers with
 weights of (transient_l + output_l): an estimate that errs over (a layer's backward transient
 bounds the gradients inside it at one moment, not all of its weight ops' dY at once; the
-output's gradient is the last op's dY). Gradients count from the rank's first B or W under step
-lifetime, always under persistent.
+output's gradient is the last op's dY). A chunk's gradients count from its first B or W under
+step lifetime, always under persistent.
 docs/cost-model.md, "Memory over the step" and "Zero-bubble and V schedules".
 """
 
@@ -321,11 +321,12 @@ def _split_bytes(
     costs = terms.costs
     states = terms.states(rank)
     largest = int(terms.transient[own].max())
-    all_grads = int(terms.grads[own].sum())
     persistent = costs.grad_lifetime != "step"
     values, best, at_best = [], -1, ((0,) * len(own), (0,) * len(own))
     for held, pending, done, started in split_action_counts(actions, len(own)):
-        grads = all_grads if persistent or started else 0
+        grads = sum(
+            int(terms.grads[j]) for g, j in zip(started, own, strict=True) if persistent or g
+        )
         activations = sum(n * int(terms.kept[j]) for n, j in zip(held, own, strict=True))
         waiting = sum(w * int(terms.pending[j]) for w, j in zip(pending, own, strict=True))
         buffers = sum(

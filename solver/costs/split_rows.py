@@ -2,16 +2,16 @@
 
 A rank of a split-backward schedule (``schedule_orders.ZERO_BUBBLE_SCHEDULES``) has, after each
 action of torch's list, per chunk c: n_c micro-batches held, w_c of them between their I and
-their W, B_c W or B steps done, and g (a W or B has run: its gradients exist under step
-lifetime) (``schedule.split_moments``). Its memory there is linear in the per-chunk sums
-(``stages._split_peak_moment``, docs/cost-model.md "Zero-bubble and V schedules"):
+their W, B_c W or B steps done, and g_c (a W or B of chunk c has run: its gradients exist
+under step lifetime) (``schedule.split_moments``). Its memory there is linear in the per-chunk
+sums (``stages._split_peak_moment``, docs/cost-model.md "Zero-bubble and V schedules"):
 
-  states_r - (1 - g) grads_r + sum_c [ n_c kept_c + w_c dY_c + R(n_c, B_c, w_c) In_c
-                                       + S(n_c, B_c) Out_c ] + tr_r
+  states_r + sum_c [ -(1 - g_c) grads_c + n_c kept_c + w_c dY_c + R(n_c, B_c, w_c) In_c
+                     + S(n_c, B_c) Out_c ] + tr_r
 
 with kept, dY (``stages.weight_output_gradients``), In, Out >= 0 per chunk and R, S the copies
 (``LayerCosts.copies_at``). A moment is dropped when another one has, in every chunk, n, w, R
-and S at least as large and g at least as large (``undominated``): its memory is then at least
+and S at least as large and g_c at least as large (``undominated``): its memory is then at least
 as large whatever the split, so the largest moment is among the kept ones. On the torch runtime
 the boundary terms also carry + n known In - n counted (``formulation_terms._buffer_terms``),
 which grow with n since the counted tensors are part of kept (``_counted_here``).
@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from solver.costs.schedule import split_moments, undominated_rows
+from solver.costs.schedule import SplitCounts, split_moments, undominated_rows
 
-SplitMoment = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]
-"""(n, w, B, g) of ``schedule.split_moments``."""
+SplitMoment = SplitCounts
+"""(n, w, B, g) of ``schedule.split_moments``, g per chunk."""
 
 
 def latest(moments: tuple[SplitMoment, ...]) -> list[SplitMoment]:
@@ -50,7 +50,7 @@ def undominated(moments, copies) -> list[SplitMoment]:
                 for value in (n, *copies(c, n, b, w))
             ]
             + list(waiting)
-            + [int(started)]
+            + [int(g) for g in started]
             for held, waiting, done, started in moments
         ],
         dtype=np.int64,
@@ -69,7 +69,7 @@ def split_rows(costs) -> list[list[SplitMoment]]:
             config.num_microbatches, config.pp, config.virtual_stages, rank, config.schedule
         )
         if costs.grad_lifetime != "step":  # every gradient all step
-            moments = tuple((n, w, b, True) for n, w, b, _ in moments)
+            moments = tuple((n, w, b, (True,) * len(n)) for n, w, b, _ in moments)
         rows.append(
             undominated(
                 moments, lambda c, n, b, w, own=own: costs.copies_at(own[c], n, b, w)
@@ -79,8 +79,8 @@ def split_rows(costs) -> list[list[SplitMoment]]:
 
 
 def attach_split_rows(costs) -> None:
-    """Set ``costs``' in-flight vectors, backwards done, pending vectors and gradient flags to
-    the split-backward schedule's undominated moments (``split_rows``)."""
+    """Set ``costs``' in-flight vectors, backwards done, pending vectors and gradient flags (per
+    chunk) to the split-backward schedule's undominated moments (``split_rows``)."""
     rows = split_rows(costs)
     costs.in_flight_vectors = [[n for n, _, _, _ in rank] for rank in rows]
     costs.pending_vectors = [[w for _, w, _, _ in rank] for rank in rows]

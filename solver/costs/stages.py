@@ -28,7 +28,7 @@ the stage in forward order:
               moment after an action of torch's list (``schedule.split_moments``: n_c held,
               w_c between their I and their W, B_c done per chunk c; ``_split_peak_moment``):
               peak_r = states_r + grads + sum_c (n_c kept_c + w_c dY_c) + buffers(n, B)
-                       + max_l trans_l, grads from the rank's first W or B under step lifetime,
+                       + max_l trans_l, chunk c's grads from its first W or B under step lifetime,
               dY_c the pending W's output gradients (``weight_output_gradients``), exactly the
               largest action of ``schedule_memory.rank_memory``
   optimizer step (with a step temporary, ``states.optimizer_step_bytes``): after the schedule no
@@ -127,7 +127,7 @@ def _stage_costs(
         moment, resharded = "forward", 0
         if split:
             grads, activations, buffers, vector = _split_peak_moment(
-                costs, rank, grads, kept, pending, (into, out_of, adjust)
+                costs, rank, grad, kept, pending, (into, out_of, adjust)
             )
         else:
             activations, buffers, vector, largest = _rank_peak_moment(
@@ -362,7 +362,7 @@ def _rank_peak_moment(
 def _split_peak_moment(
     costs: LayerCosts,
     rank: int,
-    all_grads: int,
+    grad: np.ndarray,
     kept: np.ndarray,
     pending: np.ndarray,
     boundaries: tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None],
@@ -371,9 +371,9 @@ def _split_peak_moment(
     split-backward schedule (``schedule.split_moments``), as ``schedule_memory.rank_memory``
     replays it (every moment, the first largest: the backends' rows, ``costs.split_rows``,
     reach the same largest total): sum_c n_c kept_c + sum_c w_c dY_c (``pending``,
-    bytes per micro-batch) in the activations, the buffers at (n_c, B_c), and every gradient
-    from the rank's first W or B under step lifetime (always under persistent). Bytes per
-    GPU."""
+    bytes per micro-batch) in the activations, the buffers at (n_c, B_c), and each chunk's
+    gradients (``grad``, per virtual stage) from its first W or B under step lifetime (always
+    under persistent). Bytes per GPU."""
     config = costs.config
     own = costs.stages_of_rank(rank)
     into, out_of, adjust = boundaries
@@ -392,7 +392,7 @@ def _split_peak_moment(
     for held, waiting, done, started in split_moments(
         config.num_microbatches, config.pp, config.virtual_stages, rank, config.schedule
     ):
-        grads = all_grads if persistent or started else 0
+        grads = sum(int(grad[j]) for g, j in zip(started, own, strict=True) if persistent or g)
         activations = sum(
             n * int(kept[j]) + w * int(pending[j])
             for n, w, j in zip(held, waiting, own, strict=True)
