@@ -119,3 +119,12 @@ def test_bench_accuracy_only_filters_the_hf_layouts(scripts_on_path, capsys):
     with pytest.raises(SystemExit) as refused:
         bench.main(["--only", "t5"])
     assert refused.value.code == 2 and "give it with --hf-only" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_search_compare_times_a_point_in_a_checkout(scripts_on_path):
+    import bench_search_compare
+
+    root = SCRIPTS.parent
+    seconds = bench_search_compare.point_seconds(root, ("chain", "gpt", 24, 4))
+    assert 0 < seconds < 60

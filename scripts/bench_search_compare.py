@@ -1,0 +1,101 @@
+"""Search speed before and after a change: bench_search's points, timed on two checkouts.
+
+Each point (an exact chain solve or a full hybrid search, as ``scripts/bench_search.py`` times
+it) runs in a fresh interpreter per checkout, the two checkouts alternating, ``--repeats``
+times; the table gives each side's median and the ratio after / before. Alternating in fresh
+processes keeps a busy machine's load on both sides alike (a whole bench_search run on one
+side, then on the other, saw the load change between them).
+
+    python scripts/bench_search_compare.py --before /path/to/old/checkout [--after .]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import harness
+
+POINTS = [
+    ("chain", "gpt", 2000, 8),
+    ("chain", "random", 2000, 32),
+    ("chain", "gpt", 2000, 128),
+    ("chain", "random", 400, 128),
+    ("search", "gpt", 96, 64),
+    ("search", "gpt", 96, 4096),
+    ("search", "gpt", 1000, 256),
+]
+"""(kind, graph, layers, stages or GPUs): bench_search's chain and search rows."""
+
+POINT_CODE = r"""
+import sys, statistics
+sys.path[:0] = [sys.argv[1] + "/scripts", sys.argv[1]]
+import bench_search as b
+from solver.backends.chain import solve_chain
+from solver.backends.problem import StageProblem
+kind, graph, layers, size = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+if kind == "chain":
+    chain = b.random_chain(layers, 1) if graph == "random" else b.gpt_chain(layers)
+    costs = b.config_costs(chain, size)
+    print(b.timed(lambda: solve_chain(StageProblem(costs=costs)), 5)[1])
+else:
+    print(b.search_row(layers, size)["wall_s"])
+"""
+"""Times one point in the checkout given as argv[1]; prints its seconds."""
+
+
+def point_seconds(checkout: Path, point: tuple) -> float:
+    """Seconds of one point in a fresh interpreter with ``checkout`` first on the path."""
+    argv = [sys.executable, "-c", POINT_CODE, str(checkout), *map(str, point)]
+    done = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=checkout)
+    return float(done.stdout.split()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser(__doc__)
+    parser.add_argument("--before", type=Path, required=True, help="the old checkout")
+    parser.add_argument("--after", type=Path, default=Path.cwd(), help="the new checkout")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per point and side")
+    args = parser.parse_args(argv)
+    run = harness.Run.start(__file__, argv)
+    rows = []
+    for point in POINTS:
+        times: dict[str, list[float]] = {"before": [], "after": []}
+        for _ in range(args.repeats):
+            for side in ("before", "after"):
+                times[side].append(point_seconds(getattr(args, side).resolve(), point))
+        before, after = (statistics.median(times[side]) for side in ("before", "after"))
+        rows.append(
+            {
+                "kind": point[0],
+                "graph": point[1],
+                "layers": point[2],
+                "stages_or_gpus": point[3],
+                "before_ms": round(before * 1e3, 2),
+                "after_ms": round(after * 1e3, 2),
+                "ratio": round(after / before, 3),
+            }
+        )
+        print(rows[-1], flush=True)
+    ratios = [row["ratio"] for row in rows]
+    lines = [
+        "# Search speed before and after",
+        "",
+        f"Command: {run.command_text}  ",
+        f"Machine: {harness.architecture()}, Python {harness.python_version()}, run "
+        f"{harness.today()}; before = {args.before}, after = {args.after}; medians of "
+        f"{args.repeats} alternating fresh-process runs per side.",
+        "",
+        f"**Median ratio after / before {statistics.median(ratios):.3f}, max {max(ratios):.3f}.**",
+        "",
+        *harness.markdown_table(rows, list(rows[0])),
+    ]
+    harness.write_report(args.out, "bench_search_compare.md", lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
