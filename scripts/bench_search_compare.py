@@ -2,9 +2,10 @@
 
 Each point (an exact chain solve or a full hybrid search, as ``scripts/bench_search.py`` times
 it) runs in a fresh interpreter per checkout, the two checkouts alternating, ``--repeats``
-times; the table gives each side's median and the ratio after / before. Alternating in fresh
-processes keeps a busy machine's load on both sides alike (a whole bench_search run on one
-side, then on the other, saw the load change between them).
+times; the table gives each side's median CPU seconds (``time.process_time``, every thread of
+the process: less sensitive than wall time to other jobs on a shared machine) and the ratio
+after / before. Alternating in fresh processes keeps a busy machine's load on both sides alike
+(a whole bench_search run on one side, then on the other, saw the load change between them).
 
     python scripts/bench_search_compare.py --before /path/to/old/checkout [--after .]
 """
@@ -31,7 +32,7 @@ POINTS = [
 """(kind, graph, layers, stages or GPUs): bench_search's chain and search rows."""
 
 POINT_CODE = r"""
-import sys, statistics
+import sys, time
 sys.path[:0] = [sys.argv[1] + "/scripts", sys.argv[1]]
 import bench_search as b
 from solver.backends.chain import solve_chain
@@ -40,15 +41,21 @@ kind, graph, layers, size = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.
 if kind == "chain":
     chain = b.random_chain(layers, 1) if graph == "random" else b.gpt_chain(layers)
     costs = b.config_costs(chain, size)
-    print(b.timed(lambda: solve_chain(StageProblem(costs=costs)), 5)[1])
+    solve_chain(StageProblem(costs=costs))  # the cost tables' caches filled, as in bench_search
+    started = time.process_time()
+    for _ in range(5):
+        solve_chain(StageProblem(costs=costs))
+    print((time.process_time() - started) / 5)
 else:
-    print(b.search_row(layers, size)["wall_s"])
+    started = time.process_time()
+    b.search_row(layers, size)
+    print(time.process_time() - started)
 """
-"""Times one point in the checkout given as argv[1]; prints its seconds."""
+"""Times one point in the checkout given as argv[1]; prints its CPU seconds (all threads)."""
 
 
 def point_seconds(checkout: Path, point: tuple) -> float:
-    """Seconds of one point in a fresh interpreter with ``checkout`` first on the path."""
+    """CPU seconds of one point in a fresh interpreter with ``checkout`` first on the path."""
     argv = [sys.executable, "-c", POINT_CODE, str(checkout), *map(str, point)]
     done = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=checkout)
     return float(done.stdout.split()[-1])
@@ -74,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                 "graph": point[1],
                 "layers": point[2],
                 "stages_or_gpus": point[3],
-                "before_ms": round(before * 1e3, 2),
-                "after_ms": round(after * 1e3, 2),
+                "before_cpu_ms": round(before * 1e3, 2),
+                "after_cpu_ms": round(after * 1e3, 2),
                 "ratio": round(after / before, 3),
             }
         )
@@ -86,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Command: {run.command_text}  ",
         f"Machine: {harness.architecture()}, Python {harness.python_version()}, run "
-        f"{harness.today()}; before = {args.before}, after = {args.after}; medians of "
-        f"{args.repeats} alternating fresh-process runs per side.",
+        f"{harness.today()}, load averages {harness.load_averages()} at the end; before = "
+        f"{args.before} ({harness.git_commit(args.before)}), after = {args.after} "
+        f"({harness.git_commit(args.after)}); medians of {args.repeats} alternating "
+        "fresh-process runs per side, CPU time.",
         "",
         f"**Median ratio after / before {statistics.median(ratios):.3f}, max {max(ratios):.3f}.**",
         "",
