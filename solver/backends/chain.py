@@ -324,9 +324,8 @@ class _Chain:
         i..j beside the states and k - 1 whole micro-batches (without the gradients after l
         where they appear at the first backward, ``late``), and the moments after a backward
         (every gradient, h held, ``costs.after_moments``)."""
-        stage = np.asarray(stage)
+        stage = np.asarray(stage)  # one index (kept scalar: cheaper gathers) or one per pair
         starts, ends = np.broadcast_arrays(starts, ends)
-        stage = np.broadcast_to(stage, starts.shape)
         k = self.in_flight[stage]
         states = self.state_prefix[ends + 1] - self.state_prefix[starts]
         stored = self.stored_prefix[ends + 1] - self.stored_prefix[starts]
@@ -342,6 +341,8 @@ class _Chain:
         )
         late = self.late[stage]
         if np.any(late):
+            stage = np.broadcast_to(stage, starts.shape)
+            late = self.late[stage]
             first = during.copy()  # grads(i..j) off the states, grads(l+1..j) back
             kinds = self.kind[stage]
             for c in np.unique(kinds[late]):
