@@ -15,12 +15,12 @@ SMALL_LOGITS = 1_000
 """A vocabulary part of the head's transient smaller than its input gradient."""
 
 
-def head_graph(*, gathered: bool = True, fields: bool = True) -> dict:
+def head_graph(*, gathered: bool = True, fields: bool = True, vocab: int = 1000) -> dict:
     """``lm_graph(1000)`` with blocks sending [s, h] and a head whose weight-gradient moment
     holds nothing in torch's order (``weight_grad_transient_bytes`` 0) while its input gradient,
     ``FIXED``, is made right after (``fixed_transient_bytes``); ``gathered``: the linears'
     ``sp_gathered_bytes`` as the profile writes them."""
-    document = lm_graph(1000, fields=fields)
+    document = lm_graph(vocab, fields=fields)
     embed, *blocks, head = document["layers"]
     embed["output_bytes"] = WIDTH
     for block in blocks:
@@ -77,8 +77,10 @@ def test_sequence_parallel_adds_the_reduce_scatter_output_and_the_gather_buffer(
 
 def test_without_the_transients_parts_the_whole_transient_joins_the_temporary():
     """A head with ``vocab_rows`` but no fixed/vocabulary parts of its transients: its whole
-    transient T beside the temporary (high, never low); a graph without any vocabulary field
-    (written before them) names no head and keeps the profile's moment."""
+    transient T beside the temporary (high, never low), or, when less, torch's weight-gradient
+    moment (0 here) with the input gradient Megatron makes before it (the [s, h] entering the
+    head, WIDTH < T); a graph without any vocabulary field (written before them) names no head
+    and keeps the profile's moment."""
     document = head_graph()
     for key in (
         "vocab_transient_bytes",
@@ -87,9 +89,35 @@ def test_without_the_transients_parts_the_whole_transient_joins_the_temporary():
         "fixed_weight_grad_transient_bytes",
     ):
         del document["layers"][-1][key]
-    assert costs(document).transient_bytes[-1] == 2 * (FIXED + SMALL_LOGITS) + 2 * 1024 * HIDDEN
+    assert costs(document).transient_bytes[-1] == 2 * WIDTH + 2 * 1024 * HIDDEN
     older = costs(head_graph(fields=False)).transient_bytes[-1]
     assert older == 2 * 1000 * HIDDEN  # the whole table's temporary, as before
+
+
+def test_the_weight_gradient_moment_bounds_the_heads_moment():
+    """A head whose largest fixed transient (3 [s, h]: the final norm's backward, after the
+    logits are freed) exceeds torch's weight-gradient moments (1 [s, h], no vocabulary part):
+    Megatron's moment is at most that, with the input gradient ([s, h]) made before the weight
+    gradient: b (WIDTH + WIDTH) beside the temporary, not b 3 WIDTH (moe-tiny's LM head,
+    tagged at a last stage's peak: the temporary and the input gradient, [512, 64], live).
+    1024 rows, Megatron's padding at t 1 and 2: torch's moments stand as profiled."""
+    document = head_graph(vocab=1024)
+    head = document["layers"][-1]
+    head |= {
+        "transient_bytes": WIDTH + 4,
+        "weight_grad_transient_bytes": WIDTH + 4,
+        "fixed_transient_bytes": 3 * WIDTH + 4,
+        "vocab_transient_bytes": 0,
+        "fixed_weight_grad_transient_bytes": 2 * WIDTH + 4,
+        "vocab_weight_grad_transient_bytes": 0,
+    }
+    temporary = 2 * 1024 * HIDDEN
+    assert costs(document).transient_bytes[-1] == 2 * (2 * WIDTH + 4) + temporary
+    # tp 2 with SP: split over t, torch's weight-gradient moments are bounded by their fixed
+    # part (2 WIDTH + 4, ``vocab``), so with the input gradient the bound is 3 WIDTH + 4, the
+    # largest fixed transient's; + the [s/t, b, h] reduce-scatter output and the SP buffer
+    with_sp = costs(document, tp=2, sp=True).transient_bytes[-1]
+    assert with_sp == 2 * (3 * WIDTH + 4) + WIDTH + temporary // 2 + 2 * WIDTH
 
 
 def test_the_embedding_has_no_input_gradient():

@@ -365,3 +365,32 @@ def test_expert_parallel_degree_must_divide_the_experts():
     )
     with pytest.raises(InputError, match="--expert-model-parallel-size 2 does not divide"):
         run_plan("moe-tiny", chosen, overrides=overrides, engine="megatron")
+
+
+def test_the_all_to_all_exchanges_copies_the_tracker_does_not_count():
+    """Bypass 12 (``megatron_cpu``): gloo drops its references to a collective's tensors on its
+    own thread, late; the engine's ``all_to_all_single`` hands it copies made outside the
+    tracker, so the tracked storages are the caller's alone, and the result lands in the
+    caller's output in place."""
+    from profiling.executors.megatron_cpu import _all_to_all_on_copies
+    from profiling.trace.memory import LiveTensorTracker
+    from torch.utils import _python_dispatch
+
+    held = []
+
+    def exchange(output, input, *args, **kwargs):
+        held.append((output, input))  # what gloo's worker would keep
+        with _python_dispatch._disable_current_modes():  # gloo's C++, which no mode sees
+            output.copy_(input).mul_(2)
+
+    with LiveTensorTracker() as tracker:
+        source = torch.arange(8.0).reshape(4, 2)
+        result = torch.empty(4, 2)
+        before = tracker.current_bytes
+        _all_to_all_on_copies(exchange, result, source)
+        assert tracker.current_bytes == before  # the copies are not counted
+    private_output, private_input = held[0]
+    storages = {t.untyped_storage().data_ptr() for t in (source, result)}
+    assert private_output.untyped_storage().data_ptr() not in storages
+    assert private_input.untyped_storage().data_ptr() not in storages
+    assert torch.equal(result, 2 * torch.arange(8.0).reshape(4, 2))

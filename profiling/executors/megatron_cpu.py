@@ -1,7 +1,7 @@
 """Megatron-core on CPU over gloo: every CUDA, TransformerEngine or apex assumption it makes,
 bypassed in one place (8, in the layer spec, is
-:class:`profiling.executors.megatron_model.TorchNorm`; 9 and 10 are the MoE layer's; 11 the tied
-output layer's).
+:class:`profiling.executors.megatron_model.TorchNorm`; 9, 10 and 12 are the MoE layer's; 11 the
+tied output layer's).
 
 megatron-core (``pip install -e ".[megatron]"``) trains a ``GPTModel`` built from its local
 layer spec (no TransformerEngine, no apex) on CPU once these are bypassed, and nothing else
@@ -52,6 +52,17 @@ layer spec (no TransformerEngine, no apex) on CPU once these are bypassed, and n
     copy of the word embeddings is moved to the GPU before its first all-reduce with the first
     stage (``LanguageModule.setup_embeddings_and_output_layer``: ``weight.data.cuda()``):
     :class:`CudaFactoriesOnCpu` returns the CPU tensor itself for ``Tensor.cuda()``.
+12. gloo's worker thread drops its references to a collective's tensors some time after the
+    caller's wait has returned (``ProcessGroupGloo``'s run loop resets the finished work after
+    completing its future), so the MoE all-to-all's input (the permuted tokens, the experts'
+    sorted output) is freed at a moment that depends on thread timing, not on the program:
+    measured at the peak of the padded ep 2 rows, one stage-0 rank held the combine's input
+    (256 KiB) beside the unpermuted output in one run and not in the next, its peak +128 KiB
+    (the same plan, padded to capacity). A GPU run frees it when the caller drops it.
+    ``all_to_all_single`` (synchronous) exchanges private copies that no tracked storage
+    shares (:func:`_all_to_all_on_copies`: made with the dispatch modes off, the result copied
+    into the caller's output in place), so the tracked tensors live exactly as long as the
+    program holds them.
 
 Everything here runs only inside a rank process of ``profiling.run`` (``engine="megatron"``);
 the patches are undone when the context exits.
@@ -60,6 +71,7 @@ the patches are undone when the context exits.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import warnings
 from collections.abc import Iterator
@@ -67,6 +79,7 @@ from unittest import mock
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils import _python_dispatch
 
 NO_FUSED_KERNELS = (
     r".*((Transformer Engine|Apex|TransformerEngine).*not installed|full scope is deprecated)"
@@ -188,7 +201,30 @@ def megatron_on_cpu() -> Iterator[None]:
         for module, name, function in _uncompiled():
             stack.enter_context(mock.patch.object(module, name, function))
         stack.enter_context(CudaFactoriesOnCpu())
+        stack.enter_context(
+            mock.patch.object(
+                torch.distributed,
+                "all_to_all_single",
+                functools.partial(_all_to_all_on_copies, torch.distributed.all_to_all_single),
+            )
+        )
         yield
+
+
+def _all_to_all_on_copies(exchange, output, input, *args, async_op: bool = False, **kwargs):
+    """``exchange`` (``torch.distributed.all_to_all_single``) on copies of ``input`` and
+    ``output`` made outside every dispatch mode (no tracker counts them), the result copied
+    into ``output`` in place: gloo's late release of the tensors it holds (bypass 12) then
+    touches only those copies. An asynchronous call is passed through as it is."""
+    if async_op:
+        return exchange(output, input, *args, async_op=True, **kwargs)
+    with _python_dispatch._disable_current_modes():
+        private_input = input.clone()
+        private_output = torch.empty_like(output)
+    exchange(private_output, private_input, *args, **kwargs)
+    del private_input
+    output.copy_(private_output)
+    return None
 
 
 def _uncompiled() -> list[tuple[object, str, object]]:

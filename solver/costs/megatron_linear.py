@@ -13,12 +13,19 @@ the reduce-scatter output [s/t, b, h], and only then the weight gradient. Two te
   per sample, for a layer with a vocabulary whose input needs a gradient (the head, not the
   embedding):
 
-      G_l -> max(G_l, F_l + ceil(k max(V_wg_l, 0) / t) + [SP] ceil(in_l / t))
+      G_l -> max(G_l, min(F_l + ceil(k max(V_wg_l, 0) / t), G_l + in_l) + [SP] ceil(in_l / t))
 
   F_l: the fixed part of the transient at any moment (``fixed_transient_bytes``), V_wg_l the
   vocabulary part at the weight-gradient moments, split as ``vocab`` splits it (k = V_pad / V),
   in_l the bytes per sample of the tensors entering the layer that need a gradient. A graph
-  without the parts takes T_l for F_l + V. Measured (megatron-core 0.16.1, gpt-tiny h 64, s 512,
+  without the parts takes T_l for F_l + V. The second bound of the same moment: torch's own
+  weight-gradient moment of the head, at most G_l (the profile's weight-gradient moments, as
+  split), with the input gradient Megatron makes before the weight gradient. F_l can be a later
+  moment's, after the logits are freed: moe-tiny's RMSNorm head (h 64, s 256, V 2048) has
+  F_l = 3 s h d + 4 (its norm's backward), G_l = s h d + 4 and in_l = s h d, so 2 s h d + 4
+  instead of 3 (tagged at a last stage's peak, megatron-core 0.16.1, pp 2, b 2: the V x h
+  temporary and the input gradient [512, 64] beside the saved softmax; 128 KiB less, the last
+  stages +1.0..1.2% -> +0.4..0.5%). Measured (megatron-core 0.16.1, gpt-tiny h 64, s 512,
   V 16384, fp32, pp 2, head-only last stage): the live tensors at the peak are the head's
   weight-gradient temporary, the input gradient [1024, 64] and, with SP, the [256, 2, 64]
   reduce-scatter output; the last stage was predicted 0.32% (tp 1) and 1.51% (pp 2 x tp 2, SP)
@@ -71,9 +78,12 @@ def head_weight_grad_moment(cols: dict[str, np.ndarray], config: ParallelConfig)
     vocab_part = cols["vocab_weight_grad_transient_bytes"]
     split_vocab = ceil_div(np.maximum(vocab_part, 0) * held_rows, np.maximum(rows, 1) * t)
     measured = (cols["fixed_transient_bytes"] >= 0) & (vocab_part >= 0)
-    moment = np.where(
+    after_weight_grad = np.where(
         measured, cols["fixed_transient_bytes"] + split_vocab, cols["transient_bytes"]
     )
+    # the other bound of the same moment: torch's own weight-gradient moment (at most the
+    # split weight_grad_transient_bytes) and the input gradient Megatron makes before it
+    moment = np.minimum(after_weight_grad, beside + into)
     if config.sp:
         moment = moment + ceil_div(into, t)  # the reduce-scatter output, [s/t, b, h]
     return np.where(heads, np.maximum(beside, moment), beside)
