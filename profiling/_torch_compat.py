@@ -34,6 +34,11 @@ PRIVATE_APIS: dict[str, tuple[str, str]] = {
         "see every aten op (dataflow tracing, live-memory accounting)",
         "profiling/trace/dataflow.py, profiling/trace/memory.py",
     ),
+    "torch.utils._python_dispatch._disable_current_modes": (
+        "run an op beside the active dispatch modes, unseen by them (the megatron engine's "
+        "all-to-all copies, which gloo may hold past the call)",
+        "profiling/executors/megatron_cpu.py",
+    ),
     "torch.utils._pytree.tree_map": (
         "make fake copies of nested example inputs",
         "profiling/trace/profile.py",
@@ -187,6 +192,12 @@ current_autograd_node: Callable[[], Any] = _private("torch._C._current_autograd_
 
 TorchDispatchMode: type = _private("torch.utils._python_dispatch.TorchDispatchMode")
 """Base class of modes that see every aten op (checked on 2.13.0; public: none)."""
+
+disable_current_modes: Callable[[], Any] = _private(
+    "torch.utils._python_dispatch._disable_current_modes"
+)
+"""Context manager: the active dispatch modes are off inside it (checked on 2.13.0; public:
+none)."""
 
 tree_map: Callable[..., Any] = _private("torch.utils._pytree.tree_map")
 """``fn`` applied to every leaf of nested lists/tuples/dicts (checked on 2.13.0; public: none)."""

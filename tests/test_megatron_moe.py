@@ -372,15 +372,15 @@ def test_the_all_to_all_exchanges_copies_the_tracker_does_not_count():
     own thread, late; the engine's ``all_to_all_single`` hands it copies made outside the
     tracker, so the tracked storages are the caller's alone, and the result lands in the
     caller's output in place."""
+    from profiling import _torch_compat as compat
     from profiling.executors.megatron_cpu import _all_to_all_on_copies
     from profiling.trace.memory import LiveTensorTracker
-    from torch.utils import _python_dispatch
 
     held = []
 
     def exchange(output, input, *args, **kwargs):
         held.append((output, input))  # what gloo's worker would keep
-        with _python_dispatch._disable_current_modes():  # gloo's C++, which no mode sees
+        with compat.disable_current_modes():  # gloo's C++, which no mode sees
             output.copy_(input).mul_(2)
 
     with LiveTensorTracker() as tracker:

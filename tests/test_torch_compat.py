@@ -237,6 +237,22 @@ def _mem_tracker():
     assert snapshot["Total"] >= 4 * param_bytes, "peak below weights + grads + Adam's two states"
 
 
+def _disable_current_modes():
+    seen = []
+
+    class Seeing(compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Seeing():
+        with compat.disable_current_modes():
+            torch.ones(2).add(1)
+        assert not seen, f"the mode saw {seen} inside disable_current_modes"
+        torch.ones(2).add(1)
+    assert seen, "the mode saw nothing outside disable_current_modes"
+
+
 def _interleaved_1f1b_actions():
     actions = compat.interleaved_1f1b_actions(microbatches=4, stages=2, chunks=2, rank=1)
     kinds = [kind for _, kind in actions]
@@ -267,6 +283,7 @@ def _modify_graph_op_device():
 CANARIES = {
     "torch._C._current_autograd_node": _current_autograd_node,
     "torch.utils._python_dispatch.TorchDispatchMode": _dispatch_mode,
+    "torch.utils._python_dispatch._disable_current_modes": _disable_current_modes,
     "torch.utils._pytree.tree_map": _tree_map,
     "torch.utils._pytree.tree_leaves": _tree_leaves,
     "torch.utils._pytree.tree_flatten": _tree_flatten,

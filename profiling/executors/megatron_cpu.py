@@ -79,7 +79,8 @@ from unittest import mock
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils import _python_dispatch
+
+from profiling._torch_compat import disable_current_modes
 
 NO_FUSED_KERNELS = (
     r".*((Transformer Engine|Apex|TransformerEngine).*not installed|full scope is deprecated)"
@@ -218,7 +219,7 @@ def _all_to_all_on_copies(exchange, output, input, *args, async_op: bool = False
     touches only those copies. An asynchronous call is passed through as it is."""
     if async_op:
         return exchange(output, input, *args, async_op=True, **kwargs)
-    with _python_dispatch._disable_current_modes():
+    with disable_current_modes():
         private_input = input.clone()
         private_output = torch.empty_like(output)
     exchange(private_output, private_input, *args, **kwargs)

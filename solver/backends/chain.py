@@ -339,8 +339,7 @@ class _Chain:
             + self.receive_copies[stage] * into
             + self.send_copies[stage] * out_of
         )
-        late = self.late[stage]
-        if np.any(late):
+        if np.any(self.late[stage]):
             stage = np.broadcast_to(stage, starts.shape)
             late = self.late[stage]
             first = during.copy()  # grads(i..j) off the states, grads(l+1..j) back
