@@ -238,19 +238,13 @@ def _mem_tracker():
 
 
 def _disable_current_modes():
-    seen = []
-
-    class Seeing(compat.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(func)
-            return func(*args, **(kwargs or {}))
-
-    with Seeing():
+    def hidden():
         with compat.disable_current_modes():
             torch.ones(2).add(1)
-        assert not seen, f"the mode saw {seen} inside disable_current_modes"
-        torch.ones(2).add(1)
-    assert seen, "the mode saw nothing outside disable_current_modes"
+
+    seen = _dispatched(hidden)
+    assert not seen, f"the mode saw {seen} inside disable_current_modes"
+    assert _dispatched(lambda: torch.ones(2).add(1)), "the mode saw nothing outside it"
 
 
 def _interleaved_1f1b_actions():
