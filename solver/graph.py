@@ -28,6 +28,7 @@ from solver.errors import InputError, quote
 from solver.graph_fields import (
     UNBATCHED_FIELDS,
     check_grad_moments,
+    check_param_tensors,
     check_unbatched,
     check_vocab,
 )
@@ -64,6 +65,8 @@ OPTIONAL_INTEGER_FIELDS = (
     "fixed_weight_grad_transient_bytes",
     "weight_op_grad_bytes",
     "weight_op_output_grad_bytes",
+    "param_tensors",
+    "model_input_bytes",
 )
 """Layer fields that are whole numbers or None (not measured)."""
 
@@ -138,6 +141,15 @@ class Layer:
     not measured (a first backward's moment counts all of the layer's gradients)."""
     largest_param: int = 0
     """Elements of the layer's largest parameter tensor that is not split across TP ranks."""
+    param_tensors: int | None = None
+    """How many parameter tensors the layer's ``params`` are (at most ``params``): Adam keeps a
+    4-byte ``step`` count per tensor (``solver.costs.states.step_count_bytes``). None: not
+    counted (the cost model takes ``params``, an upper bound)."""
+    model_input_bytes: int | None = None
+    """Bytes per sample of the model's inputs this layer is the first to read (token ids, labels,
+    masks the data loader gives, not another layer's output): a torch pipeline's ``step()``
+    holds the whole batch of them on the stage that reads them
+    (``solver.costs.states.input_batch_bytes``). None: not measured (0)."""
     largest_tp_param: int = 0
     """Elements of its largest TP-split parameter tensor (before the split)."""
     expert_params: int = 0
@@ -657,6 +669,7 @@ def _check_layers(layers: list[Layer], origin: str, deadline: Deadline | None = 
                 )
         check_vocab(layer, f"{origin}: $.layers[{i}]")
         check_grad_moments(layer, f"{origin}: $.layers[{i}]")
+        check_param_tensors(layer, f"{origin}: $.layers[{i}]")
         at_weight_grad = layer.weight_grad_transient_bytes
         if at_weight_grad is not None and at_weight_grad > layer.transient_bytes:
             raise InputError(

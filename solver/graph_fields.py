@@ -95,3 +95,17 @@ def check_grad_moments(layer: Any, where: str) -> None:
                     f"({limit}) of layer {quote(layer.name)}; a moment of its backward holds "
                     "some of its gradients and at most its peak"
                 )
+
+
+def check_param_tensors(layer: Any, where: str) -> None:
+    """``param_tensors``: each tensor holds at least one parameter, and a layer with parameters
+    has at least one tensor."""
+    count = layer.param_tensors
+    if count is None:
+        return
+    if count > layer.params or (layer.params > 0 and count == 0):
+        raise InputError(
+            f"{where}.param_tensors: {count} tensors for {layer.params} params of layer "
+            f"{quote(layer.name)}; it counts the tensors the params are in: at least 1 where "
+            "params > 0, at most params"
+        )

@@ -28,11 +28,15 @@ parallelism, no interleaving, persistent gradients, no calibration):
   weights, a recomputed layer's re-materialised activations; on the megatron runtime Megatron's
   own explicit attention: the score buffer it keeps and its in-place mask's backward clone);
 - the optimizer step moment (no micro-batch held, foreach Adam's one state element per
-  parameter).
+  parameter);
+- Adam's and AdamW's step counts, a 4-byte scalar per parameter tensor (param_tensors, else one
+  per parameter), in the optimizer state, whatever the ZeRO stage;
+- on the torch runtime the model inputs step() is given: the replica's whole batch, m b
+  model_input_bytes of each layer that reads them, on its stage at every moment (buffers).
 
 A layer is a dict with the layer-graph fields (docs/layer-graph.md): params, tp_params,
 activation_bytes, tp_activation_bytes, output_bytes, transient_bytes, largest_param,
-largest_tp_param, attention_score_bytes and kind. All sizes are bytes per GPU; per-sample
+largest_tp_param, attention_score_bytes, param_tensors, model_input_bytes and kind. All sizes are bytes per GPU; per-sample
 fields are multiplied by the micro-batch size b.
 """
 
@@ -71,6 +75,8 @@ class Setup:
     step_bytes: int = 0
     """u: bytes per parameter the optimizer step allocates (4 for a foreach Adam with fp32
     states, 0 fused)."""
+    optimizer: str = "adam"
+    """The optimizer's name: adam and adamw keep a step count per parameter tensor."""
     unsaved_output_bytes: int = 0
     """torch: bytes per sample of the model's output that no op saves (the graph's
     ``meta.unsaved_output_bytes``): the pipeline's loss_fn keeps it per micro-batch in flight,
@@ -159,6 +165,24 @@ def layer_states(layer: dict, setup: Setup) -> tuple[int, int, int]:
         ceil(setup.grad_bytes * p / g_shard),
         ceil(setup.optimizer_bytes * p / o_shard),
     )
+
+
+def step_counts(layer: dict, setup: Setup) -> int:
+    """Adam's ``state['step']`` scalars of one layer: 4 bytes per parameter tensor (a layer
+    without the count: one per parameter, the most it can have), none for other optimizers;
+    every rank keeps its own (not sharded)."""
+    if setup.optimizer not in ("adam", "adamw"):
+        return 0
+    tensors = layer.get("param_tensors")
+    return 4 * (layer["params"] if tensors is None else tensors)
+
+
+def step_inputs(layer: dict, setup: Setup) -> int:
+    """torch runtime: the model inputs the layer reads, for all m micro-batches of b samples
+    (the batch step() is given and holds); megatron loads one micro-batch at a time: 0."""
+    if setup.runtime != "torch":
+        return 0
+    return setup.num_microbatches * setup.micro_batch * (layer.get("model_input_bytes") or 0)
 
 
 # -- activations ---------------------------------------------------------------------------------
@@ -419,20 +443,22 @@ def stage_peaks(layers: list[dict], stage_of_layer: list[int], setup: Setup) -> 
     for stage in range(setup.pp):
         members = [i for i, s in enumerate(stage_of_layer) if s == stage]
         first, last = members[0], members[-1]
-        weights = grads = optimizer = stored = step = 0
+        weights = grads = optimizer = stored = step = inputs = 0
         # torch: the model's output the pipeline keeps for its loss, with the last layer
         output = setup.micro_batch * setup.unsaved_output_bytes if setup.runtime == "torch" else 0
         held_output = output if len(layers) - 1 in members else 0
         for i in members:
             w, g, o = layer_states(layers[i], setup)
             weights, grads, optimizer = weights + w, grads + g, optimizer + o
+            optimizer += step_counts(layers[i], setup)
+            inputs += step_inputs(layers[i], setup)
             stored += stored_bytes(layers[i], setup)
             step += step_temporary(layers[i], setup)
         stored += held_output
         into = boundary_tensor_bytes(layers[first - 1]["output_bytes"], setup) if stage else 0
         out = boundary_tensor_bytes(layers[last]["output_bytes"], setup)
         held = in_flight(stage, setup)
-        buffers = buffer_bytes(stage, held, into, out, setup)
+        buffers = buffer_bytes(stage, held, into, out, setup) + inputs
         # while layer i of one micro-batch runs (forward or backward), the k - 1 others are
         # kept whole and that one keeps the layers up to i (the later ones not run yet, or
         # freed by their backward); the first layer wins a tie
@@ -465,14 +491,14 @@ def stage_peaks(layers: list[dict], stage_of_layer: list[int], setup: Setup) -> 
                     transient -= unsharded_weights(layers[i], setup)
                     transient -= unsharded_weights(layers[i - 1], setup) if i > 0 else 0
                 rest = max(rest, transient)
-            after_buffers = buffer_bytes(stage, h, into, out, setup)
+            after_buffers = buffer_bytes(stage, h, into, out, setup) + inputs
             during.append(StagePeak(weights, grads, optimizer, h * stored, after_buffers, rest))
         forward = max(during, key=lambda moment: moment.peak)
         if not setup.step_bytes:  # a fused step allocates nothing: the schedule's peak
             peaks.append(forward)
             continue
         optimizer_step = StagePeak(
-            weights, grads, optimizer, 0, buffer_bytes(stage, 0, into, out, setup), step
+            weights, grads, optimizer, 0, buffer_bytes(stage, 0, into, out, setup) + inputs, step
         )
         peaks.append(max(forward, optimizer_step, key=lambda moment: moment.peak))
     return peaks

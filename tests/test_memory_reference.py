@@ -33,6 +33,8 @@ foreach Adam's step temporary not sharded by ZeRO                      51
 Megatron's explicit-attention mask-backward clone dropped              42
 Megatron's explicit-attention score buffer dropped                     110
 the optimizer step moment's buffers dropped                            53
+Adam's step counts dropped (issue 30)                                  190
+the torch step()'s input batch dropped (issue 30)                      114
 ====================================================================  ======
 """
 
@@ -77,6 +79,11 @@ def random_layers(rng: random.Random, num_layers: int) -> list[dict]:
                 "largest_tp_param": rng.choice([0, tp_params]),
                 # explicit attention's [heads, s, s] scores (Megatron's own buffers)
                 "attention_score_bytes": rng.choice([0, 0, rng.randint(1, 500)]),
+                # Adam's step counts; the first and last layers read the model's inputs
+                "param_tensors": rng.choice([None, rng.randint(1, min(params, 20))]),
+                "model_input_bytes": (
+                    rng.choice([None, rng.randint(1, 64)]) if i in (0, num_layers - 1) else None
+                ),
             }
         )
         layer = layers[-1]
@@ -98,6 +105,7 @@ def random_layers(rng: random.Random, num_layers: int) -> list[dict]:
 def random_setup(rng: random.Random, num_layers: int) -> Setup:
     runtime = rng.choice(["megatron", "torch"])
     tp = rng.choice([1, 2, 3, 4])
+    optimizer = rng.choice(["adam", "adamw", "sgd"])
     return Setup(
         pp=rng.randint(1, min(5, num_layers)),
         tp=tp,
@@ -113,8 +121,9 @@ def random_setup(rng: random.Random, num_layers: int) -> Setup:
         grad_bytes=rng.choice([2, 4]),
         optimizer_bytes=rng.choice([0, 8, 12]),
         deallocate_outputs=rng.random() < 0.7,
-        step_bytes=rng.choice([0, 4]),
+        step_bytes=rng.choice([0, 4]) if optimizer != "sgd" else 0,
         unsaved_output_bytes=rng.choice([0, rng.randint(1, 4096)]),
+        optimizer=optimizer,
     )
 
 
@@ -131,7 +140,7 @@ def planner_stages(layers: list[dict], split: list[int], setup: Setup):
             "format": "layer-graph",
             "version": 1,
             "model": "reference",
-            "layers": layers,
+            "layers": [{k: v for k, v in layer.items() if v is not None} for layer in layers],
             "meta": {"unsaved_output_bytes": setup.unsaved_output_bytes},
         }
     )
@@ -155,6 +164,7 @@ def planner_stages(layers: list[dict], split: list[int], setup: Setup):
         sequence_parallel="on" if setup.sp else "off",
         runtime=setup.runtime,
         precision="fp32",
+        optimizer=setup.optimizer,
         weight_bytes_per_param=setup.weight_bytes,
         grad_bytes_per_param=setup.grad_bytes,
         optimizer_bytes_per_param=setup.optimizer_bytes,

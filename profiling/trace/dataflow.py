@@ -149,7 +149,7 @@ class StorageRecord:
     name: str | None = None
     """Parameter name (for parameters)."""
     first_user: int | None = None
-    """For parameters: the owner of the first op that read it."""
+    """For parameters and model inputs: the owner of the first op that read it."""
     ref: Any = None
 
 
@@ -486,7 +486,7 @@ class Tracer(TorchDispatchMode):
             record = self.record_of(tensor)
             if record is None:
                 continue
-            if record.kind == "param" and record.first_user is None:
+            if record.kind in ("param", "input") and record.first_user is None:
                 record.first_user = owner
             if record.kind == "activation":
                 provenance |= record.provenance
@@ -558,6 +558,16 @@ class Tracer(TorchDispatchMode):
                 edges[key] = max(edges.get(key, 0), tensor_bytes(tensor))
 
     # -- results ------------------------------------------------------------------------------
+
+    def model_input_bytes_by_reader(self) -> dict[int, int]:
+        """Layer -> bytes of the model's inputs (``register(..., "input")``) it is the first to
+        read (glue before the first layer: the first layer): the data a pipeline's ``step()``
+        is given for the stage holding that layer (``Layer.model_input_bytes``)."""
+        read: dict[int, int] = defaultdict(int)
+        for record in self.records.values():
+            if record.kind == "input" and record.first_user is not None:
+                read[self.resolve(record.first_user)] += record.nbytes
+        return dict(read)
 
     def unsaved_output_bytes(self, index: int) -> int:
         """Bytes of layer ``index``'s output storages that no op saved for backward (batch

@@ -59,6 +59,8 @@ class _ParamCounts:
     """Elements of the layer's largest replicated parameter tensor."""
     largest_tp: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     """Elements of the layer's largest TP-split parameter tensor."""
+    tensors: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    """Parameter tensors per layer (``param_tensors``: Adam's step count per tensor)."""
     shared: list[dict[str, Any]] = field(default_factory=list)
     """Parameters owned by several layers (meta ``shared_params``)."""
     vocab: dict[int, int] = field(default_factory=lambda: defaultdict(int))
@@ -164,6 +166,7 @@ def _count_params(
         # embed_tokens uses) holds no copy of its own: the first called one owns the parameter
         layers = [j for j in layers if getattr(tracer.layers.get(j), "calls", 0)] or layers[:1]
         params[layers[0]] += original.numel()
+        counts.tensors[layers[0]] += 1
         if is_expert_path(name) and id(original) not in split.split_params:
             expert_params[layers[0]] += original.numel()
         if id(original) in split.vocab_params:
@@ -221,6 +224,7 @@ def _layer_items(
     if getattr(tracer, "gradient_moments", None) is not None:
         excluded, grad_params = tracer.gradient_moments
         moments = backward_grad_moments(tracer, excluded, grad_params, counts.by_tensor, batch)
+    input_reads = getattr(tracer, "model_input_bytes", {})
     items = []
     for i in order:
         record = tracer.layers[i]
@@ -250,7 +254,10 @@ def _layer_items(
             "weight_grad_transient_bytes": _ceil_div(weight_grad_transients.get(i, 0), batch),
             "largest_param": largest[i],
             "largest_tp_param": largest_tp[i],
+            "param_tensors": counts.tensors[i],
         }
+        if input_reads.get(i):  # the batch a pipeline's step() holds
+            item["model_input_bytes"] = _ceil_div(input_reads[i], batch)
         if i in weight_steps:  # a split backward's dY (``weight_step``)
             own, output = weight_steps[i]
             item["weight_op_grad_bytes"] = _ceil_div(own, batch)

@@ -570,6 +570,7 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
             f"{model_name}: none of the selected layers ran ({', '.join(names[:4])}, ...); "
             "select modules the forward calls"
         )
+    tracer.model_input_bytes = tracer.model_input_bytes_by_reader()
     tracer.attention_kv_bytes = dict(kv_reads.bytes_by_owner)
     tracer.attention_score_bytes = dict(kv_reads.score_bytes_by_owner)
     tracer.transient_peaks = tracer.transients(excluded)

@@ -468,6 +468,8 @@ class _DagSplitter:
         held = costs.weight_bytes + costs.optimizer_bytes
         if buckets is not None:
             held = held + buckets
+        if costs.input_batch_bytes is not None:  # the batch a torch step() holds
+            held = held + costs.input_batch_bytes
         grads = costs.grad_bytes
         if costs.backward_weight_bytes is not None:  # late weights (FSDP2 ZeRO 3 under PP)
             held, grads = held - costs.backward_weight_bytes, grads + costs.backward_weight_bytes

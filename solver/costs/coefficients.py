@@ -205,6 +205,10 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
     """Gradient buffers kept for the whole run beside ``.grad``, per GPU, bytes: DDP's buckets
     when ``zero_grad(set_to_none=True)`` frees ``.grad`` (``ddp_bucket_bytes``); None: none.
     Part of ``state_bytes`` and of a stage's ``grad_bytes``."""
+    input_batch_bytes: np.ndarray | None = None
+    """The model inputs a torch pipeline's ``step()`` holds for the whole step on the stage
+    that reads them, per GPU, bytes (``states.input_batch_bytes``: m b model_input_bytes);
+    None: none. Part of ``state_bytes`` and of a stage's ``buffer_bytes``."""
     step_bytes: np.ndarray | None = None
     """The optimizer step's temporary per GPU, bytes (``optimizer_step_bytes``: a foreach Adam's
     square root of ``exp_avg_sq``, sharded like the optimizer state); None: no temporary (fused,
@@ -455,9 +459,13 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
 
     @cached_property
     def state_bytes(self) -> np.ndarray:
-        """Weights + gradients (+ gradient buffers) + optimizer per GPU, bytes."""
+        """Weights + gradients (+ gradient buffers) + optimizer (+ the step's input batch) per
+        GPU, bytes: what a layer adds to its stage at every moment."""
         states = self.weight_bytes + self.grad_bytes + self.optimizer_bytes
-        return states if self.grad_buffer_bytes is None else states + self.grad_buffer_bytes
+        for held in (self.grad_buffer_bytes, self.input_batch_bytes):
+            if held is not None:
+                states = states + held
+        return states
 
     def is_chain(self) -> bool:
         """Layer i feeds layer i + 1 only, each boundary with the plain copies

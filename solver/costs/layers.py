@@ -119,8 +119,10 @@ from solver.costs.split_rows import attach_split_rows, most_held
 from solver.costs.states import (
     ParamShares,
     ddp_bucket_bytes,
+    input_batch_bytes,
     model_state_bytes,
     optimizer_step_bytes,
+    step_count_bytes,
 )
 from solver.costs.times import (
     dp_overlap_of,
@@ -164,6 +166,7 @@ def layer_costs(
     params = ParamShares.of(held, config)
     saved, edge_bytes = _saved_and_edge_bytes(cols, config, training, factor)
     weight, grad, optimizer = model_state_bytes(params, config, training)
+    optimizer = optimizer + step_count_bytes(graph, held, config, training)
     tied = tied_gradient_bytes(cols, graph, config, training)
     stored, transient = _activation_bytes(held, params, saved, config, training, tied, factor)
     stored, held_output = _with_held_output(graph, stored, config, training)
@@ -213,6 +216,7 @@ def layer_costs(
         deallocate_pipeline_outputs=training.deallocate_pipeline_outputs,
         grad_lifetime=training.grad_lifetime,
         grad_buffer_bytes=ddp_bucket_bytes(config, training, scaled(grad, "grads")),
+        input_batch_bytes=_scaled_or_none(input_batch_bytes(cols, config, training), scaled),
         own_grad_bytes=own_gradient_bytes(graph, config, training, grad, transient, scaled),
         backward_weight_bytes=None if unsharded is None else scaled(unsharded, "weights"),
         gather_bytes=None if unsharded is None else _gather_part(params, config, training),
@@ -448,6 +452,11 @@ def _gather_part(
     if calibration is None:
         return as_int(gather)
     return as_int(np.floor(np.asarray(gather, dtype=float) * calibration.scale("transient")))
+
+
+def _scaled_or_none(values: np.ndarray | None, scaled) -> np.ndarray | None:
+    """``values`` scaled as buffers (the model inputs a step holds), or None."""
+    return None if values is None else scaled(values, "buffers")
 
 
 def _calibrated(calibration: Calibration | None):

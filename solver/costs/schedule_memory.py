@@ -8,7 +8,8 @@ time simulation runs), with n_c micro-batches held and B_c backwards done per ch
 S(n, B) out_of, ``boundaries.stage_buffer_bytes``, trans_r = the largest transient of the rank,
 what the split-backward schedules' moments take):
 
-  states    = weights + optimizer (+ DDP's gradient buckets, + a calibration's constant)
+  states    = weights + optimizer (+ DDP's gradient buckets, + the batch a torch step() holds,
+              + a calibration's constant)
   grads     = every gradient; with gradient lifetime "step" and no interleaving, none before
               the rank's first backward (they appear there)
 
@@ -173,10 +174,12 @@ class _Terms:
             per_stage_sum(values, stage_of, n)
             for values in (costs.weight_bytes, costs.grad_bytes, costs.optimizer_bytes, stored)
         )
-        buckets = costs.grad_buffer_bytes  # DDP's, beside .grad all step
-        self.buckets = (
-            np.zeros(n, np.int64) if buckets is None else per_stage_sum(buckets, stage_of, n)
-        )
+        buckets = np.zeros(n, np.int64)
+        for held in (costs.grad_buffer_bytes, costs.input_batch_bytes):
+            # DDP's buckets beside .grad, the batch a torch step() holds: all step
+            if held is not None:
+                buckets = buckets + per_stage_sum(held, stage_of, n)
+        self.buckets = buckets
         self.transient = np.zeros(n, dtype=np.int64)
         np.maximum.at(self.transient, stage_of, transient)
         self.kept = self.stored + self.relayed

@@ -110,6 +110,9 @@ def _stage_costs(
         buckets = per_stage_sum(costs.grad_buffer_bytes, stage_of, num_stages)
     else:
         buckets = np.zeros(num_stages, dtype=np.int64)
+    inputs = np.zeros(num_stages, dtype=np.int64)
+    if costs.input_batch_bytes is not None:  # the batch a torch step() holds, all step
+        inputs = per_stage_sum(costs.input_batch_bytes, stage_of, num_stages)
     transient = np.zeros(num_stages, dtype=np.int64)
     np.maximum.at(transient, stage_of, transient_per_layer)
     members = np.argsort(stage_of, kind="stable")
@@ -161,6 +164,7 @@ def _stage_costs(
                 buffers, largest = step
                 grads, activations, vector, moment = all_grads, 0, (0,), "optimizer step"
                 weights = int(weight[own].sum())
+        buffers += int(inputs[own].sum())
         stages.append(
             StageCost(
                 index=rank,

@@ -23,6 +23,13 @@ master + 2 moments; 2, 2, 12 on the torch runtime: bf16 gradients; ZeRO paper;
               (+ g P'_l / d with persistent gradients: the reduced shards kept between steps)
   DDP on torch with the "step" gradient lifetime keeps its buckets beside the fresh .grad all
               step: + g P'_l per layer (``ddp_bucket_bytes``)
+  count_l   = 4 N_l with Adam or AdamW (``step_count_bytes``): torch's Adam keeps
+              ``state['step']``, a 0-dim fp32 tensor, per parameter tensor (N_l: the graph's
+              param_tensors, else params, an upper bound; + the tied copy's tensors at p > 1),
+              in the optimizer state; not sharded (over under ZeRO)
+  inputs_l  = m b model_input_bytes_l on the torch runtime (``input_batch_bytes``): step()
+              is given the replica's whole batch and splits it into micro-batch views, so the
+              stage that reads the model's inputs (ids, labels) holds all of them all step
   step_l    = ceil(P'_l u / d[z>=1]) the optimizer step's temporary (``optimizer_step_bytes``;
               ``TrainingConfig.optimizer_impl`` foreach, torch's default on a GPU: Adam's
               ``_multi_tensor_adam`` makes sqrt(exp_avg_sq) of every parameter at once; u the
@@ -40,7 +47,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from solver.costs.units import ceil_div
+from solver.graph import LayerGraph
 from solver.specs import ParallelConfig, TrainingConfig
+
+STEP_COUNT_BYTES = 4
+"""Bytes of one Adam ``state['step']``: a 0-dim tensor of torch's ``_get_scalar_dtype()``
+(float32 unless the default dtype is float64)."""
+STEP_COUNT_OPTIMIZERS = ("adam", "adamw")
+"""The optimizers (``TrainingConfig.optimizer``) that keep a step count per parameter tensor:
+torch.optim's Adam and AdamW (SGD keeps none; Lion has no torch.optim implementation)."""
 
 
 @dataclass(frozen=True)
@@ -170,3 +185,45 @@ def ddp_bucket_bytes(
         if config.dp * config.cp > 1 and config.zero <= 1:
             return grad.copy()
     return None
+
+
+def step_count_bytes(
+    graph: LayerGraph, cols: dict[str, np.ndarray], config: ParallelConfig, training: TrainingConfig
+) -> np.ndarray:
+    """Adam's step counts of every layer per GPU, bytes: 4 per parameter tensor (``cols``'s
+    ``param_tensors``, params where the graph does not count them), and at p > 1 per tensor of
+    a tied copy (the owner's count, at most the tied elements). torch 2.13's Adam and AdamW
+    keep ``state['step']`` per parameter, a 0-dim tensor on the parameter's device with
+    ``fused=True`` or ``capturable=True`` (torchtitan's default implementation is fused), and
+    on the CPU otherwise (the foreach default on a GPU: 0 GPU bytes there, so this is over);
+    the CPU engines hold it beside every parameter (measured: 14 x 4 B on a stage of the
+    embedding and a block). Megatron-LM's FusedAdam keeps one per parameter group, at most one
+    per tensor. Not divided over ZeRO ranks (ZeroRedundancyOptimizer holds only its shard's:
+    over), nor over expert-parallel ranks (over)."""
+    count = np.zeros(graph.num_layers, dtype=np.int64)
+    if training.optimizer not in STEP_COUNT_OPTIMIZERS:
+        return count
+    count = count + cols["param_tensors"]
+    if config.pp > 1:
+        position = graph.index()
+        for i, layer in enumerate(graph.layers):
+            for owner, elements in (layer.tied_params or {}).items():
+                count[i] += min(int(cols["param_tensors"][position[owner]]), elements)
+    return STEP_COUNT_BYTES * count
+
+
+def input_batch_bytes(
+    cols: dict[str, np.ndarray], config: ParallelConfig, training: TrainingConfig
+) -> np.ndarray | None:
+    """The model inputs a torch pipeline holds all step, per layer and GPU, bytes, or None:
+    m b model_input_bytes_l on the torch runtime. ``PipelineSchedule.step(*args, target=...)``
+    is given the replica's whole batch (m micro-batches of b) and splits it into views
+    (``tensor_split``), so the stage whose layer reads the model's inputs (token ids on the
+    first, labels on the last) holds all of them until ``step()`` returns, and the caller
+    through the optimizer step (measured: a (16, 32) int64 batch of ids on the first stage and
+    of labels on the last, gpt-tiny pp 4 m 8 b 2). Over by the views the layer saves for its
+    in-flight micro-batches, which its activations count too. Megatron's ``get_batch`` loads
+    one micro-batch at a time: None."""
+    if training.runtime != "torch" or not cols["model_input_bytes"].any():
+        return None
+    return config.num_microbatches * config.micro_batch * cols["model_input_bytes"]
