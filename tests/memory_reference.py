@@ -36,7 +36,8 @@ parallelism, no interleaving, persistent gradients, no calibration):
 
 A layer is a dict with the layer-graph fields (docs/layer-graph.md): params, tp_params,
 activation_bytes, tp_activation_bytes, output_bytes, transient_bytes, largest_param,
-largest_tp_param, attention_score_bytes, param_tensors, model_input_bytes and kind. All sizes are bytes per GPU; per-sample
+largest_tp_param, attention_score_bytes, param_tensors, model_input_bytes
+and kind. All sizes are bytes per GPU; per-sample
 fields are multiplied by the micro-batch size b.
 """
 
@@ -170,8 +171,8 @@ def layer_states(layer: dict, setup: Setup) -> tuple[int, int, int]:
 def step_counts(layer: dict, setup: Setup) -> int:
     """Adam's ``state['step']`` scalars of one layer: 4 bytes per parameter tensor (a layer
     without the count: one per parameter, the most it can have), none for other optimizers;
-    every rank keeps its own (not sharded)."""
-    if setup.optimizer not in ("adam", "adamw"):
+    every rank keeps its own (not sharded); none where the optimizer keeps no state (o = 0)."""
+    if setup.optimizer not in ("adam", "adamw") or setup.optimizer_bytes == 0:
         return 0
     tensors = layer.get("param_tensors")
     return 4 * (layer["params"] if tensors is None else tensors)

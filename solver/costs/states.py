@@ -199,10 +199,11 @@ def step_count_bytes(
     the CPU engines hold it beside every parameter (measured: 14 x 4 B on a stage of the
     embedding and a block). Megatron-LM's FusedAdam keeps one per parameter group, at most one
     per tensor. Not divided over ZeRO ranks (ZeroRedundancyOptimizer holds only its shard's:
-    over), nor over expert-parallel ranks (over)."""
+    over), nor over expert-parallel ranks (over). None where the optimizer state is 0 bytes per
+    parameter (``optimizer_bytes_per_param=0``: no optimizer memory at all)."""
     count = np.zeros(graph.num_layers, dtype=np.int64)
-    if training.optimizer not in STEP_COUNT_OPTIMIZERS:
-        return count
+    if training.optimizer not in STEP_COUNT_OPTIMIZERS or not training.optimizer_bytes_per_param:
+        return count  # no step count, or no optimizer state at all (o = 0 given)
     count = count + cols["param_tensors"]
     if config.pp > 1:
         position = graph.index()
