@@ -144,7 +144,7 @@ class Layer:
     param_tensors: int | None = None
     """How many parameter tensors the layer's ``params`` are (at most ``params``): Adam keeps a
     4-byte ``step`` count per tensor (``solver.costs.states.step_count_bytes``). None: not
-    counted (the cost model takes ``params``, an upper bound)."""
+    counted (the cost model charges none: a few bytes per tensor; re-export to count them)."""
     model_input_bytes: int | None = None
     """Bytes per sample of the model's inputs this layer is the first to read (token ids, labels,
     masks the data loader gives, not another layer's output): a torch pipeline's ``step()``

@@ -29,8 +29,8 @@ parallelism, no interleaving, persistent gradients, no calibration):
   own explicit attention: the score buffer it keeps and its in-place mask's backward clone);
 - the optimizer step moment (no micro-batch held, foreach Adam's one state element per
   parameter);
-- Adam's and AdamW's step counts, a 4-byte scalar per parameter tensor (param_tensors, else one
-  per parameter), in the optimizer state, whatever the ZeRO stage;
+- Adam's and AdamW's step counts, a 4-byte scalar per parameter tensor (param_tensors, none
+  where a layer does not count them), in the optimizer state, whatever the ZeRO stage;
 - on the torch runtime the model inputs step() is given: the replica's whole batch, m b
   model_input_bytes of each layer that reads them, on its stage at every moment (buffers).
 
@@ -170,12 +170,11 @@ def layer_states(layer: dict, setup: Setup) -> tuple[int, int, int]:
 
 def step_counts(layer: dict, setup: Setup) -> int:
     """Adam's ``state['step']`` scalars of one layer: 4 bytes per parameter tensor (a layer
-    without the count: one per parameter, the most it can have), none for other optimizers;
-    every rank keeps its own (not sharded); none where the optimizer keeps no state (o = 0)."""
+    without the count: none, the count is not known), none for other optimizers; every rank
+    keeps its own (not sharded); none where the optimizer keeps no state (o = 0)."""
     if setup.optimizer not in ("adam", "adamw") or setup.optimizer_bytes == 0:
         return 0
-    tensors = layer.get("param_tensors")
-    return 4 * (layer["params"] if tensors is None else tensors)
+    return 4 * (layer.get("param_tensors") or 0)
 
 
 def step_inputs(layer: dict, setup: Setup) -> int:

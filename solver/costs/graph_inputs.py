@@ -52,11 +52,10 @@ def graph_columns(graph: LayerGraph) -> dict[str, np.ndarray]:
         cols[key] = np.array(
             [-1 if getattr(x, key) is None else getattr(x, key) for x in layers], dtype=np.int64
         )
-    # Adam's step counts: a graph without the count takes params, an upper bound (each tensor
-    # holds at least one parameter); the model inputs a layer reads first: 0 where not measured
-    cols["param_tensors"] = np.array(
-        [x.params if x.param_tensors is None else x.param_tensors for x in layers], dtype=np.int64
-    )
+    # Adam's step counts and the model inputs a layer reads first: 0 where not measured (a
+    # hand-made or older graph: a few bytes per tensor, far below its closed-form error; see
+    # states.step_count_bytes)
+    cols["param_tensors"] = np.array([x.param_tensors or 0 for x in layers], dtype=np.int64)
     cols["model_input_bytes"] = np.array([x.model_input_bytes or 0 for x in layers], dtype=np.int64)
     cols.update(
         measured=measured,

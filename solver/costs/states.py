@@ -25,7 +25,7 @@ master + 2 moments; 2, 2, 12 on the torch runtime: bf16 gradients; ZeRO paper;
               step: + g P'_l per layer (``ddp_bucket_bytes``)
   count_l   = 4 N_l with Adam or AdamW (``step_count_bytes``): torch's Adam keeps
               ``state['step']``, a 0-dim fp32 tensor, per parameter tensor (N_l: the graph's
-              param_tensors, else params, an upper bound; + the tied copy's tensors at p > 1),
+              param_tensors, 0 where not counted; + the tied copy's tensors at p > 1),
               in the optimizer state; not sharded (over under ZeRO)
   inputs_l  = m b model_input_bytes_l on the torch runtime (``input_batch_bytes``): step()
               is given the replica's whole batch and splits it into micro-batch views, so the
@@ -191,7 +191,7 @@ def step_count_bytes(
     graph: LayerGraph, cols: dict[str, np.ndarray], config: ParallelConfig, training: TrainingConfig
 ) -> np.ndarray:
     """Adam's step counts of every layer per GPU, bytes: 4 per parameter tensor (``cols``'s
-    ``param_tensors``, params where the graph does not count them), and at p > 1 per tensor of
+    ``param_tensors``; none where the graph does not count them), and at p > 1 per tensor of
     a tied copy (the owner's count, at most the tied elements). torch 2.13's Adam and AdamW
     keep ``state['step']`` per parameter, a 0-dim tensor on the parameter's device with
     ``fused=True`` or ``capturable=True`` (torchtitan's default implementation is fused), and
@@ -200,7 +200,12 @@ def step_count_bytes(
     embedding and a block). Megatron-LM's FusedAdam keeps one per parameter group, at most one
     per tensor. Not divided over ZeRO ranks (ZeroRedundancyOptimizer holds only its shard's:
     over), nor over expert-parallel ranks (over). None where the optimizer state is 0 bytes per
-    parameter (``optimizer_bytes_per_param=0``: no optimizer memory at all)."""
+    parameter (``optimizer_bytes_per_param=0``: no optimizer memory at all).
+
+    A layer without ``param_tensors`` (a hand-made graph, an older export) gets none: not
+    ``params``, which would be 4 B per parameter (+280 GB on a 70B model) for a term of a few
+    KiB per GPU even there (4 B per tensor), that torch's default foreach Adam keeps on the CPU
+    anyway, and below the closed-form error of such graphs; re-export to count it."""
     count = np.zeros(graph.num_layers, dtype=np.int64)
     if training.optimizer not in STEP_COUNT_OPTIMIZERS or not training.optimizer_bytes_per_param:
         return count  # no step count, or no optimizer state at all (o = 0 given)
