@@ -44,6 +44,7 @@ INTEGER_FIELDS = (
     "transient_bytes",
     "largest_param",
     "largest_tp_param",
+    "grad_partner_params",
     "expert_params",
     "expert_activation_bytes",
     "ep_comm_bytes",
@@ -152,6 +153,10 @@ class Layer:
     (``solver.costs.states.input_batch_bytes``). None: not measured (0)."""
     largest_tp_param: int = 0
     """Elements of its largest TP-split parameter tensor (before the split)."""
+    grad_partner_params: int = 0
+    """Elements of the gradients one backward op returns beside its largest (a linear's bias
+    gradient beside its weight's), the most over the layer's ops: temporaries beside the weight
+    gradient's (``solver.costs.layers``: gtemp_l)."""
     expert_params: int = 0
     """How many of ``params`` are routed-expert weights (mixture of experts): split over the
     expert-parallel ranks (and over t, Megatron's expert tensor parallelism = tp). Disjoint from

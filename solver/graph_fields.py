@@ -99,7 +99,14 @@ def check_grad_moments(layer: Any, where: str) -> None:
 
 def check_param_tensors(layer: Any, where: str) -> None:
     """``param_tensors``: each tensor holds at least one parameter, and a layer with parameters
-    has at least one tensor."""
+    has at least one tensor; ``grad_partner_params``: gradients of its parameters, at most
+    ``params``."""
+    if layer.grad_partner_params > layer.params:
+        raise InputError(
+            f"{where}.grad_partner_params: {layer.grad_partner_params} exceeds the params "
+            f"({layer.params}) of layer {quote(layer.name)}; it counts gradients of its "
+            "parameters"
+        )
     count = layer.param_tensors
     if count is None:
         return

@@ -36,8 +36,8 @@ parallelism, no interleaving, persistent gradients, no calibration):
 
 A layer is a dict with the layer-graph fields (docs/layer-graph.md): params, tp_params,
 activation_bytes, tp_activation_bytes, output_bytes, transient_bytes, largest_param,
-largest_tp_param, attention_score_bytes, param_tensors, model_input_bytes
-and kind. All sizes are bytes per GPU; per-sample
+largest_tp_param, grad_partner_params, attention_score_bytes, param_tensors,
+model_input_bytes and kind. All sizes are bytes per GPU; per-sample
 fields are multiplied by the micro-batch size b.
 """
 
@@ -347,8 +347,10 @@ def running_transient(layers: list[dict], i: int, setup: Setup, recompute: bool)
     backward = b * layer.get("attention_backward_transient_bytes", layer["transient_bytes"])
     backward += boundary_tensor_bytes(layer["output_bytes"], setup)
     own = max(whole, backward + extra + clone) if clone else whole
-    grad_temporary = w * max(
-        layer["largest_param"], ceil(Fraction(layer["largest_tp_param"], setup.tp))
+    # the largest weight gradient and its op's other parameter gradients (a bias), unsplit
+    grad_temporary = w * (
+        max(layer["largest_param"], ceil(Fraction(layer["largest_tp_param"], setup.tp)))
+        + layer.get("grad_partner_params", 0)
     )
     gather = 2 * ceil(w * params_per_gpu(layer, setup.tp)) if setup.zero == 3 else 0
     if resharded(setup):  # its own weights and the flat buffer prefetched for i - 1

@@ -35,6 +35,7 @@ Megatron's explicit-attention score buffer dropped                     110
 the optimizer step moment's buffers dropped                            53
 Adam's step counts dropped (issue 30)                                  190
 the torch step()'s input batch dropped (issue 30)                      114
+the weight gradient's partners (a bias gradient) dropped (issue 30)    159
 ====================================================================  ======
 """
 
@@ -76,6 +77,8 @@ def random_layers(rng: random.Random, num_layers: int) -> list[dict]:
                 "output_bytes": rng.randint(1, 300),
                 "transient_bytes": rng.choice([0, 0, rng.randint(1, 900)]),
                 "largest_param": rng.choice([0, (params - tp_params) // 2]),
+                # a bias gradient beside the weight gradient (issue 30)
+                "grad_partner_params": rng.choice([0, rng.randint(0, params // 4)]),
                 "largest_tp_param": rng.choice([0, tp_params]),
                 # explicit attention's [heads, s, s] scores (Megatron's own buffers)
                 "attention_score_bytes": rng.choice([0, 0, rng.randint(1, 500)]),

@@ -225,6 +225,10 @@ def _layer_items(
         excluded, grad_params = tracer.gradient_moments
         moments = backward_grad_moments(tracer, excluded, grad_params, counts.by_tensor, batch)
     input_reads = getattr(tracer, "model_input_bytes", {})
+    partners: dict[int, int] = {}  # a linear's bias gradient beside its weight's
+    if getattr(tracer, "param_gradients", None) is not None:
+        owner_of = {param: owned[0] for param, owned in counts.by_tensor.items()}
+        partners = tracer.param_gradients.partner_elements(owner_of)
     items = []
     for i in order:
         record = tracer.layers[i]
@@ -256,6 +260,8 @@ def _layer_items(
             "largest_tp_param": largest_tp[i],
             "param_tensors": counts.tensors[i],
         }
+        if partners.get(i):  # the gradients a backward node returns beside its largest
+            item["grad_partner_params"] = partners[i]
         if input_reads.get(i):  # the batch a pipeline's step() holds
             item["model_input_bytes"] = _ceil_div(input_reads[i], batch)
         if i in weight_steps:  # a split backward's dY (``weight_step``)

@@ -38,6 +38,11 @@ class ParamGradients:
         self.uids: set[int] = set()
         self.param_of: dict[int, int] = {}
         """Gradient storage uid -> ``id`` of the parameter it is a gradient of."""
+        self.groups: list[tuple[tuple[int, int], ...]] = []
+        """Per call of a hooked node: (``id`` of the parameter, elements of its gradient) of
+        every parameter gradient it returned. They are live together until the node returns
+        (a linear's weight and bias gradients): beside the accumulated ``.grad`` of a later
+        micro-batch, temporaries together (``partner_elements``)."""
         self._handles: list[Any] = []
 
     def install(self, loss: torch.Tensor) -> None:
@@ -66,12 +71,30 @@ class ParamGradients:
     def _record(
         self, edges: tuple[tuple[int, int], ...], grad_inputs: tuple, _grad_outputs: tuple
     ) -> None:
+        group = []
         for position, param in edges:
             grad = grad_inputs[position] if position < len(grad_inputs) else None
             record = self.tracer.record_of(grad) if isinstance(grad, torch.Tensor) else None
             if record is not None:
                 self.uids.add(record.uid)
                 self.param_of.setdefault(record.uid, param)
+                group.append((param, grad.numel()))
+        if len(group) > 1:
+            self.groups.append(tuple(group))
+
+    def partner_elements(self, owner_of: dict[int, int]) -> dict[int, int]:
+        """Layer -> the most gradient elements one of its backward nodes returns beside the
+        largest of them (a linear's bias gradient beside its weight's), over its nodes: the
+        graph's ``grad_partner_params``. ``owner_of``: parameter ``id`` -> the layer counting
+        it; a node's extra goes to the layer of its largest gradient."""
+        partner: dict[int, int] = {}
+        for group in self.groups:
+            param, largest = max(group, key=lambda item: item[1])
+            layer = owner_of.get(param)
+            if layer is not None:
+                extra = sum(numel for _, numel in group) - largest
+                partner[layer] = max(partner.get(layer, 0), extra)
+        return partner
 
     def remove(self) -> None:
         """Take the hooks off (the graph may outlive the profile)."""

@@ -577,6 +577,7 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
     tracer.weight_grad_transient_peaks = tracer.transients(excluded, at=gradients, held=held)
     tracer.backward_transient_peaks = tracer.transients(excluded, only="bwd")
     tracer.gradient_moments = (excluded, grad_params)  # own_grads.backward_grad_moments
+    tracer.param_gradients = param_grads  # the gradients one node returns together
     tracer.weight_step_bytes = weight_steps.bytes_by_layer(excluded)
     split = tp.resolve()
     if split.vocab_layers:  # the transients' fixed and vocabulary-sized parts

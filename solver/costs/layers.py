@@ -33,9 +33,12 @@ o), ZeRO stage z.
               one in backward keeps it through every layer of its stage: during(l) of each
               earlier layer of the last layer's stage + b unsaved_output_bytes
               (``LayerCosts.held_output_bytes``)
-  gtemp_l   = w max(largest_param_l, largest_tp_param_l / t): a weight gradient is computed in
-              the weights' dtype into a temporary and added to the persistent gradient (.grad,
-              or Megatron's fp32 main_grad) while backward accumulates; a largest_param larger
+  gtemp_l   = w (max(largest_param_l, largest_tp_param_l / t) + grad_partner_params_l): a
+              weight gradient is computed in the weights' dtype into a temporary and added to
+              the persistent gradient (.grad, or Megatron's fp32 main_grad) while backward
+              accumulates, beside the gradients its op returns with it (a linear's bias
+              gradient; the most over the layer's ops, whole on every TP rank: over where
+              split, or where the largest is another op's); a largest_param larger
               than the layer's dense replicated parameters is a routed-expert tensor, held
               / (t ep) (``experts.largest_local_param``)
   gather_l  = 2 w P'_l with ZeRO-3, else 0: the running layer's weights are gathered and the next
@@ -343,8 +346,11 @@ def _activation_bytes(
     (tie_l, tieg_l), batch-independent bytes per GPU; ``factor``: the routing factor)."""
     t, b, c = config.tp, config.micro_batch, config.cp
     w = training.weight_bytes_per_param
-    grad_temporary = w * np.maximum(
-        largest_local_param(cols, config), ceil_div(cols["largest_tp_param"], t)
+    # the largest weight gradient, and the gradients its op returns with it (a linear's bias
+    # gradient): temporaries together until accumulated; the partners are not divided by t
+    grad_temporary = w * (
+        np.maximum(largest_local_param(cols, config), ceil_div(cols["largest_tp_param"], t))
+        + cols["grad_partner_params"]
     )
     # a recomputed layer keeps its output, the next layer's input: [s/t, b, h] with sequence
     # parallelism; context parallelism holds s/c of every sequence: every term per sample / c
