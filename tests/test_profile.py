@@ -160,6 +160,10 @@ def test_gpt_closed_forms_fp32():
         V * h,
     )
     assert (embed.largest_param, ln_f.largest_param, head.largest_param) == (s * h, h, 0)
+    # the gradients one backward op returns beside its largest (issue 30): fc1's bias (4h)
+    # beside its weight, a LayerNorm's bias beside its scale; the head and the tables have none
+    assert (block.grad_partner_params, ln_f.grad_partner_params) == (4 * h, h)
+    assert (embed.grad_partner_params, head.grad_partner_params) == (0, 0)
     # outputs: the hidden state, fp32
     assert embed.output_bytes == block.output_bytes == ln_f.output_bytes == 4 * s * h
     assert head.output_bytes == 4 * s * V

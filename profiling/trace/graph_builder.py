@@ -227,8 +227,7 @@ def _layer_items(
     input_reads = getattr(tracer, "model_input_bytes", {})
     partners: dict[int, int] = {}  # a linear's bias gradient beside its weight's
     if getattr(tracer, "param_gradients", None) is not None:
-        owner_of = {param: owned[0] for param, owned in counts.by_tensor.items()}
-        partners = tracer.param_gradients.partner_elements(owner_of)
+        partners = tracer.param_gradients.partner_elements(counts.by_tensor)
     items = []
     for i in order:
         record = tracer.layers[i]

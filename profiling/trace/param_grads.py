@@ -20,6 +20,7 @@ it alone holds.
 from __future__ import annotations
 
 import functools
+from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -38,11 +39,6 @@ class ParamGradients:
         self.uids: set[int] = set()
         self.param_of: dict[int, int] = {}
         """Gradient storage uid -> ``id`` of the parameter it is a gradient of."""
-        self.groups: list[tuple[tuple[int, int], ...]] = []
-        """Per call of a hooked node: (``id`` of the parameter, elements of its gradient) of
-        every parameter gradient it returned. They are live together until the node returns
-        (a linear's weight and bias gradients): beside the accumulated ``.grad`` of a later
-        micro-batch, temporaries together (``partner_elements``)."""
         self._handles: list[Any] = []
 
     def install(self, loss: torch.Tensor) -> None:
@@ -71,28 +67,32 @@ class ParamGradients:
     def _record(
         self, edges: tuple[tuple[int, int], ...], grad_inputs: tuple, _grad_outputs: tuple
     ) -> None:
-        group = []
         for position, param in edges:
             grad = grad_inputs[position] if position < len(grad_inputs) else None
             record = self.tracer.record_of(grad) if isinstance(grad, torch.Tensor) else None
             if record is not None:
                 self.uids.add(record.uid)
                 self.param_of.setdefault(record.uid, param)
-                group.append((param, grad.numel()))
-        if len(group) > 1:
-            self.groups.append(tuple(group))
 
-    def partner_elements(self, owner_of: dict[int, int]) -> dict[int, int]:
-        """Layer -> the most gradient elements one of its backward nodes returns beside the
-        largest of them (a linear's bias gradient beside its weight's), over its nodes: the
-        graph's ``grad_partner_params``. ``owner_of``: parameter ``id`` -> the layer counting
-        it; a node's extra goes to the layer of its largest gradient."""
+    def partner_elements(self, owned: dict[int, tuple[int, ...]]) -> dict[int, int]:
+        """Layer -> the most parameter-gradient elements one autograd node makes beside the
+        largest it makes (a linear's ``AddmmBackward0`` makes its bias's gradient beside its
+        weight's, which reaches the accumulator through a ``TBackward0`` view), over the
+        layer's nodes: the graph's ``grad_partner_params``. They are live together until the
+        node returns and the accumulators add them in, temporaries beside ``.grad`` from the
+        second micro-batch on. ``owned``: parameter ``id`` -> (layer counting it, elements,
+        ...); a node's extra goes to the layer of its largest gradient."""
+        made: dict[int, dict[int, int]] = defaultdict(dict)  # node serial -> param -> numel
+        for _window, node, uid, delta in self.tracer.events:
+            param = self.param_of.get(uid)
+            if delta > 0 and param in owned:
+                made[node][param] = owned[param][1]
         partner: dict[int, int] = {}
-        for group in self.groups:
-            param, largest = max(group, key=lambda item: item[1])
-            layer = owner_of.get(param)
-            if layer is not None:
-                extra = sum(numel for _, numel in group) - largest
+        for group in made.values():
+            if len(group) > 1:
+                largest = max(group, key=group.get)
+                layer = owned[largest][0]
+                extra = sum(group.values()) - group[largest]
                 partner[layer] = max(partner.get(layer, 0), extra)
         return partner
 
