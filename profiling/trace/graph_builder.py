@@ -225,9 +225,8 @@ def _layer_items(
         excluded, grad_params = tracer.gradient_moments
         moments = backward_grad_moments(tracer, excluded, grad_params, counts.by_tensor, batch)
     input_reads = getattr(tracer, "model_input_bytes", {})
-    partners: dict[int, int] = {}  # a linear's bias gradient beside its weight's
-    if getattr(tracer, "param_gradients", None) is not None:
-        partners = tracer.param_gradients.partner_elements(counts.by_tensor)
+    gradients = getattr(tracer, "param_gradients", None)  # a bias's beside its weight's
+    partners = gradients.partner_elements(counts.by_tensor) if gradients is not None else {}
     items = []
     for i in order:
         record = tracer.layers[i]
@@ -258,9 +257,8 @@ def _layer_items(
             "largest_param": largest[i],
             "largest_tp_param": largest_tp[i],
             "param_tensors": counts.tensors[i],
+            "grad_partner_params": partners.get(i, 0),  # gradients beside its node's largest
         }
-        if partners.get(i):  # the gradients a backward node returns beside its largest
-            item["grad_partner_params"] = partners[i]
         if input_reads.get(i):  # the batch a pipeline's step() holds
             item["model_input_bytes"] = _ceil_div(input_reads[i], batch)
         if i in weight_steps:  # a split backward's dY (``weight_step``)

@@ -225,12 +225,7 @@ def layer_costs(
         gather_bytes=None if unsharded is None else _gather_part(params, config, training),
         step_bytes=optimizer_step_bytes(params, config, training, scaled),
         **_weight_step_bytes(graph, config),
-        optimizer_step_ns=as_int(
-            layer_optimizer_step_ns(
-                params, config, cluster, training, profiled.optimizer_step_ns_per_param
-            )
-            + tied_sync_ns(graph, cols, config, cluster, training)
-        ),
+        optimizer_step_ns=_optimizer_step_ns(graph, cols, params, config, cluster, training),
         microbatch_overhead_ns=profiled.microbatch_overhead_ns,
         step_overhead_ns=profiled.step_overhead_ns,
         link_gb_per_s=pipeline_links(config, cluster),
@@ -245,6 +240,25 @@ def layer_costs(
         check_empirical_options(config, calibration)
         return empirical_layer_costs(graph, config, costs)
     return costs
+
+
+def _optimizer_step_ns(
+    graph: LayerGraph,
+    cols: dict[str, np.ndarray],
+    params: ParamShares,
+    config: ParallelConfig,
+    cluster: Cluster,
+    training: TrainingConfig,
+) -> np.ndarray:
+    """Each layer's optimizer step, ns: its parameters' update (profiled per parameter where the
+    graph says) and a tied parameter's gradient sync."""
+    profiled = profiled_times(graph)
+    return as_int(
+        layer_optimizer_step_ns(
+            params, config, cluster, training, profiled.optimizer_step_ns_per_param
+        )
+        + tied_sync_ns(graph, cols, config, cluster, training)
+    )
 
 
 def _weight_step_bytes(graph: LayerGraph, config: ParallelConfig) -> dict[str, np.ndarray]:

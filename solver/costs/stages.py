@@ -106,13 +106,7 @@ def _stage_costs(
             costs.optimizer_step_ns,
         )
     )
-    if costs.grad_buffer_bytes is not None:  # DDP's buckets, beside .grad all step
-        buckets = per_stage_sum(costs.grad_buffer_bytes, stage_of, num_stages)
-    else:
-        buckets = np.zeros(num_stages, dtype=np.int64)
-    inputs = np.zeros(num_stages, dtype=np.int64)
-    if costs.input_batch_bytes is not None:  # the batch a torch step() holds, all step
-        inputs = per_stage_sum(costs.input_batch_bytes, stage_of, num_stages)
+    buckets, inputs = _held_all_step(costs, stage_of, num_stages)
     transient = np.zeros(num_stages, dtype=np.int64)
     np.maximum.at(transient, stage_of, transient_per_layer)
     members = np.argsort(stage_of, kind="stable")
@@ -294,6 +288,18 @@ def layer_moments(
         buffers_h = stage_buffer_bytes(costs, stage, h, done, into, out_of, adjust)
         moments.append((total_grads, h * (total_stored + relayed), buffers_h, largest))
     return moments
+
+
+def _held_all_step(
+    costs: LayerCosts, stage_of: np.ndarray, num_stages: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage, bytes held all step: DDP's buckets beside .grad, and the batch a torch
+    step() holds (zeros where the costs have none)."""
+    zeros = np.zeros(num_stages, np.int64)
+    return tuple(
+        zeros if held is None else per_stage_sum(held, stage_of, num_stages)
+        for held in (costs.grad_buffer_bytes, costs.input_batch_bytes)
+    )
 
 
 def per_stage_sum(values: np.ndarray, stage_of: np.ndarray, num_stages: int) -> np.ndarray:
