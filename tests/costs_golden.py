@@ -347,6 +347,7 @@ LAYER_FIELDS = (
     "in_flight_vectors",
     "backwards_done",
     "running_chunks",
+    "moment_copies",
     "receive_copies",
     "send_copies",
     "runtime",

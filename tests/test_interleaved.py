@@ -189,6 +189,81 @@ def _megatron_actions(m: int, p: int, v: int, rank: int) -> list[tuple[str, int]
     return order + backwards[m * v - warmup :]
 
 
+def _megatron_live_buffers(m: int, p: int, v: int, rank: int) -> list[list[tuple[str, int]]]:
+    """The boundary tensors megatron-core's interleaved loop keeps alive (besides the held
+    micro-batches' inputs), as ("in" | "out" | "sent": a step's output, chunk), at each moment the replay below looks at:
+    a forward (at its last layer: in the warm-up the p2p after it, else its output with the
+    loop's locals), a backward, the p2p after a backward. Written from the loop's variables:
+    received inputs wait in ``input_tensors`` until their forward; ``output_tensor_grad`` and
+    ``input_tensor_grad`` hold the last received output gradient and the last input gradient
+    made until rebound; a step's output lives until its p2p, which receives the next input and
+    output gradient before letting go of anything."""
+    table = [c for g in range(0, m, p) for c in range(v) for _ in range(min(p, m - g))]
+    total = m * v
+    fwd, bwd = table, [v - 1 - c for c in table]
+    warm = min(total, 2 * (p - 1 - rank) + (v - 1) * p)
+
+    def arriving(k: int, forward: bool) -> int | None:
+        order, lead = (fwd, 0) if forward else (bwd, p - 1)
+        if rank != lead:
+            return order[k + 1] if k + 1 < total else None
+        j = k - (p - 1)  # the other end's step that sent it
+        if j < 0 or order[j] == (v - 1 if forward else 0):
+            return None
+        return order[j] + (1 if forward else -1)
+
+    waiting = [0] * v
+    locals_ = {"output_tensor_grad": None, "input_tensor_grad": None}
+    moments: list[list[tuple[str, int]]] = []
+
+    def live(*extra):
+        tensors = [("in", c) for c in range(v) for _ in range(waiting[c])]
+        return tensors + [t for t in (*locals_.values(), *extra) if t is not None]
+
+    def run_forward(k: int):
+        c = fwd[k]
+        waiting[c] -= int(not (rank == 0 and c == 0))
+        return None if (rank == p - 1 and c == v - 1) else ("sent", c)
+
+    def input_grad(c: int):
+        return None if (rank == 0 and c == 0) else ("in", c)
+
+    waiting[0] += int(rank != 0)
+    for k in range(warm):
+        output = run_forward(k)
+        nxt = arriving(k, True) if k < total - 1 else None
+        grad = None
+        if k == warm - 1 and warm < total and rank != p - 1:
+            grad = ("out", bwd[0])
+        moments.append(live(output, nxt is not None and ("in", nxt) or None, grad))
+        if nxt is not None:
+            waiting[nxt] += 1
+        if grad is not None:
+            locals_["output_tensor_grad"] = grad
+    for k in range(total - warm):
+        output = run_forward(warm + k)
+        moments.append(live(output))
+        c = bwd[k]
+        moments.append(live(output, input_grad(c)))
+        locals_["input_tensor_grad"] = input_grad(c)
+        nxt = arriving(warm + k, True) if warm + k < total - 1 else None
+        grad = arriving(k, False)
+        grad = None if grad is None else ("out", grad)
+        moments.append(live(output, nxt is not None and ("in", nxt) or None, grad))
+        if nxt is not None:
+            waiting[nxt] += 1
+        locals_["output_tensor_grad"] = grad
+    for k in range(total - warm, total):
+        c = bwd[k]
+        moments.append(live(input_grad(c)))
+        locals_["input_tensor_grad"] = input_grad(c)
+        grad = arriving(k, False) if k < total - 1 else None
+        grad = None if grad is None else ("out", grad)
+        moments.append(live(grad))
+        locals_["output_tensor_grad"] = grad
+    return moments
+
+
 def _rank_peaks_by_hand(graph, costs, split) -> list[int]:
     """Per-rank peak straight from the definition, with loops (chains and DAGs), replaying the
     rank's actions (torch's own ScheduleInterleaved1F1B list; megatron's order from its
@@ -253,14 +328,31 @@ def _rank_peaks_by_hand(graph, costs, split) -> list[int]:
             ]
         else:
             actions = _megatron_actions(m, p, v, rank)
+            live = iter(_megatron_live_buffers(m, p, v, rank))
         held, done, values = [0] * v, [0] * v, []
 
+        def moment_copies() -> list[tuple[int, int]]:
+            if costs.runtime == "torch":
+                return [copies(j, n, b) for n, b, j in zip(held, done, own, strict=True)]
+            tensors = next(live)  # megatron: the loop's live boundary tensors
+            return [
+                (
+                    tensors.count(("in", c)),
+                    tensors.count(("out", c))
+                    + (  # without deallocation the sent output is a held micro-batch's
+                        tensors.count(("sent", c))
+                        if costs.deallocate_pipeline_outputs
+                        else (0 if j == last else n)
+                    ),
+                )
+                for c, (n, j) in enumerate(zip(held, own, strict=True))
+            ]
+
         def memory(running: int | None) -> list[int]:
+            at = moment_copies()
             base = states + sum(
-                n * h
-                + copies(j, n, b)[0] * (received[j] + relayed[j])
-                + copies(j, n, b)[1] * (sent[j] + relayed[j])
-                for n, b, h, j in zip(held, done, whole, own, strict=True)
+                n * h + r * (received[j] + relayed[j]) + s * (sent[j] + relayed[j])
+                for n, h, j, (r, s) in zip(held, whole, own, at, strict=True)
             )
             if running is None:
                 return [base]

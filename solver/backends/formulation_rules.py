@@ -157,12 +157,15 @@ class FormulationRules:
                     costs.pending_vectors[rank],
                     costs.grads_started[rank],
                     running,
+                    costs.copies_of_moments(rank),
                     strict=True,
                 )
-                for i, (vector, done, pending, started, chunk) in enumerate(rows):
+                for i, (vector, done, pending, started, chunk, at) in enumerate(rows):
                     self._tick()
                     suffix = f"_n{i}" if len(vectors) > 1 else ""
-                    row = self._rank_bytes_from_parts(rank, vector, done, pending, started, chunk)
+                    row = self._rank_bytes_from_parts(
+                        rank, vector, done, pending, started, chunk, at
+                    )
                     self._add(self.vars.peak >= row, f"memory_s{rank}{suffix}")
             return
         for s, row in enumerate(self.vars.stage_peak):

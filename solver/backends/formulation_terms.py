@@ -269,6 +269,7 @@ class FormulationTerms:
         pending: tuple[int, ...] = (),
         started: tuple[bool, ...] = (),
         running: int = -1,
+        copies: tuple[tuple[int, int], ...] | None = None,
     ):
         """With interleaving a rank has a row per in-flight vector: each row sums four
         variables per chunk (``_stage_parts``) instead of every layer and edge again, and the
@@ -277,15 +278,17 @@ class FormulationTerms:
         tr[r]. A split-backward schedule's moment (``costs.split_rows``) adds pending[c] dY_c
         per chunk (``_pending_part``) and, for a chunk whose gradients do not exist yet (not
         ``started[c]``; all exist by default), takes its states without them
-        (``_lean_part``)."""
+        (``_lean_part``). ``copies``: the moment's (R, S) per chunk (``LayerCosts.moment_copies``;
+        None: ``copies_at``'s of (n, B))."""
         terms = []
         stages = self.costs.stages_of_rank(rank)
         pending = pending or (0,) * len(vector)
         started = started or (True,) * len(vector)
-        parts = zip(vector, done, pending, started, stages, strict=True)
-        for k, finished, w, grads, stage in parts:
+        copies = copies or (None,) * len(vector)
+        parts = zip(vector, done, pending, started, stages, copies, strict=True)
+        for k, finished, w, grads, stage, at in parts:
             states, kept, received, sent = self._stage_parts(stage)
-            receive, send = self.costs.copies_at(stage, k, finished, w)
+            receive, send = self.costs.copies_at(stage, k, finished, w, at)
             terms += [states if grads else self._lean_part(stage), k * kept]
             if w:
                 terms.append(w * self._pending_part(stage))

@@ -235,15 +235,23 @@ class _ChunkSizes:
         else:
             running = [None] * len(costs.in_flight_vectors[rank])
         rows = set(
-            zip(costs.in_flight_vectors[rank], costs.backwards_done[rank], running, strict=True)
+            zip(
+                costs.in_flight_vectors[rank],
+                costs.backwards_done[rank],
+                running,
+                costs.copies_of_moments(rank),
+                strict=True,
+            )
         )
         in_flight = peak  # states and the largest transient: every rank reaches it
-        for vector, done, chunk in sorted(rows, key=lambda row: (row[0], row[1], row[2] or 0)):
+        for vector, done, chunk, at in sorted(
+            rows, key=lambda row: (row[0], row[1], row[2] or 0, row[3] or ())
+        ):
             row = peak.copy() if chunk is None else base.copy()
             if chunk is not None and chunk >= 0:
                 row += moments[chunk]
             for c, j in enumerate(stages):
-                receive, send = costs.copies_at(j, vector[c], done[c])
+                receive, send = costs.copies_at(j, vector[c], done[c], 0, at and at[c])
                 row += vector[c] * stored[c] + receive * into[c] + send * out[c]
             in_flight = np.maximum(in_flight, row)
         if costs.step_bytes is not None:  # the optimizer step: every state, the temporary,

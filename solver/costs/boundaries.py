@@ -33,17 +33,25 @@ class BoundaryTensors:
     coefficients module imports this one)."""
 
     def copies_at(
-        self, stage: int, held: int, done: int = 0, pending: int = 0
+        self,
+        stage: int,
+        held: int,
+        done: int = 0,
+        pending: int = 0,
+        moment: tuple[int, int] | None = None,
     ) -> tuple[int, int]:
         """(R_j, S_j) of (virtual) stage j while it holds ``held`` micro-batches in flight and
         has done ``done`` backwards (``pending`` of the held ones between their I and W steps
-        of a split backward).
+        of a split backward); ``moment``: the (R_j, S_j) a moment of megatron-core's
+        interleaved schedule gives (``LayerCosts.moment_copies``), returned as is.
 
         Without interleaving the stage's constants (``boundary_copies`` at held = k_s), or
         ``boundary_copies`` at another moment (torch's GPipe keeps its sends: + ``done``).
         megatron: (1, 1) inside the pipeline, or (1, 1 + held) without
         ``deallocate_pipeline_outputs``: the sent outputs of the ``held`` in-flight micro-batches
-        stay alive until their backward. torch: each PipelineStage allocates a receive buffer per
+        stay alive until their backward. With interleaving its moments give their own
+        (``moment``; ``megatron_buffers``: up to 5 boundary tensors per rank after a backward);
+        elsewhere (the optimizer step) those constants. torch: each PipelineStage allocates a receive buffer per
         micro-batch for the run (m on a non-first stage, of which the ``held`` in-flight ones are
         its saved inputs, already in the activations) and m gradient receive buffers plus the
         outputs of its ``held`` in-flight micro-batches (on a non-last stage): (m - held,
@@ -54,6 +62,8 @@ class BoundaryTensors:
         same runtime at any v; their I step sends the input gradient, which stays alive until
         the step's end too: R_j + ``pending`` (tagged at the peaks of
         ``benchmarks/bench_accuracy_schedules.md``)."""
+        if moment is not None:
+            return moment
         split = self.config.schedule in ZERO_BUBBLE_SCHEDULES and self.runtime == "torch"
         if self.config.virtual_stages == 1 and not split:
             if held == self.in_flight[stage] and not done:
@@ -69,10 +79,9 @@ class BoundaryTensors:
                 done=done,
             )
         m, last = self.config.num_microbatches, self.num_stages - 1
-        if self.runtime == "megatron":
-            if self.deallocate_pipeline_outputs:
-                return self.receive_copies[stage], self.send_copies[stage]
-            return self.receive_copies[stage], (0 if stage == last else 1 + held)
+        if self.runtime == "megatron":  # R_j, S_j are the moments' largest (for bounds)
+            kept_outputs = 0 if self.deallocate_pipeline_outputs else held
+            return int(stage > 0), (0 if stage == last else 1 + kept_outputs)
         turn = self.v_turn
         if stage == turn:  # its inputs come by function call: m storages, the held stored
             return m - held, m + held + done
@@ -269,12 +278,13 @@ def stage_buffer_bytes(
     out_of: np.ndarray,
     adjust: tuple[np.ndarray, np.ndarray] | None = None,
     pending: int = 0,
+    moment: tuple[int, int] | None = None,
 ) -> int:
     """Boundary buffers of (virtual) stage j holding ``held`` micro-batches after ``done``
     backwards (``pending`` between a split backward's I and W), bytes: R into + S out_of
     (``LayerCosts.copies_at``) plus the torch runtime's per-tensor adjustments
-    (``direct_buffer_adjustments``; None: none)."""
-    receive, send = costs.copies_at(stage, held, done, pending)
+    (``direct_buffer_adjustments``; None: none); ``moment``: ``copies_at``'s."""
+    receive, send = costs.copies_at(stage, held, done, pending, moment)
     total = int(receive * into[stage] + send * out_of[stage])
     if adjust is not None:
         per_held, no_grad = adjust

@@ -150,6 +150,10 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
     chunk's largest layer moment). Empty: the persistent moment, every moment with the rank's
     largest transient (the split-backward schedules; one chunk per rank has its own layer
     moments, ``stages.layer_moments``)."""
+    moment_copies: list[list[tuple[tuple[int, int], ...]]] = field(default_factory=list)
+    """Parallel to ``in_flight_vectors`` (megatron-core with interleaving): the (R, S) each
+    chunk keeps at that moment (``megatron_buffers.megatron_moment_copies``), which
+    ``copies_at`` returns for it; empty otherwise."""
     pending_vectors: list[list[tuple[int, ...]]] = field(default_factory=list)
     """Parallel to ``in_flight_vectors``: per chunk the held micro-batches between their I and
     their W (split-backward schedules, ``split_rows``; zeros by default)."""
@@ -292,6 +296,13 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
         if self.backward_weight_bytes is not None and self.config.virtual_stages == 1:
             return [True] * len(self.in_flight)  # late_column: every stage, every schedule
         return self.grads_late
+
+    def copies_of_moments(self, rank: int) -> list[tuple[tuple[int, int], ...] | None]:
+        """Parallel to ``in_flight_vectors[rank]``: the moment's (R, S) per chunk
+        (``moment_copies``), None where ``copies_at`` follows (held, done)."""
+        if self.moment_copies:
+            return list(self.moment_copies[rank])
+        return [None] * len(self.in_flight_vectors[rank])
 
     @cached_property
     def after_moments(self) -> list[tuple[tuple[int, int], ...]]:

@@ -113,6 +113,7 @@ from solver.costs.megatron_attention import (
     kept_buffer_bytes,
     score_buffer_bytes,
 )
+from solver.costs.megatron_buffers import largest_moment_copies
 from solver.costs.megatron_linear import head_weight_grad_moment, sp_gather_buffer_bytes
 from solver.costs.own_grads import own_gradient_bytes
 from solver.costs.ranges import check_exact_range
@@ -150,13 +151,15 @@ def layer_costs(
 
     Vectorised over layers; integer terms use exact integer arithmetic (ceil of a ratio of ints).
     """
-    in_flight, vectors, dones, running = in_flight_counts(config, training)
+    in_flight, vectors, dones, running, moment_copies = in_flight_counts(config, training)
     copies = stage_boundary_copies(
         training.runtime,
         config,
         deallocate_pipeline_outputs=training.deallocate_pipeline_outputs,
         in_flight=in_flight,
     )
+    if moment_copies:  # megatron with interleaving: the moments' largest, for bounds
+        copies = largest_moment_copies(moment_copies, config.pp)
     factor = routing_factor(graph, config, training)
     most_held = _most_micro_batches_held(config, vectors)
     check_exact_range(graph, config, cluster, training, most_held, *copies, factor=factor)
@@ -213,6 +216,7 @@ def layer_costs(
         in_flight_vectors=vectors,
         backwards_done=dones,
         running_chunks=running,
+        moment_copies=moment_copies,
         receive_copies=copies[0],  # R_s, S_s (``stage_boundary_copies``)
         send_copies=copies[1],
         runtime=training.runtime,

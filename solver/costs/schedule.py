@@ -37,6 +37,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from solver.costs.megatron_buffers import megatron_moment_copies
 from solver.costs.schedule_orders import (
     ZERO_BUBBLE_SCHEDULES,
     ScheduleAction,
@@ -272,31 +273,40 @@ def running_moments(
     return moments
 
 
-def undominated_running(moments, runtime: str) -> list[tuple[tuple[int, ...], ...]]:
+def undominated_running(
+    moments, runtime: str, copies: list | None = None
+) -> list[tuple[tuple[int, ...], ...]]:
     """``running_moments`` less those another dominates, in their order (the first of equal
     ones). A rank's memory at (n, B, c) is states + sum_c' [n_c' kept_c' + R In_c' + S Out_c']
     + extra_c (extra_c >= 0 of the running chunk, 0 when none runs; ``stages``), so a moment
     is dropped when another has n, R and S at least as large in every chunk and the same
     running chunk, or any running chunk where it has none. torch: (R, S) grow with (B - n,
-    B + n) (``LayerCosts.copies_at``); megatron: with n only, and B is dropped (zeros)."""
+    B + n) (``LayerCosts.copies_at``); megatron: B is dropped (zeros) and (R, S) are the
+    moment's ``copies`` (``megatron_buffers.megatron_moment_copies``, parallel to
+    ``moments``), returned as a fourth element; without them with n only."""
     torch = runtime == "torch"
     if not torch:
-        moments = [(n, (0,) * len(n), c) for n, _, c in moments]
+        at = copies or [()] * len(moments)
+        moments = [(n, (0,) * len(n), c, a) for (n, _, c), a in zip(moments, at, strict=True)]
+        rows = [
+            [*n, *(r for r, _ in a), *(s for _, s in a), *(int(c == j) for j in range(len(n)))]
+            for n, _, c, a in moments
+        ]
+        kept = undominated_rows(moments, np.array(rows, dtype=np.int64))
+        return kept if copies else [moment[:3] for moment in kept]
     # B only grows: at the same (n, c) the latest moment has R and S at least as large (in
     # its place; megatron's, all alike, in the first one's)
     latest: dict[tuple, tuple] = {}
     for held, done, running in moments:
-        if torch:
-            latest.pop((held, running), None)
+        latest.pop((held, running), None)
         latest.setdefault((held, running), (held, done, running))
     moments = list(latest.values())
     rows = []
     for held, done, running in moments:
         v = len(held)
         key = list(held)
-        if torch:
-            key += [b - n for n, b in zip(held, done, strict=True)]
-            key += [b + n for n, b in zip(held, done, strict=True)]
+        key += [b - n for n, b in zip(held, done, strict=True)]
+        key += [b + n for n, b in zip(held, done, strict=True)]
         rows.append(key + [int(running == c) for c in range(v)])
     return undominated_rows(moments, np.array(rows, dtype=np.int64))
 
@@ -320,7 +330,8 @@ def undominated_rows(moments: list, keys: np.ndarray) -> list:
 
 def in_flight_counts(config: ParallelConfig, training: TrainingConfig):
     """(k_j per virtual stage, in-flight vectors per rank, backwards done at each, the running
-    chunk at each) of ``config``. With interleaving (1F1B) the undominated moments of
+    chunk at each, the (R, S) of each chunk at each: megatron with interleaving,
+    ``megatron_buffers.megatron_moment_copies``, else []) of ``config``. With interleaving (1F1B) the undominated moments of
     ``running_moments`` (the running chunks, -1 none; ``stages._rank_peak_moment``); for the
     split-backward schedules on the torch runtime every moment of the schedule (its buffers
     grow with the backwards done, and shrink with the held inputs) and no running chunk (their
@@ -336,25 +347,32 @@ def in_flight_counts(config: ParallelConfig, training: TrainingConfig):
         ranks = stage_ranks(config.schedule, p, v)
         chunk = [rank_stages(config.schedule, p, v, ranks[j]).index(j) for j in range(p * v)]
         in_flight = [max(vector[chunk[j]] for vector in vectors[ranks[j]]) for j in range(p * v)]
-        return in_flight, vectors, dones, []
+        return in_flight, vectors, dones, [], []
     if v == 1:
         in_flight = [in_flight_microbatches(config.schedule, m, p, s) for s in range(p)]
-        return in_flight, [[(k,)] for k in in_flight], [[(0,)] for _ in in_flight], []
+        return in_flight, [[(k,)] for k in in_flight], [[(0,)] for _ in in_flight], [], []
     if training.memory_model != "analytic":
         raise InputError(
             "memory model empirical: the statistics describe contiguous stages; interleaved "
             "stages (--virtual-stages > 1) need the analytic model"
         )
     group = interleaved_schedule_groups(training.runtime, m, p)
-    moments = [
-        undominated_running(running_moments(m, p, v, r, group), training.runtime)
-        for r in range(p)
-    ]
-    vectors = [[n for n, _, _ in rank] for rank in moments]
-    dones = [[done for _, done, _ in rank] for rank in moments]
-    running = [[c for _, _, c in rank] for rank in moments]
+    moments = []
+    for r in range(p):
+        copies = None
+        if training.runtime == "megatron":
+            copies = megatron_moment_copies(
+                m, p, v, r, group, deallocate=training.deallocate_pipeline_outputs
+            )
+        moments.append(
+            undominated_running(running_moments(m, p, v, r, group), training.runtime, copies)
+        )
+    vectors = [[moment[0] for moment in rank] for rank in moments]
+    dones = [[moment[1] for moment in rank] for rank in moments]
+    running = [[moment[2] for moment in rank] for rank in moments]
+    copies = [[moment[3] for moment in rank] for rank in moments] if moments[0][0][3:] else []
     in_flight = [max(vector[j // p] for vector in vectors[j % p]) for j in range(p * v)]
-    return in_flight, vectors, dones, running
+    return in_flight, vectors, dones, running, copies
 
 
 def _undominated_moments(moments):

@@ -66,6 +66,7 @@ import numpy as np
 
 from solver.costs.boundaries import boundary_bytes, direct_buffer_adjustments, stage_buffer_bytes
 from solver.costs.coefficients import LayerCosts
+from solver.costs.megatron_buffers import megatron_moment_copies
 from solver.costs.schedule import (
     ScheduleAction,
     interleaved_schedule_groups,
@@ -191,10 +192,12 @@ class _Terms:
         held = self.weight[own].sum() + self.optimizer[own].sum() + self.buckets[own].sum()
         return self.costs.constant_bytes + int(held)
 
-    def buffers(self, stage: int, held: int, done: int, pending: int = 0) -> int:
+    def buffers(
+        self, stage: int, held: int, done: int, pending: int = 0, moment: tuple | None = None
+    ) -> int:
         """``stage_buffer_bytes`` of (virtual) stage ``stage``."""
         return stage_buffer_bytes(
-            self.costs, stage, held, done, self.into, self.out_of, self.adjust, pending
+            self.costs, stage, held, done, self.into, self.out_of, self.adjust, pending, moment
         )
 
 
@@ -243,11 +246,16 @@ def _interleaved_bytes(
         for j in own
     ]
     held, done = [0] * v, [0] * v
+    copies = iter(_moment_copies(costs, rank) or [None] * (2 * len(actions)))
 
     def now(chunk: int) -> int:
-        """The rank's memory with ``held``, ``done`` and ``chunk``'s layer running (-1: none)."""
+        """The rank's memory with ``held``, ``done`` and ``chunk``'s layer running (-1: none),
+        the buffers those of the next moment (``LayerCosts.moment_copies``: megatron's)."""
         activations = sum(n * int(terms.kept[j]) for n, j in zip(held, own, strict=True))
-        buffers = sum(terms.buffers(j, n, b) for n, b, j in zip(held, done, own, strict=True))
+        at = next(copies) or (None,) * v
+        buffers = sum(
+            terms.buffers(j, n, b, moment=a) for n, b, j, a in zip(held, done, own, at, strict=True)
+        )
         fewer, transient = running[chunk] if chunk >= 0 else (0, 0)
         return base + activations - fewer + transient + buffers
 
@@ -264,6 +272,23 @@ def _interleaved_bytes(
         done[c] += 1
         values.append(max(during, now(-1)))
     return values
+
+
+def _moment_copies(costs: LayerCosts, rank: int) -> list | None:
+    """megatron-core's (R, S) per chunk at every moment of ``schedule.running_moments`` (in its
+    order), where the costs follow them (``LayerCosts.moment_copies``); None otherwise."""
+    if not costs.moment_copies:
+        return None
+    config = costs.config
+    m, p = config.num_microbatches, config.pp
+    return megatron_moment_copies(
+        m,
+        p,
+        config.virtual_stages,
+        rank,
+        interleaved_schedule_groups(costs.runtime, m, p),
+        deallocate=costs.deallocate_pipeline_outputs,
+    )
 
 
 def _layerwise_bytes(terms: _Terms, rank: int, actions: tuple[ScheduleAction, ...]) -> list[int]:

@@ -351,13 +351,19 @@ def _rank_peak_moment(
         chunks = costs.running_chunks[rank]
         running = [chunk_moment(costs, chunk, *per_layer) for chunk in layers]
     moments = []
-    for i, (vector, dones) in enumerate(
-        zip(costs.in_flight_vectors[rank], costs.backwards_done[rank], strict=True)
+    for i, (vector, dones, at) in enumerate(
+        zip(
+            costs.in_flight_vectors[rank],
+            costs.backwards_done[rank],
+            costs.copies_of_moments(rank),
+            strict=True,
+        )
     ):
         activations = int(sum(n * kept[j] for n, j in zip(vector, own, strict=True)))
+        at = at or (None,) * len(own)
         buffers = sum(
-            stage_buffer_bytes(costs, stage, held, done, into, out_of, adjust)
-            for held, done, stage in zip(vector, dones, own, strict=True)
+            stage_buffer_bytes(costs, stage, held, done, into, out_of, adjust, moment=moment)
+            for held, done, stage, moment in zip(vector, dones, own, at, strict=True)
         )
         transient = largest if chunks is None else 0
         if chunks is not None and chunks[i] >= 0:
