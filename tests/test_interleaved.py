@@ -191,7 +191,8 @@ def _megatron_actions(m: int, p: int, v: int, rank: int) -> list[tuple[str, int]
 
 def _megatron_live_buffers(m: int, p: int, v: int, rank: int) -> list[list[tuple[str, int]]]:
     """The boundary tensors megatron-core's interleaved loop keeps alive (besides the held
-    micro-batches' inputs), as ("in" | "out" | "sent": a step's output, chunk), at each moment the replay below looks at:
+    micro-batches' inputs), as ("in" | "out" | "sent": a step's output, chunk), at each moment
+    the replay below looks at:
     a forward (at its last layer: in the warm-up the p2p after it, else its output with the
     loop's locals), a backward, the p2p after a backward. Written from the loop's variables:
     received inputs wait in ``input_tensors`` until their forward; ``output_tensor_grad`` and

@@ -51,9 +51,9 @@ class BoundaryTensors:
         ``deallocate_pipeline_outputs``: the sent outputs of the ``held`` in-flight micro-batches
         stay alive until their backward. With interleaving its moments give their own
         (``moment``; ``megatron_buffers``: up to 5 boundary tensors per rank after a backward);
-        elsewhere (the optimizer step) those constants. torch: each PipelineStage allocates a receive buffer per
-        micro-batch for the run (m on a non-first stage, of which the ``held`` in-flight ones are
-        its saved inputs, already in the activations) and m gradient receive buffers plus the
+        elsewhere (the optimizer step) those constants. torch: each PipelineStage allocates a
+        receive buffer per micro-batch for the run (m on a non-first stage, of which the
+        ``held`` in-flight ones are its saved inputs, already in the activations) and m gradient receive buffers plus the
         outputs of its ``held`` in-flight micro-batches (on a non-last stage): (m - held,
         m + held). With interleaving torch's runtime schedule (``_PipelineScheduleRuntime``)
         waits on its sends only at the end of the step, so every output sent and every input

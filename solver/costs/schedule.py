@@ -331,8 +331,9 @@ def undominated_rows(moments: list, keys: np.ndarray) -> list:
 def in_flight_counts(config: ParallelConfig, training: TrainingConfig):
     """(k_j per virtual stage, in-flight vectors per rank, backwards done at each, the running
     chunk at each, the (R, S) of each chunk at each: megatron with interleaving,
-    ``megatron_buffers.megatron_moment_copies``, else []) of ``config``. With interleaving (1F1B) the undominated moments of
-    ``running_moments`` (the running chunks, -1 none; ``stages._rank_peak_moment``); for the
+    ``megatron_buffers.megatron_moment_copies``, else []) of ``config``. With interleaving
+    (1F1B) the undominated moments of ``running_moments`` (the running chunks, -1 none;
+    ``stages._rank_peak_moment``); for the
     split-backward schedules on the torch runtime every moment of the schedule (its buffers
     grow with the backwards done, and shrink with the held inputs) and no running chunk (their
     persistent moment); without interleaving [(k_s)] and none."""
