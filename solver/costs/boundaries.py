@@ -48,19 +48,19 @@ class BoundaryTensors:
         Without interleaving the stage's constants (``boundary_copies`` at held = k_s), or
         ``boundary_copies`` at another moment (torch's GPipe keeps its sends: + ``done``).
         megatron: (1, 1) inside the pipeline, or (1, 1 + held) without
-        ``deallocate_pipeline_outputs``: the sent outputs of the ``held`` in-flight micro-batches
-        stay alive until their backward. With interleaving its moments give their own
-        (``moment``; ``megatron_buffers``: up to 5 boundary tensors per rank after a backward);
-        elsewhere (the optimizer step) those constants. torch: each PipelineStage allocates a
-        receive buffer per micro-batch for the run (m on a non-first stage, of which the
-        ``held`` in-flight ones are its saved inputs, already in the activations) and m gradient receive buffers plus the
-        outputs of its ``held`` in-flight micro-batches (on a non-last stage): (m - held,
-        m + held). With interleaving torch's runtime schedule (``_PipelineScheduleRuntime``)
-        waits on its sends only at the end of the step, so every output sent and every input
-        gradient sent back stays alive until then: (m - held + done, m + held + done)
-        (measured, ``benchmarks/bench_accuracy.md``). The split-backward schedules run on the
-        same runtime at any v; their I step sends the input gradient, which stays alive until
-        the step's end too: R_j + ``pending`` (tagged at the peaks of
+        ``deallocate_pipeline_outputs``: the sent outputs of the ``held`` in-flight
+        micro-batches stay alive until their backward. With interleaving its moments give their
+        own (``moment``; ``megatron_buffers``: up to 5 boundary tensors per rank after a
+        backward); elsewhere (the optimizer step) those constants. torch: each PipelineStage
+        allocates a receive buffer per micro-batch for the run (m on a non-first stage, of which
+        the ``held`` in-flight ones are its saved inputs, already in the activations) and m
+        gradient receive buffers plus the outputs of its ``held`` in-flight micro-batches (on a
+        non-last stage): (m - held, m + held). With interleaving torch's runtime schedule
+        (``_PipelineScheduleRuntime``) waits on its sends only at the end of the step, so every
+        output sent and every input gradient sent back stays alive until then: (m - held + done,
+        m + held + done) (measured, ``benchmarks/bench_accuracy.md``). The split-backward
+        schedules run on the same runtime at any v; their I step sends the input gradient, which
+        stays alive until the step's end too: R_j + ``pending`` (tagged at the peaks of
         ``benchmarks/bench_accuracy_schedules.md``)."""
         if moment is not None:
             return moment
