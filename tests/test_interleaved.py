@@ -198,7 +198,8 @@ def _megatron_live_buffers(m: int, p: int, v: int, rank: int) -> list[list[tuple
     received inputs wait in ``input_tensors`` until their forward; ``output_tensor_grad`` and
     ``input_tensor_grad`` hold the last received output gradient and the last input gradient
     made until rebound; a step's output lives until its p2p, which receives the next input and
-    output gradient before letting go of anything."""
+    output gradient before letting go of anything; each chunk's model keeps its last forward's
+    input (``set_input_tensor``), beyond its held ones once it holds none."""
     table = [c for g in range(0, m, p) for c in range(v) for _ in range(min(p, m - g))]
     total = m * v
     fwd, bwd = table, [v - 1 - c for c in table]
@@ -216,14 +217,19 @@ def _megatron_live_buffers(m: int, p: int, v: int, rank: int) -> list[list[tuple
     waiting = [0] * v
     locals_ = {"output_tensor_grad": None, "input_tensor_grad": None}
     moments: list[list[tuple[str, int]]] = []
+    model_input = [False] * v  # the chunk's model keeps an input beyond its held ones
+    holding = [0] * v
 
     def live(*extra):
         tensors = [("in", c) for c in range(v) for _ in range(waiting[c])]
+        tensors += [("in", c) for c in range(v) if model_input[c] and not holding[c]]
         return tensors + [t for t in (*locals_.values(), *extra) if t is not None]
 
     def run_forward(k: int):
         c = fwd[k]
         waiting[c] -= int(not (rank == 0 and c == 0))
+        model_input[c] = not (rank == 0 and c == 0)
+        holding[c] += 1
         return None if (rank == p - 1 and c == v - 1) else ("sent", c)
 
     def input_grad(c: int):
@@ -246,6 +252,7 @@ def _megatron_live_buffers(m: int, p: int, v: int, rank: int) -> list[list[tuple
         moments.append(live(output))
         c = bwd[k]
         moments.append(live(output, input_grad(c)))
+        holding[c] -= 1
         locals_["input_tensor_grad"] = input_grad(c)
         nxt = arriving(warm + k, True) if warm + k < total - 1 else None
         grad = arriving(k, False)
@@ -257,6 +264,7 @@ def _megatron_live_buffers(m: int, p: int, v: int, rank: int) -> list[list[tuple
     for k in range(total - warm, total):
         c = bwd[k]
         moments.append(live(input_grad(c)))
+        holding[c] -= 1
         locals_["input_tensor_grad"] = input_grad(c)
         grad = arriving(k, False) if k < total - 1 else None
         grad = None if grad is None else ("out", grad)

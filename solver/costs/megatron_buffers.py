@@ -17,7 +17,11 @@ schedule (v > 1; ``LayerCosts.moment_copies``), replayed from megatron-core 0.16
   OutG received into the same local).
 
 Received inputs not yet forwarded count here (In); those of in-flight micro-batches are their
-stage inputs, in the activations. Without ``deallocate_pipeline_outputs`` the outputs of the
+stage inputs, in the activations. Each chunk's model also keeps the input of its last forward
+(``forward_step``'s ``set_input_tensor``: ``TransformerBlock.input_tensor``) until its next
+forward: once a chunk holds no micro-batch that stale input is one more In of it (the tagged
+peak of ``mcore pp4 v2 m8`` rank 2: during a backward of chunk 0, 7 micro-batches held, chunk 1
+none, 8 inputs alive, + 1 output, 1 received gradient, 2 input gradients). Without ``deallocate_pipeline_outputs`` the outputs of the
 held micro-batches stay alive until their backward (Out = held, on a non-last virtual stage).
 Tagged at the peak of ``mcore pp4 v2 m8`` rank 2 (benchmarks/bench_accuracy.md, issue 30).
 """
@@ -49,10 +53,14 @@ def megatron_replay(m: int, p: int, v: int, rank: int, group: int | None = None)
         return chunk[k - (p - 1)] + (1 if forward else -1)
 
     held, ahead, live = [0] * v, [0] * v, {"og": None, "ig": None}
+    forwarded = [0] * v
     moments: list[tuple] = []
 
     def snap(kind: str, running: int, extra: list) -> None:
         tensors = [("In", c) for c in range(v) for _ in range(ahead[c])]
+        tensors += [  # the model's last input (set_input_tensor) once nothing is held
+            ("In", c) for c in range(v) if forwarded[c] and not held[c] and not edge(c, first)
+        ]
         tensors += [t for t in (*live.values(), *extra) if t]
         moments.append((kind, tuple(held), running, tuple(sorted(tensors))))
 
@@ -61,6 +69,7 @@ def megatron_replay(m: int, p: int, v: int, rank: int, group: int | None = None)
         if not edge(c, first):
             ahead[c] -= 1
         held[c] += 1
+        forwarded[c] += 1
         snap("F", c, [])
         return None if edge(c, last) else ("Out", c)
 
