@@ -43,9 +43,11 @@ def megatron_replay(m: int, p: int, v: int, rank: int, group: int | None = None)
     def edge(c: int, end: tuple[bool, int]) -> bool:
         return end[0] and c == end[1]
 
+    backward_order = [v - 1 - c for c in order]
+
     def recv(k: int, forward: bool) -> int | None:  # recv_tensor_from_previous_stage(k)
         leading = rank == (0 if forward else p - 1)
-        chunk = order if forward else [v - 1 - c for c in order]
+        chunk = order if forward else backward_order
         if not leading:
             return chunk[k + 1] if k + 1 < total else None
         if k < p - 1 or chunk[k - (p - 1)] == (v - 1 if forward else 0):

@@ -287,7 +287,11 @@ def undominated_running(
     torch = runtime == "torch"
     if not torch:
         at = copies or [()] * len(moments)
-        moments = [(n, (0,) * len(n), c, a) for (n, _, c), a in zip(moments, at, strict=True)]
+        moments = list(  # equal moments once (the first), before the pairwise comparison
+            dict.fromkeys(
+                (n, (0,) * len(n), c, a) for (n, _, c), a in zip(moments, at, strict=True)
+            )
+        )
         rows = [
             [*n, *(r for r, _ in a), *(s for _, s in a), *(int(c == j) for j in range(len(n)))]
             for n, _, c, a in moments
