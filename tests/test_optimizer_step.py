@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import random
 
-import numpy as np
 import pytest
 
 from solver.backends.brute_force import solve_brute_force
@@ -287,4 +286,8 @@ def test_executor_step_moment_matches_the_prediction():
     fused = dataclasses.replace(training, optimizer_impl="fused")
     before = evaluate(graph, config, [2, 2, 2, 2], cluster=Cluster(num_gpus=4), training=fused)
     assert before.stages[2].peak_bytes < 0.95 * reports[2].measured_peak_bytes
-    assert np.isclose(reports[2].measured_peak_bytes, evaluation.stages[2].peak_bytes, rtol=1e-3)
+    # never under; over by at most the received copy counted at the step (Adam's step scalars,
+    # the batch's token ids and the bias gradients are in the model since issue 30: measured
+    # 2026-12-05 rank 0 16 B under (the CPU mesh map), ranks 1 and 2 2,032 B over)
+    over = evaluation.stages[2].peak_bytes - reports[2].measured_peak_bytes
+    assert -16 <= over <= copy, over
