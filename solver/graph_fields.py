@@ -95,3 +95,13 @@ def check_grad_moments(layer: Any, where: str) -> None:
                     f"({limit}) of layer {quote(layer.name)}; a moment of its backward holds "
                     "some of its gradients and at most its peak"
                 )
+    steps = list(layer.weight_step_moments or ())
+    if layer.weight_step_end is not None:
+        steps.append(layer.weight_step_end)
+    for params, tp_params, nbytes in steps:
+        if not (0 <= tp_params <= params <= layer.params) or abs(nbytes) > MAX_POINT_BYTES:
+            raise InputError(
+                f"{where}.weight_step_moments: [{params}, {tp_params}, {nbytes}] of layer "
+                f"{quote(layer.name)}: need 0 <= tp_params <= params <= the layer's params "
+                f"({layer.params}) and |bytes| at most 2^48"
+            )

@@ -217,6 +217,13 @@ def _layer_items(
         tracer.resolve(owner): value
         for owner, value in getattr(tracer, "weight_step_bytes", {}).items()
     }
+    weight_moments = {}
+    if getattr(tracer, "weight_step_moments", None) is not None:
+        steps, excluded_here = tracer.weight_step_moments
+        weight_moments = {
+            tracer.resolve(owner): value
+            for owner, value in steps.moments(excluded_here, counts.by_tensor).items()
+        }
     moments = {}
     if getattr(tracer, "gradient_moments", None) is not None:
         excluded, grad_params = tracer.gradient_moments
@@ -255,6 +262,16 @@ def _layer_items(
             own, output = weight_steps[i]
             item["weight_op_grad_bytes"] = _ceil_div(own, batch)
             item["weight_op_output_grad_bytes"] = _ceil_div(output, batch)
+        if weight_steps or weight_moments:  # the split backward's W step (``weight_step``)
+            points, end = weight_moments.get(i, ([], (0, 0, 0)))
+            item["weight_step_moments"] = [
+                [params, tp_params, _ceil_div(nbytes, batch)] for params, tp_params, nbytes in points
+            ]
+            item["weight_step_end"] = [end[0], end[1], _ceil_div(end[2], batch)]
+            inputs = getattr(tracer, "input_step_peaks", {})
+            item["input_step_transient_bytes"] = _ceil_div(
+                sum(v for owner, v in inputs.items() if tracer.resolve(owner) == i), batch
+            )
         if i in moments:  # the own gradients beside its backward's transient (``own_grads``)
             item["backward_grad_moments"] = [list(point) for point in moments[i]]
         if kv_reads.get(i):

@@ -111,7 +111,7 @@ from solver.costs.megatron_attention import (
     score_buffer_bytes,
 )
 from solver.costs.megatron_linear import head_weight_grad_moment, sp_gather_buffer_bytes
-from solver.costs.own_grads import own_gradient_bytes
+from solver.costs.own_grads import gradient_bytes, own_gradient_bytes
 from solver.costs.ranges import check_exact_range
 from solver.costs.schedule import in_flight_counts, stage_boundary_copies
 from solver.costs.schedule_orders import ZERO_BUBBLE_SCHEDULES
@@ -218,6 +218,7 @@ def layer_costs(
         gather_bytes=None if unsharded is None else _gather_part(params, config, training),
         step_bytes=optimizer_step_bytes(params, config, training, scaled),
         **_weight_step_bytes(graph, config),
+        **weight_step_columns(graph, config, training, scaled),
         optimizer_step_ns=as_int(
             layer_optimizer_step_ns(
                 params, config, cluster, training, profiled.optimizer_step_ns_per_param
@@ -238,6 +239,52 @@ def layer_costs(
         check_empirical_options(config, calibration)
         return empirical_layer_costs(graph, config, costs)
     return costs
+
+
+def weight_step_columns(
+    graph: LayerGraph, config: ParallelConfig, training: TrainingConfig, scaled
+) -> dict[str, np.ndarray]:
+    """The W step's per-layer figures of a split-backward schedule, per GPU per micro-batch
+    (``LayerCosts.weight_step_bytes``, ``weight_step_end_bytes``), where the graph gives
+    ``weight_step_moments``: W_l = max_i G(P_i, T_i) + ceil(b e_i / cp) over its points and
+    End_l the same of its end (G: ``own_grads.gradient_bytes``, the weight gradients' bytes of
+    P parameters, T of them TP-split), and the input step's transient b X_l
+    (``input_step_bytes``, -1 where not given); nothing on other schedules or graphs without
+    them."""
+    if config.schedule not in ZERO_BUBBLE_SCHEDULES:
+        return {}
+    if all(layer.weight_step_moments is None for layer in graph.layers):
+        return {}
+    known = np.array([layer.weight_step_moments is not None for layer in graph.layers])
+    points = [
+        (i, point)
+        for i, layer in enumerate(graph.layers)
+        for point in [*(layer.weight_step_moments or ()), layer.weight_step_end or (0, 0, 0)]
+    ]
+    index = np.array([i for i, _ in points], dtype=np.int64)
+    made, split, extra = (as_int([point[k] for _, point in points]) for k in range(3))
+    value = gradient_bytes(made, split, config, training, scaled) + scaled(
+        ceil_div(config.micro_batch * extra, config.cp), "transient"
+    )
+    ends = np.zeros(len(points), dtype=bool)
+    ends[np.r_[np.flatnonzero(np.diff(index)), len(points) - 1]] = True  # each layer's last
+    largest = np.zeros(len(graph.layers), dtype=np.int64)
+    first = np.ones(len(graph.layers), dtype=bool)
+    for i, v, end in zip(index.tolist(), value.tolist(), ends.tolist(), strict=True):
+        if not end:
+            largest[i] = v if first[i] else max(largest[i], v)
+            first[i] = False
+    end_bytes = np.zeros(len(graph.layers), dtype=np.int64)
+    end_bytes[index[ends]] = value[ends]
+    inputs = as_int([layer.input_step_transient_bytes or 0 for layer in graph.layers])
+    input_known = np.array([layer.input_step_transient_bytes is not None for layer in graph.layers])
+    input_bytes = scaled(ceil_div(config.micro_batch * inputs, config.cp), "transient")
+    return {
+        "weight_step_bytes": np.where(known, largest, 0),
+        "weight_step_end_bytes": np.where(known, end_bytes, 0),
+        "weight_step_known": known,
+        "input_step_bytes": np.where(input_known, input_bytes, -1),
+    }
 
 
 def _weight_step_bytes(graph: LayerGraph, config: ParallelConfig) -> dict[str, np.ndarray]:
