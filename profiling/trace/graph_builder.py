@@ -265,7 +265,8 @@ def _layer_items(
         if weight_steps or weight_moments:  # the split backward's W step (``weight_step``)
             points, end = weight_moments.get(i, ([], (0, 0, 0)))
             item["weight_step_moments"] = [
-                [params, tp_params, _ceil_div(nbytes, batch)] for params, tp_params, nbytes in points
+                [params, tp_params, _ceil_div(nbytes, batch)]
+                for params, tp_params, nbytes in points
             ]
             item["weight_step_end"] = [end[0], end[1], _ceil_div(end[2], batch)]
             inputs = getattr(tracer, "input_step_peaks", {})
