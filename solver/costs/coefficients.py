@@ -228,6 +228,12 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
     weight_step_end_bytes: np.ndarray | None = None
     """End_l, the same at the end of its part (what the next layer's W runs beside); 0 where
     not given."""
+    weight_step_first_bytes: np.ndarray | None = None
+    """W_l of a chunk's first weight step (step lifetime: no ``.grad`` yet, each group's
+    dweights become its gradients, so the groups so far of l count, none of the later ones);
+    None with ``weight_step_bytes``."""
+    weight_step_first_end_bytes: np.ndarray | None = None
+    """End_l of a chunk's first weight step (every gradient of l, its frees)."""
     weight_step_known: np.ndarray | None = None
     """Which layers give ``weight_step_bytes`` (the others take their transient)."""
     input_step_bytes: np.ndarray | None = None

@@ -248,19 +248,48 @@ def weight_step_columns(
     (``LayerCosts.weight_step_bytes``, ``weight_step_end_bytes``), where the graph gives
     ``weight_step_moments``: W_l = max_i G(P_i, T_i) + ceil(b e_i / cp) over its points and
     End_l the same of its end (G: ``own_grads.gradient_bytes``, the weight gradients' bytes of
-    P parameters, T of them TP-split), and the input step's transient b X_l
-    (``input_step_bytes``, -1 where not given); nothing on other schedules or graphs without
-    them."""
+    P parameters, T of them TP-split); the same of a chunk's first W step, where no ``.grad``
+    exists yet and each group's dweights become the gradients (``weight_step_first_bytes``,
+    ``weight_step_first_end_bytes``): a point's P counts the layer's groups so far (each
+    group's size is its point's P less the previous group's), the end every group of the
+    layer; and the input step's transient b X_l (``input_step_bytes``, -1 where not given);
+    nothing on other schedules or graphs without them."""
     if config.schedule not in ZERO_BUBBLE_SCHEDULES:
         return {}
     if all(layer.weight_step_moments is None for layer in graph.layers):
         return {}
     known = np.array([layer.weight_step_moments is not None for layer in graph.layers])
-    points = [
-        (i, point)
-        for i, layer in enumerate(graph.layers)
-        for point in [*(layer.weight_step_moments or ()), layer.weight_step_end or (0, 0, 0)]
-    ]
+    points, first_points = [], []
+    for i, layer in enumerate(graph.layers):
+        steps = [*(layer.weight_step_moments or ()), layer.weight_step_end or (0, 0, 0)]
+        group, so_far = (0, 0), (0, 0)  # the previous group's (P, T), the groups' so far
+        for k, (params, tp_params, nbytes) in enumerate(steps):
+            points.append((i, (params, tp_params, nbytes)))
+            if k < len(steps) - 1:  # a group's moment: the previous group's and its own
+                group = (params - group[0], tp_params - group[1])
+                so_far = (so_far[0] + group[0], so_far[1] + group[1])
+            first_points.append((i, (*so_far, nbytes)))
+    columns = {}
+    for name, entries in (("", points), ("first_", first_points)):
+        largest, end_bytes = _step_extremes(entries, len(graph.layers), config, training, scaled)
+        columns[f"weight_step_{name}bytes"] = np.where(known, largest, 0)
+        columns[f"weight_step_{name}end_bytes"] = np.where(known, end_bytes, 0)
+    inputs = as_int([layer.input_step_transient_bytes or 0 for layer in graph.layers])
+    input_known = np.array([layer.input_step_transient_bytes is not None for layer in graph.layers])
+    input_bytes = scaled(ceil_div(config.micro_batch * inputs, config.cp), "transient")
+    return {
+        **columns,
+        "weight_step_known": known,
+        "input_step_bytes": np.where(input_known, input_bytes, -1),
+    }
+
+
+def _step_extremes(
+    points: list, num_layers: int, config: ParallelConfig, training: TrainingConfig, scaled
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer, the largest of its W step's points but the last and the last (its end),
+    bytes per GPU per micro-batch (``weight_step_columns``): ``points`` (layer, (P, T, e)) in
+    layer order, each layer's end last."""
     index = np.array([i for i, _ in points], dtype=np.int64)
     made, split, extra = (as_int([point[k] for _, point in points]) for k in range(3))
     value = gradient_bytes(made, split, config, training, scaled) + scaled(
@@ -268,23 +297,15 @@ def weight_step_columns(
     )
     ends = np.zeros(len(points), dtype=bool)
     ends[np.r_[np.flatnonzero(np.diff(index)), len(points) - 1]] = True  # each layer's last
-    largest = np.zeros(len(graph.layers), dtype=np.int64)
-    first = np.ones(len(graph.layers), dtype=bool)
+    largest = np.zeros(num_layers, dtype=np.int64)
+    first = np.ones(num_layers, dtype=bool)
     for i, v, end in zip(index.tolist(), value.tolist(), ends.tolist(), strict=True):
         if not end:
             largest[i] = v if first[i] else max(largest[i], v)
             first[i] = False
-    end_bytes = np.zeros(len(graph.layers), dtype=np.int64)
+    end_bytes = np.zeros(num_layers, dtype=np.int64)
     end_bytes[index[ends]] = value[ends]
-    inputs = as_int([layer.input_step_transient_bytes or 0 for layer in graph.layers])
-    input_known = np.array([layer.input_step_transient_bytes is not None for layer in graph.layers])
-    input_bytes = scaled(ceil_div(config.micro_batch * inputs, config.cp), "transient")
-    return {
-        "weight_step_bytes": np.where(known, largest, 0),
-        "weight_step_end_bytes": np.where(known, end_bytes, 0),
-        "weight_step_known": known,
-        "input_step_bytes": np.where(input_known, input_bytes, -1),
-    }
+    return largest, end_bytes
 
 
 def _weight_step_bytes(graph: LayerGraph, config: ParallelConfig) -> dict[str, np.ndarray]:

@@ -340,11 +340,11 @@ def _split_bytes(
     extras = terms.extras
     values, best, at_best = [], -1, ((0,) * len(own), (0,) * len(own))
     first = costs.stages_of_rank(rank)[0] == 0
-    for moments in split_action_moments(actions, len(own), first):
+    for moments in split_action_moments(actions, len(own), first, persistent):
         value = -1
         for held, pending, done, started, kind, chunk in moments:
             grads = sum(
-                int(terms.grads[j]) for g, j in zip(started, own, strict=True) if persistent or g
+                int(terms.grads[j]) for g, j in zip(started, own, strict=True) if g
             )
             activations = sum(n * int(terms.kept[j]) for n, j in zip(held, own, strict=True))
             waiting = sum(w * int(terms.pending[j]) for w, j in zip(pending, own, strict=True))

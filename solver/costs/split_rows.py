@@ -11,8 +11,9 @@ sums (``stages._split_peak_moment``, docs/cost-model.md "Zero-bubble and V sched
 
 with kept, dY (``stages.weight_output_gradients``), In, Out >= 0 per chunk and R, S the copies
 (``LayerCosts.copies_at``), and X >= 0 what runs beside them (``schedule.split_action_moments``:
-nothing, chunk c's largest layer moment T_c, its input step's transient I_c or its weight step's
-W_c, ``stages.split_extras``). A moment is dropped when another one has, in every chunk, n, w, R
+nothing, chunk c's largest layer moment T_c, its input step's transient I_c, its weight step's
+W_c, or its first full backward's G_c or first weight step's V_c with g_c = 0,
+``stages.split_extras``). A moment is dropped when another one has, in every chunk, n, w, R
 and S at least as large and g_c at least as large, and the same X or none itself
 (``undominated``): its memory is then at least as large whatever the split, so the largest
 moment is among the kept ones. On the torch runtime
@@ -26,7 +27,7 @@ import numpy as np
 
 from solver.costs.schedule import SplitMoment, split_moments, undominated_rows
 
-EXTRA_KINDS = ("T", "I", "W")
+EXTRA_KINDS = ("T", "G", "I", "W", "V")
 """What can run beside a moment's counts (``schedule.SplitMoment``), "" none."""
 
 
@@ -71,10 +72,9 @@ def split_rows(costs) -> list[list[SplitMoment]]:
     for rank in range(config.pp):
         own = costs.stages_of_rank(rank)
         moments = split_moments(
-            config.num_microbatches, config.pp, config.virtual_stages, rank, config.schedule
-        )
-        if costs.grad_lifetime != "step":  # every gradient all step
-            moments = tuple((n, w, b, (True,) * len(n), k, c) for n, w, b, _, k, c in moments)
+            config.num_microbatches, config.pp, config.virtual_stages, rank, config.schedule,
+            costs.grad_lifetime != "step",  # persistent: every gradient all step
+        )  # fmt: skip
         rows.append(
             undominated(
                 moments, lambda c, n, b, w, own=own: costs.copies_at(own[c], n, b, w)

@@ -398,9 +398,10 @@ def _split_peak_moment(
 
     best = None
     for held, waiting, done, started, kind, chunk in split_moments(
-        config.num_microbatches, config.pp, config.virtual_stages, rank, config.schedule
-    ):
-        grads = sum(int(grad[j]) for g, j in zip(started, own, strict=True) if persistent or g)
+        config.num_microbatches, config.pp, config.virtual_stages, rank, config.schedule,
+        persistent,
+    ):  # fmt: skip
+        grads = sum(int(grad[j]) for g, j in zip(started, own, strict=True) if g)
         activations = sum(
             n * int(kept[j]) + w * int(pending[j])
             for n, w, j in zip(held, waiting, own, strict=True)
@@ -430,34 +431,54 @@ def split_extras(
     """Per virtual stage j, what runs beside a split-backward moment's counts
     (``schedule.split_action_moments``), bytes per GPU: "T" and "fewer", chunk j's largest
     layer moment of a forward or a full backward (``chunk_moment``: transient_l and
-    stored_j(> l)); "I", its input step's, max(0, max_l X_l) (``input_step_columns``); "W",
-    its weight step's (``weight_step_transient``). ``stored``, ``transient``: per layer, the
-    recompute set ``recomputed`` applied."""
+    stored_j(> l)); "G", its first full backward's (step lifetime: no gradient of j before
+    it), max_l (transient_l - stored_j(> l) + grads_j(> l) + own_l), the layers after l with
+    their gradients and l with those its backward made by its largest moment (``own_grads``,
+    as ``layer_moments``' first backward); "I", its input step's, max(0, max_l X_l)
+    (``input_step_columns``); "W" and "V", its weight step's and its first weight step's
+    (``weight_step_transient``). ``stored``, ``transient``: per layer, the recompute set
+    ``recomputed`` applied."""
     num = costs.num_stages
-    extras = {kind: np.zeros(num, dtype=np.int64) for kind in ("T", "fewer", "I", "W")}
+    extras = {kind: np.zeros(num, dtype=np.int64) for kind in ("T", "fewer", "G", "I", "W", "V")}
     members = np.argsort(stage_of, kind="stable")
     bounds = np.searchsorted(stage_of[members], np.arange(num + 1))
-    steps = weight_step_columns(costs, transient)
+    weight, end, first_weight, first_end = weight_step_columns(costs, transient)
     inputs = input_step_columns(costs, transient, recomputed)
+    grads = np.asarray(costs.grad_bytes, dtype=np.int64)
+    own = grads if costs.own_grad_bytes is None else np.asarray(costs.own_grad_bytes)
     for j in range(num):
         layers = members[bounds[j] : bounds[j + 1]]
         if not len(layers):
             continue
         fewer, top = chunk_moment(costs, layers.tolist(), stored, transient)
         extras["T"][j], extras["fewer"][j] = top, fewer
+        running = costs.moment_transient(transient, costs.num_layers - 1 in layers)[layers]
+        later_stored = stored[layers].sum() - np.cumsum(stored[layers])
+        later_grads = grads[layers].sum() - np.cumsum(grads[layers])
+        extras["G"][j] = int((running - later_stored + later_grads + own[layers]).max())
         extras["I"][j] = max(0, int(inputs[layers].max()))
-        extras["W"][j] = weight_step_transient(*steps, layers)
+        extras["W"][j] = weight_step_transient(weight, end, layers)
+        extras["V"][j] = weight_step_transient(first_weight, first_end, layers)
     return extras
 
 
 def weight_step_columns(costs: LayerCosts, transient: np.ndarray) -> tuple[np.ndarray, ...]:
-    """(W_l, End_l) per layer, bytes per GPU (``LayerCosts.weight_step_bytes``): a layer the
-    graph gives no ``weight_step_moments`` takes W_l = transient_l (its backward's transient,
-    the earlier estimate) and End_l = 0."""
+    """(W_l, End_l, W1_l, End1_l) per layer, bytes per GPU: a weight step's
+    (``LayerCosts.weight_step_bytes``) and a chunk's first weight step's
+    (``weight_step_first_bytes``). A layer the graph gives no ``weight_step_moments`` takes
+    W_l = transient_l (its backward's transient, the earlier estimate) and End_l = 0, and in
+    a first weight step its gradients beside: W1_l = transient_l + grads_l, End1_l = grads_l."""
+    grads = np.asarray(costs.grad_bytes, dtype=np.int64)
+    transient = np.asarray(transient, dtype=np.int64)
     if costs.weight_step_bytes is None:
-        return np.asarray(transient, dtype=np.int64), np.zeros(costs.num_layers, dtype=np.int64)
+        return transient, np.zeros(costs.num_layers, dtype=np.int64), transient + grads, grads
     known = costs.weight_step_known
-    return np.where(known, costs.weight_step_bytes, transient), costs.weight_step_end_bytes
+    return (
+        np.where(known, costs.weight_step_bytes, transient),
+        costs.weight_step_end_bytes,
+        np.where(known, costs.weight_step_first_bytes, transient + grads),
+        np.where(known, costs.weight_step_first_end_bytes, grads),
+    )
 
 
 def input_step_columns(
@@ -477,7 +498,8 @@ def weight_step_transient(weight: np.ndarray, end: np.ndarray, layers: np.ndarra
     """W_j of a virtual stage holding ``layers`` (forward order): what its weight step runs
     beside the held tensors at its largest moment. torch's ``stage_backward_weight`` runs the
     param groups in parameter order, so layer l's groups run beside what the layers before it
-    in the chunk left (End, their last group's weight gradients less their frees):
+    in the chunk left (End, their last group's weight gradients less their frees; in a first
+    weight step every gradient they made):
 
         W_j = max(0, max_{l in j} (W_l + sum_{i in j, i < l} End_i))"""
     if not len(layers):
