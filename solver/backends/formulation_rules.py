@@ -151,18 +151,22 @@ class FormulationRules:
                 running = [-1] * len(vectors)  # the rank's largest transient, tr[r]
                 if costs.layer_moment_ranks:
                     running = costs.running_chunks[rank]
+                extras = costs.split_extras[rank] if costs.split_extras else None
                 rows = zip(
                     vectors,
                     costs.backwards_done[rank],
                     costs.pending_vectors[rank],
                     costs.grads_started[rank],
                     running,
+                    extras or [("", -1)] * len(vectors),
                     strict=True,
                 )
-                for i, (vector, done, pending, started, chunk) in enumerate(rows):
+                for i, (vector, done, pending, started, chunk, extra) in enumerate(rows):
                     self._tick()
                     suffix = f"_n{i}" if len(vectors) > 1 else ""
-                    row = self._rank_bytes_from_parts(rank, vector, done, pending, started, chunk)
+                    row = self._rank_bytes_from_parts(
+                        rank, vector, done, pending, started, chunk, extra
+                    )
                     self._add(self.vars.peak >= row, f"memory_s{rank}{suffix}")
             return
         for s, row in enumerate(self.vars.stage_peak):

@@ -442,10 +442,8 @@ def split_extras(
     extras = {kind: np.zeros(num, dtype=np.int64) for kind in ("T", "fewer", "G", "I", "W", "V")}
     members = np.argsort(stage_of, kind="stable")
     bounds = np.searchsorted(stage_of[members], np.arange(num + 1))
-    weight, end, first_weight, first_end = weight_step_columns(costs, transient)
-    inputs = input_step_columns(costs, transient, recomputed)
-    grads = np.asarray(costs.grad_bytes, dtype=np.int64)
-    own = grads if costs.own_grad_bytes is None else np.asarray(costs.own_grad_bytes)
+    columns = split_extra_columns(costs, transient, recomputed)
+    inputs, grads, own = columns["X"], columns["grads"], columns["own"]
     for j in range(num):
         layers = members[bounds[j] : bounds[j + 1]]
         if not len(layers):
@@ -457,9 +455,31 @@ def split_extras(
         later_grads = grads[layers].sum() - np.cumsum(grads[layers])
         extras["G"][j] = int((running - later_stored + later_grads + own[layers]).max())
         extras["I"][j] = max(0, int(inputs[layers].max()))
-        extras["W"][j] = weight_step_transient(weight, end, layers)
-        extras["V"][j] = weight_step_transient(first_weight, first_end, layers)
+        extras["W"][j] = weight_step_transient(columns["W"], columns["End"], layers)
+        extras["V"][j] = weight_step_transient(columns["W1"], columns["End1"], layers)
     return extras
+
+
+def split_extra_columns(
+    costs: LayerCosts, transient: np.ndarray, recomputed: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Per layer, bytes per GPU, the columns ``split_extras`` takes per virtual stage, in one
+    recompute state (``transient`` and ``recomputed`` of it; the backends' rows take both):
+    "X" the input step's (``input_step_columns``), "W"/"End" and "W1"/"End1" the weight
+    step's and the first weight step's (``weight_step_columns``), "own" l's own gradients
+    at its largest moment of a first full backward (``own_grads``), "grads" its gradients."""
+    weight, end, first_weight, first_end = weight_step_columns(costs, transient)
+    grads = np.asarray(costs.grad_bytes, dtype=np.int64)
+    own = grads if costs.own_grad_bytes is None else np.asarray(costs.own_grad_bytes)
+    return {
+        "X": input_step_columns(costs, transient, recomputed),
+        "W": weight,
+        "End": end,
+        "W1": first_weight,
+        "End1": first_end,
+        "own": own,
+        "grads": grads,
+    }
 
 
 def weight_step_columns(costs: LayerCosts, transient: np.ndarray) -> tuple[np.ndarray, ...]:
