@@ -100,19 +100,21 @@ class FormulationSplit:
         peak = [int(base[step][i] + max(delta[step][i], 0)) for i in layers]
         rise = [max(int(base[end][i]), int(base[end][i] + delta[end][i]), 0) for i in layers]
         fall = [min(int(base[end][i]), int(base[end][i] + delta[end][i]), 0) for i in layers]
-        high = max(0, max(p + sum(rise[:k]) for k, p in enumerate(peak))) if layers else 0
+        rises = np.concatenate(([0], np.cumsum(rise, dtype=np.int64))).tolist()  # D at most
+        falls = np.concatenate(([0], np.cumsum(fall, dtype=np.int64))).tolist()
+        high = max([0] + [p + rises[k] for k, p in enumerate(peak)])
         top = self._new_var(0, self._bytes(high), f"{tag}_v{stage}")
         running: Any = 0
         for k, layer in enumerate(layers):
             self._tick()
-            most = sum(rise[:k])  # D[l][j] at most
+            most = rises[k]  # D[l][j] at most
             row = [running, -self._bytes(most)] if most else [running]
             value = int(base[step][layer]) + most
             row += self._with_recompute(layer, stage, value, delta[step][layer])
             if peak[k] + most > 0:
                 self._add(top >= self._sum(row), f"{tag}_step_l{layer}_v{stage}")
             if k + 1 < len(layers):
-                low, hi = sum(fall[: k + 1]), sum(rise[: k + 1])
+                low, hi = falls[k + 1], rises[k + 1]
                 terms = self._with_recompute(layer, stage, base[end][layer], delta[end][layer])
                 if terms:
                     following = self._new_var(
@@ -143,14 +145,16 @@ class FormulationSplit:
         fall = [min(a, b, 0) for a, b in zip(change, change_again, strict=True)]
         value = [int(transient[i] + own[i]) + (held if i != last else 0) for i in layers]
         again = [int(transient_again[i] - transient[i]) for i in layers]
-        high = max([0] + [v + max(d, 0) + sum(rise[k + 1 :]) for k, (v, d) in
+        rises = np.concatenate((np.cumsum(rise[::-1], dtype=np.int64)[::-1], [0])).tolist()
+        falls = np.concatenate((np.cumsum(fall[::-1], dtype=np.int64)[::-1], [0])).tolist()
+        high = max([0] + [v + max(d, 0) + rises[k + 1] for k, (v, d) in
                           enumerate(zip(value, again, strict=True))])  # fmt: skip
         top = self._new_var(0, self._bytes(high), f"G_v{stage}")
         running: Any = 0
         for k in range(len(layers) - 1, -1, -1):
             self._tick()
             layer = layers[k]
-            most = sum(rise[k + 1 :])  # E[l][j] at most
+            most = rises[k + 1]  # E[l][j] at most
             row = [running, -self._bytes(most)] if most else [running]
             row += self._with_recompute(layer, stage, transient[layer] + own[layer] + most,
                                         again[k])  # fmt: skip
@@ -160,7 +164,7 @@ class FormulationSplit:
                 terms = self._with_recompute(layer, stage, change[k], change_again[k] - change[k])
                 if terms:
                     following = self._new_var(
-                        self._bytes(sum(fall[k:])), self._bytes(sum(rise[k:])),
+                        self._bytes(falls[k]), self._bytes(rises[k]),
                         f"G_e_l{layer}_v{stage}",
                     )  # fmt: skip
                     self._add(following >= self._sum([running, *terms]), f"G_e_l{layer}_v{stage}")
