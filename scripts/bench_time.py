@@ -12,8 +12,9 @@ ping-pong of ``LINK_SIZES`` (one thread per rank), the one-way time per message 
 ``intra_node_gb_per_s``, and the latency its ``p2p_latency_us`` when ``solver.specs.Cluster``
 has that field.
 
-For each layout of ``LAYOUTS`` (pp 1-2, 1F1B, GPipe and interleaved v 2, even and uneven splits,
-with and without full recompute, 2-8 micro-batches of one sample, torch runtime) the plan is
+For each layout of ``LAYOUTS`` (pp 1-2, 1F1B, GPipe, interleaved v 2 and the split-backward
+interleaved-zb, zbv and dualpipev, even and uneven splits, with and without full recompute, 2-8
+micro-batches of one sample, torch runtime) the plan is
 ``solver.evaluate`` of the fixed split on that cluster (``evaluation_to_dict``: a plan document
 ``profiling.run`` reads), and the prediction is its ``iteration_ns``, as the solver computes it.
 Every layout runs ``--repeats`` times, round robin (a busy spell hits every layout), through
@@ -81,6 +82,9 @@ LAYOUTS = (
     Layout(name="pp2 1f1b m4 3+5 recompute", pp=2, m=4, split=(3, 5), recompute="full"),
     Layout(name="pp2 interleaved v2 m4", pp=2, m=4, v=2),
     Layout(name="pp2 interleaved v2 m4 1+3+2+2", pp=2, m=4, v=2, split=(1, 3, 2, 2)),
+    Layout(name="pp2 interleaved-zb m4", pp=2, m=4, schedule="interleaved-zb"),
+    Layout(name="pp2 zbv m4", pp=2, m=4, v=2, schedule="zbv", split=(2, 2, 2, 2)),
+    Layout(name="pp2 dualpipev m4", pp=2, m=4, v=2, schedule="dualpipev", split=(2, 2, 2, 2)),
 )
 QUICK = ("pp1 m2", "pp2 1f1b m4", "pp2 1f1b m4 3+5", "pp2 interleaved v2 m4")
 """The layouts of ``--quick`` (with 2 repeats)."""
@@ -275,10 +279,13 @@ def evaluation_of(graph, layout: Layout, cluster):
 
 def split_label(evaluation) -> str:
     """Layers per (virtual) stage, e.g. "3-5" or "1-3-2-2" (virtual stage order)."""
-    pp = len(evaluation.stages)
+    from solver.parallel import rank_stages
+
+    config = evaluation.config
     counts: dict[int, int] = {}
     for stage in evaluation.stages:
-        for j, chunk in zip(range(stage.index, 10**6, pp), stage.chunks, strict=False):
+        own = rank_stages(config.schedule, config.pp, config.virtual_stages, stage.index)
+        for j, chunk in zip(own, stage.chunks, strict=False):
             counts[j] = len(chunk)
     return "-".join(str(counts[j]) for j in sorted(counts))
 
@@ -293,7 +300,9 @@ def layout_row(layout: Layout, evaluation, runs: list[tuple]) -> dict:
         "layout": layout.name,
         "pp": layout.pp,
         "v": layout.v,
-        "schedule": "interleaved" if layout.v > 1 else layout.schedule,
+        "schedule": (
+            "interleaved" if layout.v > 1 and layout.schedule == "1f1b" else layout.schedule
+        ),
         "m": layout.m,
         "split": split_label(evaluation),
         "recompute": layout.recompute,

@@ -96,6 +96,23 @@ def pipeline_order(
 
 
 @lru_cache(maxsize=512)
+def overlapped_forwards(
+    schedule: str, num_microbatches: int, num_ranks: int, num_chunks: int, rank: int
+) -> frozenset[int]:
+    """Positions in ``zero_bubble_actions`` of the forwards that open an ``OverlapStep``: torch's
+    runtime posts their sends after the backward that follows (``_add_send_recv`` appends an
+    OVERLAP_F_B's sends after the whole action, the forward's first)."""
+    positions, position = [], 0
+    for entry in pipeline_order(schedule, num_microbatches, num_ranks, num_chunks)[rank]:
+        if isinstance(entry, OverlapStep):
+            positions.append(position)
+            position += 2
+        elif entry is not None:
+            position += 1
+    return frozenset(positions)
+
+
+@lru_cache(maxsize=512)
 def zero_bubble_actions(
     schedule: str, num_microbatches: int, num_ranks: int, num_chunks: int, rank: int
 ) -> tuple[ScheduleAction, ...]:

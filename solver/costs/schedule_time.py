@@ -45,7 +45,12 @@ import numpy as np
 
 from solver.costs.coefficients import LayerCosts
 from solver.costs.schedule import ScheduleAction, interleaved_schedule_groups, schedule_actions
-from solver.costs.schedule_orders import ZERO_BUBBLE_SCHEDULES, rank_stages, stage_ranks
+from solver.costs.schedule_orders import (
+    ZERO_BUBBLE_SCHEDULES,
+    overlapped_forwards,
+    rank_stages,
+    stage_ranks,
+)
 from solver.costs.stage_cost import StageCost
 from solver.costs.stages import stage_costs
 from solver.errors import InputError
@@ -176,9 +181,14 @@ def simulate_schedule(
     )
 
 
-Step = tuple[ScheduleAction, int, int, list[list], Sequence[tuple[list, int, int]]]
+Send = tuple[list, int, int]
+"""(arrival list, link, transfer ns)."""
+Step = tuple[
+    ScheduleAction, int, int, list[list], Sequence[Send], Sequence[tuple[int, Sequence[Send]]]
+]
 """One action of a rank as ``_run`` takes it: (action, micro-batch, duration ns, the arrival
-lists it waits on, its sends as (arrival list, link, transfer ns))."""
+lists it waits on, its sends, and sends of an earlier action it posts first as (micro-batch,
+sends): an overlapped forward's, ``schedule_orders.overlapped_forwards``)."""
 
 
 def _rank_steps(
@@ -231,14 +241,25 @@ def _rank_steps(
     for j in range(num_stages):
         weight = min(int(weight_ns[j]), int(backward_ns[j]))
         duration |= {("W", j): weight, ("I", j): int(backward_ns[j]) - weight}
-    # per rank: (action, micro-batch, duration, arrivals to wait for, sends) in its order
+    if schedule in ZERO_BUBBLE_SCHEDULES:  # torch skips stage 0's I; its W runs it all
+        duration |= {("W", 0): int(backward_ns[0]), ("I", 0): 0}
     lists = []
     for r in range(p):
-        steps = []
+        steps: list[Step] = []
         own = rank_stages(schedule, p, v, r)
-        for action in schedule_actions(m, p, v, r, group, schedule):
-            key = (action.kind, own[action.chunk])
-            steps.append((action, action.microbatch, duration[key], waits[key], sends.get(key, ())))
+        deferred = (
+            overlapped_forwards(schedule, m, p, v, r) if schedule == "dualpipev" else frozenset()
+        )
+        carried: tuple = ()
+        for position, action in enumerate(schedule_actions(m, p, v, r, group, schedule)):
+            key, i = (action.kind, own[action.chunk]), action.microbatch
+            targets = sends.get(key, ())
+            if position in deferred:
+                steps.append((action, i, duration[key], waits[key], (), ()))
+                carried = ((i, targets),) if targets else ()
+                continue
+            steps.append((action, i, duration[key], waits[key], targets, carried))
+            carried = ()
         lists.append(steps)
     return lists, len(link_index)
 
@@ -262,7 +283,7 @@ def _run(lists: list[list[Step]], num_links: int) -> list[list[tuple[ScheduleAct
         for r in up if sweeps % 2 == 0 else down:
             steps, pos, now, ran = lists[r], position[r], free[r], done[r]
             while pos < len(steps):
-                action, i, length, waited, targets = steps[pos]
+                action, i, length, waited, targets, carried = steps[pos]
                 start = now
                 for times in waited:
                     arrived = times[i]
@@ -273,6 +294,10 @@ def _run(lists: list[list[Step]], num_links: int) -> list[list[tuple[ScheduleAct
                 else:
                     now = end = start + length
                     ran.append((action, start, end))
+                    for k, earlier in carried:  # an overlapped forward's, posted first
+                        for times, link, ns in earlier:
+                            sent = link_free[link]
+                            times[k] = link_free[link] = (end if end > sent else sent) + ns
                     for times, link, ns in targets:  # FIFO on the directed link
                         sent = link_free[link]
                         times[i] = link_free[link] = (end if end > sent else sent) + ns
