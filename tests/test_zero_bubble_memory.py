@@ -18,9 +18,17 @@ from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
 
-def _costs(schedule: str, m: int, runtime: str = "megatron", lifetime: str | None = None):
+def _costs(
+    schedule: str,
+    m: int,
+    runtime: str = "megatron",
+    lifetime: str | None = None,
+    profiled: bool = False,
+):
     """8 layers of 100 B saved, 8 B output to the next per sample (none after the last); l5 has
-    no weights (dY 0). ``lifetime``: the gradient lifetime (None: the runtime's default)."""
+    no weights (dY 0). ``lifetime``: the gradient lifetime (None: the runtime's default).
+    ``profiled``: with a transient of 30 B and the split-backward fields of the profile
+    (``PROFILED``)."""
     layers = [
         {
             "name": f"l{k}",
@@ -29,9 +37,12 @@ def _costs(schedule: str, m: int, runtime: str = "megatron", lifetime: str | Non
             "output_bytes": 8,
             "fwd_ms": 1.0,
             "bwd_ms": 2.0,
+            **(PROFILED if profiled and k != 5 else {}),
         }
         for k in range(8)
     ]
+    if profiled:
+        layers[5].update(transient_bytes=30, weight_op_grad_bytes=0, input_step_transient_bytes=12)
     graph = graph_from_dict({"format": "layer-graph", "version": 1, "model": "m", "layers": layers})
     config = ParallelConfig(
         pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=m, schedule=schedule, virtual_stages=2
@@ -40,39 +51,62 @@ def _costs(schedule: str, m: int, runtime: str = "megatron", lifetime: str | Non
     return layer_costs(graph, config, Cluster(num_gpus=2), training)
 
 
+PROFILED = {
+    "transient_bytes": 30,
+    "weight_op_grad_bytes": 20,
+    "weight_op_output_grad_bytes": 8,
+    "input_step_transient_bytes": 12,
+    "weight_step_moments": [[4, 0, -5], [10, 0, -10]],
+    "weight_step_end": [6, 0, -5],
+}
+"""A layer's profiled split-backward fields (a layer with weights; l5 has the transient, no
+weight-op gradients, its input step's 12 B and no weight-step points)."""
+
+
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev", "interleaved-zb"])
 def test_each_action_adds_or_frees_its_terms(schedule):
-    costs = _costs(schedule, 4)
+    """Every action's bytes, from the profile's fields by hand (megatron, persistent gradients:
+    4 B per parameter, 40 B a layer with weights; buffers 8 B per boundary a virtual stage
+    receives or sends, constant with deallocated outputs). Per virtual stage (2 layers):
+    kept 200 B per micro-batch held; dY 48 (each layer's 20 B of weight-op gradients, the
+    first's 8 B output gradient too, its consumer in the chunk; stage 2 (l4, l5) 28; stage 0
+    none, torch skips its I); what runs beside: F and B (a layer of it running, the layers
+    after it freed or not run: 30 - 100 at its first layer, 30 at its last) T = 30, I = 12, W
+    = 49 (a layer's points G(4) - 5 = 11 and G(10) - 10 = 30; its end G(6) - 5 = 19, what the
+    next layer's groups run beside: 30 + 19; l5's fallback is its transient, 30 + 19), and on
+    stage 0 a W is a full backward (T). An action's bytes are the largest of its moment and
+    the state after it: F after + T; I after + I (stage 0: after); W before + W; B before +
+    T."""
+    costs = _costs(schedule, 4, profiled=True)
     split = [0, 0, 1, 1, 2, 2, 3, 3]
-    stored, transient, _ = costs.coefficients(costs.recompute_mask(None))
-    kept = [int(stored[2 * j] + stored[2 * j + 1]) for j in range(4)]
-    output = [8] * 7 + [0]  # each layer's output tensor for the next, one sample
-    pending = [
-        sum(int(transient[k]) + output[k] for k in (2 * j, 2 * j + 1) if k != 5) for j in range(4)
-    ]
-    pending[0] = 0  # torch skips stage 0's I step (no input gradient): its W is a full backward
+    kept, dy, beside = 200, [0, 48, 28, 48], {"T": 30, "I": 12, "W": 49}
     for memory in rank_memory(costs, split):
         own = costs.stages_of_rank(memory.rank)
-        held, waiting, best = [0, 0], [0, 0], None
-        for before, after, action in zip(
-            memory.action_bytes, memory.action_bytes[1:], memory.actions[1:], strict=False
-        ):
-            j, c = own[action.chunk], action.chunk
-            expected = {
-                "F": kept[j],
-                "I": pending[j],
-                "W": -kept[j] - pending[j],
-                "B": -kept[j],
-            }[action.kind]
-            assert after - before == expected, (schedule, memory.rank, action)
-        for action, value in zip(memory.actions, memory.action_bytes, strict=True):
-            c = action.chunk
-            held[c] += {"F": 1, "I": 0}.get(action.kind, -1)
-            waiting[c] += {"I": 1, "W": -1}.get(action.kind, 0)
-            if best is None or value > best[0]:
-                best = (value, tuple(held), tuple(waiting))
-        assert memory.peak_bytes == best[0]
-        assert (memory.held_at_peak, memory.pending_at_peak) == best[1:]
+        buffers = 8 * sum((j > 0) + (j < 3) for j in own)
+        grads = 40 * sum(k != 5 for k in range(8) if split[k] in own)
+        held, waiting = [0, 0], [0, 0]
+
+        def state() -> int:
+            activations = sum(n * kept + w * dy[j] for n, w, j in zip(held, waiting, own))
+            return memory.states_bytes + grads + buffers + activations
+
+        expected = []
+        for action in memory.actions:
+            c, j = action.chunk, own[action.chunk]
+            if action.kind in ("W", "B"):
+                full = action.kind == "B" or j == 0
+                during = state() + beside["T" if full else "W"]
+                held[c] -= 1
+                waiting[c] -= 0 if full else 1
+            elif action.kind == "F":
+                held[c] += 1
+                during = state() + beside["T"]
+            else:
+                waiting[c] += j != 0
+                during = state() + (beside["I"] if j else 0)
+            expected.append(max(during, state()))
+        assert list(memory.action_bytes) == expected, (schedule, memory.rank)
+        assert memory.peak_bytes == max(expected)
 
 
 def test_v_placement_puts_first_and_last_chunk_on_rank_0():
