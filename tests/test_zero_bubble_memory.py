@@ -2,10 +2,12 @@
 
 Oracle: the rule of torch's runtime, action by action: a forward adds the chunk's kept bytes
 per micro-batch; an I (``stage_backward_input``, retain_graph=True) frees nothing and adds the
-dY its W will consume (none on virtual stage 0, whose I torch skips; this graph has no
-profiled dY: the estimate transient + output per layer with weights); a W frees the micro-batch's kept bytes and that dY; a full B frees the
-kept bytes. On the megatron runtime with deallocated outputs the buffers do not change with the
-counts, so consecutive actions differ by exactly those terms.
+dY its W will consume (none on virtual stage 0, whose I torch skips; without profiled dY the
+estimate transient + output per layer with weights); a W frees the micro-batch's kept bytes
+and that dY; a full B frees the kept bytes; inside each action what runs beside (a layer's
+transient, the input step's, the weight step's groups) is computed by hand from the profile's
+fields. On the megatron runtime with deallocated outputs the buffers do not change with the
+counts.
 """
 
 from __future__ import annotations
