@@ -614,9 +614,10 @@ def split_rank_bytes(
     not), B done and g (its gradients exist: always, or under step lifetime
     (``Setup.grad_lifetime``) from its first W or B), a state is weights + optimizer (+ DDP's
     buckets) + sum_c (g_c grads_c + n_c kept_c + w_c dY_c + buffers_c). F: the state after
-    it + T; I: after it + I (virtual stage 0 runs no I: after it alone); W: the state before it + W, or, its chunk's first under step lifetime,
-    with none of that chunk's gradients + V; B (and W on virtual stage 0, a full backward):
-    before it + T, or G without the chunk's gradients at its first; each also after it."""
+    it + T; I: after it + I (virtual stage 0 runs no I: after it alone); W: the state before
+    it + W, or, its chunk's first under step lifetime, with none of that chunk's gradients +
+    V; B (and W on virtual stage 0, a full backward): before it + T, or G without the chunk's
+    gradients at its first; each also after it."""
     last = setup.pp * setup.virtual_stages - 1
     chunks = rank_chunks(rank, setup, setup.virtual_stages)
     members = [[i for i, s in enumerate(stage_of_layer) if s == j] for j in chunks]
