@@ -120,7 +120,8 @@ class FormulationSplit:
                     following = self._new_var(
                         self._bytes(low), self._bytes(hi), f"{tag}_d_l{layer}_v{stage}"
                     )
-                    self._add(following >= self._sum([running, *terms]), f"{tag}_d_l{layer}_v{stage}")
+                    name = f"{tag}_d_l{layer}_v{stage}"
+                    self._add(following >= self._sum([running, *terms]), name)
                     running = following
         return top
 
