@@ -492,7 +492,7 @@ def stage_peaks(layers: list[dict], stage_of_layer: list[int], setup: Setup) -> 
 #
 # docs/cost-model.md, "Zero-bubble and V schedules": per rank, the memory inside and after each
 # action of torch's list (F, I, W, B per chunk), from the layer-graph fields alone. Covered:
-# a chain cut into p v contiguous virtual stages, no recomputation, no ZeRO >= 2, no sequence
+# a chain cut into p v contiguous virtual stages, no recomputation, no FSDP2, no sequence
 # parallelism, no model output kept for the loss, a fused optimizer step (no step moment).
 
 
@@ -506,7 +506,8 @@ def rank_chunks(rank: int, setup: Setup, virtual: int) -> list[int]:
 
 
 def gradients_of(params: int, tp_params: int, setup: Setup) -> int:
-    """G(P, T): the gradient bytes per GPU of P parameters, T of them split by tp."""
+    """G(P, T): the gradient bytes per GPU of P parameters, T of them split by tp, unsharded:
+    a weight step's autograd.grad makes a group's whole dweights, whatever ZeRO shards later."""
     return ceil(setup.grad_bytes * ((params - tp_params) + Fraction(tp_params, setup.tp)))
 
 

@@ -50,6 +50,7 @@ the weight step's earlier-layer ends (End) dropped                     61
 the running micro-batch counted whole in F/B (stored(> l) kept)        69
 dY without the output gradient of a local consumer                     58
 the V's turn-around rule dropped                                       25
+the weight step's dweights sharded by ZeRO >= 2 (megatron)             17
 ====================================================================  ======
 """
 
@@ -244,9 +245,9 @@ def random_weight_step(rng: random.Random, layer: dict) -> None:
 
 
 def random_split_setup(rng: random.Random, num_layers: int) -> Setup | None:
-    """A split-backward layout the reference covers (no recomputation, ZeRO 0/1, no SP, no
-    model output kept for the loss, a fused step), both runtimes, both gradient lifetimes on
-    torch's; None where torch's class refuses it."""
+    """A split-backward layout the reference covers (no recomputation, no SP, no model output
+    kept for the loss, a fused step; ZeRO 0-3 on megatron's runtime, no FSDP2 on torch's), both
+    runtimes, both gradient lifetimes on torch's; None where torch's class refuses it."""
     schedule, virtual = rng.choice(SPLIT_SCHEDULES)
     pp = rng.randint(2, 3)
     m = rng.randint(1, 8)
@@ -259,7 +260,7 @@ def random_split_setup(rng: random.Random, num_layers: int) -> Setup | None:
         dp=rng.choice([1, 2, 4]),
         micro_batch=rng.choice([1, 2, 3]),
         num_microbatches=m,
-        zero=rng.randint(0, 1),
+        zero=rng.randint(0, 3 if runtime == "megatron" else 1),
         schedule=schedule,
         recompute="none",
         sp=False,

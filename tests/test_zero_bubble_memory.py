@@ -26,11 +26,13 @@ def _costs(
     runtime: str = "megatron",
     lifetime: str | None = None,
     profiled: bool = False,
+    dp: int = 1,
+    zero: int = 0,
 ):
     """8 layers of 100 B saved, 8 B output to the next per sample (none after the last); l5 has
     no weights (dY 0). ``lifetime``: the gradient lifetime (None: the runtime's default).
     ``profiled``: with a transient of 30 B and the split-backward fields of the profile
-    (``PROFILED``)."""
+    (``PROFILED``); ``dp`` replicas under ZeRO ``zero``."""
     layers = [
         {
             "name": f"l{k}",
@@ -47,10 +49,13 @@ def _costs(
         layers[5].update(transient_bytes=30, weight_op_grad_bytes=0, input_step_transient_bytes=12)
     graph = graph_from_dict({"format": "layer-graph", "version": 1, "model": "m", "layers": layers})
     config = ParallelConfig(
-        pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=m, schedule=schedule, virtual_stages=2
+        pp=2, tp=1, dp=dp, micro_batch=1, num_microbatches=m, zero=zero, schedule=schedule,
+        virtual_stages=2,
+    )  # fmt: skip
+    training = TrainingConfig(
+        global_batch=m * dp, runtime=runtime, grad_lifetime=lifetime, zero_stages=(zero,)
     )
-    training = TrainingConfig(global_batch=m, runtime=runtime, grad_lifetime=lifetime)
-    return layer_costs(graph, config, Cluster(num_gpus=2), training)
+    return layer_costs(graph, config, Cluster(num_gpus=2 * dp), training)
 
 
 PROFILED = {
@@ -218,3 +223,25 @@ def test_a_chunks_gradients_appear_at_its_own_first_weight_step(schedule):
                 assert high - low == missing, (kept.rank, action)
             apart += started[0] != started[1]
     assert apart > 0  # some action with one chunk's gradients and not the other's
+
+
+
+def test_a_weight_step_makes_whole_dweights_under_zero_2():
+    """``stage_backward_weight``'s autograd.grad makes a param group's whole weight gradients
+    before any reduce-scatter, so under ZeRO 2 over d = 4 (megatron's runtime, whose kept
+    gradients are sharded: 10 B a layer, 40 / 4) a W moment still counts them unsharded: each
+    layer's points are G(4) - 5 = 11 and G(10) - 10 = 30, its end G(6) - 5 = 19, at 4 B a
+    parameter, as at d = 1: every action of d = 4 is d = 1's less the states and the kept
+    gradients the sharding saves."""
+    whole, sharded = (_costs("zbv", 4, profiled=True, dp=dp, zero=2) for dp in (1, 4))
+    assert list(whole.grad_bytes) == [40, 40, 40, 40, 40, 0, 40, 40]
+    assert list(sharded.grad_bytes) == [10, 10, 10, 10, 10, 0, 10, 10]
+    for costs in (whole, sharded):
+        assert list(costs.weight_step_bytes) == [30, 30, 30, 30, 30, 0, 30, 30]
+        assert list(costs.weight_step_end_bytes) == [19, 19, 19, 19, 19, 0, 19, 19]
+    split = [0, 0, 1, 1, 2, 2, 3, 3]
+    for high, low in zip(rank_memory(whole, split), rank_memory(sharded, split), strict=True):
+        # only the kept states and gradients differ (persistent): the same at every action
+        layers = [k for k in range(8) if split[k] in whole.stages_of_rank(high.rank)]
+        saved = high.states_bytes - low.states_bytes + 30 * sum(k != 5 for k in layers)
+        assert {a - b for a, b in zip(high.action_bytes, low.action_bytes)} == {saved}

@@ -72,6 +72,7 @@ stage".
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from fractions import Fraction
 
 import numpy as np
@@ -247,8 +248,11 @@ def weight_step_columns(
     """The W step's per-layer figures of a split-backward schedule, per GPU per micro-batch
     (``LayerCosts.weight_step_bytes``, ``weight_step_end_bytes``), where the graph gives
     ``weight_step_moments``: W_l = max_i G(P_i, T_i) + ceil(b e_i / cp) over its points and
-    End_l the same of its end (G: ``own_grads.gradient_bytes``, the weight gradients' bytes of
-    P parameters, T of them TP-split); the same of a chunk's first W step, where no ``.grad``
+    End_l the same of its end (G: ``own_grads.gradient_bytes`` at ZeRO 0, the unsharded weight
+    gradients' bytes of P parameters, T of them TP-split: ``stage_backward_weight``'s
+    ``autograd.grad`` makes a group's whole dweights before any reduce-scatter, so under ZeRO
+    >= 2 a group's are not the sharded gradients kept; over where the runtime keeps them
+    unsharded anyway, FSDP2 under pipelining); the same of a chunk's first W step, where no ``.grad``
     exists yet and each group's dweights become the gradients (``weight_step_first_bytes``,
     ``weight_step_first_end_bytes``): a point's P counts the layer's groups so far (each
     group's size is its point's P less the previous group's), the end every group of the
@@ -292,7 +296,9 @@ def _step_extremes(
     layer order, each layer's end last."""
     index = np.array([i for i, _ in points], dtype=np.int64)
     made, split, extra = (as_int([point[k] for _, point in points]) for k in range(3))
-    value = gradient_bytes(made, split, config, training, scaled) + scaled(
+    # autograd makes a group's whole dweights before any reduce-scatter: unsharded (ZeRO 0)
+    whole = replace(config, zero=0)
+    value = gradient_bytes(made, split, whole, training, scaled) + scaled(
         ceil_div(config.micro_batch * extra, config.cp), "transient"
     )
     ends = np.zeros(len(points), dtype=bool)
