@@ -252,11 +252,11 @@ def weight_step_columns(
     gradients' bytes of P parameters, T of them TP-split: ``stage_backward_weight``'s
     ``autograd.grad`` makes a group's whole dweights before any reduce-scatter, so under ZeRO
     >= 2 a group's are not the sharded gradients kept; over where the runtime keeps them
-    unsharded anyway, FSDP2 under pipelining); the same of a chunk's first W step, where no ``.grad``
-    exists yet and each group's dweights become the gradients (``weight_step_first_bytes``,
-    ``weight_step_first_end_bytes``): a point's P counts the layer's groups so far (each
-    group's size is its point's P less the previous group's), the end every group of the
-    layer; and the input step's transient b X_l (``input_step_bytes``, -1 where not given);
+    unsharded anyway, FSDP2 under pipelining); the same of a chunk's first W step, where no
+    ``.grad`` exists yet and each group's dweights become the gradients
+    (``weight_step_first_bytes``, ``weight_step_first_end_bytes``): a point's P counts the
+    layer's groups so far (each group's size is its point's P less the previous group's), the
+    end every group of the layer; and the input step's transient b X_l (``input_step_bytes``, -1 where not given);
     nothing on other schedules or graphs without them."""
     if config.schedule not in ZERO_BUBBLE_SCHEDULES:
         return {}
