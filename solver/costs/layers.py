@@ -256,8 +256,8 @@ def weight_step_columns(
     ``.grad`` exists yet and each group's dweights become the gradients
     (``weight_step_first_bytes``, ``weight_step_first_end_bytes``): a point's P counts the
     layer's groups so far (each group's size is its point's P less the previous group's), the
-    end every group of the layer; and the input step's transient b X_l (``input_step_bytes``, -1 where not given);
-    nothing on other schedules or graphs without them."""
+    end every group of the layer; and the input step's transient b X_l (``input_step_bytes``,
+    -1 where not given); nothing on other schedules or graphs without them."""
     if config.schedule not in ZERO_BUBBLE_SCHEDULES:
         return {}
     if all(layer.weight_step_moments is None for layer in graph.layers):
