@@ -245,3 +245,24 @@ def test_a_weight_step_makes_whole_dweights_under_zero_2():
         layers = [k for k in range(8) if split[k] in whole.stages_of_rank(high.rank)]
         saved = high.states_bytes - low.states_bytes + 30 * sum(k != 5 for k in layers)
         assert {a - b for a, b in zip(high.action_bytes, low.action_bytes)} == {saved}
+
+
+def test_a_first_backwards_gradients_are_in_the_grads_column():
+    """dualpipev m = 4 on the torch runtime (step lifetime, 20 B of gradients a layer), rank 0
+    (stages 0 and 3): its peak is chunk 0's first full backward, after chunk 1's W made that
+    chunk's 40 B, at l1 (30 B transient; l0's gradients not made yet, l1's own 20 B made by
+    its largest moment): the breakdown puts those 20 B in the grads column (60 B), the
+    transient column keeps the layer's 30 B, and the total is the replay's."""
+    costs = _costs("dualpipev", 4, runtime="torch", lifetime="step", profiled=True)
+    split = [0, 0, 1, 1, 2, 2, 3, 3]
+    memory = rank_memory(costs, split)[0]
+    peak = max(range(len(memory.action_bytes)), key=memory.action_bytes.__getitem__)
+    assert (memory.actions[peak].kind, memory.actions[peak].chunk) == ("B", 0)
+    assert [a.kind for a in memory.actions[:peak] if a.chunk == 0].count("B") == 0
+    stage = stage_costs(costs, split)[0]
+    assert (stage.grad_bytes, stage.transient_bytes) == (60, 30)
+    assert stage.peak_bytes == memory.peak_bytes == 1754
+    assert stage.peak_bytes == (
+        stage.weight_bytes + stage.grad_bytes + stage.optimizer_bytes + stage.activation_bytes
+        + stage.buffer_bytes + stage.transient_bytes
+    )  # fmt: skip

@@ -413,7 +413,12 @@ def _split_peak_moment(
         if kind:
             j = own[chunk]
             transient = int(extras[kind][j])
-            activations -= int(extras["fewer"][j]) if kind == "T" else 0
+            if kind == "T":
+                activations -= int(extras["fewer"][j])
+            elif kind == "G":  # its gradients made so far in the grads column, not the transient
+                made, fewer = int(extras["G_grads"][j]), int(extras["G_fewer"][j])
+                grads, activations = grads + made, activations - fewer
+                transient -= made - fewer
         total = grads + activations + buffers + transient
         if best is None or total > best[0]:
             best = (total, grads, activations, buffers, held, transient)
@@ -434,12 +439,14 @@ def split_extras(
     stored_j(> l)); "G", its first full backward's (step lifetime: no gradient of j before
     it), max_l (transient_l - stored_j(> l) + grads_j(> l) + own_l), the layers after l with
     their gradients and l with those its backward made by its largest moment (``own_grads``,
-    as ``layer_moments``' first backward); "I", its input step's, max(0, max_l X_l)
+    as ``layer_moments``' first backward), with "G_grads" and "G_fewer" the gradients and
+    stored_j(> l) at that l (the breakdown's grads and activations); "I", its input step's, max(0, max_l X_l)
     (``input_step_columns``); "W" and "V", its weight step's and its first weight step's
     (``weight_step_transient``). ``stored``, ``transient``: per layer, the recompute set
     ``recomputed`` applied."""
     num = costs.num_stages
-    extras = {kind: np.zeros(num, dtype=np.int64) for kind in ("T", "fewer", "G", "I", "W", "V")}
+    kinds = ("T", "fewer", "G", "G_grads", "G_fewer", "I", "W", "V")
+    extras = {kind: np.zeros(num, dtype=np.int64) for kind in kinds}
     members = np.argsort(stage_of, kind="stable")
     bounds = np.searchsorted(stage_of[members], np.arange(num + 1))
     columns = split_extra_columns(costs, transient, recomputed)
@@ -453,7 +460,12 @@ def split_extras(
         running = costs.moment_transient(transient, costs.num_layers - 1 in layers)[layers]
         later_stored = stored[layers].sum() - np.cumsum(stored[layers])
         later_grads = grads[layers].sum() - np.cumsum(grads[layers])
-        extras["G"][j] = int((running - later_stored + later_grads + own[layers]).max())
+        first = running - later_stored + later_grads + own[layers]
+        best = int(np.argmax(first))
+        extras["G"][j] = int(first[best])
+        # its gradients at that layer (for the breakdown's grads column, ``_split_peak_moment``)
+        extras["G_grads"][j] = int(later_grads[best] + own[layers][best])
+        extras["G_fewer"][j] = int(later_stored[best])
         extras["I"][j] = max(0, int(inputs[layers].max()))
         extras["W"][j] = weight_step_transient(columns["W"], columns["End"], layers)
         extras["V"][j] = weight_step_transient(columns["W1"], columns["End1"], layers)
