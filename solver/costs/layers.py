@@ -218,8 +218,7 @@ def layer_costs(
         backward_weight_bytes=None if unsharded is None else scaled(unsharded, "weights"),
         gather_bytes=None if unsharded is None else _gather_part(params, config, training),
         step_bytes=optimizer_step_bytes(params, config, training, scaled),
-        **_weight_step_bytes(graph, config),
-        **weight_step_columns(graph, config, training, scaled),
+        **_weight_step_bytes(graph, config), **weight_step_columns(graph, config, training, scaled),
         optimizer_step_ns=as_int(
             layer_optimizer_step_ns(
                 params, config, cluster, training, profiled.optimizer_step_ns_per_param

@@ -110,10 +110,9 @@ def _stage_costs(
             costs.optimizer_step_ns,
         )
     )
-    if costs.grad_buffer_bytes is not None:  # DDP's buckets, beside .grad all step
+    buckets = np.zeros(num_stages, dtype=np.int64)  # DDP's buckets, beside .grad all step
+    if costs.grad_buffer_bytes is not None:
         buckets = per_stage_sum(costs.grad_buffer_bytes, stage_of, num_stages)
-    else:
-        buckets = np.zeros(num_stages, dtype=np.int64)
     transient = np.zeros(num_stages, dtype=np.int64)
     np.maximum.at(transient, stage_of, transient_per_layer)
     members = np.argsort(stage_of, kind="stable")
@@ -440,10 +439,10 @@ def split_extras(
     it), max_l (transient_l - stored_j(> l) + grads_j(> l) + own_l), the layers after l with
     their gradients and l with those its backward made by its largest moment (``own_grads``,
     as ``layer_moments``' first backward), with "G_grads" and "G_fewer" the gradients and
-    stored_j(> l) at that l (the breakdown's grads and activations); "I", its input step's, max(0, max_l X_l)
-    (``input_step_columns``); "W" and "V", its weight step's and its first weight step's
-    (``weight_step_transient``). ``stored``, ``transient``: per layer, the recompute set
-    ``recomputed`` applied."""
+    stored_j(> l) at that l (the breakdown's grads and activations); "I", its input step's,
+    max(0, max_l X_l) (``input_step_columns``); "W" and "V", its weight step's and its first
+    weight step's (``weight_step_transient``). ``stored``, ``transient``: per layer, the
+    recompute set ``recomputed`` applied."""
     num = costs.num_stages
     kinds = ("T", "fewer", "G", "G_grads", "G_fewer", "I", "W", "V")
     extras = {kind: np.zeros(num, dtype=np.int64) for kind in kinds}
