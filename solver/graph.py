@@ -68,6 +68,7 @@ OPTIONAL_INTEGER_FIELDS = (
     "weight_op_output_grad_bytes",
     "param_tensors",
     "model_input_bytes",
+    "input_step_transient_bytes",
 )
 """Layer fields that are whole numbers or None (not measured)."""
 
@@ -135,6 +136,22 @@ class Layer:
     """Bytes per sample of the layer's output gradient among those gradients (a weight op's
     output is the layer's output): kept as a new storage where a consumer of the output runs in
     the same pipeline stage. None: not measured."""
+    weight_step_moments: list[tuple[int, int, int]] | None = None
+    """The moments of the layer's part of a split backward's weight step (torch's
+    ``stage_backward_weight``, one ``autograd.grad`` per param group in parameter order), as
+    (params, tp_params, bytes per sample) points: the parameters whose weight gradients are live
+    beside the held tensors then (the previous group's and the running group's, of them
+    tp_params split by TP) and the other bytes then, the layer's frees so far (its dY and saved
+    storages, negative) (``profiling.trace.weight_step``). None: not measured (the moment takes
+    ``transient_bytes``)."""
+    input_step_transient_bytes: int | None = None
+    """Bytes per sample the layer's part of a split backward's input step (torch's
+    ``stage_backward_input``: the graph retained, no weight gradient, the weight ops' output
+    gradients kept) holds at its peak beyond what it keeps for the weight step
+    (``profiling.trace.weight_step``). None: not measured (taken as its transient)."""
+    weight_step_end: tuple[int, int, int] | None = None
+    """The same point at the end of the layer's weight step (its last group's gradients, every
+    free of the layer): what the next layer's weight step runs beside. None: not measured."""
     backward_grad_moments: list[tuple[int, int, int]] | None = None
     """Moments of the layer's backward, (params, tp_params, bytes per sample): its own
     parameters with a gradient then (of them TP-split), and its extra live bytes then (as
@@ -337,8 +354,11 @@ class LayerGraph:
             for layer in self.layers
         ]
         for item in layers:  # JSON arrays (the schema's type), not tuples
-            if item.get("backward_grad_moments") is not None:
-                item["backward_grad_moments"] = [list(p) for p in item["backward_grad_moments"]]
+            for key in ("backward_grad_moments", "weight_step_moments"):
+                if item.get(key) is not None:
+                    item[key] = [list(p) for p in item[key]]
+            if item.get("weight_step_end") is not None:
+                item["weight_step_end"] = list(item["weight_step_end"])
         document: dict[str, Any] = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
@@ -612,10 +632,11 @@ def _layer_from_dict(item: dict[str, Any]) -> Layer:
             values[key] = float(values[key])
     if values.get("tied_params") is not None:
         values["tied_params"] = {k: int(v) for k, v in values["tied_params"].items()}
-    if values.get("backward_grad_moments") is not None:
-        values["backward_grad_moments"] = [
-            tuple(int(v) for v in point) for point in values["backward_grad_moments"]
-        ]
+    for key in ("backward_grad_moments", "weight_step_moments"):
+        if values.get(key) is not None:
+            values[key] = [tuple(int(v) for v in point) for point in values[key]]
+    if values.get("weight_step_end") is not None:
+        values["weight_step_end"] = tuple(int(v) for v in values["weight_step_end"])
     return Layer(**values)
 
 

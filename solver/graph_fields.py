@@ -95,6 +95,19 @@ def check_grad_moments(layer: Any, where: str) -> None:
                     f"({limit}) of layer {quote(layer.name)}; a moment of its backward holds "
                     "some of its gradients and at most its peak"
                 )
+    steps = list(layer.weight_step_moments or ())
+    if layer.weight_step_end is not None:
+        steps.append(layer.weight_step_end)
+    # a tied weight's dweight is made by every layer that uses it (an LM head's W step makes
+    # the tied embedding's, counted in the embedding's params): its own params and its ties
+    limit = layer.params + sum((layer.tied_params or {}).values())
+    for params, tp_params, nbytes in steps:
+        if not (0 <= tp_params <= params <= limit) or abs(nbytes) > MAX_POINT_BYTES:
+            raise InputError(
+                f"{where}.weight_step_moments: [{params}, {tp_params}, {nbytes}] of layer "
+                f"{quote(layer.name)}: need 0 <= tp_params <= params <= the layer's params "
+                f"and tied params ({limit}) and |bytes| at most 2^48"
+            )
 
 
 def check_param_tensors(layer: Any, where: str) -> None:

@@ -33,6 +33,11 @@ parallelism, no interleaving, persistent gradients, no calibration):
   where a layer does not count them), in the optimizer state, whatever the ZeRO stage;
 - on the torch runtime the model inputs step() is given: the replica's whole batch, m b
   model_input_bytes of each layer that reads them, on its stage at every moment (buffers).
+- apart (``split_rank_bytes``), the split-backward schedules zbv, dualpipev and interleaved-zb
+  over p v virtual stages, both gradient lifetimes: each action's moments, F, I, W, B and a
+  chunk's first W and first B, from the profiled weight-step, input-step and weight-op
+  gradient fields (docs/cost-model.md, "Zero-bubble and V schedules"); torch's action lists
+  are the input.
 
 A layer is a dict with the layer-graph fields (docs/layer-graph.md): params, tp_params,
 activation_bytes, tp_activation_bytes, output_bytes, transient_bytes, largest_param,
@@ -61,7 +66,7 @@ class Setup:
     """m, micro-batches per step per data-parallel replica."""
     zero: int
     schedule: str
-    """1f1b | gpipe."""
+    """1f1b | gpipe (``stage_peaks``) | zbv | dualpipev | interleaved-zb (``split_rank_bytes``)."""
     recompute: str
     """none | full."""
     sp: bool
@@ -82,6 +87,11 @@ class Setup:
     """torch: bytes per sample of the model's output that no op saves (the graph's
     ``meta.unsaved_output_bytes``): the pipeline's loss_fn keeps it per micro-batch in flight,
     and the micro-batch in backward keeps it through every layer of the last layer's stage."""
+    virtual_stages: int = 1
+    """v: chunks per rank (the split-backward schedules: zbv and dualpipev 2 in a V)."""
+    grad_lifetime: str = "persistent"
+    """persistent | step (torch's zero_grad(set_to_none=True): a chunk's gradients from its
+    first W or B; split-backward schedules only here)."""
 
 
 @dataclass(frozen=True)
@@ -504,3 +514,187 @@ def stage_peaks(layers: list[dict], stage_of_layer: list[int], setup: Setup) -> 
         )
         peaks.append(max(forward, optimizer_step, key=lambda moment: moment.peak))
     return peaks
+
+
+# -- split-backward schedules (zbv, dualpipev, interleaved-zb) -----------------------------------
+#
+# docs/cost-model.md, "Zero-bubble and V schedules": per rank, the memory inside and after each
+# action of torch's list (F, I, W, B per chunk), from the layer-graph fields alone. Covered:
+# a chain cut into p v contiguous virtual stages, no recomputation, no FSDP2, no sequence
+# parallelism, no model output kept for the loss, a fused optimizer step (no step moment).
+
+
+def rank_chunks(rank: int, setup: Setup, virtual: int) -> list[int]:
+    """The virtual stages of ``rank`` in chunk order: the V (zbv, dualpipev) places r and
+    2p - 1 - r, interleaved-zb the loop r + c p."""
+    p = setup.pp
+    if setup.schedule in ("zbv", "dualpipev"):
+        return [rank, 2 * p - 1 - rank]
+    return [rank + c * p for c in range(virtual)]
+
+
+def gradients_of(params: int, tp_params: int, setup: Setup) -> int:
+    """G(P, T): the gradient bytes per GPU of P parameters, T of them split by tp, unsharded:
+    a weight step's autograd.grad makes a group's whole dweights, whatever ZeRO shards later."""
+    return ceil(setup.grad_bytes * ((params - tp_params) + Fraction(tp_params, setup.tp)))
+
+
+def weight_step_figures(layer: dict, setup: Setup, transient: int) -> tuple[int, ...]:
+    """(W, End, W1, End1) of one layer: its weight step's largest point G(P, T) + b e (the
+    points but the end) and its end point; in a chunk's first weight step each point counts
+    the layer's groups so far (a point's P is the previous group's and the running one's, so a
+    group is P less the previous group), the end all of them. Without the profiled points:
+    (transient, 0, transient + its gradients, its gradients)."""
+    own = gradients_of(layer["params"], layer["tp_params"], setup)
+    if layer.get("weight_step_moments") is None:
+        return transient, 0, transient + own, own
+    b = setup.micro_batch
+    points = list(layer["weight_step_moments"])
+    end = layer.get("weight_step_end") or [0, 0, 0]
+    largest = largest_first = None
+    previous, so_far = (0, 0), (0, 0)
+    for params, tp_params, extra in points:
+        value = gradients_of(params, tp_params, setup) + b * extra
+        largest = value if largest is None else max(largest, value)
+        previous = (params - previous[0], tp_params - previous[1])
+        so_far = (so_far[0] + previous[0], so_far[1] + previous[1])
+        first = gradients_of(*so_far, setup) + b * extra
+        largest_first = first if largest_first is None else max(largest_first, first)
+    end_value = gradients_of(end[0], end[1], setup) + b * end[2]
+    end_first = gradients_of(*so_far, setup) + b * end[2]
+    return largest or 0, end_value, largest_first or 0, end_first
+
+
+def chunk_figures(layers: list[dict], members: list[int], setup: Setup, first: bool) -> dict:
+    """Per virtual stage: kept (stored bytes per micro-batch), dY (what a micro-batch keeps
+    between its I and W: each layer's weight-op gradients, and its output's where the next
+    layer is in the chunk; none on virtual stage 0, ``first``), gradients, and what runs beside
+    the counts: T (a forward or full backward at layer l: transient_l less the chunk's stored
+    bytes after l), G (a first full backward: + the gradients of the layers after l and l's
+    own), I (the input step: max(0, max X_l)), W and V (the weight step and the first one: the
+    largest of W_l plus the End of the chunk's earlier layers)."""
+    b = setup.micro_batch
+    stored = [stored_bytes(layers[i], setup) for i in members]
+    grads = [layer_states(layers[i], setup)[1] for i in members]
+    trans = [layer_transient(layers, i, setup) for i in members]
+    pending = 0
+    for k, i in enumerate(members):
+        layer = layers[i]
+        if layer.get("weight_op_grad_bytes") is not None:
+            pending += b * layer["weight_op_grad_bytes"]
+            if k + 1 < len(members):
+                pending += b * layer.get("weight_op_output_grad_bytes", 0)
+        elif layer["params"]:  # the estimate: its transient and its output (none: the last)
+            output = layer["output_bytes"] if i < len(layers) - 1 else 0
+            pending += trans[k] + boundary_tensor_bytes(output, setup)
+    figures = {"kept": sum(stored), "dY": 0 if first else pending, "grads": sum(grads)}
+    after = [sum(stored[k + 1 :]) for k in range(len(members))]
+    later_grads = [sum(grads[k + 1 :]) for k in range(len(members))]
+    figures["T"] = max(trans[k] - after[k] for k in range(len(members)))
+    figures["G"] = max(
+        trans[k] - after[k] + later_grads[k] + grads[k] for k in range(len(members))
+    )
+    inputs = [
+        trans[k]
+        if layers[i].get("input_step_transient_bytes") is None
+        else b * layers[i]["input_step_transient_bytes"]
+        for k, i in enumerate(members)
+    ]
+    figures["I"] = max(0, *inputs)
+    steps = [weight_step_figures(layers[i], setup, trans[k]) for k, i in enumerate(members)]
+    for name, at in (("W", 0), ("V", 2)):
+        best, credit = 0, 0
+        for step in steps:
+            best = max(best, step[at] + credit)
+            credit += step[at + 1]
+        figures[name] = best
+    return figures
+
+
+def split_copies(stage: int, counts: tuple[int, int, int], setup: Setup, last: int) -> tuple:
+    """(R, S) of virtual stage j holding n micro-batches with B backwards done and w pending
+    W steps: megatron (1, 1) (S = 1 + n without deallocation); torch (m - n + B + w, m + n + B),
+    its input gradients and outputs sent kept to the step's end, except the V's turn-around
+    (both on rank p - 1, tensors passed by function call): stage p (m - n, m + n + B), stage
+    p - 1 (m - n + B + w, m). None on stage 0's input and the last stage's output."""
+    n, done, pending = counts
+    m, p = setup.num_microbatches, setup.pp
+    if setup.runtime == "megatron":
+        receive, send = 1, 1 if setup.deallocate_outputs else 1 + n
+    elif setup.schedule in ("zbv", "dualpipev") and stage == p:
+        receive, send = m - n, m + n + done
+    elif setup.schedule in ("zbv", "dualpipev") and stage == p - 1:
+        receive, send = m - n + done + pending, m
+    else:
+        receive, send = m - n + done + pending, m + n + done
+    return (receive if stage > 0 else 0, send if stage < last else 0)
+
+
+def persistent_gradients(setup: Setup) -> bool:
+    """Every gradient exists all step (not torch's zero_grad(set_to_none=True))."""
+    return setup.grad_lifetime != "step"
+
+
+def split_rank_bytes(
+    layers: list[dict], stage_of_layer: list[int], setup: Setup, rank: int, actions
+) -> list[int]:
+    """Rank r's bytes per GPU at each of its ``actions`` ((kind, chunk) in torch's order): the
+    largest of its moments. With per chunk n held (F run, W or B not), w pending (I run, W
+    not), B done and g (its gradients exist: always, or under step lifetime
+    (``Setup.grad_lifetime``) from its first W or B), a state is weights + optimizer (+ DDP's
+    buckets) + sum_c (g_c grads_c + n_c kept_c + w_c dY_c + buffers_c). F: the state after
+    it + T; I: after it + I (virtual stage 0 runs no I: after it alone); W: the state before
+    it + W, or, its chunk's first under step lifetime, with none of that chunk's gradients +
+    V; B (and W on virtual stage 0, a full backward): before it + T, or G without the chunk's
+    gradients at its first; each also after it."""
+    last = setup.pp * setup.virtual_stages - 1
+    chunks = rank_chunks(rank, setup, setup.virtual_stages)
+    members = [[i for i, s in enumerate(stage_of_layer) if s == j] for j in chunks]
+    figures = [chunk_figures(layers, own, setup, j == 0) for own, j in zip(members, chunks)]
+    edges = []
+    for own in members:
+        into = boundary_tensor_bytes(layers[own[0] - 1]["output_bytes"], setup) if own[0] else 0
+        edges.append((into, boundary_tensor_bytes(layers[own[-1]]["output_bytes"], setup)))
+    # DDP (torch, d > 1, ZeRO 0/1) under step lifetime: its buckets, g P' per layer, all step
+    buckets = setup.runtime == "torch" and setup.dp > 1 and not persistent_gradients(setup)
+    base = sum(
+        layer_states(layers[i], setup)[0]
+        + layer_states(layers[i], setup)[2]
+        + (gradients_of(layers[i]["params"], layers[i]["tp_params"], setup) if buckets else 0)
+        for own in members
+        for i in own
+    )
+    count = len(chunks)
+    persistent = persistent_gradients(setup)
+    n, w, done, g = [0] * count, [0] * count, [0] * count, [persistent] * count
+
+    def state(exclude: int = -1) -> int:
+        total = base
+        for c, j in enumerate(chunks):
+            total += figures[c]["grads"] if g[c] and c != exclude else 0
+            total += n[c] * figures[c]["kept"] + w[c] * figures[c]["dY"]
+            receive, send = split_copies(j, (n[c], done[c], w[c]), setup, last)
+            total += receive * edges[c][0] + send * edges[c][1]
+        return total
+
+    values = []
+    for kind, c in actions:
+        full = kind == "B" or (kind == "W" and chunks[c] == 0)
+        during = []
+        if kind in ("W", "B"):
+            if g[c]:
+                during.append(state() + figures[c]["T" if full else "W"])
+            else:
+                during.append(state(exclude=c) + figures[c]["G" if full else "V"])
+            n[c] -= 1
+            w[c] -= 0 if full else 1
+            done[c] += 1
+            g[c] = True
+        elif kind == "F":
+            n[c] += 1
+            during.append(state() + figures[c]["T"])
+        else:
+            w[c] += 0 if chunks[c] == 0 else 1
+            during.append(state() + (0 if chunks[c] == 0 else figures[c]["I"]))
+        values.append(max(*during, state()))
+    return values

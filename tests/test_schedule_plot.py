@@ -185,7 +185,10 @@ def test_series_are_the_simulation_and_the_model(name, request):
         assert max(rank.action_bytes + ((rank.step_bytes,) if rank.step_bytes else ())) == (
             stage.peak_bytes
         )
-        assert all(s < e for s, e in zip(rank.start_ns, rank.end_ns, strict=True))
+        for action, s, e in zip(rank.actions, rank.start_ns, rank.end_ns, strict=True):
+            # torch runs no I step on virtual stage 0 (its W is the whole backward): 0 ns
+            empty = action.kind == "I" and rank.rank == 0 and action.chunk == 0
+            assert s == e if empty else s < e, (rank.rank, action)
         assert all(e <= s for e, s in zip(rank.end_ns, rank.start_ns[1:], strict=False))
 
 

@@ -109,3 +109,73 @@ def test_profile_matches_torch_stage_backward_input(layers):
     # the head keeps its norm's output gradient only: the loss turns its saved softmax into
     # the logits' gradient in place (models.common._CrossEntropy)
     assert graph.layers[-1].weight_op_grad_bytes == seq * hidden * 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layers", [(1, 2), (1, 3), (2, 4), (3, 4)])
+def test_weight_step_moments_match_torch_stage_backward_weight(layers):
+    """The profile's ``weight_step_moments`` / ``weight_step_end`` (fake tensors) give, to the
+    byte, the peak of torch 2.13's own ``stage_backward_weight`` on real tensors over the live
+    bytes at its start (gradients already in ``.grad``: each group's dweights a new tensor), by
+    the cost model's chunk rule max_l (W_l + sum_{i < l} End_i) (fp32: 4 B a weight
+    gradient); and ``input_step_transient_bytes`` the peak of ``stage_backward_input`` over
+    the dY it keeps and the live bytes at its start."""
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    import models
+    from profiling.export import export_graph
+    from profiling.trace.memory import LiveTensorTracker
+
+    graph = export_graph("gpt-tiny", dtype="fp32", overrides=OVERRIDES)
+    spec = models.get("gpt-tiny", **OVERRIDES)
+    torch.manual_seed(0)
+    model = spec.build()
+    lo, hi = layers
+    batch = 2
+    ids, targets = spec.example_inputs(batch, None)
+    with torch.no_grad():
+        x = ids
+        for path in spec.layers[:lo]:
+            x = model.get_submodule(path)(x)
+    x = x.detach().requires_grad_(True)
+    modules = [model.get_submodule(path) for path in spec.layers[lo:hi]]
+    params = [p for module in modules for p in module.parameters()]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    last = hi == len(spec.layers)
+    tracker = LiveTensorTracker()
+    for module in modules:
+        tracker.track_module(module)
+    for p in params:
+        tracker.track(p.grad, "grads")
+    with tracker:
+        with tracker.saved_tensors():
+            out = x
+            for path, module in zip(spec.layers[lo:hi], modules, strict=True):
+                out = module(out, targets) if path == spec.layers[-1] else module(out)
+        grad = None if last else torch.randn_like(out)
+        start = tracker.current_bytes
+        tracker.take_window()
+        dinputs, groups = stage_backward_input([out], None if last else [grad], [x], iter(params))
+        input_peak = tracker.take_window() - start
+        kept = tracker.current_bytes - start - dinputs[0].untyped_storage().nbytes()
+        del dinputs
+        before = tracker.current_bytes
+        tracker.take_window()
+        stage_backward_weight(iter(params), groups)
+        weight_peak = tracker.take_window() - before
+    chunk = graph.layers[lo:hi]
+    best, credit = 0, 0
+    for layer in chunk:
+        for params_, _, nbytes in layer.weight_step_moments:
+            best = max(best, credit + 4 * params_ + batch * nbytes)
+        params_, _, nbytes = layer.weight_step_end
+        credit += 4 * params_ + batch * nbytes
+    assert weight_peak == best
+    # the input step: its peak is the dY it keeps, the input gradient it sends (a boundary
+    # buffer in the cost model) and at most the largest layer's extra; a two-block chunk
+    # measures 4 B more (a scalar not yet tagged: issue 31, left open)
+    extra = max(batch * layer.input_step_transient_bytes for layer in chunk)
+    sent = batch * graph.layers[lo - 1].output_bytes
+    assert kept + sent <= input_peak <= kept + sent + extra + 4

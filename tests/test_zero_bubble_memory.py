@@ -2,10 +2,12 @@
 
 Oracle: the rule of torch's runtime, action by action: a forward adds the chunk's kept bytes
 per micro-batch; an I (``stage_backward_input``, retain_graph=True) frees nothing and adds the
-dY its W will consume (none on virtual stage 0, whose I torch skips; this graph has no
-profiled dY: the estimate transient + output per layer with weights); a W frees the micro-batch's kept bytes and that dY; a full B frees the
-kept bytes. On the megatron runtime with deallocated outputs the buffers do not change with the
-counts, so consecutive actions differ by exactly those terms.
+dY its W will consume (none on virtual stage 0, whose I torch skips; without profiled dY the
+estimate transient + output per layer with weights); a W frees the micro-batch's kept bytes
+and that dY; a full B frees the kept bytes; inside each action what runs beside (a layer's
+transient, the input step's, the weight step's groups) is computed by hand from the profile's
+fields. On the megatron runtime with deallocated outputs the buffers do not change with the
+counts.
 """
 
 from __future__ import annotations
@@ -18,9 +20,19 @@ from solver.graph import graph_from_dict
 from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
 
-def _costs(schedule: str, m: int, runtime: str = "megatron", lifetime: str | None = None):
+def _costs(
+    schedule: str,
+    m: int,
+    runtime: str = "megatron",
+    lifetime: str | None = None,
+    profiled: bool = False,
+    dp: int = 1,
+    zero: int = 0,
+):
     """8 layers of 100 B saved, 8 B output to the next per sample (none after the last); l5 has
-    no weights (dY 0). ``lifetime``: the gradient lifetime (None: the runtime's default)."""
+    no weights (dY 0). ``lifetime``: the gradient lifetime (None: the runtime's default).
+    ``profiled``: with a transient of 30 B and the split-backward fields of the profile
+    (``PROFILED``); ``dp`` replicas under ZeRO ``zero``."""
     layers = [
         {
             "name": f"l{k}",
@@ -29,50 +41,79 @@ def _costs(schedule: str, m: int, runtime: str = "megatron", lifetime: str | Non
             "output_bytes": 8,
             "fwd_ms": 1.0,
             "bwd_ms": 2.0,
+            **(PROFILED if profiled and k != 5 else {}),
         }
         for k in range(8)
     ]
+    if profiled:
+        layers[5].update(transient_bytes=30, weight_op_grad_bytes=0, input_step_transient_bytes=12)
     graph = graph_from_dict({"format": "layer-graph", "version": 1, "model": "m", "layers": layers})
     config = ParallelConfig(
-        pp=2, tp=1, dp=1, micro_batch=1, num_microbatches=m, schedule=schedule, virtual_stages=2
+        pp=2, tp=1, dp=dp, micro_batch=1, num_microbatches=m, zero=zero, schedule=schedule,
+        virtual_stages=2,
+    )  # fmt: skip
+    training = TrainingConfig(
+        global_batch=m * dp, runtime=runtime, grad_lifetime=lifetime, zero_stages=(zero,)
     )
-    training = TrainingConfig(global_batch=m, runtime=runtime, grad_lifetime=lifetime)
-    return layer_costs(graph, config, Cluster(num_gpus=2), training)
+    return layer_costs(graph, config, Cluster(num_gpus=2 * dp), training)
+
+
+PROFILED = {
+    "transient_bytes": 30,
+    "weight_op_grad_bytes": 20,
+    "weight_op_output_grad_bytes": 8,
+    "input_step_transient_bytes": 12,
+    "weight_step_moments": [[4, 0, -5], [10, 0, -10]],
+    "weight_step_end": [6, 0, -5],
+}
+"""A layer's profiled split-backward fields (a layer with weights; l5 has the transient, no
+weight-op gradients, its input step's 12 B and no weight-step points)."""
 
 
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev", "interleaved-zb"])
 def test_each_action_adds_or_frees_its_terms(schedule):
-    costs = _costs(schedule, 4)
+    """Every action's bytes, from the profile's fields by hand (megatron, persistent gradients:
+    4 B per parameter, 40 B a layer with weights; buffers 8 B per boundary a virtual stage
+    receives or sends, constant with deallocated outputs). Per virtual stage (2 layers):
+    kept 200 B per micro-batch held; dY 48 (each layer's 20 B of weight-op gradients, the
+    first's 8 B output gradient too, its consumer in the chunk; stage 2 (l4, l5) 28; stage 0
+    none, torch skips its I); what runs beside: F and B (a layer of it running, the layers
+    after it freed or not run: 30 - 100 at its first layer, 30 at its last) T = 30, I = 12, W
+    = 49 (a layer's points G(4) - 5 = 11 and G(10) - 10 = 30; its end G(6) - 5 = 19, what the
+    next layer's groups run beside: 30 + 19; l5's fallback is its transient, 30 + 19), and on
+    stage 0 a W is a full backward (T). An action's bytes are the largest of its moment and
+    the state after it: F after + T; I after + I (stage 0: after); W before + W; B before +
+    T."""
+    costs = _costs(schedule, 4, profiled=True)
     split = [0, 0, 1, 1, 2, 2, 3, 3]
-    stored, transient, _ = costs.coefficients(costs.recompute_mask(None))
-    kept = [int(stored[2 * j] + stored[2 * j + 1]) for j in range(4)]
-    output = [8] * 7 + [0]  # each layer's output tensor for the next, one sample
-    pending = [
-        sum(int(transient[k]) + output[k] for k in (2 * j, 2 * j + 1) if k != 5) for j in range(4)
-    ]
-    pending[0] = 0  # torch skips stage 0's I step (no input gradient): its W is a full backward
+    kept, dy, beside = 200, [0, 48, 28, 48], {"T": 30, "I": 12, "W": 49}
     for memory in rank_memory(costs, split):
         own = costs.stages_of_rank(memory.rank)
-        held, waiting, best = [0, 0], [0, 0], None
-        for before, after, action in zip(
-            memory.action_bytes, memory.action_bytes[1:], memory.actions[1:], strict=False
-        ):
-            j, c = own[action.chunk], action.chunk
-            expected = {
-                "F": kept[j],
-                "I": pending[j],
-                "W": -kept[j] - pending[j],
-                "B": -kept[j],
-            }[action.kind]
-            assert after - before == expected, (schedule, memory.rank, action)
-        for action, value in zip(memory.actions, memory.action_bytes, strict=True):
-            c = action.chunk
-            held[c] += {"F": 1, "I": 0}.get(action.kind, -1)
-            waiting[c] += {"I": 1, "W": -1}.get(action.kind, 0)
-            if best is None or value > best[0]:
-                best = (value, tuple(held), tuple(waiting))
-        assert memory.peak_bytes == best[0]
-        assert (memory.held_at_peak, memory.pending_at_peak) == best[1:]
+        buffers = 8 * sum((j > 0) + (j < 3) for j in own)
+        grads = 40 * sum(k != 5 for k in range(8) if split[k] in own)
+        held, waiting = [0, 0], [0, 0]
+
+        def state() -> int:
+            activations = sum(n * kept + w * dy[j] for n, w, j in zip(held, waiting, own))
+            return memory.states_bytes + grads + buffers + activations
+
+        expected = []
+        for action in memory.actions:
+            c, j = action.chunk, own[action.chunk]
+            if action.kind in ("W", "B"):
+                full = action.kind == "B" or j == 0
+                during = state() + beside["T" if full else "W"]
+                held[c] -= 1
+                waiting[c] -= 0 if full else 1
+            elif action.kind == "F":
+                held[c] += 1
+                during = state() + beside["T"]
+            else:
+                waiting[c] += j != 0
+                during = state() + (beside["I"] if j else 0)
+            expected.append(max(during, state()))
+        assert list(memory.action_bytes) == expected, (schedule, memory.rank)
+        assert memory.peak_bytes == max(expected)
 
 
 def test_v_placement_puts_first_and_last_chunk_on_rank_0():
@@ -173,8 +214,55 @@ def test_a_chunks_gradients_appear_at_its_own_first_weight_step(schedule):
         own = costs.stages_of_rank(kept.rank)
         started = [False, False]
         for action, low, high in zip(kept.actions, kept.action_bytes, full.action_bytes):
+            first = action.kind in ("W", "B") and not started[action.chunk]
             started[action.chunk] |= action.kind in ("W", "B")
             missing = sum(grads[j] for j, seen in zip(own, started, strict=True) if not seen)
-            assert high - low == missing, (kept.rank, action)
+            if first:  # its gradients made inside it (moments "G" / "V"): at most persistent's
+                assert low <= high, (kept.rank, action)
+            else:
+                assert high - low == missing, (kept.rank, action)
             apart += started[0] != started[1]
     assert apart > 0  # some action with one chunk's gradients and not the other's
+
+
+
+def test_a_weight_step_makes_whole_dweights_under_zero_2():
+    """``stage_backward_weight``'s autograd.grad makes a param group's whole weight gradients
+    before any reduce-scatter, so under ZeRO 2 over d = 4 (megatron's runtime, whose kept
+    gradients are sharded: 10 B a layer, 40 / 4) a W moment still counts them unsharded: each
+    layer's points are G(4) - 5 = 11 and G(10) - 10 = 30, its end G(6) - 5 = 19, at 4 B a
+    parameter, as at d = 1: every action of d = 4 is d = 1's less the states and the kept
+    gradients the sharding saves."""
+    whole, sharded = (_costs("zbv", 4, profiled=True, dp=dp, zero=2) for dp in (1, 4))
+    assert list(whole.grad_bytes) == [40, 40, 40, 40, 40, 0, 40, 40]
+    assert list(sharded.grad_bytes) == [10, 10, 10, 10, 10, 0, 10, 10]
+    for costs in (whole, sharded):
+        assert list(costs.weight_step_bytes) == [30, 30, 30, 30, 30, 0, 30, 30]
+        assert list(costs.weight_step_end_bytes) == [19, 19, 19, 19, 19, 0, 19, 19]
+    split = [0, 0, 1, 1, 2, 2, 3, 3]
+    for high, low in zip(rank_memory(whole, split), rank_memory(sharded, split), strict=True):
+        # only the kept states and gradients differ (persistent): the same at every action
+        layers = [k for k in range(8) if split[k] in whole.stages_of_rank(high.rank)]
+        saved = high.states_bytes - low.states_bytes + 30 * sum(k != 5 for k in layers)
+        assert {a - b for a, b in zip(high.action_bytes, low.action_bytes)} == {saved}
+
+
+def test_a_first_backwards_gradients_are_in_the_grads_column():
+    """dualpipev m = 4 on the torch runtime (step lifetime, 20 B of gradients a layer), rank 0
+    (stages 0 and 3): its peak is chunk 0's first full backward, after chunk 1's W made that
+    chunk's 40 B, at l1 (30 B transient; l0's gradients not made yet, l1's own 20 B made by
+    its largest moment): the breakdown puts those 20 B in the grads column (60 B), the
+    transient column keeps the layer's 30 B, and the total is the replay's."""
+    costs = _costs("dualpipev", 4, runtime="torch", lifetime="step", profiled=True)
+    split = [0, 0, 1, 1, 2, 2, 3, 3]
+    memory = rank_memory(costs, split)[0]
+    peak = max(range(len(memory.action_bytes)), key=memory.action_bytes.__getitem__)
+    assert (memory.actions[peak].kind, memory.actions[peak].chunk) == ("B", 0)
+    assert [a.kind for a in memory.actions[:peak] if a.chunk == 0].count("B") == 0
+    stage = stage_costs(costs, split)[0]
+    assert (stage.grad_bytes, stage.transient_bytes) == (60, 30)
+    assert stage.peak_bytes == memory.peak_bytes == 1754
+    assert stage.peak_bytes == (
+        stage.weight_bytes + stage.grad_bytes + stage.optimizer_bytes + stage.activation_bytes
+        + stage.buffer_bytes + stage.transient_bytes
+    )  # fmt: skip

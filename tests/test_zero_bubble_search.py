@@ -62,7 +62,9 @@ def _random_split(seed: int, selective: bool = False):
 
 def _with_weight_step_fields(graph, rng: random.Random):
     """Half the graphs with the profiled dY fields (``weight_op_grad_bytes``, its output
-    part) on most layers (a layer without them takes the estimate), half without."""
+    part) and the weight and input steps' moments (``weight_step_moments``, ``_end``,
+    ``input_step_transient_bytes``) on most layers (a layer without them takes the
+    estimate), half without."""
     if rng.random() < 0.5:
         return graph
     layers = [
@@ -72,10 +74,32 @@ def _with_weight_step_fields(graph, rng: random.Random):
             layer,
             weight_op_grad_bytes=rng.choice([0, rng.randint(1, 4 * layer.output_bytes + 1)]),
             weight_op_output_grad_bytes=rng.choice([0, layer.output_bytes]),
+            **_weight_step_points(layer, rng),
         )
         for layer in graph.layers
     ]
     return dataclasses.replace(graph, layers=layers)
+
+
+def _weight_step_points(layer, rng: random.Random) -> dict:
+    """Random W-step moments as torch's groups make them: groups of the layer's parameters
+    (each point the previous group's and the running one's), the frees so far falling."""
+    sizes, left = [], layer.params
+    for _ in range(rng.randint(0, 3)):
+        size = rng.randint(0, left)
+        sizes.append(size)
+        left -= size
+    points, previous, freed = [], 0, 0
+    for size in sizes:
+        points.append((previous + size, rng.randint(0, previous + size), -freed))
+        previous = size
+        freed += rng.randint(0, layer.output_bytes)
+    end = (previous, rng.randint(0, previous), -freed)
+    return {
+        "weight_step_moments": points,
+        "weight_step_end": end,
+        "input_step_transient_bytes": rng.randint(0, 2 * layer.output_bytes),
+    }
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -90,7 +114,7 @@ def test_rows_keep_the_replays_peak(seed):
     ]
     for rank, rows in enumerate(costs.in_flight_vectors):
         assert 1 <= len(rows) <= len(full[rank])
-        assert max(map(sum, rows)) == max(sum(n) for n, _, _, _ in full[rank])
+        assert max(map(sum, rows)) == max(sum(n) for n, *_ in full[rank])
     for _ in range(5):
         cuts = sorted(rng.sample(range(1, costs.num_layers), costs.num_stages - 1))
         split = np.searchsorted(cuts, np.arange(costs.num_layers), side="right")
@@ -142,5 +166,5 @@ def test_a_split_schedules_plan_says_what_its_memory_rule_misses():
 
     for schedule in ("zbv", "dualpipev", "interleaved-zb"):
         (note,) = split_schedule_notes(schedule)
-        assert note.startswith(f"schedule {schedule}: its memory is predicted within -0.01%")
+        assert note.startswith(f"schedule {schedule}: its memory is predicted within -0.30%")
     assert split_schedule_notes("1f1b") == split_schedule_notes("gpipe") == []

@@ -193,6 +193,45 @@ def _count_params(
     return counts
 
 
+def _split_backward_items(
+    tracer: Tracer, counts: _ParamCounts, order: list[int], batch: int
+) -> dict[int, dict[str, Any]]:
+    """Per layer, its split-backward fields (``weight_step``), per sample: the dY its input
+    step keeps (``weight_op_grad_bytes``, ``weight_op_output_grad_bytes``), its weight step's
+    points and end, and its input step's transient; {} where the tracer recorded none."""
+    weight_steps = {
+        tracer.resolve(owner): value
+        for owner, value in getattr(tracer, "weight_step_bytes", {}).items()
+    }
+    weight_moments = {}
+    if getattr(tracer, "weight_step_moments", None) is not None:
+        steps, excluded_here = tracer.weight_step_moments
+        weight_moments = {
+            tracer.resolve(owner): value
+            for owner, value in steps.moments(excluded_here, counts.by_tensor).items()
+        }
+    if not (weight_steps or weight_moments):
+        return {}
+    inputs = getattr(tracer, "input_step_peaks", {})
+    items: dict[int, dict[str, Any]] = {}
+    for i in order:
+        item: dict[str, Any] = {}
+        if i in weight_steps:  # a split backward's dY
+            own, output = weight_steps[i]
+            item["weight_op_grad_bytes"] = _ceil_div(own, batch)
+            item["weight_op_output_grad_bytes"] = _ceil_div(output, batch)
+        points, end = weight_moments.get(i, ([], (0, 0, 0)))  # the W step
+        item["weight_step_moments"] = [
+            [params, tp_params, _ceil_div(nbytes, batch)] for params, tp_params, nbytes in points
+        ]
+        item["weight_step_end"] = [end[0], end[1], _ceil_div(end[2], batch)]
+        item["input_step_transient_bytes"] = _ceil_div(
+            sum(v for owner, v in inputs.items() if tracer.resolve(owner) == i), batch
+        )
+        items[i] = item
+    return items
+
+
 def _layer_items(
     selection: list[tuple[str, nn.Module]],
     tracer: Tracer,
@@ -216,10 +255,7 @@ def _layer_items(
     for owner, nbytes in getattr(tracer, "attention_score_bytes", {}).items():
         scores[tracer.resolve(owner)] += nbytes
     weight_grad_transients = tracer.weight_grad_transient_peaks
-    weight_steps = {
-        tracer.resolve(owner): value
-        for owner, value in getattr(tracer, "weight_step_bytes", {}).items()
-    }
+    split_backward = _split_backward_items(tracer, counts, order, batch)
     moments = {}
     if getattr(tracer, "gradient_moments", None) is not None:
         excluded, grad_params = tracer.gradient_moments
@@ -261,10 +297,7 @@ def _layer_items(
         }
         if input_reads.get(i):  # the batch a pipeline's step() holds
             item["model_input_bytes"] = _ceil_div(input_reads[i], batch)
-        if i in weight_steps:  # a split backward's dY (``weight_step``)
-            own, output = weight_steps[i]
-            item["weight_op_grad_bytes"] = _ceil_div(own, batch)
-            item["weight_op_output_grad_bytes"] = _ceil_div(output, batch)
+        item |= split_backward.get(i, {})
         if i in moments:  # the own gradients beside its backward's transient (``own_grads``)
             item["backward_grad_moments"] = [list(point) for point in moments[i]]
         if kv_reads.get(i):

@@ -579,6 +579,8 @@ def _trace(module, state, inputs, selection, fake_mode, say, cuda_like, model_na
     tracer.gradient_moments = (excluded, grad_params)  # own_grads.backward_grad_moments
     tracer.param_gradients = param_grads  # the gradients one node returns together
     tracer.weight_step_bytes = weight_steps.bytes_by_layer(excluded)
+    tracer.weight_step_moments = (weight_steps, excluded)  # graph_builder: the W step's moments
+    tracer.input_step_peaks = weight_steps.input_step_transients(excluded)
     split = tp.resolve()
     if split.vocab_layers:  # the transients' fixed and vocabulary-sized parts
         vocab = {uid for uid, tag in tracer.vocab_uids.items() if tag in split.vocab_tags}

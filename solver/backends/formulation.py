@@ -141,6 +141,7 @@ import numpy as np
 from solver.backends.formulation_hints import FormulationHints
 from solver.backends.formulation_moments import FormulationMoments
 from solver.backends.formulation_rules import FormulationRules
+from solver.backends.formulation_split import FormulationSplit
 from solver.backends.formulation_terms import FormulationTerms
 from solver.backends.interleaved import ChunkSizeBound, chunk_size_bound
 from solver.backends.presolve import Presolve, check_hint, keep_hint_if_better, make_solution
@@ -235,7 +236,12 @@ class BuildTimeUp(Exception):
 
 
 class PrefixFormulation(
-    FormulationRules, FormulationTerms, FormulationMoments, FormulationHints, abc.ABC
+    FormulationRules,
+    FormulationTerms,
+    FormulationMoments,
+    FormulationSplit,
+    FormulationHints,
+    abc.ABC,
 ):
     """The model of the module docstring; a subclass creates ``self.model`` and calls
     :meth:`_build`. Here: the solve, the backend's methods, the variables and the objective;
@@ -466,7 +472,9 @@ class PrefixFormulation(
                     self._stage_relays[s].append((t, relay))
             top = int(transient_ub.max(initial=0))
             # tr[r]: split-backward ranks and the moment after a first backward (_add_transient)
+            # (split-backward ranks take what runs per moment instead: formulation_split)
             persistent = costs.rank_rows and not costs.layer_moment_ranks
+            persistent = persistent and not costs.split_backward
             if top and (persistent or any(costs.after_moments)):
                 self.vars.transient = [
                     self._new_var(0, self._bytes(top), f"tr_s{r}") for r in range(costs.num_ranks)

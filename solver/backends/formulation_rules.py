@@ -151,6 +151,7 @@ class FormulationRules:
                 running = [-1] * len(vectors)  # the rank's largest transient, tr[r]
                 if costs.layer_moment_ranks:
                     running = costs.running_chunks[rank]
+                extras = costs.split_extras[rank] if costs.split_extras else None
                 rows = zip(
                     vectors,
                     costs.backwards_done[rank],
@@ -158,13 +159,14 @@ class FormulationRules:
                     costs.grads_started[rank],
                     running,
                     costs.copies_of_moments(rank),
+                    extras or [("", -1)] * len(vectors),
                     strict=True,
                 )
-                for i, (vector, done, pending, started, chunk, at) in enumerate(rows):
+                for i, (vector, done, pending, started, chunk, at, extra) in enumerate(rows):
                     self._tick()
                     suffix = f"_n{i}" if len(vectors) > 1 else ""
                     row = self._rank_bytes_from_parts(
-                        rank, vector, done, pending, started, chunk, at
+                        rank, vector, done, pending, started, chunk, copies=at, extra=extra
                     )
                     self._add(self.vars.peak >= row, f"memory_s{rank}{suffix}")
             return

@@ -270,6 +270,7 @@ class FormulationTerms:
         started: tuple[bool, ...] = (),
         running: int = -1,
         copies: tuple[tuple[int, int], ...] | None = None,
+        extra: tuple[str, int] = ("", -1),
     ):
         """With interleaving a rank has a row per in-flight vector: each row sums four
         variables per chunk (``_stage_parts``) instead of every layer and edge again, and the
@@ -278,8 +279,9 @@ class FormulationTerms:
         tr[r]. A split-backward schedule's moment (``costs.split_rows``) adds pending[c] dY_c
         per chunk (``_pending_part``) and, for a chunk whose gradients do not exist yet (not
         ``started[c]``; all exist by default), takes its states without them
-        (``_lean_part``). ``copies``: the moment's (R, S) per chunk (``LayerCosts.moment_copies``;
-        None: ``copies_at``'s of (n, B))."""
+        (``_lean_part``), and what runs beside (``extra``: kind and chunk,
+        ``formulation_split``) in place of tr[r]. ``copies``: the moment's (R, S) per chunk
+        (``LayerCosts.moment_copies``; None: ``copies_at``'s of (n, B))."""
         terms = []
         stages = self.costs.stages_of_rank(rank)
         pending = pending or (0,) * len(vector)
@@ -297,7 +299,11 @@ class FormulationTerms:
                 terms += self._buffer_terms(stage, k, finished, w)
             else:
                 terms += [receive * received, send * sent]
-        if self.costs.layer_moment_ranks:
+        if self.costs.split_backward:
+            kind, chunk = extra
+            if kind:
+                terms.append(self._split_extra(kind, stages[chunk]))
+        elif self.costs.layer_moment_ranks:
             if running >= 0:
                 terms.append(self._chunk_top(stages[running]))
         elif self.vars.transient:

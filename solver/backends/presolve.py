@@ -28,7 +28,7 @@ from solver.backends.problem import (
     StageSolution,
 )
 from solver.costs import LayerCosts, iteration_floor_ns, utilization_ppm
-from solver.costs.stages import weight_output_gradients
+from solver.costs.stages import split_extra_columns, weight_output_gradients
 from solver.errors import InputError
 
 
@@ -89,6 +89,8 @@ class Presolve:
             # interleaved 1F1B: every rank holds least_held of each chunk while one of its
             # chunks runs its largest layer moment, at least its last layer's transient
             one_stage_extra = ranks * int(transient.min(initial=0))
+        elif costs.split_backward:  # what runs beside a moment can be less than a transient
+            one_stage_extra = 0  # (``schedule.split_action_moments``): no more than none
         elif ranks < num_stages:  # the persistent moment: the largest transient throughout
             one_stage_extra = int(transient.max(initial=0))
         time_ns, tail_ns = costs.time_ns, costs.tail_ns
@@ -109,7 +111,7 @@ class Presolve:
                 costs.constant_bytes
                 + costs.state_bytes.sum()
                 + max(k) * stored_ub.sum()
-                + transient_ub.max(initial=0)
+                + max(int(transient_ub.max(initial=0)), _split_extra_bytes(costs))
                 + (0 if costs.step_bytes is None else costs.step_bytes.sum())
                 + (receive_copies + send_copies + relay_copies) * edge_total
                 + _most_pending_bytes(costs)
@@ -137,6 +139,31 @@ class Presolve:
 
     def can_hold(self, layer: int, stage: int) -> bool:
         return self.first_stage[layer] <= stage <= self.last_stage[layer]
+
+
+def _split_extra_bytes(costs: LayerCosts) -> int:
+    """At least what runs beside any moment of a split-backward schedule
+    (``stages.split_extras``, both recompute states: a layer's largest column plus every
+    positive part the layers beside it can add); 0 on other schedules."""
+    if not costs.split_backward:
+        return 0
+    most = 0
+    states = [costs.recompute_mask(None)]
+    if costs.selective:
+        states.append(costs.recompute_mask([True] * costs.num_layers))
+    for mask in states:
+        stored, transient, _ = costs.coefficients(mask)
+        columns = split_extra_columns(costs, transient, mask)
+        running = costs.moment_transient(transient) + columns["own"]
+        first = int(np.maximum(columns["grads"] - stored, 0).sum())
+        most = max(
+            most,
+            int(columns["X"].max(initial=0)),
+            int(columns["W"].max(initial=0)) + int(np.maximum(columns["End"], 0).sum()),
+            int(columns["W1"].max(initial=0)) + int(np.maximum(columns["End1"], 0).sum()),
+            int(running.max(initial=0)) + first,
+        )
+    return most
 
 
 def _most_pending_bytes(costs: LayerCosts) -> int:

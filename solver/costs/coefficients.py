@@ -157,6 +157,9 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
     pending_vectors: list[list[tuple[int, ...]]] = field(default_factory=list)
     """Parallel to ``in_flight_vectors``: per chunk the held micro-batches between their I and
     their W (split-backward schedules, ``split_rows``; zeros by default)."""
+    split_extras: list[list[tuple[str, int]]] = field(default_factory=list)
+    """Per rank, per moment of ``split_rows``: (kind, chunk) of what runs beside its counts
+    (``schedule.SplitMoment``; split-backward schedules only)."""
     grads_started: list[list[tuple[bool, ...]]] = field(default_factory=list)
     """Parallel to ``in_flight_vectors``: per chunk, its gradients exist at that moment (a W
     or B of the chunk has run: split-backward schedules under step lifetime, ``split_rows``;
@@ -225,6 +228,26 @@ class LayerCosts(RecomputeStates, BoundaryTensors, TimeViews):
     weight_op_output_grad_bytes: np.ndarray | None = None
     """Per micro-batch per layer, bytes: its output's gradient among them, kept where a consumer
     runs in the same virtual stage (``stages.pending_gradients``); None: 0."""
+    weight_step_bytes: np.ndarray | None = None
+    """Per micro-batch per layer, bytes per GPU: W_l, the largest moment of its part of a split
+    backward's weight step beside the held tensors (the graph's ``weight_step_moments``,
+    ``layers.weight_step_columns``; may be negative: the frees so far); None: no layer gives
+    it (``stages.weight_step_transients`` takes ``transient_bytes``)."""
+    weight_step_end_bytes: np.ndarray | None = None
+    """End_l, the same at the end of its part (what the next layer's W runs beside); 0 where
+    not given."""
+    weight_step_first_bytes: np.ndarray | None = None
+    """W_l of a chunk's first weight step (step lifetime: no ``.grad`` yet, each group's
+    dweights become its gradients, so the groups so far of l count, none of the later ones);
+    None with ``weight_step_bytes``."""
+    weight_step_first_end_bytes: np.ndarray | None = None
+    """End_l of a chunk's first weight step (every gradient of l, its frees)."""
+    weight_step_known: np.ndarray | None = None
+    """Which layers give ``weight_step_bytes`` (the others take their transient)."""
+    input_step_bytes: np.ndarray | None = None
+    """Per micro-batch per layer, bytes per GPU: what its part of a split backward's input step
+    holds beyond the dY it keeps (the graph's ``input_step_transient_bytes``); -1 where not
+    given and for a recomputed layer (``stages.split_extras`` takes its transient then)."""
     forward_ns: np.ndarray | None = None
     """The forward's part of ``time_ns`` per micro-batch, ns, the same in both recompute states
     (``layer_time_ns``); the rest is the backward (``backward_ns``). None: time_ns // 3 (a backward

@@ -75,6 +75,7 @@ stage".
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from fractions import Fraction
 
 import numpy as np
@@ -115,7 +116,7 @@ from solver.costs.megatron_attention import (
 )
 from solver.costs.megatron_buffers import largest_moment_copies
 from solver.costs.megatron_linear import head_weight_grad_moment, sp_gather_buffer_bytes
-from solver.costs.own_grads import own_gradient_bytes
+from solver.costs.own_grads import gradient_bytes, own_gradient_bytes
 from solver.costs.ranges import check_exact_range
 from solver.costs.schedule import in_flight_counts, stage_boundary_copies
 from solver.costs.schedule_orders import ZERO_BUBBLE_SCHEDULES
@@ -229,6 +230,7 @@ def layer_costs(
         gather_bytes=None if unsharded is None else _gather_part(params, config, training),
         step_bytes=optimizer_step_bytes(params, config, training, scaled),
         **_weight_step_bytes(graph, config),
+        **weight_step_columns(graph, config, training, scaled),
         optimizer_step_ns=_optimizer_step_ns(graph, cols, params, config, cluster, training),
         microbatch_overhead_ns=profiled.microbatch_overhead_ns,
         step_overhead_ns=profiled.step_overhead_ns,
@@ -263,6 +265,78 @@ def _optimizer_step_ns(
         )
         + tied_sync_ns(graph, cols, config, cluster, training)
     )
+
+
+def weight_step_columns(
+    graph: LayerGraph, config: ParallelConfig, training: TrainingConfig, scaled
+) -> dict[str, np.ndarray]:
+    """The W step's per-layer figures of a split-backward schedule, per GPU per micro-batch
+    (``LayerCosts.weight_step_bytes``, ``weight_step_end_bytes``), where the graph gives
+    ``weight_step_moments``: W_l = max_i G(P_i, T_i) + ceil(b e_i / cp) over its points and
+    End_l the same of its end (G: ``own_grads.gradient_bytes`` at ZeRO 0, the unsharded weight
+    gradients' bytes of P parameters, T of them TP-split: ``stage_backward_weight``'s
+    ``autograd.grad`` makes a group's whole dweights before any reduce-scatter, so under ZeRO
+    >= 2 a group's are not the sharded gradients kept; over where the runtime keeps them
+    unsharded anyway, FSDP2 under pipelining); the same of a chunk's first W step, where no
+    ``.grad`` exists yet and each group's dweights become the gradients
+    (``weight_step_first_bytes``, ``weight_step_first_end_bytes``): a point's P counts the
+    layer's groups so far (each group's size is its point's P less the previous group's), the
+    end every group of the layer; and the input step's transient b X_l (``input_step_bytes``,
+    -1 where not given); nothing on other schedules or graphs without them."""
+    if config.schedule not in ZERO_BUBBLE_SCHEDULES:
+        return {}
+    if all(layer.weight_step_moments is None for layer in graph.layers):
+        return {}
+    known = np.array([layer.weight_step_moments is not None for layer in graph.layers])
+    points, first_points = [], []
+    for i, layer in enumerate(graph.layers):
+        steps = [*(layer.weight_step_moments or ()), layer.weight_step_end or (0, 0, 0)]
+        group, so_far = (0, 0), (0, 0)  # the previous group's (P, T), the groups' so far
+        for k, (params, tp_params, nbytes) in enumerate(steps):
+            points.append((i, (params, tp_params, nbytes)))
+            if k < len(steps) - 1:  # a group's moment: the previous group's and its own
+                group = (params - group[0], tp_params - group[1])
+                so_far = (so_far[0] + group[0], so_far[1] + group[1])
+            first_points.append((i, (*so_far, nbytes)))
+    columns = {}
+    for name, entries in (("", points), ("first_", first_points)):
+        largest, end_bytes = _step_extremes(entries, len(graph.layers), config, training, scaled)
+        columns[f"weight_step_{name}bytes"] = np.where(known, largest, 0)
+        columns[f"weight_step_{name}end_bytes"] = np.where(known, end_bytes, 0)
+    inputs = as_int([layer.input_step_transient_bytes or 0 for layer in graph.layers])
+    input_known = np.array([layer.input_step_transient_bytes is not None for layer in graph.layers])
+    input_bytes = scaled(ceil_div(config.micro_batch * inputs, config.cp), "transient")
+    return {
+        **columns,
+        "weight_step_known": known,
+        "input_step_bytes": np.where(input_known, input_bytes, -1),
+    }
+
+
+def _step_extremes(
+    points: list, num_layers: int, config: ParallelConfig, training: TrainingConfig, scaled
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer, the largest of its W step's points but the last and the last (its end),
+    bytes per GPU per micro-batch (``weight_step_columns``): ``points`` (layer, (P, T, e)) in
+    layer order, each layer's end last."""
+    index = np.array([i for i, _ in points], dtype=np.int64)
+    made, split, extra = (as_int([point[k] for _, point in points]) for k in range(3))
+    # autograd makes a group's whole dweights before any reduce-scatter: unsharded (ZeRO 0)
+    whole = replace(config, zero=0)
+    value = gradient_bytes(made, split, whole, training, scaled) + scaled(
+        ceil_div(config.micro_batch * extra, config.cp), "transient"
+    )
+    ends = np.zeros(len(points), dtype=bool)
+    ends[np.r_[np.flatnonzero(np.diff(index)), len(points) - 1]] = True  # each layer's last
+    largest = np.zeros(num_layers, dtype=np.int64)
+    first = np.ones(num_layers, dtype=bool)
+    for i, v, end in zip(index.tolist(), value.tolist(), ends.tolist(), strict=True):
+        if not end:
+            largest[i] = v if first[i] else max(largest[i], v)
+            first[i] = False
+    end_bytes = np.zeros(num_layers, dtype=np.int64)
+    end_bytes[index[ends]] = value[ends]
+    return largest, end_bytes
 
 
 def _weight_step_bytes(graph: LayerGraph, config: ParallelConfig) -> dict[str, np.ndarray]:

@@ -64,7 +64,7 @@ def own_gradient_bytes(
         as_int([graph.layers[i].tp_params for i in index]),
     )
     made_grads, whole_grads = (
-        _gradient_bytes(params, tp_params, config, training, scaled)
+        gradient_bytes(params, tp_params, config, training, scaled)
         for params, tp_params in ((made, split), whole)
     )
     copies = np.maximum(own[index] - whole_grads, 0)
@@ -76,7 +76,7 @@ def own_gradient_bytes(
     return own
 
 
-def _gradient_bytes(
+def gradient_bytes(
     params: np.ndarray, tp_params: np.ndarray, config: ParallelConfig, training, scaled
 ) -> np.ndarray:
     """G(P, T) per GPU of each entry (module docstring): P parameters, T of them TP-split, as

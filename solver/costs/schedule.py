@@ -50,6 +50,12 @@ from solver.specs import ParallelConfig, TrainingConfig
 
 SplitCounts = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[bool, ...]]
 """(n, w, B, g) per chunk of a split-backward rank after an action (``split_action_counts``)."""
+SplitMoment = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[bool, ...], str, int]
+"""(n, w, B, g, kind, c): the counts a moment of a split-backward rank holds (``SplitCounts``)
+and what runs beside them (``split_action_moments``): kind "" nothing, "T" a layer of chunk
+c's forward or full backward (its largest layer moment, ``stages.chunk_moment``), "I" its
+input step, "W" its weight step, "G" and "V" its first full backward and first weight step
+(its gradients made then)."""
 
 
 def in_flight_microbatches(
@@ -204,16 +210,73 @@ def schedule_moments(
 
 @lru_cache(maxsize=512)
 def split_moments(
-    num_microbatches: int, num_ranks: int, num_chunks: int, rank: int, schedule: str
-) -> tuple[SplitCounts, ...]:
+    num_microbatches: int,
+    num_ranks: int,
+    num_chunks: int,
+    rank: int,
+    schedule: str,
+    persistent: bool = False,
+) -> tuple[SplitMoment, ...]:
     """Every distinct moment of rank r's split-backward schedule (``ZERO_BUBBLE_SCHEDULES``)
-    just after one of its actions, as (n, w, B, g): per chunk the micro-batches held (F run, W
-    or B not yet), those of them between their I and their W, the W or B steps done, and
-    whether a W or B of the chunk has run (its gradients exist then under step lifetime).
-    The replay of ``schedule_memory.rank_memory``, action by action, which ``stage_costs``
-    maximises over."""
+    inside or just after one of its actions (``split_action_moments``), as (n, w, B, g, kind,
+    c): per chunk the micro-batches held (F run, W or B not yet), those of them between their
+    I and their W, the W or B steps done, and whether a W or B of the chunk has run (its
+    gradients exist then under step lifetime), and what runs beside them. The replay of
+    ``schedule_memory.rank_memory``, action by action, which ``stage_costs`` maximises over.
+    ``persistent``: the gradients exist all step (``split_action_moments``)."""
     actions = schedule_actions(num_microbatches, num_ranks, num_chunks, rank, None, schedule)
-    return tuple(dict.fromkeys(split_action_counts(actions, num_chunks)))
+    moments = split_action_moments(actions, num_chunks, rank == 0, persistent)
+    return tuple(dict.fromkeys(moment for action in moments for moment in action))
+
+
+def split_action_moments(
+    actions: tuple[ScheduleAction, ...],
+    num_chunks: int,
+    holds_first_stage: bool,
+    persistent: bool = False,
+) -> Iterator[tuple[SplitMoment, ...]]:
+    """The moments of each of a split-backward rank's ``actions``, in order (torch 2.13,
+    ``torch/distributed/pipelining/_backward.py`` and ``stage.py``):
+
+    F of chunk c    the counts after it (its micro-batch held) with c's largest layer moment
+                    ("T": the layers after l not run yet, l's transient)
+    I of chunk c    its input step (``stage_backward_input``, the graph retained): the counts
+                    after it (the micro-batch and its dY whole) with the largest transient of
+                    c ("I"); on the first virtual stage torch runs no I step (its input needs
+                    no gradient): the counts after it alone
+    W of chunk c    its weight step (``stage_backward_weight``): the counts before it (the
+                    micro-batch and its dY held) with the W step's own moments ("W"), chunk
+                    c's gradients as after it; on the first virtual stage the W step is the
+                    full backward: as B
+    B of chunk c    the full backward (``stage_backward``): the counts before it with c's
+                    largest layer moment ("T", the layers after l freed), c's gradients as
+                    after it
+    and after an I, a W or a B the counts after it alone (the buffers grow with the backwards
+    done). Under step lifetime (not ``persistent``) chunk c's first W or B makes its
+    gradients: its moment counts none of them (g_c as before it) and runs "V" (a first weight
+    step: the groups so far, ``stages.weight_step_transient``) or "G" (a first full backward:
+    the gradients of the layers after l and l's own, as ``stages.layer_moments``' first
+    backward) instead. ``persistent``: every g is true. ``holds_first_stage``: chunk 0 is
+    virtual stage 0 (rank 0)."""
+    before = None
+    every = (True,) * num_chunks
+    for counts, action in zip(split_action_counts(actions, num_chunks), actions, strict=True):
+        c = action.chunk
+        first = holds_first_stage and c == 0
+        if persistent:
+            counts = (*counts[:3], every)
+        if action.kind == "F":
+            yield ((*counts, "T", c),)
+        elif action.kind == "I":
+            yield ((*counts, "", -1),) if first else ((*counts, "I", c), (*counts, "", -1))
+        else:
+            assert before is not None, "a W or B follows the micro-batch's F"
+            full = action.kind == "B" or first
+            started = before[3][c]
+            kind = ("T" if full else "W") if started else ("G" if full else "V")
+            during = (*before, kind, c)  # g as before it: the same where c's already exist
+            yield during, (*counts, "", -1)
+        before = counts
 
 
 def split_action_counts(

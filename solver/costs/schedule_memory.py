@@ -46,15 +46,20 @@ micro-batches, a rank's chunks by the schedule's placement), on the torch runtim
 ``stage_backward_input`` (I) runs ``autograd.grad(..., retain_graph=True)``, so between a
 micro-batch's I and its W the chunk keeps ALL the micro-batch's saved activations, plus the
 gradients at the outputs of its weight ops (dY, ``param_groups``' "grads") that W consumes;
-W (``stage_backward_weight``, no retained graph) frees both. With w_c pending W steps of chunk c:
+W (``stage_backward_weight``, no retained graph) frees both. With w_c pending W steps of chunk c
+and n_c micro-batches held from their F to their B or W (``schedule.split_action_moments``):
 
-  F, I, B, W = states + grads + sum_c n_c kept_c + sum_c w_c dY_c + buffers + trans_r
+  held      = states + grads + sum_c n_c kept_c + sum_c w_c dY_c + buffers(n, B, w)
+  F of c    = held after it - stored_c(> l) + trans_l at c's largest layer moment
+  I of c    = the larger of held after it + max_{l in c} trans_l and held after it
+  W of c    = the larger of held before it + W_c (``stages.weight_step_transient``: the
+              weight step's own moments, each layer's beside what the layers before it left)
+              and held after it
+  B of c    = the larger of held before it - stored_c(> l) + trans_l and held after it
 
-where n_c counts a micro-batch from its F to its B or W, and dY_j = sum over j's layers with
-weights of (transient_l + output_l): an estimate that errs over (a layer's backward transient
-bounds the gradients inside it at one moment, not all of its weight ops' dY at once; the
-output's gradient is the last op's dY). A chunk's gradients count from its first B or W under
-step lifetime, always under persistent.
+(a W on the first virtual stage is its full backward, as B; an I there runs nothing). A chunk's
+gradients count from its first B or W under step lifetime (in that action already), always
+under persistent.
 docs/cost-model.md, "Memory over the step" and "Zero-bubble and V schedules".
 """
 
@@ -71,7 +76,7 @@ from solver.costs.schedule import (
     ScheduleAction,
     interleaved_schedule_groups,
     schedule_actions,
-    split_action_counts,
+    split_action_moments,
 )
 from solver.costs.schedule_orders import ZERO_BUBBLE_SCHEDULES
 from solver.costs.stages import (
@@ -80,6 +85,7 @@ from solver.costs.stages import (
     optimizer_step_moment,
     pending_gradients,
     per_stage_sum,
+    split_extras,
 )
 
 
@@ -121,7 +127,7 @@ def rank_memory(
     stage_of = np.asarray(stage_of_layer, dtype=np.int64)
     mask = costs.recompute_mask(recomputed)
     stored, transient, _ = costs.coefficients(mask)
-    terms = _Terms(costs, stage_of, stored, transient)
+    terms = _Terms(costs, stage_of, stored, transient, mask)
     config = costs.config
     m, p, v = config.num_microbatches, config.pp, config.virtual_stages
     group = interleaved_schedule_groups(costs.runtime, m, p) if v > 1 else None
@@ -164,7 +170,12 @@ class _Terms:
     """The per-(virtual-)stage terms of one assignment, as ``stage_costs`` sums them."""
 
     def __init__(
-        self, costs: LayerCosts, stage_of: np.ndarray, stored: np.ndarray, transient: np.ndarray
+        self,
+        costs: LayerCosts,
+        stage_of: np.ndarray,
+        stored: np.ndarray,
+        transient: np.ndarray,
+        mask: np.ndarray,
     ) -> None:
         n = costs.num_stages
         self.costs, self.stage_of = costs, stage_of
@@ -185,6 +196,11 @@ class _Terms:
         np.maximum.at(self.transient, stage_of, transient)
         self.kept = self.stored + self.relayed
         self.pending = pending_gradients(costs, stage_of, transient)
+        self.extras = (
+            split_extras(costs, stage_of, stored, transient, mask)
+            if costs.split_backward
+            else None
+        )
 
     def states(self, rank: int) -> int:
         """Weights + optimizer + gradient buckets + constant of the rank, bytes."""
@@ -344,24 +360,34 @@ def _layerwise_bytes(terms: _Terms, rank: int, actions: tuple[ScheduleAction, ..
 def _split_bytes(
     terms: _Terms, rank: int, own: list[int], actions: tuple[ScheduleAction, ...]
 ) -> tuple[list[int], tuple[tuple[int, ...], tuple[int, ...]]]:
-    """The memory at the end of each action of a split-backward schedule (module docstring),
-    and the (held, pending W) counts per chunk at the largest."""
+    """The memory of each action of a split-backward schedule, its largest moment (module
+    docstring), and the (held, pending W) counts per chunk at the largest."""
     costs = terms.costs
     states = terms.states(rank)
-    largest = int(terms.transient[own].max())
     persistent = costs.grad_lifetime != "step"
+    extras = terms.extras
     values, best, at_best = [], -1, ((0,) * len(own), (0,) * len(own))
-    for held, pending, done, started in split_action_counts(actions, len(own)):
-        grads = sum(
-            int(terms.grads[j]) for g, j in zip(started, own, strict=True) if persistent or g
-        )
-        activations = sum(n * int(terms.kept[j]) for n, j in zip(held, own, strict=True))
-        waiting = sum(w * int(terms.pending[j]) for w, j in zip(pending, own, strict=True))
-        buffers = sum(
-            terms.buffers(j, n, b, w)
-            for n, b, w, j in zip(held, done, pending, own, strict=True)
-        )
-        values.append(states + grads + activations + waiting + buffers + largest)
-        if values[-1] > best:
-            best, at_best = values[-1], (held, pending)
+    first = costs.stages_of_rank(rank)[0] == 0
+    for moments in split_action_moments(actions, len(own), first, persistent):
+        value = -1
+        for held, pending, done, started, kind, chunk in moments:
+            grads = sum(
+                int(terms.grads[j]) for g, j in zip(started, own, strict=True) if g
+            )
+            activations = sum(n * int(terms.kept[j]) for n, j in zip(held, own, strict=True))
+            waiting = sum(w * int(terms.pending[j]) for w, j in zip(pending, own, strict=True))
+            buffers = sum(
+                terms.buffers(j, n, b, w)
+                for n, b, w, j in zip(held, done, pending, own, strict=True)
+            )
+            extra = 0
+            if kind:
+                extra = int(extras[kind][own[chunk]])
+                extra -= int(extras["fewer"][own[chunk]]) if kind == "T" else 0
+            total = states + grads + activations + waiting + buffers + extra
+            if total > value:
+                value = total
+            if total > best:
+                best, at_best = total, (held, pending)
+        values.append(value)
     return values, at_best

@@ -7,12 +7,16 @@ under step lifetime) (``schedule.split_moments``). Its memory there is linear in
 sums (``stages._split_peak_moment``, docs/cost-model.md "Zero-bubble and V schedules"):
 
   states_r + sum_c [ -(1 - g_c) grads_c + n_c kept_c + w_c dY_c + R(n_c, B_c, w_c) In_c
-                     + S(n_c, B_c) Out_c ] + tr_r
+                     + S(n_c, B_c) Out_c ] + X
 
 with kept, dY (``stages.weight_output_gradients``), In, Out >= 0 per chunk and R, S the copies
-(``LayerCosts.copies_at``). A moment is dropped when another one has, in every chunk, n, w, R
-and S at least as large and g_c at least as large (``undominated``): its memory is then at least
-as large whatever the split, so the largest moment is among the kept ones. On the torch runtime
+(``LayerCosts.copies_at``), and X >= 0 what runs beside them (``schedule.split_action_moments``:
+nothing, chunk c's largest layer moment T_c, its input step's transient I_c, its weight step's
+W_c, or its first full backward's G_c or first weight step's V_c with g_c = 0,
+``stages.split_extras``). A moment is dropped when another one has, in every chunk, n, w, R
+and S at least as large and g_c at least as large, and the same X or none itself
+(``undominated``): its memory is then at least as large whatever the split, so the largest
+moment is among the kept ones. On the torch runtime
 the boundary terms also carry + n known In - n counted (``formulation_terms._buffer_terms``),
 which grow with n since the counted tensors are part of kept (``_counted_here``).
 """
@@ -21,20 +25,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from solver.costs.schedule import SplitCounts, split_moments, undominated_rows
+from solver.costs.schedule import SplitMoment, split_moments, undominated_rows
 
-SplitMoment = SplitCounts
-"""(n, w, B, g) of ``schedule.split_moments``, g per chunk."""
+EXTRA_KINDS = ("T", "G", "I", "W", "V")
+"""What can run beside a moment's counts (``schedule.SplitMoment``), "" none."""
 
 
 def latest(moments: tuple[SplitMoment, ...]) -> list[SplitMoment]:
-    """For each (n, w, g), the last of ``moments`` (in schedule order) with it: the done counts
-    B only grow, and the copies R(n, B), S(n, B) never shrink as B grows at the same n
-    (``LayerCosts.copies_at``), so it dominates the earlier ones. Order of first appearance."""
+    """For each (n, w, g, kind, c), the last of ``moments`` (in schedule order) with it: the
+    done counts B only grow, and the copies R(n, B), S(n, B) never shrink as B grows at the
+    same n (``LayerCosts.copies_at``), so it dominates the earlier ones. Order of first
+    appearance."""
     last: dict[tuple, SplitMoment] = {}
     for moment in moments:
-        held, waiting, _, started = moment
-        last[(held, waiting, started)] = moment
+        held, waiting, _, started, kind, chunk = moment
+        last[(held, waiting, started, kind, chunk)] = moment
     return list(last.values())
 
 
@@ -51,7 +56,8 @@ def undominated(moments, copies) -> list[SplitMoment]:
             ]
             + list(waiting)
             + [int(g) for g in started]
-            for held, waiting, done, started in moments
+            + [int(kind == k and chunk == c) for k in EXTRA_KINDS for c in range(len(held))]
+            for held, waiting, done, started, kind, chunk in moments
         ],
         dtype=np.int64,
     )
@@ -66,10 +72,9 @@ def split_rows(costs) -> list[list[SplitMoment]]:
     for rank in range(config.pp):
         own = costs.stages_of_rank(rank)
         moments = split_moments(
-            config.num_microbatches, config.pp, config.virtual_stages, rank, config.schedule
-        )
-        if costs.grad_lifetime != "step":  # every gradient all step
-            moments = tuple((n, w, b, (True,) * len(n)) for n, w, b, _ in moments)
+            config.num_microbatches, config.pp, config.virtual_stages, rank, config.schedule,
+            costs.grad_lifetime != "step",  # persistent: every gradient all step
+        )  # fmt: skip
         rows.append(
             undominated(
                 moments, lambda c, n, b, w, own=own: costs.copies_at(own[c], n, b, w)
@@ -82,10 +87,11 @@ def attach_split_rows(costs) -> None:
     """Set ``costs``' in-flight vectors, backwards done, pending vectors and gradient flags (per
     chunk) to the split-backward schedule's undominated moments (``split_rows``)."""
     rows = split_rows(costs)
-    costs.in_flight_vectors = [[n for n, _, _, _ in rank] for rank in rows]
-    costs.pending_vectors = [[w for _, w, _, _ in rank] for rank in rows]
-    costs.backwards_done = [[b for _, _, b, _ in rank] for rank in rows]
-    costs.grads_started = [[g for _, _, _, g in rank] for rank in rows]
+    costs.in_flight_vectors = [[row[0] for row in rank] for rank in rows]
+    costs.pending_vectors = [[row[1] for row in rank] for rank in rows]
+    costs.backwards_done = [[row[2] for row in rank] for rank in rows]
+    costs.grads_started = [[row[3] for row in rank] for rank in rows]
+    costs.split_extras = [[row[4:] for row in rank] for rank in rows]
 
 
 def most_held(config) -> int:
@@ -94,7 +100,7 @@ def most_held(config) -> int:
     return max(
         sum(n) + sum(w)
         for rank in range(config.pp)
-        for n, w, _, _ in split_moments(
+        for n, w, *_ in split_moments(
             config.num_microbatches, config.pp, config.virtual_stages, rank, config.schedule
         )
     )

@@ -25,12 +25,16 @@ the stage in forward order:
                        + max_{l in c} (stored_c(<= l) + trans_l) + buffers(n, B)
               (kept_j = stored_j + relay_j; no running chunk: no transient)
   split backwards (zbv, dualpipev, interleaved-zb; ``schedule_orders``), per rank, the largest
-              moment after an action of torch's list (``schedule.split_moments``: n_c held,
-              w_c between their I and their W, B_c done per chunk c; ``_split_peak_moment``):
-              peak_r = states_r + grads + sum_c (n_c kept_c + w_c dY_c) + buffers(n, B)
-                       + max_l trans_l, chunk c's grads from its first W or B under step lifetime,
-              dY_c the pending W's output gradients (``weight_output_gradients``), exactly the
-              largest action of ``schedule_memory.rank_memory``
+              moment inside or after an action of torch's list (``schedule.split_moments``: n_c
+              held, w_c between their I and their W, B_c done per chunk c, and what runs;
+              ``_split_peak_moment``):
+              peak_r = states_r + grads + sum_c (n_c kept_c + w_c dY_c) + buffers(n, B) + X,
+              X = T_c (a forward's or full backward's layer of chunk c: trans_l - stored_c(> l),
+              ``chunk_moment``), I_c (its input step: max_l trans_l), W_c (its weight step,
+              ``weight_step_transient``) or 0 (after an action); chunk c's grads from its first
+              W or B under step lifetime, dY_c the pending W's output gradients
+              (``weight_output_gradients``), exactly the largest action of
+              ``schedule_memory.rank_memory``
   optimizer step (with a step temporary, ``states.optimizer_step_bytes``): after the schedule no
               activation is held and every gradient exists:
               peak_s = max(the moments above, states_s + sum_l step_l + buffers(0 held))
@@ -113,8 +117,9 @@ def _stage_costs(
     bounds = np.searchsorted(stage_of[members], np.arange(num_stages + 1))
     kept = stored + relayed  # per micro-batch kept by each virtual stage
     split = costs.config.schedule in ZERO_BUBBLE_SCHEDULES
-    if split:  # a pending W's dY per micro-batch of each virtual stage
+    if split:  # a pending W's dY per micro-batch of each virtual stage, what runs beside
         pending = pending_gradients(costs, stage_of, transient_per_layer)
+        extras = split_extras(costs, stage_of, stored_per_layer, transient_per_layer, mask)
     stages = []
     for rank in range(len(costs.in_flight_vectors)):
         own = costs.stages_of_rank(rank)
@@ -123,8 +128,8 @@ def _stage_costs(
         grads, largest = int(grad[own].sum()), int(transient[own].max())
         moment, resharded = "forward", 0
         if split:
-            grads, activations, buffers, vector = _split_peak_moment(
-                costs, rank, grad, kept, pending, (into, out_of, adjust)
+            grads, activations, buffers, vector, largest = _split_peak_moment(
+                costs, rank, grad, (kept, pending), extras, (into, out_of, adjust)
             )
         else:
             activations, buffers, vector, largest = _rank_peak_moment(
@@ -379,20 +384,23 @@ def _split_peak_moment(
     costs: LayerCosts,
     rank: int,
     grad: np.ndarray,
-    kept: np.ndarray,
-    pending: np.ndarray,
+    held_bytes: tuple[np.ndarray, np.ndarray],
+    extras: dict[str, np.ndarray],
     boundaries: tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None],
-) -> tuple[int, int, int, tuple[int, ...]]:
-    """(gradients, activations, buffers, held vector) at the largest moment of rank r's
-    split-backward schedule (``schedule.split_moments``), as ``schedule_memory.rank_memory``
+) -> tuple[int, int, int, tuple[int, ...], int]:
+    """(gradients, activations, buffers, held vector, transient) at the largest moment of rank
+    r's split-backward schedule (``schedule.split_moments``), as ``schedule_memory.rank_memory``
     replays it (every moment, the first largest: the backends' rows, ``costs.split_rows``,
-    reach the same largest total): sum_c n_c kept_c + sum_c w_c dY_c (``pending``,
-    bytes per micro-batch) in the activations, the buffers at (n_c, B_c), and each chunk's
-    gradients (``grad``, per virtual stage) from its first W or B under step lifetime (always
-    under persistent). Bytes per GPU."""
+    reach the same largest total): sum_c n_c kept_c + sum_c w_c dY_c (``held_bytes``: kept and
+    dY per micro-batch of each virtual stage) in the activations, less stored_c(> l) where a
+    layer of chunk c runs, the buffers at (n_c, B_c), what runs (``extras``,
+    ``split_extras``) as the transient, and each chunk's gradients (``grad``, per virtual
+    stage) from its first W or B under step lifetime (always under persistent). Bytes per
+    GPU."""
     config = costs.config
     own = costs.stages_of_rank(rank)
     into, out_of, adjust = boundaries
+    kept, pending = held_bytes
     persistent = costs.grad_lifetime != "step"
     buffers_at: dict[tuple[int, int, int, int], int] = {}  # (stage, held, done, pending)
 
@@ -405,10 +413,11 @@ def _split_peak_moment(
         return buffers_at[key]
 
     best = None
-    for held, waiting, done, started in split_moments(
-        config.num_microbatches, config.pp, config.virtual_stages, rank, config.schedule
-    ):
-        grads = sum(int(grad[j]) for g, j in zip(started, own, strict=True) if persistent or g)
+    for held, waiting, done, started, kind, chunk in split_moments(
+        config.num_microbatches, config.pp, config.virtual_stages, rank, config.schedule,
+        persistent,
+    ):  # fmt: skip
+        grads = sum(int(grad[j]) for g, j in zip(started, own, strict=True) if g)
         activations = sum(
             n * int(kept[j]) + w * int(pending[j])
             for n, w, j in zip(held, waiting, own, strict=True)
@@ -416,11 +425,135 @@ def _split_peak_moment(
         buffers = sum(
             buffer(j, n, b, w) for n, b, w, j in zip(held, done, waiting, own, strict=True)
         )
-        total = grads + activations + buffers
+        transient = 0
+        if kind:
+            j = own[chunk]
+            transient = int(extras[kind][j])
+            if kind == "T":
+                activations -= int(extras["fewer"][j])
+            elif kind == "G":  # its gradients made so far in the grads column, not the transient
+                made, fewer = int(extras["G_grads"][j]), int(extras["G_fewer"][j])
+                grads, activations = grads + made, activations - fewer
+                transient -= made - fewer
+        total = grads + activations + buffers + transient
         if best is None or total > best[0]:
-            best = (total, grads, activations, buffers, held)
+            best = (total, grads, activations, buffers, held, transient)
     assert best is not None, "a rank of a split-backward schedule runs at least one action"
     return best[1:]
+
+
+def split_extras(
+    costs: LayerCosts,
+    stage_of: np.ndarray,
+    stored: np.ndarray,
+    transient: np.ndarray,
+    recomputed: np.ndarray,
+) -> dict[str, np.ndarray]:
+    """Per virtual stage j, what runs beside a split-backward moment's counts
+    (``schedule.split_action_moments``), bytes per GPU: "T" and "fewer", chunk j's largest
+    layer moment of a forward or a full backward (``chunk_moment``: transient_l and
+    stored_j(> l)); "G", its first full backward's (step lifetime: no gradient of j before
+    it), max_l (transient_l - stored_j(> l) + grads_j(> l) + own_l), the layers after l with
+    their gradients and l with those its backward made by its largest moment (``own_grads``,
+    as ``layer_moments``' first backward), with "G_grads" and "G_fewer" the gradients and
+    stored_j(> l) at that l (the breakdown's grads and activations); "I", its input step's,
+    max(0, max_l X_l) (``input_step_columns``); "W" and "V", its weight step's and its first
+    weight step's (``weight_step_transient``). ``stored``, ``transient``: per layer, the
+    recompute set ``recomputed`` applied."""
+    num = costs.num_stages
+    kinds = ("T", "fewer", "G", "G_grads", "G_fewer", "I", "W", "V")
+    extras = {kind: np.zeros(num, dtype=np.int64) for kind in kinds}
+    members = np.argsort(stage_of, kind="stable")
+    bounds = np.searchsorted(stage_of[members], np.arange(num + 1))
+    columns = split_extra_columns(costs, transient, recomputed)
+    inputs, grads, own = columns["X"], columns["grads"], columns["own"]
+    for j in range(num):
+        layers = members[bounds[j] : bounds[j + 1]]
+        if not len(layers):
+            continue
+        fewer, top = chunk_moment(costs, layers.tolist(), stored, transient)
+        extras["T"][j], extras["fewer"][j] = top, fewer
+        running = costs.moment_transient(transient, costs.num_layers - 1 in layers)[layers]
+        later_stored = stored[layers].sum() - np.cumsum(stored[layers])
+        later_grads = grads[layers].sum() - np.cumsum(grads[layers])
+        first = running - later_stored + later_grads + own[layers]
+        best = int(np.argmax(first))
+        extras["G"][j] = int(first[best])
+        # its gradients at that layer (for the breakdown's grads column, ``_split_peak_moment``)
+        extras["G_grads"][j] = int(later_grads[best] + own[layers][best])
+        extras["G_fewer"][j] = int(later_stored[best])
+        extras["I"][j] = max(0, int(inputs[layers].max()))
+        extras["W"][j] = weight_step_transient(columns["W"], columns["End"], layers)
+        extras["V"][j] = weight_step_transient(columns["W1"], columns["End1"], layers)
+    return extras
+
+
+def split_extra_columns(
+    costs: LayerCosts, transient: np.ndarray, recomputed: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Per layer, bytes per GPU, the columns ``split_extras`` takes per virtual stage, in one
+    recompute state (``transient`` and ``recomputed`` of it; the backends' rows take both):
+    "X" the input step's (``input_step_columns``), "W"/"End" and "W1"/"End1" the weight
+    step's and the first weight step's (``weight_step_columns``), "own" l's own gradients
+    at its largest moment of a first full backward (``own_grads``), "grads" its gradients."""
+    weight, end, first_weight, first_end = weight_step_columns(costs, transient)
+    grads = np.asarray(costs.grad_bytes, dtype=np.int64)
+    own = grads if costs.own_grad_bytes is None else np.asarray(costs.own_grad_bytes)
+    return {
+        "X": input_step_columns(costs, transient, recomputed),
+        "W": weight,
+        "End": end,
+        "W1": first_weight,
+        "End1": first_end,
+        "own": own,
+        "grads": grads,
+    }
+
+
+def weight_step_columns(costs: LayerCosts, transient: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(W_l, End_l, W1_l, End1_l) per layer, bytes per GPU: a weight step's
+    (``LayerCosts.weight_step_bytes``) and a chunk's first weight step's
+    (``weight_step_first_bytes``). A layer the graph gives no ``weight_step_moments`` takes
+    W_l = transient_l (its backward's transient, the earlier estimate) and End_l = 0, and in
+    a first weight step its gradients beside: W1_l = transient_l + grads_l, End1_l = grads_l."""
+    grads = np.asarray(costs.grad_bytes, dtype=np.int64)
+    transient = np.asarray(transient, dtype=np.int64)
+    if costs.weight_step_bytes is None:
+        return transient, np.zeros(costs.num_layers, dtype=np.int64), transient + grads, grads
+    known = costs.weight_step_known
+    return (
+        np.where(known, costs.weight_step_bytes, transient),
+        costs.weight_step_end_bytes,
+        np.where(known, costs.weight_step_first_bytes, transient + grads),
+        np.where(known, costs.weight_step_first_end_bytes, grads),
+    )
+
+
+def input_step_columns(
+    costs: LayerCosts, transient: np.ndarray, recomputed: np.ndarray
+) -> np.ndarray:
+    """X_l per layer, bytes per GPU: what its part of an input step holds beyond the dY it
+    keeps (``LayerCosts.input_step_bytes``); a layer the graph gives none, or recomputed (its
+    forward runs again first), takes its transient_l (``transient``: the recompute set
+    ``recomputed`` applied)."""
+    if costs.input_step_bytes is None:
+        return np.asarray(transient, dtype=np.int64)
+    given = (costs.input_step_bytes >= 0) & ~np.asarray(recomputed, dtype=bool)
+    return np.where(given, costs.input_step_bytes, transient)
+
+
+def weight_step_transient(weight: np.ndarray, end: np.ndarray, layers: np.ndarray) -> int:
+    """W_j of a virtual stage holding ``layers`` (forward order): what its weight step runs
+    beside the held tensors at its largest moment. torch's ``stage_backward_weight`` runs the
+    param groups in parameter order, so layer l's groups run beside what the layers before it
+    in the chunk left (End, their last group's weight gradients less their frees; in a first
+    weight step every gradient they made):
+
+        W_j = max(0, max_{l in j} (W_l + sum_{i in j, i < l} End_i))"""
+    if not len(layers):
+        return 0
+    credit = np.concatenate(([0], np.cumsum(end[layers])[:-1]))
+    return max(0, int((weight[layers] + credit).max()))
 
 
 def weight_output_gradients(costs: LayerCosts, transient: np.ndarray) -> np.ndarray:
