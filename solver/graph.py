@@ -26,6 +26,8 @@ import networkx as nx
 from solver.deadline import Deadline, checked
 from solver.errors import InputError, quote
 from solver.graph_fields import (
+    INTEGER_FIELDS,
+    OPTIONAL_INTEGER_FIELDS,
     UNBATCHED_FIELDS,
     check_grad_moments,
     check_param_tensors,
@@ -33,44 +35,6 @@ from solver.graph_fields import (
     check_vocab,
 )
 from solver.files.jsonfile import check_name, read_json, schema_message
-
-INTEGER_FIELDS = (
-    "params",
-    "tp_params",
-    "activation_bytes",
-    "tp_activation_bytes",
-    "output_bytes",
-    "tp_comm_bytes",
-    "transient_bytes",
-    "largest_param",
-    "largest_tp_param",
-    "grad_partner_params",
-    "expert_params",
-    "expert_activation_bytes",
-    "ep_comm_bytes",
-    "attention_kv_bytes",
-    "attention_score_bytes",
-    "sp_gathered_bytes",
-    "vocab_rows",
-    "vocab_params",
-    "vocab_activation_bytes",
-)
-"""Layer fields that are whole numbers (parameter counts and bytes)."""
-
-OPTIONAL_INTEGER_FIELDS = (
-    "weight_grad_transient_bytes",
-    "attention_backward_transient_bytes",
-    "vocab_transient_bytes",
-    "fixed_transient_bytes",
-    "vocab_weight_grad_transient_bytes",
-    "fixed_weight_grad_transient_bytes",
-    "weight_op_grad_bytes",
-    "weight_op_output_grad_bytes",
-    "param_tensors",
-    "model_input_bytes",
-    "input_step_transient_bytes",
-)
-"""Layer fields that are whole numbers or None (not measured)."""
 
 MAX_COUNT = 2**48
 """Largest parameter count or byte figure of one layer (or edge), per sample: 2^48 = 256 TiB
