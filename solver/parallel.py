@@ -497,8 +497,12 @@ def stage_ranks(schedule: str, num_ranks: int, num_chunks: int) -> list[int]:
 def rank_stages(schedule: str, num_ranks: int, num_chunks: int, rank: int) -> list[int]:
     """Virtual stages of rank r, chunk order (ascending): r, r + p, ... with loop placement;
     r, 2p - 1 - r in a V."""
-    ranks = stage_ranks(schedule, num_ranks, num_chunks)
-    return [j for j, owner in enumerate(ranks) if owner == rank]
+    # directly, not by scanning stage_ranks: callers ask for every rank, which made the
+    # simulation of a 20,002-stage split O(p^2) (minutes; past its --time-limit)
+    p = num_ranks  # block c (stages c p .. c p + p - 1) holds one stage of each rank
+    if schedule not in V_SCHEDULES:
+        return [c * p + rank for c in range(num_chunks)]
+    return [c * p + (rank if c % 2 == 0 else p - 1 - rank) for c in range(num_chunks)]
 
 
 def chunk_places(schedule: str, num_ranks: int, num_chunks: int) -> list[tuple[int, int]]:
@@ -507,7 +511,7 @@ def chunk_places(schedule: str, num_ranks: int, num_chunks: int) -> list[tuple[i
     placement; in a V (zbv, dualpipev) stage j < p is chunk 0 of rank j, stage j >= p chunk 1 of
     rank 2p - 1 - j."""
     ranks = stage_ranks(schedule, num_ranks, num_chunks)
-    return [(rank, ranks[:j].count(rank)) for j, rank in enumerate(ranks)]
+    return [(rank, j // num_ranks) for j, rank in enumerate(ranks)]  # block j // p: one per rank
 
 
 def check_zero_bubble(schedule: str, num_microbatches: int, num_ranks: int, num_chunks: int):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,15 @@ from solver.specs import Cluster, ParallelConfig, TrainingConfig
 # (huggingface_hub reads this when first imported; subprocesses inherit it). Without it, a name
 # that is not cached would be looked up on the Hub, and with no network that retries for ~20 s.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# The tests that press Ctrl-C on a CLI (test_interrupts.py, test_sweep_ray.py) need it to start
+# with SIGINT's default action, as from a terminal. pytest started in the background by a shell
+# without job control (`pytest ... &` in a script, some CI runners) inherits SIGINT ignored, and
+# so would every CLI it starts (Python then installs no KeyboardInterrupt handler): the CLIs
+# exited 0 or ran on after Ctrl-C. A handler here is reset to the default by exec in each child.
+# (pytest-xdist's workers import this file on their main thread, as pytest does.)
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository root (subprocess tests run the CLIs from it)."""

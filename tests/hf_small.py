@@ -194,18 +194,24 @@ def validate_family(
     """Export ``family`` (``SEQ`` tokens, fp32, timed on 1 thread), plan it for ``layout`` (with
     ``--recompute recompute``) and run the plan with ``python -m profiling.validate --json``: the
     ranks' rows (``error_pct``: the plan's error against the measured peak, negative =
-    under-predicted). Raises AssertionError naming the step whose CLI did not exit 0."""
+    under-predicted). Raises AssertionError naming the step whose CLI did not exit 0.
+
+    The family's graph is exported once per ``folder`` (``folder/<family>.graph.json``) and
+    planned for each layout, as a user plans one export for several layouts: the export has no
+    layout or recompute flag, so the runs of a family shared nothing else."""
     from profiling.export import main as export_main
     from profiling.validate import main as validate_main
     from solver.cli.plan import plan_main
 
     model = f"hf:{write_config(folder, family)}"
     stem = Path(folder) / f"{family}-{layout.replace(' ', '-')}-{recompute}"
-    graph, plan, report = (f"{stem}.{kind}.json" for kind in ("graph", "plan", "run"))
+    graph = str(Path(folder) / f"{family}.graph.json")
+    plan, report = (f"{stem}.{kind}.json" for kind in ("plan", "run"))
     flags = [*PLAN_FLAGS]
     flags[flags.index("--recompute") + 1] = recompute
+    export = [model, "--seq", str(SEQ), "--dtype", "fp32", "--threads", "1"]
     steps = (
-        (export_main, [model, "--seq", str(SEQ), "--dtype", "fp32", "--threads", "1"]),
+        (None if Path(graph).exists() else export_main, export),
         (plan_main, [graph, *LAYOUTS[layout], *flags, "--precision", "fp32"]),
         (validate_main, [plan, "--model", model, "--step-iterations", "0", "--tolerance", "100"]),
     )
@@ -274,12 +280,15 @@ def validate_megatron(folder: Path, run: str) -> list[dict[str, Any]]:
 
 def _run_steps(steps, graph: str, plan: str, report: str) -> list[dict]:
     """Export, plan and validate (each CLI's main, quiet; exit 0 asserted) writing ``graph``,
-    ``plan`` and ``report``; the per-rank reports."""
+    ``plan`` and ``report``; the per-rank reports. A step whose main is None is skipped (a graph
+    already exported)."""
     import contextlib
     import io
 
     outputs = (["--out", graph, "--no-progress"], ["--json", plan], ["--json", report])
     for (main, argv), output in zip(steps, outputs, strict=True):
+        if main is None:
+            continue
         quiet = io.StringIO()
         with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
             code = main([*argv, *output])

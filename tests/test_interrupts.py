@@ -15,12 +15,15 @@ import os
 import pty
 import random
 import select
+import shutil
 import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import termios
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,6 +55,11 @@ import make_examples  # noqa: E402
 PYTHON = sys.executable
 STOP_S = 3.0
 """A signalled CLI must have exited this long after the signal (target: 1-2 s)."""
+START_S = 120.0
+"""The longest wait for what must be under way before a signal (the rows of a sweep's quick
+points, its workers, the ranks, the fork server): seconds on a quiet machine, over 30 beside
+another test process (pytest -n 2) on a busy one. A precondition, not a claim (the waits after
+the signal are); a process that ends before it fails the wait at once (``_wait_for``)."""
 
 # -- time: divisors and candidates ---------------------------------------------------------------
 
@@ -268,9 +276,19 @@ def _grandchildren(pid: int) -> list[int]:
     return [grandchild for child in _children(pid) for grandchild in _children(child)]
 
 
-def _wait_for(condition, timeout_s: float, what: str) -> None:
+def _wait_for(
+    condition, timeout_s: float, what: str, process: subprocess.Popen | None = None
+) -> None:
+    """Wait until ``condition()``; fail after ``timeout_s``, or at once (with its exit code and
+    stderr) when ``process`` has ended first."""
     end = time.monotonic() + timeout_s
     while not condition():
+        if process is not None and process.poll() is not None:
+            try:  # a child of the process may still hold the pipes
+                err = process.communicate(timeout=5)[1]
+            except subprocess.TimeoutExpired:
+                err = "(stderr still open)"
+            pytest.fail(f"exit {process.returncode} before {what}: {err!s:.3000}")
         if time.monotonic() > end:
             pytest.fail(f"timed out waiting for {what}")
         time.sleep(0.05)
@@ -392,7 +410,7 @@ def _rows(path: Path) -> int:
 @needs_proc
 def test_sweep_stops_on_ctrl_c_keeps_its_rows_and_leaves_no_worker(tmp_path):
     process, out = _sweep(tmp_path)
-    _wait_for(lambda: _rows(out) == 2, 30, "the two quick rows")
+    _wait_for(lambda: _rows(out) == 2, START_S, "the two quick rows", process)
     workers = _children(process.pid)
     assert len(workers) >= 2  # the slow points are running
     code, took = _interrupt_and_wait(process)
@@ -406,7 +424,7 @@ def test_sweep_stops_on_ctrl_c_keeps_its_rows_and_leaves_no_worker(tmp_path):
 @needs_proc
 def test_killed_sweep_leaves_no_worker(tmp_path):
     process, out = _sweep(tmp_path)
-    _wait_for(lambda: len(_children(process.pid)) == 3, 30, "three workers")
+    _wait_for(lambda: len(_children(process.pid)) == 3, START_S, "three workers", process)
     workers = _children(process.pid)
     _interrupt_and_wait(process, signal.SIGKILL)
     _wait_for(lambda: not [pid for pid in workers if _alive(pid)], 2.5, "the workers to end")
@@ -422,7 +440,7 @@ def test_min_gpus_search_stops_on_ctrl_c(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    _wait_for(lambda: len(_children(process.pid)) == 2, 30, "two workers")
+    _wait_for(lambda: len(_children(process.pid)) == 2, START_S, "two workers", process)
     workers = _children(process.pid)
     time.sleep(0.5)
     code, took = _interrupt_and_wait(process)
@@ -488,7 +506,7 @@ def test_validate_stops_its_ranks_on_ctrl_c(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    _wait_for(lambda: len(_grandchildren(process.pid)) >= 2, 60, "the ranks")
+    _wait_for(lambda: len(_grandchildren(process.pid)) >= 2, START_S, "the ranks", process)
     ranks = _grandchildren(process.pid)
     time.sleep(1.0)
     code, took = _interrupt_and_wait(process)
@@ -664,6 +682,19 @@ def _stop_and_check(
     return family, out, err
 
 
+@pytest.fixture
+def temporary() -> Iterator[Path]:
+    """An empty folder for a CLI's TMPDIR, removed afterwards: directly under the system's
+    temporary folder, not in ``tmp_path``. multiprocessing's fork server listens on a Unix socket
+    ``$TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX``, at most 107 bytes: under pytest-xdist
+    ``tmp_path`` is ``/tmp/pytest-of-<user>/pytest-<n>/popen-gw<i>/<test>0``, and with it the
+    socket's path was 108 bytes: the CLI exited with ``OSError: AF_UNIX path too long`` before
+    any rank started."""
+    folder = Path(tempfile.mkdtemp(prefix="memplan-tmp-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def _temporary_leftovers(folder: Path) -> list[str]:
     """What a run left in its TMPDIR, but torch's compile cache (``torchinductor_<user>``,
     which every run that imports torch's compiler creates and keeps)."""
@@ -743,7 +774,7 @@ def test_sweep_stops_on_sigterm_and_sighup_keeps_its_rows_and_leaves_nothing(
     tmp_path, signum, code
 ):
     process, out = _sweep(tmp_path)
-    _wait_for(lambda: _rows(out) == 2, 30, "the two quick rows")
+    _wait_for(lambda: _rows(out) == 2, START_S, "the two quick rows", process)
     assert len(_children(process.pid)) >= 2  # the slow points are running
     _, _, err = _stop_and_check(process, signum, code)
     assert err == f"terminated; 2 rows kept in {out}\n"
@@ -756,7 +787,7 @@ def test_sweep_stops_on_sigterm_and_sighup_keeps_its_rows_and_leaves_nothing(
 def test_sweep_stopped_before_any_row_leaves_no_temporary_csv(tmp_path):
     """SIGTERM to the whole process group (the workers get it too), before any row."""
     process, out = _sweep(tmp_path, gpus="64,128", workers=2)
-    _wait_for(lambda: len(_children(process.pid)) == 2, 30, "two workers")
+    _wait_for(lambda: len(_children(process.pid)) == 2, START_S, "two workers", process)
     time.sleep(0.5)
     _, _, err = _stop_and_check(process, signal.SIGTERM, TERMINATED, group=True)
     assert err == f"terminated; no row done, {out} not written\n"
@@ -790,13 +821,11 @@ run_main(profiling.validate.main)
 @needs_proc
 @pytest.mark.parametrize("signum, code", STOPS)
 def test_validate_stops_its_ranks_fork_server_and_tracker_on_sigterm_and_sighup(
-    tmp_path, signum, code
+    tmp_path, temporary, signum, code
 ):
     """Rank 0 hangs; the signal ends the CLI with its line, and its ranks, their fork server
     and multiprocessing's resource tracker within 2 s; the run's result folder is removed."""
     plan_path = _tiny_plan(tmp_path)
-    temporary = tmp_path / "tmp"
-    temporary.mkdir()
     process = subprocess.Popen(
         [PYTHON, "-c", _HANGING_VALIDATE_MAIN, str(plan_path), "--model", "gpt-tiny"],
         cwd=ROOT,
@@ -805,7 +834,7 @@ def test_validate_stops_its_ranks_fork_server_and_tracker_on_sigterm_and_sighup(
         stderr=subprocess.PIPE,
         text=True,
     )
-    _wait_for(lambda: len(_grandchildren(process.pid)) >= 2, 60, "the ranks")
+    _wait_for(lambda: len(_grandchildren(process.pid)) >= 2, START_S, "the ranks", process)
     time.sleep(1.0)
     family, _, err = _stop_and_check(process, signum, code)
     assert err == "terminated\n"
@@ -836,14 +865,12 @@ def _fork_server_started(pid: int) -> bool:
     ],
 )
 def test_calibrate_stopped_while_its_fork_server_starts_leaves_nothing(
-    tmp_path, signum, code, group, line
+    tmp_path, temporary, signum, code, group, line
 ):
     """The signal comes while the fork server imports torch with a rank's start queued: the
     server used to fork that rank afterwards, and the two (and the resource tracker) lived on
     for minutes; a Ctrl-C to the process group printed the server's KeyboardInterrupt
     traceback."""
-    temporary = tmp_path / "tmp"
-    temporary.mkdir()
     out = tmp_path / "c.json"
     process = subprocess.Popen(
         [PYTHON, "-m", "profiling.calibrate", "--model", "gpt-tiny", "--configs", "1"]
@@ -855,7 +882,7 @@ def test_calibrate_stopped_while_its_fork_server_starts_leaves_nothing(
         text=True,
         start_new_session=True,
     )
-    _wait_for(lambda: _fork_server_started(process.pid), 60, "the fork server")
+    _wait_for(lambda: _fork_server_started(process.pid), START_S, "the fork server", process)
     time.sleep(0.3)
     family, _, err = _stop_and_check(process, signum, code, group=group)
     assert err.splitlines()[-1] == line and len(err.splitlines()) == 2, err  # after "running"

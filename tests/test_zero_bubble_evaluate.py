@@ -153,6 +153,7 @@ def test_plan_refuses_a_pinned_schedule_in_one_line(run_cli, tmp_path, schedule,
 def test_sweep_takes_the_split_schedules(run_cli, tmp_path):
     out = tmp_path / "rows.csv"
     argv = [GPT_1_3B, "--gpus", "4", "--gpu-memory", "80GB", "--schedule", "zbv", "--pp", "4"]
+    argv += ["--time-limit", "5"]  # unproven at the default 60 s too (33 s): the same zbv row
     code, _, err = run_cli(
         sweep_main, *argv, "--virtual-stages", "2", "--global-batch", "16", "--out", str(out)
     )
