@@ -151,14 +151,12 @@ def time_dependence_note(time_limit_s: float | None) -> str:
 
 
 SPLIT_SCHEDULE_ACCURACY = (
-    "its memory is predicted within -0.30% to +0.32% of the torch engine's live tensors "
-    "(benchmarks/bench_accuracy_schedules.md's 28 ranks, median |error| 0.02%); under by "
-    "Adam's step scalars (4 B a parameter tensor) and, on the ranks that read the model's "
-    "inputs or labels, the batch torch's step() holds (up to 5.7 KiB there): terms the cost "
-    "model does not count yet; check it with python -m profiling.validate"
+    "its memory is predicted within 0.0% to +0.42% of the torch engine's live tensors "
+    "(benchmarks/bench_accuracy_schedules.md's 28 ranks, median |error| 0.0%, none under); "
+    "check it on your model with python -m profiling.validate"
 )
-"""What the split-backward schedules' memory rule is known to miss (issue 31's per-action
-moments are exact to these; docs/cost-model.md, "Zero-bubble and V schedules")."""
+"""How close the split-backward schedules' per-action moments are measured to be (issue 31;
+docs/cost-model.md, "Zero-bubble and V schedules")."""
 
 
 def split_schedule_notes(schedule: str) -> list[str]:
