@@ -10,16 +10,23 @@ from __future__ import annotations
 
 import sys
 
+import harness
+
 from solver.costs.megatron_buffers import megatron_replay
 
 
-def main(argv: list[str]) -> None:
-    m, p, v = map(int, argv[:3])
+def main(argv: list[str]) -> int:
+    parser = harness.parser(__doc__, out=None)
+    for name, meaning in (("m", "micro-batches"), ("p", "pipeline ranks"), ("v", "chunks")):
+        parser.add_argument(name, type=int, help=meaning)
+    args = parser.parse_args(argv)
+    m, p, v = args.m, args.p, args.v
     for r in range(p):
         print(f"rank {r}")
         for kind, held, running, tensors in megatron_replay(m, p, v, r):
             print(f"  {kind} held {held} running {running:2d}: {len(tensors)} {tensors}")
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    raise SystemExit(main(sys.argv[1:]))

@@ -661,6 +661,8 @@ def split_rank_bytes(
         layer_states(layers[i], setup)[0]
         + layer_states(layers[i], setup)[2]
         + (gradients_of(layers[i]["params"], layers[i]["tp_params"], setup) if buckets else 0)
+        + step_counts(layers[i], setup)  # Adam's step scalars, in the optimizer state
+        + step_inputs(layers[i], setup)  # the batch a torch step() holds
         for own in members
         for i in own
     )

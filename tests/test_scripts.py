@@ -12,7 +12,7 @@ import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 NAMES = sorted(path.stem for path in SCRIPTS.glob("*.py"))
-LIBRARIES = {"harness", "accuracy_schedules"}
+LIBRARIES = {"harness", "accuracy_schedules", "sleeping_pipeline"}
 """Modules other scripts import (no command of their own)."""
 
 

@@ -148,10 +148,8 @@ from solver.specs import Cluster, ParallelConfig, TrainingConfig
 def layer_costs(
     graph: LayerGraph, config: ParallelConfig, cluster: Cluster, training: TrainingConfig
 ) -> LayerCosts:
-    """Coefficients of every layer for ``config`` (see the module docstring for the formulas).
-
-    Vectorised over layers; integer terms use exact integer arithmetic (ceil of a ratio of ints).
-    """
+    """Coefficients of every layer for ``config`` (the module docstring's formulas), vectorised
+    over layers; integer terms in exact integer arithmetic (ceil of a ratio of ints)."""
     in_flight, vectors, dones, running, moment_copies = in_flight_counts(config, training)
     copies = stage_boundary_copies(
         training.runtime,
@@ -285,8 +283,12 @@ def weight_step_columns(
     -1 where not given); nothing on other schedules or graphs without them."""
     if config.schedule not in ZERO_BUBBLE_SCHEDULES:
         return {}
+    inputs = as_int([layer.input_step_transient_bytes or 0 for layer in graph.layers])
+    input_known = np.array([layer.input_step_transient_bytes is not None for layer in graph.layers])
+    input_bytes = scaled(ceil_div(config.micro_batch * inputs, config.cp), "transient")
+    input_columns = {"input_step_bytes": np.where(input_known, input_bytes, -1)}
     if all(layer.weight_step_moments is None for layer in graph.layers):
-        return {}
+        return input_columns if input_known.any() else {}
     known = np.array([layer.weight_step_moments is not None for layer in graph.layers])
     points, first_points = [], []
     for i, layer in enumerate(graph.layers):
@@ -303,14 +305,7 @@ def weight_step_columns(
         largest, end_bytes = _step_extremes(entries, len(graph.layers), config, training, scaled)
         columns[f"weight_step_{name}bytes"] = np.where(known, largest, 0)
         columns[f"weight_step_{name}end_bytes"] = np.where(known, end_bytes, 0)
-    inputs = as_int([layer.input_step_transient_bytes or 0 for layer in graph.layers])
-    input_known = np.array([layer.input_step_transient_bytes is not None for layer in graph.layers])
-    input_bytes = scaled(ceil_div(config.micro_batch * inputs, config.cp), "transient")
-    return {
-        **columns,
-        "weight_step_known": known,
-        "input_step_bytes": np.where(input_known, input_bytes, -1),
-    }
+    return {**columns, "weight_step_known": known, **input_columns}
 
 
 def _step_extremes(
