@@ -491,11 +491,9 @@ def hf_family_section(rows: list[dict]) -> list[str]:
         "(issue 28): median |error| <= 1%, max <= 3%, no rank under-predicted by more than 1%.",
         "",
         f"Over {len(rows)} ranks: analytic model {spread(errors)}, worst under-prediction "
-        f"{min(errors):+.2f}%. At pp 2 the first stage is over-predicted by 1.9-2.7%: the cost "
-        "model adds the stage's largest transient (the embedding's weight-gradient temporary, "
-        "V h 4 bytes) to all k in-flight micro-batches, where the run makes it after the "
-        "current micro-batch's later layers are freed (docs/cost-model.md, \"What stays "
-        'conservative").',
+        f"{min(errors):+.2f}%. Where a first stage is over-predicted, the cost model adds a "
+        "transient to in-flight micro-batches the run has partly freed by then "
+        '(docs/cost-model.md, "What stays conservative").',
         "",
         *markdown_table(summary, list(summary[0])),
         "",
