@@ -56,6 +56,33 @@ def test_pending_dy_by_hand():
     ]
 
 
+CHUNK_BATCH = 2
+"""Samples per micro-batch of the real-tensor chunks below."""
+
+
+def _chunk_on_real_tensors(layers: tuple[int, int]):
+    """gpt-tiny's profiled graph and, on real tensors, the chunk of layers [lo, hi): (graph,
+    spec, the chunk's modules, its input, which requires grad, and the targets)."""
+    import torch
+
+    import models
+    from profiling.export import export_graph
+
+    graph = export_graph("gpt-tiny", dtype="fp32", overrides=OVERRIDES)
+    spec = models.get("gpt-tiny", **OVERRIDES)
+    torch.manual_seed(0)
+    model = spec.build()
+    lo, hi = layers
+    ids, targets = spec.example_inputs(CHUNK_BATCH, None)
+    with torch.no_grad():
+        x = ids
+        for path in spec.layers[:lo]:
+            x = model.get_submodule(path)(x)
+    x = x.detach().requires_grad_(True)
+    modules = [model.get_submodule(path) for path in spec.layers[lo:hi]]
+    return graph, spec, modules, x, targets
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layers", [(1, 2), (1, 3), (2, 4)])
 def test_profile_matches_torch_stage_backward_input(layers):
@@ -65,23 +92,11 @@ def test_profile_matches_torch_stage_backward_input(layers):
     import torch
     from torch.distributed.pipelining._backward import stage_backward_input
 
-    import models
-    from profiling.export import export_graph
     from profiling.trace.memory import LiveTensorTracker
 
-    graph = export_graph("gpt-tiny", dtype="fp32", overrides=OVERRIDES)
-    spec = models.get("gpt-tiny", **OVERRIDES)
-    torch.manual_seed(0)
-    model = spec.build()
+    graph, spec, modules, x, targets = _chunk_on_real_tensors(layers)
     lo, hi = layers
-    batch = 2
-    ids, targets = spec.example_inputs(batch, None)
-    with torch.no_grad():
-        x = ids
-        for path in spec.layers[:lo]:
-            x = model.get_submodule(path)(x)
-    x = x.detach().requires_grad_(True)
-    modules = [model.get_submodule(path) for path in spec.layers[lo:hi]]
+    batch = CHUNK_BATCH
     last = hi == len(spec.layers)
     tracker = LiveTensorTracker()
     for module in modules:
@@ -123,23 +138,11 @@ def test_weight_step_moments_match_torch_stage_backward_weight(layers):
     import torch
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-    import models
-    from profiling.export import export_graph
     from profiling.trace.memory import LiveTensorTracker
 
-    graph = export_graph("gpt-tiny", dtype="fp32", overrides=OVERRIDES)
-    spec = models.get("gpt-tiny", **OVERRIDES)
-    torch.manual_seed(0)
-    model = spec.build()
+    graph, spec, modules, x, targets = _chunk_on_real_tensors(layers)
     lo, hi = layers
-    batch = 2
-    ids, targets = spec.example_inputs(batch, None)
-    with torch.no_grad():
-        x = ids
-        for path in spec.layers[:lo]:
-            x = model.get_submodule(path)(x)
-    x = x.detach().requires_grad_(True)
-    modules = [model.get_submodule(path) for path in spec.layers[lo:hi]]
+    batch = CHUNK_BATCH
     params = [p for module in modules for p in module.parameters()]
     for p in params:
         p.grad = torch.zeros_like(p)
