@@ -255,6 +255,8 @@ def check_degree(name: str, value: Any) -> None:
     (``MAX_VIRTUAL_STAGES`` for virtual_stages, ``MAX_DEGREE`` for a degree or a micro-batch
     count)."""
     high = MAX_VIRTUAL_STAGES if name == "virtual_stages" else MAX_DEGREE
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= high:
+        return  # the common case, without formatting a message
     require(
         isinstance(value, int) and not isinstance(value, bool) and value >= 1,
         f"{name} must be a positive integer, got {quote(value)}",
@@ -264,7 +266,8 @@ def check_degree(name: str, value: Any) -> None:
 
 def check_dims(dims: Degrees) -> None:
     """The relations between a layout's degrees: sp a bool and only with tp > 1, ep | dp."""
-    require(isinstance(dims.sp, bool), f"sp must be true or false, got {quote(dims.sp)}")
+    if not isinstance(dims.sp, bool):
+        raise InputError(f"sp must be true or false, got {quote(dims.sp)}")
     require(
         not dims.sp or dims.tp > 1,
         f"--sequence-parallel on with tp({dims.tp}): sequence parallelism splits over the "

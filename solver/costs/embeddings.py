@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from solver.costs.graph_inputs import graph_columns
 from solver.costs.times import pipeline_links
 from solver.costs.vocab import split_tied_copies
 from solver.graph import LayerGraph
@@ -61,14 +62,8 @@ from solver.specs import Cluster, ParallelConfig, TrainingConfig
 
 def tied_columns(graph: LayerGraph) -> tuple[np.ndarray, np.ndarray]:
     """(n_l, the sum of the n of the layers tied to l as owner) per layer, elements."""
-    position = graph.index()
-    used = np.zeros(graph.num_layers, dtype=np.int64)
-    owned = np.zeros(graph.num_layers, dtype=np.int64)
-    for i, layer in enumerate(graph.layers):
-        for owner, count in (layer.tied_params or {}).items():
-            used[i] += count
-            owned[position[owner]] += count
-    return used, owned
+    cols = graph_columns(graph)
+    return cols["tied_used"], cols["tied_owned"]
 
 
 def with_tied_copies(
@@ -104,11 +99,10 @@ def tied_gradient_bytes(
         return anytime, at_grad
     split, copy = split_tied_copies(cols["vocab_rows"], used, config, training.runtime)
     table = training.weight_bytes_per_param * np.where(split, -(-copy // config.tp), copy)
-    position = graph.index()
+    ties = graph_columns(graph)
     users: dict[int, list[int]] = {}
-    for i, layer in enumerate(graph.layers):
-        for owner in layer.tied_params or {}:
-            users.setdefault(position[owner], []).append(i)
+    for user, owner in zip(ties["tie_user"].tolist(), ties["tie_owner"].tolist(), strict=True):
+        users.setdefault(owner, []).append(user)
     for owner, using in users.items():
         size = int(table[using].max())
         last = max(using)
@@ -137,11 +131,11 @@ def tied_sync_ns(
     split, copy = split_tied_copies(cols["vocab_rows"], used, config, training.runtime)
     per_gpu = np.where(split, -(-copy // config.tp), copy)
     # the owner moves what its users do: the same share of the same table
-    position = graph.index()
+    ties = graph_columns(graph)
+    user, count = ties["tie_user"], ties["tie_elements"]
+    share = -(-per_gpu[user] * count // np.maximum(used[user], 1))
     owned_per_gpu = np.zeros_like(owned)
-    for i, layer in enumerate(graph.layers):
-        for owner, count in (layer.tied_params or {}).items():
-            owned_per_gpu[position[owner]] += -(-per_gpu[i] * count // max(used[i], 1))
+    np.add.at(owned_per_gpu, ties["tie_owner"], share)
     bytes_per_ns = pipeline_links(config, cluster)[(0, config.pp - 1)]
     grad_bytes = training.grad_bytes_per_param * (per_gpu + owned_per_gpu)
     return np.ceil(grad_bytes / bytes_per_ns).astype(np.int64)

@@ -77,8 +77,33 @@ def graph_columns(graph: LayerGraph) -> dict[str, np.ndarray]:
         edge_src_charged=np.array([e.src_charged for e in graph.edges], dtype=bool),
         glue_activation_bytes=glue_saved_bytes(graph),
     )
+    cols.update(_tie_columns(graph, position))
     graph._columns = cols
     return cols
+
+
+def _tie_columns(graph: LayerGraph, position: dict[str, int]) -> dict[str, np.ndarray]:
+    """The graph's ``tied_params`` as arrays, one entry per (user, owner) pair in layer order:
+    ``tie_user``, ``tie_owner`` (layer positions) and ``tie_elements``; and per layer
+    ``tied_used`` (the elements l holds of others' tables) and ``tied_owned`` (of l's tables,
+    the elements others hold), for ``embeddings`` and ``states``."""
+    pairs = [
+        (i, position[owner], count)
+        for i, layer in enumerate(graph.layers)
+        for owner, count in (layer.tied_params or {}).items()
+    ]
+    user, owner, elements = np.array(pairs, dtype=np.int64).reshape(-1, 3).T.copy()
+    used = np.zeros(graph.num_layers, dtype=np.int64)
+    owned = np.zeros(graph.num_layers, dtype=np.int64)
+    np.add.at(used, user, elements)
+    np.add.at(owned, owner, elements)
+    return {
+        "tie_user": user,
+        "tie_owner": owner,
+        "tie_elements": elements,
+        "tied_used": used,
+        "tied_owned": owned,
+    }
 
 
 def _edge_tensors(graph: LayerGraph) -> np.ndarray:

@@ -542,16 +542,34 @@ def stage_boundary_copies(
         return [0] + [2 * m] * (num_stages - 1), [2 * m] * (num_stages - 1) + [0]
     if config.virtual_stages > 1 and not deallocate_pipeline_outputs:
         assert in_flight is not None, "interleaved megatron copies without deallocation need k_j"
+    held = None if in_flight is None else tuple(in_flight)
+    receive, send = _stage_copies(
+        runtime, config.schedule, m, num_stages, deallocate_pipeline_outputs, held
+    )
+    return list(receive), list(send)
+
+
+@lru_cache(maxsize=1024)
+def _stage_copies(
+    runtime: str,
+    schedule: str,
+    num_microbatches: int,
+    num_stages: int,
+    deallocate_pipeline_outputs: bool,
+    held: tuple[int, ...] | None,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``stage_boundary_copies`` of the stages one at a time (``boundary_copies``), cached: a
+    search asks for the same few layouts' copies once per candidate configuration."""
     copies = [
         boundary_copies(
             runtime,
-            config.schedule,
-            m,
+            schedule,
+            num_microbatches,
             num_stages,
             j,
             deallocate_pipeline_outputs=deallocate_pipeline_outputs,
-            held=None if in_flight is None else in_flight[j],
+            held=None if held is None else held[j],
         )
         for j in range(num_stages)
     ]
-    return [receive for receive, _ in copies], [send for _, send in copies]
+    return tuple(receive for receive, _ in copies), tuple(send for _, send in copies)

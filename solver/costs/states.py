@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from solver.costs.graph_inputs import graph_columns
 from solver.costs.units import ceil_div
 from solver.graph import LayerGraph
 from solver.specs import ParallelConfig, TrainingConfig
@@ -211,10 +212,9 @@ def step_count_bytes(
         return count  # no step count, or no optimizer state at all (o = 0 given)
     count = count + cols["param_tensors"]
     if config.pp > 1:
-        position = graph.index()
-        for i, layer in enumerate(graph.layers):
-            for owner, elements in (layer.tied_params or {}).items():
-                count[i] += min(int(cols["param_tensors"][position[owner]]), elements)
+        ties = graph_columns(graph)
+        owner_tensors = cols["param_tensors"][ties["tie_owner"]]
+        np.add.at(count, ties["tie_user"], np.minimum(owner_tensors, ties["tie_elements"]))
     return STEP_COUNT_BYTES * count
 
 
