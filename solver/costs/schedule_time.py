@@ -245,13 +245,22 @@ def _rank_steps(
         duration |= {("W", 0): int(backward_ns[0]), ("I", 0): 0}
     lists = []
     for r in range(p):
-        steps: list[Step] = []
         own = rank_stages(schedule, p, v, r)
         deferred = (
             overlapped_forwards(schedule, m, p, v, r) if schedule == "dualpipev" else frozenset()
         )
+        actions = schedule_actions(m, p, v, r, group, schedule)
+        if not deferred:  # the common case, in one comprehension (a search simulates often)
+            parts = {
+                (kind, c): (duration[key], waits[key], sends.get(key, ()), ())
+                for kind in "FBIW"
+                for c, key in enumerate((kind, j) for j in own)
+            }
+            lists.append([(action, action.microbatch) + parts[action[:2]] for action in actions])
+            continue
+        steps: list[Step] = []
         carried: tuple = ()
-        for position, action in enumerate(schedule_actions(m, p, v, r, group, schedule)):
+        for position, action in enumerate(actions):
             key, i = (action.kind, own[action.chunk]), action.microbatch
             targets = sends.get(key, ())
             if position in deferred:

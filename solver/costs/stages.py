@@ -141,7 +141,8 @@ def _stage_costs(
                 costs, rank, chunks[0], stored_per_layer, transient_per_layer,
                 int(relayed[rank]), into, out_of, adjust,
             )  # fmt: skip
-            best = max(range(len(moments)), key=lambda i: sum(moments[i]))
+            totals = [sum(moment) for moment in moments]
+            best = totals.index(max(totals))  # the first of the largest
             grads, activations, buffers, largest = moments[best]
             if costs.backward_weight_bytes is not None and best < len(chunks[0]):
                 # the unsharded weights resharded at layer l's moment, U(<= l)
@@ -285,8 +286,10 @@ def layer_moments(
     # on the stage of the model's last layer its output stays held (LayerCosts.moment_transient)
     running = costs.moment_transient(transient, costs.num_layers - 1 in layers)
     moments = [
-        (int(g), held + relayed + int(a), buffers_k, int(t))
-        for g, a, t in zip(later, before, running[layers], strict=True)
+        (g, held + relayed + a, buffers_k, t)
+        for g, a, t in zip(
+            np.asarray(later).tolist(), before.tolist(), running[layers].tolist(), strict=True
+        )
     ]
     largest = int(costs.after_transient(transient)[layers].max(initial=0))  # less FSDP2's gathers
     for h, done in costs.after_moments[stage]:  # after a backward (LayerCosts.after_moments)
