@@ -108,14 +108,14 @@ def _expire_after_bounding(monkeypatch):
     gets any time (what a large DAG at a short --time-limit meets)."""
     import solver.search.planner
 
-    real = solver.search.planner.build_entries
+    real = solver.search.planner.bound_entries
 
     def bound_then_expire(graph, cluster, training, *, deadline):
-        entries = real(graph, cluster, training, deadline=deadline)
+        entries, unbounded = real(graph, cluster, training, deadline=deadline)
         deadline.end = 0.0
-        return entries
+        return entries, unbounded
 
-    monkeypatch.setattr(solver.search.planner, "build_entries", bound_then_expire)
+    monkeypatch.setattr(solver.search.planner, "bound_entries", bound_then_expire)
 
 
 def test_a_search_cut_before_any_solve_returns_its_best_quick_split():

@@ -176,6 +176,29 @@ def test_api_auto_is_never_worse_than_each_schedule(gpt_graph):
     assert peaks[both.config.schedule].peak_bytes == both.peak_bytes
 
 
+def test_auto_out_of_time_for_the_split_schedules_keeps_the_others_optimum(gpt_graph, monkeypatch):
+    """Bounding the split-backward configs gets a share of the time left after the others: when
+    it runs out (here at once), auto still returns the 1F1B optimum, unproven, its gap
+    unbounded, and says which configs it did not reach."""
+    from solver.search import config_search
+
+    monkeypatch.setattr(config_search, "SPLIT_BOUNDING_SHARE", 0.0)
+    cluster = Cluster(num_gpus=4, gpu_memory_bytes=80 * GIB)
+    base = dict(global_batch=16, pp=4, micro_batch_sizes=(1,), max_slowdown=None)
+    base |= dict(virtual_stages=(1, 2), runtime="torch")  # zbv's two chunks per rank
+    alone = plan(gpt_graph, cluster, TrainingConfig(schedule="1f1b", **base), time_limit_s=600)
+    both = plan(gpt_graph, cluster, TrainingConfig(schedule="1f1b,zbv", **base), time_limit_s=600)
+    assert alone.solver.status == "OPTIMAL"
+    assert (both.peak_bytes, both.config) == (alone.peak_bytes, alone.config)
+    assert (both.solver.status, both.solver.bound) == ("FEASIBLE", 0.0)
+    (note,) = [n for n in both.solver.notes if "neither bounded nor searched" in n]
+    assert "zbv" in note and "raise --time-limit" in note
+    # with the share back, this small case bounds every config
+    monkeypatch.setattr(config_search, "SPLIT_BOUNDING_SHARE", 0.5)
+    again = plan(gpt_graph, cluster, TrainingConfig(schedule="1f1b,zbv", **base), time_limit_s=600)
+    assert not any("neither bounded" in n for n in again.solver.notes)
+
+
 def test_api_takes_the_names_and_evaluate_takes_them():
     with pytest.raises(InputError, match="schedule must be one of 1f1b, gpipe"):
         TrainingConfig(global_batch=16, schedule="zbv,,x")

@@ -10,7 +10,7 @@ build_optimizer``: lr ``profiling.executors.base.LEARNING_RATE``, torch's other 
 ``foreach=True``,
 the torch runtime's ``optimizer_impl``), over copies of the model's parameters (same shapes,
 dtype and device; the module is left untouched) with random gradients set: one warm-up step
-(which allocates the Adam state), then ``TIMED_STEPS`` timed steps; the least divided by the
+(which allocates the Adam state), then ``TIMED_STEPS`` timed steps; the median divided by the
 parameter count. At most ``MAX_OPTIMIZER_ELEMENTS`` elements are timed (the first parameters in
 order), so a large model's profile does not hold four more copies of all its weights: the rate
 per element of a long foreach step barely depends on how many tensors it covers.
@@ -22,7 +22,7 @@ costs beyond the profiled layer times when torch.distributed.pipelining runs it,
 ``PipelineStage`` of a world-1 gloo group (an in-memory ``HashStore``) run by ``Schedule1F1B``
 (the schedule class the ranks use; at one stage every schedule runs F, B per micro-batch), with
 the profile's batch as the micro-batch, at m = 1, 2 and 3 micro-batches, round robin
-(``MICROBATCH_ROUNDS`` rounds after one warm-up step); the least-squares slope of the least
+(``MICROBATCH_ROUNDS`` rounds after one warm-up step); the least-squares slope of the median
 step time over m, less the sum of the layers' forward + backward times of the same batch, at
 least 0. The optimizer is not in these steps (it runs once per step, not per micro-batch).
 
@@ -63,13 +63,14 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-TIMED_STEPS = 3
-"""Timed optimizer steps after one warm-up; the least is kept (other work only lengthens one)."""
+TIMED_STEPS = 5
+"""Timed optimizer steps after one warm-up; the median is kept."""
 MICROBATCH_ROUNDS = 5
 """Timed rounds of the micro-batch proxy (each runs every count of ``MICROBATCH_COUNTS``) after one
-warm-up step; each count keeps its least time (other work on the machine only lengthens a step:
-a median of three let one disturbed step at m = 3 make a 14 ms "overhead" per micro-batch out of
-none, +20-50% on every predicted pipeline step of ``scripts/bench_time.py``)."""
+warm-up step; each count keeps its median, robust to two disturbed steps (with 3 rounds one
+disturbed step at m = 3 made a 14 ms "overhead" per micro-batch out of none, +20-50% on every
+predicted pipeline step of ``scripts/bench_time.py``; the least time instead was biased low
+against the median step that runs are measured by: -9% at pp 1)."""
 MICROBATCH_COUNTS = (1, 2, 3)
 """Micro-batch counts of the overhead proxy (the slope is fitted over them)."""
 MAX_OPTIMIZER_ELEMENTS = 2**27
@@ -86,7 +87,7 @@ def _synchronize(device: torch.device) -> None:
 
 
 def optimizer_step_ns_per_param(params: list[torch.Tensor], *, device: torch.device) -> float:
-    """Least time of one foreach Adam step over copies of ``params`` (random gradients set),
+    """Median time of one foreach Adam step over copies of ``params`` (random gradients set),
     in ns per parameter element (module docstring)."""
     copies, count = [], 0
     for tensor in params:
@@ -105,7 +106,7 @@ def optimizer_step_ns_per_param(params: list[torch.Tensor], *, device: torch.dev
         _synchronize(device)
         if step > 0:
             times.append(time.perf_counter() - started)
-    return min(times) * 1e9 / count
+    return statistics.median(times) * 1e9 / count
 
 
 class _WholeModel(nn.Module):
@@ -147,7 +148,7 @@ def microbatch_step_ms(
     device: torch.device,
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> dict[int, float]:
-    """Least wall time (ms) of a ``Schedule1F1B`` step of the whole model as one stage, at each
+    """Median wall time (ms) of a ``Schedule1F1B`` step of the whole model as one stage, at each
     of ``MICROBATCH_COUNTS`` micro-batches of ``inputs``' batch (round robin; gradients of
     ``params`` cleared after each step). ``run_loss(*micro_batch_inputs)`` runs the forward and
     returns the scalar loss; ``context`` wraps every step (the profile's CUDA-like kernels)."""
@@ -182,7 +183,7 @@ def microbatch_step_ms(
                 times[m].append((time.perf_counter() - started) * 1e3)
             for tensor in params:
                 tensor.grad = None
-    return {m: min(values) for m, values in times.items()}
+    return {m: statistics.median(values) for m, values in times.items()}
 
 
 def runtime_terms(
@@ -220,13 +221,13 @@ def runtime_terms(
         logger.info("micro-batch overhead not measured: the inputs' batch sizes differ")
         return None
     try:
-        least = microbatch_step_ms(
+        medians = microbatch_step_ms(
             run_loss, tuple(leaves), params, device=device, context=context
         )
     except Exception as error:  # the pipeline runtime refused this model: no term, say why
         logger.info("micro-batch overhead not measured: %s: %s", type(error).__name__, error)
         return None
-    counts, times = list(least), list(least.values())
+    counts, times = list(medians), list(medians.values())
     per_microbatch = slope(counts, times)
     if per_microbatch <= 0:  # more micro-batches did not take longer: noise (a loaded machine)
         logger.info(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,7 +56,8 @@ from solver.search.candidates import (
     time_lower_bound,
 )
 from solver.search.incumbents import incumbent
-from solver.specs import Cluster, TrainingConfig
+from solver.parallel import ZERO_BUBBLE_SCHEDULES
+from solver.specs import Cluster, ParallelConfig, TrainingConfig
 from solver.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -141,7 +143,30 @@ def build_entries(
 ) -> list[ConfigEntry]:
     """Every candidate config with its coefficients and bounds; NoSolutionError when the
     ``deadline`` passes first."""
-    entries = []
+    return bound_entries(graph, cluster, training, deadline=deadline, partial=False)[0]
+
+
+SPLIT_BOUNDING_SHARE = 0.5
+"""Of the time left once the other configs are bounded, the share that bounding the
+split-backward schedules' configs may take (each replays its action lists to find its moments:
+seconds on a 96-layer model; ``--schedule auto`` on GPT-3 x 128 spent all of a 30 s limit
+there and found no plan, where 1F1B alone is proven in a second): the rest is the search's."""
+
+
+def bound_entries(
+    graph: LayerGraph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    *,
+    deadline: Deadline | None = None,
+    partial: bool = True,
+) -> tuple[list[ConfigEntry], list[ParallelConfig]]:
+    """(the candidate configs with their coefficients and bounds, in candidate order; the
+    configs left unbounded). The split-backward schedules' configs are bounded last, within
+    :data:`SPLIT_BOUNDING_SHARE` of the time left then. With ``partial`` a deadline that passes
+    once some config is bounded leaves the rest unbounded (neither bounded nor searched: the
+    plan is then not proven); NoSolutionError when none is, or without ``partial``."""
+    entries: list[ConfigEntry] = []
     splits_of = _BaselineSplits(graph)
     configs = candidate_configs(
         graph.num_layers,
@@ -150,30 +175,46 @@ def build_entries(
         num_experts=num_routed_experts(graph),
         facts=ModelFacts.of_graph(graph),
     )
-    for order, config in enumerate(configs):
-        if deadline is not None and deadline.expired():
+    visit = sorted(range(len(configs)), key=lambda i: configs[i].schedule in ZERO_BUBBLE_SCHEDULES)
+    split_stop, split_phase = math.inf, False
+    for done, order in enumerate(visit):
+        config = configs[order]
+        if partial and deadline is not None and not split_phase and config.schedule in (
+            ZERO_BUBBLE_SCHEDULES
+        ):
+            split_phase = True  # the others are bounded: the split-backward ones get a share
+            left = deadline.remaining()  # inf without a time limit
+            split_stop = left if left == math.inf else time.perf_counter() + (
+                SPLIT_BOUNDING_SHARE * left
+            )
+        if (deadline is not None and deadline.expired()) or time.perf_counter() > split_stop:
+            if partial and entries:
+                unbounded = [configs[i] for i in visit[done:]]
+                return sorted(entries, key=lambda e: e.order), unbounded
             raise NoSolutionError(
-                f"time limit reached while bounding the candidate configs ({order} of "
+                f"time limit reached while bounding the candidate configs ({done} of "
                 f"{len(configs)}); raise --time-limit, or pin --pp/--tp/--dp"
             )
-        if cluster.is_heterogeneous:
-            entry = _placed_entry(order, graph, config, cluster, training)
-            entry.splits = splits_of(entry.costs.num_stages)
-            entries.append(entry)
-            continue
-        costs = layer_costs(graph, config, cluster, training)
-        splits = splits_of(costs.num_stages)
-        entries.append(
-            ConfigEntry(
-                order=order,
-                costs=costs,
-                memory_bound=memory_lower_bound(costs),
-                time_bound=time_lower_bound(costs),
-                start=splits["even"] if costs.rank_rows else None,
-                splits=splits,
-            )
-        )
-    return entries
+        entries.append(_config_entry(order, graph, config, cluster, training, splits_of))
+    return sorted(entries, key=lambda e: e.order), []
+
+
+def _config_entry(order, graph, config, cluster, training, splits_of) -> ConfigEntry:
+    """One candidate config's entry: its coefficients, bounds and baseline splits."""
+    if cluster.is_heterogeneous:
+        entry = _placed_entry(order, graph, config, cluster, training)
+        entry.splits = splits_of(entry.costs.num_stages)
+        return entry
+    costs = layer_costs(graph, config, cluster, training)
+    splits = splits_of(costs.num_stages)
+    return ConfigEntry(
+        order=order,
+        costs=costs,
+        memory_bound=memory_lower_bound(costs),
+        time_bound=time_lower_bound(costs),
+        start=splits["even"] if costs.rank_rows else None,
+        splits=splits,
+    )
 
 
 class _BaselineSplits:

@@ -165,3 +165,14 @@ def split_schedule_notes(schedule: str) -> list[str]:
     if schedule not in ZERO_BUBBLE_SCHEDULES:
         return []
     return [f"schedule {schedule}: {SPLIT_SCHEDULE_ACCURACY}"]
+
+
+def unbounded_note(unbounded: list, total: int) -> str:
+    """Why a plan is not proven when the time limit passed while its configs were bounded
+    (``config_search.bound_entries``): which were left out."""
+    return (
+        f"time limit reached while bounding the candidate configs: {len(unbounded)} of {total} "
+        f"(e.g. {unbounded[0].label()}) were neither bounded nor searched, so this plan is the "
+        "best of the others and its gap is not bounded; raise --time-limit, or pin --schedule "
+        "or --pp to search them"
+    )

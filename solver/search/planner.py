@@ -32,6 +32,7 @@ from solver.search.config_search import (
     Deadline,
     Progress,
     SearchResult,
+    bound_entries,
     build_entries,
     search,
 )
@@ -47,7 +48,7 @@ from solver.search.infeasible import (
     _memory_exceeded,
     _throughput_unmet,
 )
-from solver.search.plan_notes import _solver_report, split_schedule_notes
+from solver.search.plan_notes import _solver_report, split_schedule_notes, unbounded_note
 from solver.search.plan_result import Plan, _baseline_evaluations, _plan_exports
 from solver.search.rule_checks import skipped_rules_note
 from solver.search.seeds import Seed, baseline_seeds, seed_note
@@ -165,7 +166,7 @@ def _plan_space(
 ) -> Plan:
     """:func:`plan` over the candidate configs of ``space`` (``training``, or its selective
     fallback); ``explain`` False: an InfeasibleError without the explanation (quick)."""
-    entries = build_entries(graph, cluster, space, deadline=deadline)
+    entries, unbounded = bound_entries(graph, cluster, space, deadline=deadline)
     # the searches stop early enough for the evaluations, report and exports after them
     finishing_s = finishing_seconds(graph, cluster, training, entries)
     if finishing_s:
@@ -192,8 +193,11 @@ def _plan_space(
         result = limit.fastest
         choice, notes = _fastest_choice(call, limit, limit.budget_ns)
     # a throughput budget taken from an unproven fastest plan is not proven either
-    proven = result.proven and (limit.fastest is None or limit.fastest.proven)
+    proven = result.proven and (limit.fastest is None or limit.fastest.proven) and not unbounded
     plan = _build_plan(call, choice, result, limit, proven=proven, started=started)
+    if unbounded:  # nothing bounds the configs not reached
+        plan.solver.bound = 0.0
+        plan.solver.notes.append(unbounded_note(unbounded, len(entries) + len(unbounded)))
     if limit.seed is not None:
         notes.insert(0, seed_note(limit.seed, limit.searched_ns))
     plan.solver.notes += notes + _long_schedule_notes(graph, cluster, training)
