@@ -251,44 +251,37 @@ def key(cell: Cell) -> tuple:
 
 
 READING = """\
-**Reading** (this run, at 2bf15cf: before the exact rule for the W step's tensors; a rerun
-keeps this text, so check it against the new table):
+**Reading** (this run, at 063ea9d: the exact per-action W-step rule and fresh fake-tensor graphs
+with its fields; 4,000 s at 30 s per solve):
 
-- **Memory: 1F1B keeps the smallest peak in every cell.** Its optimum is ZeRO 3 at pp 1 with
-  full recomputation on GPT-3 and Llama-2 at 64 GPUs and more (20-48 GiB), pp 2-4 x tp 8 with
-  full recomputation elsewhere. The split-backward schedules need pp >= 2, where Megatron runs
-  ZeRO 0/1 only; their smallest peaks are 1.5-3.2x 1F1B's (47-75 GiB). Under today's rule the
-  pending W steps set it: a chunk between its I and its W keeps all of the micro-batch's
-  activations plus dY = the sum of (transient + output) over its layers with weights, an
-  estimate that errs over (a Llama-2 70B layer at tp 4: about 1 GiB against about 0.27 GiB of
-  weight-op output gradients). The peak is on the last rank (p - 1) in 31 of 42 split-backward
-  rows and on rank 0 in 1: the later ranks defer more W steps, so ZBV's rank 0 with the
-  embedding and the head is not the binding rank here (GPT-3, 64 GPUs, zbv even split, no
-  recomputation: rank 0 61.4 GiB, rank 7 91.4 GiB). These rows will move a lot, not a little,
-  when the exact rule lands.
+- **Memory: 1F1B keeps the smallest peak in every cell**, proven in a second or less (ZeRO 3 at
+  pp 1 with full recomputation on 64 GPUs and more, pp 2-4 x tp 8 elsewhere: 20-52 GiB). The
+  split-backward schedules need pp >= 2, where Megatron runs ZeRO 0/1 only; their smallest peaks
+  found are 34-72 GiB, but only 4 of their 45 plans are proven: the other 41 end FEASIBLE with
+  gaps of 0.3-74% at 30 s (CP-SAT only, one row per rank and moment), and 18 of their 63 solves
+  find no plan at all (GPT-3 x 64 zbv, Llama-2 x 32 zbv, every split schedule on Llama-2 x 64
+  at 40 GiB). So the table does not say how much memory ZB/ZBV/DualPipeV need at this scale,
+  only that 30 s does not find less. Where they are planned, the peak is on the last rank
+  (p - 1) in 32 of 45 plans, on rank 0 in 7: ZBV's rank 0 with the embedding and the head is
+  not usually the binding rank.
 - **Where memory binds**: GPipe fits nowhere on GPT-3 x 64, Llama-2 x 32 (80 GiB) and x 64
-  (40 GiB), Mixtral x 16; the split-backward schedules get no plan on Llama-2 x 64 (40 GiB) and
-  Mixtral x 16 (infeasible or none within 30 s), and on the 80 GiB cells they need full
-  recomputation in most rows where 1F1B does not.
-- **Throughput**: with 64-512 micro-batches per pipeline, 1F1B's bubble is a few percent, and
-  that is what the zero-bubble schedules can gain: DualPipeV's fastest plan beats base by +1.1%
-  (Mixtral x 32) and +1.4% (Llama-2 x 64) at 34% and 30% more memory; where memory forces
-  recomputation they are 10-45% slower. On GPT-3 x 128 DualPipeV's smallest peak, 47.4 GiB at
-  -1.8% speed, is 9% under base's fastest config, but 1F1B's default plan gives 30.4 GiB at
-  -16.8%.
-- **`--schedule auto` is not yet better than 1F1B alone**: in 30 s it picks interleaved 1F1B
-  (v2) in 8 of 14 rows, and its fastest plans are slower than plain 1F1B's fastest in 4 cells
-  (Llama-2 x 32: 4.72 against 7.58 samples/s; Mixtral x 16: 15.23 against 21.62; Mixtral x 32:
-  31.12 against 42.18; GPT-3 x 64 picks dualpipev at 12.27 against 12.50). The cause is the
-  interleaved fastest-plan search (its plans are 26-39% slower than base in 5 of 7 cells, 4
-  of them reported OPTIMAL): it minimises the iteration bound, and the simulated step of the split
-  it returns is much longer (GPT-3 x 64, pp16 tp4 v2: bound 40.0 s, simulated 67.1 s, while the
-  split 3,...,3,4,3,...,3,4 fits at 74.5 GiB and simulates 44.6 s). On GPT-3 x 128 auto ends
-  with no plan (exit 4) while bounding its configs.
-- **Solver**: 1F1B and GPipe rows are proven optimal in 6.4 s or less. The split-backward rows
-  (CP-SAT only) end FEASIBLE with gaps up to 75% at 30 s in 32 of 42 plans, and 21 of their 63
-  solves have no plan (exit 4 in 18, infeasible in 3): a longer `--time-limit` would tighten
-  them.
+  (40 GiB), Mixtral x 16.
+- **Throughput**: DualPipeV's fastest plan beats base (1F1B, even split, best config) by +3.9%
+  on GPT-3 x 128, +3.5% on Llama-2 x 64 and +2.1% on Mixtral x 32, at 25-34% more memory
+  (65-75 GiB against 52-56); interleaved-zb and zbv gain up to +1.8% (Mixtral x 32), elsewhere
+  they are slower (their plans unproven). The time model does not count torch's own cost of a
+  split backward (docs/cost-model.md, "Known gaps": +20-34% of a small CPU chunk's backward), so
+  these gains are optimistic by that much of the backward on small CPU models.
+- **`--schedule auto`** (this run, before the fix below): no plan in 4 of 7 cells, the 30 s
+  spent bounding the split-backward configs (a replay of their action lists per config); it now
+  bounds them last within half the time left, so the others' optimum stands, unproven with an
+  unbounded gap and a note naming what was not reached (`config_search.bound_entries`; not
+  rerun here). Where it planned, its fastest plan is slower than 1F1B's alone on Llama-2 x 32
+  (interleaved v2, 7.16 against 7.58 samples/s, FEASIBLE at 16.6%) and faster on Mixtral x 16
+  (21.70 against 21.62) and x 32 (DualPipeV, 43.09 against 42.18); under `--max-slowdown 1.25`
+  it finds smaller peaks than 1F1B's default plan (Llama-2 x 32: 40.2 against 47.1 GiB).
+- **On 80 GiB GPUs the best even-split 1F1B config is nearly as fast as anything found**: the
+  zero-bubble schedules remove a bubble of a few percent at 64-512 micro-batches per pipeline.
 """
 """The hand-written reading of the committed table (put at the top of the report)."""
 
