@@ -280,6 +280,11 @@ with its fields; 4,000 s at 30 s per solve):
   (interleaved v2, 7.16 against 7.58 samples/s, FEASIBLE at 16.6%) and faster on Mixtral x 16
   (21.70 against 21.62) and x 32 (DualPipeV, 43.09 against 42.18); under `--max-slowdown 1.25`
   it finds smaller peaks than 1F1B's default plan (Llama-2 x 32: 40.2 against 47.1 GiB).
+  Spot checks after the fix (same graphs, 30 s, `--objective throughput`): GPT-3 x 128 now
+  plans DualPipeV v2 at 25.27 samples/s (the best pinned schedule's, +3.9%), FEASIBLE with its
+  gap unbounded; Llama-2 x 32 plans 1F1B pp 1 tp 4 dp 8 ZeRO 3 at 7.16 samples/s, still behind
+  1F1B alone's 7.58 (pp 8 tp 4): not the bounding, a cause still to find in how the fastest-plan
+  search ranks chain configs beside simulated ones.
 - **On 80 GiB GPUs the best even-split 1F1B config is nearly as fast as anything found**: the
   zero-bubble schedules remove a bubble of a few percent at 64-512 micro-batches per pipeline.
 """
