@@ -295,6 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = harness.parser(__doc__, quick="Llama-2 70B on 32 x 80 GiB only, 10 s per solve")
     parser.add_argument("--graphs", type=Path, default=None, help="where to keep the graphs")
     parser.add_argument("--time-limit", type=float, default=30.0, help="seconds per solve")
+    parser.add_argument(
+        "--rerun-auto",
+        type=Path,
+        default=None,
+        metavar="CSV",
+        help="rerun only the --schedule auto rows, keeping the other rows of this CSV",
+    )
     args = parser.parse_args(argv)
     run = harness.Run.start(__file__, argv)
     graphs = args.graphs or Path(tempfile.mkdtemp(prefix="bench_schedules_"))
@@ -302,8 +309,15 @@ def main(argv: list[str] | None = None) -> int:
     time_limit = 10.0 if args.quick else args.time_limit
     cells = QUICK_CELLS if args.quick else CELLS
     rows = []
+    kept = None if args.rerun_auto is None else typed_rows(harness.read_csv(args.rerun_auto))
     for cell in cells:
-        rows += cell_rows(graph_of(cell.model, graphs), cell, time_limit)
+        graph = graph_of(cell.model, graphs)
+        if kept is None:
+            rows += cell_rows(graph, cell, time_limit)
+            continue
+        mine = [r for r in kept if (r["model"], r["gpus"], r["gpu_gib"]) == key(cell)]
+        rows += [r for r in mine if r["schedule"] != "auto"]
+        rows += [r for r in cell_rows(graph, cell, time_limit, {}) if r["schedule"] == "auto"]
     harness.write_csv(args.out / "bench_schedules.csv", rows, COLUMNS)
     by_cell = [[r for r in rows if (r["model"], r["gpus"], r["gpu_gib"]) == key(c)] for c in cells]
     summary = [cell_summary(mine) for mine in by_cell]
@@ -330,6 +344,20 @@ def main(argv: list[str] | None = None) -> int:
                   f"{cell.batch}", "", *markdown_table(shown, SHOWN), ""]  # fmt: skip
     harness.write_report(args.out, "bench_schedules.md", lines)
     return 0
+
+
+def typed_rows(rows: list[dict[str, str]]) -> list[dict]:
+    """CSV rows as ``cell_rows`` makes them: numbers as numbers, empty fields left out."""
+
+    def typed(value: str):
+        for kind in (int, float):
+            try:
+                return kind(value)
+            except ValueError:
+                pass
+        return value
+
+    return [{k: typed(v) for k, v in row.items() if v != ""} for row in rows]
 
 
 def short(note: str, most: int = 160) -> str:

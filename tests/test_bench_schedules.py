@@ -132,3 +132,21 @@ def test_every_schedule_and_auto(graph):
     summary = bench_schedules.cell_summary(rows)
     assert set(summary) <= set(bench_schedules.SUMMARY)
     assert summary["zbv"] == f"{next(r for r in mins if r['schedule'] == 'zbv')['peak_gib']:.1f}"
+
+
+def test_rerun_auto_reads_the_kept_rows_back_as_they_were_made(tmp_path):
+    """--rerun-auto keeps the other rows of a CSV: read back, they are the rows as made
+    (numbers as numbers, empty fields left out), so the summary table is the same."""
+    import harness
+
+    cell = {"model": "m", "gpus": 8, "gpu_gib": 80, "batch": 16}
+    rows = [
+        cell | {"schedule": "1f1b", "goal": "min-peak", "peak_gib": 12.5, "split": "3,3,2"},
+        cell | {"schedule": "zbv", "goal": "min-peak", "note": "NoSolutionError (exit 4): x"},
+    ]
+    rows[0]["note"] = ""
+    path = harness.write_csv(tmp_path / "rows.csv", rows, list(rows[0]) + ["peak_rank"])
+    back = bench_schedules.typed_rows(harness.read_csv(path))
+    assert back[0] == {k: v for k, v in rows[0].items() if v != ""}
+    assert back[1] == rows[1]
+    assert bench_schedules.cell_summary(back) == bench_schedules.cell_summary(rows)
