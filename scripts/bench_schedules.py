@@ -251,8 +251,9 @@ def key(cell: Cell) -> tuple:
 
 
 READING = """\
-**Reading** (this run, at 063ea9d: the exact per-action W-step rule and fresh fake-tensor graphs
-with its fields; 4,000 s at 30 s per solve):
+**Reading.** Every row but auto's is from `python scripts/bench_schedules.py --graphs
+/tmp/bsched_graphs2` at 063ea9d (the exact per-action W-step rule, fresh fake-tensor graphs with
+its fields; 4,000 s at 30 s per solve); the auto rows from the command above:
 
 - **Memory: 1F1B keeps the smallest peak in every cell**, proven in a second or less (ZeRO 3 at
   pp 1 with full recomputation on 64 GPUs and more, pp 2-4 x tp 8 elsewhere: 20-52 GiB). The
@@ -272,19 +273,18 @@ with its fields; 4,000 s at 30 s per solve):
   they are slower (their plans unproven). The time model does not count torch's own cost of a
   split backward (docs/cost-model.md, "Known gaps": +20-34% of a small CPU chunk's backward), so
   these gains are optimistic by that much of the backward on small CPU models.
-- **`--schedule auto`** (this run, before the fix below): no plan in 4 of 7 cells, the 30 s
-  spent bounding the split-backward configs (a replay of their action lists per config); it now
-  bounds them last within half the time left, so the others' optimum stands, unproven with an
-  unbounded gap and a note naming what was not reached (`config_search.bound_entries`; not
-  rerun here). Where it planned, its fastest plan is slower than 1F1B's alone on Llama-2 x 32
-  (interleaved v2, 7.16 against 7.58 samples/s, FEASIBLE at 16.6%) and faster on Mixtral x 16
-  (21.70 against 21.62) and x 32 (DualPipeV, 43.09 against 42.18); under `--max-slowdown 1.25`
-  it finds smaller peaks than 1F1B's default plan (Llama-2 x 32: 40.2 against 47.1 GiB).
-  Spot checks after the fix (same graphs, 30 s, `--objective throughput`): GPT-3 x 128 now
-  plans DualPipeV v2 at 25.27 samples/s (the best pinned schedule's, +3.9%), FEASIBLE with its
-  gap unbounded; Llama-2 x 32 plans 1F1B pp 1 tp 4 dp 8 ZeRO 3 at 7.16 samples/s, still behind
-  1F1B alone's 7.58 (pp 8 tp 4): not the bounding, a cause still to find in how the fastest-plan
-  search ranks chain configs beside simulated ones.
+- **`--schedule auto`** (its rows rerun at 81f0397 with `--rerun-auto`, the others kept from
+  the 063ea9d run): the first run found no plan in 4 of 7 cells (all 30 s spent bounding the
+  split-backward configs: now bounded last, within half the time left) and trailed 1F1B alone
+  on Llama-2 x 32 (the CP-SAT configs' quick-split seeds used the time before the exact 1F1B
+  configs were solved: now solved first). Now it plans every cell, and its fastest plan is
+  never slower than 1F1B's alone: equal in 3 cells, DualPipeV +3.9% (GPT-3 x 128), +3.5%
+  (Llama-2 x 64), +2.1% (Mixtral x 32), interleaved +0.4% (Mixtral x 16). **Under
+  `--max-slowdown 1.25` it is still worse than 1F1B alone** in 4 cells (GPT-3 x 64: 58.6
+  against 53.2 GiB; x 128: 36.7 against 30.4; Llama-2 x 32: 55.2 against 47.1; x 64: 38.9
+  against 29.1), all unproven with the gap unbounded: the fastest-plan search that sets the
+  budget and the split-backward bounding leave the smallest-peak search too little of the
+  30 s. A longer `--time-limit`, or `--schedule 1f1b`, is the way there for now.
 - **On 80 GiB GPUs the best even-split 1F1B config is nearly as fast as anything found**: the
   zero-bubble schedules remove a bubble of a few percent at 64-512 micro-batches per pipeline.
 """
