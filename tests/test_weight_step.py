@@ -102,10 +102,7 @@ def test_profile_matches_torch_stage_backward_input(layers):
     for module in modules:
         tracker.track_module(module)
     with tracker:
-        with tracker.saved_tensors():
-            out = x
-            for path, module in zip(spec.layers[lo:hi], modules, strict=True):
-                out = module(out, targets) if path == spec.layers[-1] else module(out)
+        out = _chunk_forward(tracker, spec, modules, x, targets, layers)
         grad = None if last else torch.randn_like(out)
         before = tracker.current_bytes
         params = [p for module in modules for p in module.parameters()]
@@ -125,6 +122,16 @@ def test_profile_matches_torch_stage_backward_input(layers):
     # the logits' gradient in place (models.common._CrossEntropy)
     assert graph.layers[-1].weight_op_grad_bytes == seq * hidden * 4
 
+
+def _chunk_forward(tracker, spec, modules, x, targets, layers):
+    """The chunk's forward on real tensors, ``tracker`` recording what it saves for backward;
+    its output."""
+    lo, hi = layers
+    with tracker.saved_tensors():
+        out = x
+        for path, module in zip(spec.layers[lo:hi], modules, strict=True):
+            out = module(out, targets) if path == spec.layers[-1] else module(out)
+    return out
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layers", [(1, 2), (1, 3), (2, 4), (3, 4)])
@@ -153,10 +160,7 @@ def test_weight_step_moments_match_torch_stage_backward_weight(layers):
     for p in params:
         tracker.track(p.grad, "grads")
     with tracker:
-        with tracker.saved_tensors():
-            out = x
-            for path, module in zip(spec.layers[lo:hi], modules, strict=True):
-                out = module(out, targets) if path == spec.layers[-1] else module(out)
+        out = _chunk_forward(tracker, spec, modules, x, targets, layers)
         grad = None if last else torch.randn_like(out)
         start = tracker.current_bytes
         tracker.take_window()
