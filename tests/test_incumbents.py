@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 
 import pytest
 
@@ -270,3 +271,64 @@ def test_a_plugged_quick_method_is_used_and_checked():
     assert loose.backend == "over" and loose.objective == problem.objective_value(
         even.stage_of_layer
     )
+
+
+def test_the_incumbent_pass_stops_at_its_share_once_a_plan_stands(monkeypatch):
+    """The exact chain configs give a plan first; then the CP-SAT configs' quick splits run
+    only within ``INCUMBENT_SHARE`` of the time left. Before, each config that might beat the
+    plan was seeded whatever the time (a second per split-backward config at full size:
+    ``--schedule auto`` overran a 30 s limit by 25 s)."""
+    import solver.search.config_search as config_search
+
+    graph = random_chain(random.Random(8), 8)
+    entries = _entries(graph, virtual_stages=(1, 2))
+    seeded = []
+
+    def slow_incumbent(problem, splits, **options):
+        seeded.append(problem.costs.config.label())
+        time.sleep(0.3)  # past the pass's share (0.2 of 1 s) after the first config
+        return incumbent(problem, splits, **options)
+
+    monkeypatch.setattr(config_search, "incumbent", slow_incumbent)
+    result = search(
+        entries,
+        objective=OBJECTIVE_MEMORY,
+        capacity_bytes=None,
+        iteration_budget_ns=None,
+        backend="auto",
+        deadline=Deadline.after(1.0),
+    )
+    plain = [e for e in entries if not e.costs.rank_rows]
+    chain_best = min(solve_brute_force(StageProblem(costs=e.costs)).objective for e in plain)
+    could_beat = [e for e in entries if e.costs.rank_rows and e.memory_bound <= chain_best]
+    assert len(could_beat) > 1  # without the stop every one of them was seeded
+    assert len(seeded) == 1
+    assert result.value <= chain_best
+
+
+def test_the_budget_search_leaves_the_answer_its_share_of_the_time(monkeypatch):
+    """Under --max-slowdown the fastest-plan search (the budget) ends by
+    ``BUDGET_SEARCH_SHARE`` of the time left, so the smallest-peak search that answers has the
+    rest; under --objective throughput it is the answer and has all of it."""
+    import solver.search.planner as planner
+
+    real = planner.search
+    calls = []
+
+    def recorded(entries, **options):
+        calls.append((options["objective"], time.perf_counter(), options["deadline"].end))
+        return real(entries, **options)
+
+    monkeypatch.setattr(planner, "search", recorded)
+    graph = random_dag(random.Random(2), 8)
+    plan(graph, CLUSTER, TrainingConfig(global_batch=16), backend="cpsat", time_limit_s=60)
+    (fastest, asked, budget_end), (smallest, _, answer_end) = calls
+    assert (fastest, smallest) == (OBJECTIVE_TIME, OBJECTIVE_MEMORY)
+    share = planner.BUDGET_SEARCH_SHARE
+    assert budget_end == pytest.approx(asked + share * (answer_end - asked), abs=0.01)
+    assert answer_end - budget_end > 20  # the answer's half of a minute
+    calls.clear()
+    throughput = TrainingConfig(global_batch=16, objective="throughput")
+    started = time.perf_counter()
+    plan(graph, CLUSTER, throughput, backend="cpsat", time_limit_s=60)
+    assert calls[0][0] == OBJECTIVE_TIME and calls[0][2] > started + 55

@@ -446,10 +446,10 @@ class _Search:
         """Give every config that may hold the optimum (lowest bound first, until a bound
         exceeds the best incumbent) and that CP-SAT or MILP would solve the best split of the
         quick methods of ``solver.search.incumbents`` within the capacity and the iteration budget.
-        A config whose split meets its bound is closed (optimal) with no exact solve. The
-        baseline splits are always tried (a few cost-model evaluations per config, so a plan
-        exists even when the deadline has passed); the timed methods share
-        :data:`INCUMBENT_SHARE` of the time left. The configs of the dynamic programs
+        A config whose split meets its bound is closed (optimal) with no exact solve. The pass
+        takes :data:`INCUMBENT_SHARE` of the time left, shared by the timed methods, and goes
+        on past it only while no plan stands (the baseline splits are a few cost-model
+        evaluations per config, so a plan exists even when the deadline has passed). The configs of the dynamic programs
         (:data:`DP_BACKENDS`) are exact in milliseconds and need no start: alone, they are
         seeded only when the deadline cuts them off (:meth:`_seed_cut_off`); next to CP-SAT
         configs (an interleaved search keeps the plain configs of a chain on the chain
@@ -468,7 +468,7 @@ class _Search:
             best_value = self.incumbent()
             if best_value is not None and self.bound_of(entry) > best_value:
                 break
-            if entry.order in chain and not self.deadline.expired():
+            if entry.order in chain and self._may_go_on(self.deadline.end):
                 solving = time.perf_counter()
                 self._solve_config(entry, still_to_visit=len(self.viable) - index)
                 self.visited.add(entry.order)
@@ -480,9 +480,18 @@ class _Search:
                 break
             if entry.order in chain:
                 continue
+            if not self._may_go_on(end):
+                break  # the rest are visited in bound order, or stay open at their bounds
             self._seed(entry, max(0.0, end - time.perf_counter()) / max(to_seed, 1))
             to_seed -= 1
         self.incumbent_s = time.perf_counter() - started - exact_s  # the quick splits only
+
+    def _may_go_on(self, end: float) -> bool:
+        """Whether the incumbent pass goes on at ``end`` (a ``time.perf_counter()`` value): until
+        then, or while no plan stands (a split-backward config's baseline splits take a second
+        each on a 96-layer model: with hundreds of configs, a pass that kept seeding
+        past the deadline overran a 30 s limit by 25 s)."""
+        return time.perf_counter() < end or self.incumbent() is None
 
     def _seed(self, entry: ConfigEntry, time_limit_s: float) -> None:
         """Record the entry's incumbent, if any quick split is allowed; close it when optimal."""

@@ -302,7 +302,7 @@ def _fastest_within(
     if limit.fastest is None:
         limit.fastest = call.best(OBJECTIVE_TIME, budget_ns=budget, retry_open=False)
         limit.fastest_ns = _simulated_ns(call, limit.fastest)
-        _take_seed(call, limit)
+        _take_seed(call, limit, call.deadline)
     if limit.fastest_ns > budget:
         raise call.throughput_unmet(budget)
     choice, _ = _fastest_choice(call, limit, budget)
@@ -394,9 +394,9 @@ class _PlanningCall:
             return None
         return self.training.usable_bytes(self.cluster.gpu_memory_bytes)
 
-    def seeds(self, faster_than_ns: int) -> list[Seed]:
+    def seeds(self, faster_than_ns: int, deadline: Deadline) -> list[Seed]:
         """The baseline layouts faster than ``faster_than_ns`` may be, fastest first
-        (``solver.search.seeds``)."""
+        (``solver.search.seeds``), found by ``deadline``."""
         if not self.seeded or self.cluster.is_heterogeneous:
             return []
         return baseline_seeds(
@@ -405,22 +405,29 @@ class _PlanningCall:
             self.training,
             entries=self.entries,
             faster_than_ns=faster_than_ns,
-            deadline=self.deadline,
+            deadline=deadline,
         )
 
     def best(
-        self, objective: str, *, budget_ns: int | None, retry_open: bool, quiet: bool = False
+        self,
+        objective: str,
+        *,
+        budget_ns: int | None,
+        retry_open: bool,
+        quiet: bool = False,
+        deadline: Deadline | None = None,
     ) -> SearchResult:
-        """The best config for ``objective`` within the capacity and the iteration budget;
-        raises why there is none (NoSolutionError or InfeasibleError; ``quiet``: without the
-        explanation, for a caller that has another answer)."""
+        """The best config for ``objective`` within the capacity and the iteration budget, by
+        ``deadline`` (default: the call's); raises why there is none (NoSolutionError or
+        InfeasibleError; ``quiet``: without the explanation, for a caller that has another
+        answer)."""
         result = search(
             self.entries,
             objective=objective,
             capacity_bytes=self.capacity_bytes,
             iteration_budget_ns=budget_ns,
             backend=self.backend,
-            deadline=self.deadline,
+            deadline=self.deadline if deadline is None else deadline,
             num_workers=self.num_workers,
             retry_open=retry_open,
             progress=self.progress,
@@ -505,6 +512,12 @@ def _result_choice(result: SearchResult) -> _Choice:
     )
 
 
+BUDGET_SEARCH_SHARE = 0.5
+"""The most of the time left that the fastest-plan search behind a --max-slowdown budget takes;
+the rest is the smallest-peak search's (``--schedule auto`` on Llama-2 x 64 at 30 s spent it
+all on the budget and returned a peak a third above 1F1B's alone under the same budget)."""
+
+
 def _throughput_limit(call: _PlanningCall) -> _ThroughputLimit:
     """The iteration budget from ``min_throughput``, else ``max_slowdown`` times the fastest plan
     that fits. The fastest plan is searched for that, or as the answer of objective
@@ -520,11 +533,16 @@ def _throughput_limit(call: _PlanningCall) -> _ThroughputLimit:
     ):
         return limit  # every plan takes 0 ns: a slowdown of the fastest one limits nothing
     if training.objective == "throughput" or slowdown_only:
-        # only the last search spends the time left on configs that did not close
+        # only the last search spends the time left on configs that did not close; a budget
+        # search leaves the answer's search its share of the time
         last = training.objective == "throughput"
-        limit.fastest = call.best(OBJECTIVE_TIME, budget_ns=limit.budget_ns, retry_open=last)
+        share = 1.0 if last else BUDGET_SEARCH_SHARE
+        deadline = call.deadline.capped(share * call.deadline.remaining())
+        limit.fastest = call.best(
+            OBJECTIVE_TIME, budget_ns=limit.budget_ns, retry_open=last, deadline=deadline
+        )
         limit.fastest_ns = _simulated_ns(call, limit.fastest)
-        _take_seed(call, limit)
+        _take_seed(call, limit, deadline)
         if training.objective == "memory" and training.min_throughput is None:
             limit.budget_ns = math.floor(training.max_slowdown * limit.fastest_ns)
             # a graph without FLOPs or times runs in 0 ns: no throughput to require
@@ -534,11 +552,12 @@ def _throughput_limit(call: _PlanningCall) -> _ThroughputLimit:
     return limit
 
 
-def _take_seed(call: _PlanningCall, limit: _ThroughputLimit) -> None:
-    """The fastest seed (``solver.search.seeds``) becomes the fastest plan when its simulated
-    iteration is shorter than the search's and meets the budget: a search result of its own
-    config and split, the search's proof (the seeds are evaluated exactly) and bound kept."""
-    seeds = call.seeds(limit.fastest_ns)
+def _take_seed(call: _PlanningCall, limit: _ThroughputLimit, deadline: Deadline) -> None:
+    """The fastest seed (``solver.search.seeds``, found by ``deadline``) becomes the fastest
+    plan when its simulated iteration is shorter than the search's and meets the budget: a
+    search result of its own config and split, the search's proof (the seeds are evaluated
+    exactly) and bound kept."""
+    seeds = call.seeds(limit.fastest_ns, deadline)
     if not seeds:
         return
     seed = seeds[0]
