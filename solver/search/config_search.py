@@ -449,8 +449,8 @@ class _Search:
         A config whose split meets its bound is closed (optimal) with no exact solve. The pass
         takes :data:`INCUMBENT_SHARE` of the time left, shared by the timed methods, and goes
         on past it only while no plan stands (the baseline splits are a few cost-model
-        evaluations per config, so a plan exists even when the deadline has passed). The configs of the dynamic programs
-        (:data:`DP_BACKENDS`) are exact in milliseconds and need no start: alone, they are
+        evaluations per config, so a plan exists even when the deadline has passed). The
+        configs of the dynamic programs (:data:`DP_BACKENDS`) are exact in milliseconds and need no start: alone, they are
         seeded only when the deadline cuts them off (:meth:`_seed_cut_off`); next to CP-SAT
         configs (an interleaved search keeps the plain configs of a chain on the chain
         algorithm) they are solved here, exactly, so that their optima prune the CP-SAT
