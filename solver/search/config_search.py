@@ -450,11 +450,11 @@ class _Search:
         takes :data:`INCUMBENT_SHARE` of the time left, shared by the timed methods, and goes
         on past it only while no plan stands (the baseline splits are a few cost-model
         evaluations per config, so a plan exists even when the deadline has passed). The
-        configs of the dynamic programs (:data:`DP_BACKENDS`) are exact in milliseconds and need no start: alone, they are
-        seeded only when the deadline cuts them off (:meth:`_seed_cut_off`); next to CP-SAT
-        configs (an interleaved search keeps the plain configs of a chain on the chain
-        algorithm) they are solved here, exactly, so that their optima prune the CP-SAT
-        configs and stand if those take all the time."""
+        configs of the dynamic programs (:data:`DP_BACKENDS`) are exact in milliseconds and
+        need no start: alone, they are seeded only when the deadline cuts them off
+        (:meth:`_seed_cut_off`); next to CP-SAT configs (an interleaved search keeps the plain
+        configs of a chain on the chain algorithm) they are solved here, exactly, so that their
+        optima prune the CP-SAT configs and stand if those take all the time."""
         started = time.perf_counter()
         end = started + INCUMBENT_SHARE * self.deadline.remaining()
         chain = {e.order for e in self.viable if self.backend_of(e) in DP_BACKENDS}
