@@ -19,7 +19,9 @@ batch about a million tokens. Per cell:
   ``slowdown-1.25`` (the default plan: the smallest peak within 1.25x of the fastest fitting
   plan of that schedule) and ``throughput`` (``--objective throughput``);
 - ``auto``: ``--schedule auto --virtual-stages 1,2`` (all five schedules; without 1,2 the V
-  schedules are never tried) under the default goal and under ``--objective throughput``.
+  schedules are never tried) under the default goal and under ``--objective throughput``; and
+  1f1b under auto's budget (goal ``auto's budget``: ``--min-throughput`` at the samples/s auto's
+  default plan had to meet, ``required_samples_s``), the plan to compare auto's with.
 
 Each plan row: its config, split (layers per virtual stage), peak (GiB per GPU) and the rank
 that holds it, samples/s (the simulated schedule), the even split of the same config, peak and
@@ -54,6 +56,10 @@ GOALS = {
 }
 """Goal -> the flags that set it (slowdown-1.25: the CLI's default --max-slowdown)."""
 AUTO_GOALS = ("slowdown-1.25", "throughput")
+AUTO_BUDGET = "auto's budget"
+"""The goal of the row that plans 1F1B alone under auto's throughput budget (``--min-throughput``
+at the samples/s auto's slowdown-1.25 plan had to meet): auto's budget is 1.25x its own fastest
+plan, which may be faster than 1F1B's, so this is the hand-scripted plan to compare it with."""
 
 
 @dataclass(frozen=True)
@@ -77,13 +83,13 @@ QUICK_CELLS = (Cell("llama2-70b", 32, 80, 256),)
 COLUMNS = [
     "model", "gpus", "gpu_gib", "batch", "schedule", "goal", "runs", "pp", "tp", "dp", "ep", "b",
     "m", "v", "zero", "recompute", "split", "recomputed", "peak_gib", "peak_rank", "samples_s",
-    "even_gib", "peak_vs_base_pct", "speed_vs_base_pct", "fits", "status", "gap_pct",
-    "solve_s", "note", "flags",
+    "even_gib", "peak_vs_base_pct", "speed_vs_base_pct", "fits", "required_samples_s", "status",
+    "gap_pct", "solve_s", "note", "flags",
 ]  # fmt: skip
 SHOWN = [
     "schedule", "goal", "runs", "pp", "tp", "dp", "ep", "b", "v", "zero", "recompute", "peak_gib",
-    "peak_rank", "samples_s", "even_gib", "peak_vs_base_pct", "speed_vs_base_pct", "status",
-    "gap_pct", "solve_s", "note",
+    "peak_rank", "samples_s", "even_gib", "peak_vs_base_pct", "speed_vs_base_pct",
+    "required_samples_s", "status", "gap_pct", "solve_s", "note",
 ]  # fmt: skip
 """The Markdown table's columns (the CSV has all of COLUMNS)."""
 
@@ -180,11 +186,13 @@ def base_rows(graph, cell: Cell) -> tuple[list[dict], object]:
 
 
 def plan_row(graph, cell: Cell, name: str, schedule: tuple[str, str], goal: str, time_limit_s,
-             base) -> dict:  # fmt: skip
-    """One ``solver.plan`` of ``schedule`` under ``goal``: its row, or its refusal in ``note``."""
+             base, goal_flags: list[str] | None = None) -> dict:  # fmt: skip
+    """One ``solver.plan`` of ``schedule`` under ``goal`` (set by ``goal_flags``, default
+    ``GOALS[goal]``): its row, or its refusal in ``note``."""
     from solver import PlannerError, plan
 
-    flags = ["--schedule", schedule[0], "--virtual-stages", schedule[1], *GOALS[goal]]
+    goal_flags = GOALS[goal] if goal_flags is None else goal_flags
+    flags = ["--schedule", schedule[0], "--virtual-stages", schedule[1], *goal_flags]
     flags += ["--time-limit", f"{time_limit_s:g}"]
     row = {"schedule": name, "goal": goal, "flags": " ".join(cell_flags(cell) + flags)}
     try:
@@ -198,6 +206,9 @@ def plan_row(graph, cell: Cell, name: str, schedule: tuple[str, str], goal: str,
     row |= describe(result.evaluation, base)
     row |= {
         "even_gib": round(even.peak_bytes / GIB, 3) if even is not None else "",
+        "required_samples_s": (
+            "" if result.required_throughput is None else round(result.required_throughput, 4)
+        ),
         "status": result.solver.status,
         "gap_pct": round(100 * result.solver.gap, 2),
         "solve_s": round(clock.wall_s, 1),
@@ -208,8 +219,8 @@ def plan_row(graph, cell: Cell, name: str, schedule: tuple[str, str], goal: str,
 def cell_rows(
     graph, cell: Cell, time_limit_s: float, schedules=SCHEDULES, auto: bool = True
 ) -> list[dict]:
-    """Every row of one (model, cluster): base, each schedule under each goal, auto (unless
-    ``auto`` is False)."""
+    """Every row of one (model, cluster): base, each schedule under each goal, auto and 1F1B
+    under auto's budget (unless ``auto`` is False)."""
     head = {"model": cell.model, "gpus": cell.gpus, "gpu_gib": cell.gpu_gib, "batch": cell.batch}
     rows, base = base_rows(graph, cell)
     for name, schedule in schedules.items():
@@ -218,7 +229,18 @@ def cell_rows(
             print(rows[-1], flush=True)
     for goal in AUTO_GOALS if auto else ():
         rows.append(plan_row(graph, cell, "auto", AUTO, goal, time_limit_s, base))
+        required = rows[-1].get("required_samples_s")
+        if goal == "slowdown-1.25" and required:
+            budget = ["--min-throughput", repr(required)]
+            row = plan_row(graph, cell, "1f1b", SCHEDULES["1f1b"], AUTO_BUDGET, time_limit_s,
+                           base, budget)  # fmt: skip
+            rows.append(row)
     return [head | row for row in rows]
+
+
+def is_auto_row(row: dict) -> bool:
+    """A row of auto, or of 1F1B under auto's budget (``--rerun-auto`` reruns them)."""
+    return row["schedule"] == "auto" or row["goal"] == AUTO_BUDGET
 
 
 def cell_summary(rows: list[dict]) -> dict:
@@ -230,8 +252,10 @@ def cell_summary(rows: list[dict]) -> dict:
             result[f"base {row['goal']}"] = f"{row['peak_gib']:.1f} / {row['samples_s']:.2f}"
         elif row["goal"] == "min-peak" and row["schedule"] in SCHEDULES:
             result[row["schedule"]] = f"{row['peak_gib']:.1f}" if "peak_gib" in row else why(row)
-        elif row["schedule"] == "auto":
-            result[f"auto {row['goal']}"] = (
+        elif is_auto_row(row):
+            auto = row["schedule"] == "auto"
+            column = f"auto {row['goal']}" if auto else f"1f1b at {AUTO_BUDGET}"
+            result[column] = (
                 f"{row['runs']}: {row['peak_gib']:.1f} / {row['samples_s']:.2f}"
                 if "peak_gib" in row
                 else why(row)
@@ -300,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=None,
         metavar="CSV",
-        help="rerun only the --schedule auto rows, keeping the other rows of this CSV",
+        help="rerun only the --schedule auto rows (and 1f1b under auto's budget), keeping the "
+        "other rows of this CSV",
     )
     args = parser.parse_args(argv)
     run = harness.Run.start(__file__, argv)
@@ -316,8 +341,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += cell_rows(graph, cell, time_limit)
             continue
         mine = [r for r in kept if (r["model"], r["gpus"], r["gpu_gib"]) == key(cell)]
-        rows += [r for r in mine if r["schedule"] != "auto"]
-        rows += [r for r in cell_rows(graph, cell, time_limit, {}) if r["schedule"] == "auto"]
+        rows += [r for r in mine if not is_auto_row(r)]
+        rows += [r for r in cell_rows(graph, cell, time_limit, {}) if is_auto_row(r)]
     harness.write_csv(args.out / "bench_schedules.csv", rows, COLUMNS)
     by_cell = [[r for r in rows if (r["model"], r["gpus"], r["gpu_gib"]) == key(c)] for c in cells]
     summary = [cell_summary(mine) for mine in by_cell]
@@ -365,7 +390,10 @@ def short(note: str, most: int = 160) -> str:
     return note if len(note) <= most else note[: most - 3].rstrip() + "..."
 
 
-SUMMARY = ["cell", "base fastest", "base smallest", *SCHEDULES, *(f"auto {g}" for g in AUTO_GOALS)]
+SUMMARY = [
+    "cell", "base fastest", "base smallest", *SCHEDULES, *(f"auto {g}" for g in AUTO_GOALS),
+    f"1f1b at {AUTO_BUDGET}",
+]  # fmt: skip
 
 
 if __name__ == "__main__":

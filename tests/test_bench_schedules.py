@@ -66,7 +66,8 @@ def check_rows(graph, rows: list[dict]) -> None:
         if "peak_gib" not in row:
             assert row["note"].split(" ", 1)[0].endswith("Error"), row
             continue
-        assert set(bench_schedules.SHOWN) - {"note", "status", "gap_pct"} <= set(row), row
+        plan_only = {"note", "status", "gap_pct", "required_samples_s"}
+        assert set(bench_schedules.SHOWN) - plan_only <= set(row), row
         mine, again = recomputed_row(graph, row)
         assert {k: row[k] for k in again} == again, row["schedule"]
         pairs = (("peak_vs_base_pct", "peak_bytes"), ("speed_vs_base_pct", "throughput"))
@@ -120,9 +121,15 @@ def test_a_refused_schedule_gets_its_reason():
 @pytest.mark.slow
 def test_every_schedule_and_auto(graph):
     rows = cell_rows(graph, CELL, 5.0)
-    assert len(rows) == 2 + 3 * len(bench_schedules.SCHEDULES) + 2
+    assert len(rows) == 2 + 3 * len(bench_schedules.SCHEDULES) + 3
     check_rows(graph, rows)
     auto = {r["goal"]: r for r in rows if r["schedule"] == "auto"}
+    # never worse than 1F1B alone under the same throughput budget (auto's: 1.25x its fastest)
+    (alone,) = [r for r in rows if r["goal"] == bench_schedules.AUTO_BUDGET]
+    required = auto["slowdown-1.25"]["required_samples_s"]
+    assert f"--min-throughput {required!r}" in alone["flags"] and alone["runs"] == "1f1b"
+    assert auto["slowdown-1.25"]["peak_gib"] <= alone["peak_gib"]
+    assert alone["samples_s"] >= required - 1e-3
     mins = [r for r in rows if r["goal"] == "min-peak" and "peak_gib" in r]
     fastest = max(r["samples_s"] for r in rows if r["goal"] == "throughput" and "samples_s" in r)
     # auto searches every schedule: as fast as the fastest of them, and within 1.25x of it
@@ -131,6 +138,7 @@ def test_every_schedule_and_auto(graph):
     assert min(r["peak_gib"] for r in mins) <= auto["slowdown-1.25"]["peak_gib"]
     summary = bench_schedules.cell_summary(rows)
     assert set(summary) <= set(bench_schedules.SUMMARY)
+    assert summary[f"1f1b at {bench_schedules.AUTO_BUDGET}"].startswith("1f1b: ")
     assert summary["zbv"] == f"{next(r for r in mins if r['schedule'] == 'zbv')['peak_gib']:.1f}"
 
 
