@@ -85,16 +85,32 @@ def stop_signal(error: BaseException | None = None) -> int:
     return signum
 
 
+IMPORT_RETRY_S = 0.05
+"""A stop signal that arrives during an import is delivered again this much later (until the
+import is over): raised inside one, :class:`Terminated` can be lost or abort the process (torch's
+first import runs Python code under its C++ initialisation: a SIGHUP there ended ``export`` with
+-6 under load, and one at 0.3 s into ``import torch`` was swallowed)."""
+
+
+def _importing(frame: Any) -> bool:
+    """Whether ``frame`` (the main thread's, where a handler runs) is inside an import."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def install_stop_handlers() -> None:
     """From now on (in this process, not in its forked children) SIGTERM and SIGHUP raise
     :class:`Terminated` in the main thread. Only the first does: the ones after it (a supervisor
     may send SIGTERM and SIGHUP together) are ignored for :data:`STOP_GRACE_S` while the first
-    one's cleanup runs, and end the process at once after that. Main thread only (Python's rule
-    for handlers)."""
+    one's cleanup runs, and end the process at once after that. One that comes during an import
+    waits for its end (:data:`IMPORT_RETRY_S`). Main thread only (Python's rule for handlers)."""
     owner = os.getpid()
     first: list[float] = []
 
-    def handler(signum: int, _frame: Any) -> None:
+    def handler(signum: int, frame: Any) -> None:
         if os.getpid() != owner:  # a forked child that kept the handler: die as by default
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
@@ -102,6 +118,9 @@ def install_stop_handlers() -> None:
         if first:
             if time.monotonic() - first[0] > STOP_GRACE_S:
                 os._exit(128 + signum)
+            return
+        if _importing(frame):  # again once the import is over
+            threading.Timer(IMPORT_RETRY_S, os.kill, (owner, signum)).start()
             return
         first.append(time.monotonic())
         _received.append(signum)

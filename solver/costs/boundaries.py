@@ -61,11 +61,17 @@ class BoundaryTensors:
         m + held + done) (measured, ``benchmarks/bench_accuracy.md``). The split-backward
         schedules run on the same runtime at any v; their I step sends the input gradient, which
         stays alive until the step's end too: R_j + ``pending`` (tagged at the peaks of
-        ``benchmarks/bench_accuracy_schedules.md``)."""
+        ``benchmarks/bench_accuracy_schedules.md``). ``held``, ``done`` and ``pending`` may be
+        int64 arrays of a moment each (``stage_buffer_bytes``): arrays of (R_j, S_j)."""
         if moment is not None:
             return moment
         split = self.config.schedule in ZERO_BUBBLE_SCHEDULES and self.runtime == "torch"
         if self.config.virtual_stages == 1 and not split:
+            if isinstance(held, np.ndarray):  # a value per moment: each distinct one once
+                pairs, inverse = np.unique(np.stack([held, done]), axis=1, return_inverse=True)
+                copies = [self.copies_at(stage, int(h), int(d)) for h, d in pairs.T.tolist()]
+                values = np.asarray(copies, dtype=np.int64)[inverse.reshape(-1)]
+                return values[:, 0], values[:, 1]
             if held == self.in_flight[stage] and not done:
                 return self.receive_copies[stage], self.send_copies[stage]
             return boundary_copies(  # a later moment of the schedule (``after_moments``)
@@ -283,10 +289,16 @@ def stage_buffer_bytes(
     """Boundary buffers of (virtual) stage j holding ``held`` micro-batches after ``done``
     backwards (``pending`` between a split backward's I and W), bytes: R into + S out_of
     (``LayerCosts.copies_at``) plus the torch runtime's per-tensor adjustments
-    (``direct_buffer_adjustments``; None: none); ``moment``: ``copies_at``'s."""
+    (``direct_buffer_adjustments``; None: none); ``moment``: ``copies_at``'s. Under a
+    split-backward schedule ``held``, ``done`` and ``pending`` may be int64 arrays (a value per
+    moment, ``schedule.split_moment_arrays``): an array of the bytes at each."""
     receive, send = costs.copies_at(stage, held, done, pending, moment)
-    total = int(receive * into[stage] + send * out_of[stage])
+    total = receive * int(into[stage]) + send * int(out_of[stage])
     if adjust is not None:
         per_held, no_grad = adjust
-        total += held * int(per_held[stage]) - costs.config.num_microbatches * int(no_grad[stage])
-    return total
+        total = (
+            total
+            + held * int(per_held[stage])
+            - costs.config.num_microbatches * int(no_grad[stage])
+        )
+    return total if isinstance(total, np.ndarray) else int(total)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -227,6 +228,42 @@ def split_moments(
     actions = schedule_actions(num_microbatches, num_ranks, num_chunks, rank, None, schedule)
     moments = split_action_moments(actions, num_chunks, rank == 0, persistent)
     return tuple(dict.fromkeys(moment for action in moments for moment in action))
+
+
+class SplitMomentArrays(NamedTuple):
+    """``split_moments`` of one rank as arrays, a row per moment (M) and a column per chunk (v):
+    held, waiting (between I and W), done and started (a W or B run: its gradients exist) as
+    int64 (M, v); kind (M,) as str; chunk (M,), -1 where nothing runs beside the counts."""
+
+    held: np.ndarray
+    waiting: np.ndarray
+    done: np.ndarray
+    started: np.ndarray
+    kind: np.ndarray
+    chunk: np.ndarray
+
+
+@lru_cache(maxsize=512)
+def split_moment_arrays(
+    num_microbatches: int,
+    num_ranks: int,
+    num_chunks: int,
+    rank: int,
+    schedule: str,
+    persistent: bool = False,
+) -> SplitMomentArrays:
+    """:func:`split_moments` as :class:`SplitMomentArrays` (read only): ``stages`` takes the
+    largest of thousands of moments per rank at once."""
+    moments = split_moments(num_microbatches, num_ranks, num_chunks, rank, schedule, persistent)
+    columns = list(zip(*moments, strict=True))
+    arrays = SplitMomentArrays(
+        *(np.array(columns[i], dtype=np.int64).reshape(len(moments), num_chunks) for i in range(4)),
+        np.array(columns[4], dtype=str),
+        np.array(columns[5], dtype=np.int64),
+    )
+    for array in arrays:
+        array.flags.writeable = False
+    return arrays
 
 
 def split_action_moments(

@@ -57,7 +57,7 @@ from solver.costs.boundaries import (
     stage_buffer_bytes,
 )
 from solver.costs.coefficients import LayerCosts
-from solver.costs.schedule import split_moments
+from solver.costs.schedule import split_moment_arrays
 from solver.costs.schedule_orders import ZERO_BUBBLE_SCHEDULES
 from solver.costs.stage_cost import StageCost
 
@@ -401,48 +401,44 @@ def _split_peak_moment(
     stage) from its first W or B under step lifetime (always under persistent). Bytes per
     GPU."""
     config = costs.config
-    own = costs.stages_of_rank(rank)
+    own = np.asarray(costs.stages_of_rank(rank), dtype=np.int64)
     into, out_of, adjust = boundaries
     kept, pending = held_bytes
-    persistent = costs.grad_lifetime != "step"
-    buffers_at: dict[tuple[int, int, int, int], int] = {}  # (stage, held, done, pending)
-
-    def buffer(stage: int, held: int, done: int, waiting: int) -> int:
-        key = (stage, held, done, waiting)
-        if key not in buffers_at:
-            buffers_at[key] = stage_buffer_bytes(
-                costs, stage, held, done, into, out_of, adjust, waiting
-            )
-        return buffers_at[key]
-
-    best = None
-    for held, waiting, done, started, kind, chunk in split_moments(
+    at = split_moment_arrays(
         config.num_microbatches, config.pp, config.virtual_stages, rank, config.schedule,
-        persistent,
-    ):  # fmt: skip
-        grads = sum(int(grad[j]) for g, j in zip(started, own, strict=True) if g)
-        activations = sum(
-            n * int(kept[j]) + w * int(pending[j])
-            for n, w, j in zip(held, waiting, own, strict=True)
-        )
-        buffers = sum(
-            buffer(j, n, b, w) for n, b, w, j in zip(held, done, waiting, own, strict=True)
-        )
-        transient = 0
-        if kind:
-            j = own[chunk]
-            transient = int(extras[kind][j])
-            if kind == "T":
-                activations -= int(extras["fewer"][j])
-            elif kind == "G":  # its gradients made so far in the grads column, not the transient
-                made, fewer = int(extras["G_grads"][j]), int(extras["G_fewer"][j])
-                grads, activations = grads + made, activations - fewer
-                transient -= made - fewer
-        total = grads + activations + buffers + transient
-        if best is None or total > best[0]:
-            best = (total, grads, activations, buffers, held, transient)
-    assert best is not None, "a rank of a split-backward schedule runs at least one action"
-    return best[1:]
+        costs.grad_lifetime != "step",
+    )  # fmt: skip
+    grads = at.started @ grad[own]
+    activations = at.held @ kept[own] + at.waiting @ pending[own]
+    transient = np.zeros(len(at.kind), dtype=np.int64)
+    buffers = sum(
+        (
+            stage_buffer_bytes(
+                costs, int(j), at.held[:, c], at.done[:, c], into, out_of, adjust, at.waiting[:, c]
+            )
+            for c, j in enumerate(own)
+        ),
+        np.zeros_like(transient),  # a chunk's buffers may not vary: a number
+    )
+    for kind in np.unique(at.kind):
+        if not kind:
+            continue
+        rows = np.flatnonzero(at.kind == kind)
+        runs = own[at.chunk[rows]]  # the virtual stage that runs beside the counts
+        transient[rows] = extras[kind][runs]
+        if kind == "T":
+            activations[rows] -= extras["fewer"][runs]
+        elif kind == "G":  # its gradients made so far in the grads column, not the transient
+            made, fewer = extras["G_grads"][runs], extras["G_fewer"][runs]
+            grads[rows] += made
+            activations[rows] -= fewer
+            transient[rows] -= made - fewer
+    largest = int(np.argmax(grads + activations + buffers + transient))  # the first largest
+    held = tuple(int(n) for n in at.held[largest])
+    return (
+        int(grads[largest]), int(activations[largest]), int(buffers[largest]), held,
+        int(transient[largest]),
+    )  # fmt: skip
 
 
 def split_extras(
