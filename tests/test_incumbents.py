@@ -190,7 +190,7 @@ def test_exit_4_only_when_no_quick_split_fits_in_time(monkeypatch):
     proven = plan(graph, cluster, TrainingConfig(**pinned), time_limit_s=30)
     assert proven.solver.status == OPTIMAL and proven.peak_bytes == optimum
     _expire_after_bounding(monkeypatch)
-    with pytest.raises(NoSolutionError, match="no quick split of any config fits") as caught:
+    with pytest.raises(NoSolutionError, match="no quick split tried fits") as caught:
         plan(graph, cluster, TrainingConfig(**pinned))
     assert caught.value.exit_code == 4
 
@@ -332,3 +332,34 @@ def test_the_budget_search_leaves_the_answer_its_share_of_the_time(monkeypatch):
     started = time.perf_counter()
     plan(graph, CLUSTER, throughput, backend="cpsat", time_limit_s=60)
     assert calls[0][0] == OBJECTIVE_TIME and calls[0][2] > started + 55
+
+
+def test_with_no_plan_the_quick_splits_stop_at_the_grace_past_the_deadline(monkeypatch):
+    """While no plan stands the quick splits go on past the deadline, but only for
+    ``NO_PLAN_GRACE_SHARE`` of the search's time (at least ``CUT_OFF_S``): a split-backward
+    search whose splits all broke the capacity overran a 30 s limit by 50 s, then found none."""
+    import solver.search.config_search as config_search
+
+    graph = random_dag(random.Random(3), 6)
+    entries = _entries(graph)
+    tried = []
+
+    def slow_and_none(problem, splits, **options):
+        tried.append(problem.costs.config.label())
+        time.sleep(0.2)
+        return None
+
+    monkeypatch.setattr(config_search, "incumbent", slow_and_none)
+    started = time.perf_counter()
+    result = search(
+        entries,
+        objective=OBJECTIVE_MEMORY,
+        capacity_bytes=None,
+        iteration_budget_ns=None,
+        backend="cpsat",
+        deadline=Deadline(end=0.0),
+    )
+    took = time.perf_counter() - started
+    assert result.entry is None and result.time_limit_reached
+    assert len(entries) > 5 > len(tried) >= 1  # 0.5 s of 0.2 s splits, not one per config
+    assert took < config_search.CUT_OFF_S + 0.2 + 0.5

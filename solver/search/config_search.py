@@ -312,6 +312,11 @@ def search(
 CUT_OFF_S = 0.5
 """Seconds past the deadline the cut-off seeding (``_Search._seed_cut_off``) goes on once a
 plan stands (each baseline split is a full evaluation: 0.1-1 s on 10^4-10^6 layers)."""
+NO_PLAN_GRACE_SHARE = 0.1
+"""While no plan stands, the quick splits go on past the deadline for this share of the
+search's own time (at least :data:`CUT_OFF_S`), so that a plan is found where one is quick to
+find (issue 17: a large DAG at a short limit); then the search ends with none. Without the cap a
+split-backward search with no split under the capacity overran a 30 s limit by 50 s."""
 DP_BACKENDS = ("chain", "dag")
 """Backends that solve a config exactly in milliseconds (the dynamic programs over a chain's
 intervals and a DAG's ideals): their configs skip the quick splits of the incumbent pass."""
@@ -375,6 +380,10 @@ class _Search:
         self.incumbent_s = 0.0
         self.started = time.perf_counter()
         self.time_limit_reached = False
+        # while no plan stands, the quick splits go on until then (``NO_PLAN_GRACE_SHARE``)
+        self.no_plan_end = max(deadline.end, self.started) + max(
+            CUT_OFF_S, NO_PLAN_GRACE_SHARE * (deadline.end - self.started)
+        )
 
     def bound_of(self, entry: ConfigEntry) -> int:
         """The entry's lower bound on the objective searched."""
@@ -487,11 +496,12 @@ class _Search:
         self.incumbent_s = time.perf_counter() - started - exact_s  # the quick splits only
 
     def _may_go_on(self, end: float) -> bool:
-        """Whether the incumbent pass goes on at ``end`` (a ``time.perf_counter()`` value): until
-        then, or while no plan stands (a split-backward config's baseline splits take a second
-        each on a 96-layer model: with hundreds of configs, a pass that kept seeding
-        past the deadline overran a 30 s limit by 25 s)."""
-        return time.perf_counter() < end or self.incumbent() is None
+        """Whether the incumbent pass goes on: until ``end`` (a ``time.perf_counter()`` value),
+        or while no plan stands until ``no_plan_end`` (a split-backward config's baseline splits
+        took a second each on a 96-layer model: with hundreds of configs, a pass that kept
+        seeding past the deadline overran a 30 s limit by 25 s)."""
+        now = time.perf_counter()
+        return now < end or (self.incumbent() is None and now < self.no_plan_end)
 
     def _seed(self, entry: ConfigEntry, time_limit_s: float) -> None:
         """Record the entry's incumbent, if any quick split is allowed; close it when optimal."""
@@ -513,7 +523,8 @@ class _Search:
 
     def _seed_cut_off(self) -> None:
         """The deadline passed: the configs still open with no split (those the chain algorithm
-        did not reach) get the baseline splits, so that the best of them stands."""
+        did not reach) get the baseline splits, so that the best of them stands; for
+        :data:`CUT_OFF_S` more once a plan stands, until ``no_plan_end`` while none does."""
         started = time.perf_counter()
         for entry in self.viable:
             best_value = self.incumbent()
@@ -521,6 +532,8 @@ class _Search:
                 break
             if best_value is not None and time.perf_counter() > self.deadline.end + CUT_OFF_S:
                 break  # a plan stands: the time limit is not overrun for a better one
+            if time.perf_counter() > self.no_plan_end:
+                break  # none is quick to find
             if entry.order in self.open_bounds and entry.order not in self.results:
                 self._seed(entry, 0.0)
         self.incumbent_s += time.perf_counter() - started

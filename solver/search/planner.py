@@ -463,8 +463,8 @@ class _PlanningCall:
         if not result.proven:
             return NoSolutionError(
                 f"time limit ({self.time_limit_s} s) reached before any plan was found "
-                f"({result.solved} of {len(self.entries)} configs solved; no quick split of "
-                "any config fits the limits); raise --time-limit"
+                f"({result.solved} of {len(self.entries)} configs solved; no quick split tried "
+                "fits the limits); raise --time-limit"
             )
         if not self.explain or quiet:
             return InfeasibleError("no plan fits")
