@@ -275,45 +275,44 @@ def key(cell: Cell) -> tuple:
 
 
 READING = """\
-**Reading.** Every row but auto's and 1F1B's under auto's budget is from `python
-scripts/bench_schedules.py --graphs /tmp/bsched_graphs2` at 063ea9d (the exact per-action
-W-step rule, fresh fake-tensor graphs with its fields; 4,000 s at 30 s per solve); those rows
-from the command above:
+**Reading.** From the command above at 7424311 (2,853 s at 30 s per solve; the split-backward
+peaks evaluated 5x faster than at the 063ea9d run, 4,000 s, whose rows this one replaces).
 
 - **Memory: 1F1B keeps the smallest peak in every cell**, proven in a second or less (ZeRO 3 at
   pp 1 with full recomputation on 64 GPUs and more, pp 2-4 x tp 8 elsewhere: 20-52 GiB). The
   split-backward schedules need pp >= 2, where Megatron runs ZeRO 0/1 only; their smallest peaks
-  found are 34-72 GiB, but only 4 of their 45 plans are proven: the other 41 end FEASIBLE with
-  gaps of 0.3-74% at 30 s (CP-SAT only, one row per rank and moment), and 18 of their 63 solves
-  find no plan at all (GPT-3 x 64 zbv, Llama-2 x 32 zbv, every split schedule on Llama-2 x 64
-  at 40 GiB). So the table does not say how much memory ZB/ZBV/DualPipeV need at this scale,
-  only that 30 s does not find less. Where they are planned, the peak is on the last rank
-  (p - 1) in 32 of 45 plans, on rank 0 in 7: ZBV's rank 0 with the embedding and the head is
-  not usually the binding rank.
+  found are 34-72 GiB. 6 of their 52 plans are proven (Mixtral x 16 and x 32); the others end
+  FEASIBLE at 30 s with gaps of 0-74%, or 100% where the limit ran out while bounding the
+  split configs (CP-SAT only, one row per rank and moment). 11 of their 63 solves find no plan
+  (18 at 063ea9d): GPT-3 x 64 zbv, and on Llama-2 x 64 at 40 GiB every split schedule but
+  DualPipeV's fastest plan (36.9 GiB); DualPipeV's smallest peak there is 36.08 GiB, proven at a
+  120 s limit, and zbv proven infeasible at 120 s. So the table says what 30 s finds, not how
+  much memory ZB/ZBV/DualPipeV need at this scale. Where they are planned, the peak is on the
+  last rank (p - 1) in 32 of 52 plans, on rank 0 in 13, all at pp 2-4 (Mixtral, Llama-2 x
+  32): there rank 0 holds the embedding (and, in a V, the head) beside its chunks.
 - **Where memory binds**: GPipe fits nowhere on GPT-3 x 64, Llama-2 x 32 (80 GiB) and x 64
   (40 GiB), Mixtral x 16.
 - **Throughput**: DualPipeV's fastest plan beats base (1F1B, even split, best config) by +3.9%
   on GPT-3 x 128, +3.5% on Llama-2 x 64 and +2.1% on Mixtral x 32, at 25-34% more memory
-  (65-75 GiB against 52-56); interleaved-zb and zbv gain up to +1.8% (Mixtral x 32), elsewhere
+  (65-75 GiB against 52-56); interleaved-zb and zbv gain up to +1.9% (Mixtral x 32), elsewhere
   they are slower (their plans unproven). The time model does not count torch's own cost of a
   split backward (docs/cost-model.md, "Known gaps": +20-34% of a small CPU chunk's backward), so
   these gains are optimistic by that much of the backward on small CPU models.
-- **`--schedule auto`** (rows rerun at 8769cf6 with `--rerun-auto`) plans every cell in 29-32 s
-  of its 30 s limit. Its fastest plan is never slower than 1F1B's alone: equal in 3 cells,
-  DualPipeV +3.9% (GPT-3 x 128), +3.5% (Llama-2 x 64), +2.1% (Mixtral x 32), interleaved +0.4%
-  (Mixtral x 16). Its default plan (`--max-slowdown 1.25`) **equals 1F1B's alone under the
-  same budget in all 7 cells** (column `1f1b at auto's budget`: `--schedule 1f1b
-  --min-throughput` at the samples/s auto's plan had to meet, proven in under a second). Its
-  budget is 1.25x its own fastest plan, which may be faster than 1F1B's, so against `--schedule
-  1f1b` with its own budget it is equal in 6 cells and on Llama-2 x 64 holds 29.10 against
-  29.06 GiB for a plan 6% faster (12.65 against 11.90 samples/s, which auto's budget of 12.22
-  rules out). The 81f0397 run before the fixes ended with peaks up to a third larger (e.g.
-  Llama-2 x 64: 38.9 GiB) and overran the limit by up to 35 s: the fastest-plan search behind
-  the budget took all the time left, and the quick splits of the split-backward configs (a
-  second each) ran past the deadline. Now the budget search takes at most half the time left,
-  and the quick splits stop at their share once a plan stands. The auto plans stay unproven
-  with their gap unbounded: the 30 s limit runs out while bounding the split-backward
-  configs (each replays its action lists).
+- **`--schedule auto`** plans every cell in 27-31 s of its 30 s limit. Its fastest plan is never
+  slower than 1F1B's alone: equal in 3 cells, DualPipeV +3.5% (Llama-2 x 64) and +2.1%
+  (Mixtral x 32), interleaved 1F1B +2.7% (GPT-3 x 128, where DualPipeV's +3.9% is not reached
+  in 30 s) and +0.4% (Mixtral x 16). Its default plan (`--max-slowdown 1.25`) **equals 1F1B's
+  alone under the same budget in all 7 cells** (column `1f1b at auto's budget`: `--schedule
+  1f1b --min-throughput` at the samples/s auto's plan had to meet, proven in under a second).
+  Its budget is 1.25x its own fastest plan, which may be faster than 1F1B's, so against
+  `--schedule 1f1b` with its own budget it is equal in 6 cells and on Llama-2 x 64 holds 29.10
+  against 29.06 GiB for a plan 6% faster (12.65 against 11.90 samples/s, which auto's budget of
+  12.22 rules out). Before 8769cf6 it ended with peaks up to a third larger (Llama-2 x 64: 38.9
+  GiB) and overran the limit by up to 35 s: the fastest-plan search behind the budget took all
+  the time left, and the quick splits of the split-backward configs (a second each) ran past
+  the deadline. Now the budget search takes at most half the time left, and the quick splits
+  stop at their share once a plan stands. Its plans stay unproven, the gap mostly unbounded:
+  the limit runs out while bounding the split-backward configs.
 - **On 80 GiB GPUs the best even-split 1F1B config is nearly as fast as anything found**: the
   zero-bubble schedules remove a bubble of a few percent at 64-512 micro-batches per pipeline.
 """
