@@ -119,10 +119,9 @@ def _expire_after_bounding(monkeypatch):
     monkeypatch.setattr(solver.search.planner, "bound_entries", bound_then_expire)
 
 
-def test_a_search_cut_before_any_solve_returns_its_best_quick_split():
-    graph = random_dag(random.Random(3), 6)
-    entries = _entries(graph)
-    result = search(
+def _search_past_its_deadline(entries):
+    """A smallest-peak CP-SAT search whose deadline has passed before it starts."""
+    return search(
         entries,
         objective=OBJECTIVE_MEMORY,
         capacity_bytes=None,
@@ -130,6 +129,12 @@ def test_a_search_cut_before_any_solve_returns_its_best_quick_split():
         backend="cpsat",
         deadline=Deadline(end=0.0),
     )
+
+
+def test_a_search_cut_before_any_solve_returns_its_best_quick_split():
+    graph = random_dag(random.Random(3), 6)
+    entries = _entries(graph)
+    result = _search_past_its_deadline(entries)
     assert result.entry is not None and result.solved == 0
     assert result.incumbents >= 1 and result.time_limit_reached
     assert not result.proven or result.open_configs == 0
@@ -351,14 +356,7 @@ def test_with_no_plan_the_quick_splits_stop_at_the_grace_past_the_deadline(monke
 
     monkeypatch.setattr(config_search, "incumbent", slow_and_none)
     started = time.perf_counter()
-    result = search(
-        entries,
-        objective=OBJECTIVE_MEMORY,
-        capacity_bytes=None,
-        iteration_budget_ns=None,
-        backend="cpsat",
-        deadline=Deadline(end=0.0),
-    )
+    result = _search_past_its_deadline(entries)
     took = time.perf_counter() - started
     assert result.entry is None and result.time_limit_reached
     assert len(entries) > 5 > len(tried) >= 1  # 0.5 s of 0.2 s splits, not one per config
