@@ -168,3 +168,25 @@ def test_a_split_schedules_plan_says_what_its_memory_rule_misses():
         (note,) = split_schedule_notes(schedule)
         assert note.startswith(f"schedule {schedule}: its memory is predicted within 0.0%")
     assert split_schedule_notes("1f1b") == split_schedule_notes("gpipe") == []
+
+
+@pytest.mark.parametrize("runtime", ["megatron", "torch"])
+def test_kept_split_rows_are_the_rows_of_each_config(runtime):
+    """``split_rows`` keeps its answers by what they depend on (``_rows_key``): for every
+    split-backward config of a search the kept rows are those computed afresh for it."""
+    from solver.costs import split_rows as rows_module
+    from solver.search.config_search import build_entries
+
+    graph = random_chain(random.Random(31), 12)
+    training = TrainingConfig(
+        global_batch=16, schedule="auto", virtual_stages=(1, 2), runtime=runtime,
+        max_slowdown=None,
+    )  # fmt: skip
+    entries = build_entries(graph, Cluster(num_gpus=8, gpus_per_node=4), training)
+    split = [e.costs for e in entries if e.costs.config.schedule != "1f1b"]
+    split = [c for c in split if c.config.schedule != "gpipe"]
+    assert len(split) > 10 and len({rows_module._rows_key(c) for c in split}) > 3
+    for costs in split:
+        fresh = rows_module._split_rows(costs)
+        assert rows_module.split_rows(costs) == fresh, costs.config.label()
+        assert costs.in_flight_vectors == [[row[0] for row in rank] for rank in fresh]
